@@ -1,0 +1,111 @@
+"""Per-row costs of dyadic24 validation and construction, as ratios to numpy baselines.
+
+Run: ``python benchmarks/micro.py [--quick] [--json]``.
+
+Each variant and its baseline are timed round-robin in the same run (the
+machines are shared and noisy), and the report gives the median of the
+per-trial medians with the min-max across trials beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from pp1wire import dyadic
+
+VOCAB = 129_280
+
+
+def _trial(fn: Callable[[], object], reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure(cases: dict[str, Callable[[], object]], trials: int, reps: int) -> dict[str, list[float]]:
+    """Per-trial medians (seconds) for each case, cases interleaved within a trial."""
+    for fn in cases.values():
+        fn()
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(trials):
+        for name, fn in cases.items():
+            out[name].append(_trial(fn, reps))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    trials, reps = (3, 20) if args.quick else (9, 200)
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(VOCAB) * 3.0
+    counts = dyadic.counts_from_logits(logits)
+    row_bytes = dyadic.counts_to_fp32(counts).tobytes()
+    row = np.frombuffer(row_bytes, dtype="<f4")
+    bits = row.view(np.uint32)
+    token = int(np.argmax(counts))
+    validator = dyadic.DenseRowValidator(VOCAB)
+    builder = dyadic.builder(VOCAB)
+    sparse_ids, sparse_counts = dyadic.sparse_counts_from_logits(logits, 1.0, 32)
+    sparse_ids_b = sparse_ids.astype("<i4").tobytes()
+    sparse_q_b = dyadic.counts_to_fp32(sparse_counts).tobytes()
+
+    def softmax() -> object:
+        z = logits - logits.max()
+        np.exp(z, out=z)
+        z /= z.sum()
+        return z
+
+    cases: dict[str, Callable[[], object]] = {
+        "max_pass": lambda: bits.max(),
+        "validate_dense": lambda: validator.check(row, token),
+        "validate_dense_api": lambda: dyadic.validate_dense(row_bytes, VOCAB, token),
+        "validate_sparse32": lambda: dyadic.validate_sparse(
+            sparse_ids_b, sparse_q_b, VOCAB, 32, int(sparse_ids[0])
+        ),
+        "softmax_f64": softmax,
+        "construct_dense": lambda: builder.from_logits(logits, 1.0),
+        "construct_dense_api": lambda: dyadic.counts_from_logits(logits, 1.0),
+        "construct_sparse32": lambda: dyadic.sparse_counts_from_logits(logits, 1.0, 32),
+    }
+    res = measure(cases, trials, reps)
+    med = {k: statistics.median(v) for k, v in res.items()}
+
+    def ratio(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(res[a], res[b], strict=True)]
+
+    ratios = {
+        "validate_vs_max": ratio("validate_dense", "max_pass"),
+        "validate_api_vs_max": ratio("validate_dense_api", "max_pass"),
+        "construct_vs_softmax": ratio("construct_dense", "softmax_f64"),
+        "construct_api_vs_softmax": ratio("construct_dense_api", "softmax_f64"),
+        "construct_sparse32_vs_softmax": ratio("construct_sparse32", "softmax_f64"),
+    }
+    if args.json:
+        print(json.dumps({k: statistics.median(v) for k, v in ratios.items()}))
+        return 0
+    print(f"vocabulary {VOCAB}, {trials} trials x {reps} reps, interleaved")
+    print(f"{'case':28s} {'median us':>10s} {'min..max us':>18s}")
+    for name, values in res.items():
+        lo, hi = min(values) * 1e6, max(values) * 1e6
+        print(f"{name:28s} {med[name] * 1e6:10.1f} {lo:8.1f}..{hi:<8.1f}")
+    print(f"{'ratio (same-trial)':28s} {'median':>10s} {'min..max':>18s}")
+    for name, values in ratios.items():
+        print(f"{name:28s} {statistics.median(values):10.2f} {min(values):8.2f}..{max(values):<8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,557 @@
+"""The ``dyadic24-standard-v1`` proposal distribution.
+
+A proposal q is a vector of integer counts ``c_v >= 0`` that sum to exactly
+``M = 2**24``; ``q(v) = c_v / M``. Every such value, and every partial sum of
+them, is exact in IEEE binary32, so q travels as little-endian FP32 and the
+receiver recovers the counts by multiplying by M and requiring an integer.
+There is no receiver-side renormalization: a row either is a valid dyadic24
+distribution or it is refused with one specific :class:`ErrorCode`.
+
+Construction (sender side) from globally normalized weights, in binary64:
+``share_v = w_v / sum(w) * M``; ``c_v = floor(share_v)``; the
+``remaining = M - sum(c)`` tickets go to the largest fractional parts, ties to
+the lowest global token ID. ``0 <= remaining < support size`` and the exact
+final sum are checked and a violation is refused, never clipped. Tiny weights
+may get zero counts; that changes the proposal only, never the target law.
+
+Sampling: draw ``u`` uniform on ``[0, M)``; the token is the first whose
+cumulative count is strictly greater than ``u``. Integer arithmetic only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
+
+M: Final = 1 << 24
+SEMANTIC_ID: Final = "dyadic24-standard-v1"
+
+_ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
+_EXP_MASK: Final = 0x7F800000
+_SIGN_BIT: Final = 0x80000000
+# 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
+# 128-row blocks are exact; see _exact_count_sum.
+_SUM_BLOCK: Final = 128
+
+_T = TypeVar("_T")
+_local = threading.local()
+
+Int64Array = npt.NDArray[np.int64]
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+Float64Array = npt.NDArray[np.float64]
+
+
+# --------------------------------------------------------------------------
+# construction
+# --------------------------------------------------------------------------
+
+
+def _as_weights(weights: npt.ArrayLike) -> Float64Array:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0:
+        raise ConstructionError(
+            ErrorCode.BAD_SHAPE, f"weights must be a non-empty 1-D array, got shape {w.shape}"
+        )
+    return w
+
+
+def _check_weights(w: Float64Array) -> float:
+    """Refuse NaN, +inf, negative weights and zero mass; return the binary64 total."""
+    if not np.isfinite(w).all():
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
+    if (w < 0).any():  # -0.0 is a zero weight here; only the wire insists on +0.0
+        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
+    with np.errstate(over="ignore"):
+        total = float(w.sum())
+    if not total > 0.0:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
+    if not np.isfinite(total):
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "total weight overflows binary64")
+    return total
+
+
+def largest_indices(
+    values: Float64Array, count: int, *, work: Float64Array | None = None
+) -> npt.NDArray[np.intp]:
+    """Indices of the ``count`` largest values, ties to the lowest index, ascending.
+
+    Linear time (one partition); used to choose sparse top-k supports.
+    ``work``, if given, is scratch of the same shape for the partition.
+    """
+    n = values.size
+    if count <= 0:
+        return np.empty(0, dtype=np.intp)
+    if count >= n:
+        return np.arange(n, dtype=np.intp)
+    if work is None:
+        work = values.copy()
+    else:
+        np.copyto(work, values)
+    work.partition(n - count)
+    threshold = work[n - count]
+    above = np.flatnonzero(values > threshold)
+    ties = np.flatnonzero(values == threshold)[: count - above.size]
+    return np.sort(np.concatenate([above, ties]))
+
+
+class QBuilder:
+    """Builds dense dyadic24 counts for one vocabulary size with reusable scratch.
+
+    Fresh megabyte-sized temporaries per row cost more in page faults than the
+    arithmetic itself, so the hot path (the worker) keeps one builder per
+    thread. Results are views of the builder's scratch, overwritten by the
+    next call: copy them to keep them. Not thread-safe.
+    """
+
+    def __init__(self, n: int) -> None:
+        """Allocate scratch for rows of ``n`` entries."""
+        self.n = n
+        self.weights = np.empty(n, dtype=np.float64)
+        self.share = np.empty(n, dtype=np.float64)
+        self.floors = np.empty(n, dtype=np.float64)
+        self.work = np.empty(n, dtype=np.float64)
+        self.above = np.empty(n, dtype=np.bool_)
+        self.out = np.empty(n, dtype=np.int64)
+
+    def from_logits(self, logits: npt.ArrayLike, temperature: float = 1.0) -> Int64Array:
+        """Counts from one logits row (a scratch view; see the class docstring).
+
+        Raises:
+            ConstructionError: see :func:`weights_from_logits`; ``BAD_SHAPE`` if
+                the row length is not this builder's.
+        """
+        w = weights_from_logits(logits, temperature, out=self.weights)
+        return self.allocate(w, float(w.sum()))
+
+    def sparse_from_logits(
+        self, logits: npt.ArrayLike, temperature: float, k: int
+    ) -> tuple[Int32Array, Int64Array]:
+        """Sparse top-k ``(ids, counts)`` from one logits row (fresh arrays).
+
+        Raises:
+            ConstructionError: see :func:`sparse_counts_from_logits`.
+        """
+        _check_k(k)
+        w = weights_from_logits(logits, temperature, out=self.weights)
+        return _sparse_from_checked(w, k, self.work)
+
+    def allocate(self, w: Float64Array, total: float) -> Int64Array:
+        """Counts for checked weights ``w`` normalized by ``total`` (a scratch view).
+
+        Raises:
+            ConstructionError: ``BAD_SHAPE`` for a length other than this
+                builder's; ``ALLOCATION_INCONSISTENT`` when the binary64
+                allocation does not close exactly.
+        """
+        if w.shape != (self.n,):
+            raise ConstructionError(ErrorCode.BAD_SHAPE, f"row of {w.size}, builder for {self.n}")
+        n = w.size
+        share = self.share
+        # M is a power of two, so scaling by it is exact: the only roundings
+        # are the sum and this one correctly rounded division.
+        np.divide(w, total, out=share)
+        share *= M
+        floors = np.floor(share, out=self.floors)
+        share -= floors  # fractional parts, in [0, 1)
+        remaining = M - int(floors.sum())
+        if not 0 <= remaining < n:
+            raise ConstructionError(
+                ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
+            )
+        out = self.out
+        np.copyto(out, floors, casting="unsafe")
+        if remaining:
+            work = self.work
+            np.copyto(work, share)
+            work.partition(n - remaining)
+            threshold = float(work[n - remaining])
+            # A ticket on a zero remainder would give mass to a zero weight (or
+            # contradict the exact sum): the allocation is inconsistent.
+            if not threshold > 0.0:
+                raise ConstructionError(
+                    ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
+                )
+            above = np.greater(share, threshold, out=self.above)
+            taken = int(np.count_nonzero(above))
+            out += above
+            if taken < remaining:
+                out[np.flatnonzero(share == threshold)[: remaining - taken]] += 1
+        if int(out.sum()) != M:
+            raise ConstructionError(
+                ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"
+            )
+        return out
+
+
+def _scratch(kind: str, key: object, factory: Callable[[], _T]) -> _T:
+    """A per-thread cache of scratch objects (a few shapes per process)."""
+    cache: dict[tuple[str, object], object] = _local.__dict__.setdefault("cache", {})
+    found = cache.get((kind, key))
+    if found is None:
+        found = factory()
+        if len(cache) < 32:
+            cache[(kind, key)] = found
+    return found  # type: ignore[return-value]
+
+
+def builder(n: int) -> QBuilder:
+    """This thread's :class:`QBuilder` for rows of ``n`` entries."""
+    return _scratch("alloc", n, lambda: QBuilder(n))
+
+
+def _allocate(w: Float64Array, total: float) -> Int64Array:
+    return builder(w.size).allocate(w, total).copy()
+
+
+def counts_from_weights(weights: npt.ArrayLike) -> Int64Array:
+    """Dense dyadic24 counts (same length as ``weights``) from non-negative weights.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` (not a non-empty 1-D array),
+            ``WEIGHT_NON_FINITE`` (NaN or infinity), ``WEIGHT_NEGATIVE``,
+            ``ZERO_MASS`` or ``ALLOCATION_INCONSISTENT``.
+    """
+    w = _as_weights(weights)
+    return _allocate(w, _check_weights(w))
+
+
+def weights_from_logits(
+    logits: npt.ArrayLike, temperature: float, *, out: Float64Array | None = None
+) -> Float64Array:
+    """``exp((logits - max) / temperature)`` in binary64; ``-inf`` logits give 0.
+
+    ``out``, if given, receives the weights and must have the logits' shape.
+
+    Raises:
+        ConstructionError: ``BAD_TEMPERATURE`` unless the temperature is finite
+            and positive; ``BAD_SHAPE``; ``WEIGHT_NON_FINITE`` for NaN or
+            ``+inf`` logits; ``ZERO_MASS`` when every logit is ``-inf``.
+    """
+    if not (np.isfinite(temperature) and temperature > 0):
+        raise ConstructionError(
+            ErrorCode.BAD_TEMPERATURE, f"temperature {temperature!r} must be > 0"
+        )
+    x = _as_weights(logits)
+    top = float(x.max())  # NaN propagates through max
+    if np.isnan(top):
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "logits contain NaN")
+    if top == np.inf:
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "logits contain +inf")
+    if top == -np.inf:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+    if out is not None and out.shape != x.shape:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"out has shape {out.shape}, logits {x.shape}")
+    w = np.subtract(x, top, out=out)
+    if temperature != 1.0:
+        w /= temperature
+    np.exp(w, out=w)
+    return w
+
+
+def counts_from_logits(logits: npt.ArrayLike, temperature: float = 1.0) -> Int64Array:
+    """Dense counts from draft logits after temperature (softmax then allocation).
+
+    Raises:
+        ConstructionError: see :func:`weights_from_logits` and :func:`counts_from_weights`.
+    """
+    x = _as_weights(logits)
+    # exp of a finite shifted logit is finite and >= 0, and the max maps to 1.
+    return builder(x.size).from_logits(x, temperature).copy()
+
+
+def _check_k(k: int) -> None:
+    if k < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+
+
+def _sparse_from_checked(
+    w: Float64Array, k: int, work: Float64Array | None = None
+) -> tuple[Int32Array, Int64Array]:
+    ids = largest_indices(w, k, work=work)
+    ids = ids[w[ids] > 0]  # zero weights are never in the support
+    sub = w[ids]
+    counts = _allocate(sub, float(sub.sum()))
+    keep = counts > 0
+    return ids[keep].astype(np.int32), counts[keep]
+
+
+def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Array, Int64Array]:
+    """Sparse top-k dyadic24 q: ``(ids ascending int32, counts int64)``.
+
+    The support is chosen first over the global vocabulary (largest weights,
+    ties to the lowest ID, zero weights never chosen), normalized within
+    itself, allocated M counts, and zero-count entries are dropped. Every ID
+    not returned has q = 0 exactly.
+
+    Raises:
+        ConstructionError: as :func:`counts_from_weights`, or ``BAD_SHAPE`` for k < 1.
+    """
+    _check_k(k)
+    w = _as_weights(weights)
+    _check_weights(w)
+    return _sparse_from_checked(w, k)
+
+
+def sparse_counts_from_logits(
+    logits: npt.ArrayLike, temperature: float, k: int
+) -> tuple[Int32Array, Int64Array]:
+    """Sparse top-k q from logits after temperature (see :func:`sparse_counts_from_weights`).
+
+    Raises:
+        ConstructionError: see :func:`weights_from_logits`, or ``BAD_SHAPE`` for k < 1.
+    """
+    _check_k(k)
+    x = _as_weights(logits)
+    return builder(x.size).sparse_from_logits(x, temperature, k)
+
+
+def point_mass(vocab_size: int, token: int) -> Int64Array:
+    """The greedy (v1) proposal: ``c = M`` at ``token``, zero elsewhere.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` if ``token`` is not in ``[0, vocab_size)``.
+    """
+    if not 0 <= token < vocab_size:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"token {token} outside [0, {vocab_size})")
+    out = np.zeros(vocab_size, dtype=np.int64)
+    out[token] = M
+    return out
+
+
+def counts_to_fp32(counts: npt.ArrayLike) -> Float32Array:
+    """Encode counts as the exact little-endian FP32 q values ``c / M``.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` unless counts are integers in ``[0, M]``.
+    """
+    c = np.asarray(counts)
+    if c.dtype.kind not in "iu" or c.ndim != 1 or (c.size and (c.min() < 0 or c.max() > M)):
+        raise ConstructionError(ErrorCode.BAD_SHAPE, "counts must be 1-D integers in [0, M]")
+    return (c.astype(np.float32) * np.float32(1.0 / M)).astype("<f4", copy=False)
+
+
+# --------------------------------------------------------------------------
+# sampling
+# --------------------------------------------------------------------------
+
+
+def sample(counts: npt.ArrayLike, u24: int) -> int:
+    """Index of the first entry whose cumulative count is strictly greater than ``u24``.
+
+    Raises:
+        ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``;
+            ``MASS_MISMATCH`` if the counts are not integers summing to M;
+            ``NEGATIVE`` if a count is negative.
+    """
+    if not 0 <= u24 < M:
+        raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")
+    c = np.asarray(counts)
+    if c.dtype.kind not in "iu" or c.ndim != 1:
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "counts must be a 1-D integer array")
+    if c.size and c.min() < 0:
+        raise ValidationError(ErrorCode.NEGATIVE, "negative count")
+    cumulative = np.cumsum(c, dtype=np.int64)
+    if cumulative.size == 0 or int(cumulative[-1]) != M:
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
+    return int(np.searchsorted(cumulative, u24, side="right"))
+
+
+# --------------------------------------------------------------------------
+# validation of received rows
+# --------------------------------------------------------------------------
+
+
+def _diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
+    """Name the first failing class for a row whose max bits exceed 1.0's."""
+    if ((bits & _EXP_MASK) == _EXP_MASK).any():
+        return ValidationError(ErrorCode.NON_FINITE, "q contains NaN or infinity")
+    if (bits >= _SIGN_BIT).any():
+        return ValidationError(ErrorCode.NEGATIVE, "q contains a negative value or -0.0")
+    return ValidationError(ErrorCode.NON_DYADIC, "q value above 1")
+
+
+def _f32_view(buf: object, what: str) -> Float32Array:
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.dtype("<f4") or buf.ndim != 1:
+            raise ValidationError(
+                ErrorCode.ROW_LENGTH, f"{what} must be a 1-D little-endian float32 array"
+            )
+        return buf
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    if mv.nbytes % 4:
+        raise ValidationError(
+            ErrorCode.ROW_LENGTH, f"{what} is {mv.nbytes} bytes, not a multiple of 4"
+        )
+    return np.frombuffer(mv, dtype="<f4")
+
+
+def _i32_view(buf: object, what: str) -> Int32Array:
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.dtype("<i4") or buf.ndim != 1:
+            raise ValidationError(
+                ErrorCode.ROW_LENGTH, f"{what} must be a 1-D little-endian int32 array"
+            )
+        return buf
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    if mv.nbytes % 4:
+        raise ValidationError(
+            ErrorCode.ROW_LENGTH, f"{what} is {mv.nbytes} bytes, not a multiple of 4"
+        )
+    return np.frombuffer(mv, dtype="<i4")
+
+
+class DenseRowValidator:
+    """Validates dense dyadic24 rows of one negotiated shape with preallocated scratch.
+
+    Order of checks (the first failing one names the error): row length,
+    proposed token range, value range (non-finite, then negative including
+    ``-0.0``, then above 1), padding, integrality (non-dyadic), exact total,
+    zero q at the proposed token. Nothing is allocated per row.
+
+    Not thread-safe: one validator per receiving thread.
+    """
+
+    def __init__(self, vocab_size: int, row_entries: int | None = None) -> None:
+        """Prepare scratch for rows of ``row_entries`` (default ``vocab_size``) FP32 values.
+
+        Raises:
+            ValidationError: ``ROW_LENGTH`` if ``row_entries < vocab_size`` or
+                ``vocab_size < 1``.
+        """
+        entries = vocab_size if row_entries is None else row_entries
+        if vocab_size < 1 or entries < vocab_size:
+            raise ValidationError(ErrorCode.ROW_LENGTH, "row entries must cover the vocabulary")
+        self.vocab_size = vocab_size
+        self.row_entries = entries
+        self._scaled = np.empty(vocab_size, dtype=np.float32)
+        self._back = np.empty(vocab_size, dtype=np.float32)
+        self._counts = np.empty(vocab_size, dtype=np.int32)
+        self._body = vocab_size - vocab_size % _SUM_BLOCK
+
+    def check(self, row: Float32Array, proposed: int) -> None:
+        """Validate one row given as a float32 view; raise on the first failing class.
+
+        Raises:
+            ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
+                ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``,
+                ``DENSE_PADDING_NONZERO``, ``MASS_MISMATCH`` or
+                ``ZERO_Q_AT_PROPOSED``.
+        """
+        if row.shape != (self.row_entries,):
+            raise ValidationError(
+                ErrorCode.ROW_LENGTH,
+                f"dense row has {row.size} entries, expected {self.row_entries}",
+            )
+        if not 0 <= proposed < self.vocab_size:
+            raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
+        v = self.vocab_size
+        body = row[:v]
+        bits = body.view(np.uint32)
+        # One pass over the raw bits rejects NaN, infinities, every value with
+        # the sign bit (so -0.0 too) and values above 1.
+        if int(bits.max()) > _ONE_BITS:
+            raise _diagnose_range(bits)
+        if self.row_entries > v and row[v:].view(np.uint32).any():
+            raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
+        scaled = self._scaled
+        np.multiply(body, np.float32(M), out=scaled)  # exact: power-of-two scaling
+        counts = self._counts
+        np.copyto(counts, scaled, casting="unsafe")  # truncates; exact for values <= 2**24
+        np.copyto(self._back, counts, casting="unsafe")
+        if not np.array_equal(self._back, scaled):
+            raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+        if _exact_count_sum(counts, self._body) != M:
+            raise ValidationError(ErrorCode.MASS_MISMATCH, "q counts do not sum to 2**24")
+        if counts[proposed] == 0:
+            raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+
+    def counts(self) -> Int32Array:
+        """The counts of the last row that passed :meth:`check` (scratch; copy to keep)."""
+        return self._counts
+
+
+def _exact_count_sum(counts: Int32Array, body: int) -> int:
+    """Exact integer sum of counts in ``[0, 2**24]`` without widening every entry.
+
+    Blocks of 128 rows are summed column-wise in int32 (at most 2**31 - never
+    overflows), then the column sums in int64.
+    """
+    head = counts[:body].reshape(_SUM_BLOCK, -1).sum(axis=0, dtype=np.int32)
+    return int(head.sum(dtype=np.int64)) + int(counts[body:].sum(dtype=np.int64))
+
+
+def validate_dense(
+    buf: object, vocab_size: int, proposed: int, *, row_entries: int | None = None
+) -> Int64Array:
+    """Validate a received dense row and return its counts (int64, length ``vocab_size``).
+
+    ``buf`` is a float32 array or any buffer of little-endian FP32 values with
+    ``row_entries`` (default ``vocab_size``) entries; entries beyond the
+    vocabulary are padding and must be +0.0.
+
+    Raises:
+        ValidationError: with the code of the first failing class (see
+            :class:`DenseRowValidator`).
+    """
+    row = _f32_view(buf, "dense row")
+    key = (vocab_size, vocab_size if row_entries is None else row_entries)
+    validator = _scratch("dense", key, lambda: DenseRowValidator(*key))
+    validator.check(row, proposed)
+    return validator.counts().astype(np.int64)
+
+
+def validate_sparse(
+    ids_buf: object, q_buf: object, vocab_size: int, max_k: int, proposed: int
+) -> tuple[Int32Array, Int64Array]:
+    """Validate a received sparse row and return ``(ids, counts)``.
+
+    Order of checks: lengths, missing q, support size, proposed range, IDs out of
+    range, duplicate IDs (even with zero q), unsorted IDs, value range
+    (non-finite, negative including ``-0.0``, above 1), integrality, zero-count
+    entries, exact total, zero q at the proposed token.
+
+    Raises:
+        ValidationError: ``ROW_LENGTH``, ``MISSING_Q``, ``SUPPORT_TOO_LARGE``,
+            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
+            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
+            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
+            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+    """
+    ids = _i32_view(ids_buf, "sparse ids")
+    q = _f32_view(q_buf, "sparse q")
+    if ids.size != q.size:
+        raise ValidationError(ErrorCode.ROW_LENGTH, f"{ids.size} ids but {q.size} q values")
+    if ids.size == 0:
+        raise ValidationError(ErrorCode.MISSING_Q, "sparse row has no entries")
+    if ids.size > max_k:
+        raise ValidationError(ErrorCode.SUPPORT_TOO_LARGE, f"{ids.size} entries > limit {max_k}")
+    if not 0 <= proposed < vocab_size:
+        raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the vocabulary")
+    if ids.size > 1 and (np.diff(ids) <= 0).any():
+        if np.unique(ids).size != ids.size:
+            raise ValidationError(ErrorCode.SPARSE_DUPLICATE_ID, "sparse ids repeat")
+        raise ValidationError(ErrorCode.SPARSE_UNSORTED, "sparse ids not strictly ascending")
+    bits = q.view(np.uint32)
+    if int(bits.max()) > _ONE_BITS:
+        raise _diagnose_range(bits)
+    scaled = q * np.float32(M)
+    counts = scaled.astype(np.int64)
+    if not np.array_equal(counts.astype(np.float32), scaled):
+        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    if (counts == 0).any():
+        raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
+    if int(counts.sum()) != M:
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "q counts do not sum to 2**24")
+    where = int(np.searchsorted(ids, proposed))
+    if where >= ids.size or int(ids[where]) != proposed:
+        raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+    return ids.copy(), counts

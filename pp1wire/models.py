@@ -1,0 +1,90 @@
+"""Built-in toy language models: a target and a drafter that share structure.
+
+Both are low-rank bigram models, deterministic from ``(vocab_size, seed)``:
+``logits(prefix) = scale * E[last] @ W + bias`` with a Zipf-like unigram bias.
+The drafter is a perturbed copy of the target (noise on E and W), so its q
+overlaps the target's p the way a real draft model's does: acceptance is high
+but not one. They work at any vocabulary size; the default is DeepSeek's 129,280.
+
+:meth:`ToyLM.probs` is the exact target law the verifier must reproduce, so
+tests can compute target-only distributions for any prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+DEFAULT_VOCAB = 129_280
+DEFAULT_RANK = 8
+DRAFT_NOISE = 0.35
+_BOS = 0
+
+
+class ToyLM:
+    """A deterministic low-rank bigram model over ``vocab_size`` tokens."""
+
+    def __init__(
+        self,
+        vocab_size: int = DEFAULT_VOCAB,
+        seed: int = 0,
+        *,
+        draft: bool = False,
+        rank: int = DEFAULT_RANK,
+        noise: float = DRAFT_NOISE,
+        eos: int | None = None,
+    ) -> None:
+        """Build the model's tables from ``seed``; the drafter perturbs the target's.
+
+        Raises:
+            ValueError: if ``vocab_size < 2`` or ``rank < 1``.
+        """
+        if vocab_size < 2 or rank < 1:
+            raise ValueError("need vocab_size >= 2 and rank >= 1")
+        base = np.random.default_rng([seed, 0x7050_3157])
+        self.vocab_size = vocab_size
+        self.eos = eos
+        self.draft = draft
+        emb = base.standard_normal((vocab_size, rank))
+        out = base.standard_normal((rank, vocab_size))
+        ranks = np.arange(1, vocab_size + 1, dtype=np.float64)
+        bias = -1.1 * np.log(ranks)
+        bias = bias[base.permutation(vocab_size)]
+        if draft:
+            pert = np.random.default_rng([seed, 0xD4AF7])
+            emb = emb + noise * pert.standard_normal(emb.shape)
+            out = out + noise * pert.standard_normal(out.shape)
+        self._emb = emb.astype(np.float32)
+        self._out = out.astype(np.float32)
+        self._bias = bias
+        self._scale = 1.2 / float(np.sqrt(rank))
+
+    def logits(self, prefix: Sequence[int]) -> npt.NDArray[np.float64]:
+        """Next-token logits (binary64) after ``prefix``; only the last token matters."""
+        last = int(prefix[-1]) if len(prefix) else _BOS
+        row: npt.NDArray[np.float64] = (self._emb[last] @ self._out).astype(np.float64)
+        row *= self._scale
+        row += self._bias
+        return row
+
+    def probs(self, prefix: Sequence[int]) -> npt.NDArray[np.float64]:
+        """Exact (binary64 softmax) next-token probabilities after ``prefix``."""
+        z = self.logits(prefix)
+        z -= z.max()
+        np.exp(z, out=z)
+        z /= z.sum()
+        return z
+
+    __call__ = probs
+
+
+def toy_target(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None = None) -> ToyLM:
+    """The built-in target model for ``(vocab_size, seed)``."""
+    return ToyLM(vocab_size, seed, eos=eos)
+
+
+def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None = None) -> ToyLM:
+    """The built-in drafter matching :func:`toy_target` with the same arguments."""
+    return ToyLM(vocab_size, seed, draft=True, eos=eos)

@@ -1,0 +1,172 @@
+"""Fixed-depth proposal chains: the worker's side of a round.
+
+Depth (1..:data:`MAX_DEPTH`) is fixed before the first draw. Each position's q
+is built from the drafter's logits for the committed prefix plus the *actual*
+earlier draws, the token is sampled from that exact q with the proposal RNG
+domain, and only a drafted terminal token ends the block early. Nothing here
+looks at a draw to decide whether to verify it (see "Depth admission" in the
+transport design).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from pp1wire import dyadic
+from pp1wire.errors import ConstructionError, ErrorCode
+from pp1wire.rng import Domain, Role, RoundStreams
+
+MAX_DEPTH = 5
+
+DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
+"""A drafter: token prefix → one logits row over the global vocabulary."""
+
+
+def prefix_digest(tokens: Sequence[int]) -> int:
+    """The committed-prefix digest: xxh3-64 of the tokens as little-endian int32.
+
+    Raises:
+        ValueError: if a token does not fit in int32.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
+        raise ValueError("token IDs must fit in non-negative int32")
+    return int(xxhash.xxh3_64_intdigest(arr.astype("<i4").tobytes()))
+
+
+@dataclass(frozen=True, eq=False)
+class QRow:
+    """One proposal position: the sampled token and the exact q it was drawn from.
+
+    ``ids`` is ``None`` for a dense row (``counts`` has one entry per vocabulary
+    ID) and the ascending support for a sparse row.
+    """
+
+    token: int
+    counts: npt.NDArray[np.int64] | npt.NDArray[np.int32]
+    ids: npt.NDArray[np.int32] | None = None
+
+    def count_at(self, token: int) -> int:
+        """The integer count of ``token`` (0 outside a sparse support)."""
+        if self.ids is None:
+            return int(self.counts[token])
+        where = int(np.searchsorted(self.ids, token))
+        if where < self.ids.size and int(self.ids[where]) == token:
+            return int(self.counts[where])
+        return 0
+
+    def dense_q(self, vocab_size: int) -> npt.NDArray[np.float64]:
+        """q as a binary64 vector over the vocabulary (exact: counts / 2**24)."""
+        if self.ids is None:
+            return self.counts[:vocab_size].astype(np.float64) / dyadic.M
+        q = np.zeros(vocab_size, dtype=np.float64)
+        q[self.ids] = self.counts.astype(np.float64) / dyadic.M
+        return q
+
+    def same_as(self, other: QRow) -> bool:
+        """Exact equality of token, representation and counts."""
+        if self.token != other.token or (self.ids is None) != (other.ids is None):
+            return False
+        if (
+            self.ids is not None
+            and other.ids is not None
+            and not np.array_equal(self.ids, other.ids)
+        ):
+            return False
+        return bool(np.array_equal(self.counts, other.counts))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A whole validated proposal block, keyed to exactly one round.
+
+    ``position`` is the absolute position of the first draft, i.e. the length
+    of the committed prefix it was drawn after; ``digest`` is that prefix's
+    :func:`prefix_digest`.
+    """
+
+    session: int
+    generation: int
+    round_id: int
+    position: int
+    digest: int
+    depth: int
+    rows: tuple[QRow, ...]
+    context: int = 0
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The sampled draft tokens in position order."""
+        return tuple(r.token for r in self.rows)
+
+
+def build_row(
+    logits: npt.ArrayLike, temperature: float, support: int | None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None]:
+    """q counts for one position: dense (``support=None``) or sparse top-k.
+
+    A temperature of 0 means greedy: the point mass at the first maximal logit.
+
+    Raises:
+        ConstructionError: see :mod:`pp1wire.dyadic`.
+    """
+    if temperature == 0:
+        row = np.asarray(logits, dtype=np.float64)
+        if row.ndim != 1 or row.size == 0 or np.isnan(row).any() or np.isposinf(row).any():
+            raise ConstructionError(
+                ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
+            )
+        top = int(np.argmax(row))
+        if row[top] == -np.inf:
+            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+        if support is None:
+            return dyadic.point_mass(row.size, top), None
+        return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32)
+    if support is None:
+        return dyadic.counts_from_logits(logits, temperature), None
+    ids, counts = dyadic.sparse_counts_from_logits(logits, temperature, support)
+    return counts, ids
+
+
+def propose(
+    prefix: Sequence[int],
+    depth: int,
+    drafter: DrafterFn,
+    streams: RoundStreams,
+    *,
+    temperature: float = 1.0,
+    support: int | None = None,
+    eos: int | None = None,
+) -> tuple[QRow, ...]:
+    """Draw one fixed-depth block after ``prefix``.
+
+    Position i (absolute ``len(prefix) + i``) uses the proposal draw keyed by
+    that position; its q is built from ``drafter(prefix + drafts[:i])``.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
+            building q raises.
+        RngError: if ``streams`` is not a worker stream or a key is reused.
+    """
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {depth} outside 1..{MAX_DEPTH}")
+    if streams.role is not Role.WORKER:
+        raise ConstructionError(ErrorCode.WRONG_OWNER, "proposal draws belong to the worker")
+    context = list(prefix)
+    start = len(context)
+    rows: list[QRow] = []
+    for i in range(depth):
+        counts, ids = build_row(drafter(context), temperature, support)
+        u = streams.u24(Domain.PROPOSAL, start + i)
+        pick = dyadic.sample(counts, u)
+        token = pick if ids is None else int(ids[pick])
+        rows.append(QRow(token=token, counts=counts, ids=ids))
+        context.append(token)
+        if token == eos:
+            break
+    return tuple(rows)

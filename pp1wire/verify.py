@@ -1,0 +1,331 @@
+"""The production verifier (numpy, binary64) that the Spark side runs.
+
+For each draft position in order: evaluate the target and its processors on the
+matching proposed prefix, draw ``u`` from the acceptance domain and accept iff
+``u * q(x) < p(x)`` — decided exactly in integers, so a token with
+``p(x) = 0`` can never pass. At the first rejection draw the correction from
+``max(p - q, 0)`` over the full vocabulary; if every draft survives draw a
+bonus from p. An accepted terminal token stops without a bonus; a terminal
+correction or bonus ends the request.
+
+Everything that is the proposal's fault is refused before the first draw. A
+failure inside the target or a processor leaves the committed prefix as it was
+and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
+commits all of its tokens or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire.errors import ErrorCode, VerifyError
+from pp1wire.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
+from pp1wire.rng import Domain, Role, RoundStreams
+
+Float64Array = npt.NDArray[np.float64]
+TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
+"""The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
+Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
+"""A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
+
+_U53_SHIFT = 53
+_Q_SHIFT = 24
+
+
+class Outcome(Enum):
+    """How a round ended."""
+
+    CORRECTION = "correction"
+    BONUS = "bonus"
+    EOS = "eos"
+    TARGET = "target"
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round committed.
+
+    ``tokens`` are the accepted drafts followed by the correction or bonus (if
+    any); ``accepted`` counts the accepted drafts; ``extra`` is the correction,
+    bonus or target-only token, ``None`` after an accepted terminal draft.
+    """
+
+    round_id: int
+    accepted: int
+    tokens: tuple[int, ...]
+    extra: int | None
+    outcome: Outcome
+    finished: bool
+    new_position: int
+
+
+def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
+    """Check a target vector (finite, non-negative, positive mass) and normalize it.
+
+    Raises:
+        VerifyError: ``TARGET_FAILED`` for a wrong shape, ``TARGET_NON_FINITE``,
+            ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
+    """
+    arr = np.array(p, dtype=np.float64)
+    if arr.shape != (vocab_size,):
+        raise VerifyError(
+            ErrorCode.TARGET_FAILED, f"target shape {arr.shape}, expected ({vocab_size},)"
+        )
+    if not np.isfinite(arr).all():
+        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
+    if (arr < 0).any():
+        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    total = float(arr.sum())
+    if not (total > 0 and np.isfinite(total)):
+        raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
+    arr /= total
+    return arr
+
+
+def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
+    """Exact test of ``(u53_int / 2**53) * (count / 2**24) < p_x`` in integers."""
+    num, den = float(p_x).as_integer_ratio()
+    return u53_int * count * den < num << (_U53_SHIFT + _Q_SHIFT)
+
+
+def sample_weights(weights: Float64Array, u: float) -> int:
+    """Inverse-CDF draw from non-negative binary64 weights; never a zero-weight ID.
+
+    Raises:
+        VerifyError: ``EMPTY_RESIDUAL`` if the weights have no mass.
+    """
+    cumulative = np.cumsum(weights)
+    total = float(cumulative[-1]) if cumulative.size else 0.0
+    if not total > 0:
+        raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
+    idx = int(np.searchsorted(cumulative, u * total, side="right"))
+    if idx >= weights.size:  # u * total rounded up to the total
+        idx = int(np.flatnonzero(weights > 0)[-1])
+    return idx
+
+
+def _u53_int(block: tuple[int, int, int, int]) -> int:
+    return ((block[0] >> 5) << 26) | (block[1] >> 6)
+
+
+class RequestVerifier:
+    """Verification state of one request (one session slot) on the Spark side.
+
+    Holds the committed prefix, generation, last used round and the request
+    seed that keys the acceptance, correction and target domains.
+    """
+
+    def __init__(
+        self,
+        *,
+        session: int,
+        seed: int,
+        vocab_size: int,
+        prefix: Sequence[int],
+        target: TargetFn,
+        processors: Sequence[Processor] = (),
+        eos: int | None = None,
+        generation: int = 0,
+        context: int = 0,
+    ) -> None:
+        """Start a request after ``prefix``.
+
+        Raises:
+            VerifyError: ``MALFORMED_PROPOSAL`` if a prefix token is outside the vocabulary.
+        """
+        self.session = session
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.target = target
+        self.processors = tuple(processors)
+        self.eos = eos
+        self.context = context
+        self.generation = generation
+        self.last_round = -1
+        self.poisoned = False
+        self.finished = False
+        self.committed: list[int] = []
+        self.rebuild(prefix, generation)
+
+    # -- state ------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token (length of the committed prefix)."""
+        return len(self.committed)
+
+    def rebuild(self, prefix: Sequence[int], generation: int) -> None:
+        """Reset to ``prefix`` under a new generation; clears poisoning.
+
+        Raises:
+            VerifyError: ``MALFORMED_PROPOSAL`` for tokens outside the vocabulary.
+        """
+        tokens = [int(t) for t in prefix]
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "prefix token outside the vocabulary")
+        self.committed = tokens
+        self.generation = generation
+        self.last_round = -1
+        self.poisoned = False
+        self.finished = bool(tokens) and self.eos is not None and tokens[-1] == self.eos
+
+    def _require_live(self) -> None:
+        if self.poisoned:
+            raise VerifyError(
+                ErrorCode.SESSION_POISONED, "request must be rebuilt after a target failure"
+            )
+        if self.finished:
+            raise VerifyError(ErrorCode.REQUEST_FINISHED, "request already ended")
+
+    def _claim_round(self, round_id: int) -> None:
+        if round_id <= self.last_round:
+            raise VerifyError(
+                ErrorCode.ROUND_REUSED, f"round {round_id} is not after {self.last_round}"
+            )
+
+    def _p(self, prefix: Sequence[int]) -> Float64Array:
+        try:
+            p = check_target(self.target(prefix), self.vocab_size)
+            for proc in self.processors:
+                p = check_target(proc(prefix, p), self.vocab_size)
+        except VerifyError:
+            self.poisoned = True
+            raise
+        except Exception as exc:  # a plugin failure must not leave a half round
+            self.poisoned = True
+            raise VerifyError(
+                ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}"
+            ) from exc
+        return p
+
+    # -- checks before any draw -------------------------------------------
+
+    def check_proposal(self, proposal: Proposal) -> None:
+        """Refuse a proposal that this request must not consume; draws nothing.
+
+        Raises:
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
+                ``WRONG_OWNER``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
+                ``STALE_PREFIX``, ``ROUND_REUSED`` or ``MALFORMED_PROPOSAL``.
+        """
+        self._require_live()
+        if proposal.session != self.session:
+            raise VerifyError(ErrorCode.WRONG_OWNER, "proposal belongs to another session")
+        if proposal.generation != self.generation:
+            raise VerifyError(ErrorCode.STALE_GENERATION, "proposal from another generation")
+        if proposal.context != self.context:
+            raise VerifyError(ErrorCode.CONTEXT_MISMATCH, "proposal for another target context")
+        if proposal.position != self.position or proposal.digest != prefix_digest(self.committed):
+            raise VerifyError(ErrorCode.STALE_PREFIX, "proposal drawn after another prefix")
+        self._claim_round(proposal.round_id)
+        rows = proposal.rows
+        if not 1 <= proposal.depth <= MAX_DEPTH or not 1 <= len(rows) <= proposal.depth:
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "depth or row count out of range")
+        for i, row in enumerate(rows):
+            last = i == len(rows) - 1
+            if not 0 <= row.token < self.vocab_size:
+                raise VerifyError(
+                    ErrorCode.MALFORMED_PROPOSAL, f"draft {row.token} outside the vocabulary"
+                )
+            if self.eos is not None and row.token == self.eos and not last:
+                raise VerifyError(
+                    ErrorCode.MALFORMED_PROPOSAL, "draft continues after a terminal token"
+                )
+            if row.count_at(row.token) <= 0:
+                raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "draft has zero q")
+            if row.ids is None and row.counts.shape[0] < self.vocab_size:
+                raise VerifyError(
+                    ErrorCode.MALFORMED_PROPOSAL, "dense q shorter than the vocabulary"
+                )
+        if len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
+            raise VerifyError(
+                ErrorCode.MALFORMED_PROPOSAL,
+                "block shorter than its depth without a terminal token",
+            )
+
+    # -- rounds -----------------------------------------------------------
+
+    def verify(self, proposal: Proposal) -> RoundResult:
+        """Verify one proposal block and commit its outcome atomically.
+
+        Raises:
+            VerifyError: anything :meth:`check_proposal` raises (nothing drawn,
+                nothing changed); ``TARGET_*`` (request poisoned, nothing
+                committed); ``EMPTY_RESIDUAL`` (nothing committed, the round
+                is spent; decode target-only with a new round).
+        """
+        self.check_proposal(proposal)
+        self.last_round = proposal.round_id
+        streams = RoundStreams(Role.SPARK, self.seed, self.generation, proposal.round_id)
+        context = list(self.committed)
+        start = len(context)
+        new: list[int] = []
+        for i, row in enumerate(proposal.rows):
+            p = self._p(context)
+            x = row.token
+            block = streams.block(Domain.ACCEPTANCE, start + i)
+            if accept_exact(_u53_int(block), row.count_at(x), float(p[x])):
+                new.append(x)
+                context.append(x)
+                if x == self.eos:
+                    return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS)
+                continue
+            resid = p - row.dense_q(self.vocab_size)
+            np.maximum(resid, 0.0, out=resid)
+            y = sample_weights(resid, streams.u53(Domain.CORRECTION, start + i))
+            return self._commit(proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION)
+        p = self._p(context)
+        position = start + len(proposal.rows)
+        b = sample_weights(p, streams.u53(Domain.CORRECTION, position))
+        return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS)
+
+    def decode_target_only(self, round_id: int) -> RoundResult:
+        """Sample one token from the target alone (fallback and depth 0).
+
+        Raises:
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
+                ``ROUND_REUSED`` or a ``TARGET_*`` failure (poisons).
+        """
+        self._require_live()
+        self._claim_round(round_id)
+        self.last_round = round_id
+        p = self._p(self.committed)
+        streams = RoundStreams(Role.SPARK, self.seed, self.generation, round_id)
+        token = sample_weights(p, streams.u53(Domain.TARGET, self.position))
+        return self._commit(round_id, [token], 0, token, Outcome.TARGET)
+
+    def _commit(
+        self, round_id: int, tokens: list[int], accepted: int, extra: int | None, outcome: Outcome
+    ) -> RoundResult:
+        self.committed.extend(tokens)
+        self.finished = self.eos is not None and tokens[-1] == self.eos
+        return RoundResult(
+            round_id=round_id,
+            accepted=accepted,
+            tokens=tuple(tokens),
+            extra=extra,
+            outcome=outcome,
+            finished=self.finished,
+            new_position=self.position,
+        )
+
+
+def proposal_from_rows(
+    verifier: RequestVerifier, rows: Sequence[QRow], round_id: int, depth: int
+) -> Proposal:
+    """A :class:`Proposal` keyed to ``verifier``'s current state (in-process use)."""
+    return Proposal(
+        session=verifier.session,
+        generation=verifier.generation,
+        round_id=round_id,
+        position=verifier.position,
+        digest=prefix_digest(verifier.committed),
+        depth=depth,
+        rows=tuple(rows),
+        context=verifier.context,
+    )
