@@ -31,7 +31,9 @@ def _trial(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(samples)
 
 
-def measure(cases: dict[str, Callable[[], object]], trials: int, reps: int) -> dict[str, list[float]]:
+def measure(
+    cases: dict[str, Callable[[], object]], trials: int, reps: int
+) -> dict[str, list[float]]:
     """Per-trial medians (seconds) for each case, cases interleaved within a trial."""
     for fn in cases.values():
         fn()
@@ -69,7 +71,7 @@ def main() -> int:
         return z
 
     cases: dict[str, Callable[[], object]] = {
-        "max_pass": lambda: bits.max(),
+        "max_pass": bits.max,
         "validate_dense": lambda: validator.check(row, token),
         "validate_dense_api": lambda: dyadic.validate_dense(row_bytes, VOCAB, token),
         "validate_sparse32": lambda: dyadic.validate_sparse(
@@ -103,7 +105,9 @@ def main() -> int:
         print(f"{name:28s} {med[name] * 1e6:10.1f} {lo:8.1f}..{hi:<8.1f}")
     print(f"{'ratio (same-trial)':28s} {'median':>10s} {'min..max':>18s}")
     for name, values in ratios.items():
-        print(f"{name:28s} {statistics.median(values):10.2f} {min(values):8.2f}..{max(values):<8.2f}")
+        print(
+            f"{name:28s} {statistics.median(values):10.2f} {min(values):8.2f}..{max(values):<8.2f}"
+        )
     return 0
 
 
