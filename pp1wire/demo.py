@@ -22,6 +22,7 @@ from pp1wire.verify import RequestVerifier, proposal_from_rows
 
 def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
     """Encode a row to its wire bytes and validate it as a receiver would."""
+    assert row.counts is not None
     q = dyadic.counts_to_fp32(row.counts).tobytes()
     if row.ids is None:
         counts = dyadic.validate_dense(q, vocab_size, row.token)

@@ -84,6 +84,7 @@ class ErrorCode(IntEnum):
     DENSE_PADDING_NONZERO = 72
     MISSING_Q = 73
     BAD_REPRESENTATION = 74
+    TOKEN_OUT_OF_RANGE = 75
 
     # -- proposal construction and RNG on the sender (80..89) --------------------------
     WEIGHT_NON_FINITE = 80

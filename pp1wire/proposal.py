@@ -10,6 +10,8 @@ transport design).
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from pp1wire.errors import ConstructionError, ErrorCode
 from pp1wire.rng import Domain, Role, RoundStreams
 
 MAX_DEPTH = 5
+_LITTLE = sys.byteorder == "little"
 
 DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
 """A drafter: token prefix → one logits row over the global vocabulary."""
@@ -33,6 +36,8 @@ def prefix_digest(tokens: Sequence[int]) -> int:
     Raises:
         ValueError: if a token does not fit in int32.
     """
+    if isinstance(tokens, array) and tokens.typecode == "i" and _LITTLE:
+        return int(xxhash.xxh3_64_intdigest(memoryview(tokens)))
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
         raise ValueError("token IDs must fit in non-negative int32")
@@ -43,42 +48,57 @@ def prefix_digest(tokens: Sequence[int]) -> int:
 class QRow:
     """One proposal position: the sampled token and the exact q it was drawn from.
 
-    ``ids`` is ``None`` for a dense row (``counts`` has one entry per vocabulary
-    ID) and the ascending support for a sparse row.
+    q is given either as integer ``counts`` or, for a row received from the
+    wire, as its validated FP32 values ``q32`` (a view of the receive buffer;
+    exact, since every value is c / 2**24). ``ids`` is ``None`` for a dense row
+    (one entry per vocabulary ID, possibly followed by zero padding) and the
+    ascending support for a sparse row.
     """
 
     token: int
-    counts: npt.NDArray[np.int64] | npt.NDArray[np.int32]
+    counts: npt.NDArray[np.int64] | npt.NDArray[np.int32] | None = None
     ids: npt.NDArray[np.int32] | None = None
+    q32: npt.NDArray[np.float32] | None = None
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless exactly one of ``counts`` and ``q32`` is given."""
+        if (self.counts is None) == (self.q32 is None):
+            raise ValueError("give exactly one of counts and q32")
+
+    @property
+    def length(self) -> int:
+        """Number of q entries carried (vocabulary-wide for dense rows)."""
+        arr = self.counts if self.counts is not None else self.q32
+        assert arr is not None
+        return int(arr.shape[0])
+
+    def _count_index(self, index: int) -> int:
+        if self.counts is not None:
+            return int(self.counts[index])
+        assert self.q32 is not None
+        return int(float(self.q32[index]) * dyadic.M)
 
     def count_at(self, token: int) -> int:
         """The integer count of ``token`` (0 outside a sparse support)."""
         if self.ids is None:
-            return int(self.counts[token])
+            return self._count_index(token) if 0 <= token < self.length else 0
         where = int(np.searchsorted(self.ids, token))
         if where < self.ids.size and int(self.ids[where]) == token:
-            return int(self.counts[where])
+            return self._count_index(where)
         return 0
 
     def dense_q(self, vocab_size: int) -> npt.NDArray[np.float64]:
         """q as a binary64 vector over the vocabulary (exact: counts / 2**24)."""
+        if self.counts is not None:
+            values = self.counts.astype(np.float64) / dyadic.M
+        else:
+            assert self.q32 is not None
+            values = self.q32.astype(np.float64)
         if self.ids is None:
-            return self.counts[:vocab_size].astype(np.float64) / dyadic.M
+            return values[:vocab_size]
         q = np.zeros(vocab_size, dtype=np.float64)
-        q[self.ids] = self.counts.astype(np.float64) / dyadic.M
+        q[self.ids] = values
         return q
-
-    def same_as(self, other: QRow) -> bool:
-        """Exact equality of token, representation and counts."""
-        if self.token != other.token or (self.ids is None) != (other.ids is None):
-            return False
-        if (
-            self.ids is not None
-            and other.ids is not None
-            and not np.array_equal(self.ids, other.ids)
-        ):
-            return False
-        return bool(np.array_equal(self.counts, other.counts))
 
 
 @dataclass(frozen=True)

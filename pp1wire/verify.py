@@ -238,7 +238,7 @@ class RequestVerifier:
                 )
             if row.count_at(row.token) <= 0:
                 raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "draft has zero q")
-            if row.ids is None and row.counts.shape[0] < self.vocab_size:
+            if row.ids is None and row.length < self.vocab_size:
                 raise VerifyError(
                     ErrorCode.MALFORMED_PROPOSAL, "dense q shorter than the vocabulary"
                 )

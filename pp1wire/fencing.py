@@ -1,0 +1,180 @@
+"""The fencing rules of pp1 wire v2, in one place (``docs/protocol.md`` §7).
+
+Every message that touches a slot carries (session, slot, generation, round).
+This module decides, from a slot's state and a message's fencing fields alone,
+whether the message is accepted, replayed, dropped or refused, and with which
+code. The protocol cores call these functions and never re-derive the rules.
+
+Worker side (requests from the Spark side)::
+
+    message  condition                                        action   code
+    -------  -----------------------------------------------  -------  ---------------------
+    any      session differs from the connection's            REFUSE   WRONG_SESSION
+    any      slot not open                                    REFUSE   UNKNOWN_SLOT
+    STEP     generation < slot generation                     REFUSE   STALE_GENERATION
+    STEP     generation > slot generation                     REFUSE   FUTURE_GENERATION
+    STEP     round <= last committed round                    REFUSE   ROUND_REUSED
+    STEP     round == last STEP round, identical STEP         REPLAY   (same bytes again)
+    STEP     round == last STEP round, different STEP         REFUSE   ROUND_REUSED
+    STEP     round < last STEP round                          REFUSE   ROUND_REUSED
+    STEP     round > last STEP round                          ACCEPT
+    COMMIT   generation < / > slot generation                 REFUSE   STALE_/FUTURE_GENERATION
+    COMMIT   identical to the last applied COMMIT             REPLAY   (same COMMITTED again)
+    COMMIT   round <= last committed round                    REFUSE   ROUND_REUSED
+    COMMIT   accepted > 0 and round != last STEP round        REFUSE   COMMIT_INVALID
+    COMMIT   otherwise                                        ACCEPT   (then field checks)
+    RESET    generation < slot generation                     REFUSE   STALE_GENERATION
+    RESET    generation == slot generation                    REPLAY   (RESET_DONE again)
+    RESET    generation > slot generation                     ACCEPT   (invalidate everything)
+
+Spark side (replies from the worker), against the slot's in-flight STEP::
+
+    message     condition                                          action
+    ----------  -------------------------------------------------  --------------------------
+    REPLY/COMP  session differs                                    FAIL  WRONG_SESSION
+    REPLY/COMP  slot not open                                      FAIL  UNKNOWN_SLOT
+    REPLY/COMP  (generation, round) older than the in-flight STEP  DROP  (late, counted)
+    REPLY/COMP  no STEP in flight, (generation, round) not newer   DROP  (late, counted)
+    REPLY/COMP  in-flight STEP already discarded or completed      DROP  (late / duplicate)
+    REPLY/COMP  generation newer than the slot's                   FAIL  FUTURE_GENERATION
+    REPLY/COMP  round newer than the in-flight STEP                FAIL  ROW_OUT_OF_ORDER
+    REPLY/COMP  matches the in-flight STEP                         ACCEPT (then row checks)
+
+FAIL discards the whole in-flight proposal (fail closed) and the Spark side
+decodes that round target-only; DROP changes nothing but a counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pp1wire.errors import ErrorCode
+from pp1wire.messages import Commit, Reset, Step
+
+
+class Action(Enum):
+    """What to do with a message."""
+
+    ACCEPT = "accept"
+    REPLAY = "replay"
+    DROP = "drop"
+    REFUSE = "refuse"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An action and, for REFUSE / FAIL / DROP, the code it is reported or counted under."""
+
+    action: Action
+    code: ErrorCode | None = None
+
+
+ACCEPT = Decision(Action.ACCEPT)
+REPLAY = Decision(Action.REPLAY)
+
+
+@dataclass
+class WorkerSlotFence:
+    """The fencing part of a worker slot's state."""
+
+    generation: int
+    last_step_round: int = -1
+    last_step: Step | None = None
+    committed_round: int = -1
+    last_commit: Commit | None = None
+
+    def invalidate(self, generation: int) -> None:
+        """A new generation: every round, replay entry and commit record is gone."""
+        self.generation = generation
+        self.last_step_round = -1
+        self.last_step = None
+        self.committed_round = -1
+        self.last_commit = None
+
+
+def _generation(current: int, received: int) -> Decision | None:
+    if received < current:
+        return Decision(Action.REFUSE, ErrorCode.STALE_GENERATION)
+    if received > current:
+        return Decision(Action.REFUSE, ErrorCode.FUTURE_GENERATION)
+    return None
+
+
+def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
+    """Fencing decision for a STEP on an open slot of the right session."""
+    refused = _generation(fence.generation, step.generation)
+    if refused:
+        return refused
+    if step.round <= fence.committed_round:
+        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
+    if step.round == fence.last_step_round:
+        return (
+            REPLAY if step == fence.last_step else Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
+        )
+    if step.round < fence.last_step_round:
+        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
+    return ACCEPT
+
+
+def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
+    """Fencing decision for a COMMIT on an open slot of the right session."""
+    refused = _generation(fence.generation, commit.generation)
+    if refused:
+        return refused
+    if commit == fence.last_commit:
+        return REPLAY
+    if commit.round <= fence.committed_round:
+        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
+    if commit.accepted and commit.round != fence.last_step_round:
+        return Decision(Action.REFUSE, ErrorCode.COMMIT_INVALID)
+    return ACCEPT
+
+
+def worker_reset(fence: WorkerSlotFence, reset: Reset) -> Decision:
+    """Fencing decision for a RESET on an open slot of the right session."""
+    if reset.generation < fence.generation:
+        return Decision(Action.REFUSE, ErrorCode.STALE_GENERATION)
+    if reset.generation == fence.generation:
+        return REPLAY
+    return ACCEPT
+
+
+@dataclass
+class SparkInFlight:
+    """The Spark side's view of one slot's outstanding STEP."""
+
+    generation: int
+    round: int
+    settled: bool = False  # completed or discarded: later frames are late
+
+
+@dataclass
+class SparkSlotFence:
+    """The fencing part of a Spark-side slot's state."""
+
+    generation: int
+    last_round: int = -1
+    in_flight: SparkInFlight | None = None
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decision:
+    """Fencing decision for a REPLY or COMPLETION on an open slot of the right session."""
+    if generation > fence.generation:
+        return Decision(Action.FAIL, ErrorCode.FUTURE_GENERATION)
+    flight = fence.in_flight
+    if generation < fence.generation:
+        return Decision(Action.DROP, ErrorCode.STALE_GENERATION)
+    if flight is None:
+        if round_id <= fence.last_round:
+            return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
+        return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
+    if round_id < flight.round:
+        return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
+    if round_id > flight.round:
+        return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
+    if flight.settled:
+        return Decision(Action.DROP, ErrorCode.COMPLETION_DUPLICATE)
+    return ACCEPT

@@ -1,0 +1,282 @@
+"""Frame encoding and incremental decoding (``docs/protocol.md`` §3).
+
+A frame is a fixed 16-byte little-endian preamble, a msgpack header, then a raw
+payload::
+
+    offset size field
+    0      2    magic           b"PW" (0x50 0x57)
+    2      1    version         2
+    3      1    type            MsgType
+    4      1    flags           0 (every bit reserved)
+    5      1    reserved        0
+    6      2    header_len      uint16, 1..MAX_HEADER
+    8      4    payload_len     uint32, 0..limit
+    12     4    checksum        low 32 bits of xxh3_64(preamble[0:12] + header)
+
+Every length is checked against its limit from the preamble alone, before a
+byte of header or payload is buffered, so a hostile length can never make the
+receiver allocate. Payload bytes are handed out as a read-only ``memoryview``
+of the frame's bytes (no copy after the socket), to be viewed with
+``numpy.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import xxhash
+
+from pp1wire import messages
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.messages import PAYLOAD_TYPES, Message, MsgType
+
+MAGIC: Final = b"PW"
+PREAMBLE: Final = struct.Struct("<2sBBBBHII")  # magic .. checksum
+PREAMBLE_SIZE: Final = PREAMBLE.size
+MAX_HEADER: Final = 4096
+#: Absolute cap on a frame's payload, whatever was negotiated (64 MiB).
+HARD_MAX_PAYLOAD: Final = 64 << 20
+#: Payload limit before HELLO has negotiated one: enough for no message at all.
+PRE_HANDSHAKE_MAX_PAYLOAD: Final = 0
+#: Frames up to this size are assembled in the decoder's scratch buffer.
+SMALL_FRAME: Final = 8192
+SCRATCH_SIZE: Final = 64 << 10
+
+assert PREAMBLE_SIZE == 16
+
+
+def header_checksum(preamble_head: bytes | memoryview, header: bytes | memoryview) -> int:
+    """Low 32 bits of xxh3_64 over the first 12 preamble bytes and the header."""
+    h = xxhash.xxh3_64()
+    h.update(preamble_head)
+    h.update(header)
+    return h.intdigest() & 0xFFFFFFFF
+
+
+def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> bytes:
+    """One complete frame for ``msg`` with ``payload`` appended.
+
+    Raises:
+        ProtocolError: ``PAYLOAD_LENGTH`` if a payload is given for a type that
+            carries none; ``FRAME_TOO_LARGE`` if the header or payload exceeds
+            the absolute caps.
+    """
+    kind = messages.type_of(msg)
+    header = messages.encode(msg)
+    plen = memoryview(payload).nbytes
+    if plen and kind not in PAYLOAD_TYPES:
+        raise ProtocolError(ErrorCode.PAYLOAD_LENGTH, f"{kind.name} carries no payload")
+    if len(header) > MAX_HEADER or plen > HARD_MAX_PAYLOAD:
+        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, "header or payload above the caps")
+    head = struct.pack(
+        "<2sBBBBHI", MAGIC, messages.WIRE_VERSION, int(kind), 0, 0, len(header), plen
+    )
+    checksum = header_checksum(head, header)
+    return b"".join((head, struct.pack("<I", checksum), header, payload))
+
+
+Allocator = Callable[[int], memoryview]
+"""Returns a writable buffer of at least the requested size for one large frame."""
+
+
+def _fresh(size: int) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame: its message, payload view and the raw frame bytes."""
+
+    type: MsgType
+    message: Message
+    payload: memoryview
+    raw: memoryview
+
+
+class FrameDecoder:
+    """Incremental frame decoder: bytes in, frames out; no I/O.
+
+    Two ways in: :meth:`feed` copies given bytes, while :meth:`get_buffer` /
+    :meth:`buffer_updated` let a buffered transport write straight into the
+    decoder's memory. Frames larger than :data:`SMALL_FRAME` get a buffer of
+    their own from ``allocator`` once their preamble has passed every length
+    check, and the socket then writes the rest of the frame into it directly:
+    one copy from the kernel, none after.
+
+    After the first framing error the decoder is dead (the stream cannot be
+    resynchronized) and every later call raises the same error.
+    """
+
+    def __init__(
+        self, max_payload: int = PRE_HANDSHAKE_MAX_PAYLOAD, allocator: Allocator | None = None
+    ) -> None:
+        """Start with a payload limit (raise it after HELLO with :meth:`set_max_payload`)."""
+        self._scratch = bytearray(SCRATCH_SIZE)
+        self._view = memoryview(self._scratch)
+        self._start = 0
+        self._end = 0
+        self._big: memoryview | None = None
+        self._big_filled = 0
+        self._need: int | None = None
+        self._max_payload = min(max_payload, HARD_MAX_PAYLOAD)
+        self._allocator = allocator or _fresh
+        self._failed: ProtocolError | None = None
+        self.bytes_received = 0
+
+    @property
+    def max_payload(self) -> int:
+        """The payload limit currently enforced."""
+        return self._max_payload
+
+    def set_max_payload(self, limit: int) -> None:
+        """Change the payload limit (capped at :data:`HARD_MAX_PAYLOAD`)."""
+        self._max_payload = min(limit, HARD_MAX_PAYLOAD)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return self._end - self._start + self._big_filled
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes must be written (then call :meth:`buffer_updated`).
+
+        Raises:
+            ProtocolError: the decoder's earlier error, if it has failed.
+        """
+        if self._failed is not None:
+            raise self._failed
+        if self._big is not None:
+            return self._big[self._big_filled : self._need]
+        if self._start:
+            # Small frames are short; compacting them is cheaper than a ring.
+            live = self._end - self._start
+            self._view[:live] = self._view[self._start : self._end]
+            self._start, self._end = 0, live
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return complete frames.
+
+        Raises:
+            ProtocolError: see :meth:`feed`.
+        """
+        if self._failed is not None:
+            raise self._failed
+        self.bytes_received += nbytes
+        frames: list[Frame] = []
+        try:
+            if self._big is not None:
+                self._big_filled += nbytes
+                if self._big_filled < (self._need or 0):
+                    return frames
+                frames.append(self._finish_big())
+            else:
+                self._end += nbytes
+            self._drain(frames)
+        except ProtocolError as exc:
+            self._failed = exc
+            if frames:
+                return frames  # deliver what was valid; the error comes next call
+            raise
+        return frames
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Add received bytes; return every frame they complete, in order.
+
+        Raises:
+            ProtocolError: ``BAD_MAGIC``, ``UNSUPPORTED_VERSION``,
+                ``UNKNOWN_MESSAGE_TYPE``, ``BAD_FLAGS``, ``ZERO_LENGTH_HEADER``,
+                ``FRAME_TOO_LARGE``, ``PAYLOAD_LENGTH``, ``PREAMBLE_CHECKSUM``
+                or ``HEADER_INVALID``; the decoder then stays failed.
+        """
+        src = memoryview(data).cast("B")
+        frames: list[Frame] = []
+        while True:
+            try:
+                dst = self.get_buffer()
+            except ProtocolError:
+                if frames:
+                    return frames
+                raise
+            n = min(len(dst), len(src))
+            dst[:n] = src[:n]
+            src = src[n:]
+            frames.extend(self.buffer_updated(n))
+            if not src:
+                return frames
+            if self._failed is not None:
+                return frames
+
+    def _check_preamble(self, view: memoryview) -> int:
+        magic, version, kind, flags, reserved, hlen, plen, _ = PREAMBLE.unpack_from(view)
+        if magic != MAGIC:
+            raise ProtocolError(ErrorCode.BAD_MAGIC, f"magic {bytes(magic)!r}")
+        if version != messages.WIRE_VERSION:
+            raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"wire version {version}")
+        try:
+            mtype = MsgType(kind)
+        except ValueError:
+            raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"type {kind}") from None
+        if flags or reserved:
+            raise ProtocolError(ErrorCode.BAD_FLAGS, f"flags {flags:#x}, reserved {reserved:#x}")
+        if hlen == 0:
+            raise ProtocolError(ErrorCode.ZERO_LENGTH_HEADER, "empty header")
+        if hlen > MAX_HEADER:
+            raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"header {hlen} > {MAX_HEADER}")
+        if plen and mtype not in PAYLOAD_TYPES:
+            raise ProtocolError(ErrorCode.PAYLOAD_LENGTH, f"{mtype.name} carries no payload")
+        if plen > self._max_payload:
+            raise ProtocolError(
+                ErrorCode.FRAME_TOO_LARGE, f"payload {plen} > limit {self._max_payload}"
+            )
+        return int(PREAMBLE_SIZE + hlen + plen)
+
+    def _drain(self, frames: list[Frame]) -> None:
+        """Parse every complete frame in the scratch buffer; start a big frame if one begins."""
+        while self._end - self._start >= PREAMBLE_SIZE:
+            start = self._start
+            if self._need is None:
+                self._need = self._check_preamble(self._view[start : start + PREAMBLE_SIZE])
+            need = self._need
+            have = self._end - start
+            if need > SMALL_FRAME:
+                big = self._allocator(need)
+                if len(big) < need:
+                    raise ProtocolError(ErrorCode.INTERNAL, "allocator returned a short buffer")
+                take = min(have, need)
+                big[:take] = self._view[start : start + take]
+                self._start += take
+                self._big, self._big_filled = big, take
+                if take < need:
+                    return
+                frames.append(self._finish_big())
+                continue
+            if have < need:
+                return
+            raw = bytes(self._view[start : start + need])
+            self._start += need
+            self._need = None
+            frames.append(_parse(memoryview(raw)))
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _finish_big(self) -> Frame:
+        big, need = self._big, self._need
+        assert big is not None
+        assert need is not None
+        self._big, self._big_filled, self._need = None, 0, None
+        return _parse(big[:need])
+
+
+def _parse(view: memoryview) -> Frame:
+    """Check the header checksum and decode a complete frame."""
+    hlen, _plen, checksum = struct.unpack_from("<HII", view, 6)
+    header = view[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]
+    if header_checksum(view[:12], header) != checksum:
+        raise ProtocolError(ErrorCode.PREAMBLE_CHECKSUM, "header checksum mismatch")
+    mtype = MsgType(view[3])
+    message = messages.decode(header, mtype)
+    return Frame(mtype, message, view[PREAMBLE_SIZE + hlen :].toreadonly(), view.toreadonly())

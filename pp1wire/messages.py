@@ -1,0 +1,365 @@
+"""Every pp1 wire v2 message, as msgspec Structs (``docs/protocol.md`` §4).
+
+Each message is a msgpack *array* whose first element is the message's integer
+tag (equal to its frame type code) followed by the fields in the order declared
+here. Structs are frozen, refuse unknown fields and constrain every integer, so
+schema violations surface as :class:`~pp1wire.errors.ProtocolError` with code
+``HEADER_INVALID``. Cross-field rules that a schema cannot say live in
+``__post_init__``. A new protocol version gets new Structs, never tolerant
+field evolution.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta
+
+from pp1wire.errors import ErrorCode, ProtocolError
+
+WIRE_VERSION: Final = 2
+VERIFIER_ID: Final = "pp1-standard-verifier-v1"
+PRECISION: Final = "fp32-dyadic24"
+
+U8 = Annotated[int, Meta(ge=0, le=0xFF)]
+U16 = Annotated[int, Meta(ge=0, le=0xFFFF)]
+U32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+# msgpack integers cannot exceed 2**64 - 1, so the upper bound is implicit.
+U64 = Annotated[int, Meta(ge=0)]
+Token = Annotated[int, Meta(ge=0, le=0x7FFFFFFF)]
+Depth = Annotated[int, Meta(ge=0, le=0xFF)]
+Name = Annotated[str, Meta(max_length=128)]
+Nonce = Annotated[bytes, Meta(min_length=16, max_length=64)]
+Proof = Annotated[bytes, Meta(min_length=32, max_length=32)]
+
+
+class MsgType(IntEnum):
+    """Frame type codes; each equals the tag of its Struct."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    OPEN = 4
+    OPENED = 5
+    CLOSE = 6
+    CLOSED = 7
+    STEP = 8
+    REPLY = 9
+    COMPLETION = 10
+    COMMIT = 11
+    COMMITTED = 12
+    RESET = 13
+    RESET_DONE = 14
+    ERROR = 15
+    PING = 16
+    PONG = 17
+
+
+class Role(IntEnum):
+    """Who sent a HELLO."""
+
+    WORKER = 1
+    SPARK = 2
+
+
+class Representation(IntEnum):
+    """How a REPLY row carries q."""
+
+    DENSE = 0
+    SPARSE = 1
+
+
+class Scope(IntEnum):
+    """What an ERROR leaves dead."""
+
+    MESSAGE = 0
+    SLOT = 1
+    CONNECTION = 2
+
+
+def _invalid(detail: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.HEADER_INVALID, detail)
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Common base: frozen, strict, positional msgpack arrays."""
+
+
+class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
+    """Capabilities and limits; sent by the Spark side first, answered by the worker.
+
+    The worker's answer echoes the accepted limits and assigns ``session``.
+    """
+
+    role: U8
+    wire_version: U16
+    q_semantic: Name
+    verifier: Name
+    rng_abi: Name
+    precision: Name
+    vocab_size: Annotated[int, Meta(ge=1, le=0x7FFFFFFF)]
+    vocab_hash: U64
+    draft_identity: Name
+    draft_native: bool
+    target_identity: Name
+    max_slots: Annotated[int, Meta(ge=1, le=0xFFFF)]
+    max_depth: Annotated[int, Meta(ge=1, le=5)]
+    max_support: U32
+    row_entries: U32
+    max_frame: U32
+    max_prefix: U32
+    nonce: Nonce
+    session: U64 = 0
+
+    def __post_init__(self) -> None:
+        """Cross-field rules (protocol §4.1).
+
+        Raises:
+            ProtocolError: ``HEADER_INVALID`` if ``row_entries < vocab_size``,
+                ``max_support > vocab_size`` or the role is unknown.
+        """
+        if self.role not in (Role.WORKER, Role.SPARK):
+            raise _invalid("unknown role")
+        if self.row_entries < self.vocab_size:
+            raise _invalid("row_entries below vocab_size")
+        if self.max_support > self.vocab_size:
+            raise _invalid("max_support above vocab_size")
+
+
+class Challenge(_Msg, frozen=True, tag=int(MsgType.CHALLENGE)):
+    """Worker → Spark when a pre-shared key is configured (protocol §5)."""
+
+    nonce: Nonce
+    proof: Proof
+
+
+class Auth(_Msg, frozen=True, tag=int(MsgType.AUTH)):
+    """Spark → worker: proof of the pre-shared key (protocol §5)."""
+
+    proof: Proof
+
+
+class Open(_Msg, frozen=True, tag=int(MsgType.OPEN)):
+    """Open a session slot with its committed prefix (int32 payload) and request seed."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    seed: U64
+    context: U64
+    eos: Token | None
+    prefix_len: U32
+    digest: U64
+
+
+class Opened(_Msg, frozen=True, tag=int(MsgType.OPENED)):
+    """The worker's acknowledgement of OPEN."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    position: U32
+    digest: U64
+
+
+class Close(_Msg, frozen=True, tag=int(MsgType.CLOSE)):
+    """Close a slot; all its state is dropped."""
+
+    session: U64
+    slot: U16
+
+
+class Closed(_Msg, frozen=True, tag=int(MsgType.CLOSED)):
+    """The worker's acknowledgement of CLOSE."""
+
+    session: U64
+    slot: U16
+
+
+class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
+    """Ask for one fixed-depth proposal block (protocol §4.4)."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    round: U32
+    position: U32
+    digest: U64
+    depth: Depth
+    temperature: float
+    support: U32
+    context: U64
+
+
+class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY)):
+    """One proposal position; q travels in the frame payload (protocol §4.5)."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    round: U32
+    index: U8
+    position: U32
+    token: Token
+    representation: U8
+    entries: U32
+    checksum: U64
+
+
+class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION)):
+    """Ends a reply: exact byte count and checksum of its REPLY frames, and a status."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    round: U32
+    position: U32
+    context: U64
+    rows: U8
+    reply_bytes: U64
+    reply_checksum: U64
+    status: U16
+
+
+class Commit(_Msg, frozen=True, tag=int(MsgType.COMMIT)):
+    """What the verifier committed for a round (protocol §4.7)."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    round: U32
+    accepted: U8
+    extra: Token | None
+    position: U32
+    digest: U64
+
+
+class Committed(_Msg, frozen=True, tag=int(MsgType.COMMITTED)):
+    """The worker's acknowledgement of COMMIT, with its new prefix state."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    round: U32
+    position: U32
+    digest: U64
+
+
+class Reset(_Msg, frozen=True, tag=int(MsgType.RESET)):
+    """Invalidate a slot's generation and all its speculative state."""
+
+    session: U64
+    slot: U16
+    generation: U32
+
+
+class ResetDone(_Msg, frozen=True, tag=int(MsgType.RESET_DONE)):
+    """The worker's acknowledgement of RESET."""
+
+    session: U64
+    slot: U16
+    generation: U32
+    position: U32
+    digest: U64
+
+
+class Error(_Msg, frozen=True, tag=int(MsgType.ERROR)):
+    """A refusal: which code, which message it answers, and what is now dead."""
+
+    code: U16
+    answers: U8
+    scope: U8
+    slot: U16 | None = None
+    generation: U32 | None = None
+    round: U32 | None = None
+
+
+class Ping(_Msg, frozen=True, tag=int(MsgType.PING)):
+    """Liveness probe; answered by PONG with the same nonce."""
+
+    nonce: U64
+
+
+class Pong(_Msg, frozen=True, tag=int(MsgType.PONG)):
+    """Answer to PING."""
+
+    nonce: U64
+
+
+Message = (
+    Hello
+    | Challenge
+    | Auth
+    | Open
+    | Opened
+    | Close
+    | Closed
+    | Step
+    | Reply
+    | Completion
+    | Commit
+    | Committed
+    | Reset
+    | ResetDone
+    | Error
+    | Ping
+    | Pong
+)
+
+MESSAGE_TYPES: Final[dict[MsgType, type[_Msg]]] = {
+    MsgType.HELLO: Hello,
+    MsgType.CHALLENGE: Challenge,
+    MsgType.AUTH: Auth,
+    MsgType.OPEN: Open,
+    MsgType.OPENED: Opened,
+    MsgType.CLOSE: Close,
+    MsgType.CLOSED: Closed,
+    MsgType.STEP: Step,
+    MsgType.REPLY: Reply,
+    MsgType.COMPLETION: Completion,
+    MsgType.COMMIT: Commit,
+    MsgType.COMMITTED: Committed,
+    MsgType.RESET: Reset,
+    MsgType.RESET_DONE: ResetDone,
+    MsgType.ERROR: Error,
+    MsgType.PING: Ping,
+    MsgType.PONG: Pong,
+}
+
+#: Message types that carry a payload; every other type must have payload length 0.
+PAYLOAD_TYPES: Final = frozenset({MsgType.OPEN, MsgType.REPLY})
+
+ENCODER: Final = msgspec.msgpack.Encoder()
+DECODER: Final = msgspec.msgpack.Decoder(Message)
+
+
+def type_of(msg: Message) -> MsgType:
+    """The frame type code of a message."""
+    tag = msg.__struct_config__.tag
+    assert isinstance(tag, int)
+    return MsgType(tag)
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of a message header."""
+    return ENCODER.encode(msg)
+
+
+def decode(data: bytes | memoryview, expected: MsgType) -> Message:
+    """Decode a header and check its tag against the frame's type code.
+
+    Raises:
+        ProtocolError: ``HEADER_INVALID`` for malformed msgpack, a schema or
+            cross-field violation, or a tag that differs from ``expected``.
+    """
+    try:
+        msg = DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _invalid(str(exc)) from None
+    except ProtocolError:
+        raise
+    if type_of(msg) != expected:
+        raise _invalid("header tag differs from the frame type")
+    return msg

@@ -1,0 +1,860 @@
+"""Sans-IO protocol core of the Spark (verifier) role.
+
+The Spark side asks the worker for proposals and validates everything that
+comes back before anything is consumed: each REPLY row as it arrives (fencing,
+order, sizes, row checksum, the dyadic24 contract), then the COMPLETION (row
+count, exact reply byte count and checksum, status). A proposal is published
+(:class:`ProposalReady`) only after its COMPLETION validates; any failure
+discards the whole proposal (:class:`ProposalFailed`) so the caller decodes
+that round target-only. Late or duplicate frames are dropped and counted.
+No asyncio here; the clock is passed in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pp1wire import dyadic, fencing, framing
+from pp1wire.errors import ErrorCode, ProtocolError, ValidationError
+from pp1wire.fencing import Action, SparkInFlight, SparkSlotFence
+from pp1wire.messages import (
+    PRECISION,
+    VERIFIER_ID,
+    WIRE_VERSION,
+    Auth,
+    Challenge,
+    Close,
+    Closed,
+    Commit,
+    Committed,
+    Completion,
+    Error,
+    Hello,
+    Message,
+    MsgType,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Reply,
+    Representation,
+    Reset,
+    ResetDone,
+    Role,
+    Scope,
+    Step,
+)
+from pp1wire.proposal import Proposal, QRow, prefix_digest
+from pp1wire.rng import ABI_NAME
+from pp1wire.worker_core import spark_proof, worker_proof
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    """What the Spark side needs from a worker; sent in its HELLO."""
+
+    vocab_size: int
+    vocab_hash: int = 0
+    draft_identity: str = ""
+    target_identity: str = "pp1-toy-target"
+    max_slots: int = 4
+    max_depth: int = 5
+    max_support: int = 256
+    row_entries: int | None = None
+    max_frame: int = framing.HARD_MAX_PAYLOAD
+    max_prefix: int = 1 << 20
+    psk: bytes | None = None
+    reply_timeout: float = 5.0
+    handshake_timeout: float = 5.0
+
+    @property
+    def entries(self) -> int:
+        """Dense row length in FP32 entries."""
+        return self.vocab_size if self.row_entries is None else self.row_entries
+
+
+# -- events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandshakeDone:
+    """The worker accepted our HELLO; ``session`` is on every later message."""
+
+    session: int
+    peer: Hello
+
+
+@dataclass(frozen=True)
+class SlotOpened:
+    """OPEN was acknowledged."""
+
+    slot: int
+    generation: int
+    position: int
+
+
+@dataclass(frozen=True)
+class ProposalReady:
+    """A whole proposal passed validation and may be verified."""
+
+    slot: int
+    proposal: Proposal
+
+
+@dataclass(frozen=True)
+class ProposalFailed:
+    """The in-flight proposal was discarded; decode this round target-only."""
+
+    slot: int
+    generation: int
+    round: int
+    code: ErrorCode
+
+
+@dataclass(frozen=True)
+class CommitAcked:
+    """The worker applied a COMMIT."""
+
+    slot: int
+    round: int
+    position: int
+
+
+@dataclass(frozen=True)
+class ResetAcked:
+    """The worker applied (or re-acknowledged) a RESET."""
+
+    slot: int
+    generation: int
+    position: int
+
+
+@dataclass(frozen=True)
+class SlotClosed:
+    """CLOSE was acknowledged."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class SlotDesynced:
+    """The worker refused a slot-level request; the slot must be reopened."""
+
+    slot: int
+    code: ErrorCode
+
+
+@dataclass(frozen=True)
+class FrameDropped:
+    """A late, stale or duplicate frame was dropped (nothing consumed)."""
+
+    slot: int | None
+    code: ErrorCode
+
+
+@dataclass(frozen=True)
+class FrameRejected:
+    """A frame failed validation (counted by code)."""
+
+    slot: int | None
+    code: ErrorCode
+
+
+@dataclass(frozen=True)
+class PongReceived:
+    """Answer to our PING."""
+
+    nonce: int
+
+
+@dataclass(frozen=True)
+class ConnectionFailed:
+    """The connection is dead; every slot and in-flight proposal with it."""
+
+    code: ErrorCode
+
+
+SparkEvent = (
+    HandshakeDone
+    | SlotOpened
+    | ProposalReady
+    | ProposalFailed
+    | CommitAcked
+    | ResetAcked
+    | SlotClosed
+    | SlotDesynced
+    | FrameDropped
+    | FrameRejected
+    | PongReceived
+    | ConnectionFailed
+)
+
+
+# -- state -------------------------------------------------------------------
+
+
+@dataclass
+class _Flight:
+    step: Step
+    deadline: float
+    rows: list[QRow] = field(default_factory=list)
+    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    nbytes: int = 0
+
+
+@dataclass
+class SparkSlot:
+    """The Spark side's state for one slot."""
+
+    seed: int
+    context: int
+    eos: int | None
+    prefix: array[int]
+    digest: int
+    fence: SparkSlotFence
+    opened: bool = False
+    desynced: bool = False
+    next_round: int = 0
+    flight: _Flight | None = None
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+class SparkProtocol:
+    """The Spark side's connection state machine (one instance per connection)."""
+
+    def __init__(self, config: SparkConfig, now: float) -> None:
+        """Prepare a connection; call :meth:`start` to queue HELLO."""
+        self.config = config
+        self.state = "idle"
+        self.session = 0
+        self.decoder = framing.FrameDecoder(0)
+        self.slots: dict[int, SparkSlot] = {}
+        self._out: list[bytes] = []
+        self._events: list[SparkEvent] = []
+        self._nonce = secrets.token_bytes(32)
+        self._hello_header = b""
+        self._hello: Hello | None = None
+        self.handshake_deadline: float | None = None
+        self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
+        self._worker_proved = False
+        self.closed = False
+        self._now = now
+
+    # -- I/O surface -----------------------------------------------------
+
+    def data_to_send(self) -> list[bytes]:
+        """Bytes queued for the worker, in order (the queue is emptied)."""
+        out, self._out = self._out, []
+        return out
+
+    def _take(self) -> list[SparkEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def next_deadline(self) -> float | None:
+        """The earliest handshake or reply deadline, if any."""
+        times = [s.flight.deadline for s in self.slots.values() if s.flight is not None]
+        if self.handshake_deadline is not None:
+            times.append(self.handshake_deadline)
+        return min(times) if times and not self.closed else None
+
+    def handle_timer(self, now: float) -> list[SparkEvent]:
+        """Fail proposals past their reply deadline; fail a stalled handshake."""
+        if self.closed:
+            return []
+        if self.handshake_deadline is not None and now >= self.handshake_deadline:
+            self._fatal(ErrorCode.HANDSHAKE_TIMEOUT)
+            return self._take()
+        for index, slot in self.slots.items():
+            if slot.flight is not None and now >= slot.flight.deadline:
+                self._discard(index, slot, ErrorCode.REPLY_TIMEOUT)
+        return self._take()
+
+    def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
+        """Feed bytes from the worker; returns the events they caused."""
+        if self.closed:
+            return []
+        try:
+            frames = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self._events.append(FrameRejected(None, exc.code))
+            self._fatal(exc.code)
+            return self._take()
+        return self.receive_frames(frames, now)
+
+    def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
+        """Handle frames decoded elsewhere (a buffered transport's decoder)."""
+        self._now = now
+        for frame in frames:
+            if self.closed:
+                break
+            self._dispatch(frame)
+        return self._take()
+
+    def connection_lost(self) -> list[SparkEvent]:
+        """The transport is gone: every in-flight proposal fails, every slot is dropped."""
+        if not self.closed:
+            for index, slot in list(self.slots.items()):
+                if slot.flight is not None:
+                    self._discard(index, slot, ErrorCode.CONNECTION_LOST)
+            self.slots.clear()
+            self.closed = True
+            self._events.append(ConnectionFailed(ErrorCode.CONNECTION_LOST))
+        return self._take()
+
+    # -- requests --------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Queue HELLO and arm the handshake timeout."""
+        cfg = self.config
+        hello = Hello(
+            role=int(Role.SPARK),
+            wire_version=WIRE_VERSION,
+            q_semantic=dyadic.SEMANTIC_ID,
+            verifier=VERIFIER_ID,
+            rng_abi=ABI_NAME,
+            precision=PRECISION,
+            vocab_size=cfg.vocab_size,
+            vocab_hash=cfg.vocab_hash,
+            draft_identity=cfg.draft_identity,
+            draft_native=True,
+            target_identity=cfg.target_identity,
+            max_slots=cfg.max_slots,
+            max_depth=cfg.max_depth,
+            max_support=cfg.max_support,
+            row_entries=cfg.entries,
+            max_frame=cfg.max_frame,
+            max_prefix=cfg.max_prefix,
+            nonce=self._nonce,
+        )
+        frame = framing.encode_frame(hello)
+        self._hello = hello
+        self._hello_header = frame[framing.PREAMBLE_SIZE :]
+        self._out.append(frame)
+        self.state = "await_hello"
+        self.handshake_deadline = now + cfg.handshake_timeout
+
+    def _require_ready(self) -> None:
+        if self.closed or self.state != "ready":
+            raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "connection not ready")
+
+    def open_slot(
+        self,
+        slot: int,
+        *,
+        seed: int,
+        prefix: Sequence[int],
+        context: int = 0,
+        eos: int | None = None,
+        generation: int = 0,
+    ) -> None:
+        """Queue OPEN for ``slot`` with its committed prefix and request seed.
+
+        Raises:
+            ProtocolError: ``HANDSHAKE_REQUIRED``, ``SLOT_LIMIT``, ``SLOT_IN_USE``
+                or ``TOKEN_OUT_OF_RANGE``; nothing is sent then.
+        """
+        self._require_ready()
+        if not 0 <= slot < self.config.max_slots:
+            raise ProtocolError(ErrorCode.SLOT_LIMIT, f"slot {slot}")
+        if slot in self.slots:
+            raise ProtocolError(ErrorCode.SLOT_IN_USE, f"slot {slot}")
+        tokens = array("i", [int(t) for t in prefix])
+        if any(not 0 <= t < self.config.vocab_size for t in tokens):
+            raise ProtocolError(ErrorCode.TOKEN_OUT_OF_RANGE, "prefix token outside the vocabulary")
+        if len(tokens) > self.config.max_prefix:
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, "prefix longer than negotiated")
+        digest = prefix_digest(tokens)
+        self.slots[slot] = SparkSlot(
+            seed=seed,
+            context=context,
+            eos=eos,
+            prefix=tokens,
+            digest=digest,
+            fence=SparkSlotFence(generation=generation),
+        )
+        msg = Open(
+            session=self.session,
+            slot=slot,
+            generation=generation,
+            seed=seed,
+            context=context,
+            eos=eos,
+            prefix_len=len(tokens),
+            digest=digest,
+        )
+        self._out.append(framing.encode_frame(msg, np.asarray(tokens, dtype="<i4").tobytes()))
+
+    def _slot(self, slot: int) -> SparkSlot:
+        self._require_ready()
+        state = self.slots.get(slot)
+        if state is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        if state.desynced:
+            raise ProtocolError(ErrorCode.COMMIT_INVALID, f"slot {slot} must be reopened")
+        return state
+
+    def allocate_round(self, slot: int) -> int:
+        """A fresh round ID for ``slot`` (for STEP or a target-only commit).
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+        """
+        state = self._slot(slot)
+        round_id = state.next_round
+        state.next_round += 1
+        return round_id
+
+    def step(self, slot: int, *, depth: int, temperature: float, support: int, now: float) -> int:
+        """Queue STEP for ``slot``; returns its round ID.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT``, ``DEPTH_OUT_OF_RANGE``,
+                ``SUPPORT_OUT_OF_RANGE`` or ``BUSY``-like ``ROW_OUT_OF_ORDER``
+                when a proposal is already in flight on the slot.
+        """
+        state = self._slot(slot)
+        if state.flight is not None:
+            raise ProtocolError(ErrorCode.ROW_OUT_OF_ORDER, "a proposal is already in flight")
+        if not 1 <= depth <= self.config.max_depth:
+            raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
+        if support > self.config.max_support:
+            raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
+        round_id = self.allocate_round(slot)
+        msg = Step(
+            session=self.session,
+            slot=slot,
+            generation=state.fence.generation,
+            round=round_id,
+            position=len(state.prefix),
+            digest=state.digest,
+            depth=depth,
+            temperature=float(temperature),
+            support=support,
+            context=state.context,
+        )
+        state.flight = _Flight(step=msg, deadline=now + self.config.reply_timeout)
+        state.fence.in_flight = SparkInFlight(state.fence.generation, round_id)
+        self._out.append(framing.encode_frame(msg))
+        return round_id
+
+    def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
+        """Queue COMMIT of ``tokens`` (accepted drafts, then the correction/bonus if any).
+
+        The local prefix advances at once so the next STEP can be pipelined
+        behind this COMMIT.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT``; ``COMMIT_INVALID`` if ``accepted``
+                exceeds ``len(tokens)`` or the drafts of that round.
+        """
+        state = self._slot(slot)
+        if not 0 <= accepted <= len(tokens) or not tokens:
+            raise ProtocolError(ErrorCode.COMMIT_INVALID, "accepted outside the committed tokens")
+        drafts = state.drafts.pop(round_id, ())
+        if tuple(tokens[:accepted]) != drafts[:accepted]:
+            raise ProtocolError(ErrorCode.COMMIT_INVALID, "accepted tokens are not the drafts")
+        state.drafts.clear()
+        extra = int(tokens[-1]) if len(tokens) > accepted else None
+        state.prefix.extend(int(t) for t in tokens)
+        state.digest = prefix_digest(state.prefix)
+        state.fence.last_round = max(state.fence.last_round, round_id)
+        msg = Commit(
+            session=self.session,
+            slot=slot,
+            generation=state.fence.generation,
+            round=round_id,
+            accepted=accepted,
+            extra=extra,
+            position=len(state.prefix),
+            digest=state.digest,
+        )
+        self._out.append(framing.encode_frame(msg))
+
+    def reset(self, slot: int) -> int:
+        """Queue RESET: a new generation; everything in flight on the slot is discarded.
+
+        Returns the new generation.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+        """
+        self._require_ready()
+        state = self.slots.get(slot)
+        if state is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        if state.flight is not None:
+            self._discard(slot, state, ErrorCode.STALE_GENERATION)
+        generation = state.fence.generation + 1
+        state.fence = SparkSlotFence(generation=generation)
+        state.next_round = 0
+        state.drafts.clear()
+        msg = Reset(session=self.session, slot=slot, generation=generation)
+        self._out.append(framing.encode_frame(msg))
+        return generation
+
+    def close_slot(self, slot: int) -> None:
+        """Queue CLOSE; the slot's state is dropped at once.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+        """
+        self._require_ready()
+        state = self.slots.pop(slot, None)
+        if state is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        if state.flight is not None:
+            self._events.append(
+                ProposalFailed(
+                    slot, state.fence.generation, state.flight.step.round, ErrorCode.UNKNOWN_SLOT
+                )
+            )
+        self._out.append(framing.encode_frame(Close(session=self.session, slot=slot)))
+
+    def ping(self, nonce: int) -> None:
+        """Queue PING."""
+        self._out.append(framing.encode_frame(Ping(nonce=nonce)))
+
+    # -- failure helpers ----------------------------------------------------
+
+    def _fatal(self, code: ErrorCode) -> None:
+        self._out.append(
+            framing.encode_frame(Error(code=int(code), answers=0, scope=int(Scope.CONNECTION)))
+        )
+        for index, slot in list(self.slots.items()):
+            if slot.flight is not None:
+                self._discard(index, slot, code)
+        self.slots.clear()
+        self.closed = True
+        self._events.append(ConnectionFailed(code))
+
+    def _discard(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
+        flight = slot.flight
+        assert flight is not None
+        slot.flight = None
+        if slot.fence.in_flight is not None:
+            slot.fence.in_flight.settled = True
+        slot.fence.last_round = max(slot.fence.last_round, flight.step.round)
+        slot.drafts.pop(flight.step.round, None)
+        self._events.append(ProposalFailed(index, flight.step.generation, flight.step.round, code))
+
+    # -- dispatch ------------------------------------------------------------
+
+    def _dispatch(self, frame: framing.Frame) -> None:
+        msg = frame.message
+        kind = frame.type
+        if kind is MsgType.PONG:
+            assert isinstance(msg, Pong)
+            self._events.append(PongReceived(msg.nonce))
+            return
+        if kind is MsgType.PING:
+            assert isinstance(msg, Ping)
+            self._out.append(framing.encode_frame(Pong(nonce=msg.nonce)))
+            return
+        if kind is MsgType.ERROR:
+            assert isinstance(msg, Error)
+            self._on_error(msg)
+            return
+        if self.state == "await_hello":
+            if kind is MsgType.CHALLENGE:
+                assert isinstance(msg, Challenge)
+                self._on_challenge(msg)
+            elif kind is MsgType.HELLO:
+                assert isinstance(msg, Hello)
+                self._on_hello(msg)
+            else:
+                self._reject_fatal(ErrorCode.HANDSHAKE_REQUIRED)
+            return
+        if self.state != "ready" or kind in (MsgType.HELLO, MsgType.CHALLENGE):
+            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
+            return
+        handler = {
+            MsgType.OPENED: self._on_opened,
+            MsgType.CLOSED: self._on_closed,
+            MsgType.REPLY: self._on_reply,
+            MsgType.COMPLETION: self._on_completion,
+            MsgType.COMMITTED: self._on_committed,
+            MsgType.RESET_DONE: self._on_reset_done,
+        }.get(kind)
+        if handler is None:
+            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
+            return
+        handler(msg, frame)
+
+    def _reject_fatal(self, code: ErrorCode) -> None:
+        self._events.append(FrameRejected(None, code))
+        self._fatal(code)
+
+    def _on_error(self, err: Error) -> None:
+        code = _code(err.code)
+        if err.scope == Scope.CONNECTION:
+            for index, slot in list(self.slots.items()):
+                if slot.flight is not None:
+                    self._discard(index, slot, code)
+            self.slots.clear()
+            self.closed = True
+            self._events.append(ConnectionFailed(code))
+            return
+        if err.slot is None or err.slot not in self.slots:
+            self._events.append(FrameRejected(None, code))
+            return
+        slot = self.slots[err.slot]
+        flight = slot.flight
+        if (
+            err.answers == MsgType.STEP
+            and flight is not None
+            and err.round == flight.step.round
+            and err.generation == flight.step.generation
+        ):
+            self._discard(err.slot, slot, code)
+            return
+        if err.answers in (MsgType.COMMIT, MsgType.OPEN, MsgType.RESET):
+            slot.desynced = True
+            if flight is not None:
+                self._discard(err.slot, slot, code)
+            self._events.append(SlotDesynced(err.slot, code))
+            return
+        self._events.append(FrameDropped(err.slot, code))
+
+    # -- handshake -------------------------------------------------------------
+
+    def _on_challenge(self, msg: Challenge) -> None:
+        psk = self.config.psk
+        if psk is None:
+            self._reject_fatal(ErrorCode.AUTH_REQUIRED)
+            return
+        if not hmac.compare_digest(worker_proof(psk, self._nonce, msg.nonce), msg.proof):
+            self._reject_fatal(ErrorCode.AUTH_FAILED)
+            return
+        proof = spark_proof(psk, msg.nonce, self._nonce, self._hello_header)
+        self._out.append(framing.encode_frame(Auth(proof=proof)))
+        self._worker_proved = True
+
+    def _on_hello(self, peer: Hello) -> None:
+        ours = self._hello
+        assert ours is not None
+        cfg = self.config
+        problem: ErrorCode | None = None
+        # With a key configured, a worker that skipped the CHALLENGE never
+        # proved it knows the key: refuse it.
+        if self.config.psk is not None and not self._worker_proved:
+            problem = ErrorCode.AUTH_REQUIRED
+        checks: list[tuple[bool, ErrorCode]] = [
+            (peer.role == Role.WORKER, ErrorCode.UNEXPECTED_MESSAGE),
+            (peer.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
+            (peer.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
+            (peer.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
+            (peer.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
+            (peer.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
+            (peer.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
+            (peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
+            (peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
+            (
+                cfg.draft_identity in ("", peer.draft_identity),
+                ErrorCode.IDENTITY_MISMATCH,
+            ),
+            (
+                (peer.max_slots, peer.max_depth, peer.max_support, peer.row_entries)
+                == (ours.max_slots, ours.max_depth, ours.max_support, ours.row_entries)
+                and (peer.max_frame, peer.max_prefix) == (ours.max_frame, ours.max_prefix),
+                ErrorCode.LIMIT_EXCEEDED,
+            ),
+        ]
+        for ok, code in checks:
+            if problem is None and not ok:
+                problem = code
+        if problem is not None:
+            self._reject_fatal(problem)
+            return
+        self.session = peer.session
+        self.state = "ready"
+        self.handshake_deadline = None
+        payload = max(4 * cfg.entries, 8 * cfg.max_support)
+        self.decoder.set_max_payload(min(payload, cfg.max_frame))
+        self._events.append(HandshakeDone(peer.session, peer))
+
+    # -- slot replies ----------------------------------------------------------
+
+    def _known(self, session: int, slot: int, frame_slot_code: ErrorCode) -> SparkSlot | None:
+        if session != self.session:
+            self._events.append(FrameRejected(slot, ErrorCode.WRONG_SESSION))
+            return None
+        state = self.slots.get(slot)
+        if state is None:
+            self._events.append(FrameDropped(slot, frame_slot_code))
+        return state
+
+    def _on_opened(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Opened)
+        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        if state is None:
+            return
+        if (msg.position, msg.digest) != (len(state.prefix), state.digest):
+            state.desynced = True
+            self._events.append(SlotDesynced(msg.slot, ErrorCode.PREFIX_DIGEST_MISMATCH))
+            return
+        state.opened = True
+        self._events.append(SlotOpened(msg.slot, msg.generation, msg.position))
+
+    def _on_closed(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Closed)
+        self._events.append(SlotClosed(msg.slot))
+
+    def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Committed)
+        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        if state is None or msg.generation != state.fence.generation:
+            return
+        self._events.append(CommitAcked(msg.slot, msg.round, msg.position))
+
+    def _on_reset_done(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, ResetDone)
+        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        if state is None:
+            return
+        if msg.generation != state.fence.generation:
+            self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
+            return
+        if (msg.position, msg.digest) != (len(state.prefix), state.digest):
+            state.desynced = True
+            self._events.append(SlotDesynced(msg.slot, ErrorCode.PREFIX_DIGEST_MISMATCH))
+            return
+        self._events.append(ResetAcked(msg.slot, msg.generation, msg.position))
+
+    def _fence(self, session: int, slot: int, generation: int, round_id: int) -> SparkSlot | None:
+        state = self._known(session, slot, ErrorCode.UNKNOWN_SLOT)
+        if state is None:
+            return None
+        decision = fencing.spark_reply(state.fence, generation, round_id)
+        if decision.action is Action.ACCEPT:
+            return state
+        assert decision.code is not None
+        if decision.action is Action.DROP:
+            self._events.append(FrameDropped(slot, decision.code))
+        else:
+            self._events.append(FrameRejected(slot, decision.code))
+            if state.flight is not None:
+                self._discard(slot, state, decision.code)
+        return None
+
+    def _fail_row(self, index: int, state: SparkSlot, code: ErrorCode) -> None:
+        self._events.append(FrameRejected(index, code))
+        self._discard(index, state, code)
+
+    def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
+        assert isinstance(msg, Reply)
+        state = self._fence(msg.session, msg.slot, msg.generation, msg.round)
+        if state is None:
+            return
+        flight = state.flight
+        assert flight is not None
+        code = self._check_row(state, flight, msg, frame.payload)
+        if isinstance(code, ErrorCode):
+            self._fail_row(msg.slot, state, code)
+            return
+        flight.rows.append(code)
+        flight.hasher.update(frame.raw)
+        flight.nbytes += len(frame.raw)
+
+    def _check_row(
+        self, state: SparkSlot, flight: _Flight, msg: Reply, payload: memoryview
+    ) -> QRow | ErrorCode:
+        step = flight.step
+        index = len(flight.rows)
+        if msg.index != index or index >= step.depth:
+            return ErrorCode.ROW_OUT_OF_ORDER
+        if index and state.eos is not None and flight.rows[-1].token == state.eos:
+            return ErrorCode.ROW_OUT_OF_ORDER
+        if msg.position != step.position + index:
+            return ErrorCode.WRONG_POSITION
+        if msg.entries == 0:
+            return ErrorCode.MISSING_Q
+        dense = step.support == 0
+        if msg.representation != (Representation.DENSE if dense else Representation.SPARSE):
+            return ErrorCode.BAD_REPRESENTATION
+        if dense and msg.entries != self.config.entries:
+            return ErrorCode.ROW_LENGTH
+        if not dense and msg.entries > step.support:
+            return ErrorCode.SUPPORT_TOO_LARGE
+        width = 4 if dense else 8
+        if payload.nbytes != width * msg.entries:
+            return ErrorCode.ROW_LENGTH
+        if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
+            return ErrorCode.ROW_CHECKSUM_MISMATCH
+        try:
+            if dense:
+                q32 = np.frombuffer(payload, dtype="<f4")
+                self._validator.check(q32, msg.token)
+                return QRow(token=msg.token, q32=q32[: self.config.vocab_size])
+            split = 4 * msg.entries
+            ids, counts = dyadic.validate_sparse(
+                payload[:split], payload[split:], self.config.vocab_size, step.support, msg.token
+            )
+            return QRow(token=msg.token, counts=counts, ids=ids)
+        except ValidationError as exc:
+            return exc.code
+
+    def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Completion)
+        state = self._fence(msg.session, msg.slot, msg.generation, msg.round)
+        if state is None:
+            return
+        flight = state.flight
+        assert flight is not None
+        step = flight.step
+        code: ErrorCode | None = None
+        got = len(flight.rows)
+        short_ok = got and state.eos is not None and flight.rows[-1].token == state.eos
+        if msg.status:
+            code = _code(msg.status)
+        elif msg.rows != got:
+            code = ErrorCode.COMPLETION_EARLY if msg.rows > got else ErrorCode.REPLY_SIZE_MISMATCH
+        elif got < step.depth and not short_ok:
+            code = ErrorCode.COMPLETION_EARLY
+        elif msg.position != step.position:
+            code = ErrorCode.WRONG_POSITION
+        elif msg.context != step.context:
+            code = ErrorCode.CONTEXT_MISMATCH
+        elif msg.reply_bytes != flight.nbytes:
+            code = ErrorCode.REPLY_SIZE_MISMATCH
+        elif msg.reply_checksum != flight.hasher.intdigest():
+            code = ErrorCode.REPLY_CHECKSUM_MISMATCH
+        if code is not None:
+            if not msg.status:
+                self._events.append(FrameRejected(msg.slot, code))
+            self._discard(msg.slot, state, code)
+            return
+        state.flight = None
+        assert state.fence.in_flight is not None
+        state.fence.in_flight.settled = True
+        state.fence.last_round = max(state.fence.last_round, step.round)
+        rows = tuple(flight.rows)
+        state.drafts[step.round] = tuple(r.token for r in rows)
+        proposal = Proposal(
+            session=self.session,
+            generation=step.generation,
+            round_id=step.round,
+            position=step.position,
+            digest=step.digest,
+            depth=step.depth,
+            rows=rows,
+            context=step.context,
+        )
+        self._events.append(ProposalReady(msg.slot, proposal))
+
+
+def _code(value: int) -> ErrorCode:
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
+__all__ = ["SparkConfig", "SparkEvent", "SparkProtocol"]

@@ -1,0 +1,762 @@
+"""Sans-IO protocol core of the worker (proposer) role.
+
+Bytes in (:meth:`WorkerProtocol.receive_data`), bytes out
+(:meth:`WorkerProtocol.data_to_send`), events for logs and metrics; the clock
+is passed in. The worker is the only owner of proposal randomness: every row
+it sends is drawn by :func:`pp1wire.proposal.propose` under the proposal-domain
+key of (request seed, generation, round, position), and a retried STEP is
+answered from the replay cache with the byte-identical reply, never redrawn.
+No asyncio here; :mod:`pp1wire.worker` pumps bytes between a socket and this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import secrets
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from pp1wire import dyadic, fencing, framing
+from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
+from pp1wire.fencing import Action, WorkerSlotFence
+from pp1wire.messages import (
+    PRECISION,
+    VERIFIER_ID,
+    WIRE_VERSION,
+    Auth,
+    Challenge,
+    Close,
+    Closed,
+    Commit,
+    Committed,
+    Completion,
+    Error,
+    Hello,
+    Message,
+    MsgType,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Reply,
+    Representation,
+    Reset,
+    ResetDone,
+    Role,
+    Scope,
+    Step,
+)
+from pp1wire.proposal import DrafterFn, QRow, prefix_digest, propose
+from pp1wire.rng import ABI_NAME, RoundStreams
+from pp1wire.rng import Role as RngRole
+
+AUTH_WORKER_LABEL = b"pp1w-v2 worker proof"
+AUTH_SPARK_LABEL = b"pp1w-v2 spark proof"
+
+
+def worker_proof(psk: bytes, spark_nonce: bytes, worker_nonce: bytes) -> bytes:
+    """HMAC-SHA256 proof that the worker knows the pre-shared key (protocol §5)."""
+    return hmac.new(psk, AUTH_WORKER_LABEL + spark_nonce + worker_nonce, hashlib.sha256).digest()
+
+
+def spark_proof(psk: bytes, worker_nonce: bytes, spark_nonce: bytes, hello_header: bytes) -> bytes:
+    """HMAC-SHA256 proof that the Spark side knows the key, bound to its HELLO header."""
+    msg = AUTH_SPARK_LABEL + worker_nonce + spark_nonce + hashlib.sha256(hello_header).digest()
+    return hmac.new(psk, msg, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What this worker serves and the most it allows a peer to ask for."""
+
+    vocab_size: int
+    vocab_hash: int = 0
+    draft_identity: str = "pp1-toy-drafter"
+    draft_native: bool = True
+    target_identity: str = "pp1-toy-target"
+    max_slots: int = 4
+    max_depth: int = 5
+    max_support: int = 256
+    row_entries: int | None = None
+    max_frame: int = framing.HARD_MAX_PAYLOAD
+    max_prefix: int = 1 << 20
+    psk: bytes | None = None
+    handshake_timeout: float = 5.0
+    idle_timeout: float = 300.0
+
+    @property
+    def entries(self) -> int:
+        """Dense row length in FP32 entries (vocabulary plus zero padding)."""
+        return self.vocab_size if self.row_entries is None else self.row_entries
+
+
+# -- events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandshakeDone:
+    """The peer passed HELLO (and authentication, if configured)."""
+
+    session: int
+    peer: Hello
+
+
+@dataclass(frozen=True)
+class StepServed:
+    """A STEP was answered with a fresh proposal (or a failed completion)."""
+
+    slot: int
+    generation: int
+    round: int
+    rows: int
+    status: int
+    reply_bytes: int
+
+
+@dataclass(frozen=True)
+class StepReplayed:
+    """A retried STEP got the cached, byte-identical reply."""
+
+    slot: int
+    round: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A message was refused with an ERROR."""
+
+    code: ErrorCode
+    answers: MsgType | None
+    scope: Scope
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """OPEN, COMMIT, RESET or CLOSE took effect on a slot."""
+
+    kind: MsgType
+    slot: int
+    generation: int
+    position: int
+
+
+@dataclass(frozen=True)
+class ConnectionClosing:
+    """The core wants the connection closed after its pending bytes are sent."""
+
+    code: ErrorCode | None
+
+
+WorkerEvent = HandshakeDone | StepServed | StepReplayed | Refused | SlotEvent | ConnectionClosing
+
+
+# -- state ---------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSlot:
+    """One open session slot: committed prefix, RNG seed and fencing state."""
+
+    open_msg: Open
+    seed: int
+    context: int
+    eos: int | None
+    prefix: array[int]
+    digest: int
+    fence: WorkerSlotFence
+    drafts: tuple[int, ...] = ()
+    reply: bytes | None = None
+    committed_msg: Committed | None = None
+
+
+class WorkerProtocol:
+    """The worker's connection state machine (one instance per connection)."""
+
+    def __init__(
+        self, config: WorkerConfig, drafter: DrafterFn, *, session: int, now: float
+    ) -> None:
+        """Start a connection at time ``now``; ``session`` is assigned to the peer."""
+        self.config = config
+        self.drafter = drafter
+        self.session = session
+        self.state = "await_hello"
+        self.decoder = framing.FrameDecoder(0)
+        self.slots: dict[int, WorkerSlot] = {}
+        self._out: list[bytes] = []
+        self._events: list[WorkerEvent] = []
+        self._spark_nonce = b""
+        self._worker_nonce = b""
+        self._hello_header = b""
+        self._peer: Hello | None = None
+        self.handshake_deadline: float | None = now + config.handshake_timeout
+        self.last_activity = now
+        self.closed = False
+
+    # -- I/O surface -----------------------------------------------------
+
+    def data_to_send(self) -> list[bytes]:
+        """Bytes queued for the peer, in order (the queue is emptied)."""
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`handle_timer` must next be called."""
+        if self.closed:
+            return None
+        if self.handshake_deadline is not None:
+            return self.handshake_deadline
+        return self.last_activity + self.config.idle_timeout
+
+    def handle_timer(self, now: float) -> list[WorkerEvent]:
+        """Enforce the handshake and idle timeouts."""
+        if self.closed:
+            return []
+        if self.handshake_deadline is not None and now >= self.handshake_deadline:
+            self._fatal(ErrorCode.HANDSHAKE_TIMEOUT, None)
+        elif (
+            self.handshake_deadline is None and now >= self.last_activity + self.config.idle_timeout
+        ):
+            self._fatal(ErrorCode.IDLE_TIMEOUT, None)
+        return self._take_events()
+
+    def receive_data(self, data: bytes | memoryview, now: float) -> list[WorkerEvent]:
+        """Feed received bytes; returns the events they caused."""
+        if self.closed:
+            return []
+        self.last_activity = now
+        try:
+            frames = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self._fatal(exc.code, None)
+            return self._take_events()
+        for frame in frames:
+            if self.closed:
+                break
+            self._dispatch(frame)
+        return self._take_events()
+
+    def receive_frames(self, frames: list[framing.Frame], now: float) -> list[WorkerEvent]:
+        """Handle frames decoded elsewhere (a buffered transport's decoder)."""
+        self.last_activity = now
+        for frame in frames:
+            if self.closed:
+                break
+            self._dispatch(frame)
+        return self._take_events()
+
+    def connection_lost(self) -> None:
+        """The transport is gone: drop every slot (its generation dies with it)."""
+        self.slots.clear()
+        self.closed = True
+
+    # -- helpers ---------------------------------------------------------
+
+    def _take_events(self) -> list[WorkerEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _send(self, msg: Message, payload: bytes = b"") -> None:
+        self._out.append(framing.encode_frame(msg, payload))
+
+    def _refuse(
+        self,
+        code: ErrorCode,
+        answers: MsgType | None,
+        *,
+        scope: Scope = Scope.MESSAGE,
+        slot: int | None = None,
+        generation: int | None = None,
+        round_id: int | None = None,
+    ) -> None:
+        self._send(
+            Error(
+                code=int(code),
+                answers=int(answers or 0),
+                scope=int(scope),
+                slot=slot,
+                generation=generation,
+                round=round_id,
+            )
+        )
+        self._events.append(Refused(code, answers, scope))
+
+    def _refuse_round(self, code: ErrorCode, kind: MsgType, msg: Step | Commit) -> None:
+        self._refuse(code, kind, slot=msg.slot, generation=msg.generation, round_id=msg.round)
+
+    def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
+        self._refuse(code, answers, scope=Scope.CONNECTION)
+        self.closed = True
+        self.slots.clear()
+        self._events.append(ConnectionClosing(code))
+
+    # -- dispatch --------------------------------------------------------
+
+    def _dispatch(self, frame: framing.Frame) -> None:
+        msg = frame.message
+        kind = frame.type
+        if kind is MsgType.PING:
+            assert isinstance(msg, Ping)
+            self._send(Pong(nonce=msg.nonce))
+            return
+        if kind is MsgType.ERROR:
+            assert isinstance(msg, Error)
+            if msg.scope == Scope.CONNECTION:
+                self.closed = True
+                self.slots.clear()
+                self._events.append(ConnectionClosing(None))
+            return
+        if self.state == "await_hello":
+            if kind is not MsgType.HELLO:
+                self._fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
+                return
+            assert isinstance(msg, Hello)
+            self._on_hello(msg, bytes(frame.raw[framing.PREAMBLE_SIZE : len(frame.raw)]))
+            return
+        if self.state == "await_auth":
+            if kind is not MsgType.AUTH:
+                self._fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
+                return
+            assert isinstance(msg, Auth)
+            self._on_auth(msg)
+            return
+        if kind is MsgType.HELLO:
+            self._fatal(ErrorCode.DUPLICATE_HELLO, kind)
+            return
+        handler = {
+            MsgType.OPEN: self._on_open,
+            MsgType.CLOSE: self._on_close,
+            MsgType.STEP: self._on_step,
+            MsgType.COMMIT: self._on_commit,
+            MsgType.RESET: self._on_reset,
+        }.get(kind)
+        if handler is None:
+            self._fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
+            return
+        handler(msg, frame)
+
+    # -- handshake -------------------------------------------------------
+
+    def _on_hello(self, hello: Hello, header: bytes) -> None:
+        self._peer = hello
+        self._spark_nonce = hello.nonce
+        self._hello_header = header
+        psk = self.config.psk
+        if psk is not None:
+            self._worker_nonce = secrets.token_bytes(32)
+            proof = worker_proof(psk, hello.nonce, self._worker_nonce)
+            self._send(Challenge(nonce=self._worker_nonce, proof=proof))
+            self.state = "await_auth"
+            return
+        self._finish_handshake(hello)
+
+    def _on_auth(self, auth: Auth) -> None:
+        psk = self.config.psk
+        assert psk is not None
+        assert self._peer is not None
+        want = spark_proof(psk, self._worker_nonce, self._spark_nonce, self._hello_header)
+        if not hmac.compare_digest(want, auth.proof):
+            self._fatal(ErrorCode.AUTH_FAILED, MsgType.AUTH)
+            return
+        self._finish_handshake(self._peer)
+
+    def check_hello(self, hello: Hello) -> ErrorCode | None:
+        """The first compatibility failure of a Spark HELLO, or None (protocol §4.1)."""
+        cfg = self.config
+        checks: list[tuple[bool, ErrorCode]] = [
+            (hello.role == Role.SPARK, ErrorCode.UNEXPECTED_MESSAGE),
+            (hello.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
+            (hello.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
+            (hello.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
+            (hello.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
+            (hello.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
+            (hello.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
+            (hello.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
+            (hello.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
+            (
+                hello.draft_identity in ("", cfg.draft_identity),
+                ErrorCode.IDENTITY_MISMATCH,
+            ),
+            (hello.max_slots <= cfg.max_slots, ErrorCode.LIMIT_EXCEEDED),
+            (hello.max_depth <= cfg.max_depth, ErrorCode.LIMIT_EXCEEDED),
+            (hello.max_support <= cfg.max_support, ErrorCode.LIMIT_EXCEEDED),
+            (hello.row_entries == cfg.entries, ErrorCode.LIMIT_EXCEEDED),
+            (hello.max_frame <= cfg.max_frame, ErrorCode.LIMIT_EXCEEDED),
+            (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
+        ]
+        for ok, code in checks:
+            if not ok:
+                return code
+        return None
+
+    def _finish_handshake(self, hello: Hello) -> None:
+        problem = self.check_hello(hello)
+        if problem is not None:
+            self._fatal(problem, MsgType.HELLO)
+            return
+        cfg = self.config
+        reply = Hello(
+            role=int(Role.WORKER),
+            wire_version=WIRE_VERSION,
+            q_semantic=dyadic.SEMANTIC_ID,
+            verifier=VERIFIER_ID,
+            rng_abi=ABI_NAME,
+            precision=PRECISION,
+            vocab_size=cfg.vocab_size,
+            vocab_hash=cfg.vocab_hash,
+            draft_identity=cfg.draft_identity,
+            draft_native=cfg.draft_native,
+            target_identity=cfg.target_identity,
+            max_slots=hello.max_slots,
+            max_depth=hello.max_depth,
+            max_support=hello.max_support,
+            row_entries=hello.row_entries,
+            max_frame=hello.max_frame,
+            max_prefix=hello.max_prefix,
+            nonce=secrets.token_bytes(16),
+            session=self.session,
+        )
+        self._peer = hello
+        self._send(reply)
+        self.state = "ready"
+        self.handshake_deadline = None
+        # The only payload a worker receives is an OPEN's prefix.
+        self.decoder.set_max_payload(min(4 * hello.max_prefix, hello.max_frame))
+        self._events.append(HandshakeDone(self.session, hello))
+
+    # -- slots -------------------------------------------------------------
+
+    @property
+    def limits(self) -> Hello:
+        """The negotiated limits (the accepted Spark HELLO)."""
+        assert self._peer is not None
+        return self._peer
+
+    def _slot_for(
+        self, msg: Open | Close | Step | Commit | Reset, kind: MsgType
+    ) -> WorkerSlot | None:
+        if msg.session != self.session:
+            self._refuse(ErrorCode.WRONG_SESSION, kind, slot=msg.slot)
+            return None
+        slot = self.slots.get(msg.slot)
+        if slot is None:
+            self._refuse(ErrorCode.UNKNOWN_SLOT, kind, slot=msg.slot)
+        return slot
+
+    def _on_open(self, msg: Message, frame: framing.Frame) -> None:
+        assert isinstance(msg, Open)
+        kind = MsgType.OPEN
+        if msg.session != self.session:
+            self._refuse(ErrorCode.WRONG_SESSION, kind, slot=msg.slot)
+            return
+        if msg.slot >= self.limits.max_slots:
+            self._refuse(ErrorCode.SLOT_LIMIT, kind, slot=msg.slot)
+            return
+        existing = self.slots.get(msg.slot)
+        if existing is not None:
+            if existing.open_msg == msg and existing.fence.committed_round < 0:
+                self._send(self._opened(msg.slot, existing))
+                return
+            self._refuse(ErrorCode.SLOT_IN_USE, kind, slot=msg.slot)
+            return
+        if frame.payload.nbytes != 4 * msg.prefix_len or msg.prefix_len > self.limits.max_prefix:
+            self._refuse(ErrorCode.PAYLOAD_LENGTH, kind, slot=msg.slot)
+            return
+        tokens = np.frombuffer(frame.payload, dtype="<i4")
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            self._refuse(ErrorCode.TOKEN_OUT_OF_RANGE, kind, slot=msg.slot)
+            return
+        if msg.eos is not None and msg.eos >= self.config.vocab_size:
+            self._refuse(ErrorCode.TOKEN_OUT_OF_RANGE, kind, slot=msg.slot)
+            return
+        prefix = array("i", tokens.astype(np.int32).tobytes())
+        digest = prefix_digest(prefix)
+        if digest != msg.digest:
+            self._refuse(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, slot=msg.slot)
+            return
+        slot = WorkerSlot(
+            open_msg=msg,
+            seed=msg.seed,
+            context=msg.context,
+            eos=msg.eos,
+            prefix=prefix,
+            digest=digest,
+            fence=WorkerSlotFence(generation=msg.generation),
+        )
+        self.slots[msg.slot] = slot
+        self._send(self._opened(msg.slot, slot))
+        self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(prefix)))
+
+    def _opened(self, index: int, slot: WorkerSlot) -> Opened:
+        return Opened(
+            session=self.session,
+            slot=index,
+            generation=slot.fence.generation,
+            position=len(slot.prefix),
+            digest=slot.digest,
+        )
+
+    def _on_close(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Close)
+        slot = self._slot_for(msg, MsgType.CLOSE)
+        if slot is None:
+            return
+        del self.slots[msg.slot]
+        self._send(Closed(session=self.session, slot=msg.slot))
+        self._events.append(
+            SlotEvent(MsgType.CLOSE, msg.slot, slot.fence.generation, len(slot.prefix))
+        )
+
+    # -- STEP --------------------------------------------------------------
+
+    def _on_step(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Step)
+        kind = MsgType.STEP
+        slot = self._slot_for(msg, kind)
+        if slot is None:
+            return
+        decision = fencing.worker_step(slot.fence, msg)
+        if decision.action is Action.REPLAY:
+            assert slot.reply is not None
+            self._out.append(slot.reply)
+            self._events.append(StepReplayed(msg.slot, msg.round))
+            return
+        if decision.action is Action.REFUSE:
+            assert decision.code is not None
+            self._refuse_round(decision.code, kind, msg)
+            return
+        problem = self._check_step(slot, msg)
+        if problem is not None:
+            self._refuse_round(problem, kind, msg)
+            return
+        reply, rows, status = self._propose(slot, msg)
+        slot.fence.last_step_round = msg.round
+        slot.fence.last_step = msg
+        slot.drafts = tuple(r.token for r in rows)
+        slot.reply = reply
+        self._out.append(reply)
+        self._events.append(
+            StepServed(msg.slot, msg.generation, msg.round, len(rows), status, len(reply))
+        )
+
+    def _check_step(self, slot: WorkerSlot, step: Step) -> ErrorCode | None:
+        limits = self.limits
+        if not 1 <= step.depth <= limits.max_depth:
+            return ErrorCode.DEPTH_OUT_OF_RANGE
+        if step.support > limits.max_support:
+            return ErrorCode.SUPPORT_OUT_OF_RANGE
+        if step.support == 0 and dense_frame_size(self.config.entries) > limits.max_frame:
+            return ErrorCode.SUPPORT_OUT_OF_RANGE
+        if not (math.isfinite(step.temperature) and step.temperature >= 0.0):
+            return ErrorCode.BAD_TEMPERATURE
+        if step.position != len(slot.prefix):
+            return ErrorCode.WRONG_POSITION
+        if step.digest != slot.digest:
+            return ErrorCode.PREFIX_DIGEST_MISMATCH
+        if step.context != slot.context:
+            return ErrorCode.CONTEXT_MISMATCH
+        return None
+
+    def _propose(self, slot: WorkerSlot, step: Step) -> tuple[bytes, tuple[QRow, ...], int]:
+        streams = RoundStreams(RngRole.WORKER, slot.seed, step.generation, step.round)
+        try:
+            rows = propose(
+                slot.prefix,
+                step.depth,
+                self.drafter,
+                streams,
+                temperature=step.temperature,
+                support=step.support or None,
+                eos=slot.eos,
+            )
+            status = 0
+        except Pp1Error as exc:
+            rows, status = (), int(exc.code)
+        except Exception:  # a drafter plugin failure must not kill the connection
+            rows, status = (), int(ErrorCode.INTERNAL)
+        reply = build_reply(self.session, step, rows, self.config.entries, status)
+        return reply, rows, status
+
+    # -- COMMIT / RESET ------------------------------------------------------
+
+    def _on_commit(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Commit)
+        kind = MsgType.COMMIT
+        slot = self._slot_for(msg, kind)
+        if slot is None:
+            return
+        decision = fencing.worker_commit(slot.fence, msg)
+        if decision.action is Action.REPLAY:
+            assert slot.committed_msg is not None
+            self._send(slot.committed_msg)
+            return
+        if decision.action is Action.REFUSE:
+            assert decision.code is not None
+            self._refuse_round(decision.code, kind, msg)
+            return
+        drafts = slot.drafts if msg.round == slot.fence.last_step_round else ()
+        if msg.accepted > len(drafts):
+            self._refuse_round(ErrorCode.COMMIT_INVALID, kind, msg)
+            return
+        if msg.extra is None and not (
+            msg.accepted and slot.eos is not None and drafts[msg.accepted - 1] == slot.eos
+        ):
+            self._refuse_round(ErrorCode.COMMIT_INVALID, kind, msg)
+            return
+        if msg.extra is not None and msg.extra >= self.config.vocab_size:
+            self._refuse_round(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
+            return
+        new = list(drafts[: msg.accepted]) + ([] if msg.extra is None else [msg.extra])
+        if msg.position != len(slot.prefix) + len(new):
+            self._refuse_round(ErrorCode.WRONG_POSITION, kind, msg)
+            return
+        candidate = array("i", slot.prefix)
+        candidate.extend(new)
+        digest = prefix_digest(candidate)
+        if digest != msg.digest:
+            self._refuse_round(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
+            return
+        slot.prefix = candidate
+        slot.digest = digest
+        slot.fence.committed_round = msg.round
+        slot.fence.last_commit = msg
+        slot.reply = None
+        slot.drafts = ()
+        ack = Committed(
+            session=self.session,
+            slot=msg.slot,
+            generation=msg.generation,
+            round=msg.round,
+            position=len(candidate),
+            digest=digest,
+        )
+        slot.committed_msg = ack
+        self._send(ack)
+        self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(candidate)))
+
+    def _on_reset(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Reset)
+        kind = MsgType.RESET
+        slot = self._slot_for(msg, kind)
+        if slot is None:
+            return
+        decision = fencing.worker_reset(slot.fence, msg)
+        if decision.action is Action.REFUSE:
+            assert decision.code is not None
+            self._refuse(decision.code, kind, slot=msg.slot, generation=msg.generation)
+            return
+        if decision.action is Action.ACCEPT:
+            slot.fence.invalidate(msg.generation)
+            slot.reply = None
+            slot.drafts = ()
+            slot.committed_msg = None
+            self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(slot.prefix)))
+        self._send(
+            ResetDone(
+                session=self.session,
+                slot=msg.slot,
+                generation=slot.fence.generation,
+                position=len(slot.prefix),
+                digest=slot.digest,
+            )
+        )
+
+
+# -- reply encoding ---------------------------------------------------------------
+
+
+def dense_frame_size(row_entries: int) -> int:
+    """Upper bound of one dense REPLY frame's size (preamble, header cap, payload)."""
+    return framing.PREAMBLE_SIZE + framing.MAX_HEADER + 4 * row_entries
+
+
+def row_payload(row: QRow, row_entries: int) -> bytes:
+    """The q payload of one row: dense FP32 (zero padded) or sparse int32 IDs then FP32."""
+    if row.ids is None:
+        assert row.counts is not None
+        q = np.zeros(row_entries, dtype="<f4")
+        np.multiply(
+            row.counts, np.float32(1.0 / dyadic.M), out=q[: row.counts.size], casting="unsafe"
+        )
+        return q.tobytes()
+    assert row.counts is not None
+    return row.ids.astype("<i4").tobytes() + dyadic.counts_to_fp32(row.counts).tobytes()
+
+
+def reply_frame(
+    session: int, step: Step, index: int, token: int, dense: bool, entries: int, payload: bytes
+) -> bytes:
+    """One REPLY frame with its row checksum over ``payload``."""
+    header = Reply(
+        session=session,
+        slot=step.slot,
+        generation=step.generation,
+        round=step.round,
+        index=index,
+        position=step.position + index,
+        token=token,
+        representation=int(Representation.DENSE if dense else Representation.SPARSE),
+        entries=entries,
+        checksum=xxhash.xxh3_64_intdigest(payload),
+    )
+    return framing.encode_frame(header, payload)
+
+
+def completion_frame(
+    session: int, step: Step, rows: int, reply_bytes: int, reply_checksum: int, status: int
+) -> bytes:
+    """The COMPLETION frame that closes a reply."""
+    return framing.encode_frame(
+        Completion(
+            session=session,
+            slot=step.slot,
+            generation=step.generation,
+            round=step.round,
+            position=step.position,
+            context=step.context,
+            rows=rows,
+            reply_bytes=reply_bytes,
+            reply_checksum=reply_checksum,
+            status=status,
+        )
+    )
+
+
+def build_reply(
+    session: int, step: Step, rows: tuple[QRow, ...], row_entries: int, status: int = 0
+) -> bytes:
+    """The whole reply to a STEP: REPLY frames in position order, then COMPLETION."""
+    frames = []
+    for index, row in enumerate(rows):
+        payload = row_payload(row, row_entries)
+        dense = row.ids is None
+        entries = row_entries if dense else int(row.ids.size)  # type: ignore[union-attr]
+        frames.append(reply_frame(session, step, index, row.token, dense, entries, payload))
+    body = b"".join(frames)
+    done = completion_frame(
+        session, step, len(rows), len(body), xxhash.xxh3_64_intdigest(body), status
+    )
+    return body + done
+
+
+__all__ = [
+    "ConnectionClosing",
+    "HandshakeDone",
+    "Refused",
+    "SlotEvent",
+    "StepReplayed",
+    "StepServed",
+    "WorkerConfig",
+    "WorkerEvent",
+    "WorkerProtocol",
+    "build_reply",
+    "completion_frame",
+    "reply_frame",
+    "row_payload",
+    "spark_proof",
+    "worker_proof",
+]
