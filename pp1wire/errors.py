@@ -115,6 +115,7 @@ class ErrorCode(IntEnum):
     CONNECTION_LOST = 112
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
+    LATE_FRAME = 115
     INTERNAL = 127
 
 

@@ -35,7 +35,8 @@ Spark side (replies from the worker), against the slot's in-flight STEP::
     REPLY/COMP  slot not open                                      FAIL  UNKNOWN_SLOT
     REPLY/COMP  (generation, round) older than the in-flight STEP  DROP  (late, counted)
     REPLY/COMP  no STEP in flight, (generation, round) not newer   DROP  (late, counted)
-    REPLY/COMP  in-flight STEP already discarded or completed      DROP  (late / duplicate)
+    REPLY/COMP  in-flight STEP already discarded                   DROP  LATE_FRAME
+    REPLY/COMP  in-flight STEP already completed                   DROP  COMPLETION_DUPLICATE
     REPLY/COMP  generation newer than the slot's                   FAIL  FUTURE_GENERATION
     REPLY/COMP  round newer than the in-flight STEP                FAIL  ROW_OUT_OF_ORDER
     REPLY/COMP  matches the in-flight STEP                         ACCEPT (then row checks)
@@ -148,6 +149,7 @@ class SparkInFlight:
     generation: int
     round: int
     settled: bool = False  # completed or discarded: later frames are late
+    discarded: bool = False
 
 
 @dataclass
@@ -175,6 +177,8 @@ def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decisi
         return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
     if round_id > flight.round:
         return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
+    if flight.discarded:
+        return Decision(Action.DROP, ErrorCode.LATE_FRAME)
     if flight.settled:
         return Decision(Action.DROP, ErrorCode.COMPLETION_DUPLICATE)
     return ACCEPT

@@ -27,7 +27,7 @@ U8 = Annotated[int, Meta(ge=0, le=0xFF)]
 U16 = Annotated[int, Meta(ge=0, le=0xFFFF)]
 U32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 # msgpack integers cannot exceed 2**64 - 1, so the upper bound is implicit.
-U64 = Annotated[int, Meta(ge=0)]
+U64 = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": 2**64 - 1})]
 Token = Annotated[int, Meta(ge=0, le=0x7FFFFFFF)]
 Depth = Annotated[int, Meta(ge=0, le=0xFF)]
 Name = Annotated[str, Meta(max_length=128)]

@@ -328,7 +328,7 @@ class SparkProtocol:
             target_identity=cfg.target_identity,
             max_slots=cfg.max_slots,
             max_depth=cfg.max_depth,
-            max_support=cfg.max_support,
+            max_support=min(cfg.max_support, cfg.vocab_size),
             row_entries=cfg.entries,
             max_frame=cfg.max_frame,
             max_prefix=cfg.max_prefix,
@@ -425,7 +425,7 @@ class SparkProtocol:
             raise ProtocolError(ErrorCode.ROW_OUT_OF_ORDER, "a proposal is already in flight")
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
-        if support > self.config.max_support:
+        if support > min(self.config.max_support, self.config.vocab_size):
             raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
         round_id = self.allocate_round(slot)
         msg = Step(
@@ -541,6 +541,7 @@ class SparkProtocol:
         slot.flight = None
         if slot.fence.in_flight is not None:
             slot.fence.in_flight.settled = True
+            slot.fence.in_flight.discarded = True
         slot.fence.last_round = max(slot.fence.last_round, flight.step.round)
         slot.drafts.pop(flight.step.round, None)
         self._events.append(ProposalFailed(index, flight.step.generation, flight.step.round, code))
@@ -676,7 +677,7 @@ class SparkProtocol:
         self.session = peer.session
         self.state = "ready"
         self.handshake_deadline = None
-        payload = max(4 * cfg.entries, 8 * cfg.max_support)
+        payload = max(4 * cfg.entries, 8 * peer.max_support)
         self.decoder.set_max_payload(min(payload, cfg.max_frame))
         self._events.append(HandshakeDone(peer.session, peer))
 

@@ -383,7 +383,7 @@ class WorkerProtocol:
             ),
             (hello.max_slots <= cfg.max_slots, ErrorCode.LIMIT_EXCEEDED),
             (hello.max_depth <= cfg.max_depth, ErrorCode.LIMIT_EXCEEDED),
-            (hello.max_support <= cfg.max_support, ErrorCode.LIMIT_EXCEEDED),
+            (hello.max_support <= min(cfg.max_support, cfg.vocab_size), ErrorCode.LIMIT_EXCEEDED),
             (hello.row_entries == cfg.entries, ErrorCode.LIMIT_EXCEEDED),
             (hello.max_frame <= cfg.max_frame, ErrorCode.LIMIT_EXCEEDED),
             (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),

@@ -1,0 +1,285 @@
+"""The Spark side's sans-IO core: fail closed, drop late frames, publish only after COMPLETION."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pp1wire import framing
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.messages import MsgType
+from pp1wire.models import ToyLM
+from pp1wire.spark_core import (
+    CommitAcked,
+    ConnectionFailed,
+    FrameDropped,
+    ProposalFailed,
+    ProposalReady,
+    ResetAcked,
+)
+from pp1wire.verify import RequestVerifier
+
+from .pairs import VOCAB, make_pair
+
+PREFIX = [1, 2, 3]
+
+
+def opened(**kw):
+    pair = make_pair(**kw)
+    pair.spark.open_slot(0, seed=5, prefix=PREFIX)
+    pair.pump()
+    return pair
+
+
+def split_frames(chunks: list[bytes]) -> list[bytes]:
+    decoder = framing.FrameDecoder(1 << 24)
+    return [bytes(f.raw) for c in chunks for f in decoder.feed(c)]
+
+
+def held_reply(pair, **step_kw):
+    """Send a STEP to the worker but hold its reply frames (not yet delivered)."""
+    r = pair.spark.step(
+        0,
+        depth=step_kw.get("depth", 3),
+        temperature=1.0,
+        support=step_kw.get("support", 0),
+        now=pair.now,
+    )
+    for chunk in pair.spark.data_to_send():
+        pair.worker.receive_data(chunk, pair.now)
+    return r, split_frames(pair.worker.data_to_send())
+
+
+def deliver(pair, frames):
+    events = []
+    for f in frames:
+        events += pair.spark.receive_data(f, pair.now)
+    return events
+
+
+def test_proposal_is_published_only_after_completion():
+    pair = opened()
+    _, frames = held_reply(pair)
+    assert deliver(pair, frames[:-1]) == []
+    (ready,) = deliver(pair, frames[-1:])
+    assert isinstance(ready, ProposalReady)
+    assert len(ready.proposal.rows) == 3
+
+
+def test_reply_timeout_discards_and_late_rows_are_dropped():
+    pair = opened(spark_kw={"reply_timeout": 1.0})
+    r, frames = held_reply(pair)
+    assert pair.spark.next_deadline() == 1.0
+    assert pair.spark.handle_timer(0.5) == []
+    (failed,) = pair.spark.handle_timer(1.0)
+    assert failed == ProposalFailed(0, 0, r, ErrorCode.REPLY_TIMEOUT)
+    late = deliver(pair, frames)
+    assert late == [FrameDropped(0, ErrorCode.LATE_FRAME)] * len(frames)
+    # The next round works normally (after a target-only commit).
+    pair.spark.commit(0, round_id=pair.spark.allocate_round(0), tokens=[4], accepted=0)
+    pair.pump()
+    _, frames = held_reply(pair)
+    assert any(isinstance(e, ProposalReady) for e in deliver(pair, frames))
+
+
+def test_reset_mid_reply_discards_and_old_frames_are_dropped():
+    pair = opened()
+    r, frames = held_reply(pair)
+    deliver(pair, frames[:1])
+    generation = pair.spark.reset(0)
+    events = pair.pump()
+    assert ResetAcked(0, generation, len(PREFIX)) in events
+    assert ProposalFailed(0, 0, r, ErrorCode.STALE_GENERATION) in events
+    late = deliver(pair, frames[1:])
+    assert all(isinstance(e, FrameDropped) and e.code is ErrorCode.STALE_GENERATION for e in late)
+    assert len(late) == len(frames) - 1
+    _, frames = held_reply(pair)
+    assert any(isinstance(e, ProposalReady) for e in deliver(pair, frames))
+
+
+def test_worker_refusal_fails_the_in_flight_proposal():
+    pair = opened()
+    pair.worker.slots[0].digest ^= 1  # the worker now disagrees about the prefix
+    r = pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    events = pair.pump()
+    assert events == [ProposalFailed(0, 0, r, ErrorCode.PREFIX_DIGEST_MISMATCH)]
+
+
+def test_connection_loss_fails_everything_in_flight():
+    pair = opened()
+    r, _ = held_reply(pair)
+    events = pair.spark.connection_lost()
+    assert ProposalFailed(0, 0, r, ErrorCode.CONNECTION_LOST) in events
+    assert ConnectionFailed(ErrorCode.CONNECTION_LOST) in events
+    with pytest.raises(ProtocolError):
+        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+
+
+def test_commit_must_match_the_drafts():
+    pair = opened()
+    _, frames = held_reply(pair)
+    (ready,) = deliver(pair, frames)
+    drafts = list(ready.proposal.tokens)
+    wrong = (drafts[0] + 1) % VOCAB
+    with pytest.raises(ProtocolError) as info:
+        pair.spark.commit(0, round_id=ready.proposal.round_id, tokens=[wrong, 1], accepted=1)
+    assert info.value.code is ErrorCode.COMMIT_INVALID
+
+
+def test_one_proposal_in_flight_per_slot():
+    pair = opened()
+    held_reply(pair)
+    with pytest.raises(ProtocolError):
+        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+
+
+def test_corrupted_row_falls_back_and_next_round_works():
+    pair = opened()
+    r, frames = held_reply(pair)
+    bad = bytearray(frames[0])
+    bad[-1] ^= 0x01  # flip a payload bit: the row checksum no longer matches
+    events = deliver(pair, [bytes(bad), *frames[1:]])
+    assert events[1] == ProposalFailed(0, 0, r, ErrorCode.ROW_CHECKSUM_MISMATCH)
+    pair.spark.commit(0, round_id=pair.spark.allocate_round(0), tokens=[7], accepted=0)
+    assert any(isinstance(e, CommitAcked) for e in pair.pump())
+    _, frames = held_reply(pair)
+    assert any(isinstance(e, ProposalReady) for e in deliver(pair, frames))
+
+
+class FencingMachine(RuleBasedStateMachine):
+    """Random interleavings of STEP, partial delivery, duplicates, RESET, COMMIT, reconnect.
+
+    Invariants: a stale generation is never accepted; a retried STEP is either
+    answered byte-identically or refused; RESET invalidates every in-flight row;
+    a proposal is consumable only after a validated COMPLETION; both sides agree
+    on the committed prefix whenever nothing is in flight.
+    """
+
+    @initialize()
+    def setup(self):
+        self.target = ToyLM(VOCAB, 1)
+        self.committed = list(PREFIX)
+        self.connect()
+
+    def connect(self):
+        self.pair = make_pair()
+        self.pair.spark.open_slot(0, seed=5, prefix=self.committed)
+        self.pair.pump()
+        self.held: list[bytes] = []
+        self.delivered: list[bytes] = []
+        self.step_bytes: bytes | None = None
+        self.first_reply: bytes | None = None
+        self.ready = None
+        self.stale: list[bytes] = []
+
+    def _feed(self, frames):
+        events = deliver(self.pair, frames)
+        for e in events:
+            if isinstance(e, ProposalReady):
+                assert self.ready is None
+                assert e.proposal.generation == self.pair.spark.slots[0].fence.generation
+                self.ready = e.proposal
+        return events
+
+    @precondition(lambda self: self.pair.spark.slots[0].flight is None and self.ready is None)
+    @rule(depth=st.integers(1, 5), sparse=st.booleans())
+    def step(self, depth, sparse):
+        self.pair.spark.step(0, depth=depth, temperature=1.0, support=8 if sparse else 0, now=0.0)
+        (self.step_bytes,) = self.pair.spark.data_to_send()
+        self.pair.worker.receive_data(self.step_bytes, 0.0)
+        self.first_reply = b"".join(self.pair.worker.data_to_send())
+        self.held = split_frames([self.first_reply])
+        self.delivered = []
+
+    @precondition(lambda self: self.held)
+    @rule(n=st.integers(1, 3))
+    def deliver_some(self, n):
+        frames, self.held = self.held[:n], self.held[n:]
+        completion_in = any(f[3] == MsgType.COMPLETION for f in frames)
+        events = self._feed(frames)
+        if any(isinstance(e, ProposalReady) for e in events):
+            assert completion_in
+        self.delivered += frames
+
+    @precondition(lambda self: self.delivered)
+    @rule(i=st.integers(0, 10))
+    def duplicate(self, i):
+        frame = self.delivered[i % len(self.delivered)]
+        events = self._feed([frame])
+        assert not any(isinstance(e, ProposalReady) for e in events)
+
+    @precondition(lambda self: self.step_bytes is not None)
+    @rule()
+    def retry_step(self):
+        self.pair.worker.receive_data(self.step_bytes, 0.0)
+        again = b"".join(self.pair.worker.data_to_send())
+        if again != self.first_reply:
+            kinds = [f[3] for f in split_frames([again])]
+            assert kinds == [MsgType.ERROR]
+
+    @precondition(lambda self: self.stale)
+    @rule()
+    def deliver_stale(self):
+        events = self._feed(self.stale)
+        assert all(isinstance(e, FrameDropped) for e in events)
+        self.stale = []
+
+    @rule()
+    def reset(self):
+        self.stale += self.held
+        self.held = []
+        self.ready = None
+        self.step_bytes = None
+        self.pair.spark.reset(0)
+        self.pair.pump()
+
+    @precondition(lambda self: self.ready is not None)
+    @rule()
+    def verify_and_commit(self):
+        spark = self.pair.spark
+        v = RequestVerifier(
+            session=spark.session,
+            seed=5,
+            vocab_size=VOCAB,
+            prefix=self.committed,
+            target=self.target.probs,
+            generation=spark.slots[0].fence.generation,
+        )
+        v.last_round = self.ready.round_id - 1
+        result = v.verify(self.ready)
+        spark.commit(0, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted)
+        self.committed += result.tokens
+        self.ready = None
+        self.stale += self.held
+        self.held = []
+        self.step_bytes = None
+        assert any(isinstance(e, CommitAcked) for e in self.pair.pump())
+
+    @precondition(lambda self: self.pair.spark.slots[0].flight is None and self.ready is None)
+    @rule(token=st.integers(0, VOCAB - 1))
+    def target_only(self, token):
+        spark = self.pair.spark
+        spark.commit(0, round_id=spark.allocate_round(0), tokens=[token], accepted=0)
+        self.committed.append(token)
+        self.stale += self.held
+        self.held = []
+        self.step_bytes = None
+        assert any(isinstance(e, CommitAcked) for e in self.pair.pump())
+
+    @rule()
+    def reconnect(self):
+        self.pair.spark.connection_lost()
+        self.pair.worker.connection_lost()
+        self.connect()
+
+    @invariant()
+    def prefixes_agree(self):
+        if self.pair.spark.slots.get(0) is not None:
+            assert list(self.pair.spark.slots[0].prefix) == self.committed
+            assert list(self.pair.worker.slots[0].prefix) == self.committed
+
+
+TestFencing = FencingMachine.TestCase
+TestFencing.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

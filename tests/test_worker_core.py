@@ -1,0 +1,479 @@
+"""The worker's sans-IO core: handshake, fencing, replay and refusals (exact codes)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from pp1wire import framing
+from pp1wire.errors import ErrorCode
+from pp1wire.messages import (
+    Auth,
+    Close,
+    Commit,
+    Error,
+    Hello,
+    MsgType,
+    Open,
+    Ping,
+    Pong,
+    Reset,
+    Scope,
+    Step,
+)
+from pp1wire.proposal import prefix_digest
+from pp1wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
+
+from .pairs import VOCAB, make_pair
+
+PREFIX = [1, 2, 3]
+
+
+def frames_of(chunks: list[bytes]) -> list:
+    decoder = framing.FrameDecoder(1 << 24)
+    return [f for c in chunks for f in decoder.feed(c)]
+
+
+def open_slot(pair, slot=0, prefix=PREFIX, seed=5, **kw):
+    pair.spark.open_slot(slot, seed=seed, prefix=prefix, **kw)
+    pair.pump()
+
+
+def step(
+    session=7,
+    slot=0,
+    generation=0,
+    round=0,
+    position=3,
+    digest=None,
+    depth=3,
+    temperature=1.0,
+    support=0,
+    context=0,
+):
+    return Step(
+        session=session,
+        slot=slot,
+        generation=generation,
+        round=round,
+        position=position,
+        digest=prefix_digest(PREFIX) if digest is None else digest,
+        depth=depth,
+        temperature=temperature,
+        support=support,
+        context=context,
+    )
+
+
+def ready_pair(**kw):
+    pair = make_pair(**kw)
+    open_slot(pair)
+    return pair
+
+
+def reply_bytes(pair, msg) -> bytes:
+    pair.send_raw(msg)
+    return b"".join(pair.worker.data_to_send())
+
+
+def error_of(data: bytes) -> Error:
+    (frame,) = frames_of([data])
+    assert isinstance(frame.message, Error)
+    return frame.message
+
+
+# -- handshake ---------------------------------------------------------------------
+
+
+def test_handshake_assigns_session_and_limits():
+    pair = make_pair()
+    assert pair.spark.state == "ready"
+    assert pair.spark.session == 7
+    assert pair.worker.state == "ready"
+
+
+def _spark_hello(pair, **over) -> Hello:
+    pair.spark.start(0.0)
+    ours = pair.spark._hello
+    return msgspec.structs.replace(ours, **over)
+
+
+def _fatal_code(pair) -> ErrorCode:
+    err = error_of(b"".join(pair.worker.data_to_send()))
+    assert err.scope == Scope.CONNECTION
+    assert pair.worker.closed
+    return ErrorCode(err.code)
+
+
+def test_message_before_hello_is_refused():
+    pair = make_pair(handshake=False)
+    pair.send_raw(step())
+    assert _fatal_code(pair) is ErrorCode.HANDSHAKE_REQUIRED
+
+
+def test_second_hello_is_refused():
+    pair = make_pair()
+    pair.send_raw(pair.spark._hello)
+    assert _fatal_code(pair) is ErrorCode.DUPLICATE_HELLO
+
+
+@pytest.mark.parametrize(
+    ("over", "code"),
+    [
+        ({"wire_version": 3}, ErrorCode.WIRE_VERSION_MISMATCH),
+        ({"q_semantic": "dyadic16-v1"}, ErrorCode.Q_SEMANTIC_MISMATCH),
+        ({"verifier": "other-verifier"}, ErrorCode.VERIFIER_MISMATCH),
+        ({"rng_abi": "pp1-philox4x32-10-v0"}, ErrorCode.RNG_ABI_MISMATCH),
+        ({"precision": "bf16"}, ErrorCode.PRECISION_MISMATCH),
+        ({"vocab_size": VOCAB + 1, "row_entries": VOCAB + 1}, ErrorCode.VOCAB_SIZE_MISMATCH),
+        ({"vocab_hash": 99}, ErrorCode.VOCAB_HASH_MISMATCH),
+        ({"target_identity": "another-target"}, ErrorCode.IDENTITY_MISMATCH),
+        ({"draft_identity": "another-drafter"}, ErrorCode.IDENTITY_MISMATCH),
+        ({"max_slots": 5}, ErrorCode.LIMIT_EXCEEDED),
+        ({"max_support": 48}, ErrorCode.LIMIT_EXCEEDED),
+        ({"row_entries": VOCAB + 4}, ErrorCode.LIMIT_EXCEEDED),
+        ({"max_prefix": (1 << 20) + 1}, ErrorCode.LIMIT_EXCEEDED),
+        ({"role": 1}, ErrorCode.UNEXPECTED_MESSAGE),
+    ],
+)
+def test_hello_mismatch_is_refused(over, code):
+    pair = make_pair(handshake=False, worker_kw={"max_support": 32}, spark_kw={"max_support": 32})
+    pair.send_raw(_spark_hello(pair, **over))
+    assert _fatal_code(pair) is code
+    assert pair.worker.slots == {}
+
+
+def test_handshake_timeout():
+    pair = make_pair(handshake=False)
+    assert pair.worker.next_deadline() == 5.0
+    assert pair.worker.handle_timer(4.9) == []
+    events = pair.worker.handle_timer(5.0)
+    assert ConnectionClosing(ErrorCode.HANDSHAKE_TIMEOUT) in events
+    assert _fatal_code(pair) is ErrorCode.HANDSHAKE_TIMEOUT
+
+
+def test_idle_timeout():
+    pair = make_pair(worker_kw={"idle_timeout": 10.0})
+    pair.worker.handle_timer(9.0)
+    assert not pair.worker.closed
+    pair.worker.handle_timer(10.0)
+    assert _fatal_code(pair) is ErrorCode.IDLE_TIMEOUT
+
+
+def test_ping_pong():
+    pair = make_pair()
+    pair.send_raw(Ping(nonce=99))
+    (frame,) = frames_of(pair.worker.data_to_send())
+    assert frame.message == Pong(nonce=99)
+
+
+# -- authentication ---------------------------------------------------------------------
+
+
+def test_psk_handshake_succeeds_and_fails_closed():
+    good = make_pair(worker_kw={"psk": b"k" * 32}, spark_kw={"psk": b"k" * 32})
+    assert good.spark.state == "ready"
+    bad = make_pair(worker_kw={"psk": b"k" * 32}, spark_kw={"psk": b"x" * 32})
+    assert bad.spark.closed
+    assert bad.worker.slots == {}
+    assert any(getattr(e, "code", None) is ErrorCode.AUTH_FAILED for e in bad.spark_events)
+
+
+def test_worker_refuses_a_forged_auth_and_allocates_nothing():
+    pair = make_pair(worker_kw={"psk": b"k" * 32}, handshake=False)
+    pair.send_raw(_spark_hello(pair))
+    pair.worker.data_to_send()
+    pair.send_raw(Auth(proof=bytes(32)))
+    assert _fatal_code(pair) is ErrorCode.AUTH_FAILED
+
+
+def test_step_before_auth_is_refused():
+    pair = make_pair(worker_kw={"psk": b"k" * 32}, handshake=False)
+    pair.send_raw(_spark_hello(pair))
+    pair.worker.data_to_send()
+    pair.send_raw(step())
+    assert _fatal_code(pair) is ErrorCode.HANDSHAKE_REQUIRED
+
+
+def test_spark_with_key_refuses_an_unauthenticated_worker():
+    pair = make_pair(spark_kw={"psk": b"k" * 32})
+    assert pair.spark.closed
+    assert any(getattr(e, "code", None) is ErrorCode.AUTH_REQUIRED for e in pair.spark_events)
+
+
+def test_spark_without_key_refuses_a_challenge():
+    pair = make_pair(worker_kw={"psk": b"k" * 32})
+    assert pair.spark.closed
+    assert any(getattr(e, "code", None) is ErrorCode.AUTH_REQUIRED for e in pair.spark_events)
+
+
+# -- STEP -------------------------------------------------------------------------------
+
+
+def test_retried_step_gets_byte_identical_reply():
+    pair = ready_pair()
+    first = reply_bytes(pair, step())
+    events = pair.send_raw(step())
+    assert b"".join(pair.worker.data_to_send()) == first
+    assert events == [StepReplayed(0, 0)]
+
+
+def test_reply_is_deterministic_across_connections():
+    a, b = ready_pair(), ready_pair()
+    assert reply_bytes(a, step(round=4)) == reply_bytes(b, step(round=4))
+    assert reply_bytes(a, step(round=5)) != reply_bytes(b, step(round=6))
+
+
+STEP_REFUSALS = [
+    ({"slot": 1}, ErrorCode.UNKNOWN_SLOT),
+    ({"session": 8}, ErrorCode.WRONG_SESSION),
+    ({"depth": 0}, ErrorCode.DEPTH_OUT_OF_RANGE),
+    ({"depth": 6}, ErrorCode.DEPTH_OUT_OF_RANGE),
+    ({"support": 257}, ErrorCode.SUPPORT_OUT_OF_RANGE),
+    ({"generation": 1}, ErrorCode.FUTURE_GENERATION),
+    ({"position": 4}, ErrorCode.WRONG_POSITION),
+    ({"digest": 12345}, ErrorCode.PREFIX_DIGEST_MISMATCH),
+    ({"context": 3}, ErrorCode.CONTEXT_MISMATCH),
+    ({"temperature": float("nan")}, ErrorCode.BAD_TEMPERATURE),
+    ({"temperature": -1.0}, ErrorCode.BAD_TEMPERATURE),
+]
+
+
+@pytest.mark.parametrize(("over", "code"), STEP_REFUSALS)
+def test_step_refusal_has_exact_code_and_changes_nothing(over, code):
+    pair = ready_pair()
+    twin = ready_pair()
+    err = error_of(reply_bytes(pair, step(**over)))
+    assert ErrorCode(err.code) is code
+    assert err.answers == MsgType.STEP
+    assert err.scope == Scope.MESSAGE
+    # Afterwards a valid STEP gets exactly what a worker that never saw the
+    # refused one sends: no state changed, no draw was consumed.
+    assert reply_bytes(pair, step()) == reply_bytes(twin, step())
+
+
+def test_reused_round_with_different_content_is_refused():
+    pair = ready_pair()
+    first = reply_bytes(pair, step(round=2))
+    err = error_of(reply_bytes(pair, step(round=2, depth=2)))
+    assert ErrorCode(err.code) is ErrorCode.ROUND_REUSED
+    err = error_of(reply_bytes(pair, step(round=1)))
+    assert ErrorCode(err.code) is ErrorCode.ROUND_REUSED
+    assert reply_bytes(pair, step(round=2)) == first
+
+
+def test_stale_generation_after_reset():
+    pair = ready_pair()
+    reply_bytes(pair, step())
+    pair.send_raw(Reset(session=7, slot=0, generation=1))
+    pair.worker.data_to_send()
+    err = error_of(reply_bytes(pair, step(round=1)))
+    assert ErrorCode(err.code) is ErrorCode.STALE_GENERATION
+    # Round numbering restarts with the generation; round 0 is fresh again.
+    fresh = reply_bytes(pair, step(generation=1, round=0))
+    assert frames_of([fresh])[0].type != MsgType.ERROR
+
+
+def test_more_slots_than_negotiated():
+    pair = make_pair(spark_kw={"max_slots": 2}, worker_kw={"max_slots": 4})
+    pair.send_raw(
+        Open(
+            session=7,
+            slot=2,
+            generation=0,
+            seed=1,
+            context=0,
+            eos=None,
+            prefix_len=0,
+            digest=prefix_digest([]),
+        )
+    )
+    err = error_of(b"".join(pair.worker.data_to_send()))
+    assert ErrorCode(err.code) is ErrorCode.SLOT_LIMIT
+    assert pair.worker.slots == {}
+
+
+def test_open_validates_prefix():
+    pair = make_pair()
+    tokens = np.array([1, VOCAB], dtype="<i4").tobytes()
+    pair.send_raw(
+        Open(
+            session=7,
+            slot=0,
+            generation=0,
+            seed=1,
+            context=0,
+            eos=None,
+            prefix_len=2,
+            digest=prefix_digest([1, VOCAB]),
+        ),
+        tokens,
+    )
+    assert (
+        ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code)
+        is ErrorCode.TOKEN_OUT_OF_RANGE
+    )
+    pair.send_raw(
+        Open(
+            session=7,
+            slot=0,
+            generation=0,
+            seed=1,
+            context=0,
+            eos=None,
+            prefix_len=1,
+            digest=prefix_digest([1]),
+        ),
+        tokens,
+    )
+    assert (
+        ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code) is ErrorCode.PAYLOAD_LENGTH
+    )
+    pair.send_raw(
+        Open(session=7, slot=0, generation=0, seed=1, context=0, eos=None, prefix_len=1, digest=5),
+        tokens[:4],
+    )
+    assert (
+        ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code)
+        is ErrorCode.PREFIX_DIGEST_MISMATCH
+    )
+    assert pair.worker.slots == {}
+
+
+def test_slot_in_use():
+    pair = ready_pair()
+    pair.send_raw(
+        Open(
+            session=7,
+            slot=0,
+            generation=0,
+            seed=9,
+            context=0,
+            eos=None,
+            prefix_len=0,
+            digest=prefix_digest([]),
+        )
+    )
+    assert ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code) is ErrorCode.SLOT_IN_USE
+
+
+def test_drafter_failure_gives_a_failed_completion_not_a_dead_connection():
+    pair = ready_pair()
+
+    def broken(_prefix):
+        raise RuntimeError("drafter crashed")
+
+    pair.worker.drafter = broken
+    events = pair.send_raw(step())
+    frames = frames_of(pair.worker.data_to_send())
+    assert [f.type for f in frames] == [MsgType.COMPLETION]
+    assert frames[0].message.status == ErrorCode.INTERNAL
+    assert not pair.worker.closed
+    assert [e.status for e in events if isinstance(e, StepServed)] == [ErrorCode.INTERNAL]
+
+
+# -- COMMIT / RESET / CLOSE ---------------------------------------------------------------
+
+
+def _drafts(pair, msg) -> list[int]:
+    return [f.message.token for f in frames_of([reply_bytes(pair, msg)]) if f.type == MsgType.REPLY]
+
+
+def commit(round=0, accepted=0, extra=5, position=4, digest=None, generation=0, tokens=None):
+    toks = tokens if tokens is not None else [extra]
+    return Commit(
+        session=7,
+        slot=0,
+        generation=generation,
+        round=round,
+        accepted=accepted,
+        extra=extra,
+        position=position,
+        digest=prefix_digest(PREFIX + toks) if digest is None else digest,
+    )
+
+
+def test_commit_applies_and_is_idempotent():
+    pair = ready_pair()
+    drafts = _drafts(pair, step(depth=3))
+    msg = commit(accepted=2, extra=9, position=6, tokens=[*drafts[:2], 9])
+    first = reply_bytes(pair, msg)
+    assert frames_of([first])[0].type == MsgType.COMMITTED
+    assert list(pair.worker.slots[0].prefix) == [*PREFIX, *drafts[:2], 9]
+    assert reply_bytes(pair, msg) == first  # retried COMMIT: same acknowledgement
+    assert list(pair.worker.slots[0].prefix) == [*PREFIX, *drafts[:2], 9]
+
+
+@pytest.mark.parametrize(
+    ("build", "code"),
+    [
+        (
+            lambda d: commit(accepted=4, extra=1, position=8, tokens=[*d, 1, 1]),
+            ErrorCode.COMMIT_INVALID,
+        ),
+        (
+            lambda d: commit(accepted=1, extra=1, position=9, tokens=[d[0], 1]),
+            ErrorCode.WRONG_POSITION,
+        ),
+        (
+            lambda d: commit(accepted=1, extra=1, position=5, digest=1),
+            ErrorCode.PREFIX_DIGEST_MISMATCH,
+        ),
+        (
+            lambda d: commit(accepted=1, extra=None, position=4, tokens=[d[0]]),
+            ErrorCode.COMMIT_INVALID,
+        ),
+        (lambda d: commit(accepted=0, extra=VOCAB, position=4), ErrorCode.TOKEN_OUT_OF_RANGE),
+        (lambda d: commit(generation=1, position=4), ErrorCode.FUTURE_GENERATION),
+        (
+            lambda d: commit(round=1, accepted=1, extra=1, position=5, tokens=[d[0], 1]),
+            ErrorCode.COMMIT_INVALID,
+        ),
+    ],
+)
+def test_commit_refusals_change_nothing(build, code):
+    pair = ready_pair()
+    drafts = _drafts(pair, step(depth=3))
+    err = error_of(reply_bytes(pair, build(drafts)))
+    assert ErrorCode(err.code) is code
+    assert list(pair.worker.slots[0].prefix) == PREFIX
+    # The round is still committable.
+    ok = reply_bytes(pair, commit(accepted=1, extra=2, position=5, tokens=[drafts[0], 2]))
+    assert frames_of([ok])[0].type == MsgType.COMMITTED
+
+
+def test_commit_for_an_old_round_is_refused():
+    pair = ready_pair()
+    reply_bytes(pair, commit(round=3))
+    err = error_of(reply_bytes(pair, commit(round=2, position=5, tokens=[5, 5])))
+    assert ErrorCode(err.code) is ErrorCode.ROUND_REUSED
+    # And a STEP for a committed round cannot be replayed into the new prefix.
+    err = error_of(reply_bytes(pair, step(round=3, position=4, digest=prefix_digest([*PREFIX, 5]))))
+    assert ErrorCode(err.code) is ErrorCode.ROUND_REUSED
+
+
+def test_reset_invalidates_replay_cache_and_is_idempotent():
+    pair = ready_pair()
+    reply_bytes(pair, step())
+    first = reply_bytes(pair, Reset(session=7, slot=0, generation=1))
+    assert frames_of([first])[0].type == MsgType.RESET_DONE
+    assert reply_bytes(pair, Reset(session=7, slot=0, generation=1)) == first
+    err = error_of(reply_bytes(pair, Reset(session=7, slot=0, generation=0)))
+    assert ErrorCode(err.code) is ErrorCode.STALE_GENERATION
+    assert pair.worker.slots[0].reply is None
+
+
+def test_close_drops_the_slot():
+    pair = ready_pair()
+    assert frames_of([reply_bytes(pair, Close(session=7, slot=0))])[0].type == MsgType.CLOSED
+    err = error_of(reply_bytes(pair, step()))
+    assert ErrorCode(err.code) is ErrorCode.UNKNOWN_SLOT
+
+
+def test_framing_error_closes_the_connection():
+    pair = ready_pair()
+    events = pair.worker.receive_data(b"XX" + b"\x00" * 30, 0.0)
+    assert any(isinstance(e, ConnectionClosing) for e in events)
+    assert any(isinstance(e, Refused) and e.code is ErrorCode.BAD_MAGIC for e in events)
+    assert pair.worker.slots == {}
