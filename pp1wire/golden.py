@@ -429,6 +429,7 @@ def decode_frame_vector(vector: Vector) -> dict[str, Any]:
 
 # -- reply vectors -----------------------------------------------------------------
 
+
 def _step(support: int, depth: int = 2) -> Step:
     return Step(
         session=SESSION,

@@ -1,6 +1,8 @@
 """Generate (or check) the JSON Schemas of every wire message under ``schemas/``.
 
-Usage: ``python -m pp1wire.schema [--check] [DIR]`` (default ``schemas``).
+Usage: ``python -m pp1wire.schema [--check] [--doc FILE] [DIR]`` (default
+``schemas`` and ``docs/protocol.md``). The same run refreshes the field tables
+of the protocol document, between ``<!-- fields:NAME -->`` markers.
 
 Each file describes one message header as the positional array it is on the
 wire: element 0 is the tag (the frame type code), then the fields in order.
@@ -44,6 +46,59 @@ def schema_for(kind: MsgType) -> dict[str, Any]:
     return doc
 
 
+def _describe(t: msgspec.inspect.Type) -> tuple[str, str]:
+    """(wire type, constraint) of one field for the protocol document."""
+    i = msgspec.inspect
+    if isinstance(t, i.Metadata):
+        return _describe(t.type)
+    if isinstance(t, i.IntType):
+        lo = 0 if t.ge is None else t.ge
+        hi = 2**64 - 1 if t.le is None else t.le
+        return "uint", f"{lo} ≤ v ≤ {hi}"
+    if isinstance(t, i.FloatType):
+        return "float64", "finite, ≥ 0 (checked by the receiver)"
+    if isinstance(t, i.BoolType):
+        return "bool", ""
+    if isinstance(t, i.StrType):
+        return "str", f"UTF-8, ≤ {t.max_length} chars"
+    if isinstance(t, i.BytesType):
+        return "bin", f"{t.min_length}–{t.max_length} bytes"  # noqa: RUF001 - a range in prose
+    if isinstance(t, i.UnionType):
+        parts = [_describe(x) for x in t.types if not isinstance(x, i.NoneType)]
+        return f"{parts[0][0]} or nil", parts[0][1]
+    raise TypeError(t)
+
+
+def field_table(kind: MsgType) -> str:
+    """Markdown table of a message's header array, element by element."""
+    info = msgspec.inspect.type_info(MESSAGE_TYPES[kind])
+    assert isinstance(info, msgspec.inspect.StructType)
+    lines = [
+        "| # | field | msgpack type | constraint |",
+        "|---|---|---|---|",
+        f"| 0 | tag | uint | = {int(kind)} |",
+    ]
+    for n, f in enumerate(info.fields, start=1):
+        wire, rule = _describe(f.type)
+        default = "" if f.required else f" (may be omitted: default {f.default!r})"
+        lines.append(f"| {n} | `{f.name}` | {wire} | {rule}{default} |")
+    return "\n".join(lines)
+
+
+def update_doc(text: str) -> str:
+    """Replace every ``<!-- fields:NAME -->`` … ``<!-- /fields -->`` block with its table."""
+    out = text
+    for kind in MsgType:
+        start = f"<!-- fields:{kind.name} -->"
+        end = "<!-- /fields -->"
+        i = out.find(start)
+        if i < 0:
+            continue
+        j = out.index(end, i)
+        out = out[: i + len(start)] + "\n" + field_table(kind) + "\n" + out[j:]
+    return out
+
+
 def render_all() -> dict[str, str]:
     """File name → file text for every message schema."""
     out = {}
@@ -58,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pp1wire.schema", description=__doc__)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("dir", nargs="?", default="schemas")
+    parser.add_argument("--doc", default="docs/protocol.md", help="document with field tables")
     args = parser.parse_args(argv)
+    doc = Path(args.doc)
     root = Path(args.dir)
     files = render_all()
     if args.check:
@@ -70,10 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         extra = sorted(p.name for p in root.glob("*.schema.json") if p.name not in files)
         for name in stale + extra:
             print(f"out of date: {root / name}", file=sys.stderr)
-        return 1 if stale or extra else 0
+        doc_stale = doc.is_file() and update_doc(doc.read_text()) != doc.read_text()
+        if doc_stale:
+            print(f"out of date: field tables in {doc}", file=sys.stderr)
+        return 1 if stale or extra or doc_stale else 0
     root.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (root / name).write_text(text)
+    if doc.is_file():
+        doc.write_text(update_doc(doc.read_text()))
     return 0
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent / "schemas"
 
 
 def test_committed_schemas_are_current():
-    assert schema.main(["--check", str(ROOT)]) == 0, "run: python -m pp1wire.schema"
+    doc = str(ROOT.parent / "docs" / "protocol.md")
+    assert schema.main(["--check", str(ROOT), "--doc", doc]) == 0, "run: python -m pp1wire.schema"
 
 
 def test_check_detects_a_stale_file(tmp_path):
@@ -39,3 +40,23 @@ def test_json_form_of_a_message_matches_its_schema_shape():
     # The JSON encoding of a Struct is the same positional array the schema describes.
     msg = MESSAGE_TYPES[MsgType.PING](nonce=5)
     assert msgspec.json.decode(msgspec.json.encode(msg)) == [int(MsgType.PING), 5]
+
+
+def test_protocol_document_names_every_error_code_and_message():
+    from pp1wire.errors import ErrorCode
+
+    text = (ROOT.parent / "docs" / "protocol.md").read_text()
+    for code in ErrorCode:
+        assert f"| {int(code)} | `{code.name}` |" in text, code.name
+    for kind in MsgType:
+        assert f"<!-- fields:{kind.name} -->" in text, kind.name
+
+
+def test_stale_field_table_is_detected(tmp_path):
+    doc = tmp_path / "protocol.md"
+    doc.write_text("<!-- fields:PING -->\n| stale |\n<!-- /fields -->\n")
+    schema.main([str(tmp_path / "s"), "--doc", str(doc)])
+    assert "nonce" in doc.read_text()
+    assert schema.main(["--check", str(tmp_path / "s"), "--doc", str(doc)]) == 0
+    doc.write_text(doc.read_text().replace("nonce", "nonse"))
+    assert schema.main(["--check", str(tmp_path / "s"), "--doc", str(doc)]) == 1
