@@ -12,7 +12,7 @@ tests can compute target-only distributions for any prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -88,3 +88,17 @@ def toy_target(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None =
 def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None = None) -> ToyLM:
     """The built-in drafter matching :func:`toy_target` with the same arguments."""
     return ToyLM(vocab_size, seed, draft=True, eos=eos)
+
+
+def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
+    """Plugin factory for ``--drafter pp1wire.models:drafter_factory``: prefix → logits."""
+    return toy_drafter(vocab_size, seed).logits
+
+
+def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:
+    """Plugin factory for ``--target pp1wire.models:target_factory``: prefix → probabilities."""
+    return toy_target(vocab_size, seed).probs
+
+
+DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.float64]]
+TargetFn = Callable[[Sequence[int]], npt.NDArray[np.float64]]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -207,6 +207,7 @@ class _Flight:
     rows: list[QRow] = field(default_factory=list)
     hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
     nbytes: int = 0
+    buffers: list[memoryview] = field(default_factory=list)
 
 
 @dataclass
@@ -244,6 +245,14 @@ class SparkProtocol:
         self.handshake_deadline: float | None = None
         self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
+        self._retained = False
+        # CLOSEs not yet acknowledged, per slot: frames for the closed instance
+        # of a slot (late acks, replies) are ignored until its CLOSED arrives.
+        self._closing: dict[int, int] = {}
+        self._ready_buffers: dict[tuple[int, int], list[memoryview]] = {}
+        #: Called with a frame's buffer once nothing refers to it any more
+        #: (lets a transport recycle receive buffers); None: let GC free it.
+        self.release: Callable[[memoryview], None] | None = None
         self.closed = False
         self._now = now
 
@@ -289,14 +298,47 @@ class SparkProtocol:
             return self._take()
         return self.receive_frames(frames, now)
 
+    def get_buffer(self) -> memoryview:
+        """Where a buffered transport should write received bytes next.
+
+        Raises:
+            ProtocolError: if the decoder has already failed.
+        """
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int, now: float) -> list[SparkEvent]:
+        """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
+        if self.closed:
+            return []
+        try:
+            frames = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self._events.append(FrameRejected(None, exc.code))
+            self._fatal(exc.code)
+            return self._take()
+        return self.receive_frames(frames, now)
+
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
         self._now = now
         for frame in frames:
             if self.closed:
-                break
+                self._release(frame.raw)
+                continue
+            self._retained = False
             self._dispatch(frame)
+            if not self._retained:
+                self._release(frame.raw)
         return self._take()
+
+    def _release(self, view: memoryview) -> None:
+        if self.release is not None:
+            self.release(view)
+
+    def release_proposal(self, slot: int, round_id: int) -> None:
+        """The caller is done with a ready proposal's rows: recycle their buffers."""
+        for view in self._ready_buffers.pop((slot, round_id), ()):
+            self._release(view)
 
     def connection_lost(self) -> list[SparkEvent]:
         """The transport is gone: every in-flight proposal fails, every slot is dropped."""
@@ -511,11 +553,11 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
-            self._events.append(
-                ProposalFailed(
-                    slot, state.fence.generation, state.flight.step.round, ErrorCode.UNKNOWN_SLOT
-                )
-            )
+            self._discard(slot, state, ErrorCode.UNKNOWN_SLOT)
+        for key in [k for k in self._ready_buffers if k[0] == slot]:
+            for view in self._ready_buffers.pop(key):
+                self._release(view)
+        self._closing[slot] = self._closing.get(slot, 0) + 1
         self._out.append(framing.encode_frame(Close(session=self.session, slot=slot)))
 
     def ping(self, nonce: int) -> None:
@@ -544,6 +586,8 @@ class SparkProtocol:
             slot.fence.in_flight.discarded = True
         slot.fence.last_round = max(slot.fence.last_round, flight.step.round)
         slot.drafts.pop(flight.step.round, None)
+        for view in flight.buffers:
+            self._release(view)
         self._events.append(ProposalFailed(index, flight.step.generation, flight.step.round, code))
 
     # -- dispatch ------------------------------------------------------------
@@ -576,6 +620,9 @@ class SparkProtocol:
         if self.state != "ready" or kind in (MsgType.HELLO, MsgType.CHALLENGE):
             self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
             return
+        slot_of = getattr(msg, "slot", None)
+        if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
+            return  # belongs to the slot's closed instance
         handler = {
             MsgType.OPENED: self._on_opened,
             MsgType.CLOSED: self._on_closed,
@@ -706,6 +753,11 @@ class SparkProtocol:
 
     def _on_closed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Closed)
+        pending = self._closing.get(msg.slot, 0)
+        if pending <= 1:
+            self._closing.pop(msg.slot, None)
+        else:
+            self._closing[msg.slot] = pending - 1
         self._events.append(SlotClosed(msg.slot))
 
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
@@ -763,6 +815,8 @@ class SparkProtocol:
         flight.rows.append(code)
         flight.hasher.update(frame.raw)
         flight.nbytes += len(frame.raw)
+        flight.buffers.append(frame.raw)
+        self._retained = True
 
     def _check_row(
         self, state: SparkSlot, flight: _Flight, msg: Reply, payload: memoryview
@@ -838,6 +892,8 @@ class SparkProtocol:
         state.fence.last_round = max(state.fence.last_round, step.round)
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
+        if flight.buffers:
+            self._ready_buffers[(msg.slot, step.round)] = flight.buffers
         proposal = Proposal(
             session=self.session,
             generation=step.generation,

@@ -240,6 +240,26 @@ class WorkerProtocol:
             self._dispatch(frame)
         return self._take_events()
 
+    def get_buffer(self) -> memoryview:
+        """Where a buffered transport should write received bytes next.
+
+        Raises:
+            ProtocolError: if the decoder has already failed.
+        """
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int, now: float) -> list[WorkerEvent]:
+        """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
+        if self.closed:
+            return []
+        self.last_activity = now
+        try:
+            frames = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self._fatal(exc.code, None)
+            return self._take_events()
+        return self.receive_frames(frames, now)
+
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[WorkerEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
         self.last_activity = now

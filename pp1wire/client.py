@@ -1,0 +1,581 @@
+"""Embeddable Spark-side client: async API, a synchronous facade, and flat-layout helpers.
+
+The client is a thin asyncio shell around :class:`pp1wire.spark_core.SparkProtocol`:
+a ``BufferedProtocol`` lets the socket write every large frame straight into a
+recycled receive buffer, the core validates each row as it arrives, and
+:meth:`AsyncClient.propose` returns a :class:`~pp1wire.proposal.Proposal` only
+after its COMPLETION validated. Every failure (refused, corrupt, timed out,
+connection lost) surfaces as :class:`ProposalUnavailableError` with its code, so the
+caller decodes that round target-only and commits it with :meth:`commit`.
+
+Typical use from a sampler::
+
+    client = await AsyncClient.connect("127.0.0.1", 7070, SparkConfig(vocab_size=V))
+    await client.open(0, seed=seed, prefix=prompt)
+    try:
+        proposal = await client.propose(0, depth=5)
+        result = verifier.verify(proposal)          # pp1wire.verify.RequestVerifier
+        client.release(proposal, 0)
+    except ProposalUnavailableError:
+        result = verifier.decode_target_only(client.new_round(0))
+    client.commit(0, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl as ssl_module
+import threading
+import time
+from collections import Counter as TallyCounter
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future as ThreadFuture
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire import spark_core
+from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
+from pp1wire.proposal import Proposal
+from pp1wire.spark_core import SparkConfig, SparkProtocol
+
+_T = TypeVar("_T")
+
+
+class ProposalUnavailableError(Pp1Error):
+    """No usable proposal this round (``code`` says why); decode it target-only."""
+
+
+class ClientClosedError(Pp1Error):
+    """The connection is gone; reconnect and reopen the slots."""
+
+
+class BufferPool:
+    """Receive buffers of one size, allocated once and recycled.
+
+    A frame larger than the pool's buffers, or one arriving while every buffer
+    is in use, gets a fresh allocation (counted in :attr:`misses`) rather than
+    waiting: correctness never depends on the pool.
+    """
+
+    def __init__(self, size: int, count: int) -> None:
+        """Allocate ``count`` buffers of ``size`` bytes."""
+        self.size = size
+        self._free = [bytearray(size) for _ in range(count)]
+        self._owned = {id(b) for b in self._free}
+        self._free_ids = set(self._owned)
+        self.misses = 0
+
+    def acquire(self, nbytes: int) -> memoryview:
+        """A writable buffer of at least ``nbytes``."""
+        if nbytes <= self.size and self._free:
+            buf = self._free.pop()
+            self._free_ids.discard(id(buf))
+            return memoryview(buf)
+        self.misses += 1
+        return memoryview(bytearray(nbytes))
+
+    def release(self, view: memoryview) -> None:
+        """Return the buffer behind ``view`` (ignores buffers the pool does not own)."""
+        obj = view.obj
+        if isinstance(obj, bytearray) and id(obj) in self._owned and id(obj) not in self._free_ids:
+            self._free.append(obj)
+            self._free_ids.add(id(obj))
+
+    @property
+    def free(self) -> int:
+        """Buffers currently available."""
+        return len(self._free)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                import socket  # noqa: PLC0415
+
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.client.core.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.client._handle(self.client.core.buffer_updated(nbytes, time.monotonic()))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._handle(self.client.core.connection_lost())
+        self.client._lost()
+
+
+class AsyncClient:
+    """One connection to a worker, serving any number of concurrent slots."""
+
+    def __init__(self, config: SparkConfig) -> None:
+        """Prefer :meth:`connect`."""
+        self.config = config
+        self.core = SparkProtocol(config, time.monotonic())
+        self.loop = asyncio.get_running_loop()
+        row_frame = 16 + 4096 + 4 * config.entries
+        # Two in-flight batches of every slot's full-depth block, allocated once.
+        self.pool = BufferPool(row_frame, 2 * config.max_slots * config.max_depth)
+        self.core.decoder = type(self.core.decoder)(0, allocator=self.pool.acquire)
+        self.core.release = self.pool.release
+        self._conn: _Connection | None = None
+        self._handshake: asyncio.Future[None] = self.loop.create_future()
+        self._opened: dict[int, asyncio.Future[None]] = {}
+        self._proposals: dict[int, asyncio.Future[Proposal]] = {}
+        self._resets: dict[int, asyncio.Future[None]] = {}
+        self._commits: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = asyncio.Event()
+        self.failed: ErrorCode | None = None
+        #: Called with every protocol event (metrics, logs); must not raise.
+        self.observer: Callable[[spark_core.SparkEvent], None] | None = None
+        self.fallbacks: TallyCounter[str] = TallyCounter()
+        self.rejected: TallyCounter[str] = TallyCounter()
+        self.dropped: TallyCounter[str] = TallyCounter()
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        config: SparkConfig,
+        *,
+        ssl: ssl_module.SSLContext | None = None,
+        timeout: float = 10.0,
+    ) -> AsyncClient:
+        """Connect and complete HELLO (and authentication).
+
+        Raises:
+            OSError: if the TCP connection fails.
+            ClientClosedError: if the handshake is refused or times out (``code`` says why).
+        """
+        client = cls(config)
+        await client.loop.create_connection(
+            client._make_conn, host, port, ssl=ssl, server_hostname=host if ssl else None
+        )
+        client.core.start(time.monotonic())
+        client._flush()
+        try:
+            await asyncio.wait_for(asyncio.shield(client._handshake), timeout)
+        except TimeoutError:
+            client.abort()
+            raise ClientClosedError(ErrorCode.HANDSHAKE_TIMEOUT, "no HELLO in time") from None
+        return client
+
+    def _make_conn(self) -> _Connection:
+        self._conn = _Connection(self)
+        return self._conn
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _flush(self) -> None:
+        chunks = self.core.data_to_send()
+        if chunks and self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.writelines(chunks)
+        if self.core.closed and self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        deadline = self.core.next_deadline()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if deadline is not None:
+            delay = max(0.0, deadline - time.monotonic())
+            self._timer = self.loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._handle(self.core.handle_timer(time.monotonic()))
+
+    def _handle(self, events: list[spark_core.SparkEvent]) -> None:
+        for event in events:
+            self._route(event)
+        self._flush()
+
+    def _route(self, event: spark_core.SparkEvent) -> None:
+        if self.observer is not None:
+            self.observer(event)
+        if isinstance(event, spark_core.HandshakeDone):
+            _settle(self._handshake, None)
+        elif isinstance(event, spark_core.SlotOpened):
+            _settle(self._opened.pop(event.slot, None), None)
+        elif isinstance(event, spark_core.ProposalReady):
+            _settle(self._proposals.pop(event.slot, None), event.proposal)
+        elif isinstance(event, spark_core.ProposalFailed):
+            self.fallbacks[event.code.name.lower()] += 1
+            _fail(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
+        elif isinstance(event, spark_core.ResetAcked):
+            _settle(self._resets.pop(event.slot, None), None)
+        elif isinstance(event, spark_core.CommitAcked):
+            _settle(self._commits.pop((event.slot, event.round), None), None)
+        elif isinstance(event, spark_core.SlotDesynced):
+            error = ClientClosedError(event.code, f"slot {event.slot} out of sync")
+            for table in (self._opened, self._resets):
+                _fail(table.pop(event.slot, None), error)
+            for key in [k for k in self._commits if k[0] == event.slot]:
+                _fail(self._commits.pop(key), error)
+        elif isinstance(event, spark_core.FrameRejected):
+            self.rejected[event.code.name.lower()] += 1
+        elif isinstance(event, spark_core.FrameDropped):
+            self.dropped[event.code.name.lower()] += 1
+        elif isinstance(event, spark_core.ConnectionFailed):
+            self.failed = event.code
+            self._fail_all(ClientClosedError(event.code, "connection failed"))
+
+    def _fail_all(self, error: Pp1Error) -> None:
+        _fail(self._handshake, error)
+        for table in (self._opened, self._proposals, self._resets):
+            for fut in table.values():
+                _fail(fut, error)
+            table.clear()
+        for fut in self._commits.values():
+            _fail(fut, error)
+        self._commits.clear()
+
+    def _lost(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        code = self.failed or ErrorCode.CONNECTION_LOST
+        self._fail_all(ClientClosedError(code, "connection lost"))
+        self._closed.set()
+
+    def _require_open(self) -> None:
+        if self.core.closed:
+            code = self.failed or ErrorCode.CONNECTION_LOST
+            raise ClientClosedError(code, "connection is closed")
+
+    # -- API ----------------------------------------------------------------
+
+    @property
+    def session(self) -> int:
+        """The session ID the worker assigned."""
+        return self.core.session
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is dead."""
+        return self.core.closed
+
+    async def open(
+        self,
+        slot: int,
+        *,
+        seed: int,
+        prefix: Sequence[int],
+        eos: int | None = None,
+        context: int = 0,
+        generation: int = 0,
+    ) -> None:
+        """Open ``slot`` with the committed ``prefix`` and request ``seed``; wait for OPENED.
+
+        Raises:
+            ProtocolError: for a bad slot or prefix (nothing sent).
+            ClientClosedError: if the worker refuses or the connection dies.
+        """
+        self._require_open()
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self.core.open_slot(
+            slot, seed=seed, prefix=prefix, eos=eos, context=context, generation=generation
+        )
+        self._opened[slot] = fut
+        self._flush()
+        await fut
+
+    async def propose(
+        self, slot: int, *, depth: int, temperature: float = 1.0, support: int = 0
+    ) -> Proposal:
+        """Ask for one fixed-depth block and wait until it is validated whole.
+
+        Raises:
+            ProposalUnavailableError: the proposal was refused, corrupt, late or lost;
+                ``code`` says which. Decode the round target-only.
+            ProtocolError: for a locally invalid request (nothing sent).
+        """
+        if self.core.closed:
+            code = self.failed or ErrorCode.CONNECTION_LOST
+            raise ProposalUnavailableError(code, "connection closed")
+        fut: asyncio.Future[Proposal] = self.loop.create_future()
+        self.core.step(
+            slot, depth=depth, temperature=temperature, support=support, now=time.monotonic()
+        )
+        self._proposals[slot] = fut
+        self._flush()
+        return await fut
+
+    def release(self, proposal: Proposal, slot: int) -> None:
+        """Done with ``proposal``'s rows (after verifying): recycle their receive buffers."""
+        self.core.release_proposal(slot, proposal.round_id)
+
+    def new_round(self, slot: int) -> int:
+        """A fresh round ID for a target-only commit on ``slot``.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT`` or a closed connection.
+        """
+        return self.core.allocate_round(slot)
+
+    def commit(
+        self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int
+    ) -> asyncio.Future[None]:
+        """Queue COMMIT; the returned future resolves on COMMITTED (awaiting it is optional).
+
+        Raises:
+            ProtocolError: ``COMMIT_INVALID`` if the accepted tokens are not the drafts.
+            ClientClosedError: if the connection is closed.
+        """
+        self._require_open()
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self.core.commit(slot, round_id=round_id, tokens=tokens, accepted=accepted)
+        self._commits[(slot, round_id)] = fut
+        self._flush()
+        return fut
+
+    async def reset(self, slot: int) -> int:
+        """Move ``slot`` to a new generation; returns it once the worker confirms.
+
+        Raises:
+            ClientClosedError: if the worker refuses or the connection dies.
+        """
+        self._require_open()
+        fut: asyncio.Future[None] = self.loop.create_future()
+        _fail(self._proposals.pop(slot, None), ProposalUnavailableError(ErrorCode.STALE_GENERATION))
+        generation = self.core.reset(slot)
+        self._resets[slot] = fut
+        self._flush()
+        await fut
+        return generation
+
+    async def close_slot(self, slot: int) -> None:
+        """Close ``slot`` (fire and forget: the slot is free locally at once)."""
+        if self.core.closed or slot not in self.core.slots:
+            return
+        self.core.close_slot(slot)
+        self._flush()
+
+    async def ping(self) -> float:
+        """Round-trip time of one PING, in seconds.
+
+        Raises:
+            ClientClosedError: if the connection dies first.
+        """
+        self._require_open()
+        started = time.perf_counter()
+        fut: asyncio.Future[None] = self.loop.create_future()
+        nonce = int(started * 1e9) & 0xFFFFFFFFFFFF
+        original = self._route
+
+        def route(event: spark_core.SparkEvent) -> None:
+            if isinstance(event, spark_core.PongReceived) and event.nonce == nonce:
+                _settle(fut, None)
+            original(event)
+
+        self._route = route  # type: ignore[method-assign]
+        try:
+            self.core.ping(nonce)
+            self._flush()
+            await fut
+        finally:
+            self._route = original  # type: ignore[method-assign]
+        return time.perf_counter() - started
+
+    def abort(self) -> None:
+        """Drop the connection at once."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.abort()
+
+    async def close(self) -> None:
+        """Close the connection after queued frames are written."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closed.wait(), 5.0)
+
+
+def _settle(fut: asyncio.Future[Any] | None, value: Any) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future[Any] | None, error: BaseException) -> None:
+    if fut is not None and not fut.done():
+        fut.set_exception(error)
+        # The caller may have stopped waiting (a reset, a shutdown): do not warn.
+        fut.exception()
+
+
+class SyncClient:
+    """A blocking facade over :class:`AsyncClient` that runs its loop on a thread.
+
+    Every method blocks until the async call finishes and raises what it raises.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        config: SparkConfig,
+        *,
+        ssl: ssl_module.SSLContext | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        """Start the background loop and connect.
+
+        Raises:
+            OSError, ClientClosedError: as :meth:`AsyncClient.connect`.
+        """
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.timeout = timeout
+        try:
+            self.client = self._call(
+                AsyncClient.connect(host, port, config, ssl=ssl, timeout=timeout)
+            )
+        except BaseException:
+            self._stop()
+            raise
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        fut: ThreadFuture[_T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result()
+
+    def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        async def call() -> Any:
+            return fn(*args, **kwargs)
+
+        return self._call(call())
+
+    def open(self, slot: int, **kwargs: Any) -> None:
+        """See :meth:`AsyncClient.open`."""
+        self._call(self.client.open(slot, **kwargs))
+
+    def propose(self, slot: int, **kwargs: Any) -> Proposal:
+        """See :meth:`AsyncClient.propose`."""
+        return self._call(self.client.propose(slot, **kwargs))
+
+    def release(self, proposal: Proposal, slot: int) -> None:
+        """See :meth:`AsyncClient.release`."""
+        self._run(self.client.release, proposal, slot)
+
+    def new_round(self, slot: int) -> int:
+        """See :meth:`AsyncClient.new_round`."""
+        return int(self._run(self.client.new_round, slot))
+
+    def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
+        """See :meth:`AsyncClient.commit` (does not wait for COMMITTED)."""
+        self._run(self.client.commit, slot, round_id=round_id, tokens=tokens, accepted=accepted)
+
+    def reset(self, slot: int) -> int:
+        """See :meth:`AsyncClient.reset`."""
+        return self._call(self.client.reset(slot))
+
+    def close_slot(self, slot: int) -> None:
+        """See :meth:`AsyncClient.close_slot`."""
+        self._call(self.client.close_slot(slot))
+
+    @property
+    def session(self) -> int:
+        """The session ID the worker assigned."""
+        return self.client.session
+
+    def close(self) -> None:
+        """Close the connection and stop the background loop."""
+        try:
+            self._call(self.client.close())
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        """Context manager entry."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close on exit."""
+        self.close()
+
+
+# -- flat layout helpers (vLLM / SGLang style) ----------------------------------------
+
+
+def flatten_drafts(
+    proposals: Sequence[Proposal | None],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Draft token IDs ``[num_tokens]`` and draft counts ``[batch]`` for a batch.
+
+    ``None`` (no proposal this round) contributes a count of 0.
+    """
+    counts = np.array([0 if p is None else len(p.rows) for p in proposals], dtype=np.int32)
+    ids = [t for p in proposals if p is not None for t in p.tokens]
+    return np.asarray(ids, dtype=np.int32), counts
+
+
+def pack_outputs(outputs: Sequence[Sequence[int]], max_depth: int) -> npt.NDArray[np.int32]:
+    """Accepted tokens per request as ``[batch, max_depth + 1]``, padded with -1.
+
+    Raises:
+        ValueError: if a request has more than ``max_depth + 1`` tokens.
+    """
+    out = np.full((len(outputs), max_depth + 1), -1, dtype=np.int32)
+    for i, tokens in enumerate(outputs):
+        if len(tokens) > max_depth + 1:
+            raise ValueError(f"request {i} has {len(tokens)} tokens > {max_depth + 1}")
+        out[i, : len(tokens)] = tokens
+    return out
+
+
+def target_rows(
+    target_probs: npt.NDArray[np.floating], draft_counts: npt.NDArray[np.int32]
+) -> list[npt.NDArray[np.floating]]:
+    """Split engine-layout target probabilities into per-request blocks.
+
+    ``target_probs`` is ``[num_tokens + batch, V]``: for request i, its
+    ``draft_counts[i]`` draft positions followed by one bonus position, in
+    request order. Row j of block i is p for the prefix extended by the
+    request's first j drafts.
+
+    Raises:
+        ValueError: if the row count does not match ``sum(draft_counts) + batch``.
+    """
+    expected = int(draft_counts.sum()) + len(draft_counts)
+    if target_probs.shape[0] != expected:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows, expected {expected}")
+    blocks = []
+    start = 0
+    for n in draft_counts.tolist():
+        blocks.append(target_probs[start : start + n + 1])
+        start += n + 1
+    return blocks
+
+
+__all__ = [
+    "AsyncClient",
+    "BufferPool",
+    "ClientClosedError",
+    "ProposalUnavailableError",
+    "ProtocolError",
+    "SyncClient",
+    "flatten_drafts",
+    "pack_outputs",
+    "target_rows",
+]

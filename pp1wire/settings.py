@@ -1,0 +1,165 @@
+"""Command-line settings shared by the daemons: flags, environment, TOML file, defaults.
+
+Precedence, highest first: command-line flags, ``PP1_*`` environment variables
+(the flag's long name upper-cased, dashes as underscores: ``--max-slots`` is
+``PP1_MAX_SLOTS``), the ``--config`` TOML file (keys are the flag names with
+underscores, at top level), then the defaults. Log lines are JSON objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PP1_"
+
+
+class SettingsError(ValueError):
+    """A setting could not be read or parsed (bad file, bad environment value)."""
+
+
+def _convert(action: argparse.Action, raw: object, source: str) -> object:
+    if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise SettingsError(f"{source}: {raw!r} is not a boolean")
+    convert: Any = action.type
+    if convert is None or (isinstance(convert, type) and isinstance(raw, convert)):
+        return raw
+    try:
+        return convert(raw)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{source}: {raw!r}: {exc}") from None
+
+
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """Parse ``argv`` and fill every option the flags left unset from env, file, defaults.
+
+    The parser must have a ``--config`` option.
+
+    Raises:
+        SettingsError: for an unreadable or invalid TOML file, an unknown key in
+            it, or a value that does not convert.
+        SystemExit: from argparse for bad flags (exit code 2).
+    """
+    env = os.environ if environ is None else environ
+    defaults: dict[str, Any] = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            defaults[action.dest] = action.default
+            action.default = None
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        for action in parser._actions:
+            if action.dest in defaults:
+                action.default = defaults[action.dest]
+    config_path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
+    file_values: dict[str, Any] = {}
+    if config_path:
+        try:
+            file_values = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"config file {config_path}: {exc}") from None
+    known = {a.dest: a for a in parser._actions if a.dest != "help"}
+    for key in file_values:
+        if key.replace("-", "_") not in known:
+            raise SettingsError(f"config file {config_path}: unknown key {key!r}")
+    for dest, action in known.items():
+        if getattr(args, dest) is not None:
+            continue
+        env_name = ENV_PREFIX + dest.upper()
+        if env_name in env:
+            setattr(args, dest, _convert(action, env[env_name], env_name))
+        elif dest in file_values or dest.replace("_", "-") in file_values:
+            raw = file_values.get(dest, file_values.get(dest.replace("_", "-")))
+            setattr(args, dest, _convert(action, raw, f"{config_path}: {dest}"))
+        else:
+            setattr(args, dest, defaults[dest])
+    return args
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg and any ``extra`` fields."""
+
+    _skip = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as a JSON line."""
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._skip:
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str) -> None:
+    """JSON log lines on stderr at ``level`` (debug, info, warning, error).
+
+    Raises:
+        SettingsError: for an unknown level name.
+    """
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise SettingsError(f"unknown log level {level!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("pp1wire")
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    root.propagate = False
+    logging.Formatter.converter = time.gmtime
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``module:attribute`` and return the attribute.
+
+    Raises:
+        SettingsError: if the spec is malformed or the import fails.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SettingsError(f"plugin {spec!r} must look like module:factory")
+    import importlib  # noqa: PLC0415 - plugins are imported only when asked for
+
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise SettingsError(f"plugin {spec!r}: {exc}") from None
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (IPv6 in brackets).
+
+    Raises:
+        SettingsError: if it does not parse.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise SettingsError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)

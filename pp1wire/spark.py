@@ -1,0 +1,549 @@
+"""``pp1-spark``: the verifier side. Asks a worker for proposals, verifies, commits, falls back.
+
+Runs ``--requests`` requests over up to ``--concurrency`` slots of one
+connection. Each round asks for one fixed-depth proposal; a proposal that
+arrives whole and valid is verified with :class:`pp1wire.verify.RequestVerifier`
+(acceptance and correction draws are this side's own), and its outcome is
+committed. A missing, corrupt, refused or timed-out proposal is discarded whole
+and the round is decoded target-only from the committed prefix. If the worker
+goes away, requests continue target-only and the connection is retried; on
+reconnect each slot is reopened with its committed prefix under a new
+generation. ``--depth 0`` decodes target-only throughout with the same
+per-request seeds.
+
+SIGTERM or SIGINT: every request finishes its current round, the results so far
+(``finished: false`` for cut ones) are written, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import ssl
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pp1wire import metrics, spark_core
+from pp1wire.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
+from pp1wire.models import DEFAULT_VOCAB
+from pp1wire.rng import derive_seed
+from pp1wire.settings import SettingsError, host_port, load_factory, parse, setup_logging
+from pp1wire.spark_core import SparkConfig
+from pp1wire.verify import RequestVerifier, RoundResult, TargetFn
+from pp1wire.worker import install_uvloop, read_psk
+
+log = logging.getLogger("pp1wire.spark")
+
+
+class SparkMetrics:
+    """Every metric the Spark side exposes (Prometheus names)."""
+
+    def __init__(self, max_depth: int) -> None:
+        """Register the metrics."""
+        r = self.registry = metrics.Registry()
+        self.drafts = r.add(
+            metrics.Counter("pp1_spec_decode_draft_tokens_total", "Draft tokens verified.")
+        )
+        self.accepted = r.add(
+            metrics.Counter("pp1_spec_decode_accepted_tokens_total", "Draft tokens accepted.")
+        )
+        self.num_drafts = r.add(
+            metrics.Counter("pp1_spec_decode_num_drafts_total", "Proposals verified (rounds).")
+        )
+        self.per_position = r.add(
+            metrics.Counter(
+                "pp1_spec_decode_accepted_tokens_per_pos_total",
+                "Accepted draft tokens by position in the block (0-based).",
+                ["position"],
+            )
+        )
+        for i in range(max_depth):
+            self.per_position.inc(0, position=str(i))
+        self.tokens = r.add(metrics.Counter("pp1_tokens_total", "Tokens committed."))
+        self.requests = r.add(metrics.Counter("pp1_requests_total", "Requests completed."))
+        self.fallbacks = r.add(
+            metrics.Counter(
+                "pp1_fallbacks_total", "Rounds decoded target-only, by reason.", ["reason"]
+            )
+        )
+        self.rejected = r.add(
+            metrics.Counter(
+                "pp1_frames_rejected_total", "Frames that failed validation, by code.", ["code"]
+            )
+        )
+        self.dropped = r.add(
+            metrics.Counter(
+                "pp1_frames_dropped_total", "Late or duplicate frames dropped, by code.", ["code"]
+            )
+        )
+        self.reconnects = r.add(metrics.Counter("pp1_reconnects_total", "Reconnections."))
+        self.rtt = r.add(
+            metrics.Histogram(
+                "pp1_proposal_round_trip_seconds", "STEP sent to proposal validated, seconds."
+            )
+        )
+
+
+@dataclass
+class RequestResult:
+    """What one request produced."""
+
+    request: int
+    seed: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallbacks: int = 0
+    fallback_reasons: Counter[str] = field(default_factory=Counter)
+    finished: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSONL record."""
+        return {
+            "request": self.request,
+            "seed": self.seed,
+            "prompt": self.prompt,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "fallbacks": self.fallbacks,
+            "fallback_reasons": dict(self.fallback_reasons),
+            "finished": self.finished,
+        }
+
+
+class Runner:
+    """Drives many requests through one (re)connecting client."""
+
+    def __init__(self, args: argparse.Namespace, target: TargetFn, prompts: list[list[int]]):
+        """Prepare a run from parsed settings."""
+        self.args = args
+        self.target = target
+        self.prompts = prompts
+        self.support = parse_support(args.support)
+        self.metrics = SparkMetrics(max(args.depth, 1))
+        self.client: AsyncClient | None = None
+        self._lock = asyncio.Lock()
+        self._retry_at = 0.0
+        self._backoff = 0.05
+        self.stopping = False
+        host, port = host_port(args.worker)
+        self.host, self.port = host, port
+        self.ssl = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+        self.config = SparkConfig(
+            vocab_size=args.vocab,
+            vocab_hash=args.vocab_hash,
+            draft_identity=args.draft_identity,
+            target_identity=args.target_identity,
+            max_slots=args.concurrency,
+            max_depth=max(args.depth, 1),
+            max_support=min(max(self.support or 0, 1), args.vocab),
+            max_prefix=args.max_prefix,
+            psk=read_psk(args.psk_file),
+            reply_timeout=args.reply_timeout,
+        )
+
+    # -- connection ------------------------------------------------------------
+
+    async def connect_initial(self, timeout: float) -> None:
+        """Connect, retrying until ``timeout`` seconds have passed.
+
+        Raises:
+            ClientClosedError, OSError: the last failure, if no attempt succeeded.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client = await AsyncClient.connect(
+                    self.host, self.port, self.config, ssl=self.ssl
+                )
+                self.client.observer = self.observe
+                return
+            except (OSError, ClientClosedError) as exc:
+                if isinstance(exc, ClientClosedError) and exc.code not in (
+                    ErrorCode.CONNECTION_LOST,
+                    ErrorCode.HANDSHAKE_TIMEOUT,
+                    ErrorCode.SHUTTING_DOWN,
+                ):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def live_client(self) -> AsyncClient | None:
+        """The connected client, reconnecting (with backoff) if it died; None if down."""
+        async with self._lock:
+            if self.client is not None and not self.client.closed:
+                return self.client
+            now = time.monotonic()
+            if now < self._retry_at:
+                return None
+            try:
+                self.client = await AsyncClient.connect(
+                    self.host, self.port, self.config, ssl=self.ssl, timeout=2.0
+                )
+            except (OSError, ClientClosedError) as exc:
+                self.client = None
+                self._retry_at = now + self._backoff
+                self._backoff = min(self._backoff * 2, 2.0)
+                log.info("reconnect failed", extra={"error": repr(exc)})
+                return None
+            self._backoff = 0.05
+            self.client.observer = self.observe
+            self.metrics.reconnects.inc()
+            log.info("reconnected", extra={"session": self.client.session})
+            return self.client
+
+    def observe(self, event: spark_core.SparkEvent) -> None:
+        """Count rejected and dropped frames as the client sees them."""
+        if isinstance(event, spark_core.FrameRejected):
+            self.metrics.rejected.inc(code=event.code.name.lower())
+        elif isinstance(event, spark_core.FrameDropped):
+            self.metrics.dropped.inc(code=event.code.name.lower())
+
+    # -- requests -----------------------------------------------------------------
+
+    async def run(self) -> list[RequestResult]:
+        """Run every request; returns the results in request order."""
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(self.args.requests):
+            queue.put_nowait(i)
+        results: dict[int, RequestResult] = {}
+
+        async def slot_loop(slot: int) -> None:
+            while not self.stopping:
+                try:
+                    index = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results[index] = await self.request(slot, index)
+
+        await asyncio.gather(*(slot_loop(s) for s in range(self.args.concurrency)))
+        return [results[i] for i in sorted(results)]
+
+    async def request(self, slot: int, index: int) -> RequestResult:
+        """Generate one request to ``--max-tokens`` tokens (or its terminal token)."""
+        args = self.args
+        seed = derive_seed(args.seed, index)
+        prompt = list(self.prompts[index % len(self.prompts)])
+        result = RequestResult(request=index, seed=seed, prompt=prompt)
+        verifier = RequestVerifier(
+            session=0,
+            seed=seed,
+            vocab_size=args.vocab,
+            prefix=prompt,
+            target=self.target,
+            eos=args.eos,
+        )
+        opened: AsyncClient | None = None
+        generation = 0
+        local_round = 0
+        try:
+            while (
+                len(verifier.committed) - len(prompt) < args.max_tokens
+                and not verifier.finished
+                and not self.stopping
+            ):
+                if args.depth == 0:
+                    res = verifier.decode_target_only(local_round)
+                    local_round += 1
+                    self._record(result, res, None, 0)
+                    continue
+                client = await self.live_client()
+                if client is not None and opened is not client:
+                    if opened is not None:
+                        generation += 1
+                    try:
+                        verifier.rebuild(verifier.committed, generation)
+                        verifier.session = client.session
+                        await client.open(
+                            slot,
+                            seed=seed,
+                            prefix=verifier.committed,
+                            eos=args.eos,
+                            generation=generation,
+                        )
+                        opened = client
+                    except Pp1Error as exc:
+                        log.info("open failed", extra={"slot": slot, "error": repr(exc)})
+                        opened = None
+                        client = None
+                if client is None or opened is not client:
+                    res = verifier.decode_target_only(verifier.last_round + 1)
+                    self._record(result, res, "connection_lost", 0)
+                    await asyncio.sleep(0)
+                    continue
+                res, reason, drafted = await self._round(client, slot, verifier)
+                self._record(result, res, reason, drafted)
+                try:
+                    client.commit(
+                        slot, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted
+                    )
+                except Pp1Error as exc:
+                    # The worker side is out of step (or gone): reopen next round.
+                    log.info("commit not sent", extra={"slot": slot, "error": repr(exc)})
+                    opened = None
+                    await self._close_slot(client, slot)
+        finally:
+            if opened is not None and not opened.closed:
+                await self._close_slot(opened, slot)
+        result.finished = verifier.finished or (
+            len(verifier.committed) - len(prompt) >= args.max_tokens
+        )
+        result.tokens = list(verifier.committed[len(prompt) :])
+        if result.finished:
+            self.metrics.requests.inc()
+        return result
+
+    async def _close_slot(self, client: AsyncClient, slot: int) -> None:
+        with contextlib.suppress(Pp1Error):
+            await client.close_slot(slot)
+
+    async def _round(
+        self, client: AsyncClient, slot: int, verifier: RequestVerifier
+    ) -> tuple[RoundResult, str | None, int]:
+        """One round: a verified proposal, or a target-only token and the reason."""
+        started = time.perf_counter()
+        args = self.args
+        try:
+            proposal = await client.propose(
+                slot, depth=args.depth, temperature=args.temperature, support=self.support or 0
+            )
+        except ProposalUnavailableError as exc:
+            reason = exc.code.name.lower()
+        except (ClientClosedError, Pp1Error) as exc:
+            reason = exc.code.name.lower()
+        else:
+            self.metrics.rtt.observe(time.perf_counter() - started)
+            try:
+                return verifier.verify(proposal), None, len(proposal.rows)
+            except VerifyError as exc:
+                if exc.code is not ErrorCode.EMPTY_RESIDUAL:
+                    raise
+                reason = exc.code.name.lower()
+            finally:
+                client.release(proposal, slot)
+        try:
+            round_id = client.new_round(slot)
+        except Pp1Error:
+            round_id = verifier.last_round + 1
+        res = verifier.decode_target_only(max(round_id, verifier.last_round + 1))
+        return res, reason, 0
+
+    def _record(
+        self, result: RequestResult, res: RoundResult, reason: str | None, drafted: int
+    ) -> None:
+        m = self.metrics
+        result.rounds += 1
+        m.tokens.inc(len(res.tokens))
+        if reason is not None:
+            result.fallbacks += 1
+            result.fallback_reasons[reason] += 1
+            m.fallbacks.inc(reason=reason)
+            return
+        if not drafted:
+            return
+        result.draft_tokens += drafted
+        result.accepted_tokens += res.accepted
+        m.num_drafts.inc()
+        m.drafts.inc(drafted)
+        m.accepted.inc(res.accepted)
+        for i in range(res.accepted):
+            m.per_position.inc(position=str(i))
+
+
+def parse_support(text: str) -> int | None:
+    """``dense`` → None; ``sparse:K`` → K.
+
+    Raises:
+        SettingsError: for anything else.
+    """
+    if text == "dense":
+        return None
+    kind, sep, k = text.partition(":")
+    if kind == "sparse" and sep and k.isdigit() and int(k) > 0:
+        return int(k)
+    raise SettingsError(f"--support {text!r}: use dense or sparse:K")
+
+
+def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
+    """Prompts from a JSONL file (one JSON list of token IDs per line).
+
+    Raises:
+        SettingsError: for an unreadable file, a line that is not a list of
+            token IDs in ``[0, vocab)``, or an empty file.
+    """
+    if not path:
+        return [[1, 2, 3]]
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise SettingsError(f"prompts {path}: {exc}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            tokens = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"prompts {path}:{n}: {exc}") from None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+        ):
+            raise SettingsError(f"prompts {path}:{n}: need a JSON list of token IDs < {vocab}")
+        prompts.append(tokens)
+    if not prompts:
+        raise SettingsError(f"prompts {path}: no prompts")
+    return prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pp1-spark`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
+    p = argparse.ArgumentParser(
+        prog="pp1-spark", description="pp1 wire v2 verifier side (the Spark rank)."
+    )
+    p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
+    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
+    p.add_argument("--seed", type=int, default=0, help="base seed; request i uses derive(seed, i)")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--depth", type=int, default=5, help="fixed depth 1..5; 0 = target-only")
+    p.add_argument("--support", default="dense", help="dense or sparse:K")
+    p.add_argument("--temperature", type=float, default=1.0, help="proposal temperature")
+    p.add_argument("--concurrency", type=int, default=4, help="concurrent requests (slots)")
+    p.add_argument("--eos", type=int, default=None, help="terminal token ID")
+    p.add_argument("--prompts", default=None, help="JSONL: one JSON list of token IDs per line")
+    p.add_argument("--output", default=None, help="write one JSON object per request here")
+    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
+    p.add_argument(
+        "--target",
+        default="pp1wire.models:target_factory",
+        help="target plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> probs",
+    )
+    p.add_argument("--vocab-hash", type=int, default=0)
+    p.add_argument("--draft-identity", default="", help="pin the drafter identity ('' = any)")
+    p.add_argument("--target-identity", default="pp1-toy-target")
+    p.add_argument("--max-prefix", type=int, default=1 << 16)
+    p.add_argument("--reply-timeout", type=float, default=5.0, help="seconds per proposal")
+    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--psk-file", default=None)
+    p.add_argument("--tls-ca", default=None, help="CA / certificate file: connect with TLS")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--config", default=None, help="TOML file with any of these settings")
+    return p
+
+
+def summarize(results: list[RequestResult], runner: Runner, seconds: float) -> dict[str, Any]:
+    """The run's summary object."""
+    m = runner.metrics
+    drafts = sum(r.draft_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    tokens = sum(len(r.tokens) for r in results)
+    rounds = int(m.num_drafts.total())
+    return {
+        "requests": len(results),
+        "finished": sum(r.finished for r in results),
+        "tokens": tokens,
+        "rounds": sum(r.rounds for r in results),
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "mean_accepted_length": accepted / rounds if rounds else 0.0,
+        "fallbacks": sum(r.fallbacks for r in results),
+        "fallbacks_by_reason": m.fallbacks.by_label(),
+        "frames_rejected": m.rejected.by_label(),
+        "frames_dropped": m.dropped.by_label(),
+        "reconnects": int(m.reconnects.total()),
+        "round_trip_ms_median": m.rtt.quantile(0.5) * 1e3 if m.rtt.count else None,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+    }
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Run the requests; returns the exit code."""
+    if not 0 <= args.depth <= 5:
+        raise SettingsError("--depth must be in 0..5")
+    if args.concurrency < 1 or args.requests < 0 or args.max_tokens < 0:
+        raise SettingsError("--concurrency >= 1, --requests >= 0, --max-tokens >= 0 required")
+    prompts = read_prompts(args.prompts, args.vocab)
+    target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
+    runner = Runner(args, target, prompts)
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        runner.stopping = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    metrics_server = None
+    if args.metrics_port:
+        metrics_server = await metrics.serve(
+            runner.metrics.registry, args.metrics_host, args.metrics_port
+        )
+    if args.depth > 0:
+        try:
+            await runner.connect_initial(args.connect_timeout)
+        except (OSError, ClientClosedError) as exc:
+            print(f"pp1-spark: cannot reach the worker at {args.worker}: {exc}", file=sys.stderr)
+            return 1
+    started = time.perf_counter()
+    results = await runner.run()
+    seconds = time.perf_counter() - started
+    if runner.client is not None:
+        await runner.client.close()
+    if metrics_server is not None:
+        metrics_server.close()
+    if args.output:
+        with Path(args.output).open("w") as out:
+            for r in results:
+                out.write(json.dumps(r.as_json()) + "\n")
+    summary = summarize(results, runner, seconds)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary, args)
+    return 0
+
+
+def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    """Human-readable summary."""
+    print(
+        f"pp1-spark: {summary['requests']} requests, vocab {args.vocab}, depth {args.depth}, "
+        f"q {args.support}"
+    )
+    for key, value in summary.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"  {key:22s} {shown}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pp1-spark`` entry point."""
+    parser = build_parser()
+    try:
+        args = parse(parser, argv)
+        setup_logging(args.log_level)
+        install_uvloop()
+        return asyncio.run(run(args))
+    except SettingsError as exc:
+        print(f"pp1-spark: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
