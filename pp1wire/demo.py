@@ -1,17 +1,24 @@
-"""In-process round trip: toy draft logits → dyadic q → sampled block → verification.
+"""The main job: both daemons on loopback with the built-in toy models, and what happened.
 
-Runs the worker's proposal chain and the Spark side's verifier in one process,
-with every q row encoded to its FP32 wire form and validated on "receipt" the
-way the transport will, and prints acceptance statistics.
+``pp1-demo`` starts ``pp1-worker`` on a free loopback port, runs ``pp1-spark``
+against it (dense q, then sparse top-32 q), reads the worker's Prometheus
+metrics, stops the worker with SIGTERM and prints a summary of each step.
+``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
+one process (no sockets), which is handy when debugging numerics.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from pp1wire import dyadic
 from pp1wire.models import DEFAULT_VOCAB, toy_drafter, toy_target
@@ -33,7 +40,7 @@ def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
     return QRow(token=row.token, counts=counts, ids=ids)
 
 
-def run(
+def run_in_process(
     *,
     vocab_size: int,
     seed: int,
@@ -43,8 +50,8 @@ def run(
     support: int | None,
     temperature: float,
     prompt: Sequence[int],
-) -> dict[str, float | int]:
-    """Generate ``requests`` sequences and return the summary statistics."""
+) -> dict[str, Any]:
+    """Generate ``requests`` sequences in one process; return the summary statistics."""
     target = toy_target(vocab_size, seed)
     drafter = toy_drafter(vocab_size, seed)
     per_position = [0] * depth
@@ -88,11 +95,104 @@ def run(
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafts if drafts else 0.0,
         "mean_accepted_length": accepted / rounds if rounds else 0.0,
-        "tokens_per_round": tokens / rounds if rounds else 0.0,
-        "accepted_per_position": per_position,  # type: ignore[dict-item]
+        "accepted_per_position": per_position,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
     }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _print(title: str, stats: dict[str, Any]) -> None:
+    print(title)
+    for key, value in stats.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"  {key:24s} {shown}")
+
+
+def run_daemons(args: argparse.Namespace) -> int:
+    """Start the worker, run the Spark side twice against it, stop the worker."""
+    metrics_port = _free_port()
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "pp1wire.worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--vocab",
+        str(args.vocab),
+        "--seed",
+        str(args.seed),
+        "--log-level",
+        "warning",
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    print("$ " + " ".join(["pp1-worker", *worker_cmd[3:]]), flush=True)
+    worker = subprocess.Popen(worker_cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        line = worker.stdout.readline()
+        if not line.startswith("pp1-worker listening on "):
+            print(f"pp1-demo: the worker did not start: {line!r}", file=sys.stderr)
+            return 1
+        address = line.rsplit(" ", 1)[1].strip()
+        print(f"  worker up at {address} (toy drafter, vocabulary {args.vocab})")
+        for support in ("dense", "sparse:32"):
+            spark_cmd = [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                address,
+                "--vocab",
+                str(args.vocab),
+                "--seed",
+                str(args.seed),
+                "--requests",
+                str(args.requests),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--depth",
+                str(args.depth),
+                "--support",
+                support,
+                "--json",
+            ]
+            print("$ " + " ".join(["pp1-spark", *spark_cmd[3:]]), flush=True)
+            done = subprocess.run(spark_cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                print(done.stderr, file=sys.stderr)
+                return done.returncode
+            _print(f"  q {support}:", json.loads(done.stdout))
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        wanted = (
+            "pp1_worker_steps_total",
+            "pp1_worker_rows_total",
+            "pp1_worker_replays_total",
+            "pp1_worker_reply_bytes_total",
+        )
+        print(f"$ curl {url}")
+        for metric_line in text.splitlines():
+            if metric_line.startswith(wanted):
+                print(f"  {metric_line}")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            code = worker.wait()
+    print(f"  worker stopped on SIGTERM, exit code {code}")
+    return 0 if code == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,15 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pp1-demo", description=__doc__)
     parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--support", default="dense", help="dense or sparse:K")
+    parser.add_argument("--in-process", action="store_true", help="no daemons, no sockets")
+    parser.add_argument("--support", default="dense", help="with --in-process: dense or sparse:K")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if not args.in_process:
+        return run_daemons(args)
     support = None if args.support == "dense" else int(args.support.split(":", 1)[1])
-    stats = run(
+    stats = run_in_process(
         vocab_size=args.vocab,
         seed=args.seed,
         requests=args.requests,
@@ -118,15 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         temperature=args.temperature,
         prompt=[1, 2, 3],
     )
-    if args.json:
-        print(json.dumps(stats))
-        return 0
-    print(
-        f"pp1wire in-process round trip: vocab {args.vocab}, depth {args.depth}, q {args.support}"
-    )
-    for key, value in stats.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else value
-        print(f"  {key:24s} {shown}")
+    _print(f"pp1wire in-process round trip: vocab {args.vocab}, depth {args.depth}", stats)
     return 0
 
 

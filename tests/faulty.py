@@ -1,0 +1,87 @@
+"""An in-process worker whose outgoing bytes a test can hold, delay, corrupt or cut."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pp1wire import framing
+from pp1wire.messages import MsgType
+from pp1wire.models import ToyLM
+from pp1wire.worker_core import WorkerConfig, WorkerProtocol
+
+Mutator = Callable[["FaultyConn", bytes], None]
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    decoder = framing.FrameDecoder(1 << 26)
+    return [bytes(f.raw) for f in decoder.feed(data)]
+
+
+class FaultyConn(asyncio.Protocol):
+    def __init__(self, server: FaultyWorker) -> None:
+        self.server = server
+        self.core = WorkerProtocol(
+            server.config, server.drafter, session=server.next_session(), now=time.monotonic()
+        )
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.conns.append(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.core.receive_data(data, time.monotonic())
+        out = b"".join(self.core.data_to_send())
+        if not out:
+            return
+        frames = split_frames(out)
+        if any(f[3] in (MsgType.REPLY, MsgType.COMPLETION) for f in frames) and self.server.mutate:
+            mutate = self.server.mutate
+            if self.server.once:
+                self.server.mutate = None
+            mutate(self, out)
+        else:
+            self.write(out)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+@dataclass
+class FaultyWorker:
+    vocab: int
+    seed: int = 3
+    mutate: Mutator | None = None
+    once: bool = True
+    conns: list[FaultyConn] = field(default_factory=list)
+    server: asyncio.Server | None = None
+    _sessions: int = 0
+
+    def __post_init__(self) -> None:
+        self.config = WorkerConfig(vocab_size=self.vocab)
+        self.drafter = ToyLM(self.vocab, self.seed, draft=True).logits
+
+    def next_session(self) -> int:
+        self._sessions += 1
+        return self._sessions
+
+    async def start(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: FaultyConn(self), "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def slot_prefix(self, slot: int = 0) -> list[int]:
+        live = [c for c in self.conns if slot in c.core.slots]
+        return list(live[-1].core.slots[slot].prefix)
+
+    async def stop(self) -> None:
+        for c in self.conns:
+            if c.transport is not None:
+                c.transport.abort()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()

@@ -1,0 +1,242 @@
+"""End to end over real TCP on 127.0.0.1: both daemons, the CLI contract, the output law."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from math import sqrt
+
+import pytest
+
+from pp1wire.models import ToyLM
+
+from .daemons import worker_process
+
+VOCAB = 12
+SEED = 3
+PROMPT = [1, 2]
+
+
+def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, name="out"):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(PROMPT) + "\n")
+    out = tmp_path / f"{name}.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pp1wire.spark",
+        "--worker",
+        address,
+        "--vocab",
+        str(VOCAB),
+        "--seed",
+        str(SEED),
+        "--requests",
+        str(requests),
+        "--max-tokens",
+        str(max_tokens),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--json",
+        *extra,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return json.loads(done.stdout), records
+
+
+def exact_first_two() -> dict[tuple[int, int], float]:
+    target = ToyLM(VOCAB, SEED)
+    p1 = target.probs(PROMPT)
+    law = {}
+    for a in range(VOCAB):
+        p2 = target.probs([*PROMPT, a])
+        for b in range(VOCAB):
+            law[(a, b)] = float(p1[a] * p2[b])
+    return law
+
+
+@pytest.mark.parametrize("support", ["dense", "sparse:3"])
+def test_first_two_tokens_follow_the_target_law(tmp_path, support):
+    # Tolerance declared before the run: every cell of the 12 x 12 joint law of
+    # the first two generated tokens must be within six binomial standard
+    # deviations plus one count of its expectation. 144 cells at ~2e-9 false
+    # alarm each; a verifier that mixed in q, or reused noise, fails by far more.
+    n = 3000
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+        summary, records = spark(
+            address,
+            tmp_path,
+            "--depth",
+            "3",
+            "--support",
+            support,
+            "--concurrency",
+            "4",
+            requests=n,
+            max_tokens=2,
+        )
+    assert summary["requests"] == n
+    assert summary["fallbacks"] == 0
+    assert summary["draft_tokens"] > 0
+    counts = Counter(tuple(r["tokens"][:2]) for r in records)
+    for cell, pr in exact_first_two().items():
+        sd = sqrt(n * pr * (1 - pr))
+        assert abs(counts.get(cell, 0) - n * pr) <= 6 * sd + 1, (cell, counts.get(cell), n * pr)
+
+
+def test_cli_contract_and_depth_zero(tmp_path):
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+        summary, records = spark(address, tmp_path, requests=6, max_tokens=5)
+        target_only, records0 = spark(
+            address, tmp_path, "--depth", "0", requests=6, max_tokens=5, name="zero"
+        )
+    for key in (
+        "requests",
+        "tokens",
+        "draft_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "fallbacks",
+        "seconds",
+    ):
+        assert key in summary
+    assert summary["requests"] == 6
+    assert summary["tokens"] >= 30
+    assert 0 < summary["acceptance_rate"] <= 1
+    assert [r["request"] for r in records] == list(range(6))
+    for r in records:
+        assert r["prompt"] == PROMPT
+        assert len(r["tokens"]) >= 5
+        assert r["fallbacks"] == 0
+    assert target_only["draft_tokens"] == 0
+    assert all(len(r["tokens"]) == 5 for r in records0)
+    # Per-request seeds: a second run is identical.
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+        _, again = spark(address, tmp_path, requests=6, max_tokens=5, name="again")
+    assert [r["tokens"] for r in again] == [r["tokens"] for r in records]
+
+
+def test_worker_unreachable_is_a_clear_error(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "pp1wire.spark",
+        "--worker",
+        "127.0.0.1:1",
+        "--vocab",
+        "8",
+        "--requests",
+        "1",
+        "--connect-timeout",
+        "0.3",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    assert "cannot reach the worker" in done.stderr
+
+
+def test_bad_settings_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("no_such_key = 1\n")
+    for args in (["--support", "sparse:x"], ["--config", str(bad)], ["--depth", "9"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "pp1wire.spark", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.startswith("pp1-spark: ")
+
+
+def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
+    # The worker is stopped mid-run: the Spark side must finish every request
+    # target-only from its committed prefix, with no partial commit anywhere.
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, worker):
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text(json.dumps(PROMPT) + "\n")
+        out = tmp_path / "o.jsonl"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                address,
+                "--vocab",
+                str(VOCAB),
+                "--seed",
+                "1",
+                "--requests",
+                "2000",
+                "--max-tokens",
+                "40",
+                "--prompts",
+                str(prompts),
+                "--output",
+                str(out),
+                "--json",
+                "--reply-timeout",
+                "0.5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 0
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["requests"] == 2000
+    assert all(r["finished"] for r in records)
+    assert all(len(r["tokens"]) >= 40 for r in records)
+    assert summary["fallbacks"] > 0
+    assert summary["draft_tokens"] > 0
+
+
+def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+        out = tmp_path / "o.jsonl"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                address,
+                "--vocab",
+                str(VOCAB),
+                "--requests",
+                "100000",
+                "--max-tokens",
+                "50",
+                "--output",
+                str(out),
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 0 < summary["requests"] < 100000
+    assert len(records) == summary["requests"]
+    assert sum(len(r["tokens"]) for r in records) == summary["tokens"]
+    assert any(not r["finished"] for r in records) or all(len(r["tokens"]) >= 50 for r in records)

@@ -1,0 +1,163 @@
+"""Faults between real sockets: each ends in a target-only round with no partial commit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pp1wire.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.errors import ErrorCode
+from pp1wire.messages import MsgType
+from pp1wire.models import ToyLM
+from pp1wire.spark_core import SparkConfig
+from pp1wire.verify import RequestVerifier
+
+from .faulty import FaultyWorker, split_frames
+
+VOCAB = 32
+PREFIX = [1, 2, 3]
+
+
+async def setup(worker: FaultyWorker, **cfg):
+    port = await worker.start()
+    client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB, **cfg))
+    verifier = RequestVerifier(
+        session=client.session,
+        seed=11,
+        vocab_size=VOCAB,
+        prefix=PREFIX,
+        target=ToyLM(VOCAB, 3).probs,
+    )
+    await client.open(0, seed=11, prefix=PREFIX)
+    return port, client, verifier
+
+
+async def fallback_and_commit(client, verifier):
+    round_id = client.new_round(0)
+    res = verifier.decode_target_only(round_id)
+    await client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
+    return res
+
+
+async def normal_round(client, verifier, worker):
+    proposal = await client.propose(0, depth=3)
+    res = verifier.verify(proposal)
+    client.release(proposal, 0)
+    await client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
+    assert worker.slot_prefix() == verifier.committed
+
+
+@pytest.mark.asyncio
+async def test_worker_closes_mid_reply():
+    def cut(conn, data):
+        conn.write(data[: len(data) // 2])
+        conn.transport.close()
+
+    worker = FaultyWorker(VOCAB, mutate=cut)
+    port, client, verifier = await setup(worker)
+    with pytest.raises(ProposalUnavailableError) as info:
+        await client.propose(0, depth=3)
+    assert info.value.code is ErrorCode.CONNECTION_LOST
+    assert client.fallbacks["connection_lost"] == 1
+    before = list(verifier.committed)
+    res = verifier.decode_target_only(verifier.last_round + 1)  # target-only, locally
+    assert verifier.committed == [*before, *res.tokens]
+    with pytest.raises(ClientClosedError):
+        await client.open(1, seed=1, prefix=[])
+    # Reconnect: the slot is reopened with the committed prefix under a new generation.
+    client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
+    verifier.rebuild(verifier.committed, generation=1)
+    verifier.session = client.session
+    await client.open(0, seed=11, prefix=verifier.committed, generation=1)
+    assert worker.slot_prefix() == verifier.committed
+    await normal_round(client, verifier, worker)
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_late_reply_times_out_and_is_dropped():
+    def late(conn, data):
+        asyncio.get_running_loop().call_later(0.4, conn.write, data)
+
+    worker = FaultyWorker(VOCAB, mutate=late)
+    _, client, verifier = await setup(worker, reply_timeout=0.2)
+    with pytest.raises(ProposalUnavailableError) as info:
+        await client.propose(0, depth=3)
+    assert info.value.code is ErrorCode.REPLY_TIMEOUT
+    assert client.fallbacks["reply_timeout"] == 1
+    await fallback_and_commit(client, verifier)
+    assert worker.slot_prefix() == verifier.committed
+    await asyncio.sleep(0.4)
+    assert client.dropped["late_frame"] == 4  # 3 rows and the completion
+    await normal_round(client, verifier, worker)
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_corrupted_row_checksum():
+    def corrupt(conn, data):
+        frames = split_frames(data)
+        first = bytearray(frames[0])
+        first[-3] ^= 0x40
+        conn.write(bytes(first) + b"".join(frames[1:]))
+
+    worker = FaultyWorker(VOCAB, mutate=corrupt)
+    _, client, verifier = await setup(worker)
+    with pytest.raises(ProposalUnavailableError) as info:
+        await client.propose(0, depth=3)
+    assert info.value.code is ErrorCode.ROW_CHECKSUM_MISMATCH
+    assert client.rejected["row_checksum_mismatch"] == 1
+    assert client.fallbacks["row_checksum_mismatch"] == 1
+    await fallback_and_commit(client, verifier)
+    assert worker.slot_prefix() == verifier.committed
+    await normal_round(client, verifier, worker)
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_stale_generation_reply_after_reset():
+    held = []
+
+    def hold(conn, data):
+        held.append((conn, data))
+
+    worker = FaultyWorker(VOCAB, mutate=hold)
+    _, client, verifier = await setup(worker)
+    pending = asyncio.ensure_future(client.propose(0, depth=3))
+    await asyncio.sleep(0.05)
+    assert held
+    generation = await client.reset(0)
+    with pytest.raises(ProposalUnavailableError) as info:
+        await pending
+    assert info.value.code is ErrorCode.STALE_GENERATION
+    conn, data = held[0]
+    conn.write(data)  # the old generation's reply arrives after RESET
+    await asyncio.sleep(0.1)
+    assert client.dropped["stale_generation"] == len(split_frames(data))
+    verifier.rebuild(verifier.committed, generation)
+    await normal_round(client, verifier, worker)
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_retried_step_over_tcp_is_byte_identical():
+    worker = FaultyWorker(VOCAB)
+    port, client, _ = await setup(worker)
+    await client.propose(0, depth=3)
+    conn = worker.conns[-1]
+    step = conn.core.slots[0].fence.last_step
+    from pp1wire import framing
+
+    writes = []
+    conn.write = writes.append  # capture the replayed reply
+    conn.data_received(framing.encode_frame(step))
+    replay = b"".join(writes)
+    assert replay == conn.core.slots[0].reply
+    assert [f[3] for f in split_frames(replay)][-1] == MsgType.COMPLETION
+    await client.close()
+    await worker.stop()
