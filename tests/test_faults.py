@@ -147,7 +147,7 @@ async def test_stale_generation_reply_after_reset():
 @pytest.mark.asyncio
 async def test_retried_step_over_tcp_is_byte_identical():
     worker = FaultyWorker(VOCAB)
-    port, client, _ = await setup(worker)
+    _port, client, _ = await setup(worker)
     await client.propose(0, depth=3)
     conn = worker.conns[-1]
     step = conn.core.slots[0].fence.last_step
