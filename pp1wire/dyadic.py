@@ -29,6 +29,11 @@ import numpy.typing as npt
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 
+try:  # the optional compiled fast paths (pp1wire/_fastq.c), qualified against numpy
+    from pp1wire import _fastq  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised by tests that disable it
+    _fastq = None
+
 M: Final = 1 << 24
 SEMANTIC_ID: Final = "dyadic24-standard-v1"
 
@@ -38,6 +43,7 @@ _SIGN_BIT: Final = 0x80000000
 # 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
 # 128-row blocks are exact; see _exact_count_sum.
 _SUM_BLOCK: Final = 128
+_MIN_NORMAL: Final = 2.0**-1022
 
 _T = TypeVar("_T")
 _local = threading.local()
@@ -115,12 +121,12 @@ class QBuilder:
         self.n = n
         self.weights = np.empty(n, dtype=np.float64)
         self.share = np.empty(n, dtype=np.float64)
-        self.floors = np.empty(n, dtype=np.float64)
         self.work = np.empty(n, dtype=np.float64)
         self.above = np.empty(n, dtype=np.bool_)
-        self.out = np.empty(n, dtype=np.int64)
+        # int32 halves the memory traffic; counts never exceed 2**24.
+        self.out = np.empty(n, dtype=np.int32)
 
-    def from_logits(self, logits: npt.ArrayLike, temperature: float = 1.0) -> Int64Array:
+    def from_logits(self, logits: npt.ArrayLike, temperature: float = 1.0) -> Int32Array:
         """Counts from one logits row (a scratch view; see the class docstring).
 
         Raises:
@@ -142,7 +148,7 @@ class QBuilder:
         w = weights_from_logits(logits, temperature, out=self.weights)
         return _sparse_from_checked(w, k, self.work)
 
-    def allocate(self, w: Float64Array, total: float) -> Int64Array:
+    def allocate(self, w: Float64Array, total: float) -> Int32Array:
         """Counts for checked weights ``w`` normalized by ``total`` (a scratch view).
 
         Raises:
@@ -154,19 +160,24 @@ class QBuilder:
             raise ConstructionError(ErrorCode.BAD_SHAPE, f"row of {w.size}, builder for {self.n}")
         n = w.size
         share = self.share
-        # M is a power of two, so scaling by it is exact: the only roundings
-        # are the sum and this one correctly rounded division.
-        np.divide(w, total, out=share)
-        share *= M
-        floors = np.floor(share, out=self.floors)
-        share -= floors  # fractional parts, in [0, 1)
-        remaining = M - int(floors.sum())
+        out = self.out
+        # share = (w / total) * M with one rounding: dividing by total / M is
+        # the same correctly rounded division, because M is a power of two
+        # (barring a subnormal total / M, where the two steps are kept).
+        scale = total / M
+        if scale >= _MIN_NORMAL:
+            np.divide(w, scale, out=share)
+        else:
+            np.divide(w, total, out=share)
+            share *= M
+        # share >= 0, so truncation to an integer is the floor.
+        np.copyto(out, share, casting="unsafe")
+        np.subtract(share, out, out=share)  # fractional parts, in [0, 1)
+        remaining = M - int(out.sum(dtype=np.int64))
         if not 0 <= remaining < n:
             raise ConstructionError(
                 ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
             )
-        out = self.out
-        np.copyto(out, floors, casting="unsafe")
         if remaining:
             work = self.work
             np.copyto(work, share)
@@ -183,7 +194,7 @@ class QBuilder:
             out += above
             if taken < remaining:
                 out[np.flatnonzero(share == threshold)[: remaining - taken]] += 1
-        if int(out.sum()) != M:
+        if int(out.sum(dtype=np.int64)) != M:
             raise ConstructionError(
                 ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"
             )
@@ -207,7 +218,7 @@ def builder(n: int) -> QBuilder:
 
 
 def _allocate(w: Float64Array, total: float) -> Int64Array:
-    return builder(w.size).allocate(w, total).copy()
+    return builder(w.size).allocate(w, total).astype(np.int64)
 
 
 def counts_from_weights(weights: npt.ArrayLike) -> Int64Array:
@@ -263,7 +274,7 @@ def counts_from_logits(logits: npt.ArrayLike, temperature: float = 1.0) -> Int64
     """
     x = _as_weights(logits)
     # exp of a finite shifted logit is finite and >= 0, and the max maps to 1.
-    return builder(x.size).from_logits(x, temperature).copy()
+    return builder(x.size).from_logits(x, temperature).astype(np.int64)
 
 
 def _check_k(k: int) -> None:
@@ -434,6 +445,8 @@ class DenseRowValidator:
         self._back = np.empty(vocab_size, dtype=np.float32)
         self._counts = np.empty(vocab_size, dtype=np.int32)
         self._body = vocab_size - vocab_size % _SUM_BLOCK
+        self._fresh = True
+        self._last: Float32Array = self._scaled
 
     def check(self, row: Float32Array, proposed: int) -> None:
         """Validate one row given as a float32 view; raise on the first failing class.
@@ -460,6 +473,17 @@ class DenseRowValidator:
             raise _diagnose_range(bits)
         if self.row_entries > v and row[v:].view(np.uint32).any():
             raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
+        if _fastq is not None:
+            self._fresh = False
+            _, total, non_integral = _fastq.scan_dense(body)
+            if non_integral:
+                raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+            if total != M:
+                raise ValidationError(ErrorCode.MASS_MISMATCH, "q counts do not sum to 2**24")
+            if body[proposed] == 0:
+                raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+            self._last = body
+            return
         scaled = self._scaled
         np.multiply(body, np.float32(M), out=scaled)  # exact: power-of-two scaling
         counts = self._counts
@@ -471,9 +495,14 @@ class DenseRowValidator:
             raise ValidationError(ErrorCode.MASS_MISMATCH, "q counts do not sum to 2**24")
         if counts[proposed] == 0:
             raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+        self._fresh = True
 
     def counts(self) -> Int32Array:
         """The counts of the last row that passed :meth:`check` (scratch; copy to keep)."""
+        if not self._fresh:
+            np.multiply(self._last, np.float32(M), out=self._scaled)
+            np.copyto(self._counts, self._scaled, casting="unsafe")
+            self._fresh = True
         return self._counts
 
 

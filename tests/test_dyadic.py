@@ -105,14 +105,16 @@ def test_logit_refusals(logits, temperature, code):
 
 
 def test_allocation_refuses_inconsistent_remainder(monkeypatch):
-    # Force a floor sum above M, as a broken binary64 normalization would:
+    # Force floors above the shares, as a broken binary64 normalization would:
     # the allocation must refuse rather than clip.
-    real_floor = np.floor
+    real_copyto = np.copyto
 
-    def broken_floor(x, out=None):
-        return np.add(real_floor(x, out=out), 1, out=out)
+    def broken_copyto(dst, src, **kwargs):
+        real_copyto(dst, src, **kwargs)
+        if dst.dtype.kind == "i":
+            dst += 1
 
-    monkeypatch.setattr(dyadic.np, "floor", broken_floor)
+    monkeypatch.setattr(dyadic.np, "copyto", broken_copyto)
     with pytest.raises(ConstructionError) as info:
         dyadic.counts_from_weights([1.0, 1.0, 1.0])
     assert info.value.code is ErrorCode.ALLOCATION_INCONSISTENT
@@ -254,7 +256,9 @@ def test_sample_law_is_exact():
     assert hits[:3].tolist() == [3, 0, 5]
 
 
-# -- dense validation: one test per class ------------------------------------
+# -- dense validation: one test per class (compiled and numpy paths) -----------
+
+dense_paths = pytest.mark.usefixtures("dyadic_path")
 
 
 def _code(fn, *args, **kwargs):
@@ -263,6 +267,7 @@ def _code(fn, *args, **kwargs):
     return info.value.code
 
 
+@dense_paths
 def test_dense_valid_row_round_trips():
     counts, q = _valid_dense()
     token = int(np.flatnonzero(counts)[0])
@@ -270,11 +275,13 @@ def test_dense_valid_row_round_trips():
     assert np.array_equal(dyadic.validate_dense(q, V, token), counts)
 
 
+@dense_paths
 def test_dense_point_mass_validates():
     q = dyadic.counts_to_fp32(dyadic.point_mass(V, 7))
     assert dyadic.validate_dense(q, V, 7)[7] == M
 
 
+@dense_paths
 def test_dense_wrong_length():
     _, q = _valid_dense()
     assert _code(dyadic.validate_dense, q[:-1], V, 0) is ErrorCode.ROW_LENGTH
@@ -282,6 +289,7 @@ def test_dense_wrong_length():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@dense_paths
 def test_dense_non_finite(bad):
     counts, q = _valid_dense()
     q = q.copy()
@@ -290,6 +298,7 @@ def test_dense_non_finite(bad):
 
 
 @pytest.mark.parametrize("bad", [-0.0, -(2.0**-24)])
+@dense_paths
 def test_dense_negative_including_negative_zero(bad):
     counts, q = _valid_dense()
     q = q.copy()
@@ -299,6 +308,7 @@ def test_dense_negative_including_negative_zero(bad):
 
 
 @pytest.mark.parametrize("bad", [2.0**-25, 0.1, 1e-40, 1.5])
+@dense_paths
 def test_dense_non_dyadic(bad):
     counts, q = _valid_dense()
     q = q.copy()
@@ -306,6 +316,7 @@ def test_dense_non_dyadic(bad):
     assert _code(dyadic.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NON_DYADIC
 
 
+@dense_paths
 def test_dense_total_mass():
     counts, q = _valid_dense()
     q = q.copy()
@@ -316,12 +327,14 @@ def test_dense_total_mass():
     assert _code(dyadic.validate_dense, q, V, i) is ErrorCode.MASS_MISMATCH
 
 
+@dense_paths
 def test_dense_total_mass_is_exact_with_large_excess():
     # Every entry at 1.0: a float32 sum would saturate, the exact sum does not.
     q = np.ones(V, dtype="<f4")
     assert _code(dyadic.validate_dense, q, V, 0) is ErrorCode.MASS_MISMATCH
 
 
+@dense_paths
 def test_dense_zero_q_at_proposed():
     _counts, q = _valid_dense()
     q = dyadic.counts_to_fp32(dyadic.point_mass(V, 4))
@@ -329,11 +342,13 @@ def test_dense_zero_q_at_proposed():
 
 
 @pytest.mark.parametrize("token", [-1, V])
+@dense_paths
 def test_dense_proposed_out_of_range(token):
     _, q = _valid_dense()
     assert _code(dyadic.validate_dense, q, V, token) is ErrorCode.PROPOSED_OUT_OF_RANGE
 
 
+@dense_paths
 def test_dense_padding_must_be_positive_zero():
     counts, q = _valid_dense()
     padded = np.zeros(V + 24, dtype="<f4")
@@ -348,11 +363,13 @@ def test_dense_padding_must_be_positive_zero():
         )
 
 
+@dense_paths
 def test_dense_validator_rejects_wrong_dtype():
     _counts, q = _valid_dense()
     assert _code(dyadic.validate_dense, q.astype(np.float64), V, 0) is ErrorCode.ROW_LENGTH
 
 
+@dense_paths
 def test_dense_full_vocabulary_row():
     vocab = 129_280
     counts, q = _valid_dense(vocab, seed=3)
@@ -365,6 +382,7 @@ def test_dense_full_vocabulary_row():
 
 @settings(max_examples=150, deadline=None)
 @given(st.data())
+@dense_paths
 def test_dense_validation_agrees_with_exact_definition(data):
     # Arbitrary float32 rows: the validator accepts iff every value is c/2**24
     # with integer c >= 0 (and +0.0 for zeros) and the counts sum to 2**24.
