@@ -140,6 +140,11 @@ class FrameDecoder:
         """Bytes received but not yet part of a complete frame."""
         return self._end - self._start + self._big_filled
 
+    @property
+    def error(self) -> ProtocolError | None:
+        """The framing error that killed this decoder (pending after valid frames), if any."""
+        return self._failed
+
     def get_buffer(self) -> memoryview:
         """Where the next received bytes must be written (then call :meth:`buffer_updated`).
 

@@ -329,6 +329,11 @@ class SparkProtocol:
             self._dispatch(frame)
             if not self._retained:
                 self._release(frame.raw)
+        # Valid frames ahead of a framing error are handled first, then the error.
+        error = self.decoder.error
+        if error is not None and not self.closed:
+            self._events.append(FrameRejected(None, error.code))
+            self._fatal(error.code)
         return self._take()
 
     def _release(self, view: memoryview) -> None:

@@ -234,11 +234,7 @@ class WorkerProtocol:
         except ProtocolError as exc:
             self._fatal(exc.code, None)
             return self._take_events()
-        for frame in frames:
-            if self.closed:
-                break
-            self._dispatch(frame)
-        return self._take_events()
+        return self.receive_frames(frames, now)
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -267,6 +263,10 @@ class WorkerProtocol:
             if self.closed:
                 break
             self._dispatch(frame)
+        # Valid frames ahead of a framing error are handled first, then the error.
+        error = self.decoder.error
+        if error is not None and not self.closed:
+            self._fatal(error.code, None)
         return self._take_events()
 
     def connection_lost(self) -> None:

@@ -1,0 +1,104 @@
+"""pp1-conformance: passes against a fresh pp1-worker, and fails a broken one."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from pp1wire import conformance
+from pp1wire.worker_core import WorkerProtocol
+
+from .daemons import worker_process
+from .faulty import FaultyWorker
+
+
+def test_at_least_100_numbered_cases_with_rules():
+    assert len(conformance.CASES) >= 100
+    ids = [c.id for c in conformance.CASES]
+    assert len(set(ids)) == len(ids)
+    categories = {c.category for c in conformance.CASES}
+    assert {
+        "framing",
+        "handshake",
+        "session and STEP",
+        "COMMIT and RESET",
+        "liveness and close",
+    } <= categories
+    assert all(c.rule for c in conformance.CASES)
+
+
+@pytest.mark.parametrize("psk", [False, True])
+def test_suite_passes_against_a_fresh_worker(tmp_path, psk):
+    extra = ["--handshake-timeout", "1"]
+    key = tmp_path / "psk"
+    if psk:
+        key.write_text("a-test-key-of-enough-bytes\n")
+        extra += ["--psk-file", str(key)]
+    with worker_process(*extra, vocab=64) as (address, _):
+        cmd = [
+            sys.executable,
+            "-m",
+            "pp1wire.conformance",
+            "--worker",
+            address,
+            "--vocab",
+            "64",
+            "--handshake-wait",
+            "3",
+            "--junit",
+            str(tmp_path / "j.xml"),
+        ]
+        if psk:
+            cmd += ["--psk-file", str(key)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " 0 failed" in done.stdout
+    assert "non-strict" in done.stdout
+    assert (tmp_path / "j.xml").read_text().count("<testcase") == len(conformance.CASES)
+
+
+def test_list_and_case_selection():
+    out = subprocess.run(
+        [sys.executable, "-m", "pp1wire.conformance", "--list", "--case", "4.4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "depth 0" in out
+    assert "bad magic" not in out
+
+
+@pytest.mark.asyncio
+async def test_suite_detects_a_worker_that_skips_step_checks(monkeypatch):
+    monkeypatch.setattr(WorkerProtocol, "_check_step", lambda self, slot, step: None)
+    worker = FaultyWorker(64)
+    port = await worker.start()
+    settings = conformance.Settings(host="127.0.0.1", port=port, vocab=64, timeout=1.0)
+    picked = [c for c in conformance.CASES if c.title in ("depth 0", "wrong prefix digest")]
+    results = await conformance.run_all(picked, settings)
+    await worker.stop()
+    assert [o.grade for _, o, _ in results] == [conformance.Grade.FAIL] * 2
+
+
+@pytest.mark.asyncio
+async def test_suite_detects_a_worker_that_redraws_retries(monkeypatch):
+    original = WorkerProtocol._on_step
+
+    def forgetful(self, msg, frame):
+        for slot in self.slots.values():
+            slot.fence.last_step_round = -1  # forget the replay cache: every retry is redrawn
+        original(self, msg, frame)
+
+    monkeypatch.setattr(WorkerProtocol, "_on_step", forgetful)
+    worker = FaultyWorker(64)
+    port = await worker.start()
+    settings = conformance.Settings(host="127.0.0.1", port=port, vocab=64, timeout=1.0)
+    picked = [c for c in conformance.CASES if c.title == "reused round with other content"]
+    (result,) = await conformance.run_all(picked, settings)
+    await worker.stop()
+    assert result[1].grade is conformance.Grade.FAIL
+    await asyncio.sleep(0)
