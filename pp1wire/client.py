@@ -280,9 +280,12 @@ class AsyncClient:
         prefix: Sequence[int],
         eos: int | None = None,
         context: int = 0,
-        generation: int = 0,
-    ) -> None:
+        generation: int | None = None,
+    ) -> int:
         """Open ``slot`` with the committed ``prefix`` and request ``seed``; wait for OPENED.
+
+        Returns the slot's generation (``None`` picks the next unused one: a
+        reopened slot always moves to a higher generation).
 
         Raises:
             ProtocolError: for a bad slot or prefix (nothing sent).
@@ -290,12 +293,13 @@ class AsyncClient:
         """
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
-        self.core.open_slot(
+        chosen = self.core.open_slot(
             slot, seed=seed, prefix=prefix, eos=eos, context=context, generation=generation
         )
         self._opened[slot] = fut
         self._flush()
         await fut
+        return chosen
 
     async def propose(
         self, slot: int, *, depth: int, temperature: float = 1.0, support: int = 0
@@ -461,9 +465,9 @@ class SyncClient:
 
         return self._call(call())
 
-    def open(self, slot: int, **kwargs: Any) -> None:
+    def open(self, slot: int, **kwargs: Any) -> int:
         """See :meth:`AsyncClient.open`."""
-        self._call(self.client.open(slot, **kwargs))
+        return self._call(self.client.open(slot, **kwargs))
 
     def propose(self, slot: int, **kwargs: Any) -> Proposal:
         """See :meth:`AsyncClient.propose`."""

@@ -1719,7 +1719,27 @@ async def _close_step(s: Settings) -> None:
         await peer.expect(MsgType.CLOSED)
         peer.send_msg(_replace(step, round=1))
         await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
-        await peer.open_slot(0)  # the slot is free again
+        await peer.open_slot(0, generation=1)  # free again, under a higher generation
+    finally:
+        peer.close()
+
+
+@case(
+    "4.3",
+    "COMMIT and RESET",
+    "reopening a closed slot without a higher generation",
+    "a slot reopened in the same session must use a generation greater than any it had "
+    "before (STALE_GENERATION), so frames of its earlier instance stay fenced off",
+)
+async def _reopen_same_generation(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    try:
+        peer.send_msg(Close(session=peer.session, slot=0))
+        await peer.expect(MsgType.CLOSED)
+        peer.send_msg(_open(peer, slot=0, tokens=(1, 2, 3)), _tok((1, 2, 3)))
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.OPEN)
+        await peer.open_slot(0, generation=1)
+        await peer.reply(_replace(step, generation=1))
     finally:
         peer.close()
 

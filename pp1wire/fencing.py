@@ -26,6 +26,7 @@ Worker side (requests from the Spark side)::
     RESET    generation < slot generation                     REFUSE   STALE_GENERATION
     RESET    generation == slot generation                    REPLAY   (RESET_DONE again)
     RESET    generation > slot generation                     ACCEPT   (invalidate everything)
+    OPEN     slot had a generation >= this one in the session REFUSE   STALE_GENERATION
 
 Spark side (replies from the worker), against the slot's in-flight STEP::
 

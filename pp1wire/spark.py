@@ -249,7 +249,7 @@ class Runner:
             eos=args.eos,
         )
         opened: AsyncClient | None = None
-        generation = 0
+        generation: int | None = None
         local_round = 0
         try:
             while (
@@ -264,18 +264,18 @@ class Runner:
                     continue
                 client = await self.live_client()
                 if client is not None and opened is not client:
-                    if opened is not None:
-                        generation += 1
                     try:
-                        verifier.rebuild(verifier.committed, generation)
-                        verifier.session = client.session
-                        await client.open(
+                        # Every (re)open moves to a higher generation, so nothing of an
+                        # earlier instance (or connection) can match the new fencing.
+                        generation = await client.open(
                             slot,
                             seed=seed,
                             prefix=verifier.committed,
                             eos=args.eos,
-                            generation=generation,
+                            generation=None if generation is None else generation + 1,
                         )
+                        verifier.rebuild(verifier.committed, generation)
+                        verifier.session = client.session
                         opened = client
                     except Pp1Error as exc:
                         log.info("open failed", extra={"slot": slot, "error": repr(exc)})

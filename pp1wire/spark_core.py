@@ -249,6 +249,7 @@ class SparkProtocol:
         # CLOSEs not yet acknowledged, per slot: frames for the closed instance
         # of a slot (late acks, replies) are ignored until its CLOSED arrives.
         self._closing: dict[int, int] = {}
+        self._slot_generations: dict[int, int] = {}
         self._ready_buffers: dict[tuple[int, int], list[memoryview]] = {}
         #: Called with a frame's buffer once nothing refers to it any more
         #: (lets a transport recycle receive buffers); None: let GC free it.
@@ -400,15 +401,26 @@ class SparkProtocol:
         prefix: Sequence[int],
         context: int = 0,
         eos: int | None = None,
-        generation: int = 0,
-    ) -> None:
+        generation: int | None = None,
+    ) -> int:
         """Queue OPEN for ``slot`` with its committed prefix and request seed.
 
+        A slot reopened on the same connection must use a higher generation
+        than any it had before, so stale frames of its earlier instance are
+        fenced off; ``generation=None`` picks the next one. Returns it.
+
         Raises:
-            ProtocolError: ``HANDSHAKE_REQUIRED``, ``SLOT_LIMIT``, ``SLOT_IN_USE``
-                or ``TOKEN_OUT_OF_RANGE``; nothing is sent then.
+            ProtocolError: ``HANDSHAKE_REQUIRED``, ``SLOT_LIMIT``, ``SLOT_IN_USE``,
+                ``STALE_GENERATION`` or ``TOKEN_OUT_OF_RANGE``; nothing is sent then.
         """
         self._require_ready()
+        floor = self._slot_generations.get(slot)
+        if generation is None:
+            generation = 0 if floor is None else floor + 1
+        elif floor is not None and generation <= floor:
+            raise ProtocolError(
+                ErrorCode.STALE_GENERATION, f"slot {slot} already had generation {floor}"
+            )
         if not 0 <= slot < self.config.max_slots:
             raise ProtocolError(ErrorCode.SLOT_LIMIT, f"slot {slot}")
         if slot in self.slots:
@@ -438,6 +450,8 @@ class SparkProtocol:
             digest=digest,
         )
         self._out.append(framing.encode_frame(msg, np.asarray(tokens, dtype="<i4").tobytes()))
+        self._slot_generations[slot] = generation
+        return generation
 
     def _slot(self, slot: int) -> SparkSlot:
         self._require_ready()
@@ -541,6 +555,7 @@ class SparkProtocol:
             self._discard(slot, state, ErrorCode.STALE_GENERATION)
         generation = state.fence.generation + 1
         state.fence = SparkSlotFence(generation=generation)
+        self._slot_generations[slot] = generation
         state.next_round = 0
         state.drafts.clear()
         msg = Reset(session=self.session, slot=slot, generation=generation)

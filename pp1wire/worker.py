@@ -148,7 +148,12 @@ class _Conn(asyncio.BufferedProtocol):
                 m.refusals.inc(code=e.code.name.lower())
                 log.info(
                     "refused",
-                    extra={"peer": self.peer, "code": e.code.name, "scope": e.scope.name},
+                    extra={
+                        "peer": self.peer,
+                        "code": e.code.name,
+                        "scope": e.scope.name,
+                        "answers": e.answers.name if e.answers else None,
+                    },
                 )
             elif isinstance(e, worker_core.HandshakeDone):
                 log.info("handshake", extra={"peer": self.peer, "session": e.session})

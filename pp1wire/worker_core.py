@@ -187,6 +187,8 @@ class WorkerProtocol:
         self.state = "await_hello"
         self.decoder = framing.FrameDecoder(0)
         self.slots: dict[int, WorkerSlot] = {}
+        # The highest generation each slot has had in this session.
+        self._slot_generations: dict[int, int] = {}
         self._out: list[bytes] = []
         self._events: list[WorkerEvent] = []
         self._spark_nonce = b""
@@ -483,6 +485,12 @@ class WorkerProtocol:
                 return
             self._refuse(ErrorCode.SLOT_IN_USE, kind, slot=msg.slot)
             return
+        # A reopened slot must move to a higher generation, so no frame of its
+        # earlier instance can ever match the fencing of the new one (§4.3).
+        last = self._slot_generations.get(msg.slot)
+        if last is not None and msg.generation <= last:
+            self._refuse(ErrorCode.STALE_GENERATION, kind, slot=msg.slot, generation=msg.generation)
+            return
         if frame.payload.nbytes != 4 * msg.prefix_len or msg.prefix_len > self.limits.max_prefix:
             self._refuse(ErrorCode.PAYLOAD_LENGTH, kind, slot=msg.slot)
             return
@@ -508,6 +516,7 @@ class WorkerProtocol:
             fence=WorkerSlotFence(generation=msg.generation),
         )
         self.slots[msg.slot] = slot
+        self._slot_generations[msg.slot] = msg.generation
         self._send(self._opened(msg.slot, slot))
         self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(prefix)))
 
@@ -671,6 +680,7 @@ class WorkerProtocol:
             return
         if decision.action is Action.ACCEPT:
             slot.fence.invalidate(msg.generation)
+            self._slot_generations[msg.slot] = msg.generation
             slot.reply = None
             slot.drafts = ()
             slot.committed_msg = None

@@ -283,3 +283,31 @@ class FencingMachine(RuleBasedStateMachine):
 
 TestFencing = FencingMachine.TestCase
 TestFencing.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+def test_late_frames_of_a_closed_slot_instance_are_never_consumed():
+    # Found by the chaos run: a slot closed and reopened on one connection must not
+    # accept the late reply of its earlier instance, even for the same round number.
+    pair = opened()
+    _, old_frames = held_reply(pair)
+    pair.spark.close_slot(0)
+    pair.pump()
+    generation = pair.spark.open_slot(0, seed=6, prefix=PREFIX)
+    pair.pump()
+    assert generation == 1
+    r, new_frames = held_reply(pair)
+    assert r == 0  # the same round number as the old reply
+    stale = deliver(pair, old_frames)
+    assert all(isinstance(e, FrameDropped) and e.code is ErrorCode.STALE_GENERATION for e in stale)
+    (ready,) = deliver(pair, new_frames)
+    assert isinstance(ready, ProposalReady)
+    assert ready.proposal.generation == 1
+
+
+def test_reopening_needs_a_higher_generation():
+    pair = opened()
+    pair.spark.close_slot(0)
+    pair.pump()
+    with pytest.raises(ProtocolError) as info:
+        pair.spark.open_slot(0, seed=6, prefix=PREFIX, generation=0)
+    assert info.value.code is ErrorCode.STALE_GENERATION
