@@ -4,54 +4,15 @@ from __future__ import annotations
 
 import tracemalloc
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp1wire import framing, messages
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.messages import MESSAGE_TYPES, PAYLOAD_TYPES, MsgType
+from pp1wire.messages import PAYLOAD_TYPES
 
-
-def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
-    i = msgspec.inspect
-    if isinstance(t, i.Metadata):
-        return _strategy(t.type)
-    if isinstance(t, i.IntType):
-        lo = t.ge if t.ge is not None else -(2**63)
-        hi = t.le if t.le is not None else 2**64 - 1
-        return st.integers(lo, hi)
-    if isinstance(t, i.FloatType):
-        return st.floats(allow_nan=False)
-    if isinstance(t, i.BoolType):
-        return st.booleans()
-    if isinstance(t, i.StrType):
-        return st.text(max_size=t.max_length or 64)
-    if isinstance(t, i.BytesType):
-        return st.binary(min_size=t.min_length or 0, max_size=t.max_length or 64)
-    if isinstance(t, i.NoneType):
-        return st.none()
-    if isinstance(t, i.UnionType):
-        return st.one_of(*[_strategy(x) for x in t.types])
-    raise NotImplementedError(t)
-
-
-def message_strategy(kind: MsgType) -> st.SearchStrategy:
-    info = msgspec.inspect.type_info(MESSAGE_TYPES[kind])
-    fields = {f.name: _strategy(f.type) for f in info.fields}
-    cls = MESSAGE_TYPES[kind]
-
-    def build(values: dict) -> object:
-        try:
-            return cls(**values)
-        except ProtocolError:
-            return None  # cross-field rule refused it; skip
-
-    return st.fixed_dictionaries(fields).map(build).filter(lambda m: m is not None)
-
-
-any_message = st.sampled_from(list(MsgType)).flatmap(message_strategy)
+from .strategies import any_message
 
 
 @settings(max_examples=400, deadline=None)

@@ -1,0 +1,261 @@
+"""Hardening: TLS, pre-shared keys, connection limits, slow and idle peers, the fuzz harness."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pp1wire import framing
+from pp1wire.client import AsyncClient, ClientClosedError
+from pp1wire.errors import ErrorCode
+from pp1wire.messages import Error, Ping
+from pp1wire.spark_core import SparkConfig
+
+from .daemons import worker_process
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read_frames(sock: socket.socket, timeout: float) -> tuple[list, bool]:
+    sock.settimeout(timeout)
+    decoder = framing.FrameDecoder(1 << 20)
+    frames, eof = [], False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not data:
+            eof = True
+            break
+        frames += decoder.feed(data)
+    return frames, eof
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls_end_to_end(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as (addr, _):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                addr,
+                "--vocab",
+                "16",
+                "--requests",
+                "4",
+                "--max-tokens",
+                "8",
+                "--json",
+                "--tls-ca",
+                str(cert),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert '"fallbacks": 0' in done.stdout
+        # A plaintext peer cannot talk to a TLS worker.
+        plain = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                addr,
+                "--vocab",
+                "16",
+                "--requests",
+                "1",
+                "--connect-timeout",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert plain.returncode == 1
+        health = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.worker",
+                "--check",
+                addr,
+                "--vocab",
+                "16",
+                "--tls-cert",
+                str(cert),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert health.returncode == 0, health.stderr
+
+
+def test_psk_enforced_by_the_daemons(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("correct horse battery staple\n")
+    wrong = tmp_path / "w"
+    wrong.write_text("incorrect horse battery staple\n")
+    with worker_process("--psk-file", str(key), vocab=16) as (addr, _):
+        ok = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                addr,
+                "--vocab",
+                "16",
+                "--requests",
+                "2",
+                "--max-tokens",
+                "4",
+                "--json",
+                "--psk-file",
+                str(key),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert ok.returncode == 0, ok.stderr
+        for extra in (["--psk-file", str(wrong)], []):
+            bad = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pp1wire.spark",
+                    "--worker",
+                    addr,
+                    "--vocab",
+                    "16",
+                    "--requests",
+                    "1",
+                    "--connect-timeout",
+                    "1",
+                    *extra,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert bad.returncode == 1
+            assert "AUTH" in bad.stderr
+
+
+def test_short_psk_is_refused(tmp_path):
+    key = tmp_path / "k"
+    key.write_text("short\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pp1wire.worker", "--psk-file", str(key)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "16 bytes" in done.stderr
+
+
+def test_connection_limit():
+    with worker_process("--max-connections", "2", vocab=16) as (addr, _):
+        host, port = addr.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        time.sleep(0.2)
+        extra = socket.create_connection((host, int(port)))
+        frames, eof = _read_frames(extra, 3.0)
+        assert eof
+        assert frames
+        assert frames[0].message.code == ErrorCode.CONNECTION_LIMIT
+        for s in [*held, extra]:
+            s.close()
+        time.sleep(0.2)
+        again = socket.create_connection((host, int(port)))
+        again.sendall(framing.encode_frame(Ping(nonce=1)))
+        frames, _ = _read_frames(again, 2.0)
+        assert frames[0].message.nonce == 1
+        again.close()
+
+
+def test_slow_loris_is_dropped_at_the_handshake_timeout():
+    with worker_process("--handshake-timeout", "0.5", vocab=16) as (addr, _):
+        host, port = addr.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)))
+        hello_start = b"PW\x02\x01"
+        started = time.monotonic()
+        for b in hello_start:  # one byte at a time, never finishing a frame
+            s.sendall(bytes([b]))
+            time.sleep(0.1)
+        frames, eof = _read_frames(s, 3.0)
+        assert eof
+        assert isinstance(frames[0].message, Error)
+        assert frames[0].message.code == ErrorCode.HANDSHAKE_TIMEOUT
+        assert time.monotonic() - started < 3.0
+        s.close()
+
+
+@pytest.mark.asyncio
+async def test_idle_connection_is_closed():
+    with worker_process("--idle-timeout", "0.5", vocab=16) as (addr, _):
+        host, port = addr.rsplit(":", 1)
+        client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16))
+        await asyncio.sleep(1.5)
+        assert client.closed
+        assert client.failed is ErrorCode.IDLE_TIMEOUT
+        with pytest.raises(ClientClosedError):
+            await client.open(0, seed=1, prefix=[1])
+
+
+def test_fuzz_harness_smoke():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "fuzz" / "run.py"), "--seconds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"executions"' in done.stdout
