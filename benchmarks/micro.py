@@ -44,13 +44,8 @@ def measure(
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    trials, reps = (3, 20) if args.quick else (9, 200)
-
+def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
+    """Per-trial values: ``<case>_us`` medians and same-trial ratios."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(VOCAB) * 3.0
     counts = dyadic.counts_from_logits(logits)
@@ -71,7 +66,7 @@ def main() -> int:
         return z
 
     cases: dict[str, Callable[[], object]] = {
-        "max_pass": bits.max,
+        "max_pass": lambda: bits.max(),
         "validate_dense": lambda: validator.check(row, token),
         "validate_dense_api": lambda: dyadic.validate_dense(row_bytes, VOCAB, token),
         "validate_sparse32": lambda: dyadic.validate_sparse(
@@ -83,31 +78,48 @@ def main() -> int:
         "construct_sparse32": lambda: dyadic.sparse_counts_from_logits(logits, 1.0, 32),
     }
     res = measure(cases, trials, reps)
-    med = {k: statistics.median(v) for k, v in res.items()}
 
     def ratio(a: str, b: str) -> list[float]:
         return [x / y for x, y in zip(res[a], res[b], strict=True)]
 
-    ratios = {
-        "validate_vs_max": ratio("validate_dense", "max_pass"),
-        "validate_api_vs_max": ratio("validate_dense_api", "max_pass"),
-        "construct_vs_softmax": ratio("construct_dense", "softmax_f64"),
-        "construct_api_vs_softmax": ratio("construct_dense_api", "softmax_f64"),
-        "construct_sparse32_vs_softmax": ratio("construct_sparse32", "softmax_f64"),
-    }
+    out = {f"{k}_us": [v * 1e6 for v in vals] for k, vals in res.items()}
+    out.update(
+        {
+            "validate_vs_max": ratio("validate_dense", "max_pass"),
+            "validate_api_vs_max": ratio("validate_dense_api", "max_pass"),
+            "construct_vs_softmax": ratio("construct_dense", "softmax_f64"),
+            "construct_api_vs_softmax": ratio("construct_dense_api", "softmax_f64"),
+            "construct_sparse32_vs_softmax": ratio("construct_sparse32", "softmax_f64"),
+        }
+    )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    trials, reps = (3, 20) if args.quick else (9, 200)
+    res = run_cases(trials, reps)
     if args.json:
-        print(json.dumps({k: statistics.median(v) for k, v in ratios.items()}))
+        print(json.dumps({k: statistics.median(v) for k, v in res.items() if "_vs_" in k}))
         return 0
     print(f"vocabulary {VOCAB}, {trials} trials x {reps} reps, interleaved")
     print(f"{'case':28s} {'median us':>10s} {'min..max us':>18s}")
     for name, values in res.items():
-        lo, hi = min(values) * 1e6, max(values) * 1e6
-        print(f"{name:28s} {med[name] * 1e6:10.1f} {lo:8.1f}..{hi:<8.1f}")
+        if name.endswith("_us"):
+            print(
+                f"{name[:-3]:28s} {statistics.median(values):10.1f} "
+                f"{min(values):8.1f}..{max(values):<8.1f}"
+            )
     print(f"{'ratio (same-trial)':28s} {'median':>10s} {'min..max':>18s}")
-    for name, values in ratios.items():
-        print(
-            f"{name:28s} {statistics.median(values):10.2f} {min(values):8.2f}..{max(values):<8.2f}"
-        )
+    for name, values in res.items():
+        if "_vs_" in name:
+            print(
+                f"{name:28s} {statistics.median(values):10.2f} "
+                f"{min(values):8.2f}..{max(values):<8.2f}"
+            )
     return 0
 
 

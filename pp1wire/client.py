@@ -109,7 +109,10 @@ class _Connection(asyncio.BufferedProtocol):
         return self.client.core.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.client._handle(self.client.core.buffer_updated(nbytes, time.monotonic()))
+        core = self.client.core
+        events = core.buffer_updated(nbytes, time.monotonic())
+        if events or core.has_output or core.closed:
+            self.client._handle(events)
 
     def eof_received(self) -> bool:
         return False
@@ -139,6 +142,7 @@ class AsyncClient:
         self._resets: dict[int, asyncio.Future[None]] = {}
         self._commits: dict[tuple[int, int], asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline: float | None = None
         self._closed = asyncio.Event()
         self.failed: ErrorCode | None = None
         #: Called with every protocol event (metrics, logs); must not raise.
@@ -192,6 +196,9 @@ class AsyncClient:
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()
+        if deadline == self._deadline:
+            return  # most calls change nothing; re-arming costs more than the check
+        self._deadline = deadline
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -201,6 +208,7 @@ class AsyncClient:
 
     def _on_timer(self) -> None:
         self._timer = None
+        self._deadline = None
         self._handle(self.core.handle_timer(time.monotonic()))
 
     def _handle(self, events: list[spark_core.SparkEvent]) -> None:

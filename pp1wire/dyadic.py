@@ -467,15 +467,14 @@ class DenseRowValidator:
         v = self.vocab_size
         body = row[:v]
         bits = body.view(np.uint32)
-        # One pass over the raw bits rejects NaN, infinities, every value with
-        # the sign bit (so -0.0 too) and values above 1.
-        if int(bits.max()) > _ONE_BITS:
-            raise _diagnose_range(bits)
-        if self.row_entries > v and row[v:].view(np.uint32).any():
-            raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
         if _fastq is not None:
+            # One compiled pass gives the max bits, the count sum and integrality.
+            max_bits, total, non_integral = _fastq.scan_dense(body)
+            if max_bits > _ONE_BITS:
+                raise _diagnose_range(bits)
+            if self.row_entries > v and row[v:].view(np.uint32).any():
+                raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
             self._fresh = False
-            _, total, non_integral = _fastq.scan_dense(body)
             if non_integral:
                 raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
             if total != M:
@@ -484,6 +483,12 @@ class DenseRowValidator:
                 raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
             self._last = body
             return
+        # One pass over the raw bits rejects NaN, infinities, every value with
+        # the sign bit (so -0.0 too) and values above 1.
+        if int(bits.max()) > _ONE_BITS:
+            raise _diagnose_range(bits)
+        if self.row_entries > v and row[v:].view(np.uint32).any():
+            raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
         scaled = self._scaled
         np.multiply(body, np.float32(M), out=scaled)  # exact: power-of-two scaling
         counts = self._counts
@@ -555,6 +560,25 @@ def validate_sparse(
     """
     ids = _i32_view(ids_buf, "sparse ids")
     q = _f32_view(q_buf, "sparse q")
+    check_sparse(ids, q, vocab_size, max_k, proposed)
+    return ids.copy(), (q.astype(np.float64) * M).astype(np.int64)
+
+
+def check_sparse(
+    ids: Int32Array, q: Float32Array, vocab_size: int, max_k: int, proposed: int
+) -> None:
+    """Validate a sparse row given as int32 and float32 views; raise on the first failing class.
+
+    The checks and their order are :func:`validate_sparse`'s; nothing is copied.
+
+    Raises:
+        ValidationError: see :func:`validate_sparse`.
+    """
+    if _fastq is not None and ids.size == q.size:
+        code = _fastq.check_sparse(ids, q, vocab_size, max_k, proposed)
+        if code:
+            raise ValidationError(ErrorCode(code), "sparse row refused")
+        return
     if ids.size != q.size:
         raise ValidationError(ErrorCode.ROW_LENGTH, f"{ids.size} ids but {q.size} q values")
     if ids.size == 0:
@@ -583,4 +607,3 @@ def validate_sparse(
     where = int(np.searchsorted(ids, proposed))
     if where >= ids.size or int(ids[where]) != proposed:
         raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
-    return ids.copy(), counts

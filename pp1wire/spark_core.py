@@ -259,6 +259,11 @@ class SparkProtocol:
 
     # -- I/O surface -----------------------------------------------------
 
+    @property
+    def has_output(self) -> bool:
+        """True if :meth:`data_to_send` has bytes waiting."""
+        return bool(self._out)
+
     def data_to_send(self) -> list[bytes]:
         """Bytes queued for the worker, in order (the queue is emptied)."""
         out, self._out = self._out, []
@@ -317,6 +322,8 @@ class SparkProtocol:
             self._events.append(FrameRejected(None, exc.code))
             self._fatal(exc.code)
             return self._take()
+        if not frames and self.decoder.error is None:
+            return []  # the common case mid-frame: nothing to do
         return self.receive_frames(frames, now)
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
@@ -869,10 +876,10 @@ class SparkProtocol:
                 self._validator.check(q32, msg.token)
                 return QRow(token=msg.token, q32=q32[: self.config.vocab_size])
             split = 4 * msg.entries
-            ids, counts = dyadic.validate_sparse(
-                payload[:split], payload[split:], self.config.vocab_size, step.support, msg.token
-            )
-            return QRow(token=msg.token, counts=counts, ids=ids)
+            ids = np.frombuffer(payload[:split], dtype="<i4")
+            q = np.frombuffer(payload[split:], dtype="<f4")
+            dyadic.check_sparse(ids, q, self.config.vocab_size, step.support, msg.token)
+            return QRow(token=msg.token, ids=ids, q32=q)
         except ValidationError as exc:
             return exc.code
 

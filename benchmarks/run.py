@@ -1,0 +1,350 @@
+"""pp1wire against the machine's limit and the stacks a user would pick instead.
+
+Run: ``python benchmarks/run.py [--quick] [--json]`` (needs ``pip install -e .[bench]``).
+
+Every comparison is measured in the same run, variants interleaved round by
+round, and reported as the median of the per-round ratios with the min-max
+across rounds beside it:
+
+(a) dense round: 4 requests x depth 5 at vocabulary 129,280 (10.3 MB of q):
+    pp1wire STEPs answered from the worker's replay cache, every row validated
+    and checksummed and each COMPLETION validated, vs. the same bytes over a
+    raw blocking socket, ZeroMQ REQ/REP and gRPC unary (all unvalidated).
+(b) sparse round: one request, depth 5, k = 32, the same four ways.
+(c) dense row validation vs. one numpy max() pass; sparse row validation.
+(d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
+(e) wire overhead: encoded bytes / payload bytes, dense and sparse k = 16..256.
+(f) RSS of both daemons after 100 and after 10,000 dense rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import micro  # noqa: E402
+import sizes  # noqa: E402
+from soak import rss_mb  # noqa: E402
+
+from pp1wire import framing  # noqa: E402
+from pp1wire.client import AsyncClient  # noqa: E402
+from pp1wire.fencing import SparkInFlight  # noqa: E402
+from pp1wire.messages import Step  # noqa: E402
+from pp1wire.spark_core import SparkConfig, _Flight  # noqa: E402
+from pp1wire.worker import install_uvloop  # noqa: E402
+
+VOCAB = 129_280
+DENSE_SLOTS = [0, 1, 2, 3]
+SPARSE_SLOT = 4
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    return proc, int(line.rsplit(":", 1)[-1].rsplit(" ", 1)[-1])
+
+
+class Pp1:
+    """A client with 4 dense slots and 1 sparse slot whose last STEPs are replayed."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.steps: dict[int, Step] = {}
+        self.reply_bytes: dict[int, int] = {}
+
+    @classmethod
+    async def setup(cls, port: int) -> Pp1:
+        client = await AsyncClient.connect(
+            "127.0.0.1", port, SparkConfig(vocab_size=VOCAB, max_slots=5, max_support=32)
+        )
+        self = cls(client)
+        original = client.core.step
+
+        def spy(slot: int, **kw: Any) -> int:
+            r = original(slot, **kw)
+            flight = client.core.slots[slot].flight
+            assert flight is not None
+            self.steps[slot] = flight.step
+            return r
+
+        client.core.step = spy  # type: ignore[method-assign]
+        for slot in [*DENSE_SLOTS, SPARSE_SLOT]:
+            await client.open(slot, seed=slot + 1, prefix=[1, 2, 3])
+            support = 32 if slot == SPARSE_SLOT else 0
+            p = await client.propose(slot, depth=5, support=support)
+            client.release(p, slot)
+        return self
+
+    async def replay(self, slots: list[int]) -> None:
+        """Re-send each slot's last STEP; the worker answers with its cached bytes."""
+        client, core = self.client, self.client.core
+        futs = []
+        for slot in slots:
+            step = self.steps[slot]
+            state = core.slots[slot]
+            state.flight = _Flight(step=step, deadline=time.monotonic() + 30)
+            state.fence.in_flight = SparkInFlight(step.generation, step.round)
+            fut = client.loop.create_future()
+            client._proposals[slot] = fut
+            core._out.append(framing.encode_frame(step))
+            futs.append(fut)
+        client._flush()
+        for p, slot in zip(await asyncio.gather(*futs), slots, strict=True):
+            client.release(p, slot)
+
+
+class Raw:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(16 << 20)
+
+    def rtt(self, n: int) -> None:
+        self.sock.sendall(struct.pack("<II", 8, n))
+        view = memoryview(self.buf)
+        got = 0
+        while got < n:
+            got += self.sock.recv_into(view[got:n])
+
+
+class Zmq:
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.REQ)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def rtt(self, n: int) -> None:
+        self.sock.send(struct.pack("<I", n))
+        self.sock.recv(copy=False)
+
+
+class Grpc:
+    def __init__(self, port: int) -> None:
+        import grpc
+
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ],
+        )
+        self.call = self.channel.unary_unary("/bench.Bench/Get")
+
+    def rtt(self, n: int) -> None:
+        self.call(struct.pack("<I", n))
+
+
+async def timed(fn: Callable[[], Awaitable[None] | None], reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        if out is not None:
+            await out
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+async def transports(
+    pp1: Pp1,
+    raw: Raw,
+    zmq: Zmq,
+    grpc: Grpc,
+    rounds: int,
+    reps: int,
+    dense_bytes: int,
+    sparse_bytes: int,
+) -> dict[str, list[float]]:
+    cases: dict[str, Callable[[], Any]] = {
+        "pp1_dense": lambda: pp1.replay(DENSE_SLOTS),
+        "raw_dense": lambda: raw.rtt(dense_bytes),
+        "zmq_dense": lambda: zmq.rtt(dense_bytes),
+        "grpc_dense": lambda: grpc.rtt(dense_bytes),
+        "pp1_sparse": lambda: pp1.replay([SPARSE_SLOT]),
+        "raw_sparse": lambda: raw.rtt(sparse_bytes),
+        "zmq_sparse": lambda: zmq.rtt(sparse_bytes),
+        "grpc_sparse": lambda: grpc.rtt(sparse_bytes),
+    }
+    names = list(cases)
+    for name in names:  # warm-up
+        await timed(cases[name], 3)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            n = reps if name.endswith("dense") else reps * 20
+            out[name].append(await timed(cases[name], n))
+    return out
+
+
+async def rss_growth(pp1: Pp1, worker_pid: int, early: int, late: int) -> dict[str, float]:
+    marks: dict[int, tuple[float, float]] = {}
+    for i in range(1, late + 1):
+        await pp1.replay(DENSE_SLOTS)
+        if i in (early, late):
+            marks[i] = (rss_mb(worker_pid), rss_mb())
+    return {
+        "worker_rss_mb_early": marks[early][0],
+        "worker_rss_mb_late": marks[late][0],
+        "spark_rss_mb_early": marks[early][1],
+        "spark_rss_mb_late": marks[late][1],
+        "rounds_early": early,
+        "rounds_late": late,
+    }
+
+
+def ratio(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    rounds, reps = (3, 5) if args.quick else (8, 15)
+    worker, wport = start(
+        [
+            sys.executable,
+            "-m",
+            "pp1wire.worker",
+            "--port",
+            "0",
+            "--vocab",
+            str(VOCAB),
+            "--max-slots",
+            "8",
+            "--log-level",
+            "warning",
+        ]
+    )
+    peers = []
+    try:
+        pp1 = await Pp1.setup(wport)
+        # The baselines carry exactly the bytes the pp1wire replies take on the wire.
+        decoder = pp1.client.core.decoder
+        before = decoder.bytes_received
+        await pp1.replay(DENSE_SLOTS)
+        dense_bytes = decoder.bytes_received - before
+        before = decoder.bytes_received
+        await pp1.replay([SPARSE_SLOT])
+        sparse_bytes = decoder.bytes_received - before
+        for kind in ("raw", "zmq", "grpc"):
+            peers.append(
+                start([sys.executable, str(HERE / "peers.py"), kind, "--size", str(dense_bytes)])
+            )
+        raw, zmq, grpc = Raw(peers[0][1]), Zmq(peers[1][1]), Grpc(peers[2][1])
+        t = await transports(pp1, raw, zmq, grpc, rounds, reps, dense_bytes, sparse_bytes)
+        mem = await rss_growth(pp1, worker.pid, 100, 1000 if args.quick else 10_000)
+        await pp1.client.close()
+    finally:
+        worker.terminate()
+        for proc, _ in peers:
+            proc.terminate()
+    trials, mreps = (3, 20) if args.quick else (9, 200)
+    micro_res = micro.run_cases(trials, mreps)
+    size_table = {
+        name: sizes.reply_size(k)
+        for name, k in [
+            ("dense", None),
+            ("sparse16", 16),
+            ("sparse32", 32),
+            ("sparse64", 64),
+            ("sparse256", 256),
+        ]
+    }
+    ratios = {
+        "dense_vs_raw": ratio(t["pp1_dense"], t["raw_dense"]),
+        "dense_vs_zmq": ratio(t["pp1_dense"], t["zmq_dense"]),
+        "dense_vs_grpc": ratio(t["pp1_dense"], t["grpc_dense"]),
+        "sparse_vs_raw": ratio(t["pp1_sparse"], t["raw_sparse"]),
+        "sparse_vs_zmq": ratio(t["pp1_sparse"], t["zmq_sparse"]),
+        "sparse_vs_grpc": ratio(t["pp1_sparse"], t["grpc_sparse"]),
+        "validate_vs_max": micro_res["validate_vs_max"],
+        "construct_vs_softmax": micro_res["construct_vs_softmax"],
+    }
+    overhead = {f"overhead_{k}": (v[0] - v[1]) / v[1] for k, v in size_table.items()}
+    growth = max(
+        mem["worker_rss_mb_late"] / mem["worker_rss_mb_early"],
+        mem["spark_rss_mb_late"] / mem["spark_rss_mb_early"],
+    )
+    return {
+        "times": {k: summarize(v) for k, v in t.items()},
+        "ratios": {k: summarize(v) for k, v in ratios.items()},
+        "micro": {k: summarize(v) for k, v in micro_res.items()},
+        "overhead": overhead,
+        "memory": mem,
+        "rss_growth": growth,
+        "bytes": {"dense_reply": dense_bytes, "sparse_reply": sparse_bytes},
+    }
+
+
+GOALS = {
+    "dense_vs_raw": 1.2,
+    "dense_vs_zmq": 1.0,
+    "sparse_vs_raw": 1.3,
+    "sparse_vs_grpc": 0.2,
+    "validate_vs_max": 8.0,
+    "construct_vs_softmax": 3.0,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    install_uvloop()
+    res = asyncio.run(main_async(args))
+    flat = {k: v["median"] for k, v in res["ratios"].items()}
+    flat["overhead_dense"] = res["overhead"]["overhead_dense"]
+    flat["overhead_sparse32"] = res["overhead"]["overhead_sparse32"]
+    flat["rss_growth"] = res["rss_growth"]
+    if args.json:
+        print(json.dumps({**flat, "detail": res}))
+        return 0
+    print(f"pp1wire benchmarks ({'quick' if args.quick else 'full'} run), vocabulary {VOCAB}")
+    print(f"\n{'transport round trip':26s} {'median ms':>10s} {'min..max ms':>20s}")
+    for k, v in res["times"].items():
+        print(f"{k:26s} {v['median'] * 1e3:10.3f} {v['min'] * 1e3:9.3f}..{v['max'] * 1e3:<9.3f}")
+    print(f"\n{'ratio (same round)':26s} {'median':>10s} {'min..max':>20s} {'goal':>8s}")
+    for k, v in res["ratios"].items():
+        goal = f"<= {GOALS[k]}" if k in GOALS else ""
+        print(f"{k:26s} {v['median']:10.3f} {v['min']:9.3f}..{v['max']:<9.3f} {goal:>8s}")
+    print(f"\n{'per row (micro)':26s} {'median us':>10s} {'min..max':>20s}")
+    for k, v in res["micro"].items():
+        if k.endswith("_us"):
+            print(f"{k:26s} {v['median']:10.1f} {v['min']:9.1f}..{v['max']:<9.1f}")
+    print("\nwire overhead (encoded / payload - 1):")
+    for k, v in res["overhead"].items():
+        print(f"  {k:24s} {v:10.4%}")
+    m = res["memory"]
+    print(
+        f"\nRSS after {m['rounds_early']} / {m['rounds_late']} dense rounds: worker "
+        f"{m['worker_rss_mb_early']:.1f} / {m['worker_rss_mb_late']:.1f} MB, spark "
+        f"{m['spark_rss_mb_early']:.1f} / {m['spark_rss_mb_late']:.1f} MB; "
+        f"rss_growth {res['rss_growth']:.4f} (goal <= 1.02)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
