@@ -15,6 +15,10 @@ across rounds beside it:
 (d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
 (e) wire overhead: encoded bytes / payload bytes, dense and sparse k = 16..256.
 (f) RSS of both daemons after 100 and after 10,000 dense rounds.
+
+The transport comparison runs twice: with the daemons as configured by default
+(event loops that sleep when idle), then with ``--busy-poll`` on both pp1wire
+ends (``busy_poll_*`` keys), which spends a core to skip the idle-CPU wake-ups.
 """
 
 from __future__ import annotations
@@ -67,9 +71,12 @@ class Pp1:
         self.reply_bytes: dict[int, int] = {}
 
     @classmethod
-    async def setup(cls, port: int) -> Pp1:
+    async def setup(cls, port: int, busy_poll: bool = False) -> Pp1:
         client = await AsyncClient.connect(
-            "127.0.0.1", port, SparkConfig(vocab_size=VOCAB, max_slots=5, max_support=32)
+            "127.0.0.1",
+            port,
+            SparkConfig(vocab_size=VOCAB, max_slots=5, max_support=32),
+            busy_poll=busy_poll,
         )
         self = cls(client)
         original = client.core.step
@@ -103,6 +110,8 @@ class Pp1:
             core._out.append(framing.encode_frame(step))
             futs.append(fut)
         client._flush()
+        if client.busy_poll and client._spinner is None:
+            client._spinner = asyncio.ensure_future(client._spin())
         for p, slot in zip(await asyncio.gather(*futs), slots, strict=True):
             client.release(p, slot)
 
@@ -218,23 +227,22 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    rounds, reps = (3, 5) if args.quick else (8, 15)
-    worker, wport = start(
-        [
-            sys.executable,
-            "-m",
-            "pp1wire.worker",
-            "--port",
-            "0",
-            "--vocab",
-            str(VOCAB),
-            "--max-slots",
-            "8",
-            "--log-level",
-            "warning",
-        ]
-    )
-    peers = []
+    rounds, reps = (1, 2) if args.smoke else (3, 5) if args.quick else (8, 15)
+    peers: list[tuple[subprocess.Popen[str], int]] = []
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "pp1wire.worker",
+        "--port",
+        "0",
+        "--vocab",
+        str(VOCAB),
+        "--max-slots",
+        "8",
+        "--log-level",
+        "warning",
+    ]
+    worker, wport = start(worker_cmd)
     try:
         pp1 = await Pp1.setup(wport)
         # The baselines carry exactly the bytes the pp1wire replies take on the wire.
@@ -251,13 +259,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
         raw, zmq, grpc = Raw(peers[0][1]), Zmq(peers[1][1]), Grpc(peers[2][1])
         t = await transports(pp1, raw, zmq, grpc, rounds, reps, dense_bytes, sparse_bytes)
-        mem = await rss_growth(pp1, worker.pid, 100, 1000 if args.quick else 10_000)
+        early, late = (5, 20) if args.smoke else (100, 1000) if args.quick else (100, 10_000)
+        mem = await rss_growth(pp1, worker.pid, early, late)
         await pp1.client.close()
+        worker.terminate()
+        worker.wait()
+        # The same comparison with both pp1wire ends busy-polling (--busy-poll).
+        worker, wport = start([*worker_cmd, "--busy-poll"])
+        spin = await Pp1.setup(wport, busy_poll=True)
+        t_spin = await transports(
+            spin, raw, zmq, grpc, max(2, rounds // 2), reps, dense_bytes, sparse_bytes
+        )
+        await spin.client.close()
     finally:
         worker.terminate()
         for proc, _ in peers:
             proc.terminate()
-    trials, mreps = (3, 20) if args.quick else (9, 200)
+    trials, mreps = (1, 3) if args.smoke else (3, 20) if args.quick else (9, 200)
     micro_res = micro.run_cases(trials, mreps)
     size_table = {
         name: sizes.reply_size(k)
@@ -276,6 +294,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "sparse_vs_raw": ratio(t["pp1_sparse"], t["raw_sparse"]),
         "sparse_vs_zmq": ratio(t["pp1_sparse"], t["zmq_sparse"]),
         "sparse_vs_grpc": ratio(t["pp1_sparse"], t["grpc_sparse"]),
+        "busy_poll_dense_vs_raw": ratio(t_spin["pp1_dense"], t_spin["raw_dense"]),
+        "busy_poll_dense_vs_zmq": ratio(t_spin["pp1_dense"], t_spin["zmq_dense"]),
+        "busy_poll_sparse_vs_raw": ratio(t_spin["pp1_sparse"], t_spin["raw_sparse"]),
+        "busy_poll_sparse_vs_grpc": ratio(t_spin["pp1_sparse"], t_spin["grpc_sparse"]),
         "validate_vs_max": micro_res["validate_vs_max"],
         "construct_vs_softmax": micro_res["construct_vs_softmax"],
     }
@@ -284,8 +306,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         mem["worker_rss_mb_late"] / mem["worker_rss_mb_early"],
         mem["spark_rss_mb_late"] / mem["spark_rss_mb_early"],
     )
+    times = {k: summarize(v) for k, v in t.items()}
+    times.update({f"busy_poll_{k}": summarize(v) for k, v in t_spin.items() if k.startswith("pp1")})
     return {
-        "times": {k: summarize(v) for k, v in t.items()},
+        "times": times,
         "ratios": {k: summarize(v) for k, v in ratios.items()},
         "micro": {k: summarize(v) for k, v in micro_res.items()},
         "overhead": overhead,
@@ -310,6 +334,11 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few iterations only: checks that the benchmark works",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     install_uvloop()
@@ -321,7 +350,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({**flat, "detail": res}))
         return 0
-    print(f"pp1wire benchmarks ({'quick' if args.quick else 'full'} run), vocabulary {VOCAB}")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    print(f"pp1wire benchmarks ({mode} run), vocabulary {VOCAB}")
     print(f"\n{'transport round trip':26s} {'median ms':>10s} {'min..max ms':>20s}")
     for k, v in res["times"].items():
         print(f"{k:26s} {v['median'] * 1e3:10.3f} {v['min'] * 1e3:9.3f}..{v['max'] * 1e3:<9.3f}")

@@ -125,9 +125,15 @@ class _Connection(asyncio.BufferedProtocol):
 class AsyncClient:
     """One connection to a worker, serving any number of concurrent slots."""
 
-    def __init__(self, config: SparkConfig) -> None:
-        """Prefer :meth:`connect`."""
+    def __init__(self, config: SparkConfig, *, busy_poll: bool = False) -> None:
+        """Prefer :meth:`connect`.
+
+        ``busy_poll`` keeps the event loop spinning while a proposal is awaited,
+        trading a busy core for the wake-up latency of an idle one.
+        """
         self.config = config
+        self.busy_poll = busy_poll
+        self._spinner: asyncio.Task[None] | None = None
         self.core = SparkProtocol(config, time.monotonic())
         self.loop = asyncio.get_running_loop()
         row_frame = 16 + 4096 + 4 * config.entries
@@ -160,14 +166,15 @@ class AsyncClient:
         *,
         ssl: ssl_module.SSLContext | None = None,
         timeout: float = 10.0,
+        busy_poll: bool = False,
     ) -> AsyncClient:
-        """Connect and complete HELLO (and authentication).
+        """Connect and complete HELLO (and authentication); see :class:`AsyncClient`.
 
         Raises:
             OSError: if the TCP connection fails.
             ClientClosedError: if the handshake is refused or times out (``code`` says why).
         """
-        client = cls(config)
+        client = cls(config, busy_poll=busy_poll)
         await client.loop.create_connection(
             client._make_conn, host, port, ssl=ssl, server_hostname=host if ssl else None
         )
@@ -189,7 +196,10 @@ class AsyncClient:
     def _flush(self) -> None:
         chunks = self.core.data_to_send()
         if chunks and self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.writelines(chunks)
+            if len(chunks) == 1:
+                self._conn.transport.write(chunks[0])
+            else:
+                self._conn.transport.writelines(chunks)
         if self.core.closed and self._conn is not None and self._conn.transport is not None:
             self._conn.transport.close()
         self._arm_timer()
@@ -328,7 +338,16 @@ class AsyncClient:
         )
         self._proposals[slot] = fut
         self._flush()
+        if self.busy_poll and self._spinner is None:
+            self._spinner = asyncio.ensure_future(self._spin())
         return await fut
+
+    async def _spin(self) -> None:
+        try:
+            while self._proposals and not self.core.closed:
+                await asyncio.sleep(0)
+        finally:
+            self._spinner = None
 
     def release(self, proposal: Proposal, slot: int) -> None:
         """Done with ``proposal``'s rows (after verifying): recycle their receive buffers."""

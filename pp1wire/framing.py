@@ -50,10 +50,8 @@ assert PREAMBLE_SIZE == 16
 
 def header_checksum(preamble_head: bytes | memoryview, header: bytes | memoryview) -> int:
     """Low 32 bits of xxh3_64 over the first 12 preamble bytes and the header."""
-    h = xxhash.xxh3_64()
-    h.update(preamble_head)
-    h.update(header)
-    return h.intdigest() & 0xFFFFFFFF
+    # Headers are small: one concatenation is cheaper than a streaming hasher.
+    return int(xxhash.xxh3_64_intdigest(bytes(preamble_head) + bytes(header))) & 0xFFFFFFFF
 
 
 def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> bytes:
@@ -221,10 +219,9 @@ class FrameDecoder:
             raise ProtocolError(ErrorCode.BAD_MAGIC, f"magic {bytes(magic)!r}")
         if version != messages.WIRE_VERSION:
             raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"wire version {version}")
-        try:
-            mtype = MsgType(kind)
-        except ValueError:
-            raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"type {kind}") from None
+        mtype = messages.TYPE_BY_CODE[kind]
+        if mtype is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"type {kind}")
         if flags or reserved:
             raise ProtocolError(ErrorCode.BAD_FLAGS, f"flags {flags:#x}, reserved {reserved:#x}")
         if hlen == 0:
@@ -282,6 +279,7 @@ def _parse(view: memoryview) -> Frame:
     header = view[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]
     if header_checksum(view[:12], header) != checksum:
         raise ProtocolError(ErrorCode.PREAMBLE_CHECKSUM, "header checksum mismatch")
-    mtype = MsgType(view[3])
+    mtype = messages.TYPE_BY_CODE[view[3]]
+    assert mtype is not None  # checked with the preamble
     message = messages.decode(header, mtype)
     return Frame(mtype, message, view[PREAMBLE_SIZE + hlen :].toreadonly(), view.toreadonly())

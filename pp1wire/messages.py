@@ -335,11 +335,16 @@ ENCODER: Final = msgspec.msgpack.Encoder()
 DECODER: Final = msgspec.msgpack.Decoder(Message)
 
 
+_TYPE_OF: Final[dict[type, MsgType]] = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
+#: Frame type code (0..255) to MsgType, None for unknown codes; avoids Enum lookups per frame.
+TYPE_BY_CODE: Final[tuple[MsgType | None, ...]] = tuple(
+    MsgType(i) if i in MsgType._value2member_map_ else None for i in range(256)
+)
+
+
 def type_of(msg: Message) -> MsgType:
     """The frame type code of a message."""
-    tag = msg.__struct_config__.tag
-    assert isinstance(tag, int)
-    return MsgType(tag)
+    return _TYPE_OF[type(msg)]
 
 
 def encode(msg: Message) -> bytes:

@@ -245,6 +245,14 @@ class SparkProtocol:
         self.handshake_deadline: float | None = None
         self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
+        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
+            MsgType.OPENED: self._on_opened,
+            MsgType.CLOSED: self._on_closed,
+            MsgType.REPLY: self._on_reply,
+            MsgType.COMPLETION: self._on_completion,
+            MsgType.COMMITTED: self._on_committed,
+            MsgType.RESET_DONE: self._on_reset_done,
+        }
         self._retained = False
         # CLOSEs not yet acknowledged, per slot: frames for the closed instance
         # of a slot (late acks, replies) are ignored until its CLOSED arrives.
@@ -650,14 +658,7 @@ class SparkProtocol:
         slot_of = getattr(msg, "slot", None)
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             return  # belongs to the slot's closed instance
-        handler = {
-            MsgType.OPENED: self._on_opened,
-            MsgType.CLOSED: self._on_closed,
-            MsgType.REPLY: self._on_reply,
-            MsgType.COMPLETION: self._on_completion,
-            MsgType.COMMITTED: self._on_committed,
-            MsgType.RESET_DONE: self._on_reset_done,
-        }.get(kind)
+        handler = self._handlers.get(kind)
         if handler is None:
             self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
             return

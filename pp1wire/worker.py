@@ -113,6 +113,7 @@ class _Conn(asyncio.BufferedProtocol):
             srv.config, srv.drafter, session=next(srv.sessions), now=time.monotonic()
         )
         srv.conns.add(self)
+        srv.connection_opened()
         srv.metrics.connections.set(len(srv.conns))
         srv.metrics.accepted.inc()
         log.info("connection", extra={"peer": self.peer, "session": self.core.session})
@@ -163,7 +164,9 @@ class _Conn(asyncio.BufferedProtocol):
         if core is None or transport is None:
             return
         chunks = core.data_to_send()
-        if chunks:
+        if len(chunks) == 1:
+            transport.write(chunks[0])
+        elif chunks:
             transport.writelines(chunks)
         if core.closed:
             transport.close()
@@ -171,13 +174,16 @@ class _Conn(asyncio.BufferedProtocol):
             self._arm()
 
     def _arm(self) -> None:
+        core = self.core
+        deadline = None if core is None else core.next_deadline()
+        # The idle deadline moves with every message; a timer set for an earlier
+        # time simply fires, finds nothing expired and re-arms, which is much
+        # cheaper than cancelling and re-creating a timer per message.
         if self.timer is not None:
+            if deadline is not None and self.timer.when() <= _loop_time(deadline):
+                return
             self.timer.cancel()
             self.timer = None
-        core = self.core
-        if core is None:
-            return
-        deadline = core.next_deadline()
         if deadline is not None:
             loop = asyncio.get_running_loop()
             self.timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
@@ -212,6 +218,12 @@ class _Conn(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
 
+def _loop_time(monotonic_deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
+
+
 def _name(code: int) -> str:
     try:
         return ErrorCode(code).name.lower()
@@ -229,8 +241,13 @@ class WorkerServer:
         *,
         max_connections: int = 16,
         ssl_context: ssl.SSLContext | None = None,
+        busy_poll: bool = False,
     ) -> None:
-        """Prepare a server (call :meth:`start`)."""
+        """Prepare a server (call :meth:`start`).
+
+        ``busy_poll`` keeps the event loop spinning while any connection is open,
+        trading one busy core for the wake-up latency of an idle one.
+        """
         self.config = config
         self.drafter = drafter
         self.max_connections = max_connections
@@ -239,7 +256,21 @@ class WorkerServer:
         self.conns: set[_Conn] = set()
         self.sessions = itertools.count(1)
         self.stopping = False
+        self.busy_poll = busy_poll
+        self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
+
+    def connection_opened(self) -> None:
+        """Start spinning (with ``busy_poll``) while connections are open."""
+        if self.busy_poll and self._spinner is None:
+            self._spinner = asyncio.ensure_future(self._spin())
+
+    async def _spin(self) -> None:
+        try:
+            while self.conns and not self.stopping:
+                await asyncio.sleep(0)
+        finally:
+            self._spinner = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the bound port.
@@ -296,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-support", type=int, default=256)
     p.add_argument("--max-prefix", type=int, default=1 << 20, help="longest prefix in tokens")
     p.add_argument("--max-connections", type=int, default=16)
+    p.add_argument(
+        "--busy-poll",
+        action="store_true",
+        help="spin the event loop while connections are open (lower latency, one busy core)",
+    )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--idle-timeout", type=float, default=300.0)
     p.add_argument("--psk-file", default=None, help="file holding the pre-shared key")
@@ -396,7 +432,13 @@ async def serve(args: argparse.Namespace) -> int:
     if args.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(args.tls_cert, args.tls_key)
-    server = WorkerServer(config, drafter, max_connections=args.max_connections, ssl_context=ctx)
+    server = WorkerServer(
+        config,
+        drafter,
+        max_connections=args.max_connections,
+        ssl_context=ctx,
+        busy_poll=args.busy_poll,
+    )
     port = await server.start(args.host, args.port)
     metrics_server = None
     if args.metrics_port:

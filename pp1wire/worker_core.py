@@ -16,6 +16,7 @@ import hmac
 import math
 import secrets
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,6 +196,13 @@ class WorkerProtocol:
         self._worker_nonce = b""
         self._hello_header = b""
         self._peer: Hello | None = None
+        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
+            MsgType.OPEN: self._on_open,
+            MsgType.CLOSE: self._on_close,
+            MsgType.STEP: self._on_step,
+            MsgType.COMMIT: self._on_commit,
+            MsgType.RESET: self._on_reset,
+        }
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self.closed = False
@@ -349,13 +357,7 @@ class WorkerProtocol:
         if kind is MsgType.HELLO:
             self._fatal(ErrorCode.DUPLICATE_HELLO, kind)
             return
-        handler = {
-            MsgType.OPEN: self._on_open,
-            MsgType.CLOSE: self._on_close,
-            MsgType.STEP: self._on_step,
-            MsgType.COMMIT: self._on_commit,
-            MsgType.RESET: self._on_reset,
-        }.get(kind)
+        handler = self._handlers.get(kind)
         if handler is None:
             self._fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
             return

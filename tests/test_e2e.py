@@ -240,3 +240,10 @@ def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
     assert len(records) == summary["requests"]
     assert sum(len(r["tokens"]) for r in records) == summary["tokens"]
     assert any(not r["finished"] for r in records) or all(len(r["tokens"]) >= 50 for r in records)
+
+
+def test_busy_poll_worker_serves_normally(tmp_path):
+    with worker_process("--busy-poll", vocab=VOCAB, seed=SEED) as (address, _):
+        summary, records = spark(address, tmp_path, requests=8, max_tokens=6)
+    assert summary["fallbacks"] == 0
+    assert all(len(r["tokens"]) >= 6 for r in records)

@@ -1,0 +1,53 @@
+"""Smoke runs of the benchmark scripts: a few iterations, checking they still work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KEYS = {
+    "dense_vs_raw",
+    "dense_vs_zmq",
+    "sparse_vs_raw",
+    "sparse_vs_grpc",
+    "validate_vs_max",
+    "construct_vs_softmax",
+    "overhead_dense",
+    "overhead_sparse32",
+    "rss_growth",
+}
+
+
+def test_run_py_smoke():
+    pytest.importorskip("zmq")
+    pytest.importorskip("grpc")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) >= KEYS
+    assert all(result[k] > 0 for k in KEYS)
+
+
+def test_sizes_report_meets_the_size_goals():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sizes.py"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    table = json.loads(done.stdout)
+    assert table["dense"]["overhead"] <= 0.001
+    assert table["sparse32"]["encoded"] <= 1600
