@@ -130,25 +130,3 @@ def test_worker_metrics_endpoint_and_health_check(tmp_path):
             text = r.read().decode()
         assert "pp1_worker_connections_total 2" in text
         assert 'pp1_worker_refusals_total{code="vocab_size_mismatch"} 1' in text
-
-
-def test_sync_sampler_example_runs():
-    with worker_process(vocab=256) as (address, _):
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "examples" / "sync_sampler.py"),
-                "--worker",
-                address,
-                "--vocab",
-                "256",
-                "--steps",
-                "2",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    assert done.returncode == 0, done.stderr
-    assert "accepted tokens [batch, k+1]" in done.stdout
