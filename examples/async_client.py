@@ -23,14 +23,20 @@ async def main(worker: str, vocab: int, tokens: int) -> None:
     target = ToyLM(vocab, 0)  # the engine's target model stands here
     seed, prompt = derive_seed(0, 0), [1, 2, 3]
     generation = await client.open(0, seed=seed, prefix=prompt)
-    verifier = RequestVerifier(session=client.session, seed=seed, vocab_size=vocab,
-                               prefix=prompt, target=target.probs, generation=generation)
+    verifier = RequestVerifier(
+        session=client.session,
+        seed=seed,
+        vocab_size=vocab,
+        prefix=prompt,
+        target=target.probs,
+        generation=generation,
+    )
     fallbacks = 0
     while len(verifier.committed) - len(prompt) < tokens:
         try:
             proposal = await client.propose(0, depth=5, temperature=1.0)
-            result = verifier.verify(proposal)   # acceptance and correction draws are ours
-            client.release(proposal, 0)          # its receive buffers can be reused
+            result = verifier.verify(proposal)  # acceptance and correction draws are ours
+            client.release(proposal, 0)  # its receive buffers can be reused
         except ProposalUnavailableError as exc:  # refused, corrupt, late, lost: fail closed
             fallbacks += 1
             print(f"no proposal this round ({exc.code.name}); decoding target-only")

@@ -70,17 +70,44 @@ def main() -> int:
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": str(here)}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "pp1wire.worker", "--port", "0", "--vocab", "1000",
-         "--drafter", "plugins:drafter_factory", "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pp1wire.worker",
+            "--port",
+            "0",
+            "--vocab",
+            "1000",
+            "--drafter",
+            "plugins:drafter_factory",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert worker.stdout is not None
         address = worker.stdout.readline().rsplit(" ", 1)[1].strip()
         done = subprocess.run(
-            [sys.executable, "-m", "pp1wire.spark", "--worker", address, "--vocab", "1000",
-             "--target", "plugins:target_factory", "--requests", "4", "--max-tokens", "32"],
-            env=env, check=False,
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                address,
+                "--vocab",
+                "1000",
+                "--target",
+                "plugins:target_factory",
+                "--requests",
+                "4",
+                "--max-tokens",
+                "32",
+            ],
+            env=env,
+            check=False,
         )
         return done.returncode
     finally:

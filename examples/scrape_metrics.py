@@ -40,18 +40,43 @@ def scrape(port: int) -> dict[str, float]:
 def main() -> int:
     vocab = "2048"
     worker = subprocess.Popen(
-        [sys.executable, "-m", "pp1wire.worker", "--port", "0", "--vocab", vocab,
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pp1wire.worker",
+            "--port",
+            "0",
+            "--vocab",
+            vocab,
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert worker.stdout is not None
         address = worker.stdout.readline().rsplit(" ", 1)[1].strip()
         mport = free_port()
         spark = subprocess.Popen(
-            [sys.executable, "-m", "pp1wire.spark", "--worker", address, "--vocab", vocab,
-             "--requests", "400", "--max-tokens", "64", "--metrics-port", str(mport), "--json"],
-            stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.spark",
+                "--worker",
+                address,
+                "--vocab",
+                vocab,
+                "--requests",
+                "400",
+                "--max-tokens",
+                "64",
+                "--metrics-port",
+                str(mport),
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         before = None
         for _ in range(100):
@@ -63,16 +88,24 @@ def main() -> int:
             if before is None:
                 before = now
                 continue
-            drafts = now["pp1_spec_decode_draft_tokens_total"] - before[
-                "pp1_spec_decode_draft_tokens_total"]
+            drafts = (
+                now["pp1_spec_decode_draft_tokens_total"]
+                - before["pp1_spec_decode_draft_tokens_total"]
+            )
             if drafts > 0:
-                accepted = now["pp1_spec_decode_accepted_tokens_total"] - before[
-                    "pp1_spec_decode_accepted_tokens_total"]
-                rounds = now["pp1_spec_decode_num_drafts_total"] - before[
-                    "pp1_spec_decode_num_drafts_total"]
-                print(f"acceptance rate {accepted / drafts:.3f}, "
-                      f"mean accepted length {accepted / rounds:.3f} "
-                      f"(over {int(rounds)} rounds between two scrapes)")
+                accepted = (
+                    now["pp1_spec_decode_accepted_tokens_total"]
+                    - before["pp1_spec_decode_accepted_tokens_total"]
+                )
+                rounds = (
+                    now["pp1_spec_decode_num_drafts_total"]
+                    - before["pp1_spec_decode_num_drafts_total"]
+                )
+                print(
+                    f"acceptance rate {accepted / drafts:.3f}, "
+                    f"mean accepted length {accepted / rounds:.3f} "
+                    f"(over {int(rounds)} rounds between two scrapes)"
+                )
                 break
         spark.terminate()
         spark.wait()

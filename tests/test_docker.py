@@ -41,13 +41,19 @@ def test_dockerfile_shape():
     assert "HEALTHCHECK" in DOCKERFILE
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None and not (
-    Path(sys.executable).parent / "hadolint").exists(), reason="hadolint not installed")
+@pytest.mark.skipif(
+    shutil.which("hadolint") is None and not (Path(sys.executable).parent / "hadolint").exists(),
+    reason="hadolint not installed",
+)
 def test_hadolint_warning_level():
     exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    done = subprocess.run([exe, "--failure-threshold", "warning",
-                           str(ROOT / "docker" / "Dockerfile")],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [exe, "--failure-threshold", "warning", str(ROOT / "docker" / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout
 
 
@@ -61,7 +67,8 @@ def test_compose_wiring():
     assert "--check" in check["test"]
     assert check["interval"] == "10s"
     assert spark["depends_on"]["pp1-worker"]["condition"] == "service_healthy"
-    assert worker["ports"] and spark["ports"]
+    assert worker["ports"]
+    assert spark["ports"]
     for svc in services.values():
         assert svc["secrets"] == ["pp1_psk"]
         env = svc.get("environment", {})
@@ -90,11 +97,12 @@ def test_the_exact_commands_work_together(tmp_path):
         # Only addresses change: service names and 0.0.0.0 become loopback, the
         # container ports free ones, the secret path a temporary file.
         out = []
-        for a in args:
-            a = a.replace("/run/secrets/pp1_psk", str(key)).replace("0.0.0.0", "127.0.0.1")
-            a = a.replace("pp1-worker:7070", f"127.0.0.1:{port}").replace(
-                "127.0.0.1:7070", f"127.0.0.1:{port}")
-            out.append(a)
+        for arg in args:
+            new = arg.replace("/run/secrets/pp1_psk", str(key)).replace("0.0.0.0", "127.0.0.1")
+            new = new.replace("pp1-worker:7070", f"127.0.0.1:{port}").replace(
+                "127.0.0.1:7070", f"127.0.0.1:{port}"
+            )
+            out.append(new)
         return out
 
     bindir = Path(sys.executable).parent
@@ -107,20 +115,32 @@ def test_the_exact_commands_work_together(tmp_path):
     worker_cmd = local(["pp1-worker", *worker_svc["command"]])
     worker_cmd[worker_cmd.index("--port") + 1] = str(port)
     worker_cmd[worker_cmd.index("--metrics-port") + 1] = str(wmetrics)
-    worker = subprocess.Popen([str(bindir / worker_cmd[0]), *worker_cmd[1:]], env=env,
-                              stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [str(bindir / worker_cmd[0]), *worker_cmd[1:]], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert worker.stdout.readline().startswith("pp1-worker listening")
         health = local(_healthcheck())
-        done = subprocess.run([str(bindir / health[0]), *health[1:]], env=env,
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            [str(bindir / health[0]), *health[1:]],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         spark_svc = COMPOSE["services"]["pp1-spark"]
         spark_cmd = local([*spark_svc["entrypoint"], *spark_svc["command"]])
         spark_cmd[spark_cmd.index("--metrics-port") + 1] = str(smetrics)
-        done = subprocess.run([str(bindir / spark_cmd[0]), *spark_cmd[1:]],
-                              env={"PATH": str(bindir)}, capture_output=True, text=True,
-                              timeout=300, check=False)
+        done = subprocess.run(
+            [str(bindir / spark_cmd[0]), *spark_cmd[1:]],
+            env={"PATH": str(bindir)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         summary = json.loads(done.stdout)
         assert summary["requests"] == 16

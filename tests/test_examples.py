@@ -14,16 +14,25 @@ EXAMPLES = ROOT / "examples"
 
 
 def run(*cmd: str, env: dict | None = None, timeout: int = 180) -> str:
-    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                          check=False, env=env)
+    done = subprocess.run(
+        list(cmd), capture_output=True, text=True, timeout=timeout, check=False, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 def test_async_client_example():
     with worker_process(vocab=4096) as (address, _):
-        out = run(sys.executable, str(EXAMPLES / "async_client.py"), "--worker", address,
-                  "--vocab", "4096", "--tokens", "12")
+        out = run(
+            sys.executable,
+            str(EXAMPLES / "async_client.py"),
+            "--worker",
+            address,
+            "--vocab",
+            "4096",
+            "--tokens",
+            "12",
+        )
     assert "generated" in out
     assert "0 fallbacks" in out
 
@@ -49,10 +58,20 @@ def test_plugin_factories_give_proper_rows():
 
 
 def test_conformance_example():
-    env = {**os.environ, "PYTHON": sys.executable,
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    out = subprocess.run(["bash", str(EXAMPLES / "run_conformance.sh")], capture_output=True,
-                         text=True, timeout=300, check=False, env=env, cwd=ROOT / "tests")
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    out = subprocess.run(
+        ["bash", str(EXAMPLES / "run_conformance.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+        cwd=ROOT / "tests",
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     assert " 0 failed" in out.stdout
     (ROOT / "tests" / "conformance.xml").unlink(missing_ok=True)
@@ -65,6 +84,14 @@ def test_scrape_metrics_example():
 
 def test_sync_sampler_example():
     with worker_process(vocab=256) as (address, _):
-        out = run(sys.executable, str(EXAMPLES / "sync_sampler.py"), "--worker", address,
-                  "--vocab", "256", "--steps", "2")
+        out = run(
+            sys.executable,
+            str(EXAMPLES / "sync_sampler.py"),
+            "--worker",
+            address,
+            "--vocab",
+            "256",
+            "--steps",
+            "2",
+        )
     assert "accepted tokens [batch, k+1]" in out
