@@ -39,6 +39,7 @@ import numpy as np
 
 from pp1wire import dyadic, framing, messages
 from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL
 from pp1wire.messages import (
     Auth,
     Close,
@@ -56,7 +57,6 @@ from pp1wire.messages import (
 from pp1wire.proposal import prefix_digest
 from pp1wire.rng import ABI_NAME
 from pp1wire.settings import SettingsError, host_port, parse
-from pp1wire.worker_core import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL
 
 
 class Grade(Enum):

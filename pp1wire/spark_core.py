@@ -24,10 +24,8 @@ import xxhash
 from pp1wire import dyadic, fencing, framing
 from pp1wire.errors import ErrorCode, ProtocolError, ValidationError
 from pp1wire.fencing import Action, SparkInFlight, SparkSlotFence
+from pp1wire.handshake import PeerConfig, build_hello, first_failure, spark_proof, worker_proof
 from pp1wire.messages import (
-    PRECISION,
-    VERIFIER_ID,
-    WIRE_VERSION,
     Auth,
     Challenge,
     Close,
@@ -52,32 +50,17 @@ from pp1wire.messages import (
     Step,
 )
 from pp1wire.proposal import Proposal, QRow, prefix_digest
-from pp1wire.rng import ABI_NAME
-from pp1wire.worker_core import spark_proof, worker_proof
 
 
 @dataclass(frozen=True)
-class SparkConfig:
-    """What the Spark side needs from a worker; sent in its HELLO."""
+class SparkConfig(PeerConfig):
+    """What the Spark side needs from a worker; sent in its HELLO.
 
-    vocab_size: int
-    vocab_hash: int = 0
+    ``draft_identity`` pins a drafter ("" accepts any).
+    """
+
     draft_identity: str = ""
-    target_identity: str = "pp1-toy-target"
-    max_slots: int = 4
-    max_depth: int = 5
-    max_support: int = 256
-    row_entries: int | None = None
-    max_frame: int = framing.HARD_MAX_PAYLOAD
-    max_prefix: int = 1 << 20
-    psk: bytes | None = None
     reply_timeout: float = 5.0
-    handshake_timeout: float = 5.0
-
-    @property
-    def entries(self) -> int:
-        """Dense row length in FP32 entries."""
-        return self.vocab_size if self.row_entries is None else self.row_entries
 
 
 # -- events ------------------------------------------------------------------
@@ -377,24 +360,12 @@ class SparkProtocol:
     def start(self, now: float) -> None:
         """Queue HELLO and arm the handshake timeout."""
         cfg = self.config
-        hello = Hello(
-            role=int(Role.SPARK),
-            wire_version=WIRE_VERSION,
-            q_semantic=dyadic.SEMANTIC_ID,
-            verifier=VERIFIER_ID,
-            rng_abi=ABI_NAME,
-            precision=PRECISION,
-            vocab_size=cfg.vocab_size,
-            vocab_hash=cfg.vocab_hash,
+        hello = build_hello(
+            Role.SPARK,
+            cfg,
             draft_identity=cfg.draft_identity,
             draft_native=True,
-            target_identity=cfg.target_identity,
-            max_slots=cfg.max_slots,
-            max_depth=cfg.max_depth,
-            max_support=min(cfg.max_support, cfg.vocab_size),
-            row_entries=cfg.entries,
-            max_frame=cfg.max_frame,
-            max_prefix=cfg.max_prefix,
+            limits=None,
             nonce=self._nonce,
         )
         frame = framing.encode_frame(hello)
@@ -722,30 +693,27 @@ class SparkProtocol:
         # proved it knows the key: refuse it.
         if self.config.psk is not None and not self._worker_proved:
             problem = ErrorCode.AUTH_REQUIRED
-        checks: list[tuple[bool, ErrorCode]] = [
-            (peer.role == Role.WORKER, ErrorCode.UNEXPECTED_MESSAGE),
-            (peer.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
-            (peer.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
-            (peer.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
-            (peer.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
-            (peer.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
-            (peer.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
-            (peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
-            (peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
-            (
-                cfg.draft_identity in ("", peer.draft_identity),
-                ErrorCode.IDENTITY_MISMATCH,
-            ),
-            (
-                (peer.max_slots, peer.max_depth, peer.max_support, peer.row_entries)
-                == (ours.max_slots, ours.max_depth, ours.max_support, ours.row_entries)
-                and (peer.max_frame, peer.max_prefix) == (ours.max_frame, ours.max_prefix),
-                ErrorCode.LIMIT_EXCEEDED,
-            ),
-        ]
-        for ok, code in checks:
-            if problem is None and not ok:
-                problem = code
+        if problem is None:
+            echoed = (
+                "max_slots",
+                "max_depth",
+                "max_support",
+                "row_entries",
+                "max_frame",
+                "max_prefix",
+            )
+            problem = first_failure(
+                peer,
+                Role.WORKER,
+                cfg,
+                [
+                    (cfg.draft_identity in ("", peer.draft_identity), ErrorCode.IDENTITY_MISMATCH),
+                    (
+                        all(getattr(peer, n) == getattr(ours, n) for n in echoed),
+                        ErrorCode.LIMIT_EXCEEDED,
+                    ),
+                ],
+            )
         if problem is not None:
             self._reject_fatal(problem)
             return

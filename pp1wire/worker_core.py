@@ -11,7 +11,6 @@ No asyncio here; :mod:`pp1wire.worker` pumps bytes between a socket and this.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import math
 import secrets
@@ -25,10 +24,14 @@ import xxhash
 from pp1wire import dyadic, fencing, framing
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
 from pp1wire.fencing import Action, WorkerSlotFence
+from pp1wire.handshake import (
+    PeerConfig,
+    build_hello,
+    first_failure,
+    spark_proof,
+    worker_proof,
+)
 from pp1wire.messages import (
-    PRECISION,
-    VERIFIER_ID,
-    WIRE_VERSION,
     Auth,
     Challenge,
     Close,
@@ -53,47 +56,17 @@ from pp1wire.messages import (
     Step,
 )
 from pp1wire.proposal import DrafterFn, QRow, prefix_digest, propose
-from pp1wire.rng import ABI_NAME, RoundStreams
 from pp1wire.rng import Role as RngRole
-
-AUTH_WORKER_LABEL = b"pp1w-v2 worker proof"
-AUTH_SPARK_LABEL = b"pp1w-v2 spark proof"
-
-
-def worker_proof(psk: bytes, spark_nonce: bytes, worker_nonce: bytes) -> bytes:
-    """HMAC-SHA256 proof that the worker knows the pre-shared key (protocol §5)."""
-    return hmac.new(psk, AUTH_WORKER_LABEL + spark_nonce + worker_nonce, hashlib.sha256).digest()
-
-
-def spark_proof(psk: bytes, worker_nonce: bytes, spark_nonce: bytes, hello_header: bytes) -> bytes:
-    """HMAC-SHA256 proof that the Spark side knows the key, bound to its HELLO header."""
-    msg = AUTH_SPARK_LABEL + worker_nonce + spark_nonce + hashlib.sha256(hello_header).digest()
-    return hmac.new(psk, msg, hashlib.sha256).digest()
+from pp1wire.rng import RoundStreams
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(PeerConfig):
     """What this worker serves and the most it allows a peer to ask for."""
 
-    vocab_size: int
-    vocab_hash: int = 0
     draft_identity: str = "pp1-toy-drafter"
     draft_native: bool = True
-    target_identity: str = "pp1-toy-target"
-    max_slots: int = 4
-    max_depth: int = 5
-    max_support: int = 256
-    row_entries: int | None = None
-    max_frame: int = framing.HARD_MAX_PAYLOAD
-    max_prefix: int = 1 << 20
-    psk: bytes | None = None
-    handshake_timeout: float = 5.0
     idle_timeout: float = 300.0
-
-    @property
-    def entries(self) -> int:
-        """Dense row length in FP32 entries (vocabulary plus zero padding)."""
-        return self.vocab_size if self.row_entries is None else self.row_entries
 
 
 # -- events ------------------------------------------------------------------
@@ -391,31 +364,23 @@ class WorkerProtocol:
     def check_hello(self, hello: Hello) -> ErrorCode | None:
         """The first compatibility failure of a Spark HELLO, or None (protocol §4.1)."""
         cfg = self.config
-        checks: list[tuple[bool, ErrorCode]] = [
-            (hello.role == Role.SPARK, ErrorCode.UNEXPECTED_MESSAGE),
-            (hello.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
-            (hello.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
-            (hello.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
-            (hello.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
-            (hello.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
-            (hello.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
-            (hello.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
-            (hello.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
-            (
-                hello.draft_identity in ("", cfg.draft_identity),
-                ErrorCode.IDENTITY_MISMATCH,
-            ),
-            (hello.max_slots <= cfg.max_slots, ErrorCode.LIMIT_EXCEEDED),
-            (hello.max_depth <= cfg.max_depth, ErrorCode.LIMIT_EXCEEDED),
-            (hello.max_support <= min(cfg.max_support, cfg.vocab_size), ErrorCode.LIMIT_EXCEEDED),
-            (hello.row_entries == cfg.entries, ErrorCode.LIMIT_EXCEEDED),
-            (hello.max_frame <= cfg.max_frame, ErrorCode.LIMIT_EXCEEDED),
-            (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
-        ]
-        for ok, code in checks:
-            if not ok:
-                return code
-        return None
+        return first_failure(
+            hello,
+            Role.SPARK,
+            cfg,
+            [
+                (hello.draft_identity in ("", cfg.draft_identity), ErrorCode.IDENTITY_MISMATCH),
+                (hello.max_slots <= cfg.max_slots, ErrorCode.LIMIT_EXCEEDED),
+                (hello.max_depth <= cfg.max_depth, ErrorCode.LIMIT_EXCEEDED),
+                (
+                    hello.max_support <= min(cfg.max_support, cfg.vocab_size),
+                    ErrorCode.LIMIT_EXCEEDED,
+                ),
+                (hello.row_entries == cfg.entries, ErrorCode.LIMIT_EXCEEDED),
+                (hello.max_frame <= cfg.max_frame, ErrorCode.LIMIT_EXCEEDED),
+                (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
+            ],
+        )
 
     def _finish_handshake(self, hello: Hello) -> None:
         problem = self.check_hello(hello)
@@ -423,24 +388,13 @@ class WorkerProtocol:
             self._fatal(problem, MsgType.HELLO)
             return
         cfg = self.config
-        reply = Hello(
-            role=int(Role.WORKER),
-            wire_version=WIRE_VERSION,
-            q_semantic=dyadic.SEMANTIC_ID,
-            verifier=VERIFIER_ID,
-            rng_abi=ABI_NAME,
-            precision=PRECISION,
-            vocab_size=cfg.vocab_size,
-            vocab_hash=cfg.vocab_hash,
+        # The reply echoes the Spark side's limits: no silent downgrade.
+        reply = build_hello(
+            Role.WORKER,
+            cfg,
             draft_identity=cfg.draft_identity,
             draft_native=cfg.draft_native,
-            target_identity=cfg.target_identity,
-            max_slots=hello.max_slots,
-            max_depth=hello.max_depth,
-            max_support=hello.max_support,
-            row_entries=hello.row_entries,
-            max_frame=hello.max_frame,
-            max_prefix=hello.max_prefix,
+            limits=hello,
             nonce=secrets.token_bytes(16),
             session=self.session,
         )
@@ -789,6 +743,4 @@ __all__ = [
     "completion_frame",
     "reply_frame",
     "row_payload",
-    "spark_proof",
-    "worker_proof",
 ]

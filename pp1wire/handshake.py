@@ -1,0 +1,114 @@
+"""What both roles share in the handshake (``docs/protocol.md`` §4.1 and §5).
+
+The common configuration fields, the HELLO each side builds from them, the
+exact-match compatibility rules, and the HMAC proofs of the pre-shared key.
+Each protocol core adds only its own side's rules (limits, identity pinning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from pp1wire import dyadic, framing
+from pp1wire.errors import ErrorCode
+from pp1wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello, Role
+from pp1wire.rng import ABI_NAME
+
+AUTH_WORKER_LABEL: Final = b"pp1w-v2 worker proof"
+AUTH_SPARK_LABEL: Final = b"pp1w-v2 spark proof"
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Settings both roles declare in HELLO, and their shared limits."""
+
+    vocab_size: int
+    vocab_hash: int = 0
+    target_identity: str = "pp1-toy-target"
+    max_slots: int = 4
+    max_depth: int = 5
+    max_support: int = 256
+    row_entries: int | None = None
+    max_frame: int = framing.HARD_MAX_PAYLOAD
+    max_prefix: int = 1 << 20
+    psk: bytes | None = None
+    handshake_timeout: float = 5.0
+
+    @property
+    def entries(self) -> int:
+        """Dense row length in FP32 entries (vocabulary plus zero padding)."""
+        return self.vocab_size if self.row_entries is None else self.row_entries
+
+
+def worker_proof(psk: bytes, spark_nonce: bytes, worker_nonce: bytes) -> bytes:
+    """HMAC-SHA256 proof that the worker knows the pre-shared key (protocol §5)."""
+    return hmac.new(psk, AUTH_WORKER_LABEL + spark_nonce + worker_nonce, hashlib.sha256).digest()
+
+
+def spark_proof(psk: bytes, worker_nonce: bytes, spark_nonce: bytes, hello_header: bytes) -> bytes:
+    """HMAC-SHA256 proof that the Spark side knows the key, bound to its HELLO header."""
+    msg = AUTH_SPARK_LABEL + worker_nonce + spark_nonce + hashlib.sha256(hello_header).digest()
+    return hmac.new(psk, msg, hashlib.sha256).digest()
+
+
+def build_hello(
+    role: Role,
+    cfg: PeerConfig,
+    *,
+    draft_identity: str,
+    draft_native: bool,
+    limits: Hello | None,
+    nonce: bytes,
+    session: int = 0,
+) -> Hello:
+    """A HELLO for ``role``: its own identities, and the limits (the peer's, when echoing)."""
+    src = limits
+    return Hello(
+        role=int(role),
+        wire_version=WIRE_VERSION,
+        q_semantic=dyadic.SEMANTIC_ID,
+        verifier=VERIFIER_ID,
+        rng_abi=ABI_NAME,
+        precision=PRECISION,
+        vocab_size=cfg.vocab_size,
+        vocab_hash=cfg.vocab_hash,
+        draft_identity=draft_identity,
+        draft_native=draft_native,
+        target_identity=cfg.target_identity,
+        max_slots=src.max_slots if src else cfg.max_slots,
+        max_depth=src.max_depth if src else cfg.max_depth,
+        max_support=src.max_support if src else min(cfg.max_support, cfg.vocab_size),
+        row_entries=src.row_entries if src else cfg.entries,
+        max_frame=src.max_frame if src else cfg.max_frame,
+        max_prefix=src.max_prefix if src else cfg.max_prefix,
+        nonce=nonce,
+        session=session,
+    )
+
+
+def first_failure(
+    peer: Hello, expected_role: Role, cfg: PeerConfig, extra: list[tuple[bool, ErrorCode]]
+) -> ErrorCode | None:
+    """The first broken rule of §4.1, in the table's order, then ``extra`` (a side's own)."""
+    rules: list[tuple[Callable[[], bool], ErrorCode]] = [
+        (lambda: peer.role == expected_role, ErrorCode.UNEXPECTED_MESSAGE),
+        (lambda: peer.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
+        (lambda: peer.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
+        (lambda: peer.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
+        (lambda: peer.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
+        (lambda: peer.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
+        (lambda: peer.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
+        (lambda: peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
+        (lambda: peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
+    ]
+    for ok, code in rules:
+        if not ok():
+            return code
+    for passed, code in extra:
+        if not passed:
+            return code
+    return None
