@@ -24,7 +24,6 @@ import json
 import math
 import secrets
 import ssl as ssl_module
-import struct
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -445,20 +444,7 @@ async def unchanged(peer: Peer, step: Step, data: bytes) -> None:
         raise CaseFailed("state changed: the retried STEP got a different reply")
 
 
-def raw_frame(kind: int, header: bytes, payload: bytes = b"", **pre: int) -> bytes:
-    """A frame with every preamble field under control."""
-    head = struct.pack(
-        "<2sBBBBHI",
-        pre.get("magic", 0x5750).to_bytes(2, "little"),
-        pre.get("version", messages.WIRE_VERSION),
-        kind,
-        pre.get("flags", 0),
-        pre.get("reserved", 0),
-        pre.get("header_len", len(header)),
-        pre.get("payload_len", len(payload)),
-    )
-    checksum = pre.get("checksum", framing.header_checksum(head, header))
-    return head + struct.pack("<I", checksum) + header + payload
+raw_frame = framing.encode_raw_frame
 
 
 PING_HEADER = messages.encode(Ping(nonce=1))

@@ -76,6 +76,28 @@ def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> bytes:
     return b"".join((head, struct.pack("<I", checksum), header, payload))
 
 
+def encode_raw_frame(kind: int, header: bytes, payload: bytes = b"", **preamble: int) -> bytes:
+    """A frame with every preamble field under the caller's control.
+
+    For golden vectors and conformance cases that need deliberately broken
+    frames; ``preamble`` may override ``magic`` (the 16-bit little-endian
+    value), ``version``, ``flags``, ``reserved``, ``header_len``,
+    ``payload_len`` and ``checksum``.
+    """
+    head = struct.pack(
+        "<HBBBBHI",
+        preamble.get("magic", int.from_bytes(MAGIC, "little")),
+        preamble.get("version", messages.WIRE_VERSION),
+        kind,
+        preamble.get("flags", 0),
+        preamble.get("reserved", 0),
+        preamble.get("header_len", len(header)),
+        preamble.get("payload_len", len(payload)),
+    )
+    checksum = preamble.get("checksum", header_checksum(head, header))
+    return head + struct.pack("<I", checksum) + header + payload
+
+
 Allocator = Callable[[int], memoryview]
 """Returns a writable buffer of at least the requested size for one large frame."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,21 +119,7 @@ def message_from_json(obj: dict[str, Any]) -> tuple[Message, bytes]:
     return struct_type(**fields), bytes.fromhex(obj["payload"])  # type: ignore[return-value]
 
 
-def _raw_frame(kind: int, header: bytes, payload: bytes = b"", **preamble: int) -> bytes:
-    """A frame with full control over every preamble field (for error vectors)."""
-    magic = preamble.get("magic_bytes", int.from_bytes(framing.MAGIC, "little"))
-    head = struct.pack(
-        "<HBBBBHI",
-        magic,
-        preamble.get("version", messages.WIRE_VERSION),
-        kind,
-        preamble.get("flags", 0),
-        preamble.get("reserved", 0),
-        preamble.get("header_len", len(header)),
-        preamble.get("payload_len", len(payload)),
-    )
-    checksum = preamble.get("checksum", framing.header_checksum(head, header))
-    return head + struct.pack("<I", checksum) + header + payload
+_raw_frame = framing.encode_raw_frame
 
 
 # -- frame vectors ---------------------------------------------------------------
@@ -320,7 +305,7 @@ def frame_vectors() -> list[Vector]:
     )
     step_header = messages.encode(_valid_messages()[8][1])
     errors: list[tuple[str, bytes, ErrorCode, int]] = [
-        ("bad_magic", _raw_frame(16, ping, magic_bytes=0x5858), ErrorCode.BAD_MAGIC, limit),
+        ("bad_magic", _raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
         ("unknown_version", _raw_frame(16, ping, version=3), ErrorCode.UNSUPPORTED_VERSION, limit),
         ("version_one", _raw_frame(16, ping, version=1), ErrorCode.UNSUPPORTED_VERSION, limit),
         ("unknown_type", _raw_frame(99, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
