@@ -247,3 +247,21 @@ def test_busy_poll_worker_serves_normally(tmp_path):
         summary, records = spark(address, tmp_path, requests=8, max_tokens=6)
     assert summary["fallbacks"] == 0
     assert all(len(r["tokens"]) >= 6 for r in records)
+
+
+def test_terminal_token_ends_requests(tmp_path):
+    target = ToyLM(VOCAB, SEED)
+    p = target.probs(PROMPT)
+    p[PROMPT] = 0  # a prompt that ends in the terminal token is already finished
+    eos = int(p.argmax())  # a likely token, so requests do end
+    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+        summary, records = spark(address, tmp_path, "--eos", str(eos), requests=40, max_tokens=30)
+    ended = [r for r in records if eos in r["tokens"]]
+    assert ended, "no request produced the terminal token"
+    for r in records:
+        assert r["finished"]
+        if eos in r["tokens"]:
+            assert r["tokens"].index(eos) == len(r["tokens"]) - 1  # nothing after it
+        else:
+            assert len(r["tokens"]) >= 30
+    assert summary["fallbacks"] == 0
