@@ -127,7 +127,7 @@ class Proposal:
 
 def build_row(
     logits: npt.ArrayLike, temperature: float, support: int | None
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None]:
+) -> tuple[npt.NDArray[np.int64] | npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
     """q counts for one position: dense (``support=None``) or sparse top-k.
 
     A temperature of 0 means greedy: the point mass at the first maximal logit.
@@ -148,7 +148,11 @@ def build_row(
             return dyadic.point_mass(row.size, top), None
         return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32)
     if support is None:
-        return dyadic.counts_from_logits(logits, temperature), None
+        row = np.asarray(logits, dtype=np.float64)
+        if row.ndim != 1 or row.size == 0:
+            raise ConstructionError(ErrorCode.BAD_SHAPE, "logits must be a non-empty 1-D row")
+        # The builder's int32 scratch, copied once: counts never exceed 2**24.
+        return dyadic.builder(row.size).from_logits(row, temperature).copy(), None
     ids, counts = dyadic.sparse_counts_from_logits(logits, temperature, support)
     return counts, ids
 
