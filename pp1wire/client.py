@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import ssl as ssl_module
 import threading
 import time
@@ -63,8 +64,11 @@ class BufferPool:
     def __init__(self, size: int, count: int) -> None:
         """Allocate ``count`` buffers of ``size`` bytes."""
         self.size = size
-        self._free = [bytearray(size) for _ in range(count)]
-        self._owned = {id(b) for b in self._free}
+        # The pool keeps every buffer alive, so an id() it knows can never be
+        # reused by an unrelated object handed to release().
+        self._buffers = [bytearray(size) for _ in range(count)]
+        self._free = list(self._buffers)
+        self._owned = {id(b) for b in self._buffers}
         self._free_ids = set(self._owned)
         self.misses = 0
 
@@ -147,6 +151,8 @@ class AsyncClient:
         self._proposals: dict[int, asyncio.Future[Proposal]] = {}
         self._resets: dict[int, asyncio.Future[None]] = {}
         self._commits: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._nonces = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._deadline: float | None = None
         self._closed = asyncio.Event()
@@ -252,13 +258,15 @@ class AsyncClient:
             self.rejected[event.code.name.lower()] += 1
         elif isinstance(event, spark_core.FrameDropped):
             self.dropped[event.code.name.lower()] += 1
+        elif isinstance(event, spark_core.PongReceived):
+            _settle(self._pongs.pop(event.nonce, None), None)
         elif isinstance(event, spark_core.ConnectionFailed):
             self.failed = event.code
             self._fail_all(ClientClosedError(event.code, "connection failed"))
 
     def _fail_all(self, error: Pp1Error) -> None:
         _fail(self._handshake, error)
-        for table in (self._opened, self._proposals, self._resets):
+        for table in (self._opened, self._proposals, self._resets, self._pongs):
             for fut in table.values():
                 _fail(fut, error)
             table.clear()
@@ -407,22 +415,12 @@ class AsyncClient:
         """
         self._require_open()
         started = time.perf_counter()
+        nonce = next(self._nonces)
         fut: asyncio.Future[None] = self.loop.create_future()
-        nonce = int(started * 1e9) & 0xFFFFFFFFFFFF
-        original = self._route
-
-        def route(event: spark_core.SparkEvent) -> None:
-            if isinstance(event, spark_core.PongReceived) and event.nonce == nonce:
-                _settle(fut, None)
-            original(event)
-
-        self._route = route  # type: ignore[method-assign]
-        try:
-            self.core.ping(nonce)
-            self._flush()
-            await fut
-        finally:
-            self._route = original  # type: ignore[method-assign]
+        self._pongs[nonce] = fut
+        self.core.ping(nonce)
+        self._flush()
+        await fut
         return time.perf_counter() - started
 
     def abort(self) -> None:

@@ -920,14 +920,29 @@ async def _echo(s: Settings) -> None:
         peer.close()
 
 
-@case("5", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
-async def _bad_auth(s: Settings) -> None:
+async def _challenged(s: Settings) -> tuple[Peer, Hello, framing.Frame]:
+    """A connection whose HELLO the worker answered with CHALLENGE: (peer, our HELLO, CHALLENGE).
+
+    Raises:
+        NonStrictSkip: without ``--psk-file``; CaseFailed: if no CHALLENGE comes.
+    """
     if s.psk is None:
         raise NonStrictSkip("needs --psk-file")
     peer = await Peer(s).connect()
+    hello = peer.hello()
+    peer.send_msg(hello)
     try:
-        peer.send_msg(peer.hello())
-        await peer.expect(MsgType.CHALLENGE)
+        frame = await peer.expect(MsgType.CHALLENGE)
+    except CaseFailed:
+        peer.close()
+        raise
+    return peer, hello, frame
+
+
+@case("5", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
+async def _bad_auth(s: Settings) -> None:
+    peer, _, _ = await _challenged(s)
+    try:
         peer.send_msg(Auth(proof=bytes(32)))
         await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
     finally:
@@ -941,12 +956,8 @@ async def _bad_auth(s: Settings) -> None:
     "any message other than AUTH while the worker waits for it is fatal (HANDSHAKE_REQUIRED)",
 )
 async def _step_not_auth(s: Settings) -> None:
-    if s.psk is None:
-        raise NonStrictSkip("needs --psk-file")
-    peer = await Peer(s).connect()
+    peer, _, _ = await _challenged(s)
     try:
-        peer.send_msg(peer.hello())
-        await peer.expect(MsgType.CHALLENGE)
         peer.send_msg(peer.step_msg())
         await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
     finally:
@@ -960,15 +971,11 @@ async def _step_not_auth(s: Settings) -> None:
     "proof = HMAC-SHA256(psk, label ‖ N_w ‖ N_s ‖ SHA256(H)), H = our HELLO header bytes",
 )
 async def _auth_binding(s: Settings) -> None:
-    if s.psk is None:
-        raise NonStrictSkip("needs --psk-file")
-    peer = await Peer(s).connect()
+    peer, hello, frame = await _challenged(s)
     try:
-        hello = peer.hello()
-        peer.send_msg(hello)
-        frame = await peer.expect(MsgType.CHALLENGE)
         ch = frame.message
         assert isinstance(ch, messages.Challenge)
+        assert s.psk is not None  # _challenged skips the case otherwise
         other = framing.encode_frame(peer.hello())[framing.PREAMBLE_SIZE :]  # another nonce
         msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(other).digest()
         peer.send_msg(Auth(proof=hmac.new(s.psk, msg, hashlib.sha256).digest()))

@@ -48,7 +48,7 @@ decodes that round target-only; DROP changes nothing but a counter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from pp1wire.errors import ErrorCode
@@ -160,7 +160,6 @@ class SparkSlotFence:
     generation: int
     last_round: int = -1
     in_flight: SparkInFlight | None = None
-    dropped: dict[str, int] = field(default_factory=dict)
 
 
 def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decision:

@@ -363,8 +363,6 @@ def decode(data: bytes | memoryview, expected: MsgType) -> Message:
         msg = DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _invalid(str(exc)) from None
-    except ProtocolError:
-        raise
     if type_of(msg) != expected:
         raise _invalid("header tag differs from the frame type")
     return msg

@@ -183,9 +183,14 @@ def u24_from_block(block: tuple[int, int, int, int]) -> int:
     return block[0] >> 8
 
 
+def u53_int_from_block(block: tuple[int, int, int, int]) -> int:
+    """The 53-bit draw of a block as an integer ``U`` in ``[0, 2**53)``."""
+    return ((block[0] >> 5) << 26) | (block[1] >> 6)
+
+
 def u53_from_block(block: tuple[int, int, int, int]) -> float:
-    """The 53-bit uniform in ``[0, 1)`` of a block (exact in binary64)."""
-    return ((block[0] >> 5) * (1 << 26) + (block[1] >> 6)) / float(1 << 53)
+    """The 53-bit uniform ``U / 2**53`` in ``[0, 1)`` of a block (exact in binary64)."""
+    return u53_int_from_block(block) / float(1 << 53)
 
 
 class RoundStreams:

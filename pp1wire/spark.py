@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pp1wire import metrics, spark_core
-from pp1wire.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.client import AsyncClient, ClientClosedError
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.models import DEFAULT_VOCAB
 from pp1wire.rng import derive_seed
@@ -322,9 +322,7 @@ class Runner:
             proposal = await client.propose(
                 slot, depth=args.depth, temperature=args.temperature, support=self.support or 0
             )
-        except ProposalUnavailableError as exc:
-            reason = exc.code.name.lower()
-        except (ClientClosedError, Pp1Error) as exc:
+        except Pp1Error as exc:  # unavailable, refused locally, or connection gone
             reason = exc.code.name.lower()
         else:
             self.metrics.rtt.observe(time.perf_counter() - started)

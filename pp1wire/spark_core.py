@@ -203,7 +203,6 @@ class SparkSlot:
     prefix: array[int]
     digest: int
     fence: SparkSlotFence
-    opened: bool = False
     desynced: bool = False
     next_round: int = 0
     flight: _Flight | None = None
@@ -246,7 +245,6 @@ class SparkProtocol:
         #: (lets a transport recycle receive buffers); None: let GC free it.
         self.release: Callable[[memoryview], None] | None = None
         self.closed = False
-        self._now = now
 
     # -- I/O surface -----------------------------------------------------
 
@@ -319,7 +317,6 @@ class SparkProtocol:
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
-        self._now = now
         for frame in frames:
             if self.closed:
                 self._release(frame.raw)
@@ -726,25 +723,24 @@ class SparkProtocol:
 
     # -- slot replies ----------------------------------------------------------
 
-    def _known(self, session: int, slot: int, frame_slot_code: ErrorCode) -> SparkSlot | None:
+    def _known(self, session: int, slot: int) -> SparkSlot | None:
         if session != self.session:
             self._events.append(FrameRejected(slot, ErrorCode.WRONG_SESSION))
             return None
         state = self.slots.get(slot)
         if state is None:
-            self._events.append(FrameDropped(slot, frame_slot_code))
+            self._events.append(FrameDropped(slot, ErrorCode.UNKNOWN_SLOT))
         return state
 
     def _on_opened(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Opened)
-        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        state = self._known(msg.session, msg.slot)
         if state is None:
             return
         if (msg.position, msg.digest) != (len(state.prefix), state.digest):
             state.desynced = True
             self._events.append(SlotDesynced(msg.slot, ErrorCode.PREFIX_DIGEST_MISMATCH))
             return
-        state.opened = True
         self._events.append(SlotOpened(msg.slot, msg.generation, msg.position))
 
     def _on_closed(self, msg: Message, _frame: framing.Frame) -> None:
@@ -758,14 +754,14 @@ class SparkProtocol:
 
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Committed)
-        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        state = self._known(msg.session, msg.slot)
         if state is None or msg.generation != state.fence.generation:
             return
         self._events.append(CommitAcked(msg.slot, msg.round, msg.position))
 
     def _on_reset_done(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, ResetDone)
-        state = self._known(msg.session, msg.slot, ErrorCode.UNKNOWN_SLOT)
+        state = self._known(msg.session, msg.slot)
         if state is None:
             return
         if msg.generation != state.fence.generation:
@@ -778,7 +774,7 @@ class SparkProtocol:
         self._events.append(ResetAcked(msg.slot, msg.generation, msg.position))
 
     def _fence(self, session: int, slot: int, generation: int, round_id: int) -> SparkSlot | None:
-        state = self._known(session, slot, ErrorCode.UNKNOWN_SLOT)
+        state = self._known(session, slot)
         if state is None:
             return None
         decision = fencing.spark_reply(state.fence, generation, round_id)

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
-from pp1wire.rng import Domain, Role, RoundStreams
+from pp1wire.rng import Domain, Role, RoundStreams, u53_int_from_block
 
 Float64Array = npt.NDArray[np.float64]
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
@@ -107,10 +107,6 @@ def sample_weights(weights: Float64Array, u: float) -> int:
     if idx >= weights.size:  # u * total rounded up to the total
         idx = int(np.flatnonzero(weights > 0)[-1])
     return idx
-
-
-def _u53_int(block: tuple[int, int, int, int]) -> int:
-    return ((block[0] >> 5) << 26) | (block[1] >> 6)
 
 
 class RequestVerifier:
@@ -269,7 +265,7 @@ class RequestVerifier:
             p = self._p(context)
             x = row.token
             block = streams.block(Domain.ACCEPTANCE, start + i)
-            if accept_exact(_u53_int(block), row.count_at(x), float(p[x])):
+            if accept_exact(u53_int_from_block(block), row.count_at(x), float(p[x])):
                 new.append(x)
                 context.append(x)
                 if x == self.eos:
