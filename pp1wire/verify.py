@@ -71,20 +71,22 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
         VerifyError: ``TARGET_FAILED`` for a wrong shape, ``TARGET_NON_FINITE``,
             ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
-    arr = np.array(p, dtype=np.float64)
+    arr = np.asarray(p, dtype=np.float64)
     if arr.shape != (vocab_size,):
         raise VerifyError(
             ErrorCode.TARGET_FAILED, f"target shape {arr.shape}, expected ({vocab_size},)"
         )
-    if not np.isfinite(arr).all():
-        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
-    if (arr < 0).any():
-        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    # Two read passes decide the common case (NaN propagates through both, +inf
+    # through the sum); the classifying passes run only when something is wrong.
     total = float(arr.sum())
+    if not (float(arr.min()) >= 0.0 and np.isfinite(total)):
+        if not np.isfinite(arr).all():
+            raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
+        if (arr < 0).any():
+            raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
     if not (total > 0 and np.isfinite(total)):
         raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
-    arr /= total
-    return arr
+    return arr / total  # a new array: the caller's p is never modified
 
 
 def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
