@@ -307,11 +307,12 @@ class AsyncClient:
         eos: int | None = None,
         context: int = 0,
         generation: int | None = None,
+        at_least: int = 0,
     ) -> int:
         """Open ``slot`` with the committed ``prefix`` and request ``seed``; wait for OPENED.
 
-        Returns the slot's generation (``None`` picks the next unused one: a
-        reopened slot always moves to a higher generation).
+        Returns the slot's generation (``None`` picks the next unused one, no
+        lower than ``at_least``: a reopened slot always moves to a higher one).
 
         Raises:
             ProtocolError: for a bad slot or prefix (nothing sent).
@@ -320,7 +321,13 @@ class AsyncClient:
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
         chosen = self.core.open_slot(
-            slot, seed=seed, prefix=prefix, eos=eos, context=context, generation=generation
+            slot,
+            seed=seed,
+            prefix=prefix,
+            eos=eos,
+            context=context,
+            generation=generation,
+            at_least=at_least,
         )
         self._opened[slot] = fut
         self._flush()

@@ -250,7 +250,6 @@ class Runner:
         )
         opened: AsyncClient | None = None
         generation: int | None = None
-        local_round = 0
         try:
             while (
                 len(verifier.committed) - len(prompt) < args.max_tokens
@@ -258,8 +257,7 @@ class Runner:
                 and not self.stopping
             ):
                 if args.depth == 0:
-                    res = verifier.decode_target_only(local_round)
-                    local_round += 1
+                    res = verifier.decode_target_only(verifier.last_round + 1)
                     self._record(result, res, None, 0)
                     continue
                 client = await self.live_client()
@@ -272,7 +270,7 @@ class Runner:
                             seed=seed,
                             prefix=verifier.committed,
                             eos=args.eos,
-                            generation=None if generation is None else generation + 1,
+                            at_least=0 if generation is None else generation + 1,
                         )
                         verifier.rebuild(verifier.committed, generation)
                         verifier.session = client.session

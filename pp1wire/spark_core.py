@@ -385,12 +385,15 @@ class SparkProtocol:
         context: int = 0,
         eos: int | None = None,
         generation: int | None = None,
+        at_least: int = 0,
     ) -> int:
         """Queue OPEN for ``slot`` with its committed prefix and request seed.
 
         A slot reopened on the same connection must use a higher generation
         than any it had before, so stale frames of its earlier instance are
-        fenced off; ``generation=None`` picks the next one. Returns it.
+        fenced off; ``generation=None`` picks the next one, and no lower than
+        ``at_least`` (a caller reopening on a new connection passes its last
+        generation + 1, so no RNG key of the old one is reused). Returns it.
 
         Raises:
             ProtocolError: ``HANDSHAKE_REQUIRED``, ``SLOT_LIMIT``, ``SLOT_IN_USE``,
@@ -399,7 +402,7 @@ class SparkProtocol:
         self._require_ready()
         floor = self._slot_generations.get(slot)
         if generation is None:
-            generation = 0 if floor is None else floor + 1
+            generation = max(at_least, 0 if floor is None else floor + 1)
         elif floor is not None and generation <= floor:
             raise ProtocolError(
                 ErrorCode.STALE_GENERATION, f"slot {slot} already had generation {floor}"

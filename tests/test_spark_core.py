@@ -311,3 +311,14 @@ def test_reopening_needs_a_higher_generation():
     with pytest.raises(ProtocolError) as info:
         pair.spark.open_slot(0, seed=6, prefix=PREFIX, generation=0)
     assert info.value.code is ErrorCode.STALE_GENERATION
+
+
+def test_automatic_generation_respects_both_the_floor_and_a_minimum():
+    pair = opened()
+    pair.spark.close_slot(0)
+    pair.pump()
+    assert pair.spark.open_slot(0, seed=6, prefix=PREFIX, at_least=5) == 5  # new minimum wins
+    pair.pump()
+    pair.spark.close_slot(0)
+    pair.pump()
+    assert pair.spark.open_slot(0, seed=6, prefix=PREFIX, at_least=5) == 6  # the floor wins
