@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pp1wire import dyadic
+from pp1wire.q import dyadic
 
 VOCAB = 129_280
 

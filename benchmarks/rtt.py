@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import DENSE_SLOTS, SPARSE_SLOT, VOCAB, Pp1, start
 
-from pp1wire.worker import install_uvloop
+from pp1wire.apps.worker import install_uvloop
 
 
 async def measure(port: int, rounds: int) -> dict[str, list[float]]:
@@ -73,7 +73,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "pp1wire.worker",
+            "pp1wire.apps.worker",
             "--port",
             "0",
             "--vocab",

@@ -43,12 +43,12 @@ import micro  # noqa: E402
 import sizes  # noqa: E402
 from soak import rss_mb  # noqa: E402
 
-from pp1wire import framing  # noqa: E402
-from pp1wire.client import AsyncClient  # noqa: E402
-from pp1wire.fencing import SparkInFlight  # noqa: E402
-from pp1wire.messages import Step  # noqa: E402
-from pp1wire.spark_core import SparkConfig, _Flight  # noqa: E402
-from pp1wire.worker import install_uvloop  # noqa: E402
+from pp1wire.aio.client import AsyncClient  # noqa: E402
+from pp1wire.apps.worker import install_uvloop  # noqa: E402
+from pp1wire.wire import framing  # noqa: E402
+from pp1wire.wire.fencing import SparkInFlight  # noqa: E402
+from pp1wire.wire.messages import Step  # noqa: E402
+from pp1wire.wire.spark_core import SparkConfig, _Flight  # noqa: E402
 
 VOCAB = 129_280
 DENSE_SLOTS = [0, 1, 2, 3]
@@ -232,7 +232,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     worker_cmd = [
         sys.executable,
         "-m",
-        "pp1wire.worker",
+        "pp1wire.apps.worker",
         "--port",
         "0",
         "--vocab",

@@ -13,10 +13,10 @@ import json
 
 import numpy as np
 
-from pp1wire import dyadic
-from pp1wire.messages import Step
-from pp1wire.proposal import QRow
-from pp1wire.worker_core import build_reply
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import QRow
+from pp1wire.wire.messages import Step
+from pp1wire.wire.worker_core import build_reply
 
 VOCAB = 129_280
 DEPTH = 5

@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from pp1wire.client import AsyncClient, ProposalUnavailableError
-from pp1wire.models import toy_target
-from pp1wire.rng import derive_seed
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.apps.models import toy_target
+from pp1wire.q.rng import derive_seed
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.wire.spark_core import SparkConfig
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -92,7 +92,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "pp1wire.worker",
+            "pp1wire.apps.worker",
             "--port",
             "0",
             "--vocab",

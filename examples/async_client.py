@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pp1wire.client import AsyncClient, ProposalUnavailableError
-from pp1wire.models import ToyLM
-from pp1wire.rng import derive_seed
-from pp1wire.settings import host_port
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.apps.models import ToyLM
+from pp1wire.apps.settings import host_port
+from pp1wire.q.rng import derive_seed
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.wire.spark_core import SparkConfig
 
 
 async def main(worker: str, vocab: int, tokens: int) -> None:

@@ -73,7 +73,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "pp1wire.worker",
+            "pp1wire.apps.worker",
             "--port",
             "0",
             "--vocab",
@@ -94,7 +94,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 address,
                 "--vocab",

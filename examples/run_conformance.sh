@@ -9,7 +9,7 @@ if [ $# -ge 1 ]; then
   exec pp1-conformance --worker "$@"
 fi
 log=$(mktemp)
-"$python" -m pp1wire.worker --port 0 --vocab 4096 --handshake-timeout 2 --log-level warning >"$log" &
+"$python" -m pp1wire.apps.worker --port 0 --vocab 4096 --handshake-timeout 2 --log-level warning >"$log" &
 worker=$!
 trap 'kill "$worker" 2>/dev/null || true; rm -f "$log"' EXIT
 for _ in $(seq 100); do
@@ -17,4 +17,4 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 address=$(awk '{print $NF}' "$log")
-"$python" -m pp1wire.conformance --worker "$address" --vocab 4096 --handshake-wait 4 --junit conformance.xml
+"$python" -m pp1wire.testing.conformance --worker "$address" --vocab 4096 --handshake-wait 4 --junit conformance.xml

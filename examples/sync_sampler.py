@@ -17,18 +17,18 @@ import argparse
 
 import numpy as np
 
-from pp1wire.client import (
+from pp1wire.aio.client import (
     ProposalUnavailableError,
     SyncClient,
     flatten_drafts,
     pack_outputs,
     target_rows,
 )
-from pp1wire.models import ToyLM
-from pp1wire.rng import derive_seed
-from pp1wire.settings import host_port
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.apps.models import ToyLM
+from pp1wire.apps.settings import host_port
+from pp1wire.q.rng import derive_seed
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.wire.spark_core import SparkConfig
 
 
 def main() -> None:

@@ -29,11 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pp1wire import framing  # noqa: E402
+from pp1wire.apps.models import ToyLM  # noqa: E402
 from pp1wire.errors import ProtocolError  # noqa: E402
-from pp1wire.models import ToyLM  # noqa: E402
-from pp1wire.spark_core import SparkConfig, SparkProtocol  # noqa: E402
-from pp1wire.worker_core import WorkerConfig, WorkerProtocol  # noqa: E402
+from pp1wire.wire import framing  # noqa: E402
+from pp1wire.wire.spark_core import SparkConfig, SparkProtocol  # noqa: E402
+from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol  # noqa: E402
 
 VOCAB = 8
 DRAFTER = ToyLM(VOCAB, 1, draft=True).logits

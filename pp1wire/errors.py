@@ -149,7 +149,7 @@ class VerifyError(Pp1Error):
     """The verifier refused a proposal or could not complete a round.
 
     Raised before any random draw is consumed when the proposal itself is at
-    fault; see :mod:`pp1wire.verify` for which failures poison the session.
+    fault; see :mod:`pp1wire.q.verify` for which failures poison the session.
     """
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pp1wire import dyadic
+from pp1wire.q import dyadic
 
 
 @pytest.fixture(params=["compiled", "numpy"])

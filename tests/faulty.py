@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pp1wire import framing
-from pp1wire.messages import MsgType
-from pp1wire.models import ToyLM
-from pp1wire.worker_core import WorkerConfig, WorkerProtocol
+from pp1wire.apps.models import ToyLM
+from pp1wire.wire import framing
+from pp1wire.wire.messages import MsgType
+from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 Mutator = Callable[["FaultyConn", bytes], None]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pp1wire import framing
-from pp1wire.messages import Message
-from pp1wire.models import ToyLM
-from pp1wire.spark_core import SparkConfig, SparkEvent, SparkProtocol
-from pp1wire.worker_core import WorkerConfig, WorkerEvent, WorkerProtocol
+from pp1wire.apps.models import ToyLM
+from pp1wire.wire import framing
+from pp1wire.wire.messages import Message
+from pp1wire.wire.spark_core import SparkConfig, SparkEvent, SparkProtocol
+from pp1wire.wire.worker_core import WorkerConfig, WorkerEvent, WorkerProtocol
 
 VOCAB = 64
 

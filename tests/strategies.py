@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import strategies as st
 
 from pp1wire.errors import ProtocolError
-from pp1wire.messages import MESSAGE_TYPES, MsgType
+from pp1wire.wire.messages import MESSAGE_TYPES, MsgType
 
 
 def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
@@ -51,7 +51,7 @@ any_message = st.sampled_from(list(MsgType)).flatmap(message_strategy)
 
 def frame_bytes(msg: object, payload: bytes = b"") -> bytes:
     """Encode a generated message as a frame (payload only where the type allows one)."""
-    from pp1wire import framing, messages
+    from pp1wire.wire import framing, messages
 
     kind = messages.type_of(msg)  # type: ignore[arg-type]
     return framing.encode_frame(msg, payload if kind in messages.PAYLOAD_TYPES else b"")  # type: ignore[arg-type]

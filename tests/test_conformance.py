@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from pp1wire import conformance
-from pp1wire.worker_core import WorkerProtocol
+from pp1wire.apps.launch import worker_process
+from pp1wire.testing import conformance
+from pp1wire.wire.worker_core import WorkerProtocol
 
-from .daemons import worker_process
 from .faulty import FaultyWorker
 
 
@@ -37,11 +37,12 @@ def test_suite_passes_against_a_fresh_worker(tmp_path, psk):
     if psk:
         key.write_text("a-test-key-of-enough-bytes\n")
         extra += ["--psk-file", str(key)]
-    with worker_process(*extra, vocab=64) as (address, _):
+    with worker_process(*extra, vocab=64) as running:
+        address = running.address
         cmd = [
             sys.executable,
             "-m",
-            "pp1wire.conformance",
+            "pp1wire.testing.conformance",
             "--worker",
             address,
             "--vocab",
@@ -62,7 +63,7 @@ def test_suite_passes_against_a_fresh_worker(tmp_path, psk):
 
 def test_list_and_case_selection():
     out = subprocess.run(
-        [sys.executable, "-m", "pp1wire.conformance", "--list", "--case", "4.4"],
+        [sys.executable, "-m", "pp1wire.testing.conformance", "--list", "--case", "4.4"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -8,24 +8,19 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pp1wire.apps.launch import worker_process
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = (ROOT / "docker" / "Dockerfile").read_text()
 COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_dockerfile_shape():
@@ -91,17 +86,18 @@ def _healthcheck() -> list[str]:
 def test_the_exact_commands_work_together(tmp_path):
     key = tmp_path / "pp1_psk"
     key.write_text("a-compose-test-key-of-enough-bytes")
-    port, wmetrics, smetrics = free_port(), free_port(), free_port()
 
-    def local(args: list[str]) -> list[str]:
+    def local(args: list[str], port: int | None = None) -> list[str]:
         # Only addresses change: service names and 0.0.0.0 become loopback, the
-        # container ports free ones, the secret path a temporary file.
+        # container ports free ones (the worker binds port 0 and reports it), the
+        # secret path a temporary file.
         out = []
         for arg in args:
             new = arg.replace("/run/secrets/pp1_psk", str(key)).replace("0.0.0.0", "127.0.0.1")
-            new = new.replace("pp1-worker:7070", f"127.0.0.1:{port}").replace(
-                "127.0.0.1:7070", f"127.0.0.1:{port}"
-            )
+            if port is not None:
+                new = new.replace("pp1-worker:7070", f"127.0.0.1:{port}").replace(
+                    "127.0.0.1:7070", f"127.0.0.1:{port}"
+                )
             out.append(new)
         return out
 
@@ -109,18 +105,15 @@ def test_the_exact_commands_work_together(tmp_path):
     worker_svc = COMPOSE["services"]["pp1-worker"]
     env = {**_dockerfile_env(), **worker_svc.get("environment", {})}
     env = {k: local([v])[0] for k, v in env.items()}
-    env["PP1_PORT"] = str(port)
-    env["PP1_METRICS_PORT"] = str(wmetrics)
+    env["PP1_PORT"] = "0"
+    env["PP1_METRICS_PORT"] = "0"
     env["PATH"] = str(bindir)
     worker_cmd = local(["pp1-worker", *worker_svc["command"]])
-    worker_cmd[worker_cmd.index("--port") + 1] = str(port)
-    worker_cmd[worker_cmd.index("--metrics-port") + 1] = str(wmetrics)
-    worker = subprocess.Popen(
-        [str(bindir / worker_cmd[0]), *worker_cmd[1:]], env=env, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert worker.stdout.readline().startswith("pp1-worker listening")
-        health = local(_healthcheck())
+    worker_cmd[worker_cmd.index("--port") + 1] = "0"
+    worker_cmd[worker_cmd.index("--metrics-port") + 1] = "0"
+    worker_cmd[0] = str(bindir / worker_cmd[0])
+    with worker_process(command=worker_cmd, env=env) as running:
+        health = local(_healthcheck(), running.port)
         done = subprocess.run(
             [str(bindir / health[0]), *health[1:]],
             env=env,
@@ -131,8 +124,8 @@ def test_the_exact_commands_work_together(tmp_path):
         )
         assert done.returncode == 0, done.stderr
         spark_svc = COMPOSE["services"]["pp1-spark"]
-        spark_cmd = local([*spark_svc["entrypoint"], *spark_svc["command"]])
-        spark_cmd[spark_cmd.index("--metrics-port") + 1] = str(smetrics)
+        spark_cmd = local([*spark_svc["entrypoint"], *spark_svc["command"]], running.port)
+        spark_cmd[spark_cmd.index("--metrics-port") + 1] = "0"
         done = subprocess.run(
             [str(bindir / spark_cmd[0]), *spark_cmd[1:]],
             env={"PATH": str(bindir)},
@@ -145,7 +138,4 @@ def test_the_exact_commands_work_together(tmp_path):
         summary = json.loads(done.stdout)
         assert summary["requests"] == 16
         assert summary["fallbacks"] == 0
-    finally:
-        worker.terminate()
-        assert worker.wait(timeout=30) == 0
-        worker.stdout.close()
+    assert running.returncode == 0

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pp1wire import dyadic, oracle
-from pp1wire.dyadic import M
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
+from pp1wire.q import dyadic, oracle
+from pp1wire.q.dyadic import M
 
 V = 1000
 

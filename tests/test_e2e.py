@@ -12,9 +12,8 @@ from math import sqrt
 
 import pytest
 
-from pp1wire.models import ToyLM
-
-from .daemons import worker_process
+from pp1wire.apps.launch import worker_process
+from pp1wire.apps.models import ToyLM
 
 VOCAB = 12
 SEED = 3
@@ -28,7 +27,7 @@ def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, n
     cmd = [
         sys.executable,
         "-m",
-        "pp1wire.spark",
+        "pp1wire.apps.spark",
         "--worker",
         address,
         "--vocab",
@@ -70,7 +69,8 @@ def test_first_two_tokens_follow_the_target_law(tmp_path, support):
     # deviations plus one count of its expectation. 144 cells at ~2e-9 false
     # alarm each; a verifier that mixed in q, or reused noise, fails by far more.
     n = 3000
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         summary, records = spark(
             address,
             tmp_path,
@@ -93,7 +93,8 @@ def test_first_two_tokens_follow_the_target_law(tmp_path, support):
 
 
 def test_cli_contract_and_depth_zero(tmp_path):
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         summary, records = spark(address, tmp_path, requests=6, max_tokens=5)
         target_only, records0 = spark(
             address, tmp_path, "--depth", "0", requests=6, max_tokens=5, name="zero"
@@ -119,7 +120,8 @@ def test_cli_contract_and_depth_zero(tmp_path):
     assert target_only["draft_tokens"] == 0
     assert all(len(r["tokens"]) == 5 for r in records0)
     # Per-request seeds: a second run is identical.
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         _, again = spark(address, tmp_path, requests=6, max_tokens=5, name="again")
     assert [r["tokens"] for r in again] == [r["tokens"] for r in records]
 
@@ -128,7 +130,7 @@ def test_worker_unreachable_is_a_clear_error(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "pp1wire.spark",
+        "pp1wire.apps.spark",
         "--worker",
         "127.0.0.1:1",
         "--vocab",
@@ -148,7 +150,7 @@ def test_bad_settings_exit_2(tmp_path):
     bad.write_text("no_such_key = 1\n")
     for args in (["--support", "sparse:x"], ["--config", str(bad)], ["--depth", "9"]):
         done = subprocess.run(
-            [sys.executable, "-m", "pp1wire.spark", *args],
+            [sys.executable, "-m", "pp1wire.apps.spark", *args],
             capture_output=True,
             text=True,
             timeout=60,
@@ -161,7 +163,9 @@ def test_bad_settings_exit_2(tmp_path):
 def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     # The worker is stopped mid-run: the Spark side must finish every request
     # target-only from its committed prefix, with no partial commit anywhere.
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, worker):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
+        worker = running.process
         prompts = tmp_path / "p.jsonl"
         prompts.write_text(json.dumps(PROMPT) + "\n")
         out = tmp_path / "o.jsonl"
@@ -169,7 +173,7 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 address,
                 "--vocab",
@@ -207,13 +211,14 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
 
 
 def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         out = tmp_path / "o.jsonl"
         proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 address,
                 "--vocab",
@@ -243,7 +248,8 @@ def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
 
 
 def test_busy_poll_worker_serves_normally(tmp_path):
-    with worker_process("--busy-poll", vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process("--busy-poll", vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         summary, records = spark(address, tmp_path, requests=8, max_tokens=6)
     assert summary["fallbacks"] == 0
     assert all(len(r["tokens"]) >= 6 for r in records)
@@ -254,7 +260,8 @@ def test_terminal_token_ends_requests(tmp_path):
     p = target.probs(PROMPT)
     p[PROMPT] = 0  # a prompt that ends in the terminal token is already finished
     eos = int(p.argmax())  # a likely token, so requests do end
-    with worker_process(vocab=VOCAB, seed=SEED) as (address, _):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        address = running.address
         summary, records = spark(address, tmp_path, "--eos", str(eos), requests=40, max_tokens=30)
     ended = [r for r in records if eos in r["tokens"]]
     assert ended, "no request produced the terminal token"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .daemons import worker_process
+from pp1wire.apps.launch import worker_process
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -22,7 +22,8 @@ def run(*cmd: str, env: dict | None = None, timeout: int = 180) -> str:
 
 
 def test_async_client_example():
-    with worker_process(vocab=4096) as (address, _):
+    with worker_process(vocab=4096) as running:
+        address = running.address
         out = run(
             sys.executable,
             str(EXAMPLES / "async_client.py"),
@@ -83,7 +84,8 @@ def test_scrape_metrics_example():
 
 
 def test_sync_sampler_example():
-    with worker_process(vocab=256) as (address, _):
+    with worker_process(vocab=256) as running:
+        address = running.address
         out = run(
             sys.executable,
             str(EXAMPLES / "sync_sampler.py"),

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pp1wire import dyadic
+from pp1wire.q import dyadic
 
-fastq = pytest.importorskip("pp1wire._fastq")
+fastq = pytest.importorskip("pp1wire.q._fastq")
 
 
 def reference(q: np.ndarray) -> tuple[int, int, int]:

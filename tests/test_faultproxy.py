@@ -14,14 +14,14 @@ from math import sqrt
 
 import pytest
 
-from pp1wire.client import AsyncClient, ProposalUnavailableError
+from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.apps.launch import worker_process
+from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
-from pp1wire.faultproxy import FaultProxy, Faults
-from pp1wire.models import ToyLM
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.testing.faultproxy import FaultProxy, Faults
+from pp1wire.wire.spark_core import SparkConfig
 
-from .daemons import worker_process
 from .faulty import FaultyWorker
 
 VOCAB = 32
@@ -172,17 +172,13 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
     # standard deviations plus one count. Zero partial commits: the worker never
     # refuses a COMMIT.
     vocab, seed, n = 12, 3, 2000
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        mport = s.getsockname()[1]
-    with worker_process("--metrics-port", str(mport), vocab=vocab, seed=seed) as (address, _):
+    with worker_process("--metrics-port", "0", vocab=vocab, seed=seed) as running:
+        address = running.address
         proxy = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "pp1wire.faultproxy",
+                "pp1wire.testing.faultproxy",
                 "--target",
                 address,
                 "--chaos",
@@ -205,7 +201,7 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "pp1wire.spark",
+                    "pp1wire.apps.spark",
                     "--worker",
                     paddr,
                     "--vocab",
@@ -234,7 +230,7 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
         finally:
             proxy.send_signal(signal.SIGTERM)
             counts_line = proxy.communicate(timeout=30)[0].strip().splitlines()[-1]
-        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{running.metrics}/metrics", timeout=5) as r:
             metrics_text = r.read().decode()
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)

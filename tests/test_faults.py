@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from pp1wire.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.aio.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
-from pp1wire.messages import MsgType
-from pp1wire.models import ToyLM
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.wire.messages import MsgType
+from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker, split_frames
 
@@ -151,7 +151,7 @@ async def test_retried_step_over_tcp_is_byte_identical():
     await client.propose(0, depth=3)
     conn = worker.conns[-1]
     step = conn.core.slots[0].fence.last_step
-    from pp1wire import framing
+    from pp1wire.wire import framing
 
     writes = []
     conn.write = writes.append  # capture the replayed reply

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pp1wire import framing
+from pp1wire.wire import framing
 
 from .pairs import make_pair
 from .strategies import chunk
@@ -50,7 +50,7 @@ def test_spark_core_survives_any_input(chunks):
     for c in chunks:
         events = pair.spark.receive_data(c, 0.0)  # must never raise
         for e in events:
-            assert type(e).__module__ == "pp1wire.spark_core"
+            assert type(e).__module__ == "pp1wire.wire.spark_core"
         _output_is_valid(pair.spark.data_to_send())
     pair.spark.handle_timer(1e9)
     assert pair.spark.slots == {} or all(s.flight is None for s in pair.spark.slots.values())

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire import framing, golden
+from pp1wire.testing import golden
+from pp1wire.wire import framing
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE = ROOT / "golden" / "vectors.json"
@@ -15,7 +16,7 @@ VECTORS = json.loads(FILE.read_text())["vectors"]
 
 
 def test_committed_vectors_are_current():
-    assert FILE.read_text() == golden.render(), "run: python -m pp1wire.golden"
+    assert FILE.read_text() == golden.render(), "run: python -m pp1wire.testing.golden"
 
 
 def test_vectors_cover_every_message_type_and_rejection_class():
@@ -23,7 +24,7 @@ def test_vectors_cover_every_message_type_and_rejection_class():
     types = {
         m["type"] for v in VECTORS if v["kind"] == "frame" for m in v["expect"].get("messages", [])
     }
-    from pp1wire.messages import MsgType
+    from pp1wire.wire.messages import MsgType
 
     assert types == {t.name for t in MsgType}
     discarded = {v["expect"].get("discarded") for v in VECTORS if v["kind"] == "reply"}

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire import framing
-from pp1wire.client import AsyncClient, ClientClosedError
+from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.apps.launch import worker_process
 from pp1wire.errors import ErrorCode
-from pp1wire.messages import Error, Ping
-from pp1wire.spark_core import SparkConfig
-
-from .daemons import worker_process
+from pp1wire.wire import framing
+from pp1wire.wire.messages import Error, Ping
+from pp1wire.wire.spark_core import SparkConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,12 +65,13 @@ def test_tls_end_to_end(tmp_path):
         capture_output=True,
         timeout=60,
     )
-    with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as (addr, _):
+    with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as running:
+        addr = running.address
         done = subprocess.run(
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 addr,
                 "--vocab",
@@ -96,7 +96,7 @@ def test_tls_end_to_end(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 addr,
                 "--vocab",
@@ -116,7 +116,7 @@ def test_tls_end_to_end(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "pp1wire.worker",
+                "pp1wire.apps.worker",
                 "--check",
                 addr,
                 "--vocab",
@@ -137,12 +137,13 @@ def test_psk_enforced_by_the_daemons(tmp_path):
     key.write_text("correct horse battery staple\n")
     wrong = tmp_path / "w"
     wrong.write_text("incorrect horse battery staple\n")
-    with worker_process("--psk-file", str(key), vocab=16) as (addr, _):
+    with worker_process("--psk-file", str(key), vocab=16) as running:
+        addr = running.address
         ok = subprocess.run(
             [
                 sys.executable,
                 "-m",
-                "pp1wire.spark",
+                "pp1wire.apps.spark",
                 "--worker",
                 addr,
                 "--vocab",
@@ -166,7 +167,7 @@ def test_psk_enforced_by_the_daemons(tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "pp1wire.spark",
+                    "pp1wire.apps.spark",
                     "--worker",
                     addr,
                     "--vocab",
@@ -190,7 +191,7 @@ def test_short_psk_is_refused(tmp_path):
     key = tmp_path / "k"
     key.write_text("short\n")
     done = subprocess.run(
-        [sys.executable, "-m", "pp1wire.worker", "--psk-file", str(key)],
+        [sys.executable, "-m", "pp1wire.apps.worker", "--psk-file", str(key)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -201,7 +202,8 @@ def test_short_psk_is_refused(tmp_path):
 
 
 def test_connection_limit():
-    with worker_process("--max-connections", "2", vocab=16) as (addr, _):
+    with worker_process("--max-connections", "2", vocab=16) as running:
+        addr = running.address
         host, port = addr.rsplit(":", 1)
         held = [socket.create_connection((host, int(port))) for _ in range(2)]
         time.sleep(0.2)
@@ -221,7 +223,8 @@ def test_connection_limit():
 
 
 def test_slow_loris_is_dropped_at_the_handshake_timeout():
-    with worker_process("--handshake-timeout", "0.5", vocab=16) as (addr, _):
+    with worker_process("--handshake-timeout", "0.5", vocab=16) as running:
+        addr = running.address
         host, port = addr.rsplit(":", 1)
         s = socket.create_connection((host, int(port)))
         hello_start = b"PW\x02\x01"
@@ -239,7 +242,8 @@ def test_slow_loris_is_dropped_at_the_handshake_timeout():
 
 @pytest.mark.asyncio
 async def test_idle_connection_is_closed():
-    with worker_process("--idle-timeout", "0.5", vocab=16) as (addr, _):
+    with worker_process("--idle-timeout", "0.5", vocab=16) as running:
+        addr = running.address
         host, port = addr.rsplit(":", 1)
         client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16))
         await asyncio.sleep(1.5)

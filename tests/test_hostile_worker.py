@@ -13,12 +13,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from pp1wire import golden
-from pp1wire.client import AsyncClient, ProposalUnavailableError
+from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
-from pp1wire.models import ToyLM
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.testing import golden
+from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import subprocess
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire import metrics
-from pp1wire.client import BufferPool
-from pp1wire.settings import JsonFormatter, SettingsError, parse
-
-from .daemons import worker_process
+from pp1wire.aio.client import BufferPool
+from pp1wire.apps import metrics
+from pp1wire.apps.launch import worker_process
+from pp1wire.apps.settings import JsonFormatter, SettingsError, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,23 +69,36 @@ def test_json_log_lines():
     assert line["peer"] == "127.0.0.1:5"
 
 
-def test_metrics_rendering():
-    reg = metrics.Registry()
-    c = reg.add(metrics.Counter("pp1_x_total", "X.", ["reason"]))
-    h = reg.add(metrics.Histogram("pp1_rtt_seconds", "RTT.", [0.1, 1.0]))
-    c.inc(reason='a"b')
-    h.observe(0.05)
-    h.observe(5.0)
-    text = reg.render()
-    assert "# TYPE pp1_x_total counter" in text
-    assert 'pp1_x_total{reason="a\\"b"} 1' in text
-    assert 'pp1_rtt_seconds_bucket{le="0.1"} 1' in text
-    assert 'pp1_rtt_seconds_bucket{le="+Inf"} 2' in text
-    assert "pp1_rtt_seconds_count 2" in text
-    with pytest.raises(ValueError, match="only go up"):
-        c.inc(-1, reason="a")
-    with pytest.raises(ValueError, match="duplicate"):
-        reg.add(metrics.Counter("pp1_x_total", "again"))
+def test_metrics_readback_and_endpoint():
+    from prometheus_client import CollectorRegistry, Counter
+
+    reg = CollectorRegistry()
+    c = Counter("pp1_x", "X.", ["reason"], registry=reg)
+    plain = Counter("pp1_y", "Y.", registry=reg)
+    c.labels(reason="a").inc()
+    c.labels(reason="b").inc(2)
+    plain.inc(3)
+    assert metrics.by_label(c) == {"a": 1.0, "b": 2.0}
+    assert metrics.total(c) == 3.0
+    assert metrics.total(plain) == 3.0
+
+    async def scrape() -> tuple[str, str]:
+        server = await metrics.serve(reg, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        out = []
+        for path in (b"/metrics", b"/other"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            out.append((await reader.read()).decode())
+            writer.close()
+        server.close()
+        return out[0], out[1]
+
+    page, missing = asyncio.run(scrape())
+    assert page.startswith("HTTP/1.1 200 OK")
+    assert 'pp1_x_total{reason="b"} 2.0' in page
+    assert "pp1_y_total 3.0" in page
+    assert missing.startswith("HTTP/1.1 404")
 
 
 def test_buffer_pool_recycles_and_never_blocks():
@@ -103,14 +116,10 @@ def test_buffer_pool_recycles_and_never_blocks():
 
 
 def test_worker_metrics_endpoint_and_health_check(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        mport = s.getsockname()[1]
-    with worker_process("--metrics-port", str(mport), vocab=16) as (address, _):
+    with worker_process("--metrics-port", "0", vocab=16) as running:
+        address = running.address
         done = subprocess.run(
-            [sys.executable, "-m", "pp1wire.worker", "--check", address, "--vocab", "16"],
+            [sys.executable, "-m", "pp1wire.apps.worker", "--check", address, "--vocab", "16"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -119,14 +128,14 @@ def test_worker_metrics_endpoint_and_health_check(tmp_path):
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("healthy")
         wrong = subprocess.run(
-            [sys.executable, "-m", "pp1wire.worker", "--check", address, "--vocab", "17"],
+            [sys.executable, "-m", "pp1wire.apps.worker", "--check", address, "--vocab", "17"],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
         assert wrong.returncode == 1
-        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{running.metrics}/metrics", timeout=5) as r:
             text = r.read().decode()
-        assert "pp1_worker_connections_total 2" in text
-        assert 'pp1_worker_refusals_total{code="vocab_size_mismatch"} 1' in text
+        assert "pp1_worker_connections_total 2.0" in text
+        assert 'pp1_worker_refusals_total{code="vocab_size_mismatch"} 1.0' in text

@@ -7,9 +7,9 @@ from itertools import product
 
 import pytest
 
-from pp1wire import oracle
-from pp1wire.dyadic import M
 from pp1wire.errors import ConstructionError, VerifyError
+from pp1wire.q import oracle
+from pp1wire.q.dyadic import M
 
 
 def grid(denominator: int, size: int = 3) -> list[list[Fraction]]:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, RngError
-from pp1wire.rng import (
+from pp1wire.q.rng import (
     ABI_NAME,
     DRAW_LIMIT,
     Domain,

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import msgspec
 
-from pp1wire import schema
-from pp1wire.messages import MESSAGE_TYPES, MsgType
+from pp1wire.wire import schema
+from pp1wire.wire.messages import MESSAGE_TYPES, MsgType
 
 ROOT = Path(__file__).resolve().parent.parent / "schemas"
 
 
 def test_committed_schemas_are_current():
     doc = str(ROOT.parent / "docs" / "protocol.md")
-    assert schema.main(["--check", str(ROOT), "--doc", doc]) == 0, "run: python -m pp1wire.schema"
+    regenerate = "run: python -m pp1wire.wire.schema"
+    assert schema.main(["--check", str(ROOT), "--doc", doc]) == 0, regenerate
 
 
 def test_check_detects_a_stale_file(tmp_path):

@@ -7,11 +7,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pp1wire import framing
+from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.messages import MsgType
-from pp1wire.models import ToyLM
-from pp1wire.spark_core import (
+from pp1wire.q.verify import RequestVerifier
+from pp1wire.wire import framing
+from pp1wire.wire.messages import MsgType
+from pp1wire.wire.spark_core import (
     CommitAcked,
     ConnectionFailed,
     FrameDropped,
@@ -19,7 +20,6 @@ from pp1wire.spark_core import (
     ProposalReady,
     ResetAcked,
 )
-from pp1wire.verify import RequestVerifier
 
 from .pairs import VOCAB, make_pair
 

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pp1wire import dyadic, oracle
+from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode, VerifyError
-from pp1wire.models import ToyLM
-from pp1wire.proposal import Proposal, QRow, prefix_digest, propose
-from pp1wire.rng import Role, RoundStreams, derive_seed
-from pp1wire.verify import (
+from pp1wire.q import dyadic, oracle
+from pp1wire.q.proposal import Proposal, QRow, prefix_digest, propose
+from pp1wire.q.rng import Role, RoundStreams, derive_seed
+from pp1wire.q.verify import (
     Outcome,
     RequestVerifier,
     accept_exact,

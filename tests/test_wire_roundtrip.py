@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pp1wire import framing, messages
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.messages import PAYLOAD_TYPES
+from pp1wire.wire import framing, messages
+from pp1wire.wire.messages import PAYLOAD_TYPES
 
 from .strategies import any_message
 

@@ -6,9 +6,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from pp1wire import framing
 from pp1wire.errors import ErrorCode
-from pp1wire.messages import (
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.wire import framing
+from pp1wire.wire.messages import (
     Auth,
     Close,
     Commit,
@@ -22,8 +23,7 @@ from pp1wire.messages import (
     Scope,
     Step,
 )
-from pp1wire.proposal import prefix_digest
-from pp1wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
+from pp1wire.wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
 
 from .pairs import VOCAB, make_pair
 

@@ -2,8 +2,8 @@
 
 Everything here is rational arithmetic (:class:`fractions.Fraction`) and
 integers, for small vocabularies. Float inputs mean their exact binary64
-values. It exists to qualify the numpy paths in :mod:`pp1wire.dyadic`,
-:mod:`pp1wire.proposal` and :mod:`pp1wire.verify`, never to serve traffic.
+values. It exists to qualify the numpy paths in :mod:`pp1wire.q.dyadic`,
+:mod:`pp1wire.q.proposal` and :mod:`pp1wire.q.verify`, never to serve traffic.
 
 The verifier is the standard tokenwise algorithm (Leviathan et al. 2023,
 algorithm 1 and appendix A.1): accept a draft x with probability
@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from math import floor, isfinite
 
-from pp1wire.dyadic import M
 from pp1wire.errors import ConstructionError, ErrorCode, VerifyError
+from pp1wire.q.dyadic import M
 
 Dist = list[Fraction]
 Prefix = tuple[int, ...]

@@ -29,8 +29,8 @@ import numpy.typing as npt
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 
-try:  # the optional compiled fast paths (pp1wire/_fastq.c), qualified against numpy
-    from pp1wire import _fastq  # type: ignore[attr-defined]
+try:  # the optional compiled fast paths (pp1wire/q/_fastq.c), qualified against numpy
+    from pp1wire.q import _fastq  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised by tests that disable it
     _fastq = None
 

@@ -8,7 +8,7 @@ and ``chaos``: each reply, with probability p, suffers one of drop-completion,
 corrupt-a-row, delay-past-timeout or reset, chosen by a seeded RNG.
 
 Used by the test suite and the soak script; also runnable:
-``python -m pp1wire.faultproxy --listen 127.0.0.1:0 --target 127.0.0.1:7070 --chaos 0.1``
+``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target 127.0.0.1:7070 --chaos 0.1``
 (prints ``faultproxy listening on HOST:PORT``, runs until SIGTERM).
 """
 
@@ -24,10 +24,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pp1wire import framing
+from pp1wire.apps.settings import SettingsError, host_port
 from pp1wire.errors import ProtocolError
-from pp1wire.messages import MsgType
-from pp1wire.settings import SettingsError, host_port
+from pp1wire.wire import framing
+from pp1wire.wire.messages import MsgType
 
 
 @dataclass
@@ -224,7 +224,7 @@ class FaultProxy:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a proxy until SIGTERM."""
-    p = argparse.ArgumentParser(prog="python -m pp1wire.faultproxy", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pp1wire.testing.faultproxy", description=__doc__)
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--target", required=True)
     p.add_argument("--chaos", type=float, default=0.0)

@@ -19,9 +19,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire import dyadic
 from pp1wire.errors import ConstructionError, ErrorCode
-from pp1wire.rng import Domain, Role, RoundStreams
+from pp1wire.q import dyadic
+from pp1wire.q.rng import Domain, Role, RoundStreams
 
 MAX_DEPTH = 5
 _LITTLE = sys.byteorder == "little"
@@ -133,7 +133,7 @@ def build_row(
     A temperature of 0 means greedy: the point mass at the first maximal logit.
 
     Raises:
-        ConstructionError: see :mod:`pp1wire.dyadic`.
+        ConstructionError: see :mod:`pp1wire.q.dyadic`.
     """
     if temperature == 0:
         row = np.asarray(logits, dtype=np.float64)

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from pp1wire import dyadic, framing
 from pp1wire.errors import ErrorCode
-from pp1wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello, Role
-from pp1wire.rng import ABI_NAME
+from pp1wire.q import dyadic
+from pp1wire.q.rng import ABI_NAME
+from pp1wire.wire import framing
+from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello, Role
 
 AUTH_WORKER_LABEL: Final = b"pp1w-v2 worker proof"
 AUTH_SPARK_LABEL: Final = b"pp1w-v2 spark proof"

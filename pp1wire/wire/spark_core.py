@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pp1wire import dyadic, fencing, framing
 from pp1wire.errors import ErrorCode, ProtocolError, ValidationError
-from pp1wire.fencing import Action, SparkInFlight, SparkSlotFence
-from pp1wire.handshake import PeerConfig, build_hello, first_failure, spark_proof, worker_proof
-from pp1wire.messages import (
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import Proposal, QRow, prefix_digest
+from pp1wire.wire import fencing, framing
+from pp1wire.wire.fencing import Action, SparkInFlight, SparkSlotFence
+from pp1wire.wire.handshake import PeerConfig, build_hello, first_failure, spark_proof, worker_proof
+from pp1wire.wire.messages import (
     Auth,
     Challenge,
     Close,
@@ -49,7 +51,6 @@ from pp1wire.messages import (
     Scope,
     Step,
 )
-from pp1wire.proposal import Proposal, QRow, prefix_digest
 
 
 @dataclass(frozen=True)

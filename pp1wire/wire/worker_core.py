@@ -3,10 +3,10 @@
 Bytes in (:meth:`WorkerProtocol.receive_data`), bytes out
 (:meth:`WorkerProtocol.data_to_send`), events for logs and metrics; the clock
 is passed in. The worker is the only owner of proposal randomness: every row
-it sends is drawn by :func:`pp1wire.proposal.propose` under the proposal-domain
+it sends is drawn by :func:`pp1wire.q.proposal.propose` under the proposal-domain
 key of (request seed, generation, round, position), and a retried STEP is
 answered from the replay cache with the byte-identical reply, never redrawn.
-No asyncio here; :mod:`pp1wire.worker` pumps bytes between a socket and this.
+No asyncio here; :mod:`pp1wire.apps.worker` pumps bytes between a socket and this.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import math
 import secrets
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,17 +22,21 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from pp1wire import dyadic, fencing, framing
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.fencing import Action, WorkerSlotFence
-from pp1wire.handshake import (
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import DrafterFn, QRow, prefix_digest, propose
+from pp1wire.q.rng import Role as RngRole
+from pp1wire.q.rng import RoundStreams
+from pp1wire.wire import fencing, framing
+from pp1wire.wire.fencing import Action, WorkerSlotFence
+from pp1wire.wire.handshake import (
     PeerConfig,
     build_hello,
     first_failure,
     spark_proof,
     worker_proof,
 )
-from pp1wire.messages import (
+from pp1wire.wire.messages import (
     Auth,
     Challenge,
     Close,
@@ -55,9 +60,6 @@ from pp1wire.messages import (
     Scope,
     Step,
 )
-from pp1wire.proposal import DrafterFn, QRow, prefix_digest, propose
-from pp1wire.rng import Role as RngRole
-from pp1wire.rng import RoundStreams
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class StepServed:
     rows: int
     status: int
     reply_bytes: int
+    draw_seconds: float  # drafter, q construction and encoding of this STEP alone
 
 
 @dataclass(frozen=True)
@@ -518,14 +521,18 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_round(problem, kind, msg)
             return
+        started = time.perf_counter()
         reply, rows, status = self._propose(slot, msg)
+        drawn = time.perf_counter() - started
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
         slot.reply = reply
         self._out.append(reply)
         self._events.append(
-            StepServed(msg.slot, msg.generation, msg.round, len(rows), status, len(reply))
+            StepServed(
+                msg.slot, msg.generation, msg.round, len(rows), status, len(reply), drawn
+            )
         )
 
     def _check_step(self, slot: WorkerSlot, step: Step) -> ErrorCode | None:

@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, VerifyError
-from pp1wire.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
-from pp1wire.rng import Domain, Role, RoundStreams, u53_int_from_block
+from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
+from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 
 Float64Array = npt.NDArray[np.float64]
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]

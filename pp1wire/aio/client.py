@@ -1,9 +1,9 @@
 """Embeddable Spark-side client: async API, a synchronous facade, and flat-layout helpers.
 
-The client is a thin asyncio shell around :class:`pp1wire.spark_core.SparkProtocol`:
+The client is a thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`:
 a ``BufferedProtocol`` lets the socket write every large frame straight into a
 recycled receive buffer, the core validates each row as it arrives, and
-:meth:`AsyncClient.propose` returns a :class:`~pp1wire.proposal.Proposal` only
+:meth:`AsyncClient.propose` returns a :class:`~pp1wire.q.proposal.Proposal` only
 after its COMPLETION validated. Every failure (refused, corrupt, timed out,
 connection lost) surfaces as :class:`ProposalUnavailableError` with its code, so the
 caller decodes that round target-only and commits it with :meth:`commit`.
@@ -14,7 +14,7 @@ Typical use from a sampler::
     await client.open(0, seed=seed, prefix=prompt)
     try:
         proposal = await client.propose(0, depth=5)
-        result = verifier.verify(proposal)          # pp1wire.verify.RequestVerifier
+        result = verifier.verify(proposal)          # pp1wire.q.verify.RequestVerifier
         client.release(proposal, 0)
     except ProposalUnavailableError:
         result = verifier.decode_target_only(client.new_round(0))
@@ -37,10 +37,10 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire import spark_core
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.proposal import Proposal
-from pp1wire.spark_core import SparkConfig, SparkProtocol
+from pp1wire.q.proposal import Proposal
+from pp1wire.wire import spark_core
+from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
 _T = TypeVar("_T")
 

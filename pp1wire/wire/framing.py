@@ -29,9 +29,9 @@ from typing import Final
 
 import xxhash
 
-from pp1wire import messages
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.messages import PAYLOAD_TYPES, Message, MsgType
+from pp1wire.wire import messages
+from pp1wire.wire.messages import PAYLOAD_TYPES, Message, MsgType
 
 MAGIC: Final = b"PW"
 PREAMBLE: Final = struct.Struct("<2sBBBBHII")  # magic .. checksum

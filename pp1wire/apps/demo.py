@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +18,12 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from pp1wire import dyadic
-from pp1wire.models import DEFAULT_VOCAB, toy_drafter, toy_target
-from pp1wire.proposal import QRow, propose
-from pp1wire.rng import Role, RoundStreams, derive_seed
-from pp1wire.verify import RequestVerifier, proposal_from_rows
+from pp1wire.apps.launch import WorkerStartError, worker_command, worker_process
+from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import QRow, propose
+from pp1wire.q.rng import Role, RoundStreams, derive_seed
+from pp1wire.q.verify import RequestVerifier, proposal_from_rows
 
 
 def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
@@ -101,12 +100,6 @@ def run_in_process(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _print(title: str, stats: dict[str, Any]) -> None:
     print(title)
     for key, value in stats.items():
@@ -116,83 +109,56 @@ def _print(title: str, stats: dict[str, Any]) -> None:
 
 def run_daemons(args: argparse.Namespace) -> int:
     """Start the worker, run the Spark side twice against it, stop the worker."""
-    metrics_port = _free_port()
-    worker_cmd = [
-        sys.executable,
-        "-m",
-        "pp1wire.worker",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--vocab",
-        str(args.vocab),
-        "--seed",
-        str(args.seed),
-        "--log-level",
-        "warning",
-        "--metrics-port",
-        str(metrics_port),
-    ]
+    worker_cmd = worker_command("--metrics-port", "0", vocab=args.vocab, seed=args.seed)
     print("$ " + " ".join(["pp1-worker", *worker_cmd[3:]]), flush=True)
-    worker = subprocess.Popen(worker_cmd, stdout=subprocess.PIPE, text=True)
     try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline()
-        if not line.startswith("pp1-worker listening on "):
-            print(f"pp1-demo: the worker did not start: {line!r}", file=sys.stderr)
-            return 1
-        address = line.rsplit(" ", 1)[1].strip()
-        print(f"  worker up at {address} (toy drafter, vocabulary {args.vocab})")
-        for support in ("dense", "sparse:32"):
-            spark_cmd = [
-                sys.executable,
-                "-m",
-                "pp1wire.spark",
-                "--worker",
-                address,
-                "--vocab",
-                str(args.vocab),
-                "--seed",
-                str(args.seed),
-                "--requests",
-                str(args.requests),
-                "--max-tokens",
-                str(args.max_tokens),
-                "--depth",
-                str(args.depth),
-                "--support",
-                support,
-                "--json",
-            ]
-            print("$ " + " ".join(["pp1-spark", *spark_cmd[3:]]), flush=True)
-            done = subprocess.run(spark_cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(done.stderr, file=sys.stderr)
-                return done.returncode
-            _print(f"  q {support}:", json.loads(done.stdout))
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        wanted = (
-            "pp1_worker_steps_total",
-            "pp1_worker_rows_total",
-            "pp1_worker_replays_total",
-            "pp1_worker_reply_bytes_total",
-        )
-        print(f"$ curl {url}")
-        for metric_line in text.splitlines():
-            if metric_line.startswith(wanted):
-                print(f"  {metric_line}")
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            code = worker.wait()
-    print(f"  worker stopped on SIGTERM, exit code {code}")
-    return 0 if code == 0 else 1
+        with worker_process(command=worker_cmd) as worker:
+            print(f"  worker up at {worker.address} (toy drafter, vocabulary {args.vocab})")
+            for support in ("dense", "sparse:32"):
+                spark_cmd = [
+                    sys.executable,
+                    "-m",
+                    "pp1wire.apps.spark",
+                    "--worker",
+                    worker.address,
+                    "--vocab",
+                    str(args.vocab),
+                    "--seed",
+                    str(args.seed),
+                    "--requests",
+                    str(args.requests),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--depth",
+                    str(args.depth),
+                    "--support",
+                    support,
+                    "--json",
+                ]
+                print("$ " + " ".join(["pp1-spark", *spark_cmd[3:]]), flush=True)
+                done = subprocess.run(spark_cmd, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    print(done.stderr, file=sys.stderr)
+                    return done.returncode
+                _print(f"  q {support}:", json.loads(done.stdout))
+            url = f"http://{worker.metrics}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            wanted = (
+                "pp1_worker_steps_total",
+                "pp1_worker_rows_total",
+                "pp1_worker_replays_total",
+                "pp1_worker_reply_bytes_total",
+            )
+            print(f"$ curl {url}")
+            for metric_line in text.splitlines():
+                if metric_line.startswith(wanted):
+                    print(f"  {metric_line}")
+    except WorkerStartError as exc:
+        print(f"pp1-demo: {exc}", file=sys.stderr)
+        return 1
+    print(f"  worker stopped on SIGTERM, exit code {worker.returncode}")
+    return 0 if worker.returncode == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

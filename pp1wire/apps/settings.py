@@ -9,6 +9,7 @@ underscores, at top level), then the defaults. Log lines are JSON objects.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from pp1wire.apps.models import DEFAULT_VOCAB
 
 ENV_PREFIX = "PP1_"
 
@@ -163,3 +166,46 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise SettingsError(f"{text!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def read_psk(path: str | None) -> bytes | None:
+    """The pre-shared key from a file (surrounding whitespace stripped).
+
+    Raises:
+        SettingsError: if the file cannot be read or holds fewer than 16 bytes.
+    """
+    if not path:
+        return None
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise SettingsError(f"psk file {path}: {exc}") from None
+    if len(key) < 16:
+        raise SettingsError(f"psk file {path}: a key needs at least 16 bytes")
+    return key
+
+
+def install_uvloop() -> None:
+    """Use uvloop's event loop where it is installed."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - uvloop is a runtime dependency
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
+    """The flags both daemons take with the same meaning (the two sides must agree on them)."""
+    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="vocabulary size")
+    p.add_argument("--vocab-hash", type=int, default=0, help="hash of the global token-ID map")
+    p.add_argument("--target-identity", default="pp1-toy-target")
+    p.add_argument("--psk-file", default=None, help="file holding the pre-shared key")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus port (0: any free port; unset: off)",
+    )
+    p.add_argument("--log-level", default=log_level)
+    p.add_argument("--config", default=None, help="TOML file with any of these settings")

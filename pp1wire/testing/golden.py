@@ -1,6 +1,6 @@
 """Golden byte vectors for pp1 wire v2 (``golden/vectors.json``).
 
-Usage: ``python -m pp1wire.golden [--check] [FILE]`` (default ``golden/vectors.json``).
+Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default ``golden/vectors.json``).
 
 Two kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``:
 
@@ -31,9 +31,12 @@ import msgspec
 import numpy as np
 import xxhash
 
-from pp1wire import dyadic, framing, messages
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.messages import (
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.rng import ABI_NAME
+from pp1wire.wire import framing, messages
+from pp1wire.wire.messages import (
     Auth,
     Challenge,
     Close,
@@ -55,8 +58,6 @@ from pp1wire.messages import (
     ResetDone,
     Step,
 )
-from pp1wire.proposal import prefix_digest
-from pp1wire.rng import ABI_NAME
 
 SESSION = 7
 VOCAB = 8
@@ -399,7 +400,7 @@ def frame_vectors() -> list[Vector]:
 
 
 def decode_frame_vector(vector: Vector) -> dict[str, Any]:
-    """Run a frame vector through :class:`~pp1wire.framing.FrameDecoder`."""
+    """Run a frame vector through :class:`~pp1wire.wire.framing.FrameDecoder`."""
     decoder = framing.FrameDecoder(vector["context"]["max_payload"])
     try:
         frames = decoder.feed(bytes.fromhex(vector["hex"]))
@@ -849,7 +850,7 @@ def _round(step: Step, round_id: int) -> Step:
 
 def run_reply_vector(vector: Vector) -> dict[str, Any]:
     """Drive a Spark core into the vector's context, feed its bytes, summarize the outcome."""
-    from pp1wire import spark_core  # noqa: PLC0415 - spark_core imports this module's peers
+    from pp1wire.wire import spark_core  # noqa: PLC0415 - spark_core imports this module's peers
 
     ctx = vector["context"]
     step = message_from_json(ctx["step"])[0]
@@ -916,7 +917,7 @@ def all_vectors() -> list[Vector]:
 def render() -> str:
     """The vectors file's exact text."""
     doc = {
-        "description": "pp1 wire v2 golden vectors; see pp1wire/golden.py and docs/protocol.md §10",
+        "description": "pp1 wire v2 golden vectors; see docs/protocol.md §10",
         "wire_version": messages.WIRE_VERSION,
         "vectors": all_vectors(),
     }
@@ -925,7 +926,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the vectors file, or with ``--check`` exit 1 if it differs."""
-    parser = argparse.ArgumentParser(prog="python -m pp1wire.golden", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pp1wire.testing.golden", description=__doc__)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("file", nargs="?", default="golden/vectors.json")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Generate (or check) the JSON Schemas of every wire message under ``schemas/``.
 
-Usage: ``python -m pp1wire.schema [--check] [--doc FILE] [DIR]`` (default
+Usage: ``python -m pp1wire.wire.schema [--check] [--doc FILE] [DIR]`` (default
 ``schemas`` and ``docs/protocol.md``). The same run refreshes the field tables
 of the protocol document, between ``<!-- fields:NAME -->`` markers.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from pp1wire.messages import MESSAGE_TYPES, WIRE_VERSION, MsgType
+from pp1wire.wire.messages import MESSAGE_TYPES, WIRE_VERSION, MsgType
 
 DRAFT: str = "https://json-schema.org/draft/2020-12/schema"
 
@@ -110,7 +110,7 @@ def render_all() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the schemas, or with ``--check`` report (exit 1) any that differ."""
-    parser = argparse.ArgumentParser(prog="python -m pp1wire.schema", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pp1wire.wire.schema", description=__doc__)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("dir", nargs="?", default="schemas")
     parser.add_argument("--doc", default="docs/protocol.md", help="document with field tables")

@@ -2,7 +2,7 @@
 
 Runs ``--requests`` requests over up to ``--concurrency`` slots of one
 connection. Each round asks for one fixed-depth proposal; a proposal that
-arrives whole and valid is verified with :class:`pp1wire.verify.RequestVerifier`
+arrives whole and valid is verified with :class:`pp1wire.q.verify.RequestVerifier`
 (acceptance and correction draws are this side's own), and its outcome is
 committed. A missing, corrupt, refused or timed-out proposal is discarded whole
 and the round is decoded target-only from the committed prefix. If the worker
@@ -24,6 +24,7 @@ import json
 import logging
 import signal
 import ssl
+import statistics
 import sys
 import time
 from collections import Counter
@@ -32,65 +33,71 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pp1wire import metrics, spark_core
-from pp1wire.client import AsyncClient, ClientClosedError
-from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
-from pp1wire.models import DEFAULT_VOCAB
-from pp1wire.rng import derive_seed
-from pp1wire.settings import SettingsError, host_port, load_factory, parse, setup_logging
-from pp1wire.spark_core import SparkConfig
-from pp1wire.verify import RequestVerifier, RoundResult, TargetFn
-from pp1wire.worker import install_uvloop, read_psk
+import prometheus_client as prom
 
-log = logging.getLogger("pp1wire.spark")
+from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.server import SECONDS_BUCKETS
+from pp1wire.apps import metrics
+from pp1wire.apps.settings import (
+    SettingsError,
+    add_common_flags,
+    host_port,
+    install_uvloop,
+    load_factory,
+    parse,
+    read_psk,
+    setup_logging,
+)
+from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
+from pp1wire.q.rng import derive_seed
+from pp1wire.q.verify import RequestVerifier, RoundResult, TargetFn
+from pp1wire.wire import spark_core
+from pp1wire.wire.spark_core import SparkConfig
+
+log = logging.getLogger("pp1wire.apps.spark")
 
 
 class SparkMetrics:
-    """Every metric the Spark side exposes (Prometheus names)."""
+    """Every metric the Spark side exposes, in a registry of its own."""
 
     def __init__(self, max_depth: int) -> None:
         """Register the metrics."""
-        r = self.registry = metrics.Registry()
-        self.drafts = r.add(
-            metrics.Counter("pp1_spec_decode_draft_tokens_total", "Draft tokens verified.")
+        r = self.registry = prom.CollectorRegistry()
+        self.drafts = prom.Counter(
+            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
         )
-        self.accepted = r.add(
-            metrics.Counter("pp1_spec_decode_accepted_tokens_total", "Draft tokens accepted.")
+        self.accepted = prom.Counter(
+            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
         )
-        self.num_drafts = r.add(
-            metrics.Counter("pp1_spec_decode_num_drafts_total", "Proposals verified (rounds).")
+        self.num_drafts = prom.Counter(
+            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
         )
-        self.per_position = r.add(
-            metrics.Counter(
-                "pp1_spec_decode_accepted_tokens_per_pos_total",
-                "Accepted draft tokens by position in the block (0-based).",
-                ["position"],
-            )
+        per_position = prom.Counter(
+            "pp1_spec_decode_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the block (0-based).",
+            ["position"],
+            registry=r,
         )
-        for i in range(max_depth):
-            self.per_position.inc(0, position=str(i))
-        self.tokens = r.add(metrics.Counter("pp1_tokens_total", "Tokens committed."))
-        self.requests = r.add(metrics.Counter("pp1_requests_total", "Requests completed."))
-        self.fallbacks = r.add(
-            metrics.Counter(
-                "pp1_fallbacks_total", "Rounds decoded target-only, by reason.", ["reason"]
-            )
+        # Children made once: every position is exported from the start, and the
+        # per-round path skips the label lookup.
+        self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
+        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
+        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
+        self.fallbacks = prom.Counter(
+            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
         )
-        self.rejected = r.add(
-            metrics.Counter(
-                "pp1_frames_rejected_total", "Frames that failed validation, by code.", ["code"]
-            )
+        self.rejected = prom.Counter(
+            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
         )
-        self.dropped = r.add(
-            metrics.Counter(
-                "pp1_frames_dropped_total", "Late or duplicate frames dropped, by code.", ["code"]
-            )
+        self.dropped = prom.Counter(
+            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
         )
-        self.reconnects = r.add(metrics.Counter("pp1_reconnects_total", "Reconnections."))
-        self.rtt = r.add(
-            metrics.Histogram(
-                "pp1_proposal_round_trip_seconds", "STEP sent to proposal validated, seconds."
-            )
+        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
+        self.rtt = prom.Histogram(
+            "pp1_proposal_round_trip_seconds",
+            "STEP sent to proposal validated, seconds.",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
         )
 
 
@@ -135,6 +142,7 @@ class Runner:
         self.prompts = prompts
         self.support = parse_support(args.support)
         self.metrics = SparkMetrics(max(args.depth, 1))
+        self.round_trips: list[float] = []  # the first 100,000, for the summary's median
         self.client: AsyncClient | None = None
         self._lock = asyncio.Lock()
         self._retry_at = 0.0
@@ -210,9 +218,9 @@ class Runner:
     def observe(self, event: spark_core.SparkEvent) -> None:
         """Count rejected and dropped frames as the client sees them."""
         if isinstance(event, spark_core.FrameRejected):
-            self.metrics.rejected.inc(code=event.code.name.lower())
+            self.metrics.rejected.labels(code=event.code.name.lower()).inc()
         elif isinstance(event, spark_core.FrameDropped):
-            self.metrics.dropped.inc(code=event.code.name.lower())
+            self.metrics.dropped.labels(code=event.code.name.lower()).inc()
 
     # -- requests -----------------------------------------------------------------
 
@@ -323,7 +331,10 @@ class Runner:
         except Pp1Error as exc:  # unavailable, refused locally, or connection gone
             reason = exc.code.name.lower()
         else:
-            self.metrics.rtt.observe(time.perf_counter() - started)
+            rtt = time.perf_counter() - started
+            self.metrics.rtt.observe(rtt)
+            if len(self.round_trips) < 100_000:
+                self.round_trips.append(rtt)
             try:
                 return verifier.verify(proposal), None, len(proposal.rows)
             except VerifyError as exc:
@@ -348,7 +359,7 @@ class Runner:
         if reason is not None:
             result.fallbacks += 1
             result.fallback_reasons[reason] += 1
-            m.fallbacks.inc(reason=reason)
+            m.fallbacks.labels(reason=reason).inc()
             return
         if not drafted:
             return
@@ -357,8 +368,8 @@ class Runner:
         m.num_drafts.inc()
         m.drafts.inc(drafted)
         m.accepted.inc(res.accepted)
-        for i in range(res.accepted):
-            m.per_position.inc(position=str(i))
+        for child in m.per_position[: res.accepted]:
+            child.inc()
 
 
 def parse_support(text: str) -> int | None:
@@ -412,7 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pp1-spark", description="pp1 wire v2 verifier side (the Spark rank)."
     )
     p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
-    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
     p.add_argument("--seed", type=int, default=0, help="base seed; request i uses derive(seed, i)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -426,21 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.add_argument(
         "--target",
-        default="pp1wire.models:target_factory",
+        default="pp1wire.apps.models:target_factory",
         help="target plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> probs",
     )
-    p.add_argument("--vocab-hash", type=int, default=0)
     p.add_argument("--draft-identity", default="", help="pin the drafter identity ('' = any)")
-    p.add_argument("--target-identity", default="pp1-toy-target")
     p.add_argument("--max-prefix", type=int, default=1 << 16)
     p.add_argument("--reply-timeout", type=float, default=5.0, help="seconds per proposal")
     p.add_argument("--connect-timeout", type=float, default=10.0)
-    p.add_argument("--psk-file", default=None)
     p.add_argument("--tls-ca", default=None, help="CA / certificate file: connect with TLS")
-    p.add_argument("--metrics-host", default="127.0.0.1")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
-    p.add_argument("--log-level", default="warning")
-    p.add_argument("--config", default=None, help="TOML file with any of these settings")
+    add_common_flags(p, log_level="warning")
     return p
 
 
@@ -450,7 +454,7 @@ def summarize(results: list[RequestResult], runner: Runner, seconds: float) -> d
     drafts = sum(r.draft_tokens for r in results)
     accepted = sum(r.accepted_tokens for r in results)
     tokens = sum(len(r.tokens) for r in results)
-    rounds = int(m.num_drafts.total())
+    rounds = int(metrics.total(m.num_drafts))
     return {
         "requests": len(results),
         "finished": sum(r.finished for r in results),
@@ -461,11 +465,13 @@ def summarize(results: list[RequestResult], runner: Runner, seconds: float) -> d
         "acceptance_rate": accepted / drafts if drafts else 0.0,
         "mean_accepted_length": accepted / rounds if rounds else 0.0,
         "fallbacks": sum(r.fallbacks for r in results),
-        "fallbacks_by_reason": m.fallbacks.by_label(),
-        "frames_rejected": m.rejected.by_label(),
-        "frames_dropped": m.dropped.by_label(),
-        "reconnects": int(m.reconnects.total()),
-        "round_trip_ms_median": m.rtt.quantile(0.5) * 1e3 if m.rtt.count else None,
+        "fallbacks_by_reason": metrics.by_label(m.fallbacks),
+        "frames_rejected": metrics.by_label(m.rejected),
+        "frames_dropped": metrics.by_label(m.dropped),
+        "reconnects": int(metrics.total(m.reconnects)),
+        "round_trip_ms_median": (
+            statistics.median(runner.round_trips) * 1e3 if runner.round_trips else None
+        ),
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
     }
@@ -488,10 +494,13 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     metrics_server = None
-    if args.metrics_port:
+    if args.metrics_port is not None:
         metrics_server = await metrics.serve(
             runner.metrics.registry, args.metrics_host, args.metrics_port
         )
+        bound = metrics_server.sockets[0].getsockname()[1]
+        # stderr: stdout carries the summary (--json parses it whole).
+        print(f"pp1-spark metrics on {args.metrics_host}:{bound}", file=sys.stderr, flush=True)
     if args.depth > 0:
         try:
             await runner.connect_initial(args.connect_timeout)

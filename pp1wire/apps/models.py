@@ -91,12 +91,12 @@ def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None 
 
 
 def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
-    """Plugin factory for ``--drafter pp1wire.models:drafter_factory``: prefix → logits."""
+    """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits."""
     return toy_drafter(vocab_size, seed).logits
 
 
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:
-    """Plugin factory for ``--target pp1wire.models:target_factory``: prefix → probabilities."""
+    """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p."""
     return toy_target(vocab_size, seed).probs
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pp1wire.errors import ErrorCode
-from pp1wire.messages import Commit, Reset, Step
+from pp1wire.wire.messages import Commit, Reset, Step
 
 
 class Action(Enum):

@@ -1,0 +1,202 @@
+"""``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner).
+
+Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
+stop accepting, let every connection finish the frames it already received,
+flush the replies, then exit 0.
+
+``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
+with this worker's settings against a running worker and exits 0 on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import ssl
+import sys
+from collections.abc import Sequence
+
+from pp1wire.aio.server import WorkerServer
+from pp1wire.apps import metrics
+from pp1wire.apps.settings import (
+    SettingsError,
+    add_common_flags,
+    host_port,
+    install_uvloop,
+    load_factory,
+    parse,
+    read_psk,
+    setup_logging,
+)
+from pp1wire.q.proposal import DrafterFn
+from pp1wire.wire.worker_core import WorkerConfig
+
+log = logging.getLogger("pp1wire.worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pp1-worker`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
+    p = argparse.ArgumentParser(
+        prog="pp1-worker", description="pp1 wire v2 proposer server (the draft worker)."
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=7070, help="listen port (0: any free port)")
+    p.add_argument("--seed", type=int, default=0, help="toy model family seed")
+    p.add_argument(
+        "--drafter",
+        default="pp1wire.apps.models:drafter_factory",
+        help="drafter plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> logits",
+    )
+    p.add_argument("--draft-identity", default="pp1-toy-drafter")
+    p.add_argument("--max-slots", type=int, default=4)
+    p.add_argument("--max-depth", type=int, default=5)
+    p.add_argument("--max-support", type=int, default=256)
+    p.add_argument("--max-prefix", type=int, default=1 << 20, help="longest prefix in tokens")
+    p.add_argument("--max-connections", type=int, default=16)
+    p.add_argument(
+        "--busy-poll",
+        action="store_true",
+        help="spin the event loop while connections are open (lower latency, one busy core)",
+    )
+    p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument("--idle-timeout", type=float, default=300.0)
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--check",
+        default=None,
+        metavar="HOST:PORT",
+        help="health check: HELLO a running worker, exit 0 if it answers",
+    )
+    add_common_flags(p, log_level="info")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> WorkerConfig:
+    """The :class:`WorkerConfig` the parsed settings describe.
+
+    Raises:
+        SettingsError: for limits outside their ranges.
+    """
+    if not 1 <= args.max_depth <= 5:
+        raise SettingsError("--max-depth must be in 1..5")
+    if args.vocab < 2 or args.max_slots < 1 or args.max_support < 0:
+        raise SettingsError("--vocab >= 2, --max-slots >= 1, --max-support >= 0 required")
+    return WorkerConfig(
+        vocab_size=args.vocab,
+        vocab_hash=args.vocab_hash,
+        draft_identity=args.draft_identity,
+        target_identity=args.target_identity,
+        max_slots=args.max_slots,
+        max_depth=args.max_depth,
+        max_support=min(args.max_support, args.vocab),
+        max_prefix=args.max_prefix,
+        psk=read_psk(args.psk_file),
+        handshake_timeout=args.handshake_timeout,
+        idle_timeout=args.idle_timeout,
+    )
+
+
+async def check(args: argparse.Namespace, target: str) -> int:
+    """Health check: HELLO against ``target`` with this worker's settings; 0 if answered."""
+    from pp1wire.aio.client import AsyncClient, ClientClosedError  # noqa: PLC0415
+    from pp1wire.wire.spark_core import SparkConfig  # noqa: PLC0415
+
+    host, port = host_port(target)
+    cfg = config_from(args)
+    spark_cfg = SparkConfig(
+        vocab_size=cfg.vocab_size,
+        vocab_hash=cfg.vocab_hash,
+        target_identity=cfg.target_identity,
+        max_slots=1,
+        max_depth=1,
+        max_support=0,
+        max_prefix=0,
+        psk=cfg.psk,
+    )
+    ctx = None
+    if args.tls_cert:
+        ctx = ssl.create_default_context(cafile=args.tls_cert)
+    try:
+        client = await AsyncClient.connect(host, port, spark_cfg, ssl=ctx, timeout=5.0)
+    except (OSError, ClientClosedError) as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+    rtt = await client.ping()
+    await client.close()
+    print(f"healthy: session {client.session}, ping {rtt * 1e3:.3f} ms")
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the worker until SIGTERM/SIGINT; returns the exit code."""
+    config = config_from(args)
+    factory = load_factory(args.drafter)
+    drafter: DrafterFn = factory(vocab_size=args.vocab, seed=args.seed)
+    ctx = None
+    if args.tls_cert:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    # Handlers first: a SIGTERM that follows the "listening" line must drain, not kill.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = WorkerServer(
+        config,
+        drafter,
+        max_connections=args.max_connections,
+        ssl_context=ctx,
+        busy_poll=args.busy_poll,
+    )
+    port = await server.start(args.host, args.port)
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_server = await metrics.serve(
+            server.metrics.registry, args.metrics_host, args.metrics_port
+        )
+        bound = metrics_server.sockets[0].getsockname()[1]
+        print(f"pp1-worker metrics on {args.metrics_host}:{bound}", flush=True)
+    log.info(
+        "listening",
+        extra={
+            "host": args.host,
+            "port": port,
+            "vocab": args.vocab,
+            "tls": bool(ctx),
+            "auth": config.psk is not None,
+            "metrics_port": args.metrics_port,
+        },
+    )
+    print(f"pp1-worker listening on {args.host}:{port}", flush=True)
+    await stop.wait()
+    log.info("draining", extra={"connections": len(server.conns)})
+    await server.stop()
+    if metrics_server is not None:
+        metrics_server.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pp1-worker`` entry point."""
+    parser = build_parser()
+    try:
+        args = parse(parser, argv)
+        setup_logging(args.log_level)
+        install_uvloop()
+        if args.check:
+            return asyncio.run(check(args, args.check))
+        return asyncio.run(serve(args))
+    except SettingsError as exc:
+        print(f"pp1-worker: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pp1-worker: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

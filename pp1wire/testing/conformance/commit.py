@@ -1,0 +1,363 @@
+"""§4.7 COMMIT, §4.8 RESET, CLOSE, and the §7 fencing of each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.testing.conformance.core import (
+    CaseFailed,
+    Peer,
+    Settings,
+    case,
+    fresh,
+    open_msg,
+    ready,
+    token_bytes,
+    unchanged,
+    with_fields,
+)
+from pp1wire.wire.messages import (
+    Close,
+    Commit,
+    MsgType,
+    Reset,
+    Step,
+)
+
+# -- COMMIT, RESET, CLOSE ------------------------------------------------------------------
+
+
+async def _drafts(peer: Peer, step: Step) -> list[int]:
+    _data, frames = await peer.reply(step)
+    return [f.message.token for f in frames if f.type is MsgType.REPLY]  # type: ignore[union-attr]
+
+
+def _commit(peer: Peer, step: Step, tokens: Sequence[int], accepted: int, **kw: Any) -> Commit:
+    new = [1, 2, 3, *tokens]
+    extra = tokens[-1] if len(tokens) > accepted else None
+    fields: dict[str, Any] = {
+        "session": peer.session,
+        "slot": step.slot,
+        "generation": step.generation,
+        "round": step.round,
+        "accepted": accepted,
+        "extra": extra,
+        "position": len(new),
+        "digest": prefix_digest(new),
+    }
+    fields.update(kw)
+    return Commit(**fields)
+
+
+def _commit_refusal(
+    case_id: str,
+    title: str,
+    rule: str,
+    code: ErrorCode,
+    build: Callable[[Peer, Step, list[int]], Commit],
+) -> None:
+    async def run(s: Settings) -> None:
+        peer, step, data = await ready(s)
+        async with peer:
+            drafts = await _drafts(peer, step)
+            peer.send_msg(build(peer, step, drafts))
+            await peer.expect_error(code, fatal=False, answers=MsgType.COMMIT)
+            await unchanged(peer, step, data)
+            # The round can still be committed correctly.
+            peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
+            await peer.expect(MsgType.COMMITTED)
+
+    case(case_id, "COMMIT and RESET", title, rule)(run)
+
+
+_commit_refusal(
+    "4.7.1",
+    "accepted larger than the depth",
+    "accepted ≤ the drafts of that round (COMMIT_INVALID)",
+    ErrorCode.COMMIT_INVALID,
+    lambda p, st, d: _commit(p, st, [*d, 0, 0, 0], 4),
+)
+_commit_refusal(
+    "4.7.2",
+    "accepted drafts that were not drafted",
+    "accepted ≤ the drafts of that round",
+    ErrorCode.COMMIT_INVALID,
+    lambda p, st, d: _commit(p, with_fields(st, round=st.round + 1), [d[0], 0], 1),
+)
+_commit_refusal(
+    "4.7.3",
+    "wrong new position",
+    "position (WRONG_POSITION)",
+    ErrorCode.WRONG_POSITION,
+    lambda p, st, d: _commit(p, st, [d[0], 0], 1, position=99),
+)
+_commit_refusal(
+    "4.7.4",
+    "wrong new digest",
+    "digest (PREFIX_DIGEST_MISMATCH)",
+    ErrorCode.PREFIX_DIGEST_MISMATCH,
+    lambda p, st, d: _commit(p, st, [d[0], 0], 1, digest=1),
+)
+_commit_refusal(
+    "4.7.5",
+    "extra nil without an accepted terminal token",
+    "extra nil only after an accepted eos (COMMIT_INVALID)",
+    ErrorCode.COMMIT_INVALID,
+    lambda p, st, d: _commit(p, st, [d[0]], 1),
+)
+_commit_refusal(
+    "4.7.6",
+    "extra outside the vocabulary",
+    "extra < vocab_size (TOKEN_OUT_OF_RANGE)",
+    ErrorCode.TOKEN_OUT_OF_RANGE,
+    lambda p, st, d: _commit(p, st, [d[0], 0], 1, extra=p.s.vocab),
+)
+_commit_refusal(
+    "4.7.7",
+    "future generation",
+    "COMMIT generation > slot generation: FUTURE_GENERATION",
+    ErrorCode.FUTURE_GENERATION,
+    lambda p, st, d: _commit(p, st, [d[0], 0], 1, generation=1),
+)
+_commit_refusal(
+    "4.7.8",
+    "another session",
+    "WRONG_SESSION",
+    ErrorCode.WRONG_SESSION,
+    lambda p, st, d: _commit(p, st, [d[0], 0], 1, session=p.session + 1),
+)
+
+
+@case(
+    "7.9",
+    "COMMIT and RESET",
+    "retried COMMIT is acknowledged identically",
+    "COMMIT identical to the last applied COMMIT: replay COMMITTED",
+)
+async def _commit_retry(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        drafts = await _drafts(peer, step)
+        msg = _commit(peer, step, [drafts[0], 0], 1)
+        peer.send_msg(msg)
+        first = await peer.expect(MsgType.COMMITTED)
+        peer.send_msg(msg)
+        again = await peer.expect(MsgType.COMMITTED)
+        if bytes(first.raw) != bytes(again.raw):
+            raise CaseFailed("the retried COMMIT got a different acknowledgement")
+
+
+@case(
+    "7.10",
+    "COMMIT and RESET",
+    "COMMIT for an already committed round",
+    "COMMIT round ≤ last committed round: ROUND_REUSED",
+)
+async def _commit_old(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        drafts = await _drafts(peer, step)
+        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
+        await peer.expect(MsgType.COMMITTED)
+        peer.send_msg(
+            _commit(
+                peer,
+                step,
+                [drafts[0], 0, 5],
+                1,
+                extra=5,
+                position=6,
+                digest=prefix_digest([1, 2, 3, drafts[0], 0, 5]),
+            )
+        )
+        await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.COMMIT)
+
+
+@case(
+    "7.11",
+    "COMMIT and RESET",
+    "a STEP for a committed round is refused",
+    "STEP round ≤ last committed round: ROUND_REUSED",
+)
+async def _step_after_commit(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        drafts = await _drafts(peer, step)
+        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
+        await peer.expect(MsgType.COMMITTED)
+        peer.send_msg(with_fields(step, position=5, digest=prefix_digest([1, 2, 3, drafts[0], 0])))
+        await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
+
+
+@case(
+    "4.7.9",
+    "COMMIT and RESET",
+    "target-only commit under a fresh round",
+    "a round with no usable proposal commits with accepted = 0 and extra = the target token",
+)
+async def _target_only_commit(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        msg = _commit(peer, with_fields(step, round=9), [4], 0)
+        peer.send_msg(msg)
+        ack = await peer.expect(MsgType.COMMITTED)
+        if ack.message.position != 4:  # type: ignore[union-attr]
+            raise CaseFailed("COMMITTED reports a wrong position")
+        nxt = with_fields(step, round=10, position=4, digest=prefix_digest([1, 2, 3, 4]))
+        await peer.reply(nxt)
+
+
+@case(
+    "4.8.1",
+    "COMMIT and RESET",
+    "RESET to an older generation",
+    "RESET generation < slot generation: STALE_GENERATION",
+)
+async def _reset_old(s: Settings) -> None:
+    peer, _step, _ = await ready(s)
+    async with peer:
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=2))
+        await peer.expect(MsgType.RESET_DONE)
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.RESET)
+
+
+@case(
+    "4.8.2",
+    "COMMIT and RESET",
+    "RESET to the same generation is idempotent",
+    "RESET generation = slot generation: replay RESET_DONE, change nothing",
+)
+async def _reset_same(s: Settings) -> None:
+    peer, step, data = await ready(s)
+    async with peer:
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=0))
+        done = await peer.expect(MsgType.RESET_DONE)
+        if done.message.position != 3:  # type: ignore[union-attr]
+            raise CaseFailed("RESET_DONE reports a wrong position")
+        await unchanged(peer, step, data)
+
+
+@case(
+    "4.8.3",
+    "COMMIT and RESET",
+    "STEP of the old generation after RESET",
+    "RESET invalidates the old generation: STEP generation < slot generation is STALE_GENERATION",
+)
+async def _stale_step(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
+        await peer.expect(MsgType.RESET_DONE)
+        peer.send_msg(with_fields(step, round=1))
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
+        await peer.reply(with_fields(step, generation=1, round=0))  # rounds restart at 0
+
+
+@case(
+    "4.8.4",
+    "COMMIT and RESET",
+    "COMMIT of the old generation after RESET",
+    "COMMIT generation < slot generation: STALE_GENERATION",
+)
+async def _stale_commit(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        drafts = await _drafts(peer, step)
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
+        await peer.expect(MsgType.RESET_DONE)
+        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.COMMIT)
+
+
+@case(
+    "4.8.5",
+    "COMMIT and RESET",
+    "RESET mid-reply, then the old rows",
+    "on RESET the Spark side discards the in-flight proposal; later frames of the old "
+    "generation are dropped; the worker finishes the old reply before RESET_DONE",
+)
+async def _reset_mid_reply(s: Settings) -> None:
+    async with await fresh(s) as peer:
+        await peer.open_slot()
+        peer.send_msg(peer.step_msg(round=0))
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
+        kinds: list[MsgType] = []
+        while True:
+            f = await peer.next()
+            if f is None:
+                raise CaseFailed(f"no RESET_DONE after {kinds}")
+            kinds.append(f.type)
+            if f.type is MsgType.RESET_DONE:
+                break
+        if MsgType.COMPLETION not in kinds or kinds.index(MsgType.COMPLETION) > kinds.index(
+            MsgType.RESET_DONE
+        ):
+            raise CaseFailed(f"expected the old reply then RESET_DONE, got {kinds}")
+        await peer.reply(peer.step_msg(generation=1, round=0))
+
+
+@case(
+    "4.8.6",
+    "COMMIT and RESET",
+    "the retried STEP after RESET is refused, not redrawn",
+    "a retry never redraws under a used key and consumes an earlier q",
+)
+async def _retry_after_reset(s: Settings) -> None:
+    peer, step, _data = await ready(s)
+    async with peer:
+        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
+        await peer.expect(MsgType.RESET_DONE)
+        peer.send_msg(step)
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
+
+
+@case("4.3.10", "COMMIT and RESET", "CLOSE then STEP", "CLOSE drops the slot; then UNKNOWN_SLOT")
+async def _close_step(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        peer.send_msg(Close(session=peer.session, slot=0))
+        await peer.expect(MsgType.CLOSED)
+        peer.send_msg(with_fields(step, round=1))
+        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
+        await peer.open_slot(0, generation=1)  # free again, under a higher generation
+
+
+@case(
+    "4.3.11",
+    "COMMIT and RESET",
+    "reopening a closed slot without a higher generation",
+    "a slot reopened in the same session must use a generation greater than any it had "
+    "before (STALE_GENERATION), so frames of its earlier instance stay fenced off",
+)
+async def _reopen_same_generation(s: Settings) -> None:
+    peer, step, _ = await ready(s)
+    async with peer:
+        peer.send_msg(Close(session=peer.session, slot=0))
+        await peer.expect(MsgType.CLOSED)
+        peer.send_msg(open_msg(peer, slot=0, tokens=(1, 2, 3)), token_bytes((1, 2, 3)))
+        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.OPEN)
+        await peer.open_slot(0, generation=1)
+        await peer.reply(with_fields(step, generation=1))
+
+
+@case(
+    "4.3.12",
+    "COMMIT and RESET",
+    "CLOSE of a slot that is not open",
+    "CLOSE ... (UNKNOWN_SLOT if not open)",
+)
+async def _close_unknown(s: Settings) -> None:
+    async with await fresh(s) as peer:
+        peer.send_msg(Close(session=peer.session, slot=1))
+        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.CLOSE)
+
+
+@case("4.8.7", "COMMIT and RESET", "RESET of a slot that is not open", "UNKNOWN_SLOT")
+async def _reset_unknown(s: Settings) -> None:
+    async with await fresh(s) as peer:
+        peer.send_msg(Reset(session=peer.session, slot=1, generation=1))
+        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.RESET)

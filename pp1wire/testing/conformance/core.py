@@ -1,0 +1,464 @@
+"""The conformance suite's raw peer, case registry and shared steps."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import ssl as ssl_module
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.rng import ABI_NAME
+from pp1wire.wire import framing, messages
+from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL
+from pp1wire.wire.messages import (
+    Auth,
+    Error,
+    Hello,
+    Message,
+    MsgType,
+    Open,
+    Ping,
+    Role,
+    Step,
+)
+
+
+class Grade(Enum):
+    """How a case ended."""
+
+    PASS = "pass"  # noqa: S105 - a grade name, not a secret
+    NON_STRICT = "non-strict"
+    FAIL = "fail"
+    INFO = "informational"
+
+
+@dataclass
+class Outcome:
+    """A grade and what was seen."""
+
+    grade: Grade
+    detail: str = ""
+
+
+class CaseFailed(Exception):  # noqa: N818 - a control-flow signal, not an error type
+    """Raised inside a case to fail it with a message."""
+
+
+class NonStrict(Exception):  # noqa: N818 - a control-flow signal, not an error type
+    """Raised inside a case when the reaction is safe but not the preferred one."""
+
+
+class NonStrictSkip(Exception):  # noqa: N818 - a control-flow signal
+    """The case cannot run with the given settings (reported as informational)."""
+
+
+@dataclass
+class Settings:
+    """What the suite needs to know about the worker under test."""
+
+    host: str
+    port: int
+    vocab: int = 129_280
+    vocab_hash: int = 0
+    target_identity: str = "pp1-toy-target"
+    psk: bytes | None = None
+    ssl: ssl_module.SSLContext | None = None
+    timeout: float = 3.0
+    slots: int = 2
+    support: int = 8
+    handshake_wait: float = 12.0
+
+
+# -- a raw peer ------------------------------------------------------------------
+
+
+class Peer:
+    """A raw connection that sends exact bytes and reads decoded frames."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Prepare (call :meth:`connect`)."""
+        self.s = settings
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+        self.pending: list[framing.Frame] = []
+        self.raw_log = bytearray()
+        self.session = 0
+        self.hello_msg: Hello = self.hello()
+        self.eof = False
+
+    async def connect(self) -> Peer:
+        """Open the TCP (or TLS) connection."""
+        self.reader, self.writer = await asyncio.open_connection(
+            self.s.host, self.s.port, ssl=self.s.ssl, limit=1 << 26
+        )
+        return self
+
+    def send(self, data: bytes) -> None:
+        """Write raw bytes."""
+        assert self.writer is not None
+        self.writer.write(data)
+
+    def send_msg(self, msg: Message, payload: bytes = b"") -> None:
+        """Write one framed message."""
+        self.send(framing.encode_frame(msg, payload))
+
+    async def _read_more(self, deadline: float) -> bool:
+        assert self.reader is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or self.eof:
+            return False
+        try:
+            data = await asyncio.wait_for(self.reader.read(1 << 20), remaining)
+        except TimeoutError:
+            return False
+        except (ConnectionError, OSError):
+            self.eof = True
+            return False
+        if not data:
+            self.eof = True
+            return False
+        self.raw_log += data
+        try:
+            self.pending += self.decoder.feed(data)
+        except ProtocolError as exc:
+            raise CaseFailed(f"worker sent an undecodable frame: {exc.code.name}") from None
+        return True
+
+    async def next(self, timeout: float | None = None) -> framing.Frame | None:
+        """The next frame, or None on timeout or EOF."""
+        deadline = time.monotonic() + (self.s.timeout if timeout is None else timeout)
+        while not self.pending:
+            if not await self._read_more(deadline):
+                return None
+        return self.pending.pop(0)
+
+    async def expect(self, kind: MsgType, timeout: float | None = None) -> framing.Frame:
+        """The next frame, which must be of ``kind``.
+
+        Raises:
+            CaseFailed: on timeout, EOF, or another frame type (ERROR code included).
+        """
+        frame = await self.next(timeout)
+        if frame is None:
+            raise CaseFailed(f"expected {kind.name}, got {'EOF' if self.eof else 'nothing'}")
+        if frame.type is not kind:
+            raise CaseFailed(f"expected {kind.name}, got {describe(frame)}")
+        return frame
+
+    async def expect_error(
+        self, code: ErrorCode, *, fatal: bool, answers: MsgType | None = None
+    ) -> None:
+        """Expect ERROR with ``code`` (and, if fatal, scope 2 and then EOF).
+
+        Raises:
+            CaseFailed: wrong reaction; NonStrict: closed without an ERROR frame.
+        """
+        frame = await self.next()
+        if frame is None:
+            if fatal and self.eof:
+                raise NonStrict(f"closed without an ERROR frame (expected {code.name})")
+            raise CaseFailed(f"expected ERROR {code.name}, got {'EOF' if self.eof else 'nothing'}")
+        if frame.type is not MsgType.ERROR:
+            raise CaseFailed(f"expected ERROR {code.name}, got {describe(frame)}")
+        err = frame.message
+        assert isinstance(err, Error)
+        if err.code != code:
+            raise CaseFailed(f"expected ERROR {code.name}, got {describe(frame)}")
+        if answers is not None and err.answers not in (0, int(answers)):
+            raise CaseFailed(f"ERROR answers type {err.answers}, expected {int(answers)}")
+        if fatal:
+            if err.scope != 2:
+                raise CaseFailed(f"{code.name} must be fatal (scope 2), got scope {err.scope}")
+            if not await self.closed():
+                raise CaseFailed("connection still open after a fatal ERROR")
+        elif err.scope != 0:
+            raise CaseFailed(f"{code.name} must refuse only the message, got scope {err.scope}")
+
+    async def closed(self, timeout: float | None = None) -> bool:
+        """True if the worker closes the connection (frames in between are ignored)."""
+        deadline = time.monotonic() + (self.s.timeout if timeout is None else timeout)
+        while not self.eof:
+            self.pending.clear()
+            if not await self._read_more(deadline) and not self.eof:
+                return False
+        return True
+
+    async def quiet(self, timeout: float = 0.3) -> bool:
+        """True if nothing arrives for ``timeout`` seconds."""
+        frame = await self.next(timeout)
+        if frame is not None:
+            self.pending.insert(0, frame)
+        return frame is None
+
+    def close(self) -> None:
+        """Close our side."""
+        if self.writer is not None:
+            self.writer.close()
+
+    async def __aenter__(self) -> Peer:
+        """The peer itself; the connection is closed when the block ends, however it ends."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Close our side."""
+        self.close()
+
+    # -- protocol helpers --------------------------------------------------
+
+    def hello(self, **overrides: Any) -> Hello:
+        """The suite's HELLO (with any field overridden)."""
+        s = self.s
+        fields: dict[str, Any] = {
+            "role": int(Role.SPARK),
+            "wire_version": messages.WIRE_VERSION,
+            "q_semantic": dyadic.SEMANTIC_ID,
+            "verifier": messages.VERIFIER_ID,
+            "rng_abi": ABI_NAME,
+            "precision": messages.PRECISION,
+            "vocab_size": s.vocab,
+            "vocab_hash": s.vocab_hash,
+            "draft_identity": "",
+            "draft_native": True,
+            "target_identity": s.target_identity,
+            "max_slots": s.slots,
+            "max_depth": 5,
+            "max_support": min(s.support, s.vocab),
+            "row_entries": s.vocab,
+            "max_frame": 4 * s.vocab + 8192,
+            "max_prefix": 4096,
+            "nonce": secrets.token_bytes(32),
+        }
+        fields.update(overrides)
+        return Hello(**fields)
+
+    async def handshake(self, hello: Hello | None = None) -> Hello:
+        """Complete HELLO (and AUTH when a key is configured); returns the worker's HELLO.
+
+        Raises:
+            CaseFailed: if the worker does not answer with HELLO.
+        """
+        ours = hello or self.hello()
+        frame = framing.encode_frame(ours)
+        self.send(frame)
+        reply = await self.next()
+        if reply is not None and reply.type is MsgType.CHALLENGE and self.s.psk is not None:
+            ch = reply.message
+            assert isinstance(ch, messages.Challenge)
+            want = hmac.new(self.s.psk, AUTH_WORKER_LABEL + ours.nonce + ch.nonce, hashlib.sha256)
+            if not hmac.compare_digest(want.digest(), ch.proof):
+                raise CaseFailed("the worker's CHALLENGE proof is wrong")
+            header = frame[framing.PREAMBLE_SIZE :]
+            msg = AUTH_SPARK_LABEL + ch.nonce + ours.nonce + hashlib.sha256(header).digest()
+            self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
+            reply = await self.next()
+        if reply is None or reply.type is not MsgType.HELLO:
+            raise CaseFailed(f"handshake: expected HELLO, got {describe(reply)}")
+        worker = reply.message
+        assert isinstance(worker, Hello)
+        self.hello_msg = worker
+        self.session = worker.session
+        return worker
+
+    async def open_slot(
+        self,
+        slot: int = 0,
+        prefix: Sequence[int] = (1, 2, 3),
+        seed: int = 7,
+        eos: int | None = None,
+        generation: int = 0,
+    ) -> None:
+        """OPEN and wait for OPENED.
+
+        Raises:
+            CaseFailed: if OPENED does not come.
+        """
+        tokens = np.asarray(list(prefix), dtype="<i4")
+        self.send_msg(
+            Open(
+                session=self.session,
+                slot=slot,
+                generation=generation,
+                seed=seed,
+                context=0,
+                eos=eos,
+                prefix_len=len(tokens),
+                digest=prefix_digest(list(prefix)),
+            ),
+            tokens.tobytes(),
+        )
+        await self.expect(MsgType.OPENED)
+
+    def step_msg(self, slot: int = 0, **over: Any) -> Step:
+        """A valid sparse STEP for a slot opened at the default prefix."""
+        fields: dict[str, Any] = {
+            "session": self.session,
+            "slot": slot,
+            "generation": 0,
+            "round": 0,
+            "position": 3,
+            "digest": prefix_digest([1, 2, 3]),
+            "depth": 2,
+            "temperature": 1.0,
+            "support": min(self.s.support, self.s.vocab),
+            "context": 0,
+        }
+        fields.update(over)
+        return Step(**fields)
+
+    async def reply(self, step: Step) -> tuple[bytes, list[framing.Frame]]:
+        """Send STEP and collect its reply (REPLY frames and COMPLETION); returns (bytes, frames).
+
+        Raises:
+            CaseFailed: if the reply does not complete.
+        """
+        self.send_msg(step)
+        frames = []
+        while True:
+            frame = await self.next()
+            if frame is None:
+                raise CaseFailed(f"no complete reply to STEP round {step.round}")
+            if frame.type is MsgType.ERROR:
+                raise CaseFailed(f"STEP refused: {describe(frame)}")
+            frames.append(frame)
+            if frame.type is MsgType.COMPLETION:
+                return b"".join(bytes(f.raw) for f in frames), frames
+
+
+def describe(frame: framing.Frame | None) -> str:
+    """A short human description of a frame."""
+    if frame is None:
+        return "nothing"
+    if frame.type is MsgType.ERROR:
+        err = frame.message
+        assert isinstance(err, Error)
+        try:
+            name = ErrorCode(err.code).name
+        except ValueError:
+            name = str(err.code)
+        return f"ERROR {name} (scope {err.scope})"
+    return frame.type.name
+
+
+# -- the cases ---------------------------------------------------------------------
+
+CaseFn = Callable[[Settings], Awaitable[None]]
+
+
+@dataclass
+class Case:
+    """One numbered conformance case."""
+
+    id: str
+    category: str
+    title: str
+    rule: str
+    fn: CaseFn
+    informational: bool = False
+
+
+CASES: list[Case] = []
+
+
+def case(
+    case_id: str, category: str, title: str, rule: str, *, informational: bool = False
+) -> Callable[[CaseFn], CaseFn]:
+    """Register a case under its fixed ID (the protocol section, then a number within it).
+
+    IDs are written out at each case and never reused, so a report stays
+    comparable across versions of the suite.
+
+    Raises:
+        ValueError: if the ID is already taken.
+    """
+
+    def register(fn: CaseFn) -> CaseFn:
+        if any(c.id == case_id for c in CASES):
+            raise ValueError(f"conformance case {case_id} defined twice")
+        CASES.append(Case(case_id, category, title, rule, fn, informational))
+        return fn
+
+    return register
+
+
+async def fresh(s: Settings) -> Peer:
+    """A connected, handshaken peer."""
+    peer = await Peer(s).connect()
+    await peer.handshake()
+    return peer
+
+
+async def still_serves(s: Settings) -> None:
+    """A new connection still completes a handshake and a STEP.
+
+    Raises:
+        CaseFailed: if not.
+    """
+    async with await fresh(s) as peer:
+        await peer.open_slot()
+        await peer.reply(peer.step_msg())
+
+
+async def ready(s: Settings) -> tuple[Peer, Step, bytes]:
+    """A peer with slot 0 open and one STEP answered: (peer, that STEP, its reply bytes)."""
+    peer = await fresh(s)
+    await peer.open_slot()
+    step = peer.step_msg()
+    data, _ = await peer.reply(step)
+    return peer, step, data
+
+
+async def unchanged(peer: Peer, step: Step, data: bytes) -> None:
+    """The slot's last STEP, retried, gets the byte-identical reply.
+
+    Raises:
+        CaseFailed: if not.
+    """
+    again, _ = await peer.reply(step)
+    if again != data:
+        raise CaseFailed("state changed: the retried STEP got a different reply")
+
+
+raw_frame = framing.encode_raw_frame
+
+
+PING_HEADER = messages.encode(Ping(nonce=1))
+
+
+def with_fields(step: Step, **kw: Any) -> Step:
+    """``step`` with some fields replaced (messages are frozen)."""
+    return msgspec.structs.replace(step, **kw)
+
+
+def open_msg(peer: Peer, slot: int = 1, tokens: Sequence[int] = (1, 2), **kw: Any) -> Open:
+    """A valid OPEN of ``slot`` at prefix ``tokens`` (any field overridden)."""
+    fields: dict[str, Any] = {
+        "session": peer.session,
+        "slot": slot,
+        "generation": 0,
+        "seed": 1,
+        "context": 0,
+        "eos": None,
+        "prefix_len": len(tokens),
+        "digest": xxhash.xxh3_64_intdigest(token_bytes(tokens)),
+    }
+    fields.update(kw)
+    return Open(**fields)
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """The OPEN payload of a prefix: little-endian int32 token IDs."""
+    return np.asarray(list(tokens), dtype="<i4").tobytes()

@@ -1,0 +1,364 @@
+"""§4.1 HELLO negotiation and §5 handshake and authentication."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.testing.conformance.core import (
+    CaseFailed,
+    NonStrict,
+    NonStrictSkip,
+    Peer,
+    Settings,
+    case,
+    describe,
+    fresh,
+    raw_frame,
+    still_serves,
+)
+from pp1wire.wire import framing, messages
+from pp1wire.wire.handshake import AUTH_SPARK_LABEL
+from pp1wire.wire.messages import (
+    Auth,
+    Close,
+    Commit,
+    Hello,
+    Message,
+    MsgType,
+    Open,
+    Ping,
+    Reset,
+    Role,
+)
+
+# -- handshake ---------------------------------------------------------------------
+
+
+def _before_hello(case_id: str, kind: str, build: Callable[[Peer], tuple[Message, bytes]]) -> None:
+    async def run(s: Settings) -> None:
+        async with await Peer(s).connect() as peer:
+            msg, payload = build(peer)
+            if payload:
+                # A payload before the handshake is itself a framing error; send headers only.
+                payload = b""
+            peer.send_msg(msg, payload)
+            await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
+        await still_serves(s)
+
+    case(
+        case_id,
+        "handshake",
+        f"{kind} before HELLO",
+        "any message before the handshake completes (other than PING/PONG/ERROR) is fatal "
+        "(HANDSHAKE_REQUIRED)",
+    )(run)
+
+
+_before_hello("5.1", "STEP", lambda p: (p.step_msg(), b""))
+_before_hello(
+    "5.2",
+    "OPEN",
+    lambda p: (
+        Open(
+            session=0,
+            slot=0,
+            generation=0,
+            seed=1,
+            context=0,
+            eos=None,
+            prefix_len=0,
+            digest=prefix_digest([]),
+        ),
+        b"",
+    ),
+)
+_before_hello(
+    "5.3",
+    "COMMIT",
+    lambda p: (
+        Commit(session=0, slot=0, generation=0, round=0, accepted=0, extra=1, position=4, digest=0),
+        b"",
+    ),
+)
+_before_hello("5.4", "RESET", lambda p: (Reset(session=0, slot=0, generation=1), b""))
+_before_hello("5.5", "CLOSE", lambda p: (Close(session=0, slot=0), b""))
+_before_hello("5.6", "AUTH", lambda p: (Auth(proof=bytes(32)), b""))
+
+
+@case("5.7", "handshake", "second HELLO", "a second HELLO is fatal (DUPLICATE_HELLO)")
+async def _second_hello(s: Settings) -> None:
+    async with await fresh(s) as peer:
+        peer.send_msg(peer.hello())
+        await peer.expect_error(ErrorCode.DUPLICATE_HELLO, fatal=True)
+
+
+@case(
+    "4.10.1",
+    "handshake",
+    "PING before HELLO is answered",
+    "either side MAY send PING at any time (also before the handshake)",
+)
+async def _ping_first(s: Settings) -> None:
+    async with await Peer(s).connect() as peer:
+        peer.send_msg(Ping(nonce=77))
+        frame = await peer.expect(MsgType.PONG)
+        if frame.message.nonce != 77:  # type: ignore[union-attr]
+            raise CaseFailed("PONG nonce differs")
+        await peer.handshake()
+
+
+def _mismatch(
+    case_id: str, title: str, overrides: dict[str, Any], code: ErrorCode, rule: str
+) -> None:
+    async def run(s: Settings) -> None:
+        await _mismatch_run(s, overrides, code)
+
+    case(case_id, "handshake", title, rule)(run)
+
+
+async def _auth_reply(peer: Peer, hello: Hello) -> None:
+    frame = await peer.expect(MsgType.CHALLENGE)
+    ch = frame.message
+    assert isinstance(ch, messages.Challenge)
+    if peer.s.psk is None:
+        raise CaseFailed("the worker wants a key; run with --psk-file")
+    header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]
+    msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
+    peer.send_msg(Auth(proof=hmac.new(peer.s.psk, msg, hashlib.sha256).digest()))
+
+
+for case_id, (field_name, value, code) in zip(
+    (
+        "4.1.1",
+        "4.1.2",
+        "4.1.3",
+        "4.1.4",
+        "4.1.5",
+        "4.1.6",
+        "4.1.7",
+        "4.1.8",
+        "4.1.9",
+        "4.1.10",
+        "4.1.11",
+    ),
+    [
+        ("wire_version", 3, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("wire_version", 1, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("q_semantic", "dyadic16-standard-v1", ErrorCode.Q_SEMANTIC_MISMATCH),
+        ("q_semantic", "", ErrorCode.Q_SEMANTIC_MISMATCH),
+        ("verifier", "pp1-standard-verifier-v0", ErrorCode.VERIFIER_MISMATCH),
+        ("rng_abi", "pp1-philox4x32-10-v2", ErrorCode.RNG_ABI_MISMATCH),
+        ("precision", "bf16", ErrorCode.PRECISION_MISMATCH),
+        ("vocab_hash", 0xDEADBEEF, ErrorCode.VOCAB_HASH_MISMATCH),
+        ("target_identity", "some-other-target", ErrorCode.IDENTITY_MISMATCH),
+        ("draft_identity", "a-pinned-unknown-drafter", ErrorCode.IDENTITY_MISMATCH),
+        ("role", int(Role.WORKER), ErrorCode.UNEXPECTED_MESSAGE),
+    ],
+    strict=True,
+):
+    _mismatch(
+        case_id,
+        f"HELLO with {field_name} = {value!r}",
+        {field_name: value},
+        code,
+        f"{field_name}: exact, else {code.name}",
+    )
+
+
+def _vocab_mismatch(case_id: str, delta: int) -> None:
+    async def run(s: Settings) -> None:
+        v = s.vocab + delta
+        await _mismatch_run(
+            s,
+            {"vocab_size": v, "row_entries": v, "max_support": min(s.support, v)},
+            ErrorCode.VOCAB_SIZE_MISMATCH,
+        )
+
+    case(
+        case_id,
+        "handshake",
+        f"HELLO with vocab_size {delta:+d}",
+        "vocab_size: exact, else VOCAB_SIZE_MISMATCH",
+    )(run)
+
+
+async def _mismatch_run(s: Settings, overrides: dict[str, Any], code: ErrorCode) -> None:
+    async with await Peer(s).connect() as peer:
+        hello = peer.hello(**overrides)
+        peer.send_msg(hello)
+        reply = await peer.next()
+        if reply is not None and reply.type is MsgType.CHALLENGE:
+            peer.pending.insert(0, reply)
+            await _auth_reply(peer, hello)
+        elif reply is not None:
+            peer.pending.insert(0, reply)
+        await peer.expect_error(code, fatal=True, answers=MsgType.HELLO)
+    await still_serves(s)
+
+
+_vocab_mismatch("4.1.12", +1)
+_vocab_mismatch("4.1.13", -1)
+
+
+def _limit(case_id: str, title: str, overrides: Callable[[Settings], dict[str, Any]]) -> None:
+    async def run(s: Settings) -> None:
+        await _mismatch_run(s, overrides(s), ErrorCode.LIMIT_EXCEEDED)
+
+    case(
+        case_id,
+        "handshake",
+        title,
+        "max_slots, max_depth, max_support: each ≤ the worker's limit; row_entries equal; "
+        "max_frame, max_prefix ≤ the worker's; else LIMIT_EXCEEDED",
+    )(run)
+
+
+_limit("4.1.14", "max_slots 65535", lambda s: {"max_slots": 65535})
+_limit("4.1.15", "row_entries not the worker's", lambda s: {"row_entries": s.vocab + 1})
+_limit("4.1.16", "max_frame 4 GiB - 1", lambda s: {"max_frame": 0xFFFFFFFF})
+_limit("4.1.17", "max_prefix 4 G tokens", lambda s: {"max_prefix": 0xFFFFFFFF})
+
+
+@case(
+    "4.1.18",
+    "handshake",
+    "HELLO with row_entries below vocab_size",
+    "cross-field rules (HEADER_INVALID if broken): row_entries ≥ vocab_size",
+)
+async def _cross_field(s: Settings) -> None:
+    async with await Peer(s).connect() as peer:
+        hello = peer.hello()
+        body = msgspec.structs.asdict(hello)
+        array = [int(MsgType.HELLO), *body.values()]
+        array[list(body).index("row_entries") + 1] = s.vocab - 1
+        peer.send(raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array)))
+        await peer.expect_error(ErrorCode.HEADER_INVALID, fatal=True)
+
+
+@case(
+    "4.1.19",
+    "handshake",
+    "the worker's HELLO echoes our limits and assigns a session",
+    "the worker answers ... with its own HELLO, which echoes the Spark side's limits unchanged",
+)
+async def _echo(s: Settings) -> None:
+    async with await Peer(s).connect() as peer:
+        ours = peer.hello()
+        theirs = await peer.handshake(ours)
+        for name in (
+            "max_slots",
+            "max_depth",
+            "max_support",
+            "row_entries",
+            "max_frame",
+            "max_prefix",
+            "vocab_size",
+            "vocab_hash",
+        ):
+            if getattr(theirs, name) != getattr(ours, name):
+                raise CaseFailed(f"{name}: sent {getattr(ours, name)}, got {getattr(theirs, name)}")
+        if theirs.role != Role.WORKER:
+            raise CaseFailed("worker HELLO role is not 1")
+
+
+async def _challenged(s: Settings) -> tuple[Peer, Hello, framing.Frame]:
+    """A connection whose HELLO the worker answered with CHALLENGE: (peer, our HELLO, CHALLENGE).
+
+    Raises:
+        NonStrictSkip: without ``--psk-file``; CaseFailed: if no CHALLENGE comes.
+    """
+    if s.psk is None:
+        raise NonStrictSkip("needs --psk-file")
+    peer = await Peer(s).connect()
+    hello = peer.hello()
+    peer.send_msg(hello)
+    try:
+        frame = await peer.expect(MsgType.CHALLENGE)
+    except CaseFailed:
+        peer.close()
+        raise
+    return peer, hello, frame
+
+
+@case("5.8", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
+async def _bad_auth(s: Settings) -> None:
+    peer, _, _ = await _challenged(s)
+    async with peer:
+        peer.send_msg(Auth(proof=bytes(32)))
+        await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
+
+
+@case(
+    "5.9",
+    "handshake",
+    "STEP instead of AUTH",
+    "any message other than AUTH while the worker waits for it is fatal (HANDSHAKE_REQUIRED)",
+)
+async def _step_not_auth(s: Settings) -> None:
+    peer, _, _ = await _challenged(s)
+    async with peer:
+        peer.send_msg(peer.step_msg())
+        await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
+
+
+@case(
+    "5.10",
+    "handshake",
+    "AUTH proof bound to the HELLO bytes",
+    "proof = HMAC-SHA256(psk, label ‖ N_w ‖ N_s ‖ SHA256(H)), H = our HELLO header bytes",
+)
+async def _auth_binding(s: Settings) -> None:
+    peer, hello, frame = await _challenged(s)
+    async with peer:
+        ch = frame.message
+        assert isinstance(ch, messages.Challenge)
+        assert s.psk is not None  # _challenged skips the case otherwise
+        other = framing.encode_frame(peer.hello())[framing.PREAMBLE_SIZE :]  # another nonce
+        msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(other).digest()
+        peer.send_msg(Auth(proof=hmac.new(s.psk, msg, hashlib.sha256).digest()))
+        await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
+
+
+@case(
+    "5.11",
+    "handshake",
+    "worker requires a key the suite was not given",
+    "a worker with a PSK answers HELLO with CHALLENGE",
+    informational=True,
+)
+async def _auth_info(s: Settings) -> None:
+    async with await Peer(s).connect() as peer:
+        peer.send_msg(peer.hello())
+        frame = await peer.next()
+        if frame is None:
+            raise CaseFailed("no answer to HELLO")
+        if frame.type is MsgType.CHALLENGE and s.psk is None:
+            raise CaseFailed("the worker requires a key; pass --psk-file for the auth cases")
+
+
+@case(
+    "5.12",
+    "handshake",
+    "handshake timeout drops a silent peer",
+    "a worker drops a connection whose handshake does not complete within its handshake "
+    "timeout (HANDSHAKE_TIMEOUT)",
+)
+async def _handshake_timeout(s: Settings) -> None:
+    async with await Peer(s).connect() as peer:
+        peer.send(framing.encode_frame(Ping(nonce=1))[:5])  # a slow-loris start
+        frame = await peer.next(s.handshake_wait)
+        if frame is None:
+            if peer.eof:
+                raise NonStrict("closed without an ERROR frame")
+            raise CaseFailed(f"still open after {s.handshake_wait:.0f} s")
+        if frame.type is not MsgType.ERROR or frame.message.code != ErrorCode.HANDSHAKE_TIMEOUT:  # type: ignore[union-attr]
+            raise CaseFailed(f"expected HANDSHAKE_TIMEOUT, got {describe(frame)}")
+        if not await peer.closed():
+            raise CaseFailed("not closed after HANDSHAKE_TIMEOUT")

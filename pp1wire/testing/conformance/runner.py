@@ -1,0 +1,178 @@
+"""Running the cases: grades, reports and the ``pp1-conformance`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import ssl as ssl_module
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+
+from pp1wire.apps.settings import SettingsError, host_port, parse
+from pp1wire.testing.conformance.core import (
+    CASES,
+    Case,
+    CaseFailed,
+    Grade,
+    NonStrict,
+    NonStrictSkip,
+    Outcome,
+    Settings,
+)
+
+# -- running ------------------------------------------------------------------------------
+
+
+async def run_case(c: Case, s: Settings) -> Outcome:
+    """Run one case with an overall time limit."""
+    try:
+        await asyncio.wait_for(c.fn(s), timeout=s.handshake_wait + 20)
+    except NonStrictSkip as exc:
+        return Outcome(Grade.INFO, f"skipped: {exc}")
+    except NonStrict as exc:
+        return Outcome(Grade.INFO if c.informational else Grade.NON_STRICT, str(exc))
+    except CaseFailed as exc:
+        return Outcome(Grade.INFO if c.informational else Grade.FAIL, str(exc))
+    except TimeoutError:
+        return Outcome(Grade.INFO if c.informational else Grade.FAIL, "case timed out")
+    except (ConnectionError, OSError) as exc:
+        return Outcome(Grade.INFO if c.informational else Grade.FAIL, f"connection: {exc!r}")
+    except Exception as exc:  # a broken worker must not crash the suite
+        return Outcome(Grade.INFO if c.informational else Grade.FAIL, f"unexpected: {exc!r}")
+    return Outcome(Grade.INFO if c.informational else Grade.PASS)
+
+
+def select(ids: Sequence[str] | None) -> list[Case]:
+    """The cases to run (all, or those whose ID equals or starts a given one)."""
+    if not ids:
+        return list(CASES)
+    return [c for c in CASES if any(c.id == i or c.id.startswith(i + ".") for i in ids)]
+
+
+def junit(results: list[tuple[Case, Outcome, float]], path: str, strict: bool) -> None:
+    """Write a JUnit XML report."""
+    suite = ET.Element("testsuite", name="pp1-conformance", tests=str(len(results)))
+    failures = 0
+    for c, o, secs in results:
+        tc = ET.SubElement(
+            suite, "testcase", classname=c.category, name=f"{c.id} {c.title}", time=f"{secs:.3f}"
+        )
+        if o.grade is Grade.FAIL or (strict and o.grade is Grade.NON_STRICT):
+            failures += 1
+            ET.SubElement(tc, "failure", message=o.detail).text = c.rule
+        elif o.grade is Grade.INFO:
+            ET.SubElement(tc, "skipped", message=o.detail or "informational")
+    suite.set("failures", str(failures))
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pp1-conformance`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="pp1-conformance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
+    p.add_argument("--psk-file", default=None, help="pre-shared key for the worker")
+    p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--junit", default=None, metavar="FILE", help="write a JUnit XML report")
+    p.add_argument("--case", nargs="*", default=None, metavar="ID", help="run only these cases")
+    p.add_argument("--json", action="store_true", help="print one JSON object per case")
+    p.add_argument("--vocab", type=int, default=129_280, help="the worker's vocabulary size")
+    p.add_argument("--vocab-hash", type=int, default=0)
+    p.add_argument("--target-identity", default="pp1-toy-target")
+    p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this certificate")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for a reaction")
+    p.add_argument(
+        "--handshake-wait",
+        type=float,
+        default=12.0,
+        help="how long the handshake-timeout case waits",
+    )
+    p.add_argument("--config", default=None)
+    return p
+
+
+async def run_all(cases: list[Case], s: Settings) -> list[tuple[Case, Outcome, float]]:
+    """Run cases one after another."""
+    out = []
+    for c in cases:
+        started = time.perf_counter()
+        outcome = await run_case(c, s)
+        out.append((c, outcome, time.perf_counter() - started))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pp1-conformance`` entry point; exit 0 only if every non-informational case passes."""
+    parser = build_parser()
+    try:
+        args = parse(parser, argv)
+        cases = select(args.case)
+        if args.list:
+            for c in cases:
+                tag = " (informational)" if c.informational else ""
+                print(f"{c.id:8s} [{c.category}] {c.title}{tag}\n         rule: {c.rule}")
+            print(f"{len(cases)} cases")
+            return 0
+        host, port = host_port(args.worker)
+        from pp1wire.apps.settings import read_psk  # noqa: PLC0415
+
+        ctx = ssl_module.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+        settings = Settings(
+            host=host,
+            port=port,
+            vocab=args.vocab,
+            vocab_hash=args.vocab_hash,
+            target_identity=args.target_identity,
+            psk=read_psk(args.psk_file),
+            ssl=ctx,
+            timeout=args.timeout,
+            handshake_wait=args.handshake_wait,
+        )
+    except SettingsError as exc:
+        print(f"pp1-conformance: {exc}", file=sys.stderr)
+        return 2
+    if not cases:
+        print("pp1-conformance: no case matches", file=sys.stderr)
+        return 2
+    results = asyncio.run(run_all(cases, settings))
+    counts: dict[str, int] = {g.value: 0 for g in Grade}
+    for c, o, secs in results:
+        counts[o.grade.value] += 1
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "id": c.id,
+                        "category": c.category,
+                        "title": c.title,
+                        "grade": o.grade.value,
+                        "detail": o.detail,
+                        "seconds": secs,
+                    }
+                )
+            )
+        else:
+            mark = {"pass": "PASS", "non-strict": "NSTR", "fail": "FAIL", "informational": "INFO"}[
+                o.grade.value
+            ]
+            line = f"{mark}  {c.id:8s} {c.title}"
+            print(line + (f"  -- {o.detail}" if o.detail else ""))
+    if args.junit:
+        junit(results, args.junit, args.strict)
+    failed = counts["fail"] + (counts["non-strict"] if args.strict else 0)
+    print(
+        f"{len(results)} cases: {counts['pass']} passed, {counts['non-strict']} non-strict, "
+        f"{counts['fail']} failed, {counts['informational']} informational"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
