@@ -17,7 +17,12 @@ from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
-from pp1wire.testing import golden
+from pp1wire.testing.builders import (
+    completion,
+    dense_payload,
+    reply_row,
+    whole_reply,
+)
 from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker
@@ -37,15 +42,15 @@ def sparse(ids, values):
 
 
 def ok_dense(step, i, token=0):
-    return golden._row(step, i, token, golden._dense_payload(GOOD))
+    return reply_row(step, i, token, dense_payload(GOOD))
 
 
 def ok_sparse(step, i):
-    return golden._row(step, i, 7, sparse([7], [1.0]))
+    return reply_row(step, i, 7, sparse([7], [1.0]))
 
 
 def rows_then_done(step, *frames, **over):
-    return golden._whole(step, *frames, **over)
+    return whole_reply(step, *frames, **over)
 
 
 # name, support, builder(step) -> bytes, expected code of the discarded proposal
@@ -55,7 +60,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, dense([H, 0, Q, float("nan"), 0, 0, 0, Q])),
+            reply_row(st, 0, 0, dense([H, 0, Q, float("nan"), 0, 0, 0, Q])),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -66,7 +71,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, dense([H, 0, Q, -0.0, 0, 0, 0, Q])),
+            reply_row(st, 0, 0, dense([H, 0, Q, -0.0, 0, 0, 0, Q])),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -77,7 +82,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q])),
+            reply_row(st, 0, 0, dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q])),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -88,7 +93,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, dense([H, 0, Q, 0, 0, 0, 0, 0])),
+            reply_row(st, 0, 0, dense([H, 0, Q, 0, 0, 0, 0, 0])),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -98,7 +103,7 @@ CLASSES = [
         "zero_q_at_proposed",
         0,
         lambda st: rows_then_done(
-            st, golden._row(st, 0, 1, golden._dense_payload(GOOD)), ok_dense(st, 1), ok_dense(st, 2)
+            st, reply_row(st, 0, 1, dense_payload(GOOD)), ok_dense(st, 1), ok_dense(st, 2)
         ),
         ErrorCode.ZERO_Q_AT_PROPOSED,
     ),
@@ -107,7 +112,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, golden._dense_payload(GOOD, VOCAB - 1)),
+            reply_row(st, 0, 0, dense_payload(GOOD, VOCAB - 1)),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -117,7 +122,7 @@ CLASSES = [
         "missing_q",
         0,
         lambda st: rows_then_done(
-            st, golden._row(st, 0, 0, b"", entries=0), ok_dense(st, 1), ok_dense(st, 2)
+            st, reply_row(st, 0, 0, b"", entries=0), ok_dense(st, 1), ok_dense(st, 2)
         ),
         ErrorCode.MISSING_Q,
     ),
@@ -126,7 +131,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, golden._dense_payload(GOOD), checksum=5),
+            reply_row(st, 0, 0, dense_payload(GOOD), checksum=5),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -141,7 +146,7 @@ CLASSES = [
     (
         "completion_early",
         0,
-        lambda st: ok_dense(st, 0) + golden._done(st, ok_dense(st, 0), 1),
+        lambda st: ok_dense(st, 0) + completion(st, ok_dense(st, 0), 1),
         ErrorCode.COMPLETION_EARLY,
     ),
     (
@@ -165,7 +170,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, golden._dense_payload(GOOD), position=99),
+            reply_row(st, 0, 0, dense_payload(GOOD), position=99),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -176,7 +181,7 @@ CLASSES = [
         0,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, golden._dense_payload(GOOD), generation=st.generation + 1),
+            reply_row(st, 0, 0, dense_payload(GOOD), generation=st.generation + 1),
             ok_dense(st, 1),
             ok_dense(st, 2),
         ),
@@ -187,7 +192,7 @@ CLASSES = [
         3,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, sparse([0, 0, 7], [Q, Q, H])),
+            reply_row(st, 0, 0, sparse([0, 0, 7], [Q, Q, H])),
             ok_sparse(st, 1),
             ok_sparse(st, 2),
         ),
@@ -198,7 +203,7 @@ CLASSES = [
         3,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, sparse([0, 5, 5], [1.0, 0.0, 0.0])),
+            reply_row(st, 0, 0, sparse([0, 5, 5], [1.0, 0.0, 0.0])),
             ok_sparse(st, 1),
             ok_sparse(st, 2),
         ),
@@ -208,7 +213,7 @@ CLASSES = [
         "sparse_unsorted",
         3,
         lambda st: rows_then_done(
-            st, golden._row(st, 0, 0, sparse([7, 0], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
+            st, reply_row(st, 0, 0, sparse([7, 0], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
         ),
         ErrorCode.SPARSE_UNSORTED,
     ),
@@ -216,7 +221,7 @@ CLASSES = [
         "sparse_padded_support",
         3,
         lambda st: rows_then_done(
-            st, golden._row(st, 0, 0, sparse([0, -1], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
+            st, reply_row(st, 0, 0, sparse([0, -1], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
         ),
         ErrorCode.SPARSE_ID_OUT_OF_RANGE,
     ),
@@ -225,7 +230,7 @@ CLASSES = [
         3,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, sparse([0, VOCAB], [H, H])),
+            reply_row(st, 0, 0, sparse([0, VOCAB], [H, H])),
             ok_sparse(st, 1),
             ok_sparse(st, 2),
         ),
@@ -236,7 +241,7 @@ CLASSES = [
         3,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, sparse([0, 7], [1.0, 0.0])),
+            reply_row(st, 0, 0, sparse([0, 7], [1.0, 0.0])),
             ok_sparse(st, 1),
             ok_sparse(st, 2),
         ),
@@ -247,7 +252,7 @@ CLASSES = [
         3,
         lambda st: rows_then_done(
             st,
-            golden._row(st, 0, 0, golden._dense_payload(GOOD), representation=0, entries=VOCAB),
+            reply_row(st, 0, 0, dense_payload(GOOD), representation=0, entries=VOCAB),
             ok_sparse(st, 1),
             ok_sparse(st, 2),
         ),
@@ -320,7 +325,7 @@ async def test_malformed_reply_class(name, support, build, code):
 async def test_completion_twice_is_dropped():
     def twice(st):
         whole = rows_then_done(st, ok_dense(st, 0), ok_dense(st, 1), ok_dense(st, 2))
-        return whole + golden._done(st, whole[: len(whole) - len(golden._done(st, b"", 0))], 3)
+        return whole + completion(st, whole[: len(whole) - len(completion(st, b"", 0))], 3)
 
     sent = []
 

@@ -1,0 +1,108 @@
+"""Builders of exact REPLY and COMPLETION bytes, valid or deliberately broken.
+
+The golden reply vectors, the hostile-worker tests and the conformance suites
+build the frames a worker sends from these, so a broken row differs from a
+valid one only in the field a case names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.wire import framing
+from pp1wire.wire.messages import (
+    Completion,
+    Reply,
+    Step,
+)
+
+SESSION = 7
+VOCAB = 8
+
+
+def reply_step(support: int, depth: int = 2) -> Step:
+    """The STEP the reply vectors answer: slot 0 at prefix (1, 2, 3), round 0; support 0: dense."""
+    return Step(
+        session=SESSION,
+        slot=0,
+        generation=0,
+        round=0,
+        position=3,
+        digest=prefix_digest([1, 2, 3]),
+        depth=depth,
+        temperature=1.0,
+        support=support,
+        context=0,
+    )
+
+
+def dense_payload(counts: list[int], entries: int = VOCAB) -> bytes:
+    """A dense row payload: counts / M as FP32, zero-padded to ``entries``."""
+    q = np.zeros(entries, dtype="<f4")
+    n = min(len(counts), entries)
+    q[:n] = np.asarray(counts[:n], dtype=np.float64) / dyadic.M
+    return q.tobytes()
+
+
+def sparse_payload(ids: list[int], counts: list[int]) -> bytes:
+    """A sparse row payload: int32 IDs, then counts / M as FP32."""
+    return (
+        np.asarray(ids, dtype="<i4").tobytes()
+        + (np.asarray(counts, dtype=np.float64) / dyadic.M).astype("<f4").tobytes()
+    )
+
+
+def reply_row(
+    step: Step,
+    index: int,
+    token: int,
+    payload: bytes,
+    *,
+    entries: int | None = None,
+    representation: int | None = None,
+    checksum: int | None = None,
+    **over: int,
+) -> bytes:
+    """One REPLY frame answering ``step`` (any header field overridable, for broken rows)."""
+    dense = step.support == 0
+    count = entries if entries is not None else len(payload) // (4 if dense else 8)
+    header = Reply(
+        session=over.get("session", step.session),
+        slot=step.slot,
+        generation=over.get("generation", step.generation),
+        round=over.get("round", step.round),
+        index=over.get("index", index),
+        position=over.get("position", step.position + index),
+        token=token,
+        representation=representation if representation is not None else (0 if dense else 1),
+        entries=count,
+        checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),
+    )
+    return framing.encode_frame(header, payload)
+
+
+def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
+    """The COMPLETION frame of a reply whose REPLY frames are ``body``."""
+    return framing.encode_frame(
+        Completion(
+            session=step.session,
+            slot=step.slot,
+            generation=over.get("generation", step.generation),
+            round=over.get("round", step.round),
+            position=over.get("position", step.position),
+            context=step.context,
+            rows=over.get("rows", nrows),
+            reply_bytes=over.get("reply_bytes", len(body)),
+            reply_checksum=over.get("reply_checksum", xxhash.xxh3_64_intdigest(body)),
+            status=over.get("status", 0),
+        )
+    )
+
+
+def whole_reply(step: Step, *frames: bytes, **over: int) -> bytes:
+    """REPLY frames followed by their COMPLETION."""
+    body = b"".join(frames)
+    return body + completion(step, body, len(frames), **over)

@@ -1,0 +1,78 @@
+"""Golden byte vectors for pp1 wire v2 (``golden/vectors.json``).
+
+Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default ``golden/vectors.json``).
+
+Two kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``:
+
+* ``frame``: ``hex`` is fed to a frame decoder whose payload limit is
+  ``context.max_payload``. ``expect`` is ``{"messages": [{"type", "fields",
+  "payload"}...]}`` (bytes as hex) or ``{"error": CODE_NAME}``; a vector that
+  ends mid-frame expects ``{"messages": [], "incomplete": true}``.
+* ``reply``: a Spark side in the state ``context`` describes (negotiated
+  vocabulary and row length, one open slot, one STEP in flight) receives
+  ``hex`` (REPLY and COMPLETION frames). ``expect`` is either
+  ``{"proposal": [tokens]}`` or ``{"discarded": CODE_NAME}`` (the whole
+  proposal is refused with that code), plus ``"dropped": [CODE_NAME...]`` for
+  frames that must be ignored and counted.
+
+Another implementation qualifies by reproducing every ``expect``; ours also
+re-encodes each valid message and compares the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pp1wire.testing.golden.common import Vector, message_from_json, message_json
+from pp1wire.testing.golden.frames import decode_frame_vector, frame_vectors
+from pp1wire.testing.golden.replies import reply_vectors, run_reply_vector
+from pp1wire.wire import messages
+
+__all__ = [
+    "Vector",
+    "all_vectors",
+    "decode_frame_vector",
+    "frame_vectors",
+    "main",
+    "message_from_json",
+    "message_json",
+    "render",
+    "reply_vectors",
+    "run_reply_vector",
+]
+
+
+def all_vectors() -> list[Vector]:
+    """Every golden vector, in file order."""
+    return frame_vectors() + reply_vectors()
+
+
+def render() -> str:
+    """The vectors file's exact text."""
+    doc = {
+        "description": "pp1 wire v2 golden vectors; see docs/protocol.md §10",
+        "wire_version": messages.WIRE_VERSION,
+        "vectors": all_vectors(),
+    }
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the vectors file, or with ``--check`` exit 1 if it differs."""
+    parser = argparse.ArgumentParser(prog="python -m pp1wire.testing.golden", description=__doc__)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("file", nargs="?", default="golden/vectors.json")
+    args = parser.parse_args(argv)
+    path = Path(args.file)
+    text = render()
+    if args.check:
+        if not path.is_file() or path.read_text() != text:
+            print(f"out of date: {path}", file=sys.stderr)
+            return 1
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return 0

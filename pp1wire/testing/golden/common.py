@@ -1,0 +1,76 @@
+"""What the frame and reply vectors share: their constants, HELLO and JSON forms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pp1wire.q import dyadic
+from pp1wire.q.rng import ABI_NAME
+from pp1wire.testing.builders import VOCAB
+from pp1wire.wire import messages
+from pp1wire.wire.messages import (
+    Hello,
+    Message,
+    MsgType,
+)
+
+NONCE = bytes(range(16))
+
+Vector = dict[str, Any]
+
+
+def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
+    """The vectors' HELLO from ``role`` (any field overridden)."""
+    fields: dict[str, Any] = {
+        "role": role,
+        "wire_version": messages.WIRE_VERSION,
+        "q_semantic": dyadic.SEMANTIC_ID,
+        "verifier": messages.VERIFIER_ID,
+        "rng_abi": ABI_NAME,
+        "precision": messages.PRECISION,
+        "vocab_size": VOCAB,
+        "vocab_hash": 0,
+        "draft_identity": "pp1-toy-drafter",
+        "draft_native": True,
+        "target_identity": "pp1-toy-target",
+        "max_slots": 4,
+        "max_depth": 5,
+        "max_support": 4,
+        "row_entries": VOCAB,
+        "max_frame": 1 << 20,
+        "max_prefix": 1024,
+        "nonce": NONCE,
+        "session": session,
+    }
+    fields.update(overrides)
+    return Hello(**fields)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def message_json(msg: Message, payload: bytes | memoryview = b"") -> dict[str, Any]:
+    """A message as ``{"type", "fields", "payload"}`` (bytes as hex)."""
+    return {
+        "type": messages.type_of(msg).name,
+        "fields": {k: _jsonable(v) for k, v in msgspec.structs.asdict(msg).items()},
+        "payload": bytes(payload).hex(),
+    }
+
+
+def message_from_json(obj: dict[str, Any]) -> tuple[Message, bytes]:
+    """Rebuild a message (and payload) from :func:`message_json` output."""
+    kind = MsgType[obj["type"]]
+    struct_type = messages.MESSAGE_TYPES[kind]
+    fields = dict(obj["fields"])
+    for name, ftype in zip(
+        struct_type.__struct_fields__, msgspec.structs.fields(struct_type), strict=True
+    ):
+        if ftype.type is bytes or "bytes" in str(ftype.type):
+            fields[name] = bytes.fromhex(fields[name])
+    return struct_type(**fields), bytes.fromhex(obj["payload"])  # type: ignore[return-value]

@@ -1,0 +1,327 @@
+"""Frame vectors: every valid message type once, then one vector per framing error class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.testing.builders import (
+    SESSION,
+    VOCAB,
+)
+from pp1wire.testing.golden.common import NONCE, Vector, hello, message_json
+from pp1wire.wire import framing, messages
+from pp1wire.wire.messages import (
+    Auth,
+    Challenge,
+    Close,
+    Closed,
+    Commit,
+    Committed,
+    Completion,
+    Error,
+    Message,
+    Open,
+    Opened,
+    Ping,
+    Pong,
+    Reply,
+    Representation,
+    Reset,
+    ResetDone,
+    Step,
+)
+
+raw_frame = framing.encode_raw_frame
+
+
+def _valid_messages() -> list[tuple[str, Message, bytes]]:
+    tokens = np.array([1, 2, 3], dtype="<i4")
+    q = dyadic.counts_to_fp32(dyadic.counts_from_weights([1, 1, 2, 0, 0, 0, 0, 4]))
+    sparse_ids = np.array([0, 2, 7], dtype="<i4").tobytes()
+    sparse_q = dyadic.counts_to_fp32(np.array([dyadic.M // 4, dyadic.M // 4, dyadic.M // 2]))
+    sparse = sparse_ids + sparse_q.tobytes()
+    dense = q.tobytes()
+    return [
+        ("hello_spark", hello(2), b""),
+        ("hello_worker", hello(1, SESSION), b""),
+        ("challenge", Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),
+        ("auth", Auth(proof=bytes(range(32))), b""),
+        (
+            "open",
+            Open(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                seed=0x0123456789ABCDEF,
+                context=0,
+                eos=None,
+                prefix_len=3,
+                digest=prefix_digest([1, 2, 3]),
+            ),
+            tokens.tobytes(),
+        ),
+        ("opened", Opened(session=SESSION, slot=0, generation=0, position=3, digest=1), b""),
+        ("close", Close(session=SESSION, slot=1), b""),
+        ("closed", Closed(session=SESSION, slot=1), b""),
+        (
+            "step",
+            Step(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                position=3,
+                digest=prefix_digest([1, 2, 3]),
+                depth=5,
+                temperature=1.0,
+                support=0,
+                context=0,
+            ),
+            b"",
+        ),
+        (
+            "reply_dense",
+            Reply(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                index=0,
+                position=3,
+                token=7,
+                representation=int(Representation.DENSE),
+                entries=VOCAB,
+                checksum=xxhash.xxh3_64_intdigest(dense),
+            ),
+            dense,
+        ),
+        (
+            "reply_sparse",
+            Reply(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                index=0,
+                position=3,
+                token=2,
+                representation=int(Representation.SPARSE),
+                entries=3,
+                checksum=xxhash.xxh3_64_intdigest(sparse),
+            ),
+            sparse,
+        ),
+        (
+            "completion",
+            Completion(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                position=3,
+                context=0,
+                rows=5,
+                reply_bytes=1000,
+                reply_checksum=2**64 - 1,
+                status=0,
+            ),
+            b"",
+        ),
+        (
+            "commit",
+            Commit(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                accepted=2,
+                extra=5,
+                position=6,
+                digest=9,
+            ),
+            b"",
+        ),
+        (
+            "commit_eos",
+            Commit(
+                session=SESSION,
+                slot=0,
+                generation=0,
+                round=0,
+                accepted=1,
+                extra=None,
+                position=4,
+                digest=9,
+            ),
+            b"",
+        ),
+        (
+            "committed",
+            Committed(session=SESSION, slot=0, generation=0, round=0, position=6, digest=9),
+            b"",
+        ),
+        ("reset", Reset(session=SESSION, slot=0, generation=1), b""),
+        (
+            "reset_done",
+            ResetDone(session=SESSION, slot=0, generation=1, position=6, digest=9),
+            b"",
+        ),
+        (
+            "error",
+            Error(code=int(ErrorCode.STALE_GENERATION), answers=8, scope=0, slot=0, generation=0),
+            b"",
+        ),
+        ("ping", Ping(nonce=42), b""),
+        ("pong", Pong(nonce=42), b""),
+    ]
+
+
+def frame_vectors() -> list[Vector]:
+    """Every valid message type once, then one vector per framing error class."""
+    out: list[Vector] = []
+    limit = 1 << 20
+    for name, msg, payload in _valid_messages():
+        frame = framing.encode_frame(msg, payload)
+        out.append(
+            {
+                "name": f"valid_{name}",
+                "kind": "frame",
+                "hex": frame.hex(),
+                "context": {"max_payload": limit},
+                "expect": {"messages": [message_json(msg, payload)]},
+            }
+        )
+    ping = messages.encode(Ping(nonce=1))
+    pong_frame = framing.encode_frame(Pong(nonce=1))
+    two = framing.encode_frame(Ping(nonce=1)) + pong_frame
+    out.append(
+        {
+            "name": "valid_two_frames_in_one_read",
+            "kind": "frame",
+            "hex": two.hex(),
+            "context": {"max_payload": limit},
+            "expect": {"messages": [message_json(Ping(nonce=1)), message_json(Pong(nonce=1))]},
+        }
+    )
+    out.append(
+        {
+            "name": "incomplete_truncated_preamble",
+            "kind": "frame",
+            "hex": pong_frame[:10].hex(),
+            "context": {"max_payload": limit},
+            "expect": {"messages": [], "incomplete": True},
+        }
+    )
+    step_header = messages.encode(_valid_messages()[8][1])
+    errors: list[tuple[str, bytes, ErrorCode, int]] = [
+        ("bad_magic", raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
+        ("unknown_version", raw_frame(16, ping, version=3), ErrorCode.UNSUPPORTED_VERSION, limit),
+        ("version_one", raw_frame(16, ping, version=1), ErrorCode.UNSUPPORTED_VERSION, limit),
+        ("unknown_type", raw_frame(99, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
+        ("type_zero", raw_frame(0, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
+        ("flags_set", raw_frame(16, ping, flags=1), ErrorCode.BAD_FLAGS, limit),
+        ("reserved_set", raw_frame(16, ping, reserved=0x80), ErrorCode.BAD_FLAGS, limit),
+        ("zero_header", raw_frame(16, b""), ErrorCode.ZERO_LENGTH_HEADER, limit),
+        (
+            "header_too_long",
+            raw_frame(16, ping, header_len=framing.MAX_HEADER + 1),
+            ErrorCode.FRAME_TOO_LARGE,
+            limit,
+        ),
+        (
+            "payload_over_limit",
+            raw_frame(9, ping, payload_len=limit + 1),
+            ErrorCode.FRAME_TOO_LARGE,
+            limit,
+        ),
+        (
+            "payload_4gib_declared",
+            raw_frame(9, ping, payload_len=0xFFFFFFFF),
+            ErrorCode.FRAME_TOO_LARGE,
+            limit,
+        ),
+        (
+            "payload_on_ping",
+            raw_frame(16, ping, b"\x00\x00\x00\x00"),
+            ErrorCode.PAYLOAD_LENGTH,
+            limit,
+        ),
+        (
+            "payload_before_handshake",
+            raw_frame(4, ping, payload_len=4),
+            ErrorCode.FRAME_TOO_LARGE,
+            0,
+        ),
+        ("checksum_mismatch", raw_frame(16, ping, checksum=0), ErrorCode.PREAMBLE_CHECKSUM, limit),
+        ("header_not_msgpack", raw_frame(16, b"\xc1"), ErrorCode.HEADER_INVALID, limit),
+        ("header_tag_differs", raw_frame(17, ping), ErrorCode.HEADER_INVALID, limit),
+        ("header_trailing_bytes", raw_frame(16, ping + b"\x00"), ErrorCode.HEADER_INVALID, limit),
+        (
+            "header_extra_field",
+            raw_frame(16, b"\x93\x10\x01\x02"),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+        ("header_missing_field", raw_frame(16, b"\x91\x10"), ErrorCode.HEADER_INVALID, limit),
+        (
+            "header_negative_int",
+            raw_frame(16, b"\x92\x10\xff"),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+        (
+            "header_slot_out_of_range",
+            raw_frame(6, b"\x93\x06\x07\xce\x00\x01\x00\x00"),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+        (
+            "header_float_for_int",
+            raw_frame(16, b"\x92\x10\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00"),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+        (
+            "header_map_not_array",
+            raw_frame(16, b"\x81\xa5nonce\x01"),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+        (
+            "step_header_in_reply_frame",
+            raw_frame(9, step_header),
+            ErrorCode.HEADER_INVALID,
+            limit,
+        ),
+    ]
+    for name, frame, code, max_payload in errors:
+        out.append(
+            {
+                "name": f"error_{name}",
+                "kind": "frame",
+                "hex": frame.hex(),
+                "context": {"max_payload": max_payload},
+                "expect": {"error": code.name},
+            }
+        )
+    return out
+
+
+def decode_frame_vector(vector: Vector) -> dict[str, Any]:
+    """Run a frame vector through :class:`~pp1wire.wire.framing.FrameDecoder`."""
+    decoder = framing.FrameDecoder(vector["context"]["max_payload"])
+    try:
+        frames = decoder.feed(bytes.fromhex(vector["hex"]))
+        decoder.feed(b"")  # surfaces an error that followed valid frames
+    except ProtocolError as exc:
+        return {"error": exc.code.name}
+    out: dict[str, Any] = {"messages": [message_json(f.message, f.payload) for f in frames]}
+    if decoder.buffered:
+        out["incomplete"] = True
+    return out

@@ -1,0 +1,451 @@
+"""Reply vectors: a Spark side with one STEP in flight receives these bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import prefix_digest
+from pp1wire.testing.builders import (
+    SESSION,
+    VOCAB,
+    completion,
+    dense_payload,
+    reply_row,
+    reply_step,
+    sparse_payload,
+    whole_reply,
+)
+from pp1wire.testing.golden.common import Vector, message_from_json, message_json
+from pp1wire.wire import framing
+from pp1wire.wire.messages import (
+    Opened,
+    Step,
+)
+
+GOOD_DENSE = [dyadic.M // 2, 0, dyadic.M // 4, 0, 0, 0, 0, dyadic.M // 4]
+
+
+def reply_vectors() -> list[Vector]:
+    """One valid dense and sparse reply, then one vector per rejection class."""
+    d = reply_step(0)
+    s = reply_step(3)
+    good0 = reply_row(d, 0, 0, dense_payload(GOOD_DENSE))
+    good1 = reply_row(d, 1, 2, dense_payload(GOOD_DENSE))
+    sp0 = reply_row(s, 0, 2, sparse_payload([0, 2, 7], [dyadic.M // 4] * 2 + [dyadic.M // 2]))
+    sp1 = reply_row(s, 1, 7, sparse_payload([7], [dyadic.M]))
+
+    def dense_bad(values: list[float]) -> bytes:
+        payload = np.asarray(values, dtype="<f4").tobytes()
+        return whole_reply(d, reply_row(d, 0, 0, payload), good1)
+
+    def sparse_bad(ids: list[int], values: list[float], token: int = 0) -> bytes:
+        payload = np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
+        return whole_reply(s, reply_row(s, 0, token, payload), sp1)
+
+    half, quarter = 0.5, 0.25
+    base = [half, 0.0, quarter, 0.0, 0.0, 0.0, 0.0, quarter]
+    cases: list[tuple[str, Step, bytes, dict[str, Any], dict[str, Any]]] = [
+        ("valid_dense", d, whole_reply(d, good0, good1), {"proposal": [0, 2]}, {}),
+        ("valid_sparse", s, whole_reply(s, sp0, sp1), {"proposal": [2, 7]}, {}),
+        (
+            "valid_terminal_shortens_block",
+            d,
+            whole_reply(d, reply_row(d, 0, 7, dense_payload(GOOD_DENSE))),
+            {"proposal": [7]},
+            {"eos": 7},
+        ),
+        (
+            "dense_nan",
+            d,
+            dense_bad([*base[:3], float("nan"), *base[4:]]),
+            {"discarded": "NON_FINITE"},
+            {},
+        ),
+        (
+            "dense_inf",
+            d,
+            dense_bad([*base[:3], float("inf"), *base[4:]]),
+            {"discarded": "NON_FINITE"},
+            {},
+        ),
+        (
+            "dense_negative_zero",
+            d,
+            dense_bad([*base[:3], -0.0, *base[4:]]),
+            {"discarded": "NEGATIVE"},
+            {},
+        ),
+        (
+            "dense_negative",
+            d,
+            dense_bad([half + quarter, 0.0, quarter, -quarter, 0, 0, 0, quarter]),
+            {"discarded": "NEGATIVE"},
+            {},
+        ),
+        (
+            "dense_non_dyadic",
+            d,
+            dense_bad([half, 0.0, quarter, 2.0**-26, 0, 0, 0, quarter]),
+            {"discarded": "NON_DYADIC"},
+            {},
+        ),
+        (
+            "dense_above_one",
+            d,
+            dense_bad([2.0, 0, 0, 0, 0, 0, 0, 0]),
+            {"discarded": "NON_DYADIC"},
+            {},
+        ),
+        (
+            "dense_mass_low",
+            d,
+            dense_bad([half, 0.0, quarter, 0, 0, 0, 0, 0]),
+            {"discarded": "MASS_MISMATCH"},
+            {},
+        ),
+        (
+            "dense_mass_high_by_one_count",
+            d,
+            dense_bad([half, 2.0**-24, quarter, 0, 0, 0, 0, quarter]),
+            {"discarded": "MASS_MISMATCH"},
+            {},
+        ),
+        (
+            "dense_zero_q_at_token",
+            d,
+            whole_reply(d, reply_row(d, 0, 1, dense_payload(GOOD_DENSE)), good1),
+            {"discarded": "ZERO_Q_AT_PROPOSED"},
+            {},
+        ),
+        (
+            "dense_token_out_of_range",
+            d,
+            whole_reply(d, reply_row(d, 0, VOCAB, dense_payload(GOOD_DENSE)), good1),
+            {"discarded": "PROPOSED_OUT_OF_RANGE"},
+            {},
+        ),
+        (
+            "dense_wrong_entries",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE, VOCAB - 1)), good1),
+            {"discarded": "ROW_LENGTH"},
+            {},
+        ),
+        (
+            "dense_payload_shorter_than_entries",
+            d,
+            whole_reply(
+                d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE)[:-4], entries=VOCAB), good1
+            ),
+            {"discarded": "ROW_LENGTH"},
+            {},
+        ),
+        (
+            "dense_padding_nonzero",
+            d,
+            whole_reply(
+                d,
+                reply_row(d, 0, 0, dense_payload(GOOD_DENSE, VOCAB + 2)[:-4] + b"\x00\x00\x00\x80"),
+                reply_row(d, 1, 2, dense_payload(GOOD_DENSE, VOCAB + 2)),
+            ),
+            {"discarded": "DENSE_PADDING_NONZERO"},
+            {"row_entries": VOCAB + 2},
+        ),
+        (
+            "missing_q",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, b"", entries=0), good1),
+            {"discarded": "MISSING_Q"},
+            {},
+        ),
+        (
+            "dense_row_for_sparse_step",
+            s,
+            whole_reply(
+                s, reply_row(s, 0, 0, dense_payload(GOOD_DENSE), representation=0, entries=VOCAB)
+            ),
+            {"discarded": "BAD_REPRESENTATION"},
+            {"late": 1},
+        ),
+        (
+            "sparse_duplicate_ids",
+            s,
+            sparse_bad([0, 0, 7], [quarter, quarter, half]),
+            {"discarded": "SPARSE_DUPLICATE_ID"},
+            {},
+        ),
+        (
+            "sparse_duplicate_zeros",
+            s,
+            sparse_bad([0, 5, 5], [1.0, 0.0, 0.0]),
+            {"discarded": "SPARSE_DUPLICATE_ID"},
+            {},
+        ),
+        (
+            "sparse_unsorted",
+            s,
+            sparse_bad([7, 0], [half, half]),
+            {"discarded": "SPARSE_UNSORTED"},
+            {},
+        ),
+        (
+            "sparse_id_out_of_range",
+            s,
+            sparse_bad([0, VOCAB], [half, half]),
+            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
+            {},
+        ),
+        (
+            "sparse_padded_id",
+            s,
+            sparse_bad([0, -1], [half, half]),
+            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
+            {},
+        ),
+        (
+            "sparse_zero_entry",
+            s,
+            sparse_bad([0, 7], [1.0, 0.0]),
+            {"discarded": "SPARSE_ZERO_ENTRY"},
+            {},
+        ),
+        (
+            "sparse_support_too_large",
+            s,
+            sparse_bad([0, 1, 2, 3], [quarter, quarter, quarter, quarter]),
+            {"discarded": "SUPPORT_TOO_LARGE"},
+            {},
+        ),
+        (
+            "sparse_frame_over_negotiated_limit",
+            s,
+            sparse_bad([0, 1, 2, 3, 4], [quarter, quarter, quarter, 0.125, 0.125]),
+            {"discarded": "FRAME_TOO_LARGE", "connection_failed": "FRAME_TOO_LARGE"},
+            {"late": 0},
+        ),
+        ("sparse_mass", s, sparse_bad([0, 7], [half, quarter]), {"discarded": "MASS_MISMATCH"}, {}),
+        (
+            "sparse_zero_q_at_token",
+            s,
+            sparse_bad([0, 7], [half, half], token=3),
+            {"discarded": "ZERO_Q_AT_PROPOSED"},
+            {},
+        ),
+        (
+            "sparse_non_finite",
+            s,
+            sparse_bad([0, 7], [half, float("nan")]),
+            {"discarded": "NON_FINITE"},
+            {},
+        ),
+        (
+            "row_checksum_mismatch",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), checksum=1), good1),
+            {"discarded": "ROW_CHECKSUM_MISMATCH"},
+            {},
+        ),
+        (
+            "rows_out_of_order",
+            d,
+            whole_reply(d, good1, good0),
+            {"discarded": "ROW_OUT_OF_ORDER"},
+            {},
+        ),
+        (
+            "row_beyond_depth",
+            d,
+            whole_reply(d, good0, good1, reply_row(d, 2, 0, dense_payload(GOOD_DENSE))),
+            {"discarded": "ROW_OUT_OF_ORDER"},
+            {"late": 1},
+        ),
+        (
+            "row_wrong_position",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), position=9), good1),
+            {"discarded": "WRONG_POSITION"},
+            {},
+        ),
+        (
+            "completion_early",
+            d,
+            good0 + completion(d, good0, 1),
+            {"discarded": "COMPLETION_EARLY"},
+            {"late": 0},
+        ),
+        (
+            "completion_claims_more_rows",
+            d,
+            whole_reply(d, good0, good1, rows=3),
+            {"discarded": "COMPLETION_EARLY"},
+            {"late": 0},
+        ),
+        (
+            "completion_wrong_size",
+            d,
+            whole_reply(d, good0, good1, reply_bytes=1),
+            {"discarded": "REPLY_SIZE_MISMATCH"},
+            {"late": 0},
+        ),
+        (
+            "completion_wrong_checksum",
+            d,
+            whole_reply(d, good0, good1, reply_checksum=1),
+            {"discarded": "REPLY_CHECKSUM_MISMATCH"},
+            {"late": 0},
+        ),
+        (
+            "completion_status_failure",
+            d,
+            whole_reply(d, status=int(ErrorCode.INTERNAL)),
+            {"discarded": "INTERNAL"},
+            {"late": 0},
+        ),
+        (
+            "completion_twice",
+            d,
+            whole_reply(d, good0, good1) + completion(d, good0 + good1, 2),
+            {"proposal": [0, 2], "dropped": ["COMPLETION_DUPLICATE"]},
+            {},
+        ),
+        (
+            "stale_generation_dropped",
+            d,
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=0)
+            + whole_reply(
+                _gen(d, 1),
+                reply_row(_gen(d, 1), 0, 0, dense_payload(GOOD_DENSE)),
+                reply_row(_gen(d, 1), 1, 2, dense_payload(GOOD_DENSE)),
+            ),
+            {"proposal": [0, 2], "dropped": ["STALE_GENERATION"]},
+            {"generation": 1},
+        ),
+        (
+            "stale_round_dropped",
+            _round(d, 1),
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE))
+            + whole_reply(
+                _round(d, 1),
+                reply_row(_round(d, 1), 0, 0, dense_payload(GOOD_DENSE)),
+                reply_row(_round(d, 1), 1, 2, dense_payload(GOOD_DENSE)),
+            ),
+            {"proposal": [0, 2], "dropped": ["ROUND_REUSED"]},
+            {"round": 1},
+        ),
+        (
+            "future_generation",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1), good1),
+            {"discarded": "FUTURE_GENERATION"},
+            {},
+        ),
+        (
+            "future_round",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), round=1), good1),
+            {"discarded": "ROW_OUT_OF_ORDER"},
+            {},
+        ),
+        (
+            "wrong_session",
+            d,
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + whole_reply(d, good0, good1),
+            {"proposal": [0, 2], "dropped": ["WRONG_SESSION"]},
+            {},
+        ),
+    ]
+    out = []
+    for name, step, data, want, extra in cases:
+        context = {
+            "vocab_size": VOCAB,
+            "row_entries": extra.get("row_entries", VOCAB),
+            "max_support": 4,
+            "session": SESSION,
+            "prefix": [1, 2, 3],
+            "eos": extra.get("eos"),
+            "generation": extra.get("generation", 0),
+            "round": extra.get("round", 0),
+            "step": message_json(step),
+        }
+        expect = dict(want)
+        # Every frame after the one that discarded the proposal is dropped as late.
+        late = extra.get("late", 2) if "discarded" in expect else 0
+        expect.setdefault("dropped", ["LATE_FRAME"] * late)
+        out.append(
+            {"name": name, "kind": "reply", "hex": data.hex(), "context": context, "expect": expect}
+        )
+    return out
+
+
+def _gen(step: Step, generation: int) -> Step:
+    return msgspec.structs.replace(step, generation=generation)
+
+
+def _round(step: Step, round_id: int) -> Step:
+    return msgspec.structs.replace(step, round=round_id)
+
+
+def run_reply_vector(vector: Vector) -> dict[str, Any]:
+    """Drive a Spark core into the vector's context, feed its bytes, summarize the outcome."""
+    from pp1wire.wire import spark_core  # noqa: PLC0415 - spark_core imports this module's peers
+
+    ctx = vector["context"]
+    step = message_from_json(ctx["step"])[0]
+    assert isinstance(step, Step)
+    cfg = spark_core.SparkConfig(
+        vocab_size=ctx["vocab_size"],
+        row_entries=ctx["row_entries"],
+        max_support=ctx["max_support"],
+        max_frame=1 << 20,
+        max_prefix=1024,
+        draft_identity="",
+    )
+    spark = spark_core.SparkProtocol(cfg, now=0.0)
+    spark.start(0.0)
+    ours = spark._hello
+    assert ours is not None
+    worker_hello = msgspec.structs.replace(
+        ours, role=1, session=ctx["session"], draft_identity="pp1-toy-drafter"
+    )
+    spark.receive_data(framing.encode_frame(worker_hello), 0.0)
+    spark.open_slot(step.slot, seed=1, prefix=ctx["prefix"], eos=ctx["eos"])
+    spark.receive_data(
+        framing.encode_frame(
+            Opened(
+                session=ctx["session"],
+                slot=step.slot,
+                generation=0,
+                position=len(ctx["prefix"]),
+                digest=prefix_digest(ctx["prefix"]),
+            )
+        ),
+        0.0,
+    )
+    for _ in range(ctx["generation"]):
+        spark.reset(step.slot)
+    for _ in range(ctx["round"]):
+        spark.allocate_round(step.slot)
+    got_round = spark.step(
+        step.slot, depth=step.depth, temperature=step.temperature, support=step.support, now=0.0
+    )
+    assert got_round == step.round
+    spark.data_to_send()
+    events = spark.receive_data(bytes.fromhex(vector["hex"]), 0.0)
+    result: dict[str, Any] = {"dropped": []}
+    for event in events:
+        if isinstance(event, spark_core.ProposalReady):
+            result["proposal"] = list(event.proposal.tokens)
+        elif isinstance(event, spark_core.ProposalFailed):
+            result["discarded"] = event.code.name
+        elif isinstance(event, spark_core.FrameDropped) or (
+            isinstance(event, spark_core.FrameRejected) and event.code is ErrorCode.WRONG_SESSION
+        ):
+            result["dropped"].append(event.code.name)
+        elif isinstance(event, spark_core.ConnectionFailed):
+            result["connection_failed"] = event.code.name
+    return result
