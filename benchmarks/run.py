@@ -46,9 +46,9 @@ from soak import rss_mb  # noqa: E402
 from pp1wire.aio.client import AsyncClient  # noqa: E402
 from pp1wire.apps.worker import install_uvloop  # noqa: E402
 from pp1wire.wire import framing  # noqa: E402
-from pp1wire.wire.fencing import SparkInFlight  # noqa: E402
+from pp1wire.wire.assembly import ReplyAssembly  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
-from pp1wire.wire.spark_core import SparkConfig, _Flight  # noqa: E402
+from pp1wire.wire.spark_core import SparkConfig  # noqa: E402
 
 VOCAB = 129_280
 DENSE_SLOTS = [0, 1, 2, 3]
@@ -103,8 +103,9 @@ class Pp1:
         for slot in slots:
             step = self.steps[slot]
             state = core.slots[slot]
-            state.flight = _Flight(step=step, deadline=time.monotonic() + 30)
-            state.fence.in_flight = SparkInFlight(step.generation, step.round)
+            state.flight = state.fence.in_flight = ReplyAssembly(
+                step=step, deadline=time.monotonic() + 30
+            )
             fut = client.loop.create_future()
             client._proposals[slot] = fut
             core._out.append(framing.encode_frame(step))

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pp1wire.apps.models import ToyLM
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Message
-from pp1wire.wire.spark_core import SparkConfig, SparkEvent, SparkProtocol
+from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
+from pp1wire.wire.spark_events import SparkEvent
 from pp1wire.wire.worker_core import WorkerConfig, WorkerEvent, WorkerProtocol
 
 VOCAB = 64

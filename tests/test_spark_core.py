@@ -12,7 +12,7 @@ from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.verify import RequestVerifier
 from pp1wire.wire import framing
 from pp1wire.wire.messages import MsgType
-from pp1wire.wire.spark_core import (
+from pp1wire.wire.spark_events import (
     CommitAcked,
     ConnectionFailed,
     FrameDropped,

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
 from pp1wire.q.proposal import Proposal
-from pp1wire.wire import spark_core
+from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
 _T = TypeVar("_T")
@@ -158,7 +158,7 @@ class AsyncClient:
         self._closed = asyncio.Event()
         self.failed: ErrorCode | None = None
         #: Called with every protocol event (metrics, logs); must not raise.
-        self.observer: Callable[[spark_core.SparkEvent], None] | None = None
+        self.observer: Callable[[spark_events.SparkEvent], None] | None = None
         self.fallbacks: TallyCounter[str] = TallyCounter()
         self.rejected: TallyCounter[str] = TallyCounter()
         self.dropped: TallyCounter[str] = TallyCounter()
@@ -227,40 +227,40 @@ class AsyncClient:
         self._deadline = None
         self._handle(self.core.handle_timer(time.monotonic()))
 
-    def _handle(self, events: list[spark_core.SparkEvent]) -> None:
+    def _handle(self, events: list[spark_events.SparkEvent]) -> None:
         for event in events:
             self._route(event)
         self._flush()
 
-    def _route(self, event: spark_core.SparkEvent) -> None:
+    def _route(self, event: spark_events.SparkEvent) -> None:
         if self.observer is not None:
             self.observer(event)
-        if isinstance(event, spark_core.HandshakeDone):
+        if isinstance(event, spark_events.HandshakeDone):
             _settle(self._handshake, None)
-        elif isinstance(event, spark_core.SlotOpened):
+        elif isinstance(event, spark_events.SlotOpened):
             _settle(self._opened.pop(event.slot, None), None)
-        elif isinstance(event, spark_core.ProposalReady):
+        elif isinstance(event, spark_events.ProposalReady):
             _settle(self._proposals.pop(event.slot, None), event.proposal)
-        elif isinstance(event, spark_core.ProposalFailed):
+        elif isinstance(event, spark_events.ProposalFailed):
             self.fallbacks[event.code.name.lower()] += 1
             _fail(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
-        elif isinstance(event, spark_core.ResetAcked):
+        elif isinstance(event, spark_events.ResetAcked):
             _settle(self._resets.pop(event.slot, None), None)
-        elif isinstance(event, spark_core.CommitAcked):
+        elif isinstance(event, spark_events.CommitAcked):
             _settle(self._commits.pop((event.slot, event.round), None), None)
-        elif isinstance(event, spark_core.SlotDesynced):
+        elif isinstance(event, spark_events.SlotDesynced):
             error = ClientClosedError(event.code, f"slot {event.slot} out of sync")
             for table in (self._opened, self._resets):
                 _fail(table.pop(event.slot, None), error)
             for key in [k for k in self._commits if k[0] == event.slot]:
                 _fail(self._commits.pop(key), error)
-        elif isinstance(event, spark_core.FrameRejected):
+        elif isinstance(event, spark_events.FrameRejected):
             self.rejected[event.code.name.lower()] += 1
-        elif isinstance(event, spark_core.FrameDropped):
+        elif isinstance(event, spark_events.FrameDropped):
             self.dropped[event.code.name.lower()] += 1
-        elif isinstance(event, spark_core.PongReceived):
+        elif isinstance(event, spark_events.PongReceived):
             _settle(self._pongs.pop(event.nonce, None), None)
-        elif isinstance(event, spark_core.ConnectionFailed):
+        elif isinstance(event, spark_events.ConnectionFailed):
             self.failed = event.code
             self._fail_all(ClientClosedError(event.code, "connection failed"))
 

@@ -51,7 +51,7 @@ from pp1wire.apps.settings import (
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, RoundResult, TargetFn
-from pp1wire.wire import spark_core
+from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig
 
 log = logging.getLogger("pp1wire.apps.spark")
@@ -215,11 +215,11 @@ class Runner:
             log.info("reconnected", extra={"session": self.client.session})
             return self.client
 
-    def observe(self, event: spark_core.SparkEvent) -> None:
+    def observe(self, event: spark_events.SparkEvent) -> None:
         """Count rejected and dropped frames as the client sees them."""
-        if isinstance(event, spark_core.FrameRejected):
+        if isinstance(event, spark_events.FrameRejected):
             self.metrics.rejected.labels(code=event.code.name.lower()).inc()
-        elif isinstance(event, spark_core.FrameDropped):
+        elif isinstance(event, spark_events.FrameDropped):
             self.metrics.dropped.labels(code=event.code.name.lower()).inc()
 
     # -- requests -----------------------------------------------------------------

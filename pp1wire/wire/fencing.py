@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from pp1wire.errors import ErrorCode
 from pp1wire.wire.messages import Commit, Reset, Step
@@ -143,14 +144,22 @@ def worker_reset(fence: WorkerSlotFence, reset: Reset) -> Decision:
     return ACCEPT
 
 
-@dataclass
-class SparkInFlight:
-    """The Spark side's view of one slot's outstanding STEP."""
+class SparkInFlight(Protocol):
+    """What the Spark-side rules read of a slot's outstanding STEP.
 
-    generation: int
-    round: int
-    settled: bool = False  # completed or discarded: later frames are late
-    discarded: bool = False
+    :class:`pp1wire.wire.assembly.ReplyAssembly` is the one implementation.
+    """
+
+    @property
+    def generation(self) -> int:
+        """The generation the STEP was sent under."""
+
+    @property
+    def round(self) -> int:
+        """The STEP's round ID."""
+
+    settled: bool  # completed or discarded: later frames are late
+    discarded: bool
 
 
 @dataclass

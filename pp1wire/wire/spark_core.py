@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
-from pp1wire.errors import ErrorCode, ProtocolError, ValidationError
+from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import Proposal, QRow, prefix_digest
+from pp1wire.q.proposal import Proposal, prefix_digest
 from pp1wire.wire import fencing, framing
-from pp1wire.wire.fencing import Action, SparkInFlight, SparkSlotFence
+from pp1wire.wire.assembly import ReplyAssembly, status_code
+from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import PeerConfig, build_hello, first_failure, spark_proof, worker_proof
 from pp1wire.wire.messages import (
     Auth,
@@ -44,12 +44,26 @@ from pp1wire.wire.messages import (
     Ping,
     Pong,
     Reply,
-    Representation,
     Reset,
     ResetDone,
     Role,
     Scope,
     Step,
+)
+from pp1wire.wire.spark_events import (
+    CommitAcked,
+    ConnectionFailed,
+    FrameDropped,
+    FrameRejected,
+    HandshakeDone,
+    PongReceived,
+    ProposalFailed,
+    ProposalReady,
+    ResetAcked,
+    SlotClosed,
+    SlotDesynced,
+    SlotOpened,
+    SparkEvent,
 )
 
 
@@ -64,134 +78,7 @@ class SparkConfig(PeerConfig):
     reply_timeout: float = 5.0
 
 
-# -- events ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HandshakeDone:
-    """The worker accepted our HELLO; ``session`` is on every later message."""
-
-    session: int
-    peer: Hello
-
-
-@dataclass(frozen=True)
-class SlotOpened:
-    """OPEN was acknowledged."""
-
-    slot: int
-    generation: int
-    position: int
-
-
-@dataclass(frozen=True)
-class ProposalReady:
-    """A whole proposal passed validation and may be verified."""
-
-    slot: int
-    proposal: Proposal
-
-
-@dataclass(frozen=True)
-class ProposalFailed:
-    """The in-flight proposal was discarded; decode this round target-only."""
-
-    slot: int
-    generation: int
-    round: int
-    code: ErrorCode
-
-
-@dataclass(frozen=True)
-class CommitAcked:
-    """The worker applied a COMMIT."""
-
-    slot: int
-    round: int
-    position: int
-
-
-@dataclass(frozen=True)
-class ResetAcked:
-    """The worker applied (or re-acknowledged) a RESET."""
-
-    slot: int
-    generation: int
-    position: int
-
-
-@dataclass(frozen=True)
-class SlotClosed:
-    """CLOSE was acknowledged."""
-
-    slot: int
-
-
-@dataclass(frozen=True)
-class SlotDesynced:
-    """The worker refused a slot-level request; the slot must be reopened."""
-
-    slot: int
-    code: ErrorCode
-
-
-@dataclass(frozen=True)
-class FrameDropped:
-    """A late, stale or duplicate frame was dropped (nothing consumed)."""
-
-    slot: int | None
-    code: ErrorCode
-
-
-@dataclass(frozen=True)
-class FrameRejected:
-    """A frame failed validation (counted by code)."""
-
-    slot: int | None
-    code: ErrorCode
-
-
-@dataclass(frozen=True)
-class PongReceived:
-    """Answer to our PING."""
-
-    nonce: int
-
-
-@dataclass(frozen=True)
-class ConnectionFailed:
-    """The connection is dead; every slot and in-flight proposal with it."""
-
-    code: ErrorCode
-
-
-SparkEvent = (
-    HandshakeDone
-    | SlotOpened
-    | ProposalReady
-    | ProposalFailed
-    | CommitAcked
-    | ResetAcked
-    | SlotClosed
-    | SlotDesynced
-    | FrameDropped
-    | FrameRejected
-    | PongReceived
-    | ConnectionFailed
-)
-
-
 # -- state -------------------------------------------------------------------
-
-
-@dataclass
-class _Flight:
-    step: Step
-    deadline: float
-    rows: list[QRow] = field(default_factory=list)
-    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
-    nbytes: int = 0
-    buffers: list[memoryview] = field(default_factory=list)
 
 
 @dataclass
@@ -206,7 +93,7 @@ class SparkSlot:
     fence: SparkSlotFence
     desynced: bool = False
     next_round: int = 0
-    flight: _Flight | None = None
+    flight: ReplyAssembly | None = None
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -488,8 +375,9 @@ class SparkProtocol:
             support=support,
             context=state.context,
         )
-        state.flight = _Flight(step=msg, deadline=now + self.config.reply_timeout)
-        state.fence.in_flight = SparkInFlight(state.fence.generation, round_id)
+        state.flight = state.fence.in_flight = ReplyAssembly(
+            step=msg, deadline=now + self.config.reply_timeout
+        )
         self._out.append(framing.encode_frame(msg))
         return round_id
 
@@ -588,12 +476,9 @@ class SparkProtocol:
         flight = slot.flight
         assert flight is not None
         slot.flight = None
-        if slot.fence.in_flight is not None:
-            slot.fence.in_flight.settled = True
-            slot.fence.in_flight.discarded = True
         slot.fence.last_round = max(slot.fence.last_round, flight.step.round)
         slot.drafts.pop(flight.step.round, None)
-        for view in flight.buffers:
+        for view in flight.settle(discarded=True):
             self._release(view)
         self._events.append(ProposalFailed(index, flight.step.generation, flight.step.round, code))
 
@@ -641,7 +526,7 @@ class SparkProtocol:
         self._fatal(code)
 
     def _on_error(self, err: Error) -> None:
-        code = _code(err.code)
+        code = status_code(err.code)
         if err.scope == Scope.CONNECTION:
             for index, slot in list(self.slots.items()):
                 if slot.flight is not None:
@@ -804,53 +689,12 @@ class SparkProtocol:
             return
         flight = state.flight
         assert flight is not None
-        code = self._check_row(state, flight, msg, frame.payload)
-        if isinstance(code, ErrorCode):
-            self._fail_row(msg.slot, state, code)
+        row = flight.check_row(msg, frame.payload, eos=state.eos, validator=self._validator)
+        if isinstance(row, ErrorCode):
+            self._fail_row(msg.slot, state, row)
             return
-        flight.rows.append(code)
-        flight.hasher.update(frame.raw)
-        flight.nbytes += len(frame.raw)
-        flight.buffers.append(frame.raw)
+        flight.add_row(row, frame.raw)
         self._retained = True
-
-    def _check_row(
-        self, state: SparkSlot, flight: _Flight, msg: Reply, payload: memoryview
-    ) -> QRow | ErrorCode:
-        step = flight.step
-        index = len(flight.rows)
-        if msg.index != index or index >= step.depth:
-            return ErrorCode.ROW_OUT_OF_ORDER
-        if index and state.eos is not None and flight.rows[-1].token == state.eos:
-            return ErrorCode.ROW_OUT_OF_ORDER
-        if msg.position != step.position + index:
-            return ErrorCode.WRONG_POSITION
-        if msg.entries == 0:
-            return ErrorCode.MISSING_Q
-        dense = step.support == 0
-        if msg.representation != (Representation.DENSE if dense else Representation.SPARSE):
-            return ErrorCode.BAD_REPRESENTATION
-        if dense and msg.entries != self.config.entries:
-            return ErrorCode.ROW_LENGTH
-        if not dense and msg.entries > step.support:
-            return ErrorCode.SUPPORT_TOO_LARGE
-        width = 4 if dense else 8
-        if payload.nbytes != width * msg.entries:
-            return ErrorCode.ROW_LENGTH
-        if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
-            return ErrorCode.ROW_CHECKSUM_MISMATCH
-        try:
-            if dense:
-                q32 = np.frombuffer(payload, dtype="<f4")
-                self._validator.check(q32, msg.token)
-                return QRow(token=msg.token, q32=q32[: self.config.vocab_size])
-            split = 4 * msg.entries
-            ids = np.frombuffer(payload[:split], dtype="<i4")
-            q = np.frombuffer(payload[split:], dtype="<f4")
-            dyadic.check_sparse(ids, q, self.config.vocab_size, step.support, msg.token)
-            return QRow(token=msg.token, ids=ids, q32=q)
-        except ValidationError as exc:
-            return exc.code
 
     def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Completion)
@@ -860,36 +704,19 @@ class SparkProtocol:
         flight = state.flight
         assert flight is not None
         step = flight.step
-        code: ErrorCode | None = None
-        got = len(flight.rows)
-        short_ok = got and state.eos is not None and flight.rows[-1].token == state.eos
-        if msg.status:
-            code = _code(msg.status)
-        elif msg.rows != got:
-            code = ErrorCode.COMPLETION_EARLY if msg.rows > got else ErrorCode.REPLY_SIZE_MISMATCH
-        elif got < step.depth and not short_ok:
-            code = ErrorCode.COMPLETION_EARLY
-        elif msg.position != step.position:
-            code = ErrorCode.WRONG_POSITION
-        elif msg.context != step.context:
-            code = ErrorCode.CONTEXT_MISMATCH
-        elif msg.reply_bytes != flight.nbytes:
-            code = ErrorCode.REPLY_SIZE_MISMATCH
-        elif msg.reply_checksum != flight.hasher.intdigest():
-            code = ErrorCode.REPLY_CHECKSUM_MISMATCH
+        code = flight.check_completion(msg, eos=state.eos)
         if code is not None:
             if not msg.status:
                 self._events.append(FrameRejected(msg.slot, code))
             self._discard(msg.slot, state, code)
             return
         state.flight = None
-        assert state.fence.in_flight is not None
-        state.fence.in_flight.settled = True
         state.fence.last_round = max(state.fence.last_round, step.round)
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
-        if flight.buffers:
-            self._ready_buffers[(msg.slot, step.round)] = flight.buffers
+        buffers = flight.settle(discarded=False)
+        if buffers:
+            self._ready_buffers[(msg.slot, step.round)] = buffers
         proposal = Proposal(
             session=self.session,
             generation=step.generation,
@@ -901,13 +728,3 @@ class SparkProtocol:
             context=step.context,
         )
         self._events.append(ProposalReady(msg.slot, proposal))
-
-
-def _code(value: int) -> ErrorCode:
-    try:
-        return ErrorCode(value)
-    except ValueError:
-        return ErrorCode.INTERNAL
-
-
-__all__ = ["SparkConfig", "SparkEvent", "SparkProtocol"]

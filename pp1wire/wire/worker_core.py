@@ -530,9 +530,7 @@ class WorkerProtocol:
         slot.reply = reply
         self._out.append(reply)
         self._events.append(
-            StepServed(
-                msg.slot, msg.generation, msg.round, len(rows), status, len(reply), drawn
-            )
+            StepServed(msg.slot, msg.generation, msg.round, len(rows), status, len(reply), drawn)
         )
 
     def _check_step(self, slot: WorkerSlot, step: Step) -> ErrorCode | None:

@@ -21,7 +21,7 @@ from pp1wire.testing.builders import (
     whole_reply,
 )
 from pp1wire.testing.golden.common import Vector, message_from_json, message_json
-from pp1wire.wire import framing
+from pp1wire.wire import framing, spark_events
 from pp1wire.wire.messages import (
     Opened,
     Step,
@@ -438,14 +438,14 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
     events = spark.receive_data(bytes.fromhex(vector["hex"]), 0.0)
     result: dict[str, Any] = {"dropped": []}
     for event in events:
-        if isinstance(event, spark_core.ProposalReady):
+        if isinstance(event, spark_events.ProposalReady):
             result["proposal"] = list(event.proposal.tokens)
-        elif isinstance(event, spark_core.ProposalFailed):
+        elif isinstance(event, spark_events.ProposalFailed):
             result["discarded"] = event.code.name
-        elif isinstance(event, spark_core.FrameDropped) or (
-            isinstance(event, spark_core.FrameRejected) and event.code is ErrorCode.WRONG_SESSION
+        elif isinstance(event, spark_events.FrameDropped) or (
+            isinstance(event, spark_events.FrameRejected) and event.code is ErrorCode.WRONG_SESSION
         ):
             result["dropped"].append(event.code.name)
-        elif isinstance(event, spark_core.ConnectionFailed):
+        elif isinstance(event, spark_events.ConnectionFailed):
             result["connection_failed"] = event.code.name
     return result

@@ -1,0 +1,132 @@
+"""The Spark side's assembly of one reply: rows checked as they arrive, then COMPLETION.
+
+A :class:`ReplyAssembly` is one slot's outstanding STEP: the rows accepted so
+far (numpy views into their receive buffers), the running byte count and
+checksum of the reply, and whether it has settled. The fencing rules
+(:func:`pp1wire.wire.fencing.spark_reply`) read its generation, round and
+settled state; the row and completion checks of ``docs/protocol.md`` §4.5,
+§4.6 and §6.2 are here, in the order the document gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pp1wire.errors import ErrorCode, ValidationError
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import QRow
+from pp1wire.wire.messages import Completion, Reply, Representation, Step
+
+
+def status_code(value: int) -> ErrorCode:
+    """The error code a peer's numeric status or ERROR code names (unknown ones: ``INTERNAL``)."""
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
+@dataclass
+class ReplyAssembly:
+    """One slot's outstanding STEP and the reply received for it so far."""
+
+    step: Step
+    deadline: float
+    rows: list[QRow] = field(default_factory=list)
+    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    nbytes: int = 0
+    buffers: list[memoryview] = field(default_factory=list)
+    settled: bool = False  # completed or discarded: later frames of this round are late
+    discarded: bool = False
+
+    @property
+    def generation(self) -> int:
+        """The generation the STEP was sent under."""
+        return self.step.generation
+
+    @property
+    def round(self) -> int:
+        """The STEP's round ID."""
+        return self.step.round
+
+    def _ended_by_eos(self, eos: int | None) -> bool:
+        return bool(self.rows) and eos is not None and self.rows[-1].token == eos
+
+    def check_row(
+        self,
+        msg: Reply,
+        payload: memoryview,
+        *,
+        eos: int | None,
+        validator: dyadic.DenseRowValidator,
+    ) -> QRow | ErrorCode:
+        """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it."""
+        step = self.step
+        index = len(self.rows)
+        if msg.index != index or index >= step.depth or self._ended_by_eos(eos):
+            return ErrorCode.ROW_OUT_OF_ORDER
+        if msg.position != step.position + index:
+            return ErrorCode.WRONG_POSITION
+        if msg.entries == 0:
+            return ErrorCode.MISSING_Q
+        dense = step.support == 0
+        if msg.representation != (Representation.DENSE if dense else Representation.SPARSE):
+            return ErrorCode.BAD_REPRESENTATION
+        if dense and msg.entries != validator.row_entries:
+            return ErrorCode.ROW_LENGTH
+        if not dense and msg.entries > step.support:
+            return ErrorCode.SUPPORT_TOO_LARGE
+        width = 4 if dense else 8
+        if payload.nbytes != width * msg.entries:
+            return ErrorCode.ROW_LENGTH
+        if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
+            return ErrorCode.ROW_CHECKSUM_MISMATCH
+        try:
+            if dense:
+                q32 = np.frombuffer(payload, dtype="<f4")
+                validator.check(q32, msg.token)
+                return QRow(token=msg.token, q32=q32[: validator.vocab_size])
+            split = 4 * msg.entries
+            ids = np.frombuffer(payload[:split], dtype="<i4")
+            q = np.frombuffer(payload[split:], dtype="<f4")
+            dyadic.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
+            return QRow(token=msg.token, ids=ids, q32=q)
+        except ValidationError as exc:
+            return exc.code
+
+    def add_row(self, row: QRow, raw: memoryview) -> None:
+        """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""
+        self.rows.append(row)
+        self.hasher.update(raw)
+        self.nbytes += len(raw)
+        self.buffers.append(raw)
+
+    def check_completion(self, msg: Completion, *, eos: int | None) -> ErrorCode | None:
+        """None if COMPLETION closes this reply exactly; else the code that discards it."""
+        step = self.step
+        got = len(self.rows)
+        if msg.status:
+            return status_code(msg.status)
+        if msg.rows != got:
+            return ErrorCode.COMPLETION_EARLY if msg.rows > got else ErrorCode.REPLY_SIZE_MISMATCH
+        if got < step.depth and not self._ended_by_eos(eos):
+            return ErrorCode.COMPLETION_EARLY
+        if msg.position != step.position:
+            return ErrorCode.WRONG_POSITION
+        if msg.context != step.context:
+            return ErrorCode.CONTEXT_MISMATCH
+        if msg.reply_bytes != self.nbytes:
+            return ErrorCode.REPLY_SIZE_MISMATCH
+        if msg.reply_checksum != self.hasher.intdigest():
+            return ErrorCode.REPLY_CHECKSUM_MISMATCH
+        return None
+
+    def settle(self, *, discarded: bool) -> list[memoryview]:
+        """Mark the reply settled (later frames are late) and hand back its buffers."""
+        self.settled = True
+        self.discarded = discarded
+        buffers, self.buffers = self.buffers, []
+        return buffers
