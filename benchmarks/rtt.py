@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import DENSE_SLOTS, SPARSE_SLOT, VOCAB, Pp1, start
+from run import DENSE_SLOTS, SPARSE_SLOT, VOCAB, Pp1
 
-from pp1wire.apps.worker import install_uvloop
+from pp1wire.apps.launch import worker_process
+from pp1wire.apps.settings import install_uvloop
 
 
 async def measure(port: int, rounds: int) -> dict[str, list[float]]:
@@ -69,26 +70,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     install_uvloop()
-    proc, port = start(
-        [
-            sys.executable,
-            "-m",
-            "pp1wire.apps.worker",
-            "--port",
-            "0",
-            "--vocab",
-            str(VOCAB),
-            "--max-slots",
-            "8",
-            "--log-level",
-            "warning",
-        ]
-    )
-    try:
-        res = asyncio.run(measure(port, args.rounds))
-    finally:
-        proc.terminate()
-        proc.wait()
+    with worker_process("--max-slots", "8", vocab=VOCAB) as worker:
+        res = asyncio.run(measure(worker.port, args.rounds))
     summary = {
         k: {
             "median_ms": statistics.median(v) * 1e3,

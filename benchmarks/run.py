@@ -44,7 +44,8 @@ import sizes  # noqa: E402
 from soak import rss_mb  # noqa: E402
 
 from pp1wire.aio.client import AsyncClient  # noqa: E402
-from pp1wire.apps.worker import install_uvloop  # noqa: E402
+from pp1wire.apps.launch import worker_process  # noqa: E402
+from pp1wire.apps.settings import install_uvloop  # noqa: E402
 from pp1wire.wire import framing  # noqa: E402
 from pp1wire.wire.assembly import ReplyAssembly  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
@@ -230,50 +231,36 @@ def summarize(values: list[float]) -> dict[str, float]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rounds, reps = (1, 2) if args.smoke else (3, 5) if args.quick else (8, 15)
     peers: list[tuple[subprocess.Popen[str], int]] = []
-    worker_cmd = [
-        sys.executable,
-        "-m",
-        "pp1wire.apps.worker",
-        "--port",
-        "0",
-        "--vocab",
-        str(VOCAB),
-        "--max-slots",
-        "8",
-        "--log-level",
-        "warning",
-    ]
-    worker, wport = start(worker_cmd)
     try:
-        pp1 = await Pp1.setup(wport)
-        # The baselines carry exactly the bytes the pp1wire replies take on the wire.
-        decoder = pp1.client.core.decoder
-        before = decoder.bytes_received
-        await pp1.replay(DENSE_SLOTS)
-        dense_bytes = decoder.bytes_received - before
-        before = decoder.bytes_received
-        await pp1.replay([SPARSE_SLOT])
-        sparse_bytes = decoder.bytes_received - before
-        for kind in ("raw", "zmq", "grpc"):
-            peers.append(
-                start([sys.executable, str(HERE / "peers.py"), kind, "--size", str(dense_bytes)])
-            )
-        raw, zmq, grpc = Raw(peers[0][1]), Zmq(peers[1][1]), Grpc(peers[2][1])
-        t = await transports(pp1, raw, zmq, grpc, rounds, reps, dense_bytes, sparse_bytes)
-        early, late = (5, 20) if args.smoke else (100, 1000) if args.quick else (100, 10_000)
-        mem = await rss_growth(pp1, worker.pid, early, late)
-        await pp1.client.close()
-        worker.terminate()
-        worker.wait()
+        with worker_process("--max-slots", "8", vocab=VOCAB) as worker:
+            pp1 = await Pp1.setup(worker.port)
+            # The baselines carry exactly the bytes the pp1wire replies take on the wire.
+            decoder = pp1.client.core.decoder
+            before = decoder.bytes_received
+            await pp1.replay(DENSE_SLOTS)
+            dense_bytes = decoder.bytes_received - before
+            before = decoder.bytes_received
+            await pp1.replay([SPARSE_SLOT])
+            sparse_bytes = decoder.bytes_received - before
+            for kind in ("raw", "zmq", "grpc"):
+                peers.append(
+                    start(
+                        [sys.executable, str(HERE / "peers.py"), kind, "--size", str(dense_bytes)]
+                    )
+                )
+            raw, zmq, grpc = Raw(peers[0][1]), Zmq(peers[1][1]), Grpc(peers[2][1])
+            t = await transports(pp1, raw, zmq, grpc, rounds, reps, dense_bytes, sparse_bytes)
+            early, late = (5, 20) if args.smoke else (100, 1000) if args.quick else (100, 10_000)
+            mem = await rss_growth(pp1, worker.process.pid, early, late)
+            await pp1.client.close()
         # The same comparison with both pp1wire ends busy-polling (--busy-poll).
-        worker, wport = start([*worker_cmd, "--busy-poll"])
-        spin = await Pp1.setup(wport, busy_poll=True)
-        t_spin = await transports(
-            spin, raw, zmq, grpc, max(2, rounds // 2), reps, dense_bytes, sparse_bytes
-        )
-        await spin.client.close()
+        with worker_process("--max-slots", "8", "--busy-poll", vocab=VOCAB) as worker:
+            spin = await Pp1.setup(worker.port, busy_poll=True)
+            t_spin = await transports(
+                spin, raw, zmq, grpc, max(2, rounds // 2), reps, dense_bytes, sparse_bytes
+            )
+            await spin.client.close()
     finally:
-        worker.terminate()
         for proc, _ in peers:
             proc.terminate()
     trials, mreps = (1, 3) if args.smoke else (3, 20) if args.quick else (9, 200)

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import toy_target
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier
@@ -88,28 +87,10 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=129_280)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pp1wire.apps.worker",
-            "--port",
-            "0",
-            "--vocab",
-            str(args.vocab),
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert worker.stdout is not None
-        address = worker.stdout.readline().rsplit(" ", 1)[1].strip()
-        stats = asyncio.run(drive(address, args.vocab, args.minutes * 60, 100, worker.pid))
-    finally:
-        worker.terminate()
-        worker.wait()
+    with worker_process(vocab=args.vocab) as worker:
+        stats = asyncio.run(
+            drive(worker.address, args.vocab, args.minutes * 60, 100, worker.process.pid)
+        )
     out = {"minutes": args.minutes, **stats}
     print(json.dumps(out) if args.json else "\n".join(f"{k:28s} {v}" for k, v in out.items()))
     return 0

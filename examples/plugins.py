@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from pp1wire.apps.launch import worker_process
+
 Row = npt.NDArray[np.float64]
 
 
@@ -69,34 +71,14 @@ def drafter_factory(vocab_size: int, seed: int) -> Callable[[Sequence[int]], Row
 def main() -> int:
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": str(here)}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pp1wire.apps.worker",
-            "--port",
-            "0",
-            "--vocab",
-            "1000",
-            "--drafter",
-            "plugins:drafter_factory",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert worker.stdout is not None
-        address = worker.stdout.readline().rsplit(" ", 1)[1].strip()
+    with worker_process("--drafter", "plugins:drafter_factory", vocab=1000, env=env) as worker:
         done = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "pp1wire.apps.spark",
                 "--worker",
-                address,
+                worker.address,
                 "--vocab",
                 "1000",
                 "--target",
@@ -109,10 +91,7 @@ def main() -> int:
             env=env,
             check=False,
         )
-        return done.returncode
-    finally:
-        worker.terminate()
-        worker.wait()
+    return done.returncode
 
 
 if __name__ == "__main__":

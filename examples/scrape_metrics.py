@@ -12,22 +12,17 @@ Run: ``python examples/scrape_metrics.py``.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pp1wire.apps.launch import worker_process
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(address: str) -> dict[str, float]:
     """Every sample of a Prometheus text page, keyed by name and labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
         text = response.read().decode()
     samples = {}
     for line in text.splitlines():
@@ -38,56 +33,36 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def main() -> int:
-    vocab = "2048"
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pp1wire.apps.worker",
-            "--port",
-            "0",
-            "--vocab",
-            vocab,
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert worker.stdout is not None
-        address = worker.stdout.readline().rsplit(" ", 1)[1].strip()
-        mport = free_port()
+    with worker_process(vocab=2048) as worker:
         spark = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "pp1wire.apps.spark",
                 "--worker",
-                address,
+                worker.address,
                 "--vocab",
-                vocab,
+                "2048",
                 "--requests",
                 "400",
                 "--max-tokens",
                 "64",
                 "--metrics-port",
-                str(mport),
+                "0",
                 "--json",
             ],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
-        before = None
+        assert spark.stderr is not None
+        # pp1-spark reports the metrics address it bound on stderr.
+        line = spark.stderr.readline()
+        metrics = line.rsplit(" ", 1)[1].strip()
+        before = scrape(metrics)
         for _ in range(100):
-            time.sleep(0.2)
-            try:
-                now = scrape(mport)
-            except OSError:
-                continue
-            if before is None:
-                before = now
-                continue
+            time.sleep(0.2)  # two scrapes some time apart, as Prometheus would take them
+            now = scrape(metrics)
             drafts = (
                 now["pp1_spec_decode_draft_tokens_total"]
                 - before["pp1_spec_decode_draft_tokens_total"]
@@ -108,13 +83,8 @@ def main() -> int:
                 )
                 break
         spark.terminate()
-        spark.wait()
-        if spark.stdout is not None:
-            spark.stdout.close()
-        return 0
-    finally:
-        worker.terminate()
-        worker.wait()
+        spark.communicate()
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from math import sqrt
 
@@ -14,6 +13,8 @@ import pytest
 
 from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import ToyLM
+
+from .waiting import scrape, scrape_page, wait_until
 
 VOCAB = 12
 SEED = 3
@@ -163,7 +164,7 @@ def test_bad_settings_exit_2(tmp_path):
 def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     # The worker is stopped mid-run: the Spark side must finish every request
     # target-only from its committed prefix, with no partial commit anywhere.
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
+    with worker_process("--metrics-port", "0", vocab=VOCAB, seed=SEED) as running:
         address = running.address
         worker = running.process
         prompts = tmp_path / "p.jsonl"
@@ -196,7 +197,12 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(1.0)
+        # Mid-run: once the worker has drawn some proposals.
+        wait_until(lambda: scrape(running.metrics, "pp1_worker_steps_total") >= 50)
+        # Every COMMIT carries the digest of the Spark side's new prefix and the
+        # worker refuses one that differs from its own (as it refuses a STEP whose
+        # digest differs): no refusal means the two sides' prefixes always agreed.
+        refusals = scrape_page(running.metrics)
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=10) == 0
         stdout, stderr = proc.communicate(timeout=300)
@@ -208,6 +214,9 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     assert all(len(r["tokens"]) >= 40 for r in records)
     assert summary["fallbacks"] > 0
     assert summary["draft_tokens"] > 0
+    assert "pp1_worker_refusals_total{" not in refusals
+    # Only the loss of the worker may cause a fallback: never a refused COMMIT.
+    assert set(summary["fallbacks_by_reason"]) <= {"connection_lost", "reply_timeout"}, summary
 
 
 def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
@@ -230,12 +239,18 @@ def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
                 "--output",
                 str(out),
                 "--json",
+                "--metrics-port",
+                "0",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(1.5)
+        # The metrics line comes after the signal handlers are installed.
+        line = proc.stderr.readline()
+        assert line.startswith("pp1-spark metrics on "), line
+        metrics = line.rsplit(" ", 1)[1].strip()
+        wait_until(lambda: scrape(metrics, "pp1_requests_total") >= 1)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr

@@ -23,6 +23,7 @@ from pp1wire.testing.faultproxy import FaultProxy, Faults
 from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker
+from .waiting import eventually
 
 VOCAB = 32
 
@@ -93,9 +94,19 @@ async def test_latency():
 
 @pytest.mark.asyncio
 async def test_bandwidth_limit():
-    async with Rig(Faults(bandwidth=200_000)) as rig:
+    # The proxy forwards at most 20,000 B/s, so a round can take no less than
+    # the bytes it delivered divided by that rate.
+    rate = 20_000
+    async with Rig(Faults(bandwidth=rate)) as rig:
         await rig.round()
+        decoder = rig.client.core.decoder
+        before = decoder.bytes_received
+        started = time.perf_counter()
         await rig.round()
+        elapsed = time.perf_counter() - started
+        delivered = decoder.bytes_received - before
+        assert delivered > 500
+        assert elapsed >= delivered / rate
 
 
 @pytest.mark.asyncio
@@ -133,9 +144,11 @@ async def test_blackhole():
 async def test_slow_close():
     async with Rig(Faults(slow_close=0.3)) as rig:
         await rig.round()
-        rig.worker.mutate = lambda conn, data: None  # the worker never answers this STEP...
+        swallowed = []
+        # The worker never answers this STEP...
+        rig.worker.mutate = lambda conn, data: swallowed.append(data)
         pending = asyncio.ensure_future(rig.client.propose(0, depth=3))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: swallowed, what="the STEP reached the worker")
         started = time.perf_counter()
         for conn in rig.worker.conns:
             conn.transport.close()  # ...and then goes away; the proxy holds the close
@@ -149,8 +162,8 @@ async def test_slow_close():
 async def test_duplicated_reply_is_dropped():
     async with Rig(Faults(duplicate_reply=True)) as rig:
         await rig.round()
-        await asyncio.sleep(0.05)
-        assert rig.client.dropped["completion_duplicate"] == 4  # 3 rows + completion
+        # 3 rows + completion, each duplicated by the proxy
+        await eventually(lambda: rig.client.dropped["completion_duplicate"] == 4)
         await rig.round()
 
 
@@ -161,8 +174,7 @@ async def test_delayed_reply_times_out_and_is_dropped():
             await rig.client.propose(0, depth=3)
         assert info.value.code is ErrorCode.REPLY_TIMEOUT
         await rig.fallback()
-        await asyncio.sleep(0.4)
-        assert rig.client.dropped["late_frame"] == 4
+        await eventually(lambda: rig.client.dropped["late_frame"] == 4)
 
 
 def test_chaos_run_keeps_the_output_law(tmp_path):

@@ -14,6 +14,7 @@ from pp1wire.wire.messages import MsgType
 from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker, split_frames
+from .waiting import eventually
 
 VOCAB = 32
 PREFIX = [1, 2, 3]
@@ -89,8 +90,7 @@ async def test_late_reply_times_out_and_is_dropped():
     assert client.fallbacks["reply_timeout"] == 1
     await fallback_and_commit(client, verifier)
     assert worker.slot_prefix() == verifier.committed
-    await asyncio.sleep(0.4)
-    assert client.dropped["late_frame"] == 4  # 3 rows and the completion
+    await eventually(lambda: client.dropped["late_frame"] == 4)  # 3 rows and the completion
     await normal_round(client, verifier, worker)
     await client.close()
     await worker.stop()
@@ -128,16 +128,14 @@ async def test_stale_generation_reply_after_reset():
     worker = FaultyWorker(VOCAB, mutate=hold)
     _, client, verifier = await setup(worker)
     pending = asyncio.ensure_future(client.propose(0, depth=3))
-    await asyncio.sleep(0.05)
-    assert held
+    await eventually(lambda: held, what="the STEP reached the worker")
     generation = await client.reset(0)
     with pytest.raises(ProposalUnavailableError) as info:
         await pending
     assert info.value.code is ErrorCode.STALE_GENERATION
     conn, data = held[0]
     conn.write(data)  # the old generation's reply arrives after RESET
-    await asyncio.sleep(0.1)
-    assert client.dropped["stale_generation"] == len(split_frames(data))
+    await eventually(lambda: client.dropped["stale_generation"] == len(split_frames(data)))
     verifier.rebuild(verifier.committed, generation)
     await normal_round(client, verifier, worker)
     await client.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import subprocess
@@ -18,6 +17,8 @@ from pp1wire.errors import ErrorCode
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, Ping
 from pp1wire.wire.spark_core import SparkConfig
+
+from .waiting import eventually, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +38,22 @@ def _read_frames(sock: socket.socket, timeout: float) -> tuple[list, bool]:
             break
         frames += decoder.feed(data)
     return frames, eof
+
+
+def _ping(sock: socket.socket, nonce: int) -> bool:
+    """True if a PING on ``sock`` is answered with its PONG (PING is allowed before HELLO)."""
+    sock.sendall(framing.encode_frame(Ping(nonce=nonce)))
+    sock.settimeout(3.0)
+    decoder = framing.FrameDecoder(1 << 20)
+    while True:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            return False
+        if not data:
+            return False
+        for frame in decoder.feed(data):
+            return getattr(frame.message, "nonce", None) == nonce
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
@@ -206,7 +223,8 @@ def test_connection_limit():
         addr = running.address
         host, port = addr.rsplit(":", 1)
         held = [socket.create_connection((host, int(port))) for _ in range(2)]
-        time.sleep(0.2)
+        for s in held:  # a PONG proves the worker has taken the connection
+            assert _ping(s, 1)
         extra = socket.create_connection((host, int(port)))
         frames, eof = _read_frames(extra, 3.0)
         assert eof
@@ -214,12 +232,13 @@ def test_connection_limit():
         assert frames[0].message.code == ErrorCode.CONNECTION_LIMIT
         for s in [*held, extra]:
             s.close()
-        time.sleep(0.2)
-        again = socket.create_connection((host, int(port)))
-        again.sendall(framing.encode_frame(Ping(nonce=1)))
-        frames, _ = _read_frames(again, 2.0)
-        assert frames[0].message.nonce == 1
-        again.close()
+
+        def served() -> bool:
+            # Freed slots come back once the worker has seen the closes.
+            with socket.create_connection((host, int(port))) as again:
+                return _ping(again, 7)
+
+        wait_until(served, what="a connection is served after the others closed")
 
 
 def test_slow_loris_is_dropped_at_the_handshake_timeout():
@@ -246,8 +265,9 @@ async def test_idle_connection_is_closed():
         addr = running.address
         host, port = addr.rsplit(":", 1)
         client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16))
-        await asyncio.sleep(1.5)
-        assert client.closed
+        started = time.monotonic()
+        await eventually(lambda: client.closed, what="the idle connection is closed")
+        assert time.monotonic() - started >= 0.4
         assert client.failed is ErrorCode.IDLE_TIMEOUT
         with pytest.raises(ClientClosedError):
             await client.open(0, seed=1, prefix=[1])

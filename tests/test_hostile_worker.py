@@ -7,8 +7,6 @@ accepts that commit, so nothing was half-applied), and work normally next round.
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ from pp1wire.testing.builders import (
 from pp1wire.wire.spark_core import SparkConfig
 
 from .faulty import FaultyWorker
+from .waiting import eventually
 
 VOCAB = 8
 H, Q = 0.5, 0.25
@@ -290,9 +289,8 @@ async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None,
             await client.propose(0, depth=3, support=support)
         assert info.value.code is expected
         assert client.fallbacks[expected.name.lower()] == 1
-        await asyncio.sleep(0.05)
         for code in dropped or []:
-            assert client.dropped[code] >= 1
+            await eventually(lambda code=code: client.dropped[code] >= 1, what=code)
         # Target-only from the committed prefix; the worker accepts it: nothing half-applied.
         round_id = client.new_round(0)
         res = verifier.decode_target_only(round_id)
@@ -340,8 +338,7 @@ async def test_completion_twice_is_dropped():
     await client.open(0, seed=11, prefix=[1, 2, 3])
     proposal = await client.propose(0, depth=3)
     assert proposal.tokens == (0, 0, 0)
-    await asyncio.sleep(0.05)
-    assert client.dropped["completion_duplicate"] == 1
+    await eventually(lambda: client.dropped["completion_duplicate"] == 1)
     await client.close()
     await worker.stop()
 
@@ -385,7 +382,6 @@ async def test_duplicate_round_reply_is_dropped():
     client.release(first, 0)
     second = await client.propose(0, depth=3)
     assert second.round_id == first.round_id + 1
-    await asyncio.sleep(0.05)
-    assert client.dropped["round_reused"] == 4
+    await eventually(lambda: client.dropped["round_reused"] == 4)
     await client.close()
     await worker.stop()

@@ -138,13 +138,13 @@ class AsyncClient:
         self.config = config
         self.busy_poll = busy_poll
         self._spinner: asyncio.Task[None] | None = None
-        self.core = SparkProtocol(config, time.monotonic())
         self.loop = asyncio.get_running_loop()
         row_frame = 16 + 4096 + 4 * config.entries
         # Two in-flight batches of every slot's full-depth block, allocated once.
         self.pool = BufferPool(row_frame, 2 * config.max_slots * config.max_depth)
-        self.core.decoder = type(self.core.decoder)(0, allocator=self.pool.acquire)
-        self.core.release = self.pool.release
+        self.core = SparkProtocol(
+            config, time.monotonic(), allocator=self.pool.acquire, release=self.pool.release
+        )
         self._conn: _Connection | None = None
         self._handshake: asyncio.Future[None] = self.loop.create_future()
         self._opened: dict[int, asyncio.Future[None]] = {}

@@ -12,10 +12,13 @@ tests can compute target-only distributions for any prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+
+from pp1wire.q.proposal import DrafterFn
+from pp1wire.q.verify import TargetFn
 
 DEFAULT_VOCAB = 129_280
 DEFAULT_RANK = 8
@@ -34,7 +37,6 @@ class ToyLM:
         draft: bool = False,
         rank: int = DEFAULT_RANK,
         noise: float = DRAFT_NOISE,
-        eos: int | None = None,
     ) -> None:
         """Build the model's tables from ``seed``; the drafter perturbs the target's.
 
@@ -45,8 +47,6 @@ class ToyLM:
             raise ValueError("need vocab_size >= 2 and rank >= 1")
         base = np.random.default_rng([seed, 0x7050_3157])
         self.vocab_size = vocab_size
-        self.eos = eos
-        self.draft = draft
         emb = base.standard_normal((vocab_size, rank))
         out = base.standard_normal((rank, vocab_size))
         ranks = np.arange(1, vocab_size + 1, dtype=np.float64)
@@ -80,14 +80,14 @@ class ToyLM:
     __call__ = probs
 
 
-def toy_target(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None = None) -> ToyLM:
+def toy_target(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
     """The built-in target model for ``(vocab_size, seed)``."""
-    return ToyLM(vocab_size, seed, eos=eos)
+    return ToyLM(vocab_size, seed)
 
 
-def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0, eos: int | None = None) -> ToyLM:
+def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
     """The built-in drafter matching :func:`toy_target` with the same arguments."""
-    return ToyLM(vocab_size, seed, draft=True, eos=eos)
+    return ToyLM(vocab_size, seed, draft=True)
 
 
 def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
@@ -98,7 +98,3 @@ def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:
     """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p."""
     return toy_target(vocab_size, seed).probs
-
-
-DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.float64]]
-TargetFn = Callable[[Sequence[int]], npt.NDArray[np.float64]]

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -135,7 +134,6 @@ def setup_logging(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(numeric)
     root.propagate = False
-    logging.Formatter.converter = time.gmtime
 
 
 def load_factory(spec: str) -> Any:

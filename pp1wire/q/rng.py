@@ -66,7 +66,10 @@ class Domain(IntEnum):
 
 
 class Role(IntEnum):
-    """Who may draw: the worker leader owns proposals, the Spark side the rest."""
+    """A protocol role: the ``role`` of a HELLO, and who may draw in which domain.
+
+    The worker leader owns proposal draws, the Spark side the rest.
+    """
 
     WORKER = 1
     SPARK = 2

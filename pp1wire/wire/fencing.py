@@ -61,9 +61,10 @@ class Action(Enum):
 
     ACCEPT = "accept"
     REPLAY = "replay"
-    DROP = "drop"
-    REFUSE = "refuse"
-    FAIL = "fail"
+    DROP = "drop"  # ignore it; count it as dropped
+    REJECT = "reject"  # ignore it; count it as rejected (a frame that should not exist)
+    REFUSE = "refuse"  # answer ERROR scope 0
+    FAIL = "fail"  # discard the in-flight proposal
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,24 @@ class WorkerSlotFence:
         self.last_step = None
         self.committed_round = -1
         self.last_commit = None
+
+
+def worker_slot(session: int, received_session: int, slot_open: bool) -> Decision:
+    """The first rule for every slot message a worker receives: session, then slot."""
+    if received_session != session:
+        return Decision(Action.REFUSE, ErrorCode.WRONG_SESSION)
+    if not slot_open:
+        return Decision(Action.REFUSE, ErrorCode.UNKNOWN_SLOT)
+    return ACCEPT
+
+
+def worker_open(previous_generation: int | None, generation: int) -> Decision:
+    """OPEN of a slot that is not open: a slot reopened in the same session must move
+    to a higher generation, so no frame of its earlier instance can match the new one.
+    """
+    if previous_generation is not None and generation <= previous_generation:
+        return Decision(Action.REFUSE, ErrorCode.STALE_GENERATION)
+    return ACCEPT
 
 
 def _generation(current: int, received: int) -> Decision | None:
@@ -169,6 +188,19 @@ class SparkSlotFence:
     generation: int
     last_round: int = -1
     in_flight: SparkInFlight | None = None
+
+
+def spark_slot(session: int, received_session: int, slot_open: bool) -> Decision:
+    """The first rule for every slot message the Spark side receives: session, then slot.
+
+    Another session's frame is rejected (counted as a rejected frame; nothing
+    else changes); a frame for a slot that is not open is dropped.
+    """
+    if received_session != session:
+        return Decision(Action.REJECT, ErrorCode.WRONG_SESSION)
+    if not slot_open:
+        return Decision(Action.DROP, ErrorCode.UNKNOWN_SLOT)
+    return ACCEPT
 
 
 def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decision:

@@ -15,9 +15,9 @@ from typing import Final
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
-from pp1wire.q.rng import ABI_NAME
+from pp1wire.q.rng import ABI_NAME, Role
 from pp1wire.wire import framing
-from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello, Role
+from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
 
 AUTH_WORKER_LABEL: Final = b"pp1w-v2 worker proof"
 AUTH_SPARK_LABEL: Final = b"pp1w-v2 spark proof"

@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q.rng import Role
 
 WIRE_VERSION: Final = 2
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
@@ -55,13 +56,6 @@ class MsgType(IntEnum):
     ERROR = 15
     PING = 16
     PONG = 17
-
-
-class Role(IntEnum):
-    """Who sent a HELLO."""
-
-    WORKER = 1
-    SPARK = 2
 
 
 class Representation(IntEnum):

@@ -23,6 +23,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import Proposal, prefix_digest
+from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
@@ -46,7 +47,6 @@ from pp1wire.wire.messages import (
     Reply,
     Reset,
     ResetDone,
-    Role,
     Scope,
     Step,
 )
@@ -85,7 +85,6 @@ class SparkConfig(PeerConfig):
 class SparkSlot:
     """The Spark side's state for one slot."""
 
-    seed: int
     context: int
     eos: int | None
     prefix: array[int]
@@ -100,12 +99,24 @@ class SparkSlot:
 class SparkProtocol:
     """The Spark side's connection state machine (one instance per connection)."""
 
-    def __init__(self, config: SparkConfig, now: float) -> None:
-        """Prepare a connection; call :meth:`start` to queue HELLO."""
+    def __init__(
+        self,
+        config: SparkConfig,
+        now: float,
+        *,
+        allocator: framing.Allocator | None = None,
+        release: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        """Prepare a connection; call :meth:`start` to queue HELLO.
+
+        ``allocator`` gives large frames their receive buffers and ``release``
+        takes each back once nothing refers to it (a transport's buffer pool);
+        without them buffers are allocated fresh and freed by the collector.
+        """
         self.config = config
         self.state = "idle"
         self.session = 0
-        self.decoder = framing.FrameDecoder(0)
+        self.decoder = framing.FrameDecoder(0, allocator=allocator)
         self.slots: dict[int, SparkSlot] = {}
         self._out: list[bytes] = []
         self._events: list[SparkEvent] = []
@@ -129,9 +140,7 @@ class SparkProtocol:
         self._closing: dict[int, int] = {}
         self._slot_generations: dict[int, int] = {}
         self._ready_buffers: dict[tuple[int, int], list[memoryview]] = {}
-        #: Called with a frame's buffer once nothing refers to it any more
-        #: (lets a transport recycle receive buffers); None: let GC free it.
-        self.release: Callable[[memoryview], None] | None = None
+        self._release_buffer = release
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -221,8 +230,8 @@ class SparkProtocol:
         return self._take()
 
     def _release(self, view: memoryview) -> None:
-        if self.release is not None:
-            self.release(view)
+        if self._release_buffer is not None:
+            self._release_buffer(view)
 
     def release_proposal(self, slot: int, round_id: int) -> None:
         """The caller is done with a ready proposal's rows: recycle their buffers."""
@@ -306,7 +315,6 @@ class SparkProtocol:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, "prefix longer than negotiated")
         digest = prefix_digest(tokens)
         self.slots[slot] = SparkSlot(
-            seed=seed,
             context=context,
             eos=eos,
             prefix=tokens,
@@ -613,12 +621,16 @@ class SparkProtocol:
     # -- slot replies ----------------------------------------------------------
 
     def _known(self, session: int, slot: int) -> SparkSlot | None:
-        if session != self.session:
-            self._events.append(FrameRejected(slot, ErrorCode.WRONG_SESSION))
-            return None
         state = self.slots.get(slot)
-        if state is None:
-            self._events.append(FrameDropped(slot, ErrorCode.UNKNOWN_SLOT))
+        decision = fencing.spark_slot(self.session, session, state is not None)
+        if decision.action is Action.REJECT:
+            assert decision.code is not None
+            self._events.append(FrameRejected(slot, decision.code))
+            return None
+        if decision.action is Action.DROP:
+            assert decision.code is not None
+            self._events.append(FrameDropped(slot, decision.code))
+            return None
         return state
 
     def _on_opened(self, msg: Message, _frame: framing.Frame) -> None:

@@ -25,8 +25,7 @@ import xxhash
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import DrafterFn, QRow, prefix_digest, propose
-from pp1wire.q.rng import Role as RngRole
-from pp1wire.q.rng import RoundStreams
+from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire import fencing, framing
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
@@ -56,7 +55,6 @@ from pp1wire.wire.messages import (
     Representation,
     Reset,
     ResetDone,
-    Role,
     Scope,
     Step,
 )
@@ -420,18 +418,17 @@ class WorkerProtocol:
     def _slot_for(
         self, msg: Open | Close | Step | Commit | Reset, kind: MsgType
     ) -> WorkerSlot | None:
-        if msg.session != self.session:
-            self._refuse(ErrorCode.WRONG_SESSION, kind, slot=msg.slot)
-            return None
         slot = self.slots.get(msg.slot)
-        if slot is None:
-            self._refuse(ErrorCode.UNKNOWN_SLOT, kind, slot=msg.slot)
+        decision = fencing.worker_slot(self.session, msg.session, slot is not None)
+        if decision.code is not None:
+            self._refuse(decision.code, kind, slot=msg.slot)
+            return None
         return slot
 
     def _on_open(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, Open)
         kind = MsgType.OPEN
-        if msg.session != self.session:
+        if msg.session != self.session:  # §7: session first; the slot need not be open
             self._refuse(ErrorCode.WRONG_SESSION, kind, slot=msg.slot)
             return
         if msg.slot >= self.limits.max_slots:
@@ -444,11 +441,9 @@ class WorkerProtocol:
                 return
             self._refuse(ErrorCode.SLOT_IN_USE, kind, slot=msg.slot)
             return
-        # A reopened slot must move to a higher generation, so no frame of its
-        # earlier instance can ever match the fencing of the new one (§4.3).
-        last = self._slot_generations.get(msg.slot)
-        if last is not None and msg.generation <= last:
-            self._refuse(ErrorCode.STALE_GENERATION, kind, slot=msg.slot, generation=msg.generation)
+        decision = fencing.worker_open(self._slot_generations.get(msg.slot), msg.generation)
+        if decision.code is not None:
+            self._refuse(decision.code, kind, slot=msg.slot, generation=msg.generation)
             return
         if frame.payload.nbytes != 4 * msg.prefix_len or msg.prefix_len > self.limits.max_prefix:
             self._refuse(ErrorCode.PAYLOAD_LENGTH, kind, slot=msg.slot)
@@ -552,7 +547,7 @@ class WorkerProtocol:
         return None
 
     def _propose(self, slot: WorkerSlot, step: Step) -> tuple[bytes, tuple[QRow, ...], int]:
-        streams = RoundStreams(RngRole.WORKER, slot.seed, step.generation, step.round)
+        streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
         try:
             rows = propose(
                 slot.prefix,

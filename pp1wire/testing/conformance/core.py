@@ -18,11 +18,10 @@ import numpy as np
 import xxhash
 
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.q import dyadic
 from pp1wire.q.proposal import prefix_digest
-from pp1wire.q.rng import ABI_NAME
+from pp1wire.q.rng import Role
 from pp1wire.wire import framing, messages
-from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL
+from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
 from pp1wire.wire.messages import (
     Auth,
     Error,
@@ -31,7 +30,6 @@ from pp1wire.wire.messages import (
     MsgType,
     Open,
     Ping,
-    Role,
     Step,
 )
 
@@ -80,6 +78,7 @@ class Settings:
     slots: int = 2
     support: int = 8
     handshake_wait: float = 12.0
+    idle_wait: float | None = None  # longer than the worker's idle timeout; None: skip 2.3
 
 
 # -- a raw peer ------------------------------------------------------------------
@@ -222,28 +221,26 @@ class Peer:
     def hello(self, **overrides: Any) -> Hello:
         """The suite's HELLO (with any field overridden)."""
         s = self.s
-        fields: dict[str, Any] = {
-            "role": int(Role.SPARK),
-            "wire_version": messages.WIRE_VERSION,
-            "q_semantic": dyadic.SEMANTIC_ID,
-            "verifier": messages.VERIFIER_ID,
-            "rng_abi": ABI_NAME,
-            "precision": messages.PRECISION,
-            "vocab_size": s.vocab,
-            "vocab_hash": s.vocab_hash,
-            "draft_identity": "",
-            "draft_native": True,
-            "target_identity": s.target_identity,
-            "max_slots": s.slots,
-            "max_depth": 5,
-            "max_support": min(s.support, s.vocab),
-            "row_entries": s.vocab,
-            "max_frame": 4 * s.vocab + 8192,
-            "max_prefix": 4096,
-            "nonce": secrets.token_bytes(32),
-        }
-        fields.update(overrides)
-        return Hello(**fields)
+        ours = PeerConfig(
+            vocab_size=s.vocab,
+            vocab_hash=s.vocab_hash,
+            target_identity=s.target_identity,
+            max_slots=s.slots,
+            max_depth=5,
+            max_support=min(s.support, s.vocab),
+            max_frame=4 * s.vocab + 8192,
+            max_prefix=4096,
+        )
+        hello = build_hello(
+            Role.SPARK,
+            ours,
+            draft_identity="",
+            draft_native=True,
+            limits=None,
+            nonce=secrets.token_bytes(32),
+        )
+        replaced: Hello = msgspec.structs.replace(hello, **overrides)
+        return replaced
 
     async def handshake(self, hello: Hello | None = None) -> Hello:
         """Complete HELLO (and AUTH when a key is configured); returns the worker's HELLO.

@@ -11,6 +11,7 @@ import msgspec
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.rng import Role
 from pp1wire.testing.conformance.core import (
     CaseFailed,
     NonStrict,
@@ -35,7 +36,6 @@ from pp1wire.wire.messages import (
     Open,
     Ping,
     Reset,
-    Role,
 )
 
 # -- handshake ---------------------------------------------------------------------

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=12.0,
         help="how long the handshake-timeout case waits",
     )
+    p.add_argument(
+        "--idle-wait",
+        type=float,
+        default=None,
+        help="run the idle-timeout case, waiting this long (more than the worker's idle timeout)",
+    )
     p.add_argument("--config", default=None)
     return p
 
@@ -134,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ssl=ctx,
             timeout=args.timeout,
             handshake_wait=args.handshake_wait,
+            idle_wait=args.idle_wait,
         )
     except SettingsError as exc:
         print(f"pp1-conformance: {exc}", file=sys.stderr)

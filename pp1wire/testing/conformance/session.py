@@ -248,14 +248,13 @@ async def _rows(s: Settings) -> None:
 async def _dense(s: Settings) -> None:
     async with await fresh(s) as peer:
         await peer.open_slot()
-        data, frames = await peer.reply(peer.step_msg(depth=1, support=0))
+        _, frames = await peer.reply(peer.step_msg(depth=1, support=0))
         (row,) = [f for f in frames if f.type is MsgType.REPLY]
         r = row.message
         assert isinstance(r, messages.Reply)
         if r.representation != 0 or r.entries != s.vocab:
             raise CaseFailed("dense row with wrong representation or entries")
         dyadic.validate_dense(bytes(row.payload), s.vocab, r.token)
-        _ = data
 
 
 @case("4.3.1", "session and STEP", "more slots than negotiated", "slot < max_slots (SLOT_LIMIT)")

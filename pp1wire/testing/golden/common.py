@@ -6,10 +6,10 @@ from typing import Any
 
 import msgspec
 
-from pp1wire.q import dyadic
-from pp1wire.q.rng import ABI_NAME
+from pp1wire.q.rng import Role
 from pp1wire.testing.builders import VOCAB
 from pp1wire.wire import messages
+from pp1wire.wire.handshake import PeerConfig, build_hello
 from pp1wire.wire.messages import (
     Hello,
     Message,
@@ -23,29 +23,25 @@ Vector = dict[str, Any]
 
 def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
     """The vectors' HELLO from ``role`` (any field overridden)."""
-    fields: dict[str, Any] = {
-        "role": role,
-        "wire_version": messages.WIRE_VERSION,
-        "q_semantic": dyadic.SEMANTIC_ID,
-        "verifier": messages.VERIFIER_ID,
-        "rng_abi": ABI_NAME,
-        "precision": messages.PRECISION,
-        "vocab_size": VOCAB,
-        "vocab_hash": 0,
-        "draft_identity": "pp1-toy-drafter",
-        "draft_native": True,
-        "target_identity": "pp1-toy-target",
-        "max_slots": 4,
-        "max_depth": 5,
-        "max_support": 4,
-        "row_entries": VOCAB,
-        "max_frame": 1 << 20,
-        "max_prefix": 1024,
-        "nonce": NONCE,
-        "session": session,
-    }
-    fields.update(overrides)
-    return Hello(**fields)
+    config = PeerConfig(
+        vocab_size=VOCAB,
+        max_slots=4,
+        max_depth=5,
+        max_support=4,
+        max_frame=1 << 20,
+        max_prefix=1024,
+    )
+    hello = build_hello(
+        Role(role),
+        config,
+        draft_identity="pp1-toy-drafter",
+        draft_native=True,
+        limits=None,
+        nonce=NONCE,
+        session=session,
+    )
+    replaced: Hello = msgspec.structs.replace(hello, **overrides)
+    return replaced
 
 
 def _jsonable(value: Any) -> Any:
