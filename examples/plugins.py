@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.apps.launch import worker_process
+from pp1wire.apps.launch import spark_command, worker_process
 
 Row = npt.NDArray[np.float64]
 
@@ -73,21 +73,16 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(here)}
     with worker_process("--drafter", "plugins:drafter_factory", vocab=1000, env=env) as worker:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
+            spark_command(
                 worker.address,
-                "--vocab",
-                "1000",
                 "--target",
                 "plugins:target_factory",
                 "--requests",
                 "4",
                 "--max-tokens",
                 "32",
-            ],
+                vocab=1000,
+            ),
             env=env,
             check=False,
         )

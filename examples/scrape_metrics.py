@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 
-from pp1wire.apps.launch import worker_process
+from pp1wire.apps.launch import spark_command, worker_process
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -35,14 +35,8 @@ def scrape(address: str) -> dict[str, float]:
 def main() -> int:
     with worker_process(vocab=2048) as worker:
         spark = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
+            spark_command(
                 worker.address,
-                "--vocab",
-                "2048",
                 "--requests",
                 "400",
                 "--max-tokens",
@@ -50,7 +44,8 @@ def main() -> int:
                 "--metrics-port",
                 "0",
                 "--json",
-            ],
+                vocab=2048,
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from . import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,13 +28,7 @@ KEYS = {
 def test_run_py_smoke():
     pytest.importorskip("zmq")
     pytest.importorskip("grpc")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    done = cli.run(sys.executable, ROOT / "benchmarks" / "run.py", "--smoke", "--json", timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result) >= KEYS
@@ -41,13 +36,8 @@ def test_run_py_smoke():
 
 
 def test_sizes_report_meets_the_size_goals():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sizes.py"), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    done = cli.run(sys.executable, ROOT / "benchmarks" / "sizes.py", "--json")
+    assert done.returncode == 0, done.stderr
     table = json.loads(done.stdout)
     assert table["dense"]["overhead"] <= 0.001
     assert table["sparse32"]["encoded"] <= 1600

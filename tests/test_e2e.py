@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from collections import Counter
 from math import sqrt
 
@@ -14,6 +13,7 @@ import pytest
 from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import ToyLM
 
+from . import cli
 from .waiting import scrape, scrape_page, wait_until
 
 VOCAB = 12
@@ -25,14 +25,9 @@ def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, n
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(PROMPT) + "\n")
     out = tmp_path / f"{name}.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pp1wire.apps.spark",
-        "--worker",
+    done = cli.spark(
         address,
-        "--vocab",
-        str(VOCAB),
+        VOCAB,
         "--seed",
         str(SEED),
         "--requests",
@@ -40,13 +35,13 @@ def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, n
         "--max-tokens",
         str(max_tokens),
         "--prompts",
-        str(prompts),
+        prompts,
         "--output",
-        str(out),
+        out,
         "--json",
         *extra,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return json.loads(done.stdout), records
@@ -128,20 +123,7 @@ def test_cli_contract_and_depth_zero(tmp_path):
 
 
 def test_worker_unreachable_is_a_clear_error(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "pp1wire.apps.spark",
-        "--worker",
-        "127.0.0.1:1",
-        "--vocab",
-        "8",
-        "--requests",
-        "1",
-        "--connect-timeout",
-        "0.3",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    done = cli.spark("127.0.0.1:1", 8, "--requests", "1", "--connect-timeout", "0.3")
     assert done.returncode == 1
     assert "cannot reach the worker" in done.stderr
 
@@ -150,13 +132,7 @@ def test_bad_settings_exit_2(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("no_such_key = 1\n")
     for args in (["--support", "sparse:x"], ["--config", str(bad)], ["--depth", "9"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "pp1wire.apps.spark", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = cli.module("pp1wire.apps.spark", *args)
         assert done.returncode == 2, (args, done.stderr)
         assert done.stderr.startswith("pp1-spark: ")
 
@@ -171,14 +147,9 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
         prompts.write_text(json.dumps(PROMPT) + "\n")
         out = tmp_path / "o.jsonl"
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
+            cli.spark_args(
                 address,
-                "--vocab",
-                str(VOCAB),
+                VOCAB,
                 "--seed",
                 "1",
                 "--requests",
@@ -186,13 +157,13 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
                 "--max-tokens",
                 "40",
                 "--prompts",
-                str(prompts),
+                prompts,
                 "--output",
-                str(out),
+                out,
                 "--json",
                 "--reply-timeout",
                 "0.5",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -224,24 +195,19 @@ def test_spark_sigterm_drains_and_writes_what_it_committed(tmp_path):
         address = running.address
         out = tmp_path / "o.jsonl"
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
+            cli.spark_args(
                 address,
-                "--vocab",
-                str(VOCAB),
+                VOCAB,
                 "--requests",
                 "100000",
                 "--max-tokens",
                 "50",
                 "--output",
-                str(out),
+                out,
                 "--json",
                 "--metrics-port",
                 "0",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

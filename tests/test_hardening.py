@@ -18,6 +18,7 @@ from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, Ping
 from pp1wire.wire.spark_core import SparkConfig
 
+from . import cli
 from .waiting import eventually, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,67 +85,16 @@ def test_tls_end_to_end(tmp_path):
     )
     with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as running:
         addr = running.address
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
-                addr,
-                "--vocab",
-                "16",
-                "--requests",
-                "4",
-                "--max-tokens",
-                "8",
-                "--json",
-                "--tls-ca",
-                str(cert),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+        done = cli.spark(
+            addr, 16, "--requests", "4", "--max-tokens", "8", "--json", "--tls-ca", cert
         )
         assert done.returncode == 0, done.stderr
         assert '"fallbacks": 0' in done.stdout
         # A plaintext peer cannot talk to a TLS worker.
-        plain = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
-                addr,
-                "--vocab",
-                "16",
-                "--requests",
-                "1",
-                "--connect-timeout",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        plain = cli.spark(addr, 16, "--requests", "1", "--connect-timeout", "1")
         assert plain.returncode == 1
-        health = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.worker",
-                "--check",
-                addr,
-                "--vocab",
-                "16",
-                "--tls-cert",
-                str(cert),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
+        health = cli.module(
+            "pp1wire.apps.worker", "--check", addr, "--vocab", "16", "--tls-cert", cert
         )
         assert health.returncode == 0, health.stderr
 
@@ -156,50 +106,12 @@ def test_psk_enforced_by_the_daemons(tmp_path):
     wrong.write_text("incorrect horse battery staple\n")
     with worker_process("--psk-file", str(key), vocab=16) as running:
         addr = running.address
-        ok = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.apps.spark",
-                "--worker",
-                addr,
-                "--vocab",
-                "16",
-                "--requests",
-                "2",
-                "--max-tokens",
-                "4",
-                "--json",
-                "--psk-file",
-                str(key),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+        ok = cli.spark(
+            addr, 16, "--requests", "2", "--max-tokens", "4", "--json", "--psk-file", key
         )
         assert ok.returncode == 0, ok.stderr
         for extra in (["--psk-file", str(wrong)], []):
-            bad = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pp1wire.apps.spark",
-                    "--worker",
-                    addr,
-                    "--vocab",
-                    "16",
-                    "--requests",
-                    "1",
-                    "--connect-timeout",
-                    "1",
-                    *extra,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
+            bad = cli.spark(addr, 16, "--requests", "1", "--connect-timeout", "1", *extra)
             assert bad.returncode == 1
             assert "AUTH" in bad.stderr
 
@@ -207,13 +119,7 @@ def test_psk_enforced_by_the_daemons(tmp_path):
 def test_short_psk_is_refused(tmp_path):
     key = tmp_path / "k"
     key.write_text("short\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "pp1wire.apps.worker", "--psk-file", str(key)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = cli.module("pp1wire.apps.worker", "--psk-file", key)
     assert done.returncode == 2
     assert "16 bytes" in done.stderr
 
@@ -274,12 +180,6 @@ async def test_idle_connection_is_closed():
 
 
 def test_fuzz_harness_smoke():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "fuzz" / "run.py"), "--seconds", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = cli.run(sys.executable, ROOT / "fuzz" / "run.py", "--seconds", "2")
     assert done.returncode == 0, done.stderr
     assert '"executions"' in done.stdout

@@ -6,8 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +15,8 @@ from pp1wire.aio.client import BufferPool
 from pp1wire.apps import metrics
 from pp1wire.apps.launch import worker_process
 from pp1wire.apps.settings import JsonFormatter, SettingsError, parse
+
+from . import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,22 +118,10 @@ def test_buffer_pool_recycles_and_never_blocks():
 def test_worker_metrics_endpoint_and_health_check(tmp_path):
     with worker_process("--metrics-port", "0", vocab=16) as running:
         address = running.address
-        done = subprocess.run(
-            [sys.executable, "-m", "pp1wire.apps.worker", "--check", address, "--vocab", "16"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = cli.module("pp1wire.apps.worker", "--check", address, "--vocab", "16")
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("healthy")
-        wrong = subprocess.run(
-            [sys.executable, "-m", "pp1wire.apps.worker", "--check", address, "--vocab", "17"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        wrong = cli.module("pp1wire.apps.worker", "--check", address, "--vocab", "17")
         assert wrong.returncode == 1
         with urllib.request.urlopen(f"http://{running.metrics}/metrics", timeout=5) as r:
             text = r.read().decode()

@@ -8,6 +8,7 @@ import pytest
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
+from pp1wire.testing.builders import open_message, reply_step
 from pp1wire.wire import framing
 from pp1wire.wire.messages import (
     Auth,
@@ -16,12 +17,10 @@ from pp1wire.wire.messages import (
     Error,
     Hello,
     MsgType,
-    Open,
     Ping,
     Pong,
     Reset,
     Scope,
-    Step,
 )
 from pp1wire.wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
 
@@ -40,30 +39,9 @@ def open_slot(pair, slot=0, prefix=PREFIX, seed=5, **kw):
     pair.pump()
 
 
-def step(
-    session=7,
-    slot=0,
-    generation=0,
-    round=0,
-    position=3,
-    digest=None,
-    depth=3,
-    temperature=1.0,
-    support=0,
-    context=0,
-):
-    return Step(
-        session=session,
-        slot=slot,
-        generation=generation,
-        round=round,
-        position=position,
-        digest=prefix_digest(PREFIX) if digest is None else digest,
-        depth=depth,
-        temperature=temperature,
-        support=support,
-        context=context,
-    )
+def step(**over):
+    """A STEP on slot 0 of session 7 at PREFIX, depth 3, dense (any field overridden)."""
+    return msgspec.structs.replace(reply_step(0, depth=3), **over)
 
 
 def ready_pair(**kw):
@@ -277,18 +255,7 @@ def test_stale_generation_after_reset():
 
 def test_more_slots_than_negotiated():
     pair = make_pair(spark_kw={"max_slots": 2}, worker_kw={"max_slots": 4})
-    pair.send_raw(
-        Open(
-            session=7,
-            slot=2,
-            generation=0,
-            seed=1,
-            context=0,
-            eos=None,
-            prefix_len=0,
-            digest=prefix_digest([]),
-        )
-    )
+    pair.send_raw(open_message(7, 2, []))
     err = error_of(b"".join(pair.worker.data_to_send()))
     assert ErrorCode(err.code) is ErrorCode.SLOT_LIMIT
     assert pair.worker.slots == {}
@@ -298,16 +265,7 @@ def test_open_validates_prefix():
     pair = make_pair()
     tokens = np.array([1, VOCAB], dtype="<i4").tobytes()
     pair.send_raw(
-        Open(
-            session=7,
-            slot=0,
-            generation=0,
-            seed=1,
-            context=0,
-            eos=None,
-            prefix_len=2,
-            digest=prefix_digest([1, VOCAB]),
-        ),
+        open_message(7, 0, [1, VOCAB]),
         tokens,
     )
     assert (
@@ -315,23 +273,14 @@ def test_open_validates_prefix():
         is ErrorCode.TOKEN_OUT_OF_RANGE
     )
     pair.send_raw(
-        Open(
-            session=7,
-            slot=0,
-            generation=0,
-            seed=1,
-            context=0,
-            eos=None,
-            prefix_len=1,
-            digest=prefix_digest([1]),
-        ),
+        open_message(7, 0, [1]),
         tokens,
     )
     assert (
         ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code) is ErrorCode.PAYLOAD_LENGTH
     )
     pair.send_raw(
-        Open(session=7, slot=0, generation=0, seed=1, context=0, eos=None, prefix_len=1, digest=5),
+        open_message(7, 0, [0] * 1, digest=5),
         tokens[:4],
     )
     assert (
@@ -343,18 +292,7 @@ def test_open_validates_prefix():
 
 def test_slot_in_use():
     pair = ready_pair()
-    pair.send_raw(
-        Open(
-            session=7,
-            slot=0,
-            generation=0,
-            seed=9,
-            context=0,
-            eos=None,
-            prefix_len=0,
-            digest=prefix_digest([]),
-        )
-    )
+    pair.send_raw(open_message(7, 0, [], seed=9))
     assert ErrorCode(error_of(b"".join(pair.worker.data_to_send())).code) is ErrorCode.SLOT_IN_USE
 
 

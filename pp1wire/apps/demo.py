@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from pp1wire.apps.launch import WorkerStartError, worker_command, worker_process
+from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow, propose
@@ -115,14 +115,8 @@ def run_daemons(args: argparse.Namespace) -> int:
         with worker_process(command=worker_cmd) as worker:
             print(f"  worker up at {worker.address} (toy drafter, vocabulary {args.vocab})")
             for support in ("dense", "sparse:32"):
-                spark_cmd = [
-                    sys.executable,
-                    "-m",
-                    "pp1wire.apps.spark",
-                    "--worker",
+                spark_cmd = spark_command(
                     worker.address,
-                    "--vocab",
-                    str(args.vocab),
                     "--seed",
                     str(args.seed),
                     "--requests",
@@ -134,7 +128,8 @@ def run_daemons(args: argparse.Namespace) -> int:
                     "--support",
                     support,
                     "--json",
-                ]
+                    vocab=args.vocab,
+                )
                 print("$ " + " ".join(["pp1-spark", *spark_cmd[3:]]), flush=True)
                 done = subprocess.run(spark_cmd, capture_output=True, text=True, check=False)
                 if done.returncode != 0:

@@ -59,6 +59,20 @@ def worker_command(*extra: str, vocab: int, seed: int = 0, log_level: str = "war
     ]
 
 
+def spark_command(address: str, *extra: str, vocab: int) -> list[str]:
+    """The command line of ``pp1-spark`` against the worker at ``address``."""
+    return [
+        sys.executable,
+        "-m",
+        "pp1wire.apps.spark",
+        "--worker",
+        address,
+        "--vocab",
+        str(vocab),
+        *extra,
+    ]
+
+
 @contextlib.contextmanager
 def worker_process(
     *extra: str,

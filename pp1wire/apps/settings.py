@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +207,27 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     )
     p.add_argument("--log-level", default=log_level)
     p.add_argument("--config", default=None, help="TOML file with any of these settings")
+
+
+def run_daemon(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    body: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+) -> int:
+    """A daemon's ``main``: parse settings, set up logging and uvloop, run ``body``.
+
+    Returns ``body``'s exit code; 2 with one line on stderr for a bad setting,
+    1 for an operating-system error (an address in use, an unreadable file).
+    """
+    try:
+        args = parse(parser, argv)
+        setup_logging(args.log_level)
+        install_uvloop()
+        return asyncio.run(body(args))
+    except SettingsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1

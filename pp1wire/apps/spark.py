@@ -42,11 +42,9 @@ from pp1wire.apps.settings import (
     SettingsError,
     add_common_flags,
     host_port,
-    install_uvloop,
     load_factory,
-    parse,
     read_psk,
-    setup_logging,
+    run_daemon,
 )
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.rng import derive_seed
@@ -539,15 +537,7 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-spark`` entry point."""
-    parser = build_parser()
-    try:
-        args = parse(parser, argv)
-        setup_logging(args.log_level)
-        install_uvloop()
-        return asyncio.run(run(args))
-    except SettingsError as exc:
-        print(f"pp1-spark: {exc}", file=sys.stderr)
-        return 2
+    return run_daemon("pp1-spark", build_parser(), argv, run)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from pp1wire.aio.server import WorkerServer
-from pp1wire.apps import metrics
-from pp1wire.apps.settings import (
-    SettingsError,
-    add_common_flags,
-    host_port,
-    install_uvloop,
-    load_factory,
-    parse,
-    read_psk,
-    setup_logging,
-)
+from pp1wire.apps import metrics, settings
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -70,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="health check: HELLO a running worker, exit 0 if it answers",
     )
-    add_common_flags(p, log_level="info")
+    settings.add_common_flags(p, log_level="info")
     return p
 
 
@@ -78,12 +68,12 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     """The :class:`WorkerConfig` the parsed settings describe.
 
     Raises:
-        SettingsError: for limits outside their ranges.
+        settings.SettingsError: for limits outside their ranges.
     """
     if not 1 <= args.max_depth <= 5:
-        raise SettingsError("--max-depth must be in 1..5")
+        raise settings.SettingsError("--max-depth must be in 1..5")
     if args.vocab < 2 or args.max_slots < 1 or args.max_support < 0:
-        raise SettingsError("--vocab >= 2, --max-slots >= 1, --max-support >= 0 required")
+        raise settings.SettingsError("--vocab >= 2, --max-slots >= 1, --max-support >= 0 required")
     return WorkerConfig(
         vocab_size=args.vocab,
         vocab_hash=args.vocab_hash,
@@ -93,7 +83,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         max_depth=args.max_depth,
         max_support=min(args.max_support, args.vocab),
         max_prefix=args.max_prefix,
-        psk=read_psk(args.psk_file),
+        psk=settings.read_psk(args.psk_file),
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
     )
@@ -104,7 +94,7 @@ async def check(args: argparse.Namespace, target: str) -> int:
     from pp1wire.aio.client import AsyncClient, ClientClosedError  # noqa: PLC0415
     from pp1wire.wire.spark_core import SparkConfig  # noqa: PLC0415
 
-    host, port = host_port(target)
+    host, port = settings.host_port(target)
     cfg = config_from(args)
     spark_cfg = SparkConfig(
         vocab_size=cfg.vocab_size,
@@ -133,7 +123,7 @@ async def check(args: argparse.Namespace, target: str) -> int:
 async def serve(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT; returns the exit code."""
     config = config_from(args)
-    factory = load_factory(args.drafter)
+    factory = settings.load_factory(args.drafter)
     drafter: DrafterFn = factory(vocab_size=args.vocab, seed=args.seed)
     ctx = None
     if args.tls_cert:
@@ -182,20 +172,11 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-worker`` entry point."""
-    parser = build_parser()
-    try:
-        args = parse(parser, argv)
-        setup_logging(args.log_level)
-        install_uvloop()
-        if args.check:
-            return asyncio.run(check(args, args.check))
-        return asyncio.run(serve(args))
-    except SettingsError as exc:
-        print(f"pp1-worker: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pp1-worker: {exc}", file=sys.stderr)
-        return 1
+
+    async def body(args: argparse.Namespace) -> int:
+        return await (check(args, args.check) if args.check else serve(args))
+
+    return settings.run_daemon("pp1-worker", build_parser(), argv, body)
 
 
 if __name__ == "__main__":

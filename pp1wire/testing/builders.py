@@ -7,17 +7,16 @@ valid one only in the field a case names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import xxhash
 
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
-from pp1wire.wire.messages import (
-    Completion,
-    Reply,
-    Step,
-)
+from pp1wire.wire.messages import Completion, Open, Reply, Step
 
 SESSION = 7
 VOCAB = 8
@@ -55,7 +54,29 @@ def sparse_payload(ids: list[int], counts: list[int]) -> bytes:
     )
 
 
-def reply_row(
+def open_message(session: int, slot: int, tokens: Sequence[int], **over: Any) -> Open:
+    """A valid OPEN of ``slot`` at prefix ``tokens`` (any field overridden, for broken ones)."""
+    fields: dict[str, Any] = {
+        "session": session,
+        "slot": slot,
+        "generation": 0,
+        "seed": 1,
+        "context": 0,
+        "eos": None,
+        "prefix_len": len(tokens),
+        # The digest of the payload bytes, so broken prefixes (negative IDs) get one too.
+        "digest": xxhash.xxh3_64_intdigest(token_bytes(tokens)),
+    }
+    fields.update(over)
+    return Open(**fields)
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """The OPEN payload of a prefix: little-endian int32 token IDs."""
+    return np.asarray(list(tokens), dtype="<i4").tobytes()
+
+
+def reply_header(
     step: Step,
     index: int,
     token: int,
@@ -65,11 +86,11 @@ def reply_row(
     representation: int | None = None,
     checksum: int | None = None,
     **over: int,
-) -> bytes:
-    """One REPLY frame answering ``step`` (any header field overridable, for broken rows)."""
+) -> Reply:
+    """The REPLY header of row ``index`` answering ``step`` (any field overridable)."""
     dense = step.support == 0
     count = entries if entries is not None else len(payload) // (4 if dense else 8)
-    header = Reply(
+    return Reply(
         session=over.get("session", step.session),
         slot=step.slot,
         generation=over.get("generation", step.generation),
@@ -81,7 +102,11 @@ def reply_row(
         entries=count,
         checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),
     )
-    return framing.encode_frame(header, payload)
+
+
+def reply_row(step: Step, index: int, token: int, payload: bytes, **over: Any) -> bytes:
+    """One REPLY frame answering ``step``; ``over`` as for :func:`reply_header`."""
+    return framing.encode_frame(reply_header(step, index, token, payload, **over), payload)
 
 
 def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:

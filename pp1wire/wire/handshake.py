@@ -19,6 +19,16 @@ from pp1wire.q.rng import ABI_NAME, Role
 from pp1wire.wire import framing
 from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
 
+#: The limits a worker's HELLO echoes from the Spark side's (§4.1): never a silent downgrade.
+ECHOED_LIMITS: Final = (
+    "max_slots",
+    "max_depth",
+    "max_support",
+    "row_entries",
+    "max_frame",
+    "max_prefix",
+)
+
 AUTH_WORKER_LABEL: Final = b"pp1w-v2 worker proof"
 AUTH_SPARK_LABEL: Final = b"pp1w-v2 spark proof"
 

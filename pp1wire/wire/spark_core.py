@@ -27,7 +27,14 @@ from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
-from pp1wire.wire.handshake import PeerConfig, build_hello, first_failure, spark_proof, worker_proof
+from pp1wire.wire.handshake import (
+    ECHOED_LIMITS,
+    PeerConfig,
+    build_hello,
+    first_failure,
+    spark_proof,
+    worker_proof,
+)
 from pp1wire.wire.messages import (
     Auth,
     Challenge,
@@ -185,10 +192,13 @@ class SparkProtocol:
         try:
             frames = self.decoder.feed(data)
         except ProtocolError as exc:
-            self._events.append(FrameRejected(None, exc.code))
-            self._fatal(exc.code)
-            return self._take()
+            return self._framing_failed(exc.code)
         return self.receive_frames(frames, now)
+
+    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
+        self._events.append(FrameRejected(None, code))
+        self._fatal(code)
+        return self._take()
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -205,9 +215,7 @@ class SparkProtocol:
         try:
             frames = self.decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
-            self._events.append(FrameRejected(None, exc.code))
-            self._fatal(exc.code)
-            return self._take()
+            return self._framing_failed(exc.code)
         if not frames and self.decoder.error is None:
             return []  # the common case mid-frame: nothing to do
         return self.receive_frames(frames, now)
@@ -225,8 +233,7 @@ class SparkProtocol:
         # Valid frames ahead of a framing error are handled first, then the error.
         error = self.decoder.error
         if error is not None and not self.closed:
-            self._events.append(FrameRejected(None, error.code))
-            self._fatal(error.code)
+            return self._framing_failed(error.code)
         return self._take()
 
     def _release(self, view: memoryview) -> None:
@@ -588,14 +595,6 @@ class SparkProtocol:
         if self.config.psk is not None and not self._worker_proved:
             problem = ErrorCode.AUTH_REQUIRED
         if problem is None:
-            echoed = (
-                "max_slots",
-                "max_depth",
-                "max_support",
-                "row_entries",
-                "max_frame",
-                "max_prefix",
-            )
             problem = first_failure(
                 peer,
                 Role.WORKER,
@@ -603,7 +602,7 @@ class SparkProtocol:
                 [
                     (cfg.draft_identity in ("", peer.draft_identity), ErrorCode.IDENTITY_MISMATCH),
                     (
-                        all(getattr(peer, n) == getattr(ours, n) for n in echoed),
+                        all(getattr(peer, n) == getattr(ours, n) for n in ECHOED_LIMITS),
                         ErrorCode.LIMIT_EXCEEDED,
                     ),
                 ],
@@ -674,13 +673,17 @@ class SparkProtocol:
             return
         self._events.append(ResetAcked(msg.slot, msg.generation, msg.position))
 
-    def _fence(self, session: int, slot: int, generation: int, round_id: int) -> SparkSlot | None:
+    def _fence(
+        self, session: int, slot: int, generation: int, round_id: int
+    ) -> tuple[SparkSlot, ReplyAssembly] | None:
+        """The slot and its in-flight reply a REPLY or COMPLETION belongs to, or None (§7)."""
         state = self._known(session, slot)
         if state is None:
             return None
         decision = fencing.spark_reply(state.fence, generation, round_id)
         if decision.action is Action.ACCEPT:
-            return state
+            assert state.flight is not None  # accepted frames match the in-flight STEP
+            return state, state.flight
         assert decision.code is not None
         if decision.action is Action.DROP:
             self._events.append(FrameDropped(slot, decision.code))
@@ -696,11 +699,10 @@ class SparkProtocol:
 
     def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, Reply)
-        state = self._fence(msg.session, msg.slot, msg.generation, msg.round)
-        if state is None:
+        fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
+        if fenced is None:
             return
-        flight = state.flight
-        assert flight is not None
+        state, flight = fenced
         row = flight.check_row(msg, frame.payload, eos=state.eos, validator=self._validator)
         if isinstance(row, ErrorCode):
             self._fail_row(msg.slot, state, row)
@@ -710,11 +712,10 @@ class SparkProtocol:
 
     def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Completion)
-        state = self._fence(msg.session, msg.slot, msg.generation, msg.round)
-        if state is None:
+        fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
+        if fenced is None:
             return
-        flight = state.flight
-        assert flight is not None
+        state, flight = fenced
         step = flight.step
         code = flight.check_completion(msg, eos=state.eos)
         if code is not None:

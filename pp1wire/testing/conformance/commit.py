@@ -7,18 +7,8 @@ from typing import Any
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
-from pp1wire.testing.conformance.core import (
-    CaseFailed,
-    Peer,
-    Settings,
-    case,
-    fresh,
-    open_msg,
-    ready,
-    token_bytes,
-    unchanged,
-    with_fields,
-)
+from pp1wire.testing.builders import token_bytes
+from pp1wire.testing.conformance import core
 from pp1wire.wire.messages import (
     Close,
     Commit,
@@ -30,12 +20,12 @@ from pp1wire.wire.messages import (
 # -- COMMIT, RESET, CLOSE ------------------------------------------------------------------
 
 
-async def _drafts(peer: Peer, step: Step) -> list[int]:
+async def _drafts(peer: core.Peer, step: Step) -> list[int]:
     _data, frames = await peer.reply(step)
     return [f.message.token for f in frames if f.type is MsgType.REPLY]  # type: ignore[union-attr]
 
 
-def _commit(peer: Peer, step: Step, tokens: Sequence[int], accepted: int, **kw: Any) -> Commit:
+def _commit(peer: core.Peer, step: Step, tokens: Sequence[int], accepted: int, **kw: Any) -> Commit:
     new = [1, 2, 3, *tokens]
     extra = tokens[-1] if len(tokens) > accepted else None
     fields: dict[str, Any] = {
@@ -57,20 +47,20 @@ def _commit_refusal(
     title: str,
     rule: str,
     code: ErrorCode,
-    build: Callable[[Peer, Step, list[int]], Commit],
+    build: Callable[[core.Peer, Step, list[int]], Commit],
 ) -> None:
-    async def run(s: Settings) -> None:
-        peer, step, data = await ready(s)
+    async def run(s: core.Settings) -> None:
+        peer, step, data = await core.ready(s)
         async with peer:
             drafts = await _drafts(peer, step)
             peer.send_msg(build(peer, step, drafts))
             await peer.expect_error(code, fatal=False, answers=MsgType.COMMIT)
-            await unchanged(peer, step, data)
+            await core.unchanged(peer, step, data)
             # The round can still be committed correctly.
             peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
             await peer.expect(MsgType.COMMITTED)
 
-    case(case_id, "COMMIT and RESET", title, rule)(run)
+    core.case(case_id, "COMMIT and RESET", title, rule)(run)
 
 
 _commit_refusal(
@@ -85,7 +75,7 @@ _commit_refusal(
     "accepted drafts that were not drafted",
     "accepted ≤ the drafts of that round",
     ErrorCode.COMMIT_INVALID,
-    lambda p, st, d: _commit(p, with_fields(st, round=st.round + 1), [d[0], 0], 1),
+    lambda p, st, d: _commit(p, core.with_fields(st, round=st.round + 1), [d[0], 0], 1),
 )
 _commit_refusal(
     "4.7.3",
@@ -131,14 +121,14 @@ _commit_refusal(
 )
 
 
-@case(
+@core.case(
     "7.9",
     "COMMIT and RESET",
     "retried COMMIT is acknowledged identically",
     "COMMIT identical to the last applied COMMIT: replay COMMITTED",
 )
-async def _commit_retry(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _commit_retry(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
         msg = _commit(peer, step, [drafts[0], 0], 1)
@@ -147,17 +137,17 @@ async def _commit_retry(s: Settings) -> None:
         peer.send_msg(msg)
         again = await peer.expect(MsgType.COMMITTED)
         if bytes(first.raw) != bytes(again.raw):
-            raise CaseFailed("the retried COMMIT got a different acknowledgement")
+            raise core.CaseFailed("the retried COMMIT got a different acknowledgement")
 
 
-@case(
+@core.case(
     "7.10",
     "COMMIT and RESET",
     "COMMIT for an already committed round",
     "COMMIT round ≤ last committed round: ROUND_REUSED",
 )
-async def _commit_old(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _commit_old(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
         peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
@@ -176,48 +166,50 @@ async def _commit_old(s: Settings) -> None:
         await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.COMMIT)
 
 
-@case(
+@core.case(
     "7.11",
     "COMMIT and RESET",
     "a STEP for a committed round is refused",
     "STEP round ≤ last committed round: ROUND_REUSED",
 )
-async def _step_after_commit(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _step_after_commit(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
         peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
         await peer.expect(MsgType.COMMITTED)
-        peer.send_msg(with_fields(step, position=5, digest=prefix_digest([1, 2, 3, drafts[0], 0])))
+        peer.send_msg(
+            core.with_fields(step, position=5, digest=prefix_digest([1, 2, 3, drafts[0], 0]))
+        )
         await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
 
 
-@case(
+@core.case(
     "4.7.9",
     "COMMIT and RESET",
     "target-only commit under a fresh round",
     "a round with no usable proposal commits with accepted = 0 and extra = the target token",
 )
-async def _target_only_commit(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _target_only_commit(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
-        msg = _commit(peer, with_fields(step, round=9), [4], 0)
+        msg = _commit(peer, core.with_fields(step, round=9), [4], 0)
         peer.send_msg(msg)
         ack = await peer.expect(MsgType.COMMITTED)
         if ack.message.position != 4:  # type: ignore[union-attr]
-            raise CaseFailed("COMMITTED reports a wrong position")
-        nxt = with_fields(step, round=10, position=4, digest=prefix_digest([1, 2, 3, 4]))
+            raise core.CaseFailed("COMMITTED reports a wrong position")
+        nxt = core.with_fields(step, round=10, position=4, digest=prefix_digest([1, 2, 3, 4]))
         await peer.reply(nxt)
 
 
-@case(
+@core.case(
     "4.8.1",
     "COMMIT and RESET",
     "RESET to an older generation",
     "RESET generation < slot generation: STALE_GENERATION",
 )
-async def _reset_old(s: Settings) -> None:
-    peer, _step, _ = await ready(s)
+async def _reset_old(s: core.Settings) -> None:
+    peer, _step, _ = await core.ready(s)
     async with peer:
         peer.send_msg(Reset(session=peer.session, slot=0, generation=2))
         await peer.expect(MsgType.RESET_DONE)
@@ -225,46 +217,46 @@ async def _reset_old(s: Settings) -> None:
         await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.RESET)
 
 
-@case(
+@core.case(
     "4.8.2",
     "COMMIT and RESET",
     "RESET to the same generation is idempotent",
     "RESET generation = slot generation: replay RESET_DONE, change nothing",
 )
-async def _reset_same(s: Settings) -> None:
-    peer, step, data = await ready(s)
+async def _reset_same(s: core.Settings) -> None:
+    peer, step, data = await core.ready(s)
     async with peer:
         peer.send_msg(Reset(session=peer.session, slot=0, generation=0))
         done = await peer.expect(MsgType.RESET_DONE)
         if done.message.position != 3:  # type: ignore[union-attr]
-            raise CaseFailed("RESET_DONE reports a wrong position")
-        await unchanged(peer, step, data)
+            raise core.CaseFailed("RESET_DONE reports a wrong position")
+        await core.unchanged(peer, step, data)
 
 
-@case(
+@core.case(
     "4.8.3",
     "COMMIT and RESET",
     "STEP of the old generation after RESET",
     "RESET invalidates the old generation: STEP generation < slot generation is STALE_GENERATION",
 )
-async def _stale_step(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _stale_step(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
         await peer.expect(MsgType.RESET_DONE)
-        peer.send_msg(with_fields(step, round=1))
+        peer.send_msg(core.with_fields(step, round=1))
         await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
-        await peer.reply(with_fields(step, generation=1, round=0))  # rounds restart at 0
+        await peer.reply(core.with_fields(step, generation=1, round=0))  # rounds restart at 0
 
 
-@case(
+@core.case(
     "4.8.4",
     "COMMIT and RESET",
     "COMMIT of the old generation after RESET",
     "COMMIT generation < slot generation: STALE_GENERATION",
 )
-async def _stale_commit(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _stale_commit(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
@@ -273,15 +265,15 @@ async def _stale_commit(s: Settings) -> None:
         await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.COMMIT)
 
 
-@case(
+@core.case(
     "4.8.5",
     "COMMIT and RESET",
     "RESET mid-reply, then the old rows",
     "on RESET the Spark side discards the in-flight proposal; later frames of the old "
     "generation are dropped; the worker finishes the old reply before RESET_DONE",
 )
-async def _reset_mid_reply(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _reset_mid_reply(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         await peer.open_slot()
         peer.send_msg(peer.step_msg(round=0))
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
@@ -289,25 +281,25 @@ async def _reset_mid_reply(s: Settings) -> None:
         while True:
             f = await peer.next()
             if f is None:
-                raise CaseFailed(f"no RESET_DONE after {kinds}")
+                raise core.CaseFailed(f"no RESET_DONE after {kinds}")
             kinds.append(f.type)
             if f.type is MsgType.RESET_DONE:
                 break
         if MsgType.COMPLETION not in kinds or kinds.index(MsgType.COMPLETION) > kinds.index(
             MsgType.RESET_DONE
         ):
-            raise CaseFailed(f"expected the old reply then RESET_DONE, got {kinds}")
+            raise core.CaseFailed(f"expected the old reply then RESET_DONE, got {kinds}")
         await peer.reply(peer.step_msg(generation=1, round=0))
 
 
-@case(
+@core.case(
     "4.8.6",
     "COMMIT and RESET",
     "the retried STEP after RESET is refused, not redrawn",
     "a retry never redraws under a used key and consumes an earlier q",
 )
-async def _retry_after_reset(s: Settings) -> None:
-    peer, step, _data = await ready(s)
+async def _retry_after_reset(s: core.Settings) -> None:
+    peer, step, _data = await core.ready(s)
     async with peer:
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
         await peer.expect(MsgType.RESET_DONE)
@@ -315,49 +307,51 @@ async def _retry_after_reset(s: Settings) -> None:
         await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
 
 
-@case("4.3.10", "COMMIT and RESET", "CLOSE then STEP", "CLOSE drops the slot; then UNKNOWN_SLOT")
-async def _close_step(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+@core.case(
+    "4.3.10", "COMMIT and RESET", "CLOSE then STEP", "CLOSE drops the slot; then UNKNOWN_SLOT"
+)
+async def _close_step(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         peer.send_msg(Close(session=peer.session, slot=0))
         await peer.expect(MsgType.CLOSED)
-        peer.send_msg(with_fields(step, round=1))
+        peer.send_msg(core.with_fields(step, round=1))
         await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
         await peer.open_slot(0, generation=1)  # free again, under a higher generation
 
 
-@case(
+@core.case(
     "4.3.11",
     "COMMIT and RESET",
     "reopening a closed slot without a higher generation",
     "a slot reopened in the same session must use a generation greater than any it had "
     "before (STALE_GENERATION), so frames of its earlier instance stay fenced off",
 )
-async def _reopen_same_generation(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _reopen_same_generation(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
         peer.send_msg(Close(session=peer.session, slot=0))
         await peer.expect(MsgType.CLOSED)
-        peer.send_msg(open_msg(peer, slot=0, tokens=(1, 2, 3)), token_bytes((1, 2, 3)))
+        peer.send_msg(core.open_msg(peer, slot=0, tokens=(1, 2, 3)), token_bytes((1, 2, 3)))
         await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.OPEN)
         await peer.open_slot(0, generation=1)
-        await peer.reply(with_fields(step, generation=1))
+        await peer.reply(core.with_fields(step, generation=1))
 
 
-@case(
+@core.case(
     "4.3.12",
     "COMMIT and RESET",
     "CLOSE of a slot that is not open",
     "CLOSE ... (UNKNOWN_SLOT if not open)",
 )
-async def _close_unknown(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _close_unknown(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         peer.send_msg(Close(session=peer.session, slot=1))
         await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.CLOSE)
 
 
-@case("4.8.7", "COMMIT and RESET", "RESET of a slot that is not open", "UNKNOWN_SLOT")
-async def _reset_unknown(s: Settings) -> None:
-    async with await fresh(s) as peer:
+@core.case("4.8.7", "COMMIT and RESET", "RESET of a slot that is not open", "UNKNOWN_SLOT")
+async def _reset_unknown(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         peer.send_msg(Reset(session=peer.session, slot=1, generation=1))
         await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.RESET)

@@ -14,12 +14,11 @@ from enum import Enum
 from typing import Any
 
 import msgspec
-import numpy as np
-import xxhash
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
+from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
 from pp1wire.wire.messages import (
@@ -283,19 +282,9 @@ class Peer:
         Raises:
             CaseFailed: if OPENED does not come.
         """
-        tokens = np.asarray(list(prefix), dtype="<i4")
         self.send_msg(
-            Open(
-                session=self.session,
-                slot=slot,
-                generation=generation,
-                seed=seed,
-                context=0,
-                eos=eos,
-                prefix_len=len(tokens),
-                digest=prefix_digest(list(prefix)),
-            ),
-            tokens.tobytes(),
+            open_message(self.session, slot, prefix, generation=generation, seed=seed, eos=eos),
+            token_bytes(prefix),
         )
         await self.expect(MsgType.OPENED)
 
@@ -441,21 +430,5 @@ def with_fields(step: Step, **kw: Any) -> Step:
 
 
 def open_msg(peer: Peer, slot: int = 1, tokens: Sequence[int] = (1, 2), **kw: Any) -> Open:
-    """A valid OPEN of ``slot`` at prefix ``tokens`` (any field overridden)."""
-    fields: dict[str, Any] = {
-        "session": peer.session,
-        "slot": slot,
-        "generation": 0,
-        "seed": 1,
-        "context": 0,
-        "eos": None,
-        "prefix_len": len(tokens),
-        "digest": xxhash.xxh3_64_intdigest(token_bytes(tokens)),
-    }
-    fields.update(kw)
-    return Open(**fields)
-
-
-def token_bytes(tokens: Sequence[int]) -> bytes:
-    """The OPEN payload of a prefix: little-endian int32 token IDs."""
-    return np.asarray(list(tokens), dtype="<i4").tobytes()
+    """A valid OPEN of ``slot`` at prefix ``tokens`` on ``peer``'s session (fields overridable)."""
+    return open_message(kw.pop("session", peer.session), slot, tokens, **kw)

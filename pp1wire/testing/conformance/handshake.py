@@ -10,22 +10,11 @@ from typing import Any
 import msgspec
 
 from pp1wire.errors import ErrorCode
-from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.testing.conformance.core import (
-    CaseFailed,
-    NonStrict,
-    NonStrictSkip,
-    Peer,
-    Settings,
-    case,
-    describe,
-    fresh,
-    raw_frame,
-    still_serves,
-)
+from pp1wire.testing.builders import open_message
+from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
-from pp1wire.wire.handshake import AUTH_SPARK_LABEL
+from pp1wire.wire.handshake import AUTH_SPARK_LABEL, ECHOED_LIMITS
 from pp1wire.wire.messages import (
     Auth,
     Close,
@@ -33,7 +22,6 @@ from pp1wire.wire.messages import (
     Hello,
     Message,
     MsgType,
-    Open,
     Ping,
     Reset,
 )
@@ -41,18 +29,20 @@ from pp1wire.wire.messages import (
 # -- handshake ---------------------------------------------------------------------
 
 
-def _before_hello(case_id: str, kind: str, build: Callable[[Peer], tuple[Message, bytes]]) -> None:
-    async def run(s: Settings) -> None:
-        async with await Peer(s).connect() as peer:
+def _before_hello(
+    case_id: str, kind: str, build: Callable[[core.Peer], tuple[Message, bytes]]
+) -> None:
+    async def run(s: core.Settings) -> None:
+        async with await core.Peer(s).connect() as peer:
             msg, payload = build(peer)
             if payload:
                 # A payload before the handshake is itself a framing error; send headers only.
                 payload = b""
             peer.send_msg(msg, payload)
             await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
-        await still_serves(s)
+        await core.still_serves(s)
 
-    case(
+    core.case(
         case_id,
         "handshake",
         f"{kind} before HELLO",
@@ -65,19 +55,7 @@ _before_hello("5.1", "STEP", lambda p: (p.step_msg(), b""))
 _before_hello(
     "5.2",
     "OPEN",
-    lambda p: (
-        Open(
-            session=0,
-            slot=0,
-            generation=0,
-            seed=1,
-            context=0,
-            eos=None,
-            prefix_len=0,
-            digest=prefix_digest([]),
-        ),
-        b"",
-    ),
+    lambda p: (open_message(0, 0, []), b""),
 )
 _before_hello(
     "5.3",
@@ -92,43 +70,43 @@ _before_hello("5.5", "CLOSE", lambda p: (Close(session=0, slot=0), b""))
 _before_hello("5.6", "AUTH", lambda p: (Auth(proof=bytes(32)), b""))
 
 
-@case("5.7", "handshake", "second HELLO", "a second HELLO is fatal (DUPLICATE_HELLO)")
-async def _second_hello(s: Settings) -> None:
-    async with await fresh(s) as peer:
+@core.case("5.7", "handshake", "second HELLO", "a second HELLO is fatal (DUPLICATE_HELLO)")
+async def _second_hello(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         peer.send_msg(peer.hello())
         await peer.expect_error(ErrorCode.DUPLICATE_HELLO, fatal=True)
 
 
-@case(
+@core.case(
     "4.10.1",
     "handshake",
     "PING before HELLO is answered",
     "either side MAY send PING at any time (also before the handshake)",
 )
-async def _ping_first(s: Settings) -> None:
-    async with await Peer(s).connect() as peer:
+async def _ping_first(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
         peer.send_msg(Ping(nonce=77))
         frame = await peer.expect(MsgType.PONG)
         if frame.message.nonce != 77:  # type: ignore[union-attr]
-            raise CaseFailed("PONG nonce differs")
+            raise core.CaseFailed("PONG nonce differs")
         await peer.handshake()
 
 
 def _mismatch(
     case_id: str, title: str, overrides: dict[str, Any], code: ErrorCode, rule: str
 ) -> None:
-    async def run(s: Settings) -> None:
+    async def run(s: core.Settings) -> None:
         await _mismatch_run(s, overrides, code)
 
-    case(case_id, "handshake", title, rule)(run)
+    core.case(case_id, "handshake", title, rule)(run)
 
 
-async def _auth_reply(peer: Peer, hello: Hello) -> None:
+async def _auth_reply(peer: core.Peer, hello: Hello) -> None:
     frame = await peer.expect(MsgType.CHALLENGE)
     ch = frame.message
     assert isinstance(ch, messages.Challenge)
     if peer.s.psk is None:
-        raise CaseFailed("the worker wants a key; run with --psk-file")
+        raise core.CaseFailed("the worker wants a key; run with --psk-file")
     header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]
     msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
     peer.send_msg(Auth(proof=hmac.new(peer.s.psk, msg, hashlib.sha256).digest()))
@@ -173,7 +151,7 @@ for case_id, (field_name, value, code) in zip(
 
 
 def _vocab_mismatch(case_id: str, delta: int) -> None:
-    async def run(s: Settings) -> None:
+    async def run(s: core.Settings) -> None:
         v = s.vocab + delta
         await _mismatch_run(
             s,
@@ -181,7 +159,7 @@ def _vocab_mismatch(case_id: str, delta: int) -> None:
             ErrorCode.VOCAB_SIZE_MISMATCH,
         )
 
-    case(
+    core.case(
         case_id,
         "handshake",
         f"HELLO with vocab_size {delta:+d}",
@@ -189,8 +167,8 @@ def _vocab_mismatch(case_id: str, delta: int) -> None:
     )(run)
 
 
-async def _mismatch_run(s: Settings, overrides: dict[str, Any], code: ErrorCode) -> None:
-    async with await Peer(s).connect() as peer:
+async def _mismatch_run(s: core.Settings, overrides: dict[str, Any], code: ErrorCode) -> None:
+    async with await core.Peer(s).connect() as peer:
         hello = peer.hello(**overrides)
         peer.send_msg(hello)
         reply = await peer.next()
@@ -200,18 +178,18 @@ async def _mismatch_run(s: Settings, overrides: dict[str, Any], code: ErrorCode)
         elif reply is not None:
             peer.pending.insert(0, reply)
         await peer.expect_error(code, fatal=True, answers=MsgType.HELLO)
-    await still_serves(s)
+    await core.still_serves(s)
 
 
 _vocab_mismatch("4.1.12", +1)
 _vocab_mismatch("4.1.13", -1)
 
 
-def _limit(case_id: str, title: str, overrides: Callable[[Settings], dict[str, Any]]) -> None:
-    async def run(s: Settings) -> None:
+def _limit(case_id: str, title: str, overrides: Callable[[core.Settings], dict[str, Any]]) -> None:
+    async def run(s: core.Settings) -> None:
         await _mismatch_run(s, overrides(s), ErrorCode.LIMIT_EXCEEDED)
 
-    case(
+    core.case(
         case_id,
         "handshake",
         title,
@@ -226,95 +204,88 @@ _limit("4.1.16", "max_frame 4 GiB - 1", lambda s: {"max_frame": 0xFFFFFFFF})
 _limit("4.1.17", "max_prefix 4 G tokens", lambda s: {"max_prefix": 0xFFFFFFFF})
 
 
-@case(
+@core.case(
     "4.1.18",
     "handshake",
     "HELLO with row_entries below vocab_size",
     "cross-field rules (HEADER_INVALID if broken): row_entries ≥ vocab_size",
 )
-async def _cross_field(s: Settings) -> None:
-    async with await Peer(s).connect() as peer:
+async def _cross_field(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
         hello = peer.hello()
         body = msgspec.structs.asdict(hello)
         array = [int(MsgType.HELLO), *body.values()]
         array[list(body).index("row_entries") + 1] = s.vocab - 1
-        peer.send(raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array)))
+        peer.send(core.raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array)))
         await peer.expect_error(ErrorCode.HEADER_INVALID, fatal=True)
 
 
-@case(
+@core.case(
     "4.1.19",
     "handshake",
     "the worker's HELLO echoes our limits and assigns a session",
     "the worker answers ... with its own HELLO, which echoes the Spark side's limits unchanged",
 )
-async def _echo(s: Settings) -> None:
-    async with await Peer(s).connect() as peer:
+async def _echo(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
         ours = peer.hello()
         theirs = await peer.handshake(ours)
-        for name in (
-            "max_slots",
-            "max_depth",
-            "max_support",
-            "row_entries",
-            "max_frame",
-            "max_prefix",
-            "vocab_size",
-            "vocab_hash",
-        ):
+        for name in (*ECHOED_LIMITS, "vocab_size", "vocab_hash"):
             if getattr(theirs, name) != getattr(ours, name):
-                raise CaseFailed(f"{name}: sent {getattr(ours, name)}, got {getattr(theirs, name)}")
+                raise core.CaseFailed(
+                    f"{name}: sent {getattr(ours, name)}, got {getattr(theirs, name)}"
+                )
         if theirs.role != Role.WORKER:
-            raise CaseFailed("worker HELLO role is not 1")
+            raise core.CaseFailed("worker HELLO role is not 1")
 
 
-async def _challenged(s: Settings) -> tuple[Peer, Hello, framing.Frame]:
+async def _challenged(s: core.Settings) -> tuple[core.Peer, Hello, framing.Frame]:
     """A connection whose HELLO the worker answered with CHALLENGE: (peer, our HELLO, CHALLENGE).
 
     Raises:
-        NonStrictSkip: without ``--psk-file``; CaseFailed: if no CHALLENGE comes.
+        core.NonStrictSkip: without ``--psk-file``; core.CaseFailed: if no CHALLENGE comes.
     """
     if s.psk is None:
-        raise NonStrictSkip("needs --psk-file")
-    peer = await Peer(s).connect()
+        raise core.NonStrictSkip("needs --psk-file")
+    peer = await core.Peer(s).connect()
     hello = peer.hello()
     peer.send_msg(hello)
     try:
         frame = await peer.expect(MsgType.CHALLENGE)
-    except CaseFailed:
+    except core.CaseFailed:
         peer.close()
         raise
     return peer, hello, frame
 
 
-@case("5.8", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
-async def _bad_auth(s: Settings) -> None:
+@core.case("5.8", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
+async def _bad_auth(s: core.Settings) -> None:
     peer, _, _ = await _challenged(s)
     async with peer:
         peer.send_msg(Auth(proof=bytes(32)))
         await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
 
 
-@case(
+@core.case(
     "5.9",
     "handshake",
     "STEP instead of AUTH",
     "any message other than AUTH while the worker waits for it is fatal (HANDSHAKE_REQUIRED)",
 )
-async def _step_not_auth(s: Settings) -> None:
+async def _step_not_auth(s: core.Settings) -> None:
     peer, _, _ = await _challenged(s)
     async with peer:
         peer.send_msg(peer.step_msg())
         await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
 
 
-@case(
+@core.case(
     "5.10",
     "handshake",
     "AUTH proof bound to the HELLO bytes",
     "proof = HMAC-SHA256(psk, label ‖ N_w ‖ N_s ‖ SHA256(H)), H = our HELLO header bytes",
 )
-async def _auth_binding(s: Settings) -> None:
+async def _auth_binding(s: core.Settings) -> None:
     peer, hello, frame = await _challenged(s)
     async with peer:
         ch = frame.message
@@ -326,39 +297,39 @@ async def _auth_binding(s: Settings) -> None:
         await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
 
 
-@case(
+@core.case(
     "5.11",
     "handshake",
     "worker requires a key the suite was not given",
     "a worker with a PSK answers HELLO with CHALLENGE",
     informational=True,
 )
-async def _auth_info(s: Settings) -> None:
-    async with await Peer(s).connect() as peer:
+async def _auth_info(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
         peer.send_msg(peer.hello())
         frame = await peer.next()
         if frame is None:
-            raise CaseFailed("no answer to HELLO")
+            raise core.CaseFailed("no answer to HELLO")
         if frame.type is MsgType.CHALLENGE and s.psk is None:
-            raise CaseFailed("the worker requires a key; pass --psk-file for the auth cases")
+            raise core.CaseFailed("the worker requires a key; pass --psk-file for the auth cases")
 
 
-@case(
+@core.case(
     "5.12",
     "handshake",
     "handshake timeout drops a silent peer",
     "a worker drops a connection whose handshake does not complete within its handshake "
     "timeout (HANDSHAKE_TIMEOUT)",
 )
-async def _handshake_timeout(s: Settings) -> None:
-    async with await Peer(s).connect() as peer:
+async def _handshake_timeout(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
         peer.send(framing.encode_frame(Ping(nonce=1))[:5])  # a slow-loris start
         frame = await peer.next(s.handshake_wait)
         if frame is None:
             if peer.eof:
-                raise NonStrict("closed without an ERROR frame")
-            raise CaseFailed(f"still open after {s.handshake_wait:.0f} s")
+                raise core.NonStrict("closed without an ERROR frame")
+            raise core.CaseFailed(f"still open after {s.handshake_wait:.0f} s")
         if frame.type is not MsgType.ERROR or frame.message.code != ErrorCode.HANDSHAKE_TIMEOUT:  # type: ignore[union-attr]
-            raise CaseFailed(f"expected HANDSHAKE_TIMEOUT, got {describe(frame)}")
+            raise core.CaseFailed(f"expected HANDSHAKE_TIMEOUT, got {core.describe(frame)}")
         if not await peer.closed():
-            raise CaseFailed("not closed after HANDSHAKE_TIMEOUT")
+            raise core.CaseFailed("not closed after HANDSHAKE_TIMEOUT")

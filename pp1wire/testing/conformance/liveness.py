@@ -5,16 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pp1wire.errors import ErrorCode
-from pp1wire.testing.conformance.core import (
-    CaseFailed,
-    NonStrictSkip,
-    Settings,
-    case,
-    fresh,
-    ready,
-    still_serves,
-    with_fields,
-)
+from pp1wire.testing.conformance import core
 from pp1wire.wire import framing
 from pp1wire.wire.messages import (
     Error,
@@ -25,122 +16,122 @@ from pp1wire.wire.messages import (
 # -- liveness and close --------------------------------------------------------------------
 
 
-@case(
+@core.case(
     "4.10.2",
     "liveness and close",
     "PING gets PONG with the same nonce",
     "the peer answers PONG with the same nonce",
 )
-async def _ping(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _ping(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         for nonce in (0, 1, 2**64 - 1):
             peer.send_msg(Ping(nonce=nonce))
             frame = await peer.expect(MsgType.PONG)
             if frame.message.nonce != nonce:  # type: ignore[union-attr]
-                raise CaseFailed("PONG nonce differs")
+                raise core.CaseFailed("PONG nonce differs")
 
 
-@case(
+@core.case(
     "2.1",
     "liveness and close",
     "a new connection does not inherit slots",
     "a connection that ends ends its session: every slot ... is invalid",
 )
-async def _reconnect(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _reconnect(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     peer.close()
-    async with await fresh(s) as other:
-        other.send_msg(with_fields(step, session=other.session, round=1))
+    async with await core.fresh(s) as other:
+        other.send_msg(core.with_fields(step, session=other.session, round=1))
         await other.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
 
 
-@case(
+@core.case(
     "2.2",
     "liveness and close",
     "old session ID on a new connection",
     "session and slot first for every message: WRONG_SESSION",
 )
-async def _old_session(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _old_session(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     old = peer.session
     peer.close()
-    async with await fresh(s) as other:
+    async with await core.fresh(s) as other:
         if other.session == old:
-            raise CaseFailed("a new connection got the old session ID")
-        other.send_msg(with_fields(step, round=1))
+            raise core.CaseFailed("a new connection got the old session ID")
+        other.send_msg(core.with_fields(step, round=1))
         await other.expect_error(ErrorCode.WRONG_SESSION, fatal=False, answers=MsgType.STEP)
 
 
-@case(
+@core.case(
     "4.9.1",
     "liveness and close",
     "ERROR with scope 2 from the peer ends the connection",
     "scope 2 = the connection is dead and the sender closes it",
 )
-async def _error_scope(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _error_scope(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         peer.send_msg(Error(code=int(ErrorCode.INTERNAL), answers=0, scope=2))
         peer.close()
-    await still_serves(s)
+    await core.still_serves(s)
 
 
-@case(
+@core.case(
     "4.9.2",
     "liveness and close",
     "a refusal carries no free text",
     "no free text travels on the wire: ERROR has exactly code, answers, scope, slot, "
     "generation, round",
 )
-async def _error_shape(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _error_shape(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
-        peer.send_msg(with_fields(step, round=1, depth=0))
+        peer.send_msg(core.with_fields(step, round=1, depth=0))
         frame = await peer.expect(MsgType.ERROR)
         header = bytes(frame.raw)[framing.PREAMBLE_SIZE :]
         items = msgspec.msgpack.decode(header)
         if not isinstance(items, list) or len(items) > 7:
-            raise CaseFailed(f"ERROR header has {items!r}")
+            raise core.CaseFailed(f"ERROR header has {items!r}")
 
 
-@case(
+@core.case(
     "2.3",
     "liveness and close",
     "idle connections are eventually closed",
     "a worker drops a connection idle past its idle timeout (IDLE_TIMEOUT, fatal)",
 )
-async def _idle(s: Settings) -> None:
+async def _idle(s: core.Settings) -> None:
     if s.idle_wait is None:
-        raise NonStrictSkip("needs --idle-wait (longer than the worker's idle timeout)")
-    async with await fresh(s) as peer:
+        raise core.NonStrictSkip("needs --idle-wait (longer than the worker's idle timeout)")
+    async with await core.fresh(s) as peer:
         frame = await peer.next(s.idle_wait)
         if frame is None:
-            raise CaseFailed(f"still open after {s.idle_wait:.0f} s idle")
+            raise core.CaseFailed(f"still open after {s.idle_wait:.0f} s idle")
         peer.pending.insert(0, frame)
         await peer.expect_error(ErrorCode.IDLE_TIMEOUT, fatal=True)
 
 
-@case(
+@core.case(
     "8.2",
     "liveness and close",
     "a peer that does not read does not stall the worker",
     "replies queue behind a slow reader; other connections are served meanwhile",
 )
-async def _slow_reader(s: Settings) -> None:
+async def _slow_reader(s: core.Settings) -> None:
     retries = 32
-    async with await fresh(s) as peer:
+    async with await core.fresh(s) as peer:
         await peer.open_slot()
         step = peer.step_msg()
         for _ in range(retries + 1):  # the STEP, then identical retries: replayed bytes
             peer.send_msg(step)
         # Nothing read on this connection yet: another must still be served now.
-        await still_serves(s)
+        await core.still_serves(s)
         replies: list[bytes] = []
         for _ in range(retries + 1):
             frames = []
             while (f := await peer.next()) is not None and f.type is not MsgType.COMPLETION:
                 frames.append(bytes(f.raw))
             if f is None:
-                raise CaseFailed(f"only {len(replies)} of {retries + 1} replies arrived")
+                raise core.CaseFailed(f"only {len(replies)} of {retries + 1} replies arrived")
             replies.append(b"".join(frames) + bytes(f.raw))
         if len(set(replies)) != 1:
-            raise CaseFailed("a retried STEP got a different reply")
+            raise core.CaseFailed("a retried STEP got a different reply")

@@ -8,19 +8,8 @@ from functools import partial
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import prefix_digest
-from pp1wire.testing.conformance.core import (
-    CaseFailed,
-    Peer,
-    Settings,
-    case,
-    fresh,
-    open_msg,
-    ready,
-    token_bytes,
-    unchanged,
-    with_fields,
-)
+from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
 from pp1wire.wire.messages import (
     MsgType,
@@ -32,20 +21,20 @@ from pp1wire.wire.messages import (
 
 
 def _step_refusal(
-    case_id: str, title: str, rule: str, code: ErrorCode, build: Callable[[Peer, Step], Step]
+    case_id: str, title: str, rule: str, code: ErrorCode, build: Callable[[core.Peer, Step], Step]
 ) -> None:
-    async def run(s: Settings) -> None:
-        peer, step, data = await ready(s)
+    async def run(s: core.Settings) -> None:
+        peer, step, data = await core.ready(s)
         async with peer:
             peer.send_msg(build(peer, step))
             await peer.expect_error(code, fatal=False, answers=MsgType.STEP)
-            await unchanged(peer, step, data)
+            await core.unchanged(peer, step, data)
 
-    case(case_id, "session and STEP", title, rule)(run)
+    core.case(case_id, "session and STEP", title, rule)(run)
 
 
-def _with_temperature(_peer: Peer, step: Step, *, value: float) -> Step:
-    return with_fields(step, round=1, temperature=value)
+def _with_temperature(_peer: core.Peer, step: Step, *, value: float) -> Step:
+    return core.with_fields(step, round=1, temperature=value)
 
 
 _step_refusal(
@@ -53,98 +42,98 @@ _step_refusal(
     "STEP on an unknown slot",
     "session and slot first for every message: UNKNOWN_SLOT",
     ErrorCode.UNKNOWN_SLOT,
-    lambda p, st: with_fields(st, slot=1),
+    lambda p, st: core.with_fields(st, slot=1),
 )
 _step_refusal(
     "7.2",
     "STEP on slot 65535",
     "UNKNOWN_SLOT",
     ErrorCode.UNKNOWN_SLOT,
-    lambda p, st: with_fields(st, slot=65535),
+    lambda p, st: core.with_fields(st, slot=65535),
 )
 _step_refusal(
     "7.3",
     "STEP with another session",
     "session and slot first for every message: WRONG_SESSION",
     ErrorCode.WRONG_SESSION,
-    lambda p, st: with_fields(st, session=st.session + 1000),
+    lambda p, st: core.with_fields(st, session=st.session + 1000),
 )
 _step_refusal(
     "4.4.1",
     "depth 0",
     "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
     ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: with_fields(st, round=1, depth=0),
+    lambda p, st: core.with_fields(st, round=1, depth=0),
 )
 _step_refusal(
     "4.4.2",
     "depth 6",
     "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
     ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: with_fields(st, round=1, depth=6),
+    lambda p, st: core.with_fields(st, round=1, depth=6),
 )
 _step_refusal(
     "4.4.3",
     "depth 255",
     "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
     ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: with_fields(st, round=1, depth=255),
+    lambda p, st: core.with_fields(st, round=1, depth=255),
 )
 _step_refusal(
     "4.4.4",
     "support above the negotiated limit",
     "support ≤ max_support ... else SUPPORT_OUT_OF_RANGE",
     ErrorCode.SUPPORT_OUT_OF_RANGE,
-    lambda p, st: with_fields(st, round=1, support=p.hello_msg.max_support + 1),
+    lambda p, st: core.with_fields(st, round=1, support=p.hello_msg.max_support + 1),
 )
 _step_refusal(
     "7.4",
     "future generation",
     "STEP generation > slot generation: FUTURE_GENERATION",
     ErrorCode.FUTURE_GENERATION,
-    lambda p, st: with_fields(st, round=1, generation=1),
+    lambda p, st: core.with_fields(st, round=1, generation=1),
 )
 _step_refusal(
     "7.5",
     "reused round with other content",
     "round = last STEP round, any field different: ROUND_REUSED",
     ErrorCode.ROUND_REUSED,
-    lambda p, st: with_fields(st, depth=1),
+    lambda p, st: core.with_fields(st, depth=1),
 )
 _step_refusal(
     "7.6",
     "reused round, other temperature",
     "round = last STEP round, any field different: ROUND_REUSED",
     ErrorCode.ROUND_REUSED,
-    lambda p, st: with_fields(st, temperature=0.5),
+    lambda p, st: core.with_fields(st, temperature=0.5),
 )
 _step_refusal(
     "4.4.5",
     "wrong first-draft position",
     "position (WRONG_POSITION)",
     ErrorCode.WRONG_POSITION,
-    lambda p, st: with_fields(st, round=1, position=4),
+    lambda p, st: core.with_fields(st, round=1, position=4),
 )
 _step_refusal(
     "4.4.6",
     "position 0 after a 3-token prefix",
     "position (WRONG_POSITION)",
     ErrorCode.WRONG_POSITION,
-    lambda p, st: with_fields(st, round=1, position=0),
+    lambda p, st: core.with_fields(st, round=1, position=0),
 )
 _step_refusal(
     "4.4.7",
     "wrong prefix digest",
     "digest (PREFIX_DIGEST_MISMATCH)",
     ErrorCode.PREFIX_DIGEST_MISMATCH,
-    lambda p, st: with_fields(st, round=1, digest=st.digest ^ 1),
+    lambda p, st: core.with_fields(st, round=1, digest=st.digest ^ 1),
 )
 _step_refusal(
     "4.4.8",
     "wrong context version",
     "context (CONTEXT_MISMATCH)",
     ErrorCode.CONTEXT_MISMATCH,
-    lambda p, st: with_fields(st, round=1, context=5),
+    lambda p, st: core.with_fields(st, round=1, context=5),
 )
 for case_id, (label, value) in zip(
     ("4.4.9", "4.4.10", "4.4.11"),
@@ -160,62 +149,62 @@ for case_id, (label, value) in zip(
     )
 
 
-@case(
+@core.case(
     "7.7",
     "session and STEP",
     "older round after a newer one",
     "STEP round < last STEP round: ROUND_REUSED",
 )
-async def _older_round(s: Settings) -> None:
-    peer, step, _ = await ready(s)
+async def _older_round(s: core.Settings) -> None:
+    peer, step, _ = await core.ready(s)
     async with peer:
-        newer = with_fields(step, round=5)
+        newer = core.with_fields(step, round=5)
         data5, _ = await peer.reply(newer)
-        peer.send_msg(with_fields(step, round=3))
+        peer.send_msg(core.with_fields(step, round=3))
         await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
-        await unchanged(peer, newer, data5)
+        await core.unchanged(peer, newer, data5)
 
 
-@case(
+@core.case(
     "7.8",
     "session and STEP",
     "retried STEP gets the byte-identical reply",
     "a retried STEP therefore returns the byte-identical reply or is refused; it is never "
     "answered with a fresh draw",
 )
-async def _retry(s: Settings) -> None:
-    peer, step, data = await ready(s)
+async def _retry(s: core.Settings) -> None:
+    peer, step, data = await core.ready(s)
     async with peer:
         for _ in range(3):
-            await unchanged(peer, step, data)
+            await core.unchanged(peer, step, data)
 
 
-@case(
+@core.case(
     "6.4.1",
     "session and STEP",
     "the same STEP on two connections gets the same reply",
     "draws are keyed by (seed, generation, round, position, domain): no hidden state",
 )
-async def _deterministic(s: Settings) -> None:
-    a, step, data = await ready(s)
+async def _deterministic(s: core.Settings) -> None:
+    a, step, data = await core.ready(s)
     a.close()
-    async with await fresh(s) as b:
+    async with await core.fresh(s) as b:
         await b.open_slot()
-        other, _ = await b.reply(with_fields(step, session=b.session))
+        other, _ = await b.reply(core.with_fields(step, session=b.session))
         strip = [bytes(f.payload) for f in framing.FrameDecoder(1 << 26).feed(data)]
         strip2 = [bytes(f.payload) for f in framing.FrameDecoder(1 << 26).feed(other)]
         if strip != strip2:
-            raise CaseFailed("payloads differ across connections for the same key")
+            raise core.CaseFailed("payloads differ across connections for the same key")
 
 
-@case(
+@core.case(
     "4.5.1",
     "session and STEP",
     "reply rows are well formed",
     "REPLY frames for positions 0, 1, … in order, then COMPLETION; row checksum; q contract",
 )
-async def _rows(s: Settings) -> None:
-    peer, step, data = await ready(s)
+async def _rows(s: core.Settings) -> None:
+    peer, step, data = await core.ready(s)
     peer.close()
     frames = framing.FrameDecoder(1 << 26).feed(data)
     rows = [f for f in frames if f.type is MsgType.REPLY]
@@ -225,53 +214,44 @@ async def _rows(s: Settings) -> None:
 
     body = b"".join(bytes(f.raw) for f in rows)
     if done.reply_bytes != len(body) or done.reply_checksum != xxhash.xxh3_64_intdigest(body):
-        raise CaseFailed("COMPLETION size or checksum does not match the rows")
+        raise core.CaseFailed("COMPLETION size or checksum does not match the rows")
     for i, f in enumerate(rows):
         r = f.message
         assert isinstance(r, messages.Reply)
         if r.index != i or r.position != step.position + i:
-            raise CaseFailed(f"row {i} has index {r.index}, position {r.position}")
+            raise core.CaseFailed(f"row {i} has index {r.index}, position {r.position}")
         if r.checksum != xxhash.xxh3_64_intdigest(bytes(f.payload)):
-            raise CaseFailed(f"row {i} checksum wrong")
+            raise core.CaseFailed(f"row {i} checksum wrong")
         split = 4 * r.entries
         dyadic.validate_sparse(
             bytes(f.payload)[:split], bytes(f.payload)[split:], s.vocab, step.support, r.token
         )
 
 
-@case(
+@core.case(
     "4.5.2",
     "session and STEP",
     "a dense reply validates",
     "dense: entries = row_entries FP32 values; padding +0.0; the q contract of §6.2",
 )
-async def _dense(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _dense(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         await peer.open_slot()
         _, frames = await peer.reply(peer.step_msg(depth=1, support=0))
         (row,) = [f for f in frames if f.type is MsgType.REPLY]
         r = row.message
         assert isinstance(r, messages.Reply)
         if r.representation != 0 or r.entries != s.vocab:
-            raise CaseFailed("dense row with wrong representation or entries")
+            raise core.CaseFailed("dense row with wrong representation or entries")
         dyadic.validate_dense(bytes(row.payload), s.vocab, r.token)
 
 
-@case("4.3.1", "session and STEP", "more slots than negotiated", "slot < max_slots (SLOT_LIMIT)")
-async def _slot_limit(s: Settings) -> None:
-    async with await fresh(s) as peer:
-        peer.send_msg(
-            Open(
-                session=peer.session,
-                slot=s.slots,
-                generation=0,
-                seed=1,
-                context=0,
-                eos=None,
-                prefix_len=0,
-                digest=prefix_digest([]),
-            )
-        )
+@core.case(
+    "4.3.1", "session and STEP", "more slots than negotiated", "slot < max_slots (SLOT_LIMIT)"
+)
+async def _slot_limit(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
+        peer.send_msg(open_message(peer.session, s.slots, []))
         await peer.expect_error(ErrorCode.SLOT_LIMIT, fatal=False, answers=MsgType.OPEN)
         await peer.open_slot(0)
         await peer.reply(peer.step_msg())
@@ -282,17 +262,17 @@ def _open_refusal(
     title: str,
     rule: str,
     code: ErrorCode,
-    build: Callable[[Peer], tuple[Open, bytes]],
+    build: Callable[[core.Peer], tuple[Open, bytes]],
 ) -> None:
-    async def run(s: Settings) -> None:
-        peer, step, data = await ready(s)
+    async def run(s: core.Settings) -> None:
+        peer, step, data = await core.ready(s)
         async with peer:
             msg, payload = build(peer)
             peer.send_msg(msg, payload)
             await peer.expect_error(code, fatal=False, answers=MsgType.OPEN)
-            await unchanged(peer, step, data)
+            await core.unchanged(peer, step, data)
 
-    case(case_id, "session and STEP", title, rule)(run)
+    core.case(case_id, "session and STEP", title, rule)(run)
 
 
 _open_refusal(
@@ -300,72 +280,72 @@ _open_refusal(
     "OPEN of a slot in use",
     "slot free (SLOT_IN_USE)",
     ErrorCode.SLOT_IN_USE,
-    lambda p: (open_msg(p, slot=0, seed=99), token_bytes((1, 2))),
+    lambda p: (core.open_msg(p, slot=0, seed=99), token_bytes((1, 2))),
 )
 _open_refusal(
     "4.3.3",
     "OPEN with a wrong digest",
     "digest (PREFIX_DIGEST_MISMATCH)",
     ErrorCode.PREFIX_DIGEST_MISMATCH,
-    lambda p: (open_msg(p, digest=5), token_bytes((1, 2))),
+    lambda p: (core.open_msg(p, digest=5), token_bytes((1, 2))),
 )
 _open_refusal(
     "4.3.4",
     "OPEN with a token outside the vocabulary",
     "every token and eos < vocab_size (TOKEN_OUT_OF_RANGE)",
     ErrorCode.TOKEN_OUT_OF_RANGE,
-    lambda p: (open_msg(p, tokens=(1, p.s.vocab)), token_bytes((1, p.s.vocab))),
+    lambda p: (core.open_msg(p, tokens=(1, p.s.vocab)), token_bytes((1, p.s.vocab))),
 )
 _open_refusal(
     "4.3.5",
     "OPEN with a negative token",
     "every token < vocab_size (TOKEN_OUT_OF_RANGE)",
     ErrorCode.TOKEN_OUT_OF_RANGE,
-    lambda p: (open_msg(p, tokens=(1, -1)), token_bytes((1, -1))),
+    lambda p: (core.open_msg(p, tokens=(1, -1)), token_bytes((1, -1))),
 )
 _open_refusal(
     "4.3.6",
     "OPEN with eos outside the vocabulary",
     "every token and eos < vocab_size",
     ErrorCode.TOKEN_OUT_OF_RANGE,
-    lambda p: (open_msg(p, eos=p.s.vocab), token_bytes((1, 2))),
+    lambda p: (core.open_msg(p, eos=p.s.vocab), token_bytes((1, 2))),
 )
 _open_refusal(
     "4.3.7",
     "OPEN whose payload is shorter than prefix_len",
     "payload_len = 4 x prefix_len (PAYLOAD_LENGTH)",
     ErrorCode.PAYLOAD_LENGTH,
-    lambda p: (open_msg(p, tokens=(1, 2), prefix_len=3), token_bytes((1, 2))),
+    lambda p: (core.open_msg(p, tokens=(1, 2), prefix_len=3), token_bytes((1, 2))),
 )
 _open_refusal(
     "4.3.8",
     "OPEN with another session",
     "session (WRONG_SESSION)",
     ErrorCode.WRONG_SESSION,
-    lambda p: (open_msg(p, session=p.session + 1), token_bytes((1, 2))),
+    lambda p: (core.open_msg(p, session=p.session + 1), token_bytes((1, 2))),
 )
 
 
-@case(
+@core.case(
     "4.3.9",
     "session and STEP",
     "an identical OPEN is acknowledged again",
     "an identical OPEN of a slot with no commit yet is answered with OPENED again",
 )
-async def _open_twice(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _open_twice(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         await peer.open_slot(0)
         await peer.open_slot(0)
 
 
-@case(
+@core.case(
     "8.1",
     "session and STEP",
     "OPEN prefix longer than negotiated",
     "payload ≤ min(4 x max_prefix, max_frame), checked from the preamble",
 )
-async def _open_too_long(s: Settings) -> None:
-    async with await fresh(s) as peer:
+async def _open_too_long(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
         n = peer.hello_msg.max_prefix + 1
-        peer.send_msg(open_msg(peer, slot=0, tokens=[1] * n), token_bytes([1] * n))
+        peer.send_msg(core.open_msg(peer, slot=0, tokens=[1] * n), token_bytes([1] * n))
         await peer.expect_error(ErrorCode.FRAME_TOO_LARGE, fatal=True)

@@ -5,42 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import prefix_digest
 from pp1wire.testing.builders import (
     SESSION,
-    VOCAB,
+    open_message,
+    reply_header,
+    reply_step,
 )
 from pp1wire.testing.golden.common import NONCE, Vector, hello, message_json
 from pp1wire.wire import framing, messages
-from pp1wire.wire.messages import (
-    Auth,
-    Challenge,
-    Close,
-    Closed,
-    Commit,
-    Committed,
-    Completion,
-    Error,
-    Message,
-    Open,
-    Opened,
-    Ping,
-    Pong,
-    Reply,
-    Representation,
-    Reset,
-    ResetDone,
-    Step,
-)
 
 raw_frame = framing.encode_raw_frame
 
 
-def _valid_messages() -> list[tuple[str, Message, bytes]]:
+def _valid_messages() -> list[tuple[str, messages.Message, bytes]]:
     tokens = np.array([1, 2, 3], dtype="<i4")
     q = dyadic.counts_to_fp32(dyadic.counts_from_weights([1, 1, 2, 0, 0, 0, 0, 4]))
     sparse_ids = np.array([0, 2, 7], dtype="<i4").tobytes()
@@ -50,76 +30,38 @@ def _valid_messages() -> list[tuple[str, Message, bytes]]:
     return [
         ("hello_spark", hello(2), b""),
         ("hello_worker", hello(1, SESSION), b""),
-        ("challenge", Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),
-        ("auth", Auth(proof=bytes(range(32))), b""),
+        ("challenge", messages.Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),
+        ("auth", messages.Auth(proof=bytes(range(32))), b""),
         (
             "open",
-            Open(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                seed=0x0123456789ABCDEF,
-                context=0,
-                eos=None,
-                prefix_len=3,
-                digest=prefix_digest([1, 2, 3]),
-            ),
+            open_message(SESSION, 0, [1, 2, 3], seed=0x0123456789ABCDEF),
             tokens.tobytes(),
         ),
-        ("opened", Opened(session=SESSION, slot=0, generation=0, position=3, digest=1), b""),
-        ("close", Close(session=SESSION, slot=1), b""),
-        ("closed", Closed(session=SESSION, slot=1), b""),
+        (
+            "opened",
+            messages.Opened(session=SESSION, slot=0, generation=0, position=3, digest=1),
+            b"",
+        ),
+        ("close", messages.Close(session=SESSION, slot=1), b""),
+        ("closed", messages.Closed(session=SESSION, slot=1), b""),
         (
             "step",
-            Step(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                position=3,
-                digest=prefix_digest([1, 2, 3]),
-                depth=5,
-                temperature=1.0,
-                support=0,
-                context=0,
-            ),
+            reply_step(0, depth=5),
             b"",
         ),
         (
             "reply_dense",
-            Reply(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                index=0,
-                position=3,
-                token=7,
-                representation=int(Representation.DENSE),
-                entries=VOCAB,
-                checksum=xxhash.xxh3_64_intdigest(dense),
-            ),
+            reply_header(reply_step(0), 0, 7, dense),
             dense,
         ),
         (
             "reply_sparse",
-            Reply(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                index=0,
-                position=3,
-                token=2,
-                representation=int(Representation.SPARSE),
-                entries=3,
-                checksum=xxhash.xxh3_64_intdigest(sparse),
-            ),
+            reply_header(reply_step(3), 0, 2, sparse),
             sparse,
         ),
         (
             "completion",
-            Completion(
+            messages.Completion(
                 session=SESSION,
                 slot=0,
                 generation=0,
@@ -135,7 +77,7 @@ def _valid_messages() -> list[tuple[str, Message, bytes]]:
         ),
         (
             "commit",
-            Commit(
+            messages.Commit(
                 session=SESSION,
                 slot=0,
                 generation=0,
@@ -149,7 +91,7 @@ def _valid_messages() -> list[tuple[str, Message, bytes]]:
         ),
         (
             "commit_eos",
-            Commit(
+            messages.Commit(
                 session=SESSION,
                 slot=0,
                 generation=0,
@@ -163,22 +105,26 @@ def _valid_messages() -> list[tuple[str, Message, bytes]]:
         ),
         (
             "committed",
-            Committed(session=SESSION, slot=0, generation=0, round=0, position=6, digest=9),
+            messages.Committed(
+                session=SESSION, slot=0, generation=0, round=0, position=6, digest=9
+            ),
             b"",
         ),
-        ("reset", Reset(session=SESSION, slot=0, generation=1), b""),
+        ("reset", messages.Reset(session=SESSION, slot=0, generation=1), b""),
         (
             "reset_done",
-            ResetDone(session=SESSION, slot=0, generation=1, position=6, digest=9),
+            messages.ResetDone(session=SESSION, slot=0, generation=1, position=6, digest=9),
             b"",
         ),
         (
             "error",
-            Error(code=int(ErrorCode.STALE_GENERATION), answers=8, scope=0, slot=0, generation=0),
+            messages.Error(
+                code=int(ErrorCode.STALE_GENERATION), answers=8, scope=0, slot=0, generation=0
+            ),
             b"",
         ),
-        ("ping", Ping(nonce=42), b""),
-        ("pong", Pong(nonce=42), b""),
+        ("ping", messages.Ping(nonce=42), b""),
+        ("pong", messages.Pong(nonce=42), b""),
     ]
 
 
@@ -197,16 +143,21 @@ def frame_vectors() -> list[Vector]:
                 "expect": {"messages": [message_json(msg, payload)]},
             }
         )
-    ping = messages.encode(Ping(nonce=1))
-    pong_frame = framing.encode_frame(Pong(nonce=1))
-    two = framing.encode_frame(Ping(nonce=1)) + pong_frame
+    ping = messages.encode(messages.Ping(nonce=1))
+    pong_frame = framing.encode_frame(messages.Pong(nonce=1))
+    two = framing.encode_frame(messages.Ping(nonce=1)) + pong_frame
     out.append(
         {
             "name": "valid_two_frames_in_one_read",
             "kind": "frame",
             "hex": two.hex(),
             "context": {"max_payload": limit},
-            "expect": {"messages": [message_json(Ping(nonce=1)), message_json(Pong(nonce=1))]},
+            "expect": {
+                "messages": [
+                    message_json(messages.Ping(nonce=1)),
+                    message_json(messages.Pong(nonce=1)),
+                ]
+            },
         }
     )
     out.append(
