@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pp1wire.apps.launch import worker_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,21 +23,26 @@ def run(*cmd: str, env: dict | None = None, timeout: int = 180) -> str:
     return done.stdout
 
 
-def test_async_client_example():
-    with worker_process(vocab=4096) as running:
-        address = running.address
+@pytest.mark.parametrize(
+    ("script", "vocab", "args", "expect"),
+    [
+        ("async_client.py", 4096, ["--tokens", "12"], ["generated", "0 fallbacks"]),
+        ("sync_sampler.py", 256, ["--steps", "2"], ["accepted tokens [batch, k+1]"]),
+    ],
+)
+def test_client_examples(script, vocab, args, expect):
+    with worker_process(vocab=vocab) as running:
         out = run(
             sys.executable,
-            str(EXAMPLES / "async_client.py"),
+            str(EXAMPLES / script),
             "--worker",
-            address,
+            running.address,
             "--vocab",
-            "4096",
-            "--tokens",
-            "12",
+            str(vocab),
+            *args,
         )
-    assert "generated" in out
-    assert "0 fallbacks" in out
+    for text in expect:
+        assert text in out
 
 
 def test_plugins_example():
@@ -82,19 +89,3 @@ def test_conformance_example(tmp_path):
 def test_scrape_metrics_example():
     out = run(sys.executable, str(EXAMPLES / "scrape_metrics.py"))
     assert "acceptance rate" in out
-
-
-def test_sync_sampler_example():
-    with worker_process(vocab=256) as running:
-        address = running.address
-        out = run(
-            sys.executable,
-            str(EXAMPLES / "sync_sampler.py"),
-            "--worker",
-            address,
-            "--vocab",
-            "256",
-            "--steps",
-            "2",
-        )
-    assert "accepted tokens [batch, k+1]" in out

@@ -72,6 +72,12 @@ class Rig:
         await self.client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
         assert self.worker.slot_prefix() == self.verifier.committed
 
+    async def unavailable(self, code: ErrorCode) -> None:
+        """The next proposal fails with ``code`` (the fault under test hit it)."""
+        with pytest.raises(ProposalUnavailableError) as info:
+            await self.client.propose(0, depth=3)
+        assert info.value.code is code
+
     async def fallback(self) -> None:
         round_id = self.client.new_round(0)
         res = self.verifier.decode_target_only(round_id)
@@ -120,9 +126,7 @@ async def test_one_byte_writes():
 async def test_reset_after_n_bytes():
     # The reset lands inside the first reply (the handshake and OPENED are ~250 bytes).
     async with Rig(Faults(reset_after=400)) as rig:
-        with pytest.raises(ProposalUnavailableError) as info:
-            await rig.client.propose(0, depth=3)
-        assert info.value.code is ErrorCode.CONNECTION_LOST
+        await rig.unavailable(ErrorCode.CONNECTION_LOST)
         rig.verifier.decode_target_only(rig.verifier.last_round + 1)  # local, target-only
         await rig.reconnect()
         assert rig.worker.slot_prefix() == rig.verifier.committed
@@ -132,9 +136,7 @@ async def test_reset_after_n_bytes():
 @pytest.mark.asyncio
 async def test_blackhole():
     async with Rig(Faults(blackhole_after=400), reply_timeout=0.3) as rig:
-        with pytest.raises(ProposalUnavailableError) as info:
-            await rig.client.propose(0, depth=3)
-        assert info.value.code is ErrorCode.REPLY_TIMEOUT
+        await rig.unavailable(ErrorCode.REPLY_TIMEOUT)
         rig.verifier.decode_target_only(rig.verifier.last_round + 1)
         await rig.reconnect()
         await rig.round()
@@ -170,9 +172,7 @@ async def test_duplicated_reply_is_dropped():
 @pytest.mark.asyncio
 async def test_delayed_reply_times_out_and_is_dropped():
     async with Rig(Faults(delay_reply=0.4), reply_timeout=0.2) as rig:
-        with pytest.raises(ProposalUnavailableError) as info:
-            await rig.client.propose(0, depth=3)
-        assert info.value.code is ErrorCode.REPLY_TIMEOUT
+        await rig.unavailable(ErrorCode.REPLY_TIMEOUT)
         await rig.fallback()
         await eventually(lambda: rig.client.dropped["late_frame"] == 4)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -388,11 +388,11 @@ def _diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
     return ValidationError(ErrorCode.NON_DYADIC, "q value above 1")
 
 
-def _f32_view(buf: object, what: str) -> Float32Array:
+def _le_view(buf: object, what: str, dtype: str, kind: str) -> npt.NDArray[Any]:
     if isinstance(buf, np.ndarray):
-        if buf.dtype != np.dtype("<f4") or buf.ndim != 1:
+        if buf.dtype != np.dtype(dtype) or buf.ndim != 1:
             raise ValidationError(
-                ErrorCode.ROW_LENGTH, f"{what} must be a 1-D little-endian float32 array"
+                ErrorCode.ROW_LENGTH, f"{what} must be a 1-D little-endian {kind} array"
             )
         return buf
     mv = memoryview(buf)  # type: ignore[arg-type]
@@ -400,22 +400,15 @@ def _f32_view(buf: object, what: str) -> Float32Array:
         raise ValidationError(
             ErrorCode.ROW_LENGTH, f"{what} is {mv.nbytes} bytes, not a multiple of 4"
         )
-    return np.frombuffer(mv, dtype="<f4")
+    return np.frombuffer(mv, dtype=dtype)
+
+
+def _f32_view(buf: object, what: str) -> Float32Array:
+    return _le_view(buf, what, "<f4", "float32")
 
 
 def _i32_view(buf: object, what: str) -> Int32Array:
-    if isinstance(buf, np.ndarray):
-        if buf.dtype != np.dtype("<i4") or buf.ndim != 1:
-            raise ValidationError(
-                ErrorCode.ROW_LENGTH, f"{what} must be a 1-D little-endian int32 array"
-            )
-        return buf
-    mv = memoryview(buf)  # type: ignore[arg-type]
-    if mv.nbytes % 4:
-        raise ValidationError(
-            ErrorCode.ROW_LENGTH, f"{what} is {mv.nbytes} bytes, not a multiple of 4"
-        )
-    return np.frombuffer(mv, dtype="<i4")
+    return _le_view(buf, what, "<i4", "int32")
 
 
 class DenseRowValidator:

@@ -17,7 +17,7 @@ import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import QRow
+from pp1wire.q.proposal import Proposal, QRow
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
 
@@ -123,6 +123,12 @@ class ReplyAssembly:
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
         return None
+
+    def proposal(self, session: int, rows: tuple[QRow, ...]) -> Proposal:
+        """The validated proposal this reply carried (``rows``: the checked rows)."""
+        st = self.step
+        at = (st.generation, st.round, st.position, st.digest, st.depth)
+        return Proposal(session, *at, rows, st.context)
 
     def settle(self, *, discarded: bool) -> list[memoryview]:
         """Mark the reply settled (later frames are late) and hand back its buffers."""

@@ -17,14 +17,15 @@ import secrets
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import Proposal, prefix_digest
+from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.wire import fencing, framing
+from pp1wire.wire import fencing, framing, messages
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
@@ -35,28 +36,7 @@ from pp1wire.wire.handshake import (
     spark_proof,
     worker_proof,
 )
-from pp1wire.wire.messages import (
-    Auth,
-    Challenge,
-    Close,
-    Closed,
-    Commit,
-    Committed,
-    Completion,
-    Error,
-    Hello,
-    Message,
-    MsgType,
-    Open,
-    Opened,
-    Ping,
-    Pong,
-    Reply,
-    Reset,
-    ResetDone,
-    Scope,
-    Step,
-)
+from pp1wire.wire.messages import Message, MsgType, Scope, Step
 from pp1wire.wire.spark_events import (
     CommitAcked,
     ConnectionFailed,
@@ -72,6 +52,8 @@ from pp1wire.wire.spark_events import (
     SlotOpened,
     SparkEvent,
 )
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -129,7 +111,7 @@ class SparkProtocol:
         self._events: list[SparkEvent] = []
         self._nonce = secrets.token_bytes(32)
         self._hello_header = b""
-        self._hello: Hello | None = None
+        self._hello: messages.Hello | None = None
         self.handshake_deadline: float | None = None
         self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
@@ -187,18 +169,7 @@ class SparkProtocol:
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
         """Feed bytes from the worker; returns the events they caused."""
-        if self.closed:
-            return []
-        try:
-            frames = self.decoder.feed(data)
-        except ProtocolError as exc:
-            return self._framing_failed(exc.code)
-        return self.receive_frames(frames, now)
-
-    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
-        self._events.append(FrameRejected(None, code))
-        self._fatal(code)
-        return self._take()
+        return self._receive(self.decoder.feed, data, now)
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -210,15 +181,25 @@ class SparkProtocol:
 
     def buffer_updated(self, nbytes: int, now: float) -> list[SparkEvent]:
         """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
+        return self._receive(self.decoder.buffer_updated, nbytes, now)
+
+    def _receive(
+        self, decode: Callable[[_T], list[framing.Frame]], arg: _T, now: float
+    ) -> list[SparkEvent]:
         if self.closed:
             return []
         try:
-            frames = self.decoder.buffer_updated(nbytes)
+            frames = decode(arg)
         except ProtocolError as exc:
             return self._framing_failed(exc.code)
         if not frames and self.decoder.error is None:
             return []  # the common case mid-frame: nothing to do
         return self.receive_frames(frames, now)
+
+    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
+        self._events.append(FrameRejected(None, code))
+        self._fatal(code)
+        return self._take()
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
@@ -248,12 +229,7 @@ class SparkProtocol:
     def connection_lost(self) -> list[SparkEvent]:
         """The transport is gone: every in-flight proposal fails, every slot is dropped."""
         if not self.closed:
-            for index, slot in list(self.slots.items()):
-                if slot.flight is not None:
-                    self._discard(index, slot, ErrorCode.CONNECTION_LOST)
-            self.slots.clear()
-            self.closed = True
-            self._events.append(ConnectionFailed(ErrorCode.CONNECTION_LOST))
+            self._close_all(ErrorCode.CONNECTION_LOST)
         return self._take()
 
     # -- requests --------------------------------------------------------
@@ -328,7 +304,7 @@ class SparkProtocol:
             digest=digest,
             fence=SparkSlotFence(generation=generation),
         )
-        msg = Open(
+        msg = messages.Open(
             session=self.session,
             slot=slot,
             generation=generation,
@@ -417,7 +393,7 @@ class SparkProtocol:
         state.prefix.extend(int(t) for t in tokens)
         state.digest = prefix_digest(state.prefix)
         state.fence.last_round = max(state.fence.last_round, round_id)
-        msg = Commit(
+        msg = messages.Commit(
             session=self.session,
             slot=slot,
             generation=state.fence.generation,
@@ -448,7 +424,7 @@ class SparkProtocol:
         self._slot_generations[slot] = generation
         state.next_round = 0
         state.drafts.clear()
-        msg = Reset(session=self.session, slot=slot, generation=generation)
+        msg = messages.Reset(session=self.session, slot=slot, generation=generation)
         self._out.append(framing.encode_frame(msg))
         return generation
 
@@ -468,18 +444,21 @@ class SparkProtocol:
             for view in self._ready_buffers.pop(key):
                 self._release(view)
         self._closing[slot] = self._closing.get(slot, 0) + 1
-        self._out.append(framing.encode_frame(Close(session=self.session, slot=slot)))
+        self._out.append(framing.encode_frame(messages.Close(session=self.session, slot=slot)))
 
     def ping(self, nonce: int) -> None:
         """Queue PING."""
-        self._out.append(framing.encode_frame(Ping(nonce=nonce)))
+        self._out.append(framing.encode_frame(messages.Ping(nonce=nonce)))
 
     # -- failure helpers ----------------------------------------------------
 
     def _fatal(self, code: ErrorCode) -> None:
-        self._out.append(
-            framing.encode_frame(Error(code=int(code), answers=0, scope=int(Scope.CONNECTION)))
-        )
+        error = messages.Error(code=int(code), answers=0, scope=int(Scope.CONNECTION))
+        self._out.append(framing.encode_frame(error))
+        self._close_all(code)
+
+    def _close_all(self, code: ErrorCode) -> None:
+        """The connection is dead: every in-flight proposal fails, every slot is dropped."""
         for index, slot in list(self.slots.items()):
             if slot.flight is not None:
                 self._discard(index, slot, code)
@@ -503,23 +482,23 @@ class SparkProtocol:
         msg = frame.message
         kind = frame.type
         if kind is MsgType.PONG:
-            assert isinstance(msg, Pong)
+            assert isinstance(msg, messages.Pong)
             self._events.append(PongReceived(msg.nonce))
             return
         if kind is MsgType.PING:
-            assert isinstance(msg, Ping)
-            self._out.append(framing.encode_frame(Pong(nonce=msg.nonce)))
+            assert isinstance(msg, messages.Ping)
+            self._out.append(framing.encode_frame(messages.Pong(nonce=msg.nonce)))
             return
         if kind is MsgType.ERROR:
-            assert isinstance(msg, Error)
+            assert isinstance(msg, messages.Error)
             self._on_error(msg)
             return
         if self.state == "await_hello":
             if kind is MsgType.CHALLENGE:
-                assert isinstance(msg, Challenge)
+                assert isinstance(msg, messages.Challenge)
                 self._on_challenge(msg)
             elif kind is MsgType.HELLO:
-                assert isinstance(msg, Hello)
+                assert isinstance(msg, messages.Hello)
                 self._on_hello(msg)
             else:
                 self._reject_fatal(ErrorCode.HANDSHAKE_REQUIRED)
@@ -540,15 +519,10 @@ class SparkProtocol:
         self._events.append(FrameRejected(None, code))
         self._fatal(code)
 
-    def _on_error(self, err: Error) -> None:
+    def _on_error(self, err: messages.Error) -> None:
         code = status_code(err.code)
         if err.scope == Scope.CONNECTION:
-            for index, slot in list(self.slots.items()):
-                if slot.flight is not None:
-                    self._discard(index, slot, code)
-            self.slots.clear()
-            self.closed = True
-            self._events.append(ConnectionFailed(code))
+            self._close_all(code)
             return
         if err.slot is None or err.slot not in self.slots:
             self._events.append(FrameRejected(None, code))
@@ -573,7 +547,7 @@ class SparkProtocol:
 
     # -- handshake -------------------------------------------------------------
 
-    def _on_challenge(self, msg: Challenge) -> None:
+    def _on_challenge(self, msg: messages.Challenge) -> None:
         psk = self.config.psk
         if psk is None:
             self._reject_fatal(ErrorCode.AUTH_REQUIRED)
@@ -582,10 +556,10 @@ class SparkProtocol:
             self._reject_fatal(ErrorCode.AUTH_FAILED)
             return
         proof = spark_proof(psk, msg.nonce, self._nonce, self._hello_header)
-        self._out.append(framing.encode_frame(Auth(proof=proof)))
+        self._out.append(framing.encode_frame(messages.Auth(proof=proof)))
         self._worker_proved = True
 
-    def _on_hello(self, peer: Hello) -> None:
+    def _on_hello(self, peer: messages.Hello) -> None:
         ours = self._hello
         assert ours is not None
         cfg = self.config
@@ -633,18 +607,16 @@ class SparkProtocol:
         return state
 
     def _on_opened(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Opened)
+        assert isinstance(msg, messages.Opened)
         state = self._known(msg.session, msg.slot)
         if state is None:
             return
-        if (msg.position, msg.digest) != (len(state.prefix), state.digest):
-            state.desynced = True
-            self._events.append(SlotDesynced(msg.slot, ErrorCode.PREFIX_DIGEST_MISMATCH))
+        if self._desynced(msg.slot, state, msg.position, msg.digest):
             return
         self._events.append(SlotOpened(msg.slot, msg.generation, msg.position))
 
     def _on_closed(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Closed)
+        assert isinstance(msg, messages.Closed)
         pending = self._closing.get(msg.slot, 0)
         if pending <= 1:
             self._closing.pop(msg.slot, None)
@@ -653,25 +625,31 @@ class SparkProtocol:
         self._events.append(SlotClosed(msg.slot))
 
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Committed)
+        assert isinstance(msg, messages.Committed)
         state = self._known(msg.session, msg.slot)
         if state is None or msg.generation != state.fence.generation:
             return
         self._events.append(CommitAcked(msg.slot, msg.round, msg.position))
 
     def _on_reset_done(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, ResetDone)
+        assert isinstance(msg, messages.ResetDone)
         state = self._known(msg.session, msg.slot)
         if state is None:
             return
         if msg.generation != state.fence.generation:
             self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
             return
-        if (msg.position, msg.digest) != (len(state.prefix), state.digest):
-            state.desynced = True
-            self._events.append(SlotDesynced(msg.slot, ErrorCode.PREFIX_DIGEST_MISMATCH))
+        if self._desynced(msg.slot, state, msg.position, msg.digest):
             return
         self._events.append(ResetAcked(msg.slot, msg.generation, msg.position))
+
+    def _desynced(self, index: int, state: SparkSlot, position: int, digest: int) -> bool:
+        """True (and the slot marked) if the worker's prefix state differs from ours."""
+        if (position, digest) == (len(state.prefix), state.digest):
+            return False
+        state.desynced = True
+        self._events.append(SlotDesynced(index, ErrorCode.PREFIX_DIGEST_MISMATCH))
+        return True
 
     def _fence(
         self, session: int, slot: int, generation: int, round_id: int
@@ -698,7 +676,7 @@ class SparkProtocol:
         self._discard(index, state, code)
 
     def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
-        assert isinstance(msg, Reply)
+        assert isinstance(msg, messages.Reply)
         fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
         if fenced is None:
             return
@@ -711,7 +689,7 @@ class SparkProtocol:
         self._retained = True
 
     def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Completion)
+        assert isinstance(msg, messages.Completion)
         fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
         if fenced is None:
             return
@@ -730,14 +708,4 @@ class SparkProtocol:
         buffers = flight.settle(discarded=False)
         if buffers:
             self._ready_buffers[(msg.slot, step.round)] = buffers
-        proposal = Proposal(
-            session=self.session,
-            generation=step.generation,
-            round_id=step.round,
-            position=step.position,
-            digest=step.digest,
-            depth=step.depth,
-            rows=rows,
-            context=step.context,
-        )
-        self._events.append(ProposalReady(msg.slot, proposal))
+        self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows)))

@@ -42,6 +42,12 @@ def _commit(peer: core.Peer, step: Step, tokens: Sequence[int], accepted: int, *
     return Commit(**fields)
 
 
+async def _commit_first(peer: core.Peer, step: Step, drafts: list[int]) -> None:
+    """Commit ``step``'s round the usual way: its first draft accepted, then token 0."""
+    peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
+    await peer.expect(MsgType.COMMITTED)
+
+
 def _commit_refusal(
     case_id: str,
     title: str,
@@ -56,9 +62,7 @@ def _commit_refusal(
             peer.send_msg(build(peer, step, drafts))
             await peer.expect_error(code, fatal=False, answers=MsgType.COMMIT)
             await core.unchanged(peer, step, data)
-            # The round can still be committed correctly.
-            peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
-            await peer.expect(MsgType.COMMITTED)
+            await _commit_first(peer, step, drafts)  # the round can still be committed
 
     core.case(case_id, "COMMIT and RESET", title, rule)(run)
 
@@ -150,8 +154,7 @@ async def _commit_old(s: core.Settings) -> None:
     peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
-        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
-        await peer.expect(MsgType.COMMITTED)
+        await _commit_first(peer, step, drafts)
         peer.send_msg(
             _commit(
                 peer,
@@ -176,8 +179,7 @@ async def _step_after_commit(s: core.Settings) -> None:
     peer, step, _ = await core.ready(s)
     async with peer:
         drafts = await _drafts(peer, step)
-        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
-        await peer.expect(MsgType.COMMITTED)
+        await _commit_first(peer, step, drafts)
         peer.send_msg(
             core.with_fields(step, position=5, digest=prefix_digest([1, 2, 3, drafts[0], 0]))
         )
