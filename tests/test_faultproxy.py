@@ -20,9 +20,9 @@ from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
 from pp1wire.testing.faultproxy import FaultProxy, Faults
+from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
-from .faulty import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 32

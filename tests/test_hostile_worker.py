@@ -21,9 +21,9 @@ from pp1wire.testing.builders import (
     reply_row,
     whole_reply,
 )
+from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
-from .faulty import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 8

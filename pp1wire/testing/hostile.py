@@ -1,4 +1,10 @@
-"""An in-process worker whose outgoing bytes a test can hold, delay, corrupt or cut."""
+"""A hostile worker: a real worker core whose outgoing replies a test can hold, delay,
+corrupt, duplicate or cut before they reach the Spark side.
+
+``mutate(conn, data)`` receives the bytes of each reply (REPLY and COMPLETION
+frames) instead of the socket and writes whatever it likes with
+``conn.write``; every other frame passes unchanged.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +22,14 @@ Mutator = Callable[["FaultyConn", bytes], None]
 
 
 def split_frames(data: bytes) -> list[bytes]:
+    """The frames in ``data``, each as its own bytes."""
     decoder = framing.FrameDecoder(1 << 26)
     return [bytes(f.raw) for f in decoder.feed(data)]
 
 
 class FaultyConn(asyncio.Protocol):
+    """One connection of a :class:`FaultyWorker`."""
+
     def __init__(self, server: FaultyWorker) -> None:
         self.server = server
         self.core = WorkerProtocol(
@@ -28,11 +37,14 @@ class FaultyConn(asyncio.Protocol):
         )
         self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Register the connection with its server."""
+        assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.server.conns.append(self)
 
     def data_received(self, data: bytes) -> None:
+        """Feed the worker core; hand replies to the server's mutator."""
         self.core.receive_data(data, time.monotonic())
         out = b"".join(self.core.data_to_send())
         if not out:
@@ -47,12 +59,15 @@ class FaultyConn(asyncio.Protocol):
             self.write(out)
 
     def write(self, data: bytes) -> None:
+        """Send ``data`` to the Spark side (if the connection is still open)."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
 
 @dataclass
 class FaultyWorker:
+    """A listening worker (toy drafter) whose replies go through ``mutate`` (once, or always)."""
+
     vocab: int
     seed: int = 3
     mutate: Mutator | None = None
@@ -62,23 +77,28 @@ class FaultyWorker:
     _sessions: int = 0
 
     def __post_init__(self) -> None:
+        """Build the worker's configuration and drafter."""
         self.config = WorkerConfig(vocab_size=self.vocab)
         self.drafter = ToyLM(self.vocab, self.seed, draft=True).logits
 
     def next_session(self) -> int:
+        """A new session ID."""
         self._sessions += 1
         return self._sessions
 
     async def start(self) -> int:
+        """Listen on a free loopback port; returns it."""
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: FaultyConn(self), "127.0.0.1", 0)
         return int(self.server.sockets[0].getsockname()[1])
 
     def slot_prefix(self, slot: int = 0) -> list[int]:
+        """The committed prefix of ``slot`` on the newest connection that has it open."""
         live = [c for c in self.conns if slot in c.core.slots]
         return list(live[-1].core.slots[slot].prefix)
 
     async def stop(self) -> None:
+        """Abort every connection and stop listening."""
         for c in self.conns:
             if c.transport is not None:
                 c.transport.abort()
