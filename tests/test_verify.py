@@ -293,22 +293,69 @@ def test_float_residual_matches_oracle(n, seed):
     assert max(abs(float(w) - g) for w, g in zip(want, got, strict=True)) <= bound
 
 
+U53 = 1 << 53
+
+
 def test_sample_weights_is_the_inverse_cdf():
     w = np.array([0.0, 0.25, 0.0, 0.5, 0.25])
-    assert sample_weights(w, 0.0) == 1
-    assert sample_weights(w, 0.2499999) == 1
-    assert sample_weights(w, 0.25) == 3
-    assert sample_weights(w, 0.75) == 4
-    assert sample_weights(w, 1 - 2.0**-53) == 4
+    assert sample_weights(w, 0) == 1
+    assert sample_weights(w, U53 // 4 - 1) == 1
+    assert sample_weights(w, U53 // 4) == 3
+    assert sample_weights(w, 3 * U53 // 4) == 4
+    assert sample_weights(w, U53 - 1) == 4
     with pytest.raises(VerifyError) as info:
-        sample_weights(np.zeros(3), 0.5)
+        sample_weights(np.zeros(3), U53 // 2)
     assert info.value.code is ErrorCode.EMPTY_RESIDUAL
 
 
 def test_sample_weights_never_returns_zero_weight_ids():
     w = np.array([0.1, 0.0, 0.0, 0.2, 0.0])
-    for u in np.linspace(0, 1, 1001, endpoint=False):
-        assert w[sample_weights(w, float(u))] > 0
+    for u in range(0, U53, U53 // 1000):
+        assert w[sample_weights(w, u)] > 0
+    assert w[sample_weights(w, U53 - 1)] > 0
+
+
+def _draw_masses(w: np.ndarray) -> list[Fraction]:
+    # The draw is monotone in u53, so each ID's draws are one interval: find
+    # every boundary by bisection and read each ID's exact probability off it.
+    def first_u_reaching(index: int) -> int:
+        lo, hi = 0, U53
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sample_weights(w, mid) >= index:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    edges = [first_u_reaching(i) for i in range(w.size)] + [U53]
+    return [Fraction(edges[i + 1] - edges[i], U53) for i in range(w.size)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.just(0.0), st.floats(1e-300, 1.0), st.floats(1e-12, 1e-6)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_tree_draw_law_matches_the_oracle(values):
+    # Qualification of the tree descent (docs/protocol.md section 6.6) against exact
+    # arithmetic. Bound declared here: each ID's probability is within
+    # (2L + 4) * 2**-52 of w / sum(w), L the tree depth: the pairwise total and
+    # each node carry at most L roundings of relative 2**-53, the target one
+    # more, and each of the L subtractions on the way down at most half an ulp.
+    w = np.array(values, dtype=np.float64)
+    if not (w > 0).any():
+        return
+    exact_total = sum(Fraction(v) for v in values)
+    depth = max(0, (w.size - 1).bit_length())
+    bound = Fraction(2 * depth + 4, 1 << 52)
+    for v, mass in zip(values, _draw_masses(w), strict=True):
+        assert abs(mass - Fraction(v) / exact_total) <= bound
+        if v == 0.0:
+            assert mass == 0
 
 
 # -- frequency tests through the production path -------------------------------

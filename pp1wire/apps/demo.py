@@ -148,7 +148,8 @@ def run_daemons(args: argparse.Namespace) -> int:
             print(f"$ curl {url}")
             for metric_line in text.splitlines():
                 if metric_line.startswith(wanted):
-                    print(f"  {metric_line}")
+                    name, value = metric_line.rsplit(" ", 1)
+                    print(f"  {name} {float(value):,.0f}")  # counters: whole numbers
     except WorkerStartError as exc:
         print(f"pp1-demo: {exc}", file=sys.stderr)
         return 1

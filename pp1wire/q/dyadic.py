@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
+from pp1wire.q import tree
 
 try:  # the optional compiled fast paths (pp1wire/q/_fastq.c), qualified against numpy
     from pp1wire.q import _fastq  # type: ignore[attr-defined]
@@ -75,7 +76,7 @@ def _check_weights(w: Float64Array) -> float:
     if (w < 0).any():  # -0.0 is a zero weight here; only the wire insists on +0.0
         raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
     with np.errstate(over="ignore"):
-        total = float(w.sum())
+        total = tree.total(w)  # the canonical pairwise total (§6.6): any split agrees
     if not total > 0.0:
         raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
     if not np.isfinite(total):
@@ -134,7 +135,7 @@ class QBuilder:
                 the row length is not this builder's.
         """
         w = weights_from_logits(logits, temperature, out=self.weights)
-        return self.allocate(w, float(w.sum()))
+        return self.allocate(w, tree.total(w))
 
     def sparse_from_logits(
         self, logits: npt.ArrayLike, temperature: float, k: int
@@ -161,18 +162,7 @@ class QBuilder:
         n = w.size
         share = self.share
         out = self.out
-        # share = (w / total) * M with one rounding: dividing by total / M is
-        # the same correctly rounded division, because M is a power of two
-        # (barring a subnormal total / M, where the two steps are kept).
-        scale = total / M
-        if scale >= _MIN_NORMAL:
-            np.divide(w, scale, out=share)
-        else:
-            np.divide(w, total, out=share)
-            share *= M
-        # share >= 0, so truncation to an integer is the floor.
-        np.copyto(out, share, casting="unsafe")
-        np.subtract(share, out, out=share)  # fractional parts, in [0, 1)
+        floors_and_remainders(w, total, out, share)
         remaining = M - int(out.sum(dtype=np.int64))
         if not 0 <= remaining < n:
             raise ConstructionError(
@@ -199,6 +189,27 @@ class QBuilder:
                 ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"
             )
         return out
+
+
+def floors_and_remainders(
+    w: Float64Array, total: float, floors: Int32Array, remainders: Float64Array
+) -> None:
+    """Each weight's share of M tickets: its floor into ``floors``, the rest into ``remainders``.
+
+    ``share = (w / total) * M`` with one rounding, elementwise, so any split of
+    ``w`` gives the same values (``docs/protocol.md`` §6.1).
+    """
+    # Dividing by total / M is the same correctly rounded division, because M
+    # is a power of two (barring a subnormal total / M, where the two steps are kept).
+    scale = total / M
+    if scale >= _MIN_NORMAL:
+        np.divide(w, scale, out=remainders)
+    else:
+        np.divide(w, total, out=remainders)
+        remainders *= M
+    # share >= 0, so truncation to an integer is the floor.
+    np.copyto(floors, remainders, casting="unsafe")
+    np.subtract(remainders, floors, out=remainders)  # fractional parts, in [0, 1)
 
 
 def _scratch(kind: str, key: object, factory: Callable[[], _T]) -> _T:
@@ -245,20 +256,46 @@ def weights_from_logits(
             and positive; ``BAD_SHAPE``; ``WEIGHT_NON_FINITE`` for NaN or
             ``+inf`` logits; ``ZERO_MASS`` when every logit is ``-inf``.
     """
+    check_temperature(temperature)
+    x = _as_weights(logits)
+    top = check_top(float(x.max()))  # NaN propagates through max
+    if out is not None and out.shape != x.shape:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"out has shape {out.shape}, logits {x.shape}")
+    return shifted_exp(x, top, temperature, out=out)
+
+
+def check_temperature(temperature: float) -> None:
+    """Refuse a temperature that is not finite and positive.
+
+    Raises:
+        ConstructionError: ``BAD_TEMPERATURE``.
+    """
     if not (np.isfinite(temperature) and temperature > 0):
         raise ConstructionError(
             ErrorCode.BAD_TEMPERATURE, f"temperature {temperature!r} must be > 0"
         )
-    x = _as_weights(logits)
-    top = float(x.max())  # NaN propagates through max
+
+
+def check_top(top: float) -> float:
+    """The largest logit, once it is known to be finite (NaN propagates through max).
+
+    Raises:
+        ConstructionError: ``WEIGHT_NON_FINITE`` for NaN or ``+inf``;
+            ``ZERO_MASS`` when every logit is ``-inf``.
+    """
     if np.isnan(top):
         raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "logits contain NaN")
     if top == np.inf:
         raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "logits contain +inf")
     if top == -np.inf:
         raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
-    if out is not None and out.shape != x.shape:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"out has shape {out.shape}, logits {x.shape}")
+    return top
+
+
+def shifted_exp(
+    x: Float64Array, top: float, temperature: float, *, out: Float64Array | None = None
+) -> Float64Array:
+    """``exp((x - top) / temperature)`` elementwise in binary64 (``-inf`` gives 0)."""
     w = np.subtract(x, top, out=out)
     if temperature != 1.0:
         w /= temperature
@@ -288,7 +325,7 @@ def _sparse_from_checked(
     ids = largest_indices(w, k, work=work)
     ids = ids[w[ids] > 0]  # zero weights are never in the support
     sub = w[ids]
-    counts = _allocate(sub, float(sub.sum()))
+    counts = _allocate(sub, tree.total(sub))
     keep = counts > 0
     return ids[keep].astype(np.int32), counts[keep]
 

@@ -87,6 +87,10 @@ class QRow:
             return self._count_index(where)
         return 0
 
+    def dense_counts(self, vocab_size: int) -> npt.NDArray[np.int64]:
+        """The integer counts as a vector over the vocabulary (zero outside a sparse support)."""
+        return np.rint(self.dense_q(vocab_size) * dyadic.M).astype(np.int64)
+
     def dense_q(self, vocab_size: int) -> npt.NDArray[np.float64]:
         """q as a binary64 vector over the vocabulary (exact: counts / 2**24)."""
         if self.counts is not None:

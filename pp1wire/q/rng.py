@@ -238,6 +238,10 @@ class RoundStreams:
         """A fresh 24-bit draw (see :meth:`block` for what it raises)."""
         return u24_from_block(self.block(domain, position, draw))
 
+    def u53_int(self, domain: Domain, position: int, draw: int = 0) -> int:
+        """A fresh 53-bit draw as an integer in ``[0, 2**53)`` (see :meth:`block`)."""
+        return u53_int_from_block(self.block(domain, position, draw))
+
     def u53(self, domain: Domain, position: int, draw: int = 0) -> float:
         """A fresh 53-bit uniform in ``[0, 1)`` (see :meth:`block` for what it raises)."""
         return u53_from_block(self.block(domain, position, draw))

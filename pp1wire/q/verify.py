@@ -24,6 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, VerifyError
+from pp1wire.q import tree
+from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 
@@ -35,6 +37,7 @@ Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 
 _U53_SHIFT = 53
 _Q_SHIFT = 24
+_U53 = float(1 << _U53_SHIFT)
 
 
 class Outcome(Enum):
@@ -78,7 +81,8 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
         )
     # Two read passes decide the common case (NaN propagates through both, +inf
     # through the sum); the classifying passes run only when something is wrong.
-    total = float(arr.sum())
+    # The total is the canonical pairwise one (§6.6), so any split agrees.
+    total = tree.total(arr)
     if not (float(arr.min()) >= 0.0 and np.isfinite(total)):
         if not np.isfinite(arr).all():
             raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
@@ -95,20 +99,40 @@ def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
     return u53_int * count * den < num << (_U53_SHIFT + _Q_SHIFT)
 
 
-def sample_weights(weights: Float64Array, u: float) -> int:
-    """Inverse-CDF draw from non-negative binary64 weights; never a zero-weight ID.
+def sample_weights(weights: Float64Array, u53: int) -> int:
+    """The draw ``u53`` (in ``[0, 2**53)``) from non-negative binary64 weights; never a zero weight.
+
+    The canonical tree over the weights is descended with the target
+    ``(u53 / 2**53) * total`` (``docs/protocol.md`` §6.6), so any split of the
+    weights into shards draws the same ID.
 
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` if the weights have no mass.
     """
-    cumulative = np.cumsum(weights)
-    total = float(cumulative[-1]) if cumulative.size else 0.0
+    levels = tree.levels(weights)
+    total = float(levels[-1][0])
     if not total > 0:
         raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
-    idx = int(np.searchsorted(cumulative, u * total, side="right"))
-    if idx >= weights.size:  # u * total rounded up to the total
-        idx = int(np.flatnonzero(weights > 0)[-1])
-    return idx
+    return tree.descend(levels, (u53 / _U53) * total)
+
+
+def residual(p: Float64Array, counts: npt.ArrayLike) -> Float64Array:
+    """``max(p - q, 0)`` over every ID, with ``q = counts / 2**24`` (exact in binary64)."""
+    r = p - np.asarray(counts, dtype=np.float64) / M
+    np.maximum(r, 0.0, out=r)
+    return r
+
+
+def residual_sample(p: Float64Array, counts: npt.ArrayLike, u53: int) -> int:
+    """The correction for the draw ``u53``: :func:`sample_weights` of :func:`residual`.
+
+    ``p`` is the normalized target (:func:`check_target`), ``counts`` the dense
+    integer counts of q (zero outside a sparse support).
+
+    Raises:
+        VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
+    """
+    return sample_weights(residual(p, counts), u53)
 
 
 class RequestVerifier:
@@ -273,13 +297,12 @@ class RequestVerifier:
                 if x == self.eos:
                     return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS)
                 continue
-            resid = p - row.dense_q(self.vocab_size)
-            np.maximum(resid, 0.0, out=resid)
-            y = sample_weights(resid, streams.u53(Domain.CORRECTION, start + i))
+            counts = row.dense_counts(self.vocab_size)
+            y = residual_sample(p, counts, streams.u53_int(Domain.CORRECTION, start + i))
             return self._commit(proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION)
         p = self._p(context)
         position = start + len(proposal.rows)
-        b = sample_weights(p, streams.u53(Domain.CORRECTION, position))
+        b = sample_weights(p, streams.u53_int(Domain.CORRECTION, position))
         return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS)
 
     def decode_target_only(self, round_id: int) -> RoundResult:
@@ -294,7 +317,7 @@ class RequestVerifier:
         self.last_round = round_id
         p = self._p(self.committed)
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, round_id)
-        token = sample_weights(p, streams.u53(Domain.TARGET, self.position))
+        token = sample_weights(p, streams.u53_int(Domain.TARGET, self.position))
         return self._commit(round_id, [token], 0, token, Outcome.TARGET)
 
     def _commit(

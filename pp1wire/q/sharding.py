@@ -1,0 +1,250 @@
+"""The dyadic24 kernels on a vocabulary split into contiguous shards (numpy emulator).
+
+Shards are the pieces of the global vocabulary in rank order: their lengths
+define each rank's range of global IDs (a shard may be empty or all-zero).
+Every function here returns exactly what its unsharded counterpart returns on
+the concatenated vector, for **every** split, because each step is either
+elementwise, an exact integer reduction, a max, or a node of the canonical
+tree (:mod:`pp1wire.q.tree`): ``docs/protocol.md`` §6.6 gives the rules and
+why they do not depend on the split.
+
+What a rank computes alone and what crosses ranks (the collectives a real
+group runs, in this order, with fixed shapes):
+
+* counts: the global max of the logits (max all-reduce); the cover-node
+  values of the canonical tree (all-gather); the global remaining tickets
+  (integer sum); each rank's ``remaining`` largest remainders (all-gather,
+  padded with -1); each rank's count of ties at the threshold (all-gather).
+* sparse top-k: each rank's top-k candidates ``(weight, global ID)``
+  (all-gather), merged to the global top-k, ties to the lowest ID.
+* proposal draw: each rank's count total (all-gather), then the owner
+  shard's local search.
+* residual draw: the cover-node values of the residual's tree (all-gather),
+  then the descent, finished by the rank that owns the node reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
+from pp1wire.q import dyadic, tree
+from pp1wire.q.dyadic import M, Float64Array, Int32Array, Int64Array
+
+_U53 = float(1 << 53)
+
+
+def _floats(shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:
+    out = [np.asarray(s, dtype=np.float64) for s in shards]
+    if not out or any(s.ndim != 1 for s in out) or sum(s.size for s in out) == 0:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, "shards must be 1-D and not all empty")
+    return out
+
+
+def _check_weights(shards: list[Float64Array]) -> float:
+    """The unsharded checks, in their order, then the canonical total."""
+    if not all(np.isfinite(s).all() for s in shards):
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
+    if any((s < 0).any() for s in shards):
+        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
+    with np.errstate(over="ignore"):
+        total = tree.ShardedTree.build(shards).total
+    if not total > 0.0:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
+    if not np.isfinite(total):
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "total weight overflows binary64")
+    return total
+
+
+def _allocate(shards: list[Float64Array], total: float) -> list[Int64Array]:
+    """Floor plus the globally largest remainders, ties to the lowest global ID."""
+    floors = [np.empty(s.size, dtype=np.int32) for s in shards]
+    rems = [np.empty(s.size, dtype=np.float64) for s in shards]
+    for s, f, r in zip(shards, floors, rems, strict=True):
+        dyadic.floors_and_remainders(s, total, f, r)
+    n = sum(s.size for s in shards)
+    remaining = M - sum(int(f.sum(dtype=np.int64)) for f in floors)
+    if not 0 <= remaining < n:
+        raise ConstructionError(
+            ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
+        )
+    out = [f.astype(np.int64) for f in floors]
+    if remaining:
+        # Each rank offers its `remaining` largest remainders; the global
+        # threshold is the remaining-th largest of all offers.
+        offers = np.concatenate([r[dyadic.largest_indices(r, remaining)] for r in rems])
+        threshold = float(np.partition(offers, offers.size - remaining)[offers.size - remaining])
+        if not threshold > 0.0:
+            raise ConstructionError(
+                ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
+            )
+        above = [r > threshold for r in rems]
+        ties_left = remaining - sum(int(a.sum()) for a in above)
+        for o, a, r in zip(out, above, rems, strict=True):
+            o += a
+            ties = np.flatnonzero(r == threshold)[:ties_left]  # lowest global IDs first
+            o[ties] += 1
+            ties_left -= ties.size
+    if sum(int(o.sum()) for o in out) != M:
+        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
+    return out
+
+
+def counts_from_weights(shards: Sequence[npt.ArrayLike]) -> list[Int64Array]:
+    """The pieces of :func:`pp1wire.q.dyadic.counts_from_weights` of the concatenation.
+
+    Raises:
+        ConstructionError: as the unsharded function (same code for the same input).
+    """
+    w = _floats(shards)
+    return _allocate(w, _check_weights(w))
+
+
+def _weights_from_logits(
+    shards: Sequence[npt.ArrayLike], temperature: float
+) -> list[Float64Array]:
+    dyadic.check_temperature(temperature)
+    x = _floats(shards)
+    top = dyadic.check_top(float(np.max([s.max() for s in x if s.size])))  # max all-reduce
+    return [dyadic.shifted_exp(s, top, temperature) for s in x]
+
+
+def counts_from_logits(
+    shards: Sequence[npt.ArrayLike], temperature: float = 1.0
+) -> list[Int64Array]:
+    """The pieces of :func:`pp1wire.q.dyadic.counts_from_logits` of the concatenation.
+
+    Raises:
+        ConstructionError: as the unsharded function.
+    """
+    w = _weights_from_logits(shards, temperature)
+    return _allocate(w, tree.ShardedTree.build(w).total)
+
+
+def _sparse(w: list[Float64Array], k: int) -> tuple[Int32Array, Int64Array]:
+    offers_w: list[Float64Array] = []
+    offers_id: list[npt.NDArray[np.int64]] = []
+    start = 0
+    for s in w:
+        local = dyadic.largest_indices(s, min(k, s.size))
+        local = local[s[local] > 0]
+        offers_w.append(s[local])
+        offers_id.append(local.astype(np.int64) + start)
+        start += s.size
+    weights, ids = np.concatenate(offers_w), np.concatenate(offers_id)
+    order = np.lexsort((ids, -weights))[:k]  # largest weights, ties to the lowest ID
+    chosen = np.sort(ids[order])
+    sub = weights[np.searchsorted(ids, chosen)]  # ids ascend: shards in order, each ascending
+    counts = _allocate([sub], tree.total(sub))[0]
+    keep = counts > 0
+    return chosen[keep].astype(np.int32), counts[keep]
+
+
+def sparse_counts_from_weights(
+    shards: Sequence[npt.ArrayLike], k: int
+) -> tuple[Int32Array, Int64Array]:
+    """:func:`pp1wire.q.dyadic.sparse_counts_from_weights` of the concatenation: global IDs.
+
+    Raises:
+        ConstructionError: as the unsharded function.
+    """
+    if k < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    w = _floats(shards)
+    _check_weights(w)
+    return _sparse(w, k)
+
+
+def sparse_counts_from_logits(
+    shards: Sequence[npt.ArrayLike], temperature: float, k: int
+) -> tuple[Int32Array, Int64Array]:
+    """:func:`pp1wire.q.dyadic.sparse_counts_from_logits` of the concatenation.
+
+    Raises:
+        ConstructionError: as the unsharded function.
+    """
+    if k < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    return _sparse(_weights_from_logits(shards, temperature), k)
+
+
+def sample(count_shards: Sequence[npt.ArrayLike], u24: int) -> int:
+    """:func:`pp1wire.q.dyadic.sample` of the concatenation: the global ID drawn by ``u24``.
+
+    The shard is the first whose cumulative count total exceeds ``u24`` (an
+    empty or zero shard never does), the token the first in it whose local
+    cumulative count exceeds what is left of ``u24``.
+
+    Raises:
+        ValidationError: as the unsharded function.
+    """
+    if not 0 <= u24 < M:
+        raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")
+    pieces = [np.asarray(c) for c in count_shards]
+    if not pieces or any(c.dtype.kind not in "iu" or c.ndim != 1 for c in pieces):
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "counts must be 1-D integer arrays")
+    if any(c.size and c.min() < 0 for c in pieces):
+        raise ValidationError(ErrorCode.NEGATIVE, "negative count")
+    totals = [int(c.sum(dtype=np.int64)) for c in pieces]
+    if sum(totals) != M:
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
+    start = before = 0
+    for c, t in zip(pieces, totals, strict=True):
+        if before + t > u24:
+            local = np.cumsum(c, dtype=np.int64)
+            return start + int(np.searchsorted(local, u24 - before, side="right"))
+        before += t
+        start += c.size
+    raise AssertionError("counts summing to M always contain the draw")  # pragma: no cover
+
+
+def normalize_target(p_shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:
+    """The pieces of :func:`pp1wire.q.verify.check_target` (p over its canonical total).
+
+    Raises:
+        VerifyError: ``TARGET_NON_FINITE``, ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
+    """
+    p = [np.asarray(s, dtype=np.float64) for s in p_shards]
+    if not all(np.isfinite(s).all() for s in p):
+        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
+    if any((s < 0).any() for s in p):
+        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    with np.errstate(over="ignore"):
+        total = tree.ShardedTree.build(p).total
+    if not (total > 0 and np.isfinite(total)):
+        raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
+    return [s / total for s in p]
+
+
+def sample_weights(weight_shards: Sequence[npt.ArrayLike], u53: int) -> int:
+    """:func:`pp1wire.q.verify.sample_weights` of the concatenation: a global ID.
+
+    Raises:
+        VerifyError: ``EMPTY_RESIDUAL`` if the weights have no mass.
+    """
+    t = tree.ShardedTree.build(weight_shards)
+    if not t.total > 0:
+        raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
+    return t.descend((u53 / _U53) * t.total)
+
+
+def residual_sample(
+    p_shards: Sequence[npt.ArrayLike], count_shards: Sequence[npt.ArrayLike], u53: int
+) -> int:
+    """:func:`pp1wire.q.verify.residual_sample` of the concatenations: a global ID.
+
+    Every shard forms ``max(p - q, 0)`` over **every** ID it owns (IDs outside a
+    sparse q's support have q = 0 there), then the draw descends the canonical
+    tree of the whole residual.
+
+    Raises:
+        VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
+    """
+    resid = []
+    for p, c in zip(p_shards, count_shards, strict=True):
+        r = np.asarray(p, dtype=np.float64) - np.asarray(c, dtype=np.float64) / M
+        resid.append(np.maximum(r, 0.0, out=r))
+    return sample_weights(resid, u53)
