@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
 from pp1wire.q import dyadic, tree
-from pp1wire.q.dyadic import M, Float64Array, Int32Array, Int64Array
+from pp1wire.q.dyadic import Float64Array, Int32Array, Int64Array, M
 
 _U53 = float(1 << 53)
 
@@ -84,7 +84,7 @@ def _allocate(shards: list[Float64Array], total: float) -> list[Int64Array]:
         above = [r > threshold for r in rems]
         ties_left = remaining - sum(int(a.sum()) for a in above)
         for o, a, r in zip(out, above, rems, strict=True):
-            o += a
+            np.add(o, a, out=o)
             ties = np.flatnonzero(r == threshold)[:ties_left]  # lowest global IDs first
             o[ties] += 1
             ties_left -= ties.size
