@@ -103,9 +103,7 @@ def counts_from_weights(shards: Sequence[npt.ArrayLike]) -> list[Int64Array]:
     return _allocate(w, _check_weights(w))
 
 
-def _weights_from_logits(
-    shards: Sequence[npt.ArrayLike], temperature: float
-) -> list[Float64Array]:
+def _weights_from_logits(shards: Sequence[npt.ArrayLike], temperature: float) -> list[Float64Array]:
     dyadic.check_temperature(temperature)
     x = _floats(shards)
     top = dyadic.check_top(float(np.max([s.max() for s in x if s.size])))  # max all-reduce

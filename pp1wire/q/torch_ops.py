@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
+from pp1wire.q import dyadic
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -73,13 +74,12 @@ def _check_weights(w: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def floors_and_remainders(w: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def floors_and_remainders(
+    w: torch.Tensor, total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pp1wire.q.dyadic.floors_and_remainders` on tensors: (int64 floors, remainders)."""
     scale = total / M
-    if float(scale) >= _MIN_NORMAL:
-        share = w / scale
-    else:
-        share = (w / total) * M
+    share = w / scale if float(scale) >= _MIN_NORMAL else (w / total) * M
     floors = share.to(torch.int64)  # share >= 0: truncation is the floor
     return floors, share - floors.to(torch.float64)
 
@@ -134,16 +134,9 @@ def weights_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tenso
     Raises:
         ConstructionError: the same codes.
     """
-    if not (temperature == temperature and 0 < temperature < float("inf")):
-        raise ConstructionError(
-            ErrorCode.BAD_TEMPERATURE, f"temperature {temperature!r} must be > 0"
-        )
+    dyadic.check_temperature(temperature)
     x = _as_weights(logits)
-    top = float(x.max())
-    if top != top or top == float("inf"):
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "logits contain NaN or +inf")
-    if top == float("-inf"):
-        raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+    top = dyadic.check_top(float(x.max()))  # NaN propagates through max
     w = x - top
     if temperature != 1.0:
         w = w / temperature
