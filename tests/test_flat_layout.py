@@ -45,3 +45,30 @@ def test_target_rows_splits_drafts_plus_bonus_per_request():
     assert np.shares_memory(blocks[0], probs)  # views, no copy
     with pytest.raises(ValueError, match="expected 6"):
         target_rows(probs[:5], counts)
+
+
+def test_engine_tensors_go_in_without_a_copy():
+    torch = pytest.importorskip("torch")
+    from pp1wire.apps.models import ToyLM
+    from pp1wire.q.arrays import host_array
+    from pp1wire.q.verify import RequestVerifier, check_target
+
+    counts = torch.tensor([2, 0, 1], dtype=torch.int32)
+    probs = torch.arange(12, dtype=torch.float64).reshape(6, 2)
+    blocks = target_rows(probs, counts)
+    assert all(isinstance(b, torch.Tensor) for b in blocks)
+    assert blocks[2].data_ptr() == probs[4].data_ptr()  # a view of the engine's tensor
+    row = torch.rand(16, dtype=torch.float64)
+    assert np.shares_memory(host_array(row), row.numpy())
+    assert check_target(row, 16).tolist() == check_target(row.numpy(), 16).tolist()
+    assert pack_outputs([torch.tensor([3, 4])], max_depth=2).tolist() == [[3, 4, -1]]
+
+    # A verifier whose target returns tensors commits exactly what the numpy target does.
+    lm = ToyLM(16, 2)
+    runs = []
+    for target in (lm.probs, lambda prefix: torch.from_numpy(lm.probs(prefix))):
+        v = RequestVerifier(session=1, seed=9, vocab_size=16, prefix=[1], target=target)
+        for r in range(5):
+            v.decode_target_only(r)
+        runs.append(list(v.committed))
+    assert runs[0] == runs[1]

@@ -38,11 +38,13 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
+from pp1wire.q.arrays import host_array
 from pp1wire.q.proposal import Proposal
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
 _T = TypeVar("_T")
+_Rows = TypeVar("_Rows", bound=Any)  # numpy rows, or an engine tensor sliced the same way
 
 
 class ProposalUnavailableError(Pp1Error):
@@ -574,31 +576,33 @@ def pack_outputs(outputs: Sequence[Sequence[int]], max_depth: int) -> npt.NDArra
     """
     out = np.full((len(outputs), max_depth + 1), -1, dtype=np.int32)
     for i, tokens in enumerate(outputs):
-        if len(tokens) > max_depth + 1:
-            raise ValueError(f"request {i} has {len(tokens)} tokens > {max_depth + 1}")
-        out[i, : len(tokens)] = tokens
+        row = host_array(tokens)  # a list, a numpy array or an engine tensor
+        if len(row) > max_depth + 1:
+            raise ValueError(f"request {i} has {len(row)} tokens > {max_depth + 1}")
+        out[i, : len(row)] = row
     return out
 
 
-def target_rows(
-    target_probs: npt.NDArray[np.floating], draft_counts: npt.NDArray[np.int32]
-) -> list[npt.NDArray[np.floating]]:
-    """Split engine-layout target probabilities into per-request blocks.
+def target_rows(target_probs: _Rows, draft_counts: npt.ArrayLike) -> list[_Rows]:
+    """Split engine-layout target probabilities into per-request blocks (views, no copy).
 
     ``target_probs`` is ``[num_tokens + batch, V]``: for request i, its
     ``draft_counts[i]`` draft positions followed by one bonus position, in
     request order. Row j of block i is p for the prefix extended by the
-    request's first j drafts.
+    request's first j drafts. ``target_probs`` may be a numpy array or an
+    engine's tensor (torch, any device): the blocks are slices of it, of the
+    same type, and each row can go to the verifier as it is.
 
     Raises:
         ValueError: if the row count does not match ``sum(draft_counts) + batch``.
     """
-    expected = int(draft_counts.sum()) + len(draft_counts)
+    counts = [int(n) for n in host_array(draft_counts).tolist()]
+    expected = sum(counts) + len(counts)
     if target_probs.shape[0] != expected:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows, expected {expected}")
     blocks = []
     start = 0
-    for n in draft_counts.tolist():
+    for n in counts:
         blocks.append(target_probs[start : start + n + 1])
         start += n + 1
     return blocks

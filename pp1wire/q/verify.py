@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q import tree
+from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
@@ -74,7 +75,7 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
         VerifyError: ``TARGET_FAILED`` for a wrong shape, ``TARGET_NON_FINITE``,
             ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
-    arr = np.asarray(p, dtype=np.float64)
+    arr = host_array(p, np.float64)  # numpy, or an engine's tensor (viewed, not copied, on the CPU)
     if arr.shape != (vocab_size,):
         raise VerifyError(
             ErrorCode.TARGET_FAILED, f"target shape {arr.shape}, expected ({vocab_size},)"

@@ -1,0 +1,31 @@
+"""Engine tensors in, numpy out: a host view of any array-like, without a copy when possible.
+
+An engine hands the verifier its target rows as whatever it holds: a numpy
+array, a torch tensor on the CPU or on a GPU, or anything else exporting
+DLPack. :func:`host_array` views CPU memory in place (DLPack) and copies only
+what lives on a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+def host_array(x: Any, dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
+    """``x`` as a numpy array: a zero-copy view of CPU memory when the dtype already matches.
+
+    Device tensors (anything with a ``cpu()`` method whose DLPack export
+    refuses the host) are copied to the host once.
+    """
+    if isinstance(x, np.ndarray):
+        return x if dtype is None else np.asarray(x, dtype=dtype)
+    if hasattr(x, "__dlpack__"):
+        try:
+            view = np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError):
+            view = np.from_dlpack(x.cpu()) if hasattr(x, "cpu") else np.asarray(x)
+        return view if dtype is None else np.asarray(view, dtype=dtype)
+    return np.asarray(x, dtype=dtype)
