@@ -145,10 +145,12 @@ def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over")
     if remaining:
         offer = torch.full((remaining,), -1.0, dtype=torch.float64, device=w.device)
-        best = torch.sort(rem, descending=True, stable=True).values[:remaining]
+        best = torch.topk(
+            rem, min(remaining, rem.numel())
+        ).values  # values only: ties do not matter
         offer[: best.numel()] = best
         offers = layout.all_gather(offer).reshape(-1)
-        threshold = float(torch.sort(offers, descending=True).values[remaining - 1])
+        threshold = float(torch.kthvalue(offers, offers.numel() - remaining + 1).values)
         above = rem > threshold
         ties = rem == threshold
         counts = (

@@ -98,16 +98,27 @@ def allocate(w: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
             ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
         )
     if remaining:
-        # A stable descending sort keeps equal remainders in index order.
-        order = torch.sort(rem, descending=True, stable=True).indices[:remaining]
-        if not float(rem[order[-1]]) > 0.0:
+        # The remaining-th largest remainder, then everything above it and the
+        # lowest-index ties at it (linear time; no reliance on sort tie order).
+        threshold = torch.kthvalue(rem, n - remaining + 1).values
+        if not float(threshold) > 0.0:
             raise ConstructionError(
                 ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
             )
-        floors = floors.index_add(0, order, torch.ones_like(order))
+        floors = floors + select_at_threshold(rem, threshold, remaining)
     if int(floors.sum()) != M:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
     return floors
+
+
+def select_at_threshold(rem: torch.Tensor, threshold: torch.Tensor, wanted: int) -> torch.Tensor:
+    """0/1 per entry: every remainder above ``threshold``, then ties at it, lowest index first,
+    ``wanted`` in all."""
+    above = rem > threshold
+    ties = rem == threshold
+    room = wanted - int(above.sum())
+    take = ties & (torch.cumsum(ties.to(torch.int64), 0) <= room)
+    return (above | take).to(torch.int64)
 
 
 def counts_from_weights(weights: torch.Tensor) -> torch.Tensor:
