@@ -342,3 +342,17 @@ def test_canonical_tree_is_the_same_for_every_split():
             for u in U53_GRID:
                 target = (u / float(U53)) * t.total
                 assert t.descend(target) == tree.descend(whole, target)
+
+
+def test_descent_never_enters_a_zero_child():
+    # Rounding can leave a target at or past a child's value; the descent rule
+    # (docs/protocol.md section 6.6) still never steps into a zero-weight subtree.
+    levels = tree.levels([0.5, 0.0])
+    assert tree.descend(levels, 0.5) == 0  # t >= a, but b = 0: left
+    assert tree.descend(levels, 0.75) == 0
+    levels = tree.levels([0.0, 0.5])
+    assert tree.descend(levels, 0.0) == 1  # a = 0: right, whatever t
+    levels = tree.levels([0.0, 0.25, 0.0, 0.0])
+    for t in (0.0, 0.25, 0.3, 1.0):
+        assert tree.descend(levels, t) == 1
+        assert tree.ShardedTree.build([[0.0], [0.25, 0.0], [0.0]]).descend(t) == 1

@@ -115,3 +115,14 @@ def test_full_vocabulary_rows():
             assert int(
                 torch_ops.residual_sample(torch.from_numpy(p), got, u)
             ) == verify.residual_sample(p, want, u)
+
+
+def test_torch_descent_never_enters_a_zero_child():
+    for values, targets, want in (
+        ([0.5, 0.0], (0.5, 0.75), 0),
+        ([0.0, 0.5], (0.0,), 1),
+        ([0.0, 0.25, 0.0, 0.0], (0.0, 0.25, 1.0), 1),
+    ):
+        levels = torch_ops.tree_levels(torch.tensor(values, dtype=torch.float64))
+        for t in targets:
+            assert int(torch_ops.descend(levels, torch.tensor(t, dtype=torch.float64))) == want
