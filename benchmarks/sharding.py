@@ -18,12 +18,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from micro import _trial
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.q import dyadic, sharding, verify
@@ -39,25 +40,16 @@ def inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return z, p, dyadic.counts_from_logits(z)
 
 
-def median_seconds(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def numpy_part(reps: int) -> dict[str, float]:
     z, p, c = inputs()
     zs, ps, cs = [z[:CUT], z[CUT:]], [p[:CUT], p[CUT:]], [c[:CUT], c[CUT:]]
     out: dict[str, list[float]] = {k: [] for k in ("construct", "construct_2", "resid", "resid_2")}
     for _ in range(3):  # interleaved rounds: drift hits both alike
-        out["construct"].append(median_seconds(lambda: dyadic.counts_from_logits(z), reps))
-        out["construct_2"].append(median_seconds(lambda: sharding.counts_from_logits(zs), reps))
-        out["resid"].append(median_seconds(lambda: verify.residual_sample(p, c, U53 // 3), reps))
+        out["construct"].append(_trial(lambda: dyadic.counts_from_logits(z), reps))
+        out["construct_2"].append(_trial(lambda: sharding.counts_from_logits(zs), reps))
+        out["resid"].append(_trial(lambda: verify.residual_sample(p, c, U53 // 3), reps))
         out["resid_2"].append(
-            median_seconds(lambda: sharding.residual_sample(ps, cs, U53 // 3), reps)
+            _trial(lambda: sharding.residual_sample(ps, cs, U53 // 3), reps)
         )
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -69,8 +61,8 @@ def torch_unsharded(reps: int) -> dict[str, float]:
 
     z, p, c = (torch.from_numpy(a) for a in inputs())
     return {
-        "construct": median_seconds(lambda: torch_ops.counts_from_logits(z), reps),
-        "resid": median_seconds(lambda: int(torch_ops.residual_sample(p, c, U53 // 3)), reps),
+        "construct": _trial(lambda: torch_ops.counts_from_logits(z), reps),
+        "resid": _trial(lambda: int(torch_ops.residual_sample(p, c, U53 // 3)), reps),
     }
 
 
@@ -94,8 +86,8 @@ def rank_worker(reps: int) -> None:
         return run
 
     result = {
-        "construct_2": median_seconds(synced(lambda: dist_ops.counts_from_logits(zt)), reps),
-        "resid_2": median_seconds(synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3)), reps),
+        "construct_2": _trial(synced(lambda: dist_ops.counts_from_logits(zt)), reps),
+        "resid_2": _trial(synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3)), reps),
     }
     if rank == 0:
         print(json.dumps(result), flush=True)

@@ -223,8 +223,7 @@ def sparse_counts_from_logits(
     Raises:
         ConstructionError: the unsharded function's code, on every rank.
     """
-    if k < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    dyadic.check_k(k)
     x = x.to(torch.float64)
     layout = Layout(x.numel(), group, x.device)
     w = _weights_from_logits(x, temperature, layout)

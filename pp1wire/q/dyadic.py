@@ -145,7 +145,7 @@ class QBuilder:
         Raises:
             ConstructionError: see :func:`sparse_counts_from_logits`.
         """
-        _check_k(k)
+        check_k(k)
         w = weights_from_logits(logits, temperature, out=self.weights)
         return _sparse_from_checked(w, k, self.work)
 
@@ -314,7 +314,12 @@ def counts_from_logits(logits: npt.ArrayLike, temperature: float = 1.0) -> Int64
     return builder(x.size).from_logits(x, temperature).astype(np.int64)
 
 
-def _check_k(k: int) -> None:
+def check_k(k: int) -> None:
+    """Refuse a sparse support size below 1.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE``.
+    """
     if k < 1:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
 
@@ -341,7 +346,7 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     Raises:
         ConstructionError: as :func:`counts_from_weights`, or ``BAD_SHAPE`` for k < 1.
     """
-    _check_k(k)
+    check_k(k)
     w = _as_weights(weights)
     _check_weights(w)
     return _sparse_from_checked(w, k)
@@ -355,7 +360,7 @@ def sparse_counts_from_logits(
     Raises:
         ConstructionError: see :func:`weights_from_logits`, or ``BAD_SHAPE`` for k < 1.
     """
-    _check_k(k)
+    check_k(k)
     x = _as_weights(logits)
     return builder(x.size).sparse_from_logits(x, temperature, k)
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
+from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import Float64Array, Int32Array, Int64Array, M
 
@@ -44,12 +44,24 @@ def _floats(shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:
     return out
 
 
+def _refuse_bad_values(shards: list[Float64Array], nonfinite: Pp1Error, negative: Pp1Error) -> None:
+    """Raise ``nonfinite`` for any NaN or infinity, else ``negative`` for any value below 0.
+
+    These are the two flags a rank group all-reduces before anything else.
+    """
+    if not all(np.isfinite(s).all() for s in shards):
+        raise nonfinite
+    if any((s < 0).any() for s in shards):
+        raise negative
+
+
 def _check_weights(shards: list[Float64Array]) -> float:
     """The unsharded checks, in their order, then the canonical total."""
-    if not all(np.isfinite(s).all() for s in shards):
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
-    if any((s < 0).any() for s in shards):
-        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
+    _refuse_bad_values(
+        shards,
+        ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
+        ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
+    )
     with np.errstate(over="ignore"):
         total = tree.ShardedTree.build(shards).total
     if not total > 0.0:
@@ -149,8 +161,7 @@ def sparse_counts_from_weights(
     Raises:
         ConstructionError: as the unsharded function.
     """
-    if k < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    dyadic.check_k(k)
     w = _floats(shards)
     _check_weights(w)
     return _sparse(w, k)
@@ -164,8 +175,7 @@ def sparse_counts_from_logits(
     Raises:
         ConstructionError: as the unsharded function.
     """
-    if k < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    dyadic.check_k(k)
     return _sparse(_weights_from_logits(shards, temperature), k)
 
 
@@ -206,10 +216,11 @@ def normalize_target(p_shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:
         VerifyError: ``TARGET_NON_FINITE``, ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
     p = [np.asarray(s, dtype=np.float64) for s in p_shards]
-    if not all(np.isfinite(s).all() for s in p):
-        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
-    if any((s < 0).any() for s in p):
-        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    _refuse_bad_values(
+        p,
+        VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity"),
+        VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability"),
+    )
     with np.errstate(over="ignore"):
         total = tree.ShardedTree.build(p).total
     if not (total > 0 and np.isfinite(total)):

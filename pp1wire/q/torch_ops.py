@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
+from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic
 
 M = 1 << 24
@@ -59,12 +59,21 @@ def descend(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     return index
 
 
+def _refuse_bad_values(x: torch.Tensor, nonfinite: Pp1Error, negative: Pp1Error) -> None:
+    """Raise ``nonfinite`` for any NaN or infinity, else ``negative`` (one host read)."""
+    flags = torch.stack([(~torch.isfinite(x)).any(), (x < 0).any()]).tolist()
+    if flags[0]:
+        raise nonfinite
+    if flags[1]:
+        raise negative
+
+
 def _check_weights(w: torch.Tensor) -> torch.Tensor:
-    bad = torch.stack([(~torch.isfinite(w)).any(), (w < 0).any()]).tolist()
-    if bad[0]:
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
-    if bad[1]:
-        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
+    _refuse_bad_values(
+        w,
+        ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
+        ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
+    )
     total = tree_total(w)
     value = float(total)
     if not value > 0.0:
@@ -177,8 +186,7 @@ def sparse_counts_from_weights(weights: torch.Tensor, k: int) -> tuple[torch.Ten
     Raises:
         ConstructionError: the same codes.
     """
-    if k < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    dyadic.check_k(k)
     w = _as_weights(weights)
     _check_weights(w)
     return _sparse(w, k)
@@ -192,8 +200,7 @@ def sparse_counts_from_logits(
     Raises:
         ConstructionError: the same codes.
     """
-    if k < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"sparse support k={k} must be >= 1")
+    dyadic.check_k(k)
     return _sparse(weights_from_logits(logits, temperature), k)
 
 
@@ -225,11 +232,11 @@ def check_target(p: torch.Tensor) -> torch.Tensor:
         VerifyError: ``TARGET_NON_FINITE``, ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
     x = p.to(torch.float64)
-    bad = torch.stack([(~torch.isfinite(x)).any(), (x < 0).any()]).tolist()
-    if bad[0]:
-        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
-    if bad[1]:
-        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    _refuse_bad_values(
+        x,
+        VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity"),
+        VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability"),
+    )
     total = tree_total(x)
     value = float(total)
     if not (value > 0 and value != float("inf")):
