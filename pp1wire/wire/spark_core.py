@@ -385,7 +385,8 @@ class SparkProtocol:
         state = self._slot(slot)
         if not 0 <= accepted <= len(tokens) or not tokens:
             raise ProtocolError(ErrorCode.COMMIT_INVALID, "accepted outside the committed tokens")
-        drafts = state.drafts.pop(round_id, ())
+        # Checked before anything changes: a refused COMMIT keeps the round's drafts.
+        drafts = state.drafts.get(round_id, ())
         if tuple(tokens[:accepted]) != drafts[:accepted]:
             raise ProtocolError(ErrorCode.COMMIT_INVALID, "accepted tokens are not the drafts")
         state.drafts.clear()
