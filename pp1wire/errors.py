@@ -155,3 +155,11 @@ class VerifyError(Pp1Error):
 
 class ProtocolError(Pp1Error):
     """A frame or message broke the wire protocol (``docs/protocol.md``)."""
+
+
+class UsageError(Exception):
+    """The local API was used in a way it never allows (no wire code: nothing was sent)."""
+
+
+class ProposalReleasedError(UsageError):
+    """A released proposal's q was read: its rows viewed a buffer now recycled."""

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pp1wire.apps.models import ToyLM
-from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.errors import ErrorCode, ProposalReleasedError, ProtocolError
 from pp1wire.q.verify import RequestVerifier
 from pp1wire.wire import framing
 from pp1wire.wire.messages import MsgType
@@ -322,3 +322,32 @@ def test_automatic_generation_respects_both_the_floor_and_a_minimum():
     pair.spark.close_slot(0)
     pair.pump()
     assert pair.spark.open_slot(0, seed=6, prefix=PREFIX, at_least=5) == 6  # the floor wins
+
+
+def test_a_released_proposal_cannot_be_read():
+    # The rows view the receive buffers; once released, those buffers carry
+    # later replies, so reading the old q must be an error, not another round's q.
+    pair = opened()
+    pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    (ready,) = [e for e in pair.pump() if isinstance(e, ProposalReady)]
+    proposal = ready.proposal
+    assert proposal.rows[0].q32 is not None  # readable while held
+    pair.spark.release_proposal(0, proposal.round_id)
+    for read in (
+        lambda row: row.q32,
+        lambda row: row.ids,
+        lambda row: row.count_at(row.token),
+        lambda row: row.dense_q(VOCAB),
+    ):
+        with pytest.raises(ProposalReleasedError, match="released"):
+            read(proposal.rows[0])
+    assert proposal.tokens == tuple(r.token for r in proposal.rows)  # tokens are copies
+    verifier = RequestVerifier(
+        session=pair.spark.session,
+        seed=5,
+        vocab_size=VOCAB,
+        prefix=PREFIX,
+        target=ToyLM(VOCAB, 1).probs,
+    )
+    with pytest.raises(ProposalReleasedError):
+        verifier.verify(proposal)

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire.errors import ConstructionError, ErrorCode
+from pp1wire.errors import ConstructionError, ErrorCode, ProposalReleasedError
 from pp1wire.q import dyadic
 from pp1wire.q.rng import Domain, Role, RoundStreams
 
@@ -44,7 +44,16 @@ def prefix_digest(tokens: Sequence[int]) -> int:
     return int(xxhash.xxh3_64_intdigest(arr.astype("<i4").tobytes()))
 
 
-@dataclass(frozen=True, eq=False)
+class Lease:
+    """Whether rows that view a receive buffer may still be read (shared by one proposal)."""
+
+    __slots__ = ("released",)
+
+    def __init__(self) -> None:
+        """A live lease."""
+        self.released = False
+
+
 class QRow:
     """One proposal position: the sampled token and the exact q it was drawn from.
 
@@ -53,17 +62,72 @@ class QRow:
     exact, since every value is c / 2**24). ``ids`` is ``None`` for a dense row
     (one entry per vocabulary ID, possibly followed by zero padding) and the
     ascending support for a sparse row.
+
+    A row that views a receive buffer carries that buffer's ``lease``: once the
+    proposal is released (the buffer goes back to be overwritten by a later
+    reply), reading its q raises :class:`~pp1wire.errors.ProposalReleasedError`
+    instead of silently returning another round's values. The token stays
+    readable (it is a copy).
     """
 
-    token: int
-    counts: npt.NDArray[np.int64] | npt.NDArray[np.int32] | None = None
-    ids: npt.NDArray[np.int32] | None = None
-    q32: npt.NDArray[np.float32] | None = None
+    __slots__ = ("_counts", "_ids", "_lease", "_q32", "token")
 
-    def __post_init__(self) -> None:
-        """Raises ValueError unless exactly one of ``counts`` and ``q32`` is given."""
-        if (self.counts is None) == (self.q32 is None):
+    def __init__(
+        self,
+        token: int,
+        counts: npt.NDArray[np.int64] | npt.NDArray[np.int32] | None = None,
+        ids: npt.NDArray[np.int32] | None = None,
+        q32: npt.NDArray[np.float32] | None = None,
+        lease: Lease | None = None,
+    ) -> None:
+        """A row; exactly one of ``counts`` and ``q32``.
+
+        Raises:
+            ValueError: unless exactly one of ``counts`` and ``q32`` is given.
+        """
+        if (counts is None) == (q32 is None):
             raise ValueError("give exactly one of counts and q32")
+        self.token = token
+        self._counts = counts
+        self._ids = ids
+        self._q32 = q32
+        self._lease = lease
+
+    def _live(self) -> None:
+        if self._lease is not None and self._lease.released:
+            raise ProposalReleasedError(
+                "this proposal was released: its q rows now view a recycled buffer"
+            )
+
+    @property
+    def counts(self) -> npt.NDArray[np.int64] | npt.NDArray[np.int32] | None:
+        """Integer counts (rows built locally), else None.
+
+        Raises:
+            ProposalReleasedError: after the proposal was released.
+        """
+        self._live()
+        return self._counts
+
+    @property
+    def ids(self) -> npt.NDArray[np.int32] | None:
+        """Ascending sparse support, or None for a dense row.
+
+        Raises:
+            ProposalReleasedError: after the proposal was released.
+        """
+        self._live()
+        return self._ids
+
+    @property
+    def q32(self) -> npt.NDArray[np.float32] | None:
+        """The validated FP32 q values (rows received from the wire), else None.
+
+        Raises:
+            ProposalReleasedError: after the proposal was released.
+        """
+        self._live()
+        return self._q32
 
     @property
     def length(self) -> int:

@@ -17,7 +17,7 @@ import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import Proposal, QRow
+from pp1wire.q.proposal import Lease, Proposal, QRow
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
 
@@ -41,6 +41,7 @@ class ReplyAssembly:
     buffers: list[memoryview] = field(default_factory=list)
     settled: bool = False  # completed or discarded: later frames of this round are late
     discarded: bool = False
+    lease: Lease = field(default_factory=Lease)  # rows are readable until it is released
 
     @property
     def generation(self) -> int:
@@ -88,12 +89,12 @@ class ReplyAssembly:
             if dense:
                 q32 = np.frombuffer(payload, dtype="<f4")
                 validator.check(q32, msg.token)
-                return QRow(token=msg.token, q32=q32[: validator.vocab_size])
+                return QRow(token=msg.token, q32=q32[: validator.vocab_size], lease=self.lease)
             split = 4 * msg.entries
             ids = np.frombuffer(payload[:split], dtype="<i4")
             q = np.frombuffer(payload[split:], dtype="<f4")
             dyadic.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
-            return QRow(token=msg.token, ids=ids, q32=q)
+            return QRow(token=msg.token, ids=ids, q32=q, lease=self.lease)
         except ValidationError as exc:
             return exc.code
 

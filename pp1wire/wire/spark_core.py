@@ -23,7 +23,7 @@ import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.proposal import Lease, prefix_digest
 from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing, messages
 from pp1wire.wire.assembly import ReplyAssembly, status_code
@@ -128,7 +128,8 @@ class SparkProtocol:
         # of a slot (late acks, replies) are ignored until its CLOSED arrives.
         self._closing: dict[int, int] = {}
         self._slot_generations: dict[int, int] = {}
-        self._ready_buffers: dict[tuple[int, int], list[memoryview]] = {}
+        # Ready proposals the caller has not released: their rows' lease and buffers.
+        self._ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]] = {}
         self._release_buffer = release
         self.closed = False
 
@@ -223,7 +224,10 @@ class SparkProtocol:
 
     def release_proposal(self, slot: int, round_id: int) -> None:
         """The caller is done with a ready proposal's rows: recycle their buffers."""
-        for view in self._ready_buffers.pop((slot, round_id), ()):
+        lease, buffers = self._ready.pop((slot, round_id), (None, []))
+        if lease is not None:
+            lease.released = True  # the rows' views are about to be overwritten
+        for view in buffers:
             self._release(view)
 
     def connection_lost(self) -> list[SparkEvent]:
@@ -441,9 +445,8 @@ class SparkProtocol:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
             self._discard(slot, state, ErrorCode.UNKNOWN_SLOT)
-        for key in [k for k in self._ready_buffers if k[0] == slot]:
-            for view in self._ready_buffers.pop(key):
-                self._release(view)
+        for key in [k for k in self._ready if k[0] == slot]:
+            self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
         self._out.append(framing.encode_frame(messages.Close(session=self.session, slot=slot)))
 
@@ -706,7 +709,5 @@ class SparkProtocol:
         state.fence.last_round = max(state.fence.last_round, step.round)
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
-        buffers = flight.settle(discarded=False)
-        if buffers:
-            self._ready_buffers[(msg.slot, step.round)] = buffers
+        self._ready[(msg.slot, step.round)] = (flight.lease, flight.settle(discarded=False))
         self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows)))
