@@ -114,3 +114,47 @@ async def test_suite_detects_a_worker_that_redraws_retries(monkeypatch):
     await worker.stop()
     assert result[1].grade is conformance.Grade.FAIL
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("worker_args", "suite_args", "says"),
+    [
+        (
+            (),
+            ("--vocab", "65"),
+            "VOCAB_SIZE_MISMATCH: pass the worker's vocabulary size with --vocab",
+        ),
+        (
+            ("--target-identity", "other"),
+            (),
+            "IDENTITY_MISMATCH: pass the worker's target identity",
+        ),
+        (("--psk-file", "KEY"), (), "the worker wants a key: pass --psk-file"),
+    ],
+)
+def test_a_mismatched_worker_gets_one_clear_line(tmp_path, worker_args, suite_args, says):
+    key = tmp_path / "psk"
+    key.write_text("a-test-key-of-enough-bytes")
+    worker_args = tuple(str(key) if a == "KEY" else a for a in worker_args)
+    with worker_process(*worker_args, vocab=64) as running:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pp1wire.testing.conformance",
+                "--worker",
+                running.address,
+                "--vocab",
+                "64",
+                *suite_args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert says in lines[0]

@@ -262,6 +262,8 @@ class Peer:
             self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
             reply = await self.next()
         if reply is None or reply.type is not MsgType.HELLO:
+            if reply is not None:
+                self.pending.insert(0, reply)  # left for a caller that explains it
             raise CaseFailed(f"handshake: expected HELLO, got {describe(reply)}")
         worker = reply.message
         assert isinstance(worker, Hello)

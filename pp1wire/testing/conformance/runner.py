@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from pp1wire.apps.settings import SettingsError, host_port, parse
+from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance.core import (
     CASES,
     Case,
@@ -20,8 +21,10 @@ from pp1wire.testing.conformance.core import (
     NonStrict,
     NonStrictSkip,
     Outcome,
+    Peer,
     Settings,
 )
+from pp1wire.wire.messages import Challenge, Error
 
 # -- running ------------------------------------------------------------------------------
 
@@ -67,6 +70,44 @@ def junit(results: list[tuple[Case, Outcome, float]], path: str, strict: bool) -
             ET.SubElement(tc, "skipped", message=o.detail or "informational")
     suite.set("failures", str(failures))
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+# What to pass when the worker refuses the suite's HELLO for a setting of ours.
+_FLAG_FOR = {
+    ErrorCode.VOCAB_SIZE_MISMATCH: "pass the worker's vocabulary size with --vocab",
+    ErrorCode.VOCAB_HASH_MISMATCH: "pass the worker's vocabulary hash with --vocab-hash",
+    ErrorCode.IDENTITY_MISMATCH: "pass the worker's target identity with --target-identity",
+    ErrorCode.AUTH_REQUIRED: "the worker wants a key: pass --psk-file",
+    ErrorCode.AUTH_FAILED: "the key was refused: check --psk-file",
+    ErrorCode.LIMIT_EXCEEDED: "the worker's limits are below what the suite asks for "
+    "(2 slots, depth 5, sparse support 8, and --vocab entries per row)",
+}
+
+
+async def probe(s: Settings) -> str | None:
+    """One handshake before the cases: None if it works, else one line saying what to change."""
+    try:
+        peer = await Peer(s).connect()
+    except OSError as exc:
+        return f"cannot connect ({exc})"
+    async with peer:
+        try:
+            await peer.handshake()
+        except CaseFailed:
+            err = peer.pending[0].message if peer.pending else None
+            if isinstance(err, Challenge):
+                return _FLAG_FOR[ErrorCode.AUTH_REQUIRED]
+            code = None
+            if isinstance(err, Error):
+                try:
+                    code = ErrorCode(err.code)
+                except ValueError:
+                    code = None
+            if code is None:
+                return "no HELLO came back (is it a pp1 worker, and is TLS needed: --tls-ca?)"
+            hint = _FLAG_FOR.get(code, "see docs/protocol.md section 9 for the code")
+            return f"the worker refused our HELLO with {code.name}: {hint}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not cases:
         print("pp1-conformance: no case matches", file=sys.stderr)
+        return 2
+    problem = asyncio.run(probe(settings))
+    if problem is not None:
+        print(f"pp1-conformance: {args.worker}: {problem}", file=sys.stderr)
         return 2
     results = asyncio.run(run_all(cases, settings))
     counts: dict[str, int] = {g.value: 0 for g in Grade}
