@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -351,3 +352,18 @@ def test_a_released_proposal_cannot_be_read():
     )
     with pytest.raises(ProposalReleasedError):
         verifier.verify(proposal)
+
+
+def test_spark_errors_answer_the_message_that_failed():
+    # A worker HELLO the Spark side refuses: its fatal ERROR answers HELLO (type 1).
+    pair = make_pair(handshake=False)
+    pair.spark.start(0.0)
+    pair.spark.data_to_send()
+    theirs = msgspec.structs.replace(
+        pair.spark._hello, role=1, session=7, target_identity="another-target"
+    )
+    pair.spark.receive_data(framing.encode_frame(theirs), 0.0)
+    (err,) = framing.FrameDecoder(1 << 20).feed(b"".join(pair.spark.data_to_send()))
+    assert err.message.code == ErrorCode.IDENTITY_MISMATCH
+    assert err.message.answers == int(MsgType.HELLO)
+    assert err.message.scope == 2

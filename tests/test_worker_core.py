@@ -415,3 +415,18 @@ def test_framing_error_closes_the_connection():
     assert any(isinstance(e, ConnectionClosing) for e in events)
     assert any(isinstance(e, Refused) and e.code is ErrorCode.BAD_MAGIC for e in events)
     assert pair.worker.slots == {}
+
+
+def test_every_refusal_names_what_it_refuses():
+    # docs/protocol.md section 4.9: slot, generation and round copied from the
+    # refused message whatever the code, and `answers` is the refused type.
+    pair = ready_pair()
+    err = error_of(reply_bytes(pair, step(session=99, generation=2, round=5)))
+    assert ErrorCode(err.code) is ErrorCode.WRONG_SESSION
+    assert (err.answers, err.slot, err.generation, err.round) == (int(MsgType.STEP), 0, 2, 5)
+    err = error_of(reply_bytes(pair, step(slot=3, generation=1, round=4)))
+    assert ErrorCode(err.code) is ErrorCode.UNKNOWN_SLOT
+    assert (err.slot, err.generation, err.round) == (3, 1, 4)
+    pair.send_raw(open_message(99, 1, [1], generation=6), np.array([1], "<i4").tobytes())
+    err = error_of(b"".join(pair.worker.data_to_send()))
+    assert (err.answers, err.slot, err.generation, err.round) == (int(MsgType.OPEN), 1, 6, None)

@@ -456,8 +456,11 @@ class SparkProtocol:
 
     # -- failure helpers ----------------------------------------------------
 
-    def _fatal(self, code: ErrorCode) -> None:
-        error = messages.Error(code=int(code), answers=0, scope=int(Scope.CONNECTION))
+    def _fatal(self, code: ErrorCode, answers: MsgType | None = None) -> None:
+        """Send a fatal ERROR (naming the message type it answers, if one) and close."""
+        error = messages.Error(
+            code=int(code), answers=int(answers or 0), scope=int(Scope.CONNECTION)
+        )
         self._out.append(framing.encode_frame(error))
         self._close_all(code)
 
@@ -505,23 +508,23 @@ class SparkProtocol:
                 assert isinstance(msg, messages.Hello)
                 self._on_hello(msg)
             else:
-                self._reject_fatal(ErrorCode.HANDSHAKE_REQUIRED)
+                self._reject_fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
             return
         if self.state != "ready" or kind in (MsgType.HELLO, MsgType.CHALLENGE):
-            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
+            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
             return
         slot_of = getattr(msg, "slot", None)
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             return  # belongs to the slot's closed instance
         handler = self._handlers.get(kind)
         if handler is None:
-            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE)
+            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
             return
         handler(msg, frame)
 
-    def _reject_fatal(self, code: ErrorCode) -> None:
+    def _reject_fatal(self, code: ErrorCode, answers: MsgType | None = None) -> None:
         self._events.append(FrameRejected(None, code))
-        self._fatal(code)
+        self._fatal(code, answers)
 
     def _on_error(self, err: messages.Error) -> None:
         code = status_code(err.code)
@@ -541,7 +544,7 @@ class SparkProtocol:
         ):
             self._discard(err.slot, slot, code)
             return
-        if err.answers in (MsgType.COMMIT, MsgType.OPEN, MsgType.RESET):
+        if err.scope == Scope.SLOT or err.answers in (MsgType.COMMIT, MsgType.OPEN, MsgType.RESET):
             slot.desynced = True
             if flight is not None:
                 self._discard(err.slot, slot, code)
@@ -554,10 +557,10 @@ class SparkProtocol:
     def _on_challenge(self, msg: messages.Challenge) -> None:
         psk = self.config.psk
         if psk is None:
-            self._reject_fatal(ErrorCode.AUTH_REQUIRED)
+            self._reject_fatal(ErrorCode.AUTH_REQUIRED, MsgType.CHALLENGE)
             return
         if not hmac.compare_digest(worker_proof(psk, self._nonce, msg.nonce), msg.proof):
-            self._reject_fatal(ErrorCode.AUTH_FAILED)
+            self._reject_fatal(ErrorCode.AUTH_FAILED, MsgType.CHALLENGE)
             return
         proof = spark_proof(psk, msg.nonce, self._nonce, self._hello_header)
         self._out.append(framing.encode_frame(messages.Auth(proof=proof)))
@@ -586,7 +589,7 @@ class SparkProtocol:
                 ],
             )
         if problem is not None:
-            self._reject_fatal(problem)
+            self._reject_fatal(problem, MsgType.HELLO)
             return
         self.session = peer.session
         self.state = "ready"

@@ -289,8 +289,15 @@ class WorkerProtocol:
         )
         self._events.append(Refused(code, answers, scope))
 
-    def _refuse_round(self, code: ErrorCode, kind: MsgType, msg: Step | Commit) -> None:
-        self._refuse(code, kind, slot=msg.slot, generation=msg.generation, round_id=msg.round)
+    def _refuse_msg(self, code: ErrorCode, kind: MsgType, msg: Message) -> None:
+        """Refuse one slot message: the ERROR names the slot, generation and round it carried."""
+        self._refuse(
+            code,
+            kind,
+            slot=getattr(msg, "slot", None),
+            generation=getattr(msg, "generation", None),
+            round_id=getattr(msg, "round", None),
+        )
 
     def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
         self._refuse(code, answers, scope=Scope.CONNECTION)
@@ -421,7 +428,7 @@ class WorkerProtocol:
         slot = self.slots.get(msg.slot)
         decision = fencing.worker_slot(self.session, msg.session, slot is not None)
         if decision.code is not None:
-            self._refuse(decision.code, kind, slot=msg.slot)
+            self._refuse_msg(decision.code, kind, msg)
             return None
         return slot
 
@@ -429,36 +436,36 @@ class WorkerProtocol:
         assert isinstance(msg, Open)
         kind = MsgType.OPEN
         if msg.session != self.session:  # §7: session first; the slot need not be open
-            self._refuse(ErrorCode.WRONG_SESSION, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.WRONG_SESSION, kind, msg)
             return
         if msg.slot >= self.limits.max_slots:
-            self._refuse(ErrorCode.SLOT_LIMIT, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.SLOT_LIMIT, kind, msg)
             return
         existing = self.slots.get(msg.slot)
         if existing is not None:
             if existing.open_msg == msg and existing.fence.committed_round < 0:
                 self._send(self._opened(msg.slot, existing))
                 return
-            self._refuse(ErrorCode.SLOT_IN_USE, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.SLOT_IN_USE, kind, msg)
             return
         decision = fencing.worker_open(self._slot_generations.get(msg.slot), msg.generation)
         if decision.code is not None:
-            self._refuse(decision.code, kind, slot=msg.slot, generation=msg.generation)
+            self._refuse_msg(decision.code, kind, msg)
             return
         if frame.payload.nbytes != 4 * msg.prefix_len or msg.prefix_len > self.limits.max_prefix:
-            self._refuse(ErrorCode.PAYLOAD_LENGTH, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.PAYLOAD_LENGTH, kind, msg)
             return
         tokens = np.frombuffer(frame.payload, dtype="<i4")
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            self._refuse(ErrorCode.TOKEN_OUT_OF_RANGE, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
             return
         if msg.eos is not None and msg.eos >= self.config.vocab_size:
-            self._refuse(ErrorCode.TOKEN_OUT_OF_RANGE, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
             return
         prefix = array("i", tokens.astype(np.int32).tobytes())
         digest = prefix_digest(prefix)
         if digest != msg.digest:
-            self._refuse(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, slot=msg.slot)
+            self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
         slot = WorkerSlot(
             open_msg=msg,
@@ -510,11 +517,11 @@ class WorkerProtocol:
             return
         if decision.action is Action.REFUSE:
             assert decision.code is not None
-            self._refuse_round(decision.code, kind, msg)
+            self._refuse_msg(decision.code, kind, msg)
             return
         problem = self._check_step(slot, msg)
         if problem is not None:
-            self._refuse_round(problem, kind, msg)
+            self._refuse_msg(problem, kind, msg)
             return
         started = time.perf_counter()
         reply, rows, status = self._propose(slot, msg)
@@ -581,29 +588,29 @@ class WorkerProtocol:
             return
         if decision.action is Action.REFUSE:
             assert decision.code is not None
-            self._refuse_round(decision.code, kind, msg)
+            self._refuse_msg(decision.code, kind, msg)
             return
         drafts = slot.drafts if msg.round == slot.fence.last_step_round else ()
         if msg.accepted > len(drafts):
-            self._refuse_round(ErrorCode.COMMIT_INVALID, kind, msg)
+            self._refuse_msg(ErrorCode.COMMIT_INVALID, kind, msg)
             return
         if msg.extra is None and not (
             msg.accepted and slot.eos is not None and drafts[msg.accepted - 1] == slot.eos
         ):
-            self._refuse_round(ErrorCode.COMMIT_INVALID, kind, msg)
+            self._refuse_msg(ErrorCode.COMMIT_INVALID, kind, msg)
             return
         if msg.extra is not None and msg.extra >= self.config.vocab_size:
-            self._refuse_round(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
+            self._refuse_msg(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
             return
         new = list(drafts[: msg.accepted]) + ([] if msg.extra is None else [msg.extra])
         if msg.position != len(slot.prefix) + len(new):
-            self._refuse_round(ErrorCode.WRONG_POSITION, kind, msg)
+            self._refuse_msg(ErrorCode.WRONG_POSITION, kind, msg)
             return
         candidate = array("i", slot.prefix)
         candidate.extend(new)
         digest = prefix_digest(candidate)
         if digest != msg.digest:
-            self._refuse_round(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
+            self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
         slot.prefix = candidate
         slot.digest = digest
@@ -632,7 +639,7 @@ class WorkerProtocol:
         decision = fencing.worker_reset(slot.fence, msg)
         if decision.action is Action.REFUSE:
             assert decision.code is not None
-            self._refuse(decision.code, kind, slot=msg.slot, generation=msg.generation)
+            self._refuse_msg(decision.code, kind, msg)
             return
         if decision.action is Action.ACCEPT:
             slot.fence.invalidate(msg.generation)
