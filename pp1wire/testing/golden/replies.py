@@ -355,27 +355,31 @@ def reply_vectors() -> list[Vector]:
             "wrong_session",
             d,
             reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + whole_reply(d, good0, good1),
-            {"proposal": [0, 2], "dropped": ["WRONG_SESSION"]},
+            {"proposal": [0, 2], "rejected": ["WRONG_SESSION"]},
             {},
         ),
     ]
     out = []
     for name, step, data, want, extra in cases:
+        generation = extra.get("generation", 0)
         context = {
             "vocab_size": VOCAB,
             "row_entries": extra.get("row_entries", VOCAB),
             "max_support": 4,
+            "max_frame": 1 << 20,
             "session": SESSION,
             "prefix": [1, 2, 3],
             "eos": extra.get("eos"),
-            "generation": extra.get("generation", 0),
+            "generation": generation,
             "round": extra.get("round", 0),
-            "step": message_json(step),
+            # The STEP in flight: the slot's generation, whatever the frames carry.
+            "step": message_json(msgspec.structs.replace(step, generation=generation)),
         }
         expect = dict(want)
         # Every frame after the one that discarded the proposal is dropped as late.
         late = extra.get("late", 2) if "discarded" in expect else 0
         expect.setdefault("dropped", ["LATE_FRAME"] * late)
+        expect.setdefault("rejected", [])
         out.append(
             {"name": name, "kind": "reply", "hex": data.hex(), "context": context, "expect": expect}
         )
@@ -401,7 +405,7 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         vocab_size=ctx["vocab_size"],
         row_entries=ctx["row_entries"],
         max_support=ctx["max_support"],
-        max_frame=1 << 20,
+        max_frame=ctx["max_frame"],
         max_prefix=1024,
         draft_identity="",
     )
@@ -436,16 +440,22 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
     assert got_round == step.round
     spark.data_to_send()
     events = spark.receive_data(bytes.fromhex(vector["hex"]), 0.0)
-    result: dict[str, Any] = {"dropped": []}
-    for event in events:
+    result: dict[str, Any] = {"dropped": [], "rejected": []}
+    for n, event in enumerate(events):
+        following = events[n + 1] if n + 1 < len(events) else None
+        if isinstance(event, spark_events.FrameRejected) and isinstance(
+            following, spark_events.ProposalFailed
+        ):
+            continue  # the frame that discarded the proposal: reported as "discarded"
         if isinstance(event, spark_events.ProposalReady):
             result["proposal"] = list(event.proposal.tokens)
         elif isinstance(event, spark_events.ProposalFailed):
             result["discarded"] = event.code.name
-        elif isinstance(event, spark_events.FrameDropped) or (
-            isinstance(event, spark_events.FrameRejected) and event.code is ErrorCode.WRONG_SESSION
-        ):
+        elif isinstance(event, spark_events.FrameDropped):
             result["dropped"].append(event.code.name)
+        elif isinstance(event, spark_events.FrameRejected):
+            # Refused without discarding anything (section 7's "reject").
+            result["rejected"].append(event.code.name)
         elif isinstance(event, spark_events.ConnectionFailed):
             result["connection_failed"] = event.code.name
     return result
