@@ -253,3 +253,17 @@ def test_terminal_token_ends_requests(tmp_path):
         else:
             assert len(r["tokens"]) >= 30
     assert summary["fallbacks"] == 0
+
+
+def test_padded_rows_when_both_sides_say_so(tmp_path):
+    # --row-entries above the vocabulary: dense rows carry zero padding, and the
+    # two sides agree on it (docs/protocol.md section 4.1); a mismatch is refused.
+    with worker_process("--row-entries", "128", vocab=VOCAB, seed=SEED) as running:
+        summary, _ = spark(
+            running.address, tmp_path, "--row-entries", "128", requests=2, max_tokens=4
+        )
+        assert summary["fallbacks"] == 0
+        assert summary["draft_tokens"] > 0
+        refused = cli.spark(running.address, VOCAB, "--requests", "1", "--connect-timeout", "1")
+    assert refused.returncode == 1
+    assert "LIMIT_EXCEEDED" in refused.stderr

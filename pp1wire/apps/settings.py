@@ -196,6 +196,13 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     """The flags both daemons take with the same meaning (the two sides must agree on them)."""
     p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="vocabulary size")
     p.add_argument("--vocab-hash", type=int, default=0, help="hash of the global token-ID map")
+    p.add_argument(
+        "--row-entries",
+        type=int,
+        default=None,
+        help="dense row length in FP32 entries, padding included (default: --vocab); "
+        "both sides must use the same value",
+    )
     p.add_argument("--target-identity", default="pp1-toy-target")
     p.add_argument("--psk-file", default=None, help="file holding the pre-shared key")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -231,3 +238,15 @@ def run_daemon(
     except OSError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+
+
+def row_entries(args: argparse.Namespace) -> int:
+    """``--row-entries``, checked: at least the vocabulary (default: equal to it).
+
+    Raises:
+        SettingsError: for a value below ``--vocab``.
+    """
+    entries = args.vocab if args.row_entries is None else args.row_entries
+    if entries < args.vocab:
+        raise SettingsError("--row-entries must be at least --vocab")
+    return int(entries)

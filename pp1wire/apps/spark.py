@@ -44,6 +44,7 @@ from pp1wire.apps.settings import (
     host_port,
     load_factory,
     read_psk,
+    row_entries,
     run_daemon,
 )
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
@@ -158,6 +159,7 @@ class Runner:
             max_depth=max(args.depth, 1),
             max_support=min(max(self.support or 0, 1), args.vocab),
             max_prefix=args.max_prefix,
+            row_entries=row_entries(args),
             psk=read_psk(args.psk_file),
             reply_timeout=args.reply_timeout,
         )

@@ -83,6 +83,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         max_depth=args.max_depth,
         max_support=min(args.max_support, args.vocab),
         max_prefix=args.max_prefix,
+        row_entries=settings.row_entries(args),
         psk=settings.read_psk(args.psk_file),
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,

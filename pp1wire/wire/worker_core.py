@@ -386,6 +386,8 @@ class WorkerProtocol:
                 ),
                 (hello.row_entries == cfg.entries, ErrorCode.LIMIT_EXCEEDED),
                 (hello.max_frame <= cfg.max_frame, ErrorCode.LIMIT_EXCEEDED),
+                # A dense row must fit (section 4.1): refused here, not at every STEP.
+                (hello.max_frame >= 4 * cfg.entries, ErrorCode.LIMIT_EXCEEDED),
                 (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
             ],
         )
@@ -541,8 +543,6 @@ class WorkerProtocol:
             return ErrorCode.DEPTH_OUT_OF_RANGE
         if step.support > limits.max_support:
             return ErrorCode.SUPPORT_OUT_OF_RANGE
-        if step.support == 0 and dense_frame_size(self.config.entries) > limits.max_frame:
-            return ErrorCode.SUPPORT_OUT_OF_RANGE
         if not (math.isfinite(step.temperature) and step.temperature >= 0.0):
             return ErrorCode.BAD_TEMPERATURE
         if step.position != len(slot.prefix):
@@ -660,11 +660,6 @@ class WorkerProtocol:
 
 
 # -- reply encoding ---------------------------------------------------------------
-
-
-def dense_frame_size(row_entries: int) -> int:
-    """Upper bound of one dense REPLY frame's size (preamble, header cap, payload)."""
-    return framing.PREAMBLE_SIZE + framing.MAX_HEADER + 4 * row_entries
 
 
 def row_payload(row: QRow, row_entries: int) -> bytes:

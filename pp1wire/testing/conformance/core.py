@@ -69,6 +69,7 @@ class Settings:
     host: str
     port: int
     vocab: int = 129_280
+    row_entries: int | None = None  # the worker's dense row length; None: vocab
     vocab_hash: int = 0
     target_identity: str = "pp1-toy-target"
     psk: bytes | None = None
@@ -227,7 +228,8 @@ class Peer:
             max_slots=s.slots,
             max_depth=5,
             max_support=min(s.support, s.vocab),
-            max_frame=4 * s.vocab + 8192,
+            row_entries=s.row_entries,
+            max_frame=4 * (s.row_entries or s.vocab) + 8192,
             max_prefix=4096,
         )
         hello = build_hello(

@@ -202,6 +202,11 @@ _limit("4.1.14", "max_slots 65535", lambda s: {"max_slots": 65535})
 _limit("4.1.15", "row_entries not the worker's", lambda s: {"row_entries": s.vocab + 1})
 _limit("4.1.16", "max_frame 4 GiB - 1", lambda s: {"max_frame": 0xFFFFFFFF})
 _limit("4.1.17", "max_prefix 4 G tokens", lambda s: {"max_prefix": 0xFFFFFFFF})
+_limit(
+    "4.1.20",
+    "max_frame below one dense row",
+    lambda s: {"max_frame": 4 * (s.row_entries or s.vocab) - 1},
+)
 
 
 @core.case(
@@ -333,3 +338,16 @@ async def _handshake_timeout(s: core.Settings) -> None:
             raise core.CaseFailed(f"expected HANDSHAKE_TIMEOUT, got {core.describe(frame)}")
         if not await peer.closed():
             raise core.CaseFailed("not closed after HANDSHAKE_TIMEOUT")
+
+
+@core.case(
+    "5.13",
+    "handshake",
+    "AUTH after the handshake",
+    "AUTH is only a handshake message; after it, any AUTH is fatal (UNEXPECTED_MESSAGE)",
+)
+async def _late_auth(s: core.Settings) -> None:
+    async with await core.fresh(s) as peer:
+        peer.send_msg(Auth(proof=bytes(32)))
+        await peer.expect_error(ErrorCode.UNEXPECTED_MESSAGE, fatal=True, answers=MsgType.AUTH)
+    await core.still_serves(s)

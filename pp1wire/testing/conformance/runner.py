@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--vocab", type=int, default=129_280, help="the worker's vocabulary size")
     p.add_argument("--vocab-hash", type=int, default=0)
+    p.add_argument(
+        "--row-entries",
+        type=int,
+        default=None,
+        help="the worker's dense row length (default: --vocab)",
+    )
     p.add_argument("--target-identity", default="pp1-toy-target")
     p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this certificate")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for a reaction")
@@ -175,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=host,
             port=port,
             vocab=args.vocab,
+            row_entries=args.row_entries,
             vocab_hash=args.vocab_hash,
             target_identity=args.target_identity,
             psk=read_psk(args.psk_file),

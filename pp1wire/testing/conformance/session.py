@@ -349,3 +349,28 @@ async def _open_too_long(s: core.Settings) -> None:
         n = peer.hello_msg.max_prefix + 1
         peer.send_msg(core.open_msg(peer, slot=0, tokens=[1] * n), token_bytes([1] * n))
         await peer.expect_error(ErrorCode.FRAME_TOO_LARGE, fatal=True)
+
+
+@core.case(
+    "4.4.12",
+    "session and STEP",
+    "temperature sent as an integer or float32",
+    "temperature: a receiver accepts msgpack float 64, float 32 or integer and takes the value",
+)
+async def _temperature_encodings(s: core.Settings) -> None:
+    peer, step, data = await core.ready(s)
+    async with peer:
+        header = bytearray(messages.encode(step))
+        at = header.index(b"\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00")  # 1.0 as float 64
+        for encoding in (b"\x01", b"\xca\x3f\x80\x00\x00"):  # integer 1, float 32 1.0
+            changed = bytes(header[:at]) + encoding + bytes(header[at + 9 :])
+            peer.send(core.raw_frame(int(MsgType.STEP), changed))
+            frames = []
+            while (f := await peer.next()) is not None and f.type is not MsgType.COMPLETION:
+                if f.type is MsgType.ERROR:
+                    raise core.CaseFailed(f"refused: {core.describe(f)}")
+                frames.append(bytes(f.raw))
+            if f is None:
+                raise core.CaseFailed("no reply")
+            if b"".join(frames) + bytes(f.raw) != data:
+                raise core.CaseFailed("not the reply of temperature 1.0")
