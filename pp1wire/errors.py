@@ -107,6 +107,7 @@ class ErrorCode(IntEnum):
     TARGET_FAILED = 98
     CONTEXT_MISMATCH = 99
     REQUEST_FINISHED = 100
+    AUDIT_MISMATCH = 101
 
     # -- liveness and connection (110..127) ------------------------------------
     IDLE_TIMEOUT = 110

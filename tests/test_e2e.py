@@ -267,3 +267,10 @@ def test_padded_rows_when_both_sides_say_so(tmp_path):
         refused = cli.spark(running.address, VOCAB, "--requests", "1", "--connect-timeout", "1")
     assert refused.returncode == 1
     assert "LIMIT_EXCEEDED" in refused.stderr
+
+
+def test_audit_against_an_honest_worker(tmp_path):
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        summary, _ = spark(running.address, tmp_path, "--audit", requests=6, max_tokens=8)
+    assert summary["fallbacks"] == 0
+    assert summary["draft_tokens"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from fractions import Fraction
 from math import sqrt
 
@@ -499,3 +500,62 @@ def test_prefix_digest_is_stable():
     assert prefix_digest([1, 2]) != prefix_digest([2, 1])
     with pytest.raises(ValueError, match="int32"):
         prefix_digest([-1])
+
+
+# -- the proposal-draw audit (docs/protocol.md section 6.5) ----------------------------
+
+
+def _audited_run(ship: Callable[[QRow, list[int]], QRow], rounds: int = 40, support=None):
+    """Proposals drawn honestly, then shipped through ``ship``; (audit refusals, tokens)."""
+    drafter, target = ToyLM(V, 4, draft=True), ToyLM(V, 4)
+    seed = derive_seed(9, 1)
+    v = RequestVerifier(
+        session=1, seed=seed, vocab_size=V, prefix=[2], target=target.probs, audit=True
+    )
+    refused = 0
+    codes: set[ErrorCode] = set()
+    for r in range(0, 2 * rounds, 2):
+        streams = RoundStreams(Role.WORKER, seed, v.generation, r)
+        rows = propose(v.committed, 3, drafter.logits, streams, support=support)
+        shipped = [ship(row, list(v.committed)) for row in rows]
+        try:
+            v.verify(proposal_from_rows(v, shipped, r, 3))
+        except VerifyError as exc:
+            codes.add(exc.code)
+            refused += 1
+            v.decode_target_only(r + 1)  # the round is spent; fall back on a new one
+    assert codes <= {ErrorCode.AUDIT_MISMATCH}
+    return refused, list(v.committed)
+
+
+@pytest.mark.parametrize("support", [None, 4])
+def test_audit_passes_an_honest_worker_and_changes_nothing(support):
+    refused, tokens = _audited_run(lambda row, _prefix: row, support=support)
+    assert refused == 0
+    # Auditing draws nothing: the same run without the audit commits the same tokens.
+    drafter, target = ToyLM(V, 4, draft=True), ToyLM(V, 4)
+    seed = derive_seed(9, 1)
+    v = RequestVerifier(session=1, seed=seed, vocab_size=V, prefix=[2], target=target.probs)
+    for r in range(0, 80, 2):
+        rows = propose(
+            v.committed, 3, drafter.logits, RoundStreams(Role.WORKER, seed, 0, r), support=support
+        )
+        v.verify(proposal_from_rows(v, rows, r, 3))
+    assert list(v.committed) == tokens
+
+
+def test_audit_catches_a_worker_that_ships_another_q():
+    # The worker samples from its q but ships a sharper one (temperature 0.5 over
+    # the same logits): every token is still valid under the shipped q, so only
+    # the audit can tell. Declared: over 40 rounds of 3 drafts at V = 8, at least
+    # one draft differs (the two laws differ in every row).
+    drafter = ToyLM(V, 4, draft=True)
+
+    def sharper(row: QRow, prefix: list[int]) -> QRow:
+        counts = dyadic.counts_from_logits(drafter.logits(prefix), 0.5)
+        if counts[row.token] == 0:
+            counts = dyadic.point_mass(V, row.token)
+        return QRow(token=row.token, counts=counts)
+
+    refused, _ = _audited_run(sharper)
+    assert refused > 0

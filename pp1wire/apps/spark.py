@@ -92,6 +92,11 @@ class SparkMetrics:
             "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
         )
         self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
+        self.audit_failures = prom.Counter(
+            "pp1_audit_failures",
+            "Proposals whose drafts are not what the worker's own draw selects from its q.",
+            registry=r,
+        )
         self.rtt = prom.Histogram(
             "pp1_proposal_round_trip_seconds",
             "STEP sent to proposal validated, seconds.",
@@ -255,6 +260,7 @@ class Runner:
             prefix=prompt,
             target=self.target,
             eos=args.eos,
+            audit=args.audit,
         )
         opened: AsyncClient | None = None
         generation: int | None = None
@@ -338,7 +344,9 @@ class Runner:
             try:
                 return verifier.verify(proposal), None, len(proposal.rows)
             except VerifyError as exc:
-                if exc.code is not ErrorCode.EMPTY_RESIDUAL:
+                if exc.code is ErrorCode.AUDIT_MISMATCH:
+                    self.metrics.audit_failures.inc()
+                elif exc.code is not ErrorCode.EMPTY_RESIDUAL:
                     raise
                 reason = exc.code.name.lower()
             finally:
@@ -431,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="proposal temperature")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent requests (slots)")
     p.add_argument("--eos", type=int, default=None, help="terminal token ID")
+    p.add_argument(
+        "--audit",
+        action="store_true",
+        help="recompute the worker's proposal draw and refuse drafts its q does not select",
+    )
     p.add_argument("--prompts", default=None, help="JSONL: one JSON list of token IDs per line")
     p.add_argument("--output", default=None, help="write one JSON object per request here")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")

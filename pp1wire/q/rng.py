@@ -196,6 +196,20 @@ def u53_from_block(block: tuple[int, int, int, int]) -> float:
     return u53_int_from_block(block) / float(1 << 53)
 
 
+def proposal_u24(seed: int, generation: int, round_id: int, position: int) -> int:
+    """The worker's 24-bit PROPOSAL draw at ``position``, recomputed (draws nothing).
+
+    For audits on the Spark side: the value is a pure function of the public
+    key and counter, so recomputing it neither consumes a key nor breaks the
+    one-owner rule (only drawing under it would).
+
+    Raises:
+        RngError: ``RNG_FIELD_RANGE`` for out-of-range fields.
+    """
+    counter = counter_for(generation, round_id, position, Domain.PROPOSAL)
+    return u24_from_block(philox4x32_10(counter, key_for_seed(seed)))
+
+
 class RoundStreams:
     """The draws one role may make in one (seed, generation, round).
 

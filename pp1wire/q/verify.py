@@ -24,11 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, VerifyError
-from pp1wire.q import tree
+from pp1wire.q import dyadic, tree
 from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
-from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
+from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
 
 Float64Array = npt.NDArray[np.float64]
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
@@ -136,6 +136,27 @@ def residual_sample(p: Float64Array, counts: npt.ArrayLike, u53: int) -> int:
     return sample_weights(residual(p, counts), u53)
 
 
+def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None:
+    """The first draft that is not what the PROPOSAL draw selects from its own q, else None.
+
+    Recomputes the worker's 24-bit draw for each row (§6.3) and samples the
+    row's q with it (§6.4): a worker that sampled from another q than it
+    shipped, or with other noise, is caught wherever the two disagree.
+    """
+    for i, row in enumerate(proposal.rows):
+        u24 = proposal_u24(seed, proposal.generation, proposal.round_id, proposal.position + i)
+        if row.ids is None:
+            chosen = dyadic.sample(row.dense_counts(vocab_size), u24)
+        else:
+            ids = row.ids
+            chosen = int(
+                ids[dyadic.sample(np.rint(row.dense_q(vocab_size)[ids] * M).astype(np.int64), u24)]
+            )
+        if chosen != row.token:
+            return i
+    return None
+
+
 class RequestVerifier:
     """Verification state of one request (one session slot) on the Spark side.
 
@@ -155,14 +176,20 @@ class RequestVerifier:
         eos: int | None = None,
         generation: int = 0,
         context: int = 0,
+        audit: bool = False,
     ) -> None:
         """Start a request after ``prefix``.
+
+        With ``audit``, every proposal is checked before any draw: each drafted
+        token must be the one the worker's own PROPOSAL draw selects from the q
+        it shipped (``docs/protocol.md`` §6.5).
 
         Raises:
             VerifyError: ``MALFORMED_PROPOSAL`` if a prefix token is outside the vocabulary.
         """
         self.session = session
         self.seed = seed
+        self.audit = audit
         self.vocab_size = vocab_size
         self.target = target
         self.processors = tuple(processors)
@@ -284,6 +311,13 @@ class RequestVerifier:
         """
         self.check_proposal(proposal)
         self.last_round = proposal.round_id
+        if self.audit:
+            wrong = audit_mismatch(proposal, self.seed, self.vocab_size)
+            if wrong is not None:
+                raise VerifyError(
+                    ErrorCode.AUDIT_MISMATCH,
+                    f"draft {wrong} is not the token its q and the proposal draw select",
+                )
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, proposal.round_id)
         context = list(self.committed)
         start = len(context)
