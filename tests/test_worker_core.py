@@ -22,6 +22,7 @@ from pp1wire.wire.messages import (
     Reset,
     Scope,
 )
+from pp1wire.wire.transitions import State
 from pp1wire.wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
 
 from .pairs import VOCAB, make_pair
@@ -66,9 +67,9 @@ def error_of(data: bytes) -> Error:
 
 def test_handshake_assigns_session_and_limits():
     pair = make_pair()
-    assert pair.spark.state == "ready"
+    assert pair.spark.state is State.READY
     assert pair.spark.session == 7
-    assert pair.worker.state == "ready"
+    assert pair.worker.state is State.READY
 
 
 def _spark_hello(pair, **over) -> Hello:
@@ -151,7 +152,7 @@ def test_ping_pong():
 
 def test_psk_handshake_succeeds_and_fails_closed():
     good = make_pair(worker_kw={"psk": b"k" * 32}, spark_kw={"psk": b"k" * 32})
-    assert good.spark.state == "ready"
+    assert good.spark.state is State.READY
     bad = make_pair(worker_kw={"psk": b"k" * 32}, spark_kw={"psk": b"x" * 32})
     assert bad.spark.closed
     assert bad.worker.slots == {}

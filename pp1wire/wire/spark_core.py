@@ -25,7 +25,7 @@ from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import Lease, prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.wire import fencing, framing, messages
+from pp1wire.wire import fencing, framing, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
@@ -52,6 +52,7 @@ from pp1wire.wire.spark_events import (
     SlotOpened,
     SparkEvent,
 )
+from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
 
@@ -103,7 +104,7 @@ class SparkProtocol:
         without them buffers are allocated fresh and freed by the collector.
         """
         self.config = config
-        self.state = "idle"
+        self.state = State.IDLE
         self.session = 0
         self.decoder = framing.FrameDecoder(0, allocator=allocator)
         self.slots: dict[int, SparkSlot] = {}
@@ -116,6 +117,11 @@ class SparkProtocol:
         self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
+            MsgType.PING: self._on_ping,
+            MsgType.PONG: self._on_pong,
+            MsgType.ERROR: self._on_error,
+            MsgType.HELLO: self._on_hello,
+            MsgType.CHALLENGE: self._on_challenge,
             MsgType.OPENED: self._on_opened,
             MsgType.CLOSED: self._on_closed,
             MsgType.REPLY: self._on_reply,
@@ -253,11 +259,11 @@ class SparkProtocol:
         self._hello = hello
         self._hello_header = frame[framing.PREAMBLE_SIZE :]
         self._out.append(frame)
-        self.state = "await_hello"
+        self.state = State.AWAIT_HELLO
         self.handshake_deadline = now + cfg.handshake_timeout
 
     def _require_ready(self) -> None:
-        if self.closed or self.state != "ready":
+        if self.closed or self.state is not State.READY:
             raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "connection not ready")
 
     def open_slot(
@@ -488,45 +494,32 @@ class SparkProtocol:
     def _dispatch(self, frame: framing.Frame) -> None:
         msg = frame.message
         kind = frame.type
-        if kind is MsgType.PONG:
-            assert isinstance(msg, messages.Pong)
-            self._events.append(PongReceived(msg.nonce))
+        rule = transitions.SPARK[(self.state, kind)]
+        if rule.act is Act.FATAL:
+            assert rule.code is not None
+            self._reject_fatal(rule.code, kind)
             return
-        if kind is MsgType.PING:
-            assert isinstance(msg, messages.Ping)
-            self._out.append(framing.encode_frame(messages.Pong(nonce=msg.nonce)))
-            return
-        if kind is MsgType.ERROR:
-            assert isinstance(msg, messages.Error)
-            self._on_error(msg)
-            return
-        if self.state == "await_hello":
-            if kind is MsgType.CHALLENGE:
-                assert isinstance(msg, messages.Challenge)
-                self._on_challenge(msg)
-            elif kind is MsgType.HELLO:
-                assert isinstance(msg, messages.Hello)
-                self._on_hello(msg)
-            else:
-                self._reject_fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
-            return
-        if self.state != "ready" or kind in (MsgType.HELLO, MsgType.CHALLENGE):
-            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
+        if rule.act is Act.IGNORE:
             return
         slot_of = getattr(msg, "slot", None)
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             return  # belongs to the slot's closed instance
-        handler = self._handlers.get(kind)
-        if handler is None:
-            self._reject_fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
-            return
-        handler(msg, frame)
+        self._handlers[kind](msg, frame)
+
+    def _on_pong(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, messages.Pong)
+        self._events.append(PongReceived(msg.nonce))
+
+    def _on_ping(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, messages.Ping)
+        self._out.append(framing.encode_frame(messages.Pong(nonce=msg.nonce)))
 
     def _reject_fatal(self, code: ErrorCode, answers: MsgType | None = None) -> None:
         self._events.append(FrameRejected(None, code))
         self._fatal(code, answers)
 
-    def _on_error(self, err: messages.Error) -> None:
+    def _on_error(self, err: Message, _frame: framing.Frame) -> None:
+        assert isinstance(err, messages.Error)
         code = status_code(err.code)
         if err.scope == Scope.CONNECTION:
             self._close_all(code)
@@ -554,7 +547,8 @@ class SparkProtocol:
 
     # -- handshake -------------------------------------------------------------
 
-    def _on_challenge(self, msg: messages.Challenge) -> None:
+    def _on_challenge(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, messages.Challenge)
         psk = self.config.psk
         if psk is None:
             self._reject_fatal(ErrorCode.AUTH_REQUIRED, MsgType.CHALLENGE)
@@ -566,7 +560,8 @@ class SparkProtocol:
         self._out.append(framing.encode_frame(messages.Auth(proof=proof)))
         self._worker_proved = True
 
-    def _on_hello(self, peer: messages.Hello) -> None:
+    def _on_hello(self, peer: Message, _frame: framing.Frame) -> None:
+        assert isinstance(peer, messages.Hello)
         ours = self._hello
         assert ours is not None
         cfg = self.config
@@ -592,7 +587,7 @@ class SparkProtocol:
             self._reject_fatal(problem, MsgType.HELLO)
             return
         self.session = peer.session
-        self.state = "ready"
+        self.state = State.READY
         self.handshake_deadline = None
         payload = max(4 * cfg.entries, 8 * peer.max_support)
         self.decoder.set_max_payload(min(payload, cfg.max_frame))

@@ -26,7 +26,7 @@ from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import DrafterFn, QRow, prefix_digest, propose
 from pp1wire.q.rng import Role, RoundStreams
-from pp1wire.wire import fencing, framing
+from pp1wire.wire import fencing, framing, transitions
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -58,6 +58,7 @@ from pp1wire.wire.messages import (
     Scope,
     Step,
 )
+from pp1wire.wire.transitions import Act, State
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class WorkerProtocol:
         self.config = config
         self.drafter = drafter
         self.session = session
-        self.state = "await_hello"
+        self.state = State.AWAIT_HELLO
         self.decoder = framing.FrameDecoder(0)
         self.slots: dict[int, WorkerSlot] = {}
         # The highest generation each slot has had in this session.
@@ -171,6 +172,10 @@ class WorkerProtocol:
         self._hello_header = b""
         self._peer: Hello | None = None
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
+            MsgType.PING: self._on_ping,
+            MsgType.ERROR: self._on_error,
+            MsgType.HELLO: self._on_hello,
+            MsgType.AUTH: self._on_auth,
             MsgType.OPEN: self._on_open,
             MsgType.CLOSE: self._on_close,
             MsgType.STEP: self._on_step,
@@ -308,45 +313,31 @@ class WorkerProtocol:
     # -- dispatch --------------------------------------------------------
 
     def _dispatch(self, frame: framing.Frame) -> None:
-        msg = frame.message
         kind = frame.type
-        if kind is MsgType.PING:
-            assert isinstance(msg, Ping)
-            self._send(Pong(nonce=msg.nonce))
-            return
-        if kind is MsgType.ERROR:
-            assert isinstance(msg, Error)
-            if msg.scope == Scope.CONNECTION:
-                self.closed = True
-                self.slots.clear()
-                self._events.append(ConnectionClosing(None))
-            return
-        if self.state == "await_hello":
-            if kind is not MsgType.HELLO:
-                self._fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
-                return
-            assert isinstance(msg, Hello)
-            self._on_hello(msg, bytes(frame.raw[framing.PREAMBLE_SIZE : len(frame.raw)]))
-            return
-        if self.state == "await_auth":
-            if kind is not MsgType.AUTH:
-                self._fatal(ErrorCode.HANDSHAKE_REQUIRED, kind)
-                return
-            assert isinstance(msg, Auth)
-            self._on_auth(msg)
-            return
-        if kind is MsgType.HELLO:
-            self._fatal(ErrorCode.DUPLICATE_HELLO, kind)
-            return
-        handler = self._handlers.get(kind)
-        if handler is None:
-            self._fatal(ErrorCode.UNEXPECTED_MESSAGE, kind)
-            return
-        handler(msg, frame)
+        rule = transitions.WORKER[(self.state, kind)]
+        if rule.act is Act.HANDLE:
+            self._handlers[kind](frame.message, frame)
+        elif rule.act is Act.FATAL:
+            assert rule.code is not None
+            self._fatal(rule.code, kind)
+
+    def _on_ping(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Ping)
+        self._send(Pong(nonce=msg.nonce))
+
+    def _on_error(self, msg: Message, _frame: framing.Frame) -> None:
+        assert isinstance(msg, Error)
+        if msg.scope == Scope.CONNECTION:
+            self.closed = True
+            self.slots.clear()
+            self._events.append(ConnectionClosing(None))
 
     # -- handshake -------------------------------------------------------
 
-    def _on_hello(self, hello: Hello, header: bytes) -> None:
+    def _on_hello(self, msg: Message, frame: framing.Frame) -> None:
+        assert isinstance(msg, Hello)
+        hello = msg
+        header = bytes(frame.raw[framing.PREAMBLE_SIZE : len(frame.raw)])
         self._peer = hello
         self._spark_nonce = hello.nonce
         self._hello_header = header
@@ -355,11 +346,12 @@ class WorkerProtocol:
             self._worker_nonce = secrets.token_bytes(32)
             proof = worker_proof(psk, hello.nonce, self._worker_nonce)
             self._send(Challenge(nonce=self._worker_nonce, proof=proof))
-            self.state = "await_auth"
+            self.state = State.AWAIT_AUTH
             return
         self._finish_handshake(hello)
 
-    def _on_auth(self, auth: Auth) -> None:
+    def _on_auth(self, auth: Message, _frame: framing.Frame) -> None:
+        assert isinstance(auth, Auth)
         psk = self.config.psk
         assert psk is not None
         assert self._peer is not None
@@ -410,7 +402,7 @@ class WorkerProtocol:
         )
         self._peer = hello
         self._send(reply)
-        self.state = "ready"
+        self.state = State.READY
         self.handshake_deadline = None
         # The only payload a worker receives is an OPEN's prefix.
         self.decoder.set_max_payload(min(4 * hello.max_prefix, hello.max_frame))

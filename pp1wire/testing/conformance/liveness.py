@@ -11,6 +11,7 @@ from pp1wire.wire.messages import (
     Error,
     MsgType,
     Ping,
+    Pong,
 )
 
 # -- liveness and close --------------------------------------------------------------------
@@ -135,3 +136,18 @@ async def _slow_reader(s: core.Settings) -> None:
             replies.append(b"".join(frames) + bytes(f.raw))
         if len(set(replies)) != 1:
             raise core.CaseFailed("a retried STEP got a different reply")
+
+
+@core.case(
+    "4.10.3",
+    "liveness and close",
+    "PONG before HELLO is ignored",
+    "PING, PONG and ERROR are allowed before the handshake; a PONG answers nothing "
+    "of the worker's, so it is ignored (section 5 transition table)",
+)
+async def _pong_first(s: core.Settings) -> None:
+    async with await core.Peer(s).connect() as peer:
+        peer.send_msg(Pong(nonce=5))
+        if not await peer.quiet(0.3):
+            raise core.CaseFailed("the worker reacted to a PONG")
+        await peer.handshake()

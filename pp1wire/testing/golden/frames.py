@@ -20,7 +20,8 @@ from pp1wire.wire import framing, messages
 raw_frame = framing.encode_raw_frame
 
 
-def _valid_messages() -> list[tuple[str, messages.Message, bytes]]:
+def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
+    """One valid message of every type (name, message, payload): the frame vectors' messages."""
     tokens = np.array([1, 2, 3], dtype="<i4")
     q = dyadic.counts_to_fp32(dyadic.counts_from_weights([1, 1, 2, 0, 0, 0, 0, 4]))
     sparse_ids = np.array([0, 2, 7], dtype="<i4").tobytes()
@@ -132,7 +133,7 @@ def frame_vectors() -> list[Vector]:
     """Every valid message type once, then one vector per framing error class."""
     out: list[Vector] = []
     limit = 1 << 20
-    for name, msg, payload in _valid_messages():
+    for name, msg, payload in valid_messages():
         frame = framing.encode_frame(msg, payload)
         out.append(
             {
@@ -169,7 +170,7 @@ def frame_vectors() -> list[Vector]:
             "expect": {"messages": [], "incomplete": True},
         }
     )
-    step_header = messages.encode(_valid_messages()[8][1])
+    step_header = messages.encode(valid_messages()[8][1])
     errors: list[tuple[str, bytes, ErrorCode, int]] = [
         ("bad_magic", raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
         ("unknown_version", raw_frame(16, ping, version=3), ErrorCode.UNSUPPORTED_VERSION, limit),
