@@ -48,9 +48,7 @@ def numpy_part(reps: int) -> dict[str, float]:
         out["construct"].append(_trial(lambda: dyadic.counts_from_logits(z), reps))
         out["construct_2"].append(_trial(lambda: sharding.counts_from_logits(zs), reps))
         out["resid"].append(_trial(lambda: verify.residual_sample(p, c, U53 // 3), reps))
-        out["resid_2"].append(
-            _trial(lambda: sharding.residual_sample(ps, cs, U53 // 3), reps)
-        )
+        out["resid_2"].append(_trial(lambda: sharding.residual_sample(ps, cs, U53 // 3), reps))
     return {k: statistics.median(v) for k, v in out.items()}
 
 

@@ -116,6 +116,12 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
     LATE_FRAME = 115
+
+    # -- local API state (120..126): never on the wire -------------------------
+    NOT_READY = 120
+    SLOT_BUSY = 121
+    SLOT_DESYNCED = 122
+
     INTERNAL = 127
 
 
@@ -156,6 +162,16 @@ class VerifyError(Pp1Error):
 
 class ProtocolError(Pp1Error):
     """A frame or message broke the wire protocol (``docs/protocol.md``)."""
+
+
+class LocalStateError(Pp1Error):
+    """A local call arrived in a state that cannot take it; nothing was sent.
+
+    ``code`` is one of the local-only codes: ``NOT_READY`` (the connection has
+    not finished its handshake, or is closed), ``SLOT_BUSY`` (a proposal is
+    already in flight on the slot) or ``SLOT_DESYNCED`` (the worker refused a
+    slot-level request; the slot must be closed and reopened).
+    """
 
 
 class UsageError(Exception):

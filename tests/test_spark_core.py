@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pp1wire.apps.models import ToyLM
-from pp1wire.errors import ErrorCode, ProposalReleasedError, ProtocolError
+from pp1wire.errors import ErrorCode, LocalStateError, ProposalReleasedError, ProtocolError
 from pp1wire.q.verify import RequestVerifier
-from pp1wire.wire import framing
-from pp1wire.wire.messages import MsgType
+from pp1wire.wire import framing, messages
+from pp1wire.wire.messages import MsgType, Scope
 from pp1wire.wire.spark_events import (
     CommitAcked,
     ConnectionFailed,
@@ -20,6 +20,7 @@ from pp1wire.wire.spark_events import (
     ProposalFailed,
     ProposalReady,
     ResetAcked,
+    SlotDesynced,
 )
 
 from .pairs import VOCAB, make_pair
@@ -114,8 +115,9 @@ def test_connection_loss_fails_everything_in_flight():
     events = pair.spark.connection_lost()
     assert ProposalFailed(0, 0, r, ErrorCode.CONNECTION_LOST) in events
     assert ConnectionFailed(ErrorCode.CONNECTION_LOST) in events
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LocalStateError) as info:
         pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    assert info.value.code is ErrorCode.NOT_READY
 
 
 def test_commit_must_match_the_drafts():
@@ -132,8 +134,9 @@ def test_commit_must_match_the_drafts():
 def test_one_proposal_in_flight_per_slot():
     pair = opened()
     held_reply(pair)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LocalStateError) as info:
         pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    assert info.value.code is ErrorCode.SLOT_BUSY
 
 
 def test_corrupted_row_falls_back_and_next_round_works():
@@ -367,3 +370,29 @@ def test_spark_errors_answer_the_message_that_failed():
     assert err.message.code == ErrorCode.IDENTITY_MISMATCH
     assert err.message.answers == int(MsgType.HELLO)
     assert err.message.scope == 2
+
+
+def test_a_desynced_slot_refuses_local_calls_with_its_own_code():
+    pair = opened()
+    refusal = messages.Error(
+        code=int(ErrorCode.COMMIT_INVALID),
+        answers=int(MsgType.COMMIT),
+        scope=int(Scope.SLOT),
+        slot=0,
+        generation=0,
+    )
+    events = pair.spark.receive_data(framing.encode_frame(refusal), pair.now)
+    assert SlotDesynced(0, ErrorCode.COMMIT_INVALID) in events
+    for call in (
+        lambda: pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0),
+        lambda: pair.spark.allocate_round(0),
+        lambda: pair.spark.commit(0, round_id=0, tokens=[1], accepted=0),
+    ):
+        with pytest.raises(LocalStateError) as info:
+            call()
+        assert info.value.code is ErrorCode.SLOT_DESYNCED
+    assert pair.spark.data_to_send() == []
+    pair.spark.close_slot(0)
+    pair.spark.open_slot(0, seed=5, prefix=PREFIX)
+    pair.pump()
+    pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)

@@ -345,6 +345,7 @@ class AsyncClient:
             ProposalUnavailableError: the proposal was refused, corrupt, late or lost;
                 ``code`` says which. Decode the round target-only.
             ProtocolError: for a locally invalid request (nothing sent).
+            LocalStateError: the slot is busy, desynced, or the connection not ready.
         """
         if self.core.closed:
             code = self.failed or ErrorCode.CONNECTION_LOST
@@ -374,7 +375,8 @@ class AsyncClient:
         """A fresh round ID for a target-only commit on ``slot``.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT`` or a closed connection.
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: a closed connection or a desynced slot.
         """
         return self.core.allocate_round(slot)
 
@@ -385,6 +387,7 @@ class AsyncClient:
 
         Raises:
             ProtocolError: ``COMMIT_INVALID`` if the accepted tokens are not the drafts.
+            LocalStateError: ``SLOT_DESYNCED`` until the slot is reopened.
             ClientClosedError: if the connection is closed.
         """
         self._require_open()

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import Lease, prefix_digest
 from pp1wire.q.rng import Role
@@ -264,7 +264,7 @@ class SparkProtocol:
 
     def _require_ready(self) -> None:
         if self.closed or self.state is not State.READY:
-            raise ProtocolError(ErrorCode.HANDSHAKE_REQUIRED, "connection not ready")
+            raise LocalStateError(ErrorCode.NOT_READY, "connection not ready")
 
     def open_slot(
         self,
@@ -286,8 +286,9 @@ class SparkProtocol:
         generation + 1, so no RNG key of the old one is reused). Returns it.
 
         Raises:
-            ProtocolError: ``HANDSHAKE_REQUIRED``, ``SLOT_LIMIT``, ``SLOT_IN_USE``,
-                ``STALE_GENERATION`` or ``TOKEN_OUT_OF_RANGE``; nothing is sent then.
+            ProtocolError: ``SLOT_LIMIT``, ``SLOT_IN_USE``, ``STALE_GENERATION``,
+                ``TOKEN_OUT_OF_RANGE`` or ``LIMIT_EXCEEDED``; nothing is sent then.
+            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
         self._require_ready()
         floor = self._slot_generations.get(slot)
@@ -334,14 +335,15 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.desynced:
-            raise ProtocolError(ErrorCode.COMMIT_INVALID, f"slot {slot} must be reopened")
+            raise LocalStateError(ErrorCode.SLOT_DESYNCED, f"slot {slot} must be reopened")
         return state
 
     def allocate_round(self, slot: int) -> int:
         """A fresh round ID for ``slot`` (for STEP or a target-only commit).
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: ``NOT_READY``, or ``SLOT_DESYNCED`` until the slot is reopened.
         """
         state = self._slot(slot)
         round_id = state.next_round
@@ -352,13 +354,14 @@ class SparkProtocol:
         """Queue STEP for ``slot``; returns its round ID.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT``, ``DEPTH_OUT_OF_RANGE``,
-                ``SUPPORT_OUT_OF_RANGE`` or ``BUSY``-like ``ROW_OUT_OF_ORDER``
-                when a proposal is already in flight on the slot.
+            ProtocolError: ``UNKNOWN_SLOT``, ``DEPTH_OUT_OF_RANGE`` or
+                ``SUPPORT_OUT_OF_RANGE``.
+            LocalStateError: ``NOT_READY``, ``SLOT_DESYNCED``, or ``SLOT_BUSY`` when
+                a proposal is already in flight on the slot.
         """
         state = self._slot(slot)
         if state.flight is not None:
-            raise ProtocolError(ErrorCode.ROW_OUT_OF_ORDER, "a proposal is already in flight")
+            raise LocalStateError(ErrorCode.SLOT_BUSY, f"slot {slot} has a proposal in flight")
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
         if support > min(self.config.max_support, self.config.vocab_size):
@@ -391,6 +394,7 @@ class SparkProtocol:
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``; ``COMMIT_INVALID`` if ``accepted``
                 exceeds ``len(tokens)`` or the drafts of that round.
+            LocalStateError: ``NOT_READY``, or ``SLOT_DESYNCED`` until the slot is reopened.
         """
         state = self._slot(slot)
         if not 0 <= accepted <= len(tokens) or not tokens:
@@ -422,7 +426,8 @@ class SparkProtocol:
         Returns the new generation.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
         self._require_ready()
         state = self.slots.get(slot)
@@ -443,7 +448,8 @@ class SparkProtocol:
         """Queue CLOSE; the slot's state is dropped at once.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT`` or ``HANDSHAKE_REQUIRED``.
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
         self._require_ready()
         state = self.slots.pop(slot, None)
