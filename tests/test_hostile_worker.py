@@ -8,7 +8,6 @@ accepts that commit, so nothing was half-applied), and work normally next round.
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 
 from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
@@ -21,243 +20,22 @@ from pp1wire.testing.builders import (
     reply_row,
     whole_reply,
 )
+from pp1wire.testing.conformance.spark_side import GOOD, REPLY_CLASSES
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
 from .waiting import eventually
 
 VOCAB = 8
-H, Q = 0.5, 0.25
-M = 1 << 24
-GOOD = [M // 2, 0, M // 4, 0, 0, 0, 0, M // 4]
-
-
-def dense(values):
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def sparse(ids, values):
-    return np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
+CLASSES = REPLY_CLASSES
 
 
 def ok_dense(step, i, token=0):
     return reply_row(step, i, token, dense_payload(GOOD))
 
 
-def ok_sparse(step, i):
-    return reply_row(step, i, 7, sparse([7], [1.0]))
-
-
 def rows_then_done(step, *frames, **over):
     return whole_reply(step, *frames, **over)
-
-
-# name, support, builder(step) -> bytes, expected code of the discarded proposal
-CLASSES = [
-    (
-        "non_finite",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense([H, 0, Q, float("nan"), 0, 0, 0, Q])),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.NON_FINITE,
-    ),
-    (
-        "negative",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense([H, 0, Q, -0.0, 0, 0, 0, Q])),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.NEGATIVE,
-    ),
-    (
-        "non_dyadic",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q])),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.NON_DYADIC,
-    ),
-    (
-        "wrong_total_mass",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense([H, 0, Q, 0, 0, 0, 0, 0])),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.MASS_MISMATCH,
-    ),
-    (
-        "zero_q_at_proposed",
-        0,
-        lambda st: rows_then_done(
-            st, reply_row(st, 0, 1, dense_payload(GOOD)), ok_dense(st, 1), ok_dense(st, 2)
-        ),
-        ErrorCode.ZERO_Q_AT_PROPOSED,
-    ),
-    (
-        "unexpected_size",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense_payload(GOOD, VOCAB - 1)),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.ROW_LENGTH,
-    ),
-    (
-        "missing_q",
-        0,
-        lambda st: rows_then_done(
-            st, reply_row(st, 0, 0, b"", entries=0), ok_dense(st, 1), ok_dense(st, 2)
-        ),
-        ErrorCode.MISSING_Q,
-    ),
-    (
-        "row_checksum",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense_payload(GOOD), checksum=5),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.ROW_CHECKSUM_MISMATCH,
-    ),
-    (
-        "rows_out_of_order",
-        0,
-        lambda st: rows_then_done(st, ok_dense(st, 1), ok_dense(st, 0), ok_dense(st, 2)),
-        ErrorCode.ROW_OUT_OF_ORDER,
-    ),
-    (
-        "completion_early",
-        0,
-        lambda st: ok_dense(st, 0) + completion(st, ok_dense(st, 0), 1),
-        ErrorCode.COMPLETION_EARLY,
-    ),
-    (
-        "reply_checksum",
-        0,
-        lambda st: rows_then_done(
-            st, ok_dense(st, 0), ok_dense(st, 1), ok_dense(st, 2), reply_checksum=1
-        ),
-        ErrorCode.REPLY_CHECKSUM_MISMATCH,
-    ),
-    (
-        "reply_size",
-        0,
-        lambda st: rows_then_done(
-            st, ok_dense(st, 0), ok_dense(st, 1), ok_dense(st, 2), reply_bytes=7
-        ),
-        ErrorCode.REPLY_SIZE_MISMATCH,
-    ),
-    (
-        "wrong_position",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense_payload(GOOD), position=99),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.WRONG_POSITION,
-    ),
-    (
-        "future_generation",
-        0,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense_payload(GOOD), generation=st.generation + 1),
-            ok_dense(st, 1),
-            ok_dense(st, 2),
-        ),
-        ErrorCode.FUTURE_GENERATION,
-    ),
-    (
-        "sparse_duplicate_ids",
-        3,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, sparse([0, 0, 7], [Q, Q, H])),
-            ok_sparse(st, 1),
-            ok_sparse(st, 2),
-        ),
-        ErrorCode.SPARSE_DUPLICATE_ID,
-    ),
-    (
-        "sparse_duplicate_zeros",
-        3,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, sparse([0, 5, 5], [1.0, 0.0, 0.0])),
-            ok_sparse(st, 1),
-            ok_sparse(st, 2),
-        ),
-        ErrorCode.SPARSE_DUPLICATE_ID,
-    ),
-    (
-        "sparse_unsorted",
-        3,
-        lambda st: rows_then_done(
-            st, reply_row(st, 0, 0, sparse([7, 0], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
-        ),
-        ErrorCode.SPARSE_UNSORTED,
-    ),
-    (
-        "sparse_padded_support",
-        3,
-        lambda st: rows_then_done(
-            st, reply_row(st, 0, 0, sparse([0, -1], [H, H])), ok_sparse(st, 1), ok_sparse(st, 2)
-        ),
-        ErrorCode.SPARSE_ID_OUT_OF_RANGE,
-    ),
-    (
-        "sparse_out_of_range",
-        3,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, sparse([0, VOCAB], [H, H])),
-            ok_sparse(st, 1),
-            ok_sparse(st, 2),
-        ),
-        ErrorCode.SPARSE_ID_OUT_OF_RANGE,
-    ),
-    (
-        "sparse_zero_entry",
-        3,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, sparse([0, 7], [1.0, 0.0])),
-            ok_sparse(st, 1),
-            ok_sparse(st, 2),
-        ),
-        ErrorCode.SPARSE_ZERO_ENTRY,
-    ),
-    (
-        "dense_row_for_sparse_step",
-        3,
-        lambda st: rows_then_done(
-            st,
-            reply_row(st, 0, 0, dense_payload(GOOD), representation=0, entries=VOCAB),
-            ok_sparse(st, 1),
-            ok_sparse(st, 2),
-        ),
-        ErrorCode.BAD_REPRESENTATION,
-    ),
-]
 
 
 async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None, generation=0):

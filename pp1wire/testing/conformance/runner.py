@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from pp1wire.apps.settings import SettingsError, host_port, parse
 from pp1wire.errors import ErrorCode
+from pp1wire.testing.conformance import spark_side
 from pp1wire.testing.conformance.core import (
     CASES,
     Case,
@@ -147,8 +148,66 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the idle-timeout case, waiting this long (more than the worker's idle timeout)",
     )
+    p.add_argument(
+        "--spark",
+        action="store_true",
+        help="run the Spark-side suite: act as a hostile worker against --spark-cmd",
+    )
+    p.add_argument(
+        "--spark-cmd",
+        default=spark_side.DEFAULT_SPARK_CMD,
+        metavar="TEMPLATE",
+        help="command that starts the Spark side under test, once per case "
+        "(placeholders {worker} {vocab} {support} {q} {psk_args})",
+    )
+    p.add_argument(
+        "--no-reasons",
+        action="store_true",
+        help="Spark-side suite: do not read fallback and drop reasons from the command's "
+        "last stdout line",
+    )
     p.add_argument("--config", default=None)
     return p
+
+
+def spark_main(args: argparse.Namespace) -> int:
+    """The Spark-side suite: list or run its cases against ``args.spark_cmd``."""
+    cases = [
+        c
+        for c in spark_side.SPARK_CASES
+        if not args.case or any(c.id == i or c.id.startswith(i + ".") for i in args.case)
+    ]
+    if args.list:
+        for c in cases:
+            print(f"{c.id:8s} [{c.expect.value}] {c.title}\n         rule: {c.rule}")
+        print(f"{len(cases)} cases")
+        return 0
+    if not cases:
+        print("pp1-conformance: no case matches", file=sys.stderr)
+        return 2
+
+    async def run() -> list[tuple[spark_side.SparkCase, str | None, float]]:
+        out = []
+        for c in cases:
+            started = time.perf_counter()
+            problem = await spark_side.run_spark_case(
+                c, args.spark_cmd, reasons=not args.no_reasons
+            )
+            out.append((c, problem, time.perf_counter() - started))
+        return out
+
+    results = asyncio.run(run())
+    failed = 0
+    for c, problem, secs in results:
+        failed += problem is not None
+        if args.json:
+            row = {"id": c.id, "title": c.title, "grade": "fail" if problem else "pass"}
+            print(json.dumps(row | {"detail": problem or "", "seconds": secs}))
+        else:
+            line = f"{'FAIL' if problem else 'PASS'}  {c.id:8s} {c.title}"
+            print(line + (f"  -- {problem}" if problem else ""))
+    print(f"{len(results)} Spark-side cases: {len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
 
 
 async def run_all(cases: list[Case], s: Settings) -> list[tuple[Case, Outcome, float]]:
@@ -166,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parse(parser, argv)
+        if args.spark:
+            return spark_main(args)
         cases = select(args.case)
         if args.list:
             for c in cases:
