@@ -51,6 +51,22 @@ def test_pp1_spark_passes_every_case():
     assert f"{n} Spark-side cases: {n} passed, 0 failed" in res.stdout
 
 
+def test_a_fixed_listen_address_is_used_and_a_taken_one_is_a_clear_error():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = DEFAULT_SPARK_CMD.replace("pp1-spark", f"{PY} -m pp1wire.apps.spark", 1)
+        res = conformance("--spark-cmd", cmd, "--listen", f"127.0.0.1:{port}", "--case", "S1.1")
+        assert res.returncode == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in res.stderr
+    res = conformance("--spark-cmd", cmd, "--listen", f"127.0.0.1:{port}", "--case", "S1.1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 Spark-side cases: 1 passed" in res.stdout
+
+
 # breakage, the cases to run, the cases that must fail among them
 BROKEN = [
     ("no-row-checks", ["S1.1", "S1.4", "S1.23", "S2.4"], {"S1.1", "S1.4", "S1.23"}),

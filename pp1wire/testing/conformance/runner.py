@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(placeholders {worker} {vocab} {support} {q} {psk_args})",
     )
     p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="Spark-side suite: where the hostile worker listens (port 0: a free one)",
+    )
+    p.add_argument(
         "--no-reasons",
         action="store_true",
         help="Spark-side suite: do not read fallback and drop reasons from the command's "
@@ -186,17 +192,23 @@ def spark_main(args: argparse.Namespace) -> int:
         print("pp1-conformance: no case matches", file=sys.stderr)
         return 2
 
+    host, port = host_port(args.listen)
+
     async def run() -> list[tuple[spark_side.SparkCase, str | None, float]]:
         out = []
         for c in cases:
             started = time.perf_counter()
             problem = await spark_side.run_spark_case(
-                c, args.spark_cmd, reasons=not args.no_reasons
+                c, args.spark_cmd, reasons=not args.no_reasons, host=host, port=port
             )
             out.append((c, problem, time.perf_counter() - started))
         return out
 
-    results = asyncio.run(run())
+    try:
+        results = asyncio.run(run())
+    except OSError as exc:
+        print(f"pp1-conformance: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 2
     failed = 0
     for c, problem, secs in results:
         failed += problem is not None

@@ -1,6 +1,6 @@
 """Spark-side conformance: a hostile worker runs numbered cases against any Spark implementation.
 
-``pp1-conformance --spark-cmd TEMPLATE`` listens on loopback as a worker (a real
+``pp1-conformance --spark [--spark-cmd TEMPLATE]`` listens on loopback as a worker (a real
 worker core whose frames a case may corrupt, reorder, delay, duplicate or cut)
 and starts the Spark implementation once per case from ``TEMPLATE``. The
 template's placeholders: ``{worker}`` (HOST:PORT to connect to), ``{vocab}``
@@ -8,18 +8,21 @@ template's placeholders: ``{worker}`` (HOST:PORT to connect to), ``{vocab}``
 else the sparse support K), ``{q}`` (the same as ``dense`` or ``sparse:K``) and
 ``{psk_args}`` (``--psk-file FILE`` in the authentication cases, else empty).
 
-The command must connect, run one request of at least two rounds on one slot
-(depth 3 and at least 8 tokens, so that a proposal can be corrupted and
-later rounds still run), and exit. Everything it sends is recorded and graded against
-``docs/protocol.md``:
+``--listen HOST:PORT`` fixes where the suite listens, for a Spark side whose
+worker address is configured elsewhere. The command must connect, run one
+request of at least two rounds on one slot (depth 3 and at least 8 tokens, so
+that a proposal can be corrupted and later rounds still run), and exit.
+Everything it sends is recorded and graded against ``docs/protocol.md``:
 
 - **discard** cases: the corrupted proposal must never be consumed. No COMMIT
   may name the corrupted round; the next COMMIT on that connection must be a
   target-only one (``accepted = 0``, a fresh round ID, §6.5).
 - **drop** cases: the stray frames are extra; the honest proposal must still
   be used (a COMMIT names its round) and nothing falls back.
-- **refuse** cases (handshake, authentication, framing): the Spark side must
-  send its fatal ERROR with the expected code and never OPEN or STEP there.
+- **use** cases: an honest reply delivered oddly (1-byte or slow writes) must
+  be used, with no fallback.
+- **refuse** cases (handshake, authentication): the Spark side must send its
+  fatal ERROR with the expected code and never OPEN or STEP there.
 
 The reason is checked too when the command prints, as its last line on stdout,
 a JSON object with ``fallbacks_by_reason``, ``frames_dropped`` and
@@ -374,10 +377,10 @@ class HostileWorker:
         self.config = WorkerConfig(vocab_size=VOCAB, psk=self.case.worker_psk)
         self.drafter = ToyLM(VOCAB, 3, draft=True).logits
 
-    async def start(self) -> int:
-        """Listen on a free loopback port; returns it."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (port 0: any free one); returns the port."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: Conn(self), "127.0.0.1", 0)
+        self.server = await loop.create_server(lambda: Conn(self), host, port)
         return int(self.server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -836,11 +839,24 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
 
 
 async def run_spark_case(
-    case: SparkCase, template: str, *, reasons: bool = True, timeout: float = 20.0
+    case: SparkCase,
+    template: str,
+    *,
+    reasons: bool = True,
+    timeout: float = 20.0,
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> str | None:
-    """Run one case: None if the Spark side passed, else what it did wrong."""
+    """Run one case: None if the Spark side passed, else what it did wrong.
+
+    ``host:port`` is where the hostile worker listens (a Spark side whose worker
+    address is fixed is tested there; the command then only has to start it).
+
+    Raises:
+        OSError: the address cannot be listened on.
+    """
     worker = HostileWorker(case)
-    port = await worker.start()
+    port = await worker.start(host, port)
     psk_args = ""
     with tempfile.TemporaryDirectory() as tmp:
         if case.spark_psk is not None:
@@ -849,7 +865,7 @@ async def run_spark_case(
                 f.write(case.spark_psk)
             psk_args = f"--psk-file {shlex.quote(key)}"
         cmd = template.format(
-            worker=f"127.0.0.1:{port}",
+            worker=f"{host}:{port}",
             vocab=VOCAB,
             support=case.support,
             q=f"sparse:{case.support}" if case.support else "dense",
