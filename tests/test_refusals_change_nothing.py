@@ -99,12 +99,18 @@ def call_spark(core: SparkProtocol, call: tuple[Any, ...]) -> None:
         getattr(core, name)(slot)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(spark_calls, min_size=1, max_size=12))
-def test_a_refused_spark_call_changes_nothing(calls):
+def opened_pair():
+    """A connected pair with slot 0 open at prefix (1, 2, 3)."""
     pair = make_pair()
     pair.spark.open_slot(0, seed=5, prefix=[1, 2, 3])
     pair.pump()
+    return pair
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(spark_calls, min_size=1, max_size=12))
+def test_a_refused_spark_call_changes_nothing(calls):
+    pair = opened_pair()
     pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
     pair.pump()  # slot 0 has a completed round 0 with drafts waiting for COMMIT
     for call in calls:
@@ -180,9 +186,7 @@ worker_frames = st.tuples(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(worker_frames, min_size=1, max_size=12))
 def test_a_refused_message_changes_nothing_on_the_worker(frames):
-    pair = make_pair()
-    pair.spark.open_slot(0, seed=5, prefix=[1, 2, 3])
-    pair.pump()
+    pair = opened_pair()
     worker = pair.worker
     for spec in frames:
         before = worker_state(worker)

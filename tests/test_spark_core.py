@@ -109,15 +109,21 @@ def test_worker_refusal_fails_the_in_flight_proposal():
     assert events == [ProposalFailed(0, 0, r, ErrorCode.PREFIX_DIGEST_MISMATCH)]
 
 
+def assert_step_refused_locally(pair, code):
+    """STEP raises LocalStateError with ``code`` and queues nothing."""
+    with pytest.raises(LocalStateError) as info:
+        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    assert info.value.code is code
+    assert pair.spark.data_to_send() == []
+
+
 def test_connection_loss_fails_everything_in_flight():
     pair = opened()
     r, _ = held_reply(pair)
     events = pair.spark.connection_lost()
     assert ProposalFailed(0, 0, r, ErrorCode.CONNECTION_LOST) in events
     assert ConnectionFailed(ErrorCode.CONNECTION_LOST) in events
-    with pytest.raises(LocalStateError) as info:
-        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
-    assert info.value.code is ErrorCode.NOT_READY
+    assert_step_refused_locally(pair, ErrorCode.NOT_READY)
 
 
 def test_commit_must_match_the_drafts():
@@ -134,9 +140,7 @@ def test_commit_must_match_the_drafts():
 def test_one_proposal_in_flight_per_slot():
     pair = opened()
     held_reply(pair)
-    with pytest.raises(LocalStateError) as info:
-        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
-    assert info.value.code is ErrorCode.SLOT_BUSY
+    assert_step_refused_locally(pair, ErrorCode.SLOT_BUSY)
 
 
 def test_corrupted_row_falls_back_and_next_round_works():

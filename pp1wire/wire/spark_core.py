@@ -660,9 +660,10 @@ class SparkProtocol:
         return True
 
     def _fence(
-        self, session: int, slot: int, generation: int, round_id: int
+        self, msg: messages.Reply | messages.Completion
     ) -> tuple[SparkSlot, ReplyAssembly] | None:
         """The slot and its in-flight reply a REPLY or COMPLETION belongs to, or None (§7)."""
+        session, slot, generation, round_id = msg.session, msg.slot, msg.generation, msg.round
         state = self._known(session, slot)
         if state is None:
             return None
@@ -685,8 +686,7 @@ class SparkProtocol:
 
     def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Reply)
-        fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
-        if fenced is None:
+        if (fenced := self._fence(msg)) is None:
             return
         state, flight = fenced
         row = flight.check_row(msg, frame.payload, eos=state.eos, validator=self._validator)
@@ -698,8 +698,7 @@ class SparkProtocol:
 
     def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Completion)
-        fenced = self._fence(msg.session, msg.slot, msg.generation, msg.round)
-        if fenced is None:
+        if (fenced := self._fence(msg)) is None:
             return
         state, flight = fenced
         step = flight.step
