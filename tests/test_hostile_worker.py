@@ -20,7 +20,7 @@ from pp1wire.testing.builders import (
     reply_row,
     whole_reply,
 )
-from pp1wire.testing.conformance.spark_side import GOOD, REPLY_CLASSES
+from pp1wire.testing.conformance.spark_cases import GOOD, REPLY_CLASSES
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 

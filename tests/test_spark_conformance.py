@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire.testing.conformance.spark_side import DEFAULT_SPARK_CMD, SPARK_CASES
+from pp1wire.testing.conformance.spark_cases import SPARK_CASES
+from pp1wire.testing.conformance.spark_side import DEFAULT_SPARK_CMD
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = shlex.quote(sys.executable)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pp1wire.apps.settings import SettingsError, host_port, parse
 from pp1wire.errors import ErrorCode
-from pp1wire.testing.conformance import spark_side
+from pp1wire.testing.conformance import spark_cases, spark_side
 from pp1wire.testing.conformance.core import (
     CASES,
     Case,
@@ -180,7 +180,7 @@ def spark_main(args: argparse.Namespace) -> int:
     """The Spark-side suite: list or run its cases against ``args.spark_cmd``."""
     cases = [
         c
-        for c in spark_side.SPARK_CASES
+        for c in spark_cases.SPARK_CASES
         if not args.case or any(c.id == i or c.id.startswith(i + ".") for i in args.case)
     ]
     if args.list:

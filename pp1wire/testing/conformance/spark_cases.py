@@ -1,0 +1,552 @@
+"""The Spark-side cases (``pp1-conformance --spark``): stimuli written for a vocabulary of 8.
+
+``REPLY_CLASSES`` lists every reply-side rejection class once; the S1 cases and
+the library-level hostile-worker tests both run it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q.dyadic import M
+from pp1wire.testing.builders import completion, dense_payload, reply_row, whole_reply
+from pp1wire.testing.conformance.spark_side import (
+    VOCAB,
+    Build,
+    Conn,
+    Expect,
+    ReplyHook,
+    SparkCase,
+)
+from pp1wire.wire import framing
+from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Scope, Step
+
+H, Q = 0.5, 0.25
+GOOD = [M // 2, 0, M // 4, 0, 0, 0, 0, M // 4]
+PSK = b"pp1-conformance-spark-side-key-0"
+
+
+def _dense(values: list[float]) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def _sparse(ids: list[int], values: list[float]) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
+
+
+def _ok(st: Step, i: int) -> bytes:
+    if st.support:
+        return reply_row(st, i, 7, _sparse([7], [1.0]))
+    return reply_row(st, i, 0, dense_payload(GOOD))
+
+
+def _first_bad(st: Step, row: bytes) -> bytes:
+    """A reply whose row 0 is ``row`` and whose other rows are valid."""
+    return whole_reply(st, row, *(_ok(st, i) for i in range(1, st.depth)))
+
+
+REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
+    (
+        "non_finite",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, np.nan, 0, 0, 0, Q]))),
+        ErrorCode.NON_FINITE,
+    ),
+    (
+        "negative",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, -0.0, 0, 0, 0, Q]))),
+        ErrorCode.NEGATIVE,
+    ),
+    (
+        "non_dyadic",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
+        ErrorCode.NON_DYADIC,
+    ),
+    (
+        "wrong_total_mass",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, 0, 0, 0, 0, 0]))),
+        ErrorCode.MASS_MISMATCH,
+    ),
+    (
+        "zero_q_at_proposed",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 1, dense_payload(GOOD))),
+        ErrorCode.ZERO_Q_AT_PROPOSED,
+    ),
+    (
+        "proposed_out_of_range",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, VOCAB, dense_payload(GOOD))),
+        ErrorCode.PROPOSED_OUT_OF_RANGE,
+    ),
+    (
+        "unexpected_size",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD, VOCAB - 1))),
+        ErrorCode.ROW_LENGTH,
+    ),
+    (
+        "missing_q",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, b"", entries=0)),
+        ErrorCode.MISSING_Q,
+    ),
+    (
+        "row_checksum",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), checksum=5)),
+        ErrorCode.ROW_CHECKSUM_MISMATCH,
+    ),
+    (
+        "rows_out_of_order",
+        0,
+        lambda st: whole_reply(st, _ok(st, 1), _ok(st, 0), _ok(st, 2)),
+        ErrorCode.ROW_OUT_OF_ORDER,
+    ),
+    (
+        "row_repeated",
+        0,
+        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 0), _ok(st, 1)),
+        ErrorCode.ROW_OUT_OF_ORDER,
+    ),
+    (
+        "completion_early",
+        0,
+        lambda st: _ok(st, 0) + completion(st, _ok(st, 0), 1),
+        ErrorCode.COMPLETION_EARLY,
+    ),
+    (
+        "reply_checksum",
+        0,
+        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 1), _ok(st, 2), reply_checksum=1),
+        ErrorCode.REPLY_CHECKSUM_MISMATCH,
+    ),
+    (
+        "reply_size",
+        0,
+        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 1), _ok(st, 2), reply_bytes=7),
+        ErrorCode.REPLY_SIZE_MISMATCH,
+    ),
+    (
+        "wrong_position",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), position=99)),
+        ErrorCode.WRONG_POSITION,
+    ),
+    (
+        "future_generation",
+        0,
+        lambda st: _first_bad(
+            st, reply_row(st, 0, 0, dense_payload(GOOD), generation=st.generation + 1)
+        ),
+        ErrorCode.FUTURE_GENERATION,
+    ),
+    (
+        "newer_round",
+        0,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), round=st.round + 1)),
+        ErrorCode.ROW_OUT_OF_ORDER,
+    ),
+    (
+        "sparse_duplicate_ids",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 0, 7], [Q, Q, H]))),
+        ErrorCode.SPARSE_DUPLICATE_ID,
+    ),
+    (
+        "sparse_duplicate_zeros",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 5, 5], [1.0, 0.0, 0.0]))),
+        ErrorCode.SPARSE_DUPLICATE_ID,
+    ),
+    (
+        "sparse_unsorted",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([7, 0], [H, H]))),
+        ErrorCode.SPARSE_UNSORTED,
+    ),
+    (
+        "sparse_padded_support",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, -1], [H, H]))),
+        ErrorCode.SPARSE_ID_OUT_OF_RANGE,
+    ),
+    (
+        "sparse_out_of_range",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, VOCAB], [H, H]))),
+        ErrorCode.SPARSE_ID_OUT_OF_RANGE,
+    ),
+    (
+        "sparse_zero_entry",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 7], [1.0, 0.0]))),
+        ErrorCode.SPARSE_ZERO_ENTRY,
+    ),
+    (
+        "sparse_support_too_large",
+        3,
+        lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 2, 5, 7], [Q, Q, Q, Q]))),
+        ErrorCode.SUPPORT_TOO_LARGE,
+    ),
+    (
+        "dense_row_for_sparse_step",
+        3,
+        lambda st: _first_bad(
+            st, reply_row(st, 0, 0, dense_payload(GOOD), representation=0, entries=VOCAB)
+        ),
+        ErrorCode.BAD_REPRESENTATION,
+    ),
+]
+
+
+# -- hooks ----------------------------------------------------------------------------------
+
+
+def send(build: Build) -> ReplyHook:
+    """Answer the STEP with ``build(step)`` instead of the honest reply."""
+
+    def hook(conn: Conn, st: Step, _honest: bytes) -> None:
+        conn.write(build(st))
+
+    return hook
+
+
+def before(build: Build) -> ReplyHook:
+    """Send ``build(step)`` and then the honest reply."""
+
+    def hook(conn: Conn, st: Step, honest: bytes) -> None:
+        conn.write(build(st) + honest)
+
+    return hook
+
+
+def after(build: Callable[[Step, bytes], bytes]) -> ReplyHook:
+    """Send the honest reply and then ``build(step, honest)``."""
+
+    def hook(conn: Conn, st: Step, honest: bytes) -> None:
+        conn.write(honest + build(st, honest))
+
+    return hook
+
+
+def trickle(chunk: int, pause: float) -> ReplyHook:
+    """Send the honest reply ``chunk`` bytes at a time, ``pause`` seconds apart."""
+
+    async def run(conn: Conn, honest: bytes) -> None:
+        for i in range(0, len(honest), chunk):
+            conn.write(honest[i : i + chunk])
+            await asyncio.sleep(pause)
+
+    def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
+        return run(conn, honest)
+
+    return hook
+
+
+def cut(keep: Callable[[bytes], int]) -> ReplyHook:
+    """Send the first ``keep(honest)`` bytes of the honest reply, then abort the connection."""
+
+    def hook(conn: Conn, _st: Step, honest: bytes) -> None:
+        conn.write(honest[: keep(honest)])
+        conn.abort()
+
+    return hook
+
+
+def silence(conn: Conn, _st: Step, _honest: bytes) -> None:
+    """Never answer the STEP."""
+
+
+def _frames(data: bytes) -> list[bytes]:
+    return [bytes(f.raw) for f in framing.FrameDecoder(1 << 26).feed(data)]
+
+
+def _hello(**over: Any) -> Callable[[Any], Message]:
+    def edit(msg: Any) -> Message:
+        assert isinstance(msg, Hello)
+        return msgspec.structs.replace(msg, **over)
+
+    return edit
+
+
+def _bad_proof(msg: Any) -> Message:
+    assert isinstance(msg, Challenge)
+    return msgspec.structs.replace(msg, proof=bytes(b ^ 0xFF for b in msg.proof))
+
+
+def _step_error(code: ErrorCode) -> Build:
+    def build(st: Step) -> bytes:
+        err = Error(
+            code=int(code),
+            answers=int(MsgType.STEP),
+            scope=int(Scope.SLOT),
+            slot=st.slot,
+            generation=st.generation,
+            round=st.round,
+        )
+        return framing.encode_frame(err)
+
+    return build
+
+
+# -- the cases ------------------------------------------------------------------------------
+
+
+def _cases() -> list[SparkCase]:
+    out: list[SparkCase] = []
+    for n, (name, support, build, code) in enumerate(REPLY_CLASSES, 1):
+        out.append(
+            SparkCase(
+                f"S1.{n}",
+                f"reply class {name} discards the proposal",
+                "§4.5, §4.6, §6.2: a row or reply that breaks the contract is discarded whole",
+                Expect.DISCARD,
+                code,
+                support=support,
+                reply=send(build),
+            )
+        )
+    stale_round: Build = lambda st: _ok(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
+    other_session: Build = lambda st: _ok(msgspec.structs.replace(st, session=st.session + 1), 0)  # noqa: E731
+    other_slot: Build = lambda st: _ok(msgspec.structs.replace(st, slot=st.slot + 5), 0)  # noqa: E731
+    out += [
+        SparkCase(
+            "S2.1",
+            "a row of an earlier round, before the honest reply, is dropped",
+            "§7: round older than the in-flight round: drop (ROUND_REUSED)",
+            Expect.DROP,
+            ErrorCode.ROUND_REUSED,
+            reply=before(stale_round),
+            on_reply=1,
+        ),
+        SparkCase(
+            "S2.2",
+            "a row of another session is rejected",
+            "§7: session differs: reject (WRONG_SESSION)",
+            Expect.REJECT,
+            ErrorCode.WRONG_SESSION,
+            reply=before(other_session),
+        ),
+        SparkCase(
+            "S2.3",
+            "a row for a slot that is not open is dropped",
+            "§7: slot not open: drop (UNKNOWN_SLOT)",
+            Expect.DROP,
+            ErrorCode.UNKNOWN_SLOT,
+            reply=before(other_slot),
+        ),
+        SparkCase(
+            "S2.4",
+            "a second COMPLETION of a used reply is dropped",
+            "§7: in-flight proposal already completed: drop (COMPLETION_DUPLICATE)",
+            Expect.DROP,
+            ErrorCode.COMPLETION_DUPLICATE,
+            reply=after(lambda _st, honest: _frames(honest)[-1]),
+        ),
+        SparkCase(
+            "S2.5",
+            "the previous round's whole reply, replayed after this round's, is dropped",
+            "§7: round older than the in-flight round: drop (ROUND_REUSED)",
+            Expect.DROP,
+            ErrorCode.ROUND_REUSED,
+            reply=lambda conn, _st, honest: conn.write(honest + conn.honest[-2]),
+            on_reply=1,
+        ),
+        SparkCase(
+            "S2.6",
+            "frames after a discard are dropped as late, never consumed",
+            "§7: in-flight proposal already discarded: drop (LATE_FRAME)",
+            Expect.DISCARD,
+            ErrorCode.ROW_CHECKSUM_MISMATCH,
+            reply=send(
+                lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), checksum=5))
+            ),
+            also_dropped=ErrorCode.LATE_FRAME,
+        ),
+        SparkCase(
+            "S3.1",
+            "the worker refuses the STEP with an ERROR: the round falls back",
+            "§4.9, §6.5: an ERROR answering the in-flight STEP discards it",
+            Expect.DISCARD,
+            ErrorCode.DEPTH_OUT_OF_RANGE,
+            reply=send(_step_error(ErrorCode.DEPTH_OUT_OF_RANGE)),
+        ),
+        SparkCase(
+            "S3.2",
+            "a COMPLETION with a failure status discards the proposal",
+            "§4.6: status != 0: the proposal is discarded under that code",
+            Expect.DISCARD,
+            ErrorCode.ZERO_MASS,
+            reply=send(lambda st: completion(st, b"", 0, status=int(ErrorCode.ZERO_MASS))),
+        ),
+        SparkCase(
+            "S3.3",
+            "no reply at all: the proposal times out",
+            "§6.5: a timed-out proposal is discarded whole",
+            Expect.DISCARD,
+            ErrorCode.REPLY_TIMEOUT,
+            reply=silence,
+        ),
+        SparkCase(
+            "S3.4",
+            "a reply trickled slower than the reply timeout is discarded",
+            "§6.5: a proposal incomplete at its reply timeout is discarded whole",
+            Expect.DISCARD,
+            ErrorCode.REPLY_TIMEOUT,
+            reply=trickle(64, 0.4),
+        ),
+        SparkCase(
+            "S3.5",
+            "an honest reply in 1-byte writes is used",
+            "§2: frames are a byte stream; any segmentation is valid",
+            Expect.USE,
+            None,
+            reply=trickle(1, 0.0005),
+        ),
+        SparkCase(
+            "S3.6",
+            "an honest reply in slow 7-byte writes within the timeout is used",
+            "§2: any segmentation and pacing within the reply timeout is valid",
+            Expect.USE,
+            None,
+            reply=trickle(7, 0.002),
+        ),
+        SparkCase(
+            "S3.7",
+            "connection closed after half a reply: nothing of it is used",
+            "§6.5: a lost proposal is discarded whole",
+            Expect.DISCARD,
+            ErrorCode.CONNECTION_LOST,
+            reply=cut(lambda honest: len(honest) // 2),
+        ),
+        SparkCase(
+            "S3.8",
+            "connection closed just before the COMPLETION: nothing is used",
+            "§4.6: a proposal exists only once its COMPLETION validates",
+            Expect.DISCARD,
+            ErrorCode.CONNECTION_LOST,
+            reply=cut(lambda honest: len(honest) - len(_frames(honest)[-1])),
+        ),
+        SparkCase(
+            "S3.9",
+            "garbage bytes in place of a reply: fatal BAD_MAGIC, nothing used",
+            "§3.1: a bad magic is fatal; the in-flight proposal is discarded",
+            Expect.DISCARD,
+            ErrorCode.BAD_MAGIC,
+            reply=send(lambda _st: b"\x00" * 64),
+        ),
+        SparkCase(
+            "S3.10",
+            "a frame declaring more than max_frame bytes: fatal before allocation",
+            "§3.1, §8: FRAME_TOO_LARGE; the in-flight proposal is discarded",
+            Expect.DISCARD,
+            ErrorCode.FRAME_TOO_LARGE,
+            reply=send(lambda st: _too_large(_ok(st, 0))),
+        ),
+    ]
+    hello_cases: list[tuple[str, dict[str, Any], ErrorCode]] = [
+        ("wire_version", {"wire_version": 99}, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("q_semantic", {"q_semantic": "float32-v0"}, ErrorCode.Q_SEMANTIC_MISMATCH),
+        ("verifier", {"verifier": "other-verifier"}, ErrorCode.VERIFIER_MISMATCH),
+        ("rng_abi", {"rng_abi": "xorshift-v0"}, ErrorCode.RNG_ABI_MISMATCH),
+        ("precision", {"precision": "bf16"}, ErrorCode.PRECISION_MISMATCH),
+        ("vocab_size", {"vocab_size": VOCAB - 1}, ErrorCode.VOCAB_SIZE_MISMATCH),
+        ("vocab_hash", {"vocab_hash": 12345}, ErrorCode.VOCAB_HASH_MISMATCH),
+        ("target_identity", {"target_identity": "other-target"}, ErrorCode.IDENTITY_MISMATCH),
+    ]
+    for n, (name, over, code) in enumerate(hello_cases, 1):
+        out.append(
+            SparkCase(
+                f"S4.{n}",
+                f"worker HELLO with another {name} is refused",
+                "§4.1: every identity field must match exactly; refuse before any OPEN",
+                Expect.REFUSE,
+                code,
+                edits={MsgType.HELLO: _hello(**over)},
+            )
+        )
+    out += [
+        SparkCase(
+            "S4.9",
+            "a COMPLETION before the worker's HELLO is fatal",
+            "§5: before HELLO only HELLO, CHALLENGE, ERROR, PING, PONG may arrive",
+            Expect.REFUSE,
+            ErrorCode.HANDSHAKE_REQUIRED,
+            greeting=completion(
+                Step(
+                    session=1,
+                    slot=0,
+                    generation=0,
+                    round=0,
+                    position=0,
+                    digest=0,
+                    depth=1,
+                    temperature=1.0,
+                    support=0,
+                    context=0,
+                ),
+                b"",
+                0,
+            ),
+        ),
+        SparkCase(
+            "S5.1",
+            "the worker demands a key the Spark side does not have",
+            "§5: CHALLENGE without a configured key: AUTH_REQUIRED, no OPEN",
+            Expect.REFUSE,
+            ErrorCode.AUTH_REQUIRED,
+            worker_psk=PSK,
+        ),
+        SparkCase(
+            "S5.2",
+            "the worker's proof is made with another key",
+            "§5: a CHALLENGE whose proof does not verify: AUTH_FAILED, no AUTH, no OPEN",
+            Expect.REFUSE,
+            ErrorCode.AUTH_FAILED,
+            worker_psk=PSK,
+            spark_psk=PSK[::-1],
+        ),
+        SparkCase(
+            "S5.3",
+            "a forged CHALLENGE proof (right key, flipped bytes)",
+            "§5: the Spark side verifies the worker's proof before answering",
+            Expect.REFUSE,
+            ErrorCode.AUTH_FAILED,
+            worker_psk=PSK,
+            spark_psk=PSK,
+            edits={MsgType.CHALLENGE: _bad_proof},
+        ),
+        SparkCase(
+            "S5.4",
+            "a worker that skips authentication when the Spark side requires it",
+            "§5: a Spark side with a key never accepts an unauthenticated HELLO",
+            Expect.REFUSE,
+            ErrorCode.AUTH_REQUIRED,
+            spark_psk=PSK,
+        ),
+    ]
+    return out
+
+
+def _too_large(frame: bytes) -> bytes:
+    # The preamble's length fields are rewritten to claim a 1 GiB payload (and its
+    # checksum recomputed) so only the size bound, not the checksum, can refuse it.
+    header_len = int.from_bytes(frame[6:8], "little")
+    header = frame[framing.PREAMBLE_SIZE : framing.PREAMBLE_SIZE + header_len]
+    payload = frame[framing.PREAMBLE_SIZE + header_len :]
+    return framing.encode_raw_frame(frame[3], header, payload, payload_len=1 << 30)[
+        : framing.PREAMBLE_SIZE + header_len
+    ]
+
+
+SPARK_CASES: list[SparkCase] = _cases()
