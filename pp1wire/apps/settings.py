@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import tomllib
@@ -26,6 +27,97 @@ ENV_PREFIX = "PP1_"
 
 class SettingsError(ValueError):
     """A setting could not be read or parsed (bad file, bad environment value)."""
+
+
+def _whole(raw: object) -> int:
+    """An integer from a flag, an environment value or TOML; never a rounded float or a bool."""
+    if isinstance(raw, bool | float):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer")
+    try:
+        return int(str(raw).strip()) if not isinstance(raw, int) else raw
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+
+
+def _real(raw: object) -> float:
+    if isinstance(raw, bool):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number")
+    try:
+        value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a finite number")
+    return value
+
+
+def integer(raw: object) -> int:
+    """Flag type: any integer (a TOML float such as 2.7 is refused, not truncated).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    return _whole(raw)
+
+
+def count(raw: object) -> int:
+    """Flag type: an integer >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    value = _whole(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is below 0")
+    return value
+
+
+def positive(raw: object) -> int:
+    """Flag type: an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    value = _whole(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def port(raw: object) -> int:
+    """Flag type: a TCP port, 0..65535 (0: any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    value = _whole(raw)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535)")
+    return value
+
+
+def seconds(raw: object) -> float:
+    """Flag type: a finite duration > 0 in seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    value = _real(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a duration above 0")
+    return value
+
+
+def temperature(raw: object) -> float:
+    """Flag type: a finite temperature >= 0 (0: the drafter's argmax, a point-mass q).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    value = _real(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a temperature (finite, >= 0)")
+    return value
 
 
 def _convert(action: argparse.Action, raw: object, source: str) -> object:
@@ -43,8 +135,8 @@ def _convert(action: argparse.Action, raw: object, source: str) -> object:
         return raw
     try:
         return convert(raw)
-    except (TypeError, ValueError) as exc:
-        raise SettingsError(f"{source}: {raw!r}: {exc}") from None
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise SettingsError(f"{source}: {exc}") from None
 
 
 def parse(
@@ -54,13 +146,18 @@ def parse(
 ) -> argparse.Namespace:
     """Parse ``argv`` and fill every option the flags left unset from env, file, defaults.
 
-    The parser must have a ``--config`` option.
+    The parser must have a ``--config`` option. A bad flag is reported as a
+    :class:`SettingsError` (one line), not argparse's usage text.
 
     Raises:
-        SettingsError: for an unreadable or invalid TOML file, an unknown key in
-            it, or a value that does not convert.
-        SystemExit: from argparse for bad flags (exit code 2).
+        SettingsError: for a bad flag, an unreadable or invalid TOML file (not
+            UTF-8 included), an unknown key in it, or a value that does not convert.
     """
+
+    def one_line(message: str) -> None:
+        raise SettingsError(message)
+
+    parser.error = one_line  # type: ignore[method-assign,assignment]
     env = os.environ if environ is None else environ
     defaults: dict[str, Any] = {}
     for action in parser._actions:
@@ -78,7 +175,7 @@ def parse(
     if config_path:
         try:
             file_values = tomllib.loads(Path(config_path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"config file {config_path}: {exc}") from None
     known = {a.dest: a for a in parser._actions if a.dest != "help"}
     for key in file_values:
@@ -194,11 +291,11 @@ def install_uvloop() -> None:
 
 def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     """The flags both daemons take with the same meaning (the two sides must agree on them)."""
-    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="vocabulary size")
-    p.add_argument("--vocab-hash", type=int, default=0, help="hash of the global token-ID map")
+    p.add_argument("--vocab", type=positive, default=DEFAULT_VOCAB, help="vocabulary size")
+    p.add_argument("--vocab-hash", type=count, default=0, help="hash of the global token-ID map")
     p.add_argument(
         "--row-entries",
-        type=int,
+        type=positive,
         default=None,
         help="dense row length in FP32 entries, padding included (default: --vocab); "
         "both sides must use the same value",
@@ -208,7 +305,7 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=None,
         help="Prometheus port (0: any free port; unset: off)",
     )

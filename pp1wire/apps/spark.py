@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import prometheus_client as prom
 
@@ -41,11 +41,15 @@ from pp1wire.apps import metrics
 from pp1wire.apps.settings import (
     SettingsError,
     add_common_flags,
+    count,
     host_port,
     load_factory,
+    positive,
     read_psk,
     row_entries,
     run_daemon,
+    seconds,
+    temperature,
 )
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.rng import derive_seed
@@ -154,7 +158,7 @@ class Runner:
         self.stopping = False
         host, port = host_port(args.worker)
         self.host, self.port = host, port
-        self.ssl = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+        self.ssl = tls_context(args.tls_ca)
         self.config = SparkConfig(
             vocab_size=args.vocab,
             vocab_hash=args.vocab_hash,
@@ -186,6 +190,8 @@ class Runner:
                 self.client.observer = self.observe
                 return
             except (OSError, ClientClosedError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    raise  # a certificate or TLS-versus-plain mismatch: certain, not transient
                 if isinstance(exc, ClientClosedError) and exc.code not in (
                     ErrorCode.CONNECTION_LOST,
                     ErrorCode.HANDSHAKE_TIMEOUT,
@@ -264,6 +270,7 @@ class Runner:
         )
         opened: AsyncClient | None = None
         generation: int | None = None
+        refused: str | None = None  # the worker's refusal of our last OPEN, if any
         try:
             while (
                 len(verifier.committed) - len(prompt) < args.max_tokens
@@ -290,12 +297,13 @@ class Runner:
                         verifier.session = client.session
                         opened = client
                     except Pp1Error as exc:
-                        log.info("open failed", extra={"slot": slot, "error": repr(exc)})
+                        log.warning("open failed", extra={"slot": slot, "error": repr(exc)})
+                        refused = exc.code.name.lower()
                         opened = None
                         client = None
                 if client is None or opened is not client:
                     res = verifier.decode_target_only(verifier.last_round + 1)
-                    self._record(result, res, "connection_lost", 0)
+                    self._record(result, res, refused or "connection_lost", 0)
                     await asyncio.sleep(0)
                     continue
                 res, reason, drafted = await self._round(client, slot, verifier)
@@ -405,16 +413,16 @@ def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
         return [[1, 2, 3]]
     prompts = []
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise SettingsError(f"prompts {path}: {exc}") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             tokens = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SettingsError(f"prompts {path}:{n}: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON, huge integers, deep nesting
+            raise SettingsError(f"prompts {path}:{n}: {str(exc)[:120]}") from None
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
         ):
@@ -425,20 +433,36 @@ def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
     return prompts
 
 
+def tls_context(cafile: str | None) -> ssl.SSLContext | None:
+    """A client TLS context trusting ``cafile`` (None: plain TCP).
+
+    Raises:
+        SettingsError: if the file is missing or holds no certificate.
+    """
+    if not cafile:
+        return None
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except OSError as exc:  # ssl.SSLError included
+        raise SettingsError(f"--tls-ca {cafile}: {exc.strerror or exc}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-spark`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
     p = argparse.ArgumentParser(
         prog="pp1-spark", description="pp1 wire v2 verifier side (the Spark rank)."
     )
     p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
-    p.add_argument("--seed", type=int, default=0, help="base seed; request i uses derive(seed, i)")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, default=5, help="fixed depth 1..5; 0 = target-only")
+    p.add_argument(
+        "--seed", type=count, default=0, help="base seed; request i uses derive(seed, i)"
+    )
+    p.add_argument("--requests", type=count, default=8)
+    p.add_argument("--max-tokens", type=count, default=64)
+    p.add_argument("--depth", type=count, default=5, help="fixed depth 1..5; 0 = target-only")
     p.add_argument("--support", default="dense", help="dense or sparse:K")
-    p.add_argument("--temperature", type=float, default=1.0, help="proposal temperature")
-    p.add_argument("--concurrency", type=int, default=4, help="concurrent requests (slots)")
-    p.add_argument("--eos", type=int, default=None, help="terminal token ID")
+    p.add_argument("--temperature", type=temperature, default=1.0, help="proposal temperature")
+    p.add_argument("--concurrency", type=positive, default=4, help="concurrent requests (slots)")
+    p.add_argument("--eos", type=count, default=None, help="terminal token ID")
     p.add_argument(
         "--audit",
         action="store_true",
@@ -453,9 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="target plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> probs",
     )
     p.add_argument("--draft-identity", default="", help="pin the drafter identity ('' = any)")
-    p.add_argument("--max-prefix", type=int, default=1 << 16)
-    p.add_argument("--reply-timeout", type=float, default=5.0, help="seconds per proposal")
-    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--max-prefix", type=positive, default=1 << 16)
+    p.add_argument("--reply-timeout", type=seconds, default=5.0, help="seconds per proposal")
+    p.add_argument("--connect-timeout", type=seconds, default=10.0)
     p.add_argument("--tls-ca", default=None, help="CA / certificate file: connect with TLS")
     add_common_flags(p, log_level="warning")
     return p
@@ -497,6 +521,12 @@ async def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1 or args.requests < 0 or args.max_tokens < 0:
         raise SettingsError("--concurrency >= 1, --requests >= 0, --max-tokens >= 0 required")
     prompts = read_prompts(args.prompts, args.vocab)
+    if args.eos is not None and args.eos >= args.vocab:
+        raise SettingsError(f"--eos {args.eos} is not a token ID below --vocab {args.vocab}")
+    longest = max(len(p) for p in prompts)
+    if longest > args.max_prefix:
+        raise SettingsError(f"a prompt of {longest} tokens is longer than --max-prefix")
+    output = open_output(args.output)
     target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
     runner = Runner(args, target, prompts)
     loop = asyncio.get_running_loop()
@@ -527,16 +557,58 @@ async def run(args: argparse.Namespace) -> int:
         await runner.client.close()
     if metrics_server is not None:
         metrics_server.close()
-    if args.output:
-        with Path(args.output).open("w") as out:
+    if output is not None:
+        with output:
             for r in results:
-                out.write(json.dumps(r.as_json()) + "\n")
+                output.write(json.dumps(r.as_json()) + "\n")
     summary = summarize(results, runner, seconds)
     if args.json:
         print(json.dumps(summary))
     else:
         print_summary(summary, args)
-    return 0
+    return refused_by_configuration(summary, args.depth)
+
+
+# Fallback reasons that no retry can cure: the worker refuses what this run asks for.
+CONFIGURATION_REASONS = frozenset(
+    code.name.lower()
+    for code in (
+        ErrorCode.TOKEN_OUT_OF_RANGE,
+        ErrorCode.LIMIT_EXCEEDED,
+        ErrorCode.BAD_TEMPERATURE,
+        ErrorCode.DEPTH_OUT_OF_RANGE,
+        ErrorCode.SUPPORT_OUT_OF_RANGE,
+        ErrorCode.SLOT_LIMIT,
+        ErrorCode.CONTEXT_MISMATCH,
+    )
+)
+
+
+def refused_by_configuration(summary: dict[str, Any], depth: int) -> int:
+    """1 (with one line on stderr) when no round used a proposal because the worker
+    refused this run's settings; else 0."""
+    reasons = set(summary["fallbacks_by_reason"]) & CONFIGURATION_REASONS
+    if depth == 0 or summary["draft_tokens"] or not reasons:
+        return 0
+    print(
+        f"pp1-spark: every round fell back; the worker refused: {', '.join(sorted(reasons))}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def open_output(path: str | None) -> TextIO | None:
+    """``--output`` opened for writing before any work, so a bad path loses nothing.
+
+    Raises:
+        SettingsError: if it cannot be created.
+    """
+    if not path:
+        return None
+    try:
+        return Path(path).open("w")
+    except OSError as exc:
+        raise SettingsError(f"--output {path}: {exc.strerror or exc}") from None
 
 
 def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:

@@ -32,26 +32,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pp1-worker", description="pp1 wire v2 proposer server (the draft worker)."
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address")
-    p.add_argument("--port", type=int, default=7070, help="listen port (0: any free port)")
-    p.add_argument("--seed", type=int, default=0, help="toy model family seed")
+    p.add_argument(
+        "--port", type=settings.port, default=7070, help="listen port (0: any free port)"
+    )
+    p.add_argument("--seed", type=settings.count, default=0, help="toy model family seed")
     p.add_argument(
         "--drafter",
         default="pp1wire.apps.models:drafter_factory",
         help="drafter plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> logits",
     )
     p.add_argument("--draft-identity", default="pp1-toy-drafter")
-    p.add_argument("--max-slots", type=int, default=4)
-    p.add_argument("--max-depth", type=int, default=5)
-    p.add_argument("--max-support", type=int, default=256)
-    p.add_argument("--max-prefix", type=int, default=1 << 20, help="longest prefix in tokens")
-    p.add_argument("--max-connections", type=int, default=16)
+    p.add_argument("--max-slots", type=settings.positive, default=4)
+    p.add_argument("--max-depth", type=settings.positive, default=5)
+    p.add_argument("--max-support", type=settings.count, default=256)
+    p.add_argument(
+        "--max-prefix", type=settings.positive, default=1 << 20, help="longest prefix in tokens"
+    )
+    p.add_argument("--max-connections", type=settings.positive, default=16)
     p.add_argument(
         "--busy-poll",
         action="store_true",
         help="spin the event loop while connections are open (lower latency, one busy core)",
     )
-    p.add_argument("--handshake-timeout", type=float, default=5.0)
-    p.add_argument("--idle-timeout", type=float, default=300.0)
+    p.add_argument("--handshake-timeout", type=settings.seconds, default=5.0)
+    p.add_argument("--idle-timeout", type=settings.seconds, default=300.0)
     p.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument(
@@ -129,7 +133,12 @@ async def serve(args: argparse.Namespace) -> int:
     ctx = None
     if args.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        try:
+            ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        except OSError as exc:  # ssl.SSLError included
+            raise settings.SettingsError(
+                f"--tls-cert/--tls-key {args.tls_cert}: {exc.strerror or exc}"
+            ) from None
     # Handlers first: a SIGTERM that follows the "listening" line must drain, not kill.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
