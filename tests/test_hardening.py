@@ -57,8 +57,8 @@ def _ping(sock: socket.socket, nonce: int) -> bool:
             return getattr(frame.message, "nonce", None) == nonce
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
-def test_tls_end_to_end(tmp_path):
+def _self_signed(tmp_path):
+    """A certificate and key for 127.0.0.1, made with the openssl CLI."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         [
@@ -83,6 +83,12 @@ def test_tls_end_to_end(tmp_path):
         capture_output=True,
         timeout=60,
     )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls_end_to_end(tmp_path):
+    cert, key = _self_signed(tmp_path)
     with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as running:
         addr = running.address
         done = cli.spark(
@@ -97,6 +103,21 @@ def test_tls_end_to_end(tmp_path):
             "pp1wire.apps.worker", "--check", addr, "--vocab", "16", "--tls-cert", cert
         )
         assert health.returncode == 0, health.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls_against_a_plain_worker_fails_at_once_not_after_the_connect_timeout(tmp_path):
+    cert, _ = _self_signed(tmp_path)
+    with worker_process(vocab=16) as running:
+        started = time.monotonic()
+        done = cli.spark(
+            running.address, 16, "--requests", "1", "--connect-timeout", "30", "--tls-ca", cert
+        )
+        elapsed = time.monotonic() - started
+    assert done.returncode == 1
+    assert "cannot reach the worker" in done.stderr
+    # 30 s of retries would be the old behaviour; a process start is about 1 s here.
+    assert elapsed < 10, elapsed
 
 
 def test_psk_enforced_by_the_daemons(tmp_path):
