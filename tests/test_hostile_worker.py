@@ -158,6 +158,8 @@ async def test_duplicate_round_reply_is_dropped():
     await client.open(0, seed=11, prefix=[1, 2, 3])
     first = await client.propose(0, depth=3)
     client.release(first, 0)
+    # Target-only commit of round 0: one fresh proposal per slot until committed.
+    await client.commit(0, round_id=first.round_id, tokens=[1], accepted=0)
     second = await client.propose(0, depth=3)
     assert second.round_id == first.round_id + 1
     await eventually(lambda: client.dropped["round_reused"] == 4)

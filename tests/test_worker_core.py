@@ -431,3 +431,23 @@ def test_every_refusal_names_what_it_refuses():
     pair.send_raw(open_message(99, 1, [1], generation=6), np.array([1], "<i4").tobytes())
     err = error_of(b"".join(pair.worker.data_to_send()))
     assert (err.answers, err.slot, err.generation, err.round) == (int(MsgType.OPEN), 1, 6, None)
+
+
+def test_a_peer_that_never_commits_gets_one_fresh_proposal_per_slot():
+    # 1,000 STEPs for distinct rounds, never committed: one draw, 999 refusals,
+    # and the output stays one reply plus small ERRORs however many arrive.
+    pair = ready_pair()
+    served = refused = 0
+    out = 0
+    for r in range(1000):
+        events = pair.send_raw(step(round=r))
+        out += sum(len(c) for c in pair.worker.data_to_send())
+        served += sum(isinstance(e, StepServed) for e in events)
+        refused += sum(
+            isinstance(e, Refused) and e.code is ErrorCode.STEP_UNCOMMITTED for e in events
+        )
+    assert (served, refused) == (1, 999)
+    assert out < 4 * VOCAB * 3 + 1000 * 64
+    # The uncommitted STEP's retry still replays (committing then frees the slot:
+    # every round trip of the e2e and conformance tests does that).
+    assert isinstance(pair.send_raw(step(round=0))[0], StepReplayed)

@@ -364,7 +364,7 @@ class SparkProtocol:
             raise LocalStateError(ErrorCode.SLOT_BUSY, f"slot {slot} has a proposal in flight")
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
-        if support > min(self.config.max_support, self.config.vocab_size):
+        if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
             raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
         round_id = self.allocate_round(slot)
         msg = Step(

@@ -543,6 +543,11 @@ class WorkerProtocol:
             return ErrorCode.PREFIX_DIGEST_MISMATCH
         if step.context != slot.context:
             return ErrorCode.CONTEXT_MISMATCH
+        fence = slot.fence
+        if fence.last_step_round > fence.committed_round:
+            # One fresh proposal per slot until it is committed (or the slot reset),
+            # so a peer that never commits cannot make the worker draw without bound.
+            return ErrorCode.STEP_UNCOMMITTED
         return None
 
     def _propose(self, slot: WorkerSlot, step: Step) -> tuple[bytes, tuple[QRow, ...], int]:

@@ -156,11 +156,12 @@ for case_id, (label, value) in zip(
     "STEP round < last STEP round: ROUND_REUSED",
 )
 async def _older_round(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
+    peer = await core.fresh(s)
     async with peer:
-        newer = core.with_fields(step, round=5)
+        await peer.open_slot()
+        newer = core.with_fields(peer.step_msg(), round=5)
         data5, _ = await peer.reply(newer)
-        peer.send_msg(core.with_fields(step, round=3))
+        peer.send_msg(core.with_fields(newer, round=3))
         await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
         await core.unchanged(peer, newer, data5)
 
@@ -374,3 +375,18 @@ async def _temperature_encodings(s: core.Settings) -> None:
                 raise core.CaseFailed("no reply")
             if b"".join(frames) + bytes(f.raw) != data:
                 raise core.CaseFailed("not the reply of temperature 1.0")
+
+
+@core.case(
+    "4.4.13",
+    "session and STEP",
+    "a fresh STEP while the last one is uncommitted",
+    "at most one uncommitted fresh proposal per slot: a STEP for a new round before the last "
+    "STEP's round is committed (or the slot reset) is refused (STEP_UNCOMMITTED)",
+)
+async def _uncommitted(s: core.Settings) -> None:
+    peer, step, data = await core.ready(s)
+    async with peer:
+        peer.send_msg(core.with_fields(step, round=step.round + 1))
+        await peer.expect_error(ErrorCode.STEP_UNCOMMITTED, fatal=False, answers=MsgType.STEP)
+        await core.unchanged(peer, step, data)
