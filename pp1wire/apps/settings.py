@@ -51,73 +51,43 @@ def _real(raw: object) -> float:
     return value
 
 
-def integer(raw: object) -> int:
-    """Flag type: any integer (a TOML float such as 2.7 is refused, not truncated).
+def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
+    """A flag type accepting integers in ``lo..hi``; ``meaning`` names the range."""
 
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    return _whole(raw)
+    def check(raw: object) -> int:
+        value = _whole(raw)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
+        return value
 
-
-def count(raw: object) -> int:
-    """Flag type: an integer >= 0.
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    value = _whole(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is below 0")
-    return value
+    check.__doc__ = (
+        f"Flag type: {meaning} (a TOML float such as 2.7 is refused, not truncated).\n\n"
+        "Raises:\n    argparse.ArgumentTypeError: for anything else.\n"
+    )
+    return check
 
 
-def positive(raw: object) -> int:
-    """Flag type: an integer >= 1.
+def _real_type(lo: float, inclusive: bool, meaning: str) -> Callable[[object], float]:
+    """A flag type accepting finite numbers above ``lo`` (or equal, if ``inclusive``)."""
 
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    value = _whole(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1")
-    return value
+    def check(raw: object) -> float:
+        value = _real(raw)
+        if value < lo or (value == lo and not inclusive):
+            raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
+        return value
 
-
-def port(raw: object) -> int:
-    """Flag type: a TCP port, 0..65535 (0: any free port).
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    value = _whole(raw)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535)")
-    return value
+    check.__doc__ = (
+        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
+    )
+    return check
 
 
-def seconds(raw: object) -> float:
-    """Flag type: a finite duration > 0 in seconds.
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    value = _real(raw)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a duration above 0")
-    return value
-
-
-def temperature(raw: object) -> float:
-    """Flag type: a finite temperature >= 0 (0: the drafter's argmax, a point-mass q).
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
-    value = _real(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a temperature (finite, >= 0)")
-    return value
+_U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
+count = _int_type(0, _U64_MAX, "an integer >= 0")
+positive = _int_type(1, _U64_MAX, "an integer >= 1")
+port = _int_type(0, 65535, "a port (0..65535; 0: any free port)")
+seconds = _real_type(0.0, False, "a duration above 0 seconds")
+temperature = _real_type(0.0, True, "a temperature (finite, >= 0; 0: greedy)")
 
 
 def _convert(action: argparse.Action, raw: object, source: str) -> object:
