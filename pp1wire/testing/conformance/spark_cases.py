@@ -6,7 +6,6 @@ the library-level hostile-worker tests both run it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -242,13 +241,8 @@ def after(build: Callable[[Step, bytes], bytes]) -> ReplyHook:
 def trickle(chunk: int, pause: float) -> ReplyHook:
     """Send the honest reply ``chunk`` bytes at a time, ``pause`` seconds apart."""
 
-    async def run(conn: Conn, honest: bytes) -> None:
-        for i in range(0, len(honest), chunk):
-            conn.write(honest[i : i + chunk])
-            await asyncio.sleep(pause)
-
     def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
-        return run(conn, honest)
+        return conn.pace(honest, chunk, pause)
 
     return hook
 
@@ -399,11 +393,11 @@ def _cases() -> list[SparkCase]:
         ),
         SparkCase(
             "S3.4",
-            "a reply trickled slower than the reply timeout is discarded",
+            "a reply trickled over 6 s (past any reply timeout up to 5 s) is discarded",
             "§6.5: a proposal incomplete at its reply timeout is discarded whole",
             Expect.DISCARD,
             ErrorCode.REPLY_TIMEOUT,
-            reply=trickle(64, 0.4),
+            reply=trickle(16, 0.25),
         ),
         SparkCase(
             "S3.5",
@@ -411,7 +405,7 @@ def _cases() -> list[SparkCase]:
             "§2: frames are a byte stream; any segmentation is valid",
             Expect.USE,
             None,
-            reply=trickle(1, 0.0005),
+            reply=trickle(1, 0.0),  # one write per byte, no pacing: never near a timeout
         ),
         SparkCase(
             "S3.6",

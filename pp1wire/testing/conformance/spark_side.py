@@ -11,7 +11,8 @@ else the sparse support K), ``{q}`` (the same as ``dense`` or ``sparse:K``) and
 ``--listen HOST:PORT`` fixes where the suite listens, for a Spark side whose
 worker address is configured elsewhere. The command must connect, run one
 request of at least two rounds on one slot (depth 3 and at least 8 tokens, so
-that a proposal can be corrupted and later rounds still run), and exit.
+that a proposal can be corrupted and later rounds still run), with a reply
+timeout of at most 5 s, and exit.
 Everything it sends is recorded and graded against ``docs/protocol.md``:
 
 - **discard** cases: the corrupted proposal must never be consumed. No COMMIT
@@ -55,7 +56,7 @@ from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 VOCAB = 8
 DEFAULT_SPARK_CMD = (
     "pp1-spark --worker {worker} --vocab {vocab} --requests 1 --concurrency 1 "
-    "--max-tokens 12 --depth 3 --support {q} --reply-timeout 1 --connect-timeout 3 "
+    "--max-tokens 12 --depth 3 --support {q} --reply-timeout 2 --connect-timeout 3 "
     "--json {psk_args}"
 )
 
@@ -78,6 +79,9 @@ class Conn(asyncio.Protocol):
         self.honest: list[bytes] = []  # every honest reply the core produced, in order
         self.transport: asyncio.Transport | None = None
         self.greeting = worker.case.greeting
+        # While a hook paces a reply out, later output waits here, so frames are
+        # never interleaved mid-frame (a slow worker is slow, not corrupt).
+        self.held: list[bytes] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Register the connection."""
@@ -127,9 +131,27 @@ class Conn(asyncio.Protocol):
             self.worker.tasks.append(asyncio.ensure_future(result))
 
     def write(self, data: bytes) -> None:
-        """Send ``data`` to the Spark side if the connection is still open."""
+        """Send ``data`` to the Spark side (after any paced reply still going out)."""
+        if self.held is not None:
+            self.held.append(data)
+        else:
+            self.write_now(data)
+
+    def write_now(self, data: bytes) -> None:
+        """Send ``data`` at once if the connection is still open."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+    async def pace(self, data: bytes, chunk: int, pause: float) -> None:
+        """Send ``data`` ``chunk`` bytes at a time, ``pause`` s apart, holding other output."""
+        self.held = []
+        try:
+            for i in range(0, len(data), chunk):
+                self.write_now(data[i : i + chunk])
+                await asyncio.sleep(pause)
+        finally:
+            held, self.held = self.held, None
+            self.write_now(b"".join(held))
 
     def abort(self) -> None:
         """Cut the connection without a goodbye."""
