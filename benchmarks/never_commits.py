@@ -80,9 +80,12 @@ async def probe(port: int, vocab: int) -> float:
 def main() -> None:
     """Run the attack once and print the figures."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--vocab", type=int, default=129_280)
-    p.add_argument("--probe-timeout", type=float, default=120.0)
+    for flag, kind, default in (
+        ("--steps", int, 1000),
+        ("--vocab", int, 129_280),
+        ("--probe-timeout", float, 120.0),
+    ):
+        p.add_argument(flag, type=kind, default=default)
     args = p.parse_args()
     with worker_process(vocab=args.vocab) as worker:
         pid = worker.process.pid
