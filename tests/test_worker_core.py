@@ -140,6 +140,26 @@ def test_idle_timeout():
     assert _fatal_code(pair) is ErrorCode.IDLE_TIMEOUT
 
 
+def test_pings_alone_do_not_keep_a_connection_alive():
+    pair = make_pair(worker_kw={"idle_timeout": 10.0})
+    for t in (3.0, 6.0, 9.0):
+        pair.now = t
+        pair.send_raw(Ping(nonce=int(t)))
+        pair.worker.data_to_send()
+    pair.worker.handle_timer(10.0)
+    assert _fatal_code(pair) is ErrorCode.IDLE_TIMEOUT
+
+
+def test_real_work_keeps_a_connection_alive():
+    pair = make_pair(worker_kw={"idle_timeout": 10.0})
+    pair.now = 6.0
+    open_slot(pair)
+    pair.worker.handle_timer(15.0)
+    assert not pair.worker.closed
+    pair.worker.handle_timer(16.0)
+    assert _fatal_code(pair) is ErrorCode.IDLE_TIMEOUT
+
+
 def test_ping_pong():
     pair = make_pair()
     pair.send_raw(Ping(nonce=99))

@@ -217,7 +217,6 @@ class WorkerProtocol:
         """Feed received bytes; returns the events they caused."""
         if self.closed:
             return []
-        self.last_activity = now
         try:
             frames = self.decoder.feed(data)
         except ProtocolError as exc:
@@ -237,7 +236,6 @@ class WorkerProtocol:
         """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
         if self.closed:
             return []
-        self.last_activity = now
         try:
             frames = self.decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
@@ -247,7 +245,10 @@ class WorkerProtocol:
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[WorkerEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
-        self.last_activity = now
+        # Only whole frames of real work are activity: a peer that only pings, or
+        # trickles the bytes of one frame, is idle and cannot hold a connection slot.
+        if any(f.type not in (MsgType.PING, MsgType.PONG) for f in frames):
+            self.last_activity = now
         for frame in frames:
             if self.closed:
                 break
