@@ -16,11 +16,9 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
 from pp1wire.testing.builders import (
     completion,
-    dense_payload,
-    reply_row,
     whole_reply,
 )
-from pp1wire.testing.conformance.spark_cases import GOOD, REPLY_CLASSES
+from pp1wire.testing.conformance.spark_cases import REPLY_CLASSES, ok_row
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
@@ -28,14 +26,6 @@ from .waiting import eventually
 
 VOCAB = 8
 CLASSES = REPLY_CLASSES
-
-
-def ok_dense(step, i, token=0):
-    return reply_row(step, i, token, dense_payload(GOOD))
-
-
-def rows_then_done(step, *frames, **over):
-    return whole_reply(step, *frames, **over)
 
 
 async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None, generation=0):
@@ -100,7 +90,7 @@ async def test_malformed_reply_class(name, support, build, code):
 @pytest.mark.asyncio
 async def test_completion_twice_is_dropped():
     def twice(st):
-        whole = rows_then_done(st, ok_dense(st, 0), ok_dense(st, 1), ok_dense(st, 2))
+        whole = whole_reply(st, ok_row(st, 0), ok_row(st, 1), ok_row(st, 2))
         return whole + completion(st, whole[: len(whole) - len(completion(st, b"", 0))], 3)
 
     sent = []
@@ -127,7 +117,7 @@ async def test_stale_generation_and_missing_completion():
     # proposal times out and the round is decoded target-only.
     def stale(st):
         old = msgspec.structs.replace(st, generation=st.generation - 1)
-        return ok_dense(old, 0) + ok_dense(old, 1)  # an old generation's rows; no COMPLETION
+        return ok_row(old, 0) + ok_row(old, 1)  # an old generation's rows; no COMPLETION
 
     await exercise(
         stale,

@@ -549,6 +549,8 @@ async def run(args: argparse.Namespace) -> int:
             await runner.connect_initial(args.connect_timeout)
         except (OSError, ClientClosedError) as exc:
             print(f"pp1-spark: cannot reach the worker at {args.worker}: {exc}", file=sys.stderr)
+            if output is not None:
+                output.close()
             return 1
     started = time.perf_counter()
     results = await runner.run()

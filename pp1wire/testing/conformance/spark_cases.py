@@ -39,7 +39,8 @@ def _sparse(ids: list[int], values: list[float]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
 
 
-def _ok(st: Step, i: int) -> bytes:
+def ok_row(st: Step, i: int) -> bytes:
+    """A valid row ``i`` answering ``st`` (dense: GOOD with token 0; sparse: a point mass on 7)."""
     if st.support:
         return reply_row(st, i, 7, _sparse([7], [1.0]))
     return reply_row(st, i, 0, dense_payload(GOOD))
@@ -47,7 +48,7 @@ def _ok(st: Step, i: int) -> bytes:
 
 def _first_bad(st: Step, row: bytes) -> bytes:
     """A reply whose row 0 is ``row`` and whose other rows are valid."""
-    return whole_reply(st, row, *(_ok(st, i) for i in range(1, st.depth)))
+    return whole_reply(st, row, *(ok_row(st, i) for i in range(1, st.depth)))
 
 
 REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
@@ -108,31 +109,31 @@ REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
     (
         "rows_out_of_order",
         0,
-        lambda st: whole_reply(st, _ok(st, 1), _ok(st, 0), _ok(st, 2)),
+        lambda st: whole_reply(st, ok_row(st, 1), ok_row(st, 0), ok_row(st, 2)),
         ErrorCode.ROW_OUT_OF_ORDER,
     ),
     (
         "row_repeated",
         0,
-        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 0), _ok(st, 1)),
+        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 0), ok_row(st, 1)),
         ErrorCode.ROW_OUT_OF_ORDER,
     ),
     (
         "completion_early",
         0,
-        lambda st: _ok(st, 0) + completion(st, _ok(st, 0), 1),
+        lambda st: ok_row(st, 0) + completion(st, ok_row(st, 0), 1),
         ErrorCode.COMPLETION_EARLY,
     ),
     (
         "reply_checksum",
         0,
-        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 1), _ok(st, 2), reply_checksum=1),
+        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 1), ok_row(st, 2), reply_checksum=1),
         ErrorCode.REPLY_CHECKSUM_MISMATCH,
     ),
     (
         "reply_size",
         0,
-        lambda st: whole_reply(st, _ok(st, 0), _ok(st, 1), _ok(st, 2), reply_bytes=7),
+        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 1), ok_row(st, 2), reply_bytes=7),
         ErrorCode.REPLY_SIZE_MISMATCH,
     ),
     (
@@ -310,9 +311,9 @@ def _cases() -> list[SparkCase]:
                 reply=send(build),
             )
         )
-    stale_round: Build = lambda st: _ok(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
-    other_session: Build = lambda st: _ok(msgspec.structs.replace(st, session=st.session + 1), 0)  # noqa: E731
-    other_slot: Build = lambda st: _ok(msgspec.structs.replace(st, slot=st.slot + 5), 0)  # noqa: E731
+    stale_round: Build = lambda st: ok_row(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
+    other_session: Build = lambda st: ok_row(msgspec.structs.replace(st, session=st.session + 1), 0)  # noqa: E731
+    other_slot: Build = lambda st: ok_row(msgspec.structs.replace(st, slot=st.slot + 5), 0)  # noqa: E731
     out += [
         SparkCase(
             "S2.1",
@@ -445,7 +446,7 @@ def _cases() -> list[SparkCase]:
             "§3.1, §8: FRAME_TOO_LARGE; the in-flight proposal is discarded",
             Expect.DISCARD,
             ErrorCode.FRAME_TOO_LARGE,
-            reply=send(lambda st: _too_large(_ok(st, 0))),
+            reply=send(lambda st: _too_large(ok_row(st, 0))),
         ),
     ]
     hello_cases: list[tuple[str, dict[str, Any], ErrorCode]] = [
