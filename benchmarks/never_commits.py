@@ -15,66 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import time
-from pathlib import Path
 
-import msgspec
-
-from pp1wire.aio.client import AsyncClient
 from pp1wire.apps.launch import worker_process
-from pp1wire.wire import framing
-from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
-
-
-def rss_mib(pid: int) -> float:
-    """Resident set size of ``pid`` in MiB (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def attack(port: int, vocab: int, steps: int) -> socket.socket:
-    """Open slot 0 and write ``steps`` distinct-round STEPs; the socket is never read again."""
-    sock = socket.create_connection(("127.0.0.1", port))
-    core = SparkProtocol(SparkConfig(vocab_size=vocab), now=0.0)
-    core.start(0.0)
-
-    def pump() -> None:
-        for chunk in core.data_to_send():
-            sock.sendall(chunk)
-        sock.settimeout(0.5)
-        try:
-            while data := sock.recv(1 << 20):
-                core.receive_data(data, 0.0)
-        except TimeoutError:
-            pass
-
-    pump()
-    core.open_slot(0, seed=1, prefix=[1, 2, 3])
-    pump()
-    core.step(0, depth=5, temperature=1.0, support=0, now=0.0)
-    (frame,) = framing.FrameDecoder(1 << 20).feed(b"".join(core.data_to_send()))
-    sock.sendall(
-        b"".join(
-            framing.encode_frame(msgspec.structs.replace(frame.message, round=r))
-            for r in range(steps)
-        )
-    )
-    return sock
-
-
-async def probe(port: int, vocab: int) -> float:
-    """Seconds for handshake + OPEN + one dense depth-5 round from a fresh client."""
-    started = time.perf_counter()
-    client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=vocab))
-    await client.open(0, seed=2, prefix=[1, 2])
-    proposal = await client.propose(0, depth=5)
-    client.release(proposal, 0)
-    await client.close()
-    return time.perf_counter() - started
+from pp1wire.testing.attacks import never_reads, probe, rss_mib
 
 
 def main() -> None:
@@ -86,6 +31,7 @@ def main() -> None:
         ("--probe-timeout", float, 120.0),
     ):
         p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--same-round", action="store_true", help="repeat one round (replays) instead")
     args = p.parse_args()
     with worker_process(vocab=args.vocab) as worker:
         pid = worker.process.pid
@@ -98,7 +44,7 @@ def main() -> None:
             ]
 
         before = asyncio.run(probes())
-        sock = attack(worker.port, args.vocab, args.steps)
+        sock = never_reads(worker.port, args.vocab, args.steps, same_round=args.same_round)
         time.sleep(0.5)
         try:
             during = asyncio.run(probes())
@@ -107,7 +53,8 @@ def main() -> None:
         time.sleep(2.0)
         after_rss = rss_mib(pid)
         sock.close()
-    print(f"{args.steps} uncommitted STEPs, vocab {args.vocab}")
+    kind = "identical (replayed)" if args.same_round else "uncommitted"
+    print(f"{args.steps} {kind} STEPs, vocab {args.vocab}")
     print(f"worker RSS: {base_rss:.0f} MiB before, {after_rss:.0f} MiB after")
     medians = {}
     for name, xs in (("baseline", before), ("under attack", during)):

@@ -15,11 +15,11 @@ import logging
 import socket
 import ssl
 import time
-from typing import cast
+from typing import Final, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pp1wire.errors import ErrorCode
+from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
 from pp1wire.wire.messages import Error, Scope
@@ -77,6 +77,12 @@ class WorkerMetrics:
         )
 
 
+#: Frames one connection may handle before the loop serves the others.
+FRAMES_PER_TURN: Final = 64
+#: Replies queued for a peer beyond this many bytes stop reading its requests.
+WRITE_BUFFER_CAP: Final = 1 << 20
+
+
 class _Conn(asyncio.BufferedProtocol):
     def __init__(self, server: WorkerServer) -> None:
         self.server = server
@@ -85,12 +91,17 @@ class _Conn(asyncio.BufferedProtocol):
         self.timer: asyncio.TimerHandle | None = None
         self.peer = ""
         self.closed = asyncio.Event()
+        # Reading stops while replies back up or frames wait for the next turn.
+        self.writing_paused = False
+        self.turn: asyncio.Handle | None = None
+        self.reading = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         peer = self.transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_CAP)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -124,8 +135,44 @@ class _Conn(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.core is None or self.core.closed:
             return
-        self._events(self.core.buffer_updated(nbytes, time.monotonic()))
+        # A failed decoder has already closed the core; the pump reports anything else.
+        with contextlib.suppress(ProtocolError):
+            self.core.decoder.account(nbytes)
+        self._pump()
+
+    def _pump(self) -> None:
+        self.turn = None
+        core, transport = self.core, self.transport
+        if core is None or transport is None or core.closed:
+            return
+        queued = transport.get_write_buffer_size()
+        if self.writing_paused or queued >= WRITE_BUFFER_CAP:
+            self._set_reading(False)  # resume_writing pumps again
+            return
+        events = core.pump(
+            time.monotonic(), max_frames=FRAMES_PER_TURN, out_budget=WRITE_BUFFER_CAP - queued
+        )
+        self._events(events)
         self._flush()
+        if core.closed:
+            return
+        if core.more:
+            # Frames are left: serve other connections first, then continue
+            # without reading more from this one.
+            self._set_reading(False)
+            self.turn = asyncio.get_running_loop().call_soon(self._pump)
+        elif not self.writing_paused:
+            self._set_reading(True)
+
+    def _set_reading(self, on: bool) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing() or on == self.reading:
+            return
+        self.reading = on
+        if on:
+            transport.resume_reading()
+        else:
+            transport.pause_reading()
 
     def _events(self, events: list[worker_core.WorkerEvent]) -> None:
         m = self.server.metrics
@@ -196,6 +243,8 @@ class _Conn(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
+        if self.turn is not None:
+            self.turn.cancel()
         if self.core is not None:
             self.core.connection_lost()
         self.server.conns.discard(self)
@@ -205,12 +254,13 @@ class _Conn(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         # Backpressure: stop reading requests while replies cannot be written.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.writing_paused = True
+        self._set_reading(False)
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self.writing_paused = False
+        if self.turn is None:
+            self._pump()
 
 
 def _loop_time(monotonic_deadline: float) -> float:

@@ -182,31 +182,59 @@ class FrameDecoder:
             self._start, self._end = 0, live
         return self._view[self._end :]
 
-    def buffer_updated(self, nbytes: int) -> list[Frame]:
+    def buffer_updated(self, nbytes: int, limit: int | None = None) -> list[Frame]:
         """Account for ``nbytes`` written into the last :meth:`get_buffer`; return complete frames.
+
+        At most ``limit`` frames are parsed (all when None); the rest stay
+        buffered for :meth:`next_frame` or the next call.
 
         Raises:
             ProtocolError: see :meth:`feed`.
         """
-        if self._failed is not None:
-            raise self._failed
-        self.bytes_received += nbytes
+        self.account(nbytes)
         frames: list[Frame] = []
         try:
-            if self._big is not None:
-                self._big_filled += nbytes
-                if self._big_filled < (self._need or 0):
-                    return frames
-                frames.append(self._finish_big())
-            else:
-                self._end += nbytes
-            self._drain(frames)
-        except ProtocolError as exc:
-            self._failed = exc
+            while limit is None or len(frames) < limit:
+                frame = self.next_frame()
+                if frame is None:
+                    break
+                frames.append(frame)
+        except ProtocolError:
             if frames:
                 return frames  # deliver what was valid; the error comes next call
             raise
         return frames
+
+    def account(self, nbytes: int) -> None:
+        """Record ``nbytes`` written into the last :meth:`get_buffer` (parse nothing yet).
+
+        Raises:
+            ProtocolError: the decoder's earlier error, if it has failed.
+        """
+        if self._failed is not None:
+            raise self._failed
+        self.bytes_received += nbytes
+        if self._big is not None:
+            self._big_filled += nbytes
+        else:
+            self._end += nbytes
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame already received, or None if more bytes are needed.
+
+        One frame at a time lets a receiver stop between frames (a per-turn
+        budget) and change how it reads the next one (e.g. after a handshake).
+
+        Raises:
+            ProtocolError: see :meth:`feed`; the decoder then stays failed.
+        """
+        if self._failed is not None:
+            raise self._failed
+        try:
+            return self._next()
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Add received bytes; return every frame they complete, in order.
@@ -258,34 +286,35 @@ class FrameDecoder:
             )
         return int(PREAMBLE_SIZE + hlen + plen)
 
-    def _drain(self, frames: list[Frame]) -> None:
-        """Parse every complete frame in the scratch buffer; start a big frame if one begins."""
-        while self._end - self._start >= PREAMBLE_SIZE:
-            start = self._start
-            if self._need is None:
-                self._need = self._check_preamble(self._view[start : start + PREAMBLE_SIZE])
-            need = self._need
-            have = self._end - start
-            if need > SMALL_FRAME:
-                big = self._allocator(need)
-                if len(big) < need:
-                    raise ProtocolError(ErrorCode.INTERNAL, "allocator returned a short buffer")
-                take = min(have, need)
-                big[:take] = self._view[start : start + take]
-                self._start += take
-                self._big, self._big_filled = big, take
-                if take < need:
-                    return
-                frames.append(self._finish_big())
-                continue
-            if have < need:
-                return
-            raw = bytes(self._view[start : start + need])
-            self._start += need
-            self._need = None
-            frames.append(_parse(memoryview(raw)))
-        if self._start == self._end:
-            self._start = self._end = 0
+    def _next(self) -> Frame | None:
+        if self._big is not None:
+            if self._big_filled < (self._need or 0):
+                return None
+            return self._finish_big()
+        start = self._start
+        have = self._end - start
+        if have < PREAMBLE_SIZE:
+            if have == 0:
+                self._start = self._end = 0
+            return None
+        if self._need is None:
+            self._need = self._check_preamble(self._view[start : start + PREAMBLE_SIZE])
+        need = self._need
+        if need > SMALL_FRAME:
+            big = self._allocator(need)
+            if len(big) < need:
+                raise ProtocolError(ErrorCode.INTERNAL, "allocator returned a short buffer")
+            take = min(have, need)
+            big[:take] = self._view[start : start + take]
+            self._start += take
+            self._big, self._big_filled = big, take
+            return self._finish_big() if take == need else None
+        if have < need:
+            return None
+        raw = bytes(self._view[start : start + need])
+        self._start += need
+        self._need = None
+        return _parse(memoryview(raw))
 
     def _finish_big(self) -> Frame:
         big, need = self._big, self._need

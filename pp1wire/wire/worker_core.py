@@ -18,6 +18,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import xxhash
@@ -150,6 +151,9 @@ class WorkerSlot:
     committed_msg: Committed | None = None
 
 
+_NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)
+
+
 class WorkerProtocol:
     """The worker's connection state machine (one instance per connection)."""
 
@@ -166,6 +170,9 @@ class WorkerProtocol:
         # The highest generation each slot has had in this session.
         self._slot_generations: dict[int, int] = {}
         self._out: list[bytes] = []
+        self._out_bytes = 0
+        #: True when :meth:`pump` stopped at a budget with frames possibly left.
+        self.more = False
         self._events: list[WorkerEvent] = []
         self._spark_nonce = b""
         self._worker_nonce = b""
@@ -191,6 +198,7 @@ class WorkerProtocol:
     def data_to_send(self) -> list[bytes]:
         """Bytes queued for the peer, in order (the queue is emptied)."""
         out, self._out = self._out, []
+        self._out_bytes = 0
         return out
 
     def next_deadline(self) -> float | None:
@@ -232,22 +240,63 @@ class WorkerProtocol:
         """
         return self.decoder.get_buffer()
 
-    def buffer_updated(self, nbytes: int, now: float) -> list[WorkerEvent]:
-        """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
+    def buffer_updated(
+        self,
+        nbytes: int,
+        now: float,
+        *,
+        max_frames: int | None = None,
+        out_budget: int | None = None,
+    ) -> list[WorkerEvent]:
+        """``nbytes`` were written into :meth:`get_buffer`; returns the events caused.
+
+        ``max_frames`` and ``out_budget`` bound the work done now, as in :meth:`pump`.
+        """
         if self.closed:
             return []
         try:
-            frames = self.decoder.buffer_updated(nbytes)
+            self.decoder.account(nbytes)
         except ProtocolError as exc:
             self._fatal(exc.code, None)
             return self._take_events()
-        return self.receive_frames(frames, now)
+        return self.pump(now, max_frames=max_frames, out_budget=out_budget)
+
+    def pump(
+        self, now: float, *, max_frames: int | None = None, out_budget: int | None = None
+    ) -> list[WorkerEvent]:
+        """Handle frames already received, in order; returns the events caused.
+
+        Stops after ``max_frames`` frames, or once the bytes queued for the peer
+        reach ``out_budget``, leaving the rest buffered and :attr:`more` true: a
+        shell bounds one connection's turn on the loop and the replies a peer
+        that does not read can make it hold.
+        """
+        self.more = False
+        handled = 0
+        while not self.closed:
+            if (max_frames is not None and handled >= max_frames) or (
+                out_budget is not None and self._out_bytes >= out_budget
+            ):
+                self.more = True
+                break
+            try:
+                frame = self.decoder.next_frame()
+            except ProtocolError as exc:
+                self._fatal(exc.code, None)
+                break
+            if frame is None:
+                break
+            # Only whole frames of real work are activity: a peer that only pings, or
+            # trickles the bytes of one frame, is idle and cannot hold a connection slot.
+            if frame.type not in _NOT_ACTIVITY:
+                self.last_activity = now
+            self._dispatch(frame)
+            handled += 1
+        return self._take_events()
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[WorkerEvent]:
         """Handle frames decoded elsewhere (a buffered transport's decoder)."""
-        # Only whole frames of real work are activity: a peer that only pings, or
-        # trickles the bytes of one frame, is idle and cannot hold a connection slot.
-        if any(f.type not in (MsgType.PING, MsgType.PONG) for f in frames):
+        if any(f.type not in _NOT_ACTIVITY for f in frames):
             self.last_activity = now
         for frame in frames:
             if self.closed:
@@ -271,7 +320,11 @@ class WorkerProtocol:
         return events
 
     def _send(self, msg: Message, payload: bytes = b"") -> None:
-        self._out.append(framing.encode_frame(msg, payload))
+        self._queue(framing.encode_frame(msg, payload))
+
+    def _queue(self, data: bytes) -> None:
+        self._out.append(data)
+        self._out_bytes += len(data)
 
     def _refuse(
         self,
@@ -507,7 +560,7 @@ class WorkerProtocol:
         decision = fencing.worker_step(slot.fence, msg)
         if decision.action is Action.REPLAY:
             assert slot.reply is not None
-            self._out.append(slot.reply)
+            self._queue(slot.reply)
             self._events.append(StepReplayed(msg.slot, msg.round))
             return
         if decision.action is Action.REFUSE:
@@ -525,7 +578,7 @@ class WorkerProtocol:
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
         slot.reply = reply
-        self._out.append(reply)
+        self._queue(reply)
         self._events.append(
             StepServed(msg.slot, msg.generation, msg.round, len(rows), status, len(reply), drawn)
         )
