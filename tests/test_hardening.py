@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pp1wire.aio.client import AsyncClient, ClientClosedError
-from pp1wire.apps.launch import worker_process
+from pp1wire.apps.launch import worker_command, worker_process
 from pp1wire.errors import ErrorCode
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, Ping
@@ -145,20 +146,24 @@ def test_short_psk_is_refused(tmp_path):
     assert "16 bytes" in done.stderr
 
 
-def test_connection_limit():
+@pytest.mark.asyncio
+async def test_connection_limit_refuses_a_newcomer_when_every_peer_holds_a_slot():
     with worker_process("--max-connections", "2", vocab=16) as running:
-        addr = running.address
-        host, port = addr.rsplit(":", 1)
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
-        for s in held:  # a PONG proves the worker has taken the connection
-            assert _ping(s, 1)
+        host, port = running.address.rsplit(":", 1)
+        held = []
+        for i in range(2):
+            client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16))
+            await client.open(0, seed=i, prefix=[1])
+            held.append(client)
         extra = socket.create_connection((host, int(port)))
         frames, eof = _read_frames(extra, 3.0)
         assert eof
         assert frames
         assert frames[0].message.code == ErrorCode.CONNECTION_LIMIT
-        for s in [*held, extra]:
-            s.close()
+        assert not any(c.closed for c in held)  # nobody with work was evicted
+        extra.close()
+        for c in held:
+            await c.close()
 
         def served() -> bool:
             # Freed slots come back once the worker has seen the closes.
@@ -166,6 +171,22 @@ def test_connection_limit():
                 return _ping(again, 7)
 
         wait_until(served, what="a connection is served after the others closed")
+
+
+def test_a_newcomer_evicts_the_oldest_peer_that_has_not_completed_the_handshake():
+    with worker_process("--max-connections", "2", vocab=16) as running:
+        host, port = running.address.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        for s in held:  # a PONG proves the worker has taken the connection
+            assert _ping(s, 1)
+        extra = socket.create_connection((host, int(port)))
+        assert _ping(extra, 2)
+        frames, eof = _read_frames(held[0], 3.0)
+        assert eof
+        assert frames[-1].message.code == ErrorCode.CONNECTION_LIMIT
+        assert _ping(held[1], 3)  # only the oldest went
+        for s in [*held, extra]:
+            s.close()
 
 
 def test_slow_loris_is_dropped_at_the_handshake_timeout():
@@ -204,3 +225,47 @@ def test_fuzz_harness_smoke():
     done = cli.run(sys.executable, ROOT / "fuzz" / "run.py", "--seconds", "2")
     assert done.returncode == 0, done.stderr
     assert '"executions"' in done.stdout
+
+
+LIMITED_FDS = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+    "from pp1wire.apps.worker import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+@pytest.mark.asyncio
+async def test_silent_connections_cannot_exhaust_a_tls_workers_descriptors(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    timeout = 2.0
+    args = worker_command(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--max-connections", "4",
+        "--handshake-timeout", str(timeout), vocab=16,
+    )[3:]  # fmt: skip
+    with worker_process(command=[sys.executable, "-c", LIMITED_FDS, *args]) as running:
+        host, port = running.address.rsplit(":", 1)
+        started = time.monotonic()
+        # 300 silent TCP connections against a worker allowed 64 descriptors.
+        silent = [socket.create_connection((host, int(port))) for _ in range(300)]
+        ctx = ssl.create_default_context(cafile=str(cert))
+        client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16), ssl=ctx)
+        await client.open(0, seed=1, prefix=[1])
+        proposal = await client.propose(0, depth=2)
+        client.release(proposal, 0)
+        await client.close()
+        # Every silent connection is closed by the worker within the handshake
+        # timeout (most at once, to make room); 3 s of slack for a loaded machine.
+        deadline = started + timeout + 3.0
+        open_ = 0
+        for s in silent:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                open_ += bool(s.recv(1))
+            except TimeoutError:
+                open_ += 1
+            except OSError:
+                pass  # reset: closed
+            s.close()
+        assert open_ == 0

@@ -75,12 +75,25 @@ class WorkerMetrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
+        self.evictions = Counter(
+            "pp1_worker_evictions",
+            "Connections closed to make room for a newcomer.",
+            registry=r,
+        )
 
 
 #: Frames one connection may handle before the loop serves the others.
 FRAMES_PER_TURN: Final = 64
 #: Replies queued for a peer beyond this many bytes stop reading its requests.
 WRITE_BUFFER_CAP: Final = 1 << 20
+#: Pending connections the kernel queues before the worker accepts them.
+ACCEPT_BACKLOG: Final = 1024
+#: Connections the TLS listener accepts per readiness event before serving others.
+ACCEPT_BURST: Final = 64
+#: A closing connection whose peer does not read is cut after this many seconds.
+CLOSE_GRACE_S: Final = 2.0
+#: An authenticated connection without slots, idle this long, may be evicted for a newcomer.
+EVICT_IDLE_S: Final = 1.0
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -95,30 +108,80 @@ class _Conn(asyncio.BufferedProtocol):
         self.writing_paused = False
         self.turn: asyncio.Handle | None = None
         self.reading = True
+        self.accepted_at = 0.0
+        self.address = ""
+        self.lost = False
+        self.refusal = ErrorCode.CONNECTION_LIMIT
+        # While TLS is negotiated: the accepted socket (shut down to evict it).
+        self.sock: socket.socket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
-        peer = self.transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_CAP)
-        sock = transport.get_extra_info("socket")
+        tr = cast(asyncio.Transport, transport)
+        if self.core is not None:  # TLS: admitted at accept, now negotiated
+            if self.core.closed:
+                tr.abort()
+            else:
+                self._ready(tr)
+            return
+        peer = tr.get_extra_info("peername")
+        sock = tr.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        srv = self.server
-        if srv.stopping or len(srv.conns) >= srv.max_connections:
-            code = ErrorCode.SHUTTING_DOWN if srv.stopping else ErrorCode.CONNECTION_LIMIT
-            frame = framing.encode_frame(
-                Error(code=int(code), answers=0, scope=int(Scope.CONNECTION))
+        if self._admit(peer):
+            self._ready(tr)
+        else:
+            tr.write(
+                framing.encode_frame(
+                    Error(code=int(self.refusal), answers=0, scope=int(Scope.CONNECTION))
+                )
             )
-            self.transport.write(frame)
-            self.transport.close()
-            srv.metrics.refusals.labels(code=code.name.lower()).inc()
-            log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
+            tr.close()
+
+    def accept_tls(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
+        """Admit a connection accepted by the TLS listener, then negotiate TLS on it."""
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self._admit(sock.getpeername()):
+            sock.close()  # a TLS client could not read a plaintext ERROR
             return
+        self.sock = sock
+        remaining = self.accepted_at + self.server.config.handshake_timeout - time.monotonic()
+        loop = asyncio.get_running_loop()
+        # The transport takes the socket (and closes it); the handshake is bounded
+        # by what is left of the handshake timeout, which runs from accept.
+        task = asyncio.ensure_future(
+            loop.connect_accepted_socket(
+                lambda: self, sock, ssl=ctx, ssl_handshake_timeout=max(0.001, remaining)
+            )
+        )
+        task.add_done_callback(self._tls_done)
+
+    def _tls_done(self, task: asyncio.Future[tuple[asyncio.Transport, _Conn]]) -> None:
+        self.sock = None
+        if task.cancelled() or task.exception() is not None:
+            error = None if task.cancelled() else task.exception()
+            log.info("tls handshake failed", extra={"peer": self.peer, "error": repr(error)})
+            self.connection_lost(None)
+
+    def _admit(self, peer: object) -> bool:
+        self.accepted_at = time.monotonic()
+        if isinstance(peer, tuple):
+            self.address, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        else:
+            self.address = self.peer = str(peer)
+        srv = self.server
+        refusal = srv.admit(self)
+        if refusal is not None:
+            self.refusal = refusal
+            srv.metrics.refusals.labels(code=refusal.name.lower()).inc()
+            log.warning("connection refused", extra={"peer": self.peer, "code": refusal.name})
+            return False
+        # Counted from accept, TLS or not: a pending handshake holds a slot and a
+        # descriptor, so it is bounded by --max-connections and the handshake timeout.
         self.core = WorkerProtocol(
-            srv.config, srv.drafter, session=next(srv.sessions), now=time.monotonic()
+            srv.config, srv.drafter, session=next(srv.sessions), now=self.accepted_at
         )
         srv.conns.add(self)
         srv.connection_opened()
@@ -126,6 +189,36 @@ class _Conn(asyncio.BufferedProtocol):
         srv.metrics.accepted.inc()
         log.info("connection", extra={"peer": self.peer, "session": self.core.session})
         self._arm()
+        return True
+
+    def _ready(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_CAP)
+
+    def _cut_handshake(self) -> None:
+        """End a connection still negotiating TLS: its handshake fails and the transport closes."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def authenticated(self) -> bool:
+        """The peer completed the handshake (HELLO, and AUTH when a key is set)."""
+        core = self.core
+        return core is not None and core.handshake_deadline is None and not core.closed
+
+    def evict(self) -> None:
+        """Close this connection to make room for a new one (``CONNECTION_LIMIT``)."""
+        core = self.core
+        log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
+        self.server.metrics.evictions.inc()
+        if self.transport is None or core is None:
+            self._cut_handshake()
+            self.connection_lost(None)
+            return
+        self.server.conns.discard(self)
+        self._events(core.evict())
+        self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.core is None or self.core.closed:
@@ -203,7 +296,12 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         core, transport = self.core, self.transport
-        if core is None or transport is None:
+        if core is None:
+            return
+        if transport is None:
+            if core.closed:  # timed out or evicted during the TLS handshake
+                self._cut_handshake()
+                self.connection_lost(None)
             return
         chunks = core.data_to_send()
         if len(chunks) == 1:
@@ -212,8 +310,15 @@ class _Conn(asyncio.BufferedProtocol):
             transport.writelines(chunks)
         if core.closed:
             transport.close()
+            # close() waits to flush; a peer that never reads must not keep the
+            # descriptor, so the connection is cut after a grace period.
+            asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._abort)
         else:
             self._arm()
+
+    def _abort(self) -> None:
+        if not self.lost and self.transport is not None:
+            self.transport.abort()
 
     def _arm(self) -> None:
         core = self.core
@@ -241,6 +346,9 @@ class _Conn(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.lost:
+            return
+        self.lost = True
         if self.timer is not None:
             self.timer.cancel()
         if self.turn is not None:
@@ -285,17 +393,25 @@ class WorkerServer:
         drafter: DrafterFn,
         *,
         max_connections: int = 16,
+        max_per_address: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
         busy_poll: bool = False,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
-        ``busy_poll`` keeps the event loop spinning while any connection is open,
-        trading one busy core for the wake-up latency of an idle one.
+        At most ``max_connections`` connections are held, counted from accept
+        (a TLS handshake in progress included); a newcomer beyond that evicts
+        the oldest peer that has not completed the handshake, else the longest
+        idle authenticated peer that holds no slot, else it is refused
+        (``CONNECTION_LIMIT``). ``max_per_address`` caps the connections from
+        one IP address (refused beyond it). ``busy_poll`` keeps the event loop
+        spinning while any connection is open, trading one busy core for the
+        wake-up latency of an idle one.
         """
         self.config = config
         self.drafter = drafter
         self.max_connections = max_connections
+        self.max_per_address = max_per_address
         self.ssl_context = ssl_context
         self.metrics = WorkerMetrics()
         self.conns: set[_Conn] = set()
@@ -304,6 +420,36 @@ class WorkerServer:
         self.busy_poll = busy_poll
         self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
+        self.listener: socket.socket | None = None
+
+    def admit(self, new: _Conn) -> ErrorCode | None:
+        """Make room for ``new`` (evicting if needed), or the code it is refused with."""
+        if self.stopping:
+            return ErrorCode.SHUTTING_DOWN
+        if self.max_per_address is not None:
+            same = sum(1 for c in self.conns if c.address == new.address)
+            if same >= self.max_per_address:
+                return ErrorCode.CONNECTION_LIMIT
+        if len(self.conns) < self.max_connections:
+            return None
+        victim = self._victim(time.monotonic())
+        if victim is None:
+            return ErrorCode.CONNECTION_LIMIT
+        victim.evict()
+        return None
+
+    def _victim(self, now: float) -> _Conn | None:
+        pending = [c for c in self.conns if not c.authenticated]
+        if pending:
+            return min(pending, key=lambda c: c.accepted_at)
+        idle = [
+            c
+            for c in self.conns
+            if c.core is not None
+            and not c.core.slots
+            and now - c.core.last_activity >= EVICT_IDLE_S
+        ]
+        return min(idle, key=lambda c: c.core.last_activity if c.core else 0.0, default=None)
 
     def connection_opened(self) -> None:
         """Start spinning (with ``busy_poll``) while connections are open."""
@@ -324,20 +470,53 @@ class WorkerServer:
             OSError: if the address cannot be bound.
         """
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: _Conn(self), host, port, ssl=self.ssl_context, reuse_address=True
-        )
-        bound = self.server.sockets[0].getsockname()[1]
-        return int(bound)
+        if self.ssl_context is None:
+            self.server = await loop.create_server(
+                lambda: _Conn(self), host, port, reuse_address=True, backlog=ACCEPT_BACKLOG
+            )
+            return int(self.server.sockets[0].getsockname()[1])
+        # TLS: this server accepts itself, so that a connection counts from accept
+        # and its handshake is bounded by the handshake timeout; the event loop's
+        # TLS server would hold any number of pending handshakes, each a descriptor.
+        # A deep accept queue keeps arrivals in order under a flood (a short one
+        # parks the overflow in the kernel and admits it later, behind others).
+        listener = socket.create_server((host, port), backlog=ACCEPT_BACKLOG)
+        listener.setblocking(False)
+        loop.add_reader(listener.fileno(), self._accept_tls)
+        self.listener = listener
+        return int(listener.getsockname()[1])
+
+    def _accept_tls(self) -> None:
+        assert self.listener is not None
+        assert self.ssl_context is not None
+        for _ in range(ACCEPT_BURST):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: the next readiness retries
+                log.warning("accept failed", extra={"error": repr(exc)})
+                return
+            sock.setblocking(False)
+            if self.stopping:
+                sock.close()
+                continue
+            _Conn(self).accept_tls(sock, self.ssl_context)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting, flush and close every connection (waits at most ``grace`` s)."""
         self.stopping = True
         if self.server is not None:
             self.server.close()
+        if self.listener is not None:
+            asyncio.get_running_loop().remove_reader(self.listener.fileno())
+            self.listener.close()
+            self.listener = None
         for conn in list(self.conns):
             if conn.transport is not None:
                 conn.transport.close()  # close() flushes what is already queued
+            else:
+                conn._cut_handshake()  # still negotiating TLS: nothing to flush
         waits = [c.closed.wait() for c in list(self.conns)]
         if waits:
             with contextlib.suppress(TimeoutError):

@@ -48,7 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-prefix", type=settings.positive, default=1 << 20, help="longest prefix in tokens"
     )
-    p.add_argument("--max-connections", type=settings.positive, default=16)
+    p.add_argument(
+        "--max-connections",
+        type=settings.positive,
+        default=16,
+        help="connections held, counted from accept; when full, a newcomer evicts the oldest "
+        "peer still in its handshake, else an authenticated peer idle >= 1 s with no slot",
+    )
+    p.add_argument(
+        "--max-per-address",
+        type=settings.positive,
+        default=None,
+        help="most connections from one IP address (default: no limit)",
+    )
     p.add_argument(
         "--busy-poll",
         action="store_true",
@@ -148,6 +160,7 @@ async def serve(args: argparse.Namespace) -> int:
         config,
         drafter,
         max_connections=args.max_connections,
+        max_per_address=args.max_per_address,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
     )

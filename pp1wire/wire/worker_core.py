@@ -308,6 +308,12 @@ class WorkerProtocol:
             self._fatal(error.code, None)
         return self._take_events()
 
+    def evict(self) -> list[WorkerEvent]:
+        """Close the connection to make room for another (fatal ``CONNECTION_LIMIT``)."""
+        if not self.closed:
+            self._fatal(ErrorCode.CONNECTION_LIMIT, None)
+        return self._take_events()
+
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
         self.slots.clear()
