@@ -45,6 +45,7 @@ class ErrorCode(IntEnum):
     AUTH_FAILED = 32
     HANDSHAKE_TIMEOUT = 33
     UNEXPECTED_MESSAGE = 34
+    TLS_REQUIRED = 35
 
     # -- sessions, fencing and replies (40..59) --------------------------------
     UNKNOWN_SLOT = 40

@@ -97,9 +97,13 @@ def test_tls_end_to_end(tmp_path):
         )
         assert done.returncode == 0, done.stderr
         assert '"fallbacks": 0' in done.stdout
-        # A plaintext peer cannot talk to a TLS worker.
-        plain = cli.spark(addr, 16, "--requests", "1", "--connect-timeout", "1")
+        # A plaintext peer cannot talk to a TLS worker, and is told so at once
+        # (not after 30 s of retries).
+        started = time.monotonic()
+        plain = cli.spark(addr, 16, "--requests", "1", "--connect-timeout", "30")
         assert plain.returncode == 1
+        assert "TLS_REQUIRED" in plain.stderr
+        assert time.monotonic() - started < 10
         health = cli.module(
             "pp1wire.apps.worker", "--check", addr, "--vocab", "16", "--tls-cert", cert
         )

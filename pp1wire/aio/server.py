@@ -147,8 +147,32 @@ class _Conn(asyncio.BufferedProtocol):
             sock.close()  # a TLS client could not read a plaintext ERROR
             return
         self.sock = sock
-        remaining = self.accepted_at + self.server.config.handshake_timeout - time.monotonic()
+        # TLS clients speak first (ClientHello); a pp1 frame's magic instead means a
+        # plaintext peer, told so in plaintext rather than left to retry a silent close.
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._first_bytes, sock, ctx)
+
+    def _first_bytes(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
         loop = asyncio.get_running_loop()
+        loop.remove_reader(sock.fileno())
+        core = self.core
+        assert core is not None
+        try:
+            head = b"" if core.closed else sock.recv(len(framing.MAGIC), socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            loop.add_reader(sock.fileno(), self._first_bytes, sock, ctx)
+            return
+        except OSError:
+            head = b""
+        if head == framing.MAGIC:
+            self._events(core.close_with(ErrorCode.TLS_REQUIRED))
+            with contextlib.suppress(OSError):
+                sock.send(b"".join(core.data_to_send()))
+        if head in (b"", framing.MAGIC):
+            self.sock = None
+            sock.close()
+            self.connection_lost(None)
+            return
+        remaining = self.accepted_at + self.server.config.handshake_timeout - time.monotonic()
         # The transport takes the socket (and closes it); the handshake is bounded
         # by what is left of the handshake timeout, which runs from accept.
         task = asyncio.ensure_future(
@@ -217,7 +241,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.connection_lost(None)
             return
         self.server.conns.discard(self)
-        self._events(core.evict())
+        self._events(core.close_with(ErrorCode.CONNECTION_LIMIT))
         self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:

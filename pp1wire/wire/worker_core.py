@@ -308,10 +308,11 @@ class WorkerProtocol:
             self._fatal(error.code, None)
         return self._take_events()
 
-    def evict(self) -> list[WorkerEvent]:
-        """Close the connection to make room for another (fatal ``CONNECTION_LIMIT``)."""
+    def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
+        """End the connection with a fatal ERROR ``code`` (the shell's own decisions:
+        eviction as ``CONNECTION_LIMIT``, a plaintext peer on TLS as ``TLS_REQUIRED``)."""
         if not self.closed:
-            self._fatal(ErrorCode.CONNECTION_LIMIT, None)
+            self._fatal(code, None)
         return self._take_events()
 
     def connection_lost(self) -> None:
