@@ -46,7 +46,6 @@ from soak import rss_mb  # noqa: E402
 from pp1wire.aio.client import AsyncClient  # noqa: E402
 from pp1wire.apps.launch import worker_process  # noqa: E402
 from pp1wire.apps.settings import install_uvloop  # noqa: E402
-from pp1wire.wire import framing  # noqa: E402
 from pp1wire.wire.assembly import ReplyAssembly  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
 from pp1wire.wire.spark_core import SparkConfig  # noqa: E402
@@ -72,11 +71,11 @@ class Pp1:
         self.reply_bytes: dict[int, int] = {}
 
     @classmethod
-    async def setup(cls, port: int, busy_poll: bool = False) -> Pp1:
+    async def setup(cls, port: int, busy_poll: bool = False, psk: bytes | None = None) -> Pp1:
         client = await AsyncClient.connect(
             "127.0.0.1",
             port,
-            SparkConfig(vocab_size=VOCAB, max_slots=5, max_support=32),
+            SparkConfig(vocab_size=VOCAB, max_slots=5, max_support=32, psk=psk),
             busy_poll=busy_poll,
         )
         self = cls(client)
@@ -109,7 +108,7 @@ class Pp1:
             )
             fut = client.loop.create_future()
             client._proposals[slot] = fut
-            core._out.append(framing.encode_frame(step))
+            core._send(step)  # tagged too, on a keyed connection
             futs.append(fut)
         client._flush()
         if client.busy_poll and client._spinner is None:

@@ -16,7 +16,7 @@ import numpy as np
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow
 from pp1wire.wire.messages import Step
-from pp1wire.wire.worker_core import build_reply
+from pp1wire.wire.replies import build_reply
 
 VOCAB = 129_280
 DEPTH = 5

@@ -46,6 +46,8 @@ class ErrorCode(IntEnum):
     HANDSHAKE_TIMEOUT = 33
     UNEXPECTED_MESSAGE = 34
     TLS_REQUIRED = 35
+    INTEGRITY_MISMATCH = 36
+    INTEGRITY_FAILED = 37
 
     # -- sessions, fencing and replies (40..59) --------------------------------
     UNKNOWN_SLOT = 40

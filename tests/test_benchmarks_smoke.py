@@ -41,3 +41,22 @@ def test_sizes_report_meets_the_size_goals():
     table = json.loads(done.stdout)
     assert table["dense"]["overhead"] <= 0.001
     assert table["sparse32"]["encoded"] <= 1600
+
+
+def test_integrity_cost_smoke():
+    done = cli.run(
+        sys.executable,
+        ROOT / "benchmarks" / "integrity_cost.py",
+        "--rounds",
+        "1",
+        "--reps",
+        "1",
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [
+        f"{kind}_{what}"
+        for kind in ("dense", "sparse")
+        for what in ("ms_plain", "ms_keyed", "keyed_over_plain")
+    ]

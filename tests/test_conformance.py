@@ -14,6 +14,8 @@ from pp1wire.testing import conformance
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.worker_core import WorkerProtocol
 
+from .certs import self_signed
+
 
 def test_at_least_100_numbered_cases_with_rules():
     assert len(conformance.CASES) >= 100
@@ -30,46 +32,59 @@ def test_at_least_100_numbered_cases_with_rules():
     assert all(c.rule for c in conformance.CASES)
 
 
-@pytest.mark.parametrize("psk", [False, True])
-def test_suite_passes_against_a_fresh_worker(tmp_path, psk):
+NEEDS_KEY = {"5.8", "5.9", "5.10", "5.1.1", "5.1.2", "5.1.3", "5.1.4", "5.1.5", "5.1.6", "5.1.7"}
+NEEDS_TLS = {"2.4", "2.5"}
+#: The cases a TLS run repeats (the rest are the plain run's, over TLS).
+TLS_CASES = ["2.4", "2.5", "4.4.1", "5.1.8", "8.2", "8.3"]
+
+
+@pytest.mark.parametrize("mode", ["plain", "psk", "tls"])
+def test_suite_passes_against_a_fresh_worker(tmp_path, mode):
     extra = ["--handshake-timeout", "1", "--idle-timeout", "2"]
+    suite = ["--handshake-wait", "3", "--idle-wait", "5"]
     key = tmp_path / "psk"
-    if psk:
+    if mode == "psk":
         key.write_text("a-test-key-of-enough-bytes\n")
         extra += ["--psk-file", str(key)]
+        suite += ["--psk-file", str(key)]
+    cases = list(conformance.CASES)
+    if mode == "tls":
+        cert, pem = self_signed(tmp_path)
+        extra += ["--tls-cert", str(cert), "--tls-key", str(pem)]
+        suite += ["--tls-ca", str(cert), "--case", *TLS_CASES]
+        cases = [c for c in cases if c.id in TLS_CASES]
+    expected_skips = {
+        "plain": NEEDS_KEY | NEEDS_TLS,
+        "psk": {"5.1.8"} | NEEDS_TLS,
+        "tls": set(),
+    }[mode]
     with worker_process(*extra, vocab=64) as running:
-        address = running.address
         cmd = [
             sys.executable,
             "-m",
             "pp1wire.testing.conformance",
             "--worker",
-            address,
+            running.address,
             "--vocab",
             "64",
-            "--handshake-wait",
-            "3",
-            "--idle-wait",
-            "5",
+            *suite,
             "--junit",
             str(tmp_path / "j.xml"),
             "--json",
         ]
-        if psk:
-            cmd += ["--psk-file", str(key)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["id"] for r in results] == [c.id for c in conformance.CASES]
-    informational = {c.id for c in conformance.CASES if c.informational}
+    assert [r["id"] for r in results] == [c.id for c in cases]
+    informational = {c.id for c in cases if c.informational}
+    skipped = {r["id"] for r in results if r["detail"].startswith("skipped:")}
+    assert skipped == expected_skips
     for r in results:
-        if r["id"] in informational or (not psk and r["detail"] == "skipped: needs --psk-file"):
+        if r["id"] in informational or r["id"] in skipped:
             assert r["grade"] == "informational", r
         else:
             assert r["grade"] == "pass", r  # not non-strict, not failed
-    skipped = {r["id"] for r in results if r["detail"] == "skipped: needs --psk-file"}
-    assert skipped == (set() if psk else {"5.8", "5.9", "5.10"})  # the AUTH cases
-    assert (tmp_path / "j.xml").read_text().count("<testcase") == len(conformance.CASES)
+    assert (tmp_path / "j.xml").read_text().count("<testcase") == len(cases)
 
 
 def test_list_and_case_selection():

@@ -82,3 +82,18 @@ def test_frame_vector_encodes(vector):
 )
 def test_reply_vector(vector):
     assert golden.run_reply_vector(vector) == vector["expect"]
+
+
+@pytest.mark.parametrize(
+    "vector", [v for v in VECTORS if v["kind"] == "integrity"], ids=lambda v: v["name"]
+)
+def test_integrity_vector_holds(vector):
+    assert golden.run_integrity_vector(vector) == vector["expect"]
+
+
+def test_integrity_vectors_cover_both_directions_and_a_changed_frame():
+    got = {v["name"]: v["expect"] for v in VECTORS if v["kind"] == "integrity"}
+    assert got["integrity_worker_to_spark"]["frames"][0]["type"] == "HELLO"
+    assert len(got["integrity_spark_to_worker"]["frames"]) == 2
+    assert got["integrity_payload_changed"]["error"] == "INTEGRITY_FAILED"
+    assert got["integrity_payload_changed"]["at"] == 0

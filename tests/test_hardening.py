@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import socket
 import ssl
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pp1wire.wire.messages import Error, Ping
 from pp1wire.wire.spark_core import SparkConfig
 
 from . import cli
+from .certs import self_signed
 from .waiting import eventually, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,38 +58,9 @@ def _ping(sock: socket.socket, nonce: int) -> bool:
             return getattr(frame.message, "nonce", None) == nonce
 
 
-def _self_signed(tmp_path):
-    """A certificate and key for 127.0.0.1, made with the openssl CLI."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_tls_end_to_end(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     with worker_process("--tls-cert", str(cert), "--tls-key", str(key), vocab=16) as running:
         addr = running.address
         done = cli.spark(
@@ -112,7 +83,7 @@ def test_tls_end_to_end(tmp_path):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_tls_against_a_plain_worker_fails_at_once_not_after_the_connect_timeout(tmp_path):
-    cert, _ = _self_signed(tmp_path)
+    cert, _ = self_signed(tmp_path)
     with worker_process(vocab=16) as running:
         started = time.monotonic()
         done = cli.spark(
@@ -198,7 +169,7 @@ def test_slow_loris_is_dropped_at_the_handshake_timeout():
         addr = running.address
         host, port = addr.rsplit(":", 1)
         s = socket.create_connection((host, int(port)))
-        hello_start = b"PW\x02\x01"
+        hello_start = b"PW\x03\x01"
         started = time.monotonic()
         for b in hello_start:  # one byte at a time, never finishing a frame
             s.sendall(bytes([b]))
@@ -242,7 +213,7 @@ LIMITED_FDS = (
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 @pytest.mark.asyncio
 async def test_silent_connections_cannot_exhaust_a_tls_workers_descriptors(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     timeout = 2.0
     args = worker_command(
         "--tls-cert", str(cert), "--tls-key", str(key), "--max-connections", "4",

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from pp1wire.aio.client import AsyncClient
+from pp1wire.aio.client import AsyncClient, ClientClosedError
 from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
+from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing
-from pp1wire.wire.messages import MsgType, Ping
+from pp1wire.wire.messages import Error, MsgType, Opened, Ping
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -149,4 +150,119 @@ async def test_the_per_address_limit_refuses_the_next_connection():
     finally:
         for s in held:
             s.close()
+        await srv.stop(grace=1.0)
+
+
+class Relay:
+    """A man in the middle on loopback: forwards a real handshake, then tampers or injects."""
+
+    def __init__(self, worker_port: int, tamper=None) -> None:
+        self.worker_port = worker_port
+        self.tamper = tamper or (lambda data: data)
+        self.from_worker = bytearray()
+        self.to_worker: asyncio.StreamWriter | None = None
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for w in self.writers:
+            w.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, client_r, client_w) -> None:
+        self.tasks.append(asyncio.current_task())
+        worker_r, worker_w = await asyncio.open_connection("127.0.0.1", self.worker_port)
+        self.to_worker = worker_w
+        self.writers += [client_w, worker_w]
+
+        async def pipe(src, dst, change, log) -> None:
+            while data := await src.read(1 << 16):
+                if log is not None:
+                    log += data
+                dst.write(change(data))
+            dst.close()
+
+        await asyncio.gather(
+            pipe(client_r, worker_w, self.tamper, None),
+            pipe(worker_r, client_w, lambda d: d, self.from_worker),
+            return_exceptions=True,
+        )
+
+    def worker_frames(self) -> list[framing.Frame]:
+        return framing.FrameDecoder(1 << 24).feed(bytes(self.from_worker))
+
+
+PSK = b"a relay never learns this key"
+
+
+def _flip_open_payload(data: bytes) -> bytes:
+    # The Spark side writes each OPEN in one piece: preamble, header, tokens, tag.
+    if data[:2] == framing.MAGIC and data[3] == MsgType.OPEN:
+        changed = bytearray(data)
+        changed[-framing.TAG_SIZE - 1] ^= 0x01  # a token, not the tag
+        return bytes(changed)
+    return data
+
+
+@pytest.mark.asyncio
+async def test_a_frame_changed_by_a_relay_after_a_keyed_handshake_is_refused():
+    srv = WorkerServer(WorkerConfig(vocab_size=64, psk=PSK), drafter_factory(64))
+    port = await srv.start("127.0.0.1", 0)
+    relay = Relay(port, tamper=_flip_open_payload)
+    try:
+        client = await AsyncClient.connect(
+            "127.0.0.1", await relay.start(), SparkConfig(vocab_size=64, psk=PSK)
+        )
+        with pytest.raises(ClientClosedError):
+            await client.open(0, seed=1, prefix=[1, 2, 3])
+        assert client.failed is ErrorCode.INTEGRITY_FAILED
+        assert _count(srv.metrics.refusals, code="integrity_failed") == 1
+        assert all(f.type is not MsgType.OPENED for f in relay.worker_frames())
+    finally:
+        await relay.stop()
+        await srv.stop(grace=1.0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("psk", [PSK, None], ids=["keyed", "no-key"])
+async def test_a_relay_cannot_drive_a_connection_it_forwarded_the_handshake_of(psk):
+    srv = WorkerServer(WorkerConfig(vocab_size=64, psk=psk), drafter_factory(64))
+    port = await srv.start("127.0.0.1", 0)
+    relay = Relay(port)
+    try:
+        client = await AsyncClient.connect(
+            "127.0.0.1", await relay.start(), SparkConfig(vocab_size=64, psk=psk)
+        )
+        session = client.session
+        assert relay.to_worker is not None
+        relay.to_worker.write(
+            framing.encode_frame(open_message(session, 1, [1, 2]), token_bytes([1, 2]))
+        )
+
+        def after_hello() -> list:
+            frames = [f.message for f in relay.worker_frames()]
+            return frames[[type(m).__name__ for m in frames].index("Hello") + 1 :]
+
+        await eventually(after_hello, what="the worker answers the relay")
+        got = after_hello()
+        if psk is None:
+            # Without a key nothing after the handshake is authenticated: the
+            # relay's OPEN is served. This is what frame integrity closes.
+            assert isinstance(got[0], Opened)
+        else:
+            assert isinstance(got[0], Error)
+            assert got[0].code == ErrorCode.INTEGRITY_FAILED
+            assert not any(isinstance(m, Opened) for m in got)
+        await client.close()
+    finally:
+        await relay.stop()
         await srv.stop(grace=1.0)

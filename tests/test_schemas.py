@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 
 from pp1wire.wire import schema
-from pp1wire.wire.messages import MESSAGE_TYPES, MsgType
+from pp1wire.wire.messages import MESSAGE_TYPES, WIRE_VERSION, MsgType
 
 ROOT = Path(__file__).resolve().parent.parent / "schemas"
 
@@ -31,7 +31,7 @@ def test_every_message_has_a_schema_with_ids_and_positions():
     for kind in MsgType:
         doc = json.loads((ROOT / f"{kind.name.lower()}.schema.json").read_text())
         assert doc["$schema"].endswith("2020-12/schema")
-        assert doc["$id"] == f"urn:pp1wire:wire-v2:{kind.name.lower()}"
+        assert doc["$id"] == f"urn:pp1wire:wire-v{WIRE_VERSION}:{kind.name.lower()}"
         items = doc["prefixItems"]
         assert items[0] == {"enum": [int(kind)], "title": "tag"}
         assert [i["title"] for i in items[1:]] == list(MESSAGE_TYPES[kind].__struct_fields__)

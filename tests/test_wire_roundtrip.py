@@ -123,7 +123,7 @@ def test_length_above_limit_refused_without_allocating(declared):
     header = messages.encode(messages.Ping(nonce=1))
     import struct
 
-    head = struct.pack("<2sBBBBHI", b"PW", 2, 9, 0, 0, len(header), declared)
+    head = struct.pack("<2sBBBBHI", b"PW", messages.WIRE_VERSION, 9, 0, 0, len(header), declared)
     frame = head + struct.pack("<I", framing.header_checksum(head, header)) + header
     decoder = framing.FrameDecoder(1 << 20, allocator=allocator)
     tracemalloc.start()

@@ -8,8 +8,10 @@ import pytest
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, reply_step
 from pp1wire.wire import framing
+from pp1wire.wire.handshake import build_hello
 from pp1wire.wire.messages import (
     Auth,
     Close,
@@ -23,7 +25,13 @@ from pp1wire.wire.messages import (
     Scope,
 )
 from pp1wire.wire.transitions import State
-from pp1wire.wire.worker_core import ConnectionClosing, Refused, StepReplayed, StepServed
+from pp1wire.wire.worker_core import (
+    ConnectionClosing,
+    Refused,
+    StepReplayed,
+    StepServed,
+    WorkerConfig,
+)
 
 from .pairs import VOCAB, make_pair
 
@@ -100,7 +108,7 @@ def test_second_hello_is_refused():
 @pytest.mark.parametrize(
     ("over", "code"),
     [
-        ({"wire_version": 3}, ErrorCode.WIRE_VERSION_MISMATCH),
+        ({"wire_version": 4}, ErrorCode.WIRE_VERSION_MISMATCH),
         ({"q_semantic": "dyadic16-v1"}, ErrorCode.Q_SEMANTIC_MISMATCH),
         ({"verifier": "other-verifier"}, ErrorCode.VERIFIER_MISMATCH),
         ({"rng_abi": "pp1-philox4x32-10-v0"}, ErrorCode.RNG_ABI_MISMATCH),
@@ -195,10 +203,30 @@ def test_step_before_auth_is_refused():
     assert _fatal_code(pair) is ErrorCode.HANDSHAKE_REQUIRED
 
 
-def test_spark_with_key_refuses_an_unauthenticated_worker():
+def test_a_worker_without_key_refuses_a_spark_side_that_requires_integrity():
     pair = make_pair(spark_kw={"psk": b"k" * 32})
     assert pair.spark.closed
-    assert any(getattr(e, "code", None) is ErrorCode.AUTH_REQUIRED for e in pair.spark_events)
+    assert any(getattr(e, "code", None) is ErrorCode.INTEGRITY_MISMATCH for e in pair.spark_events)
+
+
+def test_spark_with_key_refuses_a_worker_that_answers_hello_without_a_challenge():
+    # A worker that skips the CHALLENGE (and ignores the integrity field) never
+    # proved it knows the key.
+    pair = make_pair(spark_kw={"psk": b"k" * 32}, handshake=False)
+    pair.spark.start(0.0)
+    pair.spark.data_to_send()
+    hello = build_hello(
+        Role.WORKER,
+        WorkerConfig(vocab_size=pair.spark.config.vocab_size, psk=b"k" * 32),
+        draft_identity="pp1-toy-drafter",
+        draft_native=True,
+        limits=pair.spark._hello,
+        nonce=bytes(16),
+        session=7,
+    )
+    events = pair.spark.receive_data(framing.encode_frame(hello), 0.0)
+    assert pair.spark.closed
+    assert any(getattr(e, "code", None) is ErrorCode.AUTH_REQUIRED for e in events)
 
 
 def test_spark_without_key_refuses_a_challenge():

@@ -7,7 +7,7 @@ payload::
     0      2    magic           b"PW" (0x50 0x57)
     2      1    version         2
     3      1    type            MsgType
-    4      1    flags           0 (every bit reserved)
+    4      1    flags           bit 0: TAGGED (a 16-byte tag follows, §5.1); others 0
     5      1    reserved        0
     6      2    header_len      uint16, 1..MAX_HEADER
     8      4    payload_len     uint32, 0..limit
@@ -15,9 +15,11 @@ payload::
 
 Every length is checked against its limit from the preamble alone, before a
 byte of header or payload is buffered, so a hostile length can never make the
-receiver allocate. Payload bytes are handed out as a read-only ``memoryview``
-of the frame's bytes (no copy after the socket), to be viewed with
-``numpy.frombuffer``.
+receiver allocate. A TAGGED frame is followed by a 16-byte integrity tag
+(:mod:`pp1wire.wire.integrity`), which the decoder hands out without checking:
+whether a tag is due, and its key, are the connection's business. Payload
+bytes are handed out as a read-only ``memoryview`` of the frame's bytes (no
+copy after the socket), to be viewed with ``numpy.frombuffer``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ PRE_HANDSHAKE_MAX_PAYLOAD: Final = 0
 #: Frames up to this size are assembled in the decoder's scratch buffer.
 SMALL_FRAME: Final = 8192
 SCRATCH_SIZE: Final = 64 << 10
+#: Preamble flag: the frame is followed by an integrity tag (§5.1).
+FLAG_TAGGED: Final = 0x01
+TAG_SIZE: Final = 16
 
 assert PREAMBLE_SIZE == 16
 
@@ -54,8 +59,11 @@ def header_checksum(preamble_head: bytes | memoryview, header: bytes | memoryvie
     return int(xxhash.xxh3_64_intdigest(bytes(preamble_head) + bytes(header))) & 0xFFFFFFFF
 
 
-def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> bytes:
+def encode_frame(msg: Message, payload: bytes | memoryview = b"", *, tagged: bool = False) -> bytes:
     """One complete frame for ``msg`` with ``payload`` appended.
+
+    ``tagged`` sets the TAGGED flag; the caller appends the tag
+    (:class:`pp1wire.wire.integrity.Sealer`).
 
     Raises:
         ProtocolError: ``PAYLOAD_LENGTH`` if a payload is given for a type that
@@ -70,7 +78,14 @@ def encode_frame(msg: Message, payload: bytes | memoryview = b"") -> bytes:
     if len(header) > MAX_HEADER or plen > HARD_MAX_PAYLOAD:
         raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, "header or payload above the caps")
     head = struct.pack(
-        "<2sBBBBHI", MAGIC, messages.WIRE_VERSION, int(kind), 0, 0, len(header), plen
+        "<2sBBBBHI",
+        MAGIC,
+        messages.WIRE_VERSION,
+        int(kind),
+        FLAG_TAGGED if tagged else 0,
+        0,
+        len(header),
+        plen,
     )
     checksum = header_checksum(head, header)
     return b"".join((head, struct.pack("<I", checksum), header, payload))
@@ -108,12 +123,16 @@ def _fresh(size: int) -> memoryview:
 
 @dataclass(frozen=True)
 class Frame:
-    """A decoded frame: its message, payload view and the raw frame bytes."""
+    """A decoded frame: its message, payload view, the frame's bytes and its tag.
+
+    ``raw`` is the frame without its tag; ``tag`` is None on an untagged frame.
+    """
 
     type: MsgType
     message: Message
     payload: memoryview
     raw: memoryview
+    tag: memoryview | None = None
 
 
 class FrameDecoder:
@@ -272,7 +291,7 @@ class FrameDecoder:
         mtype = messages.TYPE_BY_CODE[kind]
         if mtype is None:
             raise ProtocolError(ErrorCode.UNKNOWN_MESSAGE_TYPE, f"type {kind}")
-        if flags or reserved:
+        if flags & ~FLAG_TAGGED or reserved:
             raise ProtocolError(ErrorCode.BAD_FLAGS, f"flags {flags:#x}, reserved {reserved:#x}")
         if hlen == 0:
             raise ProtocolError(ErrorCode.ZERO_LENGTH_HEADER, "empty header")
@@ -284,7 +303,7 @@ class FrameDecoder:
             raise ProtocolError(
                 ErrorCode.FRAME_TOO_LARGE, f"payload {plen} > limit {self._max_payload}"
             )
-        return int(PREAMBLE_SIZE + hlen + plen)
+        return int(PREAMBLE_SIZE + hlen + plen + (TAG_SIZE if flags else 0))
 
     def _next(self) -> Frame | None:
         if self._big is not None:
@@ -324,8 +343,12 @@ class FrameDecoder:
         return _parse(big[:need])
 
 
-def _parse(view: memoryview) -> Frame:
-    """Check the header checksum and decode a complete frame."""
+def _parse(frame: memoryview) -> Frame:
+    """Check the header checksum and decode a complete frame (and split off its tag)."""
+    tag = None
+    view = frame
+    if frame[4] & FLAG_TAGGED:
+        view, tag = frame[:-TAG_SIZE], frame[-TAG_SIZE:].toreadonly()
     hlen, _plen, checksum = struct.unpack_from("<HII", view, 6)
     header = view[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]
     if header_checksum(view[:12], header) != checksum:
@@ -333,4 +356,5 @@ def _parse(view: memoryview) -> Frame:
     mtype = messages.TYPE_BY_CODE[view[3]]
     assert mtype is not None  # checked with the preamble
     message = messages.decode(header, mtype)
-    return Frame(mtype, message, view[PREAMBLE_SIZE + hlen :].toreadonly(), view.toreadonly())
+    payload = view[PREAMBLE_SIZE + hlen :].toreadonly()
+    return Frame(mtype, message, payload, view.toreadonly(), tag)

@@ -16,7 +16,7 @@ from typing import Final
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.rng import ABI_NAME, Role
-from pp1wire.wire import framing
+from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
 
 #: The limits a worker's HELLO echoes from the Spark side's (§4.1): never a silent downgrade.
@@ -29,8 +29,8 @@ ECHOED_LIMITS: Final = (
     "max_prefix",
 )
 
-AUTH_WORKER_LABEL: Final = b"pp1w-v2 worker proof"
-AUTH_SPARK_LABEL: Final = b"pp1w-v2 spark proof"
+AUTH_WORKER_LABEL: Final = b"pp1w-v3 worker proof"
+AUTH_SPARK_LABEL: Final = b"pp1w-v3 spark proof"
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,11 @@ class PeerConfig:
     def entries(self) -> int:
         """Dense row length in FP32 entries (vocabulary plus zero padding)."""
         return self.vocab_size if self.row_entries is None else self.row_entries
+
+    @property
+    def integrity(self) -> str:
+        """The frame-integrity scheme this side requires: §5.1's with a key, none without."""
+        return integrity.SCHEME if self.psk is not None else ""
 
 
 def worker_proof(psk: bytes, spark_nonce: bytes, worker_nonce: bytes) -> bytes:
@@ -97,6 +102,7 @@ def build_hello(
         max_frame=src.max_frame if src else cfg.max_frame,
         max_prefix=src.max_prefix if src else cfg.max_prefix,
         nonce=nonce,
+        integrity=cfg.integrity,
         session=session,
     )
 
@@ -115,6 +121,7 @@ def first_failure(
         (lambda: peer.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
         (lambda: peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
         (lambda: peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
+        (lambda: peer.integrity == cfg.integrity, ErrorCode.INTEGRITY_MISMATCH),
     ]
     for ok, code in rules:
         if not ok():

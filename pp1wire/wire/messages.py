@@ -20,7 +20,7 @@ from msgspec import Meta
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.rng import Role
 
-WIRE_VERSION: Final = 2
+WIRE_VERSION: Final = 3
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
 PRECISION: Final = "fp32-dyadic24"
 
@@ -105,6 +105,7 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     max_frame: U32
     max_prefix: U32
     nonce: Nonce
+    integrity: Name
     session: U64 = 0
 
     def __post_init__(self) -> None:

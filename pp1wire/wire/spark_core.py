@@ -17,7 +17,7 @@ import secrets
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import Lease, prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.wire import fencing, framing, messages, transitions
+from pp1wire.wire import fencing, framing, integrity, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
@@ -55,6 +55,7 @@ from pp1wire.wire.spark_events import (
 from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
+_UNTAGGED_BEFORE_HELLO: Final = (MsgType.ERROR, MsgType.PING, MsgType.PONG)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,10 @@ class SparkProtocol:
         self.handshake_deadline: float | None = None
         self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
+        # Frame integrity (§5.1): keys once AUTH is sent; tags from the worker's HELLO on.
+        self._sealer: integrity.Sealer | None = None
+        self._opener: integrity.Opener | None = None
+        self._tags_seen = False
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
             MsgType.PING: self._on_ping,
             MsgType.PONG: self._on_pong,
@@ -150,6 +155,24 @@ class SparkProtocol:
         """Bytes queued for the worker, in order (the queue is emptied)."""
         out, self._out = self._out, []
         return out
+
+    def _send(self, msg: Message, payload: bytes = b"") -> None:
+        frame = framing.encode_frame(msg, payload, tagged=self._sealer is not None)
+        self._out.append(frame)
+        if self._sealer is not None:
+            self._out.append(self._sealer.tag_next(frame))
+
+    def _tag_ok(self, frame: framing.Frame) -> bool:
+        """Whether ``frame`` is tagged exactly when §5.1 requires it, with the right tag."""
+        opener = self._opener
+        if frame.tag is not None:
+            if opener is None or not opener.check(frame):
+                return False
+            self._tags_seen = True
+            return True
+        # Before its HELLO, the worker's answers to the handshake (a refusal, a
+        # PONG) are untagged; from its first tagged frame on, nothing is.
+        return opener is None or (not self._tags_seen and frame.type in _UNTAGGED_BEFORE_HELLO)
 
     def _take(self) -> list[SparkEvent]:
         events, self._events = self._events, []
@@ -215,6 +238,11 @@ class SparkProtocol:
                 self._release(frame.raw)
                 continue
             self._retained = False
+            if not self._tag_ok(frame):
+                self._events.append(FrameRejected(None, ErrorCode.INTEGRITY_FAILED))
+                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
+                self._release(frame.raw)
+                continue
             self._dispatch(frame)
             if not self._retained:
                 self._release(frame.raw)
@@ -325,7 +353,7 @@ class SparkProtocol:
             prefix_len=len(tokens),
             digest=digest,
         )
-        self._out.append(framing.encode_frame(msg, np.asarray(tokens, dtype="<i4").tobytes()))
+        self._send(msg, np.asarray(tokens, dtype="<i4").tobytes())
         self._slot_generations[slot] = generation
         return generation
 
@@ -382,7 +410,7 @@ class SparkProtocol:
         state.flight = state.fence.in_flight = ReplyAssembly(
             step=msg, deadline=now + self.config.reply_timeout
         )
-        self._out.append(framing.encode_frame(msg))
+        self._send(msg)
         return round_id
 
     def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
@@ -418,7 +446,7 @@ class SparkProtocol:
             position=len(state.prefix),
             digest=state.digest,
         )
-        self._out.append(framing.encode_frame(msg))
+        self._send(msg)
 
     def reset(self, slot: int) -> int:
         """Queue RESET: a new generation; everything in flight on the slot is discarded.
@@ -441,7 +469,7 @@ class SparkProtocol:
         state.next_round = 0
         state.drafts.clear()
         msg = messages.Reset(session=self.session, slot=slot, generation=generation)
-        self._out.append(framing.encode_frame(msg))
+        self._send(msg)
         return generation
 
     def close_slot(self, slot: int) -> None:
@@ -460,11 +488,11 @@ class SparkProtocol:
         for key in [k for k in self._ready if k[0] == slot]:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
-        self._out.append(framing.encode_frame(messages.Close(session=self.session, slot=slot)))
+        self._send(messages.Close(session=self.session, slot=slot))
 
     def ping(self, nonce: int) -> None:
         """Queue PING."""
-        self._out.append(framing.encode_frame(messages.Ping(nonce=nonce)))
+        self._send(messages.Ping(nonce=nonce))
 
     # -- failure helpers ----------------------------------------------------
 
@@ -473,7 +501,7 @@ class SparkProtocol:
         error = messages.Error(
             code=int(code), answers=int(answers or 0), scope=int(Scope.CONNECTION)
         )
-        self._out.append(framing.encode_frame(error))
+        self._send(error)
         self._close_all(code)
 
     def _close_all(self, code: ErrorCode) -> None:
@@ -518,7 +546,7 @@ class SparkProtocol:
 
     def _on_ping(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Ping)
-        self._out.append(framing.encode_frame(messages.Pong(nonce=msg.nonce)))
+        self._send(messages.Pong(nonce=msg.nonce))
 
     def _reject_fatal(self, code: ErrorCode, answers: MsgType | None = None) -> None:
         self._events.append(FrameRejected(None, code))
@@ -553,7 +581,7 @@ class SparkProtocol:
 
     # -- handshake -------------------------------------------------------------
 
-    def _on_challenge(self, msg: Message, _frame: framing.Frame) -> None:
+    def _on_challenge(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Challenge)
         psk = self.config.psk
         if psk is None:
@@ -563,8 +591,13 @@ class SparkProtocol:
             self._reject_fatal(ErrorCode.AUTH_FAILED, MsgType.CHALLENGE)
             return
         proof = spark_proof(psk, msg.nonce, self._nonce, self._hello_header)
-        self._out.append(framing.encode_frame(messages.Auth(proof=proof)))
+        self._send(messages.Auth(proof=proof))
         self._worker_proved = True
+        # Every later frame, both ways, is tagged under keys bound to both HELLO
+        # nonces, this side's HELLO and the CHALLENGE (§5.1).
+        challenge = bytes(frame.raw[framing.PREAMBLE_SIZE :])
+        k_sw, k_ws = integrity.frame_keys(psk, self._hello_header, challenge)
+        self._sealer, self._opener = integrity.Sealer(k_sw), integrity.Opener(k_ws)
 
     def _on_hello(self, peer: Message, _frame: framing.Frame) -> None:
         assert isinstance(peer, messages.Hello)

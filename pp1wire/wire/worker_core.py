@@ -21,13 +21,11 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
-import xxhash
 
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.q import dyadic
 from pp1wire.q.proposal import DrafterFn, QRow, prefix_digest, propose
 from pp1wire.q.rng import Role, RoundStreams
-from pp1wire.wire import fencing, framing, transitions
+from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -43,7 +41,6 @@ from pp1wire.wire.messages import (
     Closed,
     Commit,
     Committed,
-    Completion,
     Error,
     Hello,
     Message,
@@ -52,13 +49,12 @@ from pp1wire.wire.messages import (
     Opened,
     Ping,
     Pong,
-    Reply,
-    Representation,
     Reset,
     ResetDone,
     Scope,
     Step,
 )
+from pp1wire.wire.replies import reply_frames
 from pp1wire.wire.transitions import Act, State
 
 
@@ -147,7 +143,7 @@ class WorkerSlot:
     digest: int
     fence: WorkerSlotFence
     drafts: tuple[int, ...] = ()
-    reply: bytes | None = None
+    reply: tuple[bytes, ...] | None = None
     committed_msg: Committed | None = None
 
 
@@ -177,6 +173,10 @@ class WorkerProtocol:
         self._spark_nonce = b""
         self._worker_nonce = b""
         self._hello_header = b""
+        self._challenge_header = b""
+        # Frame integrity (§5.1): set once the handshake with a key completes.
+        self._sealer: integrity.Sealer | None = None
+        self._opener: integrity.Opener | None = None
         self._peer: Hello | None = None
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
             MsgType.PING: self._on_ping,
@@ -288,6 +288,9 @@ class WorkerProtocol:
                 break
             # Only whole frames of real work are activity: a peer that only pings, or
             # trickles the bytes of one frame, is idle and cannot hold a connection slot.
+            if not self._tag_ok(frame):
+                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
+                break
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
             self._dispatch(frame)
@@ -300,6 +303,9 @@ class WorkerProtocol:
             self.last_activity = now
         for frame in frames:
             if self.closed:
+                break
+            if not self._tag_ok(frame):
+                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
                 break
             self._dispatch(frame)
         # Valid frames ahead of a framing error are handled first, then the error.
@@ -327,11 +333,24 @@ class WorkerProtocol:
         return events
 
     def _send(self, msg: Message, payload: bytes = b"") -> None:
-        self._queue(framing.encode_frame(msg, payload))
+        self._queue_frames((framing.encode_frame(msg, payload, tagged=self._sealer is not None),))
 
-    def _queue(self, data: bytes) -> None:
-        self._out.append(data)
-        self._out_bytes += len(data)
+    def _queue_frames(self, frames: tuple[bytes, ...]) -> None:
+        """Queue whole frames (encoded tagged once the keys exist), each sealed in turn."""
+        sealer = self._sealer
+        for frame in frames:
+            self._out.append(frame)
+            self._out_bytes += len(frame)
+            if sealer is not None:
+                t = sealer.tag_next(frame)
+                self._out.append(t)
+                self._out_bytes += len(t)
+
+    def _tag_ok(self, frame: framing.Frame) -> bool:
+        """Whether ``frame`` is tagged exactly when §5.1 requires it, with the right tag."""
+        if self._opener is None:
+            return frame.tag is None
+        return self._opener.check(frame)
 
     def _refuse(
         self,
@@ -406,7 +425,9 @@ class WorkerProtocol:
         if psk is not None:
             self._worker_nonce = secrets.token_bytes(32)
             proof = worker_proof(psk, hello.nonce, self._worker_nonce)
-            self._send(Challenge(nonce=self._worker_nonce, proof=proof))
+            challenge = framing.encode_frame(Challenge(nonce=self._worker_nonce, proof=proof))
+            self._challenge_header = challenge[framing.PREAMBLE_SIZE :]
+            self._queue_frames((challenge,))
             self.state = State.AWAIT_AUTH
             return
         self._finish_handshake(hello)
@@ -451,6 +472,10 @@ class WorkerProtocol:
             self._fatal(problem, MsgType.HELLO)
             return
         cfg = self.config
+        if cfg.psk is not None:
+            # From here every frame, this HELLO first, is tagged both ways (§5.1).
+            k_sw, k_ws = integrity.frame_keys(cfg.psk, self._hello_header, self._challenge_header)
+            self._sealer, self._opener = integrity.Sealer(k_ws), integrity.Opener(k_sw)
         # The reply echoes the Spark side's limits: no silent downgrade.
         reply = build_hello(
             Role.WORKER,
@@ -567,7 +592,7 @@ class WorkerProtocol:
         decision = fencing.worker_step(slot.fence, msg)
         if decision.action is Action.REPLAY:
             assert slot.reply is not None
-            self._queue(slot.reply)
+            self._queue_frames(slot.reply)
             self._events.append(StepReplayed(msg.slot, msg.round))
             return
         if decision.action is Action.REFUSE:
@@ -585,9 +610,17 @@ class WorkerProtocol:
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
         slot.reply = reply
-        self._queue(reply)
+        self._queue_frames(reply)
         self._events.append(
-            StepServed(msg.slot, msg.generation, msg.round, len(rows), status, len(reply), drawn)
+            StepServed(
+                msg.slot,
+                msg.generation,
+                msg.round,
+                len(rows),
+                status,
+                sum(map(len, reply)),
+                drawn,
+            )
         )
 
     def _check_step(self, slot: WorkerSlot, step: Step) -> ErrorCode | None:
@@ -611,7 +644,9 @@ class WorkerProtocol:
             return ErrorCode.STEP_UNCOMMITTED
         return None
 
-    def _propose(self, slot: WorkerSlot, step: Step) -> tuple[bytes, tuple[QRow, ...], int]:
+    def _propose(
+        self, slot: WorkerSlot, step: Step
+    ) -> tuple[tuple[bytes, ...], tuple[QRow, ...], int]:
         streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
         try:
             rows = propose(
@@ -628,7 +663,8 @@ class WorkerProtocol:
             rows, status = (), int(exc.code)
         except Exception:  # a drafter plugin failure must not kill the connection
             rows, status = (), int(ErrorCode.INTERNAL)
-        reply = build_reply(self.session, step, rows, self.config.entries, status)
+        tagged = self._sealer is not None
+        reply = reply_frames(self.session, step, rows, self.config.entries, status, tagged=tagged)
         return reply, rows, status
 
     # -- COMMIT / RESET ------------------------------------------------------
@@ -717,78 +753,6 @@ class WorkerProtocol:
         )
 
 
-# -- reply encoding ---------------------------------------------------------------
-
-
-def row_payload(row: QRow, row_entries: int) -> bytes:
-    """The q payload of one row: dense FP32 (zero padded) or sparse int32 IDs then FP32."""
-    if row.ids is None:
-        assert row.counts is not None
-        q = np.zeros(row_entries, dtype="<f4")
-        np.multiply(
-            row.counts, np.float32(1.0 / dyadic.M), out=q[: row.counts.size], casting="unsafe"
-        )
-        return q.tobytes()
-    assert row.counts is not None
-    return row.ids.astype("<i4").tobytes() + dyadic.counts_to_fp32(row.counts).tobytes()
-
-
-def reply_frame(
-    session: int, step: Step, index: int, token: int, dense: bool, entries: int, payload: bytes
-) -> bytes:
-    """One REPLY frame with its row checksum over ``payload``."""
-    header = Reply(
-        session=session,
-        slot=step.slot,
-        generation=step.generation,
-        round=step.round,
-        index=index,
-        position=step.position + index,
-        token=token,
-        representation=int(Representation.DENSE if dense else Representation.SPARSE),
-        entries=entries,
-        checksum=xxhash.xxh3_64_intdigest(payload),
-    )
-    return framing.encode_frame(header, payload)
-
-
-def completion_frame(
-    session: int, step: Step, rows: int, reply_bytes: int, reply_checksum: int, status: int
-) -> bytes:
-    """The COMPLETION frame that closes a reply."""
-    return framing.encode_frame(
-        Completion(
-            session=session,
-            slot=step.slot,
-            generation=step.generation,
-            round=step.round,
-            position=step.position,
-            context=step.context,
-            rows=rows,
-            reply_bytes=reply_bytes,
-            reply_checksum=reply_checksum,
-            status=status,
-        )
-    )
-
-
-def build_reply(
-    session: int, step: Step, rows: tuple[QRow, ...], row_entries: int, status: int = 0
-) -> bytes:
-    """The whole reply to a STEP: REPLY frames in position order, then COMPLETION."""
-    frames = []
-    for index, row in enumerate(rows):
-        payload = row_payload(row, row_entries)
-        dense = row.ids is None
-        entries = row_entries if dense else int(row.ids.size)  # type: ignore[union-attr]
-        frames.append(reply_frame(session, step, index, row.token, dense, entries, payload))
-    body = b"".join(frames)
-    done = completion_frame(
-        session, step, len(rows), len(body), xxhash.xxh3_64_intdigest(body), status
-    )
-    return body + done
-
-
 __all__ = [
     "ConnectionClosing",
     "HandshakeDone",
@@ -799,8 +763,4 @@ __all__ = [
     "WorkerConfig",
     "WorkerEvent",
     "WorkerProtocol",
-    "build_reply",
-    "completion_frame",
-    "reply_frame",
-    "row_payload",
 ]

@@ -14,13 +14,20 @@ frame; counted as a failure with ``--strict``); ``fail``; ``informational``
 non-informational case passes.
 """
 
-from pp1wire.testing.conformance import commit, framing, handshake, liveness, session
+from pp1wire.testing.conformance import (
+    commit,
+    framing,
+    handshake,
+    integrity,
+    liveness,
+    session,
+)
 from pp1wire.testing.conformance.core import CASES, Case, Grade, Outcome, Peer, Settings
 from pp1wire.testing.conformance.runner import main, run_all, run_case, select
 
 # Each section module registers its cases on import; --list and a full run show
 # them in the order of the document's layers, framing first.
-_ORDER = (framing, handshake, session, commit, liveness)
+_ORDER = (framing, handshake, integrity, session, commit, liveness)
 CASES.sort(key=lambda c: [m.__name__ for m in _ORDER].index(c.fn.__module__))
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "commit",
     "framing",
     "handshake",
+    "integrity",
     "liveness",
     "main",
     "run_all",

@@ -19,7 +19,7 @@ from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, token_bytes
-from pp1wire.wire import framing, messages
+from pp1wire.wire import framing, integrity, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
 from pp1wire.wire.messages import (
     Auth,
@@ -98,6 +98,11 @@ class Peer:
         self.session = 0
         self.hello_msg: Hello = self.hello()
         self.eof = False
+        # Frame integrity (§5.1) once a keyed handshake has sent AUTH.
+        self.sealer: integrity.Sealer | None = None
+        self.opener: integrity.Opener | None = None
+        self.tags_seen = False
+        self._checked_ahead = 0  # frames at the front of pending already tag-checked
 
     async def connect(self) -> Peer:
         """Open the TCP (or TLS) connection."""
@@ -111,9 +116,33 @@ class Peer:
         assert self.writer is not None
         self.writer.write(data)
 
+    def frame(self, msg: Message, payload: bytes = b"") -> bytes:
+        """One frame for ``msg``, tagged (and its tag appended) once §5.1 requires it."""
+        if self.sealer is None:
+            return framing.encode_frame(msg, payload)
+        return self.sealer.seal(framing.encode_frame(msg, payload, tagged=True))
+
+    def raw(self, kind: int, header: bytes, payload: bytes = b"") -> bytes:
+        """A frame with a hand-made header, tagged (and its tag appended) once §5.1 requires it."""
+        if self.sealer is None:
+            return raw_frame(kind, header, payload)
+        return self.sealer.seal(raw_frame(kind, header, payload, flags=framing.FLAG_TAGGED))
+
     def send_msg(self, msg: Message, payload: bytes = b"") -> None:
-        """Write one framed message."""
-        self.send(framing.encode_frame(msg, payload))
+        """Write one framed message (tagged when §5.1 requires it)."""
+        self.send(self.frame(msg, payload))
+
+    def _check_tag(self, frame: framing.Frame) -> None:
+        if frame.tag is not None:
+            if self.opener is None:
+                raise CaseFailed(f"worker tagged a frame before the keys exist: {describe(frame)}")
+            if not self.opener.check(frame):
+                raise CaseFailed(f"worker sent a frame with a wrong tag: {describe(frame)}")
+            self.tags_seen = True
+        elif self.opener is not None and (
+            self.tags_seen or frame.type not in (MsgType.ERROR, MsgType.PING, MsgType.PONG)
+        ):
+            raise CaseFailed(f"worker sent an untagged frame after AUTH: {describe(frame)}")
 
     async def _read_more(self, deadline: float) -> bool:
         assert self.reader is not None
@@ -143,7 +172,17 @@ class Peer:
         while not self.pending:
             if not await self._read_more(deadline):
                 return None
-        return self.pending.pop(0)
+        frame = self.pending.pop(0)
+        if self._checked_ahead:
+            self._checked_ahead -= 1
+        else:
+            self._check_tag(frame)
+        return frame
+
+    def unread(self, frame: framing.Frame) -> None:
+        """Put a frame taken with :meth:`next` back at the front."""
+        self.pending.insert(0, frame)
+        self._checked_ahead += 1
 
     async def expect(self, kind: MsgType, timeout: float | None = None) -> framing.Frame:
         """The next frame, which must be of ``kind``.
@@ -191,17 +230,21 @@ class Peer:
         """True if the worker closes the connection (frames in between are ignored)."""
         deadline = time.monotonic() + (self.s.timeout if timeout is None else timeout)
         while not self.eof:
+            for frame in self.pending[self._checked_ahead :]:
+                self._check_tag(frame)
             self.pending.clear()
+            self._checked_ahead = 0
             if not await self._read_more(deadline) and not self.eof:
                 return False
         return True
 
     async def quiet(self, timeout: float = 0.3) -> bool:
         """True if nothing arrives for ``timeout`` seconds."""
-        frame = await self.next(timeout)
-        if frame is not None:
-            self.pending.insert(0, frame)
-        return frame is None
+        deadline = time.monotonic() + timeout
+        while not self.pending:
+            if not await self._read_more(deadline):
+                return True
+        return False
 
     def close(self) -> None:
         """Close our side."""
@@ -231,6 +274,7 @@ class Peer:
             row_entries=s.row_entries,
             max_frame=4 * (s.row_entries or s.vocab) + 8192,
             max_prefix=4096,
+            psk=s.psk,
         )
         hello = build_hello(
             Role.SPARK,
@@ -262,10 +306,15 @@ class Peer:
             header = frame[framing.PREAMBLE_SIZE :]
             msg = AUTH_SPARK_LABEL + ch.nonce + ours.nonce + hashlib.sha256(header).digest()
             self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
+            challenge = bytes(reply.raw[framing.PREAMBLE_SIZE :])
+            k_sw, k_ws = integrity.frame_keys(self.s.psk, header, challenge)
+            self.sealer, self.opener = integrity.Sealer(k_sw), integrity.Opener(k_ws)
             reply = await self.next()
+            if reply is not None and reply.type is MsgType.HELLO and reply.tag is None:
+                raise CaseFailed("the worker's HELLO after AUTH is not tagged (§5.1)")
         if reply is None or reply.type is not MsgType.HELLO:
             if reply is not None:
-                self.pending.insert(0, reply)  # left for a caller that explains it
+                self.unread(reply)  # left for a caller that explains it
             raise CaseFailed(f"handshake: expected HELLO, got {describe(reply)}")
         worker = reply.message
         assert isinstance(worker, Hello)

@@ -39,9 +39,9 @@ def _fatal_framing_case(
 
 
 R_MAGIC = "magic: bytes 0x50 0x57 ... a wrong magic is BAD_MAGIC; every framing error is fatal"
-R_VERSION = "version: 2 ... else UNSUPPORTED_VERSION (fatal)"
+R_VERSION = "version: 3 ... else UNSUPPORTED_VERSION (fatal)"
 R_TYPE = "type is a code of §4 (UNKNOWN_MESSAGE_TYPE)"
-R_FLAGS = "flags: 0; every bit is reserved (BAD_FLAGS)"
+R_FLAGS = "flags: bit 0 is TAGGED (§5.1); every other bit is reserved (BAD_FLAGS)"
 R_PAYLOAD = "payload_len = 0 unless the type is OPEN or REPLY"
 PING = core.PING_HEADER
 raw = core.raw_frame
@@ -59,11 +59,18 @@ PREAMBLE_CASES: list[tuple[str, str, str, Callable[[], bytes], ErrorCode]] = [
             partial(raw, 16, PING, version=v),
             E.UNSUPPORTED_VERSION,
         )
-        for cid, v in (("3.1.4", 0), ("3.1.5", 1), ("3.1.6", 3), ("3.1.7", 255))
+        for cid, v in (("3.1.4", 0), ("3.1.5", 1), ("3.1.6", 2), ("3.1.7", 255))
     ),
     *(
         (cid, f"unknown message type {k}", R_TYPE, partial(raw, k, PING), E.UNKNOWN_MESSAGE_TYPE)
         for cid, k in (("3.1.8", 0), ("3.1.9", 18), ("3.1.10", 99), ("3.1.11", 255))
+    ),
+    (
+        "3.1.12",
+        "flags bit 0 (TAGGED) on a connection without a key",
+        "a frame tagged when §5.1 requires no tag is INTEGRITY_FAILED (fatal)",
+        lambda: raw(16, PING, flags=1) + bytes(16),
+        E.INTEGRITY_FAILED,
     ),
     *(
         (
@@ -73,7 +80,7 @@ PREAMBLE_CASES: list[tuple[str, str, str, Callable[[], bytes], ErrorCode]] = [
             partial(raw, 16, PING, flags=1 << b),
             E.BAD_FLAGS,
         )
-        for b in range(8)
+        for b in range(1, 8)
     ),
     (
         "3.1.20",
@@ -147,7 +154,7 @@ for row in PREAMBLE_CASES:
 )
 async def _trailing(s: core.Settings) -> None:
     async with await core.fresh(s) as peer:
-        peer.send(framing.encode_frame(Ping(nonce=3)) + b"\0" * 16)
+        peer.send(peer.frame(Ping(nonce=3)) + b"\0" * 16)
         await peer.expect(MsgType.PONG)
         await peer.expect_error(ErrorCode.BAD_MAGIC, fatal=True)
     await core.still_serves(s)
@@ -231,7 +238,7 @@ async def _split(s: core.Settings) -> None:
 )
 async def _batched(s: core.Settings) -> None:
     async with await core.fresh(s) as peer:
-        peer.send(b"".join(framing.encode_frame(Ping(nonce=n)) for n in (1, 2, 3)))
+        peer.send(b"".join(peer.frame(Ping(nonce=n)) for n in (1, 2, 3)))
         got = []
         for _ in range(3):
             frame = await peer.expect(MsgType.PONG)
@@ -249,7 +256,7 @@ async def _batched(s: core.Settings) -> None:
 async def _split_step(s: core.Settings) -> None:
     async with await core.fresh(s) as peer:
         await peer.open_slot()
-        frame = framing.encode_frame(peer.step_msg())
+        frame = peer.frame(peer.step_msg())
         assert peer.writer is not None
         peer.send(frame[:20])
         await peer.writer.drain()

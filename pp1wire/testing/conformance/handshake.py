@@ -127,8 +127,8 @@ for case_id, (field_name, value, code) in zip(
         "4.1.11",
     ),
     [
-        ("wire_version", 3, ErrorCode.WIRE_VERSION_MISMATCH),
-        ("wire_version", 1, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("wire_version", 4, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("wire_version", 2, ErrorCode.WIRE_VERSION_MISMATCH),
         ("q_semantic", "dyadic16-standard-v1", ErrorCode.Q_SEMANTIC_MISMATCH),
         ("q_semantic", "", ErrorCode.Q_SEMANTIC_MISMATCH),
         ("verifier", "pp1-standard-verifier-v0", ErrorCode.VERIFIER_MISMATCH),
@@ -173,10 +173,10 @@ async def _mismatch_run(s: core.Settings, overrides: dict[str, Any], code: Error
         peer.send_msg(hello)
         reply = await peer.next()
         if reply is not None and reply.type is MsgType.CHALLENGE:
-            peer.pending.insert(0, reply)
+            peer.unread(reply)
             await _auth_reply(peer, hello)
         elif reply is not None:
-            peer.pending.insert(0, reply)
+            peer.unread(reply)
         await peer.expect_error(code, fatal=True, answers=MsgType.HELLO)
     await core.still_serves(s)
 

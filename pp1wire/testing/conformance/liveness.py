@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from pp1wire.errors import ErrorCode
@@ -107,7 +109,7 @@ async def _idle(s: core.Settings) -> None:
         frame = await peer.next(s.idle_wait)
         if frame is None:
             raise core.CaseFailed(f"still open after {s.idle_wait:.0f} s idle")
-        peer.pending.insert(0, frame)
+        peer.unread(frame)
         await peer.expect_error(ErrorCode.IDLE_TIMEOUT, fatal=True)
 
 
@@ -151,3 +153,61 @@ async def _pong_first(s: core.Settings) -> None:
         if not await peer.quiet(0.3):
             raise core.CaseFailed("the worker reacted to a PONG")
         await peer.handshake()
+
+
+@core.case(
+    "8.3",
+    "liveness and close",
+    "uncommitted STEPs from a peer that does not read are refused, not drawn",
+    "one fresh proposal per slot until COMMIT or RESET (STEP_UNCOMMITTED); a worker stops "
+    "reading a peer whose replies back up, and serves the others meanwhile (§8)",
+)
+async def _flood_unread(s: core.Settings) -> None:
+    rounds = 200
+    async with await core.fresh(s) as peer:
+        await peer.open_slot()
+        for r in range(rounds):
+            peer.send_msg(peer.step_msg(round=r))
+        await core.still_serves(s)
+        while (f := await peer.next()) is not None and f.type is not MsgType.COMPLETION:
+            pass
+        if f is None:
+            raise core.CaseFailed("the first STEP got no complete reply")
+        for _ in range(rounds - 1):
+            await peer.expect_error(ErrorCode.STEP_UNCOMMITTED, fatal=False)
+
+
+def _plain(s: core.Settings) -> core.Settings:
+    """The same worker reached over plain TCP (for TLS-only cases).
+
+    Raises:
+        core.NonStrictSkip: when the worker is not serving TLS (no ``--tls-ca``).
+    """
+    if s.ssl is None:
+        raise core.NonStrictSkip("needs a TLS worker (--tls-ca)")
+    return dataclasses.replace(s, ssl=None)
+
+
+@core.case(
+    "2.4",
+    "liveness and close",
+    "a connection that never starts TLS is closed within the handshake timeout",
+    "the handshake timeout runs from accept, TLS included (§2, §5)",
+)
+async def _silent_tls(s: core.Settings) -> None:
+    async with await core.Peer(_plain(s)).connect() as peer:
+        if not await peer.closed(s.handshake_wait):
+            raise core.CaseFailed(f"still open after {s.handshake_wait:.0f} s")
+
+
+@core.case(
+    "2.5",
+    "liveness and close",
+    "a plaintext frame to a TLS worker gets TLS_REQUIRED",
+    "a worker serving TLS SHOULD answer a peer whose first bytes are the frame magic with "
+    "a plaintext fatal ERROR TLS_REQUIRED (§2)",
+)
+async def _plaintext_to_tls(s: core.Settings) -> None:
+    async with await core.Peer(_plain(s)).connect() as peer:
+        peer.send_msg(peer.hello())
+        await peer.expect_error(ErrorCode.TLS_REQUIRED, fatal=True)

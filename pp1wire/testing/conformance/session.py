@@ -10,7 +10,7 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.testing.conformance import core
-from pp1wire.wire import framing, messages
+from pp1wire.wire import messages
 from pp1wire.wire.messages import (
     MsgType,
     Open,
@@ -187,13 +187,15 @@ async def _retry(s: core.Settings) -> None:
     "draws are keyed by (seed, generation, round, position, domain): no hidden state",
 )
 async def _deterministic(s: core.Settings) -> None:
-    a, step, data = await core.ready(s)
-    a.close()
+    async with await core.fresh(s) as a:
+        await a.open_slot()
+        step = a.step_msg()
+        _, first = await a.reply(step)
     async with await core.fresh(s) as b:
         await b.open_slot()
-        other, _ = await b.reply(core.with_fields(step, session=b.session))
-        strip = [bytes(f.payload) for f in framing.FrameDecoder(1 << 26).feed(data)]
-        strip2 = [bytes(f.payload) for f in framing.FrameDecoder(1 << 26).feed(other)]
+        _, second = await b.reply(core.with_fields(step, session=b.session))
+        strip = [bytes(f.payload) for f in first]
+        strip2 = [bytes(f.payload) for f in second]
         if strip != strip2:
             raise core.CaseFailed("payloads differ across connections for the same key")
 
@@ -205,9 +207,10 @@ async def _deterministic(s: core.Settings) -> None:
     "REPLY frames for positions 0, 1, … in order, then COMPLETION; row checksum; q contract",
 )
 async def _rows(s: core.Settings) -> None:
-    peer, step, data = await core.ready(s)
-    peer.close()
-    frames = framing.FrameDecoder(1 << 26).feed(data)
+    async with await core.fresh(s) as peer:
+        await peer.open_slot()
+        step = peer.step_msg()
+        _, frames = await peer.reply(step)
     rows = [f for f in frames if f.type is MsgType.REPLY]
     done = frames[-1].message
     assert isinstance(done, messages.Completion)
@@ -365,7 +368,7 @@ async def _temperature_encodings(s: core.Settings) -> None:
         at = header.index(b"\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00")  # 1.0 as float 64
         for encoding in (b"\x01", b"\xca\x3f\x80\x00\x00"):  # integer 1, float 32 1.0
             changed = bytes(header[:at]) + encoding + bytes(header[at + 9 :])
-            peer.send(core.raw_frame(int(MsgType.STEP), changed))
+            peer.send(peer.raw(int(MsgType.STEP), changed))
             frames = []
             while (f := await peer.next()) is not None and f.type is not MsgType.COMPLETION:
                 if f.type is MsgType.ERROR:

@@ -49,7 +49,7 @@ import msgspec
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
-from pp1wire.wire import framing
+from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import Commit, Error, Message, MsgType, Step
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
@@ -191,6 +191,16 @@ class SparkCase:
     also_dropped: ErrorCode | None = None  # a DISCARD case whose later frames must be dropped
 
 
+@dataclass(frozen=True)
+class _SchemeWithoutKey(WorkerConfig):
+    """A worker that skips authentication: no key, yet it takes the keyed HELLO's scheme."""
+
+    @property
+    def integrity(self) -> str:
+        """The scheme a keyed Spark side names, so the worker answers HELLO at once."""
+        return integrity.SCHEME
+
+
 @dataclass
 class HostileWorker:
     """A listening worker core (toy drafter, vocabulary 8) whose frames ``case`` may change."""
@@ -204,6 +214,8 @@ class HostileWorker:
     def __post_init__(self) -> None:
         """Build the worker's configuration and drafter."""
         self.config = WorkerConfig(vocab_size=VOCAB, psk=self.case.worker_psk)
+        if self.case.spark_psk is not None and self.case.worker_psk is None:
+            self.config = _SchemeWithoutKey(vocab_size=VOCAB)
         self.drafter = ToyLM(VOCAB, 3, draft=True).logits
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:

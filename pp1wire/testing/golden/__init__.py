@@ -1,4 +1,4 @@
-"""Golden byte vectors for pp1 wire v2 (``golden/vectors.json``).
+"""Golden byte vectors for pp1 wire v3 (``golden/vectors.json``).
 
 Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default ``golden/vectors.json``).
 
@@ -14,6 +14,10 @@ Two kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``:
   ``{"proposal": [tokens]}`` or ``{"discarded": CODE_NAME}`` (the whole
   proposal is refused with that code), plus ``"dropped": [CODE_NAME...]`` for
   frames that must be ignored and counted.
+* ``integrity``: ``context`` holds a PSK and the HELLO and CHALLENGE header
+  bytes of a handshake, and the ``direction`` of ``hex`` (tagged frames from
+  n = 0). ``expect`` is ``{"k_sw", "k_ws", "frames": [{"type", "n", "tag"}]}``,
+  with ``"error": "INTEGRITY_FAILED", "at": n`` where a tag is wrong (§5.1).
 
 Another implementation qualifies by reproducing every ``expect``; ours also
 re-encodes each valid message and compares the bytes.
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from pp1wire.testing.golden.common import Vector, message_from_json, message_json
 from pp1wire.testing.golden.frames import decode_frame_vector, frame_vectors
+from pp1wire.testing.golden.integrity import integrity_vectors, run_integrity_vector
 from pp1wire.testing.golden.replies import reply_vectors, run_reply_vector
 from pp1wire.wire import messages
 
@@ -36,24 +41,27 @@ __all__ = [
     "all_vectors",
     "decode_frame_vector",
     "frame_vectors",
+    "integrity_vectors",
     "main",
     "message_from_json",
     "message_json",
     "render",
     "reply_vectors",
+    "run_integrity_vector",
     "run_reply_vector",
 ]
 
 
 def all_vectors() -> list[Vector]:
     """Every golden vector, in file order."""
-    return frame_vectors() + reply_vectors()
+    return frame_vectors() + reply_vectors() + integrity_vectors()
 
 
 def render() -> str:
     """The vectors file's exact text."""
+    version = messages.WIRE_VERSION
     doc = {
-        "description": "pp1 wire v2 golden vectors; see docs/protocol.md §10",
+        "description": f"pp1 wire v{version} golden vectors; see docs/protocol.md §10",
         "wire_version": messages.WIRE_VERSION,
         "vectors": all_vectors(),
     }

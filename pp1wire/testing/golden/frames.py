@@ -173,11 +173,11 @@ def frame_vectors() -> list[Vector]:
     step_header = messages.encode(valid_messages()[8][1])
     errors: list[tuple[str, bytes, ErrorCode, int]] = [
         ("bad_magic", raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
-        ("unknown_version", raw_frame(16, ping, version=3), ErrorCode.UNSUPPORTED_VERSION, limit),
+        ("unknown_version", raw_frame(16, ping, version=2), ErrorCode.UNSUPPORTED_VERSION, limit),
         ("version_one", raw_frame(16, ping, version=1), ErrorCode.UNSUPPORTED_VERSION, limit),
         ("unknown_type", raw_frame(99, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
         ("type_zero", raw_frame(0, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
-        ("flags_set", raw_frame(16, ping, flags=1), ErrorCode.BAD_FLAGS, limit),
+        ("flags_set", raw_frame(16, ping, flags=2), ErrorCode.BAD_FLAGS, limit),
         ("reserved_set", raw_frame(16, ping, reserved=0x80), ErrorCode.BAD_FLAGS, limit),
         ("zero_header", raw_frame(16, b""), ErrorCode.ZERO_LENGTH_HEADER, limit),
         (

@@ -1,0 +1,90 @@
+"""Frame integrity after a pre-shared-key handshake (``docs/protocol.md`` §5.1).
+
+With a PSK, the handshake proves that both ends know the key, and every frame
+after it carries a tag that proves it came from one of them, in order:
+
+    T     = SHA-256(H_hello) ‖ SHA-256(H_challenge)
+    K_sw  = HMAC-SHA256(psk, "pp1w-v3 spark-to-worker key" ‖ T)
+    K_ws  = HMAC-SHA256(psk, "pp1w-v3 worker-to-spark key" ‖ T)
+    tag_n = HMAC-SHA256(K, u64le(n) ‖ frame)[0:16]
+
+where H_hello and H_challenge are the exact header bytes of the Spark side's
+HELLO and the worker's CHALLENGE (which carry both nonces), K is the key of the
+frame's direction, n counts the tagged frames of that direction from 0, and
+``frame`` is the frame's bytes (preamble with the TAGGED flag set, header,
+payload). A relay that forwards the handshake cannot forge, alter, reorder,
+replay or drop a later frame without the receiver noticing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Final
+
+from pp1wire.wire import framing
+
+#: The scheme a HELLO names in its ``integrity`` field when a PSK is configured.
+SCHEME: Final = "hmac-sha256-128-v1"
+SPARK_TO_WORKER_LABEL: Final = b"pp1w-v3 spark-to-worker key"
+WORKER_TO_SPARK_LABEL: Final = b"pp1w-v3 worker-to-spark key"
+_SEQ = struct.Struct("<Q")
+
+
+def transcript(hello_header: bytes, challenge_header: bytes) -> bytes:
+    """T: what the frame keys are bound to (both nonces and the Spark side's capabilities)."""
+    return hashlib.sha256(hello_header).digest() + hashlib.sha256(challenge_header).digest()
+
+
+def frame_keys(psk: bytes, hello_header: bytes, challenge_header: bytes) -> tuple[bytes, bytes]:
+    """(K_sw, K_ws): the Spark-to-worker and worker-to-Spark frame keys."""
+    t = transcript(hello_header, challenge_header)
+    k_sw = hmac.new(psk, SPARK_TO_WORKER_LABEL + t, hashlib.sha256).digest()
+    k_ws = hmac.new(psk, WORKER_TO_SPARK_LABEL + t, hashlib.sha256).digest()
+    return k_sw, k_ws
+
+
+def tag(key: bytes, seq: int, frame: bytes | memoryview) -> bytes:
+    """The 16-byte tag of the ``seq``-th tagged frame of a direction."""
+    mac = hmac.new(key, _SEQ.pack(seq), hashlib.sha256)
+    mac.update(frame)
+    return mac.digest()[: framing.TAG_SIZE]
+
+
+class Sealer:
+    """Tags the frames one side sends, in order."""
+
+    def __init__(self, key: bytes) -> None:
+        """Start at sequence number 0 under ``key``."""
+        self._key = key
+        self.seq = 0
+
+    def seal(self, frame: bytes) -> bytes:
+        """``frame`` (encoded with ``tagged=True``) followed by its tag."""
+        t = tag(self._key, self.seq, frame)
+        self.seq += 1
+        return frame + t
+
+    def tag_next(self, frame: bytes | memoryview) -> bytes:
+        """The tag for ``frame`` as the next frame sent (for a caller that writes it separately)."""
+        t = tag(self._key, self.seq, frame)
+        self.seq += 1
+        return t
+
+
+class Opener:
+    """Checks the tags of the frames one side receives, in order."""
+
+    def __init__(self, key: bytes) -> None:
+        """Expect sequence number 0 first, under ``key``."""
+        self._key = key
+        self.seq = 0
+
+    def check(self, frame: framing.Frame) -> bool:
+        """True if ``frame`` carries the right tag for the next sequence number (constant time)."""
+        if frame.tag is None:
+            return False
+        ok = hmac.compare_digest(tag(self._key, self.seq, frame.raw), frame.tag)
+        self.seq += 1
+        return ok
