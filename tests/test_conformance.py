@@ -32,6 +32,20 @@ def test_at_least_100_numbered_cases_with_rules():
     assert all(c.rule for c in conformance.CASES)
 
 
+def _suite(address: str, *args: str) -> list[str]:
+    """The command line of pp1-conformance against a vocabulary-64 worker at ``address``."""
+    return [
+        sys.executable,
+        "-m",
+        "pp1wire.testing.conformance",
+        "--worker",
+        address,
+        "--vocab",
+        "64",
+        *args,
+    ]
+
+
 NEEDS_KEY = {"5.8", "5.9", "5.10", "5.1.1", "5.1.2", "5.1.3", "5.1.4", "5.1.5", "5.1.6", "5.1.7"}
 NEEDS_TLS = {"2.4", "2.5"}
 #: The cases a TLS run repeats (the rest are the plain run's, over TLS).
@@ -59,19 +73,7 @@ def test_suite_passes_against_a_fresh_worker(tmp_path, mode):
         "tls": set(),
     }[mode]
     with worker_process(*extra, vocab=64) as running:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pp1wire.testing.conformance",
-            "--worker",
-            running.address,
-            "--vocab",
-            "64",
-            *suite,
-            "--junit",
-            str(tmp_path / "j.xml"),
-            "--json",
-        ]
+        cmd = _suite(running.address, *suite, "--junit", str(tmp_path / "j.xml"), "--json")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -153,16 +155,7 @@ def test_a_mismatched_worker_gets_one_clear_line(tmp_path, worker_args, suite_ar
     worker_args = tuple(str(key) if a == "KEY" else a for a in worker_args)
     with worker_process(*worker_args, vocab=64) as running:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pp1wire.testing.conformance",
-                "--worker",
-                running.address,
-                "--vocab",
-                "64",
-                *suite_args,
-            ],
+            _suite(running.address, *suite_args),
             capture_output=True,
             text=True,
             timeout=120,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import xxhash
@@ -61,72 +62,82 @@ async def _tagged_round(s: core.Settings) -> None:
                 raise core.CaseFailed("reply_checksum does not cover the untagged REPLY frames")
 
 
-@core.case(
-    "5.1.2",
-    "integrity",
-    "a relayed frame whose header was changed (checksum recomputed) is refused",
-    R_TAGS,
-)
-async def _changed_header(s: core.Settings) -> None:
+async def _refused(s: core.Settings, build: Callable[[core.Peer], Awaitable[bytes]]) -> None:
+    """On a keyed connection, the bytes ``build`` makes are refused: INTEGRITY_FAILED, fatal."""
     async with await _keyed(s) as peer:
-        await peer.open_slot()
-        step = peer.step_msg()
-        tag = _sealer(peer).tag_next(framing.encode_frame(step, tagged=True))
-        changed = msgspec.structs.replace(step, depth=1)
-        peer.send(framing.encode_frame(changed, tagged=True) + tag)
+        peer.send(await build(peer))
         await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
     await core.still_serves(s)
 
 
-@core.case(
-    "5.1.3",
-    "integrity",
-    "a relayed frame whose payload was changed is refused",
-    R_TAGS + " (the tag covers the payload, which no checksum of §3 does)",
-)
-async def _changed_payload(s: core.Settings) -> None:
-    async with await _keyed(s) as peer:
-        msg = open_message(peer.session, 0, (1, 2, 3), seed=7)
-        tag = _sealer(peer).tag_next(framing.encode_frame(msg, token_bytes((1, 2, 3)), tagged=True))
-        peer.send(framing.encode_frame(msg, token_bytes((1, 2, 4)), tagged=True) + tag)
-        await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
+def _refusal_case(
+    case_id: str, title: str, rule: str, build: Callable[[core.Peer], Awaitable[bytes]]
+) -> None:
+    async def run(s: core.Settings) -> None:
+        await _refused(s, build)
+
+    core.case(case_id, "integrity", title, rule)(run)
 
 
-@core.case("5.1.4", "integrity", "an untagged frame after AUTH is refused", R_TAGS)
-async def _untagged(s: core.Settings) -> None:
-    async with await _keyed(s) as peer:
-        peer.send(framing.encode_frame(Ping(nonce=4)))
-        await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
+async def _changed_step(peer: core.Peer) -> bytes:
+    await peer.open_slot()
+    step = peer.step_msg()
+    tag = _sealer(peer).tag_next(framing.encode_frame(step, tagged=True))
+    return framing.encode_frame(msgspec.structs.replace(step, depth=1), tagged=True) + tag
 
 
-@core.case(
-    "5.1.5",
-    "integrity",
-    "a frame replayed with its earlier tag is refused",
-    R_TAGS + "; n counts the tagged frames of a direction, so a replay carries a stale n",
-)
-async def _replayed(s: core.Settings) -> None:
-    async with await _keyed(s) as peer:
-        frame = peer.frame(Ping(nonce=5))
-        peer.send(frame)
-        await peer.expect(MsgType.PONG)
-        peer.send(frame)
-        await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
+async def _changed_open(peer: core.Peer) -> bytes:
+    msg = open_message(peer.session, 0, (1, 2, 3), seed=7)
+    tag = _sealer(peer).tag_next(framing.encode_frame(msg, token_bytes((1, 2, 3)), tagged=True))
+    return framing.encode_frame(msg, token_bytes((1, 2, 4)), tagged=True) + tag
 
 
-@core.case(
-    "5.1.6",
-    "integrity",
-    "a relay that forwarded the handshake cannot drive the connection",
-    R_TAGS + "; K is derived from the PSK, which a relay does not have",
-)
-async def _relay(s: core.Settings) -> None:
-    async with await _keyed(s) as peer:
-        # The relay saw every handshake byte but not the key: its best guess.
-        guess = integrity.Sealer(hashlib.sha256(b"no key").digest())
-        guess.seq = _sealer(peer).seq
-        peer.send(guess.seal(framing.encode_frame(Ping(nonce=6), tagged=True)))
-        await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
+async def _untagged(peer: core.Peer) -> bytes:
+    return framing.encode_frame(Ping(nonce=4))
+
+
+async def _replayed(peer: core.Peer) -> bytes:
+    frame = peer.frame(Ping(nonce=5))
+    peer.send(frame)
+    await peer.expect(MsgType.PONG)
+    return frame
+
+
+async def _guessed_key(peer: core.Peer) -> bytes:
+    # The relay saw every handshake byte but not the key: its best guess.
+    guess = integrity.Sealer(hashlib.sha256(b"no key").digest())
+    guess.seq = _sealer(peer).seq
+    return guess.seal(framing.encode_frame(Ping(nonce=6), tagged=True))
+
+
+for case_id, title, rule, build in (
+    (
+        "5.1.2",
+        "a relayed frame whose header was changed (checksum recomputed) is refused",
+        R_TAGS,
+        _changed_step,
+    ),
+    (
+        "5.1.3",
+        "a relayed frame whose payload was changed is refused",
+        R_TAGS + " (the tag covers the payload, which no checksum of §3 does)",
+        _changed_open,
+    ),
+    ("5.1.4", "an untagged frame after AUTH is refused", R_TAGS, _untagged),
+    (
+        "5.1.5",
+        "a frame replayed with its earlier tag is refused",
+        R_TAGS + "; n counts the tagged frames of a direction, so a replay carries a stale n",
+        _replayed,
+    ),
+    (
+        "5.1.6",
+        "a relay that forwarded the handshake cannot drive the connection",
+        R_TAGS + "; K is derived from the PSK, which a relay does not have",
+        _guessed_key,
+    ),
+):
+    _refusal_case(case_id, title, rule, build)
 
 
 @core.case(
