@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -30,18 +31,124 @@ DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
 """A drafter: token prefix → one logits row over the global vocabulary."""
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes | memoryview:
+    if isinstance(tokens, array) and tokens.typecode == "i" and _LITTLE:
+        return memoryview(tokens)
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
+        raise ValueError("token IDs must fit in non-negative int32")
+    return arr.astype("<i4").tobytes()
+
+
 def prefix_digest(tokens: Sequence[int]) -> int:
     """The committed-prefix digest: xxh3-64 of the tokens as little-endian int32.
 
     Raises:
         ValueError: if a token does not fit in int32.
     """
-    if isinstance(tokens, array) and tokens.typecode == "i" and _LITTLE:
-        return int(xxhash.xxh3_64_intdigest(memoryview(tokens)))
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
-        raise ValueError("token IDs must fit in non-negative int32")
-    return int(xxhash.xxh3_64_intdigest(arr.astype("<i4").tobytes()))
+    return int(xxhash.xxh3_64_intdigest(_token_bytes(tokens)))
+
+
+class PrefixDigest:
+    """:func:`prefix_digest` of a growing prefix, in O(new tokens) per extension.
+
+    xxh3 streamed over the same bytes gives the one-shot digest, so
+    :attr:`value` equals ``prefix_digest`` of everything extended so far; a
+    commit hashes its new tokens, not the whole (possibly million-token) prefix.
+    """
+
+    __slots__ = ("_hash", "length")
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        """Start with ``tokens`` (hashed once).
+
+        Raises:
+            ValueError: if a token does not fit in int32.
+        """
+        self._hash = xxhash.xxh3_64()
+        self.length = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens``.
+
+        Raises:
+            ValueError: if a token does not fit in int32 (nothing is appended).
+        """
+        if len(tokens):
+            self._hash.update(_token_bytes(tokens))
+            self.length += len(tokens)
+
+    @property
+    def value(self) -> int:
+        """The digest of the prefix so far."""
+        return int(self._hash.intdigest())
+
+    def copy(self) -> PrefixDigest:
+        """An independent digest of the same prefix (to try an extension)."""
+        twin = PrefixDigest()
+        twin._hash = self._hash.copy()
+        twin.length = self.length
+        return twin
+
+
+class ExtendedPrefix(Sequence[int]):
+    """A committed prefix followed by tokens drawn after it, without copying the prefix.
+
+    What drafters and targets are called with while a block is drawn or
+    verified: indexing, negative indices, slices and iteration work as on a
+    list, and ``len`` is the whole length, but nothing is copied per round.
+    """
+
+    __slots__ = ("_base", "_tail")
+
+    def __init__(self, base: Sequence[int]) -> None:
+        """View ``base`` (not copied; it must not change while the view is used)."""
+        self._base = base
+        self._tail: list[int] = []
+
+    def append(self, token: int) -> None:
+        """Add a token after the prefix."""
+        self._tail.append(token)
+
+    @property
+    def tail(self) -> list[int]:
+        """The tokens added after the prefix."""
+        return self._tail
+
+    def __len__(self) -> int:
+        """Prefix plus added tokens."""
+        return len(self._base) + len(self._tail)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        """A token, or a list for a slice.
+
+        Raises:
+            IndexError: for an index outside the sequence.
+        """
+        n = len(self._base)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            head = [int(t) for t in self._base[start : max(start, min(stop, n))]]
+            return head + self._tail[max(start - n, 0) : max(stop - n, 0)]
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError("prefix index out of range")
+        return int(self._base[i]) if i < n else self._tail[i - n]
+
+    def __iter__(self) -> Iterator[int]:
+        """The prefix's tokens, then the added ones."""
+        for t in self._base:
+            yield int(t)
+        yield from self._tail
 
 
 class Lease:
@@ -249,8 +356,8 @@ def propose(
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {depth} outside 1..{MAX_DEPTH}")
     if streams.role is not Role.WORKER:
         raise ConstructionError(ErrorCode.WRONG_OWNER, "proposal draws belong to the worker")
-    context = list(prefix)
-    start = len(context)
+    context = ExtendedPrefix(prefix)
+    start = len(prefix)
     rows: list[QRow] = []
     for i in range(depth):
         counts, ids = build_row(drafter(context), temperature, support)

@@ -27,7 +27,7 @@ from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q import dyadic, tree
 from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
-from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow, prefix_digest
+from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
 
 Float64Array = npt.NDArray[np.float64]
@@ -209,6 +209,11 @@ class RequestVerifier:
         """Absolute position of the next token (length of the committed prefix)."""
         return len(self.committed)
 
+    @property
+    def digest(self) -> int:
+        """:func:`prefix_digest` of the committed prefix (kept up to date, not recomputed)."""
+        return self._digest.value
+
     def rebuild(self, prefix: Sequence[int], generation: int) -> None:
         """Reset to ``prefix`` under a new generation; clears poisoning.
 
@@ -219,6 +224,7 @@ class RequestVerifier:
         if any(not 0 <= t < self.vocab_size for t in tokens):
             raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "prefix token outside the vocabulary")
         self.committed = tokens
+        self._digest = PrefixDigest(tokens)
         self.generation = generation
         self.last_round = -1
         self.poisoned = False
@@ -270,7 +276,7 @@ class RequestVerifier:
             raise VerifyError(ErrorCode.STALE_GENERATION, "proposal from another generation")
         if proposal.context != self.context:
             raise VerifyError(ErrorCode.CONTEXT_MISMATCH, "proposal for another target context")
-        if proposal.position != self.position or proposal.digest != prefix_digest(self.committed):
+        if proposal.position != self.position or proposal.digest != self.digest:
             raise VerifyError(ErrorCode.STALE_PREFIX, "proposal drawn after another prefix")
         self._claim_round(proposal.round_id)
         rows = proposal.rows
@@ -319,8 +325,8 @@ class RequestVerifier:
                     f"draft {wrong} is not the token its q and the proposal draw select",
                 )
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, proposal.round_id)
-        context = list(self.committed)
-        start = len(context)
+        context = ExtendedPrefix(self.committed)
+        start = len(self.committed)
         new: list[int] = []
         for i, row in enumerate(proposal.rows):
             p = self._p(context)
@@ -359,6 +365,7 @@ class RequestVerifier:
         self, round_id: int, tokens: list[int], accepted: int, extra: int | None, outcome: Outcome
     ) -> RoundResult:
         self.committed.extend(tokens)
+        self._digest.extend(tokens)
         self.finished = self.eos is not None and tokens[-1] == self.eos
         return RoundResult(
             round_id=round_id,
@@ -380,7 +387,7 @@ def proposal_from_rows(
         generation=verifier.generation,
         round_id=round_id,
         position=verifier.position,
-        digest=prefix_digest(verifier.committed),
+        digest=verifier.digest,
         depth=depth,
         rows=tuple(rows),
         context=verifier.context,

@@ -23,7 +23,7 @@ import numpy as np
 
 from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import Lease, prefix_digest
+from pp1wire.q.proposal import Lease, PrefixDigest
 from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing, integrity, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
@@ -85,6 +85,7 @@ class SparkSlot:
     next_round: int = 0
     flight: ReplyAssembly | None = None
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    hasher: PrefixDigest = field(default_factory=PrefixDigest)
 
 
 class SparkProtocol:
@@ -335,13 +336,15 @@ class SparkProtocol:
             raise ProtocolError(ErrorCode.TOKEN_OUT_OF_RANGE, "prefix token outside the vocabulary")
         if len(tokens) > self.config.max_prefix:
             raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, "prefix longer than negotiated")
-        digest = prefix_digest(tokens)
+        hasher = PrefixDigest(tokens)
+        digest = hasher.value
         self.slots[slot] = SparkSlot(
             context=context,
             eos=eos,
             prefix=tokens,
             digest=digest,
             fence=SparkSlotFence(generation=generation),
+            hasher=hasher,
         )
         msg = messages.Open(
             session=self.session,
@@ -433,8 +436,10 @@ class SparkProtocol:
             raise ProtocolError(ErrorCode.COMMIT_INVALID, "accepted tokens are not the drafts")
         state.drafts.clear()
         extra = int(tokens[-1]) if len(tokens) > accepted else None
-        state.prefix.extend(int(t) for t in tokens)
-        state.digest = prefix_digest(state.prefix)
+        new = [int(t) for t in tokens]
+        state.prefix.extend(new)
+        state.hasher.extend(new)  # O(new tokens), not a pass over the prefix
+        state.digest = state.hasher.value
         state.fence.last_round = max(state.fence.last_round, round_id)
         msg = messages.Commit(
             session=self.session,

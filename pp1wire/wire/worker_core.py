@@ -17,13 +17,13 @@ import secrets
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.q.proposal import DrafterFn, QRow, prefix_digest, propose
+from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.fencing import Action, WorkerSlotFence
@@ -145,6 +145,7 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[bytes, ...] | None = None
     committed_msg: Committed | None = None
+    hasher: PrefixDigest = field(default_factory=PrefixDigest)
 
 
 _NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)
@@ -543,7 +544,8 @@ class WorkerProtocol:
             self._refuse_msg(ErrorCode.TOKEN_OUT_OF_RANGE, kind, msg)
             return
         prefix = array("i", tokens.astype(np.int32).tobytes())
-        digest = prefix_digest(prefix)
+        hasher = PrefixDigest(prefix)
+        digest = hasher.value
         if digest != msg.digest:
             self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
@@ -555,6 +557,7 @@ class WorkerProtocol:
             prefix=prefix,
             digest=digest,
             fence=WorkerSlotFence(generation=msg.generation),
+            hasher=hasher,
         )
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
@@ -700,13 +703,15 @@ class WorkerProtocol:
         if msg.position != len(slot.prefix) + len(new):
             self._refuse_msg(ErrorCode.WRONG_POSITION, kind, msg)
             return
-        candidate = array("i", slot.prefix)
-        candidate.extend(new)
-        digest = prefix_digest(candidate)
+        # O(new tokens): the digest is extended, and the prefix only once it matches.
+        hasher = slot.hasher.copy()
+        hasher.extend(new)
+        digest = hasher.value
         if digest != msg.digest:
             self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
-        slot.prefix = candidate
+        slot.prefix.extend(new)
+        slot.hasher = hasher
         slot.digest = digest
         slot.fence.committed_round = msg.round
         slot.fence.last_commit = msg
@@ -717,12 +722,12 @@ class WorkerProtocol:
             slot=msg.slot,
             generation=msg.generation,
             round=msg.round,
-            position=len(candidate),
+            position=len(slot.prefix),
             digest=digest,
         )
         slot.committed_msg = ack
         self._send(ack)
-        self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(candidate)))
+        self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(slot.prefix)))
 
     def _on_reset(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Reset)
