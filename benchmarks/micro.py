@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, tree
 
 VOCAB = 129_280
 
@@ -59,6 +59,14 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
     sparse_ids_b = sparse_ids.astype("<i4").tobytes()
     sparse_q_b = dyadic.counts_to_fp32(sparse_counts).tobytes()
 
+    def numpy_path(fn: Callable[..., object], *args: object) -> object:
+        # The same construction with the compiled total and allocation switched off.
+        saved, dyadic._fastq, tree._fastq = dyadic._fastq, None, None
+        try:
+            return fn(*args)
+        finally:
+            dyadic._fastq = tree._fastq = saved
+
     def softmax() -> object:
         z = logits - logits.max()
         np.exp(z, out=z)
@@ -76,6 +84,7 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
         "construct_dense": lambda: builder.from_logits(logits, 1.0),
         "construct_dense_api": lambda: dyadic.counts_from_logits(logits, 1.0),
         "construct_sparse32": lambda: dyadic.sparse_counts_from_logits(logits, 1.0, 32),
+        "construct_dense_numpy": lambda: numpy_path(builder.from_logits, logits, 1.0),
     }
     res = measure(cases, trials, reps)
 
@@ -90,6 +99,7 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
             "construct_vs_softmax": ratio("construct_dense", "softmax_f64"),
             "construct_api_vs_softmax": ratio("construct_dense_api", "softmax_f64"),
             "construct_sparse32_vs_softmax": ratio("construct_sparse32", "softmax_f64"),
+            "construct_compiled_vs_numpy": ratio("construct_dense", "construct_dense_numpy"),
         }
     )
     return out

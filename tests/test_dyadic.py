@@ -115,9 +115,25 @@ def test_allocation_refuses_inconsistent_remainder(monkeypatch):
             dst += 1
 
     monkeypatch.setattr(dyadic.np, "copyto", broken_copyto)
+    monkeypatch.setattr(dyadic, "_fastq", None)  # the numpy path is the one broken here
     with pytest.raises(ConstructionError) as info:
         dyadic.counts_from_weights([1.0, 1.0, 1.0])
     assert info.value.code is ErrorCode.ALLOCATION_INCONSISTENT
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_allocation_refuses_a_total_that_does_not_match_the_weights(monkeypatch, path):
+    # A total below the weights' sum gives more than M tickets in floors alone;
+    # one far above leaves more tickets over than there are entries.
+    if path == "numpy":
+        monkeypatch.setattr(dyadic, "_fastq", None)
+    elif dyadic._fastq is None:
+        pytest.skip("compiled fast path not built")
+    w = np.array([1.0, 1.0, 1.0])
+    for total in (1.0, 3.0 * 2**30):
+        with pytest.raises(ConstructionError) as info:
+            dyadic.QBuilder(3).allocate(w, total)
+        assert info.value.code is ErrorCode.ALLOCATION_INCONSISTENT
 
 
 def _exact_cut_gap(weights) -> Fraction:

@@ -18,6 +18,21 @@
  *       ids: int32 buffer, q: FP32 buffer. 0 if the row is valid, else the
  *       ErrorCode value of the first failing check, in validate_sparse's order.
  *
+ *   allocate(w, total, out, share, work) -> status
+ *       QBuilder.allocate in one compiled pass: w float64 weights (checked by
+ *       the caller), total their canonical total; writes the dyadic24 counts
+ *       into out (int32) using share and work (float64, len(w) each) as
+ *       scratch. The leftover tickets go to the largest remainders, ties to
+ *       the lowest index, chosen by a radix select over the remainders' bit
+ *       patterns: linear, and independent of the data's order and of the CPU.
+ *       status 0: done; 1: leftover tickets outside 0..n-1; 2: a ticket
+ *       would land on a zero remainder (both ALLOCATION_INCONSISTENT).
+ *
+ *   tree_total(values) -> float
+ *       The canonical total of pp1wire.q.tree (protocol §6.6): the root of the
+ *       pairwise tree over the values padded with +0.0 to a power of two, each
+ *       node one binary64 addition of its children, bit for bit.
+ *
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -153,7 +168,196 @@ static PyObject *check_sparse(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
+#define M24 16777216.0
+#define MIN_NORMAL 2.2250738585072014e-308 /* 2**-1022 */
+
+#define TOP_BITS 12
+#define TOP_SCALE 4096.0 /* 2**TOP_BITS */
+
+static inline uint64_t bits_of(double v) {
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+/* Floors into out, remainders into share (the exact operations of
+ * dyadic.floors_and_remainders), and top_hist: a histogram of the remainders'
+ * first 12 binary digits, floor(r * 2**12), a coarse key that orders like the
+ * remainders (r < s implies key(r) <= key(s)) and spreads them evenly, unlike
+ * their exponent bits. Returns the sum of the floors. */
+static int64_t floors_pass(const double *restrict w, size_t n, double total,
+                           int32_t *restrict out, double *restrict share,
+                           uint32_t *restrict top_hist) {
+    int64_t sum = 0;
+    double scale = total / M24;
+    int small = !(scale >= MIN_NORMAL);
+    memset(top_hist, 0, sizeof(uint32_t) << TOP_BITS);
+    for (size_t i = 0; i < n; i++) {
+        double v = small ? (w[i] / total) * M24 : w[i] / scale;
+        int32_t f = (int32_t)v; /* v >= 0: truncation is the floor */
+        double r = v - (double)f;
+        out[i] = f;
+        share[i] = r;
+        sum += f;
+        top_hist[(uint32_t)(r * TOP_SCALE)]++; /* exact: r in [0, 1), a power-of-two scale */
+    }
+    return sum;
+}
+
+/* Non-negative doubles order as their bit patterns: within one coarse bucket,
+ * six digits of those patterns find the threshold exactly. */
+static const int SHIFTS[6] = {52, 40, 28, 16, 4, 0};
+static const int WIDTHS[6] = {12, 12, 12, 12, 12, 4};
+
+/* One ticket more for the k largest remainders, ties to the lowest index.
+ * idx: scratch for n indices. Returns 0, or 2 if a ticket lands on a zero. */
+static int leftover_pass(const double *restrict share, size_t n, size_t k,
+                         int32_t *restrict out, uint32_t *restrict idx,
+                         const uint32_t *restrict top_hist) {
+    /* The top digit: its bucket holds the k-th largest remainder. */
+    size_t acc = 0, need = k;
+    uint64_t top = (1u << TOP_BITS) - 1;
+    for (;; top--) {
+        if (acc + top_hist[top] >= need) break;
+        acc += top_hist[top];
+    }
+    need -= acc;
+    /* One pass: a ticket for every remainder in a higher bucket; gather the
+     * target bucket's indices, in index order (branch-free: random
+     * remainders would mispredict every other test). */
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t d = (uint32_t)(share[i] * TOP_SCALE);
+        out[i] += d > top;
+        idx[m] = (uint32_t)i;
+        m += d == top;
+    }
+    /* Within the bucket, narrow to the threshold digit by digit. */
+    uint32_t hist[4096];
+    uint64_t threshold = 0;
+    size_t lo = 0, count = m; /* candidates idx[lo .. lo + count) equal the threshold so far */
+    for (int pass = 0; pass < 6; pass++) {
+        int shift = SHIFTS[pass];
+        uint64_t mask = ((uint64_t)1 << WIDTHS[pass]) - 1;
+        memset(hist, 0, sizeof hist);
+        for (size_t q = lo; q < lo + count; q++)
+            hist[(bits_of(share[idx[q]]) >> shift) & mask]++;
+        size_t above = 0;
+        uint64_t b = mask;
+        for (;; b--) {
+            if (above + hist[b] >= need) break;
+            above += hist[b];
+        }
+        need -= above;
+        threshold |= b << shift;
+        size_t kept = 0;
+        for (size_t q = lo; q < lo + count; q++) {
+            uint32_t i = idx[q];
+            uint64_t d = (bits_of(share[i]) >> shift) & mask;
+            out[i] += d > b; /* above the threshold: a ticket */
+            idx[lo + kept] = i;
+            kept += d == b;
+        }
+        count = kept;
+    }
+    if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
+    /* idx[lo ..) holds every remainder equal to the threshold, in index order. */
+    for (size_t q = 0; q < need; q++) out[idx[lo + q]] += 1;
+    return 0;
+}
+
+/* The canonical tree's root. Leaves arrive in order; a binary counter keeps
+ * the pending left children (stack[l] is a complete left subtree of level l),
+ * so every addition is exactly one node of the tree: left child + right child.
+ * Blocks of 8 leaves are summed first, with independent additions in flight. */
+static double tree_root(const double *restrict v, size_t n) {
+    size_t size = 1;
+    int depth = 0;
+    while (size < n) {
+        size <<= 1;
+        depth++;
+    }
+    if (depth < 3) { /* fewer than 8 leaves: pad and add level by level */
+        double level[8] = {0};
+        memcpy(level, v, n * sizeof(double));
+        for (size_t width = size; width > 1; width >>= 1)
+            for (size_t i = 0; i < width / 2; i++) level[i] = level[2 * i] + level[2 * i + 1];
+        return level[0];
+    }
+    double stack[64];
+    size_t blocks = size >> 3;
+    for (size_t blk = 0; blk < blocks; blk++) {
+        double x[8];
+        size_t base = blk << 3;
+        if (base + 8 <= n) {
+            memcpy(x, v + base, sizeof x);
+        } else {
+            for (int j = 0; j < 8; j++) x[j] = base + j < n ? v[base + j] : 0.0;
+        }
+        double carry = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        int level = 0;
+        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+        stack[level] = carry;
+    }
+    return stack[depth - 3];
+}
+
+static PyObject *tree_total(PyObject *self, PyObject *args) {
+    Py_buffer vb;
+    if (!PyArg_ParseTuple(args, "y*", &vb)) return NULL;
+    if (vb.len % 8) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "tree_total: not a float64 buffer");
+        return NULL;
+    }
+    size_t n = (size_t)vb.len / 8;
+    double root = 0.0;
+    if (n) {
+        Py_BEGIN_ALLOW_THREADS
+        root = tree_root((const double *)vb.buf, n);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&vb);
+    return PyFloat_FromDouble(root);
+}
+
+static PyObject *allocate(PyObject *self, PyObject *args) {
+    Py_buffer wb, ob, sb, kb;
+    double total;
+    if (!PyArg_ParseTuple(args, "y*dw*w*w*", &wb, &total, &ob, &sb, &kb)) return NULL;
+    size_t n = (size_t)wb.len / 8;
+    int status = -1;
+    if (wb.len % 8 || (size_t)ob.len != 4 * n || (size_t)sb.len != 8 * n
+        || (size_t)kb.len != 8 * n || n == 0 || n > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_ValueError, "allocate: buffer sizes do not match");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        uint32_t top_hist[1 << TOP_BITS];
+        int64_t sum = floors_pass((const double *)wb.buf, n, total, (int32_t *)ob.buf,
+                                  (double *)sb.buf, top_hist);
+        int64_t remaining = (int64_t)M24 - sum;
+        if (remaining < 0 || remaining >= (int64_t)n) {
+            status = 1;
+        } else if (remaining == 0) {
+            status = 0;
+        } else {
+            status = leftover_pass((const double *)sb.buf, n, (size_t)remaining,
+                                   (int32_t *)ob.buf, (uint32_t *)kb.buf, top_hist);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&kb);
+    if (status < 0) return NULL;
+    return PyLong_FromLong(status);
+}
+
 static PyMethodDef methods[] = {
+    {"tree_total", tree_total, METH_VARARGS, "tree_total(values) -> the canonical total"},
+    {"allocate", allocate, METH_VARARGS,
+     "allocate(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"},
     {"scan_dense", scan_dense, METH_VARARGS, "scan_dense(row) -> (max_bits, count_sum, non_integral)"},
     {"check_sparse", check_sparse, METH_VARARGS,
      "check_sparse(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"},

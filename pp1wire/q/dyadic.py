@@ -162,6 +162,17 @@ class QBuilder:
         n = w.size
         share = self.share
         out = self.out
+        if _fastq is not None and w.flags.c_contiguous and w.dtype == np.float64:
+            status = _fastq.allocate(w, total, out, share, self.work)
+            if status == 1:
+                raise ConstructionError(
+                    ErrorCode.ALLOCATION_INCONSISTENT, f"tickets left over outside 0..{n - 1}"
+                )
+            if status == 2:
+                raise ConstructionError(
+                    ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
+                )
+            return out
         floors_and_remainders(w, total, out, share)
         remaining = M - int(out.sum(dtype=np.int64))
         if not 0 <= remaining < n:

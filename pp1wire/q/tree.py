@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+try:  # the optional compiled total (pp1wire/q/_fastq.c), qualified bit for bit against levels()
+    from pp1wire.q import _fastq  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised by tests that disable it
+    _fastq = None
+
 Float64Array = npt.NDArray[np.float64]
 Node = tuple[int, int]  # (level, index)
 
@@ -67,6 +72,8 @@ def total(values: npt.ArrayLike) -> float:
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         return 0.0
+    if _fastq is not None and x.ndim == 1 and x.flags.c_contiguous:
+        return float(_fastq.tree_total(x))
     return float(levels(x)[-1][0])
 
 
