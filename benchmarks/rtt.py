@@ -45,6 +45,13 @@ async def measure(port: int, rounds: int) -> dict[str, list[float]]:
         for p, s in zip(proposals, slots, strict=True):
             client.release(p, s)
 
+    async def reset_all() -> None:
+        # One fresh proposal per slot until COMMIT or RESET (STEP_UNCOMMITTED):
+        # a RESET, untimed, lets the next round draw afresh.
+        for slot in [*DENSE_SLOTS, SPARSE_SLOT]:
+            await client.reset(slot)
+
+    await reset_all()  # setup drew one proposal per slot
     for i in range(rounds + 2):
         t0 = time.perf_counter()
         await fresh(DENSE_SLOTS, 0)
@@ -55,6 +62,7 @@ async def measure(port: int, rounds: int) -> dict[str, list[float]]:
         t3 = time.perf_counter()
         await pp1.replay([SPARSE_SLOT])
         t4 = time.perf_counter()
+        await reset_all()
         if i >= 2:  # warm-up
             out["dense4_fresh"].append(t1 - t0)
             out["dense4_replay"].append(t2 - t1)

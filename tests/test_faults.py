@@ -155,7 +155,7 @@ async def test_retried_step_over_tcp_is_byte_identical():
     conn.write = writes.append  # capture the replayed reply
     conn.data_received(framing.encode_frame(step))
     replay = b"".join(writes)
-    assert replay == b"".join(conn.core.slots[0].reply)
+    assert replay == b"".join(p for parts in conn.core.slots[0].reply for p in parts)
     assert [f[3] for f in split_frames(replay)][-1] == MsgType.COMPLETION
     await client.close()
     await worker.stop()

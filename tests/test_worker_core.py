@@ -499,3 +499,23 @@ def test_a_peer_that_never_commits_gets_one_fresh_proposal_per_slot():
     # The uncommitted STEP's retry still replays (committing then frees the slot:
     # every round trip of the e2e and conformance tests does that).
     assert isinstance(pair.send_raw(step(round=0))[0], StepReplayed)
+
+
+@pytest.mark.parametrize("psk", [None, b"k" * 32], ids=["plain", "keyed"])
+def test_each_row_is_written_once_and_handed_to_the_transport_as_it_is(psk):
+    # The q payload goes from its array to the transport without being joined
+    # to its header or copied again; a replay hands out the very same views.
+    pair = ready_pair(worker_kw={"psk": psk}, spark_kw={"psk": psk})
+
+    def send_step() -> list:
+        sealer = pair.spark._sealer  # a keyed connection tags what it sends
+        frame = framing.encode_frame(step(), tagged=sealer is not None)
+        pair.worker.receive_data(frame if sealer is None else sealer.seal(frame), 0.0)
+        return pair.worker.data_to_send()
+
+    first = send_step()
+    rows = [c for c in first if isinstance(c, memoryview) and c.nbytes == 4 * VOCAB]
+    assert len(rows) == 3  # depth 3, dense
+    again = send_step()  # a retry: answered from the cache
+    assert [c for c in again if isinstance(c, memoryview)] == rows
+    assert all(any(c is r for c in again) for r in rows)  # the same objects, not copies

@@ -70,12 +70,23 @@ def encode_frame(msg: Message, payload: bytes | memoryview = b"", *, tagged: boo
             carries none; ``FRAME_TOO_LARGE`` if the header or payload exceeds
             the absolute caps.
     """
+    return encode_head(msg, memoryview(payload).nbytes, tagged=tagged) + bytes(payload)
+
+
+def encode_head(msg: Message, payload_len: int, *, tagged: bool = False) -> bytes:
+    """A frame's preamble and header for a payload of ``payload_len`` bytes sent after it.
+
+    Lets a large payload go to the transport as it is, without being joined
+    to its header.
+
+    Raises:
+        ProtocolError: as :func:`encode_frame`.
+    """
     kind = messages.type_of(msg)
     header = messages.encode(msg)
-    plen = memoryview(payload).nbytes
-    if plen and kind not in PAYLOAD_TYPES:
+    if payload_len and kind not in PAYLOAD_TYPES:
         raise ProtocolError(ErrorCode.PAYLOAD_LENGTH, f"{kind.name} carries no payload")
-    if len(header) > MAX_HEADER or plen > HARD_MAX_PAYLOAD:
+    if len(header) > MAX_HEADER or payload_len > HARD_MAX_PAYLOAD:
         raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, "header or payload above the caps")
     head = struct.pack(
         "<2sBBBBHI",
@@ -85,10 +96,10 @@ def encode_frame(msg: Message, payload: bytes | memoryview = b"", *, tagged: boo
         FLAG_TAGGED if tagged else 0,
         0,
         len(header),
-        plen,
+        payload_len,
     )
     checksum = header_checksum(head, header)
-    return b"".join((head, struct.pack("<I", checksum), header, payload))
+    return b"".join((head, struct.pack("<I", checksum), header))
 
 
 def encode_raw_frame(kind: int, header: bytes, payload: bytes = b"", **preamble: int) -> bytes:

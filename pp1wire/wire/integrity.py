@@ -45,10 +45,11 @@ def frame_keys(psk: bytes, hello_header: bytes, challenge_header: bytes) -> tupl
     return k_sw, k_ws
 
 
-def tag(key: bytes, seq: int, frame: bytes | memoryview) -> bytes:
-    """The 16-byte tag of the ``seq``-th tagged frame of a direction."""
+def tag(key: bytes, seq: int, *parts: bytes | memoryview) -> bytes:
+    """The 16-byte tag of the ``seq``-th tagged frame of a direction (the frame given in parts)."""
     mac = hmac.new(key, _SEQ.pack(seq), hashlib.sha256)
-    mac.update(frame)
+    for part in parts:
+        mac.update(part)
     return mac.digest()[: framing.TAG_SIZE]
 
 
@@ -66,9 +67,9 @@ class Sealer:
         self.seq += 1
         return frame + t
 
-    def tag_next(self, frame: bytes | memoryview) -> bytes:
-        """The tag for ``frame`` as the next frame sent (for a caller that writes it separately)."""
-        t = tag(self._key, self.seq, frame)
+    def tag_next(self, *parts: bytes | memoryview) -> bytes:
+        """The tag for the frame made of ``parts``, as the next frame sent (written after it)."""
+        t = tag(self._key, self.seq, *parts)
         self.seq += 1
         return t
 

@@ -1,8 +1,10 @@
 """The worker's reply to a STEP, as bytes: REPLY frames, then COMPLETION (protocol §4.5, §4.6).
 
-Each row's payload is written once from its counts (dense FP32 with zero
-padding, or sparse int32 IDs then FP32); the frames are kept separately so a
-keyed connection can tag each one (§5.1) and a replay can re-tag them.
+Each row's payload is written once, from its counts into the array that is
+then handed to the transport (dense FP32 with zero padding, or sparse int32
+IDs then FP32); a frame is its preamble and header (a few dozen bytes) and a
+view of that array, never joined. Frames are kept apart so a keyed connection
+can tag each one (§5.1) and a replay can re-tag them.
 """
 
 from __future__ import annotations
@@ -15,18 +17,26 @@ from pp1wire.q.proposal import QRow
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
+#: One frame as the pieces written to the transport, in order.
+FrameParts = tuple[bytes | memoryview, ...]
 
-def row_payload(row: QRow, row_entries: int) -> bytes:
-    """The q payload of one row: dense FP32 (zero padded) or sparse int32 IDs then FP32."""
-    if row.ids is None:
-        assert row.counts is not None
-        q = np.zeros(row_entries, dtype="<f4")
-        np.multiply(
-            row.counts, np.float32(1.0 / dyadic.M), out=q[: row.counts.size], casting="unsafe"
-        )
-        return q.tobytes()
+
+def row_payload(row: QRow, row_entries: int) -> memoryview:
+    """The q payload of one row, written once: dense FP32 (zero padded) or sparse int32 IDs
+    then FP32, as a byte view of a fresh array."""
     assert row.counts is not None
-    return row.ids.astype("<i4").tobytes() + dyadic.counts_to_fp32(row.counts).tobytes()
+    scale = np.float32(1.0 / dyadic.M)
+    if row.ids is None:
+        q = np.empty(row_entries, dtype="<f4")
+        used = row.counts.size
+        np.multiply(row.counts, scale, out=q[:used], casting="unsafe")
+        q[used:] = 0.0
+        return q.data.cast("B")
+    k = row.ids.size
+    both = np.empty(2 * k, dtype="<i4")
+    both[:k] = row.ids
+    np.multiply(row.counts, scale, out=both[k:].view("<f4"), casting="unsafe")
+    return both.data.cast("B")
 
 
 def reply_frame(
@@ -36,11 +46,11 @@ def reply_frame(
     token: int,
     dense: bool,
     entries: int,
-    payload: bytes,
+    payload: bytes | memoryview,
     *,
     tagged: bool = False,
-) -> bytes:
-    """One REPLY frame with its row checksum over ``payload``."""
+) -> FrameParts:
+    """One REPLY frame, as (preamble and header, payload), with its row checksum."""
     header = Reply(
         session=session,
         slot=step.slot,
@@ -53,7 +63,7 @@ def reply_frame(
         entries=entries,
         checksum=xxhash.xxh3_64_intdigest(payload),
     )
-    return framing.encode_frame(header, payload, tagged=tagged)
+    return framing.encode_head(header, memoryview(payload).nbytes, tagged=tagged), payload
 
 
 def completion_frame(
@@ -92,7 +102,7 @@ def reply_frames(
     status: int = 0,
     *,
     tagged: bool = False,
-) -> tuple[bytes, ...]:
+) -> tuple[FrameParts, ...]:
     """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION.
 
     COMPLETION's ``reply_bytes`` and ``reply_checksum`` cover the REPLY frames
@@ -107,20 +117,30 @@ def reply_frames(
             reply_frame(session, step, index, row.token, dense, entries, payload, tagged=tagged)
         )
     checksum = xxhash.xxh3_64()
-    for f in frames:
-        checksum.update(f)
-    body = sum(len(f) for f in frames)
+    body = 0
+    for parts in frames:
+        for part in parts:
+            checksum.update(part)
+            body += memoryview(part).nbytes
     done = completion_frame(
         session, step, len(rows), body, checksum.intdigest(), status, tagged=tagged
     )
-    return (*frames, done)
+    return (*frames, (done,))
 
 
 def build_reply(
     session: int, step: Step, rows: tuple[QRow, ...], row_entries: int, status: int = 0
 ) -> bytes:
     """The whole untagged reply to a STEP as one byte string (see :func:`reply_frames`)."""
-    return b"".join(reply_frames(session, step, rows, row_entries, status))
+    frames = reply_frames(session, step, rows, row_entries, status)
+    return b"".join(part for parts in frames for part in parts)
 
 
-__all__ = ["build_reply", "completion_frame", "reply_frame", "reply_frames", "row_payload"]
+__all__ = [
+    "FrameParts",
+    "build_reply",
+    "completion_frame",
+    "reply_frame",
+    "reply_frames",
+    "row_payload",
+]

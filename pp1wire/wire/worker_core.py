@@ -54,7 +54,7 @@ from pp1wire.wire.messages import (
     Scope,
     Step,
 )
-from pp1wire.wire.replies import reply_frames
+from pp1wire.wire.replies import FrameParts, reply_frames
 from pp1wire.wire.transitions import Act, State
 
 
@@ -143,7 +143,7 @@ class WorkerSlot:
     digest: int
     fence: WorkerSlotFence
     drafts: tuple[int, ...] = ()
-    reply: tuple[bytes, ...] | None = None
+    reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
     hasher: PrefixDigest = field(default_factory=PrefixDigest)
 
@@ -166,7 +166,7 @@ class WorkerProtocol:
         self.slots: dict[int, WorkerSlot] = {}
         # The highest generation each slot has had in this session.
         self._slot_generations: dict[int, int] = {}
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []
         self._out_bytes = 0
         #: True when :meth:`pump` stopped at a budget with frames possibly left.
         self.more = False
@@ -196,7 +196,7 @@ class WorkerProtocol:
 
     # -- I/O surface -----------------------------------------------------
 
-    def data_to_send(self) -> list[bytes]:
+    def data_to_send(self) -> list[bytes | memoryview]:
         """Bytes queued for the peer, in order (the queue is emptied)."""
         out, self._out = self._out, []
         self._out_bytes = 0
@@ -334,17 +334,20 @@ class WorkerProtocol:
         return events
 
     def _send(self, msg: Message, payload: bytes = b"") -> None:
-        self._queue_frames((framing.encode_frame(msg, payload, tagged=self._sealer is not None),))
+        frame = framing.encode_frame(msg, payload, tagged=self._sealer is not None)
+        self._queue_frames(((frame,),))
 
-    def _queue_frames(self, frames: tuple[bytes, ...]) -> None:
-        """Queue whole frames (encoded tagged once the keys exist), each sealed in turn."""
+    def _queue_frames(self, frames: tuple[FrameParts, ...]) -> None:
+        """Queue whole frames, each given as its parts (encoded tagged once the keys
+        exist) and sealed in turn; the parts go to the transport as they are."""
         sealer = self._sealer
-        for frame in frames:
-            self._out.append(frame)
-            self._out_bytes += len(frame)
+        out = self._out
+        for parts in frames:
+            out.extend(parts)
+            self._out_bytes += sum(memoryview(p).nbytes for p in parts)
             if sealer is not None:
-                t = sealer.tag_next(frame)
-                self._out.append(t)
+                t = sealer.tag_next(*parts)
+                out.append(t)
                 self._out_bytes += len(t)
 
     def _tag_ok(self, frame: framing.Frame) -> bool:
@@ -428,7 +431,7 @@ class WorkerProtocol:
             proof = worker_proof(psk, hello.nonce, self._worker_nonce)
             challenge = framing.encode_frame(Challenge(nonce=self._worker_nonce, proof=proof))
             self._challenge_header = challenge[framing.PREAMBLE_SIZE :]
-            self._queue_frames((challenge,))
+            self._queue_frames(((challenge,),))
             self.state = State.AWAIT_AUTH
             return
         self._finish_handshake(hello)
@@ -621,7 +624,7 @@ class WorkerProtocol:
                 msg.round,
                 len(rows),
                 status,
-                sum(map(len, reply)),
+                sum(memoryview(p).nbytes for parts in reply for p in parts),
                 drawn,
             )
         )
@@ -649,7 +652,7 @@ class WorkerProtocol:
 
     def _propose(
         self, slot: WorkerSlot, step: Step
-    ) -> tuple[tuple[bytes, ...], tuple[QRow, ...], int]:
+    ) -> tuple[tuple[FrameParts, ...], tuple[QRow, ...], int]:
         streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
         try:
             rows = propose(
