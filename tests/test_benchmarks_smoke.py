@@ -60,3 +60,17 @@ def test_integrity_cost_smoke():
         for kind in ("dense", "sparse")
         for what in ("ms_plain", "ms_keyed", "keyed_over_plain")
     ]
+
+
+def test_speedup_smoke():
+    done = cli.run(
+        sys.executable,
+        ROOT / "benchmarks" / "speedup.py",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "4",
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "speedup measured" in done.stdout
