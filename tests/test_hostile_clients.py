@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from pp1wire.aio.client import AsyncClient, ClientClosedError
-from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
+from pp1wire.aio.server import EVICT_IDLE_S, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
@@ -54,7 +54,8 @@ async def test_replayed_steps_from_a_peer_that_never_reads_stop_at_the_write_cap
     srv, port = server
     sock = await asyncio.to_thread(never_reads, port, VOCAB, 1000, same_round=True)
     try:
-        await asyncio.sleep(1.0)
+        (conn,) = srv.conns
+        await eventually(lambda: conn.writing_paused, what="the worker stops at its write cap")
         # Replies beyond what the kernel's socket buffers (at most the send and
         # receive maxima) and the worker's write cap hold are never produced: the
         # worker stops reading the peer instead of queueing 1,000 replies.
@@ -63,7 +64,6 @@ async def test_replayed_steps_from_a_peer_that_never_reads_stop_at_the_write_cap
         ) + 2
         answered = _count(srv.metrics.replays)
         assert 0 < answered <= bound, (answered, bound)
-        (conn,) = srv.conns
         assert conn.transport.get_write_buffer_size() <= WRITE_BUFFER_CAP + REPLY_BYTES
         took = await asyncio.wait_for(probe(port, VOCAB), 10)
         assert took < PROBE_BOUND_S, took
@@ -76,10 +76,15 @@ async def test_distinct_rounds_from_a_peer_that_never_reads_are_refused_not_draw
     srv, port = server
     before = rss_mib(os.getpid())
     sock = await asyncio.to_thread(never_reads, port, VOCAB, 1000)
+
+    def refused() -> float:
+        return _count(srv.metrics.refusals, code="step_uncommitted")
+
     try:
-        await asyncio.sleep(1.0)
+        await eventually(refused, what="the flood is being answered")
         took = await asyncio.wait_for(probe(port, VOCAB), 10)
         assert took < PROBE_BOUND_S, took
+        await eventually(lambda: refused() >= 999, what="every uncommitted STEP answered")
         # One fresh draw for the attacker and one for the probe; every other STEP
         # is refused with a small ERROR.
         assert _count(srv.metrics.steps) == 2
@@ -118,7 +123,7 @@ async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
     ]
     try:
         await eventually(lambda: len(srv.conns) == 16, what="16 connections held")
-        await asyncio.sleep(1.2)  # past the idle threshold for eviction
+        await asyncio.sleep(EVICT_IDLE_S + 0.2)  # the policy is time-based: idle long enough
         took = await asyncio.wait_for(probe(port, 64), 10)
         assert took < PROBE_BOUND_S, took
         assert _count(srv.metrics.evictions) >= 1

@@ -103,7 +103,7 @@ def test_reset_mid_reply_discards_and_old_frames_are_dropped():
 
 def test_worker_refusal_fails_the_in_flight_proposal():
     pair = opened()
-    pair.worker.slots[0].digest ^= 1  # the worker now disagrees about the prefix
+    pair.worker.slots[0].hasher.extend([1])  # the worker now disagrees about the prefix
     r = pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
     events = pair.pump()
     assert events == [ProposalFailed(0, 0, r, ErrorCode.PREFIX_DIGEST_MISMATCH)]

@@ -111,7 +111,6 @@ class _Conn(asyncio.BufferedProtocol):
         self.accepted_at = 0.0
         self.address = ""
         self.lost = False
-        self.refusal = ErrorCode.CONNECTION_LIMIT
         # While TLS is negotiated: the accepted socket (shut down to evict it).
         self.sock: socket.socket | None = None
 
@@ -129,12 +128,13 @@ class _Conn(asyncio.BufferedProtocol):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._admit(peer):
+        refusal = self._admit(peer)
+        if refusal is None:
             self._ready(tr)
         else:
             tr.write(
                 framing.encode_frame(
-                    Error(code=int(self.refusal), answers=0, scope=int(Scope.CONNECTION))
+                    Error(code=int(refusal), answers=0, scope=int(Scope.CONNECTION))
                 )
             )
             tr.close()
@@ -143,7 +143,7 @@ class _Conn(asyncio.BufferedProtocol):
         """Admit a connection accepted by the TLS listener, then negotiate TLS on it."""
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if not self._admit(sock.getpeername()):
+        if self._admit(sock.getpeername()) is not None:
             sock.close()  # a TLS client could not read a plaintext ERROR
             return
         self.sock = sock
@@ -189,7 +189,8 @@ class _Conn(asyncio.BufferedProtocol):
             log.info("tls handshake failed", extra={"peer": self.peer, "error": repr(error)})
             self.connection_lost(None)
 
-    def _admit(self, peer: object) -> bool:
+    def _admit(self, peer: object) -> ErrorCode | None:
+        """Register this connection (from accept), or the code it is refused with."""
         self.accepted_at = time.monotonic()
         if isinstance(peer, tuple):
             self.address, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
@@ -198,10 +199,9 @@ class _Conn(asyncio.BufferedProtocol):
         srv = self.server
         refusal = srv.admit(self)
         if refusal is not None:
-            self.refusal = refusal
             srv.metrics.refusals.labels(code=refusal.name.lower()).inc()
             log.warning("connection refused", extra={"peer": self.peer, "code": refusal.name})
-            return False
+            return refusal
         # Counted from accept, TLS or not: a pending handshake holds a slot and a
         # descriptor, so it is bounded by --max-connections and the handshake timeout.
         self.core = WorkerProtocol(
@@ -213,7 +213,7 @@ class _Conn(asyncio.BufferedProtocol):
         srv.metrics.accepted.inc()
         log.info("connection", extra={"peer": self.peer, "session": self.core.session})
         self._arm()
-        return True
+        return None
 
     def _ready(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -262,13 +262,13 @@ class _Conn(asyncio.BufferedProtocol):
         core, transport = self.core, self.transport
         if core is None or transport is None or core.closed:
             return
-        queued = transport.get_write_buffer_size()
-        if self.writing_paused or queued >= WRITE_BUFFER_CAP:
+        if self.writing_paused:
             self._set_reading(False)  # resume_writing pumps again
             return
-        events = core.pump(
-            time.monotonic(), max_frames=FRAMES_PER_TURN, out_budget=WRITE_BUFFER_CAP - queued
-        )
+        # The transport pauses us above the cap (its high-water mark); below it,
+        # this turn may queue up to the cap (at least one frame's reply).
+        budget = max(1, WRITE_BUFFER_CAP - transport.get_write_buffer_size())
+        events = core.pump(time.monotonic(), max_frames=FRAMES_PER_TURN, out_budget=budget)
         self._events(events)
         self._flush()
         if core.closed:
@@ -522,9 +522,6 @@ class WorkerServer:
                 log.warning("accept failed", extra={"error": repr(exc)})
                 return
             sock.setblocking(False)
-            if self.stopping:
-                sock.close()
-                continue
             _Conn(self).accept_tls(sock, self.ssl_context)
 
     async def stop(self, grace: float = 5.0) -> None:

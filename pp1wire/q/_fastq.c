@@ -225,22 +225,21 @@ static int leftover_pass(const double *restrict share, size_t n, size_t k,
     /* One pass: a ticket for every remainder in a higher bucket; gather the
      * target bucket's indices, in index order (branch-free: random
      * remainders would mispredict every other test). */
-    size_t m = 0;
+    size_t count = 0; /* candidates idx[0 .. count) equal the threshold so far */
     for (size_t i = 0; i < n; i++) {
         uint64_t d = (uint32_t)(share[i] * TOP_SCALE);
         out[i] += d > top;
-        idx[m] = (uint32_t)i;
-        m += d == top;
+        idx[count] = (uint32_t)i;
+        count += d == top;
     }
     /* Within the bucket, narrow to the threshold digit by digit. */
     uint32_t hist[4096];
     uint64_t threshold = 0;
-    size_t lo = 0, count = m; /* candidates idx[lo .. lo + count) equal the threshold so far */
     for (int pass = 0; pass < 6; pass++) {
         int shift = SHIFTS[pass];
         uint64_t mask = ((uint64_t)1 << WIDTHS[pass]) - 1;
         memset(hist, 0, sizeof hist);
-        for (size_t q = lo; q < lo + count; q++)
+        for (size_t q = 0; q < count; q++)
             hist[(bits_of(share[idx[q]]) >> shift) & mask]++;
         size_t above = 0;
         uint64_t b = mask;
@@ -251,18 +250,18 @@ static int leftover_pass(const double *restrict share, size_t n, size_t k,
         need -= above;
         threshold |= b << shift;
         size_t kept = 0;
-        for (size_t q = lo; q < lo + count; q++) {
+        for (size_t q = 0; q < count; q++) {
             uint32_t i = idx[q];
             uint64_t d = (bits_of(share[i]) >> shift) & mask;
             out[i] += d > b; /* above the threshold: a ticket */
-            idx[lo + kept] = i;
+            idx[kept] = i;
             kept += d == b;
         }
         count = kept;
     }
     if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
-    /* idx[lo ..) holds every remainder equal to the threshold, in index order. */
-    for (size_t q = 0; q < need; q++) out[idx[lo + q]] += 1;
+    /* idx[0 ..) holds every remainder equal to the threshold, in index order. */
+    for (size_t q = 0; q < need; q++) out[idx[q]] += 1;
     return 0;
 }
 

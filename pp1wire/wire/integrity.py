@@ -24,6 +24,7 @@ import struct
 from typing import Final
 
 from pp1wire.wire import framing
+from pp1wire.wire.messages import MsgType
 
 #: The scheme a HELLO names in its ``integrity`` field when a PSK is configured.
 SCHEME: Final = "hmac-sha256-128-v1"
@@ -63,9 +64,7 @@ class Sealer:
 
     def seal(self, frame: bytes) -> bytes:
         """``frame`` (encoded with ``tagged=True``) followed by its tag."""
-        t = tag(self._key, self.seq, frame)
-        self.seq += 1
-        return frame + t
+        return frame + self.tag_next(frame)
 
     def tag_next(self, *parts: bytes | memoryview) -> bytes:
         """The tag for the frame made of ``parts``, as the next frame sent (written after it)."""
@@ -89,3 +88,43 @@ class Opener:
         ok = hmac.compare_digest(tag(self._key, self.seq, frame.raw), frame.tag)
         self.seq += 1
         return ok
+
+
+#: What a Spark side accepts untagged after AUTH, until the worker's first tagged
+#: frame: the worker's answers while it still checks AUTH (a refusal, a PONG).
+SPARK_UNTAGGED_BEFORE_HELLO: Final = (MsgType.ERROR, MsgType.PING, MsgType.PONG)
+
+
+class ReceiveRule:
+    """Which received frames §5.1 accepts: untagged before the keys exist, tagged after.
+
+    ``untagged_grace`` lists the types still accepted untagged once the keys
+    exist, until the first tagged frame arrives: nothing for a worker (every
+    frame after AUTH is tagged), :data:`SPARK_UNTAGGED_BEFORE_HELLO` for a
+    Spark side.
+    """
+
+    def __init__(self, untagged_grace: tuple[MsgType, ...] = ()) -> None:
+        """No keys yet: every frame must be untagged."""
+        self._grace = untagged_grace
+        self._opener: Opener | None = None
+        self._tags_seen = False
+
+    @property
+    def tags_seen(self) -> bool:
+        """Whether a tagged frame has been accepted."""
+        return self._tags_seen
+
+    def start(self, key: bytes) -> None:
+        """The keys exist: check tags under ``key`` (the peer's direction) from now on."""
+        self._opener = Opener(key)
+
+    def accepts(self, frame: framing.Frame) -> bool:
+        """Whether ``frame`` is tagged exactly when §5.1 requires it, with the right tag."""
+        opener = self._opener
+        if frame.tag is not None:
+            if opener is None or not opener.check(frame):
+                return False
+            self._tags_seen = True
+            return True
+        return opener is None or (not self._tags_seen and frame.type in self._grace)

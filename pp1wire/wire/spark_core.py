@@ -17,7 +17,7 @@ import secrets
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -55,7 +55,6 @@ from pp1wire.wire.spark_events import (
 from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
-_UNTAGGED_BEFORE_HELLO: Final = (MsgType.ERROR, MsgType.PING, MsgType.PONG)
 
 
 @dataclass(frozen=True)
@@ -79,13 +78,17 @@ class SparkSlot:
     context: int
     eos: int | None
     prefix: array[int]
-    digest: int
+    hasher: PrefixDigest  # the prefix's digest, extended as it grows
     fence: SparkSlotFence
     desynced: bool = False
     next_round: int = 0
     flight: ReplyAssembly | None = None
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    hasher: PrefixDigest = field(default_factory=PrefixDigest)
+
+    @property
+    def digest(self) -> int:
+        """The committed prefix's digest."""
+        return self.hasher.value
 
 
 class SparkProtocol:
@@ -120,8 +123,7 @@ class SparkProtocol:
         self._worker_proved = False
         # Frame integrity (§5.1): keys once AUTH is sent; tags from the worker's HELLO on.
         self._sealer: integrity.Sealer | None = None
-        self._opener: integrity.Opener | None = None
-        self._tags_seen = False
+        self._receive_rule = integrity.ReceiveRule(integrity.SPARK_UNTAGGED_BEFORE_HELLO)
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
             MsgType.PING: self._on_ping,
             MsgType.PONG: self._on_pong,
@@ -162,18 +164,6 @@ class SparkProtocol:
         self._out.append(frame)
         if self._sealer is not None:
             self._out.append(self._sealer.tag_next(frame))
-
-    def _tag_ok(self, frame: framing.Frame) -> bool:
-        """Whether ``frame`` is tagged exactly when §5.1 requires it, with the right tag."""
-        opener = self._opener
-        if frame.tag is not None:
-            if opener is None or not opener.check(frame):
-                return False
-            self._tags_seen = True
-            return True
-        # Before its HELLO, the worker's answers to the handshake (a refusal, a
-        # PONG) are untagged; from its first tagged frame on, nothing is.
-        return opener is None or (not self._tags_seen and frame.type in _UNTAGGED_BEFORE_HELLO)
 
     def _take(self) -> list[SparkEvent]:
         events, self._events = self._events, []
@@ -239,7 +229,7 @@ class SparkProtocol:
                 self._release(frame.raw)
                 continue
             self._retained = False
-            if not self._tag_ok(frame):
+            if not self._receive_rule.accepts(frame):
                 self._events.append(FrameRejected(None, ErrorCode.INTEGRITY_FAILED))
                 self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
                 self._release(frame.raw)
@@ -342,9 +332,8 @@ class SparkProtocol:
             context=context,
             eos=eos,
             prefix=tokens,
-            digest=digest,
-            fence=SparkSlotFence(generation=generation),
             hasher=hasher,
+            fence=SparkSlotFence(generation=generation),
         )
         msg = messages.Open(
             session=self.session,
@@ -439,7 +428,6 @@ class SparkProtocol:
         new = [int(t) for t in tokens]
         state.prefix.extend(new)
         state.hasher.extend(new)  # O(new tokens), not a pass over the prefix
-        state.digest = state.hasher.value
         state.fence.last_round = max(state.fence.last_round, round_id)
         msg = messages.Commit(
             session=self.session,
@@ -602,7 +590,8 @@ class SparkProtocol:
         # nonces, this side's HELLO and the CHALLENGE (§5.1).
         challenge = bytes(frame.raw[framing.PREAMBLE_SIZE :])
         k_sw, k_ws = integrity.frame_keys(psk, self._hello_header, challenge)
-        self._sealer, self._opener = integrity.Sealer(k_sw), integrity.Opener(k_ws)
+        self._sealer = integrity.Sealer(k_sw)
+        self._receive_rule.start(k_ws)
 
     def _on_hello(self, peer: Message, _frame: framing.Frame) -> None:
         assert isinstance(peer, messages.Hello)

@@ -17,7 +17,7 @@ import secrets
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -140,12 +140,16 @@ class WorkerSlot:
     context: int
     eos: int | None
     prefix: array[int]
-    digest: int
+    hasher: PrefixDigest  # the prefix's digest, extended as it grows
     fence: WorkerSlotFence
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
-    hasher: PrefixDigest = field(default_factory=PrefixDigest)
+
+    @property
+    def digest(self) -> int:
+        """The committed prefix's digest."""
+        return self.hasher.value
 
 
 _NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)
@@ -177,7 +181,7 @@ class WorkerProtocol:
         self._challenge_header = b""
         # Frame integrity (§5.1): set once the handshake with a key completes.
         self._sealer: integrity.Sealer | None = None
-        self._opener: integrity.Opener | None = None
+        self._receive_rule = integrity.ReceiveRule()
         self._peer: Hello | None = None
         self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
             MsgType.PING: self._on_ping,
@@ -223,15 +227,16 @@ class WorkerProtocol:
         return self._take_events()
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[WorkerEvent]:
-        """Feed received bytes; returns the events they caused."""
-        if self.closed:
-            return []
-        try:
-            frames = self.decoder.feed(data)
-        except ProtocolError as exc:
-            self._fatal(exc.code, None)
-            return self._take_events()
-        return self.receive_frames(frames, now)
+        """Feed received bytes (copied into the decoder); returns the events they caused."""
+        src = memoryview(data).cast("B")
+        events: list[WorkerEvent] = []
+        while src and not self.closed:
+            dst = self.get_buffer()
+            n = min(len(dst), len(src))
+            dst[:n] = src[:n]
+            src = src[n:]
+            events += self.buffer_updated(n, now)
+        return events
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -287,32 +292,15 @@ class WorkerProtocol:
                 break
             if frame is None:
                 break
-            # Only whole frames of real work are activity: a peer that only pings, or
-            # trickles the bytes of one frame, is idle and cannot hold a connection slot.
-            if not self._tag_ok(frame):
+            if not self._receive_rule.accepts(frame):
                 self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
                 break
+            # Only whole frames of real work are activity: a peer that only pings, or
+            # trickles the bytes of one frame, is idle and cannot hold a connection slot.
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
             self._dispatch(frame)
             handled += 1
-        return self._take_events()
-
-    def receive_frames(self, frames: list[framing.Frame], now: float) -> list[WorkerEvent]:
-        """Handle frames decoded elsewhere (a buffered transport's decoder)."""
-        if any(f.type not in _NOT_ACTIVITY for f in frames):
-            self.last_activity = now
-        for frame in frames:
-            if self.closed:
-                break
-            if not self._tag_ok(frame):
-                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
-                break
-            self._dispatch(frame)
-        # Valid frames ahead of a framing error are handled first, then the error.
-        error = self.decoder.error
-        if error is not None and not self.closed:
-            self._fatal(error.code, None)
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
@@ -349,12 +337,6 @@ class WorkerProtocol:
                 t = sealer.tag_next(*parts)
                 out.append(t)
                 self._out_bytes += len(t)
-
-    def _tag_ok(self, frame: framing.Frame) -> bool:
-        """Whether ``frame`` is tagged exactly when §5.1 requires it, with the right tag."""
-        if self._opener is None:
-            return frame.tag is None
-        return self._opener.check(frame)
 
     def _refuse(
         self,
@@ -479,7 +461,8 @@ class WorkerProtocol:
         if cfg.psk is not None:
             # From here every frame, this HELLO first, is tagged both ways (§5.1).
             k_sw, k_ws = integrity.frame_keys(cfg.psk, self._hello_header, self._challenge_header)
-            self._sealer, self._opener = integrity.Sealer(k_ws), integrity.Opener(k_sw)
+            self._sealer = integrity.Sealer(k_ws)
+            self._receive_rule.start(k_sw)
         # The reply echoes the Spark side's limits: no silent downgrade.
         reply = build_hello(
             Role.WORKER,
@@ -558,9 +541,8 @@ class WorkerProtocol:
             context=msg.context,
             eos=msg.eos,
             prefix=prefix,
-            digest=digest,
-            fence=WorkerSlotFence(generation=msg.generation),
             hasher=hasher,
+            fence=WorkerSlotFence(generation=msg.generation),
         )
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
@@ -715,7 +697,6 @@ class WorkerProtocol:
             return
         slot.prefix.extend(new)
         slot.hasher = hasher
-        slot.digest = digest
         slot.fence.committed_round = msg.round
         slot.fence.last_commit = msg
         slot.reply = None

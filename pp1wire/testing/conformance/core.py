@@ -100,8 +100,7 @@ class Peer:
         self.eof = False
         # Frame integrity (§5.1) once a keyed handshake has sent AUTH.
         self.sealer: integrity.Sealer | None = None
-        self.opener: integrity.Opener | None = None
-        self.tags_seen = False
+        self.receive_rule = integrity.ReceiveRule(integrity.SPARK_UNTAGGED_BEFORE_HELLO)
         self._checked_ahead = 0  # frames at the front of pending already tag-checked
 
     async def connect(self) -> Peer:
@@ -133,16 +132,13 @@ class Peer:
         self.send(self.frame(msg, payload))
 
     def _check_tag(self, frame: framing.Frame) -> None:
-        if frame.tag is not None:
-            if self.opener is None:
-                raise CaseFailed(f"worker tagged a frame before the keys exist: {describe(frame)}")
-            if not self.opener.check(frame):
-                raise CaseFailed(f"worker sent a frame with a wrong tag: {describe(frame)}")
-            self.tags_seen = True
-        elif self.opener is not None and (
-            self.tags_seen or frame.type not in (MsgType.ERROR, MsgType.PING, MsgType.PONG)
-        ):
-            raise CaseFailed(f"worker sent an untagged frame after AUTH: {describe(frame)}")
+        if not self.receive_rule.accepts(frame):
+            raise CaseFailed(f"worker's frame breaks the tag rules of §5.1: {describe(frame)}")
+
+    @property
+    def tags_seen(self) -> bool:
+        """Whether the worker has sent a tagged frame (its HELLO, on a keyed connection)."""
+        return self.receive_rule.tags_seen
 
     async def _read_more(self, deadline: float) -> bool:
         assert self.reader is not None
@@ -308,7 +304,8 @@ class Peer:
             self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
             challenge = bytes(reply.raw[framing.PREAMBLE_SIZE :])
             k_sw, k_ws = integrity.frame_keys(self.s.psk, header, challenge)
-            self.sealer, self.opener = integrity.Sealer(k_sw), integrity.Opener(k_ws)
+            self.sealer = integrity.Sealer(k_sw)
+            self.receive_rule.start(k_ws)
             reply = await self.next()
             if reply is not None and reply.type is MsgType.HELLO and reply.tag is None:
                 raise CaseFailed("the worker's HELLO after AUTH is not tagged (§5.1)")
