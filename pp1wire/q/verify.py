@@ -317,6 +317,22 @@ class RequestVerifier:
         """
         self.check_proposal(proposal)
         self.last_round = proposal.round_id
+        return self._verify(proposal, commit=True)
+
+    def evaluate(self, proposal: Proposal) -> RoundResult:
+        """What :meth:`verify` would commit, committing nothing (the round is not spent).
+
+        A tensor-parallel group evaluates on the owning rank, votes, and only
+        then lets every rank :meth:`apply` the result.
+
+        Raises:
+            VerifyError: as :meth:`verify`; a ``TARGET_*`` failure poisons the
+                request (see :meth:`discard`).
+        """
+        self.check_proposal(proposal)
+        return self._verify(proposal, commit=False)
+
+    def _verify(self, proposal: Proposal, *, commit: bool) -> RoundResult:
         if self.audit:
             wrong = audit_mismatch(proposal, self.seed, self.vocab_size)
             if wrong is not None:
@@ -336,15 +352,17 @@ class RequestVerifier:
                 new.append(x)
                 context.append(x)
                 if x == self.eos:
-                    return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS)
+                    return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS, commit)
                 continue
             counts = row.dense_counts(self.vocab_size)
             y = residual_sample(p, counts, streams.u53_int(Domain.CORRECTION, start + i))
-            return self._commit(proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION)
+            return self._commit(
+                proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION, commit
+            )
         p = self._p(context)
         position = start + len(proposal.rows)
         b = sample_weights(p, streams.u53_int(Domain.CORRECTION, position))
-        return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS)
+        return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS, commit)
 
     def decode_target_only(self, round_id: int) -> RoundResult:
         """Sample one token from the target alone (fallback and depth 0).
@@ -356,25 +374,76 @@ class RequestVerifier:
         self._require_live()
         self._claim_round(round_id)
         self.last_round = round_id
+        return self._target_only(round_id, commit=True)
+
+    def evaluate_target_only(self, round_id: int) -> RoundResult:
+        """What :meth:`decode_target_only` would commit, committing nothing.
+
+        Raises:
+            VerifyError: as :meth:`decode_target_only`.
+        """
+        self._require_live()
+        self._claim_round(round_id)
+        return self._target_only(round_id, commit=False)
+
+    def _target_only(self, round_id: int, *, commit: bool) -> RoundResult:
         p = self._p(self.committed)
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, round_id)
         token = sample_weights(p, streams.u53_int(Domain.TARGET, self.position))
-        return self._commit(round_id, [token], 0, token, Outcome.TARGET)
+        return self._commit(round_id, [token], 0, token, Outcome.TARGET, commit)
+
+    def apply(self, result: RoundResult) -> None:
+        """Commit a result that :meth:`evaluate` or :meth:`evaluate_target_only`
+        produced for this state (here or on another rank holding the same state).
+
+        Raises:
+            VerifyError: ``SESSION_POISONED`` / ``REQUEST_FINISHED`` (nothing
+                changed), ``ROUND_REUSED`` if the round is not after the last
+                one, ``MALFORMED_PROPOSAL`` if the result is not a round that
+                could follow this prefix (empty, or a token outside the vocabulary).
+        """
+        self._require_live()
+        self._claim_round(result.round_id)
+        tokens = list(result.tokens)
+        if not tokens or any(not 0 <= t < self.vocab_size for t in tokens):
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "result tokens out of range")
+        if not 0 <= result.accepted <= len(tokens):
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "accepted count out of range")
+        self.last_round = result.round_id
+        self._commit(
+            result.round_id, tokens, result.accepted, result.extra, result.outcome, commit=True
+        )
+
+    def discard(self) -> None:
+        """Forget a failed evaluation: clear poisoning, keep prefix, generation and rounds.
+
+        For a group that voted the round away: the next attempt (target-only,
+        from the same committed prefix) may evaluate the target again.
+        """
+        self.poisoned = False
 
     def _commit(
-        self, round_id: int, tokens: list[int], accepted: int, extra: int | None, outcome: Outcome
+        self,
+        round_id: int,
+        tokens: list[int],
+        accepted: int,
+        extra: int | None,
+        outcome: Outcome,
+        commit: bool,
     ) -> RoundResult:
-        self.committed.extend(tokens)
-        self._digest.extend(tokens)
-        self.finished = self.eos is not None and tokens[-1] == self.eos
+        finished = self.eos is not None and tokens[-1] == self.eos
+        if commit:
+            self.committed.extend(tokens)
+            self._digest.extend(tokens)
+            self.finished = finished
         return RoundResult(
             round_id=round_id,
             accepted=accepted,
             tokens=tuple(tokens),
             extra=extra,
             outcome=outcome,
-            finished=self.finished,
-            new_position=self.position,
+            finished=finished,
+            new_position=len(self.committed) + (0 if commit else len(tokens)),
         )
 
 
