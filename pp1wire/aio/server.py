@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.messages import Error, Scope
+from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 log = logging.getLogger("pp1wire.worker")
@@ -59,6 +59,15 @@ class WorkerMetrics:
             "pp1_worker_replays", "Retried STEPs answered from the cache.", registry=r
         )
         self.rows = Counter("pp1_worker_rows", "REPLY rows sent.", registry=r)
+        self.commits = Counter(
+            "pp1_worker_commits",
+            "COMMITs applied, by round: proposed (a drawn proposal's round) or target_only.",
+            ["round"],
+            registry=r,
+        )
+        self.committed_tokens = Counter(
+            "pp1_worker_committed_tokens", "Tokens appended to slot prefixes by COMMIT.", registry=r
+        )
         self.reply_bytes = Counter("pp1_worker_reply_bytes", "Bytes of replies sent.", registry=r)
         self.failed_steps = Counter(
             "pp1_worker_failed_proposals",
@@ -304,6 +313,9 @@ class _Conn(asyncio.BufferedProtocol):
                     m.rows.inc(e.rows)
             elif isinstance(e, worker_core.StepReplayed):
                 m.replays.inc()
+            elif isinstance(e, worker_core.SlotEvent) and e.kind is MsgType.COMMIT:
+                m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
+                m.committed_tokens.inc(e.tokens)
             elif isinstance(e, worker_core.Refused):
                 m.refusals.labels(code=e.code.name.lower()).inc()
                 log.info(

@@ -116,6 +116,8 @@ class SlotEvent:
     slot: int
     generation: int
     position: int
+    tokens: int = 0  # COMMIT: tokens appended
+    proposed: bool = False  # COMMIT: the round is the slot's last drawn proposal (not target-only)
 
 
 @dataclass(frozen=True)
@@ -711,7 +713,16 @@ class WorkerProtocol:
         )
         slot.committed_msg = ack
         self._send(ack)
-        self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(slot.prefix)))
+        self._events.append(
+            SlotEvent(
+                kind,
+                msg.slot,
+                msg.generation,
+                len(slot.prefix),
+                tokens=len(new),
+                proposed=msg.round == slot.fence.last_step_round,
+            )
+        )
 
     def _on_reset(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Reset)
