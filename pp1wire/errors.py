@@ -125,6 +125,10 @@ class ErrorCode(IntEnum):
     NOT_READY = 120
     SLOT_BUSY = 121
     SLOT_DESYNCED = 122
+    # Spark tensor-parallel group (docs/tp.md): rank-local, never on the wire.
+    GROUP_COPY_MISMATCH = 123
+    GROUP_OUTCOME_MISMATCH = 124
+    GROUP_FAILED = 125
 
     INTERNAL = 127
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pp1wire"
 # Lowest first. A module may import its own layer and the ones before it.
-LAYERS = ["errors", "q", "wire", "aio", "apps", "testing"]
+LAYERS = ["errors", "q", "wire", "aio", "tp", "apps", "testing"]
 
 
 def _layer(module: str) -> int | None:

@@ -28,16 +28,17 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import prometheus_client as prom
 
 from pp1wire.aio.client import AsyncClient, ClientClosedError
 from pp1wire.aio.server import SECONDS_BUCKETS
-from pp1wire.apps import metrics
+from pp1wire.apps import metrics, spark_tp
 from pp1wire.apps.settings import (
     SettingsError,
     add_common_flags,
@@ -57,7 +58,11 @@ from pp1wire.q.verify import RequestVerifier, RoundResult, TargetFn
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig
 
+if TYPE_CHECKING:
+    from pp1wire.tp.group import Decision, SparkGroup
+
 log = logging.getLogger("pp1wire.apps.spark")
+_T = TypeVar("_T")
 
 
 class SparkMetrics:
@@ -101,6 +106,18 @@ class SparkMetrics:
             "Proposals whose drafts are not what the worker's own draw selects from its q.",
             registry=r,
         )
+        self.tp_votes_failed = prom.Counter(
+            "pp1_tp_votes_failed",
+            "TP group attempts voted down, by the reason each no-vote gave.",
+            ["reason"],
+            registry=r,
+        )
+        self.tp_fanout_bytes = prom.Counter(
+            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
+        )
+        self.tp_fanout_seconds = prom.Counter(
+            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
+        )
         self.rtt = prom.Histogram(
             "pp1_proposal_round_trip_seconds",
             "STEP sent to proposal validated, seconds.",
@@ -143,9 +160,20 @@ class RequestResult:
 class Runner:
     """Drives many requests through one (re)connecting client."""
 
-    def __init__(self, args: argparse.Namespace, target: TargetFn, prompts: list[list[int]]):
-        """Prepare a run from parsed settings."""
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        target: TargetFn,
+        prompts: list[list[int]],
+        group: SparkGroup | None = None,
+    ):
+        """Prepare a run from parsed settings; ``group``: rank 0 of a Spark TP group."""
         self.args = args
+        self.group = group
+        # One thread runs the group's collectives, in the order rounds submit them.
+        self._group_thread = ThreadPoolExecutor(1, "pp1-tp") if group is not None else None
+        self.group_failure: Pp1Error | None = None
+        self._votes_counted: Counter[str] = Counter()
         self.target = target
         self.prompts = prompts
         self.support = parse_support(args.support)
@@ -268,6 +296,31 @@ class Runner:
             eos=args.eos,
             audit=args.audit,
         )
+        try:
+            await self._rounds(slot, index, verifier, prompt, result)
+        except Pp1Error as exc:
+            if exc.code is not ErrorCode.GROUP_FAILED:
+                raise
+            # Nothing of the failed round was committed on any rank or sent to the worker.
+            self.group_failure = exc
+            self.stopping = True
+        result.finished = verifier.finished or (
+            len(verifier.committed) - len(prompt) >= args.max_tokens
+        )
+        result.tokens = list(verifier.committed[len(prompt) :])
+        if result.finished:
+            self.metrics.requests.inc()
+        return result
+
+    async def _rounds(
+        self,
+        slot: int,
+        index: int,
+        verifier: RequestVerifier,
+        prompt: list[int],
+        result: RequestResult,
+    ) -> None:
+        args = self.args
         opened: AsyncClient | None = None
         generation: int | None = None
         refused: str | None = None  # the worker's refusal of our last OPEN, if any
@@ -278,7 +331,7 @@ class Runner:
                 and not self.stopping
             ):
                 if args.depth == 0:
-                    res = verifier.decode_target_only(verifier.last_round + 1)
+                    res = await self._target_only(index, verifier, verifier.last_round + 1)
                     self._record(result, res, None, 0)
                     continue
                 client = await self.live_client()
@@ -288,7 +341,7 @@ class Runner:
                         # earlier instance (or connection) can match the new fencing.
                         generation = await client.open(
                             slot,
-                            seed=seed,
+                            seed=verifier.seed,
                             prefix=verifier.committed,
                             eos=args.eos,
                             at_least=0 if generation is None else generation + 1,
@@ -302,11 +355,11 @@ class Runner:
                         opened = None
                         client = None
                 if client is None or opened is not client:
-                    res = verifier.decode_target_only(verifier.last_round + 1)
+                    res = await self._target_only(index, verifier, verifier.last_round + 1)
                     self._record(result, res, refused or "connection_lost", 0)
                     await asyncio.sleep(0)
                     continue
-                res, reason, drafted = await self._round(client, slot, verifier)
+                res, reason, drafted = await self._round(client, slot, index, verifier)
                 self._record(result, res, reason, drafted)
                 try:
                     client.commit(
@@ -320,20 +373,41 @@ class Runner:
         finally:
             if opened is not None and not opened.closed:
                 await self._close_slot(opened, slot)
-        result.finished = verifier.finished or (
-            len(verifier.committed) - len(prompt) >= args.max_tokens
-        )
-        result.tokens = list(verifier.committed[len(prompt) :])
-        if result.finished:
-            self.metrics.requests.inc()
-        return result
 
     async def _close_slot(self, client: AsyncClient, slot: int) -> None:
         with contextlib.suppress(Pp1Error):
             await client.close_slot(slot)
 
+    async def _in_group(self, call: Callable[..., _T], *args: Any) -> _T:
+        """Run a group call on the collective thread; the event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._group_thread, call, *args)
+        finally:
+            self._count_group()
+
+    def _count_group(self) -> None:
+        if self.group is None:
+            return
+        m, stats = self.metrics, self.group.stats
+        m.tp_fanout_bytes.inc(stats.fanout_bytes - metrics.total(m.tp_fanout_bytes))
+        m.tp_fanout_seconds.inc(stats.fanout_seconds - metrics.total(m.tp_fanout_seconds))
+        for reason, n in stats.votes_failed.items():
+            m.tp_votes_failed.labels(reason=reason).inc(n - self._votes_counted[reason])
+            self._votes_counted[reason] = n
+
+    async def _target_only(
+        self, index: int, verifier: RequestVerifier, round_id: int
+    ) -> RoundResult:
+        """Decode ``round_id`` target-only: here, or on the request's owner in the group."""
+        if self.group is None:
+            return verifier.decode_target_only(round_id)
+        decision = await self._in_group(self.group.lead_target_only, index, verifier, round_id)
+        assert decision.result is not None  # a voted-down target-only attempt raises
+        return decision.result
+
     async def _round(
-        self, client: AsyncClient, slot: int, verifier: RequestVerifier
+        self, client: AsyncClient, slot: int, index: int, verifier: RequestVerifier
     ) -> tuple[RoundResult, str | None, int]:
         """One round: a verified proposal, or a target-only token and the reason."""
         started = time.perf_counter()
@@ -350,7 +424,18 @@ class Runner:
             if len(self.round_trips) < 100_000:
                 self.round_trips.append(rtt)
             try:
+                if self.group is not None:
+                    decision: Decision = await self._in_group(
+                        self.group.lead_proposal, index, verifier, proposal
+                    )
+                    if decision.result is not None:
+                        return decision.result, None, len(proposal.rows)
+                    if any(c is ErrorCode.AUDIT_MISMATCH for _, c in decision.failures):
+                        self.metrics.audit_failures.inc()
+                    raise _VotedDownError(decision.reason)
                 return verifier.verify(proposal), None, len(proposal.rows)
+            except _VotedDownError as exc:
+                reason = str(exc)
             except VerifyError as exc:
                 if exc.code is ErrorCode.AUDIT_MISMATCH:
                     self.metrics.audit_failures.inc()
@@ -363,7 +448,7 @@ class Runner:
             round_id = client.new_round(slot)
         except Pp1Error:
             round_id = verifier.last_round + 1
-        res = verifier.decode_target_only(max(round_id, verifier.last_round + 1))
+        res = await self._target_only(index, verifier, max(round_id, verifier.last_round + 1))
         return res, reason, 0
 
     def _record(
@@ -386,6 +471,10 @@ class Runner:
         m.accepted.inc(res.accepted)
         for child in m.per_position[: res.accepted]:
             child.inc()
+
+
+class _VotedDownError(Exception):
+    """The TP group discarded a proposal; the message is the first no-vote's reason."""
 
 
 def parse_support(text: str) -> int | None:
@@ -481,6 +570,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reply-timeout", type=seconds, default=5.0, help="seconds per proposal")
     p.add_argument("--connect-timeout", type=seconds, default=10.0)
     p.add_argument("--tls-ca", default=None, help="CA / certificate file: connect with TLS")
+    p.add_argument(
+        "--tp",
+        type=positive,
+        default=1,
+        help="tensor-parallel ranks (needs torch); above 1 this starts them with torch's "
+        "elastic launcher; under torchrun the launcher's world size is used",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=seconds,
+        default=30.0,
+        help="seconds any TP collective may wait for a rank before the group fails closed",
+    )
     add_common_flags(p, log_level="warning")
     return p
 
@@ -514,8 +616,11 @@ def summarize(results: list[RequestResult], runner: Runner, seconds: float) -> d
     }
 
 
-async def run(args: argparse.Namespace) -> int:
-    """Run the requests; returns the exit code."""
+async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Run the requests; returns the exit code.
+
+    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
+    """
     if not 0 <= args.depth <= 5:
         raise SettingsError("--depth must be in 0..5")
     if args.concurrency < 1 or args.requests < 0 or args.max_tokens < 0:
@@ -526,9 +631,16 @@ async def run(args: argparse.Namespace) -> int:
     longest = max(len(p) for p in prompts)
     if longest > args.max_prefix:
         raise SettingsError(f"a prompt of {longest} tokens is longer than --max-prefix")
-    output = open_output(args.output)
+    world = spark_tp.world_size(args)
+    if world > 1 and not spark_tp.in_launched_rank():
+        # On this (main) thread: the launcher installs signal handlers to stop its ranks.
+        return spark_tp.launch(world, argv)
+    group = spark_tp.join(args, args.vocab) if world > 1 else None
     target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
-    runner = Runner(args, target, prompts)
+    if group is not None and group.rank != 0:
+        return spark_tp.follow(args, group, target, prompts)  # only rank 0 writes --output
+    output = open_output(args.output)
+    runner = Runner(args, target, prompts, group)
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -555,6 +667,12 @@ async def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = await runner.run()
     seconds = time.perf_counter() - started
+    reports = None
+    if group is not None and runner.group_failure is None:
+        try:
+            reports = await runner._in_group(group.lead_stop)
+        except Pp1Error as exc:
+            runner.group_failure = exc
     if runner.client is not None:
         await runner.client.close()
     if metrics_server is not None:
@@ -564,10 +682,19 @@ async def run(args: argparse.Namespace) -> int:
             for r in results:
                 output.write(json.dumps(r.as_json()) + "\n")
     summary = summarize(results, runner, seconds)
+    if group is not None:
+        summary.update(spark_tp.summary(reports or [], group))
+        if runner.group_failure is not None:
+            summary["tp_failure"] = str(runner.group_failure)
     if args.json:
         print(json.dumps(summary))
     else:
         print_summary(summary, args)
+    if runner.group_failure is not None:
+        print(f"pp1-spark: TP group failed: {runner.group_failure}", file=sys.stderr, flush=True)
+        return spark_tp.GROUP_FAILED_EXIT
+    if group is not None:
+        spark_tp.leave()
     return refused_by_configuration(summary, args.depth)
 
 
@@ -626,7 +753,8 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-spark`` entry point."""
-    return run_daemon("pp1-spark", build_parser(), argv, run)
+    line = list(sys.argv[1:] if argv is None else argv)
+    return run_daemon("pp1-spark", build_parser(), line, lambda args: run(args, line))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""TESTING ONLY: ``pp1-spark`` ranks with injected faults, for the TP group's fault tests.
+
+Run under torchrun (never reachable from ``pp1-spark``'s own flags)::
+
+    torchrun --standalone --nproc-per-node 2 -m pp1wire.testing.tp_faults \\
+        --fault corrupt:1:3 -- <pp1-spark flags>
+
+``--fault KIND:RANK:ATTEMPT`` (repeatable) fires on rank ``RANK`` at group
+attempt ``ATTEMPT`` (1-based, counted the same on every rank; ``*`` = every
+attempt). Kinds:
+
+- ``corrupt``: flip one byte of this rank's received payload (attempts with rows);
+- ``target``: this rank's target evaluation fails (when it owns the request);
+- ``late``: sleep ``PP1_TP_LATE_S`` seconds (default 3) before the vote;
+- ``die``: SIGKILL this rank before the vote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pp1wire.apps import spark, spark_tp
+
+KINDS = ("corrupt", "target", "late", "die")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault."""
+
+    kind: str
+    rank: int
+    attempt: int | None  # None: every attempt
+
+    def fires(self, rank: int, attempt: int) -> bool:
+        """Whether this fault applies to ``rank`` at ``attempt``."""
+        return rank == self.rank and self.attempt in (None, attempt)
+
+
+def parse_fault(text: str) -> Fault:
+    """``KIND:RANK:ATTEMPT`` → Fault.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    kind, _, rest = text.partition(":")
+    rank, _, attempt = rest.partition(":")
+    if kind not in KINDS or not rank.isdigit() or not (attempt == "*" or attempt.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: use KIND:RANK:ATTEMPT, KIND in {KINDS}")
+    return Fault(kind, int(rank), None if attempt == "*" else int(attempt))
+
+
+class InjectedFaults:
+    """The :class:`pp1wire.tp.group.Faults` hooks for a list of faults."""
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        """Hooks that fire ``faults``."""
+        self.faults = list(faults)
+
+    def _fires(self, kind: str, rank: int, attempt: int) -> bool:
+        return any(f.kind == kind and f.fires(rank, attempt) for f in self.faults)
+
+    def corrupt_copy(self, rank: int, attempt: int) -> bool:
+        """See :class:`pp1wire.tp.group.Faults`."""
+        return self._fires("corrupt", rank, attempt)
+
+    def fail_target(self, rank: int, attempt: int) -> bool:
+        """See :class:`pp1wire.tp.group.Faults`."""
+        return self._fires("target", rank, attempt)
+
+    def before_vote(self, rank: int, attempt: int) -> None:
+        """See :class:`pp1wire.tp.group.Faults`."""
+        if self._fires("late", rank, attempt):
+            time.sleep(float(os.environ.get("PP1_TP_LATE_S", "3")))
+        if self._fires("die", rank, attempt):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Install the faults, then run ``pp1-spark`` with the flags after ``--``."""
+    line = list(sys.argv[1:] if argv is None else argv)
+    split = line.index("--") if "--" in line else len(line)
+    p = argparse.ArgumentParser(prog="pp1wire.testing.tp_faults")
+    p.add_argument("--fault", type=parse_fault, action="append", default=[])
+    args = p.parse_args(line[:split])
+    spark_tp.FAULTS = InjectedFaults(args.fault)
+    return spark.main(line[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

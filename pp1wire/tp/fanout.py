@@ -1,0 +1,289 @@
+"""What rank 0 publishes to a Spark TP group each attempt, as fixed-size words and bytes.
+
+Pure numpy (no torch): the header and the outcome are ``int64[16]`` vectors so
+that every rank runs collectives of the same shape whatever the path; the rows
+travel as one byte payload whose length the header gives. ``docs/tp.md`` is the
+normative description of every word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from pp1wire.errors import ErrorCode, ValidationError
+from pp1wire.q import dyadic
+from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
+from pp1wire.q.verify import Outcome, RoundResult
+
+WORDS = 16
+"""Length of the header, outcome and vote vectors (int64)."""
+VOTE_WORDS = 3
+_MASK64 = (1 << 64) - 1
+_OUTCOMES = list(Outcome)
+Words = npt.NDArray[np.int64]
+
+
+class Kind(IntEnum):
+    """What an attempt is."""
+
+    STOP = 0
+    PROPOSAL = 1
+    TARGET_ONLY = 2
+
+
+def signed(value: int) -> int:
+    """A uint64 as the int64 with the same bits (words are int64 on every backend)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def unsigned(value: int) -> int:
+    """Inverse of :func:`signed`."""
+    return value & _MASK64
+
+
+def digest(data: bytes | npt.NDArray[np.generic]) -> int:
+    """xxh3-64 of the bytes, as a signed word."""
+    raw = data if isinstance(data, bytes) else np.ascontiguousarray(data).data
+    return signed(int(xxhash.xxh3_64_intdigest(raw)))
+
+
+def owner_of(request: int, world: int) -> int:
+    """The rank that evaluates ``request``: requests are dealt round-robin by index.
+
+    This is the mapping a batch-sharded runner uses when it deals request ``i``
+    of a batch to rank ``i mod world``; it is the only place the choice is made.
+    """
+    return request % world
+
+
+@dataclass(frozen=True)
+class Header:
+    """One attempt's key: which request, which round, what rows follow."""
+
+    kind: Kind
+    attempt: int = 0
+    request: int = 0
+    session: int = 0
+    generation: int = 0
+    round_id: int = 0
+    position: int = 0
+    prefix_digest: int = 0
+    depth: int = 0
+    rows: int = 0
+    sparse: bool = False
+    nbytes: int = 0
+    payload_digest: int = 0
+    context: int = 0
+
+    def words(self) -> Words:
+        """The header as ``int64[WORDS]``."""
+        out = np.zeros(WORDS, dtype=np.int64)
+        out[:14] = [
+            int(self.kind),
+            self.attempt,
+            self.request,
+            self.session,
+            self.generation,
+            self.round_id,
+            self.position,
+            signed(self.prefix_digest),
+            self.depth,
+            self.rows,
+            int(self.sparse),
+            self.nbytes,
+            self.payload_digest,
+            self.context,
+        ]
+        return out
+
+    @classmethod
+    def from_words(cls, words: Words, max_payload: int) -> Header:
+        """Read a header, refusing one no rank 0 of this protocol could have sent.
+
+        Raises:
+            ValidationError: ``HEADER_INVALID`` for an unknown kind, a row count
+                outside ``0..MAX_DEPTH`` or a payload over ``max_payload`` bytes
+                (checked before any payload buffer is allocated).
+        """
+        w = [int(v) for v in words.tolist()]
+        if w[0] not in (k.value for k in Kind):
+            raise ValidationError(ErrorCode.HEADER_INVALID, f"unknown attempt kind {w[0]}")
+        if not 0 <= w[9] <= MAX_DEPTH or not 0 <= w[11] <= max_payload or w[10] not in (0, 1):
+            raise ValidationError(ErrorCode.HEADER_INVALID, "attempt header out of bounds")
+        return cls(
+            kind=Kind(w[0]),
+            attempt=w[1],
+            request=w[2],
+            session=w[3],
+            generation=w[4],
+            round_id=w[5],
+            position=w[6],
+            prefix_digest=unsigned(w[7]),
+            depth=w[8],
+            rows=w[9],
+            sparse=bool(w[10]),
+            nbytes=w[11],
+            payload_digest=w[12],
+            context=w[13],
+        )
+
+
+def max_payload(vocab_size: int) -> int:
+    """The most bytes a payload may hold: MAX_DEPTH rows of ``vocab_size`` ids and values."""
+    return MAX_DEPTH * (8 + 8 * vocab_size)
+
+
+def _q32(row: QRow) -> npt.NDArray[np.float32]:
+    if row.q32 is not None:
+        return row.q32
+    assert row.counts is not None
+    # Exact: a count is at most 2**24, which float32 holds, and /2**24 only moves the exponent.
+    return (row.counts.astype(np.float64) / dyadic.M).astype(np.float32)
+
+
+def pack_rows(rows: Sequence[QRow]) -> tuple[bytes, bool]:
+    """The rows as one payload: tokens, lengths, then per row (ids if sparse) and q32.
+
+    Returns the payload and whether the rows are sparse.
+
+    Raises:
+        ValueError: if dense and sparse rows are mixed.
+    """
+    sparse = bool(rows) and rows[0].ids is not None
+    if any((r.ids is not None) != sparse for r in rows):
+        raise ValueError("a proposal's rows are all dense or all sparse")
+    parts: list[bytes | npt.NDArray[np.generic]] = [
+        np.array([r.token for r in rows], dtype="<i4"),
+        np.array([r.length for r in rows], dtype="<i4"),
+    ]
+    for r in rows:
+        if sparse:
+            assert r.ids is not None
+            parts.append(np.ascontiguousarray(r.ids, dtype="<i4"))
+        parts.append(np.ascontiguousarray(_q32(r), dtype="<f4"))
+    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in parts), sparse
+
+
+def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tuple[QRow, ...]:
+    """The rows :func:`pack_rows` wrote; q views ``payload`` (no copy).
+
+    Raises:
+        ValidationError: ``PAYLOAD_LENGTH`` if the lengths do not fill the payload exactly.
+    """
+    head = 8 * rows
+    if payload.nbytes < head:
+        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "payload shorter than its row table")
+    tokens = payload[: 4 * rows].view("<i4")
+    lengths = payload[4 * rows : head].view("<i4")
+    per_entry = 8 if sparse else 4
+    if int(lengths.min(initial=0)) < 0 or head + per_entry * int(lengths.sum()) != payload.nbytes:
+        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "row lengths do not fill the payload")
+    out = []
+    at = head
+    for token, length in zip(tokens.tolist(), lengths.tolist(), strict=True):
+        ids = None
+        if sparse:
+            ids = payload[at : at + 4 * length].view("<i4").astype(np.int32, copy=False)
+            at += 4 * length
+        q32 = payload[at : at + 4 * length].view("<f4").astype(np.float32, copy=False)
+        at += 4 * length
+        out.append(QRow(token=int(token), q32=q32, ids=ids))
+    return tuple(out)
+
+
+def proposal_of(header: Header, rows: tuple[QRow, ...]) -> Proposal:
+    """The proposal a PROPOSAL header and its rows describe."""
+    return Proposal(
+        session=header.session,
+        generation=header.generation,
+        round_id=header.round_id,
+        position=header.position,
+        digest=header.prefix_digest,
+        depth=header.depth,
+        rows=rows,
+        context=header.context,
+    )
+
+
+def header_of(
+    attempt: int, request: int, proposal: Proposal, payload: bytes, sparse: bool
+) -> Header:
+    """The PROPOSAL header for ``proposal`` packed as ``payload``."""
+    return Header(
+        kind=Kind.PROPOSAL,
+        attempt=attempt,
+        request=request,
+        session=proposal.session,
+        generation=proposal.generation,
+        round_id=proposal.round_id,
+        position=proposal.position,
+        prefix_digest=proposal.digest,
+        depth=proposal.depth,
+        rows=len(proposal.rows),
+        sparse=sparse,
+        nbytes=len(payload),
+        payload_digest=digest(payload),
+        context=proposal.context,
+    )
+
+
+def encode_outcome(result: RoundResult | None, reason: ErrorCode | None) -> Words:
+    """The owner's outcome words.
+
+    ``[ok, reason, round, accepted, n, outcome, finished, extra, tokens…]``, -1 padded.
+    """
+    out = np.full(WORDS, -1, dtype=np.int64)
+    out[0] = int(result is not None)
+    out[1] = int(reason) if reason is not None else 0
+    if result is not None:
+        n = len(result.tokens)
+        out[2:8] = [
+            result.round_id,
+            result.accepted,
+            n,
+            _OUTCOMES.index(result.outcome),
+            int(result.finished),
+            -1 if result.extra is None else result.extra,
+        ]
+        out[8 : 8 + n] = result.tokens
+    return out
+
+
+def decode_outcome(words: Words) -> tuple[RoundResult | None, ErrorCode | None]:
+    """Inverse of :func:`encode_outcome`; an outcome that cannot be one reads as failed.
+
+    Never raises: an unreadable outcome is ``(None, GROUP_OUTCOME_MISMATCH)``.
+    """
+    w = [int(v) for v in words.tolist()]
+    reason = _code(w[1])
+    if w[0] != 1:
+        return None, reason or ErrorCode.GROUP_OUTCOME_MISMATCH
+    n = w[4]
+    if not 1 <= n <= MAX_DEPTH + 1 or not 0 <= w[5] < len(_OUTCOMES) or not 0 <= w[3] <= n:
+        return None, ErrorCode.GROUP_OUTCOME_MISMATCH
+    return (
+        RoundResult(
+            round_id=w[2],
+            accepted=w[3],
+            tokens=tuple(w[8 : 8 + n]),
+            extra=None if w[7] < 0 else w[7],
+            outcome=_OUTCOMES[w[5]],
+            finished=bool(w[6]),
+            new_position=-1,  # each rank's own prefix says where it lands
+        ),
+        None,
+    )
+
+
+def _code(value: int) -> ErrorCode | None:
+    try:
+        return ErrorCode(value) if value else None
+    except ValueError:
+        return ErrorCode.GROUP_OUTCOME_MISMATCH
