@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -60,14 +61,18 @@ def in_launched_rank() -> bool:
 def launch(tp: int, argv: Sequence[str]) -> int:
     """Start ``tp`` ranks of ``pp1-spark argv`` on this machine and wait for them.
 
-    Returns 0 when every rank exited 0, else the first failed rank's exit code
-    (one line on stderr names it).
+    Returns 0 when every rank exited 0 (or the launcher was stopped by SIGTERM
+    or SIGINT, which it passes on to the ranks and waits for), else the first
+    failed rank's exit code (one line on stderr names it).
 
     Raises:
         SettingsError: if torch is not installed.
     """
     try:
         # torch is an optional extra: imported only when --tp asks for ranks.
+        from torch.distributed.elastic.multiprocessing.api import (  # noqa: PLC0415
+            SignalException,
+        )
         from torch.distributed.elastic.multiprocessing.errors import (  # noqa: PLC0415
             ChildFailedError,
         )
@@ -90,6 +95,12 @@ def launch(tp: int, argv: Sequence[str]) -> int:
         rank, failure = exc.get_first_failure()
         print(f"pp1-spark: rank {rank} exited with {failure.exitcode}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:
+        # The launcher has passed the signal on and waited for the ranks: rank 0
+        # finished its rounds, wrote its results and stopped the group, as a
+        # single rank does on SIGTERM (followers ignore the signal).
+        print(f"pp1-spark: stopped by signal {exc.sigval}", file=sys.stderr)
+        return 0
     return 0
 
 
@@ -101,13 +112,22 @@ def join(args: argparse.Namespace, vocab_size: int) -> SparkGroup:
         RuntimeError: from ``torch.distributed`` if the rendezvous fails.
     """
     try:
+        import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
         from pp1wire.tp.group import SparkGroup  # noqa: PLC0415
     except ImportError:
         raise SettingsError("--tp above 1 needs torch: pip install 'pp1wire[tp]'") from None
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.group_timeout))
-    return SparkGroup(vocab_size, faults=FAULTS)
+    timeout = timedelta(seconds=args.group_timeout)
+    dist.init_process_group("gloo", timeout=timeout)
+    device_group, device = None, None
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        # Bulk q on the device fabric, control on gloo (the split engines use).
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        device_group = dist.new_group(backend="nccl", timeout=timeout)
+    return SparkGroup(vocab_size, device_group=device_group, device=device, faults=FAULTS)
 
 
 def leave() -> None:
@@ -142,6 +162,10 @@ def follow(
             verifier.session = header.session
         return verifier
 
+    # Rank 0 drives shutdown (it finishes its rounds and stops the group); a
+    # follower that left on SIGTERM would turn a clean stop into a group failure.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         group.follow(verifier_for)
     except Pp1Error as exc:
