@@ -78,6 +78,7 @@ def main() -> None:
                 "fanout_bytes_per_batch_round": two["tp_fanout_bytes"] / batch_rounds,
                 "fanout_ms_per_batch_round": two["tp_fanout_seconds"] / batch_rounds * 1e3,
                 "batch_rounds": batch_rounds,
+                "rounds_per_attempt": two["tp_rounds_per_attempt"],
             }
     if args.json:
         print(json.dumps(out))
@@ -90,7 +91,7 @@ def main() -> None:
             f"ms/round  TP2/TP1 {r['tp2_vs_tp1']:.2f} (range {r['tp2_vs_tp1_min_max'][0]:.2f}"
             f"-{r['tp2_vs_tp1_min_max'][1]:.2f})  fan-out "
             f"{r['fanout_bytes_per_batch_round']:,.0f} B / {r['fanout_ms_per_batch_round']:.2f} "
-            "ms per batch round"
+            f"ms per batch round; {r['rounds_per_attempt']:.2f} rounds per attempt"
         )
 
 

@@ -28,11 +28,10 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import prometheus_client as prom
 
@@ -55,6 +54,8 @@ from pp1wire.apps.settings import (
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, RoundResult, TargetFn
+from pp1wire.tp.batch import Batcher
+from pp1wire.tp.fanout import Item
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig
 
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
     from pp1wire.tp.group import Decision, SparkGroup
 
 log = logging.getLogger("pp1wire.apps.spark")
-_T = TypeVar("_T")
 
 
 class SparkMetrics:
@@ -170,8 +170,8 @@ class Runner:
         """Prepare a run from parsed settings; ``group``: rank 0 of a Spark TP group."""
         self.args = args
         self.group = group
-        # One thread runs the group's collectives, in the order rounds submit them.
-        self._group_thread = ThreadPoolExecutor(1, "pp1-tp") if group is not None else None
+        # Rounds go to the group in batches, on a thread of its own.
+        self.batcher = Batcher(group) if group is not None else None
         self.group_failure: Pp1Error | None = None
         self._votes_counted: Counter[str] = Counter()
         self.target = target
@@ -378,11 +378,11 @@ class Runner:
         with contextlib.suppress(Pp1Error):
             await client.close_slot(slot)
 
-    async def _in_group(self, call: Callable[..., _T], *args: Any) -> _T:
-        """Run a group call on the collective thread; the event loop keeps serving."""
-        loop = asyncio.get_running_loop()
+    async def _in_group(self, item: Item) -> Decision:
+        """The group's decision on ``item``; the event loop keeps serving meanwhile."""
+        assert self.batcher is not None
         try:
-            return await loop.run_in_executor(self._group_thread, call, *args)
+            return cast("Decision", await self.batcher.submit(item))
         finally:
             self._count_group()
 
@@ -402,7 +402,7 @@ class Runner:
         """Decode ``round_id`` target-only: here, or on the request's owner in the group."""
         if self.group is None:
             return verifier.decode_target_only(round_id)
-        decision = await self._in_group(self.group.lead_target_only, index, verifier, round_id)
+        decision = await self._in_group(Item(index, verifier, None, round_id))
         assert decision.result is not None  # a voted-down target-only attempt raises
         return decision.result
 
@@ -425,9 +425,7 @@ class Runner:
                 self.round_trips.append(rtt)
             try:
                 if self.group is not None:
-                    decision: Decision = await self._in_group(
-                        self.group.lead_proposal, index, verifier, proposal
-                    )
+                    decision = await self._in_group(Item(index, verifier, proposal))
                     if decision.result is not None:
                         return decision.result, None, len(proposal.rows)
                     if any(c is ErrorCode.AUDIT_MISMATCH for _, c in decision.failures):
@@ -670,7 +668,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     reports = None
     if group is not None and runner.group_failure is None:
         try:
-            reports = await runner._in_group(group.lead_stop)
+            assert runner.batcher is not None
+            reports = await runner.batcher.call(group.lead_stop)
         except Pp1Error as exc:
             runner.group_failure = exc
     if runner.client is not None:

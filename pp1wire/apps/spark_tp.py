@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -131,7 +132,13 @@ def join(args: argparse.Namespace, vocab_size: int) -> SparkGroup:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         device_group = dist.new_group(backend="nccl", timeout=timeout)
-    return SparkGroup(vocab_size, device_group=device_group, device=device, faults=FAULTS)
+    return SparkGroup(
+        vocab_size,
+        device_group=device_group,
+        device=device,
+        max_batch=args.concurrency,  # every slot's round can go in one attempt
+        faults=FAULTS,
+    )
 
 
 def leave() -> None:
@@ -166,10 +173,18 @@ def follow(
             verifier.session = header.session
         return verifier
 
-    # Rank 0 drives shutdown (it finishes its rounds and stops the group); a
-    # follower that left on SIGTERM would turn a clean stop into a group failure.
+    # Rank 0 drives shutdown (it finishes its rounds and stops the group), so a
+    # signal only starts a grace period: a follower that left at once would turn
+    # a clean stop into a group failure, one that never left could outlive a dead rank 0.
+    grace = args.group_timeout + 1.0
+
+    def stop_later(signum: int, _frame: object) -> None:
+        timer = threading.Timer(grace, os._exit, [GROUP_FAILED_EXIT])
+        timer.daemon = True
+        timer.start()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, stop_later)
     try:
         group.follow(verifier_for)
     except Pp1Error as exc:
@@ -187,6 +202,7 @@ def summary(reports: list[RankReport], group: SparkGroup) -> dict[str, Any]:
         "tp_votes_failed_by_reason": dict(group.stats.votes_failed),
         "tp_fanout_bytes": group.stats.fanout_bytes,
         "tp_fanout_seconds": group.stats.fanout_seconds,
+        "tp_rounds_per_attempt": group.stats.entries / max(group.stats.attempts - 1, 1),
         # None when the group failed before it could compare.
         "tp_prefixes_agree": len({r.prefixes_digest for r in reports}) == 1 if reports else None,
         "tp_ranks": [
@@ -196,6 +212,7 @@ def summary(reports: list[RankReport], group: SparkGroup) -> dict[str, Any]:
                 "attempts": r.attempts,
                 "fanout_bytes": r.fanout_bytes,
                 "fanout_seconds": r.fanout_seconds,
+                "bulk": r.bulk,
             }
             for r in reports
         ],

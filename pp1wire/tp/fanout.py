@@ -19,11 +19,13 @@ import xxhash
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
-from pp1wire.q.verify import Outcome, RoundResult
+from pp1wire.q.verify import Outcome, RequestVerifier, RoundResult
 
 WORDS = 16
 """Length of the header, outcome and vote vectors (int64)."""
 VOTE_WORDS = 3
+INLINE = 16_384
+"""Rows up to this many bytes travel inside the attempt header (one collective, not two)."""
 _MASK64 = (1 << 64) - 1
 _OUTCOMES = list(Outcome)
 Words = npt.NDArray[np.int64]
@@ -35,6 +37,16 @@ class Kind(IntEnum):
     STOP = 0
     PROPOSAL = 1
     TARGET_ONLY = 2
+
+
+@dataclass
+class Item:
+    """One round rank 0 asks the group to decide: a validated proposal, or target-only."""
+
+    request: int
+    verifier: RequestVerifier
+    proposal: Proposal | None
+    round_id: int = 0  # target-only rounds (a proposal carries its own)
 
 
 def signed(value: int) -> int:
@@ -133,6 +145,49 @@ class Header:
             payload_digest=w[12],
             context=w[13],
         )
+
+
+def batch_words(attempt: int, entries: Sequence[Header], max_batch: int) -> Words:
+    """One attempt's header: ``[1, attempt, count, total bytes, 0…]`` then one row per entry.
+
+    ``int64[(1 + max_batch) * WORDS]``; an attempt with no entries (``count`` 0,
+    word 0 = 0) stops the group.
+
+    Raises:
+        ValueError: for more than ``max_batch`` entries.
+    """
+    if len(entries) > max_batch:
+        raise ValueError(f"{len(entries)} entries, at most {max_batch} per attempt")
+    out = np.zeros((1 + max_batch) * WORDS, dtype=np.int64)
+    if entries:
+        out[:4] = [1, attempt, len(entries), sum(h.nbytes for h in entries)]
+    for i, h in enumerate(entries):
+        out[(1 + i) * WORDS : (2 + i) * WORDS] = h.words()
+    return out
+
+
+def read_batch(words: Words, max_batch: int, max_payload: int) -> tuple[int, list[Header]]:
+    """``(attempt, entries)`` from :func:`batch_words`; no entries means stop.
+
+    Raises:
+        ValidationError: ``HEADER_INVALID`` for a count over ``max_batch``, an
+            entry :meth:`Header.from_words` refuses, or a STOP entry;
+            ``PAYLOAD_LENGTH`` if the entries' sizes do not add up to the total.
+    """
+    if int(words[0]) == 0:
+        return int(words[1]), []
+    count, total = int(words[2]), int(words[3])
+    if int(words[0]) != 1 or not 1 <= count <= max_batch:
+        raise ValidationError(ErrorCode.HEADER_INVALID, "attempt header out of bounds")
+    entries = [
+        Header.from_words(words[(1 + i) * WORDS : (2 + i) * WORDS], max_payload)
+        for i in range(count)
+    ]
+    if any(h.kind is Kind.STOP for h in entries):
+        raise ValidationError(ErrorCode.HEADER_INVALID, "a stop entry inside an attempt")
+    if sum(h.nbytes for h in entries) != total:
+        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "entry sizes do not add up")
+    return int(words[1]), entries
 
 
 def max_payload(vocab_size: int) -> int:

@@ -1,26 +1,30 @@
 """The Spark side as a tensor-parallel group on ``torch.distributed`` (``docs/tp.md``).
 
 Rank 0 owns the worker connection and validates every proposal as a single
-rank does; only a proposal that validated whole is published. Each *attempt*
-is the same four collectives on every rank, whatever happens:
+rank does; only a proposal that validated whole is published. An *attempt*
+decides up to ``max_batch`` rounds of distinct requests with the same
+collectives on every rank, in this order:
 
-1. broadcast the header (``int64[16]``, from rank 0, control group);
-2. broadcast the payload (``uint8[max(nbytes, 1)]``, from rank 0, device group);
-3. broadcast the owner's outcome (``int64[16]``, from the request's owner);
-4. all-gather the vote (``int64[3]`` per rank: ok, reason, outcome digest).
+1. broadcast the attempt header (entries' keys and sizes, from rank 0, control
+   group), with the entries' rows inline when they fit in ``fanout.INLINE`` bytes;
+2. broadcast the rows (from rank 0, device group), only when they did not fit
+   inline: every rank reads the same sizes, so every rank runs it or none does;
+3. all-gather the outcomes (each rank evaluates the entries it owns);
+4. all-gather the votes (per entry: ok, reason, outcome digest).
 
-The round commits on every rank only if every rank voted ok with the same
+An entry commits on every rank only if every rank voted ok with the same
 outcome digest; otherwise every rank discards it, and rank 0 follows with a
-target-only attempt for the same request. A target-only attempt that fails
-its vote, and any collective that raises (timeout, dead peer), ends the group:
-:class:`GroupFailedError` on every rank that can still run, nothing committed.
+target-only round for that request. A voted-down target-only round, and any
+collective that raises (timeout, dead peer), ends the group:
+:class:`GroupFailedError` on every rank that can still run, nothing of that
+attempt committed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +37,7 @@ from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.verify import RequestVerifier, RoundResult
 from pp1wire.tp import fanout
-from pp1wire.tp.fanout import Header, Kind
+from pp1wire.tp.fanout import Header, Item, Kind
 
 
 class GroupFailedError(Pp1Error):
@@ -91,6 +95,7 @@ class RankReport:
     fanout_bytes: int
     fanout_seconds: float
     prefixes_digest: int
+    bulk: int
 
 
 @dataclass
@@ -101,6 +106,8 @@ class GroupStats:
     attempts: int = 0
     fanout_bytes: int = 0
     fanout_seconds: float = 0.0
+    bulk: int = 0  # attempts that broadcast a payload (the others skip it)
+    entries: int = 0  # rounds decided (proposals and target-only)
     votes_failed: Counter[str] = field(default_factory=Counter)
 
 
@@ -123,9 +130,10 @@ class SparkGroup:
         group: dist.ProcessGroup | None = None,
         device_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        max_batch: int = 8,
         faults: Faults | None = None,
     ) -> None:
-        """Join the group (no collective runs here).
+        """Join the group (no collective runs here); every rank must pass the same ``max_batch``.
 
         Raises:
             RuntimeError: if ``torch.distributed`` is not initialized.
@@ -136,6 +144,7 @@ class SparkGroup:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.max_payload = fanout.max_payload(vocab_size)
+        self.max_batch = max_batch
         self.faults = faults
         self.stats = GroupStats()
         self.held: dict[int, RequestVerifier] = {}
@@ -166,91 +175,121 @@ class SparkGroup:
     # -- one attempt, the same on every rank -------------------------------------
 
     def _attempt(
-        self, header: Header | None, payload: bytes | None, verifier_for: VerifierFor | None
-    ) -> Decision:
+        self,
+        entries: list[Header] | None,
+        payload: bytes | None,
+        verifier_for: VerifierFor,
+    ) -> tuple[list[Header], list[Decision]]:
+        """One attempt; rank 0 passes its entries and payload, the others None."""
         self.stats.attempts += 1
         attempt = self.stats.attempts
-        words = torch.zeros(fanout.WORDS, dtype=torch.int64)
-        if header is not None:
-            words.copy_(torch.from_numpy(header.words()))
+        head = (1 + self.max_batch) * fanout.WORDS
+        words = torch.zeros(head + fanout.INLINE // 8, dtype=torch.int64)
+        started = time.perf_counter()
+        if entries is not None:
+            words[:head] = torch.from_numpy(fanout.batch_words(attempt, entries, self.max_batch))
+            if payload and len(payload) <= fanout.INLINE:
+                words.numpy()[head:].view(np.uint8)[: len(payload)] = np.frombuffer(
+                    payload, dtype=np.uint8
+                )
         self._broadcast(words, 0, self.group)
         try:
-            header = Header.from_words(words.numpy(), self.max_payload)
+            _, entries = fanout.read_batch(words[:head].numpy(), self.max_batch, self.max_payload)
         except Pp1Error as exc:
             self.dead = f"rank {self.rank}: unreadable attempt header: {exc}"
             raise GroupFailedError(self.dead) from exc
-        if header.kind is Kind.STOP:
-            return Decision(header, None, [])
-
-        started = time.perf_counter()
-        size = max(header.nbytes, 1)
-        if payload is not None:
-            buf = torch.frombuffer(bytearray(payload) or bytearray(1), dtype=torch.uint8)
+        if not entries:
+            return entries, []
+        self.stats.entries += len(entries)
+        total = sum(h.nbytes for h in entries)
+        if total <= fanout.INLINE:  # every rank read the same total: all skip the bulk broadcast
+            local = words.numpy()[head:].view(np.uint8)[:total].copy()
+            self._account(total, started)
         else:
-            buf = torch.empty(size, dtype=torch.uint8)
-        buf = buf.to(self.device)
-        self._broadcast(buf, 0, self.device_group)
-        local = buf.cpu().numpy()[: header.nbytes]
-        self.stats.fanout_seconds += time.perf_counter() - started
-        self.stats.fanout_bytes += header.nbytes * (self.world - 1 if self.rank == 0 else 1)
-        if (
-            header.nbytes
-            and self.faults is not None
-            and self.faults.corrupt_copy(self.rank, attempt)
-        ):
-            local = local.copy()
+            local = self._bulk(total, payload, started)
+        if total and self.faults is not None and self.faults.corrupt_copy(self.rank, attempt):
             local[len(local) // 2] ^= 0x01
-        reason: ErrorCode | None = None
-        if fanout.digest(local) != header.payload_digest:
-            reason = ErrorCode.GROUP_COPY_MISMATCH
 
-        verifier = self._verifier(header, verifier_for)
-        owner = fanout.owner_of(header.request, self.world)
-        outcome = torch.from_numpy(fanout.encode_outcome(None, reason or ErrorCode.INTERNAL))
-        if self.rank == owner:
-            outcome = torch.from_numpy(self._evaluate(header, local, verifier, reason, attempt))
-        self._broadcast(outcome, owner, self.group)
-        result, owner_reason = fanout.decode_outcome(outcome.numpy())
-        reason = reason or owner_reason
-        if reason is None and result is not None:
-            reason = _inapplicable(verifier, result)
+        n, w = len(entries), fanout.WORDS
+        verifiers = [self._verifier(h, verifier_for) for h in entries]
+        offsets = np.cumsum([0] + [h.nbytes for h in entries])
+        copies: list[ErrorCode | None] = [
+            None
+            if fanout.digest(local[offsets[i] : offsets[i + 1]]) == h.payload_digest
+            else ErrorCode.GROUP_COPY_MISMATCH
+            for i, h in enumerate(entries)
+        ]
+        mine = np.full((self.max_batch, w), -1, dtype=np.int64)
+        fail = self.faults is not None and self.faults.fail_target(self.rank, attempt)
+        for i, h in enumerate(entries):
+            if fanout.owner_of(h.request, self.world) == self.rank:
+                chunk = local[offsets[i] : offsets[i + 1]]
+                mine[i] = self._evaluate(h, chunk, verifiers[i], copies[i], fail)
+        outcomes = self._all_gather(torch.from_numpy(mine), "outcomes")
 
+        votes = np.zeros((self.max_batch, fanout.VOTE_WORDS), dtype=np.int64)
+        results: list[RoundResult | None] = []
+        for i, h in enumerate(entries):
+            theirs = outcomes[fanout.owner_of(h.request, self.world)][i].numpy()
+            result, owner_reason = fanout.decode_outcome(theirs)
+            reason = copies[i] or owner_reason
+            if reason is None and result is not None:
+                reason = _inapplicable(verifiers[i], result)
+            results.append(result)
+            votes[i] = [int(reason is None), int(reason or 0), fanout.digest(theirs)]
         if self.faults is not None:
             self.faults.before_vote(self.rank, attempt)
-        mine = torch.tensor(
-            [int(reason is None), int(reason or 0), fanout.digest(outcome.numpy())],
-            dtype=torch.int64,
-        )
-        gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        self._run("vote", lambda: dist.all_gather(gathered, mine, group=self.group))
-        votes = [[int(v) for v in g.tolist()] for g in gathered]
-        failures = [(r, ErrorCode(v[1])) for r, v in enumerate(votes) if v[0] != 1]
-        if not failures and len({v[2] for v in votes}) != 1:
-            failures = [(0, ErrorCode.GROUP_OUTCOME_MISMATCH)]
-        if failures or result is None:
-            verifier.discard()
-            self.stats.votes_failed[failures[0][1].name.lower()] += 1
-            if header.kind is Kind.TARGET_ONLY:
-                ranks = ", ".join(f"rank {r}: {c.name}" for r, c in failures)
-                self.dead = (
-                    f"request {header.request} round {header.round_id}: the target-only "
-                    f"attempt was voted down ({ranks}); nothing was committed"
-                )
-                raise GroupFailedError(self.dead)
-            return Decision(header, None, failures)
-        verifier.apply(result)
-        return Decision(header, result, [])
+        gathered = self._all_gather(torch.from_numpy(votes), "vote")
 
-    def _verifier(self, header: Header, verifier_for: VerifierFor | None) -> RequestVerifier:
-        verifier = (verifier_for or self._no_verifier)(header)
+        decisions = []
+        for i, h in enumerate(entries):
+            ballots = [[int(v) for v in g[i].tolist()] for g in gathered]
+            failures = [(r, ErrorCode(b[1])) for r, b in enumerate(ballots) if b[0] != 1]
+            if not failures and len({b[2] for b in ballots}) != 1:
+                failures = [(0, ErrorCode.GROUP_OUTCOME_MISMATCH)]
+            decisions.append(Decision(h, None if failures else results[i], failures))
+        lost = [d for d in decisions if d.failures and d.header.kind is Kind.TARGET_ONLY]
+        if lost:
+            d = lost[0]
+            ranks = ", ".join(f"rank {r}: {c.name}" for r, c in d.failures)
+            self.dead = (
+                f"request {d.header.request} round {d.header.round_id}: the target-only "
+                f"attempt was voted down ({ranks}); nothing of attempt {attempt} was committed"
+            )
+            raise GroupFailedError(self.dead)
+        for d, v in zip(decisions[:n], verifiers, strict=True):
+            if d.result is None:
+                v.discard()
+                self.stats.votes_failed[d.reason] += 1
+            else:
+                v.apply(d.result)
+        return entries, decisions
+
+    def _bulk(self, total: int, payload: bytes | None, started: float) -> npt.NDArray[np.uint8]:
+        if payload is not None:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buf = torch.empty(total, dtype=torch.uint8)
+        buf = buf.to(self.device)
+        self.stats.bulk += 1
+        self._broadcast(buf, 0, self.device_group)
+        local: npt.NDArray[np.uint8] = buf.cpu().numpy()
+        self._account(total, started)
+        return local
+
+    def _account(self, total: int, started: float) -> None:
+        self.stats.fanout_seconds += time.perf_counter() - started
+        self.stats.fanout_bytes += total * (self.world - 1 if self.rank == 0 else 1)
+
+    def _all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self._run(what, lambda: dist.all_gather(out, t, group=self.group))
+        return out
+
+    def _verifier(self, header: Header, verifier_for: VerifierFor) -> RequestVerifier:
+        verifier = verifier_for(header)
         self.held[header.request] = verifier
         return verifier
-
-    def _no_verifier(self, header: Header) -> RequestVerifier:
-        held = self.held.get(header.request)
-        if held is None:
-            raise GroupFailedError(f"rank {self.rank} holds no request {header.request}")
-        return held
 
     def _evaluate(
         self,
@@ -258,12 +297,12 @@ class SparkGroup:
         local: npt.NDArray[np.uint8],
         verifier: RequestVerifier,
         reason: ErrorCode | None,
-        attempt: int,
+        fail: bool,
     ) -> fanout.Words:
         if reason is not None:
             return fanout.encode_outcome(None, reason)
         try:
-            if self.faults is not None and self.faults.fail_target(self.rank, attempt):
+            if fail:
                 raise VerifyError(ErrorCode.TARGET_FAILED, "injected target failure")
             if header.kind is Kind.PROPOSAL:
                 rows = fanout.unpack_rows(local, header.rows, header.sparse)
@@ -276,39 +315,63 @@ class SparkGroup:
 
     # -- rank 0 --------------------------------------------------------------------
 
+    def lead(self, items: Sequence[Item]) -> list[Decision]:
+        """Publish up to ``max_batch`` rounds of distinct requests as one attempt.
+
+        Returns one decision per item, in order. A committed round is already
+        applied to the item's verifier (and on every rank).
+
+        Raises:
+            GroupFailedError: a collective failed or a target-only round was
+                voted down (nothing of this attempt committed anywhere).
+            ValueError: more than ``max_batch`` items, a request twice, or rows
+                mixing dense and sparse.
+        """
+        if len({i.request for i in items}) != len(items):
+            raise ValueError("one round per request per attempt")
+        entries, chunks = [], []
+        for item in items:
+            v = item.verifier
+            if item.proposal is not None:
+                chunk, sparse = fanout.pack_rows(item.proposal.rows)
+                entries.append(fanout.header_of(0, item.request, item.proposal, chunk, sparse))
+            else:
+                chunk = b""
+                entries.append(
+                    Header(
+                        kind=Kind.TARGET_ONLY,
+                        request=item.request,
+                        session=v.session,
+                        generation=v.generation,
+                        round_id=item.round_id,
+                        position=v.position,
+                        prefix_digest=v.digest,
+                        context=v.context,
+                        payload_digest=fanout.digest(b""),
+                    )
+                )
+            chunks.append(chunk)
+        by_request = {item.request: item.verifier for item in items}
+        _, decisions = self._attempt(entries, b"".join(chunks), lambda h: by_request[h.request])
+        return decisions
+
     def lead_proposal(
         self, request: int, verifier: RequestVerifier, proposal: Proposal
     ) -> Decision:
-        """Publish a proposal that validated whole; returns the group's decision.
+        """:meth:`lead` for one validated proposal.
 
         Raises:
-            GroupFailedError: a collective failed (nothing committed anywhere).
-            ValueError: if the rows mix dense and sparse.
+            GroupFailedError, ValueError: as :meth:`lead`.
         """
-        payload, sparse = fanout.pack_rows(proposal.rows)
-        header = fanout.header_of(self.stats.attempts + 1, request, proposal, payload, sparse)
-        return self._attempt(header, payload, lambda _h: verifier)
+        return self.lead([Item(request, verifier, proposal)])[0]
 
     def lead_target_only(self, request: int, verifier: RequestVerifier, round_id: int) -> Decision:
-        """Decode ``round_id`` of ``request`` target-only on its owner and commit it everywhere.
+        """:meth:`lead` for one target-only round.
 
         Raises:
-            GroupFailedError: a collective failed or the attempt was voted down
-                (nothing committed anywhere).
+            GroupFailedError: as :meth:`lead`.
         """
-        header = Header(
-            kind=Kind.TARGET_ONLY,
-            attempt=self.stats.attempts + 1,
-            request=request,
-            session=verifier.session,
-            generation=verifier.generation,
-            round_id=round_id,
-            position=verifier.position,
-            prefix_digest=verifier.digest,
-            context=verifier.context,
-            payload_digest=fanout.digest(b""),
-        )
-        return self._attempt(header, b"", lambda _h: verifier)
+        return self.lead([Item(request, verifier, None, round_id)])[0]
 
     def lead_stop(self) -> list[RankReport]:
         """End the group's rounds; returns every rank's report (rank order).
@@ -316,7 +379,7 @@ class SparkGroup:
         Raises:
             GroupFailedError: a collective failed.
         """
-        self._attempt(Header(kind=Kind.STOP), b"", None)
+        self._attempt([], b"", self._no_verifier)
         return self._reports()
 
     # -- ranks 1.. -----------------------------------------------------------------
@@ -324,15 +387,18 @@ class SparkGroup:
     def follow(self, verifier_for: VerifierFor) -> list[RankReport]:
         """Run attempts as rank 0 publishes them until it stops the group.
 
-        ``verifier_for(header)`` returns this rank's verifier for the header's
-        request, created or rebuilt to the header's session and generation.
+        ``verifier_for(header)`` returns this rank's verifier for the entry's
+        request, created or rebuilt to the entry's session and generation.
 
         Raises:
-            GroupFailedError: a collective failed or a target-only attempt was voted down.
+            GroupFailedError: a collective failed or a target-only round was voted down.
         """
-        while self._attempt(None, None, verifier_for).header.kind is not Kind.STOP:
+        while self._attempt(None, None, verifier_for)[0]:
             pass
         return self._reports()
+
+    def _no_verifier(self, header: Header) -> RequestVerifier:
+        raise GroupFailedError(f"rank {self.rank}: no verifier for request {header.request}")
 
     def _reports(self) -> list[RankReport]:
         prefixes = fanout.digest(
@@ -348,6 +414,7 @@ class SparkGroup:
                 self.stats.fanout_bytes,
                 int(self.stats.fanout_seconds * 1e9),
                 prefixes,
+                self.stats.bulk,
             ],
             dtype=torch.int64,
         )
@@ -361,6 +428,7 @@ class SparkGroup:
                 fanout_bytes=int(g[2]),
                 fanout_seconds=int(g[3]) / 1e9,
                 prefixes_digest=int(g[4]),
+                bulk=int(g[5]),
             )
             for r, g in enumerate(gathered)
         ]

@@ -70,7 +70,7 @@ def main() -> int:
     if len({r.collectives for r in reports}) != 1 or len({r.prefixes_digest for r in reports}) != 1:
         failures.append(f"ranks disagree: {reports}")
     attempts = reports[0].attempts
-    if reports[0].collectives != 4 * (attempts - 1) + 2:
+    if reports[0].collectives != 3 * (attempts - 1) + reports[0].bulk + 2:
         failures.append(f"{reports[0].collectives} collectives for {attempts} attempts")
     dist.destroy_process_group()
     for f in failures:

@@ -1,0 +1,92 @@
+"""Rank 0's batcher, with a fake leader (no processes, no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pp1wire.tp.batch import Batcher
+from pp1wire.tp.fanout import Item
+
+
+class FakeLeader:
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.attempts: list[list[int]] = []
+        self.release = threading.Event()
+        self.fail_on: int | None = None
+
+    def lead(self, items):
+        self.release.wait(5)
+        self.attempts.append([i.request for i in items])
+        if self.fail_on is not None and self.fail_on in self.attempts[-1]:
+            raise RuntimeError("group failed")
+        return [f"decided {i.request}" for i in items]
+
+
+def item(request: int) -> Item:
+    return Item(request, None, None, 0)  # type: ignore[arg-type]
+
+
+def test_rounds_queued_behind_an_attempt_go_out_together_distinct_and_bounded():
+    async def scenario():
+        leader = FakeLeader(max_batch=2)
+        batcher = Batcher(leader)
+        first = asyncio.ensure_future(batcher.submit(item(0)))
+        await asyncio.sleep(0.01)  # attempt 1 (request 0) is in flight
+        later = [asyncio.ensure_future(batcher.submit(item(r))) for r in (1, 1, 2, 3)]
+        await asyncio.sleep(0.01)
+        leader.release.set()
+        got = await asyncio.gather(first, *later)
+        batcher.close()
+        return leader.attempts, got
+
+    attempts, got = asyncio.run(scenario())
+    assert attempts[0] == [0]
+    # At most 2 per attempt, never one request twice in an attempt, queue order kept.
+    assert attempts[1:] == [[1, 2], [1, 3]]
+    assert got == ["decided 0", "decided 1", "decided 1", "decided 2", "decided 3"]
+
+
+def test_a_failed_attempt_fails_every_round_in_it():
+    async def scenario():
+        leader = FakeLeader(max_batch=4)
+        leader.fail_on = 5
+        batcher = Batcher(leader)
+        first = asyncio.ensure_future(batcher.submit(item(4)))
+        await asyncio.sleep(0.01)  # attempt 1 in flight; 5 and 6 queue for attempt 2
+        both = asyncio.gather(
+            batcher.submit(item(5)), batcher.submit(item(6)), return_exceptions=True
+        )
+        leader.release.set()
+        results = [await first, *await both]
+        batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert results[0] == "decided 4"
+    assert all(isinstance(r, RuntimeError) for r in results[1:])
+
+
+def test_call_runs_after_everything_submitted():
+    async def scenario():
+        leader = FakeLeader(max_batch=1)
+        batcher = Batcher(leader)
+        pending = [asyncio.ensure_future(batcher.submit(item(r))) for r in range(3)]
+        await asyncio.sleep(0)
+        leader.release.set()
+        seen = await batcher.call(lambda: list(leader.attempts))
+        await asyncio.gather(*pending)
+        batcher.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_an_idle_batcher_sends_nothing(n):
+    leader = FakeLeader(max_batch=n + 1)
+    Batcher(leader).close()
+    assert leader.attempts == []
