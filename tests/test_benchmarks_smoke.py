@@ -74,3 +74,23 @@ def test_speedup_smoke():
     )
     assert done.returncode == 0, done.stderr
     assert "speedup measured" in done.stdout
+
+
+def test_tp_benchmark_smoke():
+    pytest.importorskip("torch")
+    done = cli.run(
+        sys.executable,
+        ROOT / "benchmarks" / "tp.py",
+        "--vocab", "64", "--reps", "1", "--requests", "4", "--json",
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    for key in ("dense", "sparse32"):
+        assert result[key]["tp2_vs_tp1"] > 0
+        assert result[key]["fanout_bytes_per_batch_round"] > 0
+    # Dense rows carry every vocabulary entry: 4 bytes each, plus 8 per row.
+    assert (
+        result["dense"]["fanout_bytes_per_batch_round"]
+        > result["sparse32"]["fanout_bytes_per_batch_round"]
+    )
