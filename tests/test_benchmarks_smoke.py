@@ -81,7 +81,7 @@ def test_tp_benchmark_smoke():
     done = cli.run(
         sys.executable,
         ROOT / "benchmarks" / "tp.py",
-        "--vocab", "64", "--reps", "1", "--requests", "4", "--json",
+        "--vocab", "128", "--reps", "1", "--requests", "4", "--json",
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -178,10 +178,12 @@ def test_a_corrupt_copy_and_a_failed_target_on_rank_1_fall_back_on_every_rank(wo
     assert done.returncode == 0, done.stderr[-3000:]
     summary = summary_of(done.stdout)
     check_group(summary)
-    # Attempt 3 is voted down by rank 1's digest check; attempt 8 is request 1's
-    # or 3's or 5's proposal (rank 1 owns odd requests) or its fallback's ...
-    assert summary["tp_votes_failed_by_reason"].get("group_copy_mismatch") == 1
-    assert summary["fallbacks_by_reason"].get("group_copy_mismatch") == 1
+    # One round of attempt 3 is voted down by rank 1's digest check; in the first
+    # attempt from 8 on in which rank 1 owns rounds (odd requests), its target fails.
+    votes = summary["tp_votes_failed_by_reason"]
+    assert votes.get("group_copy_mismatch") == 1
+    assert votes.get("target_failed", 0) >= 1
+    assert summary["fallbacks_by_reason"] == votes
     after = committed(worker)
     got = tokens(out)
     assert all(len(t) >= 20 for t in got)

@@ -10,7 +10,8 @@ attempt ``ATTEMPT`` (1-based, counted the same on every rank; ``*`` = every
 attempt). Kinds:
 
 - ``corrupt``: flip one byte of this rank's received payload (attempts with rows);
-- ``target``: this rank's target evaluation fails (when it owns the request);
+- ``target``: this rank's target evaluations fail, once, in the first attempt
+  from ``ATTEMPT`` on in which it owns a round (``*``: every such attempt);
 - ``late``: sleep ``PP1_TP_LATE_S`` seconds (default 3) before the vote;
 - ``die``: SIGKILL this rank before the vote.
 """
@@ -62,6 +63,7 @@ class InjectedFaults:
     def __init__(self, faults: Sequence[Fault]) -> None:
         """Hooks that fire ``faults``."""
         self.faults = list(faults)
+        self._spent: set[Fault] = set()
 
     def _fires(self, kind: str, rank: int, attempt: int) -> bool:
         return any(f.kind == kind and f.fires(rank, attempt) for f in self.faults)
@@ -72,7 +74,15 @@ class InjectedFaults:
 
     def fail_target(self, rank: int, attempt: int) -> bool:
         """See :class:`pp1wire.tp.group.Faults`."""
-        return self._fires("target", rank, attempt)
+        for f in self.faults:
+            if f.kind != "target" or f.rank != rank:
+                continue
+            if f.attempt is None:
+                return True
+            if attempt >= f.attempt and f not in self._spent:
+                self._spent.add(f)
+                return True
+        return False
 
     def before_vote(self, rank: int, attempt: int) -> None:
         """See :class:`pp1wire.tp.group.Faults`."""

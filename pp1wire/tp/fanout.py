@@ -317,7 +317,7 @@ def decode_outcome(words: Words) -> tuple[RoundResult | None, ErrorCode | None]:
     Never raises: an unreadable outcome is ``(None, GROUP_OUTCOME_MISMATCH)``.
     """
     w = [int(v) for v in words.tolist()]
-    reason = _code(w[1])
+    reason = code_of(w[1])
     if w[0] != 1:
         return None, reason or ErrorCode.GROUP_OUTCOME_MISMATCH
     n = w[4]
@@ -337,7 +337,8 @@ def decode_outcome(words: Words) -> tuple[RoundResult | None, ErrorCode | None]:
     )
 
 
-def _code(value: int) -> ErrorCode | None:
+def code_of(value: int) -> ErrorCode | None:
+    """The error code a word carries (0: none; an unknown value reads as a mismatch)."""
     try:
         return ErrorCode(value) if value else None
     except ValueError:

@@ -60,7 +60,7 @@ class Faults(Protocol):
         """Flip a byte of this rank's received payload before its digest check."""
 
     def fail_target(self, rank: int, attempt: int) -> bool:
-        """Make this rank's target evaluation fail (when it owns the attempt's request)."""
+        """Make this rank's evaluations in this attempt fail (asked only when it owns one)."""
 
     def before_vote(self, rank: int, attempt: int) -> None:
         """Run just before the vote (may sleep past the group timeout, or kill the process)."""
@@ -220,9 +220,12 @@ class SparkGroup:
             for i, h in enumerate(entries)
         ]
         mine = np.full((self.max_batch, w), -1, dtype=np.int64)
-        fail = self.faults is not None and self.faults.fail_target(self.rank, attempt)
+        owned = [fanout.owner_of(h.request, self.world) == self.rank for h in entries]
+        fail = (
+            any(owned) and self.faults is not None and self.faults.fail_target(self.rank, attempt)
+        )
         for i, h in enumerate(entries):
-            if fanout.owner_of(h.request, self.world) == self.rank:
+            if owned[i]:
                 chunk = local[offsets[i] : offsets[i + 1]]
                 mine[i] = self._evaluate(h, chunk, verifiers[i], copies[i], fail)
         outcomes = self._all_gather(torch.from_numpy(mine), "outcomes")
@@ -244,7 +247,11 @@ class SparkGroup:
         decisions = []
         for i, h in enumerate(entries):
             ballots = [[int(v) for v in g[i].tolist()] for g in gathered]
-            failures = [(r, ErrorCode(b[1])) for r, b in enumerate(ballots) if b[0] != 1]
+            failures = [
+                (r, fanout.code_of(b[1]) or ErrorCode.GROUP_OUTCOME_MISMATCH)
+                for r, b in enumerate(ballots)
+                if b[0] != 1
+            ]
             if not failures and len({b[2] for b in ballots}) != 1:
                 failures = [(0, ErrorCode.GROUP_OUTCOME_MISMATCH)]
             decisions.append(Decision(h, None if failures else results[i], failures))
