@@ -90,3 +90,18 @@ def test_an_idle_batcher_sends_nothing(n):
     leader = FakeLeader(max_batch=n + 1)
     Batcher(leader).close()
     assert leader.attempts == []
+
+
+def test_without_torch_the_package_runs_and_tp_asks_for_the_extra():
+    import sys
+
+    from . import cli
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any 'import torch' now fails
+        "import pp1wire.apps.spark, pp1wire.apps.demo, pp1wire.tp.fanout, pp1wire.tp.batch\n"
+        "sys.exit(pp1wire.apps.spark.main(['--tp', '2', '--worker', '127.0.0.1:9']))\n"
+    )
+    done = cli.run(sys.executable, "-c", code)
+    assert done.returncode == 2, done.stderr
+    assert "pp1-spark: --tp above 1 needs torch: pip install 'pp1wire[tp]'" in done.stderr
