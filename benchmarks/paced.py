@@ -43,3 +43,14 @@ def drafter_factory(
 ) -> Callable[[Sequence[int]], npt.NDArray[np.float64]]:
     """The toy drafter's logits, at 0.5 ms per call."""
     return _paced(ToyLM(vocab_size, seed, draft=True).logits, DRAFTER_SECONDS)
+
+
+SLOW_DRAFTER_SECONDS = 40e-3
+
+
+def slow_drafter_factory(
+    vocab_size: int, seed: int = 0
+) -> Callable[[Sequence[int]], npt.NDArray[np.float64]]:
+    """The toy drafter's logits at 40 ms per call: a depth-5 draw takes 200 ms
+    (``benchmarks/run.py`` pings the worker while one runs)."""
+    return _paced(ToyLM(vocab_size, seed, draft=True).logits, SLOW_DRAFTER_SECONDS)

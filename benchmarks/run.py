@@ -15,6 +15,10 @@ across rounds beside it:
 (d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
 (e) wire overhead: encoded bytes / payload bytes, dense and sparse k = 16..256.
 (f) RSS of both daemons after 100 and after 10,000 dense rounds.
+(g) ``ping_during_draft_ms``: a PING's round trip while the same connection's
+    slot draws a 200 ms proposal (drafter 40 ms per call, a sleep), with draws
+    on the worker's pool (``--draw-threads 2``) and, for contrast, on its event
+    loop (``--draw-threads 0``).
 
 The transport comparison runs twice: with the daemons as configured by default
 (event loops that sleep when idle), then with ``--busy-poll`` on both pp1wire
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import struct
@@ -219,6 +224,33 @@ async def rss_growth(pp1: Pp1, worker_pid: int, early: int, late: int) -> dict[s
     }
 
 
+async def ping_during_draft(reps: int, draw_threads: int) -> list[float]:
+    """PING round trips (s) on a connection whose slot is drawing a 200 ms proposal."""
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    with worker_process(
+        "--drafter", "paced:slow_drafter_factory", "--draw-threads", str(draw_threads),
+        vocab=1024, env=env,
+    ) as worker:  # fmt: skip
+        client = await AsyncClient.connect(
+            "127.0.0.1", worker.port, SparkConfig(vocab_size=1024, max_slots=1, max_depth=5)
+        )
+        out = []
+        try:
+            await client.open(0, seed=1, prefix=[1, 2, 3])
+            for _ in range(reps):
+                slow = asyncio.ensure_future(client.propose(0, depth=5))
+                await asyncio.sleep(0.02)  # the draw has started
+                out.append(await client.ping())
+                proposal = await slow
+                # Accept the first draft, then a correction: the next STEP draws afresh.
+                first = proposal.tokens[0]
+                client.commit(0, round_id=proposal.round_id, tokens=[first, 0], accepted=1)
+                client.release(proposal, 0)
+        finally:
+            await client.close()
+    return out
+
+
 def ratio(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
@@ -295,7 +327,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     times = {k: summarize(v) for k, v in t.items()}
     times.update({f"busy_poll_{k}": summarize(v) for k, v in t_spin.items() if k.startswith("pp1")})
+    pings = 2 if args.smoke else 5
+    ping = {
+        "ping_during_draft": summarize(await ping_during_draft(pings, draw_threads=2)),
+        "ping_during_draft_on_loop": summarize(await ping_during_draft(pings, draw_threads=0)),
+    }
     return {
+        "ping": ping,
         "times": times,
         "ratios": {k: summarize(v) for k, v in ratios.items()},
         "micro": {k: summarize(v) for k, v in micro_res.items()},
@@ -334,6 +372,7 @@ def main() -> int:
     flat["overhead_dense"] = res["overhead"]["overhead_dense"]
     flat["overhead_sparse32"] = res["overhead"]["overhead_sparse32"]
     flat["rss_growth"] = res["rss_growth"]
+    flat["ping_during_draft_ms"] = res["ping"]["ping_during_draft"]["median"] * 1e3
     if args.json:
         print(json.dumps({**flat, "detail": res}))
         return 0
@@ -353,6 +392,9 @@ def main() -> int:
     print("\nwire overhead (encoded / payload - 1):")
     for k, v in res["overhead"].items():
         print(f"  {k:24s} {v:10.4%}")
+    print("\nPING round trip while the same connection draws a 200 ms proposal:")
+    for k, v in res["ping"].items():
+        print(f"  {k:26s} {v['median'] * 1e3:8.2f} ms ({v['min'] * 1e3:.2f}..{v['max'] * 1e3:.2f})")
     m = res["memory"]
     print(
         f"\nRSS after {m['rounds_early']} / {m['rounds_late']} dense rounds: worker "

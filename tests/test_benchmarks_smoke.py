@@ -22,6 +22,7 @@ KEYS = {
     "overhead_dense",
     "overhead_sparse32",
     "rss_growth",
+    "ping_during_draft_ms",
 }
 
 

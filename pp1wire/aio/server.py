@@ -15,6 +15,7 @@ import logging
 import socket
 import ssl
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -214,7 +215,11 @@ class _Conn(asyncio.BufferedProtocol):
         # Counted from accept, TLS or not: a pending handshake holds a slot and a
         # descriptor, so it is bounded by --max-connections and the handshake timeout.
         self.core = WorkerProtocol(
-            srv.config, srv.drafter, session=next(srv.sessions), now=self.accepted_at
+            srv.config,
+            srv.drafter,
+            session=next(srv.sessions),
+            now=self.accepted_at,
+            defer_draws=srv.draw_pool is not None,
         )
         srv.conns.add(self)
         srv.connection_opened()
@@ -266,6 +271,23 @@ class _Conn(asyncio.BufferedProtocol):
             self.core.decoder.account(nbytes)
         self._pump()
 
+    def _draw(self, job: worker_core.DrawJob) -> None:
+        """Draw on the server's pool; the loop keeps serving this and other connections."""
+        loop = asyncio.get_running_loop()
+        done = loop.run_in_executor(self.server.draw_pool, job.run)
+        done.add_done_callback(lambda f: self._drawn(job, f))
+
+    def _drawn(
+        self, job: worker_core.DrawJob, done: asyncio.Future[worker_core.DrawResult]
+    ) -> None:
+        core = self.core
+        if core is None or self.lost or done.cancelled():
+            return
+        self._events(core.finish_draw(job, done.result()))  # run() never raises
+        self._flush()
+        if self.turn is None:
+            self._pump()  # messages held for the slot go on
+
     def _pump(self) -> None:
         self.turn = None
         core, transport = self.core, self.transport
@@ -282,7 +304,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
         if core.closed:
             return
-        if core.more:
+        if core.waiting:
+            self._set_reading(False)  # a message waits for its slot's draw: _drawn pumps again
+        elif core.more:
             # Frames are left: serve other connections first, then continue
             # without reading more from this one.
             self._set_reading(False)
@@ -303,7 +327,9 @@ class _Conn(asyncio.BufferedProtocol):
     def _events(self, events: list[worker_core.WorkerEvent]) -> None:
         m = self.server.metrics
         for e in events:
-            if isinstance(e, worker_core.StepServed):
+            if isinstance(e, worker_core.DrawRequested):
+                self._draw(e.job)
+            elif isinstance(e, worker_core.StepServed):
                 m.propose_seconds.observe(e.draw_seconds)
                 m.reply_bytes.inc(e.reply_bytes)
                 if e.status:
@@ -432,6 +458,7 @@ class WorkerServer:
         max_per_address: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
         busy_poll: bool = False,
+        draw_threads: int = 0,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -442,7 +469,9 @@ class WorkerServer:
         (``CONNECTION_LIMIT``). ``max_per_address`` caps the connections from
         one IP address (refused beyond it). ``busy_poll`` keeps the event loop
         spinning while any connection is open, trading one busy core for the
-        wake-up latency of an idle one.
+        wake-up latency of an idle one. ``draw_threads`` > 0 draws proposals on
+        a pool of that many threads (slots draw in parallel, the loop keeps
+        answering); 0 draws on the event loop.
         """
         self.config = config
         self.drafter = drafter
@@ -454,6 +483,7 @@ class WorkerServer:
         self.sessions = itertools.count(1)
         self.stopping = False
         self.busy_poll = busy_poll
+        self.draw_pool = ThreadPoolExecutor(draw_threads, "pp1-draw") if draw_threads > 0 else None
         self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
         self.listener: socket.socket | None = None
@@ -557,6 +587,8 @@ class WorkerServer:
         for conn in list(self.conns):
             if conn.transport is not None:
                 conn.transport.abort()
+        if self.draw_pool is not None:
+            self.draw_pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)

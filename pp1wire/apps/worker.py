@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--busy-poll",
         action="store_true",
         help="spin the event loop while connections are open (lower latency, one busy core)",
+    )
+    p.add_argument(
+        "--draw-threads",
+        type=settings.count,
+        default=os.cpu_count() or 1,
+        help="threads that run the drafter and q construction (default: one per core), so "
+        "slots draw in parallel and the loop keeps answering; the drafter must be "
+        "thread-safe; 0 draws on the event loop",
     )
     p.add_argument("--handshake-timeout", type=settings.seconds, default=5.0)
     p.add_argument("--idle-timeout", type=settings.seconds, default=300.0)
@@ -163,6 +172,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_per_address=args.max_per_address,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
+        draw_threads=args.draw_threads,
     )
     port = await server.start(args.host, args.port)
     metrics_server = None

@@ -91,6 +91,47 @@ class StepServed:
     draw_seconds: float  # drafter, q construction and encoding of this STEP alone
 
 
+class DrawJob:
+    """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
+
+    :meth:`run` reads only the slot's frozen state (its prefix cannot change
+    while the draw is outstanding: the core holds every later message for that
+    slot), so a shell may call it on another thread.
+    """
+
+    __slots__ = ("_core", "slot", "step")
+
+    def __init__(self, core: WorkerProtocol, slot: WorkerSlot, step: Step) -> None:
+        """A job for ``step`` on ``slot``."""
+        self._core = core
+        self.slot = slot
+        self.step = step
+
+    def run(self) -> DrawResult:
+        """Draw and encode the reply (the drafter, q construction, framing); never raises."""
+        started = time.perf_counter()
+        reply, rows, status = self._core._propose(self.slot, self.step)
+        return DrawResult(reply, rows, status, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class DrawResult:
+    """What :meth:`DrawJob.run` produced."""
+
+    reply: tuple[FrameParts, ...]
+    rows: tuple[QRow, ...]
+    status: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DrawRequested:
+    """An accepted STEP's proposal must be drawn: run ``job`` (off the event loop)
+    and give the result to :meth:`WorkerProtocol.finish_draw`."""
+
+    job: DrawJob
+
+
 @dataclass(frozen=True)
 class StepReplayed:
     """A retried STEP got the cached, byte-identical reply."""
@@ -127,7 +168,15 @@ class ConnectionClosing:
     code: ErrorCode | None
 
 
-WorkerEvent = HandshakeDone | StepServed | StepReplayed | Refused | SlotEvent | ConnectionClosing
+WorkerEvent = (
+    HandshakeDone
+    | StepServed
+    | StepReplayed
+    | Refused
+    | SlotEvent
+    | ConnectionClosing
+    | DrawRequested
+)
 
 
 # -- state ---------------------------------------------------------------------
@@ -161,12 +210,28 @@ class WorkerProtocol:
     """The worker's connection state machine (one instance per connection)."""
 
     def __init__(
-        self, config: WorkerConfig, drafter: DrafterFn, *, session: int, now: float
+        self,
+        config: WorkerConfig,
+        drafter: DrafterFn,
+        *,
+        session: int,
+        now: float,
+        defer_draws: bool = False,
     ) -> None:
-        """Start a connection at time ``now``; ``session`` is assigned to the peer."""
+        """Start a connection at time ``now``; ``session`` is assigned to the peer.
+
+        With ``defer_draws``, an accepted STEP is not drawn inline: the core
+        emits :class:`DrawRequested` and goes on with the connection's messages
+        in order until one names that slot, which waits (with everything after
+        it) until :meth:`finish_draw` (``docs/protocol.md`` §4.4).
+        """
         self.config = config
         self.drafter = drafter
         self.session = session
+        self.defer_draws = defer_draws
+        self._drawing: dict[int, DrawJob] = {}
+        # The first frame that names a slot being drawn, held with all after it.
+        self._held: framing.Frame | None = None
         self.state = State.AWAIT_HELLO
         self.decoder = framing.FrameDecoder(0)
         self.slots: dict[int, WorkerSlot] = {}
@@ -281,6 +346,12 @@ class WorkerProtocol:
         """
         self.more = False
         handled = 0
+        if self._held is not None and not self.closed:
+            if _slot_of(self._held) in self._drawing:
+                return self._take_events()
+            held, self._held = self._held, None
+            self._dispatch(held)
+            handled += 1
         while not self.closed:
             if (max_frames is not None and handled >= max_frames) or (
                 out_budget is not None and self._out_bytes >= out_budget
@@ -301,8 +372,30 @@ class WorkerProtocol:
             # trickles the bytes of one frame, is idle and cannot hold a connection slot.
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
+            if self._drawing and _slot_of(frame) in self._drawing:
+                self._held = _detached(frame)
+                break
             self._dispatch(frame)
             handled += 1
+        return self._take_events()
+
+    @property
+    def waiting(self) -> bool:
+        """True while a received message waits for its slot's draw to finish
+        (a shell stops reading; :meth:`finish_draw` and then :meth:`pump` go on)."""
+        return self._held is not None and not self.closed
+
+    def finish_draw(self, job: DrawJob, result: DrawResult) -> list[WorkerEvent]:
+        """A deferred draw is done: queue its reply; returns the events caused.
+
+        A result for a connection that closed, or whose slot is gone, is dropped.
+        Call :meth:`pump` afterwards: messages held for the slot go on.
+        """
+        if self._drawing.get(job.step.slot) is not job:
+            return self._take_events()
+        del self._drawing[job.step.slot]
+        if not self.closed and self.slots.get(job.step.slot) is job.slot:
+            self._served(job.slot, job.step, result)
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
@@ -315,6 +408,8 @@ class WorkerProtocol:
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
         self.slots.clear()
+        self._drawing.clear()
+        self._held = None
         self.closed = True
 
     # -- helpers ---------------------------------------------------------
@@ -593,9 +688,15 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_msg(problem, kind, msg)
             return
-        started = time.perf_counter()
-        reply, rows, status = self._propose(slot, msg)
-        drawn = time.perf_counter() - started
+        job = DrawJob(self, slot, msg)
+        if self.defer_draws:
+            self._drawing[msg.slot] = job
+            self._events.append(DrawRequested(job))
+            return
+        self._served(slot, msg, job.run())
+
+    def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult) -> None:
+        reply, rows = result.reply, result.rows
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
@@ -607,9 +708,9 @@ class WorkerProtocol:
                 msg.generation,
                 msg.round,
                 len(rows),
-                status,
+                result.status,
                 sum(memoryview(p).nbytes for parts in reply for p in parts),
-                drawn,
+                result.seconds,
             )
         )
 
@@ -764,3 +865,17 @@ __all__ = [
     "WorkerEvent",
     "WorkerProtocol",
 ]
+
+
+def _slot_of(frame: framing.Frame) -> int | None:
+    """The slot a frame's message names (None for connection-level messages)."""
+    slot = getattr(frame.message, "slot", None)
+    return slot if isinstance(slot, int) else None
+
+
+def _detached(frame: framing.Frame) -> framing.Frame:
+    """``frame`` with its bytes copied out of the decoder's buffers (held across reads)."""
+    raw = memoryview(bytes(frame.raw))
+    start = frame.raw.nbytes - frame.payload.nbytes
+    tag = None if frame.tag is None else memoryview(bytes(frame.tag))
+    return framing.Frame(frame.type, frame.message, raw[start:], raw, tag)
