@@ -54,7 +54,7 @@ from pp1wire.apps.settings import (
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, RoundResult, TargetFn
-from pp1wire.tp.batch import Batcher
+from pp1wire.tp.batch import Batcher, Leader, LocalStep
 from pp1wire.tp.fanout import Item
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig
@@ -171,7 +171,10 @@ class Runner:
         self.args = args
         self.group = group
         # Rounds go to the group in batches, on a thread of its own.
-        self.batcher = Batcher(group) if group is not None else None
+        # Rounds are decided in batches off the event loop: by the TP group, or here
+        # as one engine step (every queued round scored by one target call).
+        leader: Leader[Any] = group if group is not None else LocalStep(target, args.concurrency)
+        self.batcher = Batcher(leader)
         self.group_failure: Pp1Error | None = None
         self._votes_counted: Counter[str] = Counter()
         self.target = target
@@ -380,7 +383,6 @@ class Runner:
 
     async def _in_group(self, item: Item) -> Decision:
         """The group's decision on ``item``; the event loop keeps serving meanwhile."""
-        assert self.batcher is not None
         try:
             return cast("Decision", await self.batcher.submit(item))
         finally:
@@ -396,12 +398,23 @@ class Runner:
             m.tp_votes_failed.labels(reason=reason).inc(n - self._votes_counted[reason])
             self._votes_counted[reason] = n
 
+    async def _step(self, item: Item) -> RoundResult:
+        """This process's decision on ``item``, taken with the other queued rounds.
+
+        Raises:
+            VerifyError: the round's own failure (as ``verify`` raises it).
+        """
+        decided = await self.batcher.submit(item)
+        if isinstance(decided, VerifyError):
+            raise decided
+        return cast(RoundResult, decided)
+
     async def _target_only(
         self, index: int, verifier: RequestVerifier, round_id: int
     ) -> RoundResult:
         """Decode ``round_id`` target-only: here, or on the request's owner in the group."""
         if self.group is None:
-            return verifier.decode_target_only(round_id)
+            return await self._step(Item(index, verifier, None, round_id))
         decision = await self._in_group(Item(index, verifier, None, round_id))
         assert decision.result is not None  # a voted-down target-only attempt raises
         return decision.result
@@ -431,7 +444,7 @@ class Runner:
                     if any(c is ErrorCode.AUDIT_MISMATCH for _, c in decision.failures):
                         self.metrics.audit_failures.inc()
                     raise _VotedDownError(decision.reason)
-                return verifier.verify(proposal), None, len(proposal.rows)
+                return await self._step(Item(index, verifier, proposal)), None, len(proposal.rows)
             except _VotedDownError as exc:
                 reason = str(exc)
             except VerifyError as exc:

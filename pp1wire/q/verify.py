@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,8 @@ from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from
 Float64Array = npt.NDArray[np.float64]
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
 """The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
+BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | npt.ArrayLike]
+"""A batched target: many prefixes → one probability row each (an engine's batched forward)."""
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
 
@@ -244,9 +247,10 @@ class RequestVerifier:
                 ErrorCode.ROUND_REUSED, f"round {round_id} is not after {self.last_round}"
             )
 
-    def _p(self, prefix: Sequence[int]) -> Float64Array:
+    def _p(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> Float64Array:
         try:
-            p = check_target(self.target(prefix), self.vocab_size)
+            raw = self.target(prefix) if scored is None else scored
+            p = check_target(raw, self.vocab_size)
             for proc in self.processors:
                 p = check_target(proc(prefix, p), self.vocab_size)
         except VerifyError:
@@ -306,8 +310,14 @@ class RequestVerifier:
 
     # -- rounds -----------------------------------------------------------
 
-    def verify(self, proposal: Proposal) -> RoundResult:
+    def verify(
+        self, proposal: Proposal, scores: Sequence[npt.ArrayLike] | None = None
+    ) -> RoundResult:
         """Verify one proposal block and commit its outcome atomically.
+
+        ``scores``: the target's rows for :meth:`prefixes` of this proposal,
+        already computed (one batched call for many requests); without them
+        the target is called per position.
 
         Raises:
             VerifyError: anything :meth:`check_proposal` raises (nothing drawn,
@@ -317,7 +327,7 @@ class RequestVerifier:
         """
         self.check_proposal(proposal)
         self.last_round = proposal.round_id
-        return self._verify(proposal, commit=True)
+        return self._verify(proposal, commit=True, scores=scores)
 
     def evaluate(self, proposal: Proposal) -> RoundResult:
         """What :meth:`verify` would commit, committing nothing (the round is not spent).
@@ -332,7 +342,24 @@ class RequestVerifier:
         self.check_proposal(proposal)
         return self._verify(proposal, commit=False)
 
-    def _verify(self, proposal: Proposal, *, commit: bool) -> RoundResult:
+    def prefixes(self, proposal: Proposal) -> list[Sequence[int]]:
+        """The prefixes :meth:`verify` scores: the committed prefix followed by
+        the first 0, 1, …, d drafts (d positions and the bonus), sharing memory."""
+        out: list[Sequence[int]] = []
+        for i in range(len(proposal.rows) + 1):
+            context = ExtendedPrefix(self.committed)
+            for row in proposal.rows[:i]:
+                context.append(row.token)
+            out.append(context)
+        return out
+
+    def _verify(
+        self,
+        proposal: Proposal,
+        *,
+        commit: bool,
+        scores: Sequence[npt.ArrayLike] | None = None,
+    ) -> RoundResult:
         if self.audit:
             wrong = audit_mismatch(proposal, self.seed, self.vocab_size)
             if wrong is not None:
@@ -344,8 +371,10 @@ class RequestVerifier:
         context = ExtendedPrefix(self.committed)
         start = len(self.committed)
         new: list[int] = []
+        if scores is not None and len(scores) != len(proposal.rows) + 1:
+            raise VerifyError(ErrorCode.TARGET_FAILED, "scores do not match the proposal")
         for i, row in enumerate(proposal.rows):
-            p = self._p(context)
+            p = self._p(context, None if scores is None else scores[i])
             x = row.token
             block = streams.block(Domain.ACCEPTANCE, start + i)
             if accept_exact(u53_int_from_block(block), row.count_at(x), float(p[x])):
@@ -359,13 +388,15 @@ class RequestVerifier:
             return self._commit(
                 proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION, commit
             )
-        p = self._p(context)
+        p = self._p(context, None if scores is None else scores[len(proposal.rows)])
         position = start + len(proposal.rows)
         b = sample_weights(p, streams.u53_int(Domain.CORRECTION, position))
         return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS, commit)
 
-    def decode_target_only(self, round_id: int) -> RoundResult:
+    def decode_target_only(self, round_id: int, score: npt.ArrayLike | None = None) -> RoundResult:
         """Sample one token from the target alone (fallback and depth 0).
+
+        ``score``: the target's row for the committed prefix, already computed.
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
@@ -374,7 +405,7 @@ class RequestVerifier:
         self._require_live()
         self._claim_round(round_id)
         self.last_round = round_id
-        return self._target_only(round_id, commit=True)
+        return self._target_only(round_id, commit=True, score=score)
 
     def evaluate_target_only(self, round_id: int) -> RoundResult:
         """What :meth:`decode_target_only` would commit, committing nothing.
@@ -386,8 +417,10 @@ class RequestVerifier:
         self._claim_round(round_id)
         return self._target_only(round_id, commit=False)
 
-    def _target_only(self, round_id: int, *, commit: bool) -> RoundResult:
-        p = self._p(self.committed)
+    def _target_only(
+        self, round_id: int, *, commit: bool, score: npt.ArrayLike | None = None
+    ) -> RoundResult:
+        p = self._p(self.committed, score)
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, round_id)
         token = sample_weights(p, streams.u53_int(Domain.TARGET, self.position))
         return self._commit(round_id, [token], 0, token, Outcome.TARGET, commit)
@@ -461,3 +494,71 @@ def proposal_from_rows(
         rows=tuple(rows),
         context=verifier.context,
     )
+
+
+def batched(target: TargetFn) -> BatchTargetFn:
+    """``target``'s batched form: its own ``batch`` attribute if it has one, else
+    one call per prefix (the per-prefix plugin form, unchanged)."""
+    batch = getattr(target, "batch", None)
+    if callable(batch):
+        return cast(BatchTargetFn, batch)
+    return lambda prefixes: [target(p) for p in prefixes]
+
+
+def verify_batch(
+    rounds: Sequence[tuple[RequestVerifier, Proposal | None, int]], target: BatchTargetFn
+) -> list[RoundResult | VerifyError]:
+    """Decide many requests' rounds with **one** target call, as an engine's step does.
+
+    Each round is ``(verifier, proposal, round_id)``: a proposal to verify, or
+    None to decode ``round_id`` target-only. Every proposal position and bonus
+    (and every target-only prefix) is scored in a single call of ``target``;
+    then each round is verified exactly as :meth:`RequestVerifier.verify` /
+    :meth:`~RequestVerifier.decode_target_only` would (same tokens for the same
+    seeds). A round refused before scoring, or whose verification fails, gets
+    its :class:`VerifyError` in its place; the others commit. Rounds must be of
+    distinct requests.
+
+    Never raises for a round's failure: a failing ``target`` call fails every
+    scored round with ``TARGET_FAILED`` (and poisons their requests).
+    """
+    out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
+    spans: list[tuple[int, int, int]] = []  # (round, first prefix, count)
+    prefixes: list[Sequence[int]] = []
+    for k, (v, proposal, round_id) in enumerate(rounds):
+        try:
+            if proposal is not None:
+                v.check_proposal(proposal)
+                wanted = v.prefixes(proposal)
+            else:
+                v._require_live()
+                v._claim_round(round_id)
+                wanted = [v.committed]
+        except VerifyError as exc:
+            out[k] = exc
+            continue
+        spans.append((k, len(prefixes), len(wanted)))
+        prefixes.extend(wanted)
+    rows: Sequence[npt.ArrayLike] = []
+    failure: VerifyError | None = None
+    if prefixes:
+        try:
+            rows = cast(Sequence[npt.ArrayLike], target(prefixes))
+            if len(rows) != len(prefixes):
+                raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
+        except Exception as exc:  # a plugin failure must not leave a half round
+            failure = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
+    for k, first, count in spans:
+        v, proposal, round_id = rounds[k]
+        if failure is not None:
+            v.poisoned = True
+            out[k] = failure
+            continue
+        try:
+            if proposal is not None:
+                out[k] = v.verify(proposal, scores=rows[first : first + count])
+            else:
+                out[k] = v.decode_target_only(round_id, score=rows[first])
+        except VerifyError as exc:
+            out[k] = exc
+    return [r if r is not None else VerifyError(ErrorCode.INTERNAL, "not decided") for r in out]

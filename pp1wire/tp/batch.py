@@ -1,4 +1,4 @@
-"""Rank 0's batching of rounds into group attempts, off the event loop.
+"""Batching rounds into steps off the event loop: a TP group's attempts, or one process's.
 
 Each slot's coroutine submits its round and awaits the decision. While the
 group runs one attempt on its thread, later submissions queue; when it
@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
+from pp1wire.errors import VerifyError
+from pp1wire.q.verify import RoundResult, TargetFn, batched, verify_batch
 from pp1wire.tp.fanout import Item
 
 _T = TypeVar("_T")
@@ -93,3 +95,18 @@ class Batcher:
     def close(self) -> None:
         """Stop the thread (after the last call)."""
         self._thread.shutdown(wait=False)
+
+
+class LocalStep:
+    """One engine step in this process: the queued rounds of distinct requests,
+    every draft position and bonus scored by one call of the target's batched
+    form (:func:`pp1wire.q.verify.batched`), then verified as one rank does."""
+
+    def __init__(self, target: TargetFn, max_batch: int) -> None:
+        """A step over at most ``max_batch`` rounds."""
+        self.target = batched(target)
+        self.max_batch = max_batch
+
+    def lead(self, items: Sequence[Item]) -> list[RoundResult | VerifyError]:
+        """Decide ``items`` (see :func:`pp1wire.q.verify.verify_batch`); never raises."""
+        return verify_batch([(i.verifier, i.proposal, i.round_id) for i in items], self.target)
