@@ -15,6 +15,9 @@ across rounds beside it:
 (d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
 (e) wire overhead: encoded bytes / payload bytes, dense and sparse k = 16..256.
 (f) RSS of both daemons after 100 and after 10,000 dense rounds.
+(h) ``e2e_vs_ideal`` (dense; ``e2e_vs_ideal_sparse32``) and ``speedup_over_target_only``:
+    ``pp1-spark`` tokens/s with fixed-cost plugins against the ideal their costs and
+    the measured acceptance imply (``benchmarks/speedup.py`` states the formula).
 (g) ``ping_during_draft_ms``: a PING's round trip while the same connection's
     slot draws a 200 ms proposal (drafter 40 ms per call, a sleep), with draws
     on the worker's pool (``--draw-threads 2``) and, for contrast, on its event
@@ -46,6 +49,7 @@ sys.path.insert(0, str(HERE))
 
 import micro  # noqa: E402
 import sizes  # noqa: E402
+import speedup  # noqa: E402
 from soak import rss_mb  # noqa: E402
 
 from pp1wire.aio.client import AsyncClient  # noqa: E402
@@ -332,7 +336,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ping_during_draft": summarize(await ping_during_draft(pings, draw_threads=2)),
         "ping_during_draft_on_loop": summarize(await ping_during_draft(pings, draw_threads=0)),
     }
+    e2e = await asyncio.to_thread(speedup.measure, 4 if args.smoke else 8, 8 if args.smoke else 64)
     return {
+        "e2e": e2e,
         "ping": ping,
         "times": times,
         "ratios": {k: summarize(v) for k, v in ratios.items()},
@@ -373,6 +379,9 @@ def main() -> int:
     flat["overhead_sparse32"] = res["overhead"]["overhead_sparse32"]
     flat["rss_growth"] = res["rss_growth"]
     flat["ping_during_draft_ms"] = res["ping"]["ping_during_draft"]["median"] * 1e3
+    flat["e2e_vs_ideal"] = res["e2e"]["e2e_vs_ideal_dense"]
+    flat["e2e_vs_ideal_sparse32"] = res["e2e"]["e2e_vs_ideal_sparse32"]
+    flat["speedup_over_target_only"] = res["e2e"]["speedup_dense"]
     if args.json:
         print(json.dumps({**flat, "detail": res}))
         return 0
@@ -392,6 +401,12 @@ def main() -> int:
     print("\nwire overhead (encoded / payload - 1):")
     for k, v in res["overhead"].items():
         print(f"  {k:24s} {v:10.4%}")
+    e = res["e2e"]
+    print(
+        f"\nend to end (benchmarks/speedup.py): e2e_vs_ideal dense {e['e2e_vs_ideal_dense']:.2f}, "
+        f"sparse:32 {e['e2e_vs_ideal_sparse32']:.2f} (goal >= 0.9); speedup over target-only "
+        f"{e['speedup_dense']:.2f}"
+    )
     print("\nPING round trip while the same connection draws a 200 ms proposal:")
     for k, v in res["ping"].items():
         print(f"  {k:26s} {v['median'] * 1e3:8.2f} ms ({v['min'] * 1e3:.2f}..{v['max'] * 1e3:.2f})")

@@ -41,6 +41,7 @@ class Batcher:
         self._thread = ThreadPoolExecutor(1, "pp1-tp")
         self._queue: list[tuple[Item, asyncio.Future[object]]] = []
         self._busy = False
+        self._kick = False
 
     async def submit(self, item: Item) -> object:
         """The decision for ``item`` (the leader's result type).
@@ -48,9 +49,10 @@ class Batcher:
         Raises:
             whatever the leader's attempt raised, on every item of that attempt.
         """
-        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
         self._queue.append((item, fut))
-        self._next()
+        self._soon(loop)
         return await fut
 
     async def call(self, fn: Callable[[], _T]) -> _T:
@@ -59,7 +61,15 @@ class Batcher:
             await asyncio.sleep(0.001)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
+    def _soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Not at once: the coroutines woken in this loop turn (by the last step's
+        # results) submit first, so they go out together instead of one and then the rest.
+        if not self._kick:
+            self._kick = True
+            loop.call_soon(self._next)
+
     def _next(self) -> None:
+        self._kick = False
         if self._busy or not self._queue:
             return
         batch: list[tuple[Item, asyncio.Future[object]]] = []
@@ -90,7 +100,7 @@ class Batcher:
                 fut.set_exception(exc)
             else:
                 fut.set_result(done.result()[k])
-        self._next()
+        self._soon(asyncio.get_running_loop())
 
     def close(self) -> None:
         """Stop the thread (after the last call)."""
