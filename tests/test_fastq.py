@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pp1wire.errors import ValidationError
 from pp1wire.q import dyadic
 
 fastq = pytest.importorskip("pp1wire.q._fastq")
@@ -140,3 +141,31 @@ def test_compiled_canonical_total_at_every_shape(n):
     x = np.exp(rng.standard_normal(n) * 5)
     x[rng.random(n) < 0.3] = 0.0
     assert np.float64(fastq.tree_total(x)).tobytes() == dyadic.tree.levels(x)[-1][0].tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 50), min_size=1, max_size=300),
+    u=st.integers(0, (1 << 24) - 1),
+    spoil=st.sampled_from(["none", "negative", "mass"]),
+)
+def test_compiled_proposal_draw_equals_the_numpy_draw(weights, u, spoil):
+    counts = dyadic.counts_from_weights(np.array(weights, dtype=np.float64) + 1e-3)
+    counts = counts.astype(np.int32)
+    if spoil == "negative":
+        counts[len(counts) // 2] = -1
+    elif spoil == "mass":
+        counts[0] += 1
+    results = []
+    for fast in (dyadic._fastq, None):
+        saved, dyadic._fastq = dyadic._fastq, fast
+        try:
+            results.append(dyadic.sample(counts, u))
+        except ValidationError as exc:
+            results.append(exc.code)
+        finally:
+            dyadic._fastq = saved
+    assert results[0] == results[1]
+    if spoil == "none":
+        assert isinstance(results[0], int)
+        assert int(np.cumsum(counts)[results[0]]) > u

@@ -353,7 +353,42 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+/* The proposal draw over integer counts: the first index whose cumulative count
+ * exceeds u, with the checks dyadic.sample makes (no negative count, total M).
+ * Returns (index, 0), or (-1, 1) for a negative count, (-1, 2) for a wrong total. */
+static PyObject *sample_counts(PyObject *self, PyObject *args) {
+    Py_buffer cb;
+    long long u;
+    if (!PyArg_ParseTuple(args, "y*L", &cb, &u)) return NULL;
+    if (cb.len % 4) {
+        PyBuffer_Release(&cb);
+        PyErr_SetString(PyExc_ValueError, "sample_counts: not an int32 buffer");
+        return NULL;
+    }
+    size_t n = (size_t)cb.len / 4;
+    const int32_t *c = (const int32_t *)cb.buf;
+    int64_t sum = 0, found = -1;
+    int negative = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) {
+        int32_t v = c[i];
+        if (v < 0) {
+            negative = 1;
+            break;
+        }
+        sum += v;
+        if (found < 0 && sum > u) found = (int64_t)i;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&cb);
+    if (negative) return Py_BuildValue("(Li)", -1LL, 1);
+    if (sum != (int64_t)M24) return Py_BuildValue("(Li)", -1LL, 2);
+    return Py_BuildValue("(Li)", (long long)found, 0);
+}
+
 static PyMethodDef methods[] = {
+    {"sample_counts", sample_counts, METH_VARARGS,
+     "sample_counts(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"},
     {"tree_total", tree_total, METH_VARARGS, "tree_total(values) -> the canonical total"},
     {"allocate", allocate, METH_VARARGS,
      "allocate(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"},

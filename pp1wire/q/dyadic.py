@@ -419,6 +419,14 @@ def sample(counts: npt.ArrayLike, u24: int) -> int:
     c = np.asarray(counts)
     if c.dtype.kind not in "iu" or c.ndim != 1:
         raise ValidationError(ErrorCode.MASS_MISMATCH, "counts must be a 1-D integer array")
+    if _fastq is not None and c.dtype == np.int32 and c.flags.c_contiguous:
+        # One pass, no cumulative array: the worker draws from every row it builds.
+        index, status = _fastq.sample_counts(c, u24)
+        if status == 1:
+            raise ValidationError(ErrorCode.NEGATIVE, "negative count")
+        if status == 2:
+            raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
+        return int(index)
     if c.size and c.min() < 0:
         raise ValidationError(ErrorCode.NEGATIVE, "negative count")
     cumulative = np.cumsum(c, dtype=np.int64)
