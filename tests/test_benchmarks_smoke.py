@@ -74,10 +74,15 @@ def test_speedup_smoke():
         "2",
         "--max-tokens",
         "4",
+        "--json",
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert "speedup measured" in done.stdout
+    result = json.loads(done.stdout)
+    for key in ("dense", "sparse32"):
+        assert result[f"e2e_vs_ideal_{key}"] > 0
+        assert result[f"speedup_{key}"] > 0
+    assert 0 < result["target_only_vs_ideal"] <= 1.05  # cannot beat its own fixed cost
 
 
 def test_tp_benchmark_smoke():
