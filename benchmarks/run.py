@@ -10,6 +10,10 @@ across rounds beside it:
     pp1wire STEPs answered from the worker's replay cache, every row validated
     and checksummed and each COMPLETION validated, vs. the same bytes over a
     raw blocking socket, ZeroMQ REQ/REP and gRPC unary (all unvalidated).
+(a') ``fresh_dense_vs_ideal``: the same 4 x 5 dense round drawn fresh (toy
+    drafter, q construction, encoding, transfer, every row validated) over the
+    drafter's own time for those 20 rows plus the raw-socket transfer of the
+    same bytes, all three measured in the same round.
 (b) sparse round: one request, depth 5, k = 32, the same four ways.
 (c) dense row validation vs. one numpy max() pass; sparse row validation.
 (d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
@@ -54,6 +58,7 @@ from soak import rss_mb  # noqa: E402
 
 from pp1wire.aio.client import AsyncClient  # noqa: E402
 from pp1wire.apps.launch import worker_process  # noqa: E402
+from pp1wire.apps.models import drafter_factory  # noqa: E402
 from pp1wire.apps.settings import install_uvloop  # noqa: E402
 from pp1wire.wire.assembly import ReplyAssembly  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
@@ -104,6 +109,22 @@ class Pp1:
             p = await client.propose(slot, depth=5, support=support)
             client.release(p, slot)
         return self
+
+    async def fresh(self, slots: list[int], reps: int) -> float:
+        """Median time of fresh rounds on ``slots`` (each after an untimed RESET, so
+        the worker draws: drafter, construction, encoding, transfer, validation)."""
+        client, samples = self.client, []
+        for _ in range(reps):
+            for slot in slots:
+                await client.reset(slot)
+            t0 = time.perf_counter()
+            proposals = await asyncio.gather(
+                *(client.propose(s, depth=5, support=32 if s == SPARSE_SLOT else 0) for s in slots)
+            )
+            samples.append(time.perf_counter() - t0)
+            for p, slot in zip(proposals, slots, strict=True):
+                client.release(p, slot)
+        return statistics.median(samples)
 
     async def replay(self, slots: list[int]) -> None:
         """Re-send each slot's last STEP; the worker answers with its cached bytes."""
@@ -200,14 +221,29 @@ async def transports(
         "zmq_sparse": lambda: zmq.rtt(sparse_bytes),
         "grpc_sparse": lambda: grpc.rtt(sparse_bytes),
     }
+    drafter = drafter_factory(VOCAB, 3)  # the worker's (worker_process's seed)
+
+    def draft_rows() -> None:
+        # The drafter's own time for the rows of one fresh dense round: 4 slots x 5.
+        for slot in DENSE_SLOTS:
+            for i in range(5):
+                drafter([1, 2, 3, slot, i])
+
+    cases["drafter_dense"] = draft_rows
+    cases["pp1_fresh_dense"] = lambda: None  # timed by Pp1.fresh below
     names = list(cases)
     for name in names:  # warm-up
-        await timed(cases[name], 3)
+        if name != "pp1_fresh_dense":
+            await timed(cases[name], 3)
+    await pp1.fresh(DENSE_SLOTS, 2)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             n = reps if name.endswith("dense") else reps * 20
+            if name == "pp1_fresh_dense":
+                out[name].append(await pp1.fresh(DENSE_SLOTS, max(1, reps // 3)))
+                continue
             out[name].append(await timed(cases[name], n))
     return out
 
@@ -321,6 +357,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "busy_poll_dense_vs_zmq": ratio(t_spin["pp1_dense"], t_spin["zmq_dense"]),
         "busy_poll_sparse_vs_raw": ratio(t_spin["pp1_sparse"], t_spin["raw_sparse"]),
         "busy_poll_sparse_vs_grpc": ratio(t_spin["pp1_sparse"], t_spin["grpc_sparse"]),
+        "fresh_dense_vs_ideal": [
+            f / (d + r)
+            for f, d, r in zip(
+                t["pp1_fresh_dense"], t["drafter_dense"], t["raw_dense"], strict=True
+            )
+        ],
         "validate_vs_max": micro_res["validate_vs_max"],
         "construct_vs_softmax": micro_res["construct_vs_softmax"],
     }
@@ -357,6 +399,7 @@ GOALS = {
     "sparse_vs_grpc": 0.2,
     "validate_vs_max": 8.0,
     "construct_vs_softmax": 3.0,
+    "fresh_dense_vs_ideal": 1.3,
 }
 
 

@@ -23,6 +23,7 @@ KEYS = {
     "overhead_sparse32",
     "rss_growth",
     "ping_during_draft_ms",
+    "fresh_dense_vs_ideal",
     "e2e_vs_ideal",
     "e2e_vs_ideal_sparse32",
     "speedup_over_target_only",
