@@ -126,3 +126,22 @@ def test_scores_that_do_not_fit_the_proposal_are_a_target_failure(rows):
     with pytest.raises(VerifyError) as info:
         v.verify(p, scores=[np.full(V, 1.0 / V)] * rows)
     assert info.value.code is ErrorCode.TARGET_FAILED
+
+
+def test_evaluating_a_batch_commits_nothing_and_decides_what_committing_would():
+    target = ToyLM(V, 3).probs
+    held = [make(k, target) for k in range(4)]
+    committing = [make(k, target) for k in range(4)]
+    rounds = [(v, draft(v, 0, 3, None) if k % 2 else None, 0) for k, v in enumerate(held)]
+    before = [list(v.committed) for v in held]
+    evaluated = verify_batch(rounds, batched(target), commit=False)
+    assert [list(v.committed) for v in held] == before
+    assert all(v.last_round == -1 for v in held)
+    decided = verify_batch(
+        [(c, draft(c, 0, 3, None) if k % 2 else None, 0) for k, c in enumerate(committing)],
+        batched(target),
+    )
+    for e, d in zip(evaluated, decided, strict=True):
+        assert not isinstance(e, VerifyError)
+        assert not isinstance(d, VerifyError)
+        assert e.tokens == d.tokens

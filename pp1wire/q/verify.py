@@ -329,7 +329,9 @@ class RequestVerifier:
         self.last_round = proposal.round_id
         return self._verify(proposal, commit=True, scores=scores)
 
-    def evaluate(self, proposal: Proposal) -> RoundResult:
+    def evaluate(
+        self, proposal: Proposal, scores: Sequence[npt.ArrayLike] | None = None
+    ) -> RoundResult:
         """What :meth:`verify` would commit, committing nothing (the round is not spent).
 
         A tensor-parallel group evaluates on the owning rank, votes, and only
@@ -340,7 +342,7 @@ class RequestVerifier:
                 request (see :meth:`discard`).
         """
         self.check_proposal(proposal)
-        return self._verify(proposal, commit=False)
+        return self._verify(proposal, commit=False, scores=scores)
 
     def prefixes(self, proposal: Proposal) -> list[Sequence[int]]:
         """The prefixes :meth:`verify` scores: the committed prefix followed by
@@ -407,7 +409,9 @@ class RequestVerifier:
         self.last_round = round_id
         return self._target_only(round_id, commit=True, score=score)
 
-    def evaluate_target_only(self, round_id: int) -> RoundResult:
+    def evaluate_target_only(
+        self, round_id: int, score: npt.ArrayLike | None = None
+    ) -> RoundResult:
         """What :meth:`decode_target_only` would commit, committing nothing.
 
         Raises:
@@ -415,7 +419,7 @@ class RequestVerifier:
         """
         self._require_live()
         self._claim_round(round_id)
-        return self._target_only(round_id, commit=False)
+        return self._target_only(round_id, commit=False, score=score)
 
     def _target_only(
         self, round_id: int, *, commit: bool, score: npt.ArrayLike | None = None
@@ -506,7 +510,10 @@ def batched(target: TargetFn) -> BatchTargetFn:
 
 
 def verify_batch(
-    rounds: Sequence[tuple[RequestVerifier, Proposal | None, int]], target: BatchTargetFn
+    rounds: Sequence[tuple[RequestVerifier, Proposal | None, int]],
+    target: BatchTargetFn,
+    *,
+    commit: bool = True,
 ) -> list[RoundResult | VerifyError]:
     """Decide many requests' rounds with **one** target call, as an engine's step does.
 
@@ -516,8 +523,9 @@ def verify_batch(
     then each round is verified exactly as :meth:`RequestVerifier.verify` /
     :meth:`~RequestVerifier.decode_target_only` would (same tokens for the same
     seeds). A round refused before scoring, or whose verification fails, gets
-    its :class:`VerifyError` in its place; the others commit. Rounds must be of
-    distinct requests.
+    its :class:`VerifyError` in its place; the others commit (with ``commit``
+    False, nothing commits: :meth:`RequestVerifier.evaluate` semantics, for a
+    group that votes first). Rounds must be of distinct requests.
 
     Never raises for a round's failure: a failing ``target`` call fails every
     scored round with ``TARGET_FAILED`` (and poisons their requests).
@@ -556,9 +564,12 @@ def verify_batch(
             continue
         try:
             if proposal is not None:
-                out[k] = v.verify(proposal, scores=rows[first : first + count])
-            else:
+                scores = rows[first : first + count]
+                out[k] = v.verify(proposal, scores) if commit else v.evaluate(proposal, scores)
+            elif commit:
                 out[k] = v.decode_target_only(round_id, score=rows[first])
+            else:
+                out[k] = v.evaluate_target_only(round_id, score=rows[first])
         except VerifyError as exc:
             out[k] = exc
     return [r if r is not None else VerifyError(ErrorCode.INTERNAL, "not decided") for r in out]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
-from pp1wire.q.verify import RequestVerifier, RoundResult
+from pp1wire.q.verify import RequestVerifier, RoundResult, batched, verify_batch
 from pp1wire.tp import fanout
 from pp1wire.tp.fanout import Header, Item, Kind
 
@@ -224,10 +224,9 @@ class SparkGroup:
         fail = (
             any(owned) and self.faults is not None and self.faults.fail_target(self.rank, attempt)
         )
-        for i, h in enumerate(entries):
-            if owned[i]:
-                chunk = local[offsets[i] : offsets[i + 1]]
-                mine[i] = self._evaluate(h, chunk, verifiers[i], copies[i], fail)
+        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
+        for i, outcome in self._evaluate(entries, chunks, verifiers, owned, copies, fail).items():
+            mine[i] = outcome
         outcomes = self._all_gather(torch.from_numpy(mine), "outcomes")
 
         votes = np.zeros((self.max_batch, fanout.VOTE_WORDS), dtype=np.int64)
@@ -300,25 +299,45 @@ class SparkGroup:
 
     def _evaluate(
         self,
-        header: Header,
-        local: npt.NDArray[np.uint8],
-        verifier: RequestVerifier,
-        reason: ErrorCode | None,
+        entries: list[Header],
+        chunks: list[npt.NDArray[np.uint8]],
+        verifiers: list[RequestVerifier],
+        owned: list[bool],
+        copies: list[ErrorCode | None],
         fail: bool,
-    ) -> fanout.Words:
-        if reason is not None:
-            return fanout.encode_outcome(None, reason)
-        try:
-            if fail:
-                raise VerifyError(ErrorCode.TARGET_FAILED, "injected target failure")
-            if header.kind is Kind.PROPOSAL:
-                rows = fanout.unpack_rows(local, header.rows, header.sparse)
-                result = verifier.evaluate(fanout.proposal_of(header, rows))
-            else:
-                result = verifier.evaluate_target_only(header.round_id)
-        except Pp1Error as exc:
-            return fanout.encode_outcome(None, exc.code)
-        return fanout.encode_outcome(result, None)
+    ) -> dict[int, fanout.Words]:
+        """This rank's outcomes for the entries it owns: one batched target call per
+        target plugin (an engine's forward over all of them), committing nothing."""
+        out: dict[int, fanout.Words] = {}
+        batches: dict[int, list[tuple[int, Proposal | None]]] = {}
+        for i, h in enumerate(entries):
+            if not owned[i]:
+                continue
+            reason = copies[i]
+            if reason is None and fail:
+                reason = ErrorCode.TARGET_FAILED  # injected (tests only)
+            proposal = None
+            if reason is None and h.kind is Kind.PROPOSAL:
+                try:
+                    rows = fanout.unpack_rows(chunks[i], h.rows, h.sparse)
+                except Pp1Error as exc:
+                    reason = exc.code
+                else:
+                    proposal = fanout.proposal_of(h, rows)
+            if reason is not None:
+                out[i] = fanout.encode_outcome(None, reason)
+                continue
+            batches.setdefault(id(verifiers[i].target), []).append((i, proposal))
+        for members in batches.values():
+            target = batched(verifiers[members[0][0]].target)
+            rounds = [(verifiers[i], p, entries[i].round_id) for i, p in members]
+            decided = verify_batch(rounds, target, commit=False)
+            for (i, _), d in zip(members, decided, strict=True):
+                if isinstance(d, VerifyError):
+                    out[i] = fanout.encode_outcome(None, d.code)
+                else:
+                    out[i] = fanout.encode_outcome(d, None)
+        return out
 
     # -- rank 0 --------------------------------------------------------------------
 
