@@ -145,3 +145,21 @@ def test_evaluating_a_batch_commits_nothing_and_decides_what_committing_would():
         assert not isinstance(e, VerifyError)
         assert not isinstance(d, VerifyError)
         assert e.tokens == d.tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.floats(0, 1e30, allow_nan=False, allow_infinity=False) | st.sampled_from([5e-324, 0.0]),
+        min_size=2,
+        max_size=64,
+    ).filter(lambda v: sum(v) > 0)
+)
+def test_one_entry_divided_alone_is_the_entry_of_the_divided_row(values):
+    # The verifier divides only p(x) for an accepted draft: bit-for-bit the same number.
+    from pp1wire.q.verify import check_target, checked_target
+
+    arr = np.array(values, dtype=np.float64)
+    full = check_target(arr, arr.size)
+    raw, total = checked_target(arr, arr.size)
+    assert all(float(raw[x]) / total == float(full[x]) for x in range(arr.size))

@@ -78,6 +78,19 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
         VerifyError: ``TARGET_FAILED`` for a wrong shape, ``TARGET_NON_FINITE``,
             ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
+    arr, total = checked_target(p, vocab_size)
+    return arr / total  # a new array: the caller's p is never modified
+
+
+def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, float]:
+    """:func:`check_target` without the division: the values and their canonical total.
+
+    ``values[x] / total`` is bit-for-bit ``check_target(p)[x]`` (one IEEE division
+    either way), so a caller that needs one entry need not divide the whole row.
+
+    Raises:
+        VerifyError: as :func:`check_target`.
+    """
     arr = host_array(p, np.float64)  # numpy, or an engine's tensor (viewed, not copied, on the CPU)
     if arr.shape != (vocab_size,):
         raise VerifyError(
@@ -94,7 +107,32 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
             raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
     if not (total > 0 and np.isfinite(total)):
         raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
-    return arr / total  # a new array: the caller's p is never modified
+    return arr, float(total)
+
+
+class _Row:
+    """A checked target row, divided by its total only when the whole row is needed.
+
+    An accepted draft needs p(x) alone; only a correction or a bonus needs all of p.
+    """
+
+    __slots__ = ("_p", "_total", "_values")
+
+    def __init__(self, values: Float64Array, total: float | None) -> None:
+        self._values, self._total = values, total
+        self._p = values if total is None else None
+
+    def at(self, x: int) -> float:
+        if self._p is not None:
+            return float(self._p[x])
+        assert self._total is not None
+        return float(self._values[x]) / self._total
+
+    def full(self) -> Float64Array:
+        if self._p is None:
+            assert self._total is not None
+            self._p = self._values / self._total
+        return self._p
 
 
 def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
@@ -248,11 +286,18 @@ class RequestVerifier:
             )
 
     def _p(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> Float64Array:
+        return self._row(prefix, scored).full()
+
+    def _row(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> _Row:
         try:
             raw = self.target(prefix) if scored is None else scored
-            p = check_target(raw, self.vocab_size)
-            for proc in self.processors:
-                p = check_target(proc(prefix, p), self.vocab_size)
+            values, total = checked_target(raw, self.vocab_size)
+            row = _Row(values, total)
+            if self.processors:
+                p = row.full()
+                for proc in self.processors:
+                    p = check_target(proc(prefix, p), self.vocab_size)
+                row = _Row(p, None)
         except VerifyError:
             self.poisoned = True
             raise
@@ -261,7 +306,7 @@ class RequestVerifier:
             raise VerifyError(
                 ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}"
             ) from exc
-        return p
+        return row
 
     # -- checks before any draw -------------------------------------------
 
@@ -376,17 +421,19 @@ class RequestVerifier:
         if scores is not None and len(scores) != len(proposal.rows) + 1:
             raise VerifyError(ErrorCode.TARGET_FAILED, "scores do not match the proposal")
         for i, row in enumerate(proposal.rows):
-            p = self._p(context, None if scores is None else scores[i])
+            target = self._row(context, None if scores is None else scores[i])
             x = row.token
             block = streams.block(Domain.ACCEPTANCE, start + i)
-            if accept_exact(u53_int_from_block(block), row.count_at(x), float(p[x])):
+            if accept_exact(u53_int_from_block(block), row.count_at(x), target.at(x)):
                 new.append(x)
                 context.append(x)
                 if x == self.eos:
                     return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS, commit)
                 continue
             counts = row.dense_counts(self.vocab_size)
-            y = residual_sample(p, counts, streams.u53_int(Domain.CORRECTION, start + i))
+            y = residual_sample(
+                target.full(), counts, streams.u53_int(Domain.CORRECTION, start + i)
+            )
             return self._commit(
                 proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION, commit
             )
