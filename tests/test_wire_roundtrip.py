@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import tracemalloc
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q import dyadic
 from pp1wire.wire import framing, messages
 from pp1wire.wire.messages import PAYLOAD_TYPES
 
@@ -145,3 +147,26 @@ def test_encode_refuses_payload_on_headers_only_types():
     with pytest.raises(ProtocolError) as info:
         framing.encode_frame(messages.Ping(nonce=1), b"x")
     assert info.value.code is ErrorCode.PAYLOAD_LENGTH
+
+
+@pytest.mark.parametrize("support", [None, 32])
+def test_row_payload_q_values_are_exactly_counts_over_two_to_the_24(support):
+    # The FP32 product is computed without a float64 pass: still c / 2**24 exactly.
+    from pp1wire.q.proposal import QRow
+    from pp1wire.wire.replies import row_payload
+
+    rng = np.random.default_rng(7)
+    for counts in (
+        dyadic.counts_from_logits(rng.standard_normal(129_280), 1.0),
+        np.eye(1, 4096, 5, dtype=np.int64)[0] * dyadic.M,  # one count of 2**24
+    ):
+        if support is None:
+            row = QRow(token=0, counts=counts.astype(np.int32))
+            got = np.frombuffer(row_payload(row, counts.size + 3), dtype="<f4")
+            want = np.concatenate([counts / dyadic.M, np.zeros(3)])
+        else:
+            ids = np.flatnonzero(counts)[:support].astype(np.int32)
+            row = QRow(token=0, counts=counts[ids].astype(np.int32), ids=ids)
+            got = np.frombuffer(row_payload(row, counts.size), dtype="<f4")[ids.size :]
+            want = counts[ids] / dyadic.M
+        assert np.array_equal(got.astype(np.float64), want)
