@@ -769,19 +769,6 @@ class WorkerProtocol:
         )
 
 
-__all__ = [
-    "ConnectionClosing",
-    "HandshakeDone",
-    "Refused",
-    "SlotEvent",
-    "StepReplayed",
-    "StepServed",
-    "WorkerConfig",
-    "WorkerEvent",
-    "WorkerProtocol",
-]
-
-
 def _slot_of(frame: framing.Frame) -> int | None:
     """The slot a frame's message names (None for connection-level messages)."""
     slot = getattr(frame.message, "slot", None)
