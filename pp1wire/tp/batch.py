@@ -42,6 +42,7 @@ class Batcher:
         self._queue: list[tuple[Item, asyncio.Future[object]]] = []
         self._busy = False
         self._kick = False
+        self._idle: list[asyncio.Future[None]] = []  # callers waiting for no step in flight
 
     async def submit(self, item: Item) -> object:
         """The decision for ``item`` (the leader's result type).
@@ -57,9 +58,12 @@ class Batcher:
 
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the group's thread after every attempt submitted so far."""
+        loop = asyncio.get_running_loop()
         while self._busy or self._queue:
-            await asyncio.sleep(0.001)
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+            idle: asyncio.Future[None] = loop.create_future()
+            self._idle.append(idle)
+            await idle
+        return await loop.run_in_executor(self._thread, fn)
 
     def _soon(self, loop: asyncio.AbstractEventLoop) -> None:
         # Not at once: the coroutines woken in this loop turn (by the last step's
@@ -71,6 +75,11 @@ class Batcher:
     def _next(self) -> None:
         self._kick = False
         if self._busy or not self._queue:
+            if not self._busy:
+                idle, self._idle = self._idle, []
+                for fut in idle:
+                    if not fut.done():
+                        fut.set_result(None)
             return
         batch: list[tuple[Item, asyncio.Future[object]]] = []
         rest: list[tuple[Item, asyncio.Future[object]]] = []
