@@ -32,11 +32,12 @@ SLOW_S = 0.2
 PROMPT_S = 0.1
 
 
-def slow_drafter():
+def slow_drafter(started: threading.Event):
     fast = drafter_factory(VOCAB, 0)
 
     def drafter(prefix):
         if prefix[-1] == MARKER:
+            started.set()
             time.sleep(SLOW_S)
         return fast(prefix)
 
@@ -44,7 +45,7 @@ def slow_drafter():
 
 
 @contextlib.contextmanager
-def worker_thread(draw_threads: int):
+def worker_thread(draw_threads: int, started: threading.Event):
     """A WorkerServer on an event loop of its own thread (so a stalled worker loop
     cannot stall the measuring clients); yields its port."""
     ready: queue.Queue[int] = queue.Queue()
@@ -52,11 +53,10 @@ def worker_thread(draw_threads: int):
 
     async def serve() -> None:
         srv = WorkerServer(
-            WorkerConfig(vocab_size=VOCAB), slow_drafter(), draw_threads=draw_threads
+            WorkerConfig(vocab_size=VOCAB), slow_drafter(started), draw_threads=draw_threads
         )
         ready.put(await srv.start("127.0.0.1", 0))
-        while not done.is_set():
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(done.wait)
         await srv.stop(grace=1.0)
 
     thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
@@ -69,7 +69,8 @@ def worker_thread(draw_threads: int):
 
 
 async def measure(draw_threads: int) -> tuple[float, float, float]:
-    with worker_thread(draw_threads) as port:
+    started_drawing = threading.Event()
+    with worker_thread(draw_threads, started_drawing) as port:
         config = SparkConfig(vocab_size=VOCAB, max_slots=2, max_depth=1)
         a = await AsyncClient.connect("127.0.0.1", port, config)
         b = await AsyncClient.connect("127.0.0.1", port, config)
@@ -78,7 +79,7 @@ async def measure(draw_threads: int) -> tuple[float, float, float]:
             await b.open(0, seed=2, prefix=[1, 2])
             started = time.perf_counter()
             slow = asyncio.ensure_future(a.propose(0, depth=1))
-            await asyncio.sleep(0.02)  # A's STEP is in, its draw has started
+            assert await asyncio.to_thread(started_drawing.wait, 5)  # A's slow draw runs
             ping = await a.ping()
             t = time.perf_counter()
             await b.propose(0, depth=1)

@@ -16,9 +16,11 @@ class FakeLeader:
         self.max_batch = max_batch
         self.attempts: list[list[int]] = []
         self.release = threading.Event()
+        self.entered = threading.Event()  # an attempt is in flight
         self.fail_on: int | None = None
 
     def lead(self, items):
+        self.entered.set()
         self.release.wait(5)
         self.attempts.append([i.request for i in items])
         if self.fail_on is not None and self.fail_on in self.attempts[-1]:
@@ -35,9 +37,9 @@ def test_rounds_queued_behind_an_attempt_go_out_together_distinct_and_bounded():
         leader = FakeLeader(max_batch=2)
         batcher = Batcher(leader)
         first = asyncio.ensure_future(batcher.submit(item(0)))
-        await asyncio.sleep(0.01)  # attempt 1 (request 0) is in flight
+        assert await asyncio.to_thread(leader.entered.wait, 5)  # attempt 1 is in flight
         later = [asyncio.ensure_future(batcher.submit(item(r))) for r in (1, 1, 2, 3)]
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one loop turn: each submits (synchronously) and waits
         leader.release.set()
         got = await asyncio.gather(first, *later)
         batcher.close()
@@ -56,10 +58,11 @@ def test_a_failed_attempt_fails_every_round_in_it():
         leader.fail_on = 5
         batcher = Batcher(leader)
         first = asyncio.ensure_future(batcher.submit(item(4)))
-        await asyncio.sleep(0.01)  # attempt 1 in flight; 5 and 6 queue for attempt 2
+        assert await asyncio.to_thread(leader.entered.wait, 5)  # attempt 1 is in flight
         both = asyncio.gather(
             batcher.submit(item(5)), batcher.submit(item(6)), return_exceptions=True
         )
+        await asyncio.sleep(0)  # one loop turn: 5 and 6 queue for attempt 2
         leader.release.set()
         results = [await first, *await both]
         batcher.close()
