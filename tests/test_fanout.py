@@ -37,7 +37,7 @@ def test_rows_survive_the_payload_bit_for_bit(support):
     for a, b in zip(p.rows, rows, strict=True):
         assert a.token == b.token
         assert np.array_equal(a.dense_counts(V), b.dense_counts(V))
-    header = fanout.header_of(1, 0, p, payload, sparse)
+    header = fanout.header_of(0, p, payload, sparse)
     again = Header.from_words(header.words(), fanout.max_payload(V))
     assert again == header
     assert fanout.proposal_of(again, rows).tokens == p.tokens
@@ -45,7 +45,7 @@ def test_rows_survive_the_payload_bit_for_bit(support):
 
 def test_a_payload_whose_lengths_do_not_fill_it_is_refused():
     payload, _ = fanout.pack_rows(proposal(verifier(), 0, None).rows)
-    buf = np.frombuffer(payload + b"\0\0\0\0", dtype=np.uint8)
+    buf = np.concatenate([payload, np.zeros(4, dtype=np.uint8)])
     with pytest.raises(Pp1Error) as info:
         fanout.unpack_rows(buf, 4, False)
     assert info.value.code is ErrorCode.PAYLOAD_LENGTH
@@ -56,7 +56,7 @@ def test_headers_out_of_bounds_are_refused_before_any_allocation():
     with pytest.raises(Pp1Error) as info:
         Header.from_words(too_big.words(), fanout.max_payload(V))
     assert info.value.code is ErrorCode.HEADER_INVALID
-    words = Header(kind=Kind.STOP).words()
+    words = Header(kind=Kind.PROPOSAL).words()
     words[0] = 9
     with pytest.raises(Pp1Error):
         Header.from_words(words, fanout.max_payload(V))
@@ -120,3 +120,16 @@ def test_an_unreadable_outcome_reads_as_a_failure():
 def test_requests_are_dealt_round_robin():
     assert [fanout.owner_of(i, 2) for i in range(5)] == [0, 1, 0, 1, 0]
     assert [fanout.owner_of(i, 3) for i in range(4)] == [0, 1, 2, 0]
+
+
+def test_an_attempt_naming_one_request_twice_is_refused():
+    p = proposal(verifier(), 0, None)
+    payload, sparse = fanout.pack_rows(p.rows)
+    entry = fanout.header_of(3, p, payload, sparse)
+    words = fanout.batch_words(1, [entry, entry], 4)
+    with pytest.raises(Pp1Error) as info:
+        fanout.read_batch(words, 4, fanout.max_payload(V))
+    assert info.value.code is ErrorCode.HEADER_INVALID
+    assert fanout.read_batch(fanout.batch_words(1, [entry], 4), 4, fanout.max_payload(V))[1] == [
+        entry
+    ]

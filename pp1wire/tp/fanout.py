@@ -32,9 +32,8 @@ Words = npt.NDArray[np.int64]
 
 
 class Kind(IntEnum):
-    """What an attempt is."""
+    """What an entry of an attempt is."""
 
-    STOP = 0
     PROPOSAL = 1
     TARGET_ONLY = 2
 
@@ -80,7 +79,6 @@ class Header:
     """One attempt's key: which request, which round, what rows follow."""
 
     kind: Kind
-    attempt: int = 0
     request: int = 0
     session: int = 0
     generation: int = 0
@@ -99,7 +97,7 @@ class Header:
         out = np.zeros(WORDS, dtype=np.int64)
         out[:14] = [
             int(self.kind),
-            self.attempt,
+            0,  # reserved
             self.request,
             self.session,
             self.generation,
@@ -131,7 +129,6 @@ class Header:
             raise ValidationError(ErrorCode.HEADER_INVALID, "attempt header out of bounds")
         return cls(
             kind=Kind(w[0]),
-            attempt=w[1],
             request=w[2],
             session=w[3],
             generation=w[4],
@@ -171,7 +168,7 @@ def read_batch(words: Words, max_batch: int, max_payload: int) -> tuple[int, lis
 
     Raises:
         ValidationError: ``HEADER_INVALID`` for a count over ``max_batch``, an
-            entry :meth:`Header.from_words` refuses, or a STOP entry;
+            entry :meth:`Header.from_words` refuses, two entries for one request;
             ``PAYLOAD_LENGTH`` if the entries' sizes do not add up to the total.
     """
     if int(words[0]) == 0:
@@ -183,8 +180,8 @@ def read_batch(words: Words, max_batch: int, max_payload: int) -> tuple[int, lis
         Header.from_words(words[(1 + i) * WORDS : (2 + i) * WORDS], max_payload)
         for i in range(count)
     ]
-    if any(h.kind is Kind.STOP for h in entries):
-        raise ValidationError(ErrorCode.HEADER_INVALID, "a stop entry inside an attempt")
+    if len({h.request for h in entries}) != count:
+        raise ValidationError(ErrorCode.HEADER_INVALID, "two entries for one request")
     if sum(h.nbytes for h in entries) != total:
         raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "entry sizes do not add up")
     return int(words[1]), entries
@@ -195,35 +192,50 @@ def max_payload(vocab_size: int) -> int:
     return MAX_DEPTH * (8 + 8 * vocab_size)
 
 
-def _q32(row: QRow) -> npt.NDArray[np.float32]:
-    if row.q32 is not None:
-        return row.q32
-    assert row.counts is not None
-    # Exact: a count is at most 2**24, which float32 holds, and /2**24 only moves the exponent.
-    return (row.counts.astype(np.float64) / dyadic.M).astype(np.float32)
+def rows_nbytes(rows: Sequence[QRow]) -> int:
+    """The bytes :func:`pack_rows` writes for ``rows``."""
+    return 8 * len(rows) + sum(r.length * (4 if r.ids is None else 8) for r in rows)
 
 
-def pack_rows(rows: Sequence[QRow]) -> tuple[bytes, bool]:
+def pack_rows(
+    rows: Sequence[QRow], out: npt.NDArray[np.uint8] | None = None
+) -> tuple[npt.NDArray[np.uint8], bool]:
     """The rows as one payload: tokens, lengths, then per row (ids if sparse) and q32.
 
-    Returns the payload and whether the rows are sparse.
+    Written into ``out`` (exactly :func:`rows_nbytes` bytes; a new array if None),
+    each value copied once from the row (a received row's FP32 view, or counts
+    times 2**-24 computed in FP32, which is exact). Returns the payload and
+    whether the rows are sparse.
 
     Raises:
-        ValueError: if dense and sparse rows are mixed.
+        ValueError: if dense and sparse rows are mixed, or ``out`` has the wrong size.
     """
     sparse = bool(rows) and rows[0].ids is not None
     if any((r.ids is not None) != sparse for r in rows):
         raise ValueError("a proposal's rows are all dense or all sparse")
-    parts: list[bytes | npt.NDArray[np.generic]] = [
-        np.array([r.token for r in rows], dtype="<i4"),
-        np.array([r.length for r in rows], dtype="<i4"),
-    ]
+    size = rows_nbytes(rows)
+    buf = np.empty(size, dtype=np.uint8) if out is None else out
+    if buf.size != size:
+        raise ValueError(f"{buf.size} bytes for rows of {size}")
+    n = len(rows)
+    buf[: 4 * n].view("<i4")[:] = [r.token for r in rows]
+    buf[4 * n : 8 * n].view("<i4")[:] = [r.length for r in rows]
+    at = 8 * n
     for r in rows:
+        length = r.length
         if sparse:
             assert r.ids is not None
-            parts.append(np.ascontiguousarray(r.ids, dtype="<i4"))
-        parts.append(np.ascontiguousarray(_q32(r), dtype="<f4"))
-    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in parts), sparse
+            buf[at : at + 4 * length].view("<i4")[:] = r.ids
+            at += 4 * length
+        q = buf[at : at + 4 * length].view("<f4")
+        if r.q32 is not None:
+            q[:] = r.q32
+        else:
+            assert r.counts is not None
+            scale = np.float32(1.0 / dyadic.M)
+            np.multiply(r.counts, scale, out=q, dtype=np.float32, casting="unsafe")
+        at += 4 * length
+    return buf, sparse
 
 
 def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tuple[QRow, ...]:
@@ -268,12 +280,11 @@ def proposal_of(header: Header, rows: tuple[QRow, ...]) -> Proposal:
 
 
 def header_of(
-    attempt: int, request: int, proposal: Proposal, payload: bytes, sparse: bool
+    request: int, proposal: Proposal, payload: npt.NDArray[np.uint8], sparse: bool
 ) -> Header:
     """The PROPOSAL header for ``proposal`` packed as ``payload``."""
     return Header(
         kind=Kind.PROPOSAL,
-        attempt=attempt,
         request=request,
         session=proposal.session,
         generation=proposal.generation,
@@ -283,9 +294,24 @@ def header_of(
         depth=proposal.depth,
         rows=len(proposal.rows),
         sparse=sparse,
-        nbytes=len(payload),
+        nbytes=payload.nbytes,
         payload_digest=digest(payload),
         context=proposal.context,
+    )
+
+
+def target_only_header(request: int, verifier: RequestVerifier, round_id: int) -> Header:
+    """The TARGET_ONLY header for ``round_id`` of ``request`` after ``verifier``'s prefix."""
+    return Header(
+        kind=Kind.TARGET_ONLY,
+        request=request,
+        session=verifier.session,
+        generation=verifier.generation,
+        round_id=round_id,
+        position=verifier.position,
+        prefix_digest=verifier.digest,
+        context=verifier.context,
+        payload_digest=digest(b""),
     )
 
 

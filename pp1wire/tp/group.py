@@ -177,7 +177,7 @@ class SparkGroup:
     def _attempt(
         self,
         entries: list[Header] | None,
-        payload: bytes | None,
+        payload: npt.NDArray[np.uint8] | None,
         verifier_for: VerifierFor,
     ) -> tuple[list[Header], list[Decision]]:
         """One attempt; rank 0 passes its entries and payload, the others None."""
@@ -188,10 +188,8 @@ class SparkGroup:
         started = time.perf_counter()
         if entries is not None:
             words[:head] = torch.from_numpy(fanout.batch_words(attempt, entries, self.max_batch))
-            if payload and len(payload) <= fanout.INLINE:
-                words.numpy()[head:].view(np.uint8)[: len(payload)] = np.frombuffer(
-                    payload, dtype=np.uint8
-                )
+            if payload is not None and payload.size <= fanout.INLINE:
+                words.numpy()[head:].view(np.uint8)[: payload.size] = payload
         self._broadcast(words, 0, self.group)
         try:
             _, entries = fanout.read_batch(words[:head].numpy(), self.max_batch, self.max_payload)
@@ -203,7 +201,7 @@ class SparkGroup:
         self.stats.entries += len(entries)
         total = sum(h.nbytes for h in entries)
         if total <= fanout.INLINE:  # every rank read the same total: all skip the bulk broadcast
-            local = words.numpy()[head:].view(np.uint8)[:total].copy()
+            local = words.numpy()[head:].view(np.uint8)[:total]
             self._account(total, started)
         else:
             local = self._bulk(total, payload, started)
@@ -271,9 +269,11 @@ class SparkGroup:
                 v.apply(d.result)
         return entries, decisions
 
-    def _bulk(self, total: int, payload: bytes | None, started: float) -> npt.NDArray[np.uint8]:
+    def _bulk(
+        self, total: int, payload: npt.NDArray[np.uint8] | None, started: float
+    ) -> npt.NDArray[np.uint8]:
         if payload is not None:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            buf = torch.from_numpy(payload)  # rank 0's packed rows, not copied again
         else:
             buf = torch.empty(total, dtype=torch.uint8)
         buf = buf.to(self.device)
@@ -350,35 +350,30 @@ class SparkGroup:
         Raises:
             GroupFailedError: a collective failed or a target-only round was
                 voted down (nothing of this attempt committed anywhere).
-            ValueError: more than ``max_batch`` items, a request twice, or rows
+            ValueError: no items or more than ``max_batch``, a request twice, or rows
                 mixing dense and sparse.
         """
+        # Refused here, before the attempt is counted or anything is sent: every
+        # rank must count the same attempts.
+        if not 1 <= len(items) <= self.max_batch:
+            raise ValueError(f"{len(items)} rounds: an attempt takes 1..{self.max_batch}")
         if len({i.request for i in items}) != len(items):
             raise ValueError("one round per request per attempt")
-        entries, chunks = [], []
-        for item in items:
-            v = item.verifier
+        # Every entry's rows packed once, straight into the attempt's payload.
+        sizes = [0 if i.proposal is None else fanout.rows_nbytes(i.proposal.rows) for i in items]
+        payload = np.empty(sum(sizes), dtype=np.uint8)
+        entries, at = [], 0
+        for item, size in zip(items, sizes, strict=True):
             if item.proposal is not None:
-                chunk, sparse = fanout.pack_rows(item.proposal.rows)
-                entries.append(fanout.header_of(0, item.request, item.proposal, chunk, sparse))
+                chunk, sparse = fanout.pack_rows(item.proposal.rows, payload[at : at + size])
+                entries.append(fanout.header_of(item.request, item.proposal, chunk, sparse))
             else:
-                chunk = b""
                 entries.append(
-                    Header(
-                        kind=Kind.TARGET_ONLY,
-                        request=item.request,
-                        session=v.session,
-                        generation=v.generation,
-                        round_id=item.round_id,
-                        position=v.position,
-                        prefix_digest=v.digest,
-                        context=v.context,
-                        payload_digest=fanout.digest(b""),
-                    )
+                    fanout.target_only_header(item.request, item.verifier, item.round_id)
                 )
-            chunks.append(chunk)
+            at += size
         by_request = {item.request: item.verifier for item in items}
-        _, decisions = self._attempt(entries, b"".join(chunks), lambda h: by_request[h.request])
+        _, decisions = self._attempt(entries, payload, lambda h: by_request[h.request])
         return decisions
 
     def lead_proposal(
@@ -405,7 +400,7 @@ class SparkGroup:
         Raises:
             GroupFailedError: a collective failed.
         """
-        self._attempt([], b"", self._no_verifier)
+        self._attempt([], None, self._no_verifier)
         return self._reports()
 
     # -- ranks 1.. -----------------------------------------------------------------
