@@ -176,7 +176,6 @@ class Runner:
         leader: Leader[Any] = group if group is not None else LocalStep(target, args.concurrency)
         self.batcher = Batcher(leader)
         self.group_failure: Pp1Error | None = None
-        self._votes_counted: Counter[str] = Counter()
         self.target = target
         self.prompts = prompts
         self.support = parse_support(args.support)
@@ -384,19 +383,19 @@ class Runner:
     async def _in_group(self, item: Item) -> Decision:
         """The group's decision on ``item``; the event loop keeps serving meanwhile."""
         try:
-            return cast("Decision", await self.batcher.submit(item))
+            decision = cast("Decision", await self.batcher.submit(item))
         finally:
-            self._count_group()
+            self._count_fanout()
+        if decision.failures:
+            self.metrics.tp_votes_failed.labels(reason=decision.reason).inc()
+        return decision
 
-    def _count_group(self) -> None:
+    def _count_fanout(self) -> None:
         if self.group is None:
             return
         m, stats = self.metrics, self.group.stats
         m.tp_fanout_bytes.inc(stats.fanout_bytes - metrics.total(m.tp_fanout_bytes))
         m.tp_fanout_seconds.inc(stats.fanout_seconds - metrics.total(m.tp_fanout_seconds))
-        for reason, n in stats.votes_failed.items():
-            m.tp_votes_failed.labels(reason=reason).inc(n - self._votes_counted[reason])
-            self._votes_counted[reason] = n
 
     async def _step(self, item: Item) -> RoundResult:
         """This process's decision on ``item``, taken with the other queued rounds.
