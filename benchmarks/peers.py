@@ -7,6 +7,9 @@ prints ``listening PORT`` and answers every request with N bytes (unvalidated):
   length); the reply is the bytes, sent with one ``sendall``.
 * ``zmq``: REP socket; the reply is sent with ``copy=False``.
 * ``grpc``: a generic unary handler returning the bytes (64 MiB message limits).
+* ``loop``: the raw protocol served by an asyncio protocol on uvloop, the event
+  loop both pp1wire daemons run on, doing nothing per frame: with its client
+  (also an asyncio protocol) it is the floor of any asyncio implementation.
 
 Clients for each live in benchmarks/run.py. These are benchmark-only
 dependencies (the ``bench`` extra).
@@ -19,6 +22,7 @@ import socket
 import struct
 import sys
 import time
+from typing import Any
 
 
 def serve_raw(size: int) -> None:
@@ -45,6 +49,35 @@ def serve_raw(size: int) -> None:
                     break
                 _, reply_len = struct.unpack("<II", head)
                 conn.sendall(payload[:reply_len] if reply_len <= size else bytes(reply_len))
+
+
+def serve_loop(size: int) -> None:
+    import asyncio
+
+    import uvloop
+
+    payload = bytes(size)
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            # uvloop's transports are not asyncio.Transport subclasses.
+            self.transport = transport
+            self.head = bytearray()
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def data_received(self, data: bytes) -> None:
+            self.head += data
+            while len(self.head) >= 8:
+                _, reply_len = struct.unpack_from("<II", self.head)
+                del self.head[:8]
+                self.transport.write(payload[:reply_len] if reply_len <= size else bytes(reply_len))
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+        print(f"listening {server.sockets[0].getsockname()[1]}", flush=True)
+        await server.serve_forever()
+
+    uvloop.run(serve())
 
 
 def serve_zmq(size: int) -> None:
@@ -93,10 +126,11 @@ def serve_grpc(size: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("kind", choices=["raw", "zmq", "grpc"])
+    parser.add_argument("kind", choices=["raw", "zmq", "grpc", "loop"])
     parser.add_argument("--size", type=int, default=10_342_400)
     args = parser.parse_args()
-    {"raw": serve_raw, "zmq": serve_zmq, "grpc": serve_grpc}[args.kind](args.size)
+    serve = {"raw": serve_raw, "zmq": serve_zmq, "grpc": serve_grpc, "loop": serve_loop}
+    serve[args.kind](args.size)
     return 0
 
 

@@ -14,7 +14,11 @@ across rounds beside it:
     drafter, q construction, encoding, transfer, every row validated) over the
     drafter's own time for those 20 rows plus the raw-socket transfer of the
     same bytes, all three measured in the same round.
-(b) sparse round: one request, depth 5, k = 32, the same four ways.
+(b) sparse round: one request, depth 5, k = 32, the same four ways, and a fifth:
+    the raw protocol between two asyncio protocols on uvloop that do nothing per
+    frame (``loop_sparse``), the floor of any implementation on an event loop;
+    ``sparse_loop_floor_vs_raw`` is that floor over the raw socket and
+    ``sparse_vs_loop`` what pp1wire's per-frame work adds on top of it.
 (c) dense row validation vs. one numpy max() pass; sparse row validation.
 (d) q construction from logits (dense, sparse k = 32) vs. a float64 softmax.
 (e) wire overhead: encoded bytes / payload bytes, dense and sparse k = 16..256.
@@ -161,6 +165,33 @@ class Raw:
             got += self.sock.recv_into(view[got:n])
 
 
+class Loop(asyncio.Protocol):
+    """The raw protocol from an asyncio protocol: with the ``loop`` peer, the event-loop floor."""
+
+    def __init__(self) -> None:
+        self.want = 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def connect(cls, port: int) -> Loop:
+        transport, self = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port)
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = transport
+        return self
+
+    def data_received(self, data: bytes) -> None:
+        self.want -= len(data)
+        if self.want <= 0 and self.waiter is not None:
+            self.waiter.set_result(None)
+            self.waiter = None
+
+    async def rtt(self, n: int) -> None:
+        self.want = n
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(struct.pack("<II", 8, n))
+        await self.waiter
+
+
 class Zmq:
     def __init__(self, port: int) -> None:
         import zmq
@@ -206,6 +237,7 @@ async def transports(
     raw: Raw,
     zmq: Zmq,
     grpc: Grpc,
+    loop: Loop,
     rounds: int,
     reps: int,
     dense_bytes: int,
@@ -220,6 +252,7 @@ async def transports(
         "raw_sparse": lambda: raw.rtt(sparse_bytes),
         "zmq_sparse": lambda: zmq.rtt(sparse_bytes),
         "grpc_sparse": lambda: grpc.rtt(sparse_bytes),
+        "loop_sparse": lambda: loop.rtt(sparse_bytes),
     }
     drafter = drafter_factory(VOCAB, 3)  # the worker's (worker_process's seed)
 
@@ -313,14 +346,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             before = decoder.bytes_received
             await pp1.replay([SPARSE_SLOT])
             sparse_bytes = decoder.bytes_received - before
-            for kind in ("raw", "zmq", "grpc"):
+            for kind in ("raw", "zmq", "grpc", "loop"):
                 peers.append(
                     start(
                         [sys.executable, str(HERE / "peers.py"), kind, "--size", str(dense_bytes)]
                     )
                 )
             raw, zmq, grpc = Raw(peers[0][1]), Zmq(peers[1][1]), Grpc(peers[2][1])
-            t = await transports(pp1, raw, zmq, grpc, rounds, reps, dense_bytes, sparse_bytes)
+            loop = await Loop.connect(peers[3][1])
+            t = await transports(pp1, raw, zmq, grpc, loop, rounds, reps, dense_bytes, sparse_bytes)
             early, late = (5, 20) if args.smoke else (100, 1000) if args.quick else (100, 10_000)
             mem = await rss_growth(pp1, worker.process.pid, early, late)
             await pp1.client.close()
@@ -328,7 +362,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         with worker_process("--max-slots", "8", "--busy-poll", vocab=VOCAB) as worker:
             spin = await Pp1.setup(worker.port, busy_poll=True)
             t_spin = await transports(
-                spin, raw, zmq, grpc, max(2, rounds // 2), reps, dense_bytes, sparse_bytes
+                spin, raw, zmq, grpc, loop, max(2, rounds // 2), reps, dense_bytes, sparse_bytes
             )
             await spin.client.close()
     finally:
@@ -353,6 +387,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "sparse_vs_raw": ratio(t["pp1_sparse"], t["raw_sparse"]),
         "sparse_vs_zmq": ratio(t["pp1_sparse"], t["zmq_sparse"]),
         "sparse_vs_grpc": ratio(t["pp1_sparse"], t["grpc_sparse"]),
+        "sparse_loop_floor_vs_raw": ratio(t["loop_sparse"], t["raw_sparse"]),
+        "sparse_vs_loop": ratio(t["pp1_sparse"], t["loop_sparse"]),
         "busy_poll_dense_vs_raw": ratio(t_spin["pp1_dense"], t_spin["raw_dense"]),
         "busy_poll_dense_vs_zmq": ratio(t_spin["pp1_dense"], t_spin["zmq_dense"]),
         "busy_poll_sparse_vs_raw": ratio(t_spin["pp1_sparse"], t_spin["raw_sparse"]),

@@ -17,6 +17,8 @@ KEYS = {
     "dense_vs_zmq",
     "sparse_vs_raw",
     "sparse_vs_grpc",
+    "sparse_loop_floor_vs_raw",
+    "sparse_vs_loop",
     "validate_vs_max",
     "construct_vs_softmax",
     "overhead_dense",
