@@ -48,6 +48,7 @@ class ErrorCode(IntEnum):
     TLS_REQUIRED = 35
     INTEGRITY_MISMATCH = 36
     INTEGRITY_FAILED = 37
+    SHARD_LAYOUT_MISMATCH = 38
 
     # -- sessions, fencing and replies (40..59) --------------------------------
     UNKNOWN_SLOT = 40
@@ -88,6 +89,7 @@ class ErrorCode(IntEnum):
     MISSING_Q = 73
     BAD_REPRESENTATION = 74
     TOKEN_OUT_OF_RANGE = 75
+    SHARD_RANGE_MISMATCH = 76
 
     # -- proposal construction and RNG on the sender (80..89) --------------------------
     WEIGHT_NON_FINITE = 80
@@ -112,6 +114,9 @@ class ErrorCode(IntEnum):
     CONTEXT_MISMATCH = 99
     REQUEST_FINISHED = 100
     AUDIT_MISMATCH = 101
+    # A vocabulary-sharded round across the links of a group (protocol §6.7).
+    GROUP_SHARD_MISMATCH = 102
+    GROUP_MASS_MISMATCH = 103
 
     # -- liveness and connection (110..127) ------------------------------------
     IDLE_TIMEOUT = 110

@@ -169,7 +169,7 @@ def test_slow_loris_is_dropped_at_the_handshake_timeout():
         addr = running.address
         host, port = addr.rsplit(":", 1)
         s = socket.create_connection((host, int(port)))
-        hello_start = b"PW\x03\x01"
+        hello_start = b"PW\x04\x01"
         started = time.monotonic()
         for b in hello_start:  # one byte at a time, never finishing a frame
             s.sendall(bytes([b]))

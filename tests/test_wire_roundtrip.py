@@ -98,6 +98,8 @@ def test_large_frame_is_received_into_its_own_buffer():
         representation=0,
         entries=6400,
         checksum=0,
+        start=0,
+        end=6400,
     )
     frame = framing.encode_frame(msg, payload)
     decoder = framing.FrameDecoder(1 << 20, allocator=allocator)
@@ -162,11 +164,11 @@ def test_row_payload_q_values_are_exactly_counts_over_two_to_the_24(support):
     ):
         if support is None:
             row = QRow(token=0, counts=counts.astype(np.int32))
-            got = np.frombuffer(row_payload(row, counts.size + 3), dtype="<f4")
+            got = np.frombuffer(row_payload(row, counts.size + 3)[0], dtype="<f4")
             want = np.concatenate([counts / dyadic.M, np.zeros(3)])
         else:
             ids = np.flatnonzero(counts)[:support].astype(np.int32)
             row = QRow(token=0, counts=counts[ids].astype(np.int32), ids=ids)
-            got = np.frombuffer(row_payload(row, counts.size), dtype="<f4")[ids.size :]
+            got = np.frombuffer(row_payload(row, counts.size)[0], dtype="<f4")[ids.size :]
             want = counts[ids] / dyadic.M
         assert np.array_equal(got.astype(np.float64), want)

@@ -108,7 +108,7 @@ def test_second_hello_is_refused():
 @pytest.mark.parametrize(
     ("over", "code"),
     [
-        ({"wire_version": 4}, ErrorCode.WIRE_VERSION_MISMATCH),
+        ({"wire_version": 3}, ErrorCode.WIRE_VERSION_MISMATCH),
         ({"q_semantic": "dyadic16-v1"}, ErrorCode.Q_SEMANTIC_MISMATCH),
         ({"verifier": "other-verifier"}, ErrorCode.VERIFIER_MISMATCH),
         ({"rng_abi": "pp1-philox4x32-10-v0"}, ErrorCode.RNG_ABI_MISMATCH),

@@ -282,7 +282,9 @@ class Proposal:
 
     ``position`` is the absolute position of the first draft, i.e. the length
     of the committed prefix it was drawn after; ``digest`` is that prefix's
-    :func:`prefix_digest`.
+    :func:`prefix_digest`. ``shard`` is ``(start, end)`` for one link's shard of
+    a vocabulary-sharded proposal (protocol §6.7): its rows hold q over that
+    range only, and only its group can verify it.
     """
 
     session: int
@@ -293,6 +295,7 @@ class Proposal:
     depth: int
     rows: tuple[QRow, ...]
     context: int = 0
+    shard: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:

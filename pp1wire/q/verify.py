@@ -327,6 +327,10 @@ class RequestVerifier:
             raise VerifyError(ErrorCode.CONTEXT_MISMATCH, "proposal for another target context")
         if proposal.position != self.position or proposal.digest != self.digest:
             raise VerifyError(ErrorCode.STALE_PREFIX, "proposal drawn after another prefix")
+        if proposal.shard is not None:
+            raise VerifyError(
+                ErrorCode.MALFORMED_PROPOSAL, "one shard of a proposal is verified by its group"
+            )
         self._claim_round(proposal.round_id)
         rows = proposal.rows
         if not 1 <= proposal.depth <= MAX_DEPTH or not 1 <= len(rows) <= proposal.depth:

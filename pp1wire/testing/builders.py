@@ -87,7 +87,11 @@ def reply_header(
     checksum: int | None = None,
     **over: int,
 ) -> Reply:
-    """The REPLY header of row ``index`` answering ``step`` (any field overridable)."""
+    """The REPLY header of row ``index`` answering ``step`` (any field overridable).
+
+    The row range defaults to an unsharded link of :data:`VOCAB` (``start`` 0,
+    ``end`` VOCAB).
+    """
     dense = step.support == 0
     count = entries if entries is not None else len(payload) // (4 if dense else 8)
     return Reply(
@@ -101,6 +105,8 @@ def reply_header(
         representation=representation if representation is not None else (0 if dense else 1),
         entries=count,
         checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),
+        start=over.get("start", 0),
+        end=over.get("end", VOCAB),
     )
 
 
@@ -110,7 +116,8 @@ def reply_row(step: Step, index: int, token: int, payload: bytes, **over: Any) -
 
 
 def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
-    """The COMPLETION frame of a reply whose REPLY frames are ``body``."""
+    """The COMPLETION frame of a reply whose REPLY frames are ``body`` (range as for
+    :func:`reply_header`)."""
     return framing.encode_frame(
         Completion(
             session=step.session,
@@ -123,6 +130,8 @@ def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
             reply_bytes=over.get("reply_bytes", len(body)),
             reply_checksum=over.get("reply_checksum", xxhash.xxh3_64_intdigest(body)),
             status=over.get("status", 0),
+            start=over.get("start", 0),
+            end=over.get("end", VOCAB),
         )
     )
 

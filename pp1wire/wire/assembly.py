@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, layout
 from pp1wire.q.proposal import Lease, Proposal, QRow
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
@@ -63,20 +63,29 @@ class ReplyAssembly:
         *,
         eos: int | None,
         validator: dyadic.DenseRowValidator,
+        span: tuple[int, int],
+        sharded: bool = False,
     ) -> QRow | ErrorCode:
-        """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it."""
+        """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it.
+
+        ``span`` is the link's global ID range (the whole vocabulary unless
+        ``sharded``); a sharded link's rows are checked by the shard rules of §6.7.
+        """
         step = self.step
         index = len(self.rows)
         if msg.index != index or index >= step.depth or self._ended_by_eos(eos):
             return ErrorCode.ROW_OUT_OF_ORDER
         if msg.position != step.position + index:
             return ErrorCode.WRONG_POSITION
-        if msg.entries == 0:
+        if (msg.start, msg.end) != span:
+            return ErrorCode.SHARD_RANGE_MISMATCH
+        if msg.entries == 0 and not sharded:
             return ErrorCode.MISSING_Q
         dense = step.support == 0
         if msg.representation != (Representation.DENSE if dense else Representation.SPARSE):
             return ErrorCode.BAD_REPRESENTATION
-        if dense and msg.entries != validator.row_entries:
+        width = span[1] - span[0] if sharded else validator.row_entries
+        if dense and msg.entries != width:
             return ErrorCode.ROW_LENGTH
         if not dense and msg.entries > step.support:
             return ErrorCode.SUPPORT_TOO_LARGE
@@ -86,6 +95,8 @@ class ReplyAssembly:
         if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
             return ErrorCode.ROW_CHECKSUM_MISMATCH
         try:
+            if sharded:
+                return self._shard_row(msg, payload, validator.vocab_size, span)
             if dense:
                 q32 = np.frombuffer(payload, dtype="<f4")
                 validator.check(q32, msg.token)
@@ -98,6 +109,20 @@ class ReplyAssembly:
         except ValidationError as exc:
             return exc.code
 
+    def _shard_row(
+        self, msg: Reply, payload: memoryview, vocab_size: int, span: tuple[int, int]
+    ) -> QRow:
+        start, end = span
+        if self.step.support == 0:
+            q32 = np.frombuffer(payload, dtype="<f4")
+            layout.check_dense_shard(q32, start, end, vocab_size, msg.token)
+            return QRow(token=msg.token, q32=q32, lease=self.lease)
+        split = 4 * msg.entries
+        ids = np.frombuffer(payload[:split], dtype="<i4")
+        q = np.frombuffer(payload[split:], dtype="<f4")
+        layout.check_sparse_shard(ids, q, start, end, vocab_size, self.step.support, msg.token)
+        return QRow(token=msg.token, ids=ids, q32=q, lease=self.lease)
+
     def add_row(self, row: QRow, raw: memoryview) -> None:
         """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""
         self.rows.append(row)
@@ -105,8 +130,13 @@ class ReplyAssembly:
         self.nbytes += len(raw)
         self.buffers.append(raw)
 
-    def check_completion(self, msg: Completion, *, eos: int | None) -> ErrorCode | None:
-        """None if COMPLETION closes this reply exactly; else the code that discards it."""
+    def check_completion(
+        self, msg: Completion, *, eos: int | None, span: tuple[int, int]
+    ) -> ErrorCode | None:
+        """None if COMPLETION closes this reply exactly; else the code that discards it.
+
+        ``span`` is the link's global ID range, as for :meth:`check_row`.
+        """
         step = self.step
         got = len(self.rows)
         if msg.status:
@@ -119,17 +149,22 @@ class ReplyAssembly:
             return ErrorCode.WRONG_POSITION
         if msg.context != step.context:
             return ErrorCode.CONTEXT_MISMATCH
+        if (msg.start, msg.end) != span:
+            return ErrorCode.SHARD_RANGE_MISMATCH
         if msg.reply_bytes != self.nbytes:
             return ErrorCode.REPLY_SIZE_MISMATCH
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
         return None
 
-    def proposal(self, session: int, rows: tuple[QRow, ...]) -> Proposal:
-        """The validated proposal this reply carried (``rows``: the checked rows)."""
+    def proposal(
+        self, session: int, rows: tuple[QRow, ...], shard: tuple[int, int] | None = None
+    ) -> Proposal:
+        """The validated proposal this reply carried (``rows``: the checked rows;
+        ``shard``: the link's range on a sharded link)."""
         st = self.step
         at = (st.generation, st.round, st.position, st.digest, st.depth)
-        return Proposal(session, *at, rows, st.context)
+        return Proposal(session, *at, rows, st.context, shard)
 
     def settle(self, *, discarded: bool) -> list[memoryview]:
         """Mark the reply settled (later frames are late) and hand back its buffers."""

@@ -11,10 +11,12 @@ import hashlib
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
+from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import ABI_NAME, Role
 from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
@@ -29,13 +31,18 @@ ECHOED_LIMITS: Final = (
     "max_prefix",
 )
 
-AUTH_WORKER_LABEL: Final = b"pp1w-v3 worker proof"
-AUTH_SPARK_LABEL: Final = b"pp1w-v3 spark proof"
+AUTH_WORKER_LABEL: Final = b"pp1w-v4 worker proof"
+AUTH_SPARK_LABEL: Final = b"pp1w-v4 spark proof"
 
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """Settings both roles declare in HELLO, and their shared limits."""
+    """Settings both roles declare in HELLO, and their shared limits.
+
+    ``layout`` and ``shard`` make this end one link of a vocabulary-sharded
+    group (§6.7): it carries only q over ``layout.range(shard)``. Without a
+    layout the link is unsharded (one shard: the whole vocabulary).
+    """
 
     vocab_size: int
     vocab_hash: int = 0
@@ -48,6 +55,34 @@ class PeerConfig:
     max_prefix: int = 1 << 20
     psk: bytes | None = None
     handshake_timeout: float = 5.0
+    layout: ShardLayout | None = None
+    shard: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse a shard that the layout does not have.
+
+        Raises:
+            ValueError: if the layout's vocabulary is not ``vocab_size``, or
+                ``shard`` is not one of its ranks (or not 0 without a layout).
+        """
+        self.shard_layout.range(self.shard)
+        if self.shard_layout.vocab_size != self.vocab_size:
+            raise ValueError("the shard layout does not split this vocabulary")
+
+    @cached_property
+    def shard_layout(self) -> ShardLayout:
+        """The link's layout: the configured one, or one shard of the whole vocabulary."""
+        return self.layout if self.layout is not None else ShardLayout((0, self.vocab_size))
+
+    @cached_property
+    def sharded(self) -> bool:
+        """Whether this link carries one shard of a split vocabulary (more than one shard)."""
+        return self.shard_layout.shards > 1
+
+    @cached_property
+    def shard_range(self) -> tuple[int, int]:
+        """``(start, end)``: the global IDs whose q this link carries."""
+        return self.shard_layout.range(self.shard)
 
     @property
     def entries(self) -> int:
@@ -103,8 +138,20 @@ def build_hello(
         max_prefix=src.max_prefix if src else cfg.max_prefix,
         nonce=nonce,
         integrity=cfg.integrity,
+        shards=cfg.shard_layout.shards,
+        shard=cfg.shard,
+        shard_start=cfg.shard_range[0],
+        shard_end=cfg.shard_range[1],
+        layout=cfg.shard_layout.digest,
         session=session,
     )
+
+
+def _shard_fields(x: Hello | PeerConfig) -> tuple[int, int, int, int, int]:
+    if isinstance(x, Hello):
+        return (x.shards, x.shard, x.shard_start, x.shard_end, x.layout)
+    layout = x.shard_layout
+    return (layout.shards, x.shard, *x.shard_range, layout.digest)
 
 
 def first_failure(
@@ -122,6 +169,7 @@ def first_failure(
         (lambda: peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
         (lambda: peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
         (lambda: peer.integrity == cfg.integrity, ErrorCode.INTEGRITY_MISMATCH),
+        (lambda: _shard_fields(peer) == _shard_fields(cfg), ErrorCode.SHARD_LAYOUT_MISMATCH),
     ]
     for ok, code in rules:
         if not ok():

@@ -4,8 +4,8 @@ With a PSK, the handshake proves that both ends know the key, and every frame
 after it carries a tag that proves it came from one of them, in order:
 
     T     = SHA-256(H_hello) ‖ SHA-256(H_challenge)
-    K_sw  = HMAC-SHA256(psk, "pp1w-v3 spark-to-worker key" ‖ T)
-    K_ws  = HMAC-SHA256(psk, "pp1w-v3 worker-to-spark key" ‖ T)
+    K_sw  = HMAC-SHA256(psk, "pp1w-v4 spark-to-worker key" ‖ T)
+    K_ws  = HMAC-SHA256(psk, "pp1w-v4 worker-to-spark key" ‖ T)
     tag_n = HMAC-SHA256(K, u64le(n) ‖ frame)[0:16]
 
 where H_hello and H_challenge are the exact header bytes of the Spark side's
@@ -28,8 +28,8 @@ from pp1wire.wire.messages import MsgType
 
 #: The scheme a HELLO names in its ``integrity`` field when a PSK is configured.
 SCHEME: Final = "hmac-sha256-128-v1"
-SPARK_TO_WORKER_LABEL: Final = b"pp1w-v3 spark-to-worker key"
-WORKER_TO_SPARK_LABEL: Final = b"pp1w-v3 worker-to-spark key"
+SPARK_TO_WORKER_LABEL: Final = b"pp1w-v4 spark-to-worker key"
+WORKER_TO_SPARK_LABEL: Final = b"pp1w-v4 worker-to-spark key"
 _SEQ = struct.Struct("<Q")
 
 

@@ -1,4 +1,4 @@
-"""Every pp1 wire v2 message, as msgspec Structs (``docs/protocol.md`` §4).
+"""Every pp1 wire v4 message, as msgspec Structs (``docs/protocol.md`` §4).
 
 Each message is a msgpack *array* whose first element is the message's integer
 tag (equal to its frame type code) followed by the fields in the order declared
@@ -20,7 +20,7 @@ from msgspec import Meta
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.rng import Role
 
-WIRE_VERSION: Final = 3
+WIRE_VERSION: Final = 4
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
 PRECISION: Final = "fp32-dyadic24"
 
@@ -106,6 +106,11 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     max_prefix: U32
     nonce: Nonce
     integrity: Name
+    shards: Annotated[int, Meta(ge=1, le=0xFFFF)]
+    shard: U16
+    shard_start: Token
+    shard_end: Token
+    layout: U64
     session: U64 = 0
 
     def __post_init__(self) -> None:
@@ -113,7 +118,8 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
 
         Raises:
             ProtocolError: ``HEADER_INVALID`` if ``row_entries < vocab_size``,
-                ``max_support > vocab_size`` or the role is unknown.
+                ``max_support > vocab_size``, the role is unknown, ``shard ≥
+                shards`` or ``shard_start > shard_end``.
         """
         if self.role not in (Role.WORKER, Role.SPARK):
             raise _invalid("unknown role")
@@ -121,6 +127,10 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
             raise _invalid("row_entries below vocab_size")
         if self.max_support > self.vocab_size:
             raise _invalid("max_support above vocab_size")
+        if self.shard >= self.shards:
+            raise _invalid("shard index not below shards")
+        if self.shard_start > self.shard_end:
+            raise _invalid("shard range start above end")
 
 
 class Challenge(_Msg, frozen=True, tag=int(MsgType.CHALLENGE)):
@@ -201,6 +211,17 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY)):
     representation: U8
     entries: U32
     checksum: U64
+    start: Token
+    end: Token
+
+    def __post_init__(self) -> None:
+        """Cross-field rule (protocol §4.5).
+
+        Raises:
+            ProtocolError: ``HEADER_INVALID`` if ``start > end``.
+        """
+        if self.start > self.end:
+            raise _invalid("row range start above end")
 
 
 class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION)):
@@ -216,6 +237,17 @@ class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION)):
     reply_bytes: U64
     reply_checksum: U64
     status: U16
+    start: Token
+    end: Token
+
+    def __post_init__(self) -> None:
+        """Cross-field rule (protocol §4.6).
+
+        Raises:
+            ProtocolError: ``HEADER_INVALID`` if ``start > end``.
+        """
+        if self.start > self.end:
+            raise _invalid("reply range start above end")
 
 
 class Commit(_Msg, frozen=True, tag=int(MsgType.COMMIT)):

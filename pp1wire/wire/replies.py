@@ -5,6 +5,11 @@ then handed to the transport (dense FP32 with zero padding, or sparse int32
 IDs then FP32); a frame is its preamble and header (a few dozen bytes) and a
 view of that array, never joined. Frames are kept apart so a keyed connection
 can tag each one (§5.1) and a replay can re-tag them.
+
+On a link of a vocabulary-sharded group (§6.7) each row carries only the q of
+the link's range ``[start, end)``: the dense values of that range (no
+padding), or the sparse entries whose IDs fall in it (possibly none); the
+sampled token is in every shard's row.
 """
 
 from __future__ import annotations
@@ -21,24 +26,36 @@ from pp1wire.wire.messages import Completion, Reply, Representation, Step
 FrameParts = tuple[bytes | memoryview, ...]
 
 
-def row_payload(row: QRow, row_entries: int) -> memoryview:
-    """The q payload of one row, written once: dense FP32 (zero padded) or sparse int32 IDs
-    then FP32, as a byte view of a fresh array."""
-    assert row.counts is not None
+def row_payload(
+    row: QRow, row_entries: int, shard: tuple[int, int] | None = None
+) -> tuple[memoryview, int]:
+    """The q payload of one row and its entry count, written once: dense FP32 (zero
+    padded) or sparse int32 IDs then FP32, as a byte view of a fresh array.
+
+    With ``shard = (start, end)``, only the q of that range: dense values
+    ``[start, end)`` without padding, or the sparse entries whose IDs lie in it.
+    """
+    counts, ids = row.counts, row.ids
+    assert counts is not None
     scale = np.float32(1.0 / dyadic.M)
-    if row.ids is None:
+    if ids is None:
+        if shard is not None:
+            counts, row_entries = counts[shard[0] : shard[1]], shard[1] - shard[0]
         q = np.empty(row_entries, dtype="<f4")
-        used = row.counts.size
+        used = counts.size
         # In FP32 directly: a count (at most 2**24) and 2**-24 are exact in FP32, so
         # the product is the same value without a float64 pass (2.5x faster).
-        np.multiply(row.counts, scale, out=q[:used], dtype=np.float32, casting="unsafe")
+        np.multiply(counts, scale, out=q[:used], dtype=np.float32, casting="unsafe")
         q[used:] = 0.0
-        return q.data.cast("B")
-    k = row.ids.size
+        return q.data.cast("B"), row_entries
+    if shard is not None:
+        lo, hi = np.searchsorted(ids, shard, side="left")
+        ids, counts = ids[lo:hi], counts[lo:hi]
+    k = ids.size
     both = np.empty(2 * k, dtype="<i4")
-    both[:k] = row.ids
-    np.multiply(row.counts, scale, out=both[k:].view("<f4"), dtype=np.float32, casting="unsafe")
-    return both.data.cast("B")
+    both[:k] = ids
+    np.multiply(counts, scale, out=both[k:].view("<f4"), dtype=np.float32, casting="unsafe")
+    return both.data.cast("B"), k
 
 
 def reply_frame(
@@ -50,9 +67,14 @@ def reply_frame(
     entries: int,
     payload: bytes | memoryview,
     *,
+    span: tuple[int, int],
     tagged: bool = False,
 ) -> FrameParts:
-    """One REPLY frame, as (preamble and header, payload), with its row checksum."""
+    """One REPLY frame, as (preamble and header, payload), with its row checksum.
+
+    ``span`` is the global ID range the link carries (the whole vocabulary
+    when unsharded).
+    """
     header = Reply(
         session=session,
         slot=step.slot,
@@ -64,6 +86,8 @@ def reply_frame(
         representation=int(Representation.DENSE if dense else Representation.SPARSE),
         entries=entries,
         checksum=xxhash.xxh3_64_intdigest(payload),
+        start=span[0],
+        end=span[1],
     )
     return framing.encode_head(header, memoryview(payload).nbytes, tagged=tagged), payload
 
@@ -76,9 +100,10 @@ def completion_frame(
     reply_checksum: int,
     status: int,
     *,
+    span: tuple[int, int],
     tagged: bool = False,
 ) -> bytes:
-    """The COMPLETION frame that closes a reply."""
+    """The COMPLETION frame that closes a reply (``span``: as :func:`reply_frame`)."""
     return framing.encode_frame(
         Completion(
             session=session,
@@ -91,6 +116,8 @@ def completion_frame(
             reply_bytes=reply_bytes,
             reply_checksum=reply_checksum,
             status=status,
+            start=span[0],
+            end=span[1],
         ),
         tagged=tagged,
     )
@@ -103,20 +130,34 @@ def reply_frames(
     row_entries: int,
     status: int = 0,
     *,
+    span: tuple[int, int],
+    sharded: bool = False,
     tagged: bool = False,
 ) -> tuple[FrameParts, ...]:
     """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION.
 
-    COMPLETION's ``reply_bytes`` and ``reply_checksum`` cover the REPLY frames
-    without their tags (§4.6), so a replay re-tags the same frames.
+    ``span`` is the link's global ID range; with ``sharded`` each row carries
+    only the q of that range. COMPLETION's ``reply_bytes`` and
+    ``reply_checksum`` cover the REPLY frames without their tags (§4.6), so a
+    replay re-tags the same frames.
     """
     frames = []
+    shard = span if sharded else None
     for index, row in enumerate(rows):
-        payload = row_payload(row, row_entries)
+        payload, entries = row_payload(row, row_entries, shard)
         dense = row.ids is None
-        entries = row_entries if dense else int(row.ids.size)  # type: ignore[union-attr]
         frames.append(
-            reply_frame(session, step, index, row.token, dense, entries, payload, tagged=tagged)
+            reply_frame(
+                session,
+                step,
+                index,
+                row.token,
+                dense,
+                entries,
+                payload,
+                span=span,
+                tagged=tagged,
+            )
         )
     checksum = xxhash.xxh3_64()
     body = 0
@@ -125,16 +166,23 @@ def reply_frames(
             checksum.update(part)
             body += memoryview(part).nbytes
     done = completion_frame(
-        session, step, len(rows), body, checksum.intdigest(), status, tagged=tagged
+        session, step, len(rows), body, checksum.intdigest(), status, span=span, tagged=tagged
     )
     return (*frames, (done,))
 
 
 def build_reply(
-    session: int, step: Step, rows: tuple[QRow, ...], row_entries: int, status: int = 0
+    session: int,
+    step: Step,
+    rows: tuple[QRow, ...],
+    row_entries: int,
+    status: int = 0,
+    *,
+    span: tuple[int, int],
+    sharded: bool = False,
 ) -> bytes:
     """The whole untagged reply to a STEP as one byte string (see :func:`reply_frames`)."""
-    frames = reply_frames(session, step, rows, row_entries, status)
+    frames = reply_frames(session, step, rows, row_entries, status, span=span, sharded=sharded)
     return b"".join(part for parts in frames for part in parts)
 
 

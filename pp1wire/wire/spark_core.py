@@ -716,7 +716,15 @@ class SparkProtocol:
         if (fenced := self._fence(msg)) is None:
             return
         state, flight = fenced
-        row = flight.check_row(msg, frame.payload, eos=state.eos, validator=self._validator)
+        cfg = self.config
+        row = flight.check_row(
+            msg,
+            frame.payload,
+            eos=state.eos,
+            validator=self._validator,
+            span=cfg.shard_range,
+            sharded=cfg.sharded,
+        )
         if isinstance(row, ErrorCode):
             self._fail_row(msg.slot, state, row)
             return
@@ -729,7 +737,7 @@ class SparkProtocol:
             return
         state, flight = fenced
         step = flight.step
-        code = flight.check_completion(msg, eos=state.eos)
+        code = flight.check_completion(msg, eos=state.eos, span=self.config.shard_range)
         if code is not None:
             if not msg.status:
                 self._events.append(FrameRejected(msg.slot, code))
@@ -740,4 +748,5 @@ class SparkProtocol:
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
         self._ready[(msg.slot, step.round)] = (flight.lease, flight.settle(discarded=False))
-        self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows)))
+        shard = self.config.shard_range if self.config.sharded else None
+        self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows, shard)))

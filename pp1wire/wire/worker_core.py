@@ -670,7 +670,17 @@ class WorkerProtocol:
         except Exception:  # a drafter plugin failure must not kill the connection
             rows, status = (), int(ErrorCode.INTERNAL)
         tagged = self._sealer is not None
-        reply = reply_frames(self.session, step, rows, self.config.entries, status, tagged=tagged)
+        cfg = self.config
+        reply = reply_frames(
+            self.session,
+            step,
+            rows,
+            cfg.entries,
+            status,
+            span=cfg.shard_range,
+            sharded=cfg.sharded,
+            tagged=tagged,
+        )
         return reply, rows, status
 
     # -- COMMIT / RESET ------------------------------------------------------

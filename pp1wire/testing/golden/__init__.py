@@ -1,4 +1,4 @@
-"""Golden byte vectors for pp1 wire v3 (``golden/vectors.json``).
+"""Golden byte vectors for pp1 wire v4 (``golden/vectors.json``).
 
 Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default ``golden/vectors.json``).
 

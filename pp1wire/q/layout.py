@@ -1,0 +1,239 @@
+"""Vocabulary shard layouts and the checks of one shard's q row (``docs/protocol.md`` §6.7).
+
+A layout splits the global vocabulary ``[0, V)`` into contiguous ranges in
+rank order: rank r owns ``[bounds[r], bounds[r + 1])`` (a range may be empty).
+Its digest, which both ends of every link exchange in HELLO, is xxh3-64
+(seed 0) of the bounds as little-endian uint32, so two sides that split the
+vocabulary differently never complete a handshake, whichever link they share.
+
+A shard row carries q only over its own range. What a shard can check alone is
+here (:func:`check_dense_shard`, :func:`check_sparse_shard`); what needs every
+shard of a row (the total mass, that every shard names the same round and
+tokens) is :func:`check_group` — run by a group over the values each rank
+reports (:class:`ShardSummary`), never over the gathered rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from pp1wire.errors import ErrorCode, ValidationError
+from pp1wire.q.dyadic import Float32Array, Int32Array, M
+
+_ONE_BITS: Final = 0x3F800000  # the FP32 bits of 1.0; anything above is invalid or > 1
+MAX_SHARDS: Final = 0xFFFF
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Contiguous vocabulary ranges in rank order: ``bounds[0] = 0 ≤ … ≤ bounds[-1] = V``."""
+
+    bounds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        """Refuse a layout that is not a split of ``[0, V)``.
+
+        Raises:
+            ValueError: fewer than one shard or more than 65,535, a first bound
+                other than 0, bounds that decrease, or V outside 1..2**31 - 1.
+        """
+        b = self.bounds
+        if not 2 <= len(b) <= MAX_SHARDS + 1:
+            raise ValueError(f"a layout has 1..{MAX_SHARDS} shards, not {len(b) - 1}")
+        if b[0] != 0 or any(y < x for x, y in itertools.pairwise(b)):
+            raise ValueError("layout bounds must start at 0 and never decrease")
+        if not 1 <= b[-1] <= 0x7FFFFFFF:
+            raise ValueError(f"vocabulary size {b[-1]} out of range")
+
+    @classmethod
+    def even(cls, vocab_size: int, shards: int) -> ShardLayout:
+        """The split both daemons use: rank r owns ``[r·V div N, (r + 1)·V div N)``.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        if shards < 1:
+            raise ValueError(f"a layout has 1..{MAX_SHARDS} shards, not {shards}")
+        return cls(tuple(r * vocab_size // shards for r in range(shards + 1)))
+
+    @property
+    def shards(self) -> int:
+        """The number of ranges."""
+        return len(self.bounds) - 1
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the end of the last range."""
+        return self.bounds[-1]
+
+    def range(self, shard: int) -> tuple[int, int]:
+        """``(start, end)`` of rank ``shard``'s global IDs.
+
+        Raises:
+            ValueError: if ``shard`` is not a rank of this layout.
+        """
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} outside a layout of {self.shards}")
+        return self.bounds[shard], self.bounds[shard + 1]
+
+    @property
+    def digest(self) -> int:
+        """xxh3-64 (seed 0) of the bounds as little-endian uint32: the HELLO field ``layout``."""
+        return xxhash.xxh3_64_intdigest(np.asarray(self.bounds, dtype="<u4").tobytes())
+
+
+def _range_error(bits: npt.NDArray[np.uint32]) -> ValidationError:
+    if ((bits & 0x7F800000) == 0x7F800000).any():
+        return ValidationError(ErrorCode.NON_FINITE, "q contains NaN or infinity")
+    if (bits >= 0x80000000).any():
+        return ValidationError(ErrorCode.NEGATIVE, "q contains a value with the sign bit")
+    return ValidationError(ErrorCode.NON_DYADIC, "q contains a value above 1")
+
+
+def _counts(q: Float32Array) -> npt.NDArray[np.int64]:
+    """The counts of shard values already known to be in [0, 1].
+
+    Raises:
+        ValidationError: ``NON_DYADIC`` if a value is not c / 2**24.
+    """
+    scaled = q * np.float32(M)  # exact: a power-of-two scaling
+    counts = scaled.astype(np.int64)
+    if not np.array_equal(counts.astype(np.float32), scaled):
+        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    return counts
+
+
+def _mass(counts: npt.NDArray[np.int64]) -> int:
+    """The shard's exact count sum.
+
+    Raises:
+        ValidationError: ``MASS_MISMATCH`` above 2**24: no shard holds more than the whole.
+    """
+    total = int(counts.sum())
+    if total > M:
+        raise ValidationError(ErrorCode.MASS_MISMATCH, "a shard's counts exceed 2**24")
+    return total
+
+
+def check_dense_shard(q: Float32Array, start: int, end: int, vocab_size: int, proposed: int) -> int:
+    """Validate a dense shard row (q over ``[start, end)``); return its count sum.
+
+    The checks of §6.7, first failure wins: proposed token range, the values
+    (non-finite, then sign bit including ``-0.0``, then above 1), integrality,
+    the shard's counts at most 2**24, and q > 0 at the proposed token if this
+    shard owns it.
+
+    Raises:
+        ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
+            ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``, ``MASS_MISMATCH`` or
+            ``ZERO_Q_AT_PROPOSED``.
+    """
+    if q.shape != (end - start,):
+        raise ValidationError(ErrorCode.ROW_LENGTH, f"shard row has {q.size} entries")
+    if not 0 <= proposed < vocab_size:
+        raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
+    bits = q.view(np.uint32)
+    if bits.size and int(bits.max()) > _ONE_BITS:
+        raise _range_error(bits)
+    total = _mass(_counts(q))
+    if start <= proposed < end and q[proposed - start] == 0:
+        raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+    return total
+
+
+def check_sparse_shard(
+    ids: Int32Array,
+    q: Float32Array,
+    start: int,
+    end: int,
+    vocab_size: int,
+    max_k: int,
+    proposed: int,
+) -> int:
+    """Validate a sparse shard row (IDs in ``[start, end)``); return its count sum.
+
+    A shard may hold no entry (the support lies elsewhere). Checks in order:
+    lengths, support size, proposed range, IDs inside the shard's range,
+    duplicates then order, the values, integrality, zero entries, the shard's
+    counts at most 2**24, and the proposed token present if this shard owns it.
+
+    Raises:
+        ValidationError: ``ROW_LENGTH``, ``SUPPORT_TOO_LARGE``,
+            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
+            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
+            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
+            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+    """
+    if ids.size != q.size:
+        raise ValidationError(ErrorCode.ROW_LENGTH, f"{ids.size} ids but {q.size} q values")
+    if ids.size > max_k:
+        raise ValidationError(ErrorCode.SUPPORT_TOO_LARGE, f"{ids.size} entries > limit {max_k}")
+    if not 0 <= proposed < vocab_size:
+        raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
+    if ids.size == 0:
+        if start <= proposed < end:
+            raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+        return 0
+    if int(ids.min()) < start or int(ids.max()) >= end:
+        raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the shard")
+    if ids.size > 1 and (np.diff(ids) <= 0).any():
+        if np.unique(ids).size != ids.size:
+            raise ValidationError(ErrorCode.SPARSE_DUPLICATE_ID, "sparse ids repeat")
+        raise ValidationError(ErrorCode.SPARSE_UNSORTED, "sparse ids not strictly ascending")
+    bits = q.view(np.uint32)
+    if int(bits.max()) > _ONE_BITS:
+        raise _range_error(bits)
+    counts = _counts(q)
+    if (counts == 0).any():
+        raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
+    total = _mass(counts)
+    if start <= proposed < end:
+        where = int(np.searchsorted(ids, proposed))
+        if where >= ids.size or int(ids[where]) != proposed:
+            raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+    return total
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """What one shard of a validated reply tells the group: its key, tokens and masses."""
+
+    key: tuple[int, ...]  # generation, round, position, prefix digest, depth, context
+    tokens: tuple[int, ...]
+    masses: tuple[int, ...]  # each row's count sum on this shard
+
+
+def check_group(shards: Sequence[ShardSummary]) -> ErrorCode | None:
+    """The checks no shard can make alone (§6.7): None if the shards form one proposal.
+
+    Every shard names the same round (key) and the same tokens, row for row
+    (``GROUP_SHARD_MISMATCH``), and each row's counts add up to exactly 2**24
+    over the shards (``GROUP_MASS_MISMATCH``). That the proposed token has
+    q > 0 is checked by the shard that owns it (:func:`check_dense_shard`).
+    """
+    first = shards[0]
+    if any(s.key != first.key or s.tokens != first.tokens for s in shards[1:]):
+        return ErrorCode.GROUP_SHARD_MISMATCH
+    if any(len(s.masses) != len(first.tokens) for s in shards):
+        return ErrorCode.GROUP_SHARD_MISMATCH
+    for i in range(len(first.tokens)):
+        if sum(s.masses[i] for s in shards) != M:
+            return ErrorCode.GROUP_MASS_MISMATCH
+    return None
+
+
+__all__ = [
+    "MAX_SHARDS",
+    "ShardLayout",
+    "ShardSummary",
+    "check_dense_shard",
+    "check_group",
+    "check_sparse_shard",
+]
