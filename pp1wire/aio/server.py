@@ -25,6 +25,7 @@ from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
+from pp1wire.wire.worker_events import Proposer
 
 log = logging.getLogger("pp1wire.worker")
 
@@ -220,6 +221,7 @@ class _Conn(asyncio.BufferedProtocol):
             session=next(srv.sessions),
             now=self.accepted_at,
             defer_draws=srv.draw_pool is not None,
+            proposer=srv.proposer,
         )
         srv.conns.add(self)
         srv.connection_opened()
@@ -459,6 +461,7 @@ class WorkerServer:
         ssl_context: ssl.SSLContext | None = None,
         busy_poll: bool = False,
         draw_threads: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -471,10 +474,12 @@ class WorkerServer:
         spinning while any connection is open, trading one busy core for the
         wake-up latency of an idle one. ``draw_threads`` > 0 draws proposals on
         a pool of that many threads (slots draw in parallel, the loop keeps
-        answering); 0 draws on the event loop.
+        answering); 0 draws on the event loop. ``proposer`` replaces the local
+        proposal chain (a rank of a vocabulary-sharded worker group).
         """
         self.config = config
         self.drafter = drafter
+        self.proposer = proposer
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.ssl_context = ssl_context

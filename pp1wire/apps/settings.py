@@ -270,6 +270,14 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         help="dense row length in FP32 entries, padding included (default: --vocab); "
         "both sides must use the same value",
     )
+    p.add_argument(
+        "--vocab-shards",
+        type=positive,
+        default=1,
+        help="split the vocabulary evenly over N ranks, one link per rank pair (with --tp N, "
+        "needs torch): worker rank r listens on --port + r and Spark rank r connects to the "
+        "worker address's port + r; each link carries only its range of q",
+    )
     p.add_argument("--target-identity", default="pp1-toy-target")
     p.add_argument("--psk-file", default=None, help="file holding the pre-shared key")
     p.add_argument("--metrics-host", default="127.0.0.1")

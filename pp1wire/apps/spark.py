@@ -37,7 +37,7 @@ import prometheus_client as prom
 
 from pp1wire.aio.client import AsyncClient, ClientClosedError
 from pp1wire.aio.server import SECONDS_BUCKETS
-from pp1wire.apps import metrics, spark_tp
+from pp1wire.apps import metrics, spark_sharded, spark_tp
 from pp1wire.apps.settings import (
     SettingsError,
     add_common_flags,
@@ -642,9 +642,13 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if longest > args.max_prefix:
         raise SettingsError(f"a prompt of {longest} tokens is longer than --max-prefix")
     world = spark_tp.world_size(args)
+    if args.vocab_shards not in (1, world):
+        raise SettingsError(f"--vocab-shards {args.vocab_shards} needs --tp {args.vocab_shards}")
     if world > 1 and not spark_tp.in_launched_rank():
         # On this (main) thread: the launcher installs signal handlers to stop its ranks.
         return spark_tp.launch(world, argv)
+    if args.vocab_shards > 1:
+        return await spark_sharded.run(args, prompts)
     group = spark_tp.join(args, args.vocab) if world > 1 else None
     target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
     if group is not None and group.rank != 0:

@@ -59,8 +59,9 @@ def in_launched_rank() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def launch(tp: int, argv: Sequence[str]) -> int:
-    """Start ``tp`` ranks of ``pp1-spark argv`` on this machine and wait for them.
+def launch(tp: int, argv: Sequence[str], module: str = "pp1wire.spark") -> int:
+    """Start ``tp`` ranks of ``python -m module argv`` (``pp1-spark`` by default) on
+    this machine and wait for them.
 
     Returns 0 when every rank exited 0 (or the launcher was stopped by SIGTERM
     or SIGINT, which it passes on to the ranks and waits for), else the first
@@ -95,16 +96,16 @@ def launch(tp: int, argv: Sequence[str]) -> int:
     # with two ranks and a worker on two cores).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        elastic_launch(config, sys.executable)("-m", "pp1wire.spark", *argv)
+        elastic_launch(config, sys.executable)("-m", module, *argv)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"pp1-spark: rank {rank} exited with {failure.exitcode}", file=sys.stderr)
+        print(f"{module}: rank {rank} exited with {failure.exitcode}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as exc:
         # The launcher has passed the signal on and waited for the ranks: rank 0
         # finished its rounds, wrote its results and stopped the group, as a
         # single rank does on SIGTERM (followers ignore the signal).
-        print(f"pp1-spark: stopped by signal {exc.sigval}", file=sys.stderr)
+        print(f"{module}: stopped by signal {exc.sigval}", file=sys.stderr)
         return 0
     return 0
 

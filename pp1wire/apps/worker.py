@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from pp1wire.aio.server import WorkerServer
-from pp1wire.apps import metrics, settings
+from pp1wire.apps import metrics, settings, spark_tp, worker_tp
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -74,6 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads that run the drafter and q construction (default: one per core), so "
         "slots draw in parallel and the loop keeps answering; the drafter must be "
         "thread-safe; 0 draws on the event loop",
+    )
+    p.add_argument(
+        "--tp",
+        type=settings.positive,
+        default=1,
+        help="worker ranks of a vocabulary-sharded group (with --vocab-shards, needs torch): "
+        "started with torch's elastic launcher; rank r listens on --port + r",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=settings.seconds,
+        default=30.0,
+        help="seconds any collective of the worker group may wait before the group fails closed",
+    )
+    p.add_argument(
+        "--match-timeout",
+        type=settings.seconds,
+        default=5.0,
+        help="seconds a rank waits for the STEP another rank is drawing to reach its own link",
     )
     p.add_argument("--handshake-timeout", type=settings.seconds, default=5.0)
     p.add_argument("--idle-timeout", type=settings.seconds, default=300.0)
@@ -146,11 +166,25 @@ async def check(args: argparse.Namespace, target: str) -> int:
     return 0
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run the worker until SIGTERM/SIGINT; returns the exit code."""
+async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Run the worker until SIGTERM/SIGINT; returns the exit code.
+
+    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
+    """
     config = config_from(args)
+    world = worker_tp.world_size(args)
+    if world > 1 and not spark_tp.in_launched_rank():
+        return worker_tp.launch(world, list(argv))
     factory = settings.load_factory(args.drafter)
     drafter: DrafterFn = factory(vocab_size=args.vocab, seed=args.seed)
+    group = worker_tp.join(args, drafter) if world > 1 else None
+    rank, port_wanted, draw_threads = 0, args.port, args.draw_threads
+    if group is not None:
+        layout, rank, _ = group
+        config = dataclasses.replace(config, layout=layout, shard=rank)
+        port_wanted += rank
+        # Every slot's draw waits for the group: one thread per slot keeps them from queueing.
+        draw_threads = max(draw_threads, args.max_slots)
     ctx = None
     if args.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -172,9 +206,12 @@ async def serve(args: argparse.Namespace) -> int:
         max_per_address=args.max_per_address,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
-        draw_threads=args.draw_threads,
+        draw_threads=draw_threads,
+        proposer=group[2] if group is not None else None,
     )
-    port = await server.start(args.host, args.port)
+    port = await server.start(args.host, port_wanted)
+    if group is not None:
+        group[2].start()
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server = await metrics.serve(
@@ -193,10 +230,16 @@ async def serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
         },
     )
-    print(f"pp1-worker listening on {args.host}:{port}", flush=True)
+    line = f"pp1-worker listening on {args.host}:{port}"
+    if rank == 0:
+        print(line, flush=True)
+    else:  # stdout's first line names rank 0's port; rank r is at port + r
+        print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
     await stop.wait()
     log.info("draining", extra={"connections": len(server.conns)})
     await server.stop()
+    if group is not None:
+        worker_tp.leave(group[2])
     if metrics_server is not None:
         metrics_server.close()
     log.info("stopped")
@@ -206,10 +249,12 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-worker`` entry point."""
 
-    async def body(args: argparse.Namespace) -> int:
-        return await (check(args, args.check) if args.check else serve(args))
+    line = list(sys.argv[1:] if argv is None else argv)
 
-    return settings.run_daemon("pp1-worker", build_parser(), argv, body)
+    async def body(args: argparse.Namespace) -> int:
+        return await (check(args, args.check) if args.check else serve(args, line))
+
+    return settings.run_daemon("pp1-worker", build_parser(), line, body)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,14 @@ class Frame:
     tag: memoryview | None = None
 
 
+def detached(frame: Frame) -> Frame:
+    """``frame`` with its bytes copied out of the decoder's buffers (held across reads)."""
+    raw = memoryview(bytes(frame.raw))
+    start = frame.raw.nbytes - frame.payload.nbytes
+    tag = None if frame.tag is None else memoryview(bytes(frame.tag))
+    return Frame(frame.type, frame.message, raw[start:], raw, tag)
+
+
 class FrameDecoder:
     """Incremental frame decoder: bytes in, frames out; no I/O.
 

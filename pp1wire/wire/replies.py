@@ -33,14 +33,19 @@ def row_payload(
     padded) or sparse int32 IDs then FP32, as a byte view of a fresh array.
 
     With ``shard = (start, end)``, only the q of that range: dense values
-    ``[start, end)`` without padding, or the sparse entries whose IDs lie in it.
+    ``[start, end)`` without padding, or the sparse entries whose IDs lie in it
+    (a row already holding only that range is taken as it is).
     """
     counts, ids = row.counts, row.ids
     assert counts is not None
     scale = np.float32(1.0 / dyadic.M)
     if ids is None:
         if shard is not None:
-            counts, row_entries = counts[shard[0] : shard[1]], shard[1] - shard[0]
+            # A row of the whole vocabulary is cut to the range; a sharded
+            # group's row already holds only its range.
+            row_entries = shard[1] - shard[0]
+            if counts.size != row_entries:
+                counts = counts[shard[0] : shard[1]]
         q = np.empty(row_entries, dtype="<f4")
         used = counts.size
         # In FP32 directly: a count (at most 2**24) and 2**-24 are exact in FP32, so

@@ -61,6 +61,7 @@ from pp1wire.wire.worker_events import (
     DrawRequested,
     DrawResult,
     HandshakeDone,
+    Proposer,
     Refused,
     SlotEvent,
     StepReplayed,
@@ -132,8 +133,11 @@ class WorkerProtocol:
         session: int,
         now: float,
         defer_draws: bool = False,
+        proposer: Proposer | None = None,
     ) -> None:
         """Start a connection at time ``now``; ``session`` is assigned to the peer.
+
+        ``proposer`` draws each STEP's rows instead of the local proposal chain.
 
         With ``defer_draws``, an accepted STEP is not drawn inline: the core
         emits :class:`DrawRequested` and goes on with the connection's messages
@@ -144,6 +148,7 @@ class WorkerProtocol:
         self.drafter = drafter
         self.session = session
         self.defer_draws = defer_draws
+        self.proposer = proposer
         self._drawing: dict[int, DrawJob] = {}
         # The first frame that names a slot being drawn, held with all after it.
         self._held: framing.Frame | None = None
@@ -288,7 +293,7 @@ class WorkerProtocol:
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
             if self._drawing and _slot_of(frame) in self._drawing:
-                self._held = _detached(frame)
+                self._held = framing.detached(frame)
                 break
             self._dispatch(frame)
             handled += 1
@@ -655,15 +660,18 @@ class WorkerProtocol:
     ) -> tuple[tuple[FrameParts, ...], tuple[QRow, ...], int]:
         streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
         try:
-            rows = propose(
-                slot.prefix,
-                step.depth,
-                self.drafter,
-                streams,
-                temperature=step.temperature,
-                support=step.support or None,
-                eos=slot.eos,
-            )
+            if self.proposer is not None:
+                rows = self.proposer(slot.seed, slot.prefix, step, slot.eos)
+            else:
+                rows = propose(
+                    slot.prefix,
+                    step.depth,
+                    self.drafter,
+                    streams,
+                    temperature=step.temperature,
+                    support=step.support or None,
+                    eos=slot.eos,
+                )
             status = 0
         except Pp1Error as exc:
             rows, status = (), int(exc.code)
@@ -783,11 +791,3 @@ def _slot_of(frame: framing.Frame) -> int | None:
     """The slot a frame's message names (None for connection-level messages)."""
     slot = getattr(frame.message, "slot", None)
     return slot if isinstance(slot, int) else None
-
-
-def _detached(frame: framing.Frame) -> framing.Frame:
-    """``frame`` with its bytes copied out of the decoder's buffers (held across reads)."""
-    raw = memoryview(bytes(frame.raw))
-    start = frame.raw.nbytes - frame.payload.nbytes
-    tag = None if frame.tag is None else memoryview(bytes(frame.tag))
-    return framing.Frame(frame.type, frame.message, raw[start:], raw, tag)

@@ -7,6 +7,7 @@ loop (:class:`DrawRequested`, :class:`DrawJob`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,13 @@ from pp1wire.wire.replies import FrameParts
 
 if TYPE_CHECKING:
     from pp1wire.wire.worker_core import WorkerProtocol, WorkerSlot
+
+
+Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
+"""A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local
+chain (:func:`pp1wire.q.proposal.propose`): a worker rank of a vocabulary-sharded
+group draws with its group and returns its shard's rows (protocol §6.7). It may
+block; it raises :class:`~pp1wire.errors.Pp1Error` for a COMPLETION status."""
 
 
 @dataclass(frozen=True)
