@@ -48,6 +48,7 @@ def _suite(address: str, *args: str) -> list[str]:
 
 NEEDS_KEY = {"5.8", "5.9", "5.10", "5.1.1", "5.1.2", "5.1.3", "5.1.4", "5.1.5", "5.1.6", "5.1.7"}
 NEEDS_TLS = {"2.4", "2.5"}
+NEEDS_GROUP = {"6.7.3", "6.7.4", "6.7.5"}  # a sharded worker group (tests/test_sharded.py)
 #: The cases a TLS run repeats (the rest are the plain run's, over TLS).
 TLS_CASES = ["2.4", "2.5", "4.4.1", "5.1.8", "8.2", "8.3"]
 
@@ -68,8 +69,8 @@ def test_suite_passes_against_a_fresh_worker(tmp_path, mode):
         suite += ["--tls-ca", str(cert), "--case", *TLS_CASES]
         cases = [c for c in cases if c.id in TLS_CASES]
     expected_skips = {
-        "plain": NEEDS_KEY | NEEDS_TLS,
-        "psk": {"5.1.8"} | NEEDS_TLS,
+        "plain": NEEDS_KEY | NEEDS_TLS | NEEDS_GROUP,
+        "psk": {"5.1.8"} | NEEDS_TLS | NEEDS_GROUP,
         "tls": set(),
     }[mode]
     with worker_process(*extra, vocab=64) as running:

@@ -210,6 +210,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         proposer=group[2] if group is not None else None,
     )
     port = await server.start(args.host, port_wanted)
+    out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's
     if group is not None:
         group[2].start()
     metrics_server = None
@@ -218,7 +219,8 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             server.metrics.registry, args.metrics_host, args.metrics_port
         )
         bound = metrics_server.sockets[0].getsockname()[1]
-        print(f"pp1-worker metrics on {args.metrics_host}:{bound}", flush=True)
+        shown = f"pp1-worker metrics on {args.metrics_host}:{bound}"
+        print(shown if rank == 0 else f"{shown} (rank {rank})", file=out, flush=True)
     log.info(
         "listening",
         extra={
@@ -231,10 +233,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         },
     )
     line = f"pp1-worker listening on {args.host}:{port}"
-    if rank == 0:
-        print(line, flush=True)
-    else:  # stdout's first line names rank 0's port; rank r is at port + r
-        print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
+    print(line if rank == 0 else f"{line} (rank {rank})", file=out, flush=True)
     await stop.wait()
     log.info("draining", extra={"connections": len(server.conns)})
     await server.stop()

@@ -23,7 +23,10 @@ from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import DrafterFn
 
 if TYPE_CHECKING:
-    from pp1wire.tp.shard_worker import ShardedDrafting
+    from pp1wire.tp.shard_worker import AfterDraw, ShardedDrafting
+
+AFTER_DRAW: AfterDraw | None = None
+"""Fault hook for tests only: set by :mod:`pp1wire.testing.shard_faults`, never by a flag."""
 
 
 def world_size(args: argparse.Namespace) -> int:
@@ -67,7 +70,9 @@ def join(args: argparse.Namespace, drafter: DrafterFn) -> tuple[ShardLayout, int
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.group_timeout))
     layout = ShardLayout.even(args.vocab, dist.get_world_size())
-    drafting = ShardedDrafting(layout, drafter, match_timeout=args.match_timeout)
+    drafting = ShardedDrafting(
+        layout, drafter, match_timeout=args.match_timeout, after_draw=AFTER_DRAW
+    )
     return layout, drafting.rank, drafting
 
 
@@ -76,7 +81,9 @@ def leave(drafting: ShardedDrafting) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     drafting.stop()
-    if drafting.broken is None and dist.is_initialized():
+    # A group thread still inside a collective (a peer gone) would hang the teardown:
+    # leave it to the process exit.
+    if drafting.broken is None and not drafting.running and dist.is_initialized():
         with contextlib.suppress(RuntimeError):
             dist.destroy_process_group()
 

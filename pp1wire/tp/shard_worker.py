@@ -34,7 +34,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,9 @@ from pp1wire.wire.messages import Step
 log = logging.getLogger("pp1wire.worker.group")
 
 Key = tuple[int, ...]
+AfterDraw = Callable[[int, int, tuple[QRow, ...]], tuple[QRow, ...]]
+"""Testing hook ``(rank, draw, rows) -> rows`` run after each group draw (1-based, the
+same count on every rank); it may alter the rows, sleep, raise or end the process."""
 _WORDS = 10  # the beat word, then the key's nine
 _STOP = object()  # the group thread's signal to leave
 
@@ -87,6 +90,7 @@ class _Job:
         default_factory=concurrent.futures.Future
     )
     since: float = field(default_factory=time.monotonic)
+    draw: int = 0  # the group's count of this draw, once drawn
 
 
 class ShardedDrafting:
@@ -100,6 +104,7 @@ class ShardedDrafting:
         group: dist.ProcessGroup | None = None,
         match_timeout: float = 5.0,
         beat: float = 0.25,
+        after_draw: AfterDraw | None = None,
     ) -> None:
         """Join as this process's rank of ``group`` (the default group if None); call
         :meth:`start` once the server is listening.
@@ -119,6 +124,7 @@ class ShardedDrafting:
         self.beat = beat
         self.broken: str | None = None
         self.draws = 0
+        self.after_draw = after_draw
         self._arrived: queue.Queue[_Job] = queue.Queue()  # rank 0: in arrival order
         self._pending: dict[Key, _Job] = {}  # other ranks: waiting to be named
         self._cond = threading.Condition()
@@ -128,6 +134,11 @@ class ShardedDrafting:
     def start(self) -> None:
         """Start the group thread."""
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the group thread is still alive (e.g. waiting in a collective)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """Stop after the draw in progress (rank 0 tells the others to stop)."""
@@ -154,7 +165,16 @@ class ShardedDrafting:
             with self._cond:
                 self._pending[job.key] = job
                 self._cond.notify_all()
-        return job.done.result()
+        while True:  # never outlive the group: a stopped or broken one answers INTERNAL
+            try:
+                rows = job.done.result(timeout=self.beat)
+                break
+            except concurrent.futures.TimeoutError:
+                if self.broken is not None or not self._thread.is_alive():
+                    raise Pp1Error(ErrorCode.INTERNAL, "the worker group stopped") from None
+        if self.after_draw is not None:  # on this STEP's own thread: the group goes on
+            rows = self.after_draw(self.rank, job.draw, rows)
+        return rows
 
     # -- the group thread ----------------------------------------------------
 
@@ -169,7 +189,8 @@ class ShardedDrafting:
         except Exception as exc:  # a dead rank or a timed-out collective: fail closed
             self.broken = repr(exc)
             log.error("worker group broken", extra={"error": self.broken})
-            self._fail_all(self.broken)
+        finally:
+            self._fail_all(self.broken or "stopped")
 
     def _broadcast(self, words: list[int]) -> list[int]:
         t = torch.tensor(words, dtype=torch.int64)
@@ -244,6 +265,7 @@ class ShardedDrafting:
             job.done.set_exception(exc)
             return
         self.draws += 1
+        job.draw = self.draws
         job.done.set_result(rows)
 
     def _chain(self, job: _Job) -> tuple[QRow, ...]:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, token_bytes
@@ -79,6 +80,8 @@ class Settings:
     support: int = 8
     handshake_wait: float = 12.0
     idle_wait: float | None = None  # longer than the worker's idle timeout; None: skip 2.3
+    shards: int = 1  # a sharded worker group's size: link r at port + r (§6.7)
+    shard: int = 0  # the shard this connection's HELLO declares
 
 
 # -- a raw peer ------------------------------------------------------------------
@@ -271,6 +274,8 @@ class Peer:
             max_frame=4 * (s.row_entries or s.vocab) + 8192,
             max_prefix=4096,
             psk=s.psk,
+            layout=ShardLayout.even(s.vocab, s.shards) if s.shards > 1 else None,
+            shard=s.shard,
         )
         hello = build_hello(
             Role.SPARK,
@@ -438,14 +443,16 @@ async def fresh(s: Settings) -> Peer:
 
 
 async def still_serves(s: Settings) -> None:
-    """A new connection still completes a handshake and a STEP.
+    """A new connection still completes a handshake and a STEP (an OPEN on one link
+    of a sharded group, whose ranks draw a STEP only when every link sends it).
 
     Raises:
         CaseFailed: if not.
     """
     async with await fresh(s) as peer:
         await peer.open_slot()
-        await peer.reply(peer.step_msg())
+        if s.shards == 1:
+            await peer.reply(peer.step_msg())
 
 
 async def ready(s: Settings) -> tuple[Peer, Step, bytes]:

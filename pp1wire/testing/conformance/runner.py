@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=129_280, help="the worker's vocabulary size")
     p.add_argument("--vocab-hash", type=int, default=0)
     p.add_argument(
+        "--vocab-shards",
+        type=int,
+        default=1,
+        help="the worker is a vocabulary-sharded group of N ranks: --worker is rank 0's "
+        "link and rank r listens on its port + r (run the 4.1 and 6.7 cases)",
+    )
+    p.add_argument(
         "--row-entries",
         type=int,
         default=None,
@@ -262,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             handshake_wait=args.handshake_wait,
             idle_wait=args.idle_wait,
+            shards=args.vocab_shards,
         )
     except SettingsError as exc:
         print(f"pp1-conformance: {exc}", file=sys.stderr)

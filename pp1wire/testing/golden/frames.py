@@ -8,6 +8,7 @@ import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q import dyadic
+from pp1wire.q.layout import ShardLayout
 from pp1wire.testing.builders import (
     SESSION,
     open_message,
@@ -18,6 +19,7 @@ from pp1wire.testing.golden.common import NONCE, Vector, hello, message_json
 from pp1wire.wire import framing, messages
 
 raw_frame = framing.encode_raw_frame
+SHARD_LAYOUT = ShardLayout((0, 4, 8))  # the shard vectors' split of the 8-token vocabulary
 
 
 def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
@@ -31,6 +33,11 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
     return [
         ("hello_spark", hello(2), b""),
         ("hello_worker", hello(1, SESSION), b""),
+        (
+            "hello_spark_shard",
+            hello(2, shards=2, shard=1, shard_start=4, shard_end=8, layout=SHARD_LAYOUT.digest),
+            b"",
+        ),
         ("challenge", messages.Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),
         ("auth", messages.Auth(proof=bytes(range(32))), b""),
         (
@@ -54,6 +61,11 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
             "reply_dense",
             reply_header(reply_step(0), 0, 7, dense),
             dense,
+        ),
+        (
+            "reply_dense_shard",
+            reply_header(reply_step(0), 0, 7, dense[16:], start=4, end=8),
+            dense[16:],
         ),
         (
             "reply_sparse",

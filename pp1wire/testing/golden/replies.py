@@ -9,6 +9,7 @@ import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
+from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.testing.builders import (
     SESSION,
@@ -359,6 +360,7 @@ def reply_vectors() -> list[Vector]:
             {},
         ),
     ]
+    cases += _shard_cases(d, s)
     out = []
     for name, step, data, want, extra in cases:
         generation = extra.get("generation", 0)
@@ -375,6 +377,9 @@ def reply_vectors() -> list[Vector]:
             # The STEP in flight: the slot's generation, whatever the frames carry.
             "step": message_json(msgspec.structs.replace(step, generation=generation)),
         }
+        if "layout" in extra:  # a link of a vocabulary-sharded group (§6.7)
+            context["layout"] = extra["layout"]
+            context["shard"] = extra["shard"]
         expect = dict(want)
         # Every frame after the one that discarded the proposal is dropped as late.
         late = extra.get("late", 2) if "discarded" in expect else 0
@@ -384,6 +389,79 @@ def reply_vectors() -> list[Vector]:
             {"name": name, "kind": "reply", "hex": data.hex(), "context": context, "expect": expect}
         )
     return out
+
+
+SHARDED: dict[str, Any] = {"layout": [0, 4, 8], "shard": 1}  # the link carries IDs 4..7
+
+
+def _shard_cases(d: Step, s: Step) -> list[tuple[str, Step, bytes, dict[str, Any], dict[str, Any]]]:
+    """Rows of shard 1 of the layout (0, 4, 8): q over IDs 4..7 only (§6.7)."""
+    at = {"start": 4, "end": 8}
+
+    def dense(values: list[float]) -> bytes:
+        return np.asarray(values, dtype="<f4").tobytes()
+
+    def sparse(ids: list[int], values: list[float]) -> bytes:
+        return np.asarray(ids, dtype="<i4").tobytes() + dense(values)
+
+    # GOOD_DENSE's shard 1: q(7) = 1/4; token 0 lies in the other shard.
+    d0 = reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), **at)
+    d1 = reply_row(d, 1, 7, dense([0, 0, 0, 0.25]), **at)
+    s0 = reply_row(s, 0, 2, sparse([7], [0.5]), **at)
+    s1 = reply_row(s, 1, 7, sparse([7], [1.0]), **at)
+    return [
+        ("shard_valid_dense", d, whole_reply(d, d0, d1, **at), {"proposal": [0, 7]}, SHARDED),
+        ("shard_valid_sparse", s, whole_reply(s, s0, s1, **at), {"proposal": [2, 7]}, SHARDED),
+        (
+            "shard_valid_empty_sparse_row",
+            s,
+            whole_reply(s, reply_row(s, 0, 2, b"", **at), s1, **at),
+            {"proposal": [2, 7]},
+            SHARDED,
+        ),
+        (
+            "shard_reply_range_mismatch",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), start=0, end=4), d1, **at),
+            {"discarded": "SHARD_RANGE_MISMATCH"},
+            SHARDED,
+        ),
+        (
+            "shard_completion_range_mismatch",
+            d,
+            whole_reply(d, d0, d1, start=0, end=8),
+            {"discarded": "SHARD_RANGE_MISMATCH"},
+            {**SHARDED, "late": 0},
+        ),
+        (
+            "shard_dense_whole_row",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), **at), d1, **at),
+            {"discarded": "ROW_LENGTH"},
+            SHARDED,
+        ),
+        (
+            "shard_sparse_id_outside_range",
+            s,
+            whole_reply(s, reply_row(s, 0, 2, sparse([2], [0.5]), **at), s1, **at),
+            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
+            SHARDED,
+        ),
+        (
+            "shard_mass_above_whole",
+            d,
+            whole_reply(d, reply_row(d, 0, 7, dense([0, 0.5, 0, 0.75]), **at), d1, **at),
+            {"discarded": "MASS_MISMATCH"},
+            SHARDED,
+        ),
+        (
+            "shard_zero_q_at_owned_token",
+            d,
+            whole_reply(d, reply_row(d, 0, 5, dense([0, 0, 0, 0.25]), **at), d1, **at),
+            {"discarded": "ZERO_Q_AT_PROPOSED"},
+            SHARDED,
+        ),
+    ]
 
 
 def _gen(step: Step, generation: int) -> Step:
@@ -401,7 +479,10 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
     ctx = vector["context"]
     step = message_from_json(ctx["step"])[0]
     assert isinstance(step, Step)
+    layout = ShardLayout(tuple(ctx["layout"])) if "layout" in ctx else None
     cfg = spark_core.SparkConfig(
+        layout=layout,
+        shard=ctx.get("shard", 0),
         vocab_size=ctx["vocab_size"],
         row_entries=ctx["row_entries"],
         max_support=ctx["max_support"],

@@ -1,0 +1,121 @@
+"""TESTING ONLY: ``pp1-worker`` ranks of a sharded group with injected faults.
+
+Run under torchrun (never reachable from ``pp1-worker``'s own flags)::
+
+    torchrun --standalone --nproc-per-node 2 -m pp1wire.testing.shard_faults \\
+        --fault mass:1:3 -- <pp1-worker flags>
+
+``--fault KIND:RANK:DRAW`` (repeatable) fires on rank ``RANK`` for the group's
+draw ``DRAW`` (1-based, counted the same on every rank; ``*`` = every draw).
+Each spoils only that rank's link (its shard of that one reply):
+
+- ``mass``: one count moved into this shard (added, or taken away when the
+  shard already holds all 2**24): every entry stays valid, the total over the
+  shards is wrong — only the Spark group's check can see it;
+- ``late``: the shard is sent ``PP1_SHARD_LATE_S`` seconds late (default 3);
+- ``missing``: no shard: the reply's COMPLETION has status ``INTERNAL``;
+- ``stale``: the shard's frames name the slot's previous generation (needs a
+  slot reopened at generation ≥ 1; otherwise its previous round);
+- ``die``: SIGKILL this rank before it sends the shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pp1wire.apps import worker, worker_tp
+from pp1wire.errors import ErrorCode, Pp1Error
+from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import QRow
+from pp1wire.testing.tp_faults import Fault
+from pp1wire.tp.shard_worker import AfterDraw
+from pp1wire.wire import worker_core
+from pp1wire.wire.messages import Step
+
+KINDS = ("mass", "late", "missing", "stale", "die")
+_stale = threading.local()
+
+
+def parse_fault(text: str) -> Fault:
+    """``KIND:RANK:DRAW`` → Fault (its ``attempt`` is the draw).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    kind, _, rest = text.partition(":")
+    rank, _, draw = rest.partition(":")
+    if kind not in KINDS or not rank.isdigit() or not (draw == "*" or draw.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: use KIND:RANK:DRAW, KIND in {KINDS}")
+    return Fault(kind, int(rank), None if draw == "*" else int(draw))
+
+
+def _moved_count(rows: tuple[QRow, ...]) -> tuple[QRow, ...]:
+    row = rows[0]
+    assert row.counts is not None
+    counts = row.counts.astype(np.int64)  # a copy: the replay keeps what was sent
+    if counts.size == 0:
+        return rows  # an empty sparse shard: nothing to move here
+    total = int(counts.sum())
+    where = int(np.argmax(counts))
+    counts[where] += 1 if total < M else -1
+    return (QRow(token=row.token, counts=counts, ids=row.ids), *rows[1:])
+
+
+def after_draw(faults: Sequence[Fault]) -> AfterDraw:
+    """The hook that fires ``faults``."""
+
+    def hook(rank: int, draw: int, rows: tuple[QRow, ...]) -> tuple[QRow, ...]:
+        kinds = {f.kind for f in faults if f.fires(rank, draw)}
+        if "die" in kinds:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "late" in kinds:
+            time.sleep(float(os.environ.get("PP1_SHARD_LATE_S", "3")))
+        if "missing" in kinds:
+            raise Pp1Error(ErrorCode.INTERNAL, "injected: this rank's shard is missing")
+        if "stale" in kinds:
+            _stale.on = True
+        return _moved_count(rows) if "mass" in kinds else rows
+
+    return hook
+
+
+def _stale_frames(original: Any) -> Any:
+    def frames(session: int, step: Step, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_stale, "on", False):
+            _stale.on = False
+            older = (
+                {"generation": step.generation - 1}
+                if step.generation
+                else {"round": max(step.round - 1, 0)}
+            )
+            step = msgspec.structs.replace(step, **older)
+        return original(session, step, *args, **kwargs)
+
+    return frames
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``--fault``s, install the hooks, run ``pp1-worker`` with the rest."""
+    line = list(sys.argv[1:] if argv is None else argv)
+    split = line.index("--") if "--" in line else len(line)
+    parser = argparse.ArgumentParser(prog="pp1wire.testing.shard_faults")
+    parser.add_argument("--fault", type=parse_fault, action="append", default=[])
+    args = parser.parse_args(line[:split])
+    worker_tp.AFTER_DRAW = after_draw(args.fault)
+    # The core builds each reply with its module's reply_frames: wrap that one.
+    setattr(worker_core, "reply_frames", _stale_frames(getattr(worker_core, "reply_frames")))  # noqa: B009, B010
+    return worker.main(line[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
