@@ -106,3 +106,26 @@ def test_tp_benchmark_smoke():
         result["dense"]["fanout_bytes_per_batch_round"]
         > result["sparse32"]["fanout_bytes_per_batch_round"]
     )
+
+
+def test_sharded_benchmark_smoke():
+    pytest.importorskip("torch")
+    done = cli.run(
+        sys.executable,
+        ROOT / "benchmarks" / "sharded.py",
+        "--vocab", "128", "--reps", "1", "--json",
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    for key in ("dense", "sparse32"):
+        r = result[key]
+        assert r["sharded_vs_unsharded"] > 0
+        assert r["fallbacks"] == 0
+        assert len(r["sharded_link_bytes_per_batch_round"]) == 2
+    # Each dense link carries half the vocabulary's q: well under the one link's bytes.
+    dense = result["dense"]
+    assert (
+        max(dense["sharded_link_bytes_per_batch_round"])
+        < dense["unsharded_link_bytes_per_batch_round"]
+    )

@@ -11,22 +11,14 @@ reports (no partial commit), and the rounds after it must use proposals again.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pp1wire.apps.launch import worker_process
+from pp1wire.apps.launch import RunningGroup, worker_group, worker_process
 from pp1wire.apps.models import target_factory
 
 from . import cli
@@ -40,141 +32,21 @@ SEED = 5
 FULL_VOCAB = 129_280
 
 
-def free_pair() -> int:
-    """A port P with P and P + 1 free on loopback (rank r listens on P + r)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no two adjacent free ports")
+def committed(group: RunningGroup) -> list[tuple[float, float]]:
+    """Each rank's committed tokens and target-only COMMITs."""
+    out = []
+    for address in group.metrics:
+        page = scrape_page(address)
+        target_only = 0.0
+        for line in page.splitlines():
+            if line.startswith('pp1_worker_commits_total{round="target_only"}'):
+                target_only = float(line.split()[1])
+        out.append((scrape(address, "pp1_worker_committed_tokens_total"), target_only))
+    return out
 
 
-def stop_ranks(port: int, sig: int) -> int:
-    """Send ``sig`` to every worker rank started with ``--port port``; how many there were."""
-    mark = f"--port\0{port}\0".encode()
-    found = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if mark in (entry / "cmdline").read_bytes():
-                found += 1
-                if sig:
-                    os.kill(int(entry.name), sig)
-        except (OSError, ProcessLookupError):
-            continue
-    return found
-
-
-class Group:
-    """A running sharded worker group: rank 0's address and each rank's metrics page."""
-
-    def __init__(self, proc: subprocess.Popen[str], port: int, metrics: list[str]):
-        self.proc, self.port, self.metrics = proc, port, metrics
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def committed(self) -> list[tuple[float, float]]:
-        """Each rank's committed tokens and target-only COMMITs."""
-        out = []
-        for address in self.metrics:
-            page = scrape_page(address)
-            target_only = 0.0
-            for line in page.splitlines():
-                if line.startswith('pp1_worker_commits_total{round="target_only"}'):
-                    target_only = float(line.split()[1])
-            out.append((scrape(address, "pp1_worker_committed_tokens_total"), target_only))
-        return out
-
-
-@contextlib.contextmanager
-def sharded_workers(
-    *faults: str, vocab: int = VOCAB, env: dict[str, str] | None = None
-) -> Iterator[Group]:
-    port = free_pair()
-    flags = ["--tp", "2", "--vocab-shards", "2", "--port", str(port), "--vocab", str(vocab)]
-    flags += ["--seed", str(SEED), "--metrics-port", "0", "--log-level", "warning"]
-    if faults:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", "2", "-m", "pp1wire.testing.shard_faults"]
-        for fault in faults:
-            cmd += ["--fault", fault]
-        cmd += ["--", *flags]
-    else:
-        cmd = [sys.executable, "-m", "pp1wire.apps.worker", *flags]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    # A session of its own: the whole group (launcher and ranks) is stopped together.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-
-    def pump(stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            lines.append(line)
-
-    assert proc.stdout is not None
-    assert proc.stderr is not None
-    pumps = [
-        threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)
-    ]
-    for t in pumps:
-        t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            metrics = [
-                next(
-                    (
-                        ln.split()[3]
-                        for ln in lines
-                        if ln.startswith("pp1-worker metrics") and ("(rank 1)" in ln) == bool(r)
-                    ),
-                    "",
-                )
-                for r in (0, 1)
-            ]
-            listening = sum("pp1-worker listening" in ln for ln in lines)
-            if all(metrics) and listening == 2:
-                break
-            assert proc.poll() is None, "".join(lines)[-3000:]
-            assert time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.05)
-        yield Group(proc, port, metrics)
-    finally:
-        # The launcher starts each rank in a session of its own: stop them by their
-        # command line, then the launcher.
-        stop_ranks(port, signal.SIGTERM)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        deadline = time.monotonic() + 15
-        while stop_ranks(port, 0) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        stop_ranks(port, signal.SIGKILL)
-        for t in pumps:
-            t.join(timeout=10)
-        if not any(t.is_alive() for t in pumps):
-            proc.stdout.close()
-            proc.stderr.close()
+def sharded_workers(*faults: str, vocab: int = VOCAB, env: dict[str, str] | None = None):
+    return worker_group("--log-level", "warning", vocab=vocab, seed=SEED, faults=faults, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +110,7 @@ def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, tmp_pa
     ref, out = tmp_path / "tp1.jsonl", tmp_path / "sharded.jsonl"
     done = cli.module("pp1wire.spark", *spark_flags(tp1_worker.address, ref, "--support", support))
     assert done.returncode == 0, done.stderr
-    before = group.committed()
+    before = committed(group)
     done = sharded_spark(group.address, out, "--support", support)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = summary_of(done.stdout)
@@ -248,13 +120,14 @@ def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, tmp_pa
     assert tokens(out) == tokens(ref)
     # Both worker ranks committed exactly the tokens the Spark side emitted.
     emitted = sum(len(t) for t in tokens(out))
-    after = group.committed()
+    after = committed(group)
     assert [a[0] - b[0] for a, b in zip(after, before, strict=True)] == [emitted, emitted]
 
 
-def test_sharded_equals_unsharded_at_the_full_vocabulary(tmp_path):
+@pytest.mark.parametrize("support", ["dense", "sparse:32"])
+def test_sharded_equals_unsharded_at_the_full_vocabulary(tmp_path, support):
     ref, out = tmp_path / "tp1.jsonl", tmp_path / "sharded.jsonl"
-    extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "8"]
+    extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "8", "--support", support]
     with worker_process(vocab=FULL_VOCAB, seed=SEED) as single:
         done = cli.module(
             "pp1wire.spark", *spark_flags(single.address, ref, *extra, vocab=FULL_VOCAB)
@@ -272,7 +145,7 @@ def test_sharded_equals_unsharded_at_the_full_vocabulary(tmp_path):
 def test_each_fault_on_one_link_falls_back_on_every_rank_then_rounds_resume(tmp_path):
     # One request on one slot: the group's draw k is the request's round k.
     out = tmp_path / "o.jsonl"
-    faults = ("mass:1:2", "missing:1:4", "stale:1:6", "late:1:8")
+    faults = ("mass:1:2", "missing:1:4", "corrupt:1:6", "stale:1:8", "late:1:10")
     extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "60"]
     extra += ["--reply-timeout", "1"]
     with sharded_workers(*faults, env={"PP1_SHARD_LATE_S": "1.5"}) as workers:
@@ -283,15 +156,16 @@ def test_each_fault_on_one_link_falls_back_on_every_rank_then_rounds_resume(tmp_
         # The shard with the wrong total passed its own checks: the group refused it.
         assert reasons.get("group_mass_mismatch") == 1, reasons
         assert reasons.get("internal") == 1, reasons  # the missing shard's COMPLETION status
+        assert reasons.get("negative") == 1, reasons  # refused by rank 1's own shard checks
         # The stale frames are dropped and the late ones miss the reply timeout; a
         # round right after the late one may time out too while rank 1 catches up.
         assert 2 <= reasons.get("reply_timeout", 0) <= 3, reasons
-        assert set(reasons) == {"group_mass_mismatch", "internal", "reply_timeout"}
+        assert set(reasons) == {"group_mass_mismatch", "internal", "negative", "reply_timeout"}
         emitted = sum(len(t) for t in tokens(out))
         fallbacks = summary["fallbacks"]
         # Every rank's worker saw exactly the target-only COMMITs and the tokens the
         # Spark side emitted: no round was committed on one link and not the other.
-        assert workers.committed() == [(emitted, fallbacks), (emitted, fallbacks)]
+        assert committed(workers) == [(emitted, fallbacks), (emitted, fallbacks)]
     # Rounds after the faults used proposals again.
     record = json.loads(out.read_text())
     assert record["rounds"] > fallbacks + 4

@@ -9,12 +9,17 @@ process for a port.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 LISTENING = "pp1-worker listening on "
 METRICS = "pp1-worker metrics on "
@@ -132,3 +137,146 @@ def worker_process(
                 running.returncode = proc.returncode
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 free on loopback (worker rank r listens on P + r).
+
+    Raises:
+        RuntimeError: if no such run of ports is found.
+    """
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        held: list[socket.socket] = []
+        try:
+            for r in range(count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", base + r))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError(f"no {count} adjacent free ports")
+
+
+def signal_ranks(port: int, sig: int) -> int:
+    """Send ``sig`` (0: none) to every process started with ``--port port``; how many."""
+    mark = f"--port\0{port}\0".encode()
+    found = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if mark in (entry / "cmdline").read_bytes():
+                found += 1
+                if sig:
+                    os.kill(int(entry.name), sig)
+        except OSError:
+            continue
+    return found
+
+
+@dataclass
+class RunningGroup:
+    """A sharded worker group that is listening: rank r at ``port + r``."""
+
+    port: int
+    metrics: list[str]  # each rank's /metrics HOST:PORT
+    process: subprocess.Popen[str]
+
+    @property
+    def address(self) -> str:
+        """Rank 0's HOST:PORT (the address ``pp1-spark --vocab-shards`` is given)."""
+        return f"127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def worker_group(
+    *extra: str,
+    vocab: int,
+    seed: int = 0,
+    ranks: int = 2,
+    faults: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Iterator[RunningGroup]:
+    """Run ``pp1-worker --tp ranks --vocab-shards ranks`` (metrics on) until the block ends.
+
+    With ``faults``, the ranks run under torchrun with
+    :mod:`pp1wire.testing.shard_faults` (``--fault`` each). The launcher starts
+    each rank in a session of its own, so the ranks are stopped by their
+    command line (``--port``) as well as through the launcher.
+
+    Raises:
+        WorkerStartError: if the group exits or does not listen within ``timeout``.
+    """
+    port = free_ports(ranks)
+    flags = ["--tp", str(ranks), "--vocab-shards", str(ranks), "--port", str(port)]
+    flags += ["--vocab", str(vocab), "--seed", str(seed), "--metrics-port", "0", *extra]
+    if faults:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(ranks), "-m", "pp1wire.testing.shard_faults"]
+        for fault in faults:
+            cmd += ["--fault", fault]
+        cmd += ["--", *flags]
+    else:
+        cmd = [sys.executable, "-m", "pp1wire.apps.worker", *flags]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def pump(stream: Iterator[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    pumps = [
+        threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)
+    ]
+    for t in pumps:
+        t.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = ["" for _ in range(ranks)]
+            for line in lines:
+                if line.startswith(METRICS):
+                    words = line.split()
+                    rank = int(words[-1].rstrip(")")) if line.rstrip().endswith(")") else 0
+                    metrics[rank] = words[3]
+            if all(metrics) and sum(LISTENING in line for line in lines) == ranks:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise WorkerStartError(f"worker group did not start: {''.join(lines)[-3000:]}")
+            time.sleep(0.05)
+        yield RunningGroup(port, metrics, proc)
+    finally:
+        signal_ranks(port, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 15
+        while signal_ranks(port, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        signal_ranks(port, signal.SIGKILL)
+        for t in pumps:
+            t.join(timeout=10)
+        if not any(t.is_alive() for t in pumps):
+            proc.stdout.close()
+            proc.stderr.close()

@@ -9,6 +9,7 @@ counter back for the daemons' JSON summaries.
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
@@ -65,3 +66,25 @@ async def serve(registry: CollectorRegistry, host: str, port: int) -> asyncio.Se
             writer.close()
 
     return await asyncio.start_server(handle, host, port)
+
+
+def scrape_page(address: str) -> str:
+    """The Prometheus text page a daemon serves at ``address`` (HOST:PORT).
+
+    Raises:
+        OSError: if it cannot be fetched within 5 s.
+    """
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def scrape(address: str, name: str) -> float:
+    """One unlabelled sample of the page at ``address`` (0 if absent).
+
+    Raises:
+        OSError: as :func:`scrape_page`.
+    """
+    for line in scrape_page(address).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

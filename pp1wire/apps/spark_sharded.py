@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import sys
@@ -179,16 +180,32 @@ class ShardedRun:
             await self._open(wave)
             for r in wave:  # a rank whose link is down opened nothing: take the group's
                 r.generation = await self._collective(self.group.common_round, r.generation)
-            while active := [r for r in wave if not r.finished and not self._full(r)]:
-                got = await asyncio.gather(*(self._propose(r) for r in active))
-                for r, proposal in zip(active, got, strict=True):
-                    await self._round(r, proposal)
+            await self._rounds(wave)
             for r in wave:
                 r.finished = r.finished or self._full(r)
                 if self.client is not None and not self.client.closed:
                     await self.client.close_slot(r.slot)
             done.extend(wave)
         return done
+
+    async def _rounds(self, wave: list[_Request]) -> None:
+        """Every round of a wave, the slots taken in turn (the same order on every rank).
+
+        A slot's next STEP goes out as soon as its round is committed, so the
+        worker group draws it while this group decides the other slots' rounds.
+        """
+        turns = collections.deque(r for r in wave if not r.finished and not self._full(r))
+        steps = {r.slot: asyncio.ensure_future(self._propose(r)) for r in turns}
+        try:
+            while turns:
+                r = turns.popleft()
+                await self._round(r, await steps.pop(r.slot))
+                if not r.finished and not self._full(r):
+                    steps[r.slot] = asyncio.ensure_future(self._propose(r))
+                    turns.append(r)
+        finally:
+            for step in steps.values():
+                step.cancel()
 
     def _full(self, r: _Request) -> bool:
         return len(r.committed) - len(r.prompt) >= int(self.args.max_tokens)

@@ -12,6 +12,8 @@ Each spoils only that rank's link (its shard of that one reply):
 - ``mass``: one count moved into this shard (added, or taken away when the
   shard already holds all 2**24): every entry stays valid, the total over the
   shards is wrong — only the Spark group's check can see it;
+- ``corrupt``: one q value of this shard made negative (the shard's own
+  checks refuse it: ``NEGATIVE``);
 - ``late``: the shard is sent ``PP1_SHARD_LATE_S`` seconds late (default 3);
 - ``missing``: no shard: the reply's COMPLETION has status ``INTERNAL``;
 - ``stale``: the shard's frames name the slot's previous generation (needs a
@@ -42,7 +44,7 @@ from pp1wire.tp.shard_worker import AfterDraw
 from pp1wire.wire import worker_core
 from pp1wire.wire.messages import Step
 
-KINDS = ("mass", "late", "missing", "stale", "die")
+KINDS = ("mass", "corrupt", "late", "missing", "stale", "die")
 _stale = threading.local()
 
 
@@ -59,15 +61,17 @@ def parse_fault(text: str) -> Fault:
     return Fault(kind, int(rank), None if draw == "*" else int(draw))
 
 
-def _moved_count(rows: tuple[QRow, ...]) -> tuple[QRow, ...]:
+def _spoiled(rows: tuple[QRow, ...], how: str) -> tuple[QRow, ...]:
     row = rows[0]
     assert row.counts is not None
     counts = row.counts.astype(np.int64)  # a copy: the replay keeps what was sent
     if counts.size == 0:
-        return rows  # an empty sparse shard: nothing to move here
-    total = int(counts.sum())
+        return rows  # an empty sparse shard: nothing to spoil here
     where = int(np.argmax(counts))
-    counts[where] += 1 if total < M else -1
+    if how == "mass":
+        counts[where] += 1 if int(counts.sum()) < M else -1
+    else:
+        counts[where] = -max(int(counts[where]), 1)
     return (QRow(token=row.token, counts=counts, ids=row.ids), *rows[1:])
 
 
@@ -84,7 +88,10 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
             raise Pp1Error(ErrorCode.INTERNAL, "injected: this rank's shard is missing")
         if "stale" in kinds:
             _stale.on = True
-        return _moved_count(rows) if "mass" in kinds else rows
+        for how in ("mass", "corrupt"):
+            if how in kinds:
+                rows = _spoiled(rows, how)
+        return rows
 
     return hook
 
