@@ -47,7 +47,7 @@ def reply_size(support: int | None) -> tuple[int, int]:
             counts[0] += dyadic.M - int(counts.sum())
             rows.append(QRow(token=VOCAB - 1, counts=counts, ids=ids))
     payload = DEPTH * (4 * VOCAB if support is None else 8 * support)
-    return len(build_reply(1000, step, tuple(rows), VOCAB, span=(0, VOCAB))), payload
+    return len(build_reply(1000, step, tuple(rows), VOCAB)), payload
 
 
 def main() -> int:

@@ -98,8 +98,6 @@ def test_large_frame_is_received_into_its_own_buffer():
         representation=0,
         entries=6400,
         checksum=0,
-        start=0,
-        end=6400,
     )
     frame = framing.encode_frame(msg, payload)
     decoder = framing.FrameDecoder(1 << 20, allocator=allocator)

@@ -89,8 +89,7 @@ def reply_header(
 ) -> Reply:
     """The REPLY header of row ``index`` answering ``step`` (any field overridable).
 
-    The row range defaults to an unsharded link of :data:`VOCAB` (``start`` 0,
-    ``end`` VOCAB).
+    ``start`` and ``end`` (a sharded link's range) are absent unless given.
     """
     dense = step.support == 0
     count = entries if entries is not None else len(payload) // (4 if dense else 8)
@@ -105,8 +104,8 @@ def reply_header(
         representation=representation if representation is not None else (0 if dense else 1),
         entries=count,
         checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),
-        start=over.get("start", 0),
-        end=over.get("end", VOCAB),
+        start=over.get("start"),
+        end=over.get("end"),
     )
 
 
@@ -130,8 +129,8 @@ def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
             reply_bytes=over.get("reply_bytes", len(body)),
             reply_checksum=over.get("reply_checksum", xxhash.xxh3_64_intdigest(body)),
             status=over.get("status", 0),
-            start=over.get("start", 0),
-            end=over.get("end", VOCAB),
+            start=over.get("start"),
+            end=over.get("end"),
         )
     )
 

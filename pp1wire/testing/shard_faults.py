@@ -16,8 +16,9 @@ Each spoils only that rank's link (its shard of that one reply):
   checks refuse it: ``NEGATIVE``);
 - ``late``: the shard is sent ``PP1_SHARD_LATE_S`` seconds late (default 3);
 - ``missing``: no shard: the reply's COMPLETION has status ``INTERNAL``;
-- ``stale``: the shard's frames name the slot's previous generation (needs a
-  slot reopened at generation ≥ 1; otherwise its previous round);
+- ``stale``: the shard's frames name the slot's previous generation — once,
+  for the first of the fault's draws whose slot is at generation ≥ 1 (a slot
+  reopened for a later request);
 - ``die``: SIGKILL this rank before it sends the shard.
 """
 
@@ -96,16 +97,15 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
     return hook
 
 
+_stale_spent = threading.Event()
+
+
 def _stale_frames(original: Any) -> Any:
     def frames(session: int, step: Step, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_stale, "on", False):
-            _stale.on = False
-            older = (
-                {"generation": step.generation - 1}
-                if step.generation
-                else {"round": max(step.round - 1, 0)}
-            )
-            step = msgspec.structs.replace(step, **older)
+        armed, _stale.on = getattr(_stale, "on", False), False
+        if armed and step.generation >= 1 and not _stale_spent.is_set():
+            _stale_spent.set()
+            step = msgspec.structs.replace(step, generation=step.generation - 1)
         return original(session, step, *args, **kwargs)
 
     return frames

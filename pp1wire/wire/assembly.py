@@ -63,13 +63,12 @@ class ReplyAssembly:
         *,
         eos: int | None,
         validator: dyadic.DenseRowValidator,
-        span: tuple[int, int],
-        sharded: bool = False,
+        shard: tuple[int, int] | None = None,
     ) -> QRow | ErrorCode:
         """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it.
 
-        ``span`` is the link's global ID range (the whole vocabulary unless
-        ``sharded``); a sharded link's rows are checked by the shard rules of §6.7.
+        ``shard`` is a sharded link's global ID range (None: unsharded); its rows
+        must name it and are checked by the shard rules of §6.7.
         """
         step = self.step
         index = len(self.rows)
@@ -77,14 +76,14 @@ class ReplyAssembly:
             return ErrorCode.ROW_OUT_OF_ORDER
         if msg.position != step.position + index:
             return ErrorCode.WRONG_POSITION
-        if (msg.start, msg.end) != span:
+        if (msg.start, msg.end) != (shard or (None, None)):
             return ErrorCode.SHARD_RANGE_MISMATCH
-        if msg.entries == 0 and not sharded:
+        if msg.entries == 0 and shard is None:
             return ErrorCode.MISSING_Q
         dense = step.support == 0
         if msg.representation != (Representation.DENSE if dense else Representation.SPARSE):
             return ErrorCode.BAD_REPRESENTATION
-        width = span[1] - span[0] if sharded else validator.row_entries
+        width = validator.row_entries if shard is None else shard[1] - shard[0]
         if dense and msg.entries != width:
             return ErrorCode.ROW_LENGTH
         if not dense and msg.entries > step.support:
@@ -95,8 +94,8 @@ class ReplyAssembly:
         if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
             return ErrorCode.ROW_CHECKSUM_MISMATCH
         try:
-            if sharded:
-                return self._shard_row(msg, payload, validator.vocab_size, span)
+            if shard is not None:
+                return self._shard_row(msg, payload, validator.vocab_size, shard)
             if dense:
                 q32 = np.frombuffer(payload, dtype="<f4")
                 validator.check(q32, msg.token)
@@ -131,11 +130,11 @@ class ReplyAssembly:
         self.buffers.append(raw)
 
     def check_completion(
-        self, msg: Completion, *, eos: int | None, span: tuple[int, int]
+        self, msg: Completion, *, eos: int | None, shard: tuple[int, int] | None = None
     ) -> ErrorCode | None:
         """None if COMPLETION closes this reply exactly; else the code that discards it.
 
-        ``span`` is the link's global ID range, as for :meth:`check_row`.
+        ``shard`` is a sharded link's global ID range, as for :meth:`check_row`.
         """
         step = self.step
         got = len(self.rows)
@@ -149,7 +148,7 @@ class ReplyAssembly:
             return ErrorCode.WRONG_POSITION
         if msg.context != step.context:
             return ErrorCode.CONTEXT_MISMATCH
-        if (msg.start, msg.end) != span:
+        if (msg.start, msg.end) != (shard or (None, None)):
             return ErrorCode.SHARD_RANGE_MISMATCH
         if msg.reply_bytes != self.nbytes:
             return ErrorCode.REPLY_SIZE_MISMATCH

@@ -81,6 +81,18 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
     """Common base: frozen, strict, positional msgpack arrays."""
 
 
+def _check_range(start: int | None, end: int | None) -> None:
+    """A shard range: both absent (an unsharded link) or both present, ``start ≤ end``.
+
+    Raises:
+        ProtocolError: ``HEADER_INVALID`` otherwise.
+    """
+    if (start is None) != (end is None):
+        raise _invalid("a shard range needs both start and end")
+    if start is not None and end is not None and start > end:
+        raise _invalid("shard range start above end")
+
+
 class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     """Capabilities and limits; sent by the Spark side first, answered by the worker.
 
@@ -198,8 +210,12 @@ class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
     context: U64
 
 
-class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY)):
-    """One proposal position; q travels in the frame payload (protocol §4.5)."""
+class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
+    """One proposal position; q travels in the frame payload (protocol §4.5).
+
+    ``start`` and ``end`` (the row's global ID range) are present only on a link of
+    a vocabulary-sharded group (§6.7); an unsharded link omits them.
+    """
 
     session: U64
     slot: U16
@@ -211,20 +227,20 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY)):
     representation: U8
     entries: U32
     checksum: U64
-    start: Token
-    end: Token
+    start: Token | None = None
+    end: Token | None = None
 
     def __post_init__(self) -> None:
         """Cross-field rule (protocol §4.5).
 
         Raises:
-            ProtocolError: ``HEADER_INVALID`` if ``start > end``.
+            ProtocolError: ``HEADER_INVALID`` unless ``start`` and ``end`` are both
+                absent, or both present with ``start ≤ end``.
         """
-        if self.start > self.end:
-            raise _invalid("row range start above end")
+        _check_range(self.start, self.end)
 
 
-class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION)):
+class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=True):
     """Ends a reply: exact byte count and checksum of its REPLY frames, and a status."""
 
     session: U64
@@ -237,17 +253,16 @@ class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION)):
     reply_bytes: U64
     reply_checksum: U64
     status: U16
-    start: Token
-    end: Token
+    start: Token | None = None
+    end: Token | None = None
 
     def __post_init__(self) -> None:
         """Cross-field rule (protocol §4.6).
 
         Raises:
-            ProtocolError: ``HEADER_INVALID`` if ``start > end``.
+            ProtocolError: ``HEADER_INVALID`` as for :class:`Reply`.
         """
-        if self.start > self.end:
-            raise _invalid("reply range start above end")
+        _check_range(self.start, self.end)
 
 
 class Commit(_Msg, frozen=True, tag=int(MsgType.COMMIT)):

@@ -72,13 +72,12 @@ def reply_frame(
     entries: int,
     payload: bytes | memoryview,
     *,
-    span: tuple[int, int],
+    shard: tuple[int, int] | None = None,
     tagged: bool = False,
 ) -> FrameParts:
     """One REPLY frame, as (preamble and header, payload), with its row checksum.
 
-    ``span`` is the global ID range the link carries (the whole vocabulary
-    when unsharded).
+    ``shard`` is the global ID range of a sharded link (None: unsharded, no range).
     """
     header = Reply(
         session=session,
@@ -91,8 +90,8 @@ def reply_frame(
         representation=int(Representation.DENSE if dense else Representation.SPARSE),
         entries=entries,
         checksum=xxhash.xxh3_64_intdigest(payload),
-        start=span[0],
-        end=span[1],
+        start=None if shard is None else shard[0],
+        end=None if shard is None else shard[1],
     )
     return framing.encode_head(header, memoryview(payload).nbytes, tagged=tagged), payload
 
@@ -105,10 +104,10 @@ def completion_frame(
     reply_checksum: int,
     status: int,
     *,
-    span: tuple[int, int],
+    shard: tuple[int, int] | None = None,
     tagged: bool = False,
 ) -> bytes:
-    """The COMPLETION frame that closes a reply (``span``: as :func:`reply_frame`)."""
+    """The COMPLETION frame that closes a reply (``shard``: as :func:`reply_frame`)."""
     return framing.encode_frame(
         Completion(
             session=session,
@@ -121,8 +120,8 @@ def completion_frame(
             reply_bytes=reply_bytes,
             reply_checksum=reply_checksum,
             status=status,
-            start=span[0],
-            end=span[1],
+            start=None if shard is None else shard[0],
+            end=None if shard is None else shard[1],
         ),
         tagged=tagged,
     )
@@ -135,19 +134,17 @@ def reply_frames(
     row_entries: int,
     status: int = 0,
     *,
-    span: tuple[int, int],
-    sharded: bool = False,
+    shard: tuple[int, int] | None = None,
     tagged: bool = False,
 ) -> tuple[FrameParts, ...]:
     """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION.
 
-    ``span`` is the link's global ID range; with ``sharded`` each row carries
-    only the q of that range. COMPLETION's ``reply_bytes`` and
+    ``shard`` is a sharded link's global ID range: each row carries only the q
+    of that range, and every frame names it. COMPLETION's ``reply_bytes`` and
     ``reply_checksum`` cover the REPLY frames without their tags (§4.6), so a
     replay re-tags the same frames.
     """
     frames = []
-    shard = span if sharded else None
     for index, row in enumerate(rows):
         payload, entries = row_payload(row, row_entries, shard)
         dense = row.ids is None
@@ -160,7 +157,7 @@ def reply_frames(
                 dense,
                 entries,
                 payload,
-                span=span,
+                shard=shard,
                 tagged=tagged,
             )
         )
@@ -171,7 +168,7 @@ def reply_frames(
             checksum.update(part)
             body += memoryview(part).nbytes
     done = completion_frame(
-        session, step, len(rows), body, checksum.intdigest(), status, span=span, tagged=tagged
+        session, step, len(rows), body, checksum.intdigest(), status, shard=shard, tagged=tagged
     )
     return (*frames, (done,))
 
@@ -183,11 +180,10 @@ def build_reply(
     row_entries: int,
     status: int = 0,
     *,
-    span: tuple[int, int],
-    sharded: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> bytes:
     """The whole untagged reply to a STEP as one byte string (see :func:`reply_frames`)."""
-    frames = reply_frames(session, step, rows, row_entries, status, span=span, sharded=sharded)
+    frames = reply_frames(session, step, rows, row_entries, status, shard=shard)
     return b"".join(part for parts in frames for part in parts)
 
 

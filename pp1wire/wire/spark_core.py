@@ -722,8 +722,7 @@ class SparkProtocol:
             frame.payload,
             eos=state.eos,
             validator=self._validator,
-            span=cfg.shard_range,
-            sharded=cfg.sharded,
+            shard=cfg.shard_range if cfg.sharded else None,
         )
         if isinstance(row, ErrorCode):
             self._fail_row(msg.slot, state, row)
@@ -737,7 +736,8 @@ class SparkProtocol:
             return
         state, flight = fenced
         step = flight.step
-        code = flight.check_completion(msg, eos=state.eos, span=self.config.shard_range)
+        shard = self.config.shard_range if self.config.sharded else None
+        code = flight.check_completion(msg, eos=state.eos, shard=shard)
         if code is not None:
             if not msg.status:
                 self._events.append(FrameRejected(msg.slot, code))
@@ -748,5 +748,4 @@ class SparkProtocol:
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
         self._ready[(msg.slot, step.round)] = (flight.lease, flight.settle(discarded=False))
-        shard = self.config.shard_range if self.config.sharded else None
         self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows, shard)))

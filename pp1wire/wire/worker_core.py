@@ -685,8 +685,7 @@ class WorkerProtocol:
             rows,
             cfg.entries,
             status,
-            span=cfg.shard_range,
-            sharded=cfg.sharded,
+            shard=cfg.shard_range if cfg.sharded else None,
             tagged=tagged,
         )
         return reply, rows, status

@@ -85,8 +85,6 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
                 reply_bytes=1000,
                 reply_checksum=2**64 - 1,
                 status=0,
-                start=0,
-                end=8,
             ),
             b"",
         ),

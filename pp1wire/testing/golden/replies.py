@@ -353,6 +353,13 @@ def reply_vectors() -> list[Vector]:
             {},
         ),
         (
+            "range_on_unsharded_link",
+            d,
+            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), start=0, end=8), good1),
+            {"discarded": "SHARD_RANGE_MISMATCH"},
+            {},
+        ),
+        (
             "wrong_session",
             d,
             reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + whole_reply(d, good0, good1),
