@@ -15,6 +15,7 @@ must live on the rank's CUDA device, which these functions respect).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -135,6 +136,27 @@ def _weights_checked(w: torch.Tensor, layout: Layout, tree_: _Tree) -> float:
     return total
 
 
+def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest values of ``x`` (in no order).
+
+    On the CPU a linear-time partition (numpy's introselect): ``torch.topk`` with
+    a k of tens of thousands was the largest cost of a sharded row (5.8 of 27 ms
+    at 64,640 entries per rank). The values are the same either way.
+    """
+    if x.device.type != "cpu":
+        return torch.topk(x, k).values
+    if k == 0:
+        return x[:0]
+    return torch.from_numpy(np.partition(x.numpy(), x.numel() - k)[x.numel() - k :])
+
+
+def _kth_smallest(x: torch.Tensor, k: int) -> float:
+    """The value of rank ``k`` (0-based) in ascending order (a partition on the CPU)."""
+    if x.device.type != "cpu":
+        return float(torch.kthvalue(x, k + 1).values)
+    return float(np.partition(x.numpy(), k)[k])
+
+
 def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
     floors, rem = torch_ops.floors_and_remainders(
         w, torch.tensor(total, dtype=torch.float64, device=w.device)
@@ -145,12 +167,10 @@ def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over")
     if remaining:
         offer = torch.full((remaining,), -1.0, dtype=torch.float64, device=w.device)
-        best = torch.topk(
-            rem, min(remaining, rem.numel())
-        ).values  # values only: ties do not matter
+        best = _largest(rem, min(remaining, rem.numel()))  # values only: ties do not matter
         offer[: best.numel()] = best
         offers = layout.all_gather(offer).reshape(-1)
-        threshold = float(torch.kthvalue(offers, offers.numel() - remaining + 1).values)
+        threshold = _kth_smallest(offers, offers.numel() - remaining)
         above = rem > threshold
         ties = rem == threshold
         counts = (
