@@ -227,7 +227,9 @@ def test_a_late_or_dead_rank_fails_closed_within_the_timeout(worker, tmp_path, f
         "--fault",
         fault,
         "--",
-        *flags(worker.address, out, "--group-timeout", "2"),
+        # 40 tokens cannot be reached in the 4 attempts before the fault (at most one
+        # round of depth 5 + 1 per request per attempt), however rounds are batched.
+        *flags(worker.address, out, "--group-timeout", "2", "--max-tokens", "40"),
         env={"PP1_TP_LATE_S": "30"},
         timeout=60,
     )
