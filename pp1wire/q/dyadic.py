@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised by tests that disable it
 M: Final = 1 << 24
 SEMANTIC_ID: Final = "dyadic24-standard-v1"
 
-_ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
+ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
 _EXP_MASK: Final = 0x7F800000
 _SIGN_BIT: Final = 0x80000000
 # 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
@@ -440,7 +440,7 @@ def sample(counts: npt.ArrayLike, u24: int) -> int:
 # --------------------------------------------------------------------------
 
 
-def _diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
+def diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
     """Name the first failing class for a row whose max bits exceed 1.0's."""
     if ((bits & _EXP_MASK) == _EXP_MASK).any():
         return ValidationError(ErrorCode.NON_FINITE, "q contains NaN or infinity")
@@ -524,8 +524,8 @@ class DenseRowValidator:
         if _fastq is not None:
             # One compiled pass gives the max bits, the count sum and integrality.
             max_bits, total, non_integral = _fastq.scan_dense(body)
-            if max_bits > _ONE_BITS:
-                raise _diagnose_range(bits)
+            if max_bits > ONE_BITS:
+                raise diagnose_range(bits)
             if self.row_entries > v and row[v:].view(np.uint32).any():
                 raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
             self._fresh = False
@@ -539,8 +539,8 @@ class DenseRowValidator:
             return
         # One pass over the raw bits rejects NaN, infinities, every value with
         # the sign bit (so -0.0 too) and values above 1.
-        if int(bits.max()) > _ONE_BITS:
-            raise _diagnose_range(bits)
+        if int(bits.max()) > ONE_BITS:
+            raise diagnose_range(bits)
         if self.row_entries > v and row[v:].view(np.uint32).any():
             raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
         scaled = self._scaled
@@ -618,6 +618,19 @@ def validate_sparse(
     return ids.copy(), (q.astype(np.float64) * M).astype(np.int64)
 
 
+def check_ascending(ids: Int32Array) -> None:
+    """Sparse IDs strictly ascending (§6.2 step 3).
+
+    Raises:
+        ValidationError: ``SPARSE_DUPLICATE_ID`` for a repeated ID, else
+            ``SPARSE_UNSORTED``.
+    """
+    if ids.size > 1 and (np.diff(ids) <= 0).any():
+        if np.unique(ids).size != ids.size:
+            raise ValidationError(ErrorCode.SPARSE_DUPLICATE_ID, "sparse ids repeat")
+        raise ValidationError(ErrorCode.SPARSE_UNSORTED, "sparse ids not strictly ascending")
+
+
 def check_sparse(
     ids: Int32Array, q: Float32Array, vocab_size: int, max_k: int, proposed: int
 ) -> None:
@@ -643,13 +656,10 @@ def check_sparse(
         raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the vocabulary")
-    if ids.size > 1 and (np.diff(ids) <= 0).any():
-        if np.unique(ids).size != ids.size:
-            raise ValidationError(ErrorCode.SPARSE_DUPLICATE_ID, "sparse ids repeat")
-        raise ValidationError(ErrorCode.SPARSE_UNSORTED, "sparse ids not strictly ascending")
+    check_ascending(ids)
     bits = q.view(np.uint32)
-    if int(bits.max()) > _ONE_BITS:
-        raise _diagnose_range(bits)
+    if int(bits.max()) > ONE_BITS:
+        raise diagnose_range(bits)
     scaled = q * np.float32(M)
     counts = scaled.astype(np.int64)
     if not np.array_equal(counts.astype(np.float32), scaled):

@@ -25,9 +25,15 @@ import numpy.typing as npt
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q.dyadic import Float32Array, Int32Array, M
+from pp1wire.q.dyadic import (
+    ONE_BITS,
+    Float32Array,
+    Int32Array,
+    M,
+    check_ascending,
+    diagnose_range,
+)
 
-_ONE_BITS: Final = 0x3F800000  # the FP32 bits of 1.0; anything above is invalid or > 1
 MAX_SHARDS: Final = 0xFFFF
 
 
@@ -89,14 +95,6 @@ class ShardLayout:
         return xxhash.xxh3_64_intdigest(np.asarray(self.bounds, dtype="<u4").tobytes())
 
 
-def _range_error(bits: npt.NDArray[np.uint32]) -> ValidationError:
-    if ((bits & 0x7F800000) == 0x7F800000).any():
-        return ValidationError(ErrorCode.NON_FINITE, "q contains NaN or infinity")
-    if (bits >= 0x80000000).any():
-        return ValidationError(ErrorCode.NEGATIVE, "q contains a value with the sign bit")
-    return ValidationError(ErrorCode.NON_DYADIC, "q contains a value above 1")
-
-
 def _counts(q: Float32Array) -> npt.NDArray[np.int64]:
     """The counts of shard values already known to be in [0, 1].
 
@@ -140,8 +138,8 @@ def check_dense_shard(q: Float32Array, start: int, end: int, vocab_size: int, pr
     if not 0 <= proposed < vocab_size:
         raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
     bits = q.view(np.uint32)
-    if bits.size and int(bits.max()) > _ONE_BITS:
-        raise _range_error(bits)
+    if bits.size and int(bits.max()) > ONE_BITS:
+        raise diagnose_range(bits)
     total = _mass(_counts(q))
     if start <= proposed < end and q[proposed - start] == 0:
         raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
@@ -183,13 +181,10 @@ def check_sparse_shard(
         return 0
     if int(ids.min()) < start or int(ids.max()) >= end:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the shard")
-    if ids.size > 1 and (np.diff(ids) <= 0).any():
-        if np.unique(ids).size != ids.size:
-            raise ValidationError(ErrorCode.SPARSE_DUPLICATE_ID, "sparse ids repeat")
-        raise ValidationError(ErrorCode.SPARSE_UNSORTED, "sparse ids not strictly ascending")
+    check_ascending(ids)
     bits = q.view(np.uint32)
-    if int(bits.max()) > _ONE_BITS:
-        raise _range_error(bits)
+    if int(bits.max()) > ONE_BITS:
+        raise diagnose_range(bits)
     counts = _counts(q)
     if (counts == 0).any():
         raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
@@ -208,6 +203,11 @@ class ShardSummary:
     key: tuple[int, ...]  # generation, round, position, prefix digest, depth, context
     tokens: tuple[int, ...]
     masses: tuple[int, ...]  # each row's count sum on this shard
+
+
+def as_int64(value: int) -> int:
+    """A uint64 (a prefix digest, a context) as the int64 with the same bits: a tensor word."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def check_group(shards: Sequence[ShardSummary]) -> ErrorCode | None:
@@ -233,6 +233,7 @@ __all__ = [
     "MAX_SHARDS",
     "ShardLayout",
     "ShardSummary",
+    "as_int64",
     "check_dense_shard",
     "check_group",
     "check_sparse_shard",

@@ -30,17 +30,13 @@ import torch.distributed as dist
 from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q import dist_ops
 from pp1wire.q.dyadic import M
-from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
+from pp1wire.q.layout import ShardLayout, ShardSummary, as_int64, check_group
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.verify import Outcome, TargetFn, accept_exact
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
 _REPORT = 3 + _KEY + 2 * MAX_DEPTH
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 @dataclass(frozen=True)
@@ -58,9 +54,9 @@ class ShardReport:
             proposal.generation,
             proposal.round_id,
             proposal.position,
-            _signed(proposal.digest),
+            as_int64(proposal.digest),
             proposal.depth,
-            _signed(proposal.context),
+            as_int64(proposal.context),
         )
         return cls(None, ShardSummary(key, proposal.tokens, masses))
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q import dist_ops, dyadic
-from pp1wire.q.layout import ShardLayout
+from pp1wire.q.layout import ShardLayout, as_int64
 from pp1wire.q.proposal import MAX_DEPTH, DrafterFn, ExtendedPrefix, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.wire.messages import Step
@@ -58,11 +58,6 @@ _WORDS = 10  # the beat word, then the key's nine
 _STOP = object()  # the group thread's signal to leave
 
 
-def _signed(value: int) -> int:
-    """A uint64 as the int64 with the same bits (a tensor word)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def key_of(step: Step) -> Key:
     """The words that name one STEP on every link (everything but the session)."""
     (temperature,) = struct.unpack("<q", struct.pack("<d", step.temperature))
@@ -71,11 +66,11 @@ def key_of(step: Step) -> Key:
         step.generation,
         step.round,
         step.position,
-        _signed(step.digest),
+        as_int64(step.digest),
         step.depth,
         step.support,
         temperature,
-        _signed(step.context),
+        as_int64(step.context),
     )
 
 
