@@ -64,18 +64,21 @@ class _Request:
     finished: bool = False
 
     def record(self) -> dict[str, Any]:
-        return {
-            "request": self.index,
-            "seed": self.seed,
-            "prompt": self.prompt,
-            "tokens": self.committed[len(self.prompt) :],
-            "rounds": self.rounds,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "fallbacks": self.fallbacks,
-            "fallback_reasons": dict(self.fallback_reasons),
-            "finished": self.finished,
-        }
+        """The ``--output`` record, in pp1-spark's one format."""
+        from pp1wire.apps.spark import RequestResult  # noqa: PLC0415 - spark imports this module
+
+        return RequestResult(
+            request=self.index,
+            seed=self.seed,
+            prompt=self.prompt,
+            tokens=self.committed[len(self.prompt) :],
+            rounds=self.rounds,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            fallbacks=self.fallbacks,
+            fallback_reasons=self.fallback_reasons,
+            finished=self.finished,
+        ).as_json()
 
 
 def _layout(args: argparse.Namespace, world: int) -> ShardLayout:
@@ -131,8 +134,6 @@ class ShardedRun:
         host, port = host_port(args.worker)
         self.host, self.port = host, port + self.rank
         self.client: AsyncClient | None = None
-        self.fallbacks: Counter[str] = Counter()
-        self.link_bytes = 0
 
     async def connect(self) -> None:
         """Connect this rank's link, retrying until ``--connect-timeout``.
@@ -263,7 +264,6 @@ class ShardedRun:
             r.fallbacks += 1
             name = reason.name.lower() if reason is not None else "unknown"
             r.fallback_reasons[name] += 1
-            self.fallbacks[name] += 1
         elif isinstance(got, Proposal):
             r.draft_tokens += len(got.rows)
             r.accepted_tokens += decided.accepted
@@ -357,14 +357,13 @@ async def run(args: argparse.Namespace, prompts: list[list[int]]) -> int:
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else 0.0,
             "fallbacks": sum(r.fallbacks for r in results),
-            "fallbacks_by_reason": dict(runner.fallbacks),
+            "fallbacks_by_reason": dict(sum((r.fallback_reasons for r in results), Counter())),
             "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0,
             "tp": runner.group.world,
             "vocab_shards": runner.layout.shards,
             "shard_ranges": [list(runner.layout.range(i)) for i in range(runner.layout.shards)],
             "link_bytes_rank0": link_bytes,
-            "collectives_rank0": runner.group.collectives,
         }
         print(json.dumps(summary) if args.json else summary, flush=True)
     runner.dist.destroy_process_group()

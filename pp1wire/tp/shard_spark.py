@@ -112,7 +112,6 @@ class ShardedVerifyGroup:
             raise ValueError(f"a layout of {layout.shards} shards for {self.world} ranks")
         self.start, self.end = layout.range(self.rank)
         self.vocab = layout.vocab_size
-        self.collectives = 0
 
     # -- collectives ---------------------------------------------------------
 
@@ -120,13 +119,11 @@ class ShardedVerifyGroup:
         t = torch.tensor(words, dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t, group=self.group)
-        self.collectives += 1
         return [[int(v) for v in o.tolist()] for o in out]
 
     def _max(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        self.collectives += 1
         return int(t[0])
 
     # -- decisions -------------------------------------------------------------
@@ -170,10 +167,18 @@ class ShardedVerifyGroup:
         dense[row.ids.astype(np.int64) - self.start] = row.q32.astype(np.float64) * M
         return dense
 
+    def _count_at(self, row: QRow, x: int) -> int:
+        """This shard's count of ``x``, which it owns (0 outside a sparse support)."""
+        assert row.q32 is not None
+        if row.ids is None:
+            return int(float(row.q32[x - self.start]) * M)
+        at = int(np.searchsorted(row.ids, x))
+        hit = at < row.ids.size and int(row.ids[at]) == x
+        return int(float(row.q32[at]) * M) if hit else 0
+
     def _draw(self, p: torch.Tensor, counts: npt.NDArray[np.float64] | None, u53: int) -> int:
         zeros = np.zeros(self.end - self.start, dtype=np.float64)
         c = torch.from_numpy(counts if counts is not None else zeros)
-        self.collectives += 1
         return dist_ops.residual_sample(p, c, u53, self.group)
 
     def verify(
@@ -201,8 +206,8 @@ class ShardedVerifyGroup:
             u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + i))
             owned = 0  # 1 + the test's result on the rank that owns x, 0 elsewhere
             if self.start <= x < self.end:
-                at = x - self.start
-                owned = 1 + int(accept_exact(u, int(self._counts(row)[at]), float(p[at])))
+                count = self._count_at(row, x)
+                owned = 1 + int(accept_exact(u, count, float(p[x - self.start])))
             if self._max(owned) == 2:
                 new.append(x)
                 context.append(x)
