@@ -350,6 +350,49 @@ def test_audit_flags_exactly_the_blocks_a_revoking_worker_cut(model, rule):
     assert flagged > 0
 
 
+def test_verify_block_matches_the_round_law():
+    # Drafting first and verifying the shipped block gives the interleaved law.
+    drafting = rule_drafting("joint:0.3", 3)
+    for ctx in [(0,), (0, 1), (2, 0)]:
+        want = oracle.adaptive_round_distribution(ctx, drafting, q4, p4, EOS4)
+        got: dict[tuple[int, ...], Fraction] = {}
+        for (tokens, _), mass in oracle.proposal_distribution(ctx, drafting, q4, EOS4).items():
+            for block, m in oracle.verify_block_distribution(ctx, tokens, q4, p4, EOS4).items():
+                got[block] = got.get(block, Fraction(0)) + mass * m
+        projected: dict[tuple[int, ...], Fraction] = {}
+        for outcome, mass in want.items():
+            projected[outcome.tokens] = projected.get(outcome.tokens, Fraction(0)) + mass
+        assert got == projected
+
+
+def test_audit_detects_but_its_discards_do_not_undo_a_selection():
+    # q = p uniform, depth 2; the worker drops x_2 whenever it is 1. The audit
+    # refuses every cut block (decoded target-only), yet the second committed
+    # token is 0 with probability 3/4: detection, not repair (adaptive.md §2).
+    rule = StopRule()
+    cut = oracle.Drafting(2, revoke=lambda _ctx, drafts, _qs: len(drafts) == 2 and drafts[1] == 1)
+
+    def audited_round(ctx):
+        law: dict[tuple[int, ...], Fraction] = {}
+        for (tokens, counts), mass in oracle.proposal_distribution(ctx, cut, uniform2).items():
+            if audit(rule, 2, counts, tokens, None) is None:
+                committed = oracle.verify_block_distribution(ctx, tokens, uniform2, uniform2)
+            else:
+                committed = {(v,): pv for v, pv in enumerate(uniform2(ctx))}
+            for block, m in committed.items():
+                law[block] = law.get(block, Fraction(0)) + mass * m
+        return law
+
+    second = {0: Fraction(0), 1: Fraction(0)}
+    for block, mass in audited_round(()).items():
+        if len(block) >= 2:
+            second[block[1]] += mass
+        else:
+            for nxt, m in audited_round(block).items():
+                second[nxt[0]] += mass * m
+    assert second == {0: Fraction(3, 4), 1: Fraction(1, 4)}
+
+
 def test_audit_flags_a_worker_that_ignores_the_rule():
     # A fixed-depth worker audited against confidence:0.5 drew past a stop.
     rule = StopRule.parse("confidence:0.5")

@@ -443,6 +443,38 @@ def proposal_distribution(
     return out
 
 
+def verify_block_distribution(
+    prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
+) -> dict[Prefix, Fraction]:
+    """Exact law of the tokens one round commits when the shipped block is ``drafts``.
+
+    The verifier's part alone: accept each draft with ``min(1, p/q)`` in order,
+    correct at the first rejection, bonus after the last draft unless it is
+    terminal; an empty block commits one target-only token.
+
+    Raises:
+        VerifyError: ``MALFORMED_PROPOSAL`` for a draft with q(x) = 0.
+    """
+    out: dict[Prefix, Fraction] = {}
+    mass = Fraction(1)
+    for i, x in enumerate(drafts):
+        ctx = prefix + drafts[:i]
+        p, q = list(p_fn(ctx)), list(q_fn(ctx))
+        a = acceptance(p, q, x)
+        if a != 1:
+            for y, ry in enumerate(residual(p, q)):
+                _add(out, (*drafts[:i], y), mass * (1 - a) * ry)
+        mass *= a
+        if not mass:
+            return out
+    if drafts and drafts[-1] == eos:
+        _add(out, drafts, mass)
+        return out
+    for b, pb in enumerate(p_fn(prefix + drafts)):
+        _add(out, (*drafts, b), mass * pb)
+    return out
+
+
 def adaptive_generate_distribution(
     prefix: Prefix,
     length: int,
