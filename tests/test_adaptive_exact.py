@@ -446,6 +446,13 @@ def test_threshold_is_the_exact_ceiling():
     assert threshold_of(0.1) == 1677722  # binary64 0.1 is just above 1/10
     assert threshold_of("0.1") == 1677722
     assert threshold_of(1) == M
+    # Extreme exponents are decided without expanding them.
+    assert threshold_of("1e-999999999") == 1
+    assert threshold_of("0e-999999999") == 0
+    with pytest.raises(ValueError, match="outside"):
+        threshold_of("1e999999999")
+    with pytest.raises(ValueError, match="longer than"):
+        threshold_of("0." + "1" * 80)
     assert StopRule.joint("0.25") == StopRule(StopKind.JOINT, M // 4)
     assert StopRule.confidence(Fraction(1, 2)).tau == HALF
 

@@ -73,38 +73,44 @@ _NAMES = {StopKind.FIXED: "fixed", StopKind.CONFIDENCE: "confidence", StopKind.J
 _KINDS = {name: kind for kind, name in _NAMES.items()}
 
 
-def _rational(tau: Fraction | Decimal | int | float | str) -> Fraction:
-    if isinstance(tau, bool):
-        raise ValueError("a threshold is a number, not a bool")
-    if isinstance(tau, str):
-        text = tau.strip()
-        try:
-            # Decimal first: "0.3" means three tenths exactly, and Decimal also
-            # refuses "nan"/"inf" spellings through is_finite below.
-            dec = Decimal(text)
-        except InvalidOperation:
-            try:
-                return Fraction(text)
-            except (ValueError, ZeroDivisionError):
-                raise ValueError(f"threshold {tau!r} is not a number") from None
-        tau = dec
-    if isinstance(tau, Decimal | float) and not (
-        tau.is_finite() if isinstance(tau, Decimal) else math.isfinite(tau)
-    ):
-        raise ValueError(f"threshold {tau!r} is not finite")
-    return Fraction(tau)
+_MAX_TEXT = 64
+# Below 10**-30 every positive tau has T = 1 (1 / M is about 6e-8); deciding
+# that from the exponent keeps Fraction from expanding 10**huge.
+_TINY_EXPONENT = -30
 
 
 def threshold_of(tau: Fraction | Decimal | int | float | str) -> int:
     """``ceil(tau * 2**24)`` for a rational ``tau`` in [0, 1], computed exactly.
 
-    A float means its exact binary64 value; a string is read as a decimal
-    (``"0.3"`` is three tenths) or a fraction (``"3/10"``).
+    A float means its exact binary64 value; a string (at most 64 characters)
+    is read as a decimal (``"0.3"`` is three tenths) or a fraction (``"3/10"``).
 
     Raises:
         ValueError: if ``tau`` is not a finite number in [0, 1].
     """
-    value = _rational(tau)
+    if isinstance(tau, bool):
+        raise ValueError("a threshold is a number, not a bool")
+    if isinstance(tau, str):
+        text = tau.strip()
+        if len(text) > _MAX_TEXT:
+            raise ValueError(f"threshold text longer than {_MAX_TEXT} characters")
+        try:
+            tau = Decimal(text)
+        except InvalidOperation:
+            try:
+                tau = Fraction(text)
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"threshold {text!r} is not a number") from None
+    if isinstance(tau, float) and not math.isfinite(tau):
+        raise ValueError(f"threshold {tau!r} is not finite")
+    if isinstance(tau, Decimal):
+        if not tau.is_finite():
+            raise ValueError(f"threshold {str(tau)!r} is not finite")
+        if 0 < tau <= 1 and tau.adjusted() < _TINY_EXPONENT:
+            return 1
+        if not 0 <= tau <= 1:
+            raise ValueError(f"threshold {str(tau)!r} outside [0, 1]")
+    value = Fraction(tau)
     if not 0 <= value <= 1:
         raise ValueError(f"threshold {tau!r} outside [0, 1]")
     return math.ceil(value * M)
