@@ -90,6 +90,8 @@ class ErrorCode(IntEnum):
     BAD_REPRESENTATION = 74
     TOKEN_OUT_OF_RANGE = 75
     SHARD_RANGE_MISMATCH = 76
+    # A block that stopped where its stop rule does not (docs/adaptive.md).
+    STOP_RULE_VIOLATED = 77
 
     # -- proposal construction and RNG on the sender (80..89) --------------------------
     WEIGHT_NON_FINITE = 80

@@ -10,20 +10,31 @@ algorithm 1 and appendix A.1): accept a draft x with probability
 ``min(1, p(x)/q(x))``; at the first rejection draw a correction from the
 normalized ``max(p - q, 0)`` over every target ID; if every draft survives,
 draw a bonus token from p. An accepted terminal token stops without a bonus.
+
+The adaptive part (:class:`Drafting`, :func:`adaptive_round_distribution`,
+:func:`adaptive_generate_distribution`) enumerates blocks whose length a stop
+rule decides while drafting, rounds whose depth is planned from the history,
+and, to show the bias, a worker that revokes a position after seeing its draw
+(``docs/adaptive.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from math import floor, isfinite
+from typing import NamedTuple, TypeVar
 
 from pp1wire.errors import ConstructionError, ErrorCode, VerifyError
 from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import MAX_DEPTH
+from pp1wire.q.stoprules import StopRule, continues
 
 Dist = list[Fraction]
 Prefix = tuple[int, ...]
 DistFn = Callable[[Prefix], Sequence[Fraction]]
+_K = TypeVar("_K")
 
 
 def exact(value: float | int | Fraction) -> Fraction:
@@ -132,7 +143,7 @@ def step_distribution(p: Sequence[Fraction], q: Sequence[Fraction]) -> Dist:
     return out
 
 
-def _add(dist: dict[Prefix, Fraction], key: Prefix, mass: Fraction) -> None:
+def _add(dist: dict[_K, Fraction], key: _K, mass: Fraction) -> None:
     if mass:
         dist[key] = dist.get(key, Fraction(0)) + mass
 
@@ -244,4 +255,301 @@ def selective_admission_distribution(
         else:
             for y, py in enumerate(p):
                 out[y] += qx * py
+    return out
+
+
+# -- adaptive blocks (docs/adaptive.md) ------------------------------------------
+
+Admit = Callable[[Prefix, Prefix, tuple[Fraction, ...]], Fraction | bool]
+"""A legal stop rule: ``(context, drafts x_1..x_i, (q_1(x_1), ..., q_i(x_i)))`` →
+the probability of drawing position i+1 (a bool for a deterministic rule).
+It sees only draws already made; its randomness is independent of later draws."""
+
+Revoke = Callable[[Prefix, Prefix, tuple[Fraction, ...]], bool]
+"""An *anticipating* worker: after drawing x_i, whether to drop it and end the
+block at i - 1. Forbidden by the design; kept to show the bias it causes."""
+
+DRAFT, BONUS, TARGET = "d", "b", "t"
+"""How a committed token was produced: at a drafted position (an accepted draft
+or its correction), as the bonus after the last kept draft, or target-only."""
+
+
+class RoundOutcome(NamedTuple):
+    """One round's committed tokens, how each was produced, and its verification result."""
+
+    tokens: Prefix
+    kinds: tuple[str, ...]
+    accepted: int
+    rejected: bool
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """How one round drafts: a maximum depth, a stop rule, and (forbidden) a revocation.
+
+    ``depth`` 0 is a target-only round. ``admit`` ``None`` is the fixed rule.
+    """
+
+    depth: int
+    admit: Admit | None = None
+    revoke: Revoke | None = None
+
+
+Planner = Callable[[Prefix, tuple[RoundOutcome, ...]], Sequence[tuple[Fraction, Drafting]]]
+"""Plans a round from the committed context and the earlier rounds' outcomes:
+a law over :class:`Drafting` (its randomness, e.g. the load, independent of
+the round's draws)."""
+
+Marks = tuple[tuple[int, str], ...]
+"""Per committed token: its index within its round and its kind (DRAFT, BONUS, TARGET)."""
+
+
+def dyadic_count(qx: Fraction) -> int:
+    """The 24-bit count ``q(x) * 2**24`` of a dyadic24 probability.
+
+    Raises:
+        VerifyError: ``MALFORMED_PROPOSAL`` if ``q(x) * 2**24`` is not an integer in 0..2**24.
+    """
+    c = qx * M
+    if c.denominator != 1 or not 0 <= c <= M:
+        raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, f"q(x) = {qx} is not dyadic24")
+    return int(c)
+
+
+def rule_admission(rule: StopRule) -> Admit:
+    """The :data:`Admit` of an integer stop rule, fed the rows' counts at their tokens."""
+
+    def admit(_context: Prefix, _drafts: Prefix, qs: tuple[Fraction, ...]) -> bool:
+        return continues(rule, [dyadic_count(v) for v in qs])
+
+    return admit
+
+
+def _go(drafting: Drafting, context: Prefix, drawn: Prefix, qs: tuple[Fraction, ...]) -> Fraction:
+    if len(drawn) >= drafting.depth:
+        return Fraction(0)
+    if drafting.admit is None:
+        return Fraction(1)
+    go = Fraction(drafting.admit(context, drawn, qs))
+    if not 0 <= go <= 1:
+        raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, f"admission probability {go} not in [0, 1]")
+    return go
+
+
+def _check_depth(depth: int) -> None:
+    if not 0 <= depth <= MAX_DEPTH:
+        raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, f"depth {depth} outside 0..{MAX_DEPTH}")
+
+
+def adaptive_round_distribution(
+    prefix: Prefix, drafting: Drafting, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
+) -> dict[RoundOutcome, Fraction]:
+    """Exact law of one round's outcome under a stop rule (and, if given, a revocation).
+
+    Position 1 is drawn if ``depth >= 1``; after an accepted-so-far draw x_i
+    (not terminal, i < depth) ``admit`` gives the chance of drawing i+1. A block
+    that ends with every draft kept gets a bonus from p; a round with no kept
+    draft (depth 0, or position 1 revoked) commits one target-only token. The
+    verifier is the standard one. Drafting and verification are interleaved
+    here, which gives the same law as drafting the whole block first: a
+    rejection at k commits nothing drawn after k, and no decision uses the
+    verifier's draws.
+
+    Raises:
+        VerifyError: ``MALFORMED_PROPOSAL`` for a depth outside 0..5 or an
+            admission probability outside [0, 1].
+    """
+    _check_depth(drafting.depth)
+    out: dict[RoundOutcome, Fraction] = {}
+
+    def close(drafts: Prefix, mass: Fraction) -> None:
+        kind = BONUS if drafts else TARGET
+        kinds = (DRAFT,) * len(drafts) + (kind,)
+        for b, pb in enumerate(p_fn(prefix + drafts)):
+            _add(out, RoundOutcome((*drafts, b), kinds, len(drafts), False), mass * pb)
+
+    def walk(drafts: Prefix, qs: tuple[Fraction, ...], mass: Fraction) -> None:
+        ctx = prefix + drafts
+        p = list(p_fn(ctx))
+        q = list(q_fn(ctx))
+        reject_total = Fraction(0)
+        for x, qx in enumerate(q):
+            if not qx:
+                continue
+            drawn, qs_x = (*drafts, x), (*qs, qx)
+            if drafting.revoke is not None and drafting.revoke(prefix, drawn, qs_x):
+                close(drafts, mass * qx)
+                continue
+            a = acceptance(p, q, x)
+            reject_total += qx * (1 - a)
+            if not a:
+                continue
+            kept = mass * qx * a
+            if x == eos:
+                _add(out, RoundOutcome(drawn, (DRAFT,) * len(drawn), len(drawn), False), kept)
+                continue
+            go = _go(drafting, prefix, drawn, qs_x)
+            if go:
+                walk(drawn, qs_x, kept * go)
+            if go != 1:
+                close(drawn, kept * (1 - go))
+        if reject_total:
+            kinds = (DRAFT,) * (len(drafts) + 1)
+            rejected = mass * reject_total
+            for y, ry in enumerate(residual(p, q)):
+                _add(out, RoundOutcome((*drafts, y), kinds, len(drafts), True), rejected * ry)
+
+    if drafting.depth == 0:
+        close((), Fraction(1))
+    else:
+        walk((), (), Fraction(1))
+    return out
+
+
+def proposal_distribution(
+    prefix: Prefix, drafting: Drafting, q_fn: DistFn, eos: int | None = None
+) -> dict[tuple[Prefix, tuple[int, ...]], Fraction]:
+    """Exact law of the rows a worker ships: ``(tokens, counts at the tokens)``.
+
+    Nothing is verified here; a revoked position is not shipped (a revocation
+    at position 1 ships an empty block).
+
+    Raises:
+        VerifyError: as :func:`adaptive_round_distribution`, or
+            ``MALFORMED_PROPOSAL`` for a q that is not dyadic24.
+    """
+    _check_depth(drafting.depth)
+    out: dict[tuple[Prefix, tuple[int, ...]], Fraction] = {}
+
+    def ship(drafts: Prefix, qs: tuple[Fraction, ...], mass: Fraction) -> None:
+        _add(out, (drafts, tuple(dyadic_count(v) for v in qs)), mass)
+
+    def walk(drafts: Prefix, qs: tuple[Fraction, ...], mass: Fraction) -> None:
+        for x, qx in enumerate(q_fn(prefix + drafts)):
+            if not qx:
+                continue
+            drawn, qs_x = (*drafts, x), (*qs, qx)
+            if drafting.revoke is not None and drafting.revoke(prefix, drawn, qs_x):
+                ship(drafts, qs, mass * qx)
+                continue
+            go = Fraction(0) if x == eos else _go(drafting, prefix, drawn, qs_x)
+            if go:
+                walk(drawn, qs_x, mass * qx * go)
+            if go != 1:
+                ship(drawn, qs_x, mass * qx * (1 - go))
+
+    if drafting.depth:
+        walk((), (), Fraction(1))
+    return out
+
+
+def verify_block_distribution(
+    prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
+) -> dict[Prefix, Fraction]:
+    """Exact law of the tokens one round commits when the shipped block is ``drafts``.
+
+    The verifier's part alone: accept each draft with ``min(1, p/q)`` in order,
+    correct at the first rejection, bonus after the last draft unless it is
+    terminal; an empty block commits one target-only token.
+
+    Raises:
+        VerifyError: ``MALFORMED_PROPOSAL`` for a draft with q(x) = 0.
+    """
+    out: dict[Prefix, Fraction] = {}
+    mass = Fraction(1)
+    for i, x in enumerate(drafts):
+        ctx = prefix + drafts[:i]
+        p, q = list(p_fn(ctx)), list(q_fn(ctx))
+        a = acceptance(p, q, x)
+        if a != 1:
+            for y, ry in enumerate(residual(p, q)):
+                _add(out, (*drafts[:i], y), mass * (1 - a) * ry)
+        mass *= a
+        if not mass:
+            return out
+    if drafts and drafts[-1] == eos:
+        _add(out, drafts, mass)
+        return out
+    for b, pb in enumerate(p_fn(prefix + drafts)):
+        _add(out, (*drafts, b), mass * pb)
+    return out
+
+
+def adaptive_generate_distribution(
+    prefix: Prefix,
+    length: int,
+    planner: Planner,
+    q_fn: DistFn,
+    p_fn: DistFn,
+    eos: int | None = None,
+) -> dict[tuple[Prefix, Marks], Fraction]:
+    """Exact joint law of the first ``length`` committed tokens and their :data:`Marks`.
+
+    Each round is planned by ``planner`` from the committed context and the
+    earlier outcomes. A sequence that ends in ``eos`` early is kept as is.
+
+    Raises:
+        VerifyError: ``MALFORMED_PROPOSAL`` for a plan whose weights are not a
+            law, or as :func:`adaptive_round_distribution`.
+    """
+    out: dict[tuple[Prefix, Marks], Fraction] = {}
+    rounds: dict[tuple[Prefix, Drafting], dict[RoundOutcome, Fraction]] = {}
+
+    def walk(
+        generated: Prefix, marks: Marks, history: tuple[RoundOutcome, ...], mass: Fraction
+    ) -> None:
+        if len(generated) >= length or (generated and generated[-1] == eos):
+            _add(out, (generated[:length], marks[:length]), mass)
+            return
+        ctx = prefix + generated
+        plan = planner(ctx, history)
+        weights = [Fraction(w) for w, _ in plan]
+        if any(w < 0 for w in weights) or sum(weights) != 1:
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "a plan's weights must form a law")
+        for w, (_, drafting) in zip(weights, plan, strict=True):
+            if not w:
+                continue
+            key = (ctx, drafting)
+            if key not in rounds:
+                rounds[key] = adaptive_round_distribution(ctx, drafting, q_fn, p_fn, eos)
+            for outcome, m in rounds[key].items():
+                walk(
+                    generated + outcome.tokens,
+                    marks + tuple(enumerate(outcome.kinds)),
+                    (*history, outcome),
+                    mass * w * m,
+                )
+
+    walk((), (), (), Fraction(1))
+    return out
+
+
+def token_law(law: dict[tuple[Prefix, Marks], Fraction]) -> dict[Prefix, Fraction]:
+    """The tokens' marginal of an :func:`adaptive_generate_distribution` law."""
+    out: dict[Prefix, Fraction] = {}
+    for (tokens, _), mass in law.items():
+        _add(out, tokens, mass)
+    return out
+
+
+def conditional_laws(
+    law: dict[tuple[Prefix, Marks], Fraction], with_marks: bool = True
+) -> dict[tuple[Prefix, Marks], dict[int, Fraction]]:
+    """Law of token k+1 given tokens 1..k (and, with marks, the marks of tokens 1..k+1).
+
+    The mark of token k+1 (its index in its round and its kind) is fixed
+    before that token is drawn, so a correct scheme gives p(. | tokens 1..k)
+    under either conditioning. Keys are ``(tokens 1..k, marks)``; each value
+    is a normalized law over token IDs.
+    """
+    joint: dict[tuple[Prefix, Marks], dict[int, Fraction]] = {}
+    for (tokens, marks), mass in law.items():
+        for k in range(len(tokens)):
+            cond = (tokens[:k], marks[: k + 1] if with_marks else ())
+            row = joint.setdefault(cond, {})
+            row[tokens[k]] = row.get(tokens[k], Fraction(0)) + mass
+    out: dict[tuple[Prefix, Marks], dict[int, Fraction]] = {}
+    for cond, row in joint.items():
+        total = sum(row.values(), Fraction(0))
+        out[cond] = {v: m / total for v, m in row.items()}
     return out

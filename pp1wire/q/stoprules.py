@@ -1,0 +1,450 @@
+"""Stop rules for adaptive blocks, and a depth controller that cannot see its round.
+
+A STEP's ``depth`` is the *maximum* block length. A stop rule decides, after
+each drawn row, whether the next position may be drawn; it is computed in
+integers from the data the Spark side receives (each row's shipped count at
+its drafted token), so the Spark side can recompute every decision and refuse
+a block that stopped anywhere else (:func:`audit`). ``docs/adaptive.md`` is
+normative: it defines the rules exactly as below and proves that any rule of
+this kind (a function of the past, the drawn rows and independent randomness,
+never of a draw it has not yet admitted) leaves the committed tokens with
+exactly the target's law.
+
+Integer definitions, with ``M = 2**24`` and ``c_j = counts[j - 1]`` the count
+of row j at its drafted token (``q_j(x_j) = c_j / M``):
+
+- ``FIXED``: always continue (only the depth or a terminal token ends a block).
+- ``CONFIDENCE`` with threshold ``T``: after row i, continue iff ``c_i >= T``.
+- ``JOINT`` with threshold ``T``: after row i, continue iff
+  ``c_1 * ... * c_i >= T * M**(i - 1)``, i.e. ``prod q_j(x_j) >= T / M``.
+
+``T = ceil(tau * M)`` for a rational ``tau`` in [0, 1], so ``T`` is in 0..M.
+
+The :class:`DepthController` picks a request's maximum depth for the next STEP
+from that request's earlier, verified rounds and the load measured before the
+STEP; nothing about the round it is choosing for exists when it is called.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from enum import IntEnum
+from fractions import Fraction
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import MAX_DEPTH
+
+STOP_RULES = "pp1-stop-rules-v1"
+"""Name of this rule set (kinds, integer definitions, threshold encoding).
+
+Negotiated at HELLO by exact match: a change to any definition here gets a new
+name, never a silent reinterpretation of the old one."""
+
+_SHIFT = 24
+
+__all__ = [
+    "STOP_RULES",
+    "AcceptanceHistory",
+    "DepthController",
+    "DepthPolicy",
+    "StopKind",
+    "StopRule",
+    "admits_next",
+    "audit",
+    "continues",
+    "stop_after",
+    "threshold_of",
+]
+
+
+class StopKind(IntEnum):
+    """The rule kinds; the values are their wire codes."""
+
+    FIXED = 0
+    CONFIDENCE = 1
+    JOINT = 2
+
+
+_NAMES = {StopKind.FIXED: "fixed", StopKind.CONFIDENCE: "confidence", StopKind.JOINT: "joint"}
+_KINDS = {name: kind for kind, name in _NAMES.items()}
+
+
+_MAX_TEXT = 64
+# Below 10**-30 every positive tau has T = 1 (1 / M is about 6e-8); deciding
+# that from the exponent keeps Fraction from expanding 10**huge.
+_TINY_EXPONENT = -30
+
+
+def threshold_of(tau: Fraction | Decimal | int | float | str) -> int:
+    """``ceil(tau * 2**24)`` for a rational ``tau`` in [0, 1], computed exactly.
+
+    A float means its exact binary64 value; a string (at most 64 characters)
+    is read as a decimal (``"0.3"`` is three tenths) or a fraction (``"3/10"``).
+
+    Raises:
+        ValueError: if ``tau`` is not a finite number in [0, 1].
+    """
+    if isinstance(tau, bool):
+        raise ValueError("a threshold is a number, not a bool")
+    if isinstance(tau, str):
+        text = tau.strip()
+        if len(text) > _MAX_TEXT:
+            raise ValueError(f"threshold text longer than {_MAX_TEXT} characters")
+        try:
+            tau = Decimal(text)
+        except InvalidOperation:
+            try:
+                tau = Fraction(text)
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"threshold {text!r} is not a number") from None
+    if isinstance(tau, float) and not math.isfinite(tau):
+        raise ValueError(f"threshold {tau!r} is not finite")
+    if isinstance(tau, Decimal):
+        if not tau.is_finite():
+            raise ValueError(f"threshold {str(tau)!r} is not finite")
+        if 0 < tau <= 1 and tau.adjusted() < _TINY_EXPONENT:
+            return 1
+        if not 0 <= tau <= 1:
+            raise ValueError(f"threshold {str(tau)!r} outside [0, 1]")
+    value = Fraction(tau)
+    if not 0 <= value <= 1:
+        raise ValueError(f"threshold {tau!r} outside [0, 1]")
+    return math.ceil(value * M)
+
+
+def _shortest_decimal(threshold: int) -> str:
+    """The shortest decimal tau with ``ceil(tau * M) == threshold``."""
+    if threshold == 0:
+        return "0"
+    if threshold == M:
+        return "1"
+    # The taus that map to T form the interval ((T - 1) / M, T / M]; the
+    # largest k-digit decimal not above T / M is in it for some k <= 24.
+    for digits in range(1, _SHIFT + 1):
+        scale = 10**digits
+        num = threshold * scale // M
+        if num * M > (threshold - 1) * scale:
+            text = f"{num:0{digits + 1}d}"
+            return f"{text[:-digits]}.{text[-digits:]}".rstrip("0")
+    raise AssertionError("unreachable: T / M has at most 24 decimal digits")
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """One stop rule: a kind and its integer threshold ``T`` in 0..2**24.
+
+    ``FIXED`` carries ``T = 0``. Build one with :meth:`parse`,
+    :meth:`confidence`, :meth:`joint` or directly from wire fields.
+
+    Raises:
+        ValueError: for an unknown kind, a threshold outside 0..2**24, or a
+            FIXED rule with a non-zero threshold.
+    """
+
+    kind: StopKind = StopKind.FIXED
+    threshold: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            kind = StopKind(self.kind)
+        except ValueError:
+            raise ValueError(f"unknown stop rule kind {self.kind!r}") from None
+        object.__setattr__(self, "kind", kind)
+        if type(self.threshold) is not int or not 0 <= self.threshold <= M:
+            raise ValueError(f"threshold {self.threshold!r} outside 0..{M}")
+        if kind is StopKind.FIXED and self.threshold:
+            raise ValueError("the fixed rule has no threshold")
+
+    @classmethod
+    def confidence(cls, tau: Fraction | Decimal | int | float | str) -> StopRule:
+        """``confidence(tau)``: continue after row i iff ``c_i >= ceil(tau * 2**24)``.
+
+        Raises:
+            ValueError: as :func:`threshold_of`.
+        """
+        return cls(StopKind.CONFIDENCE, threshold_of(tau))
+
+    @classmethod
+    def joint(cls, tau: Fraction | Decimal | int | float | str) -> StopRule:
+        """``joint(tau)``: continue while the product of the rows' q at their tokens is >= T/2**24.
+
+        Raises:
+            ValueError: as :func:`threshold_of`.
+        """
+        return cls(StopKind.JOINT, threshold_of(tau))
+
+    @classmethod
+    def parse(cls, text: str) -> StopRule:
+        """Read ``fixed``, ``confidence:TAU`` or ``joint:TAU`` (TAU a decimal or a fraction).
+
+        Raises:
+            ValueError: naming what is wrong (unknown kind, missing or extra
+                threshold, a threshold that is not a number in [0, 1]).
+        """
+        name, sep, arg = text.strip().partition(":")
+        kind = _KINDS.get(name.strip().lower())
+        if kind is None:
+            known = ", ".join(f"{n}:TAU" if k else n for k, n in _NAMES.items())
+            raise ValueError(f"unknown stop rule {text!r} (known: {known})")
+        if kind is StopKind.FIXED:
+            if sep:
+                raise ValueError(f"the fixed rule takes no threshold: {text!r}")
+            return cls()
+        if not arg.strip():
+            raise ValueError(f"{name} needs a threshold in [0, 1], as in {name}:0.5")
+        return cls(kind, threshold_of(arg))
+
+    @property
+    def tau(self) -> Fraction:
+        """The threshold as a probability, ``T / 2**24``."""
+        return Fraction(self.threshold, M)
+
+    def __str__(self) -> str:
+        """The text :meth:`parse` reads back to this rule (the shortest such decimal)."""
+        if self.kind is StopKind.FIXED:
+            return "fixed"
+        return f"{_NAMES[self.kind]}:{_shortest_decimal(self.threshold)}"
+
+
+def _check_counts(counts: Sequence[int]) -> None:
+    if not counts:
+        raise ValueError("a stop decision needs at least one drawn row")
+    for c in counts:
+        if not 0 <= c <= M:
+            raise ValueError(f"count {c!r} outside 0..{M}")
+
+
+def continues(rule: StopRule, counts: Sequence[int]) -> bool:
+    """Whether the rule lets position i+1 be drawn after rows 1..i.
+
+    ``counts[j - 1]`` is row j's shipped count at its drafted token. The depth
+    limit and a terminal token are not the rule's business (:func:`admits_next`).
+
+    Raises:
+        ValueError: for no rows or a count outside 0..2**24.
+    """
+    _check_counts(counts)
+    if rule.kind is StopKind.FIXED:
+        return True
+    if rule.kind is StopKind.CONFIDENCE:
+        return counts[-1] >= rule.threshold
+    # prod_j (c_j / M) >= T / M  <=>  prod_j c_j >= T * M**(i - 1), all integers.
+    return math.prod(counts) >= rule.threshold << (_SHIFT * (len(counts) - 1))
+
+
+def admits_next(
+    rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
+) -> bool:
+    """Whether a worker that has drawn these rows draws another (the worker's one call per row).
+
+    False at the maximum depth, after a terminal token, or when the rule stops.
+
+    Raises:
+        ValueError: for a depth outside 1..5, rows and tokens of different
+            lengths, more rows than the depth, or as :func:`continues`.
+    """
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
+    if len(tokens) != len(counts):
+        raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
+    if len(counts) > depth:
+        raise ValueError(f"{len(counts)} rows for depth {depth}")
+    if len(counts) == depth or (eos is not None and tokens[-1] == eos):
+        _check_counts(counts)
+        return False
+    return continues(rule, counts)
+
+
+def stop_after(
+    rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
+) -> int | None:
+    """After how many of these rows the rule ends the block; ``None`` if none of them ends it.
+
+    ``None`` means the worker owed at least one more row. Rows past the depth
+    are judged too (the block then ended at the depth).
+
+    Raises:
+        ValueError: for a depth outside 1..5, no rows, rows and tokens of
+            different lengths, or a count outside 0..2**24.
+    """
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
+    if len(tokens) != len(counts):
+        raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
+    _check_counts(counts)
+    for i in range(1, min(len(counts), depth) + 1):
+        if i == depth or (eos is not None and tokens[i - 1] == eos):
+            return i
+        if not continues(rule, counts[:i]):
+            return i
+    return None
+
+
+def audit(
+    rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
+) -> ErrorCode | None:
+    """The Spark side's check of one received block: ``None`` if it stopped where the rule says.
+
+    ``STOP_RULE_VIOLATED`` when a row was drawn after the rule, the depth or a
+    terminal token had ended the block (late), or the block ends before the
+    depth, without a terminal token, at a row after which the rule continues
+    (early: the worker drew a row and dropped it, or never drew it). An empty
+    block is early: position 1 is always drawn.
+
+    Raises:
+        ValueError: for a depth outside 1..5, rows and tokens of different
+            lengths, or a count outside 0..2**24 (rows are validated first).
+    """
+    if not counts and not tokens:
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
+        return ErrorCode.STOP_RULE_VIOLATED
+    end = stop_after(rule, depth, counts, tokens, eos)
+    if end is None or end != len(counts):
+        return ErrorCode.STOP_RULE_VIOLATED
+    return None
+
+
+# -- depth controller ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AcceptanceHistory:
+    """One request's last verified rounds: ``(accepted drafts, whether a draft was rejected)``.
+
+    Immutable; :meth:`DepthController.record` returns the next history. Rounds
+    decoded target-only (a discarded proposal) verify no draft and are not
+    recorded.
+    """
+
+    rounds: tuple[tuple[int, bool], ...] = ()
+
+    @property
+    def accepted(self) -> int:
+        """Drafts accepted over the remembered rounds."""
+        return sum(a for a, _ in self.rounds)
+
+    @property
+    def rejected(self) -> int:
+        """Drafts rejected over the remembered rounds (at most one per round)."""
+        return sum(1 for _, r in self.rounds if r)
+
+
+def _nonneg_fraction(value: Fraction | int | str, what: str) -> Fraction:
+    out = Fraction(value)
+    if out < 0:
+        raise ValueError(f"{what} {value!r} is negative")
+    return out
+
+
+@dataclass(frozen=True)
+class DepthPolicy:
+    """The controller's constants (all exact; costs in units of one target batch call).
+
+    - ``max_depth``: the largest depth chosen (1..5; the HELLO limit).
+    - ``window``: verified rounds remembered per request.
+    - ``prior_accepted``, ``prior_rejected``: pseudo-counts of the acceptance
+      estimate (a request with no history starts at their ratio).
+    - ``draft_cost``: one drafted row (the worker's drafter step), per round.
+    - ``row_cost``: one verified row of one active slot in the target's batch
+      call; a STEP for n active slots at depth d verifies about n * (d + 1) rows.
+
+    Raises:
+        ValueError: for a max depth outside 1..5, a window below 1, negative
+            costs or pseudo-counts, or pseudo-counts that are both zero.
+    """
+
+    max_depth: int = MAX_DEPTH
+    window: int = 16
+    prior_accepted: int = 1
+    prior_rejected: int = 1
+    draft_cost: Fraction = field(default_factory=lambda: Fraction(1, 20))
+    row_cost: Fraction = field(default_factory=lambda: Fraction(1, 256))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max depth {self.max_depth} outside 1..{MAX_DEPTH}")
+        if self.window < 1:
+            raise ValueError(f"window {self.window} below 1")
+        if self.prior_accepted < 0 or self.prior_rejected < 0:
+            raise ValueError("pseudo-counts must be >= 0")
+        if self.prior_accepted + self.prior_rejected == 0:
+            raise ValueError("pseudo-counts must not both be zero")
+        object.__setattr__(self, "draft_cost", _nonneg_fraction(self.draft_cost, "draft cost"))
+        object.__setattr__(self, "row_cost", _nonneg_fraction(self.row_cost, "row cost"))
+
+
+@dataclass(frozen=True)
+class DepthController:
+    """Chooses a request's maximum depth for its next STEP; non-anticipating by construction.
+
+    Inputs, and nothing else: the request's :class:`AcceptanceHistory` (its
+    earlier rounds, already verified and committed) and ``active_slots``, the
+    number of slots with a STEP in the batch, counted before this STEP is sent.
+    The round being drafted has no rows when :meth:`choose` runs, so no draw
+    of it can influence the depth (``docs/adaptive.md``, "Depth controller").
+
+    Policy: with alpha the acceptance estimate (:meth:`estimate`), a round of
+    depth d commits on average ``E(d) = 1 + alpha + ... + alpha**d`` tokens
+    (accepted drafts plus the correction or bonus; each draft accepted with
+    probability alpha once reached). Its cost for one slot is
+    ``1 + d * draft_cost + active_slots * (d + 1) * row_cost``. The chosen d
+    in 1..max_depth maximizes ``E(d) / cost(d)``, exactly in rationals, the
+    smallest d on ties. Deterministic: every rank given the same inputs
+    chooses the same depth.
+    """
+
+    policy: DepthPolicy = field(default_factory=DepthPolicy)
+
+    def record(
+        self, history: AcceptanceHistory, accepted: int, rejected: bool
+    ) -> AcceptanceHistory:
+        """The history after one more verified round (only the last ``window`` kept).
+
+        ``accepted`` is the round's accepted drafts; ``rejected`` whether it
+        ended in a correction (a bonus or an accepted terminal token is not a
+        rejection).
+
+        Raises:
+            ValueError: for ``accepted`` outside 0..5.
+        """
+        if not 0 <= accepted <= MAX_DEPTH:
+            raise ValueError(f"accepted {accepted} outside 0..{MAX_DEPTH}")
+        rounds = (*history.rounds, (accepted, bool(rejected)))
+        return AcceptanceHistory(rounds[-self.policy.window :])
+
+    def estimate(self, history: AcceptanceHistory) -> Fraction:
+        """Per-draft acceptance estimate: (accepted + a0) / (accepted + rejected + a0 + r0).
+
+        A round that stopped without a rejection (bonus, terminal token, a stop
+        rule) contributes its accepted drafts only: its further positions were
+        never drawn, so they are censored, not failures.
+        """
+        pol = self.policy
+        a = history.accepted + pol.prior_accepted
+        return Fraction(a, a + history.rejected + pol.prior_rejected)
+
+    def choose(self, history: AcceptanceHistory, active_slots: int) -> int:
+        """The maximum depth (1..max_depth) for this request's next STEP.
+
+        Raises:
+            ValueError: for ``active_slots`` below 1.
+        """
+        if active_slots < 1:
+            raise ValueError(f"active slots {active_slots} below 1")
+        pol = self.policy
+        alpha = self.estimate(history)
+        best, best_score = 1, Fraction(-1)
+        expected, power = Fraction(1), Fraction(1)
+        for d in range(1, pol.max_depth + 1):
+            power *= alpha
+            expected += power
+            cost = 1 + d * pol.draft_cost + active_slots * (d + 1) * pol.row_cost
+            score = expected / cost
+            if score > best_score:
+                best, best_score = d, score
+        return best
