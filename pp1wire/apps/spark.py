@@ -31,10 +31,11 @@ import signal
 import ssl
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pp1wire.aio.client import ClientClosedError
 from pp1wire.apps import metrics, ranks
@@ -68,6 +69,10 @@ from pp1wire.q.proposal import MAX_DEPTH
 from pp1wire.q.verify import batched
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.spark_core import SparkConfig
+
+if TYPE_CHECKING:
+    from pp1wire.tp.coordinator import GroupCoordinator
+    from pp1wire.tp.group import Faults
 
 MAX_CONCURRENCY = 0xFFFF
 """The most slots a HELLO can ask for (``max_slots`` is a 16-bit field)."""
@@ -318,6 +323,15 @@ def spark_config(
     )
 
 
+@dataclass
+class RankRun:
+    """How one rank's run ended: its exit code, and on rank 0 the summary and records."""
+
+    code: int
+    summary: dict[str, Any] | None = None
+    records: list[RequestRecord] | None = None
+
+
 async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Run the requests; returns the exit code.
 
@@ -330,31 +344,57 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if mode.world > 1 and not ranks.in_launched_rank():
         # On this (main) thread: the launcher installs signal handlers to stop its ranks.
         return ranks.launch(mode.world, argv, module="pp1wire.spark")
+    coord = None
+    if mode.world > 1:
+        layout = ShardLayout.even(args.vocab, mode.world) if mode.sharded else None
+        coord = ranks.join_group(args.group_timeout, layout)
+    done = await run_rank(args, plan, mode, coord)
+    if done.summary is not None:
+        if args.json:
+            print(json.dumps(done.summary), flush=True)
+        else:
+            print_summary(done.summary, args)
+    return done.code
+
+
+async def run_rank(
+    args: argparse.Namespace,
+    plan: Plan,
+    mode: _Mode,
+    coord: GroupCoordinator | None,
+    *,
+    faults: Faults | None = None,
+) -> RankRun:
+    """This process's part of the run: rank 0 (or the only rank) drives the requests and
+    writes ``--output``; a replicated follower follows; every sharded rank drives.
+
+    ``coord`` is this rank's group (None for one rank); ``faults`` are test hooks
+    for a replicated group. Signal handlers are installed only on the main thread,
+    so a test can run a whole group as threads of one process.
+    """
     target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
     m = SparkMetrics(max(plan.depth, 1))
     rank, layout = 0, None
     strategy: Strategy
     finish: Callable[[], None] | None = None  # ends a group's attempts (replicated TP)
-    leave: Callable[[], None] | None = None  # tears a group down after a clean run
-    if mode.sharded:
+    if coord is not None and mode.sharded:
         from pp1wire.apps.spark_sharded import ShardedStrategy  # noqa: PLC0415 - needs torch
 
-        layout = ShardLayout.even(args.vocab, mode.world)
-        coord = ranks.join_group(args.group_timeout, layout)
-        rank = coord.rank
+        rank, layout = coord.rank, coord.layout
         strategy = ShardedStrategy(coord, batched(target))
-        leave = coord.leave
-    elif mode.world > 1:
-        ranks.require_torch("--tp above 1")
+    elif coord is not None:
         from pp1wire.apps import spark_tp  # noqa: PLC0415 - needs torch
         from pp1wire.tp.group import SparkGroup  # noqa: PLC0415
 
-        coord = ranks.join_group(args.group_timeout)
-        group = SparkGroup(coord, args.vocab, max_batch=plan.concurrency, faults=spark_tp.FAULTS)
+        group = SparkGroup(
+            coord, args.vocab, max_batch=plan.concurrency, faults=faults or spark_tp.FAULTS
+        )
         if coord.rank != 0:
-            return spark_tp.follow(args, group, target, plan.prompts)  # rank 0 writes --output
+            # Blocking on purpose: a follower has nothing else to serve, and in a rank
+            # process this keeps it on the main thread, where its signal handlers live.
+            return RankRun(spark_tp.follow(args, group, target, plan))
         replicated = spark_tp.ReplicatedStrategy(group, m.tp_votes_failed, m.tp_fanout_bytes)
-        strategy, finish, leave = replicated, replicated.finish, coord.leave
+        strategy, finish = replicated, replicated.finish
     else:
         strategy = LocalStrategy(batched(target))
     output = Output(args.output) if args.output and rank == 0 else None
@@ -375,58 +415,57 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     def stop() -> None:
         driver.stopping = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
     metrics_server = None
     if args.metrics_port is not None and rank == 0:
         metrics_server = await metrics.serve(m.registry, args.metrics_host, args.metrics_port)
         bound = metrics_server.sockets[0].getsockname()[1]
         # stderr: stdout carries the summary (--json parses it whole).
         print(f"pp1-spark metrics on {args.metrics_host}:{bound}", file=sys.stderr, flush=True)
-    if link is not None:
-        try:
-            await link.connect(args.connect_timeout)
-        except (OSError, ClientClosedError) as exc:
-            where = f"{link.host}:{link.port}" + (f" (rank {rank})" if mode.world > 1 else "")
-            print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
-            if metrics_server is not None:
-                metrics_server.close()
-            return 1
-    records = await driver.run()
-    failure = driver.group_failure
-    if finish is not None and failure is None:
-        try:
-            await asyncio.to_thread(finish)
-        except Pp1Error as exc:  # the group failed while stopping
-            failure = exc
-    if link is not None:
-        await link.close()
-    if metrics_server is not None:
-        metrics_server.close()
+    try:
+        if link is not None:
+            try:
+                await link.connect(args.connect_timeout)
+            except (OSError, ClientClosedError) as exc:
+                where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
+                print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
+                return RankRun(1)
+        records = await driver.run()
+        failure = driver.group_failure
+        if finish is not None and failure is None:
+            try:
+                await asyncio.to_thread(finish)
+            except Pp1Error as exc:  # the group failed while stopping
+                failure = exc
+        if link is not None:
+            await link.close()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
     if output is not None:
         output.write(records)
-    refused = 0
+    done = RankRun(0, records=records)
     if rank == 0:
         summary = driver.summary(records)
         if link is not None and mode.sharded:
             summary["link_bytes_rank0"] = link.bytes_received
         if failure is not None:
             summary["tp_failure"] = str(failure)
-        if args.json:
-            print(json.dumps(summary), flush=True)
-        else:
-            print_summary(summary, args)
-        refused = refused_by_configuration(summary, plan.depth)
+        done.summary = summary
+        done.code = refused_by_configuration(summary, plan.depth)
     if failure is not None:
         print(f"pp1-spark: TP group failed: {failure}", file=sys.stderr, flush=True)
-        return GROUP_FAILED_EXIT
-    if leave is not None:
-        leave()
+        done.code = GROUP_FAILED_EXIT
+        return done
+    if coord is not None:
+        coord.leave()
     stopped = sum(r.stopped == "target_failed" for r in records)
     if stopped:
         print(f"pp1-spark: the target failed: {stopped} request(s) stopped", file=sys.stderr)
-        return TARGET_FAILED_EXIT
-    return refused
+        done.code = TARGET_FAILED_EXIT
+    return done
 
 
 # Fallback reasons that no retry can cure: the worker refuses what this run asks for.

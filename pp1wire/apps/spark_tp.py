@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Round, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
 from pp1wire.errors import Pp1Error
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import TARGET_FAILURES, RequestVerifier, TargetFn
@@ -109,10 +109,13 @@ class ReplicatedStrategy:
         }
 
 
-def follow(
-    args: argparse.Namespace, group: SparkGroup, target: TargetFn, prompts: list[list[int]]
-) -> int:
-    """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code."""
+def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
+    """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code.
+
+    Signal handlers are installed only on the main thread (a rank process), not
+    when a test runs the group as threads of one process.
+    """
+    prompts = plan.prompts
 
     def verifier_for(header: Header) -> RequestVerifier:
         verifier = group.held.get(header.request)
@@ -143,8 +146,9 @@ def follow(
         timer.daemon = True
         timer.start()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop_later)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop_later)
     try:
         group.follow(verifier_for)
     except Pp1Error as exc:
