@@ -160,3 +160,38 @@ async def test_retried_step_over_tcp_is_byte_identical():
     assert [f[3] for f in split_frames(replay)][-1] == MsgType.COMPLETION
     await client.close()
     await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_commit_awaited_across_a_reset_fails_at_once_with_a_local_code():
+    # Before: the COMMITTED of the old generation was dropped after the RESET and
+    # the future never resolved (an entry keyed without the generation leaked).
+    worker = FaultyWorker(VOCAB)
+    _, client, verifier = await setup(worker)
+    round_id = client.next_round(0)
+    res = verifier.decode_target_only(round_id)
+    committed = client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
+    await client.reset(0)
+    assert committed.done()
+    with pytest.raises(ClientClosedError) as info:
+        committed.result()
+    assert info.value.code is ErrorCode.CANCELLED
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_closing_a_slot_ends_its_pending_proposal_at_once():
+    # Before: the pending proposal failed only when the next frame or its reply
+    # timeout came (1.4 s later in the report), and was counted as a fallback.
+    held = []
+    worker = FaultyWorker(VOCAB, mutate=lambda conn, data: held.append(data))
+    _, client, _ = await setup(worker)
+    pending = asyncio.ensure_future(client.propose(0, round_id=client.next_round(0), depth=3))
+    await eventually(lambda: held, what="the STEP reached the worker")
+    await client.close_slot(0)
+    with pytest.raises(ProposalUnavailableError) as info:
+        await asyncio.wait_for(pending, 0.5)  # the reply timeout is 5 s: not waited for
+    assert info.value.code is ErrorCode.CANCELLED
+    await client.close()
+    await worker.stop()

@@ -449,6 +449,9 @@ class RoundDriver:
         self.link = link
         self.metrics = metrics_
         self.rank = rank
+        # A signal sets stop_requested; the step's agreement turns it into stopping,
+        # which every rank of a group then acts on at the same step.
+        self.stop_requested = False
         self.stopping = False
         self.group_failure: Pp1Error | None = None
         self.round_trips: list[float] = []  # the first 100,000, for the summary's median
@@ -519,6 +522,8 @@ class RoundDriver:
                     if self._done(st) or st.record.stopped is not None:
                         await self._end(st)
                         del active[slot]
+            for st in active.values():  # stopped by a signal: cut after their last round
+                await self._end(st)
         except Pp1Error as exc:
             if exc.code is not ErrorCode.GROUP_FAILED:
                 raise
@@ -622,8 +627,8 @@ class RoundDriver:
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
             for st in states
         ]
-        agreed = await self._off_loop(self.strategy.agree, [*local, int(self.stopping)])
-        self.stopping = bool(agreed[-1])
+        agreed = await self._off_loop(self.strategy.agree, [*local, int(self.stop_requested)])
+        self.stopping = self.stopping or bool(agreed[-1])
         return [st for st, flag in zip(states, agreed, strict=False) if not flag]
 
     # -- one step ---------------------------------------------------------------------------

@@ -413,7 +413,7 @@ async def run_rank(
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
-        driver.stopping = True
+        driver.stop_requested = True
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -439,9 +439,9 @@ async def run_rank(
                 await asyncio.to_thread(finish)
             except Pp1Error as exc:  # the group failed while stopping
                 failure = exc
+    finally:
         if link is not None:
             await link.close()
-    finally:
         if metrics_server is not None:
             metrics_server.close()
     if output is not None:

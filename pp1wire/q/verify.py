@@ -588,13 +588,38 @@ def proposal_from_rows(
     )
 
 
+class FailedRow:
+    """The row a per-prefix target could not give: its call raised ``error``.
+
+    :func:`batched` puts one in place of each failed call, so a failure of a
+    per-prefix plugin fails only the rounds that needed that prefix.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        """The failure of one call."""
+        self.error = error
+
+
 def batched(target: TargetFn) -> BatchTargetFn:
-    """``target``'s batched form: its own ``batch`` attribute if it has one, else
-    one call per prefix (the per-prefix plugin form, unchanged)."""
+    """``target``'s batched form: its own ``batch`` attribute if it has one (one call
+    for the whole step: if it raises, every round it scored fails), else one call
+    per prefix, each failure in its own place (:class:`FailedRow`)."""
     batch = getattr(target, "batch", None)
     if callable(batch):
         return cast(BatchTargetFn, batch)
-    return lambda prefixes: [target(p) for p in prefixes]
+
+    def each(prefixes: Sequence[Sequence[int]]) -> list[npt.ArrayLike]:
+        rows: list[npt.ArrayLike] = []
+        for prefix in prefixes:
+            try:
+                rows.append(target(prefix))
+            except Exception as exc:  # this prefix's rounds fail, not the whole step
+                rows.append(cast(npt.ArrayLike, FailedRow(exc)))
+        return rows
+
+    return each
 
 
 def verify_batch(
@@ -616,7 +641,8 @@ def verify_batch(
     group that votes first). Rounds must be of distinct requests.
 
     Never raises for a round's failure: a failing ``target`` call fails every
-    scored round with ``TARGET_FAILED`` (and poisons their requests).
+    scored round with ``TARGET_FAILED`` (and poisons their requests); a
+    :class:`FailedRow` in its result fails only the rounds that needed that row.
     """
     out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
     spans: list[tuple[int, int, int]] = []  # (round, first prefix, count)
@@ -646,9 +672,17 @@ def verify_batch(
             failure = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
     for k, first, count in spans:
         v, proposal, round_id = rounds[k]
-        if failure is not None:
+        span: Sequence[object] = rows[first : first + count]
+        failed = next((r for r in span if isinstance(r, FailedRow)), None)
+        if failed is not None:
+            failure_k: VerifyError | None = VerifyError(
+                ErrorCode.TARGET_FAILED, f"target evaluation failed: {failed.error!r}"
+            )
+        else:
+            failure_k = failure
+        if failure_k is not None:
             v.poisoned = True
-            out[k] = failure
+            out[k] = failure_k
             continue
         try:
             if proposal is not None:

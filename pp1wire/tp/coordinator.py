@@ -252,7 +252,8 @@ def run_in_threads(
     """Run ``body`` on every rank of a fresh in-process gloo group, one thread per rank.
 
     Returns each rank's result (or the exception it raised), in rank order.
-    For tests and tools: a whole group without starting processes.
+    For tests and tools: a whole group without starting processes (the thread of
+    rank r is named ``rank-r``).
     """
     import threading  # noqa: PLC0415 - only this helper needs threads
 
@@ -266,7 +267,10 @@ def run_in_threads(
         except BaseException as exc:  # reported to the caller, per rank
             results[rank] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True)
+        for r in range(world)
+    ]
     for t in threads:
         t.start()
     for t in threads:

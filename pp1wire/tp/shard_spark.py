@@ -39,6 +39,7 @@ from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.verify import (
     BatchTargetFn,
+    FailedRow,
     Outcome,
     RequestVerifier,
     RoundResult,
@@ -216,27 +217,30 @@ class ShardedVerifyGroup:
             wanted.append((i, len(own)))
             prefixes.extend(own)
         scores: list[list[npt.NDArray[np.float64]]] = [[] for _ in rounds]
-        failed = False
+        failed = [False] * len(wanted)
         if prefixes:
             try:
-                rows = cast(Sequence[npt.ArrayLike], target(prefixes))
+                rows = cast(Sequence[object], target(prefixes))
                 if len(rows) != len(prefixes):
                     raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
+            except Exception:  # one batched call: every round it scored fails
+                failed = [True] * len(wanted)
+            else:
                 at = 0
-                for i, count in wanted:
+                for n, (i, count) in enumerate(wanted):
                     for row in rows[at : at + count]:
-                        full = np.asarray(row, dtype=np.float64)
-                        if full.shape != (self.vocab,):
-                            raise ValueError(f"target row of shape {full.shape}")
+                        full = None if isinstance(row, FailedRow) else _as_row(row)
+                        if full is None or full.shape != (self.vocab,):
+                            failed[n] = True  # a per-prefix plugin failed for this round
+                            break
                         scores[i].append(full[self.start : self.end])
                     at += count
-            except Exception:  # a plugin failure fails this step's scored rounds on every rank
-                failed = True
-        if self.coord.flags(failed)[0]:
-            error = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
-            for i, _ in wanted:
+        # Every rank learns which rounds failed anywhere (one all-reduce, even if empty).
+        anywhere = self.coord.flags(*failed) if wanted else self.coord.flags(False)
+        for (i, _), bad in zip(wanted, anywhere, strict=False):
+            if bad:
                 rounds[i].verifier.poisoned = True
-                out[i] = error
+                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
         return scores
 
     def _vote(self, decided: Sequence[RoundResult | VerifyError]) -> None:
@@ -317,6 +321,14 @@ class ShardedVerifyGroup:
         p = self._normalize(scores[len(proposal.rows)])
         b = self._draw(p, None, streams.u53_int(Domain.CORRECTION, start + len(proposal.rows)))
         return _result(v, rid, [*new, b], len(new), b, Outcome.BONUS)
+
+
+def _as_row(row: object) -> npt.NDArray[np.float64] | None:
+    """A target row as binary64 (None if it is not numeric at all)."""
+    try:
+        return np.asarray(row, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
 
 
 def _result(
