@@ -133,3 +133,10 @@ def test_an_attempt_naming_one_request_twice_is_refused():
     assert fanout.read_batch(fanout.batch_words(1, [entry], 4), 4, fanout.max_payload(V))[1] == [
         entry
     ]
+
+
+def test_sessions_and_contexts_above_2_63_survive_the_attempt_header():
+    # Before: the header wrote the session as it came, and a session of 2**63 or more
+    # overflowed the int64 word (the context likewise).
+    h = Header(Kind.PROPOSAL, request=3, session=(1 << 64) - 5, context=(1 << 63) + 7, rows=1)
+    assert Header.from_words(h.words(), max_payload=1) == h

@@ -132,8 +132,10 @@ async def test_stale_generation_reply_after_reset():
     generation = await client.reset(0)
     with pytest.raises(ProposalUnavailableError) as info:
         await pending
-    # Our own reset ended the wait at once, under a local code (not a worker's refusal).
+    # Our own reset ended the wait at once, under a local code (not a worker's refusal),
+    # and is not counted as a fallback.
     assert info.value.code is ErrorCode.CANCELLED
+    assert not client.fallbacks
     conn, data = held[0]
     conn.write(data)  # the old generation's reply arrives after RESET
     await eventually(lambda: client.dropped["stale_generation"] == len(split_frames(data)))
@@ -193,5 +195,6 @@ async def test_closing_a_slot_ends_its_pending_proposal_at_once():
     with pytest.raises(ProposalUnavailableError) as info:
         await asyncio.wait_for(pending, 0.5)  # the reply timeout is 5 s: not waited for
     assert info.value.code is ErrorCode.CANCELLED
+    assert not client.fallbacks  # before: counted as an unknown_slot fallback
     await client.close()
     await worker.stop()

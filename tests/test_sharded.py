@@ -229,3 +229,23 @@ def test_conformance_cases_pass_against_the_sharded_worker_group(group):
         f"6.7.{n}": "pass" for n in range(1, 6)
     }
     assert all(g in ("pass", "informational") for g in results.values()), results
+
+
+def test_a_sharded_group_honours_tls_and_metrics_like_one_rank(tmp_path, capsys):
+    # Before: the sharded mode connected in plaintext whatever --tls-ca said (the TLS
+    # worker refused every link) and served no metrics.
+    from .certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    with worker_group(*tls, "--log-level", "warning", vocab=VOCAB, seed=SEED) as workers:
+        argv = [*spark_flags(workers.address, "--tls-ca", str(cert)), "--metrics-port", "0"]
+        done = lead(run_group(2, *argv, sharded=True))
+        assert done.code == 0
+        assert done.summary is not None
+        assert done.summary["fallbacks"] == 0
+        assert done.summary["draft_tokens"] > 0
+        assert "pp1-spark metrics on 127.0.0.1:" in capsys.readouterr().err
+        # Without the CA the links are refused as on one rank: one line, exit 1.
+        refused = lead(run_group(2, *spark_flags(workers.address), sharded=True))
+        assert refused.code == 1

@@ -94,7 +94,7 @@ def test_reset_mid_reply_discards_and_old_frames_are_dropped():
     generation = pair.spark.reset(0)
     events = pair.pump()
     assert ResetAcked(0, generation, len(PREFIX)) in events
-    assert ProposalFailed(0, 0, r, ErrorCode.STALE_GENERATION) in events
+    assert ProposalFailed(0, 0, r, ErrorCode.CANCELLED) in events
     late = deliver(pair, frames[1:])
     assert all(isinstance(e, FrameDropped) and e.code is ErrorCode.STALE_GENERATION for e in late)
     assert len(late) == len(frames) - 1

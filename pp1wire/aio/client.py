@@ -246,7 +246,8 @@ class AsyncClient:
         elif isinstance(event, spark_events.ProposalReady):
             _settle(self._proposals.pop(event.slot, None), event.proposal)
         elif isinstance(event, spark_events.ProposalFailed):
-            self.fallbacks[event.code.name.lower()] += 1
+            if event.code is not ErrorCode.CANCELLED:  # a local close or reset is not one
+                self.fallbacks[event.code.name.lower()] += 1
             _fail(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
         elif isinstance(event, spark_events.ResetAcked):
             _settle(self._resets.pop(event.slot, None), None)

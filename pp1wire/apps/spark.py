@@ -426,11 +426,17 @@ async def run_rank(
         print(f"pp1-spark metrics on {args.metrics_host}:{bound}", file=sys.stderr, flush=True)
     try:
         if link is not None:
+            unreachable = 0
             try:
                 await link.connect(args.connect_timeout)
             except (OSError, ClientClosedError) as exc:
                 where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
                 print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
+                unreachable = 1
+            # Every rank of a sharded group needs its link: they start (or not) together.
+            if (await asyncio.to_thread(strategy.agree, [unreachable]))[0]:
+                if finish is not None:
+                    await asyncio.to_thread(finish)  # followers stop instead of timing out
                 return RankRun(1)
         records = await driver.run()
         failure = driver.group_failure

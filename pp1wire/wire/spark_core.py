@@ -468,7 +468,7 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
-            self._discard(slot, state, ErrorCode.STALE_GENERATION)
+            self._discard(slot, state, ErrorCode.CANCELLED)  # our own reset: not a fallback
         generation = state.fence.generation + 1
         state.fence = SparkSlotFence(generation=generation)
         self._slot_generations[slot] = generation
@@ -489,7 +489,7 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
-            self._discard(slot, state, ErrorCode.UNKNOWN_SLOT)
+            self._discard(slot, state, ErrorCode.CANCELLED)  # our own close: not a fallback
         for key in [k for k in self._ready if k[0] == slot]:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
