@@ -40,7 +40,10 @@ async def measure(port: int, rounds: int) -> dict[str, list[float]]:
 
     async def fresh(slots: list[int], support: int) -> None:
         proposals = await asyncio.gather(
-            *(client.propose(s, depth=5, support=support) for s in slots)
+            *(
+                client.propose(s, round_id=client.next_round(s), depth=5, support=support)
+                for s in slots
+            )
         )
         for p, s in zip(proposals, slots, strict=True):
             client.release(p, s)

@@ -110,7 +110,9 @@ class Pp1:
         for slot in [*DENSE_SLOTS, SPARSE_SLOT]:
             await client.open(slot, seed=slot + 1, prefix=[1, 2, 3])
             support = 32 if slot == SPARSE_SLOT else 0
-            p = await client.propose(slot, depth=5, support=support)
+            p = await client.propose(
+                slot, round_id=client.next_round(slot), depth=5, support=support
+            )
             client.release(p, slot)
         return self
 
@@ -123,7 +125,15 @@ class Pp1:
                 await client.reset(slot)
             t0 = time.perf_counter()
             proposals = await asyncio.gather(
-                *(client.propose(s, depth=5, support=32 if s == SPARSE_SLOT else 0) for s in slots)
+                *(
+                    client.propose(
+                        s,
+                        round_id=client.next_round(s),
+                        depth=5,
+                        support=32 if s == SPARSE_SLOT else 0,
+                    )
+                    for s in slots
+                )
             )
             samples.append(time.perf_counter() - t0)
             for p, slot in zip(proposals, slots, strict=True):
@@ -311,7 +321,9 @@ async def ping_during_draft(reps: int, draw_threads: int) -> list[float]:
         try:
             await client.open(0, seed=1, prefix=[1, 2, 3])
             for _ in range(reps):
-                slow = asyncio.ensure_future(client.propose(0, depth=5))
+                slow = asyncio.ensure_future(
+                    client.propose(0, round_id=client.next_round(0), depth=5)
+                )
                 await asyncio.sleep(0.02)  # the draw has started
                 out.append(await client.ping())
                 proposal = await slow

@@ -59,12 +59,12 @@ async def drive(
             )
             for _ in range(16):  # a request of 16 rounds, then a fresh one
                 try:
-                    p = await client.propose(slot, depth=5)
+                    p = await client.propose(slot, round_id=client.next_round(slot), depth=5)
                     res = v.verify(p)
                     client.release(p, slot)
                 except ProposalUnavailableError:
                     counters["fallbacks"] += 1
-                    res = v.decode_target_only(client.new_round(slot))
+                    res = v.decode_target_only(client.next_round(slot))
                 client.commit(slot, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
                 counters["rounds"] += 1
                 if counters["rounds"] == mark:

@@ -34,13 +34,15 @@ async def main(worker: str, vocab: int, tokens: int) -> None:
     fallbacks = 0
     while len(verifier.committed) - len(prompt) < tokens:
         try:
-            proposal = await client.propose(0, depth=5, temperature=1.0)
+            proposal = await client.propose(
+                0, round_id=verifier.take_round(), depth=5, temperature=1.0
+            )
             result = verifier.verify(proposal)  # acceptance and correction draws are ours
             client.release(proposal, 0)  # its receive buffers can be reused
         except ProposalUnavailableError as exc:  # refused, corrupt, late, lost: fail closed
             fallbacks += 1
             print(f"no proposal this round ({exc.code.name}); decoding target-only")
-            result = verifier.decode_target_only(client.new_round(0))
+            result = verifier.decode_target_only(verifier.take_round())
         client.commit(0, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted)
         print(f"round {result.round_id}: accepted {result.accepted}, committed {result.tokens}")
     await client.close_slot(0)

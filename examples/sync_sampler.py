@@ -61,7 +61,11 @@ def main() -> None:
             proposals = []
             for slot in range(args.batch):
                 try:
-                    proposals.append(client.propose(slot, depth=args.depth))
+                    proposals.append(
+                        client.propose(
+                            slot, round_id=verifiers[slot].take_round(), depth=args.depth
+                        )
+                    )
                 except ProposalUnavailableError:
                     proposals.append(None)
             draft_ids, draft_counts = flatten_drafts(proposals)
@@ -81,7 +85,7 @@ def main() -> None:
                 # The verifier reads p from the engine's rows by position in the block.
                 v.target = lambda prefix, block=block, base=base: block[len(prefix) - base]
                 if proposal is None:
-                    result = v.decode_target_only(client.new_round(slot))
+                    result = v.decode_target_only(v.take_round())
                 else:
                     result = v.verify(proposal)
                     client.release(proposal, slot)

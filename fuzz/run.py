@@ -64,7 +64,7 @@ def corpus() -> list[bytes]:
             seeds.append(c)
             spark.receive_data(c, 0.0)
     spark.open_slot(0, seed=1, prefix=[1, 2])
-    spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    spark.step(0, round_id=spark.next_round(0), depth=3, temperature=1.0, support=0, now=0.0)
     for c in spark.data_to_send():
         seeds.append(c)
         worker.receive_data(c, 0.0)
@@ -144,7 +144,7 @@ def run_spark(data: bytes) -> None:
         for c in worker.data_to_send():
             spark.receive_data(c, 0.0)
     spark.open_slot(0, seed=1, prefix=[1, 2])
-    spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    spark.step(0, round_id=spark.next_round(0), depth=3, temperature=1.0, support=0, now=0.0)
     spark.data_to_send()
     spark.receive_data(data, 0.0)
     valid(spark.data_to_send())

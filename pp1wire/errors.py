@@ -119,6 +119,9 @@ class ErrorCode(IntEnum):
     # A vocabulary-sharded round across the links of a group (protocol §6.7).
     GROUP_SHARD_MISMATCH = 102
     GROUP_MASS_MISMATCH = 103
+    # A Spark TP group's attempt header or row table that no rank 0 could have
+    # written (docs/tp.md): rank-local, never on the wire.
+    GROUP_HEADER_INVALID = 104
 
     # -- liveness and connection (110..127) ------------------------------------
     IDLE_TIMEOUT = 110
@@ -127,6 +130,9 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
     LATE_FRAME = 115
+    # Local, never on the wire: what was pending on a slot ended because this
+    # side closed or reset the slot (or the client) itself.
+    CANCELLED = 116
 
     # -- local API state (120..126): never on the wire -------------------------
     NOT_READY = 120
@@ -136,6 +142,9 @@ class ErrorCode(IntEnum):
     GROUP_COPY_MISMATCH = 123
     GROUP_OUTCOME_MISMATCH = 124
     GROUP_FAILED = 125
+    # The caller passed what the API cannot take (a score count that does not
+    # match the proposal, …): local misuse, nothing sent and nothing changed.
+    BAD_ARGUMENT = 126
 
     INTERNAL = 127
 

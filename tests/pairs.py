@@ -65,3 +65,19 @@ def make_pair(
         spark.start(0.0)
         pair.pump()
     return pair
+
+
+def next_round(spark: SparkProtocol, slot: int = 0) -> int:
+    """The round after every round ``slot`` used in its generation: what a request's
+    own counter (``RequestVerifier.take_round``) gives when it numbers every round."""
+    return spark.next_round(slot)
+
+
+def step(spark: SparkProtocol, slot: int = 0, **kw: object) -> int:
+    """Queue STEP for ``slot`` at :func:`next_round`; returns the round."""
+    round_id = next_round(spark, slot)
+    kw.setdefault("temperature", 1.0)
+    kw.setdefault("support", 0)
+    kw.setdefault("now", 0.0)
+    spark.step(slot, round_id=round_id, **kw)  # type: ignore[arg-type]
+    return round_id

@@ -58,6 +58,17 @@ CASES = [
     ("pp1-spark", ["--tls-ca", "{tmp}/garbage.pem"], "--tls-ca"),
     ("pp1-spark", ["--output", "{tmp}/no/such/dir/out.jsonl"], "--output"),
     ("pp1-spark", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("pp1-spark", ["--support", "bogus"], "--support 'bogus': use dense or sparse:K"),
+    # Before: parsed by the sharded runner after the group had started (a traceback).
+    (
+        "pp1-spark",
+        ["--tp", "2", "--vocab-shards", "2", "--support", "sparse:x"],
+        "--support 'sparse:x': use dense or sparse:K",
+    ),
+    # Before: 100000 ranks were started (76 processes, 4.7 GB within 20 s).
+    ("pp1-spark", ["--tp", "100000"], "--tp must be in 1..16"),
+    ("pp1-spark", ["--concurrency", "70000"], "--concurrency must be in 1..65535"),
+    ("pp1-spark", ["--vocab-shards", "2"], "--vocab-shards 2 needs --tp 2"),
 ]
 
 
@@ -133,3 +144,21 @@ async def test_an_open_refusal_is_reported_under_its_code_and_the_run_fails():
     assert "connection_lost" not in summary["fallbacks_by_reason"], summary
     assert proc.returncode == 1
     assert "the worker refused: token_out_of_range" in err.decode()
+
+
+def test_a_bad_flag_leaves_an_existing_output_byte_for_byte(tmp_path):
+    # Before: --output was opened for writing (truncated) before --support was parsed.
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"request": 0, "tokens": [1, 2]}\n')
+    before = out.read_bytes()
+    done = cli.module(
+        "pp1wire.apps.spark", "--worker", CLOSED, "--output", str(out), "--support", "bogus"
+    )
+    assert done.returncode == 2, done.stderr
+    assert out.read_bytes() == before
+    # A run that cannot reach its worker leaves it too: results replace it only at the end.
+    done = cli.module(
+        "pp1wire.apps.spark", "--worker", CLOSED, "--connect-timeout", "0.2", "--output", str(out)
+    )
+    assert done.returncode == 1, done.stderr
+    assert out.read_bytes() == before

@@ -78,11 +78,11 @@ async def measure(draw_threads: int) -> tuple[float, float, float]:
             await a.open(0, seed=1, prefix=[1, MARKER])  # every draw on A's slot 0 is slow
             await b.open(0, seed=2, prefix=[1, 2])
             started = time.perf_counter()
-            slow = asyncio.ensure_future(a.propose(0, depth=1))
+            slow = asyncio.ensure_future(a.propose(0, round_id=a.next_round(0), depth=1))
             assert await asyncio.to_thread(started_drawing.wait, 5)  # A's slow draw runs
             ping = await a.ping()
             t = time.perf_counter()
-            await b.propose(0, depth=1)
+            await b.propose(0, round_id=b.next_round(0), depth=1)
             other = time.perf_counter() - t
             await slow
             return ping, other, time.perf_counter() - started

@@ -48,14 +48,14 @@ def test_a_payload_whose_lengths_do_not_fill_it_is_refused():
     buf = np.concatenate([payload, np.zeros(4, dtype=np.uint8)])
     with pytest.raises(Pp1Error) as info:
         fanout.unpack_rows(buf, 4, False)
-    assert info.value.code is ErrorCode.PAYLOAD_LENGTH
+    assert info.value.code is ErrorCode.GROUP_HEADER_INVALID
 
 
 def test_headers_out_of_bounds_are_refused_before_any_allocation():
     too_big = Header(kind=Kind.PROPOSAL, rows=1, nbytes=fanout.max_payload(V) + 1)
     with pytest.raises(Pp1Error) as info:
         Header.from_words(too_big.words(), fanout.max_payload(V))
-    assert info.value.code is ErrorCode.HEADER_INVALID
+    assert info.value.code is ErrorCode.GROUP_HEADER_INVALID
     words = Header(kind=Kind.PROPOSAL).words()
     words[0] = 9
     with pytest.raises(Pp1Error):
@@ -129,7 +129,14 @@ def test_an_attempt_naming_one_request_twice_is_refused():
     words = fanout.batch_words(1, [entry, entry], 4)
     with pytest.raises(Pp1Error) as info:
         fanout.read_batch(words, 4, fanout.max_payload(V))
-    assert info.value.code is ErrorCode.HEADER_INVALID
+    assert info.value.code is ErrorCode.GROUP_HEADER_INVALID
     assert fanout.read_batch(fanout.batch_words(1, [entry], 4), 4, fanout.max_payload(V))[1] == [
         entry
     ]
+
+
+def test_sessions_and_contexts_above_2_63_survive_the_attempt_header():
+    # Before: the header wrote the session as it came, and a session of 2**63 or more
+    # overflowed the int64 word (the context likewise).
+    h = Header(Kind.PROPOSAL, request=3, session=(1 << 64) - 5, context=(1 << 63) + 7, rows=1)
+    assert Header.from_words(h.words(), max_payload=1) == h

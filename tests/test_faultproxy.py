@@ -66,7 +66,7 @@ class Rig:
 
     async def round(self) -> None:
         """One verified round, committed; the worker's prefix must equal the verifier's."""
-        proposal = await self.client.propose(0, depth=3)
+        proposal = await self.client.propose(0, round_id=self.client.next_round(0), depth=3)
         res = self.verifier.verify(proposal)
         self.client.release(proposal, 0)
         await self.client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
@@ -75,11 +75,11 @@ class Rig:
     async def unavailable(self, code: ErrorCode) -> None:
         """The next proposal fails with ``code`` (the fault under test hit it)."""
         with pytest.raises(ProposalUnavailableError) as info:
-            await self.client.propose(0, depth=3)
+            await self.client.propose(0, round_id=self.client.next_round(0), depth=3)
         assert info.value.code is code
 
     async def fallback(self) -> None:
-        round_id = self.client.new_round(0)
+        round_id = self.client.next_round(0)
         res = self.verifier.decode_target_only(round_id)
         await self.client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
         assert self.worker.slot_prefix() == self.verifier.committed
@@ -149,7 +149,9 @@ async def test_slow_close():
         swallowed = []
         # The worker never answers this STEP...
         rig.worker.mutate = lambda conn, data: swallowed.append(data)
-        pending = asyncio.ensure_future(rig.client.propose(0, depth=3))
+        pending = asyncio.ensure_future(
+            rig.client.propose(0, round_id=rig.client.next_round(0), depth=3)
+        )
         await eventually(lambda: swallowed, what="the STEP reached the worker")
         started = time.perf_counter()
         for conn in rig.worker.conns:

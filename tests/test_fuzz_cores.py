@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pp1wire.wire import framing
 from pp1wire.wire.spark_events import SparkEvent
 
-from .pairs import make_pair
+from .pairs import make_pair, step
 from .strategies import chunk
 
 FUZZ = settings(
@@ -51,7 +51,7 @@ def test_spark_core_survives_any_input(chunks):
     pair = make_pair()
     pair.spark.open_slot(0, seed=1, prefix=[1, 2, 3])
     pair.pump()
-    pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0)
     pair.spark.data_to_send()
     for c in chunks:
         events = pair.spark.receive_data(c, 0.0)  # must never raise

@@ -227,7 +227,7 @@ async def test_silent_connections_cannot_exhaust_a_tls_workers_descriptors(tmp_p
         ctx = ssl.create_default_context(cafile=str(cert))
         client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16), ssl=ctx)
         await client.open(0, seed=1, prefix=[1])
-        proposal = await client.propose(0, depth=2)
+        proposal = await client.propose(0, round_id=client.next_round(0), depth=2)
         client.release(proposal, 0)
         await client.close()
         # Every silent connection is closed by the worker within the handshake

@@ -54,17 +54,17 @@ async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None,
     await client.open(0, seed=11, prefix=[1, 2, 3], generation=generation)
     try:
         with pytest.raises(ProposalUnavailableError) as info:
-            await client.propose(0, depth=3, support=support)
+            await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
         assert info.value.code is expected
         assert client.fallbacks[expected.name.lower()] == 1
         for code in dropped or []:
             await eventually(lambda code=code: client.dropped[code] >= 1, what=code)
         # Target-only from the committed prefix; the worker accepts it: nothing half-applied.
-        round_id = client.new_round(0)
+        round_id = client.next_round(0)
         res = verifier.decode_target_only(round_id)
         await client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
         assert worker.slot_prefix() == verifier.committed
-        proposal = await client.propose(0, depth=3, support=support)
+        proposal = await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
         res = verifier.verify(proposal)
         client.release(proposal, 0)
         await client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
@@ -104,7 +104,7 @@ async def test_completion_twice_is_dropped():
     port = await worker.start()
     client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
     await client.open(0, seed=11, prefix=[1, 2, 3])
-    proposal = await client.propose(0, depth=3)
+    proposal = await client.propose(0, round_id=client.next_round(0), depth=3)
     assert proposal.tokens == (0, 0, 0)
     await eventually(lambda: client.dropped["completion_duplicate"] == 1)
     await client.close()
@@ -146,11 +146,11 @@ async def test_duplicate_round_reply_is_dropped():
     port = await worker.start()
     client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
     await client.open(0, seed=11, prefix=[1, 2, 3])
-    first = await client.propose(0, depth=3)
+    first = await client.propose(0, round_id=client.next_round(0), depth=3)
     client.release(first, 0)
     # Target-only commit of round 0: one fresh proposal per slot until committed.
     await client.commit(0, round_id=first.round_id, tokens=[1], accepted=0)
-    second = await client.propose(0, depth=3)
+    second = await client.propose(0, round_id=client.next_round(0), depth=3)
     assert second.round_id == first.round_id + 1
     await eventually(lambda: client.dropped["round_reused"] == 4)
     await client.close()

@@ -50,3 +50,64 @@ def test_every_module_has_a_layer_and_none_is_too_long():
         rel = path.relative_to(PACKAGE)
         assert len(rel.parts) == 1 or rel.parts[0] in LAYERS, rel
         assert len(path.read_text().splitlines()) <= 800, rel
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    # Module-level and function-level imports alike: a cycle of two modules is a
+    # sign that one of them does the other's job.
+    names = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def targets(path: Path) -> set[str]:
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from pkg import sub`` depends on pkg.sub, not on pkg's __init__.
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(names)
+                out |= subs or {node.module}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+        return out & set(names)
+
+    graph = {name: targets(path) - {name} for name, path in names.items()}
+    cycles = sorted(
+        f"{a} <-> {b}" for a, targets in graph.items() for b in targets if a < b and a in graph[b]
+    )
+    assert not cycles, cycles
+
+
+COLLECTIVES = (
+    "broadcast",
+    "all_gather",
+    "all_reduce",
+    "allgather",
+    "allreduce",
+    "reduce_scatter",
+    "barrier",
+    "send(",
+    "recv(",
+    "init_process_group",
+    "new_group",
+    "destroy_process_group",
+)
+
+
+def test_only_the_group_coordinator_runs_collectives():
+    # Every collective of every group goes through tp/coordinator.py, the one place
+    # a collective's failure becomes the group's (docs/tp.md §6).
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "coordinator.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if ("dist." in code or "distributed" in code) and any(c in code for c in COLLECTIVES):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    assert not offenders, offenders

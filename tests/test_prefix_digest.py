@@ -16,7 +16,7 @@ from pp1wire.q.proposal import ExtendedPrefix, PrefixDigest, prefix_digest
 from pp1wire.q.verify import RequestVerifier
 from pp1wire.wire.spark_events import ProposalReady
 
-from .pairs import VOCAB, make_pair
+from .pairs import VOCAB, make_pair, step
 
 tokens = st.lists(st.integers(0, 0x7FFFFFFF), max_size=40)
 
@@ -95,7 +95,7 @@ def test_rounds_at_a_million_token_prefix_touch_only_the_new_tokens(hashed_bytes
     del prefix
 
     def one_round() -> None:
-        round_id = pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+        round_id = step(pair.spark, 0, depth=3, temperature=1.0, support=0, now=0.0)
         (ready,) = [e for e in pair.pump() if isinstance(e, ProposalReady)]
         result = verifier.verify(ready.proposal)
         committed = verifier.committed[-(result.accepted + 1) :]

@@ -21,7 +21,7 @@ from pp1wire.wire.messages import Commit, Reset, Step
 from pp1wire.wire.spark_core import SparkProtocol
 from pp1wire.wire.worker_core import WorkerProtocol
 
-from .pairs import VOCAB, make_pair
+from .pairs import VOCAB, make_pair, step
 
 
 def spark_state(core: SparkProtocol) -> Any:
@@ -33,7 +33,6 @@ def spark_state(core: SparkProtocol) -> Any:
             s.digest,
             s.fence.generation,
             s.fence.last_round,
-            s.next_round,
             s.desynced,
             None if s.flight is None else (s.flight.step, len(s.flight.rows)),
             sorted(s.drafts.items()),
@@ -73,7 +72,7 @@ def worker_state(core: WorkerProtocol) -> Any:
 ints = st.one_of(st.integers(0, 1), st.integers(-3, 12))
 spark_calls = st.one_of(
     st.tuples(st.just("open_slot"), ints, st.lists(st.integers(-2, VOCAB + 1), max_size=4)),
-    st.tuples(st.just("step"), ints, st.integers(-1, 7), st.integers(-1, VOCAB + 2)),
+    st.tuples(st.just("step"), ints, st.integers(-1, 7), st.integers(-1, VOCAB + 2), ints),
     st.tuples(
         st.just("commit"),
         ints,
@@ -83,7 +82,7 @@ spark_calls = st.one_of(
     ),
     st.tuples(st.just("reset"), ints),
     st.tuples(st.just("close_slot"), ints),
-    st.tuples(st.just("allocate_round"), ints),
+    st.tuples(st.just("next_round"), ints),
 )
 
 
@@ -92,7 +91,7 @@ def call_spark(core: SparkProtocol, call: tuple[Any, ...]) -> None:
     if name == "open_slot":
         core.open_slot(slot, seed=1, prefix=rest[0])
     elif name == "step":
-        core.step(slot, depth=rest[0], temperature=1.0, support=rest[1], now=0.0)
+        core.step(slot, round_id=rest[2], depth=rest[0], temperature=1.0, support=rest[1], now=0.0)
     elif name == "commit":
         core.commit(slot, round_id=rest[0], tokens=rest[1], accepted=rest[2])
     else:
@@ -111,7 +110,7 @@ def opened_pair():
 @given(st.lists(spark_calls, min_size=1, max_size=12))
 def test_a_refused_spark_call_changes_nothing(calls):
     pair = opened_pair()
-    pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    step(pair.spark, 0, depth=3, temperature=1.0, support=0, now=0.0)
     pair.pump()  # slot 0 has a completed round 0 with drafts waiting for COMMIT
     for call in calls:
         before = spark_state(pair.spark)
@@ -127,7 +126,7 @@ def test_a_refused_commit_keeps_the_rounds_drafts():
     pair = make_pair()
     pair.spark.open_slot(0, seed=5, prefix=[1, 2, 3])
     pair.pump()
-    round_id = pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    round_id = step(pair.spark, 0, depth=3, temperature=1.0, support=0, now=0.0)
     pair.pump()
     drafts = pair.spark.slots[0].drafts[round_id]
     wrong = [(drafts[0] + 1) % VOCAB, 0]

@@ -1,20 +1,21 @@
 """The vocabulary-sharded TP2 pipeline: 2 worker ranks, 2 Spark ranks, one link per pair.
 
 Main acceptance: for the same seeds, prompts and requests, the sharded pipeline
-emits exactly the tokens of the unsharded TP1 pipeline (dense and sparse:K, at a
-small vocabulary and at 129,280). Faults are injected on worker rank 1 through
-the testing entry point ``pp1wire.testing.shard_faults`` under torchrun; each
-must make every Spark rank fall back for that round (counted by reason), the
-workers must see exactly the target-only COMMITs and tokens the Spark side
-reports (no partial commit), and the rounds after it must use proposals again.
+emits exactly the tokens of the unsharded TP1 pipeline (here and in
+``tests/test_same_tokens.py``, at 129,280 too). Faults are injected on worker
+rank 1 through the testing entry point ``pp1wire.testing.shard_faults`` under
+torchrun; each must make every Spark rank fall back for that round (counted by
+reason), the workers must see exactly the target-only COMMITs and tokens the
+Spark side reports (no partial commit), and the rounds after it must use
+proposals again. The Spark ranks run as threads of the test process
+(``tests/groups.py``), the worker ranks as real processes; one run starts the
+Spark ranks as processes too.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from pp1wire.apps.launch import RunningGroup, worker_group, worker_process
 from pp1wire.apps.models import target_factory
 
 from . import cli
+from .groups import lead, output_tokens, run_group, run_one, tokens
 from .test_verify import _chi_square_ok
 from .waiting import scrape, scrape_page
 
@@ -29,7 +31,6 @@ pytest.importorskip("torch")
 
 VOCAB = 32
 SEED = 5
-FULL_VOCAB = 129_280
 
 
 def committed(group: RunningGroup) -> list[tuple[float, float]]:
@@ -61,12 +62,12 @@ def tp1_worker():
         yield running
 
 
-def spark_flags(address: str, out: Path, *extra: str, vocab: int = VOCAB) -> list[str]:
+def spark_flags(address: str, *extra: str) -> list[str]:
     return [
         "--worker",
         address,
         "--vocab",
-        str(vocab),
+        str(VOCAB),
         "--seed",
         str(SEED),
         "--requests",
@@ -75,83 +76,55 @@ def spark_flags(address: str, out: Path, *extra: str, vocab: int = VOCAB) -> lis
         "20",
         "--concurrency",
         "3",
-        "--output",
-        str(out),
-        "--json",
-        "--group-timeout",
-        "10",
         *extra,
     ]
 
 
-def sharded_spark(address: str, out: Path, *extra: str, vocab: int = VOCAB, timeout: float = 120):
-    return cli.module(
-        "pp1wire.spark",
-        "--tp",
-        "2",
-        "--vocab-shards",
-        "2",
-        *spark_flags(address, out, *extra, vocab=vocab),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=timeout,
-    )
-
-
-def tokens(out: Path) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
-
-
-def summary_of(stdout: str) -> dict:
-    return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
+def sharded(address: str, *extra: str, timeout: float = 10.0):
+    """Rank 0's result of a sharded TP2 Spark group (threads of this process)."""
+    return lead(run_group(2, *spark_flags(address, *extra), sharded=True, timeout=timeout))
 
 
 @pytest.mark.parametrize("support", ["dense", "sparse:6"])
-def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, tmp_path, support):
-    ref, out = tmp_path / "tp1.jsonl", tmp_path / "sharded.jsonl"
-    done = cli.module("pp1wire.spark", *spark_flags(tp1_worker.address, ref, "--support", support))
-    assert done.returncode == 0, done.stderr
+def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, support):
+    ref = run_one(*spark_flags(tp1_worker.address, "--support", support))
+    assert ref.code == 0
     before = committed(group)
-    done = sharded_spark(group.address, out, "--support", support)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
+    done = sharded(group.address, "--support", support)
+    assert done.code == 0
+    summary = done.summary
+    assert summary is not None
     assert summary["fallbacks"] == 0, summary
     assert summary["draft_tokens"] > 0
     assert summary["shard_ranges"] == [[0, 16], [16, 32]]
-    assert tokens(out) == tokens(ref)
+    assert tokens(done) == tokens(ref)
     # Both worker ranks committed exactly the tokens the Spark side emitted.
-    emitted = sum(len(t) for t in tokens(out))
+    emitted = sum(len(t) for t in tokens(done))
     after = committed(group)
     assert [a[0] - b[0] for a, b in zip(after, before, strict=True)] == [emitted, emitted]
 
 
-@pytest.mark.parametrize("support", ["dense", "sparse:32"])
-def test_sharded_equals_unsharded_at_the_full_vocabulary(tmp_path, support):
-    ref, out = tmp_path / "tp1.jsonl", tmp_path / "sharded.jsonl"
-    extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "8", "--support", support]
-    with worker_process(vocab=FULL_VOCAB, seed=SEED) as single:
-        done = cli.module(
-            "pp1wire.spark", *spark_flags(single.address, ref, *extra, vocab=FULL_VOCAB)
-        )
-    assert done.returncode == 0, done.stderr
-    with sharded_workers(vocab=FULL_VOCAB) as workers:
-        done = sharded_spark(workers.address, out, *extra, vocab=FULL_VOCAB, timeout=240)
+def test_sharded_spark_rank_processes(group, tp1_worker, tmp_path):
+    out = tmp_path / "o.jsonl"
+    argv = spark_flags(group.address, "--output", str(out), "--json", "--group-timeout", "10")
+    done = cli.module("pp1wire.spark", *argv, "--tp", "2", "--vocab-shards", "2", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
-    assert summary["fallbacks"] == 0
-    assert summary["shard_ranges"] == [[0, 64_640], [64_640, FULL_VOCAB]]
-    assert tokens(out) == tokens(ref)
+    assert output_tokens(out) == tokens(run_one(*spark_flags(tp1_worker.address)))
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["vocab_shards"] == 2
+    assert summary["link_bytes_rank0"] > 0
 
 
 def test_each_fault_on_one_link_falls_back_on_every_rank_then_rounds_resume(tmp_path):
     # One request on one slot: the group's draw k is the request's round k.
-    out = tmp_path / "o.jsonl"
     faults = ("mass:1:2", "missing:1:4", "corrupt:1:6", "late:1:8")
     extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "60"]
     extra += ["--reply-timeout", "1"]
     with sharded_workers(*faults, env={"PP1_SHARD_LATE_S": "1.5"}) as workers:
-        done = sharded_spark(workers.address, out, *extra)
-        assert done.returncode == 0, done.stderr[-3000:]
-        summary = summary_of(done.stdout)
+        done = sharded(workers.address, *extra)
+        assert done.code == 0
+        summary = done.summary
+        assert summary is not None
         reasons = summary["fallbacks_by_reason"]
         # The shard with the wrong total passed its own checks: the group refused it.
         assert reasons.get("group_mass_mismatch") == 1, reasons
@@ -161,72 +134,72 @@ def test_each_fault_on_one_link_falls_back_on_every_rank_then_rounds_resume(tmp_
         # out too while rank 1 catches up.
         assert 1 <= reasons.get("reply_timeout", 0) <= 2, reasons
         assert set(reasons) == {"group_mass_mismatch", "internal", "negative", "reply_timeout"}
-        emitted = sum(len(t) for t in tokens(out))
+        emitted = sum(len(t) for t in tokens(done))
         fallbacks = summary["fallbacks"]
         # Every rank's worker saw exactly the target-only COMMITs and the tokens the
         # Spark side emitted: no round was committed on one link and not the other.
         assert committed(workers) == [(emitted, fallbacks), (emitted, fallbacks)]
     # Rounds after the faults used proposals again.
-    record = json.loads(out.read_text())
-    assert record["rounds"] > fallbacks + 4
-    assert record["draft_tokens"] >= 5 * (record["rounds"] - fallbacks)
+    assert done.records is not None
+    (record,) = done.records
+    assert record.rounds > fallbacks + 4
+    assert record.draft_tokens >= 5 * (record.rounds - fallbacks)
 
 
-def test_a_shard_from_a_stale_generation_is_dropped_and_the_round_falls_back(tmp_path):
+def test_a_shard_from_a_stale_generation_is_dropped_and_the_round_falls_back():
     # Two requests on one slot: the second reopens it at generation 1, and rank 1's
     # first shard there names generation 0. Spark rank 1 drops those frames (counted
     # on its link), its shard never completes, and every rank falls back once.
-    out = tmp_path / "o.jsonl"
     extra = ["--requests", "2", "--concurrency", "1", "--max-tokens", "10"]
     extra += ["--reply-timeout", "0.5"]
     with sharded_workers("stale:1:*") as workers:
-        done = sharded_spark(workers.address, out, *extra)
-        assert done.returncode == 0, done.stderr[-3000:]
-        summary = summary_of(done.stdout)
+        done = sharded(workers.address, *extra)
+        assert done.code == 0
+        summary = done.summary
+        assert summary is not None
         assert summary["fallbacks_by_reason"] == {"reply_timeout": 1}, summary
-        emitted = sum(len(t) for t in tokens(out))
+        emitted = sum(len(t) for t in tokens(done))
         assert committed(workers) == [(emitted, 1), (emitted, 1)]
-    first, second = (json.loads(line) for line in out.read_text().splitlines())
-    assert first["fallbacks"] == 0
-    assert second["fallbacks"] == 1
-    assert second["draft_tokens"] > 0  # the rounds after it used proposals
+    assert done.records is not None
+    first, second = done.records
+    assert first.fallbacks == 0
+    assert second.fallbacks == 1
+    assert second.draft_tokens > 0  # the rounds after it used proposals
 
 
-def test_a_dead_worker_rank_leaves_the_spark_group_decoding_target_only(tmp_path):
-    out = tmp_path / "o.jsonl"
+def test_a_dead_worker_rank_leaves_the_spark_group_decoding_target_only():
     extra = ["--requests", "2", "--concurrency", "2", "--max-tokens", "12"]
     extra += ["--reply-timeout", "1"]
     with sharded_workers("die:1:3") as workers:
-        done = sharded_spark(workers.address, out, *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
+        done = sharded(workers.address, *extra)
+    assert done.code == 0
+    summary = done.summary
+    assert summary is not None
     assert summary["fallbacks"] >= 1
     assert summary["finished"] == 2
-    assert all(len(t) >= 12 for t in tokens(out))
+    assert all(len(t) >= 12 for t in tokens(done))
 
 
-def test_a_spark_side_with_another_layout_is_refused_at_hello(group, tmp_path):
-    out = tmp_path / "o.jsonl"
-    done = cli.module("pp1wire.spark", *spark_flags(group.address, out), timeout=60)
-    assert done.returncode == 1
-    assert "SHARD_LAYOUT_MISMATCH" in done.stderr
+def test_a_spark_side_with_another_layout_is_refused_at_hello(group, capsys):
+    assert run_one(*spark_flags(group.address)).code == 1
+    assert "SHARD_LAYOUT_MISMATCH" in capsys.readouterr().err
 
 
-def test_every_round_refused_by_the_group_still_samples_the_target_law(tmp_path):
+def test_every_round_refused_by_the_group_still_samples_the_target_law():
     # Rank 1's shard carries a wrong total in every reply, so the group discards
     # every proposal and every first token is the target-only fallback: its law
     # must be p(. | prompt). Tolerance declared before the run: Pearson
     # chi-square at the 1 - 1e-6 quantile (tests/test_verify.py), 200 requests.
-    out = tmp_path / "o.jsonl"
     n = 200
     extra = ["--requests", str(n), "--max-tokens", "1", "--concurrency", "4", "--depth", "1"]
     with sharded_workers("mass:1:*") as workers:
-        done = sharded_spark(workers.address, out, *extra, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
+        done = sharded(workers.address, *extra, timeout=30)
+    assert done.code == 0
+    summary = done.summary
+    assert summary is not None
     assert summary["fallbacks_by_reason"] == {"group_mass_mismatch": n}
     assert summary["draft_tokens"] == 0
-    first = Counter(t[0] for t in tokens(out))
+    first = Counter(t[0] for t in tokens(done))
     p = target_factory(VOCAB, SEED)([1, 2, 3])
     law = {i: float(v) for i, v in enumerate(p)}
     assert _chi_square_ok(first, law, n), (first, law)
@@ -256,3 +229,23 @@ def test_conformance_cases_pass_against_the_sharded_worker_group(group):
         f"6.7.{n}": "pass" for n in range(1, 6)
     }
     assert all(g in ("pass", "informational") for g in results.values()), results
+
+
+def test_a_sharded_group_honours_tls_and_metrics_like_one_rank(tmp_path, capsys):
+    # Before: the sharded mode connected in plaintext whatever --tls-ca said (the TLS
+    # worker refused every link) and served no metrics.
+    from .certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    with worker_group(*tls, "--log-level", "warning", vocab=VOCAB, seed=SEED) as workers:
+        argv = [*spark_flags(workers.address, "--tls-ca", str(cert)), "--metrics-port", "0"]
+        done = lead(run_group(2, *argv, sharded=True))
+        assert done.code == 0
+        assert done.summary is not None
+        assert done.summary["fallbacks"] == 0
+        assert done.summary["draft_tokens"] > 0
+        assert "pp1-spark metrics on 127.0.0.1:" in capsys.readouterr().err
+        # Without the CA the links are refused as on one rank: one line, exit 1.
+        refused = lead(run_group(2, *spark_flags(workers.address), sharded=True))
+        assert refused.code == 1

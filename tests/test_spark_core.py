@@ -23,7 +23,7 @@ from pp1wire.wire.spark_events import (
     SlotDesynced,
 )
 
-from .pairs import VOCAB, make_pair
+from .pairs import VOCAB, make_pair, next_round, step
 
 PREFIX = [1, 2, 3]
 
@@ -42,7 +42,8 @@ def split_frames(chunks: list[bytes]) -> list[bytes]:
 
 def held_reply(pair, **step_kw):
     """Send a STEP to the worker but hold its reply frames (not yet delivered)."""
-    r = pair.spark.step(
+    r = step(
+        pair.spark,
         0,
         depth=step_kw.get("depth", 3),
         temperature=1.0,
@@ -80,7 +81,7 @@ def test_reply_timeout_discards_and_late_rows_are_dropped():
     late = deliver(pair, frames)
     assert late == [FrameDropped(0, ErrorCode.LATE_FRAME)] * len(frames)
     # The next round works normally (after a target-only commit).
-    pair.spark.commit(0, round_id=pair.spark.allocate_round(0), tokens=[4], accepted=0)
+    pair.spark.commit(0, round_id=next_round(pair.spark, 0), tokens=[4], accepted=0)
     pair.pump()
     _, frames = held_reply(pair)
     assert any(isinstance(e, ProposalReady) for e in deliver(pair, frames))
@@ -93,7 +94,7 @@ def test_reset_mid_reply_discards_and_old_frames_are_dropped():
     generation = pair.spark.reset(0)
     events = pair.pump()
     assert ResetAcked(0, generation, len(PREFIX)) in events
-    assert ProposalFailed(0, 0, r, ErrorCode.STALE_GENERATION) in events
+    assert ProposalFailed(0, 0, r, ErrorCode.CANCELLED) in events
     late = deliver(pair, frames[1:])
     assert all(isinstance(e, FrameDropped) and e.code is ErrorCode.STALE_GENERATION for e in late)
     assert len(late) == len(frames) - 1
@@ -104,7 +105,7 @@ def test_reset_mid_reply_discards_and_old_frames_are_dropped():
 def test_worker_refusal_fails_the_in_flight_proposal():
     pair = opened()
     pair.worker.slots[0].hasher.extend([1])  # the worker now disagrees about the prefix
-    r = pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    r = step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0)
     events = pair.pump()
     assert events == [ProposalFailed(0, 0, r, ErrorCode.PREFIX_DIGEST_MISMATCH)]
 
@@ -112,7 +113,7 @@ def test_worker_refusal_fails_the_in_flight_proposal():
 def assert_step_refused_locally(pair, code):
     """STEP raises LocalStateError with ``code`` and queues nothing."""
     with pytest.raises(LocalStateError) as info:
-        pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+        step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0)
     assert info.value.code is code
     assert pair.spark.data_to_send() == []
 
@@ -150,7 +151,7 @@ def test_corrupted_row_falls_back_and_next_round_works():
     bad[-1] ^= 0x01  # flip a payload bit: the row checksum no longer matches
     events = deliver(pair, [bytes(bad), *frames[1:]])
     assert events[1] == ProposalFailed(0, 0, r, ErrorCode.ROW_CHECKSUM_MISMATCH)
-    pair.spark.commit(0, round_id=pair.spark.allocate_round(0), tokens=[7], accepted=0)
+    pair.spark.commit(0, round_id=next_round(pair.spark, 0), tokens=[7], accepted=0)
     assert any(isinstance(e, CommitAcked) for e in pair.pump())
     _, frames = held_reply(pair)
     assert any(isinstance(e, ProposalReady) for e in deliver(pair, frames))
@@ -194,7 +195,7 @@ class FencingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pair.spark.slots[0].flight is None and self.ready is None)
     @rule(depth=st.integers(1, 5), sparse=st.booleans())
     def step(self, depth, sparse):
-        self.pair.spark.step(0, depth=depth, temperature=1.0, support=8 if sparse else 0, now=0.0)
+        step(self.pair.spark, 0, depth=depth, temperature=1.0, support=8 if sparse else 0, now=0.0)
         (self.step_bytes,) = self.pair.spark.data_to_send()
         self.pair.worker.receive_data(self.step_bytes, 0.0)
         self.first_reply = b"".join(self.pair.worker.data_to_send())
@@ -269,7 +270,7 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(token=st.integers(0, VOCAB - 1))
     def target_only(self, token):
         spark = self.pair.spark
-        spark.commit(0, round_id=spark.allocate_round(0), tokens=[token], accepted=0)
+        spark.commit(0, round_id=next_round(spark, 0), tokens=[token], accepted=0)
         self.committed.append(token)
         self.stale += self.held
         self.held = []
@@ -336,7 +337,7 @@ def test_a_released_proposal_cannot_be_read():
     # The rows view the receive buffers; once released, those buffers carry
     # later replies, so reading the old q must be an error, not another round's q.
     pair = opened()
-    pair.spark.step(0, depth=3, temperature=1.0, support=0, now=0.0)
+    step(pair.spark, 0, depth=3, temperature=1.0, support=0, now=0.0)
     (ready,) = [e for e in pair.pump() if isinstance(e, ProposalReady)]
     proposal = ready.proposal
     assert proposal.rows[0].q32 is not None  # readable while held
@@ -388,8 +389,8 @@ def test_a_desynced_slot_refuses_local_calls_with_its_own_code():
     events = pair.spark.receive_data(framing.encode_frame(refusal), pair.now)
     assert SlotDesynced(0, ErrorCode.COMMIT_INVALID) in events
     for call in (
-        lambda: pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0),
-        lambda: pair.spark.allocate_round(0),
+        lambda: step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0),
+        lambda: next_round(pair.spark, 0),
         lambda: pair.spark.commit(0, round_id=0, tokens=[1], accepted=0),
     ):
         with pytest.raises(LocalStateError) as info:
@@ -399,4 +400,4 @@ def test_a_desynced_slot_refuses_local_calls_with_its_own_code():
     pair.spark.close_slot(0)
     pair.spark.open_slot(0, seed=5, prefix=PREFIX)
     pair.pump()
-    pair.spark.step(0, depth=2, temperature=1.0, support=0, now=0.0)
+    step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0)

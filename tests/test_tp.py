@@ -1,18 +1,16 @@
-"""The Spark side as a TP2 group on gloo (two processes here), against a real worker.
+"""The Spark side as a replicated TP2 group on gloo, against a real worker.
 
-Main acceptance: for the same seeds, prompts and requests, TP2 commits exactly
-TP1's tokens (dense, sparse:K, depth 0, and once at the full vocabulary).
-Faults are injected through the testing entry point ``pp1wire.testing.tp_faults``
-under torchrun. Every run checks that the ranks ran the same number of
-collectives (4 per attempt, plus the stop header and the final report) and
-hold the same committed prefixes, and that the worker committed exactly the
-tokens rank 0 reports (no partial commit).
+Most groups here run as threads of the test process (``tests/groups.py``): the
+same collectives as rank processes, without starting any. Two runs start real
+rank processes, once through ``--tp 2`` and once through torchrun, and a dead
+rank is a real killed process. Every run checks that the ranks ran the same
+number of collectives and hold the same committed prefixes, and that the
+worker committed exactly the tokens rank 0 reports (no partial commit).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -24,14 +22,16 @@ from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import target_factory
 
 from . import cli
+from .groups import lead, output_tokens, run_group, run_one, tokens
 from .test_verify import _chi_square_ok
 from .waiting import scrape, scrape_page
 
 pytest.importorskip("torch")
 
+from pp1wire.testing.tp_faults import InjectedFaults, parse_fault
+
 VOCAB = 32
 SEED = 5
-FULL_VOCAB = 129_280
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,12 @@ def worker():
         yield running
 
 
-def flags(address: str, out: Path, *extra: str, vocab: int = VOCAB) -> list[str]:
+def flags(address: str, *extra: str) -> list[str]:
     return [
         "--worker",
         address,
         "--vocab",
-        str(vocab),
+        str(VOCAB),
         "--seed",
         str(SEED),
         "--requests",
@@ -54,35 +54,12 @@ def flags(address: str, out: Path, *extra: str, vocab: int = VOCAB) -> list[str]
         "20",
         "--concurrency",
         "3",
-        "--output",
-        str(out),
-        "--json",
-        "--group-timeout",
-        "5",
         *extra,
     ]
 
 
-def torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    return cli.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        *args,
-        env=None if env is None else {**os.environ, **env},
-        timeout=timeout,
-    )
-
-
-def tokens(out: Path) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
-
-
-def summary_of(stdout: str) -> dict:
-    return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
+def faults(*specs: str, late: float = 3.0) -> InjectedFaults:
+    return InjectedFaults([parse_fault(s) for s in specs], late=late, threads=True)
 
 
 def committed(worker) -> tuple[float, float]:
@@ -109,143 +86,142 @@ def check_group(summary: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "launcher"),
-    [
-        (["--support", "dense"], "tp-flag"),
-        (["--support", "sparse:6"], "torchrun"),
-        (["--depth", "0"], "tp-flag"),
-    ],
-    ids=["dense", "sparse", "depth0"],
+    "extra", [["--support", "dense"], ["--support", "sparse:6"], ["--depth", "0"]]
 )
-def test_tp2_commits_exactly_the_tokens_of_tp1(worker, tmp_path, extra, launcher):
-    one, two = tmp_path / "tp1.jsonl", tmp_path / "tp2.jsonl"
-    single = cli.run(sys.executable, "-m", "pp1wire.spark", *flags(worker.address, one, *extra))
-    assert single.returncode == 0, single.stderr
+def test_tp2_commits_exactly_the_tokens_of_tp1(worker, extra):
+    single = run_one(*flags(worker.address, *extra))
+    assert single.code == 0
     before = committed(worker)
-    if launcher == "torchrun":
-        done = torchrun("-m", "pp1wire.spark", *flags(worker.address, two, *extra))
-    else:
-        cmd = flags(worker.address, two, *extra, "--tp", "2")
-        done = cli.run(sys.executable, "-m", "pp1wire.spark", *cmd)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert tokens(two) == tokens(one)
-    assert all(len(t) >= 20 for t in tokens(two))
-    summary = summary_of(done.stdout)
+    done = lead(run_group(2, *flags(worker.address, *extra)))
+    assert done.code == 0
+    assert tokens(done) == tokens(single)
+    assert all(len(t) >= 20 for t in tokens(done))
+    summary = done.summary
+    assert summary is not None
     check_group(summary)
     assert summary["tp_votes_failed_by_reason"] == {}
     if "--depth" not in extra:
         assert summary["draft_tokens"] > 0
         assert summary["tp_fanout_bytes"] > 0
-        after = committed(worker)
         # The worker holds exactly what rank 0 committed.
-        assert after[0] - before[0] == sum(map(len, tokens(two)))
+        assert committed(worker)[0] - before[0] == sum(map(len, tokens(done)))
 
 
-def test_tp2_equals_tp1_at_the_full_vocabulary(tmp_path):
-    with worker_process(vocab=FULL_VOCAB, seed=SEED) as running:
-        one, two = tmp_path / "tp1.jsonl", tmp_path / "tp2.jsonl"
-        extra = ["--requests", "2", "--max-tokens", "12"]
-        single = cli.run(
-            sys.executable,
-            "-m",
-            "pp1wire.spark",
-            *flags(running.address, one, *extra, vocab=FULL_VOCAB),
-        )
-        assert single.returncode == 0, single.stderr
-        cmd = flags(running.address, two, *extra, "--tp", "2", vocab=FULL_VOCAB)
-        done = cli.run(sys.executable, "-m", "pp1wire.spark", *cmd, timeout=180)
+def test_rank_processes_started_by_the_tp_flag(worker, tmp_path):
+    # The torchrun path is taken by the dead-rank test below.
+    out = tmp_path / "o.jsonl"
+    argv = flags(worker.address, "--output", str(out), "--json", "--group-timeout", "10")
+    done = cli.run(sys.executable, "-m", "pp1wire.spark", *argv, "--tp", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert tokens(two) == tokens(one)
-    summary = summary_of(done.stdout)
-    check_group(summary)
-    # Every fanned-out row is the whole dense q: FULL_VOCAB FP32 entries.
-    assert summary["tp_fanout_bytes"] >= summary["draft_tokens"] * FULL_VOCAB * 4
+    assert output_tokens(out) == tokens(run_one(*flags(worker.address)))
+    check_group(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def test_a_corrupt_copy_and_a_failed_target_on_rank_1_fall_back_on_every_rank(worker, tmp_path):
+def test_a_corrupt_copy_falls_back_and_a_failed_target_stops_its_request(worker, tmp_path):
     out = tmp_path / "o.jsonl"
     before = committed(worker)
-    done = torchrun(
-        "-m",
-        "pp1wire.testing.tp_faults",
-        "--fault",
-        "corrupt:1:3",
-        "--fault",
-        "target:1:8",
-        "--",
-        *flags(worker.address, out),
+    results = run_group(
+        2, *flags(worker.address, "--output", str(out)), faults=faults("corrupt:1:3", "target:1:8")
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
+    done = lead(results)
+    # The one rule for a target failure: that request stops, the others go on,
+    # every result is written, and the run says so in its exit status.
+    assert done.code == 4
+    summary = done.summary
+    assert summary is not None
     check_group(summary)
-    # One round of attempt 3 is voted down by rank 1's digest check; in the first
-    # attempt from 8 on in which rank 1 owns rounds (odd requests), its target fails.
     votes = summary["tp_votes_failed_by_reason"]
-    assert votes.get("group_copy_mismatch") == 1
-    assert votes.get("target_failed", 0) >= 1
-    assert summary["fallbacks_by_reason"] == votes
+    assert set(votes) == {"group_copy_mismatch", "target_failed"}
+    assert votes["group_copy_mismatch"] == 1
+    assert summary["fallbacks_by_reason"] == {"group_copy_mismatch": 1}
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    stopped = [r for r in records if r["stopped"]]
+    # Rank 1's one target call of that step failed: every round it scored there
+    # (it evaluates the odd requests) stopped its request, and only those.
+    assert (
+        summary["stopped_by_reason"]
+        == {"target_failed": len(stopped)}
+        == {"target_failed": votes["target_failed"]}
+    )
+    assert all(r["request"] % 2 == 1 and not r["finished"] for r in stopped)
+    assert all(r["finished"] and len(r["tokens"]) >= 20 for r in records if not r["stopped"])
     after = committed(worker)
-    got = tokens(out)
-    assert all(len(t) >= 20 for t in got)
-    assert after[0] - before[0] == sum(map(len, got))
-    # Each voted-down proposal became one target-only COMMIT; no other round did.
-    assert after[1] - before[1] == summary["fallbacks"]
-    assert summary["accepted_tokens"] > 0  # the rounds after the fault are normal
+    assert after[0] - before[0] == sum(len(r["tokens"]) for r in records)
+    # The voted-down proposal became one target-only COMMIT; no other round did.
+    assert after[1] - before[1] == 1
 
 
-def test_every_round_voted_down_still_samples_the_target_law(worker, tmp_path):
+def test_every_round_voted_down_still_samples_the_target_law(worker):
     # Rank 1's copy is corrupt on every attempt, so every proposal is discarded
     # and every first token is the target-only fallback: its law must be
     # p(. | prompt). Tolerance declared before the run: Pearson chi-square at the
     # 1 - 1e-6 quantile (tests/test_verify.py), 300 requests.
-    out = tmp_path / "o.jsonl"
     n = 300
     # One slot: each attempt carries one round, so the corrupt copy hits every proposal.
-    args = flags(
-        worker.address, out, "--requests", str(n), "--max-tokens", "1", "--concurrency", "1"
-    )
-    done = torchrun("-m", "pp1wire.testing.tp_faults", "--fault", "corrupt:1:*", "--", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = summary_of(done.stdout)
+    args = flags(worker.address, "--requests", str(n), "--max-tokens", "1", "--concurrency", "1")
+    done = lead(run_group(2, *args, faults=faults("corrupt:1:*")))
+    assert done.code == 0
+    summary = done.summary
+    assert summary is not None
     check_group(summary)
     assert summary["fallbacks_by_reason"] == {"group_copy_mismatch": n}
     assert summary["draft_tokens"] == 0
-    first = Counter(t[0] for t in tokens(out))
+    first = Counter(t[0] for t in tokens(done))
     p = target_factory(VOCAB, SEED)([1, 2, 3])
     law = {i: float(v) for i, v in enumerate(p)}
     assert _chi_square_ok(first, law, n), (first, law)
 
 
-@pytest.mark.parametrize("fault", ["late:1:5", "die:1:5"])
-def test_a_late_or_dead_rank_fails_closed_within_the_timeout(worker, tmp_path, fault):
+def _failed_closed(worker, out: Path, before: tuple[float, float]) -> None:
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records
+    assert not any(r["finished"] for r in records)
+    assert {r["stopped"] for r in records if r["tokens"]} <= {"group_failed", None}
+    # Attempts before the fault committed everywhere, the failed one nowhere: the
+    # worker holds exactly the tokens rank 0 wrote.
+    assert committed(worker)[0] - before[0] == sum(len(r["tokens"]) for r in records) > 0
+
+
+def test_a_late_rank_fails_the_group_closed_within_its_timeout(worker, tmp_path):
     out = tmp_path / "o.jsonl"
     before = committed(worker)
+    # 40 tokens cannot be reached in the 4 attempts before the fault.
+    argv = flags(worker.address, "--max-tokens", "40", "--output", str(out))
     started = time.monotonic()
-    done = torchrun(
+    results = run_group(2, *argv, faults=faults("late:1:5", late=2.5), timeout=1.0)
+    elapsed = time.monotonic() - started
+    done = results[0]
+    assert not isinstance(done, BaseException), done
+    assert done.code == 3
+    assert done.summary is not None
+    assert "GROUP_FAILED" in done.summary["tp_failure"]
+    # Rank 0 gave up after its 1 s timeout and wrote everything; the late rank's
+    # own 2.5 s sleep bounds how long the group's threads take to end.
+    assert elapsed < 2.5 + 5.0, elapsed
+    _failed_closed(worker, out, before)
+
+
+def test_a_dead_rank_process_fails_the_group_closed(worker, tmp_path):
+    out = tmp_path / "o.jsonl"
+    before = committed(worker)
+    argv = flags(worker.address, "--max-tokens", "40", "--output", str(out), "--group-timeout", "2")
+    started = time.monotonic()
+    done = cli.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
         "-m",
         "pp1wire.testing.tp_faults",
         "--fault",
-        fault,
+        "die:1:5",
         "--",
-        # 40 tokens cannot be reached in the 4 attempts before the fault (at most one
-        # round of depth 5 + 1 per request per attempt), however rounds are batched.
-        *flags(worker.address, out, "--group-timeout", "2", "--max-tokens", "40"),
-        env={"PP1_TP_LATE_S": "30"},
+        *argv,
         timeout=60,
     )
-    elapsed = time.monotonic() - started
     assert done.returncode != 0
-    # Group start, 4 rounds and the 2 s timeout: far below the late rank's 30 s.
-    assert elapsed < 25, elapsed
+    assert time.monotonic() - started < 30
     assert "TP group failed: GROUP_FAILED" in done.stderr, done.stderr[-3000:]
-    got = tokens(out)
-    assert not any(json.loads(line)["finished"] for line in out.read_text().splitlines())
-    # Attempts 1-4 committed everywhere, attempt 5 nowhere: the worker holds
-    # exactly the tokens rank 0 wrote.
-    assert committed(worker)[0] - before[0] == sum(map(len, got)) > 0
-
-
-def test_group_runs_from_an_engines_own_process_group():
-    script = Path(__file__).resolve().parent / "ranks" / "tp_embed.py"
-    done = torchrun(str(script))
-    assert done.returncode == 0, done.stderr[-3000:]
+    _failed_closed(worker, out, before)

@@ -65,7 +65,7 @@ def _replace(p: Proposal, **changes) -> Proposal:
 @pytest.mark.parametrize(
     ("change", "code"),
     [
-        ({"session": 2}, ErrorCode.WRONG_OWNER),
+        ({"session": 2}, ErrorCode.WRONG_SESSION),
         ({"generation": 1}, ErrorCode.STALE_GENERATION),
         ({"context": 9}, ErrorCode.CONTEXT_MISMATCH),
         ({"position": 5}, ErrorCode.STALE_PREFIX),

@@ -120,12 +120,14 @@ def test_a_plugin_with_its_own_batch_form_is_called_once():
 
 
 @pytest.mark.parametrize("rows", [0, 2])
-def test_scores_that_do_not_fit_the_proposal_are_a_target_failure(rows):
+def test_scores_that_do_not_fit_the_proposal_are_the_callers_mistake(rows):
+    # Before: reported as TARGET_FAILED, as if the target had failed (and poisoned).
     v = make(5, ToyLM(V, 3).probs)
     p = draft(v, 0, 3, None)
     with pytest.raises(VerifyError) as info:
         v.verify(p, scores=[np.full(V, 1.0 / V)] * rows)
-    assert info.value.code is ErrorCode.TARGET_FAILED
+    assert info.value.code is ErrorCode.BAD_ARGUMENT
+    assert not v.poisoned
 
 
 def test_evaluating_a_batch_commits_nothing_and_decides_what_committing_would():
@@ -163,3 +165,18 @@ def test_one_entry_divided_alone_is_the_entry_of_the_divided_row(values):
     full = check_target(arr, arr.size)
     raw, total = checked_target(arr, arr.size)
     assert all(float(raw[x]) / total == float(full[x]) for x in range(arr.size))
+
+
+def test_a_per_prefix_target_that_fails_fails_only_the_rounds_that_needed_it():
+    def target(prefix):
+        if list(prefix[:1]) == [7]:
+            raise RuntimeError("device lost")
+        return ToyLM(V, 3).probs(prefix)
+
+    ok, bad = make(1, target), make(2, target)
+    bad.rebuild([7, 1], 0)
+    decided = verify_batch([(ok, None, 0), (bad, draft(bad, 0, 3, None), 0)], batched(target))
+    assert not isinstance(decided[0], VerifyError)
+    assert isinstance(decided[1], VerifyError)
+    assert decided[1].code is ErrorCode.TARGET_FAILED
+    assert bad.poisoned and not ok.poisoned

@@ -11,13 +11,15 @@ caller decodes that round target-only and commits it with :meth:`commit`.
 Typical use from a sampler::
 
     client = await AsyncClient.connect("127.0.0.1", 7070, SparkConfig(vocab_size=V))
-    await client.open(0, seed=seed, prefix=prompt)
+    generation = await client.open(0, seed=seed, prefix=prompt)
+    verifier.rebuild(prompt, generation)            # pp1wire.q.verify.RequestVerifier
+    verifier.session = client.session
     try:
-        proposal = await client.propose(0, depth=5)
-        result = verifier.verify(proposal)          # pp1wire.q.verify.RequestVerifier
+        proposal = await client.propose(0, round_id=verifier.take_round(), depth=5)
+        result = verifier.verify(proposal)
         client.release(proposal, 0)
     except ProposalUnavailableError:
-        result = verifier.decode_target_only(client.new_round(0))
+        result = verifier.decode_target_only(verifier.take_round())
     client.commit(0, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted)
 """
 
@@ -152,7 +154,7 @@ class AsyncClient:
         self._opened: dict[int, asyncio.Future[None]] = {}
         self._proposals: dict[int, asyncio.Future[Proposal]] = {}
         self._resets: dict[int, asyncio.Future[None]] = {}
-        self._commits: dict[tuple[int, int], asyncio.Future[None]] = {}
+        self._commits: dict[tuple[int, int, int], asyncio.Future[None]] = {}  # slot, gen, round
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._nonces = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
@@ -244,12 +246,13 @@ class AsyncClient:
         elif isinstance(event, spark_events.ProposalReady):
             _settle(self._proposals.pop(event.slot, None), event.proposal)
         elif isinstance(event, spark_events.ProposalFailed):
-            self.fallbacks[event.code.name.lower()] += 1
+            if event.code is not ErrorCode.CANCELLED:  # a local close or reset is not one
+                self.fallbacks[event.code.name.lower()] += 1
             _fail(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
         elif isinstance(event, spark_events.ResetAcked):
             _settle(self._resets.pop(event.slot, None), None)
         elif isinstance(event, spark_events.CommitAcked):
-            _settle(self._commits.pop((event.slot, event.round), None), None)
+            _settle(self._commits.pop((event.slot, event.generation, event.round), None), None)
         elif isinstance(event, spark_events.SlotDesynced):
             error = ClientClosedError(event.code, f"slot {event.slot} out of sync")
             for table in (self._opened, self._resets):
@@ -337,13 +340,24 @@ class AsyncClient:
         return chosen
 
     async def propose(
-        self, slot: int, *, depth: int, temperature: float = 1.0, support: int = 0
+        self,
+        slot: int,
+        *,
+        round_id: int,
+        depth: int,
+        temperature: float = 1.0,
+        support: int = 0,
     ) -> Proposal:
-        """Ask for one fixed-depth block and wait until it is validated whole.
+        """Ask for one fixed-depth block under ``round_id`` and wait until it is validated whole.
+
+        ``round_id`` comes from the request's own counter
+        (:meth:`pp1wire.q.verify.RequestVerifier.take_round`), which also numbers
+        its target-only rounds.
 
         Raises:
             ProposalUnavailableError: the proposal was refused, corrupt, late or lost;
-                ``code`` says which. Decode the round target-only.
+                ``code`` says which (``CANCELLED``: this side closed or reset the slot
+                meanwhile). Decode the round target-only.
             ProtocolError: for a locally invalid request (nothing sent).
             LocalStateError: the slot is busy, desynced, or the connection not ready.
         """
@@ -352,7 +366,12 @@ class AsyncClient:
             raise ProposalUnavailableError(code, "connection closed")
         fut: asyncio.Future[Proposal] = self.loop.create_future()
         self.core.step(
-            slot, depth=depth, temperature=temperature, support=support, now=time.monotonic()
+            slot,
+            round_id=round_id,
+            depth=depth,
+            temperature=temperature,
+            support=support,
+            now=time.monotonic(),
         )
         self._proposals[slot] = fut
         self._flush()
@@ -371,14 +390,14 @@ class AsyncClient:
         """Done with ``proposal``'s rows (after verifying): recycle their receive buffers."""
         self.core.release_proposal(slot, proposal.round_id)
 
-    def new_round(self, slot: int) -> int:
-        """A fresh round ID for a target-only commit on ``slot``.
+    def next_round(self, slot: int) -> int:
+        """The lowest round ``slot`` may use next (see :meth:`SparkProtocol.next_round`).
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
             LocalStateError: a closed connection or a desynced slot.
         """
-        return self.core.allocate_round(slot)
+        return self.core.next_round(slot)
 
     def commit(
         self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int
@@ -393,19 +412,22 @@ class AsyncClient:
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
         self.core.commit(slot, round_id=round_id, tokens=tokens, accepted=accepted)
-        self._commits[(slot, round_id)] = fut
+        self._commits[(slot, self.core.slots[slot].fence.generation, round_id)] = fut
         self._flush()
         return fut
 
     async def reset(self, slot: int) -> int:
         """Move ``slot`` to a new generation; returns it once the worker confirms.
 
+        A proposal or COMMITTED still awaited on the slot fails at once with
+        ``CANCELLED``: nothing of the old generation can answer any more.
+
         Raises:
             ClientClosedError: if the worker refuses or the connection dies.
         """
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
-        _fail(self._proposals.pop(slot, None), ProposalUnavailableError(ErrorCode.STALE_GENERATION))
+        self._cancel(slot, "the slot was reset")
         generation = self.core.reset(slot)
         self._resets[slot] = fut
         self._flush()
@@ -413,11 +435,21 @@ class AsyncClient:
         return generation
 
     async def close_slot(self, slot: int) -> None:
-        """Close ``slot`` (fire and forget: the slot is free locally at once)."""
+        """Close ``slot`` (fire and forget: the slot is free locally at once).
+
+        A proposal or COMMITTED still awaited on the slot fails at once with
+        ``CANCELLED``.
+        """
         if self.core.closed or slot not in self.core.slots:
             return
+        self._cancel(slot, "the slot was closed")
         self.core.close_slot(slot)
         self._flush()
+
+    def _cancel(self, slot: int, why: str) -> None:
+        _fail(self._proposals.pop(slot, None), ProposalUnavailableError(ErrorCode.CANCELLED, why))
+        for key in [k for k in self._commits if k[0] == slot]:
+            _fail(self._commits.pop(key), ClientClosedError(ErrorCode.CANCELLED, why))
 
     async def ping(self) -> float:
         """Round-trip time of one PING, in seconds.
@@ -514,9 +546,9 @@ class SyncClient:
         """See :meth:`AsyncClient.release`."""
         self._run(self.client.release, proposal, slot)
 
-    def new_round(self, slot: int) -> int:
-        """See :meth:`AsyncClient.new_round`."""
-        return int(self._run(self.client.new_round, slot))
+    def next_round(self, slot: int) -> int:
+        """See :meth:`AsyncClient.next_round`."""
+        return self.client.next_round(slot)
 
     def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
         """See :meth:`AsyncClient.commit` (does not wait for COMMITTED)."""

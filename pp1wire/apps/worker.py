@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from pp1wire.aio.server import WorkerServer
-from pp1wire.apps import metrics, settings, spark_tp, worker_tp
+from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -173,7 +173,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """
     config = config_from(args)
     world = worker_tp.world_size(args)
-    if world > 1 and not spark_tp.in_launched_rank():
+    if world > 1 and not ranks.in_launched_rank():
         return worker_tp.launch(world, list(argv))
     factory = settings.load_factory(args.drafter)
     drafter: DrafterFn = factory(vocab_size=args.vocab, seed=args.seed)

@@ -35,6 +35,7 @@ from pp1wire.q.dyadic import (
 )
 
 MAX_SHARDS: Final = 0xFFFF
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -206,8 +207,15 @@ class ShardSummary:
 
 
 def as_int64(value: int) -> int:
-    """A uint64 (a prefix digest, a context) as the int64 with the same bits: a tensor word."""
+    """A uint64 (a session, a prefix digest, a context) as the int64 with the same bits:
+    a tensor word. The one conversion every group word uses (:func:`as_uint64` inverts it)."""
+    value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def as_uint64(word: int) -> int:
+    """Inverse of :func:`as_int64`."""
+    return word & _MASK64
 
 
 def check_group(shards: Sequence[ShardSummary]) -> ErrorCode | None:
@@ -234,6 +242,7 @@ __all__ = [
     "ShardLayout",
     "ShardSummary",
     "as_int64",
+    "as_uint64",
     "check_dense_shard",
     "check_group",
     "check_sparse_shard",

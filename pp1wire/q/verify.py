@@ -39,6 +39,17 @@ BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | np
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
 
+TARGET_FAILURES = frozenset(
+    {
+        ErrorCode.TARGET_FAILED,
+        ErrorCode.TARGET_NON_FINITE,
+        ErrorCode.TARGET_NEGATIVE,
+        ErrorCode.TARGET_ZERO_MASS,
+        ErrorCode.SESSION_POISONED,
+    }
+)
+"""The codes that mean the target (or a processor) failed: the request is poisoned."""
+
 _U53_SHIFT = 53
 _Q_SHIFT = 24
 _U53 = float(1 << _U53_SHIFT)
@@ -201,8 +212,10 @@ def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None
 class RequestVerifier:
     """Verification state of one request (one session slot) on the Spark side.
 
-    Holds the committed prefix, generation, last used round and the request
-    seed that keys the acceptance, correction and target domains.
+    Holds the committed prefix, generation, the request's round counter (the
+    one place round IDs are allocated: every STEP and every target-only round
+    takes the next one, :meth:`take_round`), the last consumed round and the
+    request seed that keys the acceptance, correction and target domains.
     """
 
     def __init__(
@@ -238,6 +251,7 @@ class RequestVerifier:
         self.context = context
         self.generation = generation
         self.last_round = -1
+        self._next_round = 0
         self.poisoned = False
         self.finished = False
         self.committed: list[int] = []
@@ -268,8 +282,16 @@ class RequestVerifier:
         self._digest = PrefixDigest(tokens)
         self.generation = generation
         self.last_round = -1
+        self._next_round = 0
         self.poisoned = False
         self.finished = bool(tokens) and self.eos is not None and tokens[-1] == self.eos
+
+    def take_round(self) -> int:
+        """The next round ID of this generation (0, 1, 2, …): for a STEP, or for a
+        target-only round. Never one at or below a round already consumed."""
+        round_id = max(self._next_round, self.last_round + 1)
+        self._next_round = round_id + 1
+        return round_id
 
     def _require_live(self) -> None:
         if self.poisoned:
@@ -310,52 +332,67 @@ class RequestVerifier:
 
     # -- checks before any draw -------------------------------------------
 
-    def check_proposal(self, proposal: Proposal) -> None:
-        """Refuse a proposal that this request must not consume; draws nothing.
+    def check_key(self, proposal: Proposal) -> None:
+        """Refuse a proposal whose key or shape this request must not consume; draws nothing.
+
+        Everything :meth:`check_proposal` checks except the q rows themselves, so
+        a vocabulary-sharded group can check one shard's proposal against the
+        request (each rank's rows were checked on arrival, the group's sums by
+        :func:`pp1wire.q.layout.check_group`).
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
-                ``WRONG_OWNER``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
+                ``WRONG_SESSION``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
                 ``STALE_PREFIX``, ``ROUND_REUSED`` or ``MALFORMED_PROPOSAL``.
         """
         self._require_live()
         if proposal.session != self.session:
-            raise VerifyError(ErrorCode.WRONG_OWNER, "proposal belongs to another session")
+            raise VerifyError(ErrorCode.WRONG_SESSION, "proposal belongs to another session")
         if proposal.generation != self.generation:
             raise VerifyError(ErrorCode.STALE_GENERATION, "proposal from another generation")
         if proposal.context != self.context:
             raise VerifyError(ErrorCode.CONTEXT_MISMATCH, "proposal for another target context")
         if proposal.position != self.position or proposal.digest != self.digest:
             raise VerifyError(ErrorCode.STALE_PREFIX, "proposal drawn after another prefix")
-        if proposal.shard is not None:
-            raise VerifyError(
-                ErrorCode.MALFORMED_PROPOSAL, "one shard of a proposal is verified by its group"
-            )
         self._claim_round(proposal.round_id)
         rows = proposal.rows
         if not 1 <= proposal.depth <= MAX_DEPTH or not 1 <= len(rows) <= proposal.depth:
             raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "depth or row count out of range")
         for i, row in enumerate(rows):
-            last = i == len(rows) - 1
             if not 0 <= row.token < self.vocab_size:
                 raise VerifyError(
                     ErrorCode.MALFORMED_PROPOSAL, f"draft {row.token} outside the vocabulary"
                 )
-            if self.eos is not None and row.token == self.eos and not last:
+            if self.eos is not None and row.token == self.eos and i != len(rows) - 1:
                 raise VerifyError(
                     ErrorCode.MALFORMED_PROPOSAL, "draft continues after a terminal token"
-                )
-            if row.count_at(row.token) <= 0:
-                raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "draft has zero q")
-            if row.ids is None and row.length < self.vocab_size:
-                raise VerifyError(
-                    ErrorCode.MALFORMED_PROPOSAL, "dense q shorter than the vocabulary"
                 )
         if len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
             raise VerifyError(
                 ErrorCode.MALFORMED_PROPOSAL,
                 "block shorter than its depth without a terminal token",
             )
+
+    def check_proposal(self, proposal: Proposal) -> None:
+        """Refuse a proposal that this request must not consume; draws nothing.
+
+        Raises:
+            VerifyError: anything :meth:`check_key` raises; ``MALFORMED_PROPOSAL``
+                for one shard of a sharded proposal, a draft with zero q, or a
+                dense row shorter than the vocabulary.
+        """
+        if proposal.shard is not None:
+            raise VerifyError(
+                ErrorCode.MALFORMED_PROPOSAL, "one shard of a proposal is verified by its group"
+            )
+        self.check_key(proposal)
+        for row in proposal.rows:
+            if row.count_at(row.token) <= 0:
+                raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "draft has zero q")
+            if row.ids is None and row.length < self.vocab_size:
+                raise VerifyError(
+                    ErrorCode.MALFORMED_PROPOSAL, "dense q shorter than the vocabulary"
+                )
 
     # -- rounds -----------------------------------------------------------
 
@@ -423,7 +460,7 @@ class RequestVerifier:
         start = len(self.committed)
         new: list[int] = []
         if scores is not None and len(scores) != len(proposal.rows) + 1:
-            raise VerifyError(ErrorCode.TARGET_FAILED, "scores do not match the proposal")
+            raise VerifyError(ErrorCode.BAD_ARGUMENT, "scores do not match the proposal")
         for i, row in enumerate(proposal.rows):
             target = self._row(context, None if scores is None else scores[i])
             x = row.token
@@ -551,13 +588,38 @@ def proposal_from_rows(
     )
 
 
+class FailedRow:
+    """The row a per-prefix target could not give: its call raised ``error``.
+
+    :func:`batched` puts one in place of each failed call, so a failure of a
+    per-prefix plugin fails only the rounds that needed that prefix.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        """The failure of one call."""
+        self.error = error
+
+
 def batched(target: TargetFn) -> BatchTargetFn:
-    """``target``'s batched form: its own ``batch`` attribute if it has one, else
-    one call per prefix (the per-prefix plugin form, unchanged)."""
+    """``target``'s batched form: its own ``batch`` attribute if it has one (one call
+    for the whole step: if it raises, every round it scored fails), else one call
+    per prefix, each failure in its own place (:class:`FailedRow`)."""
     batch = getattr(target, "batch", None)
     if callable(batch):
         return cast(BatchTargetFn, batch)
-    return lambda prefixes: [target(p) for p in prefixes]
+
+    def each(prefixes: Sequence[Sequence[int]]) -> list[npt.ArrayLike]:
+        rows: list[npt.ArrayLike] = []
+        for prefix in prefixes:
+            try:
+                rows.append(target(prefix))
+            except Exception as exc:  # this prefix's rounds fail, not the whole step
+                rows.append(cast(npt.ArrayLike, FailedRow(exc)))
+        return rows
+
+    return each
 
 
 def verify_batch(
@@ -579,7 +641,8 @@ def verify_batch(
     group that votes first). Rounds must be of distinct requests.
 
     Never raises for a round's failure: a failing ``target`` call fails every
-    scored round with ``TARGET_FAILED`` (and poisons their requests).
+    scored round with ``TARGET_FAILED`` (and poisons their requests); a
+    :class:`FailedRow` in its result fails only the rounds that needed that row.
     """
     out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
     spans: list[tuple[int, int, int]] = []  # (round, first prefix, count)
@@ -609,9 +672,17 @@ def verify_batch(
             failure = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
     for k, first, count in spans:
         v, proposal, round_id = rounds[k]
-        if failure is not None:
+        span: Sequence[object] = rows[first : first + count]
+        failed = next((r for r in span if isinstance(r, FailedRow)), None)
+        if failed is not None:
+            failure_k: VerifyError | None = VerifyError(
+                ErrorCode.TARGET_FAILED, f"target evaluation failed: {failed.error!r}"
+            )
+        else:
+            failure_k = failure
+        if failure_k is not None:
             v.poisoned = True
-            out[k] = failure
+            out[k] = failure_k
             continue
         try:
             if proposal is not None:

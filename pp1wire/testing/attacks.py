@@ -58,7 +58,7 @@ def never_reads(
     exchange()
     core.open_slot(0, seed=1, prefix=[1, 2, 3])
     exchange()
-    core.step(0, depth=5, temperature=1.0, support=0, now=0.0)
+    core.step(0, round_id=0, depth=5, temperature=1.0, support=0, now=0.0)
     (frame,) = framing.FrameDecoder(1 << 20).feed(b"".join(core.data_to_send()))
     sock.sendall(
         b"".join(
@@ -80,7 +80,7 @@ async def probe(port: int, vocab: int, config: SparkConfig | None = None) -> flo
     started = time.perf_counter()
     client = await AsyncClient.connect("127.0.0.1", port, config or SparkConfig(vocab_size=vocab))
     await client.open(0, seed=2, prefix=[1, 2])
-    proposal = await client.propose(0, depth=5)
+    proposal = await client.propose(0, round_id=0, depth=5)
     client.release(proposal, 0)
     await client.close()
     return time.perf_counter() - started

@@ -13,7 +13,8 @@ attempt). Kinds:
 - ``target``: this rank's target evaluations fail, once, in the first attempt
   from ``ATTEMPT`` on in which it owns a round (``*``: every such attempt);
 - ``late``: sleep ``PP1_TP_LATE_S`` seconds (default 3) before the vote;
-- ``die``: SIGKILL this rank before the vote.
+- ``die``: SIGKILL this rank before the vote (in a group run as threads of one
+  process, :class:`RankVanished` ends the rank's thread instead: it never votes).
 """
 
 from __future__ import annotations
@@ -57,12 +58,21 @@ def parse_fault(text: str) -> Fault:
     return Fault(kind, int(rank), None if attempt == "*" else int(attempt))
 
 
+class RankVanished(BaseException):
+    """A rank that runs as a thread stops taking part, as a killed process would."""
+
+
 class InjectedFaults:
     """The :class:`pp1wire.tp.group.Faults` hooks for a list of faults."""
 
-    def __init__(self, faults: Sequence[Fault]) -> None:
-        """Hooks that fire ``faults``."""
+    def __init__(
+        self, faults: Sequence[Fault], *, late: float | None = None, threads: bool = False
+    ) -> None:
+        """Hooks that fire ``faults``; ``late`` seconds for ``late`` faults (default:
+        ``PP1_TP_LATE_S`` or 3); with ``threads`` the ranks are threads of this process."""
         self.faults = list(faults)
+        self.late = float(os.environ.get("PP1_TP_LATE_S", "3")) if late is None else late
+        self.threads = threads
         self._spent: set[Fault] = set()
 
     def _fires(self, kind: str, rank: int, attempt: int) -> bool:
@@ -87,8 +97,10 @@ class InjectedFaults:
     def before_vote(self, rank: int, attempt: int) -> None:
         """See :class:`pp1wire.tp.group.Faults`."""
         if self._fires("late", rank, attempt):
-            time.sleep(float(os.environ.get("PP1_TP_LATE_S", "3")))
+            time.sleep(self.late)
         if self._fires("die", rank, attempt):
+            if self.threads:
+                raise RankVanished(f"rank {rank} vanished before the vote of attempt {attempt}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 

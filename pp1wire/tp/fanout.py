@@ -18,6 +18,7 @@ import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
+from pp1wire.q.layout import as_int64, as_uint64
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.verify import Outcome, RequestVerifier, RoundResult
 
@@ -26,7 +27,6 @@ WORDS = 16
 VOTE_WORDS = 3
 INLINE = 16_384
 """Rows up to this many bytes travel inside the attempt header (one collective, not two)."""
-_MASK64 = (1 << 64) - 1
 _OUTCOMES = list(Outcome)
 Words = npt.NDArray[np.int64]
 
@@ -48,21 +48,10 @@ class Item:
     round_id: int = 0  # target-only rounds (a proposal carries its own)
 
 
-def signed(value: int) -> int:
-    """A uint64 as the int64 with the same bits (words are int64 on every backend)."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def unsigned(value: int) -> int:
-    """Inverse of :func:`signed`."""
-    return value & _MASK64
-
-
 def digest(data: bytes | npt.NDArray[np.generic]) -> int:
     """xxh3-64 of the bytes, as a signed word."""
     raw = data if isinstance(data, bytes) else np.ascontiguousarray(data).data
-    return signed(int(xxhash.xxh3_64_intdigest(raw)))
+    return as_int64(int(xxhash.xxh3_64_intdigest(raw)))
 
 
 def owner_of(request: int, world: int) -> int:
@@ -99,17 +88,17 @@ class Header:
             int(self.kind),
             0,  # reserved
             self.request,
-            self.session,
+            as_int64(self.session),
             self.generation,
             self.round_id,
             self.position,
-            signed(self.prefix_digest),
+            as_int64(self.prefix_digest),
             self.depth,
             self.rows,
             int(self.sparse),
             self.nbytes,
             self.payload_digest,
-            self.context,
+            as_int64(self.context),
         ]
         return out
 
@@ -118,29 +107,29 @@ class Header:
         """Read a header, refusing one no rank 0 of this protocol could have sent.
 
         Raises:
-            ValidationError: ``HEADER_INVALID`` for an unknown kind, a row count
+            ValidationError: ``GROUP_HEADER_INVALID`` for an unknown kind, a row count
                 outside ``0..MAX_DEPTH`` or a payload over ``max_payload`` bytes
                 (checked before any payload buffer is allocated).
         """
         w = [int(v) for v in words.tolist()]
         if w[0] not in (k.value for k in Kind):
-            raise ValidationError(ErrorCode.HEADER_INVALID, f"unknown attempt kind {w[0]}")
+            raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, f"unknown attempt kind {w[0]}")
         if not 0 <= w[9] <= MAX_DEPTH or not 0 <= w[11] <= max_payload or w[10] not in (0, 1):
-            raise ValidationError(ErrorCode.HEADER_INVALID, "attempt header out of bounds")
+            raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "attempt header out of bounds")
         return cls(
             kind=Kind(w[0]),
             request=w[2],
-            session=w[3],
+            session=as_uint64(w[3]),
             generation=w[4],
             round_id=w[5],
             position=w[6],
-            prefix_digest=unsigned(w[7]),
+            prefix_digest=as_uint64(w[7]),
             depth=w[8],
             rows=w[9],
             sparse=bool(w[10]),
             nbytes=w[11],
             payload_digest=w[12],
-            context=w[13],
+            context=as_uint64(w[13]),
         )
 
 
@@ -167,23 +156,23 @@ def read_batch(words: Words, max_batch: int, max_payload: int) -> tuple[int, lis
     """``(attempt, entries)`` from :func:`batch_words`; no entries means stop.
 
     Raises:
-        ValidationError: ``HEADER_INVALID`` for a count over ``max_batch``, an
+        ValidationError: ``GROUP_HEADER_INVALID`` for a count over ``max_batch``, an
             entry :meth:`Header.from_words` refuses, two entries for one request;
-            ``PAYLOAD_LENGTH`` if the entries' sizes do not add up to the total.
+            ``GROUP_HEADER_INVALID`` if the entries' sizes do not add up to the total.
     """
     if int(words[0]) == 0:
         return int(words[1]), []
     count, total = int(words[2]), int(words[3])
     if int(words[0]) != 1 or not 1 <= count <= max_batch:
-        raise ValidationError(ErrorCode.HEADER_INVALID, "attempt header out of bounds")
+        raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "attempt header out of bounds")
     entries = [
         Header.from_words(words[(1 + i) * WORDS : (2 + i) * WORDS], max_payload)
         for i in range(count)
     ]
     if len({h.request for h in entries}) != count:
-        raise ValidationError(ErrorCode.HEADER_INVALID, "two entries for one request")
+        raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "two entries for one request")
     if sum(h.nbytes for h in entries) != total:
-        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "entry sizes do not add up")
+        raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "entry sizes do not add up")
     return int(words[1]), entries
 
 
@@ -242,16 +231,16 @@ def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tupl
     """The rows :func:`pack_rows` wrote; q views ``payload`` (no copy).
 
     Raises:
-        ValidationError: ``PAYLOAD_LENGTH`` if the lengths do not fill the payload exactly.
+        ValidationError: ``GROUP_HEADER_INVALID`` if the lengths do not fill the payload exactly.
     """
     head = 8 * rows
     if payload.nbytes < head:
-        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "payload shorter than its row table")
+        raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "payload shorter than its row table")
     tokens = payload[: 4 * rows].view("<i4")
     lengths = payload[4 * rows : head].view("<i4")
     per_entry = 8 if sparse else 4
     if int(lengths.min(initial=0)) < 0 or head + per_entry * int(lengths.sum()) != payload.nbytes:
-        raise ValidationError(ErrorCode.PAYLOAD_LENGTH, "row lengths do not fill the payload")
+        raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "row lengths do not fill the payload")
     out = []
     at = head
     for token, length in zip(tokens.tolist(), lengths.tolist(), strict=True):

@@ -14,10 +14,13 @@ collectives on every rank, in this order:
 
 An entry commits on every rank only if every rank voted ok with the same
 outcome digest; otherwise every rank discards it, and rank 0 follows with a
-target-only round for that request. A voted-down target-only round, and any
-collective that raises (timeout, dead peer), ends the group:
-:class:`GroupFailedError` on every rank that can still run, nothing of that
-attempt committed.
+target-only round for that request. A round whose target failed on its owner
+stops that request (its verifier stays poisoned). A target-only round voted
+down for any other reason, and any collective that raises (timeout, dead
+peer), ends the group: :class:`~pp1wire.tp.coordinator.GroupFailedError` on
+every rank that can still run, nothing of that attempt committed. Every
+collective goes through the rank's
+:class:`~pp1wire.tp.coordinator.GroupCoordinator`.
 """
 
 from __future__ import annotations
@@ -31,26 +34,19 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.distributed as dist
 
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
-from pp1wire.q.verify import RequestVerifier, RoundResult, batched, verify_batch
+from pp1wire.q.verify import (
+    TARGET_FAILURES,
+    RequestVerifier,
+    RoundResult,
+    batched,
+    verify_batch,
+)
 from pp1wire.tp import fanout
+from pp1wire.tp.coordinator import GroupCoordinator, GroupFailedError
 from pp1wire.tp.fanout import Header, Item, Kind
-
-
-class GroupFailedError(Pp1Error):
-    """The group cannot continue: a collective failed or a target-only round was voted down.
-
-    Nothing of the attempt in progress was committed on any rank. A gloo
-    group cannot be used after a timeout, so the process should stop (or the
-    embedding engine rebuild its group).
-    """
-
-    def __init__(self, detail: str) -> None:
-        """A ``GROUP_FAILED`` error with ``detail``."""
-        super().__init__(ErrorCode.GROUP_FAILED, detail)
 
 
 class Faults(Protocol):
@@ -115,62 +111,31 @@ VerifierFor = Callable[[Header], RequestVerifier]
 
 
 class SparkGroup:
-    """One rank's side of the Spark TP group.
+    """One rank's side of the Spark TP group, over its :class:`GroupCoordinator`.
 
-    ``group`` is the control group (gloo; None = the default group);
-    ``device_group`` carries the payload (NCCL with ``device`` a CUDA device,
-    else the control group). An engine that already has process groups passes
-    them in; ``pp1-spark --tp N`` creates the default one.
+    The coordinator's control group carries the headers and votes; its device
+    group (NCCL on a CUDA rank) the rows. An engine that already has process
+    groups wraps them in a coordinator; ``pp1-spark --tp N`` joins the default one.
     """
 
     def __init__(
         self,
+        coord: GroupCoordinator,
         vocab_size: int,
         *,
-        group: dist.ProcessGroup | None = None,
-        device_group: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
         max_batch: int = 8,
         faults: Faults | None = None,
     ) -> None:
-        """Join the group (no collective runs here); every rank must pass the same ``max_batch``.
-
-        Raises:
-            RuntimeError: if ``torch.distributed`` is not initialized.
-        """
-        self.group = group
-        self.device_group = device_group if device_group is not None else group
-        self.device = device or torch.device("cpu")
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        """Join the group (no collective runs here); every rank must pass the same ``max_batch``."""
+        self.coord = coord
+        self.rank = coord.rank
+        self.world = coord.world
+        self.device = coord.device
         self.max_payload = fanout.max_payload(vocab_size)
         self.max_batch = max_batch
         self.faults = faults
         self.stats = GroupStats()
         self.held: dict[int, RequestVerifier] = {}
-        self.dead: str | None = None
-
-    # -- collectives ----------------------------------------------------------
-
-    def _global(self, group: dist.ProcessGroup | None, rank: int) -> int:
-        return rank if group is None else dist.get_global_rank(group, rank)
-
-    def _run(self, what: str, op: Callable[[], object]) -> None:
-        if self.dead is not None:
-            raise GroupFailedError(self.dead)
-        self.stats.collectives += 1
-        try:
-            op()
-        except (RuntimeError, ValueError) as exc:  # gloo timeouts and dead peers raise these
-            self.dead = (
-                f"rank {self.rank}: {what} (attempt {self.stats.attempts}) failed, "
-                f"the process group is unusable: {str(exc).splitlines()[0][:200]}"
-            )
-            raise GroupFailedError(self.dead) from exc
-
-    def _broadcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
-        g = self._global(group, src)
-        self._run("broadcast", lambda: dist.broadcast(t, src=g, group=group))
 
     # -- one attempt, the same on every rank -------------------------------------
 
@@ -190,12 +155,11 @@ class SparkGroup:
             words[:head] = torch.from_numpy(fanout.batch_words(attempt, entries, self.max_batch))
             if payload is not None and payload.size <= fanout.INLINE:
                 words.numpy()[head:].view(np.uint8)[: payload.size] = payload
-        self._broadcast(words, 0, self.group)
+        self.coord.broadcast(words, 0)
         try:
             _, entries = fanout.read_batch(words[:head].numpy(), self.max_batch, self.max_payload)
         except Pp1Error as exc:
-            self.dead = f"rank {self.rank}: unreadable attempt header: {exc}"
-            raise GroupFailedError(self.dead) from exc
+            raise self.coord.fail(f"unreadable attempt header: {exc}") from exc
         if not entries:
             return entries, []
         self.stats.entries += len(entries)
@@ -225,7 +189,7 @@ class SparkGroup:
         chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
         for i, outcome in self._evaluate(entries, chunks, verifiers, owned, copies, fail).items():
             mine[i] = outcome
-        outcomes = self._all_gather(torch.from_numpy(mine), "outcomes")
+        outcomes = self.coord.all_gather(torch.from_numpy(mine))
 
         votes = np.zeros((self.max_batch, fanout.VOTE_WORDS), dtype=np.int64)
         results: list[RoundResult | None] = []
@@ -239,7 +203,7 @@ class SparkGroup:
             votes[i] = [int(reason is None), int(reason or 0), fanout.digest(theirs)]
         if self.faults is not None:
             self.faults.before_vote(self.rank, attempt)
-        gathered = self._all_gather(torch.from_numpy(votes), "vote")
+        gathered = self.coord.all_gather(torch.from_numpy(votes))
 
         decisions = []
         for i, h in enumerate(entries):
@@ -252,15 +216,22 @@ class SparkGroup:
             if not failures and len({b[2] for b in ballots}) != 1:
                 failures = [(0, ErrorCode.GROUP_OUTCOME_MISMATCH)]
             decisions.append(Decision(h, None if failures else results[i], failures))
-        lost = [d for d in decisions if d.failures and d.header.kind is Kind.TARGET_ONLY]
+        # A target-only round voted down for anything but its target's failure means
+        # the ranks no longer hold the same state: the group cannot go on.
+        lost = [
+            d
+            for d in decisions
+            if d.failures
+            and d.header.kind is Kind.TARGET_ONLY
+            and not all(code in TARGET_FAILURES for _, code in d.failures)
+        ]
         if lost:
             d = lost[0]
             ranks = ", ".join(f"rank {r}: {c.name}" for r, c in d.failures)
-            self.dead = (
+            raise self.coord.fail(
                 f"request {d.header.request} round {d.header.round_id}: the target-only "
                 f"attempt was voted down ({ranks}); nothing of attempt {attempt} was committed"
             )
-            raise GroupFailedError(self.dead)
         for d, v in zip(decisions[:n], verifiers, strict=True):
             if d.result is None:
                 v.discard()
@@ -278,7 +249,7 @@ class SparkGroup:
             buf = torch.empty(total, dtype=torch.uint8)
         buf = buf.to(self.device)
         self.stats.bulk += 1
-        self._broadcast(buf, 0, self.device_group)
+        self.coord.broadcast(buf, 0, device=True)
         local: npt.NDArray[np.uint8] = buf.cpu().numpy()
         self._account(total, started)
         return local
@@ -286,11 +257,6 @@ class SparkGroup:
     def _account(self, total: int, started: float) -> None:
         self.stats.fanout_seconds += time.perf_counter() - started
         self.stats.fanout_bytes += total * (self.world - 1 if self.rank == 0 else 1)
-
-    def _all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        self._run(what, lambda: dist.all_gather(out, t, group=self.group))
-        return out
 
     def _verifier(self, header: Header, verifier_for: VerifierFor) -> RequestVerifier:
         verifier = verifier_for(header)
@@ -376,24 +342,6 @@ class SparkGroup:
         _, decisions = self._attempt(entries, payload, lambda h: by_request[h.request])
         return decisions
 
-    def lead_proposal(
-        self, request: int, verifier: RequestVerifier, proposal: Proposal
-    ) -> Decision:
-        """:meth:`lead` for one validated proposal.
-
-        Raises:
-            GroupFailedError, ValueError: as :meth:`lead`.
-        """
-        return self.lead([Item(request, verifier, proposal)])[0]
-
-    def lead_target_only(self, request: int, verifier: RequestVerifier, round_id: int) -> Decision:
-        """:meth:`lead` for one target-only round.
-
-        Raises:
-            GroupFailedError: as :meth:`lead`.
-        """
-        return self.lead([Item(request, verifier, None, round_id)])[0]
-
     def lead_stop(self) -> list[RankReport]:
         """End the group's rounds; returns every rank's report (rank order).
 
@@ -430,7 +378,7 @@ class SparkGroup:
         )
         mine = torch.tensor(
             [
-                self.stats.collectives + 1,  # the gather below included
+                self.coord.collectives + 1,  # the gather below included
                 self.stats.attempts,
                 self.stats.fanout_bytes,
                 int(self.stats.fanout_seconds * 1e9),
@@ -439,8 +387,7 @@ class SparkGroup:
             ],
             dtype=torch.int64,
         )
-        gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        self._run("report", lambda: dist.all_gather(gathered, mine, group=self.group))
+        gathered = self.coord.all_gather(mine)
         return [
             RankReport(
                 rank=r,

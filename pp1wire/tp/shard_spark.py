@@ -2,41 +2,56 @@
 
 Spark rank r holds only its link's shard of each proposal and only its range
 of the target's probabilities (``docs/protocol.md`` §6.7). Every rank runs the
-same program on the same requests (SPMD): for each round it reports what its
-shard showed (:class:`ShardReport`), and :meth:`ShardedVerifyGroup.check`
-gathers every rank's report, so each rank takes the same decision. A round
-that passes is verified by the ranks together — the acceptance test by the
-rank that owns the drafted token, the correction and bonus by the sharded
-descent of §6.6 — giving exactly the tokens of the unsharded verifier
-(:meth:`pp1wire.q.verify.RequestVerifier.verify`) for the same p, q and seed.
-A round that fails anywhere is decoded target-only by the group instead. The
-vote (:meth:`ShardedVerifyGroup.agree`) compares every rank's outcome before
-anything is committed; a disagreement fails the group closed.
+same program on the same requests (SPMD) and decides each engine step's rounds
+together with :meth:`ShardedVerifyGroup.decide`, which runs the same
+collectives on every rank, in the same order, for the same inputs (failure
+paths included):
 
-Every method runs the same collectives on every rank, in the same order, for
-the same inputs (failure paths included).
+1. the check: every rank's report of what its shard showed
+   (:class:`ShardReport`) is gathered once for the whole step, so each rank
+   takes the same decision on each round (:func:`pp1wire.q.layout.check_group`);
+2. the scores: one call of the target for every prefix the step needs, each
+   rank keeping its range; a rank whose call failed says so in one all-reduce,
+   and those rounds stop on every rank (``TARGET_FAILED``);
+3. the verification: the acceptance test by the rank that owns the drafted
+   token, the correction and bonus by the sharded descent of §6.6 — exactly
+   the tokens of the unsharded verifier for the same p, q and seed — and the
+   target-only rounds by the sharded target draw;
+4. the vote: every rank's outcomes are gathered once; if any rank decided
+   otherwise the group fails closed, nothing of the step committed anywhere.
+   Otherwise each rank applies the results to its verifiers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.distributed as dist
 
 from pp1wire.errors import ErrorCode, VerifyError
-from pp1wire.q import dist_ops
 from pp1wire.q.dyadic import M
-from pp1wire.q.layout import ShardLayout, ShardSummary, as_int64, check_group
-from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, Proposal, QRow
+from pp1wire.q.layout import ShardSummary, as_int64, check_group
+from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
-from pp1wire.q.verify import Outcome, TargetFn, accept_exact
+from pp1wire.q.verify import (
+    BatchTargetFn,
+    FailedRow,
+    Outcome,
+    RequestVerifier,
+    RoundResult,
+    accept_exact,
+)
+from pp1wire.tp import dist_ops
+from pp1wire.tp.coordinator import GroupCoordinator
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
 _REPORT = 3 + _KEY + 2 * MAX_DEPTH
+_OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
+_OUTCOMES = list(Outcome)
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,7 @@ def _mass(row: QRow) -> int:
     return int((row.q32.astype(np.float64) * M).sum())
 
 
-def _summary(words: list[int]) -> ShardSummary:
+def _summary(words: Sequence[int]) -> ShardSummary:
     n = words[2]
     key = tuple(words[3 : 3 + _KEY])
     tokens = tuple(words[3 + _KEY : 3 + _KEY + n])
@@ -85,78 +100,178 @@ def _summary(words: list[int]) -> ShardSummary:
     return ShardSummary(key, tokens, masses)
 
 
-@dataclass(frozen=True)
-class Decided:
-    """One round's result on every rank: the tokens to commit and how they were chosen."""
+@dataclass
+class ShardRound:
+    """One round of a step on this rank: its shard of a proposal (or the code this
+    rank's link gave instead), or a target-only round (``proposal`` and ``failure`` None)."""
 
+    verifier: RequestVerifier
     round_id: int
-    accepted: int
-    tokens: tuple[int, ...]
-    extra: int | None
-    outcome: Outcome
+    proposal: Proposal | None = None
+    failure: ErrorCode | None = None
+
+    @property
+    def target_only(self) -> bool:
+        """Whether the round has no proposal on any rank (agreed before the step)."""
+        return self.proposal is None and self.failure is None
 
 
 class ShardedVerifyGroup:
-    """This rank's part in deciding rounds of a vocabulary-sharded Spark group."""
+    """This rank's part in deciding the steps of a vocabulary-sharded Spark group."""
 
-    def __init__(self, layout: ShardLayout, group: dist.ProcessGroup | None = None) -> None:
-        """Join as this process's rank of ``group`` (the default group if None).
+    def __init__(self, coord: GroupCoordinator) -> None:
+        """Decide over ``coord`` (its layout gives this rank's range).
 
         Raises:
-            ValueError: if the layout does not have one range per rank.
+            ValueError: if the coordinator has no vocabulary layout.
         """
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        if layout.shards != self.world:
-            raise ValueError(f"a layout of {layout.shards} shards for {self.world} ranks")
-        self.start, self.end = layout.range(self.rank)
-        self.vocab = layout.vocab_size
+        if coord.layout is None:
+            raise ValueError("a sharded Spark group needs a vocabulary layout")
+        self.coord = coord
+        self.rank = coord.rank
+        self.world = coord.world
+        self.start, self.end = coord.layout.range(self.rank)
+        self.vocab = coord.layout.vocab_size
 
-    # -- collectives ---------------------------------------------------------
+    # -- a step ------------------------------------------------------------------------
 
-    def _gather(self, words: list[int]) -> list[list[int]]:
-        t = torch.tensor(words, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t, group=self.group)
-        return [[int(v) for v in o.tolist()] for o in out]
+    def decide(
+        self, rounds: Sequence[ShardRound], target: BatchTargetFn
+    ) -> list[RoundResult | VerifyError]:
+        """Decide and apply a step's rounds on every rank (distinct requests, the same
+        rounds in the same order on every rank); one outcome per round, in order.
 
-    def _max(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t[0])
+        A round that cannot use its proposal gets the reason (the lowest rank's
+        own refusal, or the group check's code); a round whose target failed on
+        any rank gets ``TARGET_FAILED`` (its verifier is poisoned); the others
+        are committed on every rank.
 
-    # -- decisions -------------------------------------------------------------
+        Raises:
+            GroupFailedError: a collective failed, or the ranks' outcomes differ
+                (nothing of the step was applied on any rank).
+        """
+        n = len(rounds)
+        out: list[RoundResult | VerifyError | None] = [None] * n
+        self._check(rounds, out)
+        scores = self._score(rounds, out, target)
+        for i, r in enumerate(rounds):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = self._decide_one(r, scores[i])
+            except VerifyError as exc:  # raised on every rank alike (flags are all-reduced)
+                if exc.code is not ErrorCode.EMPTY_RESIDUAL:
+                    r.verifier.poisoned = True
+                out[i] = exc
+        decided = [o if o is not None else VerifyError(ErrorCode.INTERNAL) for o in out]
+        self._vote(decided)
+        for r, o in zip(rounds, decided, strict=True):
+            if isinstance(o, RoundResult):
+                r.verifier.apply(o)
+        return decided
 
-    def check(self, report: ShardReport) -> ErrorCode | None:
-        """None if every rank's shard passed and together they form one proposal (§6.7);
-        else the reason: the lowest rank's own refusal, or the group check's code."""
-        gathered = self._gather(report.words())
-        for words in gathered:
-            if not words[0]:
-                return ErrorCode(words[1])
-        return check_group([_summary(w) for w in gathered])
-
-    def common_round(self, local: int) -> int:
-        """The largest of every rank's candidate round ID (links may disagree after a loss)."""
-        return self._max(local)
-
-    def agree(self, decided: Decided) -> bool:
-        """Whether every rank decided exactly this (the vote before any COMMIT)."""
-        tokens = list(decided.tokens) + [-1] * (MAX_DEPTH + 1 - len(decided.tokens))
-        words = [decided.round_id, decided.accepted, -1 if decided.extra is None else decided.extra]
-        gathered = self._gather(words + tokens)
-        return all(w == gathered[0] for w in gathered)
-
-    # -- verification ------------------------------------------------------------
-
-    def _p(self, target: TargetFn, context: Sequence[int]) -> torch.Tensor:
-        full = np.asarray(target(context), dtype=np.float64)
-        if full.shape != (self.vocab,):
-            raise VerifyError(ErrorCode.TARGET_FAILED, f"target shape {full.shape}")
-        return dist_ops.normalize_target(
-            torch.from_numpy(full[self.start : self.end].copy()), self.group
+    def _check(
+        self, rounds: Sequence[ShardRound], out: list[RoundResult | VerifyError | None]
+    ) -> None:
+        """Step 1: one gather of every rank's reports; a round that fails anywhere falls back."""
+        mine: list[int] = []
+        for r in rounds:
+            if r.proposal is not None:
+                mine += ShardReport.of(r.proposal).words()
+            else:
+                mine += ShardReport(r.failure).words()
+        if not rounds:
+            return
+        gathered = self.coord.all_gather(torch.tensor(mine, dtype=torch.int64)).reshape(
+            self.world, len(rounds), _REPORT
         )
+        for i, r in enumerate(rounds):
+            if r.target_only:
+                continue
+            reports = [[int(v) for v in gathered[k, i].tolist()] for k in range(self.world)]
+            refused = next((ErrorCode(w[1]) for w in reports if not w[0]), None)
+            reason = refused or check_group([_summary(w) for w in reports])
+            if reason is not None:
+                out[i] = VerifyError(reason, "the group cannot use this proposal")
+            else:
+                assert r.proposal is not None
+                try:
+                    r.verifier.check_key(r.proposal)
+                except VerifyError as exc:  # the same on every rank: same state, same key
+                    out[i] = exc
+
+    def _score(
+        self,
+        rounds: Sequence[ShardRound],
+        out: list[RoundResult | VerifyError | None],
+        target: BatchTargetFn,
+    ) -> list[list[npt.NDArray[np.float64]]]:
+        """Step 2: this rank's range of the target for every prefix of the step (one call)."""
+        wanted: list[tuple[int, int]] = []  # (round, prefixes)
+        prefixes: list[Sequence[int]] = []
+        for i, r in enumerate(rounds):
+            if out[i] is not None:
+                continue
+            v = r.verifier
+            own = v.prefixes(r.proposal) if r.proposal is not None else [v.committed]
+            wanted.append((i, len(own)))
+            prefixes.extend(own)
+        scores: list[list[npt.NDArray[np.float64]]] = [[] for _ in rounds]
+        failed = [False] * len(wanted)
+        if prefixes:
+            try:
+                rows = cast(Sequence[object], target(prefixes))
+                if len(rows) != len(prefixes):
+                    raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
+            except Exception:  # one batched call: every round it scored fails
+                failed = [True] * len(wanted)
+            else:
+                at = 0
+                for n, (i, count) in enumerate(wanted):
+                    for row in rows[at : at + count]:
+                        full = None if isinstance(row, FailedRow) else _as_row(row)
+                        if full is None or full.shape != (self.vocab,):
+                            failed[n] = True  # a per-prefix plugin failed for this round
+                            break
+                        scores[i].append(full[self.start : self.end])
+                    at += count
+        # Every rank learns which rounds failed anywhere (one all-reduce, even if empty).
+        anywhere = self.coord.flags(*failed) if wanted else self.coord.flags(False)
+        for (i, _), bad in zip(wanted, anywhere, strict=False):
+            if bad:
+                rounds[i].verifier.poisoned = True
+                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
+        return scores
+
+    def _vote(self, decided: Sequence[RoundResult | VerifyError]) -> None:
+        """Step 4: every rank decided exactly this, or the group fails closed."""
+        if not decided:
+            return
+        words: list[int] = []
+        for d in decided:
+            if isinstance(d, VerifyError):
+                words += [0, int(d.code)] + [0] * (_OUTCOME - 2)
+            else:
+                tokens = list(d.tokens) + [-1] * (MAX_DEPTH + 1 - len(d.tokens))
+                extra = -1 if d.extra is None else d.extra
+                words += [1, _OUTCOMES.index(d.outcome), d.round_id, d.accepted, extra, *tokens]
+        gathered = self.coord.all_gather(torch.tensor(words, dtype=torch.int64))
+        if not all(torch.equal(g, gathered[0]) for g in gathered):
+            raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
+
+    # -- one round, on every rank -----------------------------------------------------------
+
+    def _decide_one(self, r: ShardRound, scores: list[npt.NDArray[np.float64]]) -> RoundResult:
+        v = r.verifier
+        if r.proposal is None:
+            streams = RoundStreams(Role.SPARK, v.seed, v.generation, r.round_id)
+            p = self._normalize(scores[0])
+            token = self._draw(p, None, streams.u53_int(Domain.TARGET, len(v.committed)))
+            return _result(v, r.round_id, [token], 0, token, Outcome.TARGET)
+        return self._verify(v, r.proposal, scores)
+
+    def _normalize(self, shard: npt.NDArray[np.float64]) -> torch.Tensor:
+        return dist_ops.normalize_target(torch.from_numpy(np.ascontiguousarray(shard)), self.coord)
 
     def _counts(self, row: QRow) -> npt.NDArray[np.float64]:
         """This shard's counts of a row as binary64, one per ID of the range."""
@@ -179,65 +294,60 @@ class ShardedVerifyGroup:
     def _draw(self, p: torch.Tensor, counts: npt.NDArray[np.float64] | None, u53: int) -> int:
         zeros = np.zeros(self.end - self.start, dtype=np.float64)
         c = torch.from_numpy(counts if counts is not None else zeros)
-        return dist_ops.residual_sample(p, c, u53, self.group)
+        return dist_ops.residual_sample(p, c, u53, self.coord)
 
-    def verify(
-        self,
-        *,
-        seed: int,
-        committed: Sequence[int],
-        eos: int | None,
-        proposal: Proposal,
-        target: TargetFn,
-    ) -> Decided:
-        """The round's tokens from this rank's shard of ``proposal`` (checked by :meth:`check`).
-
-        Raises:
-            VerifyError: a target failure (every rank alike) or ``EMPTY_RESIDUAL``.
-        """
-        streams = RoundStreams(Role.SPARK, seed, proposal.generation, proposal.round_id)
-        context = ExtendedPrefix(committed)
-        start = len(committed)
+    def _verify(
+        self, v: RequestVerifier, proposal: Proposal, scores: list[npt.NDArray[np.float64]]
+    ) -> RoundResult:
+        """The round's tokens from this rank's shard of ``proposal`` (checked by the group)."""
+        streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
+        start = len(v.committed)
         new: list[int] = []
         rid = proposal.round_id
         for i, row in enumerate(proposal.rows):
-            p = self._p(target, context)
+            p = self._normalize(scores[i])
             x = row.token
             u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + i))
             owned = 0  # 1 + the test's result on the rank that owns x, 0 elsewhere
             if self.start <= x < self.end:
-                count = self._count_at(row, x)
-                owned = 1 + int(accept_exact(u, count, float(p[x - self.start])))
-            if self._max(owned) == 2:
+                owned = 1 + int(accept_exact(u, self._count_at(row, x), float(p[x - self.start])))
+            if self.coord.max_words([owned])[0] == 2:
                 new.append(x)
-                context.append(x)
-                if x == eos:
-                    return Decided(rid, len(new), tuple(new), None, Outcome.EOS)
+                if x == v.eos:
+                    return _result(v, rid, new, len(new), None, Outcome.EOS)
                 continue
             y = self._draw(p, self._counts(row), streams.u53_int(Domain.CORRECTION, start + i))
-            return Decided(rid, len(new), (*new, y), y, Outcome.CORRECTION)
-        p = self._p(target, context)
+            return _result(v, rid, [*new, y], len(new), y, Outcome.CORRECTION)
+        p = self._normalize(scores[len(proposal.rows)])
         b = self._draw(p, None, streams.u53_int(Domain.CORRECTION, start + len(proposal.rows)))
-        return Decided(rid, len(new), (*new, b), b, Outcome.BONUS)
-
-    def target_only(
-        self,
-        *,
-        seed: int,
-        generation: int,
-        round_id: int,
-        committed: Sequence[int],
-        target: TargetFn,
-    ) -> Decided:
-        """One token from the target alone (the fallback), drawn by the group.
-
-        Raises:
-            VerifyError: a target failure, on every rank alike.
-        """
-        streams = RoundStreams(Role.SPARK, seed, generation, round_id)
-        p = self._p(target, committed)
-        token = self._draw(p, None, streams.u53_int(Domain.TARGET, len(committed)))
-        return Decided(round_id, 0, (token,), token, Outcome.TARGET)
+        return _result(v, rid, [*new, b], len(new), b, Outcome.BONUS)
 
 
-__all__ = ["Decided", "ShardReport", "ShardedVerifyGroup"]
+def _as_row(row: object) -> npt.NDArray[np.float64] | None:
+    """A target row as binary64 (None if it is not numeric at all)."""
+    try:
+        return np.asarray(row, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def _result(
+    v: RequestVerifier,
+    round_id: int,
+    tokens: list[int],
+    accepted: int,
+    extra: int | None,
+    outcome: Outcome,
+) -> RoundResult:
+    return RoundResult(
+        round_id=round_id,
+        accepted=accepted,
+        tokens=tuple(tokens),
+        extra=extra,
+        outcome=outcome,
+        finished=v.eos is not None and tokens[-1] == v.eos,
+        new_position=len(v.committed) + len(tokens),
+    )
+
+
+__all__ = ["ShardReport", "ShardRound", "ShardedVerifyGroup"]

@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
-from pp1wire.q import dist_ops, dyadic
-from pp1wire.q.layout import ShardLayout, as_int64
+from pp1wire.q import dyadic
+from pp1wire.q.layout import as_int64
 from pp1wire.q.proposal import MAX_DEPTH, DrafterFn, ExtendedPrefix, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams
+from pp1wire.tp import dist_ops
+from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.wire.messages import Step
 
 log = logging.getLogger("pp1wire.worker.group")
@@ -93,27 +94,26 @@ class ShardedDrafting:
 
     def __init__(
         self,
-        layout: ShardLayout,
+        coord: GroupCoordinator,
         drafter: DrafterFn,
         *,
-        group: dist.ProcessGroup | None = None,
         match_timeout: float = 5.0,
         beat: float = 0.25,
         after_draw: AfterDraw | None = None,
     ) -> None:
-        """Join as this process's rank of ``group`` (the default group if None); call
+        """This rank's drafting over ``coord`` (its layout: one range per rank); call
         :meth:`start` once the server is listening.
 
         Raises:
-            ValueError: if the layout does not have one range per rank.
+            ValueError: if the coordinator has no vocabulary layout.
         """
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        if layout.shards != self.world:
-            raise ValueError(f"a layout of {layout.shards} shards for {self.world} ranks")
-        self.lo, self.hi = layout.range(self.rank)
-        self.vocab = layout.vocab_size
+        if coord.layout is None:
+            raise ValueError("a sharded worker group needs a vocabulary layout")
+        self.coord = coord
+        self.rank = coord.rank
+        self.world = coord.world
+        self.lo, self.hi = coord.layout.range(self.rank)
+        self.vocab = coord.layout.vocab_size
         self.drafter = drafter
         self.match_timeout = match_timeout
         self.beat = beat
@@ -188,14 +188,11 @@ class ShardedDrafting:
             self._fail_all(self.broken or "stopped")
 
     def _broadcast(self, words: list[int]) -> list[int]:
-        t = torch.tensor(words, dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
+        t = self.coord.broadcast(torch.tensor(words, dtype=torch.int64), 0)
         return [int(v) for v in t.tolist()]
 
     def _everyone(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t[0])
+        return self.coord.everyone(flag)
 
     def _lead(self) -> _Job | object | None:
         if self._stop.is_set():
@@ -297,7 +294,7 @@ class ShardedDrafting:
         return self._broadcast([u])[0]
 
     def _row(self, logits: torch.Tensor, temperature: float, support: int, u24: int) -> QRow:
-        g = self.group
+        g = self.coord
         if temperature == 0:
             counts, token = self._greedy(logits)
             if support == 0:
@@ -325,8 +322,7 @@ class ShardedDrafting:
         local = float(logits.max()) if logits.numel() else float("-inf")
         where = self.lo + int(torch.argmax(logits)) if logits.numel() else self.vocab
         offer = torch.tensor([float(bad), local, float(where)], dtype=torch.float64)
-        offers = [torch.empty_like(offer) for _ in range(self.world)]
-        dist.all_gather(offers, offer, group=self.group)
+        offers = self.coord.all_gather(offer)
         if any(o[0] > 0 for o in offers):
             raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite")
         top = max(float(o[1]) for o in offers)

@@ -81,7 +81,6 @@ class SparkSlot:
     hasher: PrefixDigest  # the prefix's digest, extended as it grows
     fence: SparkSlotFence
     desynced: bool = False
-    next_round: int = 0
     flight: ReplyAssembly | None = None
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
@@ -358,35 +357,50 @@ class SparkProtocol:
             raise LocalStateError(ErrorCode.SLOT_DESYNCED, f"slot {slot} must be reopened")
         return state
 
-    def allocate_round(self, slot: int) -> int:
-        """A fresh round ID for ``slot`` (for STEP or a target-only commit).
+    def next_round(self, slot: int) -> int:
+        """The lowest round ``slot`` may use next in its generation: one above every
+        round it has stepped or committed (derived from the fencing state, not a
+        second counter; a request that numbers its own rounds does not need it).
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
             LocalStateError: ``NOT_READY``, or ``SLOT_DESYNCED`` until the slot is reopened.
         """
-        state = self._slot(slot)
-        round_id = state.next_round
-        state.next_round += 1
-        return round_id
+        return self._slot(slot).fence.last_round + 1
 
-    def step(self, slot: int, *, depth: int, temperature: float, support: int, now: float) -> int:
-        """Queue STEP for ``slot``; returns its round ID.
+    def step(
+        self,
+        slot: int,
+        *,
+        round_id: int,
+        depth: int,
+        temperature: float,
+        support: int,
+        now: float,
+    ) -> None:
+        """Queue STEP for ``slot`` under ``round_id``.
+
+        The caller owns the round numbering (one counter per request and
+        generation: :meth:`pp1wire.q.verify.RequestVerifier.take_round`); the
+        round must be above every round this slot has used in its generation.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT``, ``DEPTH_OUT_OF_RANGE`` or
-                ``SUPPORT_OUT_OF_RANGE``.
+            ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, ``DEPTH_OUT_OF_RANGE``
+                or ``SUPPORT_OUT_OF_RANGE``; nothing is sent then.
             LocalStateError: ``NOT_READY``, ``SLOT_DESYNCED``, or ``SLOT_BUSY`` when
                 a proposal is already in flight on the slot.
         """
         state = self._slot(slot)
         if state.flight is not None:
             raise LocalStateError(ErrorCode.SLOT_BUSY, f"slot {slot} has a proposal in flight")
+        if round_id <= state.fence.last_round:
+            raise ProtocolError(
+                ErrorCode.ROUND_REUSED, f"round {round_id} is not after {state.fence.last_round}"
+            )
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
         if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
             raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
-        round_id = self.allocate_round(slot)
         msg = Step(
             session=self.session,
             slot=slot,
@@ -403,7 +417,6 @@ class SparkProtocol:
             step=msg, deadline=now + self.config.reply_timeout
         )
         self._send(msg)
-        return round_id
 
     def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
         """Queue COMMIT of ``tokens`` (accepted drafts, then the correction/bonus if any).
@@ -455,11 +468,10 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
-            self._discard(slot, state, ErrorCode.STALE_GENERATION)
+            self._discard(slot, state, ErrorCode.CANCELLED)  # our own reset: not a fallback
         generation = state.fence.generation + 1
         state.fence = SparkSlotFence(generation=generation)
         self._slot_generations[slot] = generation
-        state.next_round = 0
         state.drafts.clear()
         msg = messages.Reset(session=self.session, slot=slot, generation=generation)
         self._send(msg)
@@ -477,7 +489,7 @@ class SparkProtocol:
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
         if state.flight is not None:
-            self._discard(slot, state, ErrorCode.UNKNOWN_SLOT)
+            self._discard(slot, state, ErrorCode.CANCELLED)  # our own close: not a fallback
         for key in [k for k in self._ready if k[0] == slot]:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
@@ -662,9 +674,13 @@ class SparkProtocol:
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Committed)
         state = self._known(msg.session, msg.slot)
-        if state is None or msg.generation != state.fence.generation:
+        if state is None:
             return
-        self._events.append(CommitAcked(msg.slot, msg.round, msg.position))
+        if msg.generation != state.fence.generation:
+            # The slot was reset since: the caller's wait for it ended at the reset.
+            self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
+            return
+        self._events.append(CommitAcked(msg.slot, msg.generation, msg.round, msg.position))
 
     def _on_reset_done(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.ResetDone)

@@ -49,6 +49,7 @@ class CommitAcked:
     """The worker applied a COMMIT."""
 
     slot: int
+    generation: int
     round: int
     position: int
 

@@ -1,7 +1,7 @@
 """The vocabulary-sharded kernels across the ranks of a ``torch.distributed`` group.
 
-Rank ``r`` holds the contiguous slice of the global vocabulary given by the
-shard sizes of ranks ``0..r`` (any sizes, empty ones included). Every function
+Rank ``r`` holds the contiguous slice of the global vocabulary that its
+coordinator's layout gives it (any sizes, empty ones included). Every function
 runs the same collectives, with the same fixed shapes, on every rank and in
 the same order whatever the data (failure paths included: refusals are
 decided from all-reduced flags, so every rank raises the same error after the
@@ -9,59 +9,61 @@ same collectives). The results equal :mod:`pp1wire.q.sharding` and the
 unsharded numpy kernels (``docs/protocol.md`` §6.6); the rank-local work is
 :mod:`pp1wire.q.torch_ops` on the shard's own device.
 
-Collectives go through the group given (gloo on CPU; for NCCL the tensors
-must live on the rank's CUDA device, which these functions respect).
+Every collective goes through the rank's
+:class:`~pp1wire.tp.coordinator.GroupCoordinator` (a failure is the group's
+``GROUP_FAILED``); its layout is static, so no kernel gathers shard sizes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
 from pp1wire.q import dyadic, torch_ops, tree
 from pp1wire.q.torch_ops import M
+from pp1wire.tp.coordinator import MAX, SUM, GroupCoordinator, ReduceOp
 
 _U53 = float(1 << 53)
 
 
 class Layout:
-    """Where this rank's shard sits in the global vocabulary (one all-gather)."""
+    """Where this rank's shard sits in the global vocabulary: the coordinator's static
+    layout (no collective), and the collectives the kernels run through it."""
 
-    def __init__(self, local_size: int, group: dist.ProcessGroup | None, device: torch.device):
-        """Gather every rank's shard size.
+    def __init__(self, coord: GroupCoordinator, local_size: int, device: torch.device):
+        """This rank's range of ``coord.layout``.
 
         Raises:
-            RuntimeError: from the collective if the group is broken.
+            ValueError: if the coordinator has no layout, or ``local_size`` is not
+                the size of this rank's range.
         """
-        self.group = group
+        if coord.layout is None:
+            raise ValueError("the sharded kernels need a coordinator with a vocabulary layout")
+        self.coord = coord
         self.device = device
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        sizes = self.all_gather(torch.tensor([local_size], dtype=torch.int64, device=device))
-        self.sizes = [int(s) for s in sizes[:, 0].tolist()]
-        self.start = sum(self.sizes[: self.rank])
-        self.stop = self.start + local_size
-        self.total_size = sum(self.sizes)
+        self.world = coord.world
+        self.rank = coord.rank
+        self.start, self.stop = coord.layout.range(coord.rank)
+        if self.stop - self.start != local_size:
+            raise ValueError(
+                f"rank {coord.rank} holds {local_size} entries, its range has "
+                f"{self.stop - self.start}"
+            )
+        self.total_size = coord.layout.vocab_size
         self.depth = tree.depth_for(self.total_size)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` (same shape on all ranks), stacked in rank order."""
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
-        return torch.stack(out)
+        return self.coord.all_gather(t)
 
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """``t`` reduced over the group (a new tensor)."""
-        out = t.clone()
-        dist.all_reduce(out, op=op, group=self.group)
-        return out
+        return self.coord.all_reduce(t, op)
 
     def flags(self, *local: bool) -> list[bool]:
         """Each flag OR-ed over the group (one all-reduce, the same on every rank)."""
-        t = torch.tensor([int(f) for f in local], dtype=torch.int64, device=self.device)
-        return [bool(v) for v in self.all_reduce(t, dist.ReduceOp.MAX).tolist()]
+        return self.coord.flags(*local)
 
 
 class _Tree:
@@ -117,7 +119,7 @@ class _Tree:
             target = torch.tensor(t, dtype=torch.float64, device=levels[0].device)
             found = (index << level) + int(torch_ops.descend(levels, target))
         result = torch.tensor([found], dtype=torch.int64, device=self.layout.device)
-        return int(self.layout.all_reduce(result, dist.ReduceOp.MAX)[0])
+        return int(self.layout.all_reduce(result, MAX)[0])
 
 
 def _weights_checked(w: torch.Tensor, layout: Layout, tree_: _Tree) -> float:
@@ -161,7 +163,7 @@ def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
     floors, rem = torch_ops.floors_and_remainders(
         w, torch.tensor(total, dtype=torch.float64, device=w.device)
     )
-    summed = layout.all_reduce(floors.sum().reshape(1), dist.ReduceOp.SUM)
+    summed = layout.all_reduce(floors.sum().reshape(1), SUM)
     remaining = M - int(summed[0])
     if not 0 <= remaining < layout.total_size:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over")
@@ -185,20 +187,20 @@ def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
         floors = floors + above.to(torch.int64)
         tie_ids = torch.nonzero(ties).reshape(-1)[:take]
         floors = floors.index_add(0, tie_ids, torch.ones_like(tie_ids))
-    check = layout.all_reduce(floors.sum().reshape(1), dist.ReduceOp.SUM)
+    check = layout.all_reduce(floors.sum().reshape(1), SUM)
     if int(check[0]) != M:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
     return floors
 
 
-def counts_from_weights(w: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def counts_from_weights(w: torch.Tensor, coord: GroupCoordinator) -> torch.Tensor:
     """This rank's piece of :func:`pp1wire.q.dyadic.counts_from_weights` of the global vector.
 
     Raises:
         ConstructionError: the unsharded function's code, on every rank.
     """
     w = w.to(torch.float64)
-    layout = Layout(w.numel(), group, w.device)
+    layout = Layout(coord, w.numel(), w.device)
     t = _Tree(w, layout)
     return _allocate(w, _weights_checked(w, layout, t), layout)
 
@@ -209,7 +211,7 @@ def _weights_from_logits(x: torch.Tensor, temperature: float, layout: Layout) ->
         x.max() if x.numel() else torch.tensor(float("-inf"), dtype=torch.float64, device=x.device)
     )
     nan = layout.flags(bool(torch.isnan(x).any()))[0]
-    top = float(layout.all_reduce(local.reshape(1).to(torch.float64), dist.ReduceOp.MAX)[0])
+    top = float(layout.all_reduce(local.reshape(1).to(torch.float64), MAX)[0])
     top = dyadic.check_top(float("nan") if nan else top)
     w = x - top
     if temperature != 1.0:
@@ -218,7 +220,7 @@ def _weights_from_logits(x: torch.Tensor, temperature: float, layout: Layout) ->
 
 
 def counts_from_logits(
-    x: torch.Tensor, temperature: float = 1.0, group: dist.ProcessGroup | None = None
+    x: torch.Tensor, temperature: float, coord: GroupCoordinator
 ) -> torch.Tensor:
     """This rank's piece of :func:`pp1wire.q.dyadic.counts_from_logits` of the global logits.
 
@@ -226,13 +228,13 @@ def counts_from_logits(
         ConstructionError: the unsharded function's code, on every rank.
     """
     x = x.to(torch.float64)
-    layout = Layout(x.numel(), group, x.device)
+    layout = Layout(coord, x.numel(), x.device)
     w = _weights_from_logits(x, temperature, layout)
     return _allocate(w, _Tree(w, layout).total, layout)
 
 
 def sparse_counts_from_logits(
-    x: torch.Tensor, temperature: float, k: int, group: dist.ProcessGroup | None = None
+    x: torch.Tensor, temperature: float, k: int, coord: GroupCoordinator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pp1wire.q.dyadic.sparse_counts_from_logits` of the global logits, on every rank.
 
@@ -245,7 +247,7 @@ def sparse_counts_from_logits(
     """
     dyadic.check_k(k)
     x = x.to(torch.float64)
-    layout = Layout(x.numel(), group, x.device)
+    layout = Layout(coord, x.numel(), x.device)
     w = _weights_from_logits(x, temperature, layout)
     offer = torch.full((k, 2), -1.0, dtype=torch.float64, device=w.device)
     local = torch_ops.top_k_ids(w, k)
@@ -262,7 +264,7 @@ def sparse_counts_from_logits(
     return chosen[keep, 1].to(torch.int32), counts[keep]
 
 
-def sample(counts: torch.Tensor, u24: int, group: dist.ProcessGroup | None = None) -> int:
+def sample(counts: torch.Tensor, u24: int, coord: GroupCoordinator) -> int:
     """:func:`pp1wire.q.dyadic.sample` of the global counts (the same ID on every rank).
 
     Raises:
@@ -270,7 +272,7 @@ def sample(counts: torch.Tensor, u24: int, group: dist.ProcessGroup | None = Non
     """
     if not 0 <= u24 < M:
         raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")
-    layout = Layout(counts.numel(), group, counts.device)
+    layout = Layout(coord, counts.numel(), counts.device)
     totals = layout.all_gather(counts.to(torch.int64).sum().reshape(1))[:, 0].cpu().tolist()
     if sum(totals) != M:
         raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
@@ -279,17 +281,17 @@ def sample(counts: torch.Tensor, u24: int, group: dist.ProcessGroup | None = Non
     if before <= u24 < before + totals[layout.rank]:
         found = layout.start + int(torch_ops.sample(counts, u24 - before))
     result = torch.tensor([found], dtype=torch.int64, device=counts.device)
-    return int(layout.all_reduce(result, dist.ReduceOp.MAX)[0])
+    return int(layout.all_reduce(result, MAX)[0])
 
 
-def normalize_target(p: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def normalize_target(p: torch.Tensor, coord: GroupCoordinator) -> torch.Tensor:
     """This rank's piece of :func:`pp1wire.q.verify.check_target` of the global target.
 
     Raises:
         VerifyError: the unsharded function's code, on every rank.
     """
     x = p.to(torch.float64)
-    layout = Layout(x.numel(), group, x.device)
+    layout = Layout(coord, x.numel(), x.device)
     nonfinite, negative = layout.flags(
         bool((~torch.isfinite(x)).any()), bool((x < 0).any()) if x.numel() else False
     )
@@ -304,7 +306,7 @@ def normalize_target(p: torch.Tensor, group: dist.ProcessGroup | None = None) ->
 
 
 def residual_sample(
-    p: torch.Tensor, counts: torch.Tensor, u53: int, group: dist.ProcessGroup | None = None
+    p: torch.Tensor, counts: torch.Tensor, u53: int, coord: GroupCoordinator
 ) -> int:
     """:func:`pp1wire.q.verify.residual_sample` of the global p and q (the same ID on every rank).
 
@@ -315,7 +317,7 @@ def residual_sample(
         VerifyError: ``EMPTY_RESIDUAL`` on every rank if p <= q everywhere.
     """
     r = torch_ops.residual(p, counts)
-    layout = Layout(r.numel(), group, r.device)
+    layout = Layout(coord, r.numel(), r.device)
     t = _Tree(r, layout)
     if not t.total > 0:
         raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")

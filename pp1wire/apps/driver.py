@@ -1,0 +1,794 @@
+"""The Spark side's one round driver: every mode of ``pp1-spark`` runs its requests here.
+
+The driver steps like an engine's scheduler. Each step takes the round of
+every running request — proposals that arrived, target-only rounds, rounds
+whose proposal failed — hands them to a :class:`Strategy` that decides them
+together (one target call for the whole step), applies the verdicts (records,
+COMMITs, finished requests) and sends every next STEP at once. How a step is
+decided is the only thing a mode changes:
+
+* one rank (:class:`LocalStrategy`): :func:`pp1wire.q.verify.verify_batch` here;
+* a replicated TP group (:mod:`pp1wire.apps.spark_tp`): rank 0 runs the driver,
+  the group decides each step as one attempt;
+* a vocabulary-sharded group (:mod:`pp1wire.apps.spark_sharded`): every rank runs
+  the driver on its own link, and the strategy's :meth:`Strategy.agree` makes
+  every choice that depends on a link (can this request STEP? did its
+  proposal arrive? stop?) the same on every rank.
+
+What a request does is the same in every mode (``docs/runner.md``): request i
+has seed ``derive_seed(seed, i)``, runs on slot ``i mod C`` after the earlier
+requests of that slot, opens it at one generation above the slot's last, and
+numbers its rounds with its verifier's counter (every STEP and every
+target-only round takes the next one). Which rounds share a step never changes
+a token.
+
+**Failures, one rule each.** A proposal that is missing, corrupt, refused,
+late or voted down is discarded whole and the request's next round is
+target-only (a *fallback*, counted by reason). A target that fails (raises,
+or gives a row that is not a distribution) stops *that* request — reason
+``target_failed``, nothing of that round committed — and the others go on; the
+run writes every result and exits :data:`TARGET_FAILED_EXIT`. A group that
+fails (a collective timed out, a rank died, the ranks disagreed) stops every
+request — reason ``group_failed`` — and the run writes every result and exits
+:data:`GROUP_FAILED_EXIT`. A local close or reset is never a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import prometheus_client as prom
+
+from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.server import SECONDS_BUCKETS
+from pp1wire.apps import metrics
+from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
+from pp1wire.q.proposal import Proposal
+from pp1wire.q.rng import derive_seed
+from pp1wire.q.verify import (
+    TARGET_FAILURES,
+    BatchTargetFn,
+    RequestVerifier,
+    RoundResult,
+    TargetFn,
+    verify_batch,
+)
+from pp1wire.wire import spark_events
+from pp1wire.wire.spark_core import SparkConfig
+
+log = logging.getLogger("pp1wire.apps.spark")
+
+GROUP_FAILED_EXIT = 3
+"""Exit status when the group failed: every request stopped, results written."""
+TARGET_FAILED_EXIT = 4
+"""Exit status when a target failure stopped at least one request (results written)."""
+
+# A proposal that arrives more than this fraction of a typical STEP→proposal time
+# after the first of its step is a straggler: it joins the next step instead.
+_STRAGGLER_FRACTION = 0.5
+_STRAGGLER_FLOOR = 0.002  # seconds: under this, waiting costs less than a step
+
+# -- metrics and records ------------------------------------------------------------
+
+
+class SparkMetrics:
+    """Every metric the Spark side exposes, in a registry of its own."""
+
+    def __init__(self, max_depth: int) -> None:
+        """Register the metrics."""
+        r = self.registry = prom.CollectorRegistry()
+        self.drafts = prom.Counter(
+            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
+        )
+        self.accepted = prom.Counter(
+            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.num_drafts = prom.Counter(
+            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
+        )
+        per_position = prom.Counter(
+            "pp1_spec_decode_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the block (0-based).",
+            ["position"],
+            registry=r,
+        )
+        # Children made once: every position is exported from the start, and the
+        # per-round path skips the label lookup.
+        self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
+        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
+        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
+        self.stopped = prom.Counter(
+            "pp1_requests_stopped",
+            "Requests stopped before their end, by reason (target_failed, group_failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.fallbacks = prom.Counter(
+            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
+        )
+        self.rejected = prom.Counter(
+            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
+        )
+        self.dropped = prom.Counter(
+            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
+        )
+        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
+        self.audit_failures = prom.Counter(
+            "pp1_audit_failures",
+            "Proposals whose drafts are not what the worker's own draw selects from its q.",
+            registry=r,
+        )
+        self.steps = prom.Counter(
+            "pp1_steps", "Engine steps: rounds decided together (one target call).", registry=r
+        )
+        self.step_rounds = prom.Counter(
+            "pp1_step_rounds", "Rounds decided, summed over steps.", registry=r
+        )
+        self.step_slots = prom.Counter(
+            "pp1_step_slots", "Running requests at each step, summed over steps.", registry=r
+        )
+        self.tp_votes_failed = prom.Counter(
+            "pp1_tp_votes_failed",
+            "TP group attempts voted down, by the reason each no-vote gave.",
+            ["reason"],
+            registry=r,
+        )
+        self.tp_fanout_bytes = prom.Counter(
+            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
+        )
+        self.tp_fanout_seconds = prom.Counter(
+            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
+        )
+        self.rtt = prom.Histogram(
+            "pp1_proposal_round_trip_seconds",
+            "STEP sent to proposal validated, seconds.",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+
+
+@dataclass
+class RequestRecord:
+    """What one request produced: the ``--output`` record."""
+
+    request: int
+    seed: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallbacks: int = 0
+    fallback_reasons: Counter[str] = field(default_factory=Counter)
+    finished: bool = False
+    stopped: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSONL record."""
+        return {
+            "request": self.request,
+            "seed": self.seed,
+            "prompt": self.prompt,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "fallbacks": self.fallbacks,
+            "fallback_reasons": dict(self.fallback_reasons),
+            "finished": self.finished,
+            "stopped": self.stopped,
+        }
+
+
+# -- what the driver hands a strategy -------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What a run does, from the settings (the same on every rank)."""
+
+    requests: int
+    concurrency: int
+    max_tokens: int
+    depth: int
+    support: int  # 0 = dense
+    temperature: float
+    seed: int
+    eos: int | None
+    audit: bool
+    vocab_size: int
+    prompts: list[list[int]]
+
+
+@dataclass
+class RequestState:
+    """A running request: its verifier (prefix, generation, round counter) and record."""
+
+    slot: int
+    verifier: RequestVerifier
+    record: RequestRecord
+    prompt_length: int
+    opened: AsyncClient | None = None  # the connection the slot is open on
+    fallback: str | None = None  # the reason the next round must be target-only
+    flight: asyncio.Task[Proposal] | None = None
+    round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
+    sent: float = 0.0
+
+    @property
+    def index(self) -> int:
+        """The request's index."""
+        return self.record.request
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens committed after the prompt."""
+        return len(self.verifier.committed) - self.prompt_length
+
+
+@dataclass
+class Round:
+    """One round of a step: a validated proposal, or None for target-only."""
+
+    state: RequestState
+    round_id: int
+    proposal: Proposal | None
+    failure: ErrorCode | None = None  # a STEP round whose proposal this rank did not get
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a strategy decided one round.
+
+    ``result``: committed (already applied to the request's verifier).
+    Otherwise ``code`` says why: with ``stop`` the target failed and the
+    request stops; without, the proposal was discarded and the request's next
+    round is target-only.
+    """
+
+    result: RoundResult | None = None
+    code: ErrorCode | None = None
+    stop: bool = False
+
+
+def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
+    """The verdict for :func:`verify_batch`'s outcome of one round."""
+    if isinstance(outcome, RoundResult):
+        return Verdict(outcome)
+    return Verdict(None, outcome.code, stop=outcome.code in TARGET_FAILURES)
+
+
+class Strategy(Protocol):
+    """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
+
+    def agree(self, local: list[int]) -> list[int]:
+        """Per entry, the first nonzero value over the group's ranks (0 if every rank
+        gave 0); a single driver returns ``local``. Runs off the event loop.
+
+        Raises:
+            GroupFailedError: the group failed.
+        """
+
+    def decide(self, rounds: list[Round]) -> list[Verdict]:
+        """Decide a step's rounds (distinct requests), one verdict each, in order.
+        Runs off the event loop.
+
+        Raises:
+            GroupFailedError: the group failed (nothing of the step committed).
+        """
+
+    def summary(self) -> dict[str, Any]:
+        """Mode-specific keys of the run's summary (after the run)."""
+
+
+class LocalStrategy:
+    """One rank: every round of a step scored by one call of the target's batched form."""
+
+    def __init__(self, target: BatchTargetFn) -> None:
+        """Decide with ``target`` (:func:`pp1wire.q.verify.batched` of the plugin)."""
+        self.target = target
+
+    def agree(self, local: list[int]) -> list[int]:
+        """A single rank agrees with itself."""
+        return local
+
+    def decide(self, rounds: list[Round]) -> list[Verdict]:
+        """:func:`verify_batch` over the step's rounds that have a proposal or are
+        target-only; a STEP round without its proposal is discarded. Never raises."""
+        scored = [r for r in rounds if r.failure is None]
+        decided = iter(
+            verify_batch([(r.state.verifier, r.proposal, r.round_id) for r in scored], self.target)
+        )
+        return [
+            Verdict(None, r.failure) if r.failure is not None else verdict_of(next(decided))
+            for r in rounds
+        ]
+
+    def summary(self) -> dict[str, Any]:
+        """No keys of its own."""
+        return {}
+
+
+# -- the worker link --------------------------------------------------------------------
+
+
+class Link:
+    """This rank's connection to its worker: connects, reconnects with backoff, counts."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        config: SparkConfig,
+        metrics_: SparkMetrics,
+        *,
+        tls: ssl.SSLContext | None = None,
+        reconnect: bool = True,
+    ) -> None:
+        """A link to ``host:port`` (nothing connects yet)."""
+        self.host, self.port = host, port
+        self.config = config
+        self.metrics = metrics_
+        self.tls = tls
+        self.reconnect = reconnect
+        self.client: AsyncClient | None = None
+        self.bytes_received = 0
+        self._retry_at = 0.0
+        self._backoff = 0.05
+        self._lock = asyncio.Lock()
+
+    async def connect(self, timeout: float) -> None:
+        """Connect, retrying transient failures until ``timeout`` seconds have passed.
+
+        Raises:
+            ClientClosedError, OSError: the last failure; at once for a TLS failure or
+                a refusal that no retry can cure.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._adopt(
+                    await AsyncClient.connect(self.host, self.port, self.config, ssl=self.tls)
+                )
+                return
+            except (OSError, ClientClosedError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    raise  # a certificate or TLS-versus-plain mismatch: certain, not transient
+                if isinstance(exc, ClientClosedError) and exc.code not in (
+                    ErrorCode.CONNECTION_LOST,
+                    ErrorCode.HANDSHAKE_TIMEOUT,
+                    ErrorCode.SHUTTING_DOWN,
+                ):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    def _adopt(self, client: AsyncClient) -> None:
+        self.client = client
+        client.observer = self.observe
+
+    async def live(self) -> AsyncClient | None:
+        """The connected client, reconnecting (with backoff) if it died and this link
+        may; None while it is down."""
+        async with self._lock:
+            client = self.client
+            if client is not None and not client.closed:
+                return client
+            if client is not None:
+                self._count(client)
+            if not self.reconnect:
+                self.client = None
+                return None
+            now = time.monotonic()
+            if now < self._retry_at:
+                return None
+            try:
+                client = await AsyncClient.connect(
+                    self.host, self.port, self.config, ssl=self.tls, timeout=2.0
+                )
+            except (OSError, ClientClosedError) as exc:
+                self.client = None
+                self._retry_at = now + self._backoff
+                self._backoff = min(self._backoff * 2, 2.0)
+                log.info("reconnect failed", extra={"error": repr(exc)})
+                return None
+            self._backoff = 0.05
+            self._adopt(client)
+            self.metrics.reconnects.inc()
+            log.info("reconnected", extra={"session": client.session})
+            return client
+
+    def observe(self, event: spark_events.SparkEvent) -> None:
+        """Count rejected and dropped frames as the client sees them."""
+        if isinstance(event, spark_events.FrameRejected):
+            self.metrics.rejected.labels(code=event.code.name.lower()).inc()
+        elif isinstance(event, spark_events.FrameDropped):
+            self.metrics.dropped.labels(code=event.code.name.lower()).inc()
+
+    def _count(self, client: AsyncClient) -> None:
+        self.bytes_received += client.core.decoder.bytes_received
+
+    async def close(self) -> None:
+        """Close the connection after queued frames are written."""
+        if self.client is not None:
+            self._count(self.client)
+            await self.client.close()
+            self.client = None
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+class RoundDriver:
+    """Runs every request of a :class:`Plan` through steps decided by a :class:`Strategy`."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        strategy: Strategy,
+        target: TargetFn,
+        link: Link | None,
+        metrics_: SparkMetrics,
+        *,
+        rank: int = 0,
+    ) -> None:
+        """Prepare a run; ``link`` is None when no worker is used (``--depth 0``)."""
+        self.plan = plan
+        self.strategy = strategy
+        self.target = target
+        self.link = link
+        self.metrics = metrics_
+        self.rank = rank
+        # A signal sets stop_requested; the step's agreement turns it into stopping,
+        # which every rank of a group then acts on at the same step.
+        self.stop_requested = False
+        self.stopping = False
+        self.group_failure: Pp1Error | None = None
+        self.round_trips: list[float] = []  # the first 100,000, for the summary's median
+        self._thread = ThreadPoolExecutor(1, "pp1-step")
+        self._generations: dict[int, int] = {}  # slot -> the last generation it used
+        self.records: dict[int, RequestRecord] = {}
+        self.steps = 0
+        self.seconds = 0.0
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        # Collectives and target calls block: the loop keeps serving the link meanwhile.
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _new_request(self, index: int) -> RequestState:
+        p = self.plan
+        seed = derive_seed(p.seed, index)
+        prompt = list(p.prompts[index % len(p.prompts)])
+        verifier = RequestVerifier(
+            session=0,
+            seed=seed,
+            vocab_size=p.vocab_size,
+            prefix=prompt,
+            target=self.target,
+            eos=p.eos,
+            audit=p.audit,
+        )
+        record = RequestRecord(request=index, seed=seed, prompt=prompt)
+        self.records[index] = record
+        return RequestState(index % p.concurrency, verifier, record, len(prompt))
+
+    def _done(self, st: RequestState) -> bool:
+        v = st.verifier
+        return v.finished or v.poisoned or st.new_tokens >= self.plan.max_tokens
+
+    # -- the run ---------------------------------------------------------------------------
+
+    async def run(self) -> list[RequestRecord]:
+        """Run every request (or until stopped); returns the records in request order.
+
+        A group failure ends the run early: every running request stops with
+        ``group_failed`` (see :attr:`group_failure`).
+        """
+        p = self.plan
+        queues = [deque(range(s, p.requests, p.concurrency)) for s in range(p.concurrency)]
+        active: dict[int, RequestState] = {}
+        started = time.perf_counter()
+        try:
+            while True:
+                if not self.stopping:
+                    for slot, queue in enumerate(queues):
+                        if slot not in active and queue:
+                            st = self._new_request(queue.popleft())
+                            if self._done(st):  # max-tokens 0, or a prompt ending in eos
+                                self._finish(st)
+                            else:
+                                active[slot] = st
+                if not active:
+                    break
+                await self._launch(list(active.values()))
+                if not any(st.round_id >= 0 for st in active.values()):
+                    break  # stopping, and nothing is in motion
+                ready = await self._ready(list(active.values()))
+                if ready:
+                    await self._step(ready, len(active))
+                for slot, st in list(active.items()):
+                    if self._done(st) or st.record.stopped is not None:
+                        await self._end(st)
+                        del active[slot]
+            for st in active.values():  # stopped by a signal: cut after their last round
+                await self._end(st)
+        except Pp1Error as exc:
+            if exc.code is not ErrorCode.GROUP_FAILED:
+                raise
+            self.group_failure = exc
+            for st in active.values():
+                self._stop(st, "group_failed")
+                await self._end(st)
+        finally:
+            self.seconds = time.perf_counter() - started
+            self._thread.shutdown(wait=False)
+        return [self.records[i] for i in sorted(self.records)]
+
+    # -- launching rounds ----------------------------------------------------------------
+
+    async def _launch(self, states: list[RequestState]) -> None:
+        """Put every request without a round in motion into motion: a STEP, or target-only.
+
+        Whether a request can STEP depends on this rank's link; the strategy
+        makes that choice the same on every rank of a group (the first rank's
+        reason wins), so every rank takes the same round of the same kind.
+        """
+        todo = [st for st in states if st.round_id < 0]
+        if not todo or self.stopping:
+            return
+        local = await asyncio.gather(*(self._prepare(st) for st in todo))
+        agreed = await self._off_loop(self.strategy.agree, local)
+        for st, mine, code in zip(todo, local, agreed, strict=True):
+            st.round_id = st.verifier.take_round()
+            if code == _TARGET_ONLY:
+                continue
+            if code:
+                if code != _FALLBACK:
+                    st.fallback = ErrorCode(code).name.lower()
+                if not mine and st.opened is not None:
+                    # Another rank cannot STEP this request: close the slot here too,
+                    # so the group reopens it together at one generation.
+                    await self._close(st)
+                continue
+            client = st.opened
+            assert client is not None
+            st.sent = time.perf_counter()
+            st.flight = asyncio.ensure_future(
+                client.propose(
+                    st.slot,
+                    round_id=st.round_id,
+                    depth=self.plan.depth,
+                    temperature=self.plan.temperature,
+                    support=self.plan.support,
+                )
+            )
+
+    async def _prepare(self, st: RequestState) -> int:
+        """0 if this rank can STEP ``st`` now (its slot open on a live link), else why not:
+        :data:`_TARGET_ONLY`, :data:`_FALLBACK` or an :class:`ErrorCode`."""
+        if self.plan.depth == 0 or self.link is None:
+            return _TARGET_ONLY
+        if st.fallback is not None:
+            return _FALLBACK
+        client = await self.link.live()
+        if client is None:
+            return int(ErrorCode.CONNECTION_LOST)
+        if st.opened is client:
+            return 0
+        st.opened = None
+        generation = self._generations.get(st.slot, -1) + 1
+        self._generations[st.slot] = generation  # used, even if refused
+        v = st.verifier
+        try:
+            await client.open(
+                st.slot, seed=v.seed, prefix=v.committed, eos=self.plan.eos, generation=generation
+            )
+        except Pp1Error as exc:
+            log.warning("open failed", extra={"slot": st.slot, "error": repr(exc)})
+            return int(exc.code)
+        v.rebuild(v.committed, generation)
+        v.session = client.session
+        st.opened = client
+        return 0
+
+    # -- waiting for a step ------------------------------------------------------------------
+
+    def _straggler_wait(self) -> float:
+        recent = self.round_trips[-64:]
+        typical = statistics.median(recent) if recent else 0.0
+        return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * typical)
+
+    async def _ready(self, states: list[RequestState]) -> list[RequestState]:
+        """The requests whose round can be decided in this step (the same on every rank).
+
+        Waits for every proposal in flight, but not more than a straggler's
+        allowance after the first of them arrived: a later one joins the next
+        step. Also agrees on stopping (a signal on any rank stops every rank).
+        """
+        moving = [st for st in states if st.round_id >= 0]
+        pending = [st.flight for st in moving if st.flight is not None and not st.flight.done()]
+        if pending:
+            if len(pending) == len(moving):  # nothing to decide yet: wait for the first
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(pending, timeout=self._straggler_wait())
+        local = [
+            0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
+            for st in states
+        ]
+        agreed = await self._off_loop(self.strategy.agree, [*local, int(self.stop_requested)])
+        self.stopping = self.stopping or bool(agreed[-1])
+        return [st for st, flag in zip(states, agreed, strict=False) if not flag]
+
+    # -- one step ---------------------------------------------------------------------------
+
+    async def _step(self, ready: list[RequestState], running: int) -> None:
+        rounds = [self._round(st) for st in ready]
+        verdicts: list[Verdict] = await self._off_loop(self.strategy.decide, rounds)
+        m = self.metrics
+        self.steps += 1
+        m.steps.inc()
+        m.step_rounds.inc(len(rounds))
+        m.step_slots.inc(running)
+        for r, verdict in zip(rounds, verdicts, strict=True):
+            self._apply(r, verdict)
+
+    def _round(self, st: RequestState) -> Round:
+        flight, st.flight = st.flight, None
+        if flight is None:
+            return Round(st, st.round_id, None)
+        try:
+            proposal = flight.result()
+        except Pp1Error as exc:  # unavailable, refused locally, or connection gone
+            return Round(st, st.round_id, None, exc.code)
+        rtt = time.perf_counter() - st.sent
+        self.metrics.rtt.observe(rtt)
+        if len(self.round_trips) < 100_000:
+            self.round_trips.append(rtt)
+        return Round(st, st.round_id, proposal)
+
+    def _apply(self, r: Round, verdict: Verdict) -> None:
+        st, m = r.state, self.metrics
+        st.round_id = -1
+        if r.proposal is not None and st.opened is not None:
+            st.opened.release(r.proposal, st.slot)
+        res = verdict.result
+        if res is None:
+            if verdict.stop:
+                self._stop(st, "target_failed", verdict.code)
+            elif verdict.code is ErrorCode.CANCELLED:
+                pass  # this side closed or reset the slot: not a fallback
+            else:
+                if verdict.code is ErrorCode.AUDIT_MISMATCH:
+                    m.audit_failures.inc()
+                # The whole proposal is discarded: the next round is target-only.
+                st.fallback = verdict.code.name.lower() if verdict.code else "discarded"
+            return
+        rec = st.record
+        rec.rounds += 1
+        m.tokens.inc(len(res.tokens))
+        if r.proposal is None:
+            if st.fallback is not None:
+                self._fallback(st, st.fallback)
+                st.fallback = None
+        else:
+            drafted = len(r.proposal.rows)
+            rec.draft_tokens += drafted
+            rec.accepted_tokens += res.accepted
+            m.num_drafts.inc()
+            m.drafts.inc(drafted)
+            m.accepted.inc(res.accepted)
+            for child in m.per_position[: res.accepted]:
+                child.inc()
+        client = st.opened
+        if client is not None and not client.closed:
+            try:
+                client.commit(
+                    st.slot, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted
+                )
+            except Pp1Error as exc:
+                # The worker side is out of step (or gone): reopen before the next STEP.
+                log.info("commit not sent", extra={"slot": st.slot, "error": repr(exc)})
+                st.opened = None
+
+    def _fallback(self, st: RequestState, reason: str) -> None:
+        st.record.fallbacks += 1
+        st.record.fallback_reasons[reason] += 1
+        self.metrics.fallbacks.labels(reason=reason).inc()
+
+    def _stop(self, st: RequestState, reason: str, code: ErrorCode | None = None) -> None:
+        st.record.stopped = reason
+        self.metrics.stopped.labels(reason=reason).inc()
+        log.warning(
+            "request stopped",
+            extra={"request": st.index, "reason": reason, "code": code.name if code else None},
+        )
+
+    def _finish(self, st: RequestState) -> None:
+        rec, v = st.record, st.verifier
+        rec.tokens = list(v.committed[st.prompt_length :])
+        rec.finished = rec.stopped is None and (v.finished or st.new_tokens >= self.plan.max_tokens)
+        if rec.finished:
+            self.metrics.requests.inc()
+
+    async def _end(self, st: RequestState) -> None:
+        if st.flight is not None:
+            st.flight.cancel()
+            st.flight = None
+        self._finish(st)
+        await self._close(st)
+
+    async def _close(self, st: RequestState) -> None:
+        client, st.opened = st.opened, None
+        if client is not None and not client.closed:
+            with contextlib.suppress(Pp1Error):
+                await client.close_slot(st.slot)
+
+    # -- the summary --------------------------------------------------------------------------
+
+    def summary(self, records: Sequence[RequestRecord]) -> dict[str, Any]:
+        """The run's summary object (``--json``)."""
+        m = self.metrics
+        drafts = sum(r.draft_tokens for r in records)
+        accepted = sum(r.accepted_tokens for r in records)
+        tokens = sum(len(r.tokens) for r in records)
+        rounds = int(metrics.total(m.num_drafts))
+        steps = int(metrics.total(m.steps))
+        slots = metrics.total(m.step_slots)
+        out: dict[str, Any] = {
+            "requests": len(records),
+            "finished": sum(r.finished for r in records),
+            "tokens": tokens,
+            "rounds": sum(r.rounds for r in records),
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "mean_accepted_length": accepted / rounds if rounds else 0.0,
+            "fallbacks": sum(r.fallbacks for r in records),
+            "fallbacks_by_reason": metrics.by_label(m.fallbacks),
+            "stopped_by_reason": dict(Counter(r.stopped for r in records if r.stopped)),
+            "frames_rejected": metrics.by_label(m.rejected),
+            "frames_dropped": metrics.by_label(m.dropped),
+            "reconnects": int(metrics.total(m.reconnects)),
+            "round_trip_ms_median": (
+                statistics.median(self.round_trips) * 1e3 if self.round_trips else None
+            ),
+            "steps": steps,
+            "step_fill": metrics.total(m.step_rounds) / slots if slots else 0.0,
+            "seconds": self.seconds,
+            "tokens_per_second": tokens / self.seconds if self.seconds else 0.0,
+        }
+        out.update(self.strategy.summary())
+        return out
+
+
+# Codes of :meth:`RoundDriver._prepare` beside the ErrorCodes (never on the wire):
+# the round is target-only by the plan (no worker), or because the request's
+# last proposal was discarded (the reason is already the request's).
+_TARGET_ONLY = 1_000
+_FALLBACK = 1_001
+
+__all__ = [
+    "GROUP_FAILED_EXIT",
+    "TARGET_FAILED_EXIT",
+    "Link",
+    "LocalStrategy",
+    "Plan",
+    "RequestRecord",
+    "Round",
+    "RoundDriver",
+    "SparkMetrics",
+    "Strategy",
+    "Verdict",
+]

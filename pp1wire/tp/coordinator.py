@@ -1,0 +1,289 @@
+"""One rank's view of its process group: every collective of every Spark and worker group.
+
+In the manner of vLLM's ``GroupCoordinator``: the rank, the world size, the
+control group (gloo: small words and flags), the device group (NCCL when the
+rank has a CUDA device, else the control group), the static vocabulary layout
+and the collective timeout live in one object, and every collective any group
+of this package runs goes through :meth:`GroupCoordinator._run`. There a
+failure — a peer that died, a collective that timed out, a broken backend —
+becomes :class:`GroupFailedError`, the one group failure ``docs/tp.md`` defines,
+and the coordinator stays dead: a gloo group cannot be used after a timeout, so
+every later collective fails at once instead of hanging.
+
+Collectives are called on the process-group objects themselves, not through
+``torch.distributed``'s default-group registry, so several ranks can share one
+process (threads, each with its own group over one store): the tests run whole
+groups that way without starting processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pp1wire.errors import ErrorCode, Pp1Error
+from pp1wire.q.layout import ShardLayout
+
+_T = TypeVar("_T")
+Group = Any
+"""A process group object: ``dist.ProcessGroup`` or a backend such as
+``ProcessGroupGloo`` (the stubs do not relate the two)."""
+
+ReduceOp = dist.ReduceOp.RedOpType
+"""The type of :data:`MAX`, :data:`MIN` and :data:`SUM`."""
+MAX = dist.ReduceOp.MAX
+MIN = dist.ReduceOp.MIN
+SUM = dist.ReduceOp.SUM
+
+
+class GroupFailedError(Pp1Error):
+    """The group cannot continue: a collective failed, or the ranks disagreed in a vote.
+
+    Nothing of the round in progress was committed on any rank. The group is
+    unusable afterwards; the process stops (or the embedding engine rebuilds
+    its group).
+    """
+
+    def __init__(self, detail: str) -> None:
+        """A ``GROUP_FAILED`` error with ``detail``."""
+        super().__init__(ErrorCode.GROUP_FAILED, detail)
+
+
+class GroupCoordinator:
+    """Rank, world, groups, device, layout and timeout of one rank, and its collectives."""
+
+    def __init__(
+        self,
+        group: Group,
+        *,
+        rank: int,
+        world: int,
+        timeout: float,
+        device_group: Group | None = None,
+        device: torch.device | None = None,
+        layout: ShardLayout | None = None,
+    ) -> None:
+        """Wrap ``group`` (this process's rank ``rank`` of ``world``).
+
+        ``layout`` is the vocabulary split for a sharded group (one range per
+        rank), None for a replicated one.
+
+        Raises:
+            ValueError: a rank outside the world, or a layout without one range per rank.
+        """
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside a world of {world}")
+        if layout is not None and layout.shards != world:
+            raise ValueError(f"a layout of {layout.shards} shards for {world} ranks")
+        self.group = group
+        self.device_group = device_group if device_group is not None else group
+        self.device = device or torch.device("cpu")
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        self.layout = layout
+        self.collectives = 0
+        self.dead: str | None = None
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def join(cls, timeout: float, layout: ShardLayout | None = None) -> GroupCoordinator:
+        """Initialize the default group from the launcher's environment (``torchrun``,
+        or ``--tp N``'s elastic launcher) and wrap it; NCCL for the device group when
+        this rank has a CUDA device.
+
+        Raises:
+            RuntimeError: from ``torch.distributed`` if the rendezvous fails.
+            ValueError: as the constructor.
+        """
+        delta = timedelta(seconds=timeout)
+        dist.init_process_group("gloo", timeout=delta)
+        device_group, device = None, None
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+            device_group = dist.new_group(backend="nccl", timeout=delta)
+        group = dist.distributed_c10d._get_default_group()
+        return cls(
+            group,
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            timeout=timeout,
+            device_group=device_group,
+            device=device,
+            layout=layout,
+        )
+
+    @classmethod
+    def over_store(
+        cls,
+        store: Any,
+        rank: int,
+        world: int,
+        timeout: float,
+        layout: ShardLayout | None = None,
+    ) -> GroupCoordinator:
+        """A gloo group of its own over ``store`` (blocks until every rank has joined).
+
+        Several of these in one process, one per thread, form a whole group: what
+        the tests use, and what an engine with its own store can use.
+
+        Raises:
+            RuntimeError: from gloo if the ranks do not meet within ``timeout``.
+            ValueError: as the constructor.
+        """
+        group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout))
+        return cls(group, rank=rank, world=world, timeout=timeout, layout=layout)
+
+    def leave(self) -> None:
+        """Tear the default group down after a clean stop (nothing for a group of its own)."""
+        if dist.is_initialized() and self.group is dist.distributed_c10d._get_default_group():
+            dist.destroy_process_group()
+
+    # -- the one place collectives run -------------------------------------------------
+
+    def _run(self, what: str, op: Callable[[], _T]) -> _T:
+        if self.dead is not None:
+            raise GroupFailedError(self.dead)
+        self.collectives += 1
+        try:
+            return op()
+        except (RuntimeError, ValueError) as exc:  # gloo timeouts and dead peers raise these
+            self.dead = (
+                f"rank {self.rank}: {what} failed, the process group is unusable: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
+            )
+            raise GroupFailedError(self.dead) from exc
+
+    def fail(self, detail: str) -> GroupFailedError:
+        """Mark the group dead for a reason found outside a collective (a vote that
+        disagrees, an unreadable header); returns the error to raise."""
+        if self.dead is None:
+            self.dead = f"rank {self.rank}: {detail}"
+        return GroupFailedError(self.dead)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, *, device: bool = False) -> torch.Tensor:
+        """``t`` from rank ``src`` on every rank, in place (the device group with ``device``).
+
+        Raises:
+            GroupFailedError: the collective failed (or the group already had).
+        """
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        group = self.device_group if device else self.group
+        self._run("broadcast", lambda: group.broadcast([t], opts).wait())
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (the same shape everywhere), stacked in rank order.
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self._run("all-gather", lambda: self.group.allgather([out], [t]).wait())
+        return torch.stack(out)
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = MAX) -> torch.Tensor:
+        """``t`` reduced over the group (a new tensor; ``t`` is unchanged).
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        out = t.clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
+        self._run("all-reduce", lambda: self.group.allreduce([out], opts).wait())
+        return out
+
+    # -- small forms ------------------------------------------------------------------------
+
+    def words(self, local: Sequence[int]) -> list[list[int]]:
+        """Every rank's int64 words (the same length everywhere), in rank order.
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        gathered = self.all_gather(torch.tensor(list(local), dtype=torch.int64))
+        return [[int(v) for v in row] for row in gathered.tolist()]
+
+    def max_words(self, local: Sequence[int]) -> list[int]:
+        """The element-wise maximum of every rank's int64 words.
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        out = self.all_reduce(torch.tensor(list(local), dtype=torch.int64), MAX)
+        return [int(v) for v in out.tolist()]
+
+    def flags(self, *local: bool) -> list[bool]:
+        """Each flag OR-ed over the group (one all-reduce).
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        return [bool(v) for v in self.max_words([int(f) for f in local])]
+
+    def everyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce).
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        out = self.all_reduce(torch.tensor([int(flag)], dtype=torch.int64), MIN)
+        return bool(out[0])
+
+
+def run_in_threads(
+    world: int,
+    body: Callable[[GroupCoordinator], _T],
+    *,
+    timeout: float = 30.0,
+    layout: ShardLayout | None = None,
+) -> list[_T | BaseException]:
+    """Run ``body`` on every rank of a fresh in-process gloo group, one thread per rank.
+
+    Returns each rank's result (or the exception it raised), in rank order.
+    For tests and tools: a whole group without starting processes (the thread of
+    rank r is named ``rank-r``).
+    """
+    import threading  # noqa: PLC0415 - only this helper needs threads
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    results: list[_T | BaseException] = [RuntimeError("rank did not finish")] * world
+
+    def rank_main(rank: int) -> None:
+        try:
+            coord = GroupCoordinator.over_store(store, rank, world, timeout, layout)
+            results[rank] = body(coord)
+        except BaseException as exc:  # reported to the caller, per rank
+            results[rank] = exc
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True)
+        for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    return results
+
+
+__all__ = [
+    "MAX",
+    "MIN",
+    "SUM",
+    "GroupCoordinator",
+    "GroupFailedError",
+    "ReduceOp",
+    "run_in_threads",
+]

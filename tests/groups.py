@@ -1,0 +1,73 @@
+"""Running ``pp1-spark`` inside the test process: one rank, or a whole group as threads.
+
+Each rank runs :func:`pp1wire.apps.spark.run_rank` on an event loop of its own;
+a group's ranks are threads with gloo groups over one in-process store
+(:func:`pp1wire.tp.coordinator.run_in_threads`): the same collectives as rank
+processes, without starting any. Process-level behaviour (the ``--tp``
+launcher, torchrun, exit statuses) is tested separately with real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from pp1wire.apps import spark
+from pp1wire.apps.settings import parse
+
+
+def args_of(*argv: str) -> Any:
+    """``pp1-spark``'s settings for ``argv`` (no environment, no config file)."""
+    return parse(spark.build_parser(), list(argv), environ={})
+
+
+def run_one(*argv: str) -> spark.RankRun:
+    """One ``pp1-spark`` rank (no group) in this process."""
+    args = args_of(*argv)
+    plan, mode = spark.check_settings(args)
+    assert mode.world == 1
+    return asyncio.run(spark.run_rank(args, plan, mode, None))
+
+
+def run_group(
+    world: int, *argv: str, sharded: bool = False, faults: Any = None, timeout: float = 10.0
+) -> list[spark.RankRun | BaseException]:
+    """A ``pp1-spark --tp world`` group (``--vocab-shards world`` with ``sharded``) as
+    threads of this process; each rank's result, or what it raised, in rank order."""
+    from pp1wire.q.layout import ShardLayout
+    from pp1wire.tp.coordinator import run_in_threads
+
+    extra = ["--tp", str(world), "--group-timeout", str(timeout)]
+    if sharded:
+        extra += ["--vocab-shards", str(world)]
+    args = args_of(*argv, *extra)
+    layout = ShardLayout.even(args.vocab, world) if sharded else None
+
+    def rank_main(coord: Any) -> spark.RankRun:
+        rank_args = args_of(*argv, *extra)
+        plan, mode = spark.check_settings(rank_args)
+        return asyncio.run(spark.run_rank(rank_args, plan, mode, coord, faults=faults))
+
+    return run_in_threads(world, rank_main, timeout=timeout, layout=layout)
+
+
+def lead(results: list[spark.RankRun | BaseException]) -> spark.RankRun:
+    """Rank 0's result (every rank must have ended without raising)."""
+    for rank, r in enumerate(results):
+        assert isinstance(r, spark.RankRun), f"rank {rank} raised {r!r}"
+    first = results[0]
+    assert isinstance(first, spark.RankRun)
+    return first
+
+
+def tokens(result: spark.RankRun) -> list[list[int]]:
+    """Each request's tokens, in request order."""
+    assert result.records is not None
+    return [r.tokens for r in result.records]
+
+
+def output_tokens(out: Path) -> list[list[int]]:
+    """The tokens of an ``--output`` file, in request order."""
+    return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
