@@ -132,7 +132,7 @@ class ErrorCode(IntEnum):
     LATE_FRAME = 115
     # Local, never on the wire: what was pending on a slot ended because this
     # side closed or reset the slot (or the client) itself.
-    CANCELLED = 116
+    CANCELLED = 117
 
     # -- local API state (120..126): never on the wire -------------------------
     NOT_READY = 120
