@@ -128,3 +128,16 @@ def test_a_worker_hello_carries_wire_version_2():
     assert frame.message.wire_version == 2 == messages.WIRE_VERSION
     assert handshake.AUTH_WORKER_LABEL == b"pp1w-v2 worker proof"
     assert integrity.SPARK_TO_WORKER_LABEL == b"pp1w-v2 spark-to-worker key"
+
+
+def test_the_schema_command_regenerates_and_checks_the_rules_table(tmp_path):
+    from pp1wire.wire import schema
+
+    doc = tmp_path / "protocol.md"
+    doc.write_text("<!-- hello-rules -->\n| stale |\n<!-- /hello-rules -->\n")
+    schemas = tmp_path / "s"
+    schema.main([str(schemas)])
+    assert schema.main(["--check", str(schemas), "--doc", str(doc)]) == 1
+    schema.main([str(schemas), "--doc", str(doc)])
+    assert handshake.rules_markdown() in doc.read_text()
+    assert schema.main(["--check", str(schemas), "--doc", str(doc)]) == 0
