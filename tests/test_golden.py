@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -89,6 +90,66 @@ def test_reply_vector(vector):
 )
 def test_integrity_vector_holds(vector):
     assert golden.run_integrity_vector(vector) == vector["expect"]
+
+
+@pytest.mark.parametrize(
+    "vector", [v for v in VECTORS if v["kind"] == "hello"], ids=lambda v: v["name"]
+)
+def test_hello_vector_holds(vector):
+    assert golden.run_hello_vector(vector) == vector["expect"]
+
+
+def test_hello_vectors_pair_every_adjacent_checked_rule():
+    from pp1wire.wire.handshake import HELLO_RULES
+
+    checked = [r for r in HELLO_RULES if r.checked]
+    got = {v["name"]: v["expect"] for v in VECTORS if v["kind"] == "hello"}
+    for first, second in itertools.pairwise(checked):
+        name = f"hello_order_{first.fields[0]}_{second.fields[0]}"
+        assert got[name]["error"] == first.code.name, name
+    # The two orders the drafts' implementation got wrong.
+    assert got["hello_order_draft_identity_integrity"]["error"] == "IDENTITY_MISMATCH"
+    assert got["hello_order_max_prefix_shards"]["error"] == "LIMIT_EXCEEDED"
+    assert got["hello_keyed_role_after_auth"] == {"answer": "CHALLENGE"}
+
+
+def test_each_broken_field_alone_fails_its_own_rule():
+    # A pair vector proves the order only if each of its two fields fails alone.
+    import msgspec
+
+    from pp1wire.testing.golden.common import hello
+    from pp1wire.testing.golden.hellos import BREAK, WORKER
+    from pp1wire.wire.handshake import HELLO_RULES
+
+    for rule in (r for r in HELLO_RULES if r.checked):
+        frame = framing.encode_frame(msgspec.structs.replace(hello(2), **BREAK[rule.fields[0]]))
+        vector = {"hex": frame.hex(), "context": WORKER}
+        assert golden.run_hello_vector(vector)["error"] == rule.code.name, rule.fields
+
+
+def test_new_rules_have_vectors():
+    names = {v["name"] for v in VECTORS}
+    assert {
+        "completion_range_on_unsharded_link",
+        "shard_completion_range_missing",
+        "shard_completion_range_mismatch",
+        "error_completion_start_without_end",
+        "error_completion_start_above_end",
+        "completion_duplicate_after_commit",
+        "future_generation_twice",
+        "future_generation_nothing_pending",
+        "future_generation_slot_not_open",
+        "hello_max_frame_above_limit",
+    } <= names
+
+
+def test_check_flag_detects_a_stale_file(tmp_path):
+    current = tmp_path / "vectors.json"
+    assert golden.main([str(current)]) == 0
+    assert golden.main(["--check", str(current)]) == 0
+    current.write_text(current.read_text().replace('"hello_accepted"', '"hello_acepted"'))
+    assert golden.main(["--check", str(current)]) == 1
+    assert golden.main(["--check", str(FILE)]) == 0
 
 
 def test_integrity_vectors_cover_both_directions_and_a_changed_frame():

@@ -121,9 +121,30 @@ def test_worker_metrics_endpoint_and_health_check(tmp_path):
         done = cli.module("pp1wire.apps.worker", "--check", address, "--vocab", "16")
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("healthy")
+        # The limits these settings give, which a Spark HELLO may not exceed.
+        assert "max_frame          67,108,864 bytes (fixed)" in done.stdout
+        assert "row_entries        exactly 16" in done.stdout
         wrong = cli.module("pp1wire.apps.worker", "--check", address, "--vocab", "17")
         assert wrong.returncode == 1
         with urllib.request.urlopen(f"http://{running.metrics}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert "pp1_worker_connections_total 2.0" in text
         assert 'pp1_worker_refusals_total{code="vocab_size_mismatch"} 1.0' in text
+
+
+def test_worker_help_states_its_limits_and_the_document_prints_them():
+    from pathlib import Path
+
+    from pp1wire.apps import worker
+    from pp1wire.wire.messages import WIRE_VERSION
+
+    shown = cli.module("pp1wire.apps.worker", "--help")
+    assert shown.returncode == 0
+    assert f"PP1 wire v{WIRE_VERSION}" in shown.stdout
+    assert "max_frame          67,108,864 bytes (fixed)" in shown.stdout
+    assert "max_prefix         1,048,576 tokens (--max-prefix)" in shown.stdout
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    block = doc.split("<!-- worker-limits -->\n", 1)[1].split("\n<!-- /worker-limits -->")[0]
+    assert block == worker.default_limits_markdown(), (
+        "paste pp1wire.apps.worker.default_limits_markdown() into docs/protocol.md section 8"
+    )

@@ -179,4 +179,5 @@ def test_a_per_prefix_target_that_fails_fails_only_the_rounds_that_needed_it():
     assert not isinstance(decided[0], VerifyError)
     assert isinstance(decided[1], VerifyError)
     assert decided[1].code is ErrorCode.TARGET_FAILED
-    assert bad.poisoned and not ok.poisoned
+    assert bad.poisoned
+    assert not ok.poisoned

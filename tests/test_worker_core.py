@@ -13,6 +13,7 @@ from pp1wire.testing.builders import open_message, reply_step
 from pp1wire.wire import framing
 from pp1wire.wire.handshake import build_hello
 from pp1wire.wire.messages import (
+    WIRE_VERSION,
     Auth,
     Close,
     Commit,
@@ -108,7 +109,7 @@ def test_second_hello_is_refused():
 @pytest.mark.parametrize(
     ("over", "code"),
     [
-        ({"wire_version": 3}, ErrorCode.WIRE_VERSION_MISMATCH),
+        ({"wire_version": WIRE_VERSION + 1}, ErrorCode.WIRE_VERSION_MISMATCH),
         ({"q_semantic": "dyadic16-v1"}, ErrorCode.Q_SEMANTIC_MISMATCH),
         ({"verifier": "other-verifier"}, ErrorCode.VERIFIER_MISMATCH),
         ({"rng_abi": "pp1-philox4x32-10-v0"}, ErrorCode.RNG_ABI_MISMATCH),

@@ -5,7 +5,9 @@ stop accepting, let every connection finish the frames it already received,
 flush the replies, then exit 0.
 
 ``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
-with this worker's settings against a running worker and exits 0 on success.
+with this worker's settings against a running worker, exits 0 on success and
+prints the limits those settings give (:func:`limits`), the most a Spark side's
+HELLO may ask for.
 """
 
 from __future__ import annotations
@@ -20,18 +22,71 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from pp1wire.aio.server import WorkerServer
+from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
+from pp1wire.wire import framing
+from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.worker_core import WorkerConfig
 
 log = logging.getLogger("pp1wire.worker")
 
 
+def limits(cfg: WorkerConfig, *, max_connections: int = 16) -> list[tuple[str, str]]:
+    """This worker's limits as (name, what it allows): what a Spark HELLO may ask for
+    (``docs/protocol.md`` §4.1; above any of them it is refused with ``LIMIT_EXCEEDED``)
+    and the bounds it holds every connection to (§8)."""
+    return [
+        ("max_slots", f"{cfg.max_slots} (--max-slots)"),
+        ("max_depth", f"{cfg.max_depth} (--max-depth, 1..5)"),
+        ("max_support", f"{min(cfg.max_support, cfg.vocab_size)} (--max-support, at most --vocab)"),
+        ("row_entries", f"exactly {cfg.entries} (--row-entries, default --vocab)"),
+        (
+            "max_frame",
+            f"{cfg.max_frame:,} bytes (fixed), and at least 4 × row_entries = "  # noqa: RUF001
+            f"{4 * cfg.entries:,}",
+        ),
+        ("max_prefix", f"{cfg.max_prefix:,} tokens (--max-prefix)"),
+        ("header", f"{framing.MAX_HEADER:,} bytes per frame header"),
+        ("connections", f"{max_connections} (--max-connections)"),
+        ("handshake timeout", f"{cfg.handshake_timeout:g} s (--handshake-timeout)"),
+        ("idle timeout", f"{cfg.idle_timeout:g} s (--idle-timeout)"),
+        (
+            "per connection",
+            f"{FRAMES_PER_TURN} frames per turn; reading stops while more than "
+            f"{WRITE_BUFFER_CAP:,} bytes wait for a peer that does not read",
+        ),
+    ]
+
+
+def limits_text(cfg: WorkerConfig, *, max_connections: int = 16, indent: str = "  ") -> str:
+    """:func:`limits` as aligned lines."""
+    rows = limits(cfg, max_connections=max_connections)
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{indent}{name:<{width}}  {value}" for name, value in rows)
+
+
+def limits_markdown(cfg: WorkerConfig, *, max_connections: int = 16) -> str:
+    """:func:`limits` as the markdown table ``docs/protocol.md`` §8 prints."""
+    rows = ["| limit | pp1-worker, default settings |", "|---|---|"]
+    for name, value in limits(cfg, max_connections=max_connections):
+        shown = f"`{name}`" if name.startswith("max_") or name == "row_entries" else name
+        rows.append(f"| {shown} | {value} |")
+    return "\n".join(rows)
+
+
+def default_limits_markdown() -> str:
+    """:func:`limits_markdown` for the default settings (what ``--help`` shows)."""
+    defaults = build_parser().parse_args([])
+    return limits_markdown(config_from(defaults), max_connections=defaults.max_connections)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-worker`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
     p = argparse.ArgumentParser(
-        prog="pp1-worker", description="pp1 wire v2 proposer server (the draft worker)."
+        prog="pp1-worker",
+        description=f"PP1 wire v{WIRE_VERSION} proposer server (the draft worker).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address")
     p.add_argument(
@@ -106,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="health check: HELLO a running worker, exit 0 if it answers",
     )
     settings.add_common_flags(p, log_level="info")
+    defaults = p.parse_args([])
+    p.epilog = (
+        f"limits with the default settings (--vocab {defaults.vocab}); a Spark side's HELLO\n"
+        "above any is refused with LIMIT_EXCEEDED (docs/protocol.md sections 4.1 and 8):\n"
+        + limits_text(config_from(defaults), max_connections=defaults.max_connections)
+    )
     return p
 
 
@@ -163,6 +224,8 @@ async def check(args: argparse.Namespace, target: str) -> int:
     rtt = await client.ping()
     await client.close()
     print(f"healthy: session {client.session}, ping {rtt * 1e3:.3f} ms")
+    print("limits of these settings (a Spark HELLO above any is refused with LIMIT_EXCEEDED):")
+    print(limits_text(cfg, max_connections=args.max_connections))
     return 0
 
 

@@ -95,7 +95,7 @@ def reply_header(
     count = entries if entries is not None else len(payload) // (4 if dense else 8)
     return Reply(
         session=over.get("session", step.session),
-        slot=step.slot,
+        slot=over.get("slot", step.slot),
         generation=over.get("generation", step.generation),
         round=over.get("round", step.round),
         index=over.get("index", index),

@@ -1,4 +1,4 @@
-"""The fencing rules of pp1 wire v2, in one place (``docs/protocol.md`` §7).
+"""The fencing rules of the PP1 wire protocol, in one place (``docs/protocol.md`` §7).
 
 Every message that touches a slot carries (session, slot, generation, round).
 This module decides, from a slot's state and a message's fencing fields alone,

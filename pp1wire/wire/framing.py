@@ -5,7 +5,7 @@ payload::
 
     offset size field
     0      2    magic           b"PW" (0x50 0x57)
-    2      1    version         2
+    2      1    version         messages.WIRE_VERSION
     3      1    type            MsgType
     4      1    flags           bit 0: TAGGED (a 16-byte tag follows, §5.1); others 0
     5      1    reserved        0

@@ -19,7 +19,7 @@ from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import ABI_NAME, Role
 from pp1wire.wire import framing, integrity
-from pp1wire.wire.messages import PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
+from pp1wire.wire.messages import LABEL_PREFIX, PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
 
 #: The limits a worker's HELLO echoes from the Spark side's (§4.1): never a silent downgrade.
 ECHOED_LIMITS: Final = (
@@ -31,8 +31,8 @@ ECHOED_LIMITS: Final = (
     "max_prefix",
 )
 
-AUTH_WORKER_LABEL: Final = b"pp1w-v4 worker proof"
-AUTH_SPARK_LABEL: Final = b"pp1w-v4 spark proof"
+AUTH_WORKER_LABEL: Final = f"{LABEL_PREFIX} worker proof".encode()
+AUTH_SPARK_LABEL: Final = f"{LABEL_PREFIX} spark proof".encode()
 
 
 @dataclass(frozen=True)
@@ -154,27 +154,203 @@ def _shard_fields(x: Hello | PeerConfig) -> tuple[int, int, int, int, int]:
     return (layout.shards, x.shard, *x.shard_range, layout.digest)
 
 
+SharedCheck = Callable[[Hello, PeerConfig, Role], bool]
+
+
+@dataclass(frozen=True)
+class HelloRule:
+    """One row of the HELLO table of ``docs/protocol.md`` §4.1.
+
+    ``shared`` is the check both roles make the same way (an exact match
+    against their own configuration); a row without it is checked by each
+    role's own rule (draft pinning, limits), whose result the role hands to
+    :func:`first_failure`. A row without ``code`` is not checked.
+    """
+
+    fields: tuple[str, ...]
+    meaning: str
+    rule: str
+    code: ErrorCode | None = None
+    shared: SharedCheck | None = None
+
+    @property
+    def checked(self) -> bool:
+        """Whether a HELLO can fail this row."""
+        return self.code is not None
+
+
+#: §4.1's HELLO rules in the order they are checked: the first failure wins.
+#: The protocol document's table is printed from this tuple (:func:`rules_markdown`)
+#: and both protocol cores check in this order, so the two cannot drift apart.
+HELLO_RULES: Final[tuple[HelloRule, ...]] = (
+    HelloRule(
+        ("role",),
+        "1: the worker's HELLO, 2: the Spark side's",
+        "the peer's role (a worker takes 2, a Spark side 1)",
+        ErrorCode.UNEXPECTED_MESSAGE,
+        lambda peer, _cfg, role: peer.role == role,
+    ),
+    HelloRule(
+        ("wire_version",),
+        f"this document: {WIRE_VERSION}",
+        "exact",
+        ErrorCode.WIRE_VERSION_MISMATCH,
+        lambda peer, _cfg, _role: peer.wire_version == WIRE_VERSION,
+    ),
+    HelloRule(
+        ("q_semantic",),
+        f"q semantics: `{dyadic.SEMANTIC_ID}` (§6.1)",
+        "exact",
+        ErrorCode.Q_SEMANTIC_MISMATCH,
+        lambda peer, _cfg, _role: peer.q_semantic == dyadic.SEMANTIC_ID,
+    ),
+    HelloRule(
+        ("verifier",),
+        f"`{VERIFIER_ID}`: the standard tokenwise accept/resample test",
+        "exact",
+        ErrorCode.VERIFIER_MISMATCH,
+        lambda peer, _cfg, _role: peer.verifier == VERIFIER_ID,
+    ),
+    HelloRule(
+        ("rng_abi",),
+        f"`{ABI_NAME}` (§6.3)",
+        "exact",
+        ErrorCode.RNG_ABI_MISMATCH,
+        lambda peer, _cfg, _role: peer.rng_abi == ABI_NAME,
+    ),
+    HelloRule(
+        ("precision",),
+        f"`{PRECISION}`: q as FP32 multiples of 2⁻²⁴",
+        "exact",
+        ErrorCode.PRECISION_MISMATCH,
+        lambda peer, _cfg, _role: peer.precision == PRECISION,
+    ),
+    HelloRule(
+        ("vocab_size",),
+        "global vocabulary size (129,280 for DeepSeek)",
+        "exact",
+        ErrorCode.VOCAB_SIZE_MISMATCH,
+        lambda peer, cfg, _role: peer.vocab_size == cfg.vocab_size,
+    ),
+    HelloRule(
+        ("vocab_hash",),
+        "64-bit hash of the global token-ID map",
+        "exact",
+        ErrorCode.VOCAB_HASH_MISMATCH,
+        lambda peer, cfg, _role: peer.vocab_hash == cfg.vocab_hash,
+    ),
+    HelloRule(
+        ("draft_identity",),
+        'drafter checkpoint; the Spark side sends `""` to accept any, or pins one',
+        "a pinned value (the Spark side's, when not `\"\"`) must equal the worker's",
+        ErrorCode.IDENTITY_MISMATCH,
+    ),
+    HelloRule(
+        ("draft_native",),
+        "worker: true if the drafter is native to the target, false if adapted",
+        "informational, not checked",
+    ),
+    HelloRule(
+        ("target_identity",),
+        "the target the drafter serves",
+        "exact",
+        ErrorCode.IDENTITY_MISMATCH,
+        lambda peer, cfg, _role: peer.target_identity == cfg.target_identity,
+    ),
+    HelloRule(
+        ("integrity",),
+        f"frame integrity after the handshake: `{integrity.SCHEME}` (§5.1) when the side is "
+        'configured with a PSK, `""` without',
+        "exact (each side compares the peer's value with its own)",
+        ErrorCode.INTEGRITY_MISMATCH,
+        lambda peer, cfg, _role: peer.integrity == cfg.integrity,
+    ),
+    HelloRule(
+        ("max_slots", "max_depth", "max_support"),
+        "most slots, fixed depth, sparse k the Spark side will use",
+        "worker: each ≤ its own limit; Spark side: each equal to what it sent",
+        ErrorCode.LIMIT_EXCEEDED,
+    ),
+    HelloRule(
+        ("row_entries",),
+        "dense row length in FP32 entries (vocabulary plus padding); a row is "
+        "`4 × row_entries` bytes",  # noqa: RUF001 - the document's multiplication sign
+        "worker: equal to its own; Spark side: equal to what it sent",
+        ErrorCode.LIMIT_EXCEEDED,
+    ),
+    HelloRule(
+        ("max_frame",),
+        "largest payload either side will send",
+        "worker: ≤ its own and ≥ `4 × row_entries`; Spark side: equal to what it sent",  # noqa: RUF001
+        ErrorCode.LIMIT_EXCEEDED,
+    ),
+    HelloRule(
+        ("max_prefix",),
+        "longest OPEN prefix in tokens",
+        "worker: ≤ its own; Spark side: equal to what it sent",
+        ErrorCode.LIMIT_EXCEEDED,
+    ),
+    HelloRule(("nonce",), "fresh random bytes (authentication, §5)", "not checked"),
+    HelloRule(
+        ("shards", "shard", "shard_start", "shard_end", "layout"),
+        "the link's place in a vocabulary split (§6.7): number of shards, this link's shard "
+        "index, its global ID range `[shard_start, shard_end)`, and the layout digest; an "
+        "unsharded link sends 1, 0, 0, `vocab_size` and the digest of the layout "
+        "`(0, vocab_size)`",
+        "all five exact (each side compares the peer's values with its own configuration)",
+        ErrorCode.SHARD_LAYOUT_MISMATCH,
+        lambda peer, cfg, _role: _shard_fields(peer) == _shard_fields(cfg),
+    ),
+    HelloRule(
+        ("session",),
+        "worker's HELLO only: the session ID of this connection",
+        "not checked; the Spark side sends 0",
+    ),
+)
+
+#: The codes of the rows each role checks with a rule of its own.
+OWN_RULE_CODES: Final = frozenset(r.code for r in HELLO_RULES if r.checked and r.shared is None)
+
+
 def first_failure(
-    peer: Hello, expected_role: Role, cfg: PeerConfig, extra: list[tuple[bool, ErrorCode]]
+    peer: Hello, expected_role: Role, cfg: PeerConfig, own: list[tuple[bool, ErrorCode]]
 ) -> ErrorCode | None:
-    """The first broken rule of §4.1, in the table's order, then ``extra`` (a side's own)."""
-    rules: list[tuple[Callable[[], bool], ErrorCode]] = [
-        (lambda: peer.role == expected_role, ErrorCode.UNEXPECTED_MESSAGE),
-        (lambda: peer.wire_version == WIRE_VERSION, ErrorCode.WIRE_VERSION_MISMATCH),
-        (lambda: peer.q_semantic == dyadic.SEMANTIC_ID, ErrorCode.Q_SEMANTIC_MISMATCH),
-        (lambda: peer.verifier == VERIFIER_ID, ErrorCode.VERIFIER_MISMATCH),
-        (lambda: peer.rng_abi == ABI_NAME, ErrorCode.RNG_ABI_MISMATCH),
-        (lambda: peer.precision == PRECISION, ErrorCode.PRECISION_MISMATCH),
-        (lambda: peer.vocab_size == cfg.vocab_size, ErrorCode.VOCAB_SIZE_MISMATCH),
-        (lambda: peer.vocab_hash == cfg.vocab_hash, ErrorCode.VOCAB_HASH_MISMATCH),
-        (lambda: peer.target_identity == cfg.target_identity, ErrorCode.IDENTITY_MISMATCH),
-        (lambda: peer.integrity == cfg.integrity, ErrorCode.INTEGRITY_MISMATCH),
-        (lambda: _shard_fields(peer) == _shard_fields(cfg), ErrorCode.SHARD_LAYOUT_MISMATCH),
-    ]
-    for ok, code in rules:
-        if not ok():
-            return code
-    for passed, code in extra:
+    """The first broken row of :data:`HELLO_RULES`, in order (§4.1: first failure wins).
+
+    The shared rows are checked here. ``own`` holds the results of this role's
+    own rules as ``(passed, code)``; each counts at the first row checked by a
+    role's own rule with that code (``IDENTITY_MISMATCH``: the draft identity,
+    ``LIMIT_EXCEEDED``: the limits), so a role cannot check them out of order.
+
+    Raises:
+        ValueError: if ``own`` names a code no row leaves to the roles.
+    """
+    failed: set[ErrorCode] = set()
+    for passed, code in own:
+        if code not in OWN_RULE_CODES:
+            raise ValueError(f"{code.name} is not a code of a role's own HELLO rule")
         if not passed:
-            return code
+            failed.add(code)
+    for rule in HELLO_RULES:
+        if rule.code is None:
+            continue
+        if rule.shared is not None:
+            if not rule.shared(peer, cfg, expected_role):
+                return rule.code
+        elif rule.code in failed:
+            return rule.code
     return None
+
+
+def rules_markdown() -> str:
+    """§4.1's HELLO table, one row per rule in check order (the document prints this)."""
+    lines = ["| # | field | meaning | rule |", "|---:|---|---|---|"]
+    n = 0
+    for rule in HELLO_RULES:
+        fields = ", ".join(f"`{f}`" for f in rule.fields)
+        if rule.code is None:
+            lines.append(f"| — | {fields} | {rule.meaning} | {rule.rule} |")
+            continue
+        n += 1
+        lines.append(f"| {n} | {fields} | {rule.meaning} | {rule.rule}, else `{rule.code.name}` |")
+    return "\n".join(lines)

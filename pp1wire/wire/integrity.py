@@ -3,9 +3,9 @@
 With a PSK, the handshake proves that both ends know the key, and every frame
 after it carries a tag that proves it came from one of them, in order:
 
-    T     = SHA-256(H_hello) ‖ SHA-256(H_challenge)
-    K_sw  = HMAC-SHA256(psk, "pp1w-v4 spark-to-worker key" ‖ T)
-    K_ws  = HMAC-SHA256(psk, "pp1w-v4 worker-to-spark key" ‖ T)
+    B     = SHA-256(H_hello) ‖ SHA-256(H_challenge)
+    K_sw  = HMAC-SHA256(psk, LABEL_PREFIX + " spark-to-worker key" ‖ B)
+    K_ws  = HMAC-SHA256(psk, LABEL_PREFIX + " worker-to-spark key" ‖ B)
     tag_n = HMAC-SHA256(K, u64le(n) ‖ frame)[0:16]
 
 where H_hello and H_challenge are the exact header bytes of the Spark side's
@@ -24,17 +24,17 @@ import struct
 from typing import Final
 
 from pp1wire.wire import framing
-from pp1wire.wire.messages import MsgType
+from pp1wire.wire.messages import LABEL_PREFIX, MsgType
 
 #: The scheme a HELLO names in its ``integrity`` field when a PSK is configured.
 SCHEME: Final = "hmac-sha256-128-v1"
-SPARK_TO_WORKER_LABEL: Final = b"pp1w-v4 spark-to-worker key"
-WORKER_TO_SPARK_LABEL: Final = b"pp1w-v4 worker-to-spark key"
+SPARK_TO_WORKER_LABEL: Final = f"{LABEL_PREFIX} spark-to-worker key".encode()
+WORKER_TO_SPARK_LABEL: Final = f"{LABEL_PREFIX} worker-to-spark key".encode()
 _SEQ = struct.Struct("<Q")
 
 
 def transcript(hello_header: bytes, challenge_header: bytes) -> bytes:
-    """T: what the frame keys are bound to (both nonces and the Spark side's capabilities)."""
+    """B: what the frame keys are bound to (both nonces and the Spark side's capabilities)."""
     return hashlib.sha256(hello_header).digest() + hashlib.sha256(challenge_header).digest()
 
 

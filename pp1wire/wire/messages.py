@@ -1,4 +1,4 @@
-"""Every pp1 wire v4 message, as msgspec Structs (``docs/protocol.md`` §4).
+"""Every PP1 wire message, as msgspec Structs (``docs/protocol.md`` §4).
 
 Each message is a msgpack *array* whose first element is the message's integer
 tag (equal to its frame type code) followed by the fields in the order declared
@@ -20,7 +20,11 @@ from msgspec import Meta
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.rng import Role
 
-WIRE_VERSION: Final = 4
+#: The protocol's version, PP1 v2 (``docs/protocol.md`` §11): the preamble's version
+#: byte, HELLO's ``wire_version`` and the ``pp1w-v2`` labels of §5 all come from here.
+WIRE_VERSION: Final = 2
+#: The prefix of every HMAC label (§5, §5.1): ``pp1w-v2``.
+LABEL_PREFIX: Final = f"pp1w-v{WIRE_VERSION}"
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
 PRECISION: Final = "fp32-dyadic24"
 

@@ -1,8 +1,10 @@
 """Generate (or check) the JSON Schemas of every wire message under ``schemas/``.
 
 Usage: ``python -m pp1wire.wire.schema [--check] [--doc FILE] [DIR]`` (default
-``schemas`` and ``docs/protocol.md``). The same run refreshes the field tables
-of the protocol document, between ``<!-- fields:NAME -->`` markers.
+``schemas`` and ``docs/protocol.md``). The same run refreshes the tables the
+protocol document prints from the code: the field tables (between
+``<!-- fields:NAME -->`` markers), the HELLO rules of §4.1 (``<!-- hello-rules -->``)
+and the transition tables of §5 (``<!-- transitions:worker -->``, ``…:spark``).
 
 Each file describes one message header as the positional array it is on the
 wire: element 0 is the tag (the frame type code), then the fields in order.
@@ -20,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from pp1wire.wire import handshake, transitions
 from pp1wire.wire.messages import MESSAGE_TYPES, WIRE_VERSION, MsgType
 
 DRAFT: str = "https://json-schema.org/draft/2020-12/schema"
@@ -85,17 +88,33 @@ def field_table(kind: MsgType) -> str:
     return "\n".join(lines)
 
 
+def _replace_block(text: str, start: str, end: str, body: str) -> str:
+    i = text.find(start)
+    if i < 0:
+        return text
+    j = text.index(end, i)
+    return text[: i + len(start)] + "\n" + body + "\n" + text[j:]
+
+
+def generated_blocks() -> dict[str, tuple[str, str]]:
+    """Start marker → (end marker, body) of every table the document prints from code."""
+    blocks = {
+        f"<!-- fields:{kind.name} -->": ("<!-- /fields -->", field_table(kind)) for kind in MsgType
+    }
+    blocks["<!-- hello-rules -->"] = ("<!-- /hello-rules -->", handshake.rules_markdown())
+    for name, table in (("worker", transitions.WORKER), ("spark", transitions.SPARK)):
+        blocks[f"<!-- transitions:{name} -->"] = (
+            "<!-- /transitions -->",
+            transitions.markdown(table),
+        )
+    return blocks
+
+
 def update_doc(text: str) -> str:
-    """Replace every ``<!-- fields:NAME -->`` … ``<!-- /fields -->`` block with its table."""
+    """Replace every generated block (field tables, HELLO rules, transitions) with its table."""
     out = text
-    for kind in MsgType:
-        start = f"<!-- fields:{kind.name} -->"
-        end = "<!-- /fields -->"
-        i = out.find(start)
-        if i < 0:
-            continue
-        j = out.index(end, i)
-        out = out[: i + len(start)] + "\n" + field_table(kind) + "\n" + out[j:]
+    for start, (end, body) in generated_blocks().items():
+        out = _replace_block(out, start, end, body)
     return out
 
 
@@ -129,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"out of date: {root / name}", file=sys.stderr)
         doc_stale = doc.is_file() and update_doc(doc.read_text()) != doc.read_text()
         if doc_stale:
-            print(f"out of date: field tables in {doc}", file=sys.stderr)
+            print(f"out of date: generated tables in {doc}", file=sys.stderr)
         return 1 if stale or extra or doc_stale else 0
     root.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():

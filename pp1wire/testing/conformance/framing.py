@@ -39,7 +39,7 @@ def _fatal_framing_case(
 
 
 R_MAGIC = "magic: bytes 0x50 0x57 ... a wrong magic is BAD_MAGIC; every framing error is fatal"
-R_VERSION = "version: 3 ... else UNSUPPORTED_VERSION (fatal)"
+R_VERSION = f"version: {messages.WIRE_VERSION} ... else UNSUPPORTED_VERSION (fatal)"
 R_TYPE = "type is a code of §4 (UNKNOWN_MESSAGE_TYPE)"
 R_FLAGS = "flags: bit 0 is TAGGED (§5.1); every other bit is reserved (BAD_FLAGS)"
 R_PAYLOAD = "payload_len = 0 unless the type is OPEN or REPLY"
@@ -59,7 +59,12 @@ PREAMBLE_CASES: list[tuple[str, str, str, Callable[[], bytes], ErrorCode]] = [
             partial(raw, 16, PING, version=v),
             E.UNSUPPORTED_VERSION,
         )
-        for cid, v in (("3.1.4", 0), ("3.1.5", 1), ("3.1.6", 2), ("3.1.7", 255))
+        for cid, v in (
+            ("3.1.4", 0),
+            ("3.1.5", messages.WIRE_VERSION - 1),
+            ("3.1.6", messages.WIRE_VERSION + 1),
+            ("3.1.7", 255),
+        )
     ),
     *(
         (cid, f"unknown message type {k}", R_TYPE, partial(raw, k, PING), E.UNKNOWN_MESSAGE_TYPE)

@@ -127,8 +127,8 @@ for case_id, (field_name, value, code) in zip(
         "4.1.11",
     ),
     [
-        ("wire_version", 5, ErrorCode.WIRE_VERSION_MISMATCH),
-        ("wire_version", 3, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("wire_version", messages.WIRE_VERSION + 1, ErrorCode.WIRE_VERSION_MISMATCH),
+        ("wire_version", messages.WIRE_VERSION - 1, ErrorCode.WIRE_VERSION_MISMATCH),
         ("q_semantic", "dyadic16-standard-v1", ErrorCode.Q_SEMANTIC_MISMATCH),
         ("q_semantic", "", ErrorCode.Q_SEMANTIC_MISMATCH),
         ("verifier", "pp1-standard-verifier-v0", ErrorCode.VERIFIER_MISMATCH),

@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pp1-conformance",
         description=__doc__,
+        epilog=spark_side.TEMPLATE_CONTRACT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
@@ -164,8 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--spark-cmd",
         default=spark_side.DEFAULT_SPARK_CMD,
         metavar="TEMPLATE",
-        help="command that starts the Spark side under test, once per case "
-        "(placeholders {worker} {vocab} {support} {q} {psk_args})",
+        help="command that starts the Spark side under test, once per case: "
+        "placeholders {worker} {vocab} {support} {q} {reply_timeout} {psk_args}; what "
+        "it must do is below (default: pp1-spark)",
+    )
+    p.add_argument(
+        "--reply-timeout",
+        type=float,
+        default=spark_side.DEFAULT_REPLY_TIMEOUT,
+        metavar="SECONDS",
+        help="Spark-side suite: the reply timeout the command uses ({reply_timeout}); "
+        "the timing cases pace their replies against it",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="Spark-side suite: run up to N cases at once (each its own listener and "
+        "command); the timing cases still run alone, after the others",
     )
     p.add_argument(
         "--listen",
@@ -198,26 +215,66 @@ def spark_main(args: argparse.Namespace) -> int:
     if not cases:
         print("pp1-conformance: no case matches", file=sys.stderr)
         return 2
-
     host, port = host_port(args.listen)
+    if args.jobs < 1 or (args.jobs > 1 and port != 0):
+        print(
+            "pp1-conformance: --jobs is at least 1, and 1 with a fixed --listen port",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.reply_timeout > 0:
+        print("pp1-conformance: --reply-timeout must be positive", file=sys.stderr)
+        return 2
 
-    async def run() -> list[tuple[spark_side.SparkCase, str | None, float]]:
-        out = []
-        for c in cases:
-            started = time.perf_counter()
-            problem = await spark_side.run_spark_case(
-                c, args.spark_cmd, reasons=not args.no_reasons, host=host, port=port
-            )
-            out.append((c, problem, time.perf_counter() - started))
-        return out
+    async def one(
+        c: spark_side.SparkCase,
+    ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+        started = time.perf_counter()
+        result = await spark_side.run_spark_case(
+            c,
+            args.spark_cmd,
+            reasons=not args.no_reasons,
+            reply_timeout=args.reply_timeout,
+            host=host,
+            port=port,
+        )
+        return c, result, time.perf_counter() - started
+
+    async def run() -> list[tuple[spark_side.SparkCase, spark_side.SparkResult, float]]:
+        # The first case alone: a command that cannot run stops the suite at once.
+        out = [await one(cases[0])]
+        if out[0][1].command_failed:
+            return out
+        gate = asyncio.Semaphore(args.jobs)
+
+        async def gated(
+            c: spark_side.SparkCase,
+        ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+            async with gate:
+                return await one(c)
+
+        rest = cases[1:]
+        out += await asyncio.gather(*(gated(c) for c in rest if c.timing is None))
+        # Timing cases alone: no other case's processes compete with their pacing.
+        out += [await one(c) for c in rest if c.timing is not None]
+        order = {c.id: n for n, c in enumerate(cases)}
+        return sorted(out, key=lambda r: order[r[0].id])
 
     try:
         results = asyncio.run(run())
     except OSError as exc:
         print(f"pp1-conformance: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 2
+    except KeyError as exc:
+        print(f"pp1-conformance: --spark-cmd names an unknown placeholder {exc}", file=sys.stderr)
+        return 2
+    first = results[0][1]
+    if first.command_failed:
+        print(f"pp1-conformance: {first.problem} (command: {args.spark_cmd})", file=sys.stderr)
+        return 2
     failed = 0
-    for c, problem, secs in results:
+    for c, result, secs in results:
+        problem = result.problem
         failed += problem is not None
         if args.json:
             row = {"id": c.id, "title": c.title, "grade": "fail" if problem else "pass"}

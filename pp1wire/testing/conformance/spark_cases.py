@@ -22,6 +22,7 @@ from pp1wire.testing.conformance.spark_side import (
     Expect,
     ReplyHook,
     SparkCase,
+    Timing,
 )
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Scope, Step
@@ -49,6 +50,16 @@ def ok_row(st: Step, i: int) -> bytes:
 def _first_bad(st: Step, row: bytes) -> bytes:
     """A reply whose row 0 is ``row`` and whose other rows are valid."""
     return whole_reply(st, row, *(ok_row(st, i) for i in range(1, st.depth)))
+
+
+def _rows(st: Step, *indices: int, **over: int) -> bytes:
+    """Valid rows in the order of ``indices``, then a COMPLETION (``over`` as for it)."""
+    return whole_reply(st, *(ok_row(st, i) for i in indices), **over)
+
+
+def _all_rows(st: Step, **over: int) -> bytes:
+    """Every row the STEP's depth asks for, valid, then a COMPLETION (``over`` as for it)."""
+    return _rows(st, *range(st.depth), **over)
 
 
 REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
@@ -109,13 +120,13 @@ REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
     (
         "rows_out_of_order",
         0,
-        lambda st: whole_reply(st, ok_row(st, 1), ok_row(st, 0), ok_row(st, 2)),
+        lambda st: _rows(st, 1, 0, *range(2, st.depth)),
         ErrorCode.ROW_OUT_OF_ORDER,
     ),
     (
         "row_repeated",
         0,
-        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 0), ok_row(st, 1)),
+        lambda st: _rows(st, 0, *range(st.depth)),
         ErrorCode.ROW_OUT_OF_ORDER,
     ),
     (
@@ -127,13 +138,13 @@ REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
     (
         "reply_checksum",
         0,
-        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 1), ok_row(st, 2), reply_checksum=1),
+        lambda st: _all_rows(st, reply_checksum=1),
         ErrorCode.REPLY_CHECKSUM_MISMATCH,
     ),
     (
         "reply_size",
         0,
-        lambda st: whole_reply(st, ok_row(st, 0), ok_row(st, 1), ok_row(st, 2), reply_bytes=7),
+        lambda st: _all_rows(st, reply_bytes=7),
         ErrorCode.REPLY_SIZE_MISMATCH,
     ),
     (
@@ -239,11 +250,12 @@ def after(build: Callable[[Step, bytes], bytes]) -> ReplyHook:
     return hook
 
 
-def trickle(chunk: int, pause: float) -> ReplyHook:
-    """Send the honest reply ``chunk`` bytes at a time, ``pause`` seconds apart."""
+def paced(chunk: int, seconds: Callable[[float], float]) -> ReplyHook:
+    """Send the honest reply ``chunk`` bytes at a time, its last byte ``seconds(T)``
+    after the STEP arrived, T being the Spark side's reply timeout."""
 
     def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
-        return conn.pace(honest, chunk, pause)
+        return conn.pace(honest, chunk, seconds(conn.worker.reply_timeout))
 
     return hook
 
@@ -386,7 +398,7 @@ def _cases() -> list[SparkCase]:
         ),
         SparkCase(
             "S3.3",
-            "no reply at all: the proposal times out",
+            "no reply at all: the proposal times out at the reply timeout",
             "§6.5: a timed-out proposal is discarded whole",
             Expect.DISCARD,
             ErrorCode.REPLY_TIMEOUT,
@@ -394,11 +406,12 @@ def _cases() -> list[SparkCase]:
         ),
         SparkCase(
             "S3.4",
-            "a reply trickled over 6 s (past any reply timeout up to 5 s) is discarded",
+            "a reply whose last byte comes 1.5 reply timeouts after the STEP is discarded",
             "§6.5: a proposal incomplete at its reply timeout is discarded whole",
             Expect.DISCARD,
             ErrorCode.REPLY_TIMEOUT,
-            reply=trickle(16, 0.25),
+            reply=paced(16, lambda timeout: 1.5 * timeout),
+            timing=Timing.PAST,
         ),
         SparkCase(
             "S3.5",
@@ -406,15 +419,16 @@ def _cases() -> list[SparkCase]:
             "§2: frames are a byte stream; any segmentation is valid",
             Expect.USE,
             None,
-            reply=trickle(1, 0.0),  # one write per byte, no pacing: never near a timeout
+            reply=paced(1, lambda _timeout: 0.0),  # one write per byte, no pacing
         ),
         SparkCase(
             "S3.6",
-            "an honest reply in slow 7-byte writes within the timeout is used",
+            "an honest reply in 7-byte writes over a quarter of the reply timeout is used",
             "§2: any segmentation and pacing within the reply timeout is valid",
             Expect.USE,
             None,
-            reply=trickle(7, 0.002),
+            reply=paced(7, lambda timeout: timeout / 4),
+            timing=Timing.WITHIN,
         ),
         SparkCase(
             "S3.7",

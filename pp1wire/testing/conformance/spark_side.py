@@ -2,33 +2,26 @@
 
 ``pp1-conformance --spark [--spark-cmd TEMPLATE]`` listens on loopback as a worker (a real
 worker core whose frames a case may corrupt, reorder, delay, duplicate or cut)
-and starts the Spark implementation once per case from ``TEMPLATE``. The
-template's placeholders: ``{worker}`` (HOST:PORT to connect to), ``{vocab}``
-(always 8: the cases' q rows are written for it), ``{support}`` (0 for dense q,
-else the sparse support K), ``{q}`` (the same as ``dense`` or ``sparse:K``) and
-``{psk_args}`` (``--psk-file FILE`` in the authentication cases, else empty).
-
-``--listen HOST:PORT`` fixes where the suite listens, for a Spark side whose
-worker address is configured elsewhere. The command must connect, run one
-request of at least two rounds on one slot (depth 3 and at least 8 tokens, so
-that a proposal can be corrupted and later rounds still run), with a reply
-timeout of at most 5 s, and exit.
-Everything it sends is recorded and graded against ``docs/protocol.md``:
+and starts the Spark implementation once per case from ``TEMPLATE``;
+:data:`TEMPLATE_CONTRACT` is what the command must do (it is also in
+``pp1-conformance --help`` and the README). Everything the command sends on the
+first connection is recorded and graded against ``docs/protocol.md``:
 
 - **discard** cases: the corrupted proposal must never be consumed. No COMMIT
-  may name the corrupted round; the next COMMIT on that connection must be a
-  target-only one (``accepted = 0``, a fresh round ID, §6.5).
-- **drop** cases: the stray frames are extra; the honest proposal must still
-  be used (a COMMIT names its round) and nothing falls back.
+  may name the corrupted round (its generation and round); the next COMMIT of
+  that generation must be a target-only one (``accepted = 0``, a fresh round
+  ID, §6.5).
+- **drop** and **reject** cases: the stray frames are extra; the honest
+  proposal must still be used (a COMMIT names its generation and round) and
+  nothing falls back.
 - **use** cases: an honest reply delivered oddly (1-byte or slow writes) must
   be used, with no fallback.
 - **refuse** cases (handshake, authentication): the Spark side must send its
   fatal ERROR with the expected code and never OPEN or STEP there.
 
-The reason is checked too when the command prints, as its last line on stdout,
-a JSON object with ``fallbacks_by_reason``, ``frames_dropped`` and
-``frames_rejected`` (code names in lower case, as ``pp1-spark --json`` does);
-``--no-reasons`` skips that for implementations that report reasons elsewhere.
+Timing cases pace the reply against the reply timeout the command is given
+(``{reply_timeout}``, ``--reply-timeout``), measure the gap they produced,
+and grade only if it is the gap they claim.
 """
 
 from __future__ import annotations
@@ -54,11 +47,38 @@ from pp1wire.wire.messages import Commit, Error, Message, MsgType, Step
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 VOCAB = 8
+DEFAULT_REPLY_TIMEOUT = 2.0
 DEFAULT_SPARK_CMD = (
     "pp1-spark --worker {worker} --vocab {vocab} --requests 1 --concurrency 1 "
-    "--max-tokens 12 --depth 3 --support {q} --reply-timeout 2 --connect-timeout 3 "
-    "--json {psk_args}"
+    "--max-tokens 12 --depth 3 --support {q} --reply-timeout {reply_timeout} "
+    "--connect-timeout 3 --json {psk_args}"
 )
+
+#: What a ``--spark-cmd`` TEMPLATE must do (printed by ``pp1-conformance --help``).
+TEMPLATE_CONTRACT = """\
+The Spark-side suite (--spark) starts TEMPLATE once per case, through the shell,
+after replacing these placeholders:
+  {worker}         HOST:PORT of the suite's hostile worker, to connect to
+  {vocab}          8: the cases' q rows are written for a vocabulary of 8
+  {support}        0 for dense q, else the sparse support K
+  {q}              the same as "dense" or "sparse:K" (pp1-spark's --support)
+  {reply_timeout}  seconds: the reply timeout the command must use (--reply-timeout)
+  {psk_args}       "--psk-file FILE" in the authentication cases, else empty
+The command must connect to {worker} (one connection at a time, TLS off), and
+run on slot 0 at --concurrency 1 at least one request of at least 8 new tokens
+(two rounds or more: a case corrupts one round and later rounds must still run),
+asking for every proposal with one fixed depth from 2 to 5 (the cases' replies
+follow the STEP's depth) and with no terminal token among IDs 0..7. Further
+requests on the same slot (under new generations) are allowed. When a case
+cuts the connection mid-reply, the command must still finish its requests:
+reconnecting (the suite serves a new connection honestly) or decoding
+target-only. It must exit 0 in every case except the refused handshakes (S4,
+S5), whose exit status is not graded, and finish within 20 s plus 3 reply
+timeouts. Unless --no-reasons is given, its last line on stdout must be a JSON
+object with "fallbacks_by_reason", "frames_dropped" and "frames_rejected",
+each mapping lower-case code names to counts (as pp1-spark --json prints).
+A command that cannot start, or exits without ever connecting, stops the suite
+with one line saying so (exit status 2)."""
 
 Build = Callable[[Step], bytes]
 
@@ -118,14 +138,15 @@ class Conn(asyncio.Protocol):
             self.write(b"".join(plain))
         if not reply:
             return
+        first = self.worker.conns[0]
         honest = b"".join(reply)
         index = len(self.honest)
         self.honest.append(honest)
         step = self.core.slots[0].fence.last_step if 0 in self.core.slots else None
-        if case.reply is None or index != case.on_reply or step is None:
+        if case.reply is None or index != case.on_reply or step is None or self is not first:
             self.write(honest)
             return
-        self.worker.target_round = step.round
+        self.worker.target = (step.generation, step.round)
         result = case.reply(self, msgspec.structs.replace(step), honest)
         if result is not None:
             self.worker.tasks.append(asyncio.ensure_future(result))
@@ -142,13 +163,22 @@ class Conn(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    async def pace(self, data: bytes, chunk: int, pause: float) -> None:
-        """Send ``data`` ``chunk`` bytes at a time, ``pause`` s apart, holding other output."""
+    async def pace(self, data: bytes, chunk: int, seconds: float) -> None:
+        """Send ``data`` ``chunk`` bytes at a time, evenly over ``seconds`` from now, holding
+        other output; records in :attr:`HostileWorker.gap` how long after the call the last
+        byte went out (never less than ``seconds``)."""
         self.held = []
+        started = time.monotonic()
+        starts = range(0, len(data), chunk)
+        pause = seconds / max(len(starts) - 1, 1)
         try:
-            for i in range(0, len(data), chunk):
+            for n, i in enumerate(starts):
+                due = started + (seconds if n == len(starts) - 1 else n * pause)
+                while (left := due - time.monotonic()) > 0:
+                    await asyncio.sleep(left)
                 self.write_now(data[i : i + chunk])
-                await asyncio.sleep(pause)
+                await asyncio.sleep(0)
+            self.worker.gap = time.monotonic() - started
         finally:
             held, self.held = self.held, None
             self.write_now(b"".join(held))
@@ -172,6 +202,13 @@ class Expect(Enum):
     USE = "use"  # an honest proposal delivered oddly: consume it, no fallback
 
 
+class Timing(Enum):
+    """The gap a timing case claims between the STEP and its reply's last byte."""
+
+    PAST = "past"  # 1.5 reply timeouts: the proposal must time out
+    WITHIN = "within"  # under half the reply timeout: the proposal must be used
+
+
 @dataclass
 class SparkCase:
     """One numbered Spark-side case."""
@@ -189,6 +226,7 @@ class SparkCase:
     worker_psk: bytes | None = None
     spark_psk: bytes | None = None
     also_dropped: ErrorCode | None = None  # a DISCARD case whose later frames must be dropped
+    timing: Timing | None = None  # a case whose reply is paced against the reply timeout
 
 
 @dataclass(frozen=True)
@@ -206,9 +244,13 @@ class HostileWorker:
     """A listening worker core (toy drafter, vocabulary 8) whose frames ``case`` may change."""
 
     case: SparkCase
+    reply_timeout: float = DEFAULT_REPLY_TIMEOUT
     conns: list[Conn] = field(default_factory=list)
     tasks: list[asyncio.Future[None]] = field(default_factory=list)
-    target_round: int | None = None
+    #: (generation, round) of the STEP whose reply the case changed.
+    target: tuple[int, int] | None = None
+    #: A paced reply: seconds from the STEP's arrival to its last byte.
+    gap: float | None = None
     server: asyncio.Server | None = None
 
     def __post_init__(self) -> None:
@@ -252,6 +294,18 @@ class CaseFailedError(Exception):
     """The Spark side under test broke the case's rule."""
 
 
+class CommandFailedError(CaseFailedError):
+    """The Spark command did not run the case at all (it never connected)."""
+
+
+@dataclass(frozen=True)
+class SparkResult:
+    """One case's verdict: ``problem`` is None when the Spark side passed."""
+
+    problem: str | None
+    command_failed: bool = False
+
+
 async def _spark(cmd: str, timeout: float) -> SparkRun:
     proc = await asyncio.create_subprocess_shell(
         cmd,
@@ -280,17 +334,50 @@ def _count(summary: dict[str, Any], key: str, code: ErrorCode) -> int:
     return int(table.get(code.name.lower(), 0)) if isinstance(table, dict) else 0
 
 
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(nothing on stderr)"
+
+
+def _check_timing(case: SparkCase, worker: HostileWorker) -> None:
+    """A timing case grades only the gap it claims.
+
+    Raises:
+        CaseFailedError: the suite did not produce the claimed gap.
+    """
+    if case.timing is None:
+        return
+    timeout, gap = worker.reply_timeout, worker.gap
+    if gap is None:
+        raise CaseFailedError("(suite) the paced reply never finished")
+    if case.timing is Timing.PAST and gap < 1.5 * timeout:
+        raise CaseFailedError(
+            f"(suite) the reply's last byte came {gap:.2f} s after the STEP, "
+            f"not 1.5 x the {timeout:g} s reply timeout"
+        )
+    if case.timing is Timing.WITHIN and gap >= 0.5 * timeout:
+        raise CaseFailedError(
+            f"(suite) the reply took {gap:.2f} s, not under half the {timeout:g} s reply "
+            "timeout: a loaded machine; nothing graded"
+        )
+
+
 def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) -> None:
     """Check what the Spark side did against the case's rule.
 
     Raises:
+        CommandFailedError: the command exited (or was stopped) without connecting.
         CaseFailedError: with one line saying what broke the rule.
     """
     if not worker.conns:
-        raise CaseFailedError("the Spark side never connected")
+        if run.returncode is None or run.returncode < 0:
+            raise CommandFailedError("the Spark command was stopped before it connected")
+        raise CommandFailedError(
+            f"the Spark command exited with status {run.returncode} without connecting"
+            f" to the suite: {_last_line(run.stderr)}"
+        )
     first = worker.conns[0].inbound
     kinds = [type(m).__name__ for m in first]
-    commits = [m for m in first if isinstance(m, Commit)]
     if case.expect is Expect.REFUSE:
         if any(k in ("Open", "Step", "Commit") for k in kinds):
             raise CaseFailedError(f"the Spark side went on past a refused handshake: {kinds}")
@@ -301,20 +388,26 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
         return
     if run.returncode != 0:
         raise CaseFailedError(f"exit status {run.returncode}: {run.stderr.strip()[-300:]}")
-    target = worker.target_round
+    target = worker.target
     if target is None:
         raise CaseFailedError("the Spark side never sent the STEP the case answers")
-    used = [c for c in commits if c.round == target]
+    _check_timing(case, worker)
+    generation, round_id = target
+    commits = [m for m in first if isinstance(m, Commit) and m.generation == generation]
+    used = [c for c in commits if c.round == round_id]
     if case.expect is Expect.DISCARD:
         if used:
             raise CaseFailedError(
-                f"round {target} was committed (accepted={used[0].accepted}) from a bad proposal"
+                f"round {round_id} of generation {generation} was committed "
+                f"(accepted={used[0].accepted}) from a bad proposal"
             )
-        later = [c for c in commits if c.round > target]
+        later = [c for c in commits if c.round > round_id]
         if later and later[0].accepted != 0:
             raise CaseFailedError(f"the fallback COMMIT has accepted={later[0].accepted}, not 0")
     elif not used:
-        raise CaseFailedError(f"the honest proposal of round {target} was not used")
+        raise CaseFailedError(
+            f"the honest proposal of round {round_id} (generation {generation}) was not used"
+        )
     if not reasons:
         return
     if run.summary is None:
@@ -341,39 +434,44 @@ async def run_spark_case(
     template: str,
     *,
     reasons: bool = True,
-    timeout: float = 20.0,
+    reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
     host: str = "127.0.0.1",
     port: int = 0,
-) -> str | None:
-    """Run one case: None if the Spark side passed, else what it did wrong.
+) -> SparkResult:
+    """Run one case: what the Spark side did wrong, if anything.
 
     ``host:port`` is where the hostile worker listens (a Spark side whose worker
     address is fixed is tested there; the command then only has to start it).
+    The command is stopped after 20 s plus three reply timeouts.
 
     Raises:
         OSError: the address cannot be listened on.
+        KeyError: the template names a placeholder the suite does not fill.
     """
-    worker = HostileWorker(case)
+    worker = HostileWorker(case, reply_timeout)
     port = await worker.start(host, port)
-    psk_args = ""
-    with tempfile.TemporaryDirectory() as tmp:
-        if case.spark_psk is not None:
-            key = os.path.join(tmp, "psk")
-            with open(key, "wb") as f:
-                f.write(case.spark_psk)
-            psk_args = f"--psk-file {shlex.quote(key)}"
-        cmd = template.format(
-            worker=f"{host}:{port}",
-            vocab=VOCAB,
-            support=case.support,
-            q=f"sparse:{case.support}" if case.support else "dense",
-            psk_args=psk_args,
-        )
-        try:
-            run = await _spark(cmd, timeout)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            psk_args = ""
+            if case.spark_psk is not None:
+                key = os.path.join(tmp, "psk")
+                with open(key, "wb") as f:
+                    f.write(case.spark_psk)
+                psk_args = f"--psk-file {shlex.quote(key)}"
+            cmd = template.format(
+                worker=f"{host}:{port}",
+                vocab=VOCAB,
+                support=case.support,
+                q=f"sparse:{case.support}" if case.support else "dense",
+                reply_timeout=f"{reply_timeout:g}",
+                psk_args=psk_args,
+            )
+            run = await _spark(cmd, 20.0 + 3 * reply_timeout)
             grade(case, worker, run, reasons)
-        except CaseFailedError as exc:
-            return str(exc)
-        finally:
-            await worker.stop()
-    return None
+    except CommandFailedError as exc:
+        return SparkResult(str(exc), command_failed=True)
+    except CaseFailedError as exc:
+        return SparkResult(str(exc))
+    finally:
+        await worker.stop()
+    return SparkResult(None)

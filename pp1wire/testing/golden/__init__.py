@@ -1,23 +1,30 @@
-"""Golden byte vectors for pp1 wire v4 (``golden/vectors.json``).
+"""Golden byte vectors of the PP1 wire protocol (``golden/vectors.json``).
 
-Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default ``golden/vectors.json``).
+Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default
+``golden/vectors.json``); ``--check`` writes nothing and exits 1 if the file
+differs from what the code generates.
 
-Two kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``:
+Four kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``
+(``docs/protocol.md`` §10 is their normative description):
 
 * ``frame``: ``hex`` is fed to a frame decoder whose payload limit is
   ``context.max_payload``. ``expect`` is ``{"messages": [{"type", "fields",
   "payload"}...]}`` (bytes as hex) or ``{"error": CODE_NAME}``; a vector that
   ends mid-frame expects ``{"messages": [], "incomplete": true}``.
 * ``reply``: a Spark side in the state ``context`` describes (negotiated
-  vocabulary and row length, one open slot, one STEP in flight) receives
-  ``hex`` (REPLY and COMPLETION frames). ``expect`` is either
-  ``{"proposal": [tokens]}`` or ``{"discarded": CODE_NAME}`` (the whole
-  proposal is refused with that code), plus ``"dropped": [CODE_NAME...]`` for
+  vocabulary and row length, one open slot, one STEP in flight or
+  ``"step": null``, optionally a COMMIT after the first frames) receives
+  ``hex`` (REPLY and COMPLETION frames). ``expect`` is ``{"proposal":
+  [tokens]}``, ``{"discarded": CODE_NAME}`` (the whole proposal is refused with
+  that code) or neither, plus ``"dropped"`` and ``"rejected"``: the codes of
   frames that must be ignored and counted.
 * ``integrity``: ``context`` holds a PSK and the HELLO and CHALLENGE header
   bytes of a handshake, and the ``direction`` of ``hex`` (tagged frames from
   n = 0). ``expect`` is ``{"k_sw", "k_ws", "frames": [{"type", "n", "tag"}]}``,
   with ``"error": "INTEGRITY_FAILED", "at": n`` where a tag is wrong (§5.1).
+* ``hello``: a worker configured as ``context`` says receives ``hex``, a Spark
+  side's HELLO; ``expect`` is what it sends first: ``{"answer": TYPE}`` or
+  ``{"error", "answers", "scope"}`` (§4.1, the order of the HELLO rules).
 
 Another implementation qualifies by reproducing every ``expect``; ours also
 re-encodes each valid message and compares the bytes.
@@ -32,6 +39,7 @@ from pathlib import Path
 
 from pp1wire.testing.golden.common import Vector, message_from_json, message_json
 from pp1wire.testing.golden.frames import decode_frame_vector, frame_vectors
+from pp1wire.testing.golden.hellos import hello_vectors, run_hello_vector
 from pp1wire.testing.golden.integrity import integrity_vectors, run_integrity_vector
 from pp1wire.testing.golden.replies import reply_vectors, run_reply_vector
 from pp1wire.wire import messages
@@ -41,12 +49,14 @@ __all__ = [
     "all_vectors",
     "decode_frame_vector",
     "frame_vectors",
+    "hello_vectors",
     "integrity_vectors",
     "main",
     "message_from_json",
     "message_json",
     "render",
     "reply_vectors",
+    "run_hello_vector",
     "run_integrity_vector",
     "run_reply_vector",
 ]
@@ -54,14 +64,14 @@ __all__ = [
 
 def all_vectors() -> list[Vector]:
     """Every golden vector, in file order."""
-    return frame_vectors() + reply_vectors() + integrity_vectors()
+    return frame_vectors() + reply_vectors() + integrity_vectors() + hello_vectors()
 
 
 def render() -> str:
     """The vectors file's exact text."""
     version = messages.WIRE_VERSION
     doc = {
-        "description": f"pp1 wire v{version} golden vectors; see docs/protocol.md §10",
+        "description": f"PP1 wire v{version} golden vectors; see docs/protocol.md §10",
         "wire_version": messages.WIRE_VERSION,
         "vectors": all_vectors(),
     }
@@ -71,7 +81,11 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Write the vectors file, or with ``--check`` exit 1 if it differs."""
     parser = argparse.ArgumentParser(prog="python -m pp1wire.testing.golden", description=__doc__)
-    parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if FILE differs from what the code generates",
+    )
     parser.add_argument("file", nargs="?", default="golden/vectors.json")
     args = parser.parse_args(argv)
     path = Path(args.file)

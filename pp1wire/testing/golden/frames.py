@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.errors import ErrorCode as E
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.testing.builders import (
@@ -185,7 +187,12 @@ def frame_vectors() -> list[Vector]:
     step_header = messages.encode(valid_messages()[8][1])
     errors: list[tuple[str, bytes, ErrorCode, int]] = [
         ("bad_magic", raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
-        ("unknown_version", raw_frame(16, ping, version=2), ErrorCode.UNSUPPORTED_VERSION, limit),
+        (
+            "unknown_version",
+            raw_frame(16, ping, version=messages.WIRE_VERSION + 1),
+            ErrorCode.UNSUPPORTED_VERSION,
+            limit,
+        ),
         ("version_one", raw_frame(16, ping, version=1), ErrorCode.UNSUPPORTED_VERSION, limit),
         ("unknown_type", raw_frame(99, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
         ("type_zero", raw_frame(0, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
@@ -257,6 +264,23 @@ def frame_vectors() -> list[Vector]:
             ErrorCode.HEADER_INVALID,
             limit,
         ),
+        # §4.5, §4.6: exactly one of start and end, or start above end, is invalid
+        # in REPLY and COMPLETION alike.
+        ("reply_start_without_end", raw_frame(9, _ranged(9, 4, None)), E.HEADER_INVALID, limit),
+        ("reply_start_above_end", raw_frame(9, _ranged(9, 8, 4)), E.HEADER_INVALID, limit),
+        (
+            "completion_start_without_end",
+            raw_frame(10, _ranged(10, 4, None)),
+            E.HEADER_INVALID,
+            limit,
+        ),
+        (
+            "completion_end_without_start",
+            raw_frame(10, _ranged(10, None, 8)),
+            E.HEADER_INVALID,
+            limit,
+        ),
+        ("completion_start_above_end", raw_frame(10, _ranged(10, 8, 4)), E.HEADER_INVALID, limit),
         (
             "step_header_in_reply_frame",
             raw_frame(9, step_header),
@@ -275,6 +299,17 @@ def frame_vectors() -> list[Vector]:
             }
         )
     return out
+
+
+def _ranged(kind: int, start: int | None, end: int | None) -> bytes:
+    """A REPLY (9) or COMPLETION (10) header array with this ``start`` and ``end``
+    (written by hand: the Structs refuse to build such a message)."""
+    if kind == 9:  # session, slot, generation, round, index, position, token,
+        # representation, entries, checksum
+        fields: list[int | None] = [SESSION, 0, 0, 0, 0, 3, 7, 0, 0, 0]
+    else:  # session, slot, generation, round, position, context, rows, bytes, checksum, status
+        fields = [SESSION, 0, 0, 0, 3, 0, 0, 0, 0, 0]
+    return msgspec.msgpack.encode([kind, *fields, start, end])
 
 
 def decode_frame_vector(vector: Vector) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Reply vectors: a Spark side with one STEP in flight receives these bytes."""
+"""Reply vectors: a Spark side with one STEP in flight (or none) receives these bytes."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def reply_vectors() -> list[Vector]:
 
     half, quarter = 0.5, 0.25
     base = [half, 0.0, quarter, 0.0, 0.0, 0.0, 0.0, quarter]
-    cases: list[tuple[str, Step, bytes, dict[str, Any], dict[str, Any]]] = [
+    cases: list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]] = [
         ("valid_dense", d, whole_reply(d, good0, good1), {"proposal": [0, 2]}, {}),
         ("valid_sparse", s, whole_reply(s, sp0, sp1), {"proposal": [2, 7]}, {}),
         (
@@ -360,6 +360,49 @@ def reply_vectors() -> list[Vector]:
             {},
         ),
         (
+            # §4.6: COMPLETION's start and end follow REPLY's rule: absent on an unsharded link.
+            "completion_range_on_unsharded_link",
+            d,
+            whole_reply(d, good0, good1, start=0, end=8),
+            {"discarded": "SHARD_RANGE_MISMATCH"},
+            {"late": 0},
+        ),
+        (
+            # §7: a COMMIT does not end the last STEP; its COMPLETION is still a duplicate.
+            "completion_duplicate_after_commit",
+            d,
+            whole_reply(d, good0, good1) + completion(d, good0 + good1, 2),
+            {"proposal": [0, 2], "dropped": ["COMPLETION_DUPLICATE"]},
+            {"commit": {"after": 3, "accepted": 2, "extra": 5}},
+        ),
+        (
+            # §7: the first newer-generation frame discards the pending proposal; the
+            # second finds nothing pending and is rejected.
+            "future_generation_twice",
+            d,
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1)
+            + reply_row(d, 1, 2, dense_payload(GOOD_DENSE), generation=1)
+            + whole_reply(d, good0, good1),
+            {"discarded": "FUTURE_GENERATION", "rejected": ["FUTURE_GENERATION"]},
+            {"late": 3},
+        ),
+        (
+            "future_generation_nothing_pending",
+            None,
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1),
+            {"rejected": ["FUTURE_GENERATION"]},
+            {"round": 1},
+        ),
+        (
+            # §7: the slot is checked before the generation.
+            "future_generation_slot_not_open",
+            d,
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), slot=1, generation=5)
+            + whole_reply(d, good0, good1),
+            {"proposal": [0, 2], "dropped": ["UNKNOWN_SLOT"]},
+            {},
+        ),
+        (
             "wrong_session",
             d,
             reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + whole_reply(d, good0, good1),
@@ -371,6 +414,8 @@ def reply_vectors() -> list[Vector]:
     out = []
     for name, step, data, want, extra in cases:
         generation = extra.get("generation", 0)
+        # The STEP in flight: the slot's generation, whatever the frames carry.
+        sent = None if step is None else msgspec.structs.replace(step, generation=generation)
         context = {
             "vocab_size": VOCAB,
             "row_entries": extra.get("row_entries", VOCAB),
@@ -381,9 +426,10 @@ def reply_vectors() -> list[Vector]:
             "eos": extra.get("eos"),
             "generation": generation,
             "round": extra.get("round", 0),
-            # The STEP in flight: the slot's generation, whatever the frames carry.
-            "step": message_json(msgspec.structs.replace(step, generation=generation)),
+            "step": None if sent is None else message_json(sent),
         }
+        if "commit" in extra:
+            context["commit"] = extra["commit"]
         if "layout" in extra:  # a link of a vocabulary-sharded group (§6.7)
             context["layout"] = extra["layout"]
             context["shard"] = extra["shard"]
@@ -401,7 +447,9 @@ def reply_vectors() -> list[Vector]:
 SHARDED: dict[str, Any] = {"layout": [0, 4, 8], "shard": 1}  # the link carries IDs 4..7
 
 
-def _shard_cases(d: Step, s: Step) -> list[tuple[str, Step, bytes, dict[str, Any], dict[str, Any]]]:
+def _shard_cases(
+    d: Step, s: Step
+) -> list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]]:
     """Rows of shard 1 of the layout (0, 4, 8): q over IDs 4..7 only (§6.7)."""
     at = {"start": 4, "end": 8}
 
@@ -437,6 +485,13 @@ def _shard_cases(d: Step, s: Step) -> list[tuple[str, Step, bytes, dict[str, Any
             "shard_completion_range_mismatch",
             d,
             whole_reply(d, d0, d1, start=0, end=8),
+            {"discarded": "SHARD_RANGE_MISMATCH"},
+            {**SHARDED, "late": 0},
+        ),
+        (
+            "shard_completion_range_missing",
+            d,
+            whole_reply(d, d0, d1),
             {"discarded": "SHARD_RANGE_MISMATCH"},
             {**SHARDED, "late": 0},
         ),
@@ -479,13 +534,26 @@ def _round(step: Step, round_id: int) -> Step:
     return msgspec.structs.replace(step, round=round_id)
 
 
+def _frame_ends(data: bytes) -> list[int]:
+    """The offset after each whole frame of ``data`` (tags included), from the preambles."""
+    ends, at = [], 0
+    while at + framing.PREAMBLE_SIZE <= len(data):
+        header_len = int.from_bytes(data[at + 6 : at + 8], "little")
+        payload_len = int.from_bytes(data[at + 8 : at + 12], "little")
+        tag = framing.TAG_SIZE if data[at + 4] & framing.FLAG_TAGGED else 0
+        at += framing.PREAMBLE_SIZE + header_len + payload_len + tag
+        ends.append(min(at, len(data)))
+    return ends
+
+
 def run_reply_vector(vector: Vector) -> dict[str, Any]:
     """Drive a Spark core into the vector's context, feed its bytes, summarize the outcome."""
     from pp1wire.wire import spark_core  # noqa: PLC0415 - spark_core imports this module's peers
 
     ctx = vector["context"]
-    step = message_from_json(ctx["step"])[0]
-    assert isinstance(step, Step)
+    step = None if ctx["step"] is None else message_from_json(ctx["step"])[0]
+    assert step is None or isinstance(step, Step)
+    slot = 0 if step is None else step.slot
     layout = ShardLayout(tuple(ctx["layout"])) if "layout" in ctx else None
     cfg = spark_core.SparkConfig(
         layout=layout,
@@ -505,12 +573,12 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         ours, role=1, session=ctx["session"], draft_identity="pp1-toy-drafter"
     )
     spark.receive_data(framing.encode_frame(worker_hello), 0.0)
-    spark.open_slot(step.slot, seed=1, prefix=ctx["prefix"], eos=ctx["eos"])
+    spark.open_slot(slot, seed=1, prefix=ctx["prefix"], eos=ctx["eos"])
     spark.receive_data(
         framing.encode_frame(
             Opened(
                 session=ctx["session"],
-                slot=step.slot,
+                slot=slot,
                 generation=0,
                 position=len(ctx["prefix"]),
                 digest=prefix_digest(ctx["prefix"]),
@@ -519,17 +587,32 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         0.0,
     )
     for _ in range(ctx["generation"]):
-        spark.reset(step.slot)
-    spark.step(
-        step.slot,
-        round_id=step.round,
-        depth=step.depth,
-        temperature=step.temperature,
-        support=step.support,
-        now=0.0,
-    )
+        spark.reset(slot)
+    if step is not None:
+        spark.step(
+            slot,
+            round_id=step.round,
+            depth=step.depth,
+            temperature=step.temperature,
+            support=step.support,
+            now=0.0,
+        )
     spark.data_to_send()
-    events = spark.receive_data(bytes.fromhex(vector["hex"]), 0.0)
+    data = bytes.fromhex(vector["hex"])
+    commit = ctx.get("commit")
+    if commit is None:
+        events = spark.receive_data(data, 0.0)
+    else:
+        # Feed the first frames, commit the proposal they completed, then the rest.
+        cut = _frame_ends(data)[commit["after"] - 1]
+        events = spark.receive_data(data[:cut], 0.0)
+        assert step is not None
+        drafts = next(
+            list(e.proposal.tokens) for e in events if isinstance(e, spark_events.ProposalReady)
+        )
+        tokens = [*drafts[: commit["accepted"]], commit["extra"]]
+        spark.commit(slot, round_id=step.round, tokens=tokens, accepted=commit["accepted"])
+        events += spark.receive_data(data[cut:], 0.0)
     result: dict[str, Any] = {"dropped": [], "rejected": []}
     for n, event in enumerate(events):
         following = events[n + 1] if n + 1 < len(events) else None

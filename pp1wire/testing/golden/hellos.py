@@ -1,0 +1,162 @@
+"""HELLO vectors: a worker receives a Spark side's HELLO and answers (``docs/protocol.md`` §4.1).
+
+The order of the HELLO rules is part of the protocol (the first failing row
+names the code), so for every pair of adjacent checked rows of
+:data:`~pp1wire.wire.handshake.HELLO_RULES` one vector breaks both and expects
+the first row's code. A few more fix what the drafts left to guessing: the
+worker's ``max_frame`` limit exactly, and that a worker with a key checks the
+rules (role included) only after AUTH.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pp1wire.errors import ErrorCode
+from pp1wire.q.layout import ShardLayout
+from pp1wire.testing.builders import SESSION, VOCAB
+from pp1wire.testing.golden.common import Vector, hello
+from pp1wire.wire import framing, handshake, integrity
+from pp1wire.wire.messages import WIRE_VERSION, Error, MsgType
+from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
+
+#: The worker every HELLO vector talks to; the Spark HELLO of :func:`hello` fits it.
+WORKER: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "vocab_hash": 0,
+    "target_identity": "pp1-toy-target",
+    "draft_identity": "pp1-toy-drafter",
+    "max_slots": 4,
+    "max_depth": 5,
+    "max_support": 4,
+    "row_entries": VOCAB,
+    "max_frame": 1 << 20,
+    "max_prefix": 1024,
+    "psk": None,
+    "layout": [0, VOCAB],
+    "shard": 0,
+}
+
+_OTHER_LAYOUT = ShardLayout((0, 4, VOCAB))
+
+#: For each checked row (by its first field), HELLO fields that break only that row.
+BREAK: dict[str, dict[str, Any]] = {
+    "role": {"role": 1},
+    "wire_version": {"wire_version": WIRE_VERSION + 1},
+    "q_semantic": {"q_semantic": "dyadic16-standard-v1"},
+    "verifier": {"verifier": "pp1-standard-verifier-v0"},
+    "rng_abi": {"rng_abi": "pp1-philox4x32-10-v0"},
+    "precision": {"precision": "bf16"},
+    "vocab_size": {"vocab_size": VOCAB - 1},
+    "vocab_hash": {"vocab_hash": 99},
+    "draft_identity": {"draft_identity": "another-drafter"},
+    "target_identity": {"target_identity": "another-target"},
+    "integrity": {"integrity": integrity.SCHEME},
+    "max_slots": {"max_slots": 5},
+    "row_entries": {"row_entries": VOCAB + 1},
+    "max_frame": {"max_frame": (1 << 20) + 1},
+    "max_prefix": {"max_prefix": 1025},
+    "shards": {
+        "shards": 2,
+        "shard": 1,
+        "shard_start": 4,
+        "shard_end": VOCAB,
+        "layout": _OTHER_LAYOUT.digest,
+    },
+}
+
+
+def hello_vectors() -> list[Vector]:
+    """One vector per adjacent pair of checked HELLO rows, then the single-rule ones."""
+    checked = [r for r in handshake.HELLO_RULES if r.checked]
+    cases: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = []
+    for first, second in itertools.pairwise(checked):
+        a, b = first.fields[0], second.fields[0]
+        assert first.code is not None
+        cases.append(
+            (
+                f"hello_order_{a}_{b}",
+                {**BREAK[a], **BREAK[b]},
+                {},
+                {"error": first.code.name, "answers": "HELLO", "scope": 2},
+            )
+        )
+    hard = framing.HARD_MAX_PAYLOAD
+    cases += [
+        (
+            # Two rows apart: the draft identity (row 9) comes before integrity (row 11).
+            "hello_order_draft_identity_integrity",
+            {**BREAK["draft_identity"], **BREAK["integrity"]},
+            {},
+            {"error": "IDENTITY_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        ("hello_accepted", {}, {}, {"answer": "HELLO"}),
+        ("hello_max_frame_at_limit", {"max_frame": hard}, {"max_frame": hard}, {"answer": "HELLO"}),
+        (
+            "hello_max_frame_above_limit",
+            {"max_frame": hard + 1},
+            {"max_frame": hard},
+            {"error": "LIMIT_EXCEEDED", "answers": "HELLO", "scope": 2},
+        ),
+        (
+            # §5: with a key, no rule is checked before AUTH, not even the role.
+            "hello_keyed_role_after_auth",
+            BREAK["role"],
+            {"psk": b"a-key-of-at-least-16-bytes".hex()},
+            {"answer": "CHALLENGE"},
+        ),
+    ]
+    out = []
+    for name, fields, worker, expect in cases:
+        frame = framing.encode_frame(msgspec.structs.replace(hello(2), **fields))
+        out.append(
+            {
+                "name": name,
+                "kind": "hello",
+                "hex": frame.hex(),
+                "context": {**WORKER, **worker},
+                "expect": expect,
+            }
+        )
+    return out
+
+
+def run_hello_vector(vector: Vector) -> dict[str, Any]:
+    """Give the vector's HELLO to a worker configured as its context; what it sends first.
+
+    Raises:
+        AssertionError: if the worker sends nothing.
+    """
+    ctx = vector["context"]
+    cfg = WorkerConfig(
+        vocab_size=ctx["vocab_size"],
+        vocab_hash=ctx["vocab_hash"],
+        target_identity=ctx["target_identity"],
+        draft_identity=ctx["draft_identity"],
+        max_slots=ctx["max_slots"],
+        max_depth=ctx["max_depth"],
+        max_support=ctx["max_support"],
+        row_entries=ctx["row_entries"],
+        max_frame=ctx["max_frame"],
+        max_prefix=ctx["max_prefix"],
+        psk=None if ctx["psk"] is None else bytes.fromhex(ctx["psk"]),
+        layout=ShardLayout(tuple(ctx["layout"])),
+        shard=ctx["shard"],
+    )
+    vocab = cfg.vocab_size
+    worker = WorkerProtocol(cfg, lambda _prefix: np.zeros(vocab), session=SESSION, now=0.0)
+    worker.receive_data(bytes.fromhex(vector["hex"]), 0.0)
+    sent = framing.FrameDecoder(1 << 20).feed(b"".join(worker.data_to_send()))
+    assert sent, "the worker sent nothing"
+    first = sent[0].message
+    if isinstance(first, Error):
+        return {
+            "error": ErrorCode(first.code).name,
+            "answers": MsgType(first.answers).name,
+            "scope": first.scope,
+        }
+    return {"answer": sent[0].type.name}
