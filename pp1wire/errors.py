@@ -125,6 +125,9 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
     LATE_FRAME = 115
+    # A fresh STEP beyond the connection's draw budget (--max-draw-rate): refused,
+    # nothing changed; a later round may ask again (protocol §4.4).
+    DRAW_RATE_LIMITED = 116
 
     # -- local API state (120..126): never on the wire -------------------------
     NOT_READY = 120

@@ -11,6 +11,7 @@ No asyncio here; :mod:`pp1wire.apps.worker` pumps bytes between a socket and thi
 
 from __future__ import annotations
 
+import functools
 import hmac
 import math
 import secrets
@@ -21,10 +22,11 @@ from typing import Final
 
 import numpy as np
 
-from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
+from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire import fencing, framing, integrity, transitions
+from pp1wire.wire.draws import TokenBucket
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -57,6 +59,7 @@ from pp1wire.wire.replies import FrameParts, reply_frames
 from pp1wire.wire.transitions import Act, State
 from pp1wire.wire.worker_events import (
     ConnectionClosing,
+    DrawFailed,
     DrawJob,
     DrawRequested,
     DrawResult,
@@ -71,6 +74,7 @@ from pp1wire.wire.worker_events import (
 
 __all__ = [
     "ConnectionClosing",
+    "DrawFailed",
     "DrawJob",
     "DrawRequested",
     "DrawResult",
@@ -93,6 +97,10 @@ class WorkerConfig(PeerConfig):
     draft_identity: str = "pp1-toy-drafter"
     draft_native: bool = True
     idle_timeout: float = 300.0
+    #: Fresh draws per second one connection may ask for (None: no limit), and
+    #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
+    max_draw_rate: float | None = None
+    draw_burst: int = 1
 
 
 # -- state ---------------------------------------------------------------------
@@ -112,6 +120,9 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
+    #: When the slot last did work (OPEN, a fresh STEP, a COMMIT applied): a shell
+    #: lets a slot idle longer than its limit stop protecting the connection.
+    worked_at: float = 0.0
 
     @property
     def digest(self) -> int:
@@ -183,6 +194,13 @@ class WorkerProtocol:
         }
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
+        # The time of the frames being handled (pump's ``now``).
+        self._now = now
+        self._draw_budget = (
+            None
+            if config.max_draw_rate is None
+            else TokenBucket(config.max_draw_rate, config.draw_burst, now)
+        )
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -265,6 +283,7 @@ class WorkerProtocol:
         that does not read can make it hold.
         """
         self.more = False
+        self._now = now
         handled = 0
         if self._held is not None and not self.closed:
             if _slot_of(self._held) in self._drawing:
@@ -300,6 +319,15 @@ class WorkerProtocol:
         return self._take_events()
 
     @property
+    def drawing(self) -> bool:
+        """True while a deferred draw is outstanding (:meth:`finish_draw` not yet called)."""
+        return bool(self._drawing)
+
+    def slot_work_at(self) -> float | None:
+        """When the most recently working open slot last did work, or None without slots."""
+        return max((s.worked_at for s in self.slots.values()), default=None)
+
+    @property
     def waiting(self) -> bool:
         """True while a received message waits for its slot's draw to finish
         (a shell stops reading; :meth:`finish_draw` and then :meth:`pump` go on)."""
@@ -314,8 +342,9 @@ class WorkerProtocol:
         if self._drawing.get(job.step.slot) is not job:
             return self._take_events()
         del self._drawing[job.step.slot]
-        if not self.closed and self.slots.get(job.step.slot) is job.slot:
-            self._served(job.slot, job.step, result)
+        slot = self.slots.get(job.step.slot)
+        if not self.closed and slot is not None and slot is job.slot:
+            self._served(slot, job.step, result)
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
@@ -560,6 +589,7 @@ class WorkerProtocol:
             prefix=prefix,
             hasher=hasher,
             fence=WorkerSlotFence(generation=msg.generation),
+            worked_at=self._now,
         )
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
@@ -608,7 +638,17 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_msg(problem, kind, msg)
             return
-        job = DrawJob(self, slot, msg)
+        slot.worked_at = self._now
+        job = DrawJob(
+            slot,
+            msg,
+            seed=slot.seed,
+            prefix=slot.prefix,
+            eos=slot.eos,
+            draw=functools.partial(self._draw_rows, slot, msg),
+            encode=functools.partial(self._encode, msg),
+            local=self.proposer is None,
+        )
         if self.defer_draws:
             self._drawing[msg.slot] = job
             self._events.append(DrawRequested(job))
@@ -617,6 +657,12 @@ class WorkerProtocol:
 
     def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult) -> None:
         reply, rows = result.reply, result.rows
+        if result.failure is not None:
+            self._events.append(
+                DrawFailed(
+                    msg.slot, msg.generation, msg.round, ErrorCode(result.status), result.failure
+                )
+            )
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
@@ -653,42 +699,38 @@ class WorkerProtocol:
             # One fresh proposal per slot until it is committed (or the slot reset),
             # so a peer that never commits cannot make the worker draw without bound.
             return ErrorCode.STEP_UNCOMMITTED
+        # Last, so that only a STEP that would be drawn spends the budget: RESET opens
+        # a new generation, and with it a new fresh STEP, as often as a peer likes.
+        if self._draw_budget is not None and not self._draw_budget.take(self._now):
+            return ErrorCode.DRAW_RATE_LIMITED
         return None
 
-    def _propose(
-        self, slot: WorkerSlot, step: Step
-    ) -> tuple[tuple[FrameParts, ...], tuple[QRow, ...], int]:
+    def _draw_rows(self, slot: WorkerSlot, step: Step) -> tuple[QRow, ...]:
+        """The STEP's rows from the proposer or the local chain (it may raise)."""
+        if self.proposer is not None:
+            return self.proposer(slot.seed, slot.prefix, step, slot.eos)
         streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
-        try:
-            if self.proposer is not None:
-                rows = self.proposer(slot.seed, slot.prefix, step, slot.eos)
-            else:
-                rows = propose(
-                    slot.prefix,
-                    step.depth,
-                    self.drafter,
-                    streams,
-                    temperature=step.temperature,
-                    support=step.support or None,
-                    eos=slot.eos,
-                )
-            status = 0
-        except Pp1Error as exc:
-            rows, status = (), int(exc.code)
-        except Exception:  # a drafter plugin failure must not kill the connection
-            rows, status = (), int(ErrorCode.INTERNAL)
-        tagged = self._sealer is not None
+        return propose(
+            slot.prefix,
+            step.depth,
+            self.drafter,
+            streams,
+            temperature=step.temperature,
+            support=step.support or None,
+            eos=slot.eos,
+        )
+
+    def _encode(self, step: Step, rows: tuple[QRow, ...], status: int) -> tuple[FrameParts, ...]:
         cfg = self.config
-        reply = reply_frames(
+        return reply_frames(
             self.session,
             step,
             rows,
             cfg.entries,
             status,
             shard=cfg.shard_range if cfg.sharded else None,
-            tagged=tagged,
+            tagged=self._sealer is not None,
         )
-        return reply, rows, status
 
     # -- COMMIT / RESET ------------------------------------------------------
 
@@ -732,6 +774,7 @@ class WorkerProtocol:
             return
         slot.prefix.extend(new)
         slot.hasher = hasher
+        slot.worked_at = self._now
         slot.fence.committed_round = msg.round
         slot.fence.last_commit = msg
         slot.reply = None

@@ -1,7 +1,8 @@
 """What the worker's sans-IO core reports to its shell (:mod:`pp1wire.wire.worker_core`).
 
 Events for logs and metrics, and the deferred draw a shell runs off its event
-loop (:class:`DrawRequested`, :class:`DrawJob`).
+loop (:class:`DrawRequested`, :class:`DrawJob`). This module knows nothing of
+the core: a job carries the callables that draw and encode it.
 """
 
 from __future__ import annotations
@@ -9,16 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pp1wire.errors import ErrorCode
+from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.proposal import QRow
 from pp1wire.wire.messages import Hello, MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts
-
-if TYPE_CHECKING:
-    from pp1wire.wire.worker_core import WorkerProtocol, WorkerSlot
-
 
 Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
 """A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local
@@ -51,34 +47,90 @@ class StepServed:
 class DrawJob:
     """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
 
-    :meth:`run` reads only the slot's frozen state (its prefix cannot change
-    while the draw is outstanding: the core holds every later message for that
-    slot), so a shell may call it on another thread.
+    It holds what a draw reads: the slot's seed, committed prefix and terminal
+    token, and the STEP. The prefix cannot change while the draw is outstanding
+    (the core holds every later message for that slot), so a shell may run the
+    job on another thread. :meth:`run` draws with the connection's own chain; a
+    batch runner that draws many jobs' rows together (one drafter call per
+    position) gives each job's rows, or the exception that stopped them, to
+    :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
     """
 
-    __slots__ = ("_core", "slot", "step")
+    __slots__ = ("_draw", "_encode", "eos", "local", "prefix", "seed", "slot", "step")
 
-    def __init__(self, core: WorkerProtocol, slot: WorkerSlot, step: Step) -> None:
-        """A job for ``step`` on ``slot``."""
-        self._core = core
+    def __init__(
+        self,
+        slot: object,
+        step: Step,
+        *,
+        seed: int,
+        prefix: Sequence[int],
+        eos: int | None,
+        draw: Callable[[], tuple[QRow, ...]],
+        encode: Callable[[tuple[QRow, ...], int], tuple[FrameParts, ...]],
+        local: bool = True,
+    ) -> None:
+        """A job for ``step`` on ``slot`` (the core's slot object, compared by identity).
+
+        ``draw`` draws the rows (it may raise), ``encode`` frames rows and a
+        status as the reply; ``local`` is false when the rows come from a
+        :data:`Proposer` (a sharded group), which a batch runner must leave to
+        :meth:`run`.
+        """
         self.slot = slot
         self.step = step
+        self.seed = seed
+        self.prefix = prefix
+        self.eos = eos
+        self.local = local
+        self._draw = draw
+        self._encode = encode
 
     def run(self) -> DrawResult:
         """Draw and encode the reply (the drafter, q construction, framing); never raises."""
         started = time.perf_counter()
-        reply, rows, status = self._core._propose(self.slot, self.step)
-        return DrawResult(reply, rows, status, time.perf_counter() - started)
+        try:
+            rows = self._draw()
+        except Exception as exc:  # a plugin failure must not kill the connection
+            return self.complete(exc, started=started)
+        return self.complete(rows, started=started)
+
+    def complete(
+        self, rows: tuple[QRow, ...] | BaseException, *, started: float | None = None
+    ) -> DrawResult:
+        """The result of this job from rows drawn elsewhere, or the exception that
+        stopped them: a :class:`~pp1wire.errors.Pp1Error` answers with its code
+        (a COMPLETION status); anything else answers ``INTERNAL`` and is kept in
+        :attr:`DrawResult.failure` for the shell to log. Never raises.
+
+        ``started`` (a :func:`time.perf_counter` reading) dates the draw; by
+        default the encoding alone is timed.
+        """
+        begun = time.perf_counter() if started is None else started
+        failure: BaseException | None = None
+        status = 0
+        if isinstance(rows, Pp1Error):  # a status on purpose (q construction, a group's code)
+            status, rows = int(rows.code), ()
+        elif isinstance(rows, BaseException):  # a bug in a plugin: logged by the shell
+            status, failure, rows = int(ErrorCode.INTERNAL), rows, ()
+        try:
+            reply = self._encode(rows, status)
+        except Exception as exc:  # rows a drafter shaped wrongly
+            failure, rows, status = exc, (), int(ErrorCode.INTERNAL)
+            reply = self._encode(rows, status)
+        return DrawResult(reply, rows, status, time.perf_counter() - begun, failure)
 
 
 @dataclass(frozen=True)
 class DrawResult:
-    """What :meth:`DrawJob.run` produced."""
+    """What :meth:`DrawJob.run` (or :meth:`DrawJob.complete`) produced."""
 
     reply: tuple[FrameParts, ...]
     rows: tuple[QRow, ...]
     status: int
     seconds: float
+    #: The unexpected exception (not a Pp1Error) that stopped the draw, for the shell's log.
+    failure: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +139,22 @@ class DrawRequested:
     and give the result to :meth:`WorkerProtocol.finish_draw`."""
 
     job: DrawJob
+
+
+@dataclass(frozen=True)
+class DrawFailed:
+    """A draw stopped on an unexpected exception, a bug in the drafter or proposer
+    (answered with a COMPLETION of status ``INTERNAL``).
+
+    ``error`` is the exception itself (its traceback included) for the shell's
+    log; nothing of it goes on the wire, which carries ``code`` alone.
+    """
+
+    slot: int
+    generation: int
+    round: int
+    code: ErrorCode
+    error: BaseException
 
 
 @dataclass(frozen=True)
@@ -133,4 +201,5 @@ WorkerEvent = (
     | SlotEvent
     | ConnectionClosing
     | DrawRequested
+    | DrawFailed
 )
