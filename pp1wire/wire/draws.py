@@ -33,6 +33,10 @@ from pp1wire.wire.worker_events import DrawJob, DrawResult
 K = TypeVar("K", bound=Hashable)
 J = TypeVar("J")
 
+# Refills add up elapsed time in floating point: a token due exactly now may come
+# out a few ulps short of 1.
+_EPSILON = 1e-9
+
 BatchRunner = Callable[[list[DrawJob]], list[DrawResult]]
 """Draws a batch of jobs on a pool worker and returns one result per job, in order.
 
@@ -156,12 +160,12 @@ class TokenBucket:
     def take(self, now: float) -> bool:
         """Spend one draw at ``now`` if the budget has one; False (nothing spent) if not."""
         self._refill(now)
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self._tokens >= 1.0 - _EPSILON:
+            self._tokens = max(0.0, self._tokens - 1.0)
             return True
         return False
 
     def wait(self, now: float) -> float:
         """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
         self._refill(now)
-        return max(0.0, (1.0 - self._tokens) / self.rate)
+        return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
