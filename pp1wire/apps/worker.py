@@ -1,7 +1,7 @@
 """``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner).
 
 Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
-stop accepting, let every connection finish the frames it already received,
+stop accepting, let every connection finish the frames it already received
 flush the replies, then exit 0.
 
 ``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
