@@ -2,7 +2,8 @@
 
 Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
 stop accepting, let every connection finish the frames it already received
-flush the replies, then exit 0.
+(the draws they asked for included, within a grace period), flush the replies,
+then exit 0.
 
 ``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
 with this worker's settings against a running worker and exits 0 on success.
