@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode
-from pp1wire.wire.draws import DrawScheduler, TokenBucket
+from pp1wire.wire.draws import DrawScheduler, FailureLog, TokenBucket
 from pp1wire.wire.messages import MsgType, Reset
 
 from .test_worker_core import commit, error_of, frames_of, ready_pair, reply_bytes, step
@@ -185,3 +185,27 @@ def test_the_budget_counts_only_fresh_draws():
     assert ErrorCode(error_of(reply_bytes(pair, bad)).code) is ErrorCode.DEPTH_OUT_OF_RANGE
     # A target-only commit needs no draw either.
     assert frames_of([reply_bytes(pair, commit(round=1))])[0].type is MsgType.COMMITTED
+
+
+# -- which drafter failures are logged --------------------------------------------------------
+
+
+def _raised(message: str) -> BaseException:
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as exc:
+        return exc
+
+
+def test_each_kind_of_failure_is_logged_once_then_at_most_once_per_period():
+    log = FailureLog(every=60.0, kinds=2)
+    a, b, c = _raised("a"), _raised("b"), _raised("c")
+    assert log.note(a, 0.0) == (True, True, 0)  # new: logged with its traceback
+    assert log.note(a, 1.0) == (False, False, 1)
+    assert log.note(a, 59.0) == (False, False, 2)
+    assert log.note(b, 59.0) == (True, True, 0)  # another kind is news
+    assert log.note(a, 60.0) == (True, False, 2)  # a minute on: one line, with the count
+    assert log.note(a, 61.0) == (False, False, 1)
+    # Beyond the kinds remembered, the rest share one rate-limited line.
+    assert log.note(c, 61.0) == (True, False, 0)
+    assert log.note(_raised("d"), 62.0) == (False, False, 1)

@@ -16,7 +16,6 @@ import logging
 import socket
 import ssl
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.draws import BatchRunner, DrawScheduler, run_each
+from pp1wire.wire.draws import BatchRunner, DrawScheduler, FailureLog, run_each
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import Proposer
@@ -120,50 +119,6 @@ CLOSE_GRACE_S: Final = 2.0
 EVICT_IDLE_S: Final = 1.0
 #: A slot that has seen no STEP or COMMIT for this long stops protecting its connection.
 SLOT_IDLE_S: Final = 10.0
-#: Each distinct drafter failure is logged with its traceback once, then at most
-#: once per this many seconds (with the count since).
-FAILURE_LOG_EVERY_S: Final = 60.0
-#: Distinct drafter failures remembered; beyond them, one rate-limited line for the rest.
-FAILURE_KINDS: Final = 64
-
-
-class FailureLog:
-    """When to log a drafter failure: a new kind at once, a known one at most every ``every`` s.
-
-    A kind is the exception's class, message and the line that raised it. The
-    clock is passed in. At most :data:`FAILURE_KINDS` kinds are remembered; any
-    other is counted under one shared kind.
-    """
-
-    def __init__(self, every: float = FAILURE_LOG_EVERY_S, kinds: int = FAILURE_KINDS) -> None:
-        """Log each kind at most once per ``every`` seconds, remembering ``kinds`` kinds."""
-        self.every = every
-        self.kinds = kinds
-        # kind -> (when last logged, failures since then not logged)
-        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}
-
-    @staticmethod
-    def kind(error: BaseException) -> tuple[str, ...]:
-        """What makes two failures the same: class, message and the raising line."""
-        frames = traceback.extract_tb(error.__traceback__)
-        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        return (type(error).__qualname__, str(error)[:200], where)
-
-    def note(self, error: BaseException, now: float) -> tuple[bool, bool, int]:
-        """Record a failure at ``now``: (log it?, first of its kind?, failures not logged since)."""
-        key = self.kind(error)
-        if key not in self._seen and len(self._seen) >= self.kinds:
-            key = ("other",)
-        last = self._seen.get(key)
-        if last is None:
-            self._seen[key] = (now, 0)
-            return True, key != ("other",), 0
-        logged_at, skipped = last
-        if now - logged_at >= self.every:
-            self._seen[key] = (now, 0)
-            return True, False, skipped
-        self._seen[key] = (logged_at, skipped + 1)
-        return False, False, skipped + 1
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -418,6 +373,8 @@ class _Conn(asyncio.BufferedProtocol):
             if isinstance(e, worker_core.DrawRequested):
                 self._draw(e.job)
             elif isinstance(e, worker_core.StepServed):
+                if e.failure is not None:
+                    self.server.draw_failed(self, e, e.failure)
                 m.propose_seconds.observe(e.draw_seconds)
                 m.reply_bytes.inc(e.reply_bytes)
                 if e.status:
@@ -441,8 +398,6 @@ class _Conn(asyncio.BufferedProtocol):
                         "answers": e.answers.name if e.answers else None,
                     },
                 )
-            elif isinstance(e, worker_core.DrawFailed):
-                self.server.draw_failed(self, e)
             elif isinstance(e, worker_core.HandshakeDone):
                 log.info("handshake", extra={"peer": self.peer, "session": e.session})
                 self.server.handshake_done(self)
@@ -629,7 +584,7 @@ class WorkerServer:
         core = conn.core
         if core is None or not conn.authenticated or now - core.last_activity < self.evict_idle:
             return False
-        worked = core.slot_work_at()
+        worked = max((s.worked_at for s in core.slots.values()), default=None)
         return worked is None or now - worked >= self.slot_idle_timeout
 
     def admit(self, new: _Conn, now: float) -> ErrorCode | None:
@@ -710,9 +665,8 @@ class WorkerServer:
             conn._drawn(job, result)
         self._schedule()
 
-    def draw_failed(self, conn: _Conn, event: worker_core.DrawFailed) -> None:
+    def draw_failed(self, conn: _Conn, event: worker_core.StepServed, error: BaseException) -> None:
         """Count a drafter failure and log it (each kind with its traceback, then rate-limited)."""
-        error = event.error
         self.metrics.drafter_errors.labels(error=type(error).__name__).inc()
         show, first, skipped = self.failures.note(error, time.monotonic())
         if not show:

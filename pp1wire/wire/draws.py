@@ -18,15 +18,17 @@ what one connection takes:
 The scheduler hands out *batches* of up to ``max_batch`` jobs (fairly across
 connections) to a :data:`BatchRunner`, so a runner that drafts many STEPs with
 one drafter call per position can be plugged in; :func:`run_each` runs each
-job on its own. No clock is read here: callers pass ``now``.
+job on its own. :class:`FailureLog` decides which drafter failures a shell
+logs. No clock is read here: callers pass ``now``.
 """
 
 from __future__ import annotations
 
 import math
+import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from pp1wire.wire.worker_events import DrawJob, DrawResult
 
@@ -169,3 +171,49 @@ class TokenBucket:
         """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
         self._refill(now)
         return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
+
+
+#: Each distinct drafter failure is logged with its traceback once, then at most
+#: once per this many seconds (with the count since).
+FAILURE_LOG_EVERY_S: Final = 60.0
+#: Distinct drafter failures remembered; beyond them, one rate-limited line for the rest.
+FAILURE_KINDS: Final = 64
+
+
+class FailureLog:
+    """When to log a drafter failure: a new kind at once, a known one at most every ``every`` s.
+
+    A kind is the exception's class, message and the line that raised it. The
+    clock is passed in. At most :data:`FAILURE_KINDS` kinds are remembered; any
+    other is counted under one shared kind.
+    """
+
+    def __init__(self, every: float = FAILURE_LOG_EVERY_S, kinds: int = FAILURE_KINDS) -> None:
+        """Log each kind at most once per ``every`` seconds, remembering ``kinds`` kinds."""
+        self.every = every
+        self.kinds = kinds
+        # kind -> (when last logged, failures since then not logged)
+        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}
+
+    @staticmethod
+    def kind(error: BaseException) -> tuple[str, ...]:
+        """What makes two failures the same: class, message and the raising line."""
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        return (type(error).__qualname__, str(error)[:200], where)
+
+    def note(self, error: BaseException, now: float) -> tuple[bool, bool, int]:
+        """Record a failure at ``now``: (log it?, first of its kind?, failures not logged since)."""
+        key = self.kind(error)
+        if key not in self._seen and len(self._seen) >= self.kinds:
+            key = ("other",)
+        last = self._seen.get(key)
+        if last is None:
+            self._seen[key] = (now, 0)
+            return True, key != ("other",), 0
+        logged_at, skipped = last
+        if now - logged_at >= self.every:
+            self._seen[key] = (now, 0)
+            return True, False, skipped
+        self._seen[key] = (logged_at, skipped + 1)
+        return False, False, skipped + 1

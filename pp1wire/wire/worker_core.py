@@ -23,8 +23,8 @@ from typing import Final
 import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow, propose
-from pp1wire.q.rng import Role, RoundStreams
+from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
+from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.draws import TokenBucket
 from pp1wire.wire.fencing import Action, WorkerSlotFence
@@ -59,7 +59,6 @@ from pp1wire.wire.replies import FrameParts, reply_frames
 from pp1wire.wire.transitions import Act, State
 from pp1wire.wire.worker_events import (
     ConnectionClosing,
-    DrawFailed,
     DrawJob,
     DrawRequested,
     DrawResult,
@@ -74,7 +73,6 @@ from pp1wire.wire.worker_events import (
 
 __all__ = [
     "ConnectionClosing",
-    "DrawFailed",
     "DrawJob",
     "DrawRequested",
     "DrawResult",
@@ -120,9 +118,7 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
-    #: When the slot last did work (OPEN, a fresh STEP, a COMMIT applied): a shell
-    #: lets a slot idle longer than its limit stop protecting the connection.
-    worked_at: float = 0.0
+    worked_at: float = 0.0  # the last OPEN, fresh STEP or applied COMMIT (admission)
 
     @property
     def digest(self) -> int:
@@ -194,13 +190,9 @@ class WorkerProtocol:
         }
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
-        # The time of the frames being handled (pump's ``now``).
-        self._now = now
-        self._draw_budget = (
-            None
-            if config.max_draw_rate is None
-            else TokenBucket(config.max_draw_rate, config.draw_burst, now)
-        )
+        self._now = now  # the time of the frames being handled (pump's ``now``)
+        rate = config.max_draw_rate
+        self._draw_budget = None if rate is None else TokenBucket(rate, config.draw_burst, now)
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -322,10 +314,6 @@ class WorkerProtocol:
     def drawing(self) -> bool:
         """True while a deferred draw is outstanding (:meth:`finish_draw` not yet called)."""
         return bool(self._drawing)
-
-    def slot_work_at(self) -> float | None:
-        """When the most recently working open slot last did work, or None without slots."""
-        return max((s.worked_at for s in self.slots.values()), default=None)
 
     @property
     def waiting(self) -> bool:
@@ -639,16 +627,8 @@ class WorkerProtocol:
             self._refuse_msg(problem, kind, msg)
             return
         slot.worked_at = self._now
-        job = DrawJob(
-            slot,
-            msg,
-            seed=slot.seed,
-            prefix=slot.prefix,
-            eos=slot.eos,
-            draw=functools.partial(self._draw_rows, slot, msg),
-            encode=functools.partial(self._encode, msg),
-            local=self.proposer is None,
-        )
+        encode = functools.partial(self._encode, msg)
+        job = DrawJob(slot, msg, drafter=self.drafter, proposer=self.proposer, encode=encode)
         if self.defer_draws:
             self._drawing[msg.slot] = job
             self._events.append(DrawRequested(job))
@@ -657,12 +637,6 @@ class WorkerProtocol:
 
     def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult) -> None:
         reply, rows = result.reply, result.rows
-        if result.failure is not None:
-            self._events.append(
-                DrawFailed(
-                    msg.slot, msg.generation, msg.round, ErrorCode(result.status), result.failure
-                )
-            )
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
@@ -677,6 +651,7 @@ class WorkerProtocol:
                 result.status,
                 sum(memoryview(p).nbytes for parts in reply for p in parts),
                 result.seconds,
+                result.failure,
             )
         )
 
@@ -699,26 +674,10 @@ class WorkerProtocol:
             # One fresh proposal per slot until it is committed (or the slot reset),
             # so a peer that never commits cannot make the worker draw without bound.
             return ErrorCode.STEP_UNCOMMITTED
-        # Last, so that only a STEP that would be drawn spends the budget: RESET opens
-        # a new generation, and with it a new fresh STEP, as often as a peer likes.
+        # Last: only a STEP that would be drawn spends the budget (RESET opens new ones).
         if self._draw_budget is not None and not self._draw_budget.take(self._now):
             return ErrorCode.DRAW_RATE_LIMITED
         return None
-
-    def _draw_rows(self, slot: WorkerSlot, step: Step) -> tuple[QRow, ...]:
-        """The STEP's rows from the proposer or the local chain (it may raise)."""
-        if self.proposer is not None:
-            return self.proposer(slot.seed, slot.prefix, step, slot.eos)
-        streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
-        return propose(
-            slot.prefix,
-            step.depth,
-            self.drafter,
-            streams,
-            temperature=step.temperature,
-            support=step.support or None,
-            eos=slot.eos,
-        )
 
     def _encode(self, step: Step, rows: tuple[QRow, ...], status: int) -> tuple[FrameParts, ...]:
         cfg = self.config

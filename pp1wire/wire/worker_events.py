@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pp1wire.errors import ErrorCode, Pp1Error
-from pp1wire.q.proposal import QRow
+from pp1wire.q.proposal import DrafterFn, QRow, propose
+from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire.messages import Hello, MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts
 
@@ -42,55 +44,103 @@ class StepServed:
     status: int
     reply_bytes: int
     draw_seconds: float  # drafter, q construction and encoding of this STEP alone
+    #: The unexpected exception (a bug in the drafter or proposer) behind a status
+    #: of ``INTERNAL``, traceback included, for the shell's log; never on the wire.
+    failure: BaseException | None = None
+
+
+class DrawSlot(Protocol):
+    """What a draw reads of the slot it is for."""
+
+    @property
+    def seed(self) -> int:
+        """The request's seed."""
+
+    @property
+    def prefix(self) -> Sequence[int]:
+        """The committed prefix."""
+
+    @property
+    def eos(self) -> int | None:
+        """The terminal token, if any."""
 
 
 class DrawJob:
     """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
 
     It holds what a draw reads: the slot's seed, committed prefix and terminal
-    token, and the STEP. The prefix cannot change while the draw is outstanding
-    (the core holds every later message for that slot), so a shell may run the
-    job on another thread. :meth:`run` draws with the connection's own chain; a
-    batch runner that draws many jobs' rows together (one drafter call per
-    position) gives each job's rows, or the exception that stopped them, to
-    :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
+    token, the STEP and the drafter. The prefix cannot change while the draw is
+    outstanding (the core holds every later message for that slot), so a shell
+    may run the job on another thread. :meth:`run` draws it alone; a batch
+    runner that draws many :attr:`local` jobs' rows together (one drafter call
+    per position) gives each job its rows, or the exception that stopped them,
+    through :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
     """
 
-    __slots__ = ("_draw", "_encode", "eos", "local", "prefix", "seed", "slot", "step")
+    __slots__ = ("_encode", "drafter", "proposer", "slot", "step")
 
     def __init__(
         self,
-        slot: object,
+        slot: DrawSlot,
         step: Step,
         *,
-        seed: int,
-        prefix: Sequence[int],
-        eos: int | None,
-        draw: Callable[[], tuple[QRow, ...]],
+        drafter: DrafterFn,
+        proposer: Proposer | None,
         encode: Callable[[tuple[QRow, ...], int], tuple[FrameParts, ...]],
-        local: bool = True,
     ) -> None:
-        """A job for ``step`` on ``slot`` (the core's slot object, compared by identity).
+        """A job for ``step`` on ``slot`` (the core's slot, compared by identity).
 
-        ``draw`` draws the rows (it may raise), ``encode`` frames rows and a
-        status as the reply; ``local`` is false when the rows come from a
-        :data:`Proposer` (a sharded group), which a batch runner must leave to
-        :meth:`run`.
+        The rows come from ``proposer`` when given (a sharded group), else from
+        the local chain over ``drafter``; ``encode`` frames rows and a status as
+        the reply.
         """
         self.slot = slot
         self.step = step
-        self.seed = seed
-        self.prefix = prefix
-        self.eos = eos
-        self.local = local
-        self._draw = draw
+        self.drafter = drafter
+        self.proposer = proposer
         self._encode = encode
+
+    @property
+    def seed(self) -> int:
+        """The request's seed."""
+        return self.slot.seed
+
+    @property
+    def prefix(self) -> Sequence[int]:
+        """The committed prefix the STEP follows."""
+        return self.slot.prefix
+
+    @property
+    def eos(self) -> int | None:
+        """The terminal token, if any."""
+        return self.slot.eos
+
+    @property
+    def local(self) -> bool:
+        """Whether the rows come from the local chain (a batch runner may draw them);
+        a :data:`Proposer`'s jobs must be left to :meth:`run`."""
+        return self.proposer is None
+
+    def draw(self) -> tuple[QRow, ...]:
+        """The STEP's rows (the drafter or proposer may raise anything)."""
+        step = self.step
+        if self.proposer is not None:
+            return self.proposer(self.seed, self.prefix, step, self.eos)
+        return propose(
+            self.prefix,
+            step.depth,
+            self.drafter,
+            RoundStreams(Role.WORKER, self.seed, step.generation, step.round),
+            temperature=step.temperature,
+            support=step.support or None,
+            eos=self.eos,
+        )
 
     def run(self) -> DrawResult:
         """Draw and encode the reply (the drafter, q construction, framing); never raises."""
         started = time.perf_counter()
         try:
-            rows = self._draw()
+            rows = self.draw()
         except Exception as exc:  # a plugin failure must not kill the connection
             return self.complete(exc, started=started)
         return self.complete(rows, started=started)
@@ -142,22 +192,6 @@ class DrawRequested:
 
 
 @dataclass(frozen=True)
-class DrawFailed:
-    """A draw stopped on an unexpected exception, a bug in the drafter or proposer
-    (answered with a COMPLETION of status ``INTERNAL``).
-
-    ``error`` is the exception itself (its traceback included) for the shell's
-    log; nothing of it goes on the wire, which carries ``code`` alone.
-    """
-
-    slot: int
-    generation: int
-    round: int
-    code: ErrorCode
-    error: BaseException
-
-
-@dataclass(frozen=True)
 class StepReplayed:
     """A retried STEP got the cached, byte-identical reply."""
 
@@ -201,5 +235,4 @@ WorkerEvent = (
     | SlotEvent
     | ConnectionClosing
     | DrawRequested
-    | DrawFailed
 )
