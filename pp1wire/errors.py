@@ -130,6 +130,9 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
     LATE_FRAME = 115
+    # A fresh STEP beyond the connection's draw budget (--max-draw-rate): refused,
+    # nothing changed; a later round may ask again (protocol §4.4).
+    DRAW_RATE_LIMITED = 116
     # Local, never on the wire: what was pending on a slot ended because this
     # side closed or reset the slot (or the client) itself.
     CANCELLED = 117

@@ -39,7 +39,7 @@ def _files(tmp_path):
 CASES = [
     ("pp1-worker", ["--port", "70000"], "--port: 70000 is not a port"),
     ("pp1-worker", ["--metrics-port", "-1"], "--metrics-port: -1 is not a port"),
-    ("pp1-worker", ["--max-connections", "0"], "--max-connections: 0 is not an integer >= 1"),
+    ("pp1-worker", ["--max-connections", "0"], "--max-connections: 0 is not a number of conn"),
     ("pp1-worker", ["--handshake-timeout", "-1"], "--handshake-timeout: -1.0 is not a duration"),
     ("pp1-worker", ["--idle-timeout", "nan"], "--idle-timeout: 'nan' is not a finite number"),
     ("pp1-worker", ["--config", "{tmp}/latin1.toml"], "latin1.toml: 'utf-8' codec"),

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from pp1wire.aio.client import AsyncClient, ClientClosedError
-from pp1wire.aio.server import EVICT_IDLE_S, WRITE_BUFFER_CAP, WorkerServer
+from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
@@ -113,7 +113,11 @@ async def _ping_forever(port: int) -> None:
 
 @pytest.mark.asyncio
 async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
-    srv = WorkerServer(WorkerConfig(vocab_size=64), drafter_factory(64), max_connections=16)
+    # The authenticated peers never count as idle here (evict_idle is far beyond
+    # the test), so the newcomer can only take a place still in its handshake.
+    srv = WorkerServer(
+        WorkerConfig(vocab_size=64), drafter_factory(64), max_connections=16, evict_idle=3600.0
+    )
     port = await srv.start("127.0.0.1", 0)
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
     pingers = [asyncio.ensure_future(_ping_forever(port)) for _ in range(6)]
@@ -123,7 +127,6 @@ async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
     ]
     try:
         await eventually(lambda: len(srv.conns) == 16, what="16 connections held")
-        await asyncio.sleep(EVICT_IDLE_S + 0.2)  # the policy is time-based: idle long enough
         took = await asyncio.wait_for(probe(port, 64), 10)
         assert took < PROBE_BOUND_S, took
         assert _count(srv.metrics.evictions) >= 1
@@ -137,24 +140,6 @@ async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
             t.cancel()
         for c in idle:
             await c.close()
-        await srv.stop(grace=1.0)
-
-
-@pytest.mark.asyncio
-async def test_the_per_address_limit_refuses_the_next_connection():
-    srv = WorkerServer(WorkerConfig(vocab_size=64), drafter_factory(64), max_per_address=2)
-    port = await srv.start("127.0.0.1", 0)
-    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-    try:
-        extra = socket.create_connection(("127.0.0.1", port))
-        extra.settimeout(3.0)
-        (frame,) = framing.FrameDecoder().feed(await asyncio.to_thread(extra.recv, 1 << 16))
-        assert frame.message.code == ErrorCode.CONNECTION_LIMIT
-        extra.close()
-        assert len(srv.conns) == 2  # the newcomer evicted nobody
-    finally:
-        for s in held:
-            s.close()
         await srv.stop(grace=1.0)
 
 

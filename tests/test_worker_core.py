@@ -520,3 +520,24 @@ def test_each_row_is_written_once_and_handed_to_the_transport_as_it_is(psk):
     again = send_step()  # a retry: answered from the cache
     assert [c for c in again if isinstance(c, memoryview)] == rows
     assert all(any(c is r for c in again) for r in rows)  # the same objects, not copies
+
+
+def test_a_commit_below_a_pending_step_is_refused_and_the_step_still_replays():
+    # A target-only COMMIT (accepted = 0) for a round below the STEP still
+    # waiting to be committed was accepted: it cleared the replay entry, and the
+    # identical STEP retried then hit an assertion that killed the connection.
+    pair = ready_pair()
+    first = reply_bytes(pair, step(round=5))
+    retried = step(round=5)
+    answer = frames_of([reply_bytes(pair, commit(round=3))])
+    assert [f.type for f in answer] == [MsgType.ERROR], [f.message for f in answer]
+    assert ErrorCode(answer[0].message.code) is ErrorCode.ROUND_REUSED
+    assert list(pair.worker.slots[0].prefix) == PREFIX
+    events = pair.send_raw(retried)  # raised AssertionError in the core
+    assert b"".join(pair.worker.data_to_send()) == first
+    assert events == [StepReplayed(0, 5)]
+    assert not pair.worker.closed
+    # The pending round is still committable, and a target-only round above it too.
+    drafts = [f.message.token for f in frames_of([first]) if f.type == MsgType.REPLY]
+    ok = reply_bytes(pair, commit(round=5, accepted=1, extra=2, position=5, tokens=[drafts[0], 2]))
+    assert frames_of([ok])[0].type == MsgType.COMMITTED

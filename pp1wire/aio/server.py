@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
+from pp1wire.wire.draws import BatchRunner, DrawScheduler, FailureLog, run_each
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import Proposer
@@ -91,6 +93,16 @@ class WorkerMetrics:
             "Connections closed to make room for a newcomer.",
             registry=r,
         )
+        self.drafter_errors = Counter(
+            "pp1_worker_drafter_errors",
+            "Draws stopped by an unexpected exception in the drafter (or a group's proposer), "
+            "by exception class; answered with a COMPLETION of status internal.",
+            ["error"],
+            registry=r,
+        )
+        self.draws_queued = Gauge(
+            "pp1_worker_draws_queued", "Draws waiting for a draw thread.", registry=r
+        )
 
 
 #: Frames one connection may handle before the loop serves the others.
@@ -103,8 +115,10 @@ ACCEPT_BACKLOG: Final = 1024
 ACCEPT_BURST: Final = 64
 #: A closing connection whose peer does not read is cut after this many seconds.
 CLOSE_GRACE_S: Final = 2.0
-#: An authenticated connection without slots, idle this long, may be evicted for a newcomer.
+#: An authenticated connection idle this long, with no slot working, may be evicted for a newcomer.
 EVICT_IDLE_S: Final = 1.0
+#: A slot that has seen no STEP or COMMIT for this long stops protecting its connection.
+SLOT_IDLE_S: Final = 10.0
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -122,6 +136,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.accepted_at = 0.0
         self.address = ""
         self.lost = False
+        # Stopping: no more reading; closed once the frames already received are answered.
+        self.draining = False
         # While TLS is negotiated: the accepted socket (shut down to evict it).
         self.sock: socket.socket | None = None
 
@@ -208,7 +224,7 @@ class _Conn(asyncio.BufferedProtocol):
         else:
             self.address = self.peer = str(peer)
         srv = self.server
-        refusal = srv.admit(self)
+        refusal = srv.admit(self, self.accepted_at)
         if refusal is not None:
             srv.metrics.refusals.labels(code=refusal.name.lower()).inc()
             log.warning("connection refused", extra={"peer": self.peer, "code": refusal.name})
@@ -247,11 +263,17 @@ class _Conn(asyncio.BufferedProtocol):
         core = self.core
         return core is not None and core.handshake_deadline is None and not core.closed
 
-    def evict(self) -> None:
-        """Close this connection to make room for a new one (``CONNECTION_LIMIT``)."""
+    def evict(self, *, refused: bool = False) -> None:
+        """Close this connection (``CONNECTION_LIMIT``): to make room for a new one, or
+        (``refused``) because it authenticated with no room left for it."""
         core = self.core
-        log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
-        self.server.metrics.evictions.inc()
+        metrics = self.server.metrics
+        if refused:
+            log.warning("connection refused", extra={"peer": self.peer, "code": "CONNECTION_LIMIT"})
+            metrics.refusals.labels(code="connection_limit").inc()
+        else:
+            log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
+            metrics.evictions.inc()
         if self.transport is None or core is None:
             self._cut_handshake()
             self.connection_lost(None)
@@ -274,18 +296,14 @@ class _Conn(asyncio.BufferedProtocol):
         self._pump()
 
     def _draw(self, job: worker_core.DrawJob) -> None:
-        """Draw on the server's pool; the loop keeps serving this and other connections."""
-        loop = asyncio.get_running_loop()
-        done = loop.run_in_executor(self.server.draw_pool, job.run)
-        done.add_done_callback(lambda f: self._drawn(job, f))
+        """Queue a draw for the server's pool; the loop keeps serving this and other connections."""
+        self.server.submit_draw(self, job)
 
-    def _drawn(
-        self, job: worker_core.DrawJob, done: asyncio.Future[worker_core.DrawResult]
-    ) -> None:
+    def _drawn(self, job: worker_core.DrawJob, result: worker_core.DrawResult) -> None:
         core = self.core
-        if core is None or self.lost or done.cancelled():
+        if core is None or self.lost:
             return
-        self._events(core.finish_draw(job, done.result()))  # run() never raises
+        self._events(core.finish_draw(job, result))
         self._flush()
         if self.turn is None:
             self._pump()  # messages held for the slot go on
@@ -313,11 +331,34 @@ class _Conn(asyncio.BufferedProtocol):
             # without reading more from this one.
             self._set_reading(False)
             self.turn = asyncio.get_running_loop().call_soon(self._pump)
+        elif self.draining:
+            self._close_if_drained()
         elif not self.writing_paused:
             self._set_reading(True)
 
+    def drain(self) -> None:
+        """Stop reading; close once every frame already received is answered, draws included."""
+        if self.transport is None:
+            self._cut_handshake()  # still negotiating TLS: nothing to answer
+            return
+        self.draining = True
+        self._set_reading(False)
+        if self.turn is None and not self.writing_paused:
+            self._pump()  # frames already buffered are handled; then _close_if_drained
+        else:
+            self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        core, transport = self.core, self.transport
+        if transport is None or transport.is_closing():
+            return
+        if core is None or core.closed or not (core.drawing or core.waiting or core.more):
+            transport.close()  # close() flushes what is already queued
+
     def _set_reading(self, on: bool) -> None:
         transport = self.transport
+        if on and self.draining:
+            return
         if transport is None or transport.is_closing() or on == self.reading:
             return
         self.reading = on
@@ -332,6 +373,8 @@ class _Conn(asyncio.BufferedProtocol):
             if isinstance(e, worker_core.DrawRequested):
                 self._draw(e.job)
             elif isinstance(e, worker_core.StepServed):
+                if e.failure is not None:
+                    self.server.draw_failed(self, e, e.failure)
                 m.propose_seconds.observe(e.draw_seconds)
                 m.reply_bytes.inc(e.reply_bytes)
                 if e.status:
@@ -357,6 +400,7 @@ class _Conn(asyncio.BufferedProtocol):
                 )
             elif isinstance(e, worker_core.HandshakeDone):
                 log.info("handshake", extra={"peer": self.peer, "session": e.session})
+                self.server.handshake_done(self)
 
     def _flush(self) -> None:
         core, transport = self.core, self.transport
@@ -419,6 +463,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.turn.cancel()
         if self.core is not None:
             self.core.connection_lost()
+        self.server.forget_draws(self)
         self.server.conns.discard(self)
         self.server.metrics.connections.set(len(self.server.conns))
         log.info("closed", extra={"peer": self.peer, "error": repr(exc) if exc else None})
@@ -433,6 +478,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.writing_paused = False
         if self.turn is None:
             self._pump()
+        if self.draining:
+            self._close_if_drained()
 
 
 def _loop_time(monotonic_deadline: float) -> float:
@@ -462,26 +509,48 @@ class WorkerServer:
         busy_poll: bool = False,
         draw_threads: int = 0,
         proposer: Proposer | None = None,
+        slot_idle_timeout: float = SLOT_IDLE_S,
+        evict_idle: float = EVICT_IDLE_S,
+        run_batch: BatchRunner = run_each,
+        max_draw_batch: int = 1,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
-        At most ``max_connections`` connections are held, counted from accept
-        (a TLS handshake in progress included); a newcomer beyond that evicts
-        the oldest peer that has not completed the handshake, else the longest
-        idle authenticated peer that holds no slot, else it is refused
-        (``CONNECTION_LIMIT``). ``max_per_address`` caps the connections from
-        one IP address (refused beyond it). ``busy_poll`` keeps the event loop
-        spinning while any connection is open, trading one busy core for the
-        wake-up latency of an idle one. ``draw_threads`` > 0 draws proposals on
-        a pool of that many threads (slots draw in parallel, the loop keeps
-        answering); 0 draws on the event loop. ``proposer`` replaces the local
+        Admission (``docs/protocol.md`` §2): at most ``max_connections``
+        authenticated connections (HELLO done, and AUTH with a key) are held,
+        and at most ``max_per_address`` from one source IP address. When a
+        limit is reached, a newcomer first replaces the oldest connection still
+        in its handshake; failing that, it is admitted *on credit* if a held
+        peer is replaceable (authenticated, idle for ``evict_idle`` s, and with
+        no slot that saw a STEP or COMMIT in the last ``slot_idle_timeout`` s),
+        and that peer is evicted only once the newcomer has itself
+        authenticated, so a peer without the key never evicts one with it.
+        Otherwise the newcomer is refused (``CONNECTION_LIMIT``). Connections
+        count from accept (a TLS handshake included).
+
+        ``busy_poll`` keeps the event loop spinning while any connection is
+        open, trading one busy core for the wake-up latency of an idle one.
+        ``draw_threads`` > 0 draws proposals on a pool of that many threads
+        (slots draw in parallel, the loop keeps answering), shared fairly
+        between connections (:class:`~pp1wire.wire.draws.DrawScheduler`);
+        ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
+        pool thread. 0 draws on the event loop. ``proposer`` replaces the local
         proposal chain (a rank of a vocabulary-sharded worker group).
+
+        Raises:
+            ValueError: for a limit below 1 or a timeout that is not above 0.
         """
+        if max_connections < 1 or (max_per_address is not None and max_per_address < 1):
+            raise ValueError("connection limits must be at least 1")
+        if not (slot_idle_timeout > 0 and evict_idle >= 0) or max_draw_batch < 1:
+            raise ValueError("idle limits must be positive and a draw batch at least 1 job")
         self.config = config
         self.drafter = drafter
         self.proposer = proposer
         self.max_connections = max_connections
         self.max_per_address = max_per_address
+        self.slot_idle_timeout = slot_idle_timeout
+        self.evict_idle = evict_idle
         self.ssl_context = ssl_context
         self.metrics = WorkerMetrics()
         self.conns: set[_Conn] = set()
@@ -489,38 +558,132 @@ class WorkerServer:
         self.stopping = False
         self.busy_poll = busy_poll
         self.draw_pool = ThreadPoolExecutor(draw_threads, "pp1-draw") if draw_threads > 0 else None
+        self.draws: DrawScheduler[_Conn, worker_core.DrawJob] = DrawScheduler(
+            max(1, draw_threads), max_batch=max_draw_batch
+        )
+        self.run_batch = run_batch
+        self.failures = FailureLog()
         self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
         self.listener: socket.socket | None = None
 
-    def admit(self, new: _Conn) -> ErrorCode | None:
-        """Make room for ``new`` (evicting if needed), or the code it is refused with."""
+    # -- admission -----------------------------------------------------------------
+
+    def _scopes(self, conn: _Conn) -> list[tuple[list[_Conn], int]]:
+        """The connection groups ``conn`` counts in, each with its limit."""
+        scopes: list[tuple[list[_Conn], int]] = []
+        if self.max_per_address is not None:
+            same = [c for c in self.conns if c.address == conn.address]
+            scopes.append((same, self.max_per_address))
+        scopes.append((list(self.conns), self.max_connections))
+        return scopes
+
+    def replaceable(self, conn: _Conn, now: float) -> bool:
+        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated,
+        idle, and holding no slot that worked (STEP, COMMIT) recently."""
+        core = conn.core
+        if core is None or not conn.authenticated or now - core.last_activity < self.evict_idle:
+            return False
+        worked = max((s.worked_at for s in core.slots.values()), default=None)
+        return worked is None or now - worked >= self.slot_idle_timeout
+
+    def admit(self, new: _Conn, now: float) -> ErrorCode | None:
+        """Make room for ``new`` at accept (evicting a handshake if needed), or the
+        code it is refused with. Nobody authenticated is evicted here."""
         if self.stopping:
             return ErrorCode.SHUTTING_DOWN
-        if self.max_per_address is not None:
-            same = sum(1 for c in self.conns if c.address == new.address)
-            if same >= self.max_per_address:
+        evict: list[_Conn] = []
+        for scope, limit in self._scopes(new):
+            members = [c for c in scope if c not in evict]
+            credit = sum(1 for c in members if self.replaceable(c, now))
+            over = len(members) + 1 - (limit + credit)
+            if over <= 0:
+                continue  # room, or admitted on credit: see handshake_done
+            pending = sorted(
+                (c for c in members if not c.authenticated), key=lambda c: c.accepted_at
+            )
+            if len(pending) < over:
                 return ErrorCode.CONNECTION_LIMIT
-        if len(self.conns) < self.max_connections:
-            return None
-        victim = self._victim(time.monotonic())
-        if victim is None:
-            return ErrorCode.CONNECTION_LIMIT
-        victim.evict()
+            evict += pending[:over]
+        for victim in evict:
+            victim.evict()
         return None
 
-    def _victim(self, now: float) -> _Conn | None:
-        pending = [c for c in self.conns if not c.authenticated]
-        if pending:
-            return min(pending, key=lambda c: c.accepted_at)
-        idle = [
-            c
-            for c in self.conns
-            if c.core is not None
-            and not c.core.slots
-            and now - c.core.last_activity >= EVICT_IDLE_S
-        ]
-        return min(idle, key=lambda c: c.core.last_activity if c.core else 0.0, default=None)
+    def handshake_done(self, conn: _Conn) -> None:
+        """``conn`` authenticated: if that puts a scope over its limit, evict the
+        longest idle replaceable peer, or close ``conn`` itself if none is left."""
+        now = time.monotonic()
+        for members, limit in self._scopes(conn):
+            authenticated = [c for c in members if c.authenticated]
+            if len(authenticated) <= limit:
+                continue
+            victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
+            victim = min(victims, key=_idle_since, default=None)
+            if victim is None:  # the peers it was admitted for became busy meanwhile
+                conn.evict(refused=True)
+                return
+            victim.evict()
+
+    # -- draws ----------------------------------------------------------------------
+
+    def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
+        """Queue ``conn``'s draw; it runs when its turn comes (docs/protocol.md §4.4)."""
+        self.draws.submit(conn, job)
+        self._schedule()
+
+    def forget_draws(self, conn: _Conn) -> None:
+        """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
+        self.draws.drop(conn)
+        self.metrics.draws_queued.set(self.draws.queued)
+
+    def _schedule(self) -> None:
+        pool = self.draw_pool
+        if pool is not None:
+            loop = asyncio.get_running_loop()
+            while batch := self.draws.next_batch():
+                jobs = [job for _, job in batch]
+                done = loop.run_in_executor(pool, self.run_batch, jobs)
+                done.add_done_callback(functools.partial(self._batch_done, batch))
+        self.metrics.draws_queued.set(self.draws.queued)
+
+    def _batch_done(
+        self,
+        batch: list[tuple[_Conn, worker_core.DrawJob]],
+        done: asyncio.Future[list[worker_core.DrawResult]],
+    ) -> None:
+        self.draws.finished(batch)
+        if done.cancelled():  # the pool was shut down after the grace period
+            return
+        error = done.exception()
+        results = None if error is not None else done.result()
+        if results is None or len(results) != len(batch):
+            failure = error or RuntimeError(
+                f"the batch runner returned {len(results or ())} results for {len(batch)} jobs"
+            )
+            results = [job.complete(failure) for _, job in batch]
+        for (conn, job), result in zip(batch, results, strict=True):
+            conn._drawn(job, result)
+        self._schedule()
+
+    def draw_failed(self, conn: _Conn, event: worker_core.StepServed, error: BaseException) -> None:
+        """Count a drafter failure and log it (each kind with its traceback, then rate-limited)."""
+        self.metrics.drafter_errors.labels(error=type(error).__name__).inc()
+        show, first, skipped = self.failures.note(error, time.monotonic())
+        if not show:
+            return
+        extra = {
+            "peer": conn.peer,
+            "slot": event.slot,
+            "generation": event.generation,
+            "round": event.round,
+            "error": repr(error),
+            "not_logged_since": skipped,
+        }
+        log.error(
+            "drafter failed" if first else "drafter failed again",
+            extra=extra,
+            exc_info=(type(error), error, error.__traceback__) if first else None,
+        )
 
     def connection_opened(self) -> None:
         """Start spinning (with ``busy_poll``) while connections are open."""
@@ -572,7 +735,9 @@ class WorkerServer:
             _Conn(self).accept_tls(sock, self.ssl_context)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting, flush and close every connection (waits at most ``grace`` s)."""
+        """Stop accepting; let every connection finish the frames it already received
+        (draws in progress and queued included), flush the replies and close; whatever
+        is left after ``grace`` seconds is cut."""
         self.stopping = True
         if self.server is not None:
             self.server.close()
@@ -580,12 +745,10 @@ class WorkerServer:
             asyncio.get_running_loop().remove_reader(self.listener.fileno())
             self.listener.close()
             self.listener = None
-        for conn in list(self.conns):
-            if conn.transport is not None:
-                conn.transport.close()  # close() flushes what is already queued
-            else:
-                conn._cut_handshake()  # still negotiating TLS: nothing to flush
-        waits = [c.closed.wait() for c in list(self.conns)]
+        conns = list(self.conns)
+        for conn in conns:
+            conn.drain()
+        waits = [c.closed.wait() for c in conns]
         if waits:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*waits), grace)
@@ -597,3 +760,7 @@ class WorkerServer:
         if self.server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+
+def _idle_since(conn: _Conn) -> float:
+    return conn.core.last_activity if conn.core is not None else 0.0

@@ -16,8 +16,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from pp1wire.apps import settings
 from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
 from pp1wire.q import dyadic
@@ -127,6 +128,8 @@ def run_daemons(args: argparse.Namespace) -> int:
                     str(args.depth),
                     "--support",
                     support,
+                    "--temperature",
+                    repr(args.temperature),
                     "--json",
                     vocab=args.vocab,
                 )
@@ -157,21 +160,101 @@ def run_daemons(args: argparse.Namespace) -> int:
     return 0 if worker.returncode == 0 else 1
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pp1-demo`` argument parser."""
+    p = settings.parser("pp1-demo", __doc__)
+    p.add_argument(
+        "--vocab",
+        type=settings.vocabulary,
+        default=DEFAULT_VOCAB,
+        metavar="TOKENS",
+        help="vocabulary size of the toy models, in token IDs",
+    )
+    p.add_argument(
+        "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
+    )
+    p.add_argument(
+        "--requests",
+        type=settings.positive,
+        default=8,
+        metavar="N",
+        help="requests per run (each run: dense q, then sparse top-32 q)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=settings.positive,
+        default=64,
+        metavar="TOKENS",
+        help="tokens generated per request",
+    )
+    p.add_argument(
+        "--depth",
+        type=settings.depth,
+        default=5,
+        metavar="N",
+        help="draft tokens per proposal, 1..5",
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no daemons, no sockets: the proposal chain and the verifier in one process",
+    )
+    p.add_argument(
+        "--support",
+        default=None,
+        metavar="dense|sparse:K",
+        help="with --in-process: dense or sparse top-K q (default: dense; the daemons run both)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=settings.temperature,
+        default=1.0,
+        metavar="T",
+        help="proposal temperature (0: greedy)",
+    )
+    return p
+
+
+def _support(text: str | None, vocab: int) -> int | None:
+    """``--support`` as a sparse K, or None for dense.
+
+    Raises:
+        settings.SettingsError: for anything but ``dense`` or ``sparse:K`` with K in 1..vocab.
+    """
+    if text is None or text == "dense":
+        return None
+    kind, _, k = text.partition(":")
+    if kind != "sparse" or not (k.isascii() and k.isdigit()) or not 1 <= int(k) <= vocab:
+        raise settings.SettingsError(
+            f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
+        )
+    return int(k)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="pp1-demo", description=__doc__)
-    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--in-process", action="store_true", help="no daemons, no sockets")
-    parser.add_argument("--support", default="dense", help="with --in-process: dense or sparse:K")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    args = parser.parse_args(argv)
+    """Command-line entry point; returns the process exit code.
+
+    Every flag is checked before anything starts: a bad one prints one line and
+    returns 2.
+    """
+    parser = build_parser()
+
+    def one_line(message: str) -> NoReturn:
+        raise settings.SettingsError(message)
+
+    parser.error = one_line  # type: ignore[method-assign]
+    try:
+        args = parser.parse_args(argv)
+        support = _support(args.support, args.vocab)
+        if not args.in_process and args.support is not None:
+            raise settings.SettingsError(
+                "--support applies only with --in-process (the daemons run dense and sparse:32)"
+            )
+    except settings.SettingsError as exc:
+        print(f"pp1-demo: {exc}", file=sys.stderr)
+        return 2
     if not args.in_process:
         return run_daemons(args)
-    support = None if args.support == "dense" else int(args.support.split(":", 1)[1])
     stats = run_in_process(
         vocab_size=args.vocab,
         seed=args.seed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
@@ -64,33 +65,119 @@ def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
         f"Flag type: {meaning} (a TOML float such as 2.7 is refused, not truncated).\n\n"
         "Raises:\n    argparse.ArgumentTypeError: for anything else.\n"
     )
+    check.kind = int  # type: ignore[attr-defined]  # what a TOML value must be
     return check
 
 
-def _real_type(lo: float, inclusive: bool, meaning: str) -> Callable[[object], float]:
-    """A flag type accepting finite numbers above ``lo`` (or equal, if ``inclusive``)."""
+def _real_type(
+    lo: float, inclusive: bool, meaning: str, hi: float = math.inf
+) -> Callable[[object], float]:
+    """A flag type accepting finite numbers above ``lo`` (or equal, if ``inclusive``)
+    and at most ``hi``."""
 
     def check(raw: object) -> float:
         value = _real(raw)
-        if value < lo or (value == lo and not inclusive):
+        if value < lo or (value == lo and not inclusive) or value > hi:
             raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
         return value
 
     check.__doc__ = (
         f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
     )
+    check.kind = float  # type: ignore[attr-defined]
+    return check
+
+
+def _text_type(max_length: int, meaning: str) -> Callable[[object], str]:
+    """A flag type accepting strings of at most ``max_length`` characters."""
+
+    def check(raw: object) -> str:
+        if not isinstance(raw, str):
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a string")
+        if len(raw) > max_length:
+            raise argparse.ArgumentTypeError(f"{raw[:20]!r}... is not {meaning}")
+        return raw
+
+    check.__doc__ = (
+        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
+    )
+    check.kind = str  # type: ignore[attr-defined]
     return check
 
 
 _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
+#: The most FP32 entries a dense row may have: 4 bytes each within the 64 MiB frame cap.
+MAX_ENTRIES = 1 << 24
+#: The most ranks a group (``--tp``, ``--vocab-shards``) may have.
+MAX_RANKS = 64
+#: The longest duration any flag takes: one week, in seconds.
+MAX_SECONDS = 7 * 86400.0
+#: The most draw threads (``--draw-threads``).
+MAX_THREADS = 1024
 count = _int_type(0, _U64_MAX, "an integer >= 0")
 positive = _int_type(1, _U64_MAX, "an integer >= 1")
 port = _int_type(0, 65535, "a port (0..65535; 0: any free port)")
-seconds = _real_type(0.0, False, "a duration above 0 seconds")
+seconds = _real_type(0.0, False, "a duration above 0 seconds, at most a week (604800)", MAX_SECONDS)
 temperature = _real_type(0.0, True, "a temperature (finite, >= 0; 0: greedy)")
+#: A count that travels in a 16-bit wire field (``--max-slots``).
+u16 = _int_type(1, 0xFFFF, "an integer in 1..65535 (it travels in a 16-bit field)")
+#: A vocabulary size: a dense row of it must fit one frame.
+vocabulary = _int_type(
+    2, MAX_ENTRIES, f"a vocabulary size in 2..{MAX_ENTRIES} (a dense row must fit a 64 MiB frame)"
+)
+#: A row length in FP32 entries, with the same bound.
+entries = _int_type(
+    1, MAX_ENTRIES, f"a row length in 1..{MAX_ENTRIES} entries (a row must fit a 64 MiB frame)"
+)
+#: A prefix length in tokens: an OPEN's prefix must fit one frame.
+prefix_tokens = _int_type(
+    1, MAX_ENTRIES, f"a prefix length in 1..{MAX_ENTRIES} tokens (it must fit a 64 MiB frame)"
+)
+#: A proposal depth.
+depth = _int_type(1, 5, "a depth in 1..5")
+#: A support size (0: dense), within a 32-bit wire field.
+support = _int_type(0, 0xFFFFFFFF, "a support in 0..4294967295 (0: dense)")
+#: A group size.
+ranks = _int_type(1, MAX_RANKS, f"a number of ranks in 1..{MAX_RANKS}")
+#: A pool size (0 allowed).
+threads = _int_type(0, MAX_THREADS, f"a number of threads in 0..{MAX_THREADS}")
+#: A connection count.
+connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
+#: A rate per second.
+rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1e6)
+#: A name carried in HELLO (at most 128 characters).
+name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
 
 
-def _convert(action: argparse.Action, raw: object, source: str) -> object:
+def _exact(action: argparse.Action, raw: object) -> str | None:
+    """Why a TOML value has the wrong type for ``action`` (None if it is right):
+    a TOML file types its values, so a string is not a port and 2 is not a path."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return None if isinstance(raw, bool) else f"{raw!r} is not a boolean (true or false)"
+    if action.nargs in ("*", "+"):
+        ok = isinstance(raw, list) and all(isinstance(x, str) for x in raw)
+        return None if ok else f"{raw!r} is not a list of strings"
+    kind = getattr(action.type, "kind", action.type if isinstance(action.type, type) else str)
+    if isinstance(raw, bool):
+        return f"{raw!r} is not {_KIND_NAMES.get(kind, 'a string')}"
+    if kind is int and not isinstance(raw, int):
+        return f"{raw!r} is not an integer"
+    if kind is float and not isinstance(raw, int | float):
+        return f"{raw!r} is not a number"
+    if kind not in (int, float) and not isinstance(raw, str):
+        return f"{raw!r} is not a string"
+    return None
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _convert(action: argparse.Action, raw: object, source: str, *, typed: bool = False) -> object:
+    """Convert a value from the environment (a string) or, ``typed``, a TOML file."""
+    if typed:
+        wrong = _exact(action, raw)
+        if wrong is not None:
+            raise SettingsError(f"{source}: {wrong}")
     if isinstance(action, argparse._StoreTrueAction):
         if isinstance(raw, bool):
             return raw
@@ -100,13 +187,24 @@ def _convert(action: argparse.Action, raw: object, source: str) -> object:
         if text in ("0", "false", "no", "off", ""):
             return False
         raise SettingsError(f"{source}: {raw!r} is not a boolean")
+    if action.nargs in ("*", "+"):
+        items = raw if isinstance(raw, list) else str(raw).split()
+        return [_convert_one(action, x, source) for x in items]
+    return _convert_one(action, raw, source)
+
+
+def _convert_one(action: argparse.Action, raw: object, source: str) -> object:
     convert: Any = action.type
     if convert is None or (isinstance(convert, type) and isinstance(raw, convert)):
-        return raw
-    try:
-        return convert(raw)
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise SettingsError(f"{source}: {exc}") from None
+        value = raw
+    else:
+        try:
+            value = convert(raw)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            raise SettingsError(f"{source}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        raise SettingsError(f"{source}: {value!r} is not one of {sorted(action.choices)}")
+    return value
 
 
 def parse(
@@ -133,6 +231,8 @@ def parse(
     for action in parser._actions:
         if action.dest != "help":
             defaults[action.dest] = action.default
+            # --help runs inside parse_args, while the defaults are set aside.
+            action.shown_default = action.default  # type: ignore[attr-defined]
             action.default = None
     try:
         args = parser.parse_args(argv)
@@ -159,7 +259,7 @@ def parse(
             setattr(args, dest, _convert(action, env[env_name], env_name))
         elif dest in file_values or dest.replace("_", "-") in file_values:
             raw = file_values.get(dest, file_values.get(dest.replace("_", "-")))
-            setattr(args, dest, _convert(action, raw, f"{config_path}: {dest}"))
+            setattr(args, dest, _convert(action, raw, f"{config_path}: {dest}", typed=True))
         else:
             setattr(args, dest, defaults[dest])
     return args
@@ -207,7 +307,8 @@ def load_factory(spec: str) -> Any:
     """Import ``module:attribute`` and return the attribute.
 
     Raises:
-        SettingsError: if the spec is malformed or the import fails.
+        SettingsError: if the spec is malformed, the import fails, or the attribute
+            is not callable.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -216,21 +317,58 @@ def load_factory(spec: str) -> Any:
 
     try:
         module = importlib.import_module(module_name)
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise SettingsError(f"plugin {spec!r}: {exc}") from None
+    except Exception as exc:  # a plugin module that fails while it is imported
+        raise SettingsError(f"plugin {spec!r}: importing it raised {exc!r}") from None
+    if not callable(found):
+        raise SettingsError(f"plugin {spec!r} is a {type(found).__name__}, not a callable")
+    return found
+
+
+def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
+    """Call the factory ``module:attribute`` with ``kwargs``; what it makes must be callable.
+
+    Raises:
+        SettingsError: if the spec is malformed, the import fails, the factory is
+            not callable, raises, or makes something that is not callable.
+    """
+    factory = load_factory(spec)
+    try:
+        made = factory(**kwargs)
+    except Exception as exc:  # a plugin's own failure, reported in one line
+        raise SettingsError(f"plugin {spec!r}: the factory raised {exc!r}") from None
+    if not callable(made):
+        raise SettingsError(
+            f"plugin {spec!r} made a {type(made).__name__}, not a callable (prefix -> logits)"
+        )
+    return cast(Callable[..., Any], made)
 
 
 def host_port(text: str) -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (IPv6 in brackets).
+    """Parse ``HOST:PORT``, an IPv6 host in brackets (``[::1]:7070``); the port is
+    0..65535 (0: a listener's "any free port").
 
     Raises:
-        SettingsError: if it does not parse.
+        SettingsError: if it does not parse (a bare IPv6 address such as ``::1``
+            included: it has no port) or the port is out of range.
     """
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise SettingsError(f"{text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep or not host or ":" not in host:
+            raise SettingsError(f"{text!r} is not HOST:PORT (IPv6: [ADDRESS]:PORT)")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise SettingsError(f"{text!r} is not HOST:PORT")
+        if ":" in host:
+            raise SettingsError(
+                f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets: [ADDRESS]:PORT)"
+            )
+    if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
+        raise SettingsError(f"{text!r} is not HOST:PORT (a port is 0..65535)")
+    return host, int(port_text)
 
 
 def read_psk(path: str | None) -> bytes | None:
@@ -259,36 +397,119 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` that gives each flag's default after its text (unless the text does)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = getattr(action, "shown_default", action.default)
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+        ):
+            return text
+        shown = str(default).replace("%", "%%")
+        return f"{text} (default: {shown})"
+
+
+def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """An argument parser whose ``--help`` shows every flag's default."""
+    return argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     """The flags both daemons take with the same meaning (the two sides must agree on them)."""
-    p.add_argument("--vocab", type=positive, default=DEFAULT_VOCAB, help="vocabulary size")
-    p.add_argument("--vocab-hash", type=count, default=0, help="hash of the global token-ID map")
+    p.add_argument(
+        "--vocab",
+        type=vocabulary,
+        default=DEFAULT_VOCAB,
+        metavar="TOKENS",
+        help="vocabulary size in token IDs",
+    )
+    p.add_argument(
+        "--vocab-hash",
+        type=count,
+        default=0,
+        metavar="HASH",
+        help="hash of the global token-ID map (an unsigned 64-bit integer)",
+    )
     p.add_argument(
         "--row-entries",
-        type=positive,
+        type=entries,
         default=None,
+        metavar="ENTRIES",
         help="dense row length in FP32 entries, padding included (default: --vocab); "
         "both sides must use the same value",
     )
     p.add_argument(
         "--vocab-shards",
-        type=positive,
+        type=ranks,
         default=1,
+        metavar="N",
         help="split the vocabulary evenly over N ranks, one link per rank pair (with --tp N, "
         "needs torch): worker rank r listens on --port + r and Spark rank r connects to the "
         "worker address's port + r; each link carries only its range of q",
     )
-    p.add_argument("--target-identity", default="pp1-toy-target")
-    p.add_argument("--psk-file", default=None, help="file holding the pre-shared key")
-    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument(
+        "--target-identity",
+        type=name,
+        default="pp1-toy-target",
+        metavar="NAME",
+        help="the target model's identity, declared in HELLO (at most 128 characters)",
+    )
+    p.add_argument(
+        "--psk-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the pre-shared key, at least 16 bytes (default: none, no "
+        "authentication)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address of the Prometheus endpoint",
+    )
     p.add_argument(
         "--metrics-port",
         type=port,
         default=None,
-        help="Prometheus port (0: any free port; unset: off)",
+        metavar="PORT",
+        help="Prometheus port, GET /metrics (0: any free port; default: unset, no endpoint)",
     )
-    p.add_argument("--log-level", default=log_level)
-    p.add_argument("--config", default=None, help="TOML file with any of these settings")
+    p.add_argument(
+        "--log-level",
+        default=log_level,
+        choices=LOG_LEVELS,
+        metavar="LEVEL",
+        help="JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML file with any of these settings, keys named like the flags (default: none)",
+    )
+
+
+def exposed(host: str) -> bool:
+    """Whether listening on ``host`` may be reachable from other machines: anything
+    but ``localhost`` and loopback IP literals (a name is not resolved: it counts
+    as exposed)."""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return True
 
 
 def run_daemon(

@@ -1,8 +1,9 @@
 """``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner).
 
 Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
-stop accepting, let every connection finish the frames it already received,
-flush the replies, then exit 0.
+stop accepting, let every connection finish the frames it already received
+(the draws they asked for included, within a grace period), flush the replies,
+then exit 0.
 
 ``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
 with this worker's settings against a running worker, exits 0 on success and
@@ -22,6 +23,7 @@ import ssl
 import sys
 from collections.abc import Sequence
 
+from pp1wire.aio import server
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
@@ -83,40 +85,102 @@ def default_limits_markdown() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-worker`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
-    p = argparse.ArgumentParser(
-        prog="pp1-worker",
-        description=f"PP1 wire v{WIRE_VERSION} proposer server (the draft worker).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = settings.parser(
+        "pp1-worker", f"PP1 wire v{WIRE_VERSION} proposer server (the draft worker)."
     )
-    p.add_argument("--host", default="127.0.0.1", help="listen address")
     p.add_argument(
-        "--port", type=settings.port, default=7070, help="listen port (0: any free port)"
+        "--host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="listen address; without --psk-file, an address other than loopback needs --insecure",
     )
-    p.add_argument("--seed", type=settings.count, default=0, help="toy model family seed")
+    p.add_argument(
+        "--port", type=settings.port, default=7070, metavar="PORT", help="listen port (0: any free)"
+    )
+    p.add_argument(
+        "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
+    )
     p.add_argument(
         "--drafter",
         default="pp1wire.apps.models:drafter_factory",
-        help="drafter plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> logits",
+        metavar="MODULE:FACTORY",
+        help="drafter plugin; factory(vocab_size=, seed=) -> callable prefix -> logits",
     )
-    p.add_argument("--draft-identity", default="pp1-toy-drafter")
-    p.add_argument("--max-slots", type=settings.positive, default=4)
-    p.add_argument("--max-depth", type=settings.positive, default=5)
-    p.add_argument("--max-support", type=settings.count, default=256)
     p.add_argument(
-        "--max-prefix", type=settings.positive, default=1 << 20, help="longest prefix in tokens"
+        "--draft-identity",
+        type=settings.name,
+        default="pp1-toy-drafter",
+        metavar="NAME",
+        help="the drafter's identity, declared in HELLO (at most 128 characters)",
+    )
+    p.add_argument(
+        "--max-slots",
+        type=settings.u16,
+        default=4,
+        metavar="N",
+        help="most slots (concurrent requests) one connection may open, 1..65535",
+    )
+    p.add_argument(
+        "--max-depth",
+        type=settings.depth,
+        default=5,
+        metavar="N",
+        help="most draft tokens per proposal, 1..5",
+    )
+    p.add_argument(
+        "--max-support",
+        type=settings.support,
+        default=256,
+        metavar="ENTRIES",
+        help="largest sparse support a STEP may ask for, in entries (capped at --vocab)",
+    )
+    p.add_argument(
+        "--max-prefix",
+        type=settings.prefix_tokens,
+        default=1 << 20,
+        metavar="TOKENS",
+        help="longest prompt an OPEN may carry, in tokens",
     )
     p.add_argument(
         "--max-connections",
-        type=settings.positive,
+        type=settings.connections,
         default=16,
-        help="connections held, counted from accept; when full, a newcomer evicts the oldest "
-        "peer still in its handshake, else an authenticated peer idle >= 1 s with no slot",
+        metavar="N",
+        help="most authenticated connections; when full, a newcomer replaces the oldest "
+        "peer still in its handshake, or (once it has itself authenticated) a peer idle "
+        "for 1 s whose slots saw no STEP or COMMIT for --slot-idle-timeout",
     )
     p.add_argument(
         "--max-per-address",
-        type=settings.positive,
+        type=settings.connections,
         default=None,
-        help="most connections from one IP address (default: no limit)",
+        metavar="N",
+        help="most connections from one source IP address, admitted as --max-connections "
+        "(a client with several addresses is not limited by it; default: unset, no limit)",
+    )
+    p.add_argument(
+        "--slot-idle-timeout",
+        type=settings.seconds,
+        default=server.SLOT_IDLE_S,
+        metavar="SECONDS",
+        help="a slot without STEP or COMMIT for this long no longer keeps its connection "
+        "from being replaced by a newcomer when the worker is full",
+    )
+    p.add_argument(
+        "--max-draw-rate",
+        type=settings.rate,
+        default=None,
+        metavar="DRAWS/S",
+        help="fresh draws per second one connection may ask for; a STEP beyond it is "
+        "refused with DRAW_RATE_LIMITED (default: unset, no limit)",
+    )
+    p.add_argument(
+        "--draw-burst",
+        type=settings.u16,
+        default=None,
+        metavar="DRAWS",
+        help="fresh draws one connection may ask for at once under --max-draw-rate "
+        "(default: --max-slots)",
     )
     p.add_argument(
         "--busy-poll",
@@ -125,16 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--draw-threads",
-        type=settings.count,
+        type=settings.threads,
         default=os.cpu_count() or 1,
-        help="threads that run the drafter and q construction (default: one per core), so "
-        "slots draw in parallel and the loop keeps answering; the drafter must be "
-        "thread-safe; 0 draws on the event loop",
+        metavar="N",
+        help="threads that run the drafter and q construction (default: one per core), "
+        "shared fairly between connections; the drafter must be thread-safe; 0 draws on "
+        "the event loop",
     )
     p.add_argument(
         "--tp",
-        type=settings.positive,
+        type=settings.ranks,
         default=1,
+        metavar="N",
         help="worker ranks of a vocabulary-sharded group (with --vocab-shards, needs torch): "
         "started with torch's elastic launcher; rank r listens on --port + r",
     )
@@ -142,23 +208,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-timeout",
         type=settings.seconds,
         default=30.0,
-        help="seconds any collective of the worker group may wait before the group fails closed",
+        metavar="SECONDS",
+        help="how long any collective of the worker group may wait before the group fails",
     )
     p.add_argument(
         "--match-timeout",
         type=settings.seconds,
         default=5.0,
-        help="seconds a rank waits for the STEP another rank is drawing to reach its own link",
+        metavar="SECONDS",
+        help="how long a rank waits for the STEP another rank is drawing to reach its own link",
     )
-    p.add_argument("--handshake-timeout", type=settings.seconds, default=5.0)
-    p.add_argument("--idle-timeout", type=settings.seconds, default=300.0)
-    p.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--handshake-timeout",
+        type=settings.seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="a connection must complete HELLO (and AUTH) within this, from accept",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=settings.seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="a connection with no message but PING or PONG for this long is closed",
+    )
+    p.add_argument(
+        "--tls-cert", default=None, metavar="FILE", help="PEM certificate (default: none, no TLS)"
+    )
+    p.add_argument(
+        "--tls-key",
+        default=None,
+        metavar="FILE",
+        help="PEM private key for --tls-cert (default: in the certificate file)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen on an address other than loopback without --psk-file: anyone who can "
+        "reach it may open sessions and make it draw",
+    )
     p.add_argument(
         "--check",
         default=None,
         metavar="HOST:PORT",
-        help="health check: HELLO a running worker, exit 0 if it answers",
+        help="health check: HELLO a running worker, exit 0 if it answers (default: serve)",
     )
     settings.add_common_flags(p, log_level="info")
     defaults = p.parse_args([])
@@ -174,12 +267,20 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     """The :class:`WorkerConfig` the parsed settings describe.
 
     Raises:
-        settings.SettingsError: for limits outside their ranges.
+        settings.SettingsError: for limits outside their ranges or settings that
+            contradict each other.
     """
-    if not 1 <= args.max_depth <= 5:
-        raise settings.SettingsError("--max-depth must be in 1..5")
-    if args.vocab < 2 or args.max_slots < 1 or args.max_support < 0:
-        raise settings.SettingsError("--vocab >= 2, --max-slots >= 1, --max-support >= 0 required")
+    if args.vocab_shards > args.vocab:
+        raise settings.SettingsError("--vocab-shards must not exceed --vocab")
+    if args.tp > 1 and args.port + args.tp - 1 > 65535:
+        raise settings.SettingsError(
+            f"--port {args.port} with --tp {args.tp}: rank {args.tp - 1} would listen on port "
+            f"{args.port + args.tp - 1}, above 65535"
+        )
+    if args.tls_key and not args.tls_cert:
+        raise settings.SettingsError("--tls-key needs --tls-cert")
+    if args.draw_burst is not None and args.max_draw_rate is None:
+        raise settings.SettingsError("--draw-burst needs --max-draw-rate")
     return WorkerConfig(
         vocab_size=args.vocab,
         vocab_hash=args.vocab_hash,
@@ -193,7 +294,23 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         psk=settings.read_psk(args.psk_file),
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
+        max_draw_rate=args.max_draw_rate,
+        draw_burst=args.max_slots if args.draw_burst is None else args.draw_burst,
     )
+
+
+def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
+    """Refuse to serve beyond loopback without a key unless told ``--insecure``.
+
+    Raises:
+        settings.SettingsError: for an address other than loopback with neither
+            ``--psk-file`` nor ``--insecure``.
+    """
+    if config.psk is None and not args.insecure and settings.exposed(args.host):
+        raise settings.SettingsError(
+            f"--host {args.host} without --psk-file: anyone who can reach it could use this "
+            "worker; give a key, listen on 127.0.0.1, or pass --insecure"
+        )
 
 
 async def check(args: argparse.Namespace, target: str) -> int:
@@ -235,11 +352,11 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
     """
     config = config_from(args)
+    check_exposure(args, config)
     world = worker_tp.world_size(args)
     if world > 1 and not ranks.in_launched_rank():
         return worker_tp.launch(world, list(argv))
-    factory = settings.load_factory(args.drafter)
-    drafter: DrafterFn = factory(vocab_size=args.vocab, seed=args.seed)
+    drafter: DrafterFn = settings.make_plugin(args.drafter, vocab_size=args.vocab, seed=args.seed)
     group = worker_tp.join(args, drafter) if world > 1 else None
     rank, port_wanted, draw_threads = 0, args.port, args.draw_threads
     if group is not None:
@@ -267,6 +384,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         drafter,
         max_connections=args.max_connections,
         max_per_address=args.max_per_address,
+        slot_idle_timeout=args.slot_idle_timeout,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
         draw_threads=draw_threads,

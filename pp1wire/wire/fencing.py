@@ -21,6 +21,7 @@ Worker side (requests from the Spark side)::
     COMMIT   generation < / > slot generation                 REFUSE   STALE_/FUTURE_GENERATION
     COMMIT   identical to the last applied COMMIT             REPLAY   (same COMMITTED again)
     COMMIT   round <= last committed round                    REFUSE   ROUND_REUSED
+    COMMIT   round < last STEP round                          REFUSE   ROUND_REUSED
     COMMIT   accepted > 0 and round != last STEP round        REFUSE   COMMIT_INVALID
     COMMIT   otherwise                                        ACCEPT   (then field checks)
     RESET    generation < slot generation                     REFUSE   STALE_GENERATION
@@ -148,6 +149,11 @@ def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
     if commit == fence.last_commit:
         return REPLAY
     if commit.round <= fence.committed_round:
+        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
+    # Round IDs only grow: a round below the last STEP's was passed over when that
+    # STEP was sent. Accepting it would move the prefix under the STEP still waiting
+    # to be committed, and drop the reply its retry must replay (§7).
+    if commit.round < fence.last_step_round:
         return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
     if commit.accepted and commit.round != fence.last_step_round:
         return Decision(Action.REFUSE, ErrorCode.COMMIT_INVALID)

@@ -11,6 +11,7 @@ No asyncio here; :mod:`pp1wire.apps.worker` pumps bytes between a socket and thi
 
 from __future__ import annotations
 
+import functools
 import hmac
 import math
 import secrets
@@ -21,10 +22,11 @@ from typing import Final
 
 import numpy as np
 
-from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow, propose
-from pp1wire.q.rng import Role, RoundStreams
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
+from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing, integrity, transitions
+from pp1wire.wire.draws import TokenBucket
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -93,6 +95,10 @@ class WorkerConfig(PeerConfig):
     draft_identity: str = "pp1-toy-drafter"
     draft_native: bool = True
     idle_timeout: float = 300.0
+    #: Fresh draws per second one connection may ask for (None: no limit), and
+    #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
+    max_draw_rate: float | None = None
+    draw_burst: int = 1
 
 
 # -- state ---------------------------------------------------------------------
@@ -112,6 +118,7 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
+    worked_at: float = 0.0  # the last OPEN, fresh STEP or applied COMMIT (admission)
 
     @property
     def digest(self) -> int:
@@ -183,6 +190,9 @@ class WorkerProtocol:
         }
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
+        self._now = now  # the time of the frames being handled (pump's ``now``)
+        rate = config.max_draw_rate
+        self._draw_budget = None if rate is None else TokenBucket(rate, config.draw_burst, now)
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -265,6 +275,7 @@ class WorkerProtocol:
         that does not read can make it hold.
         """
         self.more = False
+        self._now = now
         handled = 0
         if self._held is not None and not self.closed:
             if _slot_of(self._held) in self._drawing:
@@ -300,6 +311,11 @@ class WorkerProtocol:
         return self._take_events()
 
     @property
+    def drawing(self) -> bool:
+        """True while a deferred draw is outstanding (:meth:`finish_draw` not yet called)."""
+        return bool(self._drawing)
+
+    @property
     def waiting(self) -> bool:
         """True while a received message waits for its slot's draw to finish
         (a shell stops reading; :meth:`finish_draw` and then :meth:`pump` go on)."""
@@ -314,8 +330,9 @@ class WorkerProtocol:
         if self._drawing.get(job.step.slot) is not job:
             return self._take_events()
         del self._drawing[job.step.slot]
-        if not self.closed and self.slots.get(job.step.slot) is job.slot:
-            self._served(job.slot, job.step, result)
+        slot = self.slots.get(job.step.slot)
+        if not self.closed and slot is not None and slot is job.slot:
+            self._served(slot, job.step, result)
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
@@ -560,6 +577,7 @@ class WorkerProtocol:
             prefix=prefix,
             hasher=hasher,
             fence=WorkerSlotFence(generation=msg.generation),
+            worked_at=self._now,
         )
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
@@ -608,7 +626,9 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_msg(problem, kind, msg)
             return
-        job = DrawJob(self, slot, msg)
+        slot.worked_at = self._now
+        encode = functools.partial(self._encode, msg)
+        job = DrawJob(slot, msg, drafter=self.drafter, proposer=self.proposer, encode=encode)
         if self.defer_draws:
             self._drawing[msg.slot] = job
             self._events.append(DrawRequested(job))
@@ -631,6 +651,7 @@ class WorkerProtocol:
                 result.status,
                 sum(memoryview(p).nbytes for parts in reply for p in parts),
                 result.seconds,
+                result.failure,
             )
         )
 
@@ -653,42 +674,22 @@ class WorkerProtocol:
             # One fresh proposal per slot until it is committed (or the slot reset),
             # so a peer that never commits cannot make the worker draw without bound.
             return ErrorCode.STEP_UNCOMMITTED
+        # Last: only a STEP that would be drawn spends the budget (RESET opens new ones).
+        if self._draw_budget is not None and not self._draw_budget.take(self._now):
+            return ErrorCode.DRAW_RATE_LIMITED
         return None
 
-    def _propose(
-        self, slot: WorkerSlot, step: Step
-    ) -> tuple[tuple[FrameParts, ...], tuple[QRow, ...], int]:
-        streams = RoundStreams(Role.WORKER, slot.seed, step.generation, step.round)
-        try:
-            if self.proposer is not None:
-                rows = self.proposer(slot.seed, slot.prefix, step, slot.eos)
-            else:
-                rows = propose(
-                    slot.prefix,
-                    step.depth,
-                    self.drafter,
-                    streams,
-                    temperature=step.temperature,
-                    support=step.support or None,
-                    eos=slot.eos,
-                )
-            status = 0
-        except Pp1Error as exc:
-            rows, status = (), int(exc.code)
-        except Exception:  # a drafter plugin failure must not kill the connection
-            rows, status = (), int(ErrorCode.INTERNAL)
-        tagged = self._sealer is not None
+    def _encode(self, step: Step, rows: tuple[QRow, ...], status: int) -> tuple[FrameParts, ...]:
         cfg = self.config
-        reply = reply_frames(
+        return reply_frames(
             self.session,
             step,
             rows,
             cfg.entries,
             status,
             shard=cfg.shard_range if cfg.sharded else None,
-            tagged=tagged,
+            tagged=self._sealer is not None,
         )
-        return reply, rows, status
 
     # -- COMMIT / RESET ------------------------------------------------------
 
@@ -732,6 +733,7 @@ class WorkerProtocol:
             return
         slot.prefix.extend(new)
         slot.hasher = hasher
+        slot.worked_at = self._now
         slot.fence.committed_round = msg.round
         slot.fence.last_commit = msg
         slot.reply = None

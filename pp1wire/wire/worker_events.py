@@ -1,7 +1,8 @@
 """What the worker's sans-IO core reports to its shell (:mod:`pp1wire.wire.worker_core`).
 
 Events for logs and metrics, and the deferred draw a shell runs off its event
-loop (:class:`DrawRequested`, :class:`DrawJob`).
+loop (:class:`DrawRequested`, :class:`DrawJob`). This module knows nothing of
+the core: a job carries the callables that draw and encode it.
 """
 
 from __future__ import annotations
@@ -9,16 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pp1wire.errors import ErrorCode
-from pp1wire.q.proposal import QRow
+from pp1wire.errors import ErrorCode, Pp1Error
+from pp1wire.q.proposal import DrafterFn, QRow, propose
+from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire.messages import Hello, MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts
-
-if TYPE_CHECKING:
-    from pp1wire.wire.worker_core import WorkerProtocol, WorkerSlot
-
 
 Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
 """A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local
@@ -46,39 +44,143 @@ class StepServed:
     status: int
     reply_bytes: int
     draw_seconds: float  # drafter, q construction and encoding of this STEP alone
+    #: The unexpected exception (a bug in the drafter or proposer) behind a status
+    #: of ``INTERNAL``, traceback included, for the shell's log; never on the wire.
+    failure: BaseException | None = None
+
+
+class DrawSlot(Protocol):
+    """What a draw reads of the slot it is for."""
+
+    @property
+    def seed(self) -> int:
+        """The request's seed."""
+
+    @property
+    def prefix(self) -> Sequence[int]:
+        """The committed prefix."""
+
+    @property
+    def eos(self) -> int | None:
+        """The terminal token, if any."""
 
 
 class DrawJob:
     """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
 
-    :meth:`run` reads only the slot's frozen state (its prefix cannot change
-    while the draw is outstanding: the core holds every later message for that
-    slot), so a shell may call it on another thread.
+    It holds what a draw reads: the slot's seed, committed prefix and terminal
+    token, the STEP and the drafter. The prefix cannot change while the draw is
+    outstanding (the core holds every later message for that slot), so a shell
+    may run the job on another thread. :meth:`run` draws it alone; a batch
+    runner that draws many :attr:`local` jobs' rows together (one drafter call
+    per position) gives each job its rows, or the exception that stopped them,
+    through :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
     """
 
-    __slots__ = ("_core", "slot", "step")
+    __slots__ = ("_encode", "drafter", "proposer", "slot", "step")
 
-    def __init__(self, core: WorkerProtocol, slot: WorkerSlot, step: Step) -> None:
-        """A job for ``step`` on ``slot``."""
-        self._core = core
+    def __init__(
+        self,
+        slot: DrawSlot,
+        step: Step,
+        *,
+        drafter: DrafterFn,
+        proposer: Proposer | None,
+        encode: Callable[[tuple[QRow, ...], int], tuple[FrameParts, ...]],
+    ) -> None:
+        """A job for ``step`` on ``slot`` (the core's slot, compared by identity).
+
+        The rows come from ``proposer`` when given (a sharded group), else from
+        the local chain over ``drafter``; ``encode`` frames rows and a status as
+        the reply.
+        """
         self.slot = slot
         self.step = step
+        self.drafter = drafter
+        self.proposer = proposer
+        self._encode = encode
+
+    @property
+    def seed(self) -> int:
+        """The request's seed."""
+        return self.slot.seed
+
+    @property
+    def prefix(self) -> Sequence[int]:
+        """The committed prefix the STEP follows."""
+        return self.slot.prefix
+
+    @property
+    def eos(self) -> int | None:
+        """The terminal token, if any."""
+        return self.slot.eos
+
+    @property
+    def local(self) -> bool:
+        """Whether the rows come from the local chain (a batch runner may draw them);
+        a :data:`Proposer`'s jobs must be left to :meth:`run`."""
+        return self.proposer is None
+
+    def draw(self) -> tuple[QRow, ...]:
+        """The STEP's rows (the drafter or proposer may raise anything)."""
+        step = self.step
+        if self.proposer is not None:
+            return self.proposer(self.seed, self.prefix, step, self.eos)
+        return propose(
+            self.prefix,
+            step.depth,
+            self.drafter,
+            RoundStreams(Role.WORKER, self.seed, step.generation, step.round),
+            temperature=step.temperature,
+            support=step.support or None,
+            eos=self.eos,
+        )
 
     def run(self) -> DrawResult:
         """Draw and encode the reply (the drafter, q construction, framing); never raises."""
         started = time.perf_counter()
-        reply, rows, status = self._core._propose(self.slot, self.step)
-        return DrawResult(reply, rows, status, time.perf_counter() - started)
+        try:
+            rows = self.draw()
+        except Exception as exc:  # a plugin failure must not kill the connection
+            return self.complete(exc, started=started)
+        return self.complete(rows, started=started)
+
+    def complete(
+        self, rows: tuple[QRow, ...] | BaseException, *, started: float | None = None
+    ) -> DrawResult:
+        """The result of this job from rows drawn elsewhere, or the exception that
+        stopped them: a :class:`~pp1wire.errors.Pp1Error` answers with its code
+        (a COMPLETION status); anything else answers ``INTERNAL`` and is kept in
+        :attr:`DrawResult.failure` for the shell to log. Never raises.
+
+        ``started`` (a :func:`time.perf_counter` reading) dates the draw; by
+        default the encoding alone is timed.
+        """
+        begun = time.perf_counter() if started is None else started
+        failure: BaseException | None = None
+        status = 0
+        if isinstance(rows, Pp1Error):  # a status on purpose (q construction, a group's code)
+            status, rows = int(rows.code), ()
+        elif isinstance(rows, BaseException):  # a bug in a plugin: logged by the shell
+            status, failure, rows = int(ErrorCode.INTERNAL), rows, ()
+        try:
+            reply = self._encode(rows, status)
+        except Exception as exc:  # rows a drafter shaped wrongly
+            failure, rows, status = exc, (), int(ErrorCode.INTERNAL)
+            reply = self._encode(rows, status)
+        return DrawResult(reply, rows, status, time.perf_counter() - begun, failure)
 
 
 @dataclass(frozen=True)
 class DrawResult:
-    """What :meth:`DrawJob.run` produced."""
+    """What :meth:`DrawJob.run` (or :meth:`DrawJob.complete`) produced."""
 
     reply: tuple[FrameParts, ...]
     rows: tuple[QRow, ...]
     status: int
     seconds: float
+    #: The unexpected exception (not a Pp1Error) that stopped the draw, for the shell's log.
+    failure: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
+from pp1wire.apps import settings
 from pp1wire.apps.settings import SettingsError, host_port, parse
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import spark_cases, spark_side
@@ -113,48 +114,96 @@ async def probe(s: Settings) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-conformance`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="pp1-conformance",
-        description=__doc__,
-        epilog=spark_side.TEMPLATE_CONTRACT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = settings.parser("pp1-conformance", __doc__)
+    p.epilog = spark_side.TEMPLATE_CONTRACT
+    p.add_argument(
+        "--worker", default="127.0.0.1:7070", metavar="HOST:PORT", help="the worker under test"
     )
-    p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT")
-    p.add_argument("--psk-file", default=None, help="pre-shared key for the worker")
+    p.add_argument(
+        "--psk-file",
+        default=None,
+        metavar="FILE",
+        help="pre-shared key for the worker (default: none)",
+    )
     p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--junit", default=None, metavar="FILE", help="write a JUnit XML report")
-    p.add_argument("--case", nargs="*", default=None, metavar="ID", help="run only these cases")
+    p.add_argument(
+        "--junit",
+        default=None,
+        metavar="FILE",
+        help="write a JUnit XML report (default: none)",
+    )
+    p.add_argument(
+        "--case",
+        nargs="*",
+        default=None,
+        metavar="ID",
+        help="run only these cases, or the cases under these section numbers (default: all)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
-    p.add_argument("--vocab", type=int, default=129_280, help="the worker's vocabulary size")
-    p.add_argument("--vocab-hash", type=int, default=0)
+    p.add_argument(
+        "--vocab",
+        type=settings.vocabulary,
+        default=129_280,
+        metavar="TOKENS",
+        help="the worker's vocabulary size",
+    )
+    p.add_argument(
+        "--vocab-hash",
+        type=settings.count,
+        default=0,
+        metavar="HASH",
+        help="the worker's vocabulary hash",
+    )
     p.add_argument(
         "--vocab-shards",
-        type=int,
+        type=settings.ranks,
         default=1,
+        metavar="N",
         help="the worker is a vocabulary-sharded group of N ranks: --worker is rank 0's "
         "link and rank r listens on its port + r (run the 4.1 and 6.7 cases)",
     )
     p.add_argument(
         "--row-entries",
-        type=int,
+        type=settings.entries,
         default=None,
-        help="the worker's dense row length (default: --vocab)",
+        metavar="ENTRIES",
+        help="the worker's dense row length in FP32 entries (default: --vocab)",
     )
-    p.add_argument("--target-identity", default="pp1-toy-target")
-    p.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this certificate")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for a reaction")
+    p.add_argument(
+        "--target-identity",
+        type=settings.name,
+        default="pp1-toy-target",
+        metavar="NAME",
+        help="the target identity the suite declares in HELLO",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="connect with TLS, trusting this certificate (default: plaintext)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=settings.seconds,
+        default=3.0,
+        metavar="SECONDS",
+        help="how long to wait for a reaction",
+    )
     p.add_argument(
         "--handshake-wait",
-        type=float,
+        type=settings.seconds,
         default=12.0,
+        metavar="SECONDS",
         help="how long the handshake-timeout case waits",
     )
     p.add_argument(
         "--idle-wait",
-        type=float,
+        type=settings.seconds,
         default=None,
-        help="run the idle-timeout case, waiting this long (more than the worker's idle timeout)",
+        metavar="SECONDS",
+        help="run the idle-timeout case, waiting this long (more than the worker's idle "
+        "timeout; default: unset, the case is skipped)",
     )
     p.add_argument(
         "--spark",
@@ -171,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reply-timeout",
-        type=float,
+        type=settings.seconds,
         default=spark_side.DEFAULT_REPLY_TIMEOUT,
         metavar="SECONDS",
         help="Spark-side suite: the reply timeout the command uses ({reply_timeout}); "
@@ -179,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=settings.positive,
         default=1,
+        metavar="N",
         help="Spark-side suite: run up to N cases at once (each its own listener and "
         "command); the timing cases still run alone, after the others",
     )
@@ -196,8 +246,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spark-side suite: do not read fallback and drop reasons from the command's "
         "last stdout line",
     )
-    p.add_argument("--config", default=None)
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML file with any of these settings (default: none)",
+    )
     return p
+
+
+#: What --spark-cmd's placeholders are filled with when the template is checked.
+_PLACEHOLDERS = {
+    "worker": "127.0.0.1:1",
+    "vocab": 8,
+    "support": 0,
+    "q": "dense",
+    "reply_timeout": 2.0,
+    "psk_args": "",
+}
+
+
+def check_spark_cmd(template: str) -> None:
+    """Refuse a ``--spark-cmd`` that names a placeholder there is no value for.
+
+    Raises:
+        SettingsError: for an unknown placeholder or a malformed template.
+    """
+    try:
+        cmd = template.format(**_PLACEHOLDERS)
+    except (KeyError, IndexError) as exc:
+        known = " ".join("{" + k + "}" for k in _PLACEHOLDERS)
+        raise SettingsError(
+            f"--spark-cmd: no placeholder {exc} (the placeholders are {known}; write a "
+            "literal brace as {{ or }})"
+        ) from None
+    except ValueError as exc:
+        raise SettingsError(f"--spark-cmd: {exc}") from None
+    if not cmd.strip():
+        raise SettingsError("--spark-cmd is empty")
 
 
 def spark_main(args: argparse.Namespace) -> int:
@@ -215,15 +301,11 @@ def spark_main(args: argparse.Namespace) -> int:
     if not cases:
         print("pp1-conformance: no case matches", file=sys.stderr)
         return 2
-    host, port = host_port(args.listen)
-    if args.jobs < 1 or (args.jobs > 1 and port != 0):
-        print(
-            "pp1-conformance: --jobs is at least 1, and 1 with a fixed --listen port",
-            file=sys.stderr,
-        )
-        return 2
-    if not args.reply_timeout > 0:
-        print("pp1-conformance: --reply-timeout must be positive", file=sys.stderr)
+    try:
+        check_spark_cmd(args.spark_cmd)
+        host, port = host_port(args.listen)
+    except SettingsError as exc:
+        print(f"pp1-conformance: {exc}", file=sys.stderr)
         return 2
 
     async def one(

@@ -1,0 +1,211 @@
+"""Fair draw scheduling and the per-connection draw budget, without sockets or clocks."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pp1wire.errors import ErrorCode
+from pp1wire.wire.draws import DrawScheduler, FailureLog, TokenBucket
+from pp1wire.wire.messages import MsgType, Reset
+
+from .test_worker_core import commit, error_of, frames_of, ready_pair, reply_bytes, step
+
+# -- the scheduler ------------------------------------------------------------------------
+
+
+def drain(s: DrawScheduler) -> list[tuple[str, int]]:
+    """Hand out every job one batch at a time, finishing each before the next."""
+    order = []
+    while batch := s.next_batch():
+        order += batch
+        s.finished(batch)
+    return order
+
+
+def test_a_backlogged_connection_does_not_delay_a_newcomer_behind_its_queue():
+    s: DrawScheduler[str, int] = DrawScheduler(1)
+    for i in range(16):
+        s.submit("attacker", i)
+    (first,) = s.next_batch()  # the attacker's first draw runs
+    s.submit("legit", 0)
+    s.finished([first])
+    assert s.next_batch() == [("legit", 0)]  # next, not after 15 more
+
+
+def test_connections_with_equal_work_are_served_in_turn():
+    s: DrawScheduler[str, int] = DrawScheduler(1)
+    for key in "abc":
+        for i in range(3):
+            s.submit(key, i)
+    assert drain(s) == [(k, i) for i in range(3) for k in "abc"]
+
+
+def test_the_fewest_running_go_first_and_workers_are_bounded():
+    s: DrawScheduler[str, int] = DrawScheduler(2)
+    for i in range(4):
+        s.submit("a", i)
+    one = s.next_batch()
+    s.submit("b", 0)
+    two = s.next_batch()
+    assert (one, two) == ([("a", 0)], [("b", 0)])
+    assert s.next_batch() == []  # both workers busy
+    assert (s.running("a"), s.running("b"), s.queued, s.busy) == (1, 1, 3, 2)
+
+
+def test_batches_take_jobs_fairly_across_connections():
+    s: DrawScheduler[str, int] = DrawScheduler(1, max_batch=4)
+    for i in range(6):
+        s.submit("a", i)
+    s.submit("b", 0)
+    s.submit("c", 0)
+    assert s.next_batch() == [("a", 0), ("b", 0), ("c", 0), ("a", 1)]
+
+
+def test_a_dropped_connection_leaves_nothing_queued():
+    s: DrawScheduler[str, int] = DrawScheduler(1)
+    s.submit("a", 0)
+    s.submit("a", 1)
+    s.submit("b", 0)
+    assert s.drop("a") == [0, 1]
+    assert drain(s) == [("b", 0)]
+    assert (s.queued, s.busy) == (0, 0)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="at least one worker"):
+        DrawScheduler(0)
+    with pytest.raises(ValueError, match="at least one worker"):
+        DrawScheduler(1, max_batch=0)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.sampled_from("abcd")),
+        st.tuples(st.just("next"), st.just("")),
+        st.tuples(st.just("finish"), st.integers(0, 3)),
+        st.tuples(st.just("drop"), st.sampled_from("abcd")),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(1, 3), st.integers(1, 3))
+def test_no_job_is_lost_duplicated_or_reordered(ops, workers, max_batch):
+    s: DrawScheduler[str, int] = DrawScheduler(workers, max_batch=max_batch)
+    submitted: dict[str, list[int]] = {k: [] for k in "abcd"}
+    handed: dict[str, list[int]] = {k: [] for k in "abcd"}
+    dropped: dict[str, list[int]] = {k: [] for k in "abcd"}
+    running: list[list[tuple[str, int]]] = []
+    n = 0
+    for op, arg in ops:
+        if op == "submit":
+            s.submit(arg, n)
+            submitted[arg].append(n)
+            n += 1
+        elif op == "next":
+            batch = s.next_batch()
+            assert len(batch) <= max_batch
+            if batch:
+                running.append(batch)
+                for k, j in batch:
+                    handed[k].append(j)
+            assert s.busy <= workers
+        elif op == "finish" and running:
+            s.finished(running.pop(arg % len(running)))
+        elif op == "drop":
+            dropped[arg] += s.drop(arg)
+    for batch in running:
+        s.finished(batch)
+    for batch in iter(s.next_batch, []):
+        for k, j in batch:
+            handed[k].append(j)
+        s.finished(batch)
+    for k in "abcd":
+        # Each connection's jobs go out in submission order, once, or are dropped.
+        assert sorted(handed[k] + dropped[k]) == submitted[k]
+        assert handed[k] == sorted(handed[k])
+    assert (s.queued, s.busy) == (0, 0)
+
+
+# -- the token bucket -----------------------------------------------------------------------
+
+
+def test_a_bucket_allows_its_burst_then_its_rate():
+    b = TokenBucket(rate=10.0, burst=3, now=100.0)
+    assert [b.take(100.0) for _ in range(4)] == [True, True, True, False]
+    assert b.wait(100.0) == pytest.approx(0.1)
+    assert not b.take(100.05)  # half a token: nothing spent
+    assert b.take(100.1)
+    assert not b.take(100.1)
+    assert [b.take(200.0) for _ in range(4)] == [True, True, True, False]  # never above burst
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(0.0, 1), (float("inf"), 1), (1.0, 0)])
+def test_a_bucket_refuses_a_meaningless_budget(rate, burst):
+    with pytest.raises(ValueError, match="draw budget"):
+        TokenBucket(rate, burst, 0.0)
+
+
+# -- the budget in the worker core ----------------------------------------------------------
+
+
+def _loop_step(pair, generation: int, now: float) -> bytes:
+    """RESET to ``generation`` (a fresh round 0), then STEP it: the attack's loop."""
+    pair.now = now
+    if generation:
+        reply_bytes(pair, Reset(session=7, slot=0, generation=generation))
+    return reply_bytes(pair, step(generation=generation))
+
+
+def test_a_reset_step_loop_is_refused_beyond_the_draw_budget_and_refusals_change_nothing():
+    pair = ready_pair(worker_kw={"max_draw_rate": 2.0, "draw_burst": 2})
+    twin = ready_pair()
+    served = [_loop_step(pair, g, now=0.0) for g in range(3)]
+    assert [frames_of([r])[-1].type for r in served[:2]] == [MsgType.COMPLETION] * 2
+    err = error_of(served[2])
+    assert ErrorCode(err.code) is ErrorCode.DRAW_RATE_LIMITED
+    assert (err.answers, err.slot, err.generation, err.round) == (MsgType.STEP, 0, 2, 0)
+    # Half a second later the budget has one draw again: the same STEP is drawn,
+    # exactly as a worker that never refused it draws it.
+    pair.now = 0.5
+    again = reply_bytes(pair, step(generation=2))
+    reply_bytes(twin, Reset(session=7, slot=0, generation=2))
+    assert again == reply_bytes(twin, step(generation=2))
+
+
+def test_the_budget_counts_only_fresh_draws():
+    pair = ready_pair(worker_kw={"max_draw_rate": 1.0, "draw_burst": 1})
+    first = reply_bytes(pair, step())
+    assert reply_bytes(pair, step()) == first  # a retry replays: no draw, no budget
+    bad = msgspec.structs.replace(step(round=1), depth=9)
+    assert ErrorCode(error_of(reply_bytes(pair, bad)).code) is ErrorCode.DEPTH_OUT_OF_RANGE
+    # A target-only commit needs no draw either.
+    assert frames_of([reply_bytes(pair, commit(round=1))])[0].type is MsgType.COMMITTED
+
+
+# -- which drafter failures are logged --------------------------------------------------------
+
+
+def _raised(message: str) -> BaseException:
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as exc:
+        return exc
+
+
+def test_each_kind_of_failure_is_logged_once_then_at_most_once_per_period():
+    log = FailureLog(every=60.0, kinds=2)
+    a, b, c = _raised("a"), _raised("b"), _raised("c")
+    assert log.note(a, 0.0) == (True, True, 0)  # new: logged with its traceback
+    assert log.note(a, 1.0) == (False, False, 1)
+    assert log.note(a, 59.0) == (False, False, 2)
+    assert log.note(b, 59.0) == (True, True, 0)  # another kind is news
+    assert log.note(a, 60.0) == (True, False, 2)  # a minute on: one line, with the count
+    assert log.note(a, 61.0) == (False, False, 1)
+    # Beyond the kinds remembered, the rest share one rate-limited line.
+    assert log.note(c, 61.0) == (True, False, 0)
+    assert log.note(_raised("d"), 62.0) == (False, False, 1)

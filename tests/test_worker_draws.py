@@ -1,0 +1,172 @@
+"""The worker's draw pool under hostile and failing load: fairness, failures, shutdown.
+
+Each test gates its drafter on events, so what it checks is an order of
+events, not a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
+from pp1wire.aio.server import WorkerServer
+from pp1wire.apps.models import drafter_factory
+from pp1wire.errors import ErrorCode
+from pp1wire.wire.spark_core import SparkConfig
+from pp1wire.wire.worker_core import WorkerConfig
+
+from .waiting import eventually
+
+VOCAB = 64
+ATTACKER, LEGIT = 9, 8  # the last prompt token tells whose draw the drafter is making
+
+
+class GatedDrafter:
+    """The toy drafter, whose first call waits for :attr:`gate`; records whose prefix each
+    call drew (the prompt's last token, as every draw here is depth 1)."""
+
+    def __init__(self) -> None:
+        self.fast = drafter_factory(VOCAB, 0)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.order: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, prefix):
+        with self.lock:
+            first = not self.order
+            self.order.append(prefix[-1])
+        if first:
+            self.started.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.fast(prefix)
+
+
+def _drawing(srv: WorkerServer) -> int:
+    """Draws requested and not yet finished, over every connection."""
+    return sum(len(c.core._drawing) for c in srv.conns if c.core is not None)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_keeping_every_slot_drawing_cannot_queue_a_legitimate_draw_behind_it():
+    # Four connections keep all four slots drawing (what a RESET/STEP loop does);
+    # one thread draws, and its first draw is held until every STEP has arrived.
+    # Served in arrival order the legitimate draw came 17th, after all sixteen
+    # of the attacker's. Shared fairly it comes once each connection with work has
+    # had a turn: at most 1 + 4 draws.
+    drafter = GatedDrafter()
+    srv = WorkerServer(WorkerConfig(vocab_size=VOCAB), drafter, draw_threads=1)
+    port = await srv.start("127.0.0.1", 0)
+    config = SparkConfig(vocab_size=VOCAB, max_slots=4, max_depth=1)
+    attackers = [await AsyncClient.connect("127.0.0.1", port, config) for _ in range(4)]
+    legit = await AsyncClient.connect("127.0.0.1", port, config)
+    try:
+        for c in attackers:
+            for slot in range(4):
+                await c.open(slot, seed=slot, prefix=[1, ATTACKER])
+        await legit.open(0, seed=1, prefix=[1, LEGIT])
+        flood = [
+            asyncio.ensure_future(c.propose(slot, round_id=c.next_round(slot), depth=1))
+            for c in attackers
+            for slot in range(4)
+        ]
+        assert await asyncio.to_thread(drafter.started.wait, 10)
+        await eventually(lambda: _drawing(srv) == 16, what="all sixteen attacker draws requested")
+        mine = asyncio.ensure_future(legit.propose(0, round_id=legit.next_round(0), depth=1))
+        await eventually(lambda: _drawing(srv) == 17, what="the legitimate draw requested")
+        drafter.gate.set()
+        await mine
+        await asyncio.gather(*flood)
+        position = drafter.order.index(LEGIT) + 1
+        assert drafter.order.count(ATTACKER) == 16
+        assert position <= 1 + len(attackers), drafter.order
+    finally:
+        drafter.gate.set()
+        for c in [*attackers, legit]:
+            await c.close()
+        await srv.stop(grace=1.0)
+
+
+class Recorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def worker_log():
+    recorder = Recorder()
+    logger = logging.getLogger("pp1wire.worker")
+    logger.addHandler(recorder)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield recorder.records
+    logger.removeHandler(recorder)
+    logger.setLevel(level)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("draw_threads", [1, 0], ids=["pool", "loop"])
+async def test_a_failing_drafter_is_logged_with_its_traceback_and_counted(worker_log, draw_threads):
+    def broken(_prefix):
+        raise RuntimeError("the drafter plugin crashed")
+
+    srv = WorkerServer(WorkerConfig(vocab_size=VOCAB), broken, draw_threads=draw_threads)
+    port = await srv.start("127.0.0.1", 0)
+    client = await AsyncClient.connect(
+        "127.0.0.1", port, SparkConfig(vocab_size=VOCAB, max_depth=2)
+    )
+    try:
+        await client.open(0, seed=1, prefix=[1, 2])
+        for n in range(20):
+            with pytest.raises(ProposalUnavailableError) as failed:
+                await client.propose(0, round_id=client.next_round(0), depth=2)
+            assert failed.value.code is ErrorCode.INTERNAL
+            await client.commit(0, round_id=client.next_round(0), tokens=[3 + n], accepted=0)
+        logged = [r for r in worker_log if r.getMessage().startswith("drafter failed")]
+        # Once per distinct failure (then at most once a minute), with the traceback.
+        assert len(logged) == 1, [r.getMessage() for r in worker_log]
+        assert logged[0].levelno == logging.ERROR
+        assert logged[0].exc_info is not None
+        assert "the drafter plugin crashed" in str(logged[0].exc_info[1])
+        assert logged[0].round == 0
+        counted = srv.metrics.drafter_errors.labels(error="RuntimeError")._value.get()
+        assert counted == 20
+    finally:
+        await client.close()
+        await srv.stop(grace=1.0)
+
+
+@pytest.mark.asyncio
+async def test_stopping_delivers_the_proposal_being_drawn():
+    # SIGTERM (WorkerServer.stop) during a draw: the frames already received are
+    # answered, so the client gets its whole proposal, not a closed connection.
+    drafter = GatedDrafter()
+    srv = WorkerServer(WorkerConfig(vocab_size=VOCAB), drafter, draw_threads=1)
+    port = await srv.start("127.0.0.1", 0)
+    client = await AsyncClient.connect(
+        "127.0.0.1", port, SparkConfig(vocab_size=VOCAB, max_depth=1)
+    )
+    try:
+        await client.open(0, seed=1, prefix=[1, LEGIT])
+        pending = asyncio.ensure_future(client.propose(0, round_id=client.next_round(0), depth=1))
+        assert await asyncio.to_thread(drafter.started.wait, 10)
+        stopping = asyncio.ensure_future(srv.stop(grace=10.0))
+        await eventually(lambda: srv.stopping, what="the server is stopping")
+        drafter.gate.set()
+        proposal = await asyncio.wait_for(pending, 10)
+        assert len(proposal.rows) == 1
+        await stopping
+        await eventually(lambda: client.closed, what="the worker closes the connection after")
+    finally:
+        drafter.gate.set()
+        await client.close()
+        if not srv.stopping:
+            await srv.stop(grace=1.0)
