@@ -21,7 +21,7 @@ cumulative count is strictly greater than ``u``. Integer arithmetic only.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -374,6 +374,167 @@ def sparse_counts_from_logits(
     check_k(k)
     x = _as_weights(logits)
     return builder(x.size).sparse_from_logits(x, temperature, k)
+
+
+# --------------------------------------------------------------------------
+# batches of rows (the worker drafting many requests at once)
+# --------------------------------------------------------------------------
+
+
+class _RowsScratch:
+    """Per-thread float64 scratch for rows of weights, grown as needed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.buf = np.empty(0, dtype=np.float64)
+
+    def rows(self, count: int) -> Float64Array:
+        if self.buf.size < count * self.n:
+            self.buf = np.empty(count * self.n, dtype=np.float64)
+        return self.buf[: count * self.n].reshape(count, self.n)
+
+
+def weights_rows(
+    logits: Sequence[Float64Array], tops: Sequence[float], temperatures: Sequence[float]
+) -> Float64Array:
+    """:func:`shifted_exp` of each logits row, as the rows of one array (this thread's scratch).
+
+    Row ``r`` is ``exp((logits[r] - tops[r]) / temperatures[r])`` by exactly
+    the operations of :func:`weights_from_logits` (the checks are the caller's:
+    :func:`check_temperature` and :func:`check_top`), with one exponential call
+    over the whole block. The result is overwritten by this thread's next call.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` unless the rows are 1-D of one length.
+    """
+    if not logits:
+        return np.empty((0, 0), dtype=np.float64)
+    n = logits[0].shape[0] if logits[0].ndim == 1 else -1
+    if n < 1 or any(x.shape != (n,) for x in logits):
+        raise ConstructionError(ErrorCode.BAD_SHAPE, "logits rows must be 1-D of one length")
+    w = _scratch("rows", n, lambda: _RowsScratch(n)).rows(len(logits))
+    for r, (x, top, temperature) in enumerate(zip(logits, tops, temperatures, strict=True)):
+        np.subtract(x, top, out=w[r])
+        if temperature != 1.0:
+            w[r] /= temperature
+    # Elementwise, so the same values as one call per row.
+    np.exp(w, out=w)
+    return w
+
+
+def allocate_rows(
+    weights: Float64Array, draws: Sequence[int]
+) -> tuple[Int32Array, list[int | ConstructionError | ValidationError]]:
+    """Counts and proposal draws for rows of weights: per row what
+    ``sample(builder(n).from_logits(...), draw)`` gives after the weights.
+
+    ``weights`` is ``[rows, n]`` float64, each row finite, non-negative and not
+    all zero (as :func:`weights_rows` makes them). Each row is normalized by
+    its canonical total, allocated (:meth:`QBuilder.allocate`) and sampled with
+    its 24-bit draw (:func:`sample`). Returns the counts (a fresh ``[rows, n]``
+    int32 array) and, per row, the drawn index or the error that row gets. The
+    compiled path does every row in one call with the GIL released; without it
+    numpy gives the same results.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` unless ``weights`` is 2-D with one
+            draw per row (a row's own failure is returned, not raised).
+    """
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
+    rows, n = w.shape
+    out = np.empty((rows, n), dtype=np.int32)
+    results: list[int | ConstructionError | ValidationError] = []
+    if _fastq is not None and rows:
+        scratch = builder(n)
+        u = np.asarray(draws, dtype=np.int64)
+        tokens = np.empty(rows, dtype=np.int64)
+        status = np.empty(rows, dtype=np.int32)
+        _fastq.build_rows(w, n, out, u, tokens, status, scratch.share, scratch.work)
+        for r in range(rows):
+            code = int(status[r])
+            if code == 0:
+                results.append(int(tokens[r]))
+            elif code == 4:
+                results.append(
+                    ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
+                )
+            else:
+                results.append(
+                    ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code])
+                )
+        return out, results
+    for r in range(rows):
+        try:
+            out[r] = builder(n).allocate(w[r], tree.total(w[r]))
+            results.append(sample(out[r], draws[r]))
+        except (ConstructionError, ValidationError) as exc:
+            results.append(exc)
+    return out, results
+
+
+_ROWS_STATUS: Final = {
+    1: "tickets left over outside the row",
+    2: "tickets left over for zero remainders",
+    3: "allocation does not sum to M",
+}
+
+# Sparse candidates: logits are bucketed by their distance below the top in
+# 1/16 temperature units, and taken up to one unit (a factor e in weight)
+# past the bucket of the k-th largest.
+_BUCKETS_PER_UNIT: Final = 16.0
+_CANDIDATE_MARGIN = 16
+# A weight computed by exp is within a relative 2**-32 of the exact value (a
+# few ulps for any libm or numpy); twice that, and some, separates two weights
+# whose exact values are in order.
+_EXP_SLACK: Final = 1.0 + 2.0**-20
+_MIN_THETA: Final = 2.0**-1000
+
+
+def sparse_row_from_logits(
+    logits: Float64Array, top: float, temperature: float, k: int
+) -> tuple[Int32Array, Int64Array]:
+    """:func:`sparse_counts_from_logits` for a row whose checks are done, without
+    the exponential over the whole vocabulary when it can be proved unneeded.
+
+    The compiled pass takes every logit within about one temperature unit of
+    the k-th largest (a small superset of the support, chosen on the logits);
+    their weights are computed exactly as the full row's would be, and the
+    top k of them are the row's support when the largest weight left out is
+    provably below the k-th: the exponential is monotone and computed to
+    within a relative ``2**-32``, so a logit below ``x_out`` has a weight at
+    most ``exp(x_out)`` times ``1 + 2**-20``. Otherwise (or without the
+    compiled module) the whole row is used. Either way the result is
+    :func:`sparse_counts_from_logits`'s, bit for bit.
+
+    ``top`` is the row's maximum (checked by :func:`check_top`), ``temperature``
+    checked by :func:`check_temperature`, ``k`` by :func:`check_k`.
+
+    Raises:
+        ConstructionError: ``ALLOCATION_INCONSISTENT`` (as the full path).
+    """
+    x = np.ascontiguousarray(logits, dtype=np.float64)
+    n = x.size
+    if _fastq is not None and k < n:
+        cap = max(64 * k, 4096)
+        cand = np.empty(cap, dtype=np.int64)
+        count, x_out = _fastq.sparse_candidates(
+            x, top, _BUCKETS_PER_UNIT / temperature, k, _CANDIDATE_MARGIN, cand
+        )
+        if count >= k:
+            ids = cand[:count]
+            w = shifted_exp(x[ids], top, temperature)
+            order = np.argsort(-w, kind="stable")[:k]  # ties: ascending ID
+            theta = float(w[order[-1]])
+            outside = float(shifted_exp(np.array([x_out]), top, temperature)[0])
+            if theta >= _MIN_THETA and outside * _EXP_SLACK < theta:
+                chosen = np.sort(order)
+                sub = w[chosen]
+                counts = _allocate(sub, tree.total(sub))
+                keep = counts > 0
+                return ids[chosen][keep].astype(np.int32), counts[keep]
+    return builder(n).sparse_from_logits(x, temperature, k)
 
 
 def point_mass(vocab_size: int, token: int) -> Int64Array:
