@@ -22,6 +22,8 @@ from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import DraftJob, batched_drafter, propose, propose_batch
 from pp1wire.q.rng import RoundStreams
+from pp1wire.wire.messages import Step
+from pp1wire.wire.replies import build_reply, row_payload
 
 # Every rng below is seeded: the rows depend only on the prefix they are drawn for.
 
@@ -75,7 +77,16 @@ def reference(job: DraftJob, drafter):
         return ErrorCode.INTERNAL
 
 
-def assert_same(got, want) -> None:
+STEP = Step(
+    session=7, slot=3, generation=1, round=2, position=9, digest=5, depth=5,
+    temperature=1.0, support=0, context=0,
+)  # fmt: skip
+
+
+def assert_same(got, want, entries: int | None = None) -> None:
+    """The same rows, or the same error code. With ``entries``, dense rows may
+    hold their wire values (``q32``) instead of counts: the same values, and
+    the same reply bytes."""
     if isinstance(want, ErrorCode):
         assert isinstance(got, Pp1Error), (got, want)
         assert got.code is want
@@ -84,6 +95,18 @@ def assert_same(got, want) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert a.token == b.token
+        if a.counts is None:  # written as it travels
+            assert entries is not None
+            assert b.ids is None
+            assert a.ids is None
+            assert a.q32.dtype == np.dtype("<f4")
+            assert a.q32.shape == (entries,)
+            n = b.counts.size
+            assert np.array_equal((a.q32[:n].astype(np.float64) * dyadic.M), b.counts)
+            assert not a.q32[n:].view(np.uint32).any()  # +0.0 padding
+            payload, _ = row_payload(a, entries)
+            assert np.shares_memory(np.frombuffer(payload, dtype="<f4"), a.q32)  # no copy
+            continue
         assert a.counts.dtype == b.counts.dtype
         assert np.array_equal(a.counts, b.counts)
         if b.ids is None:
@@ -91,6 +114,8 @@ def assert_same(got, want) -> None:
         else:
             assert a.ids.dtype == b.ids.dtype
             assert np.array_equal(a.ids, b.ids)
+    if entries is not None:
+        assert build_reply(7, STEP, got, entries) == build_reply(7, STEP, want, entries)
 
 
 temperatures = st.sampled_from(
@@ -137,8 +162,8 @@ def _with_eos(job: DraftJob, choice: str, drafter) -> DraftJob:
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(batches(), st.sampled_from([1, 2]), st.booleans())
-def test_each_job_is_drafted_as_alone(batch, threads, two_d):
+@given(batches(), st.sampled_from([1, 2]), st.booleans(), st.sampled_from([None, 0, 3]))
+def test_each_job_is_drafted_as_alone(batch, threads, two_d, padding):
     vocab, jobs, eos_choice, style, fail = batch
     drafter = make_drafter(vocab, style, fail)
     jobs = [_with_eos(j, c, drafter) for j, c in zip(jobs, eos_choice, strict=True)]
@@ -147,15 +172,16 @@ def test_each_job_is_drafted_as_alone(batch, threads, two_d):
         batch_fn = lambda prefixes: np.stack([drafter(p) for p in prefixes])  # noqa: E731
     else:  # the adapter for a per-prefix plugin
         batch_fn = batched_drafter(drafter)
-    got = propose_batch(batch_fn, jobs, vocab, threads=threads)
+    entries = None if padding is None else vocab + padding
+    got = propose_batch(batch_fn, jobs, vocab, threads=threads, row_entries=entries)
     assert len(got) == len(jobs)
     for g, w in zip(got, want, strict=True):
-        assert_same(g, w)
+        assert_same(g, w, entries)
 
 
 @pytest.mark.usefixtures("dyadic_path")
-@pytest.mark.parametrize("vocab", [4097, 129_280])
-def test_full_vocabulary_batch(vocab):
+@pytest.mark.parametrize(("vocab", "padding"), [(4097, None), (129_280, None), (129_280, 128)])
+def test_full_vocabulary_batch(vocab, padding):
     # 8 slots x depth 5: dense, sparse:32 and greedy, temperatures 1 and not.
     drafter = make_drafter(vocab, 7, False)
     jobs = [
@@ -171,9 +197,10 @@ def test_full_vocabulary_batch(vocab):
         for s in range(8)
     ]
     want = [reference(j, drafter) for j in jobs]
-    got = propose_batch(batched_drafter(drafter), jobs, vocab)
+    entries = None if padding is None else vocab + padding
+    got = propose_batch(batched_drafter(drafter), jobs, vocab, row_entries=entries)
     for g, w in zip(got, want, strict=True):
-        assert_same(g, w)
+        assert_same(g, w, entries)
     assert sum(isinstance(w, tuple) for w in want) >= 6  # the batch mostly drafts
 
 
@@ -262,6 +289,8 @@ def test_invalid_arguments_are_refused():
         propose_batch(batched_drafter(lambda p: np.zeros(3)), _jobs(1, 3), 0)
     with pytest.raises(ValueError, match="at least 1"):
         propose_batch(batched_drafter(lambda p: np.zeros(3)), _jobs(1, 3), 3, threads=0)
+    with pytest.raises(ValueError, match="below the vocabulary"):
+        propose_batch(batched_drafter(lambda p: np.zeros(3)), _jobs(1, 3), 3, row_entries=2)
     assert propose_batch(batched_drafter(lambda p: np.zeros(3)), [], 3) == []
 
 

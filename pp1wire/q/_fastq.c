@@ -28,11 +28,12 @@
  *       status 0: done; 1: leftover tickets outside 0..n-1; 2: a ticket
  *       would land on a zero remainder (both ALLOCATION_INCONSISTENT).
  *
- *   build_rows(w, n, out, draws, tokens, status, share, work) -> None
+ *   build_rows(w, n, out, draws, tokens, status, share, work[, payloads]) -> None
  *       A batch of rows (rows x n float64 weights) in one call with the GIL
  *       released: each row's canonical total, allocate, and the proposal draw
  *       (dyadic.sample) with its 24-bit draw, found from per-block count sums
- *       by scanning one block. See the function for the status values.
+ *       by scanning one block; optionally each row's FP32 wire values written
+ *       straight into its outgoing buffer. See the function for the details.
  *
  *   sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
  *       A small superset of a sparse top-k support, from the logits without
@@ -514,27 +515,67 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
-/* build_rows(w, n, out, draws, tokens, status, share, work): every row of w
- * (rows x n float64 weights, checked) gets its canonical total, its counts in
- * the same row of out (int32) and its proposal draw with draws[r] (int64):
- * tokens[r] (int64), status[r] (int32: 0, 1 or 2 as allocate, 3 counts not
- * summing to M, 4 a draw outside [0, M)). share and work: float64 scratch of
- * n entries each. The GIL is released for the whole batch. */
+/* The FP32 wire values of counts: c / 2**24, exact (c <= 2**24). */
+MULTIVERSION
+static void counts_to_fp32(const int32_t *restrict c, size_t n, float *restrict q) {
+    for (size_t i = 0; i < n; i++) q[i] = (float)c[i] * 0x1p-24f;
+}
+
+/* build_rows(w, n, out, draws, tokens, status, share, work[, payloads])
+ *     Every row of w (rows x n float64 weights, checked) gets its canonical
+ *     total, its counts (allocate) and its proposal draw with draws[r]
+ *     (int64): tokens[r] (int64) and status[r] (int32: 0 done, 1 or 2 as
+ *     allocate, 3 counts not summing to M, 4 a draw outside [0, M)). share and
+ *     work: float64 scratch of n entries each. out (int32) holds the counts:
+ *     rows x n, or n reused by every row when payloads is given: a sequence
+ *     of one writable buffer per row, of m >= n FP32 values each, that gets
+ *     the row's wire values c / 2**24 followed by +0.0 (written for a row of
+ *     status 0). The GIL is released for the whole batch. */
 static PyObject *build_rows(PyObject *self, PyObject *args) {
     Py_buffer wb, ob, db, tb, stb, sb, kb;
     Py_ssize_t nn;
-    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb))
+    PyObject *payloads = Py_None;
+    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*|O", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb,
+                          &payloads))
         return NULL;
     size_t n = (size_t)(nn > 0 ? nn : 0);
     size_t rows = (size_t)db.len / 8;
+    int shared_out = payloads != Py_None && (size_t)ob.len == 4 * n;
     int ok = nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)wb.len == 8 * n * rows
-             && (size_t)ob.len == 4 * n * rows && (size_t)tb.len == 8 * rows
+             && (shared_out || (size_t)ob.len == 4 * n * rows) && (size_t)tb.len == 8 * rows
              && (size_t)stb.len == 4 * rows && (size_t)sb.len == 8 * n && (size_t)kb.len == 8 * n;
     int64_t stack_blocks[STACK_BLOCKS];
     int64_t *blocks = NULL;
+    Py_buffer *qb = NULL;
+    size_t held = 0; /* payload buffers acquired */
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "build_rows: buffer sizes do not match");
-    } else {
+    } else if (payloads != Py_None) {
+        PyObject *seq = PySequence_Fast(payloads, "build_rows: payloads must be a sequence");
+        ok = seq != NULL && (size_t)PySequence_Fast_GET_SIZE(seq) == rows;
+        if (seq != NULL && !ok)
+            PyErr_SetString(PyExc_ValueError, "build_rows: one payload per row");
+        if (ok) {
+            qb = (Py_buffer *)PyMem_Calloc(rows ? rows : 1, sizeof(Py_buffer));
+            ok = qb != NULL;
+            if (!ok) PyErr_NoMemory();
+        }
+        for (; ok && held < rows; held++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)held);
+            if (PyObject_GetBuffer(item, &qb[held], PyBUF_WRITABLE) < 0) {
+                ok = 0;
+                break;
+            }
+            if (qb[held].len % 4 || (size_t)qb[held].len < 4 * n) {
+                PyErr_SetString(PyExc_ValueError, "build_rows: a payload holds fewer than n FP32");
+                PyBuffer_Release(&qb[held]);
+                ok = 0;
+                break;
+            }
+        }
+        Py_XDECREF(seq);
+    }
+    if (ok) {
         size_t nblocks = (n + BLOCK - 1) / BLOCK;
         blocks = nblocks <= STACK_BLOCKS ? stack_blocks
                                          : (int64_t *)malloc(nblocks * sizeof(int64_t));
@@ -554,7 +595,7 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (size_t r = 0; r < rows; r++) {
             const double *wr = w + r * n;
-            int32_t *outr = out + r * n;
+            int32_t *outr = shared_out ? out : out + r * n;
             int st = build_counts(wr, n, tree_root(wr, n), outr, &s);
             int64_t token = -1;
             if (st == 0) {
@@ -565,12 +606,19 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
                     if (token < 0) st = 3;
                 }
             }
+            if (st == 0 && qb != NULL) {
+                float *q = (float *)qb[r].buf;
+                counts_to_fp32(outr, n, q);
+                memset(q + n, 0, (size_t)qb[r].len - 4 * n); /* +0.0 padding */
+            }
             status[r] = st;
             tokens[r] = token;
         }
         Py_END_ALLOW_THREADS
     }
     if (blocks != NULL && blocks != stack_blocks) free(blocks);
+    for (size_t r = 0; r < held; r++) PyBuffer_Release(&qb[r]);
+    PyMem_Free(qb);
     PyBuffer_Release(&wb);
     PyBuffer_Release(&ob);
     PyBuffer_Release(&db);
@@ -685,7 +733,7 @@ static PyMethodDef methods[] = {
     {"allocate", allocate, METH_VARARGS,
      "allocate(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"},
     {"build_rows", build_rows, METH_VARARGS,
-     "build_rows(w, n, out, draws, tokens, status, share, work) -> None"},
+     "build_rows(w, n, out, draws, tokens, status, share, work[, payloads]) -> None"},
     {"sparse_candidates", sparse_candidates, METH_VARARGS,
      "sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)"},
     {"scan_dense", scan_dense, METH_VARARGS, "scan_dense(row) -> (max_bits, count_sum, non_integral)"},

@@ -440,31 +440,11 @@ def allocate_rows(
         ConstructionError: ``BAD_SHAPE`` unless ``weights`` is 2-D with one
             draw per row (a row's own failure is returned, not raised).
     """
-    w = np.ascontiguousarray(weights, dtype=np.float64)
-    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
-    rows, n = w.shape
+    w, rows, n = _rows_shape(weights, draws)
     out = np.empty((rows, n), dtype=np.int32)
-    results: list[int | ConstructionError | ValidationError] = []
     if _fastq is not None and rows:
-        scratch = builder(n)
-        u = np.asarray(draws, dtype=np.int64)
-        tokens = np.empty(rows, dtype=np.int64)
-        status = np.empty(rows, dtype=np.int32)
-        _fastq.build_rows(w, n, out, u, tokens, status, scratch.share, scratch.work)
-        for r in range(rows):
-            code = int(status[r])
-            if code == 0:
-                results.append(int(tokens[r]))
-            elif code == 4:
-                results.append(
-                    ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
-                )
-            else:
-                results.append(
-                    ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code])
-                )
-        return out, results
+        return out, _build_rows(w, draws, out, None)
+    results: list[int | ConstructionError | ValidationError] = []
     for r in range(rows):
         try:
             out[r] = builder(n).allocate(w[r], tree.total(w[r]))
@@ -472,6 +452,72 @@ def allocate_rows(
         except (ConstructionError, ValidationError) as exc:
             results.append(exc)
     return out, results
+
+
+def allocate_rows_fp32(
+    weights: Float64Array, draws: Sequence[int], entries: int
+) -> tuple[list[Float32Array], list[int | ConstructionError | ValidationError]]:
+    """:func:`allocate_rows` with each row written once, as it travels: FP32
+    ``c / 2**24`` (:func:`counts_to_fp32`) followed by ``+0.0`` up to
+    ``entries`` values, in a fresh array per row (valid for the rows whose
+    result is a drawn index). The counts themselves stay in scratch.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` as :func:`allocate_rows`, or for
+            ``entries`` below the row length.
+    """
+    w, rows, n = _rows_shape(weights, draws)
+    if entries < n:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"{entries} entries for rows of {n}")
+    payloads = [np.empty(entries, dtype="<f4") for _ in range(rows)]
+    if _fastq is not None and rows:
+        counts = builder(n).out  # scratch: each row's counts live only until its payload
+        return payloads, _build_rows(w, draws, counts, payloads)
+    results: list[int | ConstructionError | ValidationError] = []
+    scale = np.float32(1.0 / M)
+    for r in range(rows):
+        try:
+            c = builder(n).allocate(w[r], tree.total(w[r]))
+            results.append(sample(c, draws[r]))
+        except (ConstructionError, ValidationError) as exc:
+            results.append(exc)
+            continue
+        np.multiply(c, scale, out=payloads[r][:n], dtype=np.float32, casting="unsafe")
+        payloads[r][n:] = 0.0
+    return payloads, results
+
+
+def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Array, int, int]:
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
+    return w, w.shape[0], w.shape[1]
+
+
+def _build_rows(
+    w: Float64Array,
+    draws: Sequence[int],
+    counts: Int32Array,
+    payloads: list[Float32Array] | None,
+) -> list[int | ConstructionError | ValidationError]:
+    rows, n = w.shape
+    scratch = builder(n)
+    tokens = np.empty(rows, dtype=np.int64)
+    status = np.empty(rows, dtype=np.int32)
+    u = np.asarray(draws, dtype=np.int64)
+    _fastq.build_rows(w, n, counts, u, tokens, status, scratch.share, scratch.work, payloads)
+    results: list[int | ConstructionError | ValidationError] = []
+    for r in range(rows):
+        code = int(status[r])
+        if code == 0:
+            results.append(int(tokens[r]))
+        elif code == 4:
+            results.append(
+                ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
+            )
+        else:
+            results.append(ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code]))
+    return results
 
 
 _ROWS_STATUS: Final = {

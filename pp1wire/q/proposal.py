@@ -239,6 +239,11 @@ class QRow:
         return self._q32
 
     @property
+    def borrowed(self) -> bool:
+        """Whether q views a buffer lent to this row (a receive buffer, under a lease)."""
+        return self._lease is not None
+
+    @property
     def length(self) -> int:
         """Number of q entries carried (vocabulary-wide for dense rows)."""
         arr = self.counts if self.counts is not None else self.q32
@@ -453,6 +458,7 @@ def propose_batch(
     vocab_size: int,
     *,
     threads: int = 2,
+    row_entries: int | None = None,
 ) -> list[tuple[QRow, ...] | Pp1Error]:
     """Draw many requests' fixed-depth blocks together, as an engine's step does.
 
@@ -471,12 +477,23 @@ def propose_batch(
     logits fails its own job with ``BAD_SHAPE`` (``propose``, which knows no
     vocabulary size, would build a row of another length).
 
+    With ``row_entries`` (the negotiated dense row length, at least
+    ``vocab_size``), each dense row of a positive temperature is written
+    once, as it travels: its :attr:`QRow.q32` holds the FP32 values ``c /
+    2**24`` then ``+0.0`` padding, ``row_entries`` of them, which
+    :func:`pp1wire.wire.replies.row_payload` sends without a copy (the same
+    bytes as from counts); its ``counts`` is None. Greedy and sparse rows
+    keep their counts.
+
     Raises:
-        ValueError: for ``vocab_size`` or ``threads`` below 1 (a job's failure
-            is returned, never raised).
+        ValueError: for ``vocab_size`` or ``threads`` below 1, or
+            ``row_entries`` below ``vocab_size`` (a job's failure is returned,
+            never raised).
     """
     if vocab_size < 1 or threads < 1:
         raise ValueError("vocab_size and threads must be at least 1")
+    if row_entries is not None and row_entries < vocab_size:
+        raise ValueError(f"row_entries {row_entries} below the vocabulary {vocab_size}")
     results: list[tuple[QRow, ...] | Pp1Error | None] = [None] * len(jobs)
     live: list[_Draft] = []
     for index, job in enumerate(jobs):
@@ -499,7 +516,7 @@ def propose_batch(
                 results[d.index] = rows
             break
         going: list[_Draft] = []
-        for d, got in zip(live, _build_position(live, rows, i, threads), strict=True):
+        for d, got in zip(live, _build_position(live, rows, i, threads, row_entries), strict=True):
             if isinstance(got, Pp1Error):
                 results[d.index] = got
                 continue
@@ -593,6 +610,7 @@ def _build_position(
     rows: list[npt.NDArray[np.float64] | Pp1Error],
     i: int,
     threads: int,
+    row_entries: int | None,
 ) -> list[QRow | Pp1Error]:
     """Position ``i`` of every draft: its q row and token, or its error."""
     out: list[QRow | Pp1Error | None] = [None] * len(drafts)
@@ -626,9 +644,9 @@ def _build_position(
         (sparse if job.support else dense).append(row)
     parts = min(threads, max(len(dense), len(sparse) // 4, 1))
     if parts == 1:
-        done = _construct(dense, sparse)
+        done = _construct(dense, sparse, row_entries)
     else:
-        chunks = [(dense[p::parts], sparse[p::parts]) for p in range(parts)]
+        chunks = [(dense[p::parts], sparse[p::parts], row_entries) for p in range(parts)]
         futures = [_pool(parts - 1).submit(_construct, *c) for c in chunks[1:]]
         done = _construct(*chunks[0])
         for f in futures:
@@ -639,31 +657,46 @@ def _build_position(
     return cast("list[QRow | Pp1Error]", out)
 
 
-def _construct(dense: list[_Row], sparse: list[_Row]) -> list[tuple[int, QRow | Pp1Error]]:
+def _construct(
+    dense: list[_Row], sparse: list[_Row], row_entries: int | None
+) -> list[tuple[int, QRow | Pp1Error]]:
     """Build and sample rows whose checks passed (on any thread); an unexpected
     failure fails these rows with ``INTERNAL`` rather than the whole batch."""
     try:
         # A logit far below the top over a small temperature overflows to -inf,
         # whose weight is 0 as intended: nothing to warn about.
         with np.errstate(over="ignore"):
-            return _construct_rows(dense, sparse)
+            return _construct_rows(dense, sparse, row_entries)
     except Exception as exc:
         return [(r.slot, _internal(exc)) for r in (*dense, *sparse)]
 
 
-def _construct_rows(dense: list[_Row], sparse: list[_Row]) -> list[tuple[int, QRow | Pp1Error]]:
+def _construct_rows(
+    dense: list[_Row], sparse: list[_Row], row_entries: int | None
+) -> list[tuple[int, QRow | Pp1Error]]:
     done: list[tuple[int, QRow | Pp1Error]] = []
     if dense:
         w = dyadic.weights_rows(
             [r.logits for r in dense], [r.top for r in dense], [r.temperature for r in dense]
         )
-        counts, picks = dyadic.allocate_rows(w, [r.draw for r in dense])
-        for j, r in enumerate(dense):
-            pick = picks[j]
+        draws = [r.draw for r in dense]
+        built: list[QRow | None] = [None] * len(dense)
+        if row_entries is None:
+            counts, picks = dyadic.allocate_rows(w, draws)
+            for j, pick in enumerate(picks):
+                if isinstance(pick, int):
+                    built[j] = QRow(token=pick, counts=counts[j])
+        else:
+            payloads, picks = dyadic.allocate_rows_fp32(w, draws, row_entries)
+            for j, pick in enumerate(picks):
+                if isinstance(pick, int):
+                    built[j] = QRow(token=pick, q32=payloads[j])
+        for r, pick, row in zip(dense, picks, built, strict=True):
             if isinstance(pick, Pp1Error):
                 done.append((r.slot, pick))
             else:
-                done.append((r.slot, r.draw_error or QRow(token=pick, counts=counts[j])))
+                assert row is not None
+                done.append((r.slot, r.draw_error or row))
     for r in sparse:
         try:
             ids, sparse_counts = dyadic.sparse_row_from_logits(
