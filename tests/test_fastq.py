@@ -337,6 +337,8 @@ def test_sparse_candidates_gather_the_cut_and_the_largest_left_out():
     assert fastq.sparse_candidates(x, 0.0, 16.0, 6, 16, idx) == (6, -np.inf)
     assert fastq.sparse_candidates(x, 0.0, 16.0, 7, 16, idx)[0] == -1  # the 7th is -inf
     assert fastq.sparse_candidates(x, 0.0, 16.0, 8, 16, idx)[0] == -1  # fewer than k
+    for scale in (np.inf, 0.0, np.nan):  # temperatures whose distances could be NaN
+        assert fastq.sparse_candidates(x, 0.0, scale, 2, 16, idx)[0] == -1
 
 
 def test_sparse_candidates_fall_back_when_a_tie_is_left_out(monkeypatch):

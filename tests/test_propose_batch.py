@@ -23,7 +23,7 @@ from pp1wire.q import dyadic
 from pp1wire.q.proposal import DraftJob, batched_drafter, propose, propose_batch
 from pp1wire.q.rng import RoundStreams
 from pp1wire.wire.messages import Step
-from pp1wire.wire.replies import build_reply, row_payload
+from pp1wire.wire.replies import build_reply, reply_frames, row_payload
 
 # Every rng below is seeded: the rows depend only on the prefix they are drawn for.
 
@@ -315,3 +315,43 @@ def test_sparse_rows_skip_the_full_exponential_when_provable(monkeypatch):
 
 def _normal(prefix, vocab):
     return np.random.default_rng(len(prefix)).standard_normal(vocab) * 3.0
+
+
+def test_row_buffers_are_reused_only_when_nothing_refers_to_them():
+    pool = dyadic.RowBuffers(8, limit=4)
+    a = pool.take()
+    b = pool.take()
+    assert a is not b
+    a_id = id(a)
+    del a
+    c = pool.take()
+    assert id(c) == a_id  # free again: recycled
+    view, memory = c[2:], c.data.cast("B")
+    del c
+    held = [pool.take() for _ in range(6)]  # b is held too: the pool is full
+    assert a_id not in map(id, held)  # a view and a memoryview still refer to it
+    assert len(pool._buffers) == 4  # beyond the limit: fresh arrays, not kept
+    del view
+    assert a_id not in [id(pool.take()) for _ in range(4)]
+    del memory
+    assert a_id in [id(pool.take()) for _ in range(4)]
+    assert b is not None
+
+
+def test_a_kept_reply_is_never_overwritten_by_later_batches():
+    vocab = 1000
+    drafter = make_drafter(vocab, 11, False)
+    kept = []
+    for r in range(6):
+        jobs = [
+            DraftJob(seed=s, generation=0, round_id=r, prefix=[s, r], depth=5) for s in range(4)
+        ]
+        got = propose_batch(batched_drafter(drafter), jobs, vocab, row_entries=vocab)
+        replies = [build_reply(7, STEP, rows, vocab) for rows in got]
+        if r % 2 == 0:  # keep the frames (their payloads view the row buffers)
+            frames = [reply_frames(7, STEP, rows, vocab) for rows in got]
+            kept.append((frames, replies))
+        del got
+    for frames, replies in kept:
+        for f, want in zip(frames, replies, strict=True):
+            assert b"".join(bytes(p) for parts in f for p in parts) == want

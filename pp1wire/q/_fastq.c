@@ -630,12 +630,88 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#define DIST_BUCKETS 1024
+#define DIST_LAST 1023.0
+
 /* The distance bucket of a logit below the row's maximum: floor((top - x) * scale),
- * at most 4095 (where -inf, far logits and a NaN product land). Monotone in x. */
+ * at most 1023 (where -inf and far logits land). Monotone in x. The scale is
+ * finite and positive, so the product is never NaN. */
 static inline uint32_t distance_bucket(double x, double top, double scale) {
     double d = (top - x) * scale;
     if (!(d > 0.0)) return 0;
-    return d < 4095.0 ? (uint32_t)d : 4095u;
+    return d < DIST_LAST ? (uint32_t)d : (uint32_t)DIST_LAST;
+}
+
+/* The distance buckets of 256 logits (vectorized): as distance_bucket. */
+MULTIVERSION
+static void distance_buckets(const double *restrict x, double top, double scale,
+                             uint16_t *restrict out) {
+    for (int j = 0; j < 256; j++) {
+        double d = (top - x[j]) * scale;
+        d = d > 0.0 ? d : 0.0;
+        d = d < DIST_LAST ? d : DIST_LAST;
+        out[j] = (uint16_t)(int32_t)d;
+    }
+}
+
+/* The histogram of distance buckets; blocks of buckets computed vectorized,
+ * counted in four interleaved parts so that runs of equal buckets (logits
+ * cluster) do not wait on each other's stores. */
+static void distance_histogram(const double *restrict x, size_t n, double top, double scale,
+                               uint32_t *restrict hist) {
+    uint32_t part[4][DIST_BUCKETS];
+    uint16_t b[256];
+    memset(part, 0, sizeof part);
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        distance_buckets(x + i, top, scale, b);
+        for (int j = 0; j < 256; j += 4) {
+            part[0][b[j]]++;
+            part[1][b[j + 1]]++;
+            part[2][b[j + 2]]++;
+            part[3][b[j + 3]]++;
+        }
+    }
+    for (; i < n; i++) part[0][distance_bucket(x[i], top, scale)]++;
+    for (int k = 0; k < DIST_BUCKETS; k++)
+        hist[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
+}
+
+/* Doubles (not NaN) order as these signed integers. */
+static inline int64_t order_key(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b ^ ((b >> 63) & INT64_MAX);
+}
+
+static inline double from_order_key(int64_t k) {
+    int64_t b = k ^ ((k >> 63) & INT64_MAX);
+    double v;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+/* Over 64 logits: whether any is a candidate (distance below limit, i.e. bucket
+ * at most limit - 1), and the order key of the largest that is not
+ * (vectorized: integer keys, since a double max does not vectorize here). */
+MULTIVERSION
+static int chunk_candidates(const double *restrict x, double top, double scale, double limit,
+                            int64_t *restrict out_key) {
+    int64_t any = 0;
+    int64_t mk = *out_key;
+    for (int j = 0; j < 64; j++) {
+        double d = (top - x[j]) * scale; /* never NaN: the scale is finite and positive */
+        int64_t in = d < limit;
+        int64_t b;
+        memcpy(&b, &x[j], sizeof b);
+        int64_t key = b ^ ((b >> 63) & INT64_MAX);
+        int64_t m = -in; /* all ones for a candidate: it does not count here */
+        key = (key & ~m) | (INT64_MIN & m);
+        mk = key > mk ? key : mk;
+        any |= in;
+    }
+    *out_key = mk;
+    return any != 0;
 }
 
 /* sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
@@ -645,8 +721,9 @@ static inline uint32_t distance_bucket(double x, double top, double scale) {
  *     into idx (int64); x_out_max is the largest logit not taken (-inf if
  *     none). The caller proves the top-k weights lie among the candidates
  *     (x_out_max's weight below the k-th candidate weight) or falls back.
- *     count -1: no useful cut (the k-th logit is in the last bucket, fewer than
- *     k entries, or more candidates than idx holds). */
+ *     count -1: no useful cut (a scale that is not finite and positive, the
+ *     k-th logit in the last bucket, fewer than k entries, or more candidates
+ *     than idx holds). */
 static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
     Py_buffer xb, ib;
     double top, scale;
@@ -664,28 +741,38 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
     Py_ssize_t count = -1;
     double out_max = -HUGE_VAL;
     Py_BEGIN_ALLOW_THREADS
-    uint32_t hist[4096];
-    memset(hist, 0, sizeof hist);
-    for (size_t i = 0; i < n; i++) hist[distance_bucket(x[i], top, scale)]++;
-    size_t acc = 0;
-    uint32_t kth = 0;
-    while (kth < 4096 && acc + hist[kth] < (size_t)k) acc += hist[kth++];
-    if (kth < 4095 && (size_t)margin < 4095 - kth) {
+    uint32_t hist[DIST_BUCKETS];
+    uint32_t kth = DIST_BUCKETS;
+    if (scale > 0.0 && scale < HUGE_VAL) { /* else no cut: a NaN distance has no bucket */
+        distance_histogram(x, n, top, scale, hist);
+        size_t acc = 0;
+        kth = 0;
+        while (kth < DIST_BUCKETS && acc + hist[kth] < (size_t)k) acc += hist[kth++];
+    }
+    if (kth < DIST_BUCKETS - 1 && (size_t)margin < DIST_BUCKETS - 1 - kth) {
         uint32_t cut = kth + (uint32_t)margin;
-        size_t c = 0;
-        for (size_t i = 0; i < n; i++) {
-            double v = x[i];
-            if (distance_bucket(v, top, scale) <= cut) {
-                if (c == cap) {
-                    c = (size_t)-1;
-                    break;
+        double limit = (double)cut + 1.0; /* bucket <= cut  <=>  distance < cut + 1 */
+        size_t c = 0, i = 0;
+        int full = 0;
+        int64_t out_key = order_key(-HUGE_VAL);
+        for (; i < n && !full; i += 64) {
+            size_t end = i + 64 <= n ? i + 64 : n;
+            if (end - i == 64 && !chunk_candidates(x + i, top, scale, limit, &out_key)) continue;
+            for (size_t j = i; j < end; j++) {
+                double v = x[j];
+                if (distance_bucket(v, top, scale) <= cut) {
+                    if (c == cap) {
+                        full = 1;
+                        break;
+                    }
+                    idx[c++] = (int64_t)j;
+                } else if (order_key(v) > out_key) {
+                    out_key = order_key(v);
                 }
-                idx[c++] = (int64_t)i;
-            } else if (v > out_max) {
-                out_max = v;
             }
         }
-        if (c != (size_t)-1) count = (Py_ssize_t)c;
+        out_max = from_order_key(out_key);
+        if (!full) count = (Py_ssize_t)c;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&xb);

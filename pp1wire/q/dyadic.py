@@ -20,6 +20,7 @@ cumulative count is strictly greater than ``u``. Integer arithmetic only.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
@@ -454,13 +455,75 @@ def allocate_rows(
     return out, results
 
 
+class RowBuffers:
+    """Recycled FP32 row buffers of one length, for rows written as they travel.
+
+    A row's payload lives until its reply is no longer needed (the next
+    COMMIT or RESET of its slot), far beyond the call that wrote it; fresh
+    half-megabyte arrays would cost a page fault per 4 KiB on every write
+    (the allocator returns them to the system when freed). A buffer is handed
+    out again only when nothing but the pool refers to it: not the row, not a
+    view, not a memoryview a transport still holds (each of those holds a
+    reference to the array). At most ``limit`` buffers are kept; beyond them
+    fresh arrays are used.
+    """
+
+    def __init__(self, entries: int, limit: int = 256) -> None:
+        """A pool of ``entries``-value buffers."""
+        self.entries = entries
+        self.limit = limit
+        self._buffers: list[Float32Array] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._probe = np.empty(0, dtype="<f4")
+
+    def _idle_refs(self) -> int:
+        # The count an idle buffer shows in take's test: measured the same way
+        # on a probe (one reference more: this object's own), so it holds on
+        # any interpreter's reference accounting.
+        probes = [self._probe]
+        return sys.getrefcount(probes[0]) - 1
+
+    def take(self) -> Float32Array:
+        """A buffer that nothing else refers to (its contents are stale)."""
+        with self._lock:
+            idle = self._idle_refs()
+            buffers = self._buffers
+            count = len(buffers)
+            # Round robin from the last one handed out: the oldest are the
+            # likeliest to be free again.
+            for step in range(count):
+                j = (self._next + step) % count
+                if sys.getrefcount(buffers[j]) == idle:
+                    self._next = (j + 1) % count
+                    return buffers[j]
+            fresh = np.empty(self.entries, dtype="<f4")
+            if count < self.limit:
+                buffers.append(fresh)
+            return fresh
+
+
+_row_buffers: dict[int, RowBuffers] = {}
+_row_buffers_lock = threading.Lock()
+
+
+def row_buffers(entries: int) -> RowBuffers:
+    """The process's pool of FP32 row buffers of ``entries`` values."""
+    with _row_buffers_lock:
+        pool = _row_buffers.get(entries)
+        if pool is None:
+            pool = _row_buffers[entries] = RowBuffers(entries)
+        return pool
+
+
 def allocate_rows_fp32(
     weights: Float64Array, draws: Sequence[int], entries: int
 ) -> tuple[list[Float32Array], list[int | ConstructionError | ValidationError]]:
     """:func:`allocate_rows` with each row written once, as it travels: FP32
     ``c / 2**24`` (:func:`counts_to_fp32`) followed by ``+0.0`` up to
-    ``entries`` values, in a fresh array per row (valid for the rows whose
-    result is a drawn index). The counts themselves stay in scratch.
+    ``entries`` values, in an array per row of its own (from
+    :func:`row_buffers`; valid for the rows whose result is a drawn index).
+    The counts themselves stay in scratch.
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` as :func:`allocate_rows`, or for
@@ -469,7 +532,8 @@ def allocate_rows_fp32(
     w, rows, n = _rows_shape(weights, draws)
     if entries < n:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"{entries} entries for rows of {n}")
-    payloads = [np.empty(entries, dtype="<f4") for _ in range(rows)]
+    pool = row_buffers(entries)
+    payloads = [pool.take() for _ in range(rows)]
     if _fastq is not None and rows:
         counts = builder(n).out  # scratch: each row's counts live only until its payload
         return payloads, _build_rows(w, draws, counts, payloads)
