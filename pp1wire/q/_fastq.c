@@ -266,16 +266,21 @@ static inline uint64_t bits_of(double v) {
     return u;
 }
 
-/* Floors into out, remainders into share (the exact operations of
- * dyadic.floors_and_remainders), and key: the remainders' first 12 binary
- * digits, floor(r * 2**12), a coarse key that orders like the remainders
- * (r < s implies key(r) <= key(s)) and spreads them evenly, unlike their
- * exponent bits. Returns the sum of the floors. No histogram here, so the loop
- * vectorizes (the division dominates it). */
+/* The share of a weight (dyadic.floors_and_remainders): w / scale, or
+ * (w / total) * M when total / M is subnormal. */
+static inline double share_of(double w, double total, double scale, int small) {
+    return small ? (w / total) * M24 : w / scale;
+}
+
+/* Floors into out and key: the remainders' first 12 binary digits,
+ * floor(r * 2**12), a coarse key that orders like the remainders (r < s
+ * implies key(r) <= key(s)) and spreads them evenly, unlike their exponent
+ * bits. The remainders themselves are not stored: the few the ticket choice
+ * needs are computed again, by the same operations. Returns the sum of the
+ * floors. No histogram here, so the loop vectorizes (the division dominates). */
 MULTIVERSION
 static int64_t floors_scaled(const double *restrict w, size_t n, double scale,
-                             int32_t *restrict out, double *restrict share,
-                             uint16_t *restrict key) {
+                             int32_t *restrict out, uint16_t *restrict key) {
     int64_t sum = 0;
     for (size_t i = 0; i < n; i++) {
         double v = w[i] / scale;
@@ -285,7 +290,6 @@ static int64_t floors_scaled(const double *restrict w, size_t n, double scale,
         int32_t f = (int32_t)v;
         double r = v - (double)f;
         out[i] = f;
-        share[i] = r;
         /* exact: r in [0, 1), a power-of-two scale; the mask guards memory
          * against such an inconsistent total */
         key[i] = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
@@ -297,15 +301,13 @@ static int64_t floors_scaled(const double *restrict w, size_t n, double scale,
 /* The same when total / M is subnormal: (w / total) * M, two roundings. */
 MULTIVERSION
 static int64_t floors_small(const double *restrict w, size_t n, double total,
-                            int32_t *restrict out, double *restrict share,
-                            uint16_t *restrict key) {
+                            int32_t *restrict out, uint16_t *restrict key) {
     int64_t sum = 0;
     for (size_t i = 0; i < n; i++) {
         double v = (w[i] / total) * M24;
         int32_t f = (int32_t)v;
         double r = v - (double)f;
         out[i] = f;
-        share[i] = r;
         key[i] = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
         sum += f;
     }
@@ -327,6 +329,27 @@ static int64_t add_above(const uint16_t *restrict key, size_t n, uint32_t top,
         added += a;
     }
     return added;
+}
+
+/* add_above, also writing each count's FP32 wire value c / 2**24 (exact). */
+MULTIVERSION
+static int64_t add_above_fp32(const uint16_t *restrict key, size_t n, uint32_t top,
+                              int32_t *restrict out, float *restrict q) {
+    int64_t added = 0;
+    for (size_t i = 0; i < n; i++) {
+        int32_t a = key[i] > top;
+        int32_t c = out[i] + a;
+        out[i] = c;
+        q[i] = (float)c * 0x1p-24f;
+        added += a;
+    }
+    return added;
+}
+
+/* The FP32 wire values of counts: c / 2**24, exact (c <= 2**24). */
+MULTIVERSION
+static void counts_to_fp32(const int32_t *restrict c, size_t n, float *restrict q) {
+    for (size_t i = 0; i < n; i++) q[i] = (float)c[i] * 0x1p-24f;
 }
 
 /* Whether any of 64 keys equals top (vectorized: the scan below skips most chunks). */
@@ -355,9 +378,9 @@ static size_t gather_equal(const uint16_t *restrict key, size_t n, uint32_t top,
     return count;
 }
 
-/* Scratch of one row: remainders, keys, candidate indices, block sums. */
+/* Scratch of one row: candidate remainders, keys, candidate indices, block sums. */
 typedef struct {
-    double *share;
+    double *rem;
     uint16_t *key;
     uint32_t *idx;
     int64_t *blocks;
@@ -367,13 +390,24 @@ typedef struct {
  * six digits of those patterns find the threshold exactly. */
 static const int SHIFTS[6] = {52, 40, 28, 16, 4, 0};
 static const int WIDTHS[6] = {12, 12, 12, 12, 12, 4};
+/* Up to this many candidates are ordered by insertion instead. */
+#define FEW 64
+
+/* One ticket more for entry i (after the bulk pass), keeping blocks and q. */
+static inline void ticket(int32_t *out, int64_t *blocks, float *q, uint32_t i) {
+    out[i] += 1;
+    blocks[i / BLOCK] += 1;
+    if (q != NULL) q[i] = (float)out[i] * 0x1p-24f;
+}
 
 /* One ticket more for the k largest remainders, ties to the lowest index,
- * keeping the block sums. Returns 0, or 2 if a ticket lands on a zero. */
-static int leftover_pass(const scratch_t *s, size_t n, size_t k, int32_t *restrict out,
-                         const uint32_t *restrict top_hist) {
-    const double *share = s->share;
+ * keeping the block sums (and the FP32 values, when q is given). Returns 0, or
+ * 2 if a ticket lands on a zero. */
+static int leftover_pass(const double *w, double total, double scale, int small,
+                         const scratch_t *s, size_t n, size_t k, int32_t *restrict out,
+                         float *q, const uint32_t *restrict top_hist) {
     uint32_t *idx = s->idx;
+    double *rem = s->rem;
     int64_t *blocks = s->blocks;
     /* The top digit: its bucket holds the k-th largest remainder. */
     size_t acc = 0, need = k;
@@ -384,22 +418,44 @@ static int leftover_pass(const scratch_t *s, size_t n, size_t k, int32_t *restri
     }
     need -= acc;
     /* A ticket for every remainder in a higher bucket (vectorized), then the
-     * target bucket's indices, in index order: about n / 4096 of them, so the
-     * branch is predictable. */
+     * target bucket's indices, in index order: about n / 4096 of them. */
     for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
         size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        blocks[b] += add_above(s->key + lo, len, top, out + lo);
+        blocks[b] += q != NULL ? add_above_fp32(s->key + lo, len, top, out + lo, q + lo)
+                               : add_above(s->key + lo, len, top, out + lo);
     }
     size_t count = gather_equal(s->key, n, top, idx);
+    for (size_t c = 0; c < count; c++) {
+        double v = share_of(w[idx[c]], total, scale, small);
+        rem[c] = v - (double)(int32_t)v; /* as the floors pass had it */
+    }
+    uint64_t threshold = 0;
+    if (count <= FEW) {
+        /* Order by remainder, descending, ties by index (insertion is stable). */
+        for (size_t c = 1; c < count; c++) {
+            uint32_t i = idx[c];
+            double r = rem[c];
+            uint64_t rb = bits_of(r);
+            size_t j = c;
+            for (; j > 0 && bits_of(rem[j - 1]) < rb; j--) {
+                idx[j] = idx[j - 1];
+                rem[j] = rem[j - 1];
+            }
+            idx[j] = i;
+            rem[j] = r;
+        }
+        threshold = bits_of(rem[need - 1]);
+        if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
+        for (size_t c = 0; c < need; c++) ticket(out, blocks, q, idx[c]);
+        return 0;
+    }
     /* Within the bucket, narrow to the threshold digit by digit. */
     uint32_t hist[4096];
-    uint64_t threshold = 0;
     for (int pass = 0; pass < 6; pass++) {
         int shift = SHIFTS[pass];
         uint64_t mask = ((uint64_t)1 << WIDTHS[pass]) - 1;
         memset(hist, 0, sizeof hist);
-        for (size_t q = 0; q < count; q++)
-            hist[(bits_of(share[idx[q]]) >> shift) & mask]++;
+        for (size_t c = 0; c < count; c++) hist[(bits_of(rem[c]) >> shift) & mask]++;
         size_t above = 0;
         uint64_t b = mask;
         for (;; b--) {
@@ -409,31 +465,26 @@ static int leftover_pass(const scratch_t *s, size_t n, size_t k, int32_t *restri
         need -= above;
         threshold |= b << shift;
         size_t kept = 0;
-        for (size_t q = 0; q < count; q++) {
-            uint32_t i = idx[q];
-            uint64_t d = (bits_of(share[i]) >> shift) & mask;
-            int32_t a = d > b; /* above the threshold: a ticket */
-            out[i] += a;
-            blocks[i / BLOCK] += a;
-            idx[kept] = i;
+        for (size_t c = 0; c < count; c++) {
+            uint64_t d = (bits_of(rem[c]) >> shift) & mask;
+            if (d > b) ticket(out, blocks, q, idx[c]); /* above the threshold */
+            idx[kept] = idx[c];
+            rem[kept] = rem[c];
             kept += d == b;
         }
         count = kept;
     }
     if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
     /* idx[0 ..) holds every remainder equal to the threshold, in index order. */
-    for (size_t q = 0; q < need; q++) {
-        out[idx[q]] += 1;
-        blocks[idx[q] / BLOCK] += 1;
-    }
+    for (size_t c = 0; c < need; c++) ticket(out, blocks, q, idx[c]);
     return 0;
 }
 
 /* QBuilder.allocate for checked weights w and their canonical total: counts
- * into out, and blocks[b] = the sum of block b's counts. Status 0: done;
- * 1: tickets left over outside 0..n-1; 2: a ticket would land on a zero
- * remainder (both ALLOCATION_INCONSISTENT). */
-static int build_counts(const double *w, size_t n, double total, int32_t *out,
+ * into out, and blocks[b] = the sum of block b's counts; with q, the FP32
+ * wire values too. Status 0: done; 1: tickets left over outside 0..n-1;
+ * 2: a ticket would land on a zero remainder (both ALLOCATION_INCONSISTENT). */
+static int build_counts(const double *w, size_t n, double total, int32_t *out, float *q,
                         const scratch_t *s) {
     double scale = total / M24;
     int small = !(scale >= MIN_NORMAL);
@@ -442,17 +493,19 @@ static int build_counts(const double *w, size_t n, double total, int32_t *out,
     int64_t sum = 0;
     for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
         size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        int64_t part = small
-            ? floors_small(w + lo, len, total, out + lo, s->share + lo, s->key + lo)
-            : floors_scaled(w + lo, len, scale, out + lo, s->share + lo, s->key + lo);
+        int64_t part = small ? floors_small(w + lo, len, total, out + lo, s->key + lo)
+                             : floors_scaled(w + lo, len, scale, out + lo, s->key + lo);
         histogram(s->key + lo, len, top_hist); /* while the block's keys are in L1 */
         s->blocks[b] = part;
         sum += part;
     }
     int64_t remaining = (int64_t)M24 - sum;
     if (remaining < 0 || remaining >= (int64_t)n) return 1;
-    if (remaining == 0) return 0;
-    return leftover_pass(s, n, (size_t)remaining, out, top_hist);
+    if (remaining == 0) {
+        if (q != NULL) counts_to_fp32(out, n, q);
+        return 0;
+    }
+    return leftover_pass(w, total, scale, small, s, n, (size_t)remaining, out, q, top_hist);
 }
 
 /* The proposal draw from counts whose block sums are known: the first index
@@ -474,9 +527,10 @@ static int64_t draw_from_blocks(const int32_t *out, size_t n, const int64_t *blo
     return -1; /* unreachable for counts that sum to M */
 }
 
-/* Lay out a row's key and idx scratch in `work` (at least 8 bytes per entry). */
+/* Lay out a row's key and idx scratch in `work` (at least 8 bytes per entry);
+ * share (8 bytes per entry) holds the candidates' remainders. */
 static void scratch_in(scratch_t *s, double *share, void *work, size_t n, int64_t *blocks) {
-    s->share = share;
+    s->rem = share;
     s->key = (uint16_t *)work;
     s->idx = (uint32_t *)((char *)work + ((2 * n + 3) & ~(size_t)3));
     s->blocks = blocks;
@@ -502,7 +556,7 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
             scratch_t s;
             scratch_in(&s, (double *)sb.buf, kb.buf, n, blocks);
             Py_BEGIN_ALLOW_THREADS
-            status = build_counts((const double *)wb.buf, n, total, (int32_t *)ob.buf, &s);
+            status = build_counts((const double *)wb.buf, n, total, (int32_t *)ob.buf, NULL, &s);
             Py_END_ALLOW_THREADS
             if (blocks != stack_blocks) free(blocks);
         }
@@ -513,12 +567,6 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
     PyBuffer_Release(&kb);
     if (status < 0) return NULL;
     return PyLong_FromLong(status);
-}
-
-/* The FP32 wire values of counts: c / 2**24, exact (c <= 2**24). */
-MULTIVERSION
-static void counts_to_fp32(const int32_t *restrict c, size_t n, float *restrict q) {
-    for (size_t i = 0; i < n; i++) q[i] = (float)c[i] * 0x1p-24f;
 }
 
 /* build_rows(w, n, out, draws, tokens, status, share, work[, payloads])
@@ -596,7 +644,8 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
         for (size_t r = 0; r < rows; r++) {
             const double *wr = w + r * n;
             int32_t *outr = shared_out ? out : out + r * n;
-            int st = build_counts(wr, n, tree_root(wr, n), outr, &s);
+            float *q = qb != NULL ? (float *)qb[r].buf : NULL;
+            int st = build_counts(wr, n, tree_root(wr, n), outr, q, &s);
             int64_t token = -1;
             if (st == 0) {
                 if (draws[r] < 0 || draws[r] >= (int64_t)M24) {
@@ -606,11 +655,7 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
                     if (token < 0) st = 3;
                 }
             }
-            if (st == 0 && qb != NULL) {
-                float *q = (float *)qb[r].buf;
-                counts_to_fp32(outr, n, q);
-                memset(q + n, 0, (size_t)qb[r].len - 4 * n); /* +0.0 padding */
-            }
+            if (st == 0 && q != NULL) memset(q + n, 0, (size_t)qb[r].len - 4 * n); /* +0.0 */
             status[r] = st;
             tokens[r] = token;
         }
