@@ -57,7 +57,19 @@ def make_drafter(vocab: int, style: int, fail: bool):
 
 
 def reference(job: DraftJob, drafter):
-    """``propose`` for one job, as the worker calls it: rows, or the error's code."""
+    """``propose`` for one job, as the worker calls it: rows, or the error's code.
+
+    On the numpy path (the compiled module off), so the batch, compiled or
+    not, is checked against the plain construction: full-row top-k included.
+    """
+    saved, dyadic._fastq = dyadic._fastq, None
+    try:
+        return _reference(job, drafter)
+    finally:
+        dyadic._fastq = saved
+
+
+def _reference(job: DraftJob, drafter):
     try:
         streams = RoundStreams(1, job.seed, job.generation, job.round_id)
         # as in the batch: a logit that overflows below the top has weight 0, silently

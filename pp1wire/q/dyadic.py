@@ -374,7 +374,8 @@ def sparse_counts_from_logits(
     """
     check_k(k)
     x = _as_weights(logits)
-    return builder(x.size).sparse_from_logits(x, temperature, k)
+    check_temperature(temperature)
+    return sparse_row_from_logits(x, check_top(float(x.max())), temperature, k)
 
 
 # --------------------------------------------------------------------------
