@@ -584,11 +584,11 @@ def _internal(exc: Exception) -> Pp1Error:
 class _Row:
     """One position of one job on its way through construction."""
 
-    __slots__ = ("draw", "draw_error", "logits", "slot", "support", "temperature", "top")
+    __slots__ = ("at", "draw", "draw_error", "logits", "support", "temperature", "top")
 
     def __init__(
         self,
-        slot: int,
+        at: int,
         logits: npt.NDArray[np.float64],
         temperature: float,
         support: int,
@@ -596,7 +596,7 @@ class _Row:
         draw: int,
         draw_error: Pp1Error | None,
     ) -> None:
-        self.slot = slot
+        self.at = at  # the job's place in the position's list
         self.logits = logits
         self.temperature = temperature
         self.support = support
@@ -616,9 +616,9 @@ def _build_position(
     out: list[QRow | Pp1Error | None] = [None] * len(drafts)
     dense: list[_Row] = []
     sparse: list[_Row] = []
-    for slot, (d, logits) in enumerate(zip(drafts, rows, strict=True)):
+    for at, (d, logits) in enumerate(zip(drafts, rows, strict=True)):
         if isinstance(logits, Pp1Error):
-            out[slot] = logits
+            out[at] = logits
             continue
         job = d.job
         # The draw comes first here (the compiled pass takes it); an error in
@@ -631,16 +631,16 @@ def _build_position(
         try:
             if job.temperature == 0:
                 counts, ids, token = _greedy_row(logits, job.support or None)
-                out[slot] = draw_error or QRow(token=token, counts=counts, ids=ids)
+                out[at] = draw_error or QRow(token=token, counts=counts, ids=ids)
                 continue
             if job.support:
                 dyadic.check_k(job.support)
             dyadic.check_temperature(job.temperature)
             top = dyadic.check_top(float(logits.max()))
         except Pp1Error as exc:
-            out[slot] = exc
+            out[at] = exc
             continue
-        row = _Row(slot, logits, job.temperature, job.support, top, draw, draw_error)
+        row = _Row(at, logits, job.temperature, job.support, top, draw, draw_error)
         (sparse if job.support else dense).append(row)
     parts = min(threads, max(len(dense), len(sparse) // 4, 1))
     if parts == 1:
@@ -651,8 +651,8 @@ def _build_position(
         done = _construct(*chunks[0])
         for f in futures:
             done += f.result()
-    for slot, got in done:
-        out[slot] = got
+    for at, got in done:
+        out[at] = got
     assert all(r is not None for r in out)
     return cast("list[QRow | Pp1Error]", out)
 
@@ -668,7 +668,7 @@ def _construct(
         with np.errstate(over="ignore"):
             return _construct_rows(dense, sparse, row_entries)
     except Exception as exc:
-        return [(r.slot, _internal(exc)) for r in (*dense, *sparse)]
+        return [(r.at, _internal(exc)) for r in (*dense, *sparse)]
 
 
 def _construct_rows(
@@ -693,10 +693,10 @@ def _construct_rows(
                     built[j] = QRow(token=pick, q32=payloads[j])
         for r, pick, row in zip(dense, picks, built, strict=True):
             if isinstance(pick, Pp1Error):
-                done.append((r.slot, pick))
+                done.append((r.at, pick))
             else:
                 assert row is not None
-                done.append((r.slot, r.draw_error or row))
+                done.append((r.at, r.draw_error or row))
     for r in sparse:
         try:
             ids, sparse_counts = dyadic.sparse_row_from_logits(
@@ -704,7 +704,7 @@ def _construct_rows(
             )
             token = int(ids[dyadic.sample(sparse_counts, r.draw)])
         except Pp1Error as exc:
-            done.append((r.slot, exc))
+            done.append((r.at, exc))
             continue
-        done.append((r.slot, r.draw_error or QRow(token=token, counts=sparse_counts, ids=ids)))
+        done.append((r.at, r.draw_error or QRow(token=token, counts=sparse_counts, ids=ids)))
     return done
