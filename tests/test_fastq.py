@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, rows
 
 fastq = pytest.importorskip("pp1wire.q._fastq")
 
@@ -181,7 +181,7 @@ def _rows_both_paths(w: np.ndarray, draws: list[int]) -> tuple:
         with pytest.MonkeyPatch.context() as m:
             if not compiled:
                 m.setattr(dyadic, "_fastq", None)
-            counts, picks = dyadic.allocate_rows(w, draws)
+            counts, picks = rows.allocate_rows(w, draws)
         out.append((counts, [p if isinstance(p, int) else p.code for p in picks]))
     return tuple(out)
 

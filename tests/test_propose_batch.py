@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, rows
 from pp1wire.q.proposal import DraftJob, batched_drafter, propose, propose_batch
 from pp1wire.q.rng import RoundStreams
 from pp1wire.wire.messages import Step
@@ -330,7 +330,7 @@ def _normal(prefix, vocab):
 
 
 def test_row_buffers_are_reused_only_when_nothing_refers_to_them():
-    pool = dyadic.RowBuffers(8, limit=4)
+    pool = rows.RowBuffers(8, limit=4)
     a = pool.take()
     b = pool.take()
     assert a is not b

@@ -24,6 +24,7 @@ import xxhash
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ProposalReleasedError
 from pp1wire.q import dyadic
+from pp1wire.q import rows as rows_
 from pp1wire.q.rng import Domain, Role, RoundStreams
 
 MAX_DEPTH = 5
@@ -676,18 +677,18 @@ def _construct_rows(
 ) -> list[tuple[int, QRow | Pp1Error]]:
     done: list[tuple[int, QRow | Pp1Error]] = []
     if dense:
-        w = dyadic.weights_rows(
+        w = rows_.weights_rows(
             [r.logits for r in dense], [r.top for r in dense], [r.temperature for r in dense]
         )
         draws = [r.draw for r in dense]
         built: list[QRow | None] = [None] * len(dense)
         if row_entries is None:
-            counts, picks = dyadic.allocate_rows(w, draws)
+            counts, picks = rows_.allocate_rows(w, draws)
             for j, pick in enumerate(picks):
                 if isinstance(pick, int):
                     built[j] = QRow(token=pick, counts=counts[j])
         else:
-            payloads, picks = dyadic.allocate_rows_fp32(w, draws, row_entries)
+            payloads, picks = rows_.allocate_rows_fp32(w, draws, row_entries)
             for j, pick in enumerate(picks):
                 if isinstance(pick, int):
                     built[j] = QRow(token=pick, q32=payloads[j])
