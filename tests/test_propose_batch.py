@@ -367,3 +367,30 @@ def test_a_kept_reply_is_never_overwritten_by_later_batches():
     for frames, replies in kept:
         for f, want in zip(frames, replies, strict=True):
             assert b"".join(bytes(p) for parts in f for p in parts) == want
+
+
+def test_a_positions_rows_are_split_over_the_threads(monkeypatch):
+    import threading
+
+    from pp1wire.q import proposal
+
+    seen = []
+    real = proposal._construct
+
+    def recording(dense, sparse, entries):
+        seen.append((threading.get_ident(), len(dense), len(sparse)))
+        return real(dense, sparse, entries)
+
+    monkeypatch.setattr(proposal, "_construct", recording)
+    vocab = 500
+    drafter = make_drafter(vocab, 5, False)
+    jobs = _jobs(8, vocab)
+    want = [reference(j, drafter) for j in jobs]
+    got = propose_batch(batched_drafter(drafter), jobs, vocab, threads=2)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    per_position = [seen[k : k + 2] for k in range(0, len(seen), 2)]
+    assert len(per_position) == 3  # depth 3
+    for calls in per_position:
+        assert len({ident for ident, _, _ in calls}) == 2  # the caller and one more thread
+        assert sorted(d for _, d, _ in calls) == [4, 4]
