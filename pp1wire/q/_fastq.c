@@ -1,5 +1,5 @@
 /*
- * Optional compiled fast paths for pp1wire.q.dyadic.
+ * Optional compiled fast paths for pp1wire.q.dyadic and pp1wire.q.rows.
  *
  * Each function computes exactly what the numpy path in dyadic.py computes
  * (in one pass instead of six, or without numpy's per-call overhead for a
