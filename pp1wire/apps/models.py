@@ -12,7 +12,7 @@ tests can compute target-only distributions for any prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,26 @@ class ToyLM:
         row += self._bias
         return row
 
+    def logits_batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
+        """:meth:`logits` of every prefix, as the rows of one ``[B, V]`` array.
+
+        Row ``i`` equals ``logits(prefixes[i])`` bit for bit: the float32
+        product of each distinct last token is the per-prefix one (a BLAS
+        matrix product may add in another order than its vector product), and
+        the binary64 steps, elementwise, run once over the whole batch.
+        """
+        lasts = [int(p[-1]) if len(p) else _BOS for p in prefixes]
+        distinct = sorted(set(lasts))
+        products = np.empty((len(distinct), self.vocab_size), dtype=np.float32)
+        for j, last in enumerate(distinct):
+            products[j] = self._emb[last] @ self._out
+        rows: npt.NDArray[np.float64] = products[np.searchsorted(distinct, lasts)].astype(
+            np.float64
+        )
+        rows *= self._scale
+        rows += self._bias
+        return rows
+
     def probs(self, prefix: Sequence[int]) -> npt.NDArray[np.float64]:
         """Exact (binary64 softmax) next-token probabilities after ``prefix``."""
         z = self.logits(prefix)
@@ -77,7 +97,42 @@ class ToyLM:
         z /= z.sum()
         return z
 
+    def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
+        """:meth:`probs` of every prefix, as the rows of one ``[B, V]`` array (bit for bit)."""
+        z = self.logits_batch(prefixes)
+        z -= z.max(axis=1, keepdims=True)
+        np.exp(z, out=z)
+        for r in range(z.shape[0]):  # each row's own 1-D sum: the order probs adds in
+            z[r] /= z[r].sum()
+        return z
+
     __call__ = probs
+    batch = probs_batch
+
+
+class ModelFn:
+    """A per-prefix model function with its vectorized form as ``batch``, the
+    shape :func:`pp1wire.q.proposal.batched_drafter` and
+    :func:`pp1wire.q.verify.batched` look for."""
+
+    __slots__ = ("_many", "_one")
+
+    def __init__(
+        self,
+        one: Callable[[Sequence[int]], npt.NDArray[np.float64]],
+        many: Callable[[Sequence[Sequence[int]]], npt.NDArray[np.float64]],
+    ) -> None:
+        """Pair ``one`` (prefix → row) with ``many`` (prefixes → ``[B, V]``)."""
+        self._one = one
+        self._many = many
+
+    def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.float64]:
+        """The row for one prefix."""
+        return self._one(prefix)
+
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
+        """The rows for many prefixes, one call."""
+        return self._many(prefixes)
 
 
 def toy_target(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
@@ -91,10 +146,14 @@ def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
 
 
 def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
-    """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits."""
-    return toy_drafter(vocab_size, seed).logits
+    """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits
+    (with ``batch``: prefixes → ``[B, V]`` logits)."""
+    model = toy_drafter(vocab_size, seed)
+    return ModelFn(model.logits, model.logits_batch)
 
 
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:
-    """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p."""
-    return toy_target(vocab_size, seed).probs
+    """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p
+    (with ``batch``: prefixes → ``[B, V]`` p)."""
+    model = toy_target(vocab_size, seed)
+    return ModelFn(model.probs, model.probs_batch)

@@ -373,7 +373,65 @@ def sparse_counts_from_logits(
     """
     check_k(k)
     x = _as_weights(logits)
-    return builder(x.size).sparse_from_logits(x, temperature, k)
+    check_temperature(temperature)
+    return sparse_row_from_logits(x, check_top(float(x.max())), temperature, k)
+
+
+# Sparse candidates: logits are bucketed by their distance below the top in
+# 1/16 temperature units, and taken up to one unit (a factor e in weight)
+# past the bucket of the k-th largest.
+_BUCKETS_PER_UNIT: Final = 16.0
+_CANDIDATE_MARGIN = 16
+# A weight computed by exp is within a relative 2**-32 of the exact value (a
+# few ulps for any libm or numpy); twice that, and some, separates two weights
+# whose exact values are in order.
+_EXP_SLACK: Final = 1.0 + 2.0**-20
+_MIN_THETA: Final = 2.0**-1000
+
+
+def sparse_row_from_logits(
+    logits: Float64Array, top: float, temperature: float, k: int
+) -> tuple[Int32Array, Int64Array]:
+    """:func:`sparse_counts_from_logits` for a row whose checks are done, without
+    the exponential over the whole vocabulary when it can be proved unneeded.
+
+    The compiled pass takes every logit within about one temperature unit of
+    the k-th largest (a small superset of the support, chosen on the logits);
+    their weights are computed exactly as the full row's would be, and the
+    top k of them are the row's support when the largest weight left out is
+    provably below the k-th: the exponential is monotone and computed to
+    within a relative ``2**-32``, so a logit below ``x_out`` has a weight at
+    most ``exp(x_out)`` times ``1 + 2**-20``. Otherwise (or without the
+    compiled module) the whole row is used. Either way the result is
+    :func:`sparse_counts_from_logits`'s, bit for bit.
+
+    ``top`` is the row's maximum (checked by :func:`check_top`), ``temperature``
+    checked by :func:`check_temperature`, ``k`` by :func:`check_k`.
+
+    Raises:
+        ConstructionError: ``ALLOCATION_INCONSISTENT`` (as the full path).
+    """
+    x = np.ascontiguousarray(logits, dtype=np.float64)
+    n = x.size
+    if _fastq is not None and k < n:
+        cap = max(64 * k, 4096)
+        cand = np.empty(cap, dtype=np.int64)
+        count, x_out = _fastq.sparse_candidates(
+            x, top, _BUCKETS_PER_UNIT / temperature, k, _CANDIDATE_MARGIN, cand
+        )
+        if count >= k:
+            ids = cand[:count]
+            w = shifted_exp(x[ids], top, temperature)
+            order = np.argsort(-w, kind="stable")[:k]  # ties: ascending ID
+            theta = float(w[order[-1]])
+            outside = float(shifted_exp(np.array([x_out]), top, temperature)[0])
+            if theta >= _MIN_THETA and outside * _EXP_SLACK < theta:
+                chosen = np.sort(order)
+                sub = w[chosen]
+                counts = _allocate(sub, tree.total(sub))
+                keep = counts > 0
+                return ids[chosen][keep].astype(np.int32), counts[keep]
+    return builder(n).sparse_from_logits(x, temperature, k)
 
 
 def point_mass(vocab_size: int, token: int) -> Int64Array:

@@ -11,17 +11,20 @@ transport design).
 from __future__ import annotations
 
 import sys
+import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import overload
+from typing import cast, overload
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire.errors import ConstructionError, ErrorCode, ProposalReleasedError
+from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ProposalReleasedError
 from pp1wire.q import dyadic
+from pp1wire.q import rows as rows_
 from pp1wire.q.rng import Domain, Role, RoundStreams
 
 MAX_DEPTH = 5
@@ -237,6 +240,11 @@ class QRow:
         return self._q32
 
     @property
+    def borrowed(self) -> bool:
+        """Whether q views a buffer lent to this row (a receive buffer, under a lease)."""
+        return self._lease is not None
+
+    @property
     def length(self) -> int:
         """Number of q entries carried (vocabulary-wide for dense rows)."""
         arr = self.counts if self.counts is not None else self.q32
@@ -303,6 +311,21 @@ class Proposal:
         return tuple(r.token for r in self.rows)
 
 
+def _greedy_row(
+    logits: npt.ArrayLike, support: int | None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None, int]:
+    """The greedy (temperature 0) row and its token: the point mass at the first maximal logit."""
+    row = np.asarray(logits, dtype=np.float64)
+    if row.ndim != 1 or row.size == 0 or np.isnan(row).any() or np.isposinf(row).any():
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf")
+    top = int(np.argmax(row))
+    if row[top] == -np.inf:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+    if support is None:
+        return dyadic.point_mass(row.size, top), None, top
+    return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32), top
+
+
 def build_row(
     logits: npt.ArrayLike, temperature: float, support: int | None
 ) -> tuple[npt.NDArray[np.int64] | npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
@@ -314,17 +337,8 @@ def build_row(
         ConstructionError: see :mod:`pp1wire.q.dyadic`.
     """
     if temperature == 0:
-        row = np.asarray(logits, dtype=np.float64)
-        if row.ndim != 1 or row.size == 0 or np.isnan(row).any() or np.isposinf(row).any():
-            raise ConstructionError(
-                ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
-            )
-        top = int(np.argmax(row))
-        if row[top] == -np.inf:
-            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
-        if support is None:
-            return dyadic.point_mass(row.size, top), None
-        return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32)
+        counts, ids, _ = _greedy_row(logits, support)
+        return counts, ids
     if support is None:
         row = np.asarray(logits, dtype=np.float64)
         if row.ndim != 1 or row.size == 0:
@@ -372,3 +386,326 @@ def propose(
         if token == eos:
             break
     return tuple(rows)
+
+
+# --------------------------------------------------------------------------
+# many requests at once: the worker's engine step
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One STEP to draft: the :func:`propose` arguments of one request's round.
+
+    The proposal draws are those of ``RoundStreams(Role.WORKER, seed,
+    generation, round_id)``; the first draft is at position ``len(prefix)``.
+    ``support`` 0 means dense, else a sparse top-``support`` q; ``temperature``
+    0 means greedy.
+    """
+
+    seed: int
+    generation: int
+    round_id: int
+    prefix: Sequence[int]
+    depth: int
+    temperature: float = 1.0
+    support: int = 0
+    eos: int | None = None
+
+
+BatchDrafterFn = Callable[
+    [Sequence[Sequence[int]]], npt.NDArray[np.floating] | Sequence[npt.ArrayLike]
+]
+"""A batched drafter: prefixes → one logits row each (a ``[B, V]`` array or B rows)."""
+
+
+def batched_drafter(drafter: DrafterFn) -> BatchDrafterFn:
+    """``drafter``'s batched form: its own ``batch`` attribute if it has one, else
+    one call per prefix (the per-prefix plugin form, unchanged)."""
+    batch = getattr(drafter, "batch", None)
+    if callable(batch):
+        return cast(BatchDrafterFn, batch)
+    return lambda prefixes: [drafter(p) for p in prefixes]
+
+
+class _Draft:
+    """One job's state while the batch is drafted."""
+
+    __slots__ = ("context", "index", "job", "rows", "streams")
+
+    def __init__(self, index: int, job: DraftJob, streams: RoundStreams) -> None:
+        self.index = index
+        self.job = job
+        self.streams = streams
+        self.context = ExtendedPrefix(job.prefix)
+        self.rows: list[QRow] = []
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="pp1-q")
+        return pool
+
+
+def propose_batch(
+    drafter: BatchDrafterFn,
+    jobs: Sequence[DraftJob],
+    vocab_size: int,
+    *,
+    threads: int = 2,
+    row_entries: int | None = None,
+) -> list[tuple[QRow, ...] | Pp1Error]:
+    """Draw many requests' fixed-depth blocks together, as an engine's step does.
+
+    Per position, **one** call of ``drafter`` over every job still drafting;
+    then the q rows of all of them are built and sampled together (dense rows
+    in one compiled pass over rows x V, on ``threads`` threads with the GIL
+    released). Each job's result is exactly :func:`propose`'s for that job
+    alone: the same rows (tokens, counts, IDs, dtypes), the same proposal
+    draws, or a :class:`~pp1wire.errors.Pp1Error` with the code ``propose``
+    raises. One job's failure leaves the others going. A ``drafter`` call that
+    raises fails every job of that call: with its code if it raised a
+    ``Pp1Error``, else ``INTERNAL`` (the exception is the error's
+    ``__cause__``, for the log); a call returning another number of rows, or
+    a 2-D array whose width is not ``vocab_size``, fails them with
+    ``BAD_SHAPE``. A returned row that is not a 1-D row of ``vocab_size``
+    logits fails its own job with ``BAD_SHAPE`` (``propose``, which knows no
+    vocabulary size, would build a row of another length).
+
+    With ``row_entries`` (the negotiated dense row length, at least
+    ``vocab_size``), each dense row of a positive temperature is written
+    once, as it travels: its :attr:`QRow.q32` holds the FP32 values ``c /
+    2**24`` then ``+0.0`` padding, ``row_entries`` of them, which
+    :func:`pp1wire.wire.replies.row_payload` sends without a copy (the same
+    bytes as from counts); its ``counts`` is None. Greedy and sparse rows
+    keep their counts.
+
+    Raises:
+        ValueError: for ``vocab_size`` or ``threads`` below 1, or
+            ``row_entries`` below ``vocab_size`` (a job's failure is returned,
+            never raised).
+    """
+    if vocab_size < 1 or threads < 1:
+        raise ValueError("vocab_size and threads must be at least 1")
+    if row_entries is not None and row_entries < vocab_size:
+        raise ValueError(f"row_entries {row_entries} below the vocabulary {vocab_size}")
+    results: list[tuple[QRow, ...] | Pp1Error | None] = [None] * len(jobs)
+    live: list[_Draft] = []
+    for index, job in enumerate(jobs):
+        try:
+            streams = RoundStreams(Role.WORKER, job.seed, job.generation, job.round_id)
+            if not 1 <= job.depth <= MAX_DEPTH:
+                raise ConstructionError(
+                    ErrorCode.BAD_SHAPE, f"depth {job.depth} outside 1..{MAX_DEPTH}"
+                )
+        except Pp1Error as exc:
+            results[index] = exc
+            continue
+        live.append(_Draft(index, job, streams))
+    for i in range(MAX_DEPTH):
+        if not live:
+            break
+        rows = _draft_logits(drafter, [d.context for d in live], vocab_size)
+        if isinstance(rows, Pp1Error):
+            for d in live:
+                results[d.index] = rows
+            break
+        going: list[_Draft] = []
+        for d, got in zip(live, _build_position(live, rows, i, threads, row_entries), strict=True):
+            if isinstance(got, Pp1Error):
+                results[d.index] = got
+                continue
+            d.rows.append(got)
+            d.context.append(got.token)
+            if got.token == d.job.eos or len(d.rows) == d.job.depth:
+                results[d.index] = tuple(d.rows)
+            else:
+                going.append(d)
+        live = going
+    assert all(r is not None for r in results)
+    return cast("list[tuple[QRow, ...] | Pp1Error]", results)
+
+
+def _draft_logits(
+    drafter: BatchDrafterFn, prefixes: list[ExtendedPrefix], vocab_size: int
+) -> list[npt.NDArray[np.float64] | Pp1Error] | Pp1Error:
+    """One drafter call: a float64 row per prefix (or that row's error), or the call's error."""
+    try:
+        out = drafter(prefixes)
+        if isinstance(out, np.ndarray):
+            x = np.asarray(out, dtype=np.float64)
+            if x.ndim != 2 or x.shape != (len(prefixes), vocab_size):
+                return ConstructionError(
+                    ErrorCode.BAD_SHAPE,
+                    f"drafter gave logits of shape {x.shape} for {len(prefixes)} prefixes",
+                )
+            return list(x)
+        if len(out) != len(prefixes):
+            return ConstructionError(
+                ErrorCode.BAD_SHAPE, f"drafter gave {len(out)} rows for {len(prefixes)} prefixes"
+            )
+        rows: list[npt.NDArray[np.float64] | Pp1Error] = []
+        for item in out:
+            try:
+                row = np.asarray(item, dtype=np.float64)
+            except Exception as exc:  # a plugin's odd row, as propose meets it
+                rows.append(_internal(exc))
+                continue
+            if row.ndim != 1 or row.size == 0:
+                rows.append(
+                    ConstructionError(ErrorCode.BAD_SHAPE, "logits must be a non-empty 1-D row")
+                )
+            elif row.size != vocab_size:
+                rows.append(
+                    ConstructionError(
+                        ErrorCode.BAD_SHAPE, f"{row.size} logits for a vocabulary of {vocab_size}"
+                    )
+                )
+            else:
+                rows.append(row)
+        return rows
+    except Pp1Error as exc:
+        return exc
+    except Exception as exc:  # a drafter plugin failure fails its jobs, not the caller
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> Pp1Error:
+    err = Pp1Error(ErrorCode.INTERNAL, f"drafting failed: {exc!r}")
+    err.__cause__ = exc
+    return err
+
+
+class _Row:
+    """One position of one job on its way through construction."""
+
+    __slots__ = ("at", "draw", "draw_error", "logits", "support", "temperature", "top")
+
+    def __init__(
+        self,
+        at: int,
+        logits: npt.NDArray[np.float64],
+        temperature: float,
+        support: int,
+        top: float,
+        draw: int,
+        draw_error: Pp1Error | None,
+    ) -> None:
+        self.at = at  # the job's place in the position's list
+        self.logits = logits
+        self.temperature = temperature
+        self.support = support
+        self.top = top
+        self.draw = draw
+        self.draw_error = draw_error
+
+
+def _build_position(
+    drafts: list[_Draft],
+    rows: list[npt.NDArray[np.float64] | Pp1Error],
+    i: int,
+    threads: int,
+    row_entries: int | None,
+) -> list[QRow | Pp1Error]:
+    """Position ``i`` of every draft: its q row and token, or its error."""
+    out: list[QRow | Pp1Error | None] = [None] * len(drafts)
+    dense: list[_Row] = []
+    sparse: list[_Row] = []
+    for at, (d, logits) in enumerate(zip(drafts, rows, strict=True)):
+        if isinstance(logits, Pp1Error):
+            out[at] = logits
+            continue
+        job = d.job
+        # The draw comes first here (the compiled pass takes it); an error in
+        # it counts only after the row's own, in propose's order.
+        draw, draw_error = 0, None
+        try:
+            draw = d.streams.u24(Domain.PROPOSAL, len(job.prefix) + i)
+        except Pp1Error as exc:
+            draw_error = exc
+        try:
+            if job.temperature == 0:
+                counts, ids, token = _greedy_row(logits, job.support or None)
+                out[at] = draw_error or QRow(token=token, counts=counts, ids=ids)
+                continue
+            if job.support:
+                dyadic.check_k(job.support)
+            dyadic.check_temperature(job.temperature)
+            top = dyadic.check_top(float(logits.max()))
+        except Pp1Error as exc:
+            out[at] = exc
+            continue
+        row = _Row(at, logits, job.temperature, job.support, top, draw, draw_error)
+        (sparse if job.support else dense).append(row)
+    parts = min(threads, max(len(dense), len(sparse) // 4, 1))
+    if parts == 1:
+        done = _construct(dense, sparse, row_entries)
+    else:
+        chunks = [(dense[p::parts], sparse[p::parts], row_entries) for p in range(parts)]
+        futures = [_pool(parts - 1).submit(_construct, *c) for c in chunks[1:]]
+        done = _construct(*chunks[0])
+        for f in futures:
+            done += f.result()
+    for at, got in done:
+        out[at] = got
+    assert all(r is not None for r in out)
+    return cast("list[QRow | Pp1Error]", out)
+
+
+def _construct(
+    dense: list[_Row], sparse: list[_Row], row_entries: int | None
+) -> list[tuple[int, QRow | Pp1Error]]:
+    """Build and sample rows whose checks passed (on any thread); an unexpected
+    failure fails these rows with ``INTERNAL`` rather than the whole batch."""
+    try:
+        # A logit far below the top over a small temperature overflows to -inf,
+        # whose weight is 0 as intended: nothing to warn about.
+        with np.errstate(over="ignore"):
+            return _construct_rows(dense, sparse, row_entries)
+    except Exception as exc:
+        return [(r.at, _internal(exc)) for r in (*dense, *sparse)]
+
+
+def _construct_rows(
+    dense: list[_Row], sparse: list[_Row], row_entries: int | None
+) -> list[tuple[int, QRow | Pp1Error]]:
+    done: list[tuple[int, QRow | Pp1Error]] = []
+    if dense:
+        w = rows_.weights_rows(
+            [r.logits for r in dense], [r.top for r in dense], [r.temperature for r in dense]
+        )
+        draws = [r.draw for r in dense]
+        built: list[QRow | None] = [None] * len(dense)
+        if row_entries is None:
+            counts, picks = rows_.allocate_rows(w, draws)
+            for j, pick in enumerate(picks):
+                if isinstance(pick, int):
+                    built[j] = QRow(token=pick, counts=counts[j])
+        else:
+            payloads, picks = rows_.allocate_rows_fp32(w, draws, row_entries)
+            for j, pick in enumerate(picks):
+                if isinstance(pick, int):
+                    built[j] = QRow(token=pick, q32=payloads[j])
+        for r, pick, row in zip(dense, picks, built, strict=True):
+            if isinstance(pick, Pp1Error):
+                done.append((r.at, pick))
+            else:
+                assert row is not None
+                done.append((r.at, r.draw_error or row))
+    for r in sparse:
+        try:
+            ids, sparse_counts = dyadic.sparse_row_from_logits(
+                r.logits, r.top, r.temperature, r.support
+            )
+            token = int(ids[dyadic.sample(sparse_counts, r.draw)])
+        except Pp1Error as exc:
+            done.append((r.at, exc))
+            continue
+        done.append((r.at, r.draw_error or QRow(token=token, counts=sparse_counts, ids=ids)))
+    return done

@@ -30,14 +30,16 @@ def row_payload(
     row: QRow, row_entries: int, shard: tuple[int, int] | None = None
 ) -> tuple[memoryview, int]:
     """The q payload of one row and its entry count, written once: dense FP32 (zero
-    padded) or sparse int32 IDs then FP32, as a byte view of a fresh array.
+    padded) or sparse int32 IDs then FP32, as a byte view of a fresh array (or,
+    for a row already written as it travels, of the row's own ``q32``).
 
     With ``shard = (start, end)``, only the q of that range: dense values
     ``[start, end)`` without padding, or the sparse entries whose IDs lie in it
     (a row already holding only that range is taken as it is).
     """
     counts, ids = row.counts, row.ids
-    assert counts is not None
+    if counts is None:
+        return _fp32_payload(row, row_entries, shard)
     scale = np.float32(1.0 / dyadic.M)
     if ids is None:
         if shard is not None:
@@ -60,6 +62,43 @@ def row_payload(
     both = np.empty(2 * k, dtype="<i4")
     both[:k] = ids
     np.multiply(counts, scale, out=both[k:].view("<f4"), dtype=np.float32, casting="unsafe")
+    return both.data.cast("B"), k
+
+
+def _fp32_payload(
+    row: QRow, row_entries: int, shard: tuple[int, int] | None
+) -> tuple[memoryview, int]:
+    """:func:`row_payload` of a row that holds its FP32 values (``q32``), the same bytes.
+
+    A dense row built to travel (its own array of exactly ``row_entries``
+    values, padding included, lent to no one) is its payload: sent as it is.
+    """
+    q32, ids = row.q32, row.ids
+    assert q32 is not None
+    if ids is None:
+        if shard is None:
+            if (
+                not row.borrowed
+                and q32.shape == (row_entries,)
+                and q32.dtype == np.dtype("<f4")
+                and q32.flags.c_contiguous
+            ):
+                return q32.data.cast("B"), row_entries
+        else:
+            row_entries = shard[1] - shard[0]
+            if q32.size != row_entries:
+                q32 = q32[shard[0] : shard[1]]
+        q = np.empty(row_entries, dtype="<f4")
+        q[: q32.size] = q32
+        q[q32.size :] = 0.0
+        return q.data.cast("B"), row_entries
+    if shard is not None:
+        lo, hi = np.searchsorted(ids, shard, side="left")
+        ids, q32 = ids[lo:hi], q32[lo:hi]
+    k = ids.size
+    both = np.empty(2 * k, dtype="<i4")
+    both[:k] = ids
+    both[k:].view("<f4")[:] = q32
     return both.data.cast("B"), k
 
 
