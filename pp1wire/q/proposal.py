@@ -22,7 +22,13 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ProposalReleasedError
+from pp1wire.errors import (
+    ConstructionError,
+    ErrorCode,
+    Pp1Error,
+    ProposalReleasedError,
+    RngError,
+)
 from pp1wire.q import dyadic
 from pp1wire.q import rows as rows_
 from pp1wire.q.rng import Domain, Role, RoundStreams
@@ -372,7 +378,9 @@ def propose(
     if not 1 <= depth <= MAX_DEPTH:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {depth} outside 1..{MAX_DEPTH}")
     if streams.role is not Role.WORKER:
-        raise ConstructionError(ErrorCode.WRONG_OWNER, "proposal draws belong to the worker")
+        # The RNG's own refusal, raised before the drafter runs (one meaning: a draw
+        # in a domain the caller's role does not own).
+        raise RngError(ErrorCode.WRONG_OWNER, "proposal draws belong to the worker")
     context = ExtendedPrefix(prefix)
     start = len(prefix)
     rows: list[QRow] = []
