@@ -145,7 +145,7 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     # The worker is stopped mid-run: the Spark side must finish every request
     # target-only from its committed prefix, with no partial commit anywhere.
     #
-    # Why 200 requests (2,000 before, with no more power): the signal comes once
+    # Why 200 requests, and no more: the signal comes once
     # the worker has drawn 50 proposals, about 150 of the run's 8,000 tokens, so
     # the run is in its first wave at any request count. What the signal can
     # break happens to the rounds in flight then (at most --concurrency = 4
@@ -155,8 +155,8 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     # at either size). After it every round is target-only with reason
     # connection_lost, one deterministic path: 200 requests run about 7,800
     # such rounds, so a defect that broke one round in a thousand of them would
-    # pass unseen with probability 0.999^7800 < 0.001; 2,000 requests only ran
-    # ten times as many of the same rounds (9.6 s against 1.2 s).
+    # pass unseen with probability 0.999^7800 < 0.001; 2,000 requests would run
+    # ten times as many of the same rounds.
     n = 200
     with worker_process("--metrics-port", "0", vocab=VOCAB, seed=SEED) as running:
         address = running.address
