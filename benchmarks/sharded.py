@@ -1,6 +1,7 @@
 """Vocabulary-sharded TP2 against unsharded TP2: round time and bytes per link, in one run.
 
-Run from the repository root: ``python benchmarks/sharded.py [--vocab V] [--reps N] [--json]``.
+Run from the repository root: ``python benchmarks/sharded.py [--vocab V] [--reps N]
+[--support dense|sparse:32 ...] [--max-tokens N] [--json]``.
 
 Unsharded TP2: one ``pp1-worker`` and ``pp1-spark --tp 2`` (rank 0 holds the
 one link and fans each proposal out to rank 1). Sharded TP2: ``pp1-worker --tp 2
@@ -32,12 +33,12 @@ from pp1wire.apps.launch import spark_command, worker_group, worker_process
 from pp1wire.apps.metrics import scrape
 
 
-def spark(address: str, vocab: int, support: str, sharded: bool) -> dict[str, Any]:
+def spark(address: str, vocab: int, support: str, sharded: bool, max_tokens: int) -> dict[str, Any]:
     """One pp1-spark run's --json summary."""
     extra = ["--vocab-shards", "2"] if sharded else []
     cmd = spark_command(
         address,
-        "--requests", "4", "--concurrency", "4", "--max-tokens", "24",
+        "--requests", "4", "--concurrency", "4", "--max-tokens", str(max_tokens),
         "--depth", "5", "--support", support, "--tp", "2", "--json", *extra,
         vocab=vocab,
     )  # fmt: skip
@@ -54,8 +55,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--vocab", type=int, default=129_280)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--support",
+        action="append",
+        choices=["dense", "sparse:32"],
+        help="measure only this support (repeatable; default: dense and sparse:32)",
+    )
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per request (default 24)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    supports = args.support or ["dense", "sparse:32"]
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every worker and pp1-spark
     out: dict[str, Any] = {"vocab": args.vocab}
     with (
@@ -64,14 +73,16 @@ def main() -> None:
     ):
         assert single.metrics is not None
         links = {False: [single.metrics], True: group.metrics}
-        for support in ("dense", "sparse:32"):
+        for support in supports:
             runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
             sent: dict[bool, list[list[float]]] = {False: [], True: []}
             for _ in range(args.reps):
                 for sharded in (False, True):
                     before = [scrape(m, "pp1_worker_reply_bytes_total") for m in links[sharded]]
                     address = group.address if sharded else single.address
-                    runs[sharded].append(spark(address, args.vocab, support, sharded))
+                    runs[sharded].append(
+                        spark(address, args.vocab, support, sharded, args.max_tokens)
+                    )
                     after = [scrape(m, "pp1_worker_reply_bytes_total") for m in links[sharded]]
                     sent[sharded].append([a - b for a, b in zip(after, before, strict=True)])
             plain, split = runs[False][0], runs[True][0]
@@ -95,7 +106,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(f"vocab {args.vocab}, 4 slots x depth 5, {args.reps} runs each (median)")
-    for key in ("dense", "sparse32"):
+    for key in (s.replace(":", "") for s in supports):
         r = out[key]
         lo, hi = r["sharded_vs_unsharded_min_max"]
         per_link = " / ".join(f"{b:,.0f}" for b in r["sharded_link_bytes_per_batch_round"])

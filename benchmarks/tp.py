@@ -1,6 +1,7 @@
 """TP2 against TP1: the Spark side's round time and fan-out bytes, measured in one run.
 
-Run from the repository root: ``python benchmarks/tp.py [--vocab V] [--reps N] [--json]``.
+Run from the repository root: ``python benchmarks/tp.py [--vocab V] [--reps N]
+[--support dense|sparse:32 ...] [--json]``.
 
 One ``pp1-worker`` on loopback (toy drafter, vocabulary 129,280 by default);
 ``pp1-spark`` with 4 slots at depth 5 (the 4 x 5 batch), dense and sparse:32,
@@ -53,12 +54,19 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=129_280)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--support",
+        action="append",
+        choices=["dense", "sparse:32"],
+        help="measure only this support (repeatable; default: dense and sparse:32)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    supports = args.support or ["dense", "sparse:32"]
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the worker and every pp1-spark
     out: dict[str, Any] = {"vocab": args.vocab}
     with worker_process(vocab=args.vocab, seed=0) as worker:
-        for support in ("dense", "sparse:32"):
+        for support in supports:
             runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
             for _ in range(args.reps):
                 for tp in (1, 2):
@@ -84,7 +92,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     print(f"vocab {args.vocab}, 4 slots x depth 5, {args.reps} runs each (median)")
-    for key in ("dense", "sparse32"):
+    for key in (s.replace(":", "") for s in supports):
         r = out[key]
         print(
             f"{key:9s} TP1 {r['tp1_round_ms']:7.2f} ms/round  TP2 {r['tp2_round_ms']:7.2f} "

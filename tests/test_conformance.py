@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -53,31 +54,58 @@ NEEDS_GROUP = {"6.7.3", "6.7.4", "6.7.5"}  # a sharded worker group (tests/test_
 TLS_CASES = ["2.4", "2.5", "4.4.1", "5.1.8", "8.2", "8.3"]
 
 
-@pytest.mark.parametrize("mode", ["plain", "psk", "tls"])
-def test_suite_passes_against_a_fresh_worker(tmp_path, mode):
-    extra = ["--handshake-timeout", "1", "--idle-timeout", "2"]
-    suite = ["--handshake-wait", "3", "--idle-wait", "5"]
-    key = tmp_path / "psk"
-    if mode == "psk":
-        key.write_text("a-test-key-of-enough-bytes\n")
-        extra += ["--psk-file", str(key)]
-        suite += ["--psk-file", str(key)]
+MODES = ("plain", "psk", "tls")
+
+
+@pytest.fixture(scope="module")
+def suite_runs(tmp_path_factory):
+    """The suite against a fresh worker in each mode, the three runs at once.
+
+    Most of a run is waiting for the worker's handshake and idle timeouts
+    (cases 5.12, 2.3), so running the modes side by side costs little more than
+    the longest of them; each mode has its own worker, key, certificate and report.
+    """
+    runs = {}
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for mode in MODES:
+            tmp = tmp_path_factory.mktemp(mode)
+            extra = ["--handshake-timeout", "1", "--idle-timeout", "2"]
+            suite = ["--handshake-wait", "3", "--idle-wait", "5"]
+            key = tmp / "psk"
+            if mode == "psk":
+                key.write_text("a-test-key-of-enough-bytes\n")
+                extra += ["--psk-file", str(key)]
+                suite += ["--psk-file", str(key)]
+            if mode == "tls":
+                cert, pem = self_signed(tmp)
+                extra += ["--tls-cert", str(cert), "--tls-key", str(pem)]
+                suite += ["--tls-ca", str(cert), "--case", *TLS_CASES]
+            running = stack.enter_context(worker_process(*extra, vocab=64))
+            cmd = _suite(running.address, *suite, "--junit", str(tmp / "j.xml"), "--json")
+            out = stack.enter_context((tmp / "stdout").open("w+"))
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+            started[mode] = (proc, out, tmp)
+        for mode, (proc, out, tmp) in started.items():
+            proc.wait(timeout=300)
+            out.seek(0)
+            runs[mode] = (proc.returncode, out.read(), tmp)
+    return runs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_suite_passes_against_a_fresh_worker(suite_runs, mode):
+    returncode, stdout, tmp = suite_runs[mode]
     cases = list(conformance.CASES)
     if mode == "tls":
-        cert, pem = self_signed(tmp_path)
-        extra += ["--tls-cert", str(cert), "--tls-key", str(pem)]
-        suite += ["--tls-ca", str(cert), "--case", *TLS_CASES]
         cases = [c for c in cases if c.id in TLS_CASES]
     expected_skips = {
         "plain": NEEDS_KEY | NEEDS_TLS | NEEDS_GROUP,
         "psk": {"5.1.8"} | NEEDS_TLS | NEEDS_GROUP,
         "tls": set(),
     }[mode]
-    with worker_process(*extra, vocab=64) as running:
-        cmd = _suite(running.address, *suite, "--junit", str(tmp_path / "j.xml"), "--json")
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert returncode == 0, stdout[-3000:]
+    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert [r["id"] for r in results] == [c.id for c in cases]
     informational = {c.id for c in cases if c.informational}
     skipped = {r["id"] for r in results if r["detail"].startswith("skipped:")}
@@ -87,7 +115,7 @@ def test_suite_passes_against_a_fresh_worker(tmp_path, mode):
             assert r["grade"] == "informational", r
         else:
             assert r["grade"] == "pass", r  # not non-strict, not failed
-    assert (tmp_path / "j.xml").read_text().count("<testcase") == len(cases)
+    assert (tmp / "j.xml").read_text().count("<testcase") == len(cases)
 
 
 def test_list_and_case_selection():

@@ -47,6 +47,14 @@ def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, n
     return json.loads(done.stdout), records
 
 
+@pytest.fixture(scope="module")
+def worker():
+    """One worker for the tests that only run pp1-spark against it (each run its own sessions)."""
+    with worker_process(vocab=VOCAB, seed=SEED) as running:
+        yield running
+    assert running.returncode == 0
+
+
 def exact_first_two() -> dict[tuple[int, int], float]:
     target = ToyLM(VOCAB, SEED)
     p1 = target.probs(PROMPT)
@@ -59,26 +67,24 @@ def exact_first_two() -> dict[tuple[int, int], float]:
 
 
 @pytest.mark.parametrize("support", ["dense", "sparse:3"])
-def test_first_two_tokens_follow_the_target_law(tmp_path, support):
+def test_first_two_tokens_follow_the_target_law(tmp_path, support, worker):
     # Tolerance declared before the run: every cell of the 12 x 12 joint law of
     # the first two generated tokens must be within six binomial standard
     # deviations plus one count of its expectation. 144 cells at ~2e-9 false
     # alarm each; a verifier that mixed in q, or reused noise, fails by far more.
     n = 3000
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
-        address = running.address
-        summary, records = spark(
-            address,
-            tmp_path,
-            "--depth",
-            "3",
-            "--support",
-            support,
-            "--concurrency",
-            "4",
-            requests=n,
-            max_tokens=2,
-        )
+    summary, records = spark(
+        worker.address,
+        tmp_path,
+        "--depth",
+        "3",
+        "--support",
+        support,
+        "--concurrency",
+        "4",
+        requests=n,
+        max_tokens=2,
+    )
     assert summary["requests"] == n
     assert summary["fallbacks"] == 0
     assert summary["draft_tokens"] > 0
@@ -88,13 +94,11 @@ def test_first_two_tokens_follow_the_target_law(tmp_path, support):
         assert abs(counts.get(cell, 0) - n * pr) <= 6 * sd + 1, (cell, counts.get(cell), n * pr)
 
 
-def test_cli_contract_and_depth_zero(tmp_path):
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
-        address = running.address
-        summary, records = spark(address, tmp_path, requests=6, max_tokens=5)
-        target_only, records0 = spark(
-            address, tmp_path, "--depth", "0", requests=6, max_tokens=5, name="zero"
-        )
+def test_cli_contract_and_depth_zero(tmp_path, worker):
+    summary, records = spark(worker.address, tmp_path, requests=6, max_tokens=5)
+    target_only, records0 = spark(
+        worker.address, tmp_path, "--depth", "0", requests=6, max_tokens=5, name="zero"
+    )
     for key in (
         "requests",
         "tokens",
@@ -115,7 +119,7 @@ def test_cli_contract_and_depth_zero(tmp_path):
         assert r["fallbacks"] == 0
     assert target_only["draft_tokens"] == 0
     assert all(len(r["tokens"]) == 5 for r in records0)
-    # Per-request seeds: a second run is identical.
+    # Per-request seeds: a second run, against a worker started afresh, is identical.
     with worker_process(vocab=VOCAB, seed=SEED) as running:
         address = running.address
         _, again = spark(address, tmp_path, requests=6, max_tokens=5, name="again")
@@ -140,6 +144,20 @@ def test_bad_settings_exit_2(tmp_path):
 def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     # The worker is stopped mid-run: the Spark side must finish every request
     # target-only from its committed prefix, with no partial commit anywhere.
+    #
+    # Why 200 requests, and no more: the signal comes once
+    # the worker has drawn 50 proposals, about 150 of the run's 8,000 tokens, so
+    # the run is in its first wave at any request count. What the signal can
+    # break happens to the rounds in flight then (at most --concurrency = 4
+    # requests) and to the prefixes committed before it: the same rounds at 200
+    # as at 2,000 (the refusal counter covers every COMMIT up to the signal; a
+    # lost, unfinished or short record of those requests fails the record checks
+    # at either size). After it every round is target-only with reason
+    # connection_lost, one deterministic path: 200 requests run about 7,800
+    # such rounds, so a defect that broke one round in a thousand of them would
+    # pass unseen with probability 0.999^7800 < 0.001; 2,000 requests would run
+    # ten times as many of the same rounds.
+    n = 200
     with worker_process("--metrics-port", "0", vocab=VOCAB, seed=SEED) as running:
         address = running.address
         worker = running.process
@@ -153,7 +171,7 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
                 "--seed",
                 "1",
                 "--requests",
-                "2000",
+                str(n),
                 "--max-tokens",
                 "40",
                 "--prompts",
@@ -180,7 +198,7 @@ def test_worker_sigterm_under_load_loses_no_committed_token(tmp_path):
     assert proc.returncode == 0, stderr
     summary = json.loads(stdout)
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert summary["requests"] == 2000
+    assert summary["requests"] == n
     assert all(r["finished"] for r in records)
     assert all(len(r["tokens"]) >= 40 for r in records)
     assert summary["fallbacks"] > 0
@@ -236,14 +254,14 @@ def test_busy_poll_worker_serves_normally(tmp_path):
     assert all(len(r["tokens"]) >= 6 for r in records)
 
 
-def test_terminal_token_ends_requests(tmp_path):
+def test_terminal_token_ends_requests(tmp_path, worker):
     target = ToyLM(VOCAB, SEED)
     p = target.probs(PROMPT)
     p[PROMPT] = 0  # a prompt that ends in the terminal token is already finished
     eos = int(p.argmax())  # a likely token, so requests do end
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
-        address = running.address
-        summary, records = spark(address, tmp_path, "--eos", str(eos), requests=40, max_tokens=30)
+    summary, records = spark(
+        worker.address, tmp_path, "--eos", str(eos), requests=40, max_tokens=30
+    )
     ended = [r for r in records if eos in r["tokens"]]
     assert ended, "no request produced the terminal token"
     for r in records:
@@ -269,8 +287,7 @@ def test_padded_rows_when_both_sides_say_so(tmp_path):
     assert "LIMIT_EXCEEDED" in refused.stderr
 
 
-def test_audit_against_an_honest_worker(tmp_path):
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
-        summary, _ = spark(running.address, tmp_path, "--audit", requests=6, max_tokens=8)
+def test_audit_against_an_honest_worker(tmp_path, worker):
+    summary, _ = spark(worker.address, tmp_path, "--audit", requests=6, max_tokens=8)
     assert summary["fallbacks"] == 0
     assert summary["draft_tokens"] > 0

@@ -185,8 +185,15 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
     # each cell of the 12 x 12 joint law of the first two tokens within six binomial
     # standard deviations plus one count. Zero partial commits: the worker never
     # refuses a COMMIT.
+    #
+    # Most of the run is waiting out reply timeouts (a dropped COMPLETION or a
+    # delayed reply costs its slot one timeout): eight slots and a 0.1 s timeout
+    # wait a quarter as long as four and 0.2 s. A reply that misses the shorter
+    # timeout for want of CPU is one more target-only round, which keeps the law.
     vocab, seed, n = 12, 3, 2000
-    with worker_process("--metrics-port", "0", vocab=vocab, seed=seed) as running:
+    with worker_process(
+        "--metrics-port", "0", "--max-slots", "8", vocab=vocab, seed=seed
+    ) as running:
         address = running.address
         proxy = subprocess.Popen(
             [
@@ -233,8 +240,10 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
                     "--output",
                     str(out),
                     "--json",
+                    "--concurrency",
+                    "8",
                     "--reply-timeout",
-                    "0.2",
+                    "0.1",
                 ],
                 capture_output=True,
                 text=True,
