@@ -277,7 +277,7 @@ def check_spark_cmd(template: str) -> None:
     except (KeyError, IndexError) as exc:
         known = " ".join("{" + k + "}" for k in _PLACEHOLDERS)
         raise SettingsError(
-            f"--spark-cmd: no placeholder {exc} (the placeholders are {known}; write a "
+            f"--spark-cmd: unknown placeholder {exc} (the placeholders are {known}; write a "
             "literal brace as {{ or }})"
         ) from None
     except ValueError as exc:
@@ -306,6 +306,10 @@ def spark_main(args: argparse.Namespace) -> int:
         host, port = host_port(args.listen)
     except SettingsError as exc:
         print(f"pp1-conformance: {exc}", file=sys.stderr)
+        return 2
+    if args.jobs > 1 and port != 0:
+        # Each case listens on its own port: a fixed one can serve one case at a time.
+        print("pp1-conformance: --jobs above 1 needs --listen with port 0", file=sys.stderr)
         return 2
 
     async def one(
@@ -346,9 +350,6 @@ def spark_main(args: argparse.Namespace) -> int:
         results = asyncio.run(run())
     except OSError as exc:
         print(f"pp1-conformance: cannot listen on {args.listen}: {exc}", file=sys.stderr)
-        return 2
-    except KeyError as exc:
-        print(f"pp1-conformance: --spark-cmd names an unknown placeholder {exc}", file=sys.stderr)
         return 2
     first = results[0][1]
     if first.command_failed:
