@@ -197,7 +197,11 @@ CASES = [
     (DEMO, ["--temperature", "-2"], "--temperature: -2.0 is not a temperature"),
     (DEMO, ["--support", "sparse:x", "--in-process"], "--support 'sparse:x' is not dense"),
     (DEMO, ["--support", "dense"], "--support applies only with --in-process"),
-    (CONFORMANCE, ["--spark", "--spark-cmd", "{nosuch}"], "--spark-cmd: unknown placeholder 'nosuch'"),
+    (
+        CONFORMANCE,
+        ["--spark", "--spark-cmd", "{nosuch}"],
+        "--spark-cmd: unknown placeholder 'nosuch'",
+    ),
     (CONFORMANCE, ["--spark", "--listen", "::1"], "'::1' is not HOST:PORT"),
     (CONFORMANCE, ["--worker", "::1"], "'::1' is not HOST:PORT"),
     (CONFORMANCE, ["--vocab", "-3"], "--vocab: -3 is not a vocabulary size"),
