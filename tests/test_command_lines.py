@@ -66,7 +66,7 @@ CASES = [
         "--support 'sparse:x': use dense or sparse:K",
     ),
     # Before: 100000 ranks were started (76 processes, 4.7 GB within 20 s).
-    ("pp1-spark", ["--tp", "100000"], "--tp must be in 1..16"),
+    ("pp1-spark", ["--tp", "100000"], "--tp: 100000 is not a number of ranks in 1..16"),
     ("pp1-spark", ["--concurrency", "70000"], "--concurrency must be in 1..65535"),
     ("pp1-spark", ["--vocab-shards", "2"], "--vocab-shards 2 needs --tp 2"),
 ]

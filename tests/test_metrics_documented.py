@@ -34,13 +34,7 @@ def exported(registry: CollectorRegistry) -> list[str]:
     "registry",
     [
         pytest.param(_worker, id="pp1-worker"),
-        pytest.param(
-            _spark,
-            id="pp1-spark",
-            marks=pytest.mark.xfail(
-                strict=False, reason="pp1-spark's metrics move with its round driver"
-            ),
-        ),
+        pytest.param(_spark, id="pp1-spark"),
     ],
 )
 def test_every_exported_metric_is_in_the_readme_table(registry):

@@ -22,14 +22,12 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from pp1wire.apps.settings import SettingsError
+from pp1wire.apps.settings import MAX_RANKS, SettingsError
 from pp1wire.q.layout import ShardLayout
 
 if TYPE_CHECKING:
     from pp1wire.tp.coordinator import GroupCoordinator
 
-MAX_RANKS = 16
-"""The most ranks ``--tp`` starts on one machine (a larger group is started by its launcher)."""
 _STOP_GRACE = 10.0  # seconds a rank has to exit after the others stopped or failed
 
 
@@ -149,4 +147,4 @@ def join_group(timeout: float, layout: ShardLayout | None = None) -> GroupCoordi
     return GroupCoordinator.join(timeout, layout)
 
 
-__all__ = ["MAX_RANKS", "in_launched_rank", "join_group", "launch", "require_torch", "world_size"]
+__all__ = ["in_launched_rank", "join_group", "launch", "require_torch", "world_size"]

@@ -109,7 +109,9 @@ _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
 #: The most FP32 entries a dense row may have: 4 bytes each within the 64 MiB frame cap.
 MAX_ENTRIES = 1 << 24
 #: The most ranks a group (``--tp``, ``--vocab-shards``) may have.
-MAX_RANKS = 64
+MAX_RANKS = 16
+"""The most ranks a group may have (``--tp``, ``--vocab-shards``); the ranks a launcher
+starts run on one machine."""
 #: The longest duration any flag takes: one week, in seconds.
 MAX_SECONDS = 7 * 86400.0
 #: The most draw threads (``--draw-threads``).

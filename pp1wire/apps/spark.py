@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pp1wire.aio.client import ClientClosedError
-from pp1wire.apps import metrics, ranks
+from pp1wire.apps import metrics, ranks, settings
 from pp1wire.apps.driver import (
     GROUP_FAILED_EXIT,
     TARGET_FAILED_EXIT,
@@ -51,6 +51,7 @@ from pp1wire.apps.driver import (
     Strategy,
 )
 from pp1wire.apps.settings import (
+    MAX_RANKS,
     SettingsError,
     add_common_flags,
     count,
@@ -177,74 +178,137 @@ class Output:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-spark`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
-    p = argparse.ArgumentParser(
-        prog="pp1-spark",
-        description=f"PP1 v{WIRE_VERSION} verifier side (the Spark rank).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = settings.parser(
+        "pp1-spark", f"PP1 v{WIRE_VERSION} verifier side (the Spark rank): docs/runner.md."
     )
-    p.add_argument("--worker", default="127.0.0.1:7070", help="worker HOST:PORT ([V6]:PORT)")
     p.add_argument(
-        "--seed", type=count, default=0, help="base seed; request i uses derive_seed(seed, i)"
+        "--worker",
+        default="127.0.0.1:7070",
+        metavar="HOST:PORT",
+        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
     )
-    p.add_argument("--requests", type=count, default=8, help="requests to run")
+    p.add_argument(
+        "--seed",
+        type=count,
+        default=0,
+        metavar="SEED",
+        help="base seed: request i uses derive_seed(SEED, i)",
+    )
+    p.add_argument("--requests", type=count, default=8, metavar="N", help="requests to run")
     p.add_argument(
         "--max-tokens",
         type=count,
         default=64,
-        help="new tokens per request (tokens; the last round is kept whole)",
+        metavar="TOKENS",
+        help="new tokens per request (the last round is kept whole)",
     )
     p.add_argument(
-        "--depth", type=count, default=5, help=f"fixed depth 1..{MAX_DEPTH}; 0 = target-only"
+        "--depth",
+        type=count,
+        default=5,
+        metavar="TOKENS",
+        help=f"drafts per proposal, fixed, 1..{MAX_DEPTH}; 0 decodes target-only (no worker)",
     )
-    p.add_argument("--support", default="dense", help="q support: dense or sparse:K")
     p.add_argument(
-        "--temperature", type=temperature, default=1.0, help="proposal temperature (0: greedy)"
+        "--support", default="dense", metavar="Q", help="the q of each row: dense or sparse:K"
+    )
+    p.add_argument(
+        "--temperature",
+        type=temperature,
+        default=1.0,
+        metavar="T",
+        help="proposal temperature (0: greedy)",
     )
     p.add_argument(
         "--concurrency",
         type=positive,
         default=4,
-        help=f"slots (requests running at once, 1..{MAX_CONCURRENCY}); request i runs on "
-        "slot i mod C",
+        metavar="SLOTS",
+        help=f"requests running at once, 1..{MAX_CONCURRENCY}: request i runs on slot i mod SLOTS",
     )
-    p.add_argument("--eos", type=count, default=None, help="terminal token ID (none by default)")
+    p.add_argument(
+        "--eos",
+        type=count,
+        default=None,
+        metavar="TOKEN",
+        help="terminal token ID (default: none, requests end at --max-tokens)",
+    )
     p.add_argument(
         "--audit",
         action="store_true",
         help="recompute the worker's proposal draw and refuse drafts its q does not select",
     )
-    p.add_argument("--prompts", default=None, help="JSONL: one JSON list of token IDs per line")
-    p.add_argument("--output", default=None, help="write one JSON object per request here")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="JSONL, one JSON list of token IDs per line; request i takes line i mod lines "
+        "(default: every request's prompt is [1, 2, 3])",
+    )
+    p.add_argument(
+        "--output",
+        default=None,
+        metavar="FILE",
+        help="write one JSON object per request here, replacing the file at the end "
+        "(default: none)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.add_argument(
         "--target",
         default="pp1wire.apps.models:target_factory",
-        help="target plugin, module:factory; factory(vocab_size=, seed=) -> prefix -> probs",
+        metavar="MODULE:FACTORY",
+        help="target plugin: factory(vocab_size=, seed=) returns prefix -> probabilities "
+        "(a .batch(prefixes) method, if it has one, scores a whole step in one call)",
     )
-    p.add_argument("--draft-identity", default="", help="pin the drafter identity ('' = any)")
     p.add_argument(
-        "--max-prefix", type=positive, default=1 << 16, help="longest committed prefix (tokens)"
+        "--draft-identity",
+        type=settings.name,
+        default="",
+        metavar="NAME",
+        help="pin the drafter identity the worker must declare ('' = any)",
     )
-    p.add_argument("--reply-timeout", type=seconds, default=5.0, help="seconds a proposal may take")
+    p.add_argument(
+        "--max-prefix",
+        type=positive,
+        default=1 << 16,
+        metavar="TOKENS",
+        help="longest committed prefix this side asks the worker to hold",
+    )
+    p.add_argument(
+        "--reply-timeout",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a proposal may take before its round decodes target-only",
+    )
     p.add_argument(
         "--connect-timeout",
         type=seconds,
         default=10.0,
-        help="seconds to reach the worker at the start",
+        metavar="SECONDS",
+        help="how long to keep trying to reach the worker at the start",
     )
-    p.add_argument("--tls-ca", default=None, help="CA / certificate file: connect with TLS")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="CA / certificate file: connect with TLS (default: plaintext)",
+    )
     p.add_argument(
         "--tp",
-        type=positive,
+        type=settings.ranks,
         default=1,
-        help=f"tensor-parallel ranks, 1..{ranks.MAX_RANKS} (needs torch); above 1 this "
-        "starts them on this machine; under torchrun the launcher's world size is used",
+        metavar="RANKS",
+        help=f"tensor-parallel ranks, 1..{MAX_RANKS} (needs torch); above 1 this starts "
+        "them on this machine; under torchrun the launcher's world size is used",
     )
     p.add_argument(
         "--group-timeout",
         type=seconds,
         default=30.0,
-        help="seconds any TP collective may wait for a rank before the group fails closed",
+        metavar="SECONDS",
+        help="how long any collective of a TP group may wait for a rank before the group "
+        "fails closed",
     )
     add_common_flags(p, log_level="warning")
     return p
@@ -393,7 +457,7 @@ async def run_rank(
             # Blocking on purpose: a follower has nothing else to serve, and in a rank
             # process this keeps it on the main thread, where its signal handlers live.
             return RankRun(spark_tp.follow(args, group, target, plan))
-        replicated = spark_tp.ReplicatedStrategy(group, m.tp_votes_failed, m.tp_fanout_bytes)
+        replicated = spark_tp.ReplicatedStrategy(group, m)
         strategy, finish = replicated, replicated.finish
     else:
         strategy = LocalStrategy(batched(target))

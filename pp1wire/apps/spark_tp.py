@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, SparkMetrics, Verdict
 from pp1wire.errors import Pp1Error
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import TARGET_FAILURES, RequestVerifier, TargetFn
@@ -31,11 +31,10 @@ FAULTS: Faults | None = None
 class ReplicatedStrategy:
     """Rank 0's strategy: each step is one attempt of the group (docs/tp.md)."""
 
-    def __init__(self, group: SparkGroup, votes_failed: Any, fanout_bytes: Any) -> None:
-        """Lead ``group``; count failed votes and fan-out bytes in the given metrics."""
+    def __init__(self, group: SparkGroup, metrics: SparkMetrics) -> None:
+        """Lead ``group``; count failed votes and the fan-out in ``metrics``."""
         self.group = group
-        self.votes_failed = votes_failed
-        self.fanout_bytes = fanout_bytes
+        self.metrics = metrics
         self.reports: list[RankReport] = []
 
     def agree(self, local: list[int]) -> list[int]:
@@ -50,7 +49,8 @@ class ReplicatedStrategy:
                 down for another reason than its target's failure.
         """
         scored = [r for r in rounds if r.failure is None]
-        before = self.group.stats.fanout_bytes
+        stats, m = self.group.stats, self.metrics
+        before = (stats.fanout_bytes, stats.fanout_seconds)
         decisions = iter(
             self.group.lead(
                 [Item(r.state.index, r.state.verifier, r.proposal, r.round_id) for r in scored]
@@ -58,7 +58,8 @@ class ReplicatedStrategy:
             if scored
             else []
         )
-        self.fanout_bytes.inc(self.group.stats.fanout_bytes - before)
+        m.tp_fanout_bytes.inc(stats.fanout_bytes - before[0])
+        m.tp_fanout_seconds.inc(stats.fanout_seconds - before[1])
         out = []
         for r in rounds:
             if r.failure is not None:
@@ -69,7 +70,7 @@ class ReplicatedStrategy:
                 out.append(Verdict(d.result))
                 continue
             codes = [code for _, code in d.failures]
-            self.votes_failed.labels(reason=d.reason).inc()
+            m.tp_votes_failed.labels(reason=d.reason).inc()
             out.append(Verdict(None, codes[0], stop=all(c in TARGET_FAILURES for c in codes)))
         return out
 
