@@ -1,26 +1,16 @@
 """The embeddable Spark-side client (asyncio); :mod:`pp1wire.aio.sync` is its blocking facade.
 
-The client is a thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`:
-a ``BufferedProtocol`` lets the socket write every large frame straight into a
+A thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`: a
+``BufferedProtocol`` lets the socket write every large frame straight into a
 recycled receive buffer, the core validates each row as it arrives, and a
 :class:`~pp1wire.q.proposal.Proposal` is handed out only after its COMPLETION
-validated. An engine's sampler uses it a batch at a time (``docs/embedding.md``)::
-
-    client = await AsyncClient.connect("127.0.0.1", 7070, SparkConfig(vocab_size=V))
-    requests = [await client.open_request(i, seed=derive_seed(0, i), prompt=p) for i, p in ...]
-    with await client.propose_many(requests, depth=5) as batch:
-        rounds = [r.round_for(outcome) for r, outcome in zip(requests, batch)]
-        probs = engine_forward(step_prefixes(rounds))            # [N, V], one call
-        results = verify_step(rounds, probs)
-    for request, result in zip(requests, results):
-        if isinstance(result, RoundResult):
-            client.commit_round(request, result)
-
-Errors come in four kinds, each one type carrying its code:
-:class:`~pp1wire.errors.UsageError` (local misuse, nothing sent),
-:class:`RefusedError` (the worker refused; reopen the slot),
-:class:`ConnectionLostError` (reconnect and reopen) and, for one round only,
-:class:`ProposalUnavailableError` (decode that round target-only).
+validated. An engine's sampler opens a :class:`Request` per slot, asks for a
+whole step's proposals with :meth:`AsyncClient.propose_many`, verifies them with
+``pp1wire.verify_step`` and commits with :meth:`AsyncClient.commit_round`
+(``docs/embedding.md``). Errors: :class:`~pp1wire.errors.UsageError` (local
+misuse, nothing sent), :class:`RefusedError` (the worker refused: reopen the
+slot), :class:`ConnectionLostError` (reconnect, reopen) and, for one round,
+:class:`ProposalUnavailableError` (decode it target-only).
 """
 
 from __future__ import annotations
@@ -283,7 +273,7 @@ class AsyncClient:
         elif isinstance(event, spark_events.CommitAcked):
             _settle(self._commits.pop((event.slot, event.generation, event.round), None), None)
         elif isinstance(event, spark_events.SlotDesynced):
-            error = RefusedError(event.code, f"slot {event.slot} is out of step: reopen it")
+            error = RefusedError(event.code, f"the worker refused a request on slot {event.slot}")
             for table in (self._opened, self._resets):
                 _fail(table.pop(event.slot, None), error)
             for key in [k for k in self._commits if k[0] == event.slot]:
@@ -412,7 +402,11 @@ class AsyncClient:
         Raises:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
         """
-        generation = await self.open(slot, seed=seed, prefix=prompt, eos=eos)
+        try:
+            generation = await self.open(slot, seed=seed, prefix=prompt, eos=eos)
+        except RefusedError:
+            await self.close_slot(slot)  # free for the next request: nothing holds it
+            raise
         verifier = RequestVerifier(
             session=self.session,
             seed=seed,
@@ -592,8 +586,8 @@ class AsyncClient:
         """Done with ``proposal``'s rows (after verifying): recycle their receive buffers.
 
         Idempotent (:meth:`Proposal.release` and leaving a ``with proposal:``
-        block call this); safe from any thread. A proposal built in this process
-        has nothing to release.
+        block call this); from another thread it returns once the client's loop
+        took the buffers back. A proposal built in this process has nothing to release.
 
         Raises:
             UsageError: a proposal another client received.
@@ -603,9 +597,18 @@ class AsyncClient:
             return
         if getattr(releaser, "__self__", None) is not self:
             raise UsageError(ErrorCode.BAD_ARGUMENT, "a proposal another client received")
-        if threading.get_ident() != self._thread:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to give back
-                self.loop.call_soon_threadsafe(self._give_back, proposal)
+        if threading.get_ident() != self._thread and self.loop.is_running():
+            done = threading.Event()
+
+            def give_back() -> None:
+                try:
+                    self._give_back(proposal)
+                finally:
+                    done.set()
+
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing to give back
+                self.loop.call_soon_threadsafe(give_back)
+                done.wait(10.0)  # a loop that stops before running it has nothing to give back
             return
         self._give_back(proposal)
 

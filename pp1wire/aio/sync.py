@@ -83,7 +83,7 @@ class SyncClient:
 
     def release(self, proposal: Proposal) -> None:
         """See :meth:`AsyncClient.release` (returns once the buffers are back)."""
-        self._run(self.client.release, proposal)
+        self.client.release(proposal)
 
     def next_round(self, slot: int) -> int:
         """See :meth:`AsyncClient.next_round`."""
