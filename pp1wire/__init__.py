@@ -11,8 +11,9 @@ The public API is what this package exports; everything else is internal
   :class:`ProposalBatch` of :class:`Proposal` or :class:`ProposalUnavailableError`
   per request. :class:`SparkConfig` is what the client asks of the worker.
 * **Verification**: :func:`step_prefixes` lists what the engine scores for a
-  step's rounds, :func:`verify_step` decides them from the engine's ``[N, V]``
-  array or tensor; :class:`RequestVerifier` holds one request's state (prefix,
+  step's rounds (each a :data:`StepRound`, ``(verifier, proposal, round_id)``),
+  :func:`verify_step` decides them from the engine's ``[N, V]`` array or
+  tensor; :class:`RequestVerifier` holds one request's state (prefix,
   generation, seed, round counter); :class:`RoundResult` and :class:`Outcome`
   say what a round committed. :data:`TARGET_FAILURES` are the codes that stop
   a request. :func:`derive_seed` gives request i its seed as ``pp1-spark`` does.
