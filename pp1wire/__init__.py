@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from pp1wire.tp.group import SparkGroup as SparkGroup
     from pp1wire.wire.spark_core import SparkConfig
 
-# Where the batched verifier lives: the one line to change when it moves.
+# Where the step verifier lives (step_prefixes, verify_step): one line to change.
 _STEP = "pp1wire.q.stepverify"
 
 _CLIENT = "pp1wire.aio.handles"
@@ -88,7 +88,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RoundResult": (_VERIFY, "RoundResult"),
     "Outcome": (_VERIFY, "Outcome"),
     "TARGET_FAILURES": (_VERIFY, "TARGET_FAILURES"),
-    "StepRound": (_STEP, "StepRound"),
+    "StepRound": ("pp1wire.q.stepverify", "StepRound"),
     "step_prefixes": (_STEP, "step_prefixes"),
     "verify_step": (_STEP, "verify_step"),
     "derive_seed": ("pp1wire.q.rng", "derive_seed"),

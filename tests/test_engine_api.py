@@ -169,12 +169,22 @@ async def test_a_slot_with_a_proposal_in_flight_is_busy():
     with pytest.raises(UsageError) as info:
         await client.propose_many([a, b], depth=3)
     assert info.value.code is ErrorCode.SLOT_BUSY
-    assert a.verifier.take_round() == 0  # nothing was sent for a either
-    await client.close_request(b)
+    await client.reset_request(b)  # abandon b's step: a new generation on the same slot
     (outcome,) = await pending
     assert isinstance(outcome, ProposalUnavailableError)
-    assert outcome.code is ErrorCode.CANCELLED  # this side closed the slot
+    assert outcome.code is ErrorCode.CANCELLED  # this side reset the slot
     assert not client.fallbacks  # which is not a fallback
+    assert b.verifier.generation == 1
+    with await client.propose_many([a, b], depth=3) as batch:
+        assert [p.round_id for p in batch] == [0, 0]  # nothing was sent for a before
+        results = decide([a, b], batch)
+    for request, result in zip([a, b], results, strict=True):
+        await client.commit_round(request, result)
+        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await client.close_request(b)
+    with pytest.raises(UsageError) as info:
+        await client.propose_many([a, b], depth=3)
+    assert info.value.code is ErrorCode.UNKNOWN_SLOT
     await client.close()
     await worker.stop()
 

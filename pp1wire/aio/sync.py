@@ -116,6 +116,10 @@ class SyncClient:
         """See :meth:`AsyncClient.reset`."""
         return self._call(self.client.reset(slot))
 
+    def reset_request(self, request: Request) -> None:
+        """See :meth:`AsyncClient.reset_request`."""
+        self._call(self.client.reset_request(request))
+
     def close_slot(self, slot: int) -> None:
         """See :meth:`AsyncClient.close_slot`."""
         self._call(self.client.close_slot(slot))
