@@ -27,7 +27,6 @@ from pp1wire import (
     SparkConfig,
     SyncClient,
     UsageError,
-    VerifyError,
     derive_seed,
     step_prefixes,
     toy_target,
@@ -293,7 +292,7 @@ async def test_verify_step_commits_what_each_requests_verifier_commits(port):
             rounds.append(requests[3].round_for(None))
             expected.append(alone[3].decode_target_only(rounds[3][2]))
             probs = target.batch(step_prefixes(rounds))
-            with pytest.raises(VerifyError) as info:
+            with pytest.raises(UsageError) as info:
                 verify_step(rounds, probs[:-1])  # one row short: nothing decided
             assert info.value.code is ErrorCode.BAD_ARGUMENT
             results = verify_step(rounds, probs)

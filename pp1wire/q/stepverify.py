@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pp1wire.errors import ErrorCode, VerifyError
+from pp1wire.errors import ErrorCode, UsageError, VerifyError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.verify import RequestVerifier, RoundResult, verify_batch
 
@@ -55,14 +55,14 @@ def verify_step(
     a refused proposal changes nothing, a bad target row poisons its request.
 
     Raises:
-        VerifyError: ``BAD_ARGUMENT`` if ``probs`` does not have one row per
+        UsageError: ``BAD_ARGUMENT`` if ``probs`` does not have one row per
             prefix (nothing is decided then).
     """
     counts = [_row_count(r) for r in rounds]
     expected = sum(counts)
     shape = getattr(probs, "shape", None)
     if shape is None or len(shape) != 2 or int(shape[0]) != expected:
-        raise VerifyError(
+        raise UsageError(
             ErrorCode.BAD_ARGUMENT, f"probs has shape {shape}, expected {expected} rows"
         )
     out: list[RoundResult | VerifyError] = []
