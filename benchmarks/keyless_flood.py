@@ -21,9 +21,14 @@ import os
 import tempfile
 import time
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.aio.client import (
+    AsyncClient,
+    ConnectionLostError,
+    ProposalUnavailableError,
+    RefusedError,
+)
 from pp1wire.apps.launch import worker_process
-from pp1wire.errors import ErrorCode, LocalStateError
+from pp1wire.errors import ErrorCode
 from pp1wire.wire.spark_core import SparkConfig
 
 VOCAB = 1024
@@ -40,7 +45,7 @@ async def client_loop(port: int, psk: bytes, period: float, until: float, tally:
     while time.monotonic() < until:
         try:
             client = await AsyncClient.connect("127.0.0.1", port, config, timeout=5.0)
-        except (OSError, ClientClosedError, TimeoutError):
+        except (OSError, RefusedError, ConnectionLostError, TimeoutError):
             await asyncio.sleep(0.1)
             continue
         try:
@@ -48,11 +53,11 @@ async def client_loop(port: int, psk: bytes, period: float, until: float, tally:
                 await asyncio.sleep(period)  # idle between requests, holding no slot
                 await client.open(0, seed=1, prefix=[1, 2, 3])
                 proposal = await client.propose(0, round_id=client.next_round(0), depth=1)
-                client.release(proposal, 0)
+                client.release(proposal)
                 await client.commit(0, round_id=client.next_round(0), tokens=[4], accepted=0)
                 await client.close_slot(0)
                 tally.requests += 1
-        except (ClientClosedError, ProposalUnavailableError, LocalStateError, OSError):
+        except (RefusedError, ConnectionLostError, ProposalUnavailableError, OSError):
             if client.failed is ErrorCode.CONNECTION_LIMIT:
                 tally.evicted += 1
         finally:

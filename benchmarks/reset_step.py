@@ -74,7 +74,7 @@ async def _rounds(client: AsyncClient, n: int, think: float) -> list[float]:
         started = time.perf_counter()
         proposal = await client.propose(0, round_id=client.next_round(0), depth=5)
         took = time.perf_counter() - started
-        client.release(proposal, 0)
+        client.release(proposal)
         await client.commit(0, round_id=client.next_round(0), tokens=[10 + i % 50], accepted=0)
         if i >= SETTLE_ROUNDS:
             out.append(took)

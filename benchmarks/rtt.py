@@ -45,8 +45,8 @@ async def measure(port: int, rounds: int) -> dict[str, list[float]]:
                 for s in slots
             )
         )
-        for p, s in zip(proposals, slots, strict=True):
-            client.release(p, s)
+        for p in proposals:
+            client.release(p)
 
     async def reset_all() -> None:
         # One fresh proposal per slot until COMMIT or RESET (STEP_UNCOMMITTED):

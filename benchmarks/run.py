@@ -113,7 +113,7 @@ class Pp1:
             p = await client.propose(
                 slot, round_id=client.next_round(slot), depth=5, support=support
             )
-            client.release(p, slot)
+            client.release(p)
         return self
 
     async def fresh(self, slots: list[int], reps: int) -> float:
@@ -136,8 +136,8 @@ class Pp1:
                 )
             )
             samples.append(time.perf_counter() - t0)
-            for p, slot in zip(proposals, slots, strict=True):
-                client.release(p, slot)
+            for p in proposals:
+                client.release(p)
         return statistics.median(samples)
 
     async def replay(self, slots: list[int]) -> None:
@@ -157,8 +157,8 @@ class Pp1:
         client._flush()
         if client.busy_poll and client._spinner is None:
             client._spinner = asyncio.ensure_future(client._spin())
-        for p, slot in zip(await asyncio.gather(*futs), slots, strict=True):
-            client.release(p, slot)
+        for p in await asyncio.gather(*futs):
+            client.release(p)
 
 
 class Raw:
@@ -330,7 +330,7 @@ async def ping_during_draft(reps: int, draw_threads: int) -> list[float]:
                 # Accept the first draft, then a correction: the next STEP draws afresh.
                 first = proposal.tokens[0]
                 client.commit(0, round_id=proposal.round_id, tokens=[first, 0], accepted=1)
-                client.release(proposal, 0)
+                client.release(proposal)
         finally:
             await client.close()
     return out

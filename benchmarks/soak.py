@@ -61,7 +61,7 @@ async def drive(
                 try:
                     p = await client.propose(slot, round_id=client.next_round(slot), depth=5)
                     res = v.verify(p)
-                    client.release(p, slot)
+                    client.release(p)
                 except ProposalUnavailableError:
                     counters["fallbacks"] += 1
                     res = v.decode_target_only(client.next_round(slot))

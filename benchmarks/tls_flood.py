@@ -46,7 +46,7 @@ async def legit(port: int, cert: Path) -> float:
     ctx = ssl.create_default_context(cafile=str(cert))
     client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=16), ssl=ctx)
     await client.open(0, seed=1, prefix=[1])
-    client.release(await client.propose(0, round_id=client.next_round(0), depth=2), 0)
+    client.release(await client.propose(0, round_id=client.next_round(0), depth=2))
     await client.close()
     return time.perf_counter() - started
 

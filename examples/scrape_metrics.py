@@ -12,12 +12,13 @@ Run: ``python examples/scrape_metrics.py``.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 import urllib.request
-
-from pp1wire.apps.launch import spark_command, worker_process
+from collections.abc import Iterator
+from pathlib import Path
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -32,11 +33,42 @@ def scrape(address: str) -> dict[str, float]:
     return samples
 
 
+def command(name: str) -> str:
+    """The installed console script ``name``: next to this Python (a virtual
+    environment's ``bin``), else on ``PATH``."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else name
+
+
+@contextlib.contextmanager
+def running_worker(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``pp1-worker`` on a free loopback port until the block ends; yields its HOST:PORT."""
+    worker = subprocess.Popen(
+        [command("pp1-worker"), "--host", "127.0.0.1", "--port", "0", *flags],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert worker.stdout is not None
+        line = worker.stdout.readline()  # "pp1-worker listening on HOST:PORT"
+        if "listening on" not in line:
+            raise RuntimeError(f"pp1-worker did not start: {line!r}")
+        yield line.rsplit(" ", 1)[1].strip()
+    finally:
+        worker.terminate()
+        worker.wait()
+
+
 def main() -> int:
-    with worker_process(vocab=2048) as worker:
+    with running_worker("--vocab", "2048", "--log-level", "warning") as address:
         spark = subprocess.Popen(
-            spark_command(
-                worker.address,
+            [
+                command("pp1-spark"),
+                "--worker",
+                address,
+                "--vocab",
+                "2048",
                 "--requests",
                 "400",
                 "--max-tokens",
@@ -44,8 +76,7 @@ def main() -> int:
                 "--metrics-port",
                 "0",
                 "--json",
-                vocab=2048,
-            ),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -201,9 +201,23 @@ class LocalStateError(Pp1Error):
     """
 
 
-class UsageError(Exception):
-    """The local API was used in a way it never allows (no wire code: nothing was sent)."""
+class UsageError(Pp1Error):
+    """Local misuse: the call cannot be taken with these arguments in this state.
+
+    Nothing was sent and nothing changed; the fix is in the calling code.
+    ``code`` says what was wrong (``BAD_ARGUMENT`` unless a more specific code
+    fits: ``UNKNOWN_SLOT``, ``SLOT_BUSY``, ``SLOT_IN_USE``, ``ROUND_REUSED``,
+    ``COMMIT_INVALID``, ``DEPTH_OUT_OF_RANGE``, …).
+    """
+
+    def __init__(self, code: ErrorCode = ErrorCode.BAD_ARGUMENT, detail: str = "") -> None:
+        """A misuse with ``code`` and a human ``detail``."""
+        super().__init__(code, detail)
 
 
 class ProposalReleasedError(UsageError):
     """A released proposal's q was read: its rows viewed a buffer now recycled."""
+
+    def __init__(self, detail: str = "") -> None:
+        """The misuse, explained by ``detail``."""
+        super().__init__(ErrorCode.BAD_ARGUMENT, detail)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
@@ -39,7 +39,7 @@ async def _still_served(clients: list[AsyncClient]) -> list[bool]:
         try:
             await asyncio.wait_for(c.ping(), 5)
             alive.append(True)
-        except (ClientClosedError, TimeoutError):
+        except (ConnectionLostError, TimeoutError):
             alive.append(False)
     return alive
 
@@ -64,7 +64,7 @@ async def test_a_keyless_flood_never_evicts_an_authenticated_peer():
             flood.append(await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port)))
         # A keyless HELLO (answered with a CHALLENGE it cannot meet) changes nothing either.
         hello_only = SparkConfig(vocab_size=VOCAB)
-        with pytest.raises((ClientClosedError, OSError, TimeoutError)):
+        with pytest.raises((RefusedError, ConnectionLostError, OSError, TimeoutError)):
             await AsyncClient.connect("127.0.0.1", port, hello_only, timeout=1.0)
         assert await _still_served(held) == [True] * 4
         assert _count(srv.metrics.evictions) >= 1  # flood connections replaced each other
@@ -108,7 +108,7 @@ async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
             try:
                 await asyncio.wait_for(probe(port, VOCAB), 10)
                 served = True
-            except (ClientClosedError, OSError):
+            except (RefusedError, ConnectionLostError, OSError):
                 served = False
             return served, await _still_served(squatters)
         finally:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from pp1wire.apps.launch import worker_process
+from pp1wire.apps.launch import spark_command, worker_process
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -23,26 +23,66 @@ def run(*cmd: str, env: dict | None = None, timeout: int = 180) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize(
-    ("script", "vocab", "args", "expect"),
-    [
-        ("async_client.py", 4096, ["--tokens", "12"], ["generated", "0 fallbacks"]),
-        ("sync_sampler.py", 256, ["--steps", "2"], ["accepted tokens [batch, k+1]"]),
-    ],
-)
-def test_client_examples(script, vocab, args, expect):
-    with worker_process(vocab=vocab) as running:
+def test_async_client_example():
+    with worker_process(vocab=4096) as running:
         out = run(
             sys.executable,
-            str(EXAMPLES / script),
+            str(EXAMPLES / "async_client.py"),
             "--worker",
             running.address,
             "--vocab",
-            str(vocab),
-            *args,
+            "4096",
+            "--tokens",
+            "12",
         )
-    for text in expect:
-        assert text in out
+    assert "generated 3 requests, 0 fallbacks" in out
+
+
+def _tokens(path: Path) -> list[list[int]]:
+    return [json.loads(line)["tokens"] for line in path.read_text().splitlines()]
+
+
+def test_the_engine_sampler_emits_pp1_sparks_tokens(tmp_path):
+    # The same worker flags and seeds: pp1-spark --requests 8 --concurrency 8, and the
+    # example (public API only) numbering requests, slots and rounds the same way.
+    flags = ["--vocab", "1000", "--seed", "5"]
+    with worker_process("--max-slots", "8", vocab=1000, seed=5) as running:
+        run(
+            *spark_command(running.address, "--requests", "8", "--concurrency", "8", vocab=1000),
+            "--seed", "5", "--max-tokens", "24", "--output", str(tmp_path / "spark.jsonl"),
+        )  # fmt: skip
+        out = run(
+            sys.executable, str(EXAMPLES / "engine_sampler.py"), "--worker", running.address,
+            *flags, "--requests", "8", "--concurrency", "8", "--max-tokens", "24",
+            "--output", str(tmp_path / "engine.jsonl"),
+        )  # fmt: skip
+    spark, engine = _tokens(tmp_path / "spark.jsonl"), _tokens(tmp_path / "engine.jsonl")
+    assert len(spark) == 8
+    assert all(len(t) >= 24 for t in spark)
+    assert engine == spark
+    assert "8 requests" in out
+    assert "0 target-only rounds" in out  # every round had its proposal, as in pp1-spark's run
+
+
+def _embedding_block(path: Path) -> str:
+    text = path.read_text()
+    blocks = re.findall(r"```python\n(import os\n.*?)```", text, re.S)
+    assert len(blocks) == 1, path
+    return blocks[0]
+
+
+def test_the_readme_embedding_example_runs_and_is_the_documents():
+    code = _embedding_block(ROOT / "README.md")
+    assert code == _embedding_block(ROOT / "docs" / "embedding.md")
+    with worker_process(vocab=512) as running:
+        env = {**os.environ, "PP1_WORKER": running.address, "PP1_VOCAB": "512"}
+        out = run(sys.executable, "-c", code, env=env)
+    lines = out.splitlines()
+    assert sorted(int(line.split(" ", 1)[0]) for line in lines) == [0, 1, 2, 3]  # every slot
+    for line in lines:
+        tokens = json.loads(line.split(" ", 1)[1])
+        assert len(tokens) >= 32
+        assert all(0 <= t < 512 for t in tokens)
 
 
 def test_plugins_example():

@@ -68,7 +68,7 @@ class Rig:
         """One verified round, committed; the worker's prefix must equal the verifier's."""
         proposal = await self.client.propose(0, round_id=self.client.next_round(0), depth=3)
         res = self.verifier.verify(proposal)
-        self.client.release(proposal, 0)
+        self.client.release(proposal)
         await self.client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
         assert self.worker.slot_prefix() == self.verifier.committed
 

@@ -6,7 +6,12 @@ import asyncio
 
 import pytest
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError, ProposalUnavailableError
+from pp1wire.aio.client import (
+    AsyncClient,
+    ConnectionLostError,
+    ProposalUnavailableError,
+    RefusedError,
+)
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
@@ -44,7 +49,7 @@ async def fallback_and_commit(client, verifier):
 async def normal_round(client, verifier, worker):
     proposal = await client.propose(0, round_id=client.next_round(0), depth=3)
     res = verifier.verify(proposal)
-    client.release(proposal, 0)
+    client.release(proposal)
     await client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
     assert worker.slot_prefix() == verifier.committed
 
@@ -64,7 +69,7 @@ async def test_worker_closes_mid_reply():
     before = list(verifier.committed)
     res = verifier.decode_target_only(verifier.last_round + 1)  # target-only, locally
     assert verifier.committed == [*before, *res.tokens]
-    with pytest.raises(ClientClosedError):
+    with pytest.raises(ConnectionLostError):
         await client.open(1, seed=1, prefix=[])
     # Reconnect: the slot is reopened with the committed prefix under a new generation.
     client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
@@ -175,7 +180,7 @@ async def test_a_commit_awaited_across_a_reset_fails_at_once_with_a_local_code()
     committed = client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
     await client.reset(0)
     assert committed.done()
-    with pytest.raises(ClientClosedError) as info:
+    with pytest.raises(RefusedError) as info:
         committed.result()
     assert info.value.code is ErrorCode.CANCELLED
     await client.close()

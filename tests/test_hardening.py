@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError
 from pp1wire.apps.launch import worker_command, worker_process
 from pp1wire.errors import ErrorCode
 from pp1wire.wire import framing
@@ -192,7 +192,7 @@ async def test_idle_connection_is_closed():
         await eventually(lambda: client.closed, what="the idle connection is closed")
         assert time.monotonic() - started >= 0.4
         assert client.failed is ErrorCode.IDLE_TIMEOUT
-        with pytest.raises(ClientClosedError):
+        with pytest.raises(ConnectionLostError):
             await client.open(0, seed=1, prefix=[1])
 
 
@@ -228,7 +228,7 @@ async def test_silent_connections_cannot_exhaust_a_tls_workers_descriptors(tmp_p
         client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16), ssl=ctx)
         await client.open(0, seed=1, prefix=[1])
         proposal = await client.propose(0, round_id=client.next_round(0), depth=2)
-        client.release(proposal, 0)
+        client.release(proposal)
         await client.close()
         # Every silent connection is closed by the worker within the handshake
         # timeout (most at once, to make room); 3 s of slack for a loaded machine.

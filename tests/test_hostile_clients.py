@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError
 from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
@@ -212,7 +212,7 @@ async def test_a_frame_changed_by_a_relay_after_a_keyed_handshake_is_refused():
         client = await AsyncClient.connect(
             "127.0.0.1", await relay.start(), SparkConfig(vocab_size=64, psk=PSK)
         )
-        with pytest.raises(ClientClosedError):
+        with pytest.raises(ConnectionLostError):
             await client.open(0, seed=1, prefix=[1, 2, 3])
         assert client.failed is ErrorCode.INTEGRITY_FAILED
         assert _count(srv.metrics.refusals, code="integrity_failed") == 1

@@ -66,7 +66,7 @@ async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None,
         assert worker.slot_prefix() == verifier.committed
         proposal = await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
         res = verifier.verify(proposal)
-        client.release(proposal, 0)
+        client.release(proposal)
         await client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
         assert worker.slot_prefix() == verifier.committed
         return client
@@ -147,7 +147,7 @@ async def test_duplicate_round_reply_is_dropped():
     client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
     await client.open(0, seed=11, prefix=[1, 2, 3])
     first = await client.propose(0, round_id=client.next_round(0), depth=3)
-    client.release(first, 0)
+    client.release(first)
     # Target-only commit of round 0: one fresh proposal per slot until committed.
     await client.commit(0, round_id=first.round_id, tokens=[1], accepted=0)
     second = await client.propose(0, round_id=client.next_round(0), depth=3)

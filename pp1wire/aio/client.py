@@ -1,101 +1,58 @@
-"""Embeddable Spark-side client: async API, a synchronous facade, and flat-layout helpers.
+"""The embeddable Spark-side client (asyncio); :mod:`pp1wire.aio.sync` is its blocking facade.
 
-The client is a thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`:
-a ``BufferedProtocol`` lets the socket write every large frame straight into a
-recycled receive buffer, the core validates each row as it arrives, and
-:meth:`AsyncClient.propose` returns a :class:`~pp1wire.q.proposal.Proposal` only
-after its COMPLETION validated. Every failure (refused, corrupt, timed out,
-connection lost) surfaces as :class:`ProposalUnavailableError` with its code, so the
-caller decodes that round target-only and commits it with :meth:`commit`.
-
-Typical use from a sampler::
-
-    client = await AsyncClient.connect("127.0.0.1", 7070, SparkConfig(vocab_size=V))
-    generation = await client.open(0, seed=seed, prefix=prompt)
-    verifier.rebuild(prompt, generation)            # pp1wire.q.verify.RequestVerifier
-    verifier.session = client.session
-    try:
-        proposal = await client.propose(0, round_id=verifier.take_round(), depth=5)
-        result = verifier.verify(proposal)
-        client.release(proposal, 0)
-    except ProposalUnavailableError:
-        result = verifier.decode_target_only(verifier.take_round())
-    client.commit(0, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted)
+A thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`: a
+``BufferedProtocol`` lets the socket write every large frame straight into a
+recycled receive buffer, the core validates each row as it arrives, and a
+:class:`~pp1wire.q.proposal.Proposal` is handed out only after its COMPLETION
+validated. An engine's sampler opens a :class:`Request` per slot, asks for a
+whole step's proposals with :meth:`AsyncClient.propose_many`, verifies them with
+``pp1wire.verify_step`` and commits with :meth:`AsyncClient.commit_round`
+(``docs/embedding.md``). Errors: :class:`~pp1wire.errors.UsageError` (local
+misuse, nothing sent), :class:`RefusedError` (the worker refused: reopen the
+slot), :class:`ConnectionLostError` (reconnect, reopen) and, for one round,
+:class:`ProposalUnavailableError` (decode it target-only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import ssl as ssl_module
 import threading
 import time
 from collections import Counter as TallyCounter
-from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import Future as ThreadFuture
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, cast
 
-import numpy as np
-import numpy.typing as npt
-
-from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
-from pp1wire.q.arrays import host_array
+from pp1wire.aio.handles import (
+    ConnectionLostError,
+    ProposalBatch,
+    ProposalUnavailableError,
+    RefusedError,
+    Request,
+    flatten_drafts,
+    pack_outputs,
+    scored_by_the_engine,
+    target_rows,
+)
+from pp1wire.aio.pool import BufferPool
+from pp1wire.errors import ErrorCode, LocalStateError, Pp1Error, ProtocolError, UsageError
 from pp1wire.q.proposal import Proposal
+from pp1wire.q.verify import Processor, RequestVerifier, RoundResult, TargetFn
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
-_T = TypeVar("_T")
-_Rows = TypeVar("_Rows", bound=Any)  # numpy rows, or an engine tensor sliced the same way
-
-
-class ProposalUnavailableError(Pp1Error):
-    """No usable proposal this round (``code`` says why); decode it target-only."""
-
-
-class ClientClosedError(Pp1Error):
-    """The connection is gone; reconnect and reopen the slots."""
-
-
-class BufferPool:
-    """Receive buffers of one size, allocated once and recycled.
-
-    A frame larger than the pool's buffers, or one arriving while every buffer
-    is in use, gets a fresh allocation (counted in :attr:`misses`) rather than
-    waiting: correctness never depends on the pool.
-    """
-
-    def __init__(self, size: int, count: int) -> None:
-        """Allocate ``count`` buffers of ``size`` bytes."""
-        self.size = size
-        # The pool keeps every buffer alive, so an id() it knows can never be
-        # reused by an unrelated object handed to release().
-        self._buffers = [bytearray(size) for _ in range(count)]
-        self._free = list(self._buffers)
-        self._owned = {id(b) for b in self._buffers}
-        self._free_ids = set(self._owned)
-        self.misses = 0
-
-    def acquire(self, nbytes: int) -> memoryview:
-        """A writable buffer of at least ``nbytes``."""
-        if nbytes <= self.size and self._free:
-            buf = self._free.pop()
-            self._free_ids.discard(id(buf))
-            return memoryview(buf)
-        self.misses += 1
-        return memoryview(bytearray(nbytes))
-
-    def release(self, view: memoryview) -> None:
-        """Return the buffer behind ``view`` (ignores buffers the pool does not own)."""
-        obj = view.obj
-        if isinstance(obj, bytearray) and id(obj) in self._owned and id(obj) not in self._free_ids:
-            self._free.append(obj)
-            self._free_ids.add(id(obj))
-
-    @property
-    def free(self) -> int:
-        """Buffers currently available."""
-        return len(self._free)
+# Codes with which a connection ends without anyone refusing anything.
+_LOST = frozenset(
+    {
+        ErrorCode.CONNECTION_LOST,
+        ErrorCode.HANDSHAKE_TIMEOUT,
+        ErrorCode.IDLE_TIMEOUT,
+        ErrorCode.REPLY_TIMEOUT,
+    }
+)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -143,6 +100,7 @@ class AsyncClient:
         self.busy_poll = busy_poll
         self._spinner: asyncio.Task[None] | None = None
         self.loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         row_frame = 16 + 4096 + 4 * config.entries
         # Two in-flight batches of every slot's full-depth block, allocated once.
         self.pool = BufferPool(row_frame, 2 * config.max_slots * config.max_depth)
@@ -153,6 +111,7 @@ class AsyncClient:
         self._handshake: asyncio.Future[None] = self.loop.create_future()
         self._opened: dict[int, asyncio.Future[None]] = {}
         self._proposals: dict[int, asyncio.Future[Proposal]] = {}
+        self._held: dict[tuple[int, int], Proposal] = {}  # (slot, round): handed out, unreleased
         self._resets: dict[int, asyncio.Future[None]] = {}
         self._commits: dict[tuple[int, int, int], asyncio.Future[None]] = {}  # slot, gen, round
         self._pongs: dict[int, asyncio.Future[None]] = {}
@@ -181,8 +140,10 @@ class AsyncClient:
         """Connect and complete HELLO (and authentication); see :class:`AsyncClient`.
 
         Raises:
-            OSError: if the TCP connection fails.
-            ClientClosedError: if the handshake is refused or times out (``code`` says why).
+            OSError: if the TCP connection fails (``ssl.SSLError`` for TLS).
+            RefusedError: the handshake was refused, by either side (``code`` says why).
+            ConnectionLostError: the connection ended or the handshake timed out
+                (``HANDSHAKE_TIMEOUT``).
         """
         client = cls(config, busy_poll=busy_poll)
         await client.loop.create_connection(
@@ -194,12 +155,24 @@ class AsyncClient:
             await asyncio.wait_for(asyncio.shield(client._handshake), timeout)
         except TimeoutError:
             client.abort()
-            raise ClientClosedError(ErrorCode.HANDSHAKE_TIMEOUT, "no HELLO in time") from None
+            raise ConnectionLostError(ErrorCode.HANDSHAKE_TIMEOUT, "no HELLO in time") from None
+        except ConnectionLostError as exc:
+            if exc.code in _LOST:
+                raise
+            raise RefusedError(exc.code, "the handshake was refused") from None
         return client
 
     def _make_conn(self) -> _Connection:
         self._conn = _Connection(self)
         return self._conn
+
+    async def __aenter__(self) -> AsyncClient:
+        """The client itself."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Close the connection."""
+        await self.close()
 
     # -- plumbing -----------------------------------------------------------
 
@@ -244,7 +217,13 @@ class AsyncClient:
         elif isinstance(event, spark_events.SlotOpened):
             _settle(self._opened.pop(event.slot, None), None)
         elif isinstance(event, spark_events.ProposalReady):
-            _settle(self._proposals.pop(event.slot, None), event.proposal)
+            proposal = dataclasses.replace(event.proposal, slot=event.slot, releaser=self.release)
+            self._held[(event.slot, proposal.round_id)] = proposal
+            waiter = self._proposals.pop(event.slot, None)
+            if waiter is None or waiter.done():
+                self._give_back(proposal)  # nobody waits for it any more (a cancelled call)
+            else:
+                waiter.set_result(proposal)
         elif isinstance(event, spark_events.ProposalFailed):
             if event.code is not ErrorCode.CANCELLED:  # a local close or reset is not one
                 self.fallbacks[event.code.name.lower()] += 1
@@ -254,7 +233,7 @@ class AsyncClient:
         elif isinstance(event, spark_events.CommitAcked):
             _settle(self._commits.pop((event.slot, event.generation, event.round), None), None)
         elif isinstance(event, spark_events.SlotDesynced):
-            error = ClientClosedError(event.code, f"slot {event.slot} out of sync")
+            error = RefusedError(event.code, f"the worker refused a request on slot {event.slot}")
             for table in (self._opened, self._resets):
                 _fail(table.pop(event.slot, None), error)
             for key in [k for k in self._commits if k[0] == event.slot]:
@@ -267,29 +246,47 @@ class AsyncClient:
             _settle(self._pongs.pop(event.nonce, None), None)
         elif isinstance(event, spark_events.ConnectionFailed):
             self.failed = event.code
-            self._fail_all(ClientClosedError(event.code, "connection failed"))
+            self._fail_all(event.code, "connection failed")
 
-    def _fail_all(self, error: Pp1Error) -> None:
+    def _fail_all(self, code: ErrorCode, why: str) -> None:
+        error = ConnectionLostError(code, why)
         _fail(self._handshake, error)
-        for table in (self._opened, self._proposals, self._resets, self._pongs):
-            for fut in table.values():
-                _fail(fut, error)
+        for fut in self._proposals.values():
+            _fail(fut, ProposalUnavailableError(code, why))
+        self._proposals.clear()
+        for table in (self._opened, self._resets, self._pongs):
+            for other in table.values():
+                _fail(other, error)
             table.clear()
-        for fut in self._commits.values():
-            _fail(fut, error)
+        for commit in self._commits.values():
+            _fail(commit, error)
         self._commits.clear()
+        self._held.clear()  # every slot is gone; nothing left to give back
 
     def _lost(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        code = self.failed or ErrorCode.CONNECTION_LOST
-        self._fail_all(ClientClosedError(code, "connection lost"))
+        self._fail_all(self.failed or ErrorCode.CONNECTION_LOST, "connection lost")
         self._closed.set()
+
+    def _gone(self) -> ConnectionLostError:
+        return ConnectionLostError(self.failed or ErrorCode.CONNECTION_LOST, "connection is closed")
 
     def _require_open(self) -> None:
         if self.core.closed:
-            code = self.failed or ErrorCode.CONNECTION_LOST
-            raise ClientClosedError(code, "connection is closed")
+            raise self._gone()
+
+    def _local(self, exc: ProtocolError | LocalStateError) -> NoReturn:
+        """Raise what the core's refusal of a local call means to a caller."""
+        if exc.code is ErrorCode.NOT_READY:
+            raise self._gone() from None
+        if exc.code is ErrorCode.SLOT_DESYNCED:
+            raise RefusedError(exc.code, exc.detail) from None
+        raise UsageError(exc.code, exc.detail) from None
+
+    def _own(self, request: Request) -> None:
+        if request.client is not self:
+            raise UsageError(ErrorCode.BAD_ARGUMENT, f"slot {request.slot} is on another client")
 
     # -- API ----------------------------------------------------------------
 
@@ -318,26 +315,95 @@ class AsyncClient:
 
         Returns the slot's generation (``None`` picks the next unused one, no
         lower than ``at_least``: a reopened slot always moves to a higher one).
+        :meth:`open_request` also builds the request's verifier.
 
         Raises:
-            ProtocolError: for a bad slot or prefix (nothing sent).
-            ClientClosedError: if the worker refuses or the connection dies.
+            UsageError: a bad slot, prefix or generation, or a slot in use (nothing sent).
+            RefusedError: the worker refused the OPEN.
+            ConnectionLostError: the connection is gone.
         """
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
-        chosen = self.core.open_slot(
-            slot,
-            seed=seed,
-            prefix=prefix,
-            eos=eos,
-            context=context,
-            generation=generation,
-            at_least=at_least,
-        )
+        try:
+            chosen = self.core.open_slot(
+                slot,
+                seed=seed,
+                prefix=prefix,
+                eos=eos,
+                context=context,
+                generation=generation,
+                at_least=at_least,
+            )
+        except (ProtocolError, LocalStateError) as exc:
+            self._local(exc)
         self._opened[slot] = fut
         self._flush()
         await fut
         return chosen
+
+    async def open_request(
+        self,
+        slot: int,
+        *,
+        seed: int,
+        prompt: Sequence[int],
+        eos: int | None = None,
+        processors: Sequence[Processor] = (),
+        target: TargetFn | None = None,
+        audit: bool = False,
+    ) -> Request:
+        """Open ``slot`` for a new request and build its verifier (at the slot's next generation).
+
+        ``seed`` keys every draw of the request (both sides'); ``processors``
+        are pure ``(prefix, p) -> p`` functions applied to the target's rows;
+        ``target`` is only for verifying without the engine's rows (the
+        verifier calls it per prefix); ``audit`` recomputes the worker's draws.
+
+        Raises:
+            UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
+        """
+        try:
+            generation = await self.open(slot, seed=seed, prefix=prompt, eos=eos)
+        except RefusedError:
+            await self.close_slot(slot)  # free for the next request: nothing holds it
+            raise
+        verifier = RequestVerifier(
+            session=self.session,
+            seed=seed,
+            vocab_size=self.config.vocab_size,
+            prefix=prompt,
+            target=target or scored_by_the_engine,
+            processors=processors,
+            eos=eos,
+            generation=generation,
+            audit=audit,
+        )
+        return Request(self, slot, verifier, len(verifier.committed))
+
+    async def reopen(self, request: Request) -> None:
+        """Open ``request``'s slot again on this client, with its committed prefix, at a
+        generation above its last (its rounds restart at 0, no key is reused).
+
+        After a :class:`RefusedError` on the slot, or on a new connection after
+        :class:`ConnectionLostError`; the request is then on this client.
+
+        Raises:
+            UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
+        """
+        v = request.verifier
+        if request.client is self and request.slot in self.core.slots:
+            await self.close_slot(request.slot)
+        generation = await self.open(
+            request.slot,
+            seed=v.seed,
+            prefix=v.committed,
+            eos=v.eos,
+            context=v.context,
+            at_least=v.generation + 1,
+        )
+        v.rebuild(v.committed, generation)
+        v.session = self.session
+        request.client = self
 
     async def propose(
         self,
@@ -352,32 +418,122 @@ class AsyncClient:
 
         ``round_id`` comes from the request's own counter
         (:meth:`pp1wire.q.verify.RequestVerifier.take_round`), which also numbers
-        its target-only rounds.
+        its target-only rounds. :meth:`propose_many` does this for a batch.
 
         Raises:
             ProposalUnavailableError: the proposal was refused, corrupt, late or lost;
-                ``code`` says which (``CANCELLED``: this side closed or reset the slot
-                meanwhile). Decode the round target-only.
-            ProtocolError: for a locally invalid request (nothing sent).
-            LocalStateError: the slot is busy, desynced, or the connection not ready.
+                ``code`` says which (see the class). Decode the round target-only.
+            UsageError: a locally invalid request, or a proposal already in flight
+                on the slot (nothing sent).
         """
         if self.core.closed:
-            code = self.failed or ErrorCode.CONNECTION_LOST
-            raise ProposalUnavailableError(code, "connection closed")
+            raise ProposalUnavailableError(self.failed or ErrorCode.CONNECTION_LOST, "closed")
         fut: asyncio.Future[Proposal] = self.loop.create_future()
-        self.core.step(
-            slot,
-            round_id=round_id,
-            depth=depth,
-            temperature=temperature,
-            support=support,
-            now=time.monotonic(),
-        )
+        try:
+            self.core.step(
+                slot,
+                round_id=round_id,
+                depth=depth,
+                temperature=temperature,
+                support=support,
+                now=time.monotonic(),
+            )
+        except LocalStateError as exc:
+            if exc.code is ErrorCode.SLOT_DESYNCED:
+                raise ProposalUnavailableError(exc.code, exc.detail) from None
+            self._local(exc)
+        except ProtocolError as exc:
+            self._local(exc)
         self._proposals[slot] = fut
         self._flush()
+        self._spin_if_asked()
+        return await fut
+
+    async def propose_many(
+        self,
+        requests: Sequence[Request],
+        *,
+        depth: int,
+        temperature: float = 1.0,
+        support: int = 0,
+    ) -> ProposalBatch:
+        """Send a STEP for every request at once; return when each proposal is whole or failed.
+
+        Each request takes its next round ID for its STEP. The result holds, per
+        request in order, its :class:`~pp1wire.q.proposal.Proposal` or the
+        :class:`ProposalUnavailableError` saying why it has none (no STEP is
+        sent, and no round taken, for a slot the worker refused earlier:
+        ``SLOT_DESYNCED``, reopen it; nor on a closed connection:
+        ``CONNECTION_LOST``). One slot's failure never raises.
+
+        Raises:
+            UsageError: nothing sent, no round taken: a depth or support out of
+                range, two requests on one slot, a request not open on this
+                client (another client, or closed), one that already ended
+                (``REQUEST_FINISHED``, ``SESSION_POISONED``), or a proposal
+                already in flight on a slot (``SLOT_BUSY``).
+        """
+        cfg = self.config
+        if not 1 <= depth <= cfg.max_depth:
+            raise UsageError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
+        if not 0 <= support <= min(cfg.max_support, cfg.vocab_size):
+            raise UsageError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
+        if len({r.slot for r in requests}) != len(requests):
+            raise UsageError(ErrorCode.BAD_ARGUMENT, "two requests on one slot")
+        for r in requests:
+            self._own(r)
+            v = r.verifier
+            if v.finished or v.poisoned:
+                code = ErrorCode.REQUEST_FINISHED if v.finished else ErrorCode.SESSION_POISONED
+                raise UsageError(code, f"the request on slot {r.slot} has ended")
+            if r.slot in self._proposals:
+                raise UsageError(ErrorCode.SLOT_BUSY, f"slot {r.slot} has a proposal in flight")
+            if not self.core.closed and r.slot not in self.core.slots:
+                raise UsageError(ErrorCode.UNKNOWN_SLOT, f"slot {r.slot} is not open")
+        out: list[Proposal | ProposalUnavailableError | asyncio.Future[Proposal]] = []
+        now = time.monotonic()
+        for r in requests:
+            if self.core.closed:
+                code = self.failed or ErrorCode.CONNECTION_LOST
+                out.append(ProposalUnavailableError(code, "connection closed"))
+                continue
+            if self.core.slots[r.slot].desynced:
+                out.append(ProposalUnavailableError(ErrorCode.SLOT_DESYNCED, "reopen the slot"))
+                continue
+            try:
+                self.core.step(
+                    r.slot,
+                    round_id=r.verifier.take_round(),
+                    depth=depth,
+                    temperature=temperature,
+                    support=support,
+                    now=now,
+                )
+            except (ProtocolError, LocalStateError) as exc:  # checked above: not expected
+                out.append(ProposalUnavailableError(exc.code, exc.detail))
+                continue
+            fut: asyncio.Future[Proposal] = self.loop.create_future()
+            self._proposals[r.slot] = fut
+            out.append(fut)
+        self._flush()  # every STEP in one write
+        waiting = [f for f in out if isinstance(f, asyncio.Future)]
+        if waiting:
+            self._spin_if_asked()
+            try:
+                await asyncio.wait(waiting)
+            except asyncio.CancelledError:
+                for f in waiting:  # the caller left: give back what still arrives
+                    f.add_done_callback(self._release_orphan)
+                raise
+        return ProposalBatch(_outcome(f) for f in out)
+
+    def _release_orphan(self, fut: asyncio.Future[Proposal]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.release(fut.result())
+
+    def _spin_if_asked(self) -> None:
         if self.busy_poll and self._spinner is None:
             self._spinner = asyncio.ensure_future(self._spin())
-        return await fut
 
     async def _spin(self) -> None:
         try:
@@ -386,35 +542,91 @@ class AsyncClient:
         finally:
             self._spinner = None
 
-    def release(self, proposal: Proposal, slot: int) -> None:
-        """Done with ``proposal``'s rows (after verifying): recycle their receive buffers."""
-        self.core.release_proposal(slot, proposal.round_id)
+    def release(self, proposal: Proposal) -> None:
+        """Done with ``proposal``'s rows (after verifying): recycle their receive buffers.
+
+        Idempotent (:meth:`Proposal.release` and leaving a ``with proposal:``
+        block call this); from another thread it returns once the client's loop
+        took the buffers back. A proposal built in this process has nothing to release.
+
+        Raises:
+            UsageError: a proposal another client received.
+        """
+        releaser = proposal.releaser
+        if releaser is None:
+            return
+        if getattr(releaser, "__self__", None) is not self:
+            raise UsageError(ErrorCode.BAD_ARGUMENT, "a proposal another client received")
+        if threading.get_ident() != self._thread and self.loop.is_running():
+            done = threading.Event()
+
+            def give_back() -> None:
+                try:
+                    self._give_back(proposal)
+                finally:
+                    done.set()
+
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing to give back
+                self.loop.call_soon_threadsafe(give_back)
+                done.wait(10.0)  # a loop that stops before running it has nothing to give back
+            return
+        self._give_back(proposal)
+
+    def _give_back(self, proposal: Proposal) -> None:
+        key = (proposal.slot, proposal.round_id)
+        if self._held.get(key) is proposal:
+            del self._held[key]
+            self.core.release_proposal(*key)
 
     def next_round(self, slot: int) -> int:
         """The lowest round ``slot`` may use next (see :meth:`SparkProtocol.next_round`).
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT``.
-            LocalStateError: a closed connection or a desynced slot.
+            UsageError: ``UNKNOWN_SLOT``.
+            RefusedError: ``SLOT_DESYNCED``: reopen the slot.
+            ConnectionLostError: the connection is gone.
         """
-        return self.core.next_round(slot)
+        try:
+            return self.core.next_round(slot)
+        except (ProtocolError, LocalStateError) as exc:
+            self._local(exc)
 
     def commit(
         self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int
     ) -> asyncio.Future[None]:
         """Queue COMMIT; the returned future resolves on COMMITTED (awaiting it is optional).
 
+        The future fails with :class:`RefusedError` if the worker refuses the
+        COMMIT (or ``CANCELLED``: the slot was reset or closed first) and with
+        :class:`ConnectionLostError` if the connection dies first.
+
         Raises:
-            ProtocolError: ``COMMIT_INVALID`` if the accepted tokens are not the drafts.
-            LocalStateError: ``SLOT_DESYNCED`` until the slot is reopened.
-            ClientClosedError: if the connection is closed.
+            UsageError: ``UNKNOWN_SLOT``, or ``COMMIT_INVALID`` if the accepted
+                tokens are not the round's drafts (nothing sent).
+            RefusedError: ``SLOT_DESYNCED`` until the slot is reopened.
+            ConnectionLostError: the connection is gone.
         """
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
-        self.core.commit(slot, round_id=round_id, tokens=tokens, accepted=accepted)
+        try:
+            self.core.commit(slot, round_id=round_id, tokens=tokens, accepted=accepted)
+        except (ProtocolError, LocalStateError) as exc:
+            self._local(exc)
         self._commits[(slot, self.core.slots[slot].fence.generation, round_id)] = fut
         self._flush()
         return fut
+
+    def commit_round(self, request: Request, result: RoundResult) -> asyncio.Future[None]:
+        """:meth:`commit` ``result`` (what the verifier committed) on ``request``'s slot.
+
+        Raises:
+            UsageError: a request on another client; otherwise as :meth:`commit`.
+            RefusedError, ConnectionLostError: as :meth:`commit`.
+        """
+        self._own(request)
+        return self.commit(
+            request.slot, round_id=result.round_id, tokens=result.tokens, accepted=result.accepted
+        )
 
     async def reset(self, slot: int) -> int:
         """Move ``slot`` to a new generation; returns it once the worker confirms.
@@ -423,39 +635,69 @@ class AsyncClient:
         ``CANCELLED``: nothing of the old generation can answer any more.
 
         Raises:
-            ClientClosedError: if the worker refuses or the connection dies.
+            UsageError: ``UNKNOWN_SLOT``.
+            RefusedError: the worker refused the RESET.
+            ConnectionLostError: the connection is gone.
         """
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._cancel(slot, "the slot was reset")
-        generation = self.core.reset(slot)
+        if slot in self.core.slots:
+            self._cancel(slot, "the slot was reset")
+        try:
+            generation = self.core.reset(slot)
+        except (ProtocolError, LocalStateError) as exc:
+            self._local(exc)
         self._resets[slot] = fut
         self._flush()
         await fut
         return generation
 
+    async def reset_request(self, request: Request) -> None:
+        """:meth:`reset` ``request``'s slot and move its verifier to the new generation
+        (same prefix; its rounds restart at 0). Whatever was in flight is discarded.
+
+        Raises:
+            UsageError: a request on another client; otherwise as :meth:`reset`.
+            RefusedError, ConnectionLostError: as :meth:`reset`.
+        """
+        self._own(request)
+        generation = await self.reset(request.slot)
+        request.verifier.rebuild(request.verifier.committed, generation)
+
     async def close_slot(self, slot: int) -> None:
         """Close ``slot`` (fire and forget: the slot is free locally at once).
 
         A proposal or COMMITTED still awaited on the slot fails at once with
-        ``CANCELLED``.
+        ``CANCELLED``; its proposals not yet released are released. Closing a
+        slot that is not open, or on a closed connection, does nothing.
         """
         if self.core.closed or slot not in self.core.slots:
             return
         self._cancel(slot, "the slot was closed")
+        for key in [k for k in self._held if k[0] == slot]:
+            del self._held[key]  # the core gives their buffers back with the slot
         self.core.close_slot(slot)
         self._flush()
+
+    async def close_request(self, request: Request) -> None:
+        """:meth:`close_slot` ``request``'s slot (the request is done with this client).
+
+        Raises:
+            UsageError: a request on another client.
+        """
+        self._own(request)
+        await self.close_slot(request.slot)
 
     def _cancel(self, slot: int, why: str) -> None:
         _fail(self._proposals.pop(slot, None), ProposalUnavailableError(ErrorCode.CANCELLED, why))
         for key in [k for k in self._commits if k[0] == slot]:
-            _fail(self._commits.pop(key), ClientClosedError(ErrorCode.CANCELLED, why))
+            _fail(self._commits.pop(key), RefusedError(ErrorCode.CANCELLED, why))
 
     async def ping(self) -> float:
         """Round-trip time of one PING, in seconds.
 
         Raises:
-            ClientClosedError: if the connection dies first.
+            ConnectionLostError: if the connection dies first.
         """
         self._require_open()
         started = time.perf_counter()
@@ -480,6 +722,22 @@ class AsyncClient:
             await asyncio.wait_for(self._closed.wait(), 5.0)
 
 
+def _outcome(
+    item: Proposal | ProposalUnavailableError | asyncio.Future[Proposal],
+) -> Proposal | ProposalUnavailableError:
+    if not isinstance(item, asyncio.Future):
+        return item
+    if item.cancelled():
+        return ProposalUnavailableError(ErrorCode.CANCELLED, "the wait was cancelled")
+    error = item.exception()
+    if error is None:
+        return item.result()
+    if isinstance(error, ProposalUnavailableError):
+        return error
+    code = error.code if isinstance(error, Pp1Error) else ErrorCode.INTERNAL
+    return ProposalUnavailableError(code, str(error))
+
+
 def _settle(fut: asyncio.Future[Any] | None, value: Any) -> None:
     if fut is not None and not fut.done():
         fut.set_result(value)
@@ -492,164 +750,14 @@ def _fail(fut: asyncio.Future[Any] | None, error: BaseException) -> None:
         fut.exception()
 
 
-class SyncClient:
-    """A blocking facade over :class:`AsyncClient` that runs its loop on a thread.
-
-    Every method blocks until the async call finishes and raises what it raises.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        config: SparkConfig,
-        *,
-        ssl: ssl_module.SSLContext | None = None,
-        timeout: float = 10.0,
-    ) -> None:
-        """Start the background loop and connect.
-
-        Raises:
-            OSError, ClientClosedError: as :meth:`AsyncClient.connect`.
-        """
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.timeout = timeout
-        try:
-            self.client = self._call(
-                AsyncClient.connect(host, port, config, ssl=ssl, timeout=timeout)
-            )
-        except BaseException:
-            self._stop()
-            raise
-
-    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        fut: ThreadFuture[_T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result()
-
-    def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        async def call() -> Any:
-            return fn(*args, **kwargs)
-
-        return self._call(call())
-
-    def open(self, slot: int, **kwargs: Any) -> int:
-        """See :meth:`AsyncClient.open`."""
-        return self._call(self.client.open(slot, **kwargs))
-
-    def propose(self, slot: int, **kwargs: Any) -> Proposal:
-        """See :meth:`AsyncClient.propose`."""
-        return self._call(self.client.propose(slot, **kwargs))
-
-    def release(self, proposal: Proposal, slot: int) -> None:
-        """See :meth:`AsyncClient.release`."""
-        self._run(self.client.release, proposal, slot)
-
-    def next_round(self, slot: int) -> int:
-        """See :meth:`AsyncClient.next_round`."""
-        return self.client.next_round(slot)
-
-    def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
-        """See :meth:`AsyncClient.commit` (does not wait for COMMITTED)."""
-        self._run(self.client.commit, slot, round_id=round_id, tokens=tokens, accepted=accepted)
-
-    def reset(self, slot: int) -> int:
-        """See :meth:`AsyncClient.reset`."""
-        return self._call(self.client.reset(slot))
-
-    def close_slot(self, slot: int) -> None:
-        """See :meth:`AsyncClient.close_slot`."""
-        self._call(self.client.close_slot(slot))
-
-    @property
-    def session(self) -> int:
-        """The session ID the worker assigned."""
-        return self.client.session
-
-    def close(self) -> None:
-        """Close the connection and stop the background loop."""
-        try:
-            self._call(self.client.close())
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-    def __enter__(self) -> SyncClient:
-        """Context manager entry."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Close on exit."""
-        self.close()
-
-
-# -- flat layout helpers (vLLM / SGLang style) ----------------------------------------
-
-
-def flatten_drafts(
-    proposals: Sequence[Proposal | None],
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-    """Draft token IDs ``[num_tokens]`` and draft counts ``[batch]`` for a batch.
-
-    ``None`` (no proposal this round) contributes a count of 0.
-    """
-    counts = np.array([0 if p is None else len(p.rows) for p in proposals], dtype=np.int32)
-    ids = [t for p in proposals if p is not None for t in p.tokens]
-    return np.asarray(ids, dtype=np.int32), counts
-
-
-def pack_outputs(outputs: Sequence[Sequence[int]], max_depth: int) -> npt.NDArray[np.int32]:
-    """Accepted tokens per request as ``[batch, max_depth + 1]``, padded with -1.
-
-    Raises:
-        ValueError: if a request has more than ``max_depth + 1`` tokens.
-    """
-    out = np.full((len(outputs), max_depth + 1), -1, dtype=np.int32)
-    for i, tokens in enumerate(outputs):
-        row = host_array(tokens)  # a list, a numpy array or an engine tensor
-        if len(row) > max_depth + 1:
-            raise ValueError(f"request {i} has {len(row)} tokens > {max_depth + 1}")
-        out[i, : len(row)] = row
-    return out
-
-
-def target_rows(target_probs: _Rows, draft_counts: npt.ArrayLike) -> list[_Rows]:
-    """Split engine-layout target probabilities into per-request blocks (views, no copy).
-
-    ``target_probs`` is ``[num_tokens + batch, V]``: for request i, its
-    ``draft_counts[i]`` draft positions followed by one bonus position, in
-    request order. Row j of block i is p for the prefix extended by the
-    request's first j drafts. ``target_probs`` may be a numpy array or an
-    engine's tensor (torch, any device): the blocks are slices of it, of the
-    same type, and each row can go to the verifier as it is.
-
-    Raises:
-        ValueError: if the row count does not match ``sum(draft_counts) + batch``.
-    """
-    counts = [int(n) for n in host_array(draft_counts).tolist()]
-    expected = sum(counts) + len(counts)
-    if target_probs.shape[0] != expected:
-        raise ValueError(f"target_probs has {target_probs.shape[0]} rows, expected {expected}")
-    blocks = []
-    start = 0
-    for n in counts:
-        blocks.append(target_probs[start : start + n + 1])
-        start += n + 1
-    return blocks
-
-
 __all__ = [
     "AsyncClient",
     "BufferPool",
-    "ClientClosedError",
+    "ConnectionLostError",
+    "ProposalBatch",
     "ProposalUnavailableError",
-    "ProtocolError",
-    "SyncClient",
+    "RefusedError",
+    "Request",
     "flatten_drafts",
     "pack_outputs",
     "target_rows",

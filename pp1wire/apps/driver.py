@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import prometheus_client as prom
 
-from pp1wire.aio.client import AsyncClient, ClientClosedError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
 from pp1wire.aio.server import SECONDS_BUCKETS
 from pp1wire.apps import metrics
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
@@ -350,8 +350,8 @@ class Link:
         """Connect, retrying transient failures until ``timeout`` seconds have passed.
 
         Raises:
-            ClientClosedError, OSError: the last failure; at once for a TLS failure or
-                a refusal that no retry can cure.
+            RefusedError, ConnectionLostError, OSError: the last failure; at once for a
+                TLS failure or a refusal that no retry can cure.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -360,14 +360,10 @@ class Link:
                     await AsyncClient.connect(self.host, self.port, self.config, ssl=self.tls)
                 )
                 return
-            except (OSError, ClientClosedError) as exc:
+            except (OSError, RefusedError, ConnectionLostError) as exc:
                 if isinstance(exc, ssl.SSLError):
                     raise  # a certificate or TLS-versus-plain mismatch: certain, not transient
-                if isinstance(exc, ClientClosedError) and exc.code not in (
-                    ErrorCode.CONNECTION_LOST,
-                    ErrorCode.HANDSHAKE_TIMEOUT,
-                    ErrorCode.SHUTTING_DOWN,
-                ):
+                if isinstance(exc, RefusedError) and exc.code is not ErrorCode.SHUTTING_DOWN:
                     raise
                 if time.monotonic() >= deadline:
                     raise
@@ -396,7 +392,7 @@ class Link:
                 client = await AsyncClient.connect(
                     self.host, self.port, self.config, ssl=self.tls, timeout=2.0
                 )
-            except (OSError, ClientClosedError) as exc:
+            except (OSError, RefusedError, ConnectionLostError) as exc:
                 self.client = None
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)
@@ -662,7 +658,7 @@ class RoundDriver:
         st, m = r.state, self.metrics
         st.round_id = -1
         if r.proposal is not None and st.opened is not None:
-            st.opened.release(r.proposal, st.slot)
+            r.proposal.release()
         res = verdict.result
         if res is None:
             if verdict.stop:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pp1wire.aio.client import ClientClosedError
+from pp1wire.aio.client import ConnectionLostError, RefusedError
 from pp1wire.apps import metrics, ranks, settings
 from pp1wire.apps.driver import (
     GROUP_FAILED_EXIT,
@@ -493,7 +493,7 @@ async def run_rank(
             unreachable = 0
             try:
                 await link.connect(args.connect_timeout)
-            except (OSError, ClientClosedError) as exc:
+            except (OSError, RefusedError, ConnectionLostError) as exc:
                 where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
                 print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
                 unreachable = 1

@@ -315,7 +315,11 @@ def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
 
 async def check(args: argparse.Namespace, target: str) -> int:
     """Health check: HELLO against ``target`` with this worker's settings; 0 if answered."""
-    from pp1wire.aio.client import AsyncClient, ClientClosedError  # noqa: PLC0415
+    from pp1wire.aio.client import (  # noqa: PLC0415
+        AsyncClient,
+        ConnectionLostError,
+        RefusedError,
+    )
     from pp1wire.wire.spark_core import SparkConfig  # noqa: PLC0415
 
     host, port = settings.host_port(target)
@@ -335,7 +339,7 @@ async def check(args: argparse.Namespace, target: str) -> int:
         ctx = ssl.create_default_context(cafile=args.tls_cert)
     try:
         client = await AsyncClient.connect(host, port, spark_cfg, ssl=ctx, timeout=5.0)
-    except (OSError, ClientClosedError) as exc:
+    except (OSError, RefusedError, ConnectionLostError) as exc:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1
     rtt = await client.ping()

@@ -15,7 +15,7 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast, overload
 
 import numpy as np
@@ -310,11 +310,32 @@ class Proposal:
     rows: tuple[QRow, ...]
     context: int = 0
     shard: tuple[int, int] | None = None
+    #: The slot it was received on (-1: built in this process, not received).
+    slot: int = -1
+    #: Gives the rows' receive buffers back (set by the client that received it).
+    releaser: Callable[[Proposal], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """The sampled draft tokens in position order."""
         return tuple(r.token for r in self.rows)
+
+    def release(self) -> None:
+        """Done with the rows: their receive buffers may be reused (idempotent).
+
+        Reading q afterwards raises :class:`~pp1wire.errors.ProposalReleasedError`;
+        the tokens stay readable. A proposal built in this process has nothing to release.
+        """
+        if self.releaser is not None:
+            self.releaser(self)
+
+    def __enter__(self) -> Proposal:
+        """The proposal itself; :meth:`release` runs when the block ends."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Release the rows."""
+        self.release()
 
 
 def _greedy_row(

@@ -82,13 +82,13 @@ async def probe(port: int, vocab: int, config: SparkConfig | None = None) -> flo
     """Seconds for a fresh client's handshake + OPEN + one dense depth-5 round.
 
     Raises:
-        OSError, ClientClosedError: if the worker refuses or drops the client.
+        OSError, RefusedError, ConnectionLostError: if the worker refuses or drops the client.
     """
     started = time.perf_counter()
     client = await AsyncClient.connect("127.0.0.1", port, config or SparkConfig(vocab_size=vocab))
     await client.open(0, seed=2, prefix=[1, 2])
     proposal = await client.propose(0, round_id=0, depth=5)
-    client.release(proposal, 0)
+    proposal.release()
     await client.close()
     return time.perf_counter() - started
 

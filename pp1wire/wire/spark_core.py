@@ -542,6 +542,10 @@ class SparkProtocol:
             return
         slot_of = getattr(msg, "slot", None)
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
+            if kind is MsgType.ERROR and getattr(msg, "answers", None) == MsgType.CLOSE:
+                # The worker held no such slot (its OPEN was refused): the CLOSE is
+                # answered all the same, so the slot's next instance is heard.
+                self._close_acked(slot_of)
             return  # belongs to the slot's closed instance
         self._handlers[kind](msg, frame)
 
@@ -664,12 +668,15 @@ class SparkProtocol:
 
     def _on_closed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Closed)
-        pending = self._closing.get(msg.slot, 0)
+        self._close_acked(msg.slot)
+
+    def _close_acked(self, slot: int) -> None:
+        pending = self._closing.get(slot, 0)
         if pending <= 1:
-            self._closing.pop(msg.slot, None)
+            self._closing.pop(slot, None)
         else:
-            self._closing[msg.slot] = pending - 1
-        self._events.append(SlotClosed(msg.slot))
+            self._closing[slot] = pending - 1
+        self._events.append(SlotClosed(slot))
 
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Committed)

@@ -1,0 +1,207 @@
+"""What an engine's sampler holds and converts: a request open on a slot, a step's
+proposals, the client's error types, and the flat batch layout serving engines use
+(the round counter itself is the request's verifier's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire.errors import ErrorCode, Pp1Error, UsageError, VerifyError
+from pp1wire.q.arrays import host_array
+from pp1wire.q.proposal import Proposal
+from pp1wire.q.stepverify import StepRound
+from pp1wire.q.verify import RequestVerifier
+
+_Rows = TypeVar("_Rows", bound=Any)  # numpy rows, or an engine tensor sliced the same way
+
+
+class _Client(Protocol):
+    """What a request needs of the client it is open on (an ``AsyncClient``)."""
+
+    def release(self, proposal: Proposal) -> None: ...
+
+
+class ProposalUnavailableError(Pp1Error):
+    """No usable proposal this round (``code`` says why); decode it target-only.
+
+    Refused, corrupt, late or lost; ``CANCELLED`` when this side closed or reset
+    the slot meanwhile, ``SLOT_DESYNCED`` when the slot must be reopened first
+    (``AsyncClient.reopen``), ``CONNECTION_LOST`` when the connection is gone.
+    """
+
+
+class RefusedError(Pp1Error):
+    """The worker refused a request (``code`` says why), or this side cancelled it.
+
+    A refused OPEN, RESET or COMMIT leaves the slot out of step with the worker:
+    reopen it (``AsyncClient.reopen``) before its next proposal. A refused
+    handshake (from ``AsyncClient.connect``) means the two sides' settings
+    or keys differ: retrying cannot help, except after ``SHUTTING_DOWN`` or
+    ``CONNECTION_LIMIT``. ``CANCELLED``: this side closed or reset the slot
+    before the worker answered.
+    """
+
+
+class ConnectionLostError(Pp1Error):
+    """The connection is gone (``code`` says why): connect again and reopen the slots."""
+
+
+def scored_by_the_engine(prefix: Sequence[int]) -> npt.NDArray[np.float64]:
+    """The target of a request the engine scores itself: never to be called.
+
+    Raises:
+        VerifyError: ``TARGET_FAILED`` always (the request is poisoned).
+    """
+    raise VerifyError(
+        ErrorCode.TARGET_FAILED,
+        "this request has no target of its own: pass the engine's rows (verify_step)",
+    )
+
+
+class Request:
+    """A request open on one slot of a client: what an engine's sampler holds per request.
+
+    ``verifier`` is the request's :class:`~pp1wire.q.verify.RequestVerifier`: its
+    committed prefix, generation, seed and round counter (the only place round
+    IDs come from: ``AsyncClient.propose_many`` takes one for each STEP,
+    :meth:`round_for` one for each target-only round). ``client`` is the
+    ``AsyncClient`` the slot is open on (``AsyncClient.reopen`` moves it).
+    """
+
+    __slots__ = ("client", "prompt_length", "slot", "verifier")
+
+    def __init__(
+        self, client: _Client, slot: int, verifier: RequestVerifier, prompt_length: int
+    ) -> None:
+        """Prefer ``AsyncClient.open_request``."""
+        self.client = client
+        self.slot = slot
+        self.verifier = verifier
+        self.prompt_length = prompt_length
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens committed after the prompt."""
+        return self.verifier.committed[self.prompt_length :]
+
+    @property
+    def finished(self) -> bool:
+        """True once a round committed the terminal token (``eos``)."""
+        return self.verifier.finished
+
+    def round_for(self, outcome: Proposal | Exception | None) -> StepRound:
+        """This request's round of a step, for :func:`~pp1wire.verify_step`.
+
+        ``outcome`` is this request's entry of ``AsyncClient.propose_many``:
+        a proposal is verified under its own round; anything else (the
+        :class:`ProposalUnavailableError`, or None for a round planned without a
+        proposal) makes the round target-only under the request's next round ID.
+
+        Raises:
+            UsageError: a proposal of another request.
+        """
+        v = self.verifier
+        if isinstance(outcome, Proposal):
+            if outcome.slot != self.slot or outcome.releaser != self.client.release:
+                raise UsageError(ErrorCode.BAD_ARGUMENT, "a proposal of another request")
+            return (v, outcome, outcome.round_id)
+        return (v, None, v.take_round())
+
+    def __repr__(self) -> str:
+        """Slot, generation and committed length."""
+        v = self.verifier
+        return f"Request(slot={self.slot}, generation={v.generation}, position={v.position})"
+
+
+class ProposalBatch(list[Proposal | ProposalUnavailableError]):
+    """``AsyncClient.propose_many``'s outcome per request, in the requests' order.
+
+    Each entry is the request's :class:`~pp1wire.q.proposal.Proposal` or the
+    :class:`ProposalUnavailableError` that says why it has none. As a context
+    manager, every proposal is released when the block ends.
+    """
+
+    def release(self) -> None:
+        """Release every proposal (idempotent)."""
+        for outcome in self:
+            if isinstance(outcome, Proposal):
+                outcome.release()
+
+    def __enter__(self) -> ProposalBatch:
+        """The batch itself."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Release every proposal."""
+        self.release()
+
+
+# -- flat layout helpers (vLLM / SGLang style) ----------------------------------------
+
+
+def flatten_drafts(
+    proposals: Sequence[Proposal | None],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Draft token IDs ``[num_tokens]`` and draft counts ``[batch]`` for a batch.
+
+    ``None`` (no proposal this round) contributes a count of 0.
+    """
+    counts = np.array([0 if p is None else len(p.rows) for p in proposals], dtype=np.int32)
+    ids = [t for p in proposals if p is not None for t in p.tokens]
+    return np.asarray(ids, dtype=np.int32), counts
+
+
+def pack_outputs(outputs: Sequence[Sequence[int]], max_depth: int) -> npt.NDArray[np.int32]:
+    """Accepted tokens per request as ``[batch, max_depth + 1]``, padded with -1.
+
+    Raises:
+        ValueError: if a request has more than ``max_depth + 1`` tokens.
+    """
+    out = np.full((len(outputs), max_depth + 1), -1, dtype=np.int32)
+    for i, tokens in enumerate(outputs):
+        row = host_array(tokens)  # a list, a numpy array or an engine tensor
+        if len(row) > max_depth + 1:
+            raise ValueError(f"request {i} has {len(row)} tokens > {max_depth + 1}")
+        out[i, : len(row)] = row
+    return out
+
+
+def target_rows(target_probs: _Rows, draft_counts: npt.ArrayLike) -> list[_Rows]:
+    """Split engine-layout target probabilities into per-request blocks (views, no copy).
+
+    ``target_probs`` is ``[num_tokens + batch, V]``: for request i, its
+    ``draft_counts[i]`` draft positions followed by one bonus position, in
+    request order. Row j of block i is p for the prefix extended by the
+    request's first j drafts. ``target_probs`` may be a numpy array or an
+    engine's tensor (torch, any device): the blocks are slices of it, of the
+    same type, and each row can go to the verifier as it is.
+
+    Raises:
+        ValueError: if the row count does not match ``sum(draft_counts) + batch``.
+    """
+    counts = [int(n) for n in host_array(draft_counts).tolist()]
+    expected = sum(counts) + len(counts)
+    if target_probs.shape[0] != expected:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows, expected {expected}")
+    blocks = []
+    start = 0
+    for n in counts:
+        blocks.append(target_probs[start : start + n + 1])
+        start += n + 1
+    return blocks
+
+
+__all__ = [
+    "ConnectionLostError",
+    "ProposalBatch",
+    "ProposalUnavailableError",
+    "RefusedError",
+    "Request",
+    "flatten_drafts",
+    "pack_outputs",
+    "target_rows",
+]
