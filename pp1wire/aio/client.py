@@ -42,6 +42,7 @@ import numpy.typing as npt
 from pp1wire.errors import ErrorCode, Pp1Error, ProtocolError
 from pp1wire.q.arrays import host_array
 from pp1wire.q.proposal import Proposal
+from pp1wire.q.stoprules import FIXED, StopRule
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
@@ -347,8 +348,13 @@ class AsyncClient:
         depth: int,
         temperature: float = 1.0,
         support: int = 0,
+        stop: StopRule = FIXED,
     ) -> Proposal:
-        """Ask for one fixed-depth block under ``round_id`` and wait until it is validated whole.
+        """Ask for one block under ``round_id`` and wait until it is validated whole.
+
+        ``depth`` is the block's maximum; ``stop`` its stop rule
+        (``docs/adaptive.md``; a rule other than FIXED needs
+        ``SparkConfig.stop_rules``), audited on arrival.
 
         ``round_id`` comes from the request's own counter
         (:meth:`pp1wire.q.verify.RequestVerifier.take_round`), which also numbers
@@ -372,6 +378,7 @@ class AsyncClient:
             temperature=temperature,
             support=support,
             now=time.monotonic(),
+            stop=stop,
         )
         self._proposals[slot] = fut
         self._flush()
