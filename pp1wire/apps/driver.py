@@ -55,9 +55,11 @@ from pp1wire.apps import metrics
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.rng import derive_seed
+from pp1wire.q.stoprules import FIXED, AcceptanceHistory, DepthController, StopRule
 from pp1wire.q.verify import (
     TARGET_FAILURES,
     BatchTargetFn,
+    Outcome,
     RequestVerifier,
     RoundResult,
     TargetFn,
@@ -195,7 +197,13 @@ class RequestRecord:
 
 @dataclass
 class Plan:
-    """What a run does, from the settings (the same on every rank)."""
+    """What a run does, from the settings (the same on every rank).
+
+    ``depth`` is every STEP's maximum depth, or with ``controller`` the most
+    the controller may choose (``--depth auto``: it picks each STEP's depth
+    from the request's verified rounds and the load, ``docs/runner.md`` §4);
+    ``stop`` is every STEP's stop rule (``--stop``).
+    """
 
     requests: int
     concurrency: int
@@ -208,6 +216,8 @@ class Plan:
     audit: bool
     vocab_size: int
     prompts: list[list[int]]
+    stop: StopRule = FIXED
+    controller: DepthController | None = None
 
 
 @dataclass
@@ -223,6 +233,8 @@ class RequestState:
     flight: asyncio.Task[Proposal] | None = None
     round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
     sent: float = 0.0
+    #: The request's verified rounds, the depth controller's only history.
+    history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
 
     @property
     def index(self) -> int:
@@ -460,6 +472,8 @@ class RoundDriver:
         self.records: dict[int, RequestRecord] = {}
         self.steps = 0
         self.seconds = 0.0
+        self.stepped = 0  # STEPs sent, and their maximum depths summed (the summary's mean)
+        self.stepped_depth = 0
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -548,6 +562,9 @@ class RoundDriver:
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
+        # The load the depth controller sees: the requests running now, counted
+        # before any STEP of this launch is sent (docs/runner.md section 4).
+        load = len(states)
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._off_loop(self.strategy.agree, local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
@@ -564,16 +581,29 @@ class RoundDriver:
                 continue
             client = st.opened
             assert client is not None
+            depth = self._depth(st, load)
+            self.stepped += 1
+            self.stepped_depth += depth
             st.sent = time.perf_counter()
             st.flight = asyncio.ensure_future(
                 client.propose(
                     st.slot,
                     round_id=st.round_id,
-                    depth=self.plan.depth,
+                    depth=depth,
                     temperature=self.plan.temperature,
                     support=self.plan.support,
+                    stop=self.plan.stop,
                 )
             )
+
+    def _depth(self, st: RequestState, load: int) -> int:
+        """The STEP's maximum depth: ``--depth``, or the controller's choice from the
+        request's verified rounds and the load alone; the round it is for has no
+        row yet, so nothing of that round can enter the choice."""
+        controller = self.plan.controller
+        if controller is None:
+            return self.plan.depth
+        return controller.choose(st.history, load)
 
     async def _prepare(self, st: RequestState) -> int:
         """0 if this rank can STEP ``st`` now (its slot open on a live link), else why not:
@@ -684,6 +714,10 @@ class RoundDriver:
                 st.fallback = None
         else:
             drafted = len(r.proposal.rows)
+            if self.plan.controller is not None:
+                st.history = self.plan.controller.record(
+                    st.history, res.accepted, res.outcome is Outcome.CORRECTION
+                )
             rec.draft_tokens += drafted
             rec.accepted_tokens += res.accepted
             m.num_drafts.inc()
@@ -766,6 +800,8 @@ class RoundDriver:
             ),
             "steps": steps,
             "step_fill": metrics.total(m.step_rounds) / slots if slots else 0.0,
+            "stop_rule": str(self.plan.stop),
+            "mean_step_depth": self.stepped_depth / self.stepped if self.stepped else None,
             "seconds": self.seconds,
             "tokens_per_second": tokens / self.seconds if self.seconds else 0.0,
         }
