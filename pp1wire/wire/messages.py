@@ -202,13 +202,13 @@ class Closed(_Msg, frozen=True, tag=int(MsgType.CLOSED)):
     slot: U16
 
 
-class Step(_Msg, frozen=True, tag=int(MsgType.STEP), omit_defaults=True):
+class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
     """Ask for one proposal block of at most ``depth`` rows (protocol §4.4).
 
     ``stop`` and ``threshold`` are the block's stop rule (``docs/adaptive.md``:
-    0 fixed, 1 confidence, 2 joint; T in 0..2**24); the fixed rule (0, 0) is
-    omitted on the wire. Their ranges are the worker's check (``BAD_STOP_RULE``),
-    not the schema's.
+    0 fixed, 1 confidence, 2 joint; T in 0..2**24); a STEP that omits them asks
+    for the fixed rule (0, 0). Their ranges are the worker's check
+    (``BAD_STOP_RULE``), not the schema's.
     """
 
     session: U64
