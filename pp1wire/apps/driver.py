@@ -233,6 +233,9 @@ class RequestState:
     flight: asyncio.Task[Proposal] | None = None
     round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
     sent: float = 0.0
+    # A generation this rank just opened the slot at, taken up only if the group
+    # agrees the request STEPs: a rank never moves its verifier alone.
+    opening: int | None = None
     #: The request's verified rounds, the depth controller's only history.
     history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
 
@@ -568,6 +571,10 @@ class RoundDriver:
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._off_loop(self.strategy.agree, local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
+            if not code and st.opening is not None and st.opened is not None:
+                st.verifier.rebuild(st.verifier.committed, st.opening)
+                st.verifier.session = st.opened.session
+            st.opening = None
             st.round_id = st.verifier.take_round()
             if code == _TARGET_ONLY:
                 continue
@@ -628,8 +635,7 @@ class RoundDriver:
         except Pp1Error as exc:
             log.warning("open failed", extra={"slot": st.slot, "error": repr(exc)})
             return int(exc.code)
-        v.rebuild(v.committed, generation)
-        v.session = client.session
+        st.opening = generation  # the verifier moves to it in _launch, once agreed
         st.opened = client
         return 0
 

@@ -100,8 +100,7 @@ class WorkerConfig(PeerConfig):
     #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
     max_draw_rate: float | None = None
     draw_burst: int = 1
-    #: The stop rules this worker applies (``docs/adaptive.md``); a sharded link none.
-    stop_rules: str = STOP_RULES
+    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
 
 
 # -- state ---------------------------------------------------------------------
@@ -486,10 +485,7 @@ class WorkerProtocol:
                 # A dense row must fit (section 4.1): refused here, not at every STEP.
                 (hello.max_frame >= 4 * cfg.entries, ErrorCode.LIMIT_EXCEEDED),
                 (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
-                (
-                    hello.stop_rules in ("", cfg.stop_rule_set),
-                    ErrorCode.STOP_RULES_MISMATCH,
-                ),
+                (hello.stop_rules in ("", cfg.stop_rule_set), ErrorCode.STOP_RULES_MISMATCH),
             ],
         )
 
@@ -666,8 +662,7 @@ class WorkerProtocol:
         limits = self.limits
         if not 1 <= step.depth <= limits.max_depth:
             return ErrorCode.DEPTH_OUT_OF_RANGE
-        rule = step_rule(step.stop, step.threshold, limits.stop_rules)
-        if isinstance(rule, ErrorCode):
+        if isinstance(rule := step_rule(step.stop, step.threshold, limits.stop_rules), ErrorCode):
             return rule
         if step.support > limits.max_support:
             return ErrorCode.SUPPORT_OUT_OF_RANGE
@@ -692,18 +687,12 @@ class WorkerProtocol:
     def _encode(
         self, step: Step, eos: int | None, rows: tuple[QRow, ...], status: int
     ) -> tuple[FrameParts, ...]:
-        cfg = self.config
-        tokens = [r.token for r in rows]
+        cfg, tagged, tokens = self.config, self._sealer is not None, [r.token for r in rows]
+        shard = cfg.shard_range if cfg.sharded else None
+        # Only the stop rule ends a block early without a terminal token (§4.6).
+        cut = bool(rows) and not status and stopped_by_rule(step.depth, tokens, eos)
         return reply_frames(
-            self.session,
-            step,
-            rows,
-            cfg.entries,
-            status,
-            shard=cfg.shard_range if cfg.sharded else None,
-            tagged=self._sealer is not None,
-            # Only the stop rule ends a block early without a terminal token (§4.6).
-            stopped=bool(rows) and not status and stopped_by_rule(step.depth, tokens, eos),
+            self.session, step, rows, cfg.entries, status, shard=shard, tagged=tagged, stopped=cut
         )
 
     # -- COMMIT / RESET ------------------------------------------------------
