@@ -47,11 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import prometheus_client as prom
-
 from pp1wire.aio.client import AsyncClient, ClientClosedError
-from pp1wire.aio.server import SECONDS_BUCKETS
 from pp1wire.apps import metrics
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.rng import derive_seed
@@ -81,82 +79,6 @@ _STRAGGLER_FRACTION = 0.5
 _STRAGGLER_FLOOR = 0.002  # seconds: under this, waiting costs less than a step
 
 # -- metrics and records ------------------------------------------------------------
-
-
-class SparkMetrics:
-    """Every metric the Spark side exposes, in a registry of its own."""
-
-    def __init__(self, max_depth: int) -> None:
-        """Register the metrics."""
-        r = self.registry = prom.CollectorRegistry()
-        self.drafts = prom.Counter(
-            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
-        )
-        self.accepted = prom.Counter(
-            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
-        self.num_drafts = prom.Counter(
-            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
-        )
-        per_position = prom.Counter(
-            "pp1_spec_decode_accepted_tokens_per_pos",
-            "Accepted draft tokens by position in the block (0-based).",
-            ["position"],
-            registry=r,
-        )
-        # Children made once: every position is exported from the start, and the
-        # per-round path skips the label lookup.
-        self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
-        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
-        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
-        self.stopped = prom.Counter(
-            "pp1_requests_stopped",
-            "Requests stopped before their end, by reason (target_failed, group_failed).",
-            ["reason"],
-            registry=r,
-        )
-        self.fallbacks = prom.Counter(
-            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
-        )
-        self.rejected = prom.Counter(
-            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
-        )
-        self.dropped = prom.Counter(
-            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
-        )
-        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
-        self.audit_failures = prom.Counter(
-            "pp1_audit_failures",
-            "Proposals whose drafts are not what the worker's own draw selects from its q.",
-            registry=r,
-        )
-        self.steps = prom.Counter(
-            "pp1_steps", "Engine steps: rounds decided together (one target call).", registry=r
-        )
-        self.step_rounds = prom.Counter(
-            "pp1_step_rounds", "Rounds decided, summed over steps.", registry=r
-        )
-        self.step_slots = prom.Counter(
-            "pp1_step_slots", "Running requests at each step, summed over steps.", registry=r
-        )
-        self.tp_votes_failed = prom.Counter(
-            "pp1_tp_votes_failed",
-            "TP group attempts voted down, by the reason each no-vote gave.",
-            ["reason"],
-            registry=r,
-        )
-        self.tp_fanout_bytes = prom.Counter(
-            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
-        )
-        self.tp_fanout_seconds = prom.Counter(
-            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
-        )
-        self.rtt = prom.Histogram(
-            "pp1_proposal_round_trip_seconds",
-            "STEP sent to proposal validated, seconds.",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
-        )
 
 
 @dataclass
