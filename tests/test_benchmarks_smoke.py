@@ -265,6 +265,7 @@ def test_sharding_smoke():
     assert finite_positive(result["numpy_residual_sharded_vs_unsharded"])
 
 
+@pytest.mark.bench
 def test_adaptive_smoke():
     # The smallest sweep: what each figure is made of, not how fast anything is.
     result = run_json(

@@ -127,7 +127,7 @@ def test_a_step_without_a_rule_asks_for_the_fixed_rule():
     )
     raw = msgspec.msgpack.decode(framing.encode_frame(ruled)[framing.PREAMBLE_SIZE :])
     assert raw[-2:] == [2, M // 3]
-    # A STEP of draft 4's eleven elements decodes with the fixed rule.
+    # A STEP of the eleven elements before the stop rule decodes with the fixed rule.
     short = msgspec.msgpack.encode(raw[:-2])
     decoded = framing.FrameDecoder(1 << 20).feed(framing.encode_raw_frame(8, short))[0].message
     assert isinstance(decoded, Step)

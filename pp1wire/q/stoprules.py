@@ -419,7 +419,7 @@ class DepthController:
 
     Inputs, and nothing else: the request's :class:`AcceptanceHistory` (its
     earlier rounds, already verified and committed) and ``active_slots``, the
-    number of slots with a STEP in the batch, counted before this STEP is sent.
+    load: the requests running (``pp1-spark``), counted before this STEP is sent.
     The round being drafted has no rows when :meth:`choose` runs, so no draw
     of it can influence the depth (``docs/adaptive.md``, "Depth controller").
 
