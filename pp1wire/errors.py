@@ -49,6 +49,8 @@ class ErrorCode(IntEnum):
     INTEGRITY_MISMATCH = 36
     INTEGRITY_FAILED = 37
     SHARD_LAYOUT_MISMATCH = 38
+    # HELLO: the stop-rule sets differ (docs/adaptive.md), never upgraded silently.
+    STOP_RULES_MISMATCH = 39
 
     # -- sessions, fencing and replies (40..59) --------------------------------
     UNKNOWN_SLOT = 40
@@ -92,6 +94,9 @@ class ErrorCode(IntEnum):
     SHARD_RANGE_MISMATCH = 76
     # A block that stopped where its stop rule does not (docs/adaptive.md).
     STOP_RULE_VIOLATED = 77
+    # A STEP naming a stop rule the worker cannot apply: an unknown kind, a
+    # threshold outside 0..2**24, or a rule the HELLO did not negotiate.
+    BAD_STOP_RULE = 78
 
     # -- proposal construction and RNG on the sender (80..89) --------------------------
     WEIGHT_NON_FINITE = 80

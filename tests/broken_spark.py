@@ -10,7 +10,7 @@ from typing import Any
 
 from pp1wire.apps import spark
 from pp1wire.errors import ErrorCode
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, verify
 from pp1wire.wire import assembly, spark_core
 
 
@@ -53,12 +53,19 @@ def trust_worker_proof() -> None:
     spark_core.hmac.compare_digest = lambda a, b: True  # type: ignore[assignment]
 
 
+def no_stop_audit() -> None:
+    """Take any block whose COMPLETION says it stopped: no recomputation of the rule."""
+    assembly.audit = lambda *a, **k: None  # type: ignore[assignment]
+    verify.RequestVerifier._audit_stop = lambda self, proposal: None  # type: ignore[method-assign]
+
+
 BREAKAGES = {
     "no-row-checks": no_row_checks,
     "no-reply-checksum": no_reply_checksum,
     "early-completion": early_completion,
     "any-hello": any_hello,
     "trust-worker-proof": trust_worker_proof,
+    "no-stop-audit": no_stop_audit,
 }
 
 if __name__ == "__main__":

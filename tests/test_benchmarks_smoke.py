@@ -263,3 +263,30 @@ def test_sharding_smoke():
     result = run_json("sharding.py", "--reps", "1", "--json", timeout=600)
     assert finite_positive(result["numpy_construct_sharded_vs_unsharded"])
     assert finite_positive(result["numpy_residual_sharded_vs_unsharded"])
+
+
+@pytest.mark.bench
+def test_adaptive_smoke():
+    # The smallest sweep: what each figure is made of, not how fast anything is.
+    result = run_json(
+        "adaptive.py", "--runs", "1", "--requests", "2", "--max-tokens", "4", "--depths", "1",
+        "--target-ms", "1", "--draft-ms", "0.1", "--probes", "20", "--json",
+    )  # fmt: skip
+    for key in ("dense", "sparse32"):
+        res = result[key]
+        table = res["configurations"]
+        assert set(table) == {"fixed1", "confidence", "joint", "auto"}
+        assert res["best_fixed"] == "fixed1"
+        best = table["fixed1"]
+        for name in ("confidence", "joint", "auto"):
+            row = table[name]
+            speed = row["tokens_per_second"]["median"] / best["tokens_per_second"]["median"]
+            assert row["speed_vs_best_fixed"]["median"] == pytest.approx(speed)
+            rows = row["rows_per_token"]["median"] / best["rows_per_token"]["median"]
+            assert row["rows_vs_best_fixed"]["median"] == pytest.approx(rows)
+        # Fixed depth 1 drafts one row per round; every round commits at least one token.
+        assert 0 < best["rows_per_token"]["median"] <= 1
+        assert best["mean_step_depth"]["median"] == 1
+    d = result["diagnostic"]
+    assert 0 <= d["mean_acceptance"] <= 1
+    assert -1 <= d["correlation_q_acceptance"] <= 1

@@ -69,6 +69,21 @@ CASES = [
     ("pp1-spark", ["--tp", "100000"], "--tp: 100000 is not a number of ranks in 1..16"),
     ("pp1-spark", ["--concurrency", "70000"], "--concurrency must be in 1..65535"),
     ("pp1-spark", ["--vocab-shards", "2"], "--vocab-shards 2 needs --tp 2"),
+    ("pp1-spark", ["--stop", "soon"], "--stop: unknown stop rule 'soon'"),
+    ("pp1-spark", ["--stop", "joint:1.5"], "--stop: threshold '1.5' outside [0, 1]"),
+    ("pp1-spark", ["--depth", "0", "--stop", "confidence:0.5"], "needs proposals: --depth above"),
+    ("pp1-spark", ["--depth", "soon"], "--depth: 'soon' is not a depth (0..5) or auto"),
+    # The sharded path refuses adaptive blocks in one line naming the mode (docs/tp.md §11).
+    (
+        "pp1-spark",
+        ["--tp", "2", "--vocab-shards", "2", "--stop", "confidence:0.5"],
+        "--stop confidence:0.5 is not available with --vocab-shards",
+    ),
+    (
+        "pp1-spark",
+        ["--tp", "2", "--vocab-shards", "2", "--depth", "auto"],
+        "--depth auto is not available with --vocab-shards",
+    ),
 ]
 
 

@@ -162,6 +162,30 @@ async def test_suite_detects_a_worker_that_redraws_retries(monkeypatch):
     await asyncio.sleep(0)
 
 
+@pytest.mark.asyncio
+async def test_suite_detects_a_worker_that_ignores_its_stop_rule(monkeypatch):
+    # A worker that drafts every block to its depth whatever the STEP's rule (and
+    # still says it stopped when it did not): the rule cases must fail where the
+    # rule binds; confidence:0 never stops and must still pass.
+    from pp1wire.q import proposal
+
+    monkeypatch.setattr(
+        proposal, "admits_next", lambda _rule, depth, counts, tokens, eos: len(counts) < depth
+    )
+    worker = FaultyWorker(64)
+    port = await worker.start()
+    settings = conformance.Settings(host="127.0.0.1", port=port, vocab=64, timeout=1.0)
+    picked = [c for c in conformance.CASES if c.id in ("6.4.2", "6.4.4", "6.4.6")]
+    results = await conformance.run_all(picked, settings)
+    await worker.stop()
+    grades = {case.id: outcome.grade for case, outcome, _ in results}
+    assert grades == {
+        "6.4.2": conformance.Grade.PASS,
+        "6.4.4": conformance.Grade.FAIL,
+        "6.4.6": conformance.Grade.FAIL,
+    }
+
+
 @pytest.mark.parametrize(
     ("worker_args", "suite_args", "says"),
     [

@@ -291,3 +291,98 @@ def test_audit_against_an_honest_worker(tmp_path, worker):
     summary, _ = spark(worker.address, tmp_path, "--audit", requests=6, max_tokens=8)
     assert summary["fallbacks"] == 0
     assert summary["draft_tokens"] > 0
+
+
+# Adaptive blocks through both daemons: a two-sample test of the first two committed
+# tokens against target-only decoding (--depth 0) of the same prompt under another seed.
+ADAPTIVE = {
+    "confidence": ["--depth", "3", "--stop", "confidence:0.15"],
+    "joint": ["--depth", "3", "--stop", "joint:0.05"],
+    "auto": ["--depth", "auto"],
+}
+
+
+@pytest.fixture(scope="module")
+def target_only_sample(worker, tmp_path_factory):
+    # Requests n..2n-1 of a target-only run: the same target (--seed builds it) and
+    # prompt, other request seeds than the adaptive runs' requests 0..n-1.
+    n = 1000
+    summary, records = spark(
+        worker.address,
+        tmp_path_factory.mktemp("zero"),
+        "--depth",
+        "0",
+        requests=2 * n,
+        max_tokens=2,
+    )
+    assert summary["draft_tokens"] == 0
+    return Counter(tuple(r["tokens"][:2]) for r in records[n:]), n
+
+
+@pytest.mark.parametrize("mode", list(ADAPTIVE))
+def test_adaptive_blocks_commit_the_target_law_two_sample(
+    tmp_path, worker, mode, target_only_sample
+):
+    # Tolerance declared before the run: for each of the 144 cells of the joint law
+    # of the first two tokens, the two samples' frequencies may differ by at most six
+    # standard deviations of their difference (pooled) plus one count of each: about
+    # 2e-9 false alarm per cell. A block revoked after its draw (docs/adaptive.md §4)
+    # moves a cell by a quarter of its mass, dozens of deviations at these sizes.
+    n = 1000
+    summary, records = spark(
+        worker.address, tmp_path, *ADAPTIVE[mode], "--concurrency", "4", requests=n, max_tokens=2
+    )
+    assert summary["requests"] == n
+    assert summary["fallbacks"] == 0, summary["fallbacks_by_reason"]
+    drafts, rounds, depth = summary["draft_tokens"], summary["rounds"], summary["mean_step_depth"]
+    if mode == "auto":  # the controller chose depths below the most it may
+        assert drafts == round(depth * rounds)
+        assert 1 <= depth < 5
+    else:  # the rule bound: fewer drafts than the depth of every STEP asked for
+        assert 0 < drafts < depth * rounds
+    ours = Counter(tuple(r["tokens"][:2]) for r in records)
+    theirs, m = target_only_sample
+    for cell in set(ours) | set(theirs):
+        a, b = ours.get(cell, 0), theirs.get(cell, 0)
+        pooled = (a + b) / (n + m)
+        sd = sqrt(pooled * (1 - pooled) * (1 / n + 1 / m))
+        assert abs(a / n - b / m) <= 6 * sd + 1 / n + 1 / m, (mode, cell, a, b)
+
+
+def test_depth_auto_sees_only_earlier_verified_rounds_and_the_load(worker, monkeypatch):
+    # Non-anticipating by construction (docs/runner.md section 4): when a STEP's
+    # depth is chosen, the request's history holds exactly its verified rounds so
+    # far, never the round being drafted, and the load is the requests running.
+    import asyncio
+
+    from pp1wire.apps import driver
+    from pp1wire.apps import spark as spark_app
+
+    from .groups import args_of
+
+    seen: list[tuple[int, int, int, int]] = []
+    choose = driver.RoundDriver._depth
+
+    def recording(self, st, load):
+        depth = choose(self, st, load)
+        assert depth == self.plan.controller.choose(st.history, load)
+        seen.append((st.index, len(st.history.rounds), st.record.rounds, load))
+        return depth
+
+    monkeypatch.setattr(driver.RoundDriver, "_depth", recording)
+    args = args_of(
+        "--worker", worker.address, "--vocab", str(VOCAB), "--depth", "auto",
+        "--requests", "6", "--concurrency", "3", "--max-tokens", "12",
+    )  # fmt: skip
+    plan, mode = spark_app.check_settings(args)
+    done = asyncio.run(spark_app.run_rank(args, plan, mode, None))
+    assert done.summary is not None
+    assert done.summary["fallbacks"] == 0
+    assert plan.controller is not None
+    window = plan.controller.policy.window
+    for index in range(6):
+        calls = [c for c in seen if c[0] == index]
+        assert [c[1] for c in calls] == [min(k, window) for k in range(len(calls))]
+        assert all(c[2] == k for k, c in enumerate(calls))  # committed rounds before it
+        assert all(1 <= c[3] <= 3 for c in calls)
+    assert len(seen) == done.summary["rounds"]

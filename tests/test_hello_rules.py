@@ -39,6 +39,8 @@ SPARK_BREAK: dict[str, dict[str, Any]] = {
     "max_frame": {"max_frame": (1 << 20) - 1},
     "max_prefix": {"max_prefix": 1023},
     "shards": {"shards": 2, "shard": 1, "shard_start": 4, "shard_end": VOCAB, "layout": 5},
+    # The Spark side sent "": a worker echoing a stop-rule set upgraded it.
+    "stop_rules": {"stop_rules": "pp1-stop-rules-v1"},
 }
 
 

@@ -172,7 +172,8 @@ def test_the_template_contract_is_in_help_and_readme():
     )
     readme = (ROOT / "README.md").read_text()
     assert TEMPLATE_CONTRACT in readme, "README's copy of the template contract is stale"
-    for placeholder in ("{worker}", "{vocab}", "{support}", "{q}", "{reply_timeout}", "{psk_args}"):
+    placeholders = ("{worker}", "{vocab}", "{support}", "{q}", "{reply_timeout}", "{psk_args}")
+    for placeholder in (*placeholders, "{stop_args}"):
         assert placeholder in res.stdout
         assert placeholder in readme
     for duty in ("fixed depth from 2 to 5", "must exit 0", "fallbacks_by_reason"):
@@ -187,6 +188,8 @@ BROKEN = [
     ("early-completion", ["S1.12", "S1.1"], {"S1.12"}),
     ("any-hello", ["S4", "S3.5"], {f"S4.{i}" for i in range(1, 9)}),
     ("trust-worker-proof", ["S5"], {"S5.2", "S5.3"}),
+    # The COMPLETION's stopped flag is still checked against the rows (S6.5, S6.7).
+    ("no-stop-audit", ["S6"], {"S6.2", "S6.3", "S6.4", "S6.9"}),
 ]
 
 

@@ -40,6 +40,7 @@ from pp1wire.aio.handles import (
 from pp1wire.aio.pool import BufferPool
 from pp1wire.errors import ErrorCode, LocalStateError, Pp1Error, ProtocolError, UsageError
 from pp1wire.q.proposal import Proposal
+from pp1wire.q.stoprules import FIXED, StopRule
 from pp1wire.q.verify import Processor, RequestVerifier, RoundResult, TargetFn
 from pp1wire.wire import spark_events
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
@@ -413,8 +414,13 @@ class AsyncClient:
         depth: int,
         temperature: float = 1.0,
         support: int = 0,
+        stop: StopRule = FIXED,
     ) -> Proposal:
-        """Ask for one fixed-depth block under ``round_id`` and wait until it is validated whole.
+        """Ask for one block under ``round_id`` and wait until it is validated whole.
+
+        ``depth`` is the block's maximum; ``stop`` its stop rule
+        (``docs/adaptive.md``; a rule other than FIXED needs
+        ``SparkConfig.stop_rules``), audited on arrival.
 
         ``round_id`` comes from the request's own counter
         (:meth:`pp1wire.q.verify.RequestVerifier.take_round`), which also numbers
@@ -437,6 +443,7 @@ class AsyncClient:
                 temperature=temperature,
                 support=support,
                 now=time.monotonic(),
+                stop=stop,
             )
         except LocalStateError as exc:
             if exc.code is ErrorCode.SLOT_DESYNCED:
@@ -456,6 +463,7 @@ class AsyncClient:
         depth: int,
         temperature: float = 1.0,
         support: int = 0,
+        stop: StopRule = FIXED,
     ) -> ProposalBatch:
         """Send a STEP for every request at once; return when each proposal is whole or failed.
 
@@ -508,6 +516,7 @@ class AsyncClient:
                     temperature=temperature,
                     support=support,
                     now=now,
+                    stop=stop,
                 )
             except (ProtocolError, LocalStateError) as exc:  # checked above: not expected
                 out.append(ProposalUnavailableError(exc.code, exc.detail))

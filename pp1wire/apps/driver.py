@@ -47,17 +47,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import prometheus_client as prom
-
 from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
-from pp1wire.aio.server import SECONDS_BUCKETS
 from pp1wire.apps import metrics
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.rng import derive_seed
+from pp1wire.q.stoprules import FIXED, AcceptanceHistory, DepthController, StopRule
 from pp1wire.q.verify import (
     TARGET_FAILURES,
     BatchTargetFn,
+    Outcome,
     RequestVerifier,
     RoundResult,
     TargetFn,
@@ -79,82 +79,6 @@ _STRAGGLER_FRACTION = 0.5
 _STRAGGLER_FLOOR = 0.002  # seconds: under this, waiting costs less than a step
 
 # -- metrics and records ------------------------------------------------------------
-
-
-class SparkMetrics:
-    """Every metric the Spark side exposes, in a registry of its own."""
-
-    def __init__(self, max_depth: int) -> None:
-        """Register the metrics."""
-        r = self.registry = prom.CollectorRegistry()
-        self.drafts = prom.Counter(
-            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
-        )
-        self.accepted = prom.Counter(
-            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
-        self.num_drafts = prom.Counter(
-            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
-        )
-        per_position = prom.Counter(
-            "pp1_spec_decode_accepted_tokens_per_pos",
-            "Accepted draft tokens by position in the block (0-based).",
-            ["position"],
-            registry=r,
-        )
-        # Children made once: every position is exported from the start, and the
-        # per-round path skips the label lookup.
-        self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
-        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
-        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
-        self.stopped = prom.Counter(
-            "pp1_requests_stopped",
-            "Requests stopped before their end, by reason (target_failed, group_failed).",
-            ["reason"],
-            registry=r,
-        )
-        self.fallbacks = prom.Counter(
-            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
-        )
-        self.rejected = prom.Counter(
-            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
-        )
-        self.dropped = prom.Counter(
-            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
-        )
-        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
-        self.audit_failures = prom.Counter(
-            "pp1_audit_failures",
-            "Proposals whose drafts are not what the worker's own draw selects from its q.",
-            registry=r,
-        )
-        self.steps = prom.Counter(
-            "pp1_steps", "Engine steps: rounds decided together (one target call).", registry=r
-        )
-        self.step_rounds = prom.Counter(
-            "pp1_step_rounds", "Rounds decided, summed over steps.", registry=r
-        )
-        self.step_slots = prom.Counter(
-            "pp1_step_slots", "Running requests at each step, summed over steps.", registry=r
-        )
-        self.tp_votes_failed = prom.Counter(
-            "pp1_tp_votes_failed",
-            "TP group attempts voted down, by the reason each no-vote gave.",
-            ["reason"],
-            registry=r,
-        )
-        self.tp_fanout_bytes = prom.Counter(
-            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
-        )
-        self.tp_fanout_seconds = prom.Counter(
-            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
-        )
-        self.rtt = prom.Histogram(
-            "pp1_proposal_round_trip_seconds",
-            "STEP sent to proposal validated, seconds.",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
-        )
 
 
 @dataclass
@@ -195,7 +119,13 @@ class RequestRecord:
 
 @dataclass
 class Plan:
-    """What a run does, from the settings (the same on every rank)."""
+    """What a run does, from the settings (the same on every rank).
+
+    ``depth`` is every STEP's maximum depth, or with ``controller`` the most
+    the controller may choose (``--depth auto``: it picks each STEP's depth
+    from the request's verified rounds and the load, ``docs/runner.md`` §4);
+    ``stop`` is every STEP's stop rule (``--stop``).
+    """
 
     requests: int
     concurrency: int
@@ -208,6 +138,8 @@ class Plan:
     audit: bool
     vocab_size: int
     prompts: list[list[int]]
+    stop: StopRule = FIXED
+    controller: DepthController | None = None
 
 
 @dataclass
@@ -223,6 +155,11 @@ class RequestState:
     flight: asyncio.Task[Proposal] | None = None
     round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
     sent: float = 0.0
+    # A generation this rank just opened the slot at, taken up only if the group
+    # agrees the request STEPs: a rank never moves its verifier alone.
+    opening: int | None = None
+    #: The request's verified rounds, the depth controller's only history.
+    history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
 
     @property
     def index(self) -> int:
@@ -456,6 +393,8 @@ class RoundDriver:
         self.records: dict[int, RequestRecord] = {}
         self.steps = 0
         self.seconds = 0.0
+        self.stepped = 0  # STEPs sent, and their maximum depths summed (the summary's mean)
+        self.stepped_depth = 0
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -544,9 +483,16 @@ class RoundDriver:
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
+        # The load the depth controller sees: the requests running now, counted
+        # before any STEP of this launch is sent (docs/runner.md section 4).
+        load = len(states)
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._off_loop(self.strategy.agree, local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
+            if not code and st.opening is not None and st.opened is not None:
+                st.verifier.rebuild(st.verifier.committed, st.opening)
+                st.verifier.session = st.opened.session
+            st.opening = None
             st.round_id = st.verifier.take_round()
             if code == _TARGET_ONLY:
                 continue
@@ -560,16 +506,29 @@ class RoundDriver:
                 continue
             client = st.opened
             assert client is not None
+            depth = self._depth(st, load)
+            self.stepped += 1
+            self.stepped_depth += depth
             st.sent = time.perf_counter()
             st.flight = asyncio.ensure_future(
                 client.propose(
                     st.slot,
                     round_id=st.round_id,
-                    depth=self.plan.depth,
+                    depth=depth,
                     temperature=self.plan.temperature,
                     support=self.plan.support,
+                    stop=self.plan.stop,
                 )
             )
+
+    def _depth(self, st: RequestState, load: int) -> int:
+        """The STEP's maximum depth: ``--depth``, or the controller's choice from the
+        request's verified rounds and the load alone; the round it is for has no
+        row yet, so nothing of that round can enter the choice."""
+        controller = self.plan.controller
+        if controller is None:
+            return self.plan.depth
+        return controller.choose(st.history, load)
 
     async def _prepare(self, st: RequestState) -> int:
         """0 if this rank can STEP ``st`` now (its slot open on a live link), else why not:
@@ -594,8 +553,7 @@ class RoundDriver:
         except Pp1Error as exc:
             log.warning("open failed", extra={"slot": st.slot, "error": repr(exc)})
             return int(exc.code)
-        v.rebuild(v.committed, generation)
-        v.session = client.session
+        st.opening = generation  # the verifier moves to it in _launch, once agreed
         st.opened = client
         return 0
 
@@ -680,6 +638,10 @@ class RoundDriver:
                 st.fallback = None
         else:
             drafted = len(r.proposal.rows)
+            if self.plan.controller is not None:
+                st.history = self.plan.controller.record(
+                    st.history, res.accepted, res.outcome is Outcome.CORRECTION
+                )
             rec.draft_tokens += drafted
             rec.accepted_tokens += res.accepted
             m.num_drafts.inc()
@@ -762,6 +724,8 @@ class RoundDriver:
             ),
             "steps": steps,
             "step_fill": metrics.total(m.step_rounds) / slots if slots else 0.0,
+            "stop_rule": str(self.plan.stop),
+            "mean_step_depth": self.stepped_depth / self.stepped if self.stepped else None,
             "seconds": self.seconds,
             "tokens_per_second": tokens / self.seconds if self.seconds else 0.0,
         }

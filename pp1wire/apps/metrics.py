@@ -3,7 +3,8 @@
 Each daemon keeps its own :class:`prometheus_client.CollectorRegistry` (so two
 servers in one process never share counters) and serves it at ``GET /metrics``
 from the daemon's own event loop. :func:`by_label` and :func:`total` read a
-counter back for the daemons' JSON summaries.
+counter back for the daemons' JSON summaries; :class:`SparkMetrics` is every
+metric ``pp1-spark`` exports (the worker's are in :mod:`pp1wire.aio.server`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+import prometheus_client as prom
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from pp1wire.aio.server import SECONDS_BUCKETS
 
 
 def _samples(counter: Counter) -> list[tuple[dict[str, str], float]]:
@@ -88,3 +92,79 @@ def scrape(address: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+class SparkMetrics:
+    """Every metric the Spark side exposes, in a registry of its own."""
+
+    def __init__(self, max_depth: int) -> None:
+        """Register the metrics."""
+        r = self.registry = prom.CollectorRegistry()
+        self.drafts = prom.Counter(
+            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
+        )
+        self.accepted = prom.Counter(
+            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.num_drafts = prom.Counter(
+            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
+        )
+        per_position = prom.Counter(
+            "pp1_spec_decode_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the block (0-based).",
+            ["position"],
+            registry=r,
+        )
+        # Children made once: every position is exported from the start, and the
+        # per-round path skips the label lookup.
+        self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
+        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
+        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
+        self.stopped = prom.Counter(
+            "pp1_requests_stopped",
+            "Requests stopped before their end, by reason (target_failed, group_failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.fallbacks = prom.Counter(
+            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
+        )
+        self.rejected = prom.Counter(
+            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
+        )
+        self.dropped = prom.Counter(
+            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
+        )
+        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
+        self.audit_failures = prom.Counter(
+            "pp1_audit_failures",
+            "Proposals whose drafts are not what the worker's own draw selects from its q.",
+            registry=r,
+        )
+        self.steps = prom.Counter(
+            "pp1_steps", "Engine steps: rounds decided together (one target call).", registry=r
+        )
+        self.step_rounds = prom.Counter(
+            "pp1_step_rounds", "Rounds decided, summed over steps.", registry=r
+        )
+        self.step_slots = prom.Counter(
+            "pp1_step_slots", "Running requests at each step, summed over steps.", registry=r
+        )
+        self.tp_votes_failed = prom.Counter(
+            "pp1_tp_votes_failed",
+            "TP group attempts voted down, by the reason each no-vote gave.",
+            ["reason"],
+            registry=r,
+        )
+        self.tp_fanout_bytes = prom.Counter(
+            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
+        )
+        self.tp_fanout_seconds = prom.Counter(
+            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
+        )
+        self.rtt = prom.Histogram(
+            "pp1_proposal_round_trip_seconds",
+            "STEP sent to proposal validated, seconds.",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )

@@ -151,6 +151,23 @@ rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1
 name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
 
 
+def depth_or_auto(raw: object) -> int | str:
+    """Flag type: ``auto``, or an integer >= 0 (a depth; its range is the command's check).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return count(raw)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a depth (0..5) or auto") from None
+
+
+depth_or_auto.kind = (int, str)  # type: ignore[attr-defined]  # TOML: depth = 3 or "auto"
+
+
 def _exact(action: argparse.Action, raw: object) -> str | None:
     """Why a TOML value has the wrong type for ``action`` (None if it is right):
     a TOML file types its values, so a string is not a port and 2 is not a path."""
@@ -160,6 +177,9 @@ def _exact(action: argparse.Action, raw: object) -> str | None:
         ok = isinstance(raw, list) and all(isinstance(x, str) for x in raw)
         return None if ok else f"{raw!r} is not a list of strings"
     kind = getattr(action.type, "kind", action.type if isinstance(action.type, type) else str)
+    if isinstance(kind, tuple):  # one of several TOML types
+        ok = isinstance(raw, kind) and not isinstance(raw, bool)
+        return None if ok else f"{raw!r} is not {' or '.join(_KIND_NAMES[k] for k in kind)}"
     if isinstance(raw, bool):
         return f"{raw!r} is not {_KIND_NAMES.get(kind, 'a string')}"
     if kind is int and not isinstance(raw, int):

@@ -67,6 +67,7 @@ from pp1wire.apps.settings import (
 from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import MAX_DEPTH
+from pp1wire.q.stoprules import STOP_RULES, DepthController, StopKind, StopRule
 from pp1wire.q.verify import batched
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.spark_core import SparkConfig
@@ -204,10 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--depth",
-        type=count,
+        type=settings.depth_or_auto,
         default=5,
         metavar="TOKENS",
-        help=f"drafts per proposal, fixed, 1..{MAX_DEPTH}; 0 decodes target-only (no worker)",
+        help=f"drafts per proposal at most, 1..{MAX_DEPTH}; 0 decodes target-only (no worker); "
+        "auto: each STEP's depth chosen per request from its verified rounds and the load "
+        "(docs/runner.md)",
+    )
+    p.add_argument(
+        "--stop",
+        default="fixed",
+        metavar="RULE",
+        help="the stop rule of every block (docs/adaptive.md): fixed (the depth, or a "
+        "terminal token, ends it), confidence:TAU (draw the next draft only while the last "
+        "one's q is at least TAU) or joint:TAU (only while the product of the drafts' q is "
+        "at least TAU); audited on arrival",
     )
     p.add_argument(
         "--support", default="dense", metavar="Q", help="the q of each row: dense or sparse:K"
@@ -328,8 +340,16 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
     Raises:
         SettingsError: the first bad setting, in one line.
     """
-    if not 0 <= args.depth <= MAX_DEPTH:
+    auto = args.depth == "auto"
+    depth = MAX_DEPTH if auto else args.depth
+    if not 0 <= depth <= MAX_DEPTH:
         raise SettingsError(f"--depth must be in 0..{MAX_DEPTH}")
+    try:
+        stop = StopRule.parse(args.stop)
+    except ValueError as exc:
+        raise SettingsError(f"--stop: {exc}") from None
+    if stop.kind is not StopKind.FIXED and depth == 0:
+        raise SettingsError(f"--stop {stop} needs proposals: --depth above 0")
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise SettingsError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
     support = parse_support(args.support)
@@ -348,13 +368,22 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         raise SettingsError(f"--vocab-shards {args.vocab_shards} needs --tp {args.vocab_shards}")
     if sharded and args.audit:
         raise SettingsError("--audit is not available with --vocab-shards (no rank holds all q)")
+    if sharded and stop.kind is not StopKind.FIXED:
+        raise SettingsError(
+            f"--stop {stop} is not available with --vocab-shards (no rank holds the q of "
+            "every draft, so no rank could audit a stop)"
+        )
+    if sharded and auto:
+        raise SettingsError(
+            "--depth auto is not available with --vocab-shards (a fixed --depth only)"
+        )
     tls_context(args.tls_ca)
     read_psk(args.psk_file)
     plan = Plan(
         requests=args.requests,
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
-        depth=args.depth,
+        depth=depth,
         support=support,
         temperature=args.temperature,
         seed=args.seed,
@@ -362,6 +391,8 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         audit=args.audit,
         vocab_size=args.vocab,
         prompts=prompts,
+        stop=stop,
+        controller=DepthController() if auto else None,
     )
     return plan, _Mode(world, sharded)
 
@@ -384,6 +415,7 @@ def spark_config(
         reply_timeout=args.reply_timeout,
         layout=layout,
         shard=rank if layout is not None else 0,
+        stop_rules="" if plan.stop.kind is StopKind.FIXED else STOP_RULES,
     )
 
 
@@ -549,6 +581,7 @@ CONFIGURATION_REASONS = frozenset(
         ErrorCode.SUPPORT_OUT_OF_RANGE,
         ErrorCode.SLOT_LIMIT,
         ErrorCode.CONTEXT_MISMATCH,
+        ErrorCode.BAD_STOP_RULE,
     )
 )
 

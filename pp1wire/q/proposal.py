@@ -1,11 +1,12 @@
-"""Fixed-depth proposal chains: the worker's side of a round.
+"""Proposal chains: the worker's side of a round.
 
-Depth (1..:data:`MAX_DEPTH`) is fixed before the first draw. Each position's q
-is built from the drafter's logits for the committed prefix plus the *actual*
-earlier draws, the token is sampled from that exact q with the proposal RNG
-domain, and only a drafted terminal token ends the block early. Nothing here
-looks at a draw to decide whether to verify it (see "Depth admission" in the
-transport design).
+The maximum depth (1..:data:`MAX_DEPTH`) is fixed before the first draw. Each
+position's q is built from the drafter's logits for the committed prefix plus
+the *actual* earlier draws, and the token is sampled from that exact q with the
+proposal RNG domain. A drafted terminal token ends the block early, and so may
+the block's stop rule (:mod:`pp1wire.q.stoprules`), which decides after each
+row, from the rows already drawn, whether the next one is drawn. Nothing here
+looks at a draw to decide whether to verify it (``docs/adaptive.md``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from pp1wire.errors import (
     ProposalReleasedError,
     RngError,
 )
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, stoprules
 from pp1wire.q import rows as rows_
 from pp1wire.q.rng import Domain, Role, RoundStreams
+from pp1wire.q.stoprules import FIXED, StopRule, admits_next
 
-MAX_DEPTH = 5
+MAX_DEPTH = stoprules.MAX_DEPTH
 _LITTLE = sys.byteorder == "little"
 
 DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
@@ -298,7 +300,8 @@ class Proposal:
     of the committed prefix it was drawn after; ``digest`` is that prefix's
     :func:`prefix_digest`. ``shard`` is ``(start, end)`` for one link's shard of
     a vocabulary-sharded proposal (protocol §6.7): its rows hold q over that
-    range only, and only its group can verify it.
+    range only, and only its group can verify it. ``stop`` is the stop rule
+    the STEP asked for (``depth`` is then the block's maximum length).
     """
 
     session: int
@@ -310,6 +313,7 @@ class Proposal:
     rows: tuple[QRow, ...]
     context: int = 0
     shard: tuple[int, int] | None = None
+    stop: StopRule = FIXED
     #: The slot it was received on (-1: built in this process, not received).
     slot: int = -1
     #: Gives the rows' receive buffers back (set by the client that received it).
@@ -385,11 +389,15 @@ def propose(
     temperature: float = 1.0,
     support: int | None = None,
     eos: int | None = None,
+    stop: StopRule = FIXED,
 ) -> tuple[QRow, ...]:
-    """Draw one fixed-depth block after ``prefix``.
+    """Draw one block of at most ``depth`` rows after ``prefix``.
 
     Position i (absolute ``len(prefix) + i``) uses the proposal draw keyed by
-    that position; its q is built from ``drafter(prefix + drafts[:i])``.
+    that position; its q is built from ``drafter(prefix + drafts[:i])``. After
+    each row, the next is drawn only if the depth, ``eos`` and the stop rule
+    admit it (:func:`pp1wire.q.stoprules.admits_next`), so the rows of a
+    stopped block are the first rows of the fixed block with the same key.
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
@@ -405,6 +413,7 @@ def propose(
     context = ExtendedPrefix(prefix)
     start = len(prefix)
     rows: list[QRow] = []
+    drawn: list[int] = []  # each row's count at its own token: the rule's input
     for i in range(depth):
         counts, ids = build_row(drafter(context), temperature, support)
         u = streams.u24(Domain.PROPOSAL, start + i)
@@ -412,7 +421,8 @@ def propose(
         token = pick if ids is None else int(ids[pick])
         rows.append(QRow(token=token, counts=counts, ids=ids))
         context.append(token)
-        if token == eos:
+        drawn.append(int(counts[pick]))
+        if not admits_next(stop, depth, drawn, context.tail, eos):
             break
     return tuple(rows)
 
@@ -429,7 +439,7 @@ class DraftJob:
     The proposal draws are those of ``RoundStreams(Role.WORKER, seed,
     generation, round_id)``; the first draft is at position ``len(prefix)``.
     ``support`` 0 means dense, else a sparse top-``support`` q; ``temperature``
-    0 means greedy.
+    0 means greedy; ``depth`` is the maximum and ``stop`` the block's stop rule.
     """
 
     seed: int
@@ -440,6 +450,7 @@ class DraftJob:
     temperature: float = 1.0
     support: int = 0
     eos: int | None = None
+    stop: StopRule = FIXED
 
 
 BatchDrafterFn = Callable[
@@ -460,7 +471,7 @@ def batched_drafter(drafter: DrafterFn) -> BatchDrafterFn:
 class _Draft:
     """One job's state while the batch is drafted."""
 
-    __slots__ = ("context", "index", "job", "rows", "streams")
+    __slots__ = ("context", "drawn", "index", "job", "rows", "streams")
 
     def __init__(self, index: int, job: DraftJob, streams: RoundStreams) -> None:
         self.index = index
@@ -468,6 +479,7 @@ class _Draft:
         self.streams = streams
         self.context = ExtendedPrefix(job.prefix)
         self.rows: list[QRow] = []
+        self.drawn: list[int] = []  # each row's count at its token (the stop rule's input)
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -490,7 +502,7 @@ def propose_batch(
     threads: int = 2,
     row_entries: int | None = None,
 ) -> list[tuple[QRow, ...] | Pp1Error]:
-    """Draw many requests' fixed-depth blocks together, as an engine's step does.
+    """Draw many requests' blocks together, as an engine's step does.
 
     Per position, **one** call of ``drafter`` over every job still drafting;
     then the q rows of all of them are built and sampled together (dense rows
@@ -552,10 +564,12 @@ def propose_batch(
                 continue
             d.rows.append(got)
             d.context.append(got.token)
-            if got.token == d.job.eos or len(d.rows) == d.job.depth:
-                results[d.index] = tuple(d.rows)
-            else:
+            d.drawn.append(got.count_at(got.token))
+            job = d.job
+            if admits_next(job.stop, job.depth, d.drawn, d.context.tail, job.eos):
                 going.append(d)
+            else:
+                results[d.index] = tuple(d.rows)
         live = going
     assert all(r is not None for r in results)
     return cast("list[tuple[QRow, ...] | Pp1Error]", results)

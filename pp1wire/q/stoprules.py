@@ -36,7 +36,9 @@ from fractions import Fraction
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.dyadic import M
-from pp1wire.q.proposal import MAX_DEPTH
+
+MAX_DEPTH = 5
+"""The longest block (PP1 v2's ``max_depth`` bound); :mod:`pp1wire.q.proposal` re-exports it."""
 
 STOP_RULES = "pp1-stop-rules-v1"
 """Name of this rule set (kinds, integer definitions, threshold encoding).
@@ -47,6 +49,8 @@ name, never a silent reinterpretation of the old one."""
 _SHIFT = 24
 
 __all__ = [
+    "FIXED",
+    "MAX_DEPTH",
     "STOP_RULES",
     "AcceptanceHistory",
     "DepthController",
@@ -56,7 +60,9 @@ __all__ = [
     "admits_next",
     "audit",
     "continues",
+    "step_rule",
     "stop_after",
+    "stopped_by_rule",
     "threshold_of",
 ]
 
@@ -208,6 +214,35 @@ class StopRule:
         if self.kind is StopKind.FIXED:
             return "fixed"
         return f"{_NAMES[self.kind]}:{_shortest_decimal(self.threshold)}"
+
+
+FIXED = StopRule()
+"""Today's rule, the default: only the depth or a terminal token ends a block."""
+
+
+def step_rule(kind: int, threshold: int, negotiated: str) -> StopRule | ErrorCode:
+    """The rule a STEP's ``stop`` and ``threshold`` fields name, or why a worker refuses it.
+
+    ``negotiated`` is the rule set the connection's HELLO agreed on
+    (:data:`STOP_RULES`, or ``""``: the fixed rule only).
+
+    Returns ``BAD_STOP_RULE`` for an unknown kind, a threshold outside
+    0..2**24, a FIXED rule with a threshold, or a rule other than FIXED on a
+    connection that did not negotiate :data:`STOP_RULES`.
+    """
+    try:
+        rule = StopRule(StopKind(kind), threshold)
+    except ValueError:
+        return ErrorCode.BAD_STOP_RULE
+    if rule.kind is not StopKind.FIXED and negotiated != STOP_RULES:
+        return ErrorCode.BAD_STOP_RULE
+    return rule
+
+
+def stopped_by_rule(depth: int, tokens: Sequence[int], eos: int | None) -> bool:
+    """Whether a block of these drafted tokens ended before its depth without a terminal
+    token: only a stop rule ends a block there (COMPLETION's ``stopped``)."""
+    return len(tokens) < depth and not (tokens and eos is not None and tokens[-1] == eos)
 
 
 def _check_counts(counts: Sequence[int]) -> None:
@@ -384,7 +419,7 @@ class DepthController:
 
     Inputs, and nothing else: the request's :class:`AcceptanceHistory` (its
     earlier rounds, already verified and committed) and ``active_slots``, the
-    number of slots with a STEP in the batch, counted before this STEP is sent.
+    load: the requests running (``pp1-spark``), counted before this STEP is sent.
     The round being drafted has no rows when :meth:`choose` runs, so no draw
     of it can influence the depth (``docs/adaptive.md``, "Depth controller").
 

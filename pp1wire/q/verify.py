@@ -30,6 +30,7 @@ from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
+from pp1wire.q.stoprules import StopKind, audit
 
 Float64Array = npt.NDArray[np.float64]
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
@@ -340,10 +341,16 @@ class RequestVerifier:
         request (each rank's rows were checked on arrival, the group's sums by
         :func:`pp1wire.q.layout.check_group`).
 
+        A proposal under a stop rule other than FIXED is audited here
+        (``docs/adaptive.md`` §2): its block must end exactly where the rule,
+        recomputed from its rows, ends it; only then may it be shorter than
+        its depth without a terminal token.
+
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
                 ``WRONG_SESSION``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
-                ``STALE_PREFIX``, ``ROUND_REUSED`` or ``MALFORMED_PROPOSAL``.
+                ``STALE_PREFIX``, ``ROUND_REUSED``, ``MALFORMED_PROPOSAL`` or
+                ``STOP_RULE_VIOLATED``.
         """
         self._require_live()
         if proposal.session != self.session:
@@ -367,11 +374,29 @@ class RequestVerifier:
                 raise VerifyError(
                     ErrorCode.MALFORMED_PROPOSAL, "draft continues after a terminal token"
                 )
-        if len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
+        if proposal.stop.kind is not StopKind.FIXED:
+            self._audit_stop(proposal)
+        elif len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
             raise VerifyError(
                 ErrorCode.MALFORMED_PROPOSAL,
                 "block shorter than its depth without a terminal token",
             )
+
+    def _audit_stop(self, proposal: Proposal) -> None:
+        """The stop audit: every row's count at its own token, through the rule."""
+        if proposal.shard is not None:
+            # One shard holds the drafted token's q on one rank only: no audit here.
+            raise VerifyError(
+                ErrorCode.MALFORMED_PROPOSAL, "a sharded proposal cannot carry a stop rule"
+            )
+        rows = proposal.rows
+        counts = [row.count_at(row.token) for row in rows]
+        try:
+            code = audit(proposal.stop, proposal.depth, counts, [r.token for r in rows], self.eos)
+        except ValueError as exc:  # a count outside 0..2**24: rows never validated
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, str(exc)) from None
+        if code is not None:
+            raise VerifyError(code, f"the block of {len(rows)} rows breaks {proposal.stop}")
 
     def check_proposal(self, proposal: Proposal) -> None:
         """Refuse a proposal that this request must not consume; draws nothing.

@@ -116,7 +116,7 @@ def reply_row(step: Step, index: int, token: int, payload: bytes, **over: Any) -
 
 def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
     """The COMPLETION frame of a reply whose REPLY frames are ``body`` (range as for
-    :func:`reply_header`)."""
+    :func:`reply_header`; ``stopped=1``: the flag of a block its stop rule ended)."""
     return framing.encode_frame(
         Completion(
             session=step.session,
@@ -131,6 +131,7 @@ def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
             status=over.get("status", 0),
             start=over.get("start"),
             end=over.get("end"),
+            stopped=bool(over.get("stopped", 0)),
         )
     )
 

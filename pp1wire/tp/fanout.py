@@ -20,6 +20,7 @@ from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
 from pp1wire.q.layout import as_int64, as_uint64
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
+from pp1wire.q.stoprules import FIXED, StopKind, StopRule
 from pp1wire.q.verify import Outcome, RequestVerifier, RoundResult
 
 WORDS = 16
@@ -80,13 +81,14 @@ class Header:
     nbytes: int = 0
     payload_digest: int = 0
     context: int = 0
+    stop: StopRule = FIXED  # the proposal's stop rule: word 1, kind * 2**32 + threshold
 
     def words(self) -> Words:
         """The header as ``int64[WORDS]``."""
         out = np.zeros(WORDS, dtype=np.int64)
         out[:14] = [
             int(self.kind),
-            0,  # reserved
+            (int(self.stop.kind) << 32) | self.stop.threshold,
             self.request,
             as_int64(self.session),
             self.generation,
@@ -116,6 +118,12 @@ class Header:
             raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, f"unknown attempt kind {w[0]}")
         if not 0 <= w[9] <= MAX_DEPTH or not 0 <= w[11] <= max_payload or w[10] not in (0, 1):
             raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "attempt header out of bounds")
+        try:
+            stop = StopRule(StopKind(w[1] >> 32), w[1] & 0xFFFFFFFF)
+        except ValueError:
+            raise ValidationError(
+                ErrorCode.GROUP_HEADER_INVALID, f"no stop rule is the word {w[1]}"
+            ) from None
         return cls(
             kind=Kind(w[0]),
             request=w[2],
@@ -130,6 +138,7 @@ class Header:
             nbytes=w[11],
             payload_digest=w[12],
             context=as_uint64(w[13]),
+            stop=stop,
         )
 
 
@@ -265,6 +274,7 @@ def proposal_of(header: Header, rows: tuple[QRow, ...]) -> Proposal:
         depth=header.depth,
         rows=rows,
         context=header.context,
+        stop=header.stop,
     )
 
 
@@ -286,6 +296,7 @@ def header_of(
         nbytes=payload.nbytes,
         payload_digest=digest(payload),
         context=proposal.context,
+        stop=proposal.stop,
     )
 
 

@@ -18,6 +18,7 @@ import xxhash
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic, layout
 from pp1wire.q.proposal import Lease, Proposal, QRow
+from pp1wire.q.stoprules import StopKind, StopRule, audit, stopped_by_rule
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
 
@@ -52,6 +53,11 @@ class ReplyAssembly:
     def round(self) -> int:
         """The STEP's round ID."""
         return self.step.round
+
+    @property
+    def rule(self) -> StopRule:
+        """The STEP's stop rule (this side sent it: always a valid one)."""
+        return StopRule(StopKind(self.step.stop), self.step.threshold)
 
     def _ended_by_eos(self, eos: int | None) -> bool:
         return bool(self.rows) and eos is not None and self.rows[-1].token == eos
@@ -135,6 +141,11 @@ class ReplyAssembly:
         """None if COMPLETION closes this reply exactly; else the code that discards it.
 
         ``shard`` is a sharded link's global ID range, as for :meth:`check_row`.
+        A block shorter than its depth without a terminal token needs
+        ``stopped``; a ``stopped`` block needs a stop rule other than FIXED and
+        fewer rows than the depth without a terminal token
+        (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
+        (``docs/adaptive.md`` §2) recomputes where the rule ends the block.
         """
         step = self.step
         got = len(self.rows)
@@ -142,8 +153,12 @@ class ReplyAssembly:
             return status_code(msg.status)
         if msg.rows != got:
             return ErrorCode.COMPLETION_EARLY if msg.rows > got else ErrorCode.REPLY_SIZE_MISMATCH
-        if got < step.depth and not self._ended_by_eos(eos):
+        rule = self.rule
+        short = stopped_by_rule(step.depth, [r.token for r in self.rows], eos)
+        if short and not msg.stopped:
             return ErrorCode.COMPLETION_EARLY
+        if msg.stopped and (not short or rule.kind is StopKind.FIXED):
+            return ErrorCode.STOP_RULE_VIOLATED
         if msg.position != step.position:
             return ErrorCode.WRONG_POSITION
         if msg.context != step.context:
@@ -154,6 +169,10 @@ class ReplyAssembly:
             return ErrorCode.REPLY_SIZE_MISMATCH
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
+        if rule.kind is not StopKind.FIXED:
+            # Each row's count at its own token, as validated (§6.2): 1..2**24.
+            counts = [r.count_at(r.token) for r in self.rows]
+            return audit(rule, step.depth, counts, [r.token for r in self.rows], eos)
         return None
 
     def proposal(
@@ -163,7 +182,7 @@ class ReplyAssembly:
         ``shard``: the link's range on a sharded link)."""
         st = self.step
         at = (st.generation, st.round, st.position, st.digest, st.depth)
-        return Proposal(session, *at, rows, st.context, shard)
+        return Proposal(session, *at, rows, st.context, shard, self.rule)
 
     def settle(self, *, discarded: bool) -> list[memoryview]:
         """Mark the reply settled (later frames are late) and hand back its buffers."""

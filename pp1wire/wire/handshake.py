@@ -18,6 +18,7 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import ABI_NAME, Role
+from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import LABEL_PREFIX, PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
 
@@ -57,17 +58,29 @@ class PeerConfig:
     handshake_timeout: float = 5.0
     layout: ShardLayout | None = None
     shard: int = 0
+    #: The stop-rule set (``docs/adaptive.md``): the one a Spark side asks for, the
+    #: one a worker implements; ``""``: fixed depth only.
+    stop_rules: str = ""
 
     def __post_init__(self) -> None:
-        """Refuse a shard that the layout does not have.
+        """Refuse a shard that the layout does not have, or an unknown stop-rule set.
 
         Raises:
-            ValueError: if the layout's vocabulary is not ``vocab_size``, or
-                ``shard`` is not one of its ranks (or not 0 without a layout).
+            ValueError: if the layout's vocabulary is not ``vocab_size``,
+                ``shard`` is not one of its ranks (or not 0 without a layout),
+                or ``stop_rules`` is neither ``""`` nor ``pp1-stop-rules-v1``.
         """
         self.shard_layout.range(self.shard)
         if self.shard_layout.vocab_size != self.vocab_size:
             raise ValueError("the shard layout does not split this vocabulary")
+        if self.stop_rules not in ("", STOP_RULES):
+            raise ValueError(f"unknown stop-rule set {self.stop_rules!r} (known: {STOP_RULES})")
+
+    @property
+    def stop_rule_set(self) -> str:
+        """The stop-rule set this link can use: none on a sharded link, whose Spark
+        rank cannot audit a stop (it holds q at the drafted token on one rank only)."""
+        return "" if self.sharded else self.stop_rules
 
     @cached_property
     def shard_layout(self) -> ShardLayout:
@@ -144,6 +157,7 @@ def build_hello(
         shard_end=cfg.shard_range[1],
         layout=cfg.shard_layout.digest,
         session=session,
+        stop_rules=src.stop_rules if src else cfg.stop_rules,
     )
 
 
@@ -267,7 +281,7 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
     ),
     HelloRule(
         ("max_slots", "max_depth", "max_support"),
-        "most slots, fixed depth, sparse k the Spark side will use",
+        "most slots, largest depth (a STEP's maximum), sparse k the Spark side will use",
         "worker: each ≤ its own limit; Spark side: each equal to what it sent",
         ErrorCode.LIMIT_EXCEEDED,
     ),
@@ -300,6 +314,14 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "all five exact (each side compares the peer's values with its own configuration)",
         ErrorCode.SHARD_LAYOUT_MISMATCH,
         lambda peer, cfg, _role: _shard_fields(peer) == _shard_fields(cfg),
+    ),
+    HelloRule(
+        ("stop_rules",),
+        f"the stop-rule set the Spark side's STEPs may name (§4.4): `{STOP_RULES}` "
+        '(`docs/adaptive.md`), or `""` for fixed depth only; a sharded link (§6.7) '
+        "implements none",
+        'worker: `""` or the set it implements, by exact name; Spark side: equal to what it sent',
+        ErrorCode.STOP_RULES_MISMATCH,
     ),
     HelloRule(
         ("session",),

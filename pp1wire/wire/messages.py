@@ -128,6 +128,9 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     shard_end: Token
     layout: U64
     session: U64 = 0
+    #: The stop-rule set the STEPs may name (``docs/adaptive.md``): ``pp1-stop-rules-v1``,
+    #: or ``""`` (omitted): fixed depth only.
+    stop_rules: Name = ""
 
     def __post_init__(self) -> None:
         """Cross-field rules (protocol §4.1).
@@ -200,7 +203,13 @@ class Closed(_Msg, frozen=True, tag=int(MsgType.CLOSED)):
 
 
 class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
-    """Ask for one fixed-depth proposal block (protocol §4.4)."""
+    """Ask for one proposal block of at most ``depth`` rows (protocol §4.4).
+
+    ``stop`` and ``threshold`` are the block's stop rule (``docs/adaptive.md``:
+    0 fixed, 1 confidence, 2 joint; T in 0..2**24); a STEP that omits them asks
+    for the fixed rule (0, 0). Their ranges are the worker's check
+    (``BAD_STOP_RULE``), not the schema's.
+    """
 
     session: U64
     slot: U16
@@ -212,6 +221,8 @@ class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
     temperature: float
     support: U32
     context: U64
+    stop: U8 = 0
+    threshold: U32 = 0
 
 
 class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
@@ -259,6 +270,8 @@ class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=T
     status: U16
     start: Token | None = None
     end: Token | None = None
+    #: The STEP's stop rule ended the block before its depth (no terminal token).
+    stopped: bool = False
 
     def __post_init__(self) -> None:
         """Cross-field rule (protocol §4.6).

@@ -145,8 +145,10 @@ def completion_frame(
     *,
     shard: tuple[int, int] | None = None,
     tagged: bool = False,
+    stopped: bool = False,
 ) -> bytes:
-    """The COMPLETION frame that closes a reply (``shard``: as :func:`reply_frame`)."""
+    """The COMPLETION frame that closes a reply (``shard``: as :func:`reply_frame`;
+    ``stopped``: the STEP's stop rule ended the block before its depth)."""
     return framing.encode_frame(
         Completion(
             session=session,
@@ -161,6 +163,7 @@ def completion_frame(
             status=status,
             start=None if shard is None else shard[0],
             end=None if shard is None else shard[1],
+            stopped=stopped,
         ),
         tagged=tagged,
     )
@@ -175,13 +178,15 @@ def reply_frames(
     *,
     shard: tuple[int, int] | None = None,
     tagged: bool = False,
+    stopped: bool = False,
 ) -> tuple[FrameParts, ...]:
     """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION.
 
     ``shard`` is a sharded link's global ID range: each row carries only the q
     of that range, and every frame names it. COMPLETION's ``reply_bytes`` and
     ``reply_checksum`` cover the REPLY frames without their tags (§4.6), so a
-    replay re-tags the same frames.
+    replay re-tags the same frames. ``stopped`` is COMPLETION's flag: the
+    STEP's stop rule ended the block before its depth.
     """
     frames = []
     for index, row in enumerate(rows):
@@ -207,7 +212,15 @@ def reply_frames(
             checksum.update(part)
             body += memoryview(part).nbytes
     done = completion_frame(
-        session, step, len(rows), body, checksum.intdigest(), status, shard=shard, tagged=tagged
+        session,
+        step,
+        len(rows),
+        body,
+        checksum.intdigest(),
+        status,
+        shard=shard,
+        tagged=tagged,
+        stopped=stopped,
     )
     return (*frames, (done,))
 
@@ -220,9 +233,10 @@ def build_reply(
     status: int = 0,
     *,
     shard: tuple[int, int] | None = None,
+    stopped: bool = False,
 ) -> bytes:
     """The whole untagged reply to a STEP as one byte string (see :func:`reply_frames`)."""
-    frames = reply_frames(session, step, rows, row_entries, status, shard=shard)
+    frames = reply_frames(session, step, rows, row_entries, status, shard=shard, stopped=stopped)
     return b"".join(part for parts in frames for part in parts)
 
 

@@ -25,6 +25,7 @@ from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import Lease, PrefixDigest
 from pp1wire.q.rng import Role
+from pp1wire.q.stoprules import FIXED, STOP_RULES, StopKind, StopRule
 from pp1wire.wire import fencing, framing, integrity, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
 from pp1wire.wire.fencing import Action, SparkSlotFence
@@ -280,6 +281,12 @@ class SparkProtocol:
         self.state = State.AWAIT_HELLO
         self.handshake_deadline = now + cfg.handshake_timeout
 
+    @property
+    def stop_rules(self) -> str:
+        """The stop-rule set the handshake agreed on (``""`` before it, or none)."""
+        hello = self._hello
+        return hello.stop_rules if hello is not None and self.state is State.READY else ""
+
     def _require_ready(self) -> None:
         if self.closed or self.state is not State.READY:
             raise LocalStateError(ErrorCode.NOT_READY, "connection not ready")
@@ -377,16 +384,20 @@ class SparkProtocol:
         temperature: float,
         support: int,
         now: float,
+        stop: StopRule = FIXED,
     ) -> None:
         """Queue STEP for ``slot`` under ``round_id``.
 
         The caller owns the round numbering (one counter per request and
         generation: :meth:`pp1wire.q.verify.RequestVerifier.take_round`); the
         round must be above every round this slot has used in its generation.
+        ``depth`` is the block's maximum and ``stop`` its stop rule
+        (``docs/adaptive.md``); a rule other than FIXED needs the stop-rule set
+        negotiated at HELLO.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, ``DEPTH_OUT_OF_RANGE``
-                or ``SUPPORT_OUT_OF_RANGE``; nothing is sent then.
+            ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, ``DEPTH_OUT_OF_RANGE``,
+                ``BAD_STOP_RULE`` or ``SUPPORT_OUT_OF_RANGE``; nothing is sent then.
             LocalStateError: ``NOT_READY``, ``SLOT_DESYNCED``, or ``SLOT_BUSY`` when
                 a proposal is already in flight on the slot.
         """
@@ -399,6 +410,10 @@ class SparkProtocol:
             )
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
+        if stop.kind is not StopKind.FIXED and self.stop_rules != STOP_RULES:
+            raise ProtocolError(
+                ErrorCode.BAD_STOP_RULE, f"{stop}: the HELLO negotiated no stop rules"
+            )
         if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
             raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
         msg = Step(
@@ -412,6 +427,8 @@ class SparkProtocol:
             temperature=float(temperature),
             support=support,
             context=state.context,
+            stop=int(stop.kind),
+            threshold=stop.threshold,
         )
         state.flight = state.fence.in_flight = ReplyAssembly(
             step=msg, deadline=now + self.config.reply_timeout
@@ -630,6 +647,7 @@ class SparkProtocol:
                         all(getattr(peer, n) == getattr(ours, n) for n in ECHOED_LIMITS),
                         ErrorCode.LIMIT_EXCEEDED,
                     ),
+                    (peer.stop_rules == ours.stop_rules, ErrorCode.STOP_RULES_MISMATCH),
                 ],
             )
         if problem is not None:

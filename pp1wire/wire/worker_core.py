@@ -25,6 +25,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
 from pp1wire.q.rng import Role
+from pp1wire.q.stoprules import STOP_RULES, step_rule, stopped_by_rule
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.draws import TokenBucket
 from pp1wire.wire.fencing import Action, WorkerSlotFence
@@ -99,6 +100,7 @@ class WorkerConfig(PeerConfig):
     #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
     max_draw_rate: float | None = None
     draw_burst: int = 1
+    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
 
 
 # -- state ---------------------------------------------------------------------
@@ -483,6 +485,7 @@ class WorkerProtocol:
                 # A dense row must fit (section 4.1): refused here, not at every STEP.
                 (hello.max_frame >= 4 * cfg.entries, ErrorCode.LIMIT_EXCEEDED),
                 (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
+                (hello.stop_rules in ("", cfg.stop_rule_set), ErrorCode.STOP_RULES_MISMATCH),
             ],
         )
 
@@ -627,7 +630,7 @@ class WorkerProtocol:
             self._refuse_msg(problem, kind, msg)
             return
         slot.worked_at = self._now
-        encode = functools.partial(self._encode, msg)
+        encode = functools.partial(self._encode, msg, slot.eos)
         job = DrawJob(slot, msg, drafter=self.drafter, proposer=self.proposer, encode=encode)
         if self.defer_draws:
             self._drawing[msg.slot] = job
@@ -659,6 +662,8 @@ class WorkerProtocol:
         limits = self.limits
         if not 1 <= step.depth <= limits.max_depth:
             return ErrorCode.DEPTH_OUT_OF_RANGE
+        if isinstance(rule := step_rule(step.stop, step.threshold, limits.stop_rules), ErrorCode):
+            return rule
         if step.support > limits.max_support:
             return ErrorCode.SUPPORT_OUT_OF_RANGE
         if not (math.isfinite(step.temperature) and step.temperature >= 0.0):
@@ -679,16 +684,15 @@ class WorkerProtocol:
             return ErrorCode.DRAW_RATE_LIMITED
         return None
 
-    def _encode(self, step: Step, rows: tuple[QRow, ...], status: int) -> tuple[FrameParts, ...]:
-        cfg = self.config
+    def _encode(
+        self, step: Step, eos: int | None, rows: tuple[QRow, ...], status: int
+    ) -> tuple[FrameParts, ...]:
+        cfg, tagged, tokens = self.config, self._sealer is not None, [r.token for r in rows]
+        shard = cfg.shard_range if cfg.sharded else None
+        # Only the stop rule ends a block early without a terminal token (§4.6).
+        cut = bool(rows) and not status and stopped_by_rule(step.depth, tokens, eos)
         return reply_frames(
-            self.session,
-            step,
-            rows,
-            cfg.entries,
-            status,
-            shard=cfg.shard_range if cfg.sharded else None,
-            tagged=self._sealer is not None,
+            self.session, step, rows, cfg.entries, status, shard=shard, tagged=tagged, stopped=cut
         )
 
     # -- COMMIT / RESET ------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Protocol
 from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.proposal import DrafterFn, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
+from pp1wire.q.stoprules import StopKind, StopRule
 from pp1wire.wire.messages import Hello, MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts
 
@@ -116,6 +117,11 @@ class DrawJob:
         return self.slot.eos
 
     @property
+    def stop(self) -> StopRule:
+        """The STEP's stop rule (checked when the STEP was accepted)."""
+        return StopRule(StopKind(self.step.stop), self.step.threshold)
+
+    @property
     def local(self) -> bool:
         """Whether the rows come from the local chain (a batch runner may draw them);
         a :data:`Proposer`'s jobs must be left to :meth:`run`."""
@@ -134,6 +140,7 @@ class DrawJob:
             temperature=step.temperature,
             support=step.support or None,
             eos=self.eos,
+            stop=self.stop,
         )
 
     def run(self) -> DrawResult:

@@ -22,13 +22,14 @@ from pp1wire.testing.conformance import (
     liveness,
     session,
     sharded,
+    stoprules,
 )
 from pp1wire.testing.conformance.core import CASES, Case, Grade, Outcome, Peer, Settings
 from pp1wire.testing.conformance.runner import main, run_all, run_case, select
 
 # Each section module registers its cases on import; --list and a full run show
 # them in the order of the document's layers, framing first.
-_ORDER = (framing, handshake, integrity, session, commit, sharded, liveness)
+_ORDER = (framing, handshake, integrity, session, stoprules, commit, sharded, liveness)
 CASES.sort(key=lambda c: [m.__name__ for m in _ORDER].index(c.fn.__module__))
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "select",
     "session",
     "sharded",
+    "stoprules",
 ]

@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=spark_side.DEFAULT_SPARK_CMD,
         metavar="TEMPLATE",
         help="command that starts the Spark side under test, once per case: "
-        "placeholders {worker} {vocab} {support} {q} {reply_timeout} {psk_args}; what "
+        "placeholders {worker} {vocab} {support} {q} {reply_timeout} {psk_args} "
+        "{stop_args}; what "
         "it must do is below (default: pp1-spark)",
     )
     p.add_argument(
@@ -263,6 +264,7 @@ _PLACEHOLDERS = {
     "q": "dense",
     "reply_timeout": 2.0,
     "psk_args": "",
+    "stop_args": "",
 }
 
 

@@ -274,6 +274,34 @@ def silence(conn: Conn, _st: Step, _honest: bytes) -> None:
     """Never answer the STEP."""
 
 
+def _ruled(tokens: Callable[[Step], list[int]], stopped: bool | None = None) -> Build:
+    """Rows of GOOD drafting ``tokens(step)``, then a COMPLETION whose ``stopped`` is
+    ``stopped``, or by default whether the block is shorter than the depth.
+
+    GOOD's counts at its tokens: 0 → 2**23 (q = 1/2), 2 and 7 → 2**22 (1/4).
+    """
+
+    def build(st: Step) -> bytes:
+        drafted = tokens(st)
+        flag = len(drafted) < st.depth if stopped is None else stopped
+        rows = [reply_row(st, i, t, dense_payload(GOOD)) for i, t in enumerate(drafted)]
+        return whole_reply(st, *rows, stopped=int(flag))
+
+    return build
+
+
+def used(tokens: Callable[[Step], list[int]]) -> ReplyHook:
+    """Answer with a legal block of ``tokens(step)`` (not the honest one) and hold the
+    worker core to it, so the COMMIT of the block's drafts is accepted."""
+    build = _ruled(tokens)
+
+    def hook(conn: Conn, st: Step, _honest: bytes) -> None:
+        conn.write(build(st))
+        conn.core.slots[st.slot].drafts = tuple(tokens(st))
+
+    return hook
+
+
 def _frames(data: bytes) -> list[bytes]:
     return [bytes(f.raw) for f in framing.FrameDecoder(1 << 26).feed(data)]
 
@@ -463,6 +491,7 @@ def _cases() -> list[SparkCase]:
             reply=send(lambda st: _too_large(ok_row(st, 0))),
         ),
     ]
+    out += _stop_cases()
     hello_cases: list[tuple[str, dict[str, Any], ErrorCode]] = [
         ("wire_version", {"wire_version": 99}, ErrorCode.WIRE_VERSION_MISMATCH),
         ("q_semantic", {"q_semantic": "float32-v0"}, ErrorCode.Q_SEMANTIC_MISMATCH),
@@ -545,6 +574,107 @@ def _cases() -> list[SparkCase]:
         ),
     ]
     return out
+
+
+def _stop_cases() -> list[SparkCase]:
+    """S6: stop rules (``docs/adaptive.md`` §2, protocol §4.1, §4.6). Under
+    ``confidence:0.5`` a draft of token 0 continues the block and one of token 2
+    ends it; under ``joint:0.25`` token 2 first sits exactly on the boundary
+    (q = 1/4: the rule continues), and 2 then 0 ends it (1/8)."""
+    conf, joint = "confidence:0.5", "joint:0.25"
+    rule = "docs/adaptive.md §2: the block must end where the rule, from the rows, ends it"
+    violated = ErrorCode.STOP_RULE_VIOLATED
+    return [
+        SparkCase(
+            "S6.1",
+            "a block the rule ended after its first draft is used",
+            "§4.6: fewer rows than the depth, stopped, and the audit agrees: a proposal",
+            Expect.USE,
+            None,
+            reply=used(lambda _st: [2]),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.2",
+            "a draft drawn and dropped where the rule continues (early stop)",
+            rule + ": a block cut where the rule continues is STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda _st: [0])),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.3",
+            "a draft after the rule stopped (late)",
+            rule + ": a row after the stop is STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda _st: [2, 0])),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.4",
+            "the rule ignored: drafted to the depth past its stop",
+            rule + ": a row after the stop is STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda st: [2] + [0] * (st.depth - 1))),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.5",
+            "stopped claimed for a block that reached its depth",
+            "§4.6: stopped only with fewer rows than the depth: STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda st: [0] * st.depth, stopped=True)),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.6",
+            "a block the rule ended, without stopped",
+            "§4.6: rows = depth unless eos ends the block or stopped is true: COMPLETION_EARLY",
+            Expect.DISCARD,
+            ErrorCode.COMPLETION_EARLY,
+            reply=send(_ruled(lambda _st: [2], stopped=False)),
+            stop=conf,
+        ),
+        SparkCase(
+            "S6.7",
+            "a stop under the fixed rule",
+            "§4.6: stopped only under a rule other than fixed: STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda _st: [0])),
+        ),
+        SparkCase(
+            "S6.8",
+            "joint: a block ended where the product falls below the threshold is used",
+            "docs/adaptive.md §1: continue while the product of the drafts' q >= T / 2^24",
+            Expect.USE,
+            None,
+            reply=used(lambda st: [2, 0][: st.depth]),
+            stop=joint,
+        ),
+        SparkCase(
+            "S6.9",
+            "joint: stopped on the boundary, where the rule continues (>=, not >)",
+            rule + ": q = T / 2^24 exactly continues; a stop there is STOP_RULE_VIOLATED",
+            Expect.DISCARD,
+            violated,
+            reply=send(_ruled(lambda _st: [2])),
+            stop=joint,
+        ),
+        SparkCase(
+            "S6.10",
+            "the worker's HELLO does not echo the stop-rule set asked for",
+            "§4.1: stop_rules equal to what the Spark side sent, else STOP_RULES_MISMATCH",
+            Expect.REFUSE,
+            ErrorCode.STOP_RULES_MISMATCH,
+            edits={MsgType.HELLO: _hello(stop_rules="")},
+            stop=conf,
+        ),
+    ]
 
 
 def _too_large(frame: bytes) -> bytes:

@@ -51,7 +51,7 @@ DEFAULT_REPLY_TIMEOUT = 2.0
 DEFAULT_SPARK_CMD = (
     "pp1-spark --worker {worker} --vocab {vocab} --requests 1 --concurrency 1 "
     "--max-tokens 12 --depth 3 --support {q} --reply-timeout {reply_timeout} "
-    "--connect-timeout 3 --json {psk_args}"
+    "--connect-timeout 3 --json {psk_args} {stop_args}"
 )
 
 #: What a ``--spark-cmd`` TEMPLATE must do (printed by ``pp1-conformance --help``).
@@ -64,6 +64,9 @@ after replacing these placeholders:
   {q}              the same as "dense" or "sparse:K" (pp1-spark's --support)
   {reply_timeout}  seconds: the reply timeout the command must use (--reply-timeout)
   {psk_args}       "--psk-file FILE" in the authentication cases, else empty
+  {stop_args}      "--stop RULE" in the stop-rule cases (S6), else empty: the
+                   command must then negotiate pp1-stop-rules-v1 at HELLO and
+                   send every STEP with RULE (docs/adaptive.md)
 The command must connect to {worker} (one connection at a time, TLS off), and
 run on slot 0 at --concurrency 1 at least one request of at least 8 new tokens
 (two rounds or more: a case corrupts one round and later rounds must still run),
@@ -227,6 +230,7 @@ class SparkCase:
     spark_psk: bytes | None = None
     also_dropped: ErrorCode | None = None  # a DISCARD case whose later frames must be dropped
     timing: Timing | None = None  # a case whose reply is paced against the reply timeout
+    stop: str | None = None  # the stop rule the command runs with ({stop_args})
 
 
 @dataclass(frozen=True)
@@ -465,6 +469,7 @@ async def run_spark_case(
                 q=f"sparse:{case.support}" if case.support else "dense",
                 reply_timeout=f"{reply_timeout:g}",
                 psk_args=psk_args,
+                stop_args=f"--stop {case.stop}" if case.stop else "",
             )
             run = await _spark(cmd, 20.0 + 3 * reply_timeout)
             grade(case, worker, run, reasons)

@@ -18,6 +18,7 @@ import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.layout import ShardLayout
+from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.testing.builders import SESSION, VOCAB
 from pp1wire.testing.golden.common import Vector, hello
 from pp1wire.wire import framing, handshake, integrity
@@ -39,6 +40,7 @@ WORKER: dict[str, Any] = {
     "psk": None,
     "layout": [0, VOCAB],
     "shard": 0,
+    "stop_rules": STOP_RULES,
 }
 
 _OTHER_LAYOUT = ShardLayout((0, 4, VOCAB))
@@ -67,6 +69,7 @@ BREAK: dict[str, dict[str, Any]] = {
         "shard_end": VOCAB,
         "layout": _OTHER_LAYOUT.digest,
     },
+    "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
 }
 
 
@@ -101,6 +104,21 @@ def hello_vectors() -> list[Vector]:
             {"max_frame": hard + 1},
             {"max_frame": hard},
             {"error": "LIMIT_EXCEEDED", "answers": "HELLO", "scope": 2},
+        ),
+        ("hello_stop_rules_accepted", {"stop_rules": STOP_RULES}, {}, {"answer": "HELLO"}),
+        (
+            # A worker that implements no stop rules refuses a Spark side that asks for them.
+            "hello_stop_rules_not_implemented",
+            {"stop_rules": STOP_RULES},
+            {"stop_rules": ""},
+            {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        (
+            # §6.7: a sharded link implements no stop rules, whatever the worker's setting.
+            "hello_stop_rules_on_a_sharded_link",
+            {**BREAK["shards"], "stop_rules": STOP_RULES},
+            {"layout": list(_OTHER_LAYOUT.bounds), "shard": 1},
+            {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
         ),
         (
             # §5: with a key, no rule is checked before AUTH, not even the role.
@@ -146,6 +164,7 @@ def run_hello_vector(vector: Vector) -> dict[str, Any]:
         psk=None if ctx["psk"] is None else bytes.fromhex(ctx["psk"]),
         layout=ShardLayout(tuple(ctx["layout"])),
         shard=ctx["shard"],
+        stop_rules=ctx["stop_rules"],
     )
     vocab = cfg.vocab_size
     worker = WorkerProtocol(cfg, lambda _prefix: np.zeros(vocab), session=SESSION, now=0.0)

@@ -11,6 +11,7 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.stoprules import STOP_RULES, StopKind, StopRule, threshold_of
 from pp1wire.testing.builders import (
     SESSION,
     VOCAB,
@@ -411,6 +412,7 @@ def reply_vectors() -> list[Vector]:
         ),
     ]
     cases += _shard_cases(d, s)
+    cases += _stop_cases()
     out = []
     for name, step, data, want, extra in cases:
         generation = extra.get("generation", 0)
@@ -430,6 +432,8 @@ def reply_vectors() -> list[Vector]:
         }
         if "commit" in extra:
             context["commit"] = extra["commit"]
+        if "stop_rules" in extra:  # the HELLO negotiated these stop rules (§4.1)
+            context["stop_rules"] = extra["stop_rules"]
         if "layout" in extra:  # a link of a vocabulary-sharded group (§6.7)
             context["layout"] = extra["layout"]
             context["shard"] = extra["shard"]
@@ -526,6 +530,75 @@ def _shard_cases(
     ]
 
 
+#: The Spark side negotiated the stop rules (§4.1) for these vectors.
+STOPPING: dict[str, Any] = {"stop_rules": STOP_RULES, "late": 0}
+
+
+def _stop_cases() -> list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]]:
+    """Blocks under a stop rule (§4.4, §4.6, ``docs/adaptive.md`` §2), depth 3.
+
+    GOOD_DENSE gives token 0 the count 2**23 (q = 1/2) and tokens 2 and 7 the
+    count 2**22 (1/4): under confidence:0.5 a row with token 0 continues and
+    one with token 2 stops; under joint:0.25, tokens 0 then 2 have the product
+    1/8 and stop after the second row.
+    """
+    conf = msgspec.structs.replace(
+        reply_step(0, depth=3), stop=int(StopKind.CONFIDENCE), threshold=threshold_of("0.5")
+    )
+    joint = msgspec.structs.replace(conf, stop=int(StopKind.JOINT), threshold=threshold_of("0.25"))
+    fixed = reply_step(0, depth=3)
+
+    def rows(st: Step, *tokens: int, **over: int) -> bytes:
+        frames = [reply_row(st, i, t, dense_payload(GOOD_DENSE)) for i, t in enumerate(tokens)]
+        return whole_reply(st, *frames, **over)
+
+    violated = {"discarded": "STOP_RULE_VIOLATED"}
+    return [
+        ("stop_confidence_ends_early", conf, rows(conf, 2, stopped=1), {"proposal": [2]}, STOPPING),
+        (
+            "stop_confidence_runs_to_depth",
+            conf,
+            rows(conf, 0, 0, 2),
+            {"proposal": [0, 0, 2]},
+            STOPPING,
+        ),
+        (
+            "stop_joint_ends_early",
+            joint,
+            rows(joint, 0, 2, stopped=1),
+            {"proposal": [0, 2]},
+            STOPPING,
+        ),
+        (
+            "stop_terminal_token_ends_block_unflagged",
+            conf,
+            rows(conf, 0),
+            {"proposal": [0]},
+            {**STOPPING, "eos": 0},
+        ),
+        (
+            "stop_short_without_flag",
+            conf,
+            rows(conf, 2),
+            {"discarded": "COMPLETION_EARLY"},
+            STOPPING,
+        ),
+        ("stop_early_row_dropped", conf, rows(conf, 0, stopped=1), violated, STOPPING),
+        ("stop_late_row_after_stop", conf, rows(conf, 2, 0, stopped=1), violated, STOPPING),
+        ("stop_late_to_depth", conf, rows(conf, 2, 0, 0), violated, STOPPING),
+        ("stop_joint_late", joint, rows(joint, 0, 2, 0), violated, STOPPING),
+        ("stop_flag_at_depth", conf, rows(conf, 0, 0, 2, stopped=1), violated, STOPPING),
+        (
+            "stop_flag_after_terminal_token",
+            conf,
+            rows(conf, 0, stopped=1),
+            violated,
+            {**STOPPING, "eos": 0},
+        ),
+        ("stop_flag_under_fixed_rule", fixed, rows(fixed, 0, stopped=1), violated, STOPPING),
+    ]
+
+
 def _gen(step: Step, generation: int) -> Step:
     return msgspec.structs.replace(step, generation=generation)
 
@@ -564,6 +637,7 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         max_frame=ctx["max_frame"],
         max_prefix=1024,
         draft_identity="",
+        stop_rules=ctx.get("stop_rules", ""),
     )
     spark = spark_core.SparkProtocol(cfg, now=0.0)
     spark.start(0.0)
@@ -596,6 +670,7 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
             temperature=step.temperature,
             support=step.support,
             now=0.0,
+            stop=StopRule(StopKind(step.stop), step.threshold),
         )
     spark.data_to_send()
     data = bytes.fromhex(vector["hex"])
