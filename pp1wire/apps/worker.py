@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the event loop",
     )
     p.add_argument(
+        "--max-draw-batch",
+        type=settings.draw_batch,
+        default=server.MAX_DRAW_BATCH,
+        metavar="STEPS",
+        help="most STEPs drafted together on one draw thread: one drafter call per position "
+        "over all of them, their q rows built in one pass (1: each STEP alone); a vocabulary-"
+        "sharded group draws each STEP alone",
+    )
+    p.add_argument(
         "--tp",
         type=settings.ranks,
         default=1,
@@ -389,6 +398,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         busy_poll=args.busy_poll,
         draw_threads=draw_threads,
         proposer=group[2] if group is not None else None,
+        max_draw_batch=None if group is not None else args.max_draw_batch,
     )
     port = await server.start(args.host, port_wanted)
     out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's
