@@ -460,6 +460,7 @@ class RoundDriver:
         self.records: dict[int, RequestRecord] = {}
         self.steps = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -499,7 +500,7 @@ class RoundDriver:
         p = self.plan
         queues = [deque(range(s, p.requests, p.concurrency)) for s in range(p.concurrency)]
         active: dict[int, RequestState] = {}
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         try:
             while True:
                 if not self.stopping:
@@ -533,6 +534,7 @@ class RoundDriver:
                 await self._end(st)
         finally:
             self.seconds = time.perf_counter() - started
+            self.cpu_seconds = time.process_time() - cpu_started
             self._thread.shutdown(wait=False)
         return [self.records[i] for i in sorted(self.records)]
 
@@ -768,6 +770,7 @@ class RoundDriver:
             "step_fill": metrics.total(m.step_rounds) / slots if slots else 0.0,
             "seconds": self.seconds,
             "tokens_per_second": tokens / self.seconds if self.seconds else 0.0,
+            "cpu_seconds": self.cpu_seconds,
         }
         out.update(self.strategy.summary())
         return out
