@@ -46,7 +46,10 @@ def _milliseconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    value = float(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
     if not (0.0 <= value <= 60_000.0):  # also refuses nan
         raise ValueError(f"{name}={raw!r} is not a duration in 0..60000 ms")
     return value
