@@ -28,6 +28,9 @@ Per cell, from the same repetition:
   (``pp1-spark``'s ``step_fill``; 1.0: every slot in every call);
 * ``round_trip_ms`` = STEP sent to proposal validated, the run's median
   (``round_trip_ms_median``);
+* ``step_ms`` = the run's seconds / its steps (target calls), against
+  ``ideal_step_ms`` = d·t_d + t_t; ``worker_cpu_ms_per_step`` and
+  ``spark_cpu_ms_per_step`` say what each side's CPU added to it;
 * ``worker_cpu_ms_per_row`` = the worker process's CPU (user + system, from
   ``/proc/PID/task/*/schedstat``, every thread) during the run / the rows it sent
   (``pp1_worker_rows_total``), all in;
@@ -177,6 +180,13 @@ def figures(
         "fill": spec["step_fill"],
         "target_only_fill": plain["step_fill"],
         "round_trip_ms": spec["round_trip_ms_median"] or 0.0,
+        # Where a step's time goes: the ideal step is d·t_d + t_t.
+        "step_ms": 1e3 * spec["seconds"] / max(1, spec["steps"]),
+        "ideal_step_ms": 1e3 * (DEPTH * t_d + t_t),
+        "worker_cpu_ms_per_step": 1e3 * spec["worker_cpu_seconds"] / max(1, spec["steps"]),
+        "spark_cpu_ms_per_step": 1e3 * spec["cpu_seconds"] / max(1, spec["steps"]),
+        "seconds": spec["seconds"],
+        "steps": spec["steps"],
         # CPU and what it bought, each side: the figures below are their ratios.
         "worker_cpu_seconds": spec["worker_cpu_seconds"],
         "worker_rows": spec["worker_rows"],
@@ -312,14 +322,18 @@ def table(result: dict[str, Any]) -> str:
     """The cells as a markdown table: median (min-max) of the repetitions."""
     head = [
         "| V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
-        "STEP→proposal ms | worker CPU ms/row | Spark CPU ms/token (spec, target-only) | L |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
+        "Spark CPU ms/token (spec, target-only) | L |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         head.append(
             f"| {c['vocab']:,} | {c['q']} | {c['target_ms']:g} | {_cell_text(c['speedup'])}x "
             f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
             f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
+            f"| {c['step_ms']['median']:.1f} ({c['ideal_step_ms']['median']:.1f}; "
+            f"{c['worker_cpu_ms_per_step']['median']:.1f}, "
+            f"{c['spark_cpu_ms_per_step']['median']:.1f}) "
             f"| {_cell_text(c['worker_cpu_ms_per_row'], 3)} "
             f"| {c['spark_cpu_ms_per_token']['median']:.3f}, "
             f"{c['target_only_spark_cpu_ms_per_token']['median']:.3f} "

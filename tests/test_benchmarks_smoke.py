@@ -168,6 +168,14 @@ def test_speedup_smoke():
         assert 0 < r["target_only_fill"] <= 1
         assert r["round_trip_ms"] > 0
         assert r["worker_rows"] > 0
+        assert r["step_ms"] == pytest.approx(1e3 * r["seconds"] / r["steps"])
+        assert r["ideal_step_ms"] == pytest.approx(1e3 * (depth * t_d + t_t))
+        assert r["worker_cpu_ms_per_step"] == pytest.approx(
+            1e3 * r["worker_cpu_seconds"] / r["steps"]
+        )
+        assert r["spark_cpu_ms_per_step"] == pytest.approx(
+            1e3 * r["spark_cpu_seconds"] / r["steps"]
+        )
         assert r["worker_cpu_ms_per_row"] == pytest.approx(
             1e3 * r["worker_cpu_seconds"] / r["worker_rows"]
         )
