@@ -607,9 +607,12 @@ class RoundDriver:
 
     # -- waiting for a step ------------------------------------------------------------------
 
-    def _straggler_wait(self) -> float:
+    def straggler_wait(self, first: float) -> float:
+        """How long a step waits for its other proposals once one arrived: a fraction
+        of the typical STEP→proposal time, the median of the last 64, or ``first``
+        (this step's first one) until one was measured; at least a floor."""
         recent = self.round_trips[-64:]
-        typical = statistics.median(recent) if recent else 0.0
+        typical = statistics.median(recent) if recent else first
         return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * typical)
 
     async def _ready(self, states: list[RequestState]) -> list[RequestState]:
@@ -624,7 +627,9 @@ class RoundDriver:
         if pending:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.wait(pending, timeout=self._straggler_wait())
+            sent = [st.sent for st in moving if st.flight is not None]
+            first = time.perf_counter() - min(sent) if sent else 0.0
+            await asyncio.wait(pending, timeout=self.straggler_wait(first))
         local = [
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
             for st in states
