@@ -26,7 +26,7 @@ from pp1wire.aio.client import AsyncClient
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.q.proposal import QRow
-from pp1wire.wire.draws import DraftTogether, run_each
+from pp1wire.wire.draws import MAX_DRAW_BATCH, DraftTogether, default_runner, run_each
 from pp1wire.wire.messages import Step
 from pp1wire.wire.replies import reply_frames
 from pp1wire.wire.spark_core import SparkConfig
@@ -211,6 +211,14 @@ def test_a_proposer_job_is_left_to_its_proposer():
     assert seen == [3]
     assert got[0].rows == ()
     assert_same_answer(got[1], job_for(slot, step_for(4, depth=2), model, vocab).run())
+
+
+def test_an_unsharded_worker_drafts_together_and_a_sharded_one_alone():
+    runner, batch = default_runner(64, 80, local=True, batch=None)
+    assert isinstance(runner, DraftTogether)
+    assert (runner.vocab_size, runner.row_entries, batch) == (64, 80, MAX_DRAW_BATCH)
+    assert default_runner(64, 80, local=True, batch=3)[1] == 3
+    assert default_runner(64, 80, local=False, batch=None) == (run_each, 1)
 
 
 def test_bad_runner_settings_are_refused():

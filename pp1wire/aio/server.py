@@ -13,7 +13,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import socket
 import ssl
 import time
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.draws import BatchRunner, DraftTogether, DrawScheduler, FailureLog, run_each
+from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import Proposer
@@ -120,13 +119,6 @@ CLOSE_GRACE_S: Final = 2.0
 EVICT_IDLE_S: Final = 1.0
 #: A slot that has seen no STEP or COMMIT for this long stops protecting its connection.
 SLOT_IDLE_S: Final = 10.0
-#: Most STEPs drafted together (one drafter call per position over all of them).
-MAX_DRAW_BATCH: Final = 64
-#: How long a free draw thread may wait for the STEPs a burst of COMMITs announced
-#: (:class:`~pp1wire.wire.draws.DrawScheduler`), after the first one arrived.
-DRAW_GATHER_S: Final = 0.002
-#: Most threads one batch's q rows are built on.
-CONSTRUCT_THREADS: Final = 4
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -393,10 +385,9 @@ class _Conn(asyncio.BufferedProtocol):
             elif isinstance(e, worker_core.StepReplayed):
                 m.replays.inc()
             elif isinstance(e, worker_core.SlotEvent):
-                if e.kind is MsgType.CLOSE:
-                    self.server.draws.unexpect(self, e.slot)
-                else:  # OPEN, RESET or COMMIT: the slot's next STEP is due
-                    self.server.draws.expect(self, e.slot)
+                # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
+                draws = self.server.draws
+                (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
                 if e.kind is MsgType.COMMIT:
                     m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
                     m.committed_tokens.inc(e.tokens)
@@ -548,13 +539,11 @@ class WorkerServer:
         (slots draw in parallel, the loop keeps answering), shared fairly
         between connections (:class:`~pp1wire.wire.draws.DrawScheduler`);
         ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
-        pool thread. By default an unsharded worker drafts each batch's STEPs
-        together (:class:`~pp1wire.wire.draws.DraftTogether`, batches of up to
-        :data:`MAX_DRAW_BATCH`), waiting up to ``draw_gather`` seconds for the
-        STEPs a connection's COMMITs announced; a sharded one (or one with a
-        ``proposer``) draws each job alone, one per batch. 0 draws on the
-        event loop. ``proposer`` replaces the local proposal chain (a rank of
-        a vocabulary-sharded worker group).
+        pool thread (default: :func:`~pp1wire.wire.draws.default_runner`), a
+        free thread waiting up to ``draw_gather`` seconds for the STEPs a
+        connection's COMMITs announced. 0 draws on the event loop.
+        ``proposer`` replaces the local proposal chain (a rank of a
+        vocabulary-sharded worker group).
 
         Raises:
             ValueError: for a limit below 1, a timeout that is not above 0, or a
@@ -567,16 +556,10 @@ class WorkerServer:
         ):
             raise ValueError("idle limits must be positive and a draw batch at least 1 job")
         if run_batch is None:
-            if proposer is None and not config.sharded:
-                cores = len(os.sched_getaffinity(0))
-                run_batch = DraftTogether(
-                    config.vocab_size,
-                    config.entries,
-                    threads=max(1, min(CONSTRUCT_THREADS, cores)),
-                )
-                max_draw_batch = max_draw_batch or MAX_DRAW_BATCH
-            else:
-                run_batch = run_each
+            local = proposer is None and not config.sharded
+            run_batch, max_draw_batch = default_runner(
+                config.vocab_size, config.entries, local=local, batch=max_draw_batch
+            )
         self.config = config
         self.drafter = drafter
         self.proposer = proposer
@@ -662,10 +645,8 @@ class WorkerServer:
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
-        """Queue ``conn``'s draw; it runs when its turn comes (docs/protocol.md §4.4).
-
-        Batches are taken once the frames at hand are handled, so that STEPs
-        read together are drafted together."""
+        """Queue ``conn``'s draw (docs/protocol.md §4.4); batches are taken once the
+        frames at hand are handled, so that STEPs read together are drafted together."""
         self.draws.submit(conn, job, now=time.monotonic(), tag=job.step.slot)
         if not self._scheduling:
             self._scheduling = True

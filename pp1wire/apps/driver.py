@@ -608,12 +608,10 @@ class RoundDriver:
     # -- waiting for a step ------------------------------------------------------------------
 
     def straggler_wait(self, first: float) -> float:
-        """How long a step waits for its other proposals once one arrived: a fraction
-        of the typical STEP→proposal time, the median of the last 64, or ``first``
-        (this step's first one) until one was measured; at least a floor."""
+        """How long a step waits for its other proposals once one arrived (docs/runner.md §8);
+        ``first`` is the STEP→proposal time of its first, used until one was measured."""
         recent = self.round_trips[-64:]
-        typical = statistics.median(recent) if recent else first
-        return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * typical)
+        return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * (statistics.median(recent or [first])))
 
     async def _ready(self, states: list[RequestState]) -> list[RequestState]:
         """The requests whose round can be decided in this step (the same on every rank).

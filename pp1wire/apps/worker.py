@@ -27,7 +27,7 @@ from pp1wire.aio import server
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
-from pp1wire.wire import framing
+from pp1wire.wire import draws, framing
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-draw-batch",
         type=settings.draw_batch,
-        default=server.MAX_DRAW_BATCH,
+        default=draws.MAX_DRAW_BATCH,
         metavar="STEPS",
         help="most STEPs drafted together on one draw thread: one drafter call per position "
         "over all of them, their q rows built in one pass (1: each STEP alone); a vocabulary-"

@@ -37,6 +37,7 @@ failures a shell logs. No clock is read here: callers pass ``now``.
 from __future__ import annotations
 
 import math
+import os
 import time
 import traceback
 from collections import deque
@@ -62,6 +63,27 @@ exception that stopped them) to :meth:`DrawJob.complete`; jobs that are not
 ``local`` (a sharded group's proposer) it leaves to :meth:`DrawJob.run`. It
 should not raise; if it does, every job of the batch is answered as failed
 (``INTERNAL``)."""
+
+
+#: Most STEPs drafted together (one drafter call per position over all of them).
+MAX_DRAW_BATCH: Final = 64
+#: How long a free draw thread may wait for the STEPs a burst of COMMITs announced.
+DRAW_GATHER_S: Final = 0.002
+#: Most threads one batch's q rows are built on.
+CONSTRUCT_THREADS: Final = 4
+
+
+def default_runner(
+    vocab_size: int, row_entries: int, *, local: bool, batch: int | None
+) -> tuple[BatchRunner, int]:
+    """The runner and batch size a worker uses unless told otherwise: for ``local``
+    draws (an unsharded link's own chain) :class:`DraftTogether`, on up to
+    :data:`CONSTRUCT_THREADS` of this process's cores, in batches of ``batch`` (default
+    :data:`MAX_DRAW_BATCH`); else :func:`run_each`, one job per batch."""
+    if not local:
+        return run_each, batch or 1
+    threads = max(1, min(CONSTRUCT_THREADS, len(os.sched_getaffinity(0))))
+    return DraftTogether(vocab_size, row_entries, threads=threads), batch or MAX_DRAW_BATCH
 
 
 def run_each(jobs: list[DrawJob]) -> list[DrawResult]:
