@@ -1,22 +1,48 @@
-"""What speculative decoding is for: tokens per second against the ideal and against target-only.
+"""What speculative decoding buys: speculative against target-only tokens/s, and against the ideal.
 
-Run from the repository root: ``python benchmarks/speedup.py [--requests N] [--max-tokens N]
-[--json]``.
+Run from the repository root: ``python benchmarks/speedup.py [--json] [--smoke]``.
 
-Starts ``pp1-worker`` with a drafter that costs t_d = 0.5 ms per call and runs
-``pp1-spark`` with a target that costs t_t = 5 ms per call, a batch of prefixes
-being one call (``benchmarks/paced.py``: each call sleeps to a fixed deadline,
-the toy arithmetic inside it, so the plugins cost exactly their fixed time and
-release the GIL as a GPU call does); vocabulary 32,000, S = 8 concurrent
-requests, depth d = 5: dense q, sparse:32 q, and target-only (``--depth 0``),
-in the same run.
+The plugins cost a fixed time per call, as a forward pass does
+(:mod:`pp1wire.apps.paced`): the target sleeps to a deadline t_t per call,
+whether it scores one prefix or a whole step's batch, and the drafter costs
+t_d = 0.5 ms per call (one prefix or a batch). The rows themselves are nearly
+free (tabulated toy models), so what is left of each side's CPU is pp1wire's
+own. ``pp1-worker`` and ``pp1-spark`` run as they ship, pinned to different
+cores (the first half of this process's cores, and the second half), with
+S = 8 requests of 64 tokens at concurrency 8 (8 slots) and depth d = 5; for
+each vocabulary V in {32,000, 129,280} and target cost t_t in {5, 20, 50}
+ms: target-only (``--depth 0``), dense q and sparse:32 q, in the same run,
+interleaved (each repetition runs every cell once, in a rotated order), each
+figure the median with the min-max over the repetitions (3 by default).
 
-Ideal (an engine with these plugin costs and nothing else): a round drafts d
-positions for every slot at once (d·t_d) and scores every slot's drafts and
-bonus in one target call (t_t), committing S·(L + 1) tokens, L being the
-*measured* mean accepted length; so ideal tokens/s = S·(L + 1) / (d·t_d + t_t),
-and target-only ideal = S / t_t. ``e2e_vs_ideal`` = measured / ideal (goal
->= 0.9); ``speedup`` = speculative tokens/s / target-only tokens/s, measured.
+Per cell, from the same repetition:
+
+* ``speedup`` = speculative tokens/s / target-only tokens/s;
+* ``ideal`` = S·(L + 1) / (d·t_d + t_t) tokens/s, with L the mean accepted
+  length this run measured: an engine with these plugin costs and no other
+  drafts d positions for every slot at once (d·t_d), scores every slot's
+  drafts and bonus in one target call (t_t) and commits S·(L + 1) tokens;
+  ``ideal_speedup`` = ideal / (S / t_t), the target-only ideal being S / t_t;
+* ``measured_vs_ideal`` = speculative tokens/s / ideal;
+* ``fill`` = the rounds each target call decided over the slots running
+  (``pp1-spark``'s ``step_fill``; 1.0: every slot in every call);
+* ``round_trip_ms`` = STEP sent to proposal validated, the run's median
+  (``round_trip_ms_median``);
+* ``step_ms`` = the run's seconds / its steps (target calls), against
+  ``ideal_step_ms`` = d·t_d + t_t; ``worker_cpu_ms_per_step`` and
+  ``spark_cpu_ms_per_step`` say what each side's CPU added to it;
+* ``worker_cpu_ms_per_row`` = the worker process's CPU (user + system, from
+  ``/proc/PID/task/*/schedstat``, every thread) during the run / the rows it sent
+  (``pp1_worker_rows_total``), all in;
+* ``spark_cpu_ms_per_token`` = ``pp1-spark``'s CPU during its requests
+  (``cpu_seconds``) / the tokens it committed; the same for target-only
+  (``target_only_spark_cpu_ms_per_token``).
+
+``--json`` prints one object: ``cells`` (those figures, each ``{"median",
+"min", "max"}``), ``runs`` (every repetition's raw figures, from which each
+one follows) and, for ``benchmarks/run.py``, the keys it always read, from
+the repetition with the median dense speedup of the first vocabulary at t_t =
+20 ms (or the first t_t given).
 """
 
 from __future__ import annotations
@@ -24,86 +50,345 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pp1wire.apps.launch import spark_command, worker_process
+from pp1wire.apps.launch import RunningWorker, spark_command, worker_command, worker_process
+from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB = 32_000
+VOCABS = (32_000, 129_280)
+SUPPORTS = ("dense", "sparse:32")
+TARGET_MS = (5.0, 20.0, 50.0)
+DRAFTER_MS = 0.5
 DEPTH = 5
-T_DRAFT = 0.5e-3
-T_TARGET = 5e-3
+PLUGINS = "pp1wire.apps.paced"
+# Run each process where it is pinned: the affinity is set before the interpreter starts.
+_PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys.argv[1:])"
 
 
-def spark(address: str, depth: int, support: str, requests: int, tokens: int) -> dict[str, Any]:
-    """One pp1-spark run's --json summary."""
+def cores() -> tuple[list[int], list[int]]:
+    """The worker's cores and the Spark side's: two halves of this process's (one core: both)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        return mine, mine
+    half = len(mine) // 2
+    return mine[:half], mine[half:]
+
+
+def pinned(cmd: list[str], on: list[int]) -> list[str]:
+    """``cmd`` run on the cores ``on`` (every thread it starts included)."""
+    return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``'s live threads, from /proc: each
+    thread's ``schedstat`` (nanoseconds; the worker's threads live as long as it does)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return total / 1e9
+
+
+def rows_sent(worker: RunningWorker) -> float:
+    """The worker's ``pp1_worker_rows_total``."""
+    with urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pp1_worker_rows_total ")
+    )
+
+
+def spark_run(
+    worker: RunningWorker,
+    *,
+    vocab: int,
+    depth: int,
+    support: str,
+    target_ms: float,
+    requests: int,
+    tokens: int,
+    on: list[int],
+) -> dict[str, Any]:
+    """One ``pp1-spark`` run: its summary, with the worker's CPU and rows during it."""
     cmd = spark_command(
-        address,
-        "--target", "benchmarks.paced:target_factory",
+        worker.address,
+        "--target", f"{PLUGINS}:target_factory",
         "--requests", str(requests), "--concurrency", str(requests),
         "--max-tokens", str(tokens), "--depth", str(depth), "--support", support, "--json",
-        vocab=VOCAB,
+        vocab=vocab,
     )  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True, cwd=ROOT)
-    summary: dict[str, Any] = json.loads(done.stdout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", TARGET_MS_ENV: repr(target_ms)}
+    cpu, rows = process_cpu(worker.process.pid), rows_sent(worker)
+    done = subprocess.run(
+        pinned(cmd, on), capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"pp1-spark exited {done.returncode}: {done.stderr[-2000:]}")
+    summary: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    summary["worker_cpu_seconds"] = process_cpu(worker.process.pid) - cpu
+    summary["worker_rows"] = rows_sent(worker) - rows
     return summary
 
 
-def measure(requests: int, tokens: int) -> dict[str, Any]:
-    """Run the three modes; returns the figures (``*_vs_ideal``, ``speedup_*``, rates)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the plugins: benchmarks.paced
-    with worker_process(
-        "--drafter", "benchmarks.paced:drafter_factory", "--max-slots", str(requests),
-        vocab=VOCAB, seed=0, env=env,  # the drafter perturbs the target of the same seed
-    ) as worker:  # fmt: skip
-        runs = {
-            "dense": spark(worker.address, DEPTH, "dense", requests, tokens),
-            "sparse32": spark(worker.address, DEPTH, "sparse:32", requests, tokens),
-            "target_only": spark(worker.address, 0, "dense", requests, tokens),
-        }
-    plain = runs["target_only"]["tokens_per_second"]
-    out: dict[str, Any] = {
-        "target_only_tokens_per_second": plain,
-        "target_only_vs_ideal": plain / (requests / T_TARGET),
+@contextmanager
+def worker_on(vocab: int, slots: int, on: list[int]) -> Iterator[RunningWorker]:
+    """``pp1-worker`` with the fixed-cost drafter, pinned to ``on``, metrics on a free port."""
+    cmd = worker_command(
+        "--drafter", f"{PLUGINS}:drafter_factory", "--max-slots", str(slots),
+        "--metrics-port", "0", vocab=vocab, seed=0,
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", DRAFTER_MS_ENV: repr(DRAFTER_MS)}
+    with worker_process(command=pinned(cmd, on), env=env) as worker:
+        yield worker
+
+
+def key_of(support: str) -> str:
+    """``dense`` / ``sparse32``: a support as a JSON key."""
+    return support.replace(":", "")
+
+
+def figures(
+    spec: dict[str, Any], plain: dict[str, Any], *, slots: int, target_ms: float
+) -> dict[str, float]:
+    """One repetition's figures for a cell, from its speculative and target-only runs."""
+    t_t, t_d = target_ms / 1e3, DRAFTER_MS / 1e3
+    length = spec["mean_accepted_length"]
+    ideal = slots * (length + 1) / (DEPTH * t_d + t_t)
+    return {
+        "tokens_per_second": spec["tokens_per_second"],
+        "target_only_tokens_per_second": plain["tokens_per_second"],
+        "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
+        "ideal_tokens_per_second": ideal,
+        "ideal_speedup": ideal / (slots / t_t),
+        "measured_vs_ideal": spec["tokens_per_second"] / ideal,
+        "target_only_vs_ideal": plain["tokens_per_second"] / (slots / t_t),
+        "mean_accepted_length": length,
+        "acceptance_rate": spec["acceptance_rate"],
+        "fill": spec["step_fill"],
+        "target_only_fill": plain["step_fill"],
+        "round_trip_ms": spec["round_trip_ms_median"] or 0.0,
+        # Where a step's time goes: the ideal step is d·t_d + t_t.
+        "step_ms": 1e3 * spec["seconds"] / max(1, spec["steps"]),
+        "ideal_step_ms": 1e3 * (DEPTH * t_d + t_t),
+        "worker_cpu_ms_per_step": 1e3 * spec["worker_cpu_seconds"] / max(1, spec["steps"]),
+        "spark_cpu_ms_per_step": 1e3 * spec["cpu_seconds"] / max(1, spec["steps"]),
+        "seconds": spec["seconds"],
+        "steps": spec["steps"],
+        # CPU and what it bought, each side: the figures below are their ratios.
+        "worker_cpu_seconds": spec["worker_cpu_seconds"],
+        "worker_rows": spec["worker_rows"],
+        "spark_cpu_seconds": spec["cpu_seconds"],
+        "tokens": spec["tokens"],
+        "target_only_spark_cpu_seconds": plain["cpu_seconds"],
+        "target_only_tokens": plain["tokens"],
+        "worker_cpu_ms_per_row": 1e3 * spec["worker_cpu_seconds"] / max(1.0, spec["worker_rows"]),
+        "spark_cpu_ms_per_token": 1e3 * spec["cpu_seconds"] / max(1, spec["tokens"]),
+        "target_only_spark_cpu_ms_per_token": 1e3 * plain["cpu_seconds"] / max(1, plain["tokens"]),
     }
-    for key in ("dense", "sparse32"):
-        r = runs[key]
-        ideal = requests * (r["mean_accepted_length"] + 1) / (DEPTH * T_DRAFT + T_TARGET)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median and min-max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(
+    *,
+    vocabs: Sequence[int] = VOCABS,
+    supports: Sequence[str] = SUPPORTS,
+    target_ms: Sequence[float] = TARGET_MS,
+    requests: int = 8,
+    tokens: int = 64,
+    reps: int = 3,
+    warm_up: bool = True,
+) -> dict[str, Any]:
+    """Run the table (see the module docstring); returns ``cells``, ``runs`` and headline keys.
+
+    With ``warm_up``, each worker's first run (its warm-up) is not measured."""
+    worker_cores, spark_cores = cores()
+    runs: list[dict[str, Any]] = []
+    for vocab in vocabs:
+        with worker_on(vocab, requests, worker_cores) as worker:
+            if warm_up:
+                spark_run(
+                    worker, vocab=vocab, depth=DEPTH, support=supports[0], target_ms=0.0,
+                    requests=requests, tokens=min(tokens, 8), on=spark_cores,
+                )  # fmt: skip
+            order = [(t, s) for t in target_ms for s in ("target_only", *supports)]
+            for rep in range(reps):
+                turn = order[rep % len(order) :] + order[: rep % len(order)]
+                got: dict[tuple[float, str], dict[str, Any]] = {}
+                for t, s in turn:
+                    got[t, s] = spark_run(
+                        worker,
+                        vocab=vocab,
+                        depth=0 if s == "target_only" else DEPTH,
+                        support="dense" if s == "target_only" else s,
+                        target_ms=t,
+                        requests=requests,
+                        tokens=tokens,
+                        on=spark_cores,
+                    )
+                for t in target_ms:
+                    for s in supports:
+                        runs.append(
+                            {
+                                "vocab": vocab,
+                                "q": s,
+                                "target_ms": t,
+                                "rep": rep,
+                                **figures(
+                                    got[t, s], got[t, "target_only"], slots=requests, target_ms=t
+                                ),
+                            }
+                        )
+    cells = []
+    for vocab in vocabs:
+        for t in target_ms:
+            for s in supports:
+                mine = [r for r in runs if (r["vocab"], r["target_ms"], r["q"]) == (vocab, t, s)]
+                cell: dict[str, Any] = {"vocab": vocab, "q": s, "target_ms": t}
+                for name in mine[0]:
+                    if name not in ("vocab", "q", "target_ms", "rep"):
+                        cell[name] = summarize([r[name] for r in mine])
+                cells.append(cell)
+    out: dict[str, Any] = {
+        "setup": {
+            "requests": requests,
+            "tokens": tokens,
+            "concurrency": requests,
+            "depth": DEPTH,
+            "drafter_ms": DRAFTER_MS,
+            "reps": reps,
+            "worker_cores": worker_cores,
+            "spark_cores": spark_cores,
+        },
+        "cells": cells,
+        "runs": runs,
+    }
+    out.update(headline(runs, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
+    return out
+
+
+def headline(
+    runs: list[dict[str, Any]], vocab: int, target_ms: float, supports: Sequence[str]
+) -> dict[str, Any]:
+    """The keys ``benchmarks/run.py`` reads, all from one repetition: the one with the
+    median dense speedup (the lower middle for an even count) at ``vocab``, ``target_ms``."""
+    first = supports[0]
+    at = [r for r in runs if r["vocab"] == vocab and r["target_ms"] == target_ms]
+    ranked = sorted((r for r in at if r["q"] == first), key=lambda r: r["speedup"])
+    rep = ranked[(len(ranked) - 1) // 2]["rep"]
+    chosen = {r["q"]: r for r in at if r["rep"] == rep}
+    base = chosen[first]
+    out: dict[str, Any] = {
+        "headline": {"vocab": vocab, "target_ms": target_ms, "rep": rep},
+        "target_only_tokens_per_second": base["target_only_tokens_per_second"],
+        "target_only_vs_ideal": base["target_only_vs_ideal"],
+        "step_fill": base["fill"],
+        "round_trip_ms": base["round_trip_ms"],
+        "worker_cpu_ms_per_row": base["worker_cpu_ms_per_row"],
+        "spark_cpu_ms_per_token": base["spark_cpu_ms_per_token"],
+    }
+    for s, r in chosen.items():
+        key = key_of(s)
         out[f"{key}_tokens_per_second"] = r["tokens_per_second"]
-        out[f"{key}_ideal_tokens_per_second"] = ideal
-        out[f"e2e_vs_ideal_{key}"] = r["tokens_per_second"] / ideal
-        out[f"speedup_{key}"] = r["tokens_per_second"] / plain
+        out[f"{key}_ideal_tokens_per_second"] = r["ideal_tokens_per_second"]
+        out[f"e2e_vs_ideal_{key}"] = r["measured_vs_ideal"]
+        out[f"speedup_{key}"] = r["speedup"]
         out[f"{key}_mean_accepted_length"] = r["mean_accepted_length"]
         out[f"{key}_acceptance_rate"] = r["acceptance_rate"]
     return out
 
 
-def main() -> None:
-    """Measure and print the figures."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    out = measure(args.requests, args.max_tokens)
-    if args.json:
-        print(json.dumps(out))
-        return
-    print(f"vocab {VOCAB}, {args.requests} requests x {args.max_tokens} tokens, depth {DEPTH}")
-    for key in ("dense", "sparse32"):
-        print(
-            f"{key:9s} {out[f'{key}_tokens_per_second']:8.1f} tokens/s, ideal "
-            f"{out[f'{key}_ideal_tokens_per_second']:8.1f} (mean accepted length "
-            f"{out[f'{key}_mean_accepted_length']:.2f}): e2e_vs_ideal "
-            f"{out[f'e2e_vs_ideal_{key}']:.2f}; speedup over target-only "
-            f"{out[f'speedup_{key}']:.2f}"
+def _cell_text(f: dict[str, float], digits: int = 2) -> str:
+    return f"{f['median']:.{digits}f} ({f['min']:.{digits}f}-{f['max']:.{digits}f})"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The cells as a markdown table: median (min-max) of the repetitions."""
+    head = [
+        "| V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
+        "STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
+        "Spark CPU ms/token (spec, target-only) | L |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in result["cells"]:
+        head.append(
+            f"| {c['vocab']:,} | {c['q']} | {c['target_ms']:g} | {_cell_text(c['speedup'])}x "
+            f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
+            f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
+            f"| {c['step_ms']['median']:.1f} ({c['ideal_step_ms']['median']:.1f}; "
+            f"{c['worker_cpu_ms_per_step']['median']:.1f}, "
+            f"{c['spark_cpu_ms_per_step']['median']:.1f}) "
+            f"| {_cell_text(c['worker_cpu_ms_per_row'], 3)} "
+            f"| {c['spark_cpu_ms_per_token']['median']:.3f}, "
+            f"{c['target_only_spark_cpu_ms_per_token']['median']:.3f} "
+            f"| {c['mean_accepted_length']['median']:.2f} |"
         )
-    print(
-        f"target-only {out['target_only_tokens_per_second']:8.1f} tokens/s, ideal "
-        f"{args.requests / T_TARGET:8.1f}: {out['target_only_vs_ideal']:.2f}"
+    return "\n".join(head)
+
+
+def main() -> None:
+    """Measure and print the table (or ``--json``)."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS), metavar="V")
+    p.add_argument("--support", nargs="+", default=list(SUPPORTS), metavar="dense|sparse:K")
+    p.add_argument("--target-ms", type=float, nargs="+", default=list(TARGET_MS), metavar="MS")
+    p.add_argument("--requests", type=int, default=8, metavar="N")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS")
+    p.add_argument("--reps", type=int, default=3, metavar="N", help="interleaved repetitions")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny table (V = 1,024, t_t = 2 ms, 2 requests x 4 tokens, 2 repetitions): "
+        "checks that the benchmark works",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    if args.smoke:
+        args.vocab, args.target_ms, args.requests, args.max_tokens, args.reps = (
+            [1024],
+            [2.0],
+            2,
+            4,
+            2,
+        )
+    result = measure(
+        vocabs=args.vocab,
+        supports=args.support,
+        target_ms=args.target_ms,
+        requests=args.requests,
+        tokens=args.max_tokens,
+        reps=args.reps,
+        warm_up=not args.smoke,
+    )
+    if args.json:
+        print(json.dumps(result))
+        return
+    s = result["setup"]
+    print(
+        f"{s['requests']} requests x {s['tokens']} tokens, concurrency {s['concurrency']}, "
+        f"depth {s['depth']}, drafter {s['drafter_ms']} ms per call; worker on cores "
+        f"{s['worker_cores']}, pp1-spark on {s['spark_cores']}; median (min-max) of "
+        f"{s['reps']} interleaved repetitions\n"
+    )
+    print(table(result))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,18 @@ def test_run_py_smoke():
     assert flat["speedup_over_target_only"] == pytest.approx(
         e2e["dense_tokens_per_second"] / e2e["target_only_tokens_per_second"]
     )
+    # speedup.py's headline repetition, whose figures its own smoke checks.
+    head = e2e["headline"]
+    (dense,) = (
+        r
+        for r in e2e["runs"]
+        if (r["vocab"], r["target_ms"], r["rep"], r["q"])
+        == (head["vocab"], head["target_ms"], head["rep"], "dense")
+    )
+    assert flat["step_fill"] == dense["fill"]
+    assert flat["round_trip_ms"] == dense["round_trip_ms"]
+    assert flat["worker_cpu_ms_per_row"] == dense["worker_cpu_ms_per_row"]
+    assert flat["spark_cpu_ms_per_token"] == dense["spark_cpu_ms_per_token"]
 
 
 def test_sizes_report_meets_the_size_goals():
@@ -130,18 +142,81 @@ def test_integrity_cost_smoke():
 
 
 def test_speedup_smoke():
-    result = run_json("speedup.py", "--requests", "2", "--max-tokens", "4", "--json")
+    result = run_json("speedup.py", "--smoke", "--json")
+    setup = result["setup"]
+    slots, depth, t_d = setup["concurrency"], setup["depth"], setup["drafter_ms"] / 1e3
+    runs = result["runs"]
+    assert len(runs) == setup["reps"] * len(result["cells"]) >= 2 * 2  # dense, sparse:32
+    for r in runs:
+        t_t = r["target_ms"] / 1e3
+        # Each figure from the parts of the same repetition: both runs and the
+        # acceptance measured in it.
+        assert r["speedup"] == pytest.approx(
+            r["tokens_per_second"] / r["target_only_tokens_per_second"]
+        )
+        ideal = slots * (r["mean_accepted_length"] + 1) / (depth * t_d + t_t)
+        assert r["ideal_tokens_per_second"] == pytest.approx(ideal)
+        assert r["ideal_speedup"] == pytest.approx(ideal / (slots / t_t))
+        assert r["measured_vs_ideal"] == pytest.approx(r["tokens_per_second"] / ideal)
+        assert r["target_only_vs_ideal"] == pytest.approx(
+            r["target_only_tokens_per_second"] / (slots / t_t)
+        )
+        assert 0 < r["target_only_vs_ideal"] <= 1.05  # cannot beat its own fixed cost
+        assert 0 <= r["acceptance_rate"] <= 1
+        assert 0 <= r["mean_accepted_length"] <= depth
+        assert 0 < r["fill"] <= 1
+        assert 0 < r["target_only_fill"] <= 1
+        assert r["round_trip_ms"] > 0
+        assert r["worker_rows"] > 0
+        assert r["step_ms"] == pytest.approx(1e3 * r["seconds"] / r["steps"])
+        assert r["ideal_step_ms"] == pytest.approx(1e3 * (depth * t_d + t_t))
+        assert r["worker_cpu_ms_per_step"] == pytest.approx(
+            1e3 * r["worker_cpu_seconds"] / r["steps"]
+        )
+        assert r["spark_cpu_ms_per_step"] == pytest.approx(
+            1e3 * r["spark_cpu_seconds"] / r["steps"]
+        )
+        assert r["worker_cpu_ms_per_row"] == pytest.approx(
+            1e3 * r["worker_cpu_seconds"] / r["worker_rows"]
+        )
+        assert r["spark_cpu_ms_per_token"] == pytest.approx(
+            1e3 * r["spark_cpu_seconds"] / r["tokens"]
+        )
+        assert r["target_only_spark_cpu_ms_per_token"] == pytest.approx(
+            1e3 * r["target_only_spark_cpu_seconds"] / r["target_only_tokens"]
+        )
+        assert r["spark_cpu_ms_per_token"] > 0
+        assert r["target_only_spark_cpu_ms_per_token"] > 0
+    for cell in result["cells"]:
+        mine = [
+            r for r in runs if (r["vocab"], r["q"], r["target_ms"]) ==
+            (cell["vocab"], cell["q"], cell["target_ms"])
+        ]  # fmt: skip
+        assert len(mine) == setup["reps"]
+        for name, summary in cell.items():
+            if isinstance(summary, dict):  # median and min-max over the repetitions
+                values = sorted(r[name] for r in mine)
+                assert summary["min"] == values[0]
+                assert summary["max"] == values[-1]
+                assert summary["median"] == pytest.approx(
+                    (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+                )
+    # The keys run.py reads: one repetition's, so they follow from each other.
+    head = result["headline"]
+    chosen = {
+        r["q"]: r
+        for r in runs
+        if (r["vocab"], r["target_ms"], r["rep"]) == (head["vocab"], head["target_ms"], head["rep"])
+    }
     plain = result["target_only_tokens_per_second"]
-    for key in ("dense", "sparse32"):
-        assert finite_positive(result[f"e2e_vs_ideal_{key}"])
-        # Both against the target-only run and the acceptance of this same run.
+    for key, q in (("dense", "dense"), ("sparse32", "sparse:32")):
+        assert result[f"{key}_tokens_per_second"] == chosen[q]["tokens_per_second"]
         assert result[f"speedup_{key}"] == pytest.approx(result[f"{key}_tokens_per_second"] / plain)
         assert result[f"e2e_vs_ideal_{key}"] == pytest.approx(
             result[f"{key}_tokens_per_second"] / result[f"{key}_ideal_tokens_per_second"]
         )
-        assert 0 <= result[f"{key}_acceptance_rate"] <= 1
-        assert 0 <= result[f"{key}_mean_accepted_length"] <= 5  # depth 5
-    assert 0 < result["target_only_vs_ideal"] <= 1.05  # cannot beat its own fixed cost
+    assert result["step_fill"] == chosen["dense"]["fill"]
+    assert result["worker_cpu_ms_per_row"] == chosen["dense"]["worker_cpu_ms_per_row"]
 
 
 def tp_figures(vocab: int, *supports: str) -> dict[str, Any]:

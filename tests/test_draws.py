@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -79,6 +81,80 @@ def test_bad_sizes_are_refused():
         DrawScheduler(0)
     with pytest.raises(ValueError, match="at least one worker"):
         DrawScheduler(1, max_batch=0)
+    for gather in (-1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gather time"):
+            DrawScheduler(1, gather=gather)
+
+
+# -- gathering the STEPs of one step ---------------------------------------------------------
+
+
+def announced(slots: int, *, max_batch: int = 8) -> DrawScheduler[str, int]:
+    """A scheduler whose connection "a" committed ``slots`` slots: their STEPs are due."""
+    s: DrawScheduler[str, int] = DrawScheduler(1, max_batch=max_batch, gather=0.002)
+    for slot in range(slots):
+        s.expect("a", slot)
+    return s
+
+
+def test_a_free_worker_waits_for_the_steps_a_connection_announced():
+    s = announced(4)
+    s.submit("a", 0, now=0.0, tag=0)
+    assert s.next_batch(now=0.001) == []
+    assert s.hold_until() == 0.002
+    s.submit("a", 1, now=0.0012, tag=1)
+    s.submit("a", 2, now=0.0013, tag=2)
+    assert s.next_batch(now=0.0014) == []
+    s.submit("a", 3, now=0.0015, tag=3)  # the last one announced: no reason to wait
+    assert s.hold_until() is None
+    assert s.next_batch(now=0.0015) == [("a", 0), ("a", 1), ("a", 2), ("a", 3)]
+
+
+def test_the_wait_ends_after_gather_and_a_dispatch_forgets_the_rest():
+    s = announced(3)
+    s.submit("a", 0, now=0.0, tag=0)
+    assert s.next_batch(now=0.0019) == []
+    batch = s.next_batch(now=0.002)  # slots 1 and 2 never came (say, target-only rounds)
+    assert batch == [("a", 0)]
+    s.finished(batch)
+    s.submit("a", 1, now=0.003, tag=1)  # no longer expected to bring company
+    assert s.next_batch(now=0.003) == [("a", 1)]
+
+
+def test_only_a_queued_connections_announcements_hold_a_worker():
+    s = announced(2)
+    s.submit("b", 0, now=0.0, tag=0)  # "b" announced nothing; "a" has nothing queued
+    assert s.next_batch(now=0.0) == [("b", 0)]
+
+
+def test_a_full_batch_a_closed_slot_or_a_dropped_connection_ends_the_wait():
+    s = announced(4, max_batch=2)
+    s.submit("a", 0, now=0.0, tag=0)
+    s.submit("a", 1, now=0.0, tag=1)
+    assert s.next_batch(now=0.0) == [("a", 0), ("a", 1)]  # a full batch goes at once
+    s = announced(2)
+    s.submit("a", 0, now=0.0, tag=0)
+    assert s.next_batch(now=0.0) == []
+    s.unexpect("a", 1)  # its slot closed
+    assert s.next_batch(now=0.0) == [("a", 0)]
+    s = announced(2)
+    s.submit("a", 0, now=0.0, tag=0)
+    s.drop("a")
+    assert s.hold_until() is None
+    s.submit("a", 1, now=0.0, tag=0)
+    assert s.next_batch(now=0.0) == [("a", 1)]
+
+
+def test_a_busy_pool_holds_nothing_and_no_gather_never_waits():
+    s = announced(2)
+    s.submit("a", 0, now=0.0, tag=0)
+    s.submit("b", 0, now=0.0)
+    s.busy = s.workers  # every worker holds a batch
+    assert s.hold_until() is None
+    s = DrawScheduler(1, max_batch=8)  # gather 0
+    s.expect("a", 1)
+    s.submit("a", 0, now=0.0, tag=0)
+    assert s.next_batch(now=0.0) == [("a", 0)]
 
 
 ops = st.lists(
@@ -87,27 +163,37 @@ ops = st.lists(
         st.tuples(st.just("next"), st.just("")),
         st.tuples(st.just("finish"), st.integers(0, 3)),
         st.tuples(st.just("drop"), st.sampled_from("abcd")),
+        st.tuples(st.just("expect"), st.sampled_from("abcd")),
+        st.tuples(st.just("wait"), st.integers(0, 3)),
     ),
     max_size=60,
 )
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops, st.integers(1, 3), st.integers(1, 3))
-def test_no_job_is_lost_duplicated_or_reordered(ops, workers, max_batch):
-    s: DrawScheduler[str, int] = DrawScheduler(workers, max_batch=max_batch)
+@given(ops, st.integers(1, 3), st.integers(1, 3), st.sampled_from([0.0, 2.0]))
+def test_no_job_is_lost_duplicated_or_reordered(ops, workers, max_batch, gather):
+    s: DrawScheduler[str, int] = DrawScheduler(workers, max_batch=max_batch, gather=gather)
     submitted: dict[str, list[int]] = {k: [] for k in "abcd"}
     handed: dict[str, list[int]] = {k: [] for k in "abcd"}
     dropped: dict[str, list[int]] = {k: [] for k in "abcd"}
     running: list[list[tuple[str, int]]] = []
     n = 0
+    now = 0.0
     for op, arg in ops:
         if op == "submit":
-            s.submit(arg, n)
+            s.submit(arg, n, now=now, tag=n % 3)
             submitted[arg].append(n)
             n += 1
+        elif op == "expect":
+            s.expect(arg, n % 3)
+        elif op == "wait":
+            now += arg
         elif op == "next":
-            batch = s.next_batch()
+            until = s.hold_until()
+            batch = s.next_batch(now)
+            if until is not None and now < until:
+                assert batch == []
             assert len(batch) <= max_batch
             if batch:
                 running.append(batch)
@@ -120,7 +206,8 @@ def test_no_job_is_lost_duplicated_or_reordered(ops, workers, max_batch):
             dropped[arg] += s.drop(arg)
     for batch in running:
         s.finished(batch)
-    for batch in iter(s.next_batch, []):
+    # Past every wait, everything left goes out.
+    for batch in iter(functools.partial(s.next_batch, now + gather), []):
         for k, j in batch:
             handed[k].append(j)
         s.finished(batch)

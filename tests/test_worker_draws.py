@@ -16,6 +16,7 @@ from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
+from pp1wire.wire.draws import run_each
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -52,14 +53,23 @@ def _drawing(srv: WorkerServer) -> int:
 
 
 @pytest.mark.asyncio
-async def test_a_peer_keeping_every_slot_drawing_cannot_queue_a_legitimate_draw_behind_it():
+@pytest.mark.parametrize("batch", [1, 4], ids=["alone", "together"])
+async def test_a_peer_keeping_every_slot_drawing_cannot_queue_a_legitimate_draw_behind_it(batch):
     # Four connections keep all four slots drawing (what a RESET/STEP loop does);
     # one thread draws, and its first draw is held until every STEP has arrived.
     # Served in arrival order the legitimate draw came 17th, after all sixteen
     # of the attacker's. Shared fairly it comes once each connection with work has
-    # had a turn: at most 1 + 4 draws.
+    # had a turn: each STEP drawn alone, at most 1 + 4 draws; drafted together in
+    # batches of 4, in the batch after the first (at most 4 + 4 drafter calls).
     drafter = GatedDrafter()
-    srv = WorkerServer(WorkerConfig(vocab_size=VOCAB), drafter, draw_threads=1)
+    run = run_each if batch == 1 else None  # None: the default, drafting together
+    srv = WorkerServer(
+        WorkerConfig(vocab_size=VOCAB),
+        drafter,
+        draw_threads=1,
+        run_batch=run,
+        max_draw_batch=batch,
+    )
     port = await srv.start("127.0.0.1", 0)
     config = SparkConfig(vocab_size=VOCAB, max_slots=4, max_depth=1)
     attackers = [await AsyncClient.connect("127.0.0.1", port, config) for _ in range(4)]
@@ -83,7 +93,7 @@ async def test_a_peer_keeping_every_slot_drawing_cannot_queue_a_legitimate_draw_
         await asyncio.gather(*flood)
         position = drafter.order.index(LEGIT) + 1
         assert drafter.order.count(ATTACKER) == 16
-        assert position <= 1 + len(attackers), drafter.order
+        assert position <= batch + len(attackers), drafter.order
     finally:
         drafter.gate.set()
         for c in [*attackers, legit]:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.draws import BatchRunner, DrawScheduler, FailureLog, run_each
+from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import Proposer
@@ -384,9 +384,13 @@ class _Conn(asyncio.BufferedProtocol):
                     m.rows.inc(e.rows)
             elif isinstance(e, worker_core.StepReplayed):
                 m.replays.inc()
-            elif isinstance(e, worker_core.SlotEvent) and e.kind is MsgType.COMMIT:
-                m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
-                m.committed_tokens.inc(e.tokens)
+            elif isinstance(e, worker_core.SlotEvent):
+                # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
+                draws = self.server.draws
+                (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
+                if e.kind is MsgType.COMMIT:
+                    m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
+                    m.committed_tokens.inc(e.tokens)
             elif isinstance(e, worker_core.Refused):
                 m.refusals.labels(code=e.code.name.lower()).inc()
                 log.info(
@@ -511,8 +515,9 @@ class WorkerServer:
         proposer: Proposer | None = None,
         slot_idle_timeout: float = SLOT_IDLE_S,
         evict_idle: float = EVICT_IDLE_S,
-        run_batch: BatchRunner = run_each,
-        max_draw_batch: int = 1,
+        run_batch: BatchRunner | None = None,
+        max_draw_batch: int | None = None,
+        draw_gather: float = DRAW_GATHER_S,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -534,16 +539,27 @@ class WorkerServer:
         (slots draw in parallel, the loop keeps answering), shared fairly
         between connections (:class:`~pp1wire.wire.draws.DrawScheduler`);
         ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
-        pool thread. 0 draws on the event loop. ``proposer`` replaces the local
-        proposal chain (a rank of a vocabulary-sharded worker group).
+        pool thread (default: :func:`~pp1wire.wire.draws.default_runner`), a
+        free thread waiting up to ``draw_gather`` seconds for the STEPs a
+        connection's COMMITs announced. 0 draws on the event loop.
+        ``proposer`` replaces the local proposal chain (a rank of a
+        vocabulary-sharded worker group).
 
         Raises:
-            ValueError: for a limit below 1 or a timeout that is not above 0.
+            ValueError: for a limit below 1, a timeout that is not above 0, or a
+                negative ``draw_gather``.
         """
         if max_connections < 1 or (max_per_address is not None and max_per_address < 1):
             raise ValueError("connection limits must be at least 1")
-        if not (slot_idle_timeout > 0 and evict_idle >= 0) or max_draw_batch < 1:
+        if not (slot_idle_timeout > 0 and evict_idle >= 0) or (
+            max_draw_batch is not None and max_draw_batch < 1
+        ):
             raise ValueError("idle limits must be positive and a draw batch at least 1 job")
+        if run_batch is None:
+            local = proposer is None and not config.sharded
+            run_batch, max_draw_batch = default_runner(
+                config.vocab_size, config.entries, local=local, batch=max_draw_batch
+            )
         self.config = config
         self.drafter = drafter
         self.proposer = proposer
@@ -559,9 +575,11 @@ class WorkerServer:
         self.busy_poll = busy_poll
         self.draw_pool = ThreadPoolExecutor(draw_threads, "pp1-draw") if draw_threads > 0 else None
         self.draws: DrawScheduler[_Conn, worker_core.DrawJob] = DrawScheduler(
-            max(1, draw_threads), max_batch=max_draw_batch
+            max(1, draw_threads), max_batch=max_draw_batch or 1, gather=draw_gather
         )
         self.run_batch = run_batch
+        self._scheduling = False  # a _schedule is due on the loop
+        self._gather_timer: asyncio.TimerHandle | None = None
         self.failures = FailureLog()
         self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
@@ -627,9 +645,12 @@ class WorkerServer:
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
-        """Queue ``conn``'s draw; it runs when its turn comes (docs/protocol.md §4.4)."""
-        self.draws.submit(conn, job)
-        self._schedule()
+        """Queue ``conn``'s draw (docs/protocol.md §4.4); batches are taken once the
+        frames at hand are handled, so that STEPs read together are drafted together."""
+        self.draws.submit(conn, job, now=time.monotonic(), tag=job.step.slot)
+        if not self._scheduling:
+            self._scheduling = True
+            asyncio.get_running_loop().call_soon(self._schedule)
 
     def forget_draws(self, conn: _Conn) -> None:
         """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
@@ -637,14 +658,23 @@ class WorkerServer:
         self.metrics.draws_queued.set(self.draws.queued)
 
     def _schedule(self) -> None:
+        self._scheduling = False
         pool = self.draw_pool
         if pool is not None:
             loop = asyncio.get_running_loop()
-            while batch := self.draws.next_batch():
+            now = time.monotonic()
+            while batch := self.draws.next_batch(now):
                 jobs = [job for _, job in batch]
                 done = loop.run_in_executor(pool, self.run_batch, jobs)
                 done.add_done_callback(functools.partial(self._batch_done, batch))
+            until = self.draws.hold_until()
+            if until is not None and self._gather_timer is None:
+                self._gather_timer = loop.call_later(max(0.0, until - now), self._gathered)
         self.metrics.draws_queued.set(self.draws.queued)
+
+    def _gathered(self) -> None:
+        self._gather_timer = None
+        self._schedule()
 
     def _batch_done(
         self,
@@ -755,6 +785,9 @@ class WorkerServer:
         for conn in list(self.conns):
             if conn.transport is not None:
                 conn.transport.abort()
+        if self._gather_timer is not None:
+            self._gather_timer.cancel()
+            self._gather_timer = None
         if self.draw_pool is not None:
             self.draw_pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:

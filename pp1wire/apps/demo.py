@@ -1,16 +1,23 @@
-"""The main job: both daemons on loopback with the built-in toy models, and what happened.
+"""The main job: both daemons on loopback with the built-in toy models, and what speculation buys.
 
-``pp1-demo`` starts ``pp1-worker`` on a free loopback port, runs ``pp1-spark``
-against it (dense q, then sparse top-32 q), reads the worker's Prometheus
-metrics, stops the worker with SIGTERM and prints a summary of each step.
-``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
-one process (no sockets), which is handy when debugging numerics.
+``pp1-demo`` starts ``pp1-worker`` on a free loopback port and runs
+``pp1-spark`` against it three times: target-only (``--depth 0``), then
+speculative with dense q, then with sparse top-32 q, every request of a run
+in one step (concurrency = requests). The toy models are paced
+(:mod:`pp1wire.apps.paced`): the target costs ``--target-ms`` per call,
+whether it scores one prefix or a whole step's batch, as a forward pass does,
+and the drafter ``--drafter-ms`` per call. It prints each run's summary, the
+three runs' tokens/s side by side, the worker's Prometheus counters, then
+stops the worker with SIGTERM. ``pp1-demo --in-process`` instead runs the
+proposal chain and the verifier in one process (no sockets, no pacing), which
+is handy when debugging numerics.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +28,7 @@ from typing import Any, NoReturn
 from pp1wire.apps import settings
 from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
+from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow, propose
 from pp1wire.q.rng import Role, RoundStreams, derive_seed
@@ -108,37 +116,74 @@ def _print(title: str, stats: dict[str, Any]) -> None:
         print(f"  {key:24s} {shown}")
 
 
+#: The runs of the daemon demo: (title, --depth, --support); depth None: the demo's --depth.
+RUNS = (
+    ("target-only", 0, "dense"),
+    ("speculative, dense q", None, "dense"),
+    ("speculative, sparse:32 q", None, "sparse:32"),
+)
+
+
+def _shown(env: dict[str, str], cmd: Sequence[str], program: str) -> str:
+    """``cmd`` (``python -m module ...``) as the user would type it, with its pace."""
+    return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), program, *cmd[3:]])
+
+
+def _side_by_side(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]]) -> None:
+    plain = runs[0][1]["tokens_per_second"]
+    print(
+        f"\ntarget {args.target_ms:g} ms per call (one call scores a whole step), drafter "
+        f"{args.drafter_ms:g} ms per call, {args.requests} requests x {args.max_tokens} tokens:"
+    )
+    print(f"  {'':26s} {'tokens/s':>10s} {'vs target-only':>15s} {'mean accepted length':>21s}")
+    for title, summary in runs:
+        rate = summary["tokens_per_second"]
+        length = f"{summary['mean_accepted_length']:.2f}" if summary["draft_tokens"] else ""
+        print(f"  {title:26s} {rate:10.1f} {rate / plain:14.2f}x {length:>21s}")
+
+
 def run_daemons(args: argparse.Namespace) -> int:
-    """Start the worker, run the Spark side twice against it, stop the worker."""
-    worker_cmd = worker_command("--metrics-port", "0", vocab=args.vocab, seed=args.seed)
-    print("$ " + " ".join(["pp1-worker", *worker_cmd[3:]]), flush=True)
+    """Start the worker, run the Spark side target-only and speculative, stop the worker."""
+    drafter_env = {DRAFTER_MS_ENV: f"{args.drafter_ms:g}"}
+    target_env = {TARGET_MS_ENV: f"{args.target_ms:g}"}
+    worker_cmd = worker_command(
+        "--drafter", "pp1wire.apps.paced:drafter_factory", "--max-slots", str(args.requests),
+        "--metrics-port", "0", vocab=args.vocab, seed=args.seed,
+    )  # fmt: skip
+    print(_shown(drafter_env, worker_cmd, "pp1-worker"), flush=True)
+    runs: list[tuple[str, dict[str, Any]]] = []
     try:
-        with worker_process(command=worker_cmd) as worker:
+        with worker_process(command=worker_cmd, env={**os.environ, **drafter_env}) as worker:
             print(f"  worker up at {worker.address} (toy drafter, vocabulary {args.vocab})")
-            for support in ("dense", "sparse:32"):
+            for title, depth, support in RUNS:
                 spark_cmd = spark_command(
                     worker.address,
-                    "--seed",
-                    str(args.seed),
-                    "--requests",
-                    str(args.requests),
-                    "--max-tokens",
-                    str(args.max_tokens),
-                    "--depth",
-                    str(args.depth),
-                    "--support",
-                    support,
-                    "--temperature",
-                    repr(args.temperature),
+                    "--target", "pp1wire.apps.paced:target_factory",
+                    "--seed", str(args.seed),
+                    "--requests", str(args.requests),
+                    "--concurrency", str(args.requests),
+                    "--max-tokens", str(args.max_tokens),
+                    "--depth", str(args.depth if depth is None else depth),
+                    "--support", support,
+                    "--temperature", repr(args.temperature),
                     "--json",
                     vocab=args.vocab,
+                )  # fmt: skip
+                print(_shown(target_env, spark_cmd, "pp1-spark"), flush=True)
+                done = subprocess.run(
+                    spark_cmd,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    env={**os.environ, **target_env},
                 )
-                print("$ " + " ".join(["pp1-spark", *spark_cmd[3:]]), flush=True)
-                done = subprocess.run(spark_cmd, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
                     print(done.stderr, file=sys.stderr)
                     return done.returncode
-                _print(f"  q {support}:", json.loads(done.stdout))
+                summary = json.loads(done.stdout)
+                runs.append((title, summary))
+                _print(f"  {title}:", summary)
+            _side_by_side(args, runs)
             url = f"http://{worker.metrics}/metrics"
             with urllib.request.urlopen(url, timeout=5) as response:
                 text = response.read().decode()
@@ -178,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.positive,
         default=8,
         metavar="N",
-        help="requests per run (each run: dense q, then sparse top-32 q)",
+        help="requests per run, all in one step (the daemons run target-only, dense q, then "
+        "sparse top-32 q)",
     )
     p.add_argument(
         "--max-tokens",
@@ -193,6 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         metavar="N",
         help="draft tokens per proposal, 1..5",
+    )
+    p.add_argument(
+        "--target-ms",
+        type=settings.pace_ms,
+        default=20.0,
+        metavar="MS",
+        help="what one target call costs (a prefix or a whole step's batch), in milliseconds",
+    )
+    p.add_argument(
+        "--drafter-ms",
+        type=settings.pace_ms,
+        default=0.5,
+        metavar="MS",
+        help="what one drafter call costs (a prefix or a batch), in milliseconds",
     )
     p.add_argument(
         "--in-process",

@@ -395,6 +395,7 @@ class RoundDriver:
         self.seconds = 0.0
         self.stepped = 0  # STEPs sent, and their maximum depths summed (the summary's mean)
         self.stepped_depth = 0
+        self.cpu_seconds = 0.0
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -434,7 +435,7 @@ class RoundDriver:
         p = self.plan
         queues = [deque(range(s, p.requests, p.concurrency)) for s in range(p.concurrency)]
         active: dict[int, RequestState] = {}
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         try:
             while True:
                 if not self.stopping:
@@ -468,6 +469,7 @@ class RoundDriver:
                 await self._end(st)
         finally:
             self.seconds = time.perf_counter() - started
+            self.cpu_seconds = time.process_time() - cpu_started
             self._thread.shutdown(wait=False)
         return [self.records[i] for i in sorted(self.records)]
 
@@ -559,10 +561,11 @@ class RoundDriver:
 
     # -- waiting for a step ------------------------------------------------------------------
 
-    def _straggler_wait(self) -> float:
+    def straggler_wait(self, first: float) -> float:
+        """How long a step waits for its other proposals once one arrived (docs/runner.md §8);
+        ``first`` is the STEP→proposal time of its first, used until one was measured."""
         recent = self.round_trips[-64:]
-        typical = statistics.median(recent) if recent else 0.0
-        return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * typical)
+        return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * (statistics.median(recent or [first])))
 
     async def _ready(self, states: list[RequestState]) -> list[RequestState]:
         """The requests whose round can be decided in this step (the same on every rank).
@@ -576,7 +579,9 @@ class RoundDriver:
         if pending:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.wait(pending, timeout=self._straggler_wait())
+            sent = [st.sent for st in moving if st.flight is not None]
+            first = time.perf_counter() - min(sent) if sent else 0.0
+            await asyncio.wait(pending, timeout=self.straggler_wait(first))
         local = [
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
             for st in states
@@ -728,6 +733,7 @@ class RoundDriver:
             "mean_step_depth": self.stepped_depth / self.stepped if self.stepped else None,
             "seconds": self.seconds,
             "tokens_per_second": tokens / self.seconds if self.seconds else 0.0,
+            "cpu_seconds": self.cpu_seconds,
         }
         out.update(self.strategy.summary())
         return out

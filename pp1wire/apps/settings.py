@@ -143,6 +143,10 @@ support = _int_type(0, 0xFFFFFFFF, "a support in 0..4294967295 (0: dense)")
 ranks = _int_type(1, MAX_RANKS, f"a number of ranks in 1..{MAX_RANKS}")
 #: A pool size (0 allowed).
 threads = _int_type(0, MAX_THREADS, f"a number of threads in 0..{MAX_THREADS}")
+#: A plugin's cost per call in milliseconds (``pp1-demo --target-ms``).
+pace_ms = _real_type(0.0, True, "a duration in 0..60000 ms", 60_000.0)
+#: STEPs drafted together (``--max-draw-batch``).
+draw_batch = _int_type(1, 4096, "a number of STEPs in 1..4096")
 #: A connection count.
 connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
 #: A rate per second.

@@ -27,7 +27,7 @@ from pp1wire.aio import server
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
-from pp1wire.wire import framing
+from pp1wire.wire import draws, framing
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -195,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads that run the drafter and q construction (default: one per core), "
         "shared fairly between connections; the drafter must be thread-safe; 0 draws on "
         "the event loop",
+    )
+    p.add_argument(
+        "--max-draw-batch",
+        type=settings.draw_batch,
+        default=draws.MAX_DRAW_BATCH,
+        metavar="STEPS",
+        help="most STEPs drafted together on one draw thread: one drafter call per position "
+        "over all of them, their q rows built in one pass (1: each STEP alone); a vocabulary-"
+        "sharded group draws each STEP alone",
     )
     p.add_argument(
         "--tp",
@@ -393,6 +402,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         busy_poll=args.busy_poll,
         draw_threads=draw_threads,
         proposer=group[2] if group is not None else None,
+        max_draw_batch=None if group is not None else args.max_draw_batch,
     )
     port = await server.start(args.host, port_wanted)
     out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's

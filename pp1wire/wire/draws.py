@@ -16,20 +16,36 @@ what one connection takes:
   changing nothing, before anything is drawn.
 
 The scheduler hands out *batches* of up to ``max_batch`` jobs (fairly across
-connections) to a :data:`BatchRunner`, so a runner that drafts many STEPs with
-one drafter call per position can be plugged in; :func:`run_each` runs each
-job on its own. :class:`FailureLog` decides which drafter failures a shell
-logs. No clock is read here: callers pass ``now``.
+connections) to a :data:`BatchRunner`: :class:`DraftTogether` drafts every
+STEP of a batch together, as an engine's step does (one drafter call per
+position over all of them, the q rows of the batch built and drawn in one
+compiled pass), and :func:`run_each` runs each job on its own.
+
+STEPs that arrive together are drafted together. A Spark side that steps like
+an engine sends every slot's COMMIT, then every slot's next STEP, in a burst
+that may reach the worker over several reads; dispatching the first STEP at
+once would draft the burst as several batches, one after another. So a
+connection's slots that were opened, reset or committed since its last
+dispatch are *expected* (:meth:`DrawScheduler.expect`), and a free worker
+waits for them, at most ``gather`` seconds after the first queued job, before
+taking a batch; a slot whose STEP arrives is no longer expected, and a
+dispatch stops expecting the rest of its connections' slots (a slot that does
+not STEP costs one wait, once). :class:`FailureLog` decides which drafter
+failures a shell logs. No clock is read here: callers pass ``now``.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final, Generic, TypeVar
 
+from pp1wire.errors import Pp1Error
+from pp1wire.q.proposal import batched_drafter, propose_batch
 from pp1wire.wire.worker_events import DrawJob, DrawResult
 
 K = TypeVar("K", bound=Hashable)
@@ -49,9 +65,84 @@ should not raise; if it does, every job of the batch is answered as failed
 (``INTERNAL``)."""
 
 
+#: Most STEPs drafted together (one drafter call per position over all of them).
+MAX_DRAW_BATCH: Final = 64
+#: How long a free draw thread may wait for the STEPs a burst of COMMITs announced.
+DRAW_GATHER_S: Final = 0.002
+#: Most threads one batch's q rows are built on.
+CONSTRUCT_THREADS: Final = 4
+
+
+def default_runner(
+    vocab_size: int, row_entries: int, *, local: bool, batch: int | None
+) -> tuple[BatchRunner, int]:
+    """The runner and batch size a worker uses unless told otherwise: for ``local``
+    draws (an unsharded link's own chain) :class:`DraftTogether`, on up to
+    :data:`CONSTRUCT_THREADS` of this process's cores, in batches of ``batch`` (default
+    :data:`MAX_DRAW_BATCH`); else :func:`run_each`, one job per batch."""
+    if not local:
+        return run_each, batch or 1
+    threads = max(1, min(CONSTRUCT_THREADS, len(os.sched_getaffinity(0))))
+    return DraftTogether(vocab_size, row_entries, threads=threads), batch or MAX_DRAW_BATCH
+
+
 def run_each(jobs: list[DrawJob]) -> list[DrawResult]:
-    """The default :data:`BatchRunner`: each job drawn on its own, in order."""
+    """A :data:`BatchRunner` that draws each job on its own, in order."""
     return [job.run() for job in jobs]
+
+
+class DraftTogether:
+    """The worker's engine step as a :data:`BatchRunner`: a batch's :attr:`~DrawJob.local`
+    jobs drafted together by :func:`~pp1wire.q.proposal.propose_batch`.
+
+    Per position, one call of the drafter's batched form over every job still
+    drafting (:func:`~pp1wire.q.proposal.batched_drafter`: the plugin's own
+    ``batch``, else one call per prefix); the q rows of the batch built and
+    drawn in one compiled pass on ``threads`` threads; with ``row_entries``
+    (an unsharded link's dense row length), each dense row written once, as
+    its FP32 wire values, and sent from there. Each job's reply is the one
+    :meth:`DrawJob.run` gives, byte for byte, with the same proposal draws. A
+    job that fails in the batch is drawn again alone, so that its answer (the
+    status, and the exception a shell logs) is exactly the per-job one; jobs
+    of a :data:`~pp1wire.wire.worker_events.Proposer` run alone too.
+    """
+
+    def __init__(self, vocab_size: int, row_entries: int | None, *, threads: int = 2) -> None:
+        """Draft over ``vocab_size`` tokens; see the class for ``row_entries`` and ``threads``.
+
+        Raises:
+            ValueError: for ``vocab_size`` or ``threads`` below 1, or ``row_entries``
+                below ``vocab_size``.
+        """
+        if vocab_size < 1 or threads < 1:
+            raise ValueError("vocab_size and threads must be at least 1")
+        if row_entries is not None and row_entries < vocab_size:
+            raise ValueError(f"row_entries {row_entries} below the vocabulary {vocab_size}")
+        self.vocab_size = vocab_size
+        self.row_entries = row_entries
+        self.threads = threads
+
+    def __call__(self, jobs: list[DrawJob]) -> list[DrawResult]:
+        """One result per job, in order (never raises for a job's failure)."""
+        results: list[DrawResult | None] = [None] * len(jobs)
+        by_drafter: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            if job.local:
+                by_drafter.setdefault(id(job.drafter), []).append(i)
+        for indices in by_drafter.values():
+            started = time.perf_counter()
+            drafter = batched_drafter(jobs[indices[0]].drafter)
+            drawn = propose_batch(
+                drafter,
+                [jobs[i].draft_job() for i in indices],
+                self.vocab_size,
+                threads=self.threads,
+                row_entries=self.row_entries,
+            )
+            for i, rows in zip(indices, drawn, strict=True):
+                if not isinstance(rows, Pp1Error):
+                    results[i] = jobs[i].complete(rows, started=started)
+        return [jobs[i].run() if r is None else r for i, r in enumerate(results)]
 
 
 class DrawScheduler(Generic[K, J]):
@@ -61,47 +152,86 @@ class DrawScheduler(Generic[K, J]):
     out in the order they were submitted.
     """
 
-    def __init__(self, workers: int, *, max_batch: int = 1) -> None:
-        """Serve with ``workers`` (>= 1) workers, ``max_batch`` (>= 1) jobs per batch.
+    def __init__(self, workers: int, *, max_batch: int = 1, gather: float = 0.0) -> None:
+        """Serve with ``workers`` (>= 1) workers, ``max_batch`` (>= 1) jobs per batch,
+        waiting up to ``gather`` (>= 0) seconds for expected jobs (0: never).
 
         Raises:
-            ValueError: for a count below 1.
+            ValueError: for a count below 1 or a negative or non-finite ``gather``.
         """
         if workers < 1 or max_batch < 1:
             raise ValueError("a draw scheduler needs at least one worker and one job per batch")
+        if not (math.isfinite(gather) and gather >= 0):
+            raise ValueError("a draw scheduler's gather time must be finite and at least 0")
         self.workers = workers
         self.max_batch = max_batch
-        self._queues: dict[K, deque[J]] = {}
+        self.gather = gather
+        # Per connection: (time queued, job), in submission order.
+        self._queues: dict[K, deque[tuple[float, J]]] = {}
         self._running: dict[K, int] = {}
         self._served_at: dict[K, int] = {}
+        self._expected: dict[K, set[Hashable]] = {}
         self._turn = 0
         self.busy = 0  # workers holding a batch
         self.queued = 0  # jobs waiting
 
-    def submit(self, key: K, job: J) -> None:
-        """Queue ``job`` for connection ``key``."""
-        self._queues.setdefault(key, deque()).append(job)
+    def submit(self, key: K, job: J, *, now: float = 0.0, tag: Hashable = None) -> None:
+        """Queue ``job`` for connection ``key`` at time ``now``; the job named ``tag``
+        (a slot) is no longer expected."""
+        self._queues.setdefault(key, deque()).append((now, job))
         self.queued += 1
+        if tag is not None:
+            self.unexpect(key, tag)
+
+    def expect(self, key: K, tag: Hashable) -> None:
+        """Connection ``key`` is expected to submit a job named ``tag`` soon."""
+        self._expected.setdefault(key, set()).add(tag)
+
+    def unexpect(self, key: K, tag: Hashable) -> None:
+        """The job named ``tag`` is no longer expected (it came, or its slot closed)."""
+        tags = self._expected.get(key)
+        if tags is not None:
+            tags.discard(tag)
+            if not tags:
+                del self._expected[key]
 
     def drop(self, key: K) -> list[J]:
         """Connection ``key`` is gone: its queued jobs, removed (running ones finish)."""
-        jobs = list(self._queues.pop(key, ()))
+        jobs = [job for _, job in self._queues.pop(key, ())]
         self.queued -= len(jobs)
+        self._expected.pop(key, None)
         if not self._running.get(key):
             self._served_at.pop(key, None)
         return jobs
+
+    def hold_until(self) -> float | None:
+        """While a free worker waits for expected jobs: the time it stops waiting
+        (``gather`` after the oldest queued job); else None."""
+        if (
+            self.gather <= 0
+            or self.busy >= self.workers
+            or self.queued >= self.max_batch
+            or not any(k in self._expected for k in self._queues)
+        ):
+            return None
+        return min(q[0][0] for q in self._queues.values()) + self.gather
 
     def running(self, key: K) -> int:
         """Jobs of ``key`` handed out and not yet finished."""
         return self._running.get(key, 0)
 
-    def next_batch(self) -> list[tuple[K, J]]:
-        """A batch for a free worker, now marked busy, or [] (no free worker or no job).
+    def next_batch(self, now: float = math.inf) -> list[tuple[K, J]]:
+        """A batch for a free worker, now marked busy, or [] (no free worker, no job,
+        or, at time ``now``, still waiting for expected jobs: :meth:`hold_until`).
 
         Each job of the batch goes to the queued connection with the fewest jobs
         running (this batch's included); ties go to the one served longest ago.
+        The connections of the batch expect nothing more.
         """
         if self.busy >= self.workers or not self._queues:
+            return []
+        until = self.hold_until()
+        if until is not None and now < until:
             return []
         batch: list[tuple[K, J]] = []
         while self._queues and len(batch) < self.max_batch:
@@ -110,7 +240,8 @@ class DrawScheduler(Generic[K, J]):
                 key=lambda k: (self._running.get(k, 0), self._served_at.get(k, -1)),
             )
             queue = self._queues[key]
-            batch.append((key, queue.popleft()))
+            batch.append((key, queue.popleft()[1]))
+            self._expected.pop(key, None)
             if not queue:
                 del self._queues[key]
             self.queued -= 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pp1wire.errors import ErrorCode, Pp1Error
-from pp1wire.q.proposal import DrafterFn, QRow, propose
+from pp1wire.q.proposal import DrafterFn, DraftJob, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.stoprules import StopKind, StopRule
 from pp1wire.wire.messages import Hello, MsgType, Scope, Step
@@ -126,6 +126,21 @@ class DrawJob:
         """Whether the rows come from the local chain (a batch runner may draw them);
         a :data:`Proposer`'s jobs must be left to :meth:`run`."""
         return self.proposer is None
+
+    def draft_job(self) -> DraftJob:
+        """What :func:`~pp1wire.q.proposal.propose_batch` needs to draw this job's rows."""
+        step = self.step
+        return DraftJob(
+            seed=self.seed,
+            generation=step.generation,
+            round_id=step.round,
+            prefix=self.prefix,
+            depth=step.depth,
+            temperature=step.temperature,
+            support=step.support,
+            eos=self.eos,
+            stop=self.stop,
+        )
 
     def draw(self) -> tuple[QRow, ...]:
         """The STEP's rows (the drafter or proposer may raise anything)."""

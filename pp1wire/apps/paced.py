@@ -1,0 +1,115 @@
+"""Toy plugins with a fixed cost per call: what speculative decoding buys, made visible.
+
+A real target (or drafter) is a forward pass whose cost hardly depends on how
+many prefixes it scores at once. These plugins cost exactly that: every call,
+of one prefix or of a whole batch (``batch``), sleeps to a fixed deadline
+(which releases the GIL, as a call into a GPU runtime does), whatever the
+batch size. The rows themselves are nearly free: the toy models of
+:mod:`pp1wire.apps.models` are tabulated for :data:`CONTEXTS` contexts (a
+prefix's row is the toy model's row after its last token modulo
+:data:`CONTEXTS`), so neither side spends CPU computing them.
+
+``target_factory`` costs ``PP1_PACED_TARGET_MS`` (default 20 ms) per call and
+``drafter_factory`` ``PP1_PACED_DRAFTER_MS`` (default 0.5 ms), read from the
+environment when the factory runs; both sides with the same ``--vocab`` and
+``--seed`` make a matching pair (the drafter is the perturbed toy drafter).
+``pp1-demo`` runs them; ``benchmarks/speedup.py`` measures with them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from pp1wire.apps.models import ToyLM
+
+#: Contexts tabulated: a prefix's row is the toy model's row after ``last % CONTEXTS``.
+CONTEXTS = 64
+TARGET_MS_ENV = "PP1_PACED_TARGET_MS"
+DRAFTER_MS_ENV = "PP1_PACED_DRAFTER_MS"
+DEFAULT_TARGET_MS = 20.0
+DEFAULT_DRAFTER_MS = 0.5
+
+Row = npt.NDArray[np.float64]
+
+
+def _milliseconds(name: str, default: float) -> float:
+    """``$name`` in milliseconds (``default`` when unset).
+
+    Raises:
+        ValueError: unless it is a finite number in 0..60,000.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 <= value <= 60_000.0):  # also refuses nan
+        raise ValueError(f"{name}={raw!r} is not a duration in 0..60000 ms")
+    return value
+
+
+class PacedModel:
+    """A tabulated toy model that costs ``seconds`` per call (a prefix or a batch)."""
+
+    def __init__(self, table: Row, seconds: float) -> None:
+        """Serve the rows of ``table`` (one per context, read-only) at ``seconds`` per call."""
+        table.flags.writeable = False
+        self.table = table
+        self.seconds = seconds
+
+    def _row(self, prefix: Sequence[int]) -> Row:
+        last = int(prefix[-1]) if len(prefix) else 0
+        row: Row = self.table[last % self.table.shape[0]]
+        return row
+
+    def __call__(self, prefix: Sequence[int]) -> Row:
+        """One prefix's row, at the cost of one call."""
+        deadline = time.perf_counter() + self.seconds
+        row = self._row(prefix)
+        _sleep_until(deadline)
+        return row
+
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
+        """Every prefix's row, at the cost of one call."""
+        deadline = time.perf_counter() + self.seconds
+        rows = [self._row(p) for p in prefixes]
+        _sleep_until(deadline)
+        return rows
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _contexts(vocab_size: int) -> list[list[int]]:
+    return [[t] for t in range(min(CONTEXTS, vocab_size))]
+
+
+def target_factory(vocab_size: int, seed: int = 0) -> PacedModel:
+    """The toy target's probabilities at ``PP1_PACED_TARGET_MS`` per call.
+
+    Raises:
+        ValueError: for a pace that is not a duration in 0..60,000 ms.
+    """
+    seconds = _milliseconds(TARGET_MS_ENV, DEFAULT_TARGET_MS) / 1e3
+    return PacedModel(ToyLM(vocab_size, seed).probs_batch(_contexts(vocab_size)), seconds)
+
+
+def drafter_factory(vocab_size: int, seed: int = 0) -> PacedModel:
+    """The toy drafter's logits at ``PP1_PACED_DRAFTER_MS`` per call.
+
+    Raises:
+        ValueError: for a pace that is not a duration in 0..60,000 ms.
+    """
+    seconds = _milliseconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS) / 1e3
+    model = ToyLM(vocab_size, seed, draft=True)
+    return PacedModel(model.logits_batch(_contexts(vocab_size)), seconds)

@@ -1,0 +1,88 @@
+"""``pp1-demo`` and its fixed-cost plugins: what a new user runs first."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from pp1wire.apps import paced
+from pp1wire.apps.models import ToyLM
+
+from . import cli
+
+
+class Clock:
+    """A fake ``time`` for :mod:`pp1wire.apps.paced`: sleeping moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_paced_call_costs_its_pace_whether_it_scores_one_prefix_or_a_batch(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(paced, "time", clock)
+    monkeypatch.setenv(paced.TARGET_MS_ENV, "20")
+    target = paced.target_factory(300, 1)
+    one = target([5, 7])
+    many = target.batch([[5, 7], [1], [], [64 + 7]] * 4)
+    assert clock.sleeps == pytest.approx([0.020, 0.020])  # one deadline per call, not per prefix
+    # The rows are the toy target's after the last token (mod the tabulated contexts).
+    want = ToyLM(300, 1).probs([7])
+    np.testing.assert_array_equal(one, want)
+    np.testing.assert_array_equal(many[0], want)
+    np.testing.assert_array_equal(many[3], want)  # 71 % 64 == 7
+    np.testing.assert_array_equal(many[2], ToyLM(300, 1).probs([0]))
+    assert not one.flags.writeable  # shared rows: no caller may change them
+
+
+def test_the_paced_drafter_is_the_toy_drafter_at_its_own_pace(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(paced, "time", clock)
+    monkeypatch.delenv(paced.DRAFTER_MS_ENV, raising=False)
+    drafter = paced.drafter_factory(50, 2)
+    rows = drafter.batch([[3], [49]])
+    assert clock.sleeps == pytest.approx([paced.DEFAULT_DRAFTER_MS / 1e3])
+    model = ToyLM(50, 2, draft=True)
+    np.testing.assert_array_equal(rows[0], model.logits([3]))
+    np.testing.assert_array_equal(rows[1], model.logits([49]))
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "1e9", "fast"])
+def test_a_meaningless_pace_is_refused(monkeypatch, raw):
+    monkeypatch.setenv(paced.TARGET_MS_ENV, raw)
+    with pytest.raises(ValueError, match=paced.TARGET_MS_ENV):
+        paced.target_factory(8, 0)
+
+
+def test_the_demo_shows_target_only_and_speculative_side_by_side():
+    done = cli.run(
+        sys.executable, "-m", "pp1wire.apps.demo",
+        "--vocab", "256", "--requests", "2", "--max-tokens", "6",
+        "--target-ms", "2", "--drafter-ms", "0",
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "PP1_PACED_TARGET_MS=2 pp1-spark" in out  # the commands, as a user would type them
+    assert "PP1_PACED_DRAFTER_MS=0 pp1-worker" in out
+    rates = {}
+    for title in ("target-only", "speculative, dense q", "speculative, sparse:32 q"):
+        line = re.search(rf"^  {re.escape(title)} +([0-9.]+) +([0-9.]+)x", out, re.MULTILINE)
+        assert line is not None, out
+        rates[title] = (float(line[1]), float(line[2]))
+    plain = rates["target-only"][0]
+    for rate, ratio in rates.values():
+        # Each ratio against the target-only run of the same demo (to the digits printed).
+        assert ratio == pytest.approx(rate / plain, abs=0.006)
+    assert "worker stopped on SIGTERM, exit code 0" in out
