@@ -265,7 +265,7 @@ async def one_step(client: AsyncClient, slots: int, support: int) -> list[bytes]
         out.append(bytes(array("i", p.tokens)) + q)
         first = p.tokens[0]
         client.commit(s, round_id=p.round_id, tokens=[first, 0], accepted=1)
-        client.release(p, s)
+        client.release(p)
     return out
 
 
