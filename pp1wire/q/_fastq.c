@@ -858,7 +858,620 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Li)", (long long)found, 0);
 }
 
+/* ---------------------------------------------------------------------------
+ * Verification of an engine step's rounds (pp1wire.q.targetrows), protocol
+ * §6.5 and §6.6, bit for bit what pp1wire.q.verify's per-request path decides:
+ *
+ *   verify_rounds(jobs, out) -> None
+ *       Each job is one round: (rows, tokens, counts, qs, seed, generation,
+ *       round, start, final_domain, eos, vocab). rows: its target rows (float32
+ *       or float64, `vocab` entries each; None for a row that could not be
+ *       read), d + 1 for a proposal of d drafts, 1 for a target-only round;
+ *       tokens, counts: each draft and its q count; qs: each draft row's q as
+ *       (values, ids or None): float32 q values or int32/int64 counts, dense
+ *       (at least `vocab` entries) or sparse (ascending ids). out: int64, four
+ *       per job: (status, stop row, accepted drafts, drawn token or -1).
+ *       With the GIL released, each round walks its positions: the row's
+ *       canonical total and its checks in one pass, the exact acceptance test
+ *       u * q(x) < p(x) with p(x) = v[x] / total, and at the first rejection
+ *       the correction from max(p - q, 0), else the bonus (or the target-only
+ *       token) from p, each drawn by descending the canonical tree: one pass
+ *       over the row stores the sums of its 64-leaf blocks, the descent
+ *       recomputes the one block it ends in. The Philox draws are those of
+ *       pp1wire.q.rng (ACCEPTANCE, CORRECTION, TARGET domains).
+ *       Status: 0 accepted terminal draft, 1 correction, 2 bonus, 3
+ *       target-only token, 4 the row `stop` failed its checks (the caller
+ *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
+ *       are not ascending inside the vocabulary (the caller decides the round
+ *       its own way), 7 out of memory.
+ *
+ *   philox_u53(seed, generation, round, position, domain) -> int
+ *   accept_u53(u53, count, p) -> bool
+ *       The draw and the acceptance test alone, for qualification.
+ * ------------------------------------------------------------------------- */
+
+enum { V_EOS = 0, V_CORRECTION = 1, V_BONUS = 2, V_TARGET = 3, V_BAD_ROW = 4, V_EMPTY = 5,
+       V_BAD_Q = 6, V_NOMEM = 7 };
+enum { D_ACCEPTANCE = 2, D_CORRECTION = 3, D_TARGET = 4 };
+enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
+#define V_MAX_ROWS 6 /* MAX_DEPTH drafts and the bonus */
+#define V_BUFFERS (3 * V_MAX_ROWS)
+
+static void philox10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int i = 0; i < 10; i++) {
+        if (i) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0];
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = (uint32_t)p1;
+        c[2] = n2;
+        c[3] = (uint32_t)p0;
+    }
+}
+
+static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t pos, int domain) {
+    uint32_t c[4] = {pos, round, gen, (uint32_t)domain << 24};
+    philox10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    return ((uint64_t)(c[0] >> 5) << 26) | (uint64_t)(c[1] >> 6);
+}
+
+/* (u / 2**53) * (count / 2**24) < p, exactly: u * count < p * 2**77. p * 2**77
+ * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
+ * a < ceil(b). */
+static int accept_test(uint64_t u, int64_t count, double p) {
+    if (!(p > 0.0) || count <= 0) return 0;
+    double b = ceil(ldexp(p, 77));
+    unsigned __int128 a = (unsigned __int128)u * (uint64_t)count;
+    return a < (unsigned __int128)b;
+}
+
+typedef struct {
+    const void *p;
+    int kind; /* K_F32 or K_F64; K_NONE: the row could not be read */
+} vrow_t;
+
+typedef struct {
+    const void *q; /* K_F32 values or K_I32 / K_I64 counts */
+    int kind;
+    const int32_t *ids; /* NULL for a dense row */
+    size_t nids;
+} vq_t;
+
+typedef struct {
+    int nrows, ndrafts, final_domain, bad_q;
+    vrow_t rows[V_MAX_ROWS];
+    int64_t tokens[V_MAX_ROWS], counts[V_MAX_ROWS];
+    vq_t qs[V_MAX_ROWS];
+    uint64_t seed;
+    uint32_t gen, round, start;
+    int64_t eos;
+    size_t vocab;
+    int64_t *out;
+} vround_t;
+
+static inline double row_at(const vrow_t *r, size_t i) {
+    return r->kind == K_F32 ? (double)((const float *)r->p)[i] : ((const double *)r->p)[i];
+}
+
+/* Leaves [base, base + 64) of the row as binary64, +0.0 past n; returns how many are real. */
+static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restrict x) {
+    size_t m = base >= n ? 0 : (n - base < 64 ? n - base : 64);
+    if (r->kind == K_F32) {
+        const float *f = (const float *)r->p + base;
+        for (size_t i = 0; i < m; i++) x[i] = (double)f[i];
+    } else {
+        memcpy(x, (const double *)r->p + base, m * sizeof(double));
+    }
+    for (size_t i = m; i < 64; i++) x[i] = 0.0;
+    return m;
+}
+
+/* Whether some value is below zero: the OR of the raw bit patterns has its sign
+ * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
+ * the exact test decides. NaN and infinities need no test of their own: they
+ * make the total non-finite. */
+MULTIVERSION
+static uint64_t sign_or64(const double *restrict x) {
+    uint64_t acc = 0;
+    for (int i = 0; i < 64; i++) {
+        uint64_t b;
+        memcpy(&b, &x[i], sizeof b);
+        acc |= b;
+    }
+    return acc >> 63;
+}
+
+MULTIVERSION
+static uint32_t sign_or32(const float *restrict f) {
+    uint32_t acc = 0;
+    for (int i = 0; i < 64; i++) {
+        uint32_t b;
+        memcpy(&b, &f[i], sizeof b);
+        acc |= b;
+    }
+    return acc >> 31;
+}
+
+static int any_negative(const double *restrict x, size_t m) {
+    for (size_t i = 0; i < m; i++)
+        if (x[i] < 0.0) return 1;
+    return 0;
+}
+
+MULTIVERSION
+static void widen64(const float *restrict f, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = (double)f[i];
+}
+
+static size_t tree_size(size_t n, int *depth) {
+    size_t size = 1;
+    *depth = 0;
+    while (size < n) {
+        size <<= 1;
+        (*depth)++;
+    }
+    return size;
+}
+
+/* The row's canonical total (tree_root's tree), and whether some value is
+ * negative: with the total's finiteness, what check_target reads, in one pass. */
+static double row_total(const vrow_t *r, size_t n, int *bad) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    double x[64];
+    if (depth < 6) {
+        size_t m = load_block(r, n, 0, x);
+        *bad = any_negative(x, m);
+        for (size_t width = size; width > 1; width >>= 1)
+            for (size_t i = 0; i < width / 2; i++) x[i] = x[2 * i] + x[2 * i + 1];
+        return x[0];
+    }
+    double stack[64];
+    int badness = 0;
+    size_t blocks = size >> 6;
+    for (size_t blk = 0; blk < blocks; blk++) {
+        size_t base = blk << 6;
+        double carry = 0.0;
+        if (base + 64 <= n && r->kind == K_F64) {
+            const double *src = (const double *)r->p + base;
+            if (sign_or64(src)) badness |= any_negative(src, 64);
+            carry = root64(src);
+        } else if (base + 64 <= n) {
+            const float *src = (const float *)r->p + base;
+            widen64(src, x);
+            if (sign_or32(src)) badness |= any_negative(x, 64);
+            carry = root64(x);
+        } else if (base < n) {
+            size_t m = load_block(r, n, base, x);
+            badness |= any_negative(x, m);
+            carry = root64(x);
+        }
+        int level = 0;
+        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+        stack[level] = carry;
+    }
+    *bad = badness;
+    return stack[depth - 6];
+}
+
+static inline double q_at(const vq_t *q, size_t i) {
+    switch (q->kind) {
+    case K_F32: return (double)((const float *)q->q)[i];
+    case K_I32: return (double)((const int32_t *)q->q)[i] / M24;
+    default: return (double)((const int64_t *)q->q)[i] / M24;
+    }
+}
+
+MULTIVERSION
+static void divide_block(double *restrict x, size_t m, double total) {
+    for (size_t i = 0; i < m; i++) x[i] = x[i] / total;
+}
+
+static inline double clamp0(double d) { return d > 0.0 ? d : 0.0; }
+
+MULTIVERSION
+static void p64_f64(const double *restrict v, double total, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = v[i] / total;
+}
+
+MULTIVERSION
+static void p64_f32(const float *restrict v, double total, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = (double)v[i] / total;
+}
+
+/* max(v / total - q, 0) over 64 leaves, for each row type and each dense q type
+ * (FP32 values, or integer counts c with q = c / 2**24, exact). */
+#define R64(NAME, VT, QT, QEXPR)                                                           \
+    MULTIVERSION                                                                           \
+    static void NAME(const VT *restrict v, const QT *restrict q, double total,             \
+                     double *restrict x) {                                                 \
+        for (int i = 0; i < 64; i++) {                                                     \
+            double d = (double)v[i] / total - (QEXPR);                                     \
+            x[i] = d > 0.0 ? d : 0.0;                                                      \
+        }                                                                                  \
+    }
+R64(r64_f64_f32, double, float, (double)q[i])
+R64(r64_f32_f32, float, float, (double)q[i])
+R64(r64_f64_i32, double, int32_t, (double)q[i] / M24)
+R64(r64_f32_i32, float, int32_t, (double)q[i] / M24)
+R64(r64_f64_i64, double, int64_t, (double)q[i] / M24)
+R64(r64_f32_i64, float, int64_t, (double)q[i] / M24)
+#undef R64
+
+/* The draw's weights at leaves [base, base + 64): p = v / total, then
+ * max(p - q, 0) where the row has a q (residual), +0.0 past n. */
+static void weights_block(const vrow_t *r, size_t n, size_t base, double total, const vq_t *q,
+                          double *restrict x) {
+    int f32 = r->kind == K_F32;
+    if (base + 64 <= n && (q == NULL || q->kind == K_NONE)) {
+        if (f32) p64_f32((const float *)r->p + base, total, x);
+        else p64_f64((const double *)r->p + base, total, x);
+        return;
+    }
+    if (base + 64 <= n && q->ids == NULL) {
+        const float *vf = (const float *)r->p + base;
+        const double *vd = (const double *)r->p + base;
+        switch (q->kind) {
+        case K_F32: {
+            const float *qs = (const float *)q->q + base;
+            if (f32) r64_f32_f32(vf, qs, total, x); else r64_f64_f32(vd, qs, total, x);
+            return;
+        }
+        case K_I32: {
+            const int32_t *qs = (const int32_t *)q->q + base;
+            if (f32) r64_f32_i32(vf, qs, total, x); else r64_f64_i32(vd, qs, total, x);
+            return;
+        }
+        default: {
+            const int64_t *qs = (const int64_t *)q->q + base;
+            if (f32) r64_f32_i64(vf, qs, total, x); else r64_f64_i64(vd, qs, total, x);
+            return;
+        }
+        }
+    }
+    size_t m = load_block(r, n, base, x);
+    divide_block(x, m, total);
+    if (q == NULL || q->kind == K_NONE || m == 0) return;
+    if (q->ids == NULL) {
+        for (size_t i = 0; i < m; i++) x[i] = clamp0(x[i] - q_at(q, base + i));
+        return;
+    }
+    /* Sparse: q is zero outside its ids, and max(p - 0, 0) is p. */
+    size_t lo = 0, hi = q->nids;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if ((size_t)q->ids[mid] < base) lo = mid + 1; else hi = mid;
+    }
+    for (size_t j = lo; j < q->nids && (size_t)q->ids[j] < base + m; j++) {
+        size_t i = (size_t)q->ids[j] - base;
+        x[i] = clamp0(x[i] - q_at(q, j));
+    }
+}
+
+static inline int go_right(double a, double b, double *t) {
+    if (b > 0.0 && (a == 0.0 || *t >= a)) {
+        *t = *t - a;
+        return 1;
+    }
+    return 0;
+}
+
+/* Levels of a block of 64 (or fewer) leaves: level l at lv + offset[l]. */
+static void block_levels(double *lv, size_t size) {
+    double *below = lv;
+    for (size_t width = size; width > 1; width >>= 1) {
+        double *above = below + width;
+        for (size_t i = 0; i < width / 2; i++) above[i] = below[2 * i] + below[2 * i + 1];
+        below = above;
+    }
+}
+
+/* Descend the levels block_levels built from its root; the leaf index. */
+static size_t block_descend(const double *lv, size_t size, double t) {
+    const double *level[8];
+    size_t width = size, off = 0;
+    int depth = 0;
+    while (1) {
+        level[depth] = lv + off;
+        if (width == 1) break;
+        off += width;
+        width >>= 1;
+        depth++;
+    }
+    size_t index = 0;
+    for (int l = depth; l > 0; l--) {
+        const double *below = level[l - 1];
+        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
+    }
+    return index;
+}
+
+/* sample_weights / residual_sample of the row: the drawn index, -1 if the
+ * weights have no mass, -2 if out of memory. */
+static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    double lv[128];
+    if (depth < 6) {
+        weights_block(r, n, 0, total, q, lv);
+        block_levels(lv, size);
+        double root = lv[2 * size - 2];
+        if (!(root > 0.0)) return -1;
+        return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
+    }
+    size_t blocks = size >> 6;
+    double *up = (double *)malloc(2 * blocks * sizeof(double));
+    if (up == NULL) return -2;
+    for (size_t blk = 0; blk < blocks; blk++) {
+        size_t base = blk << 6;
+        if (base >= n) {
+            up[blk] = 0.0;
+        } else {
+            weights_block(r, n, base, total, q, lv);
+            up[blk] = root64(lv);
+        }
+    }
+    block_levels(up, blocks);
+    double root = up[2 * blocks - 2];
+    if (!(root > 0.0)) {
+        free(up);
+        return -1;
+    }
+    double t = ((double)u53 / 9007199254740992.0) * root;
+    /* Down the blocks' tree to one block, then inside it. */
+    const double *level[64];
+    size_t width = blocks, off = 0;
+    int top = 0;
+    while (1) {
+        level[top] = up + off;
+        if (width == 1) break;
+        off += width;
+        width >>= 1;
+        top++;
+    }
+    size_t index = 0;
+    for (int l = top; l > 0; l--) {
+        const double *below = level[l - 1];
+        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
+    }
+    free(up);
+    weights_block(r, n, index << 6, total, q, lv);
+    block_levels(lv, 64);
+    return (int64_t)((index << 6) + block_descend(lv, 64, t));
+}
+
+static void finish(vround_t *job, int64_t status, int64_t stop, int64_t accepted, int64_t token) {
+    job->out[0] = status;
+    job->out[1] = stop;
+    job->out[2] = accepted;
+    job->out[3] = token;
+}
+
+static void run_round(vround_t *job) {
+    size_t n = job->vocab;
+    int64_t accepted = 0;
+    if (job->bad_q) {
+        finish(job, V_BAD_Q, 0, 0, -1);
+        return;
+    }
+    for (int i = 0; i < job->nrows; i++) {
+        const vrow_t *row = &job->rows[i];
+        if (row->kind == K_NONE) {
+            finish(job, V_BAD_ROW, i, accepted, -1);
+            return;
+        }
+        int bad = 0;
+        double total = row_total(row, n, &bad);
+        if (bad || !isfinite(total) || !(total > 0.0)) {
+            finish(job, V_BAD_ROW, i, accepted, -1);
+            return;
+        }
+        uint32_t pos = job->start + (uint32_t)i;
+        if (i == job->ndrafts) { /* the bonus, or the target-only token */
+            uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, job->final_domain);
+            int64_t y = draw_row(row, n, total, NULL, u);
+            int64_t status = job->final_domain == D_TARGET ? V_TARGET : V_BONUS;
+            if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
+            else finish(job, y < 0 ? V_EMPTY : status, i, accepted, y);
+            return;
+        }
+        int64_t x = job->tokens[i];
+        double px = row_at(row, (size_t)x) / total;
+        uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, D_ACCEPTANCE);
+        if (accept_test(u, job->counts[i], px)) {
+            accepted++;
+            if (x == job->eos) {
+                finish(job, V_EOS, i, accepted, -1);
+                return;
+            }
+            continue;
+        }
+        u = draw_u53(job->seed, job->gen, job->round, pos, D_CORRECTION);
+        int64_t y = draw_row(row, n, total, &job->qs[i], u);
+        if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
+        else finish(job, y < 0 ? V_EMPTY : V_CORRECTION, i, accepted, y);
+        return;
+    }
+    finish(job, V_BAD_ROW, job->nrows, accepted, -1); /* unreachable: the last row draws */
+}
+
+/* The buffer's element kind, from its format and item size. */
+static int buffer_kind(const Py_buffer *b) {
+    const char *f = b->format == NULL ? "B" : b->format;
+    while (*f == '@' || *f == '=' || *f == '<') f++;
+    if (f[0] == '\0' || f[1] != '\0') return K_NONE;
+    switch (f[0]) {
+    case 'd': return b->itemsize == 8 ? K_F64 : K_NONE;
+    case 'f': return b->itemsize == 4 ? K_F32 : K_NONE;
+    case 'i': case 'l': case 'q':
+        return b->itemsize == 4 ? K_I32 : b->itemsize == 8 ? K_I64 : K_NONE;
+    default: return K_NONE;
+    }
+}
+
+/* A contiguous buffer of obj into views[*used]; its kind, or -1 with an exception set. */
+static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **ptr,
+                       Py_ssize_t *count) {
+    Py_buffer *b = &views[*used];
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    (*used)++;
+    int kind = buffer_kind(b);
+    if (kind == K_NONE || b->ndim != 1) {
+        PyErr_SetString(PyExc_TypeError, "verify_rounds: unsupported buffer");
+        return -1;
+    }
+    *ptr = b->buf;
+    *count = b->shape[0];
+    return kind;
+}
+
+static int parse_round(PyObject *item, vround_t *job, Py_buffer *views, int *used) {
+    PyObject *rows, *tokens, *counts, *qs;
+    unsigned long long seed;
+    unsigned long gen, round, start;
+    int final_domain;
+    long long eos;
+    Py_ssize_t vocab;
+    if (!PyArg_ParseTuple(item, "O!O!O!O!KkkkiLn", &PyTuple_Type, &rows, &PyTuple_Type, &tokens,
+                          &PyTuple_Type, &counts, &PyTuple_Type, &qs, &seed, &gen, &round,
+                          &start, &final_domain, &eos, &vocab))
+        return -1;
+    Py_ssize_t nrows = PyTuple_GET_SIZE(rows), nd = PyTuple_GET_SIZE(tokens);
+    if (nrows < 1 || nrows > V_MAX_ROWS || nd != nrows - 1 || PyTuple_GET_SIZE(counts) != nd ||
+        PyTuple_GET_SIZE(qs) != nd || vocab < 1 || gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul ||
+        start + (unsigned long)nd > 0xFFFFFFFFul ||
+        (final_domain != D_CORRECTION && final_domain != D_TARGET)) {
+        PyErr_SetString(PyExc_ValueError, "verify_rounds: malformed round");
+        return -1;
+    }
+    memset(job, 0, sizeof *job);
+    job->nrows = (int)nrows;
+    job->ndrafts = (int)nd;
+    job->final_domain = final_domain;
+    job->seed = seed;
+    job->gen = (uint32_t)gen;
+    job->round = (uint32_t)round;
+    job->start = (uint32_t)start;
+    job->eos = eos;
+    job->vocab = (size_t)vocab;
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        PyObject *r = PyTuple_GET_ITEM(rows, i);
+        if (r == Py_None) continue; /* kind stays K_NONE */
+        Py_ssize_t len;
+        int kind = take_buffer(r, views, used, &job->rows[i].p, &len);
+        if (kind < 0) return -1;
+        if ((kind != K_F32 && kind != K_F64) || len != vocab) {
+            PyErr_SetString(PyExc_ValueError, "verify_rounds: a row is not vocab floats");
+            return -1;
+        }
+        job->rows[i].kind = kind;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        job->tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tokens, i));
+        job->counts[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
+        if (PyErr_Occurred()) return -1;
+        if (job->tokens[i] < 0 || job->tokens[i] >= vocab) {
+            PyErr_SetString(PyExc_ValueError, "verify_rounds: draft outside the vocabulary");
+            return -1;
+        }
+        PyObject *spec = PyTuple_GET_ITEM(qs, i), *values, *ids;
+        if (!PyArg_ParseTuple(spec, "OO", &values, &ids)) return -1;
+        vq_t *q = &job->qs[i];
+        Py_ssize_t nq;
+        q->kind = take_buffer(values, views, used, &q->q, &nq);
+        if (q->kind < 0) return -1;
+        if (q->kind == K_F64) {
+            PyErr_SetString(PyExc_TypeError, "verify_rounds: q is float32 values or int counts");
+            return -1;
+        }
+        if (ids == Py_None) {
+            if (nq < vocab) {
+                PyErr_SetString(PyExc_ValueError, "verify_rounds: dense q shorter than vocab");
+                return -1;
+            }
+            continue;
+        }
+        Py_ssize_t nid;
+        const void *idp;
+        if (take_buffer(ids, views, used, &idp, &nid) != K_I32 || nid != nq) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "verify_rounds: ids are int32, one per q");
+            return -1;
+        }
+        q->ids = (const int32_t *)idp;
+        q->nids = (size_t)nid;
+        for (Py_ssize_t j = 0; j < nid; j++) {
+            int32_t id = q->ids[j];
+            if (id < 0 || id >= vocab || (j && id <= q->ids[j - 1])) job->bad_q = 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *verify_rounds(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    Py_buffer ob;
+    if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &jobs, &ob)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(jobs);
+    if (ob.len != k * 4 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&ob);
+        PyErr_SetString(PyExc_ValueError, "verify_rounds: out holds four int64 per round");
+        return NULL;
+    }
+    vround_t *rounds = (vround_t *)calloc(k ? (size_t)k : 1, sizeof(vround_t));
+    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * V_BUFFERS : 1, sizeof(Py_buffer));
+    int used = 0, failed = rounds == NULL || views == NULL;
+    if (failed) PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < k && !failed; j++) {
+        failed = parse_round(PyList_GET_ITEM(jobs, j), &rounds[j], views, &used) < 0;
+        rounds[j].out = (int64_t *)ob.buf + 4 * j;
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; j++) run_round(&rounds[j]);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(rounds);
+    PyBuffer_Release(&ob);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *philox_u53(PyObject *self, PyObject *args) {
+    unsigned long long seed;
+    unsigned long gen, round, pos;
+    int domain;
+    if (!PyArg_ParseTuple(args, "Kkkki", &seed, &gen, &round, &pos, &domain)) return NULL;
+    if (gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul || pos > 0xFFFFFFFFul || domain < 0 ||
+        domain > 255) {
+        PyErr_SetString(PyExc_ValueError, "philox_u53: field out of range");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(
+        draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
+}
+
+static PyObject *accept_u53(PyObject *self, PyObject *args) {
+    unsigned long long u;
+    long long count;
+    double p;
+    if (!PyArg_ParseTuple(args, "KLd", &u, &count, &p)) return NULL;
+    return PyBool_FromLong(accept_test(u, count, p));
+}
+
+
 static PyMethodDef methods[] = {
+    {"verify_rounds", verify_rounds, METH_VARARGS, "verify_rounds(jobs, out) -> None"},
+    {"philox_u53", philox_u53, METH_VARARGS,
+     "philox_u53(seed, generation, round, position, domain) -> the 53-bit draw"},
+    {"accept_u53", accept_u53, METH_VARARGS, "accept_u53(u53, count, p) -> u * q < p, exactly"},
     {"sample_counts", sample_counts, METH_VARARGS,
      "sample_counts(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"},
     {"tree_total", tree_total, METH_VARARGS, "tree_total(values) -> the canonical total"},
