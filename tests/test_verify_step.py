@@ -197,13 +197,17 @@ def reference(rounds, matrix, spans, commit: bool):
     return out
 
 
-@pytest.fixture(params=["compiled", "numpy"])
+@pytest.fixture(params=["compiled", "compiled-threads", "numpy"])
 def step_path(request, monkeypatch):
-    """Decide with the compiled step (when built) and with the numpy walk."""
+    """Decide with the compiled step (when built; on one thread and on three, whatever
+    the step's size) and with the numpy walk."""
     if request.param == "numpy":
         monkeypatch.setattr(targetrows, "_fastq", None)
     elif getattr(targetrows._fastq, "verify_rounds", None) is None:
         pytest.skip("compiled fast path not built")
+    threads = 3 if request.param == "compiled-threads" else 1
+    decide = targetrows.decide
+    monkeypatch.setattr(targetrows, "decide", lambda jobs, rows, _: decide(jobs, rows, threads))
     return request.param
 
 

@@ -29,6 +29,7 @@ the error is the per-request one exactly.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -322,8 +323,24 @@ def _on_device(x: Any) -> bool:
     return device is not None and getattr(device, "type", "cpu") != "cpu" and hasattr(x, "cpu")
 
 
-def decide(jobs: Sequence[RoundRows], rows: StepRows) -> list[Decision]:
+def step_threads() -> int:
+    """Threads the compiled step uses by default: 2, or 1 where this process may
+    run on one core only (pinned)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+_PARALLEL_ENTRIES = 1 << 20  # below this many row entries a second thread costs more than it saves
+
+
+def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None) -> list[Decision]:
     """Decide every round of a step (see the module docstring); one per job, in order.
+
+    ``threads``: how many threads the compiled step uses, taking the rounds
+    one by one (None: :func:`step_threads`, or one for a small step).
 
     Never raises for a row's values: a round that reaches a bad row stops with
     :attr:`Stop.BAD_ROW`, one whose correction has no mass with :attr:`Stop.EMPTY`.
@@ -341,7 +358,10 @@ def decide(jobs: Sequence[RoundRows], rows: StepRows) -> list[Decision]:
         work = [(k, _compiled_job(job, rows)) for k, job in enumerate(jobs)]
         ready = [(k, spec) for k, spec in work if spec is not None]
         status = np.empty((len(ready), 4), dtype=np.int64)
-        compiled([spec for _, spec in ready], status)
+        if threads is None:
+            entries = sum(len(job.rows) * job.vocab for job in jobs)
+            threads = step_threads() if entries >= _PARALLEL_ENTRIES else 1
+        compiled([spec for _, spec in ready], status, threads)
         for (k, _), (stop, row, accepted, token) in zip(ready, status.tolist(), strict=True):
             if stop != Stop.BAD_Q:
                 out[k] = Decision(Stop(stop), row, accepted, token)
@@ -436,12 +456,30 @@ class _HostRows:
         return out
 
 
+class _Draws:
+    """A round's Spark-side draws: the compiled Philox when built (qualified against
+    :mod:`pp1wire.q.rng` by the tests), else :class:`RoundStreams` itself."""
+
+    __slots__ = ("_job", "_streams")
+
+    def __init__(self, job: RoundRows) -> None:
+        self._job = job
+        self._streams = RoundStreams(Role.SPARK, job.seed, job.generation, job.round_id)
+
+    def u53_int(self, domain: Domain, position: int) -> int:
+        philox = getattr(_fastq, "philox_u53", None)
+        if philox is None:
+            return self._streams.u53_int(domain, position)
+        job = self._job
+        return int(philox(job.seed, job.generation, job.round_id, position, int(domain)))
+
+
 def _walk(jobs: Sequence[RoundRows], ops: _Rows) -> list[Decision]:
     """Every live round one position further at a time: the reached rows' totals
     and checks together, each acceptance test, then every draw together."""
     n = len(jobs)
     out: list[Decision | None] = [None] * n
-    streams = [RoundStreams(Role.SPARK, j.seed, j.generation, j.round_id) for j in jobs]
+    streams = [_Draws(j) for j in jobs]
     at, accepted = [0] * n, [0] * n
     draws: list[tuple[int, float, QRow | None, int, int]] = []
     drawing: list[int] = []

@@ -616,7 +616,7 @@ def step_prefixes(rounds: Sequence[StepRound]) -> list[Sequence[int]]:
 
 
 def verify_step(
-    rounds: Sequence[StepRound], probs: Any, *, commit: bool = True
+    rounds: Sequence[StepRound], probs: Any, *, commit: bool = True, threads: int | None = None
 ) -> list[RoundResult | VerifyError]:
     """Decide a step's rounds from the target's rows for :func:`step_prefixes`, as an engine does.
 
@@ -628,6 +628,8 @@ def verify_step(
     decide it (the same tokens for the same seeds), and only the rows it
     reaches are read. With ``commit`` False nothing commits
     (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
+    ``threads``: how many threads the compiled step may share the rounds out
+    to (None: 2, or 1 in a process pinned to one core).
 
     Returns one entry per round, in order: its :class:`RoundResult`, or the
     :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
@@ -640,7 +642,8 @@ def verify_step(
     """
     out, planned, prefixes = _plan(rounds)
     if planned:
-        _decide(planned, StepRows.of_matrix(probs, len(prefixes)), out, commit=commit)
+        rows = StepRows.of_matrix(probs, len(prefixes))
+        _decide(planned, rows, out, commit=commit, threads=threads)
     return _finished(out)
 
 
@@ -698,7 +701,9 @@ def _finished(out: _Out) -> list[RoundResult | VerifyError]:
     return [r if r is not None else VerifyError(ErrorCode.INTERNAL, "not decided") for r in out]
 
 
-def _decide(planned: list[_Planned], rows: StepRows, out: _Out, *, commit: bool) -> None:
+def _decide(
+    planned: list[_Planned], rows: StepRows, out: _Out, *, commit: bool, threads: int | None = None
+) -> None:
     """The checked rounds' outcomes into ``out``: the round is spent (when
     committing) before anything is drawn, as :meth:`RequestVerifier.verify` spends it."""
     fast: list[tuple[_Planned, RoundRows]] = []
@@ -718,7 +723,7 @@ def _decide(planned: list[_Planned], rows: StepRows, out: _Out, *, commit: bool)
                 out[pl.index] = exc
                 continue
         fast.append((pl, job))
-    decided = targetrows.decide([job for _, job in fast], rows)
+    decided = targetrows.decide([job for _, job in fast], rows, threads)
     for (pl, job), d in zip(fast, decided, strict=True):
         out[pl.index] = _outcome(pl, job, d, rows, commit)
 
