@@ -21,6 +21,10 @@ reaches are read. Three ways, the same decisions bit for bit (tests check it):
   where the engine computed them; totals, checks and ``v[x]`` come back in one
   transfer, the drawn IDs in another.
 
+Where a step's rows come from: one call of a batched target (:func:`batched`
+gives a per-prefix plugin that form, a :class:`FailedRow` in place of each
+call that raised).
+
 A row a round reaches that fails its checks stops the round with
 :attr:`Stop.BAD_ROW`; the caller diagnoses it with :func:`checked_target`, so
 the error is the per-request one exactly.
@@ -30,9 +34,9 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -169,6 +173,48 @@ def residual_sample(p: Float64Array, counts: npt.ArrayLike, u53: int) -> int:
         VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
     """
     return sample_weights(residual(p, counts), u53)
+
+
+# -- where a step's rows come from ------------------------------------------------------
+
+TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
+"""The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
+BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | npt.ArrayLike]
+"""A batched target: many prefixes → one probability row each (an engine's batched forward)."""
+
+
+class FailedRow:
+    """The row a per-prefix target could not give: its call raised ``error``.
+
+    :func:`batched` puts one in place of each failed call, so a failure of a
+    per-prefix plugin fails only the rounds that needed that prefix.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        """The failure of one call."""
+        self.error = error
+
+
+def batched(target: TargetFn) -> BatchTargetFn:
+    """``target``'s batched form: its own ``batch`` attribute if it has one (one call
+    for the whole step: if it raises, every round it scored fails), else one call
+    per prefix, each failure in its own place (:class:`FailedRow`)."""
+    batch = getattr(target, "batch", None)
+    if callable(batch):
+        return cast(BatchTargetFn, batch)
+
+    def each(prefixes: Sequence[Sequence[int]]) -> list[npt.ArrayLike]:
+        rows: list[npt.ArrayLike] = []
+        for prefix in prefixes:
+            try:
+                rows.append(target(prefix))
+            except Exception as exc:  # this prefix's rounds fail, not the whole step
+                rows.append(cast(npt.ArrayLike, FailedRow(exc)))
+        return rows
+
+    return each
 
 
 # -- a step ------------------------------------------------------------------------------

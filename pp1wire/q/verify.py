@@ -12,6 +12,12 @@ Everything that is the proposal's fault is refused before the first draw. A
 failure inside the target or a processor leaves the committed prefix as it was
 and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
 commits all of its tokens or none.
+
+An engine's step (:func:`verify_step`): the rounds of many requests decided
+from one ``(N, V)`` array of target rows for :func:`step_prefixes`, exactly as
+the per-request methods decide each of them, with the row work batched
+(:mod:`pp1wire.q.targetrows`: compiled, numpy, or on the rows' torch device).
+:func:`verify_batch` is that step with the rows from one target call.
 """
 
 from __future__ import annotations
@@ -30,12 +36,16 @@ from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
 from pp1wire.q.targetrows import (
+    BatchTargetFn,
     CheckedRow,
     Decision,
+    FailedRow,
     RoundRows,
     StepRows,
     Stop,
+    TargetFn,
     accept_exact,
+    batched,
     check_target,
     checked_target,
     residual,
@@ -68,10 +78,6 @@ __all__ = [
 ]
 
 Float64Array = npt.NDArray[np.float64]
-TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
-"""The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
-BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | npt.ArrayLike]
-"""A batched target: many prefixes → one probability row each (an engine's batched forward)."""
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
 
@@ -515,40 +521,6 @@ def proposal_from_rows(
         rows=tuple(rows),
         context=verifier.context,
     )
-
-
-class FailedRow:
-    """The row a per-prefix target could not give: its call raised ``error``.
-
-    :func:`batched` puts one in place of each failed call, so a failure of a
-    per-prefix plugin fails only the rounds that needed that prefix.
-    """
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        """The failure of one call."""
-        self.error = error
-
-
-def batched(target: TargetFn) -> BatchTargetFn:
-    """``target``'s batched form: its own ``batch`` attribute if it has one (one call
-    for the whole step: if it raises, every round it scored fails), else one call
-    per prefix, each failure in its own place (:class:`FailedRow`)."""
-    batch = getattr(target, "batch", None)
-    if callable(batch):
-        return cast(BatchTargetFn, batch)
-
-    def each(prefixes: Sequence[Sequence[int]]) -> list[npt.ArrayLike]:
-        rows: list[npt.ArrayLike] = []
-        for prefix in prefixes:
-            try:
-                rows.append(target(prefix))
-            except Exception as exc:  # this prefix's rounds fail, not the whole step
-                rows.append(cast(npt.ArrayLike, FailedRow(exc)))
-        return rows
-
-    return each
 
 
 # -- a step: many requests' rounds at once ----------------------------------------------
