@@ -380,7 +380,7 @@ def test_the_compiled_draw_is_the_rng_abis(seed, generation, round_id, position,
 @settings(max_examples=500, deadline=None)
 @given(
     u=st.integers(0, (1 << 53) - 1) | st.sampled_from([0, 1, (1 << 53) - 1]),
-    count=st.integers(1, 1 << 24),
+    count=st.integers(0, 1 << 24),
     p=st.floats(0.0, 1.0, allow_subnormal=True)
     | st.sampled_from([0.0, 5e-324, 1.0, 0.5, 2.0**-77, 2.0**-53]),
 )
@@ -489,3 +489,37 @@ def test_a_draw_on_a_boundary_goes_right_on_the_device_path(monkeypatch, vocab):
     got = verify_step([(v, None, 0)], torch.from_numpy(p))[0]
     assert not isinstance(got, VerifyError)
     assert got.tokens == (right,)
+
+
+def test_rows_of_another_float_type_are_widened_as_per_request(step_path):
+    plans_ = [Plan(d, None, False, "q32", ["ok"] * 6, False, False, False) for d in (4, 0)]
+    check_same(300, plans_, np.float16)
+
+
+def test_per_prefix_rows_on_a_device_are_decided_there(monkeypatch):
+    # A per-prefix target whose rows live on one device: stacked there, not copied out.
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(targetrows, "_on_device", lambda x: isinstance(x, torch.Tensor))
+    stacked = []
+    step_rows = targetrows.StepRows.of_rows
+
+    def spy(rows):
+        out = step_rows(rows)
+        stacked.append(out.device is not None)
+        return out
+
+    monkeypatch.setattr(targetrows.StepRows, "of_rows", spy)
+    target = ToyLM(300, 3)
+    plans_ = [Plan(d, None, False, "counts", ["ok"] * 6, False, False, False) for d in (5, 0, 3)]
+    (mine, ref), _, _ = build(300, plans_)
+    got = verify_batch(mine, lambda ps: [torch.from_numpy(target.probs(p)) for p in ps])
+    want = verify_batch(ref, lambda ps: [target.probs(p) for p in ps])
+    assert stacked == [True, False]  # the tensors stay together; numpy rows stay on the host
+    assert [outcome(g) for g in got] == [outcome(w) for w in want]
+
+
+def test_a_process_on_one_core_decides_on_one_thread(monkeypatch):
+    monkeypatch.setattr(targetrows.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert targetrows.step_threads() == 1
+    monkeypatch.setattr(targetrows.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert targetrows.step_threads() == 2

@@ -928,7 +928,8 @@ static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t p
  * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
  * a < ceil(b). */
 static int accept_test(uint64_t u, int64_t count, double p) {
-    if (!(p > 0.0) || count <= 0) return 0;
+    if (!(p > 0.0)) return 0;
+    if (count <= 0) return 1; /* 0 < p; a count is never negative (checked on arrival) */
     double b = ceil(ldexp(p, 77));
     unsigned __int128 a = (unsigned __int128)u * (uint64_t)count;
     return a < (unsigned __int128)b;

@@ -365,8 +365,11 @@ class StepRows:
 
 
 def _on_device(x: Any) -> bool:
+    """A tensor whose device can do the step's binary64 arithmetic itself (not the
+    CPU, where it is viewed; not MPS, which has no float64: copied to the host)."""
     device = getattr(x, "device", None)
-    return device is not None and getattr(device, "type", "cpu") != "cpu" and hasattr(x, "cpu")
+    kind = getattr(device, "type", "cpu")
+    return device is not None and kind not in ("cpu", "mps") and hasattr(x, "cpu")
 
 
 def step_threads() -> int:
@@ -464,7 +467,8 @@ class _HostRows:
             if self.rows.host(r, vocab) is not None:
                 by_size.setdefault(vocab, []).append(j)
         for vocab, js in by_size.items():
-            x = np.stack([self._row(wanted[j][0], vocab) for j in js]).astype(np.float64)
+            rows = [self._row(wanted[j][0], vocab) for j in js]
+            x = np.stack(rows).astype(np.float64, copy=False)
             with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN totals are refusals
                 totals = tree.row_totals(x)
             # check_target's test: min >= 0 (false for NaN), a finite, positive total.
@@ -487,7 +491,8 @@ class _HostRows:
         for j, job in enumerate(jobs):
             by_size.setdefault(job[4], []).append(j)
         for vocab, js in by_size.items():
-            values = np.stack([self._row(jobs[j][0], vocab) for j in js]).astype(np.float64)
+            rows = [self._row(jobs[j][0], vocab) for j in js]
+            values = np.stack(rows).astype(np.float64, copy=False)
             w = values / np.array([jobs[j][1] for j in js])[:, None]  # p, one division each
             for i, j in enumerate(js):
                 qrow = jobs[j][2]
