@@ -926,13 +926,19 @@ static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t p
 
 /* (u / 2**53) * (count / 2**24) < p, exactly: u * count < p * 2**77. p * 2**77
  * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
- * a < ceil(b). */
+ * a < ceil(b). Both sides are below 2**78: compared as 32-bit high and low
+ * halves (u = uh * 2**32 + ul with uh < 2**21, count <= 2**24), so no 128-bit
+ * integer type is needed. */
 static int accept_test(uint64_t u, int64_t count, double p) {
     if (!(p > 0.0)) return 0;
     if (count <= 0) return 1; /* 0 < p; a count is never negative (checked on arrival) */
     double b = ceil(ldexp(p, 77));
-    unsigned __int128 a = (unsigned __int128)u * (uint64_t)count;
-    return a < (unsigned __int128)b;
+    double b_hi = floor(ldexp(b, -32));
+    uint64_t bh = (uint64_t)b_hi, bl = (uint64_t)(b - ldexp(b_hi, 32));
+    uint64_t c = (uint64_t)count;
+    uint64_t low = (u & 0xFFFFFFFFu) * c; /* < 2**56 */
+    uint64_t ah = (u >> 32) * c + (low >> 32), al = low & 0xFFFFFFFFu;
+    return ah < bh || (ah == bh && al < bl);
 }
 
 typedef struct {
