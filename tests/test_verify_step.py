@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp1wire.apps.models import ToyLM
-from pp1wire.errors import ErrorCode, VerifyError
+from pp1wire.errors import ErrorCode, UsageError, VerifyError
 from pp1wire.q import dyadic, targetrows, tree
 from pp1wire.q.proposal import QRow, propose
 from pp1wire.q.rng import (
@@ -311,30 +311,42 @@ def test_the_layout_is_checked_before_anything_changes():
     plan = Plan(3, None, False, "counts", ["ok"] * 6, False, False, False)
     (mine, _), matrix, _ = build(40, [plan, plan])
     before = [state(v) for v, _, _ in mine]
-    for bad in (matrix[:-1], matrix[0], matrix[None]):
-        with pytest.raises(VerifyError) as info:
+    for bad in (matrix[:-1], matrix[0], matrix[None], None):
+        with pytest.raises(UsageError) as info:
             verify_step(mine, bad)
-        assert info.value.code is ErrorCode.BAD_ARGUMENT
+        assert "the step needs (8, V)" in str(info.value)
     assert [state(v) for v, _, _ in mine] == before
 
 
-def test_two_rounds_of_one_request_in_a_step_are_refused():
+def test_two_rounds_of_one_request_in_a_step_are_misuse():
     v = make(0, 40, Plan(0, None, False, "counts", [], False, False, False))
     rounds = [(v, None, 0), (v, None, 1)]
+    before = state(v)
+    with pytest.raises(UsageError):
+        step_prefixes(rounds)
+    with pytest.raises(UsageError):
+        verify_step(rounds, np.ones((2, 40)))
+    with pytest.raises(UsageError):
+        verify_batch(rounds, lambda ps: [np.ones(40)] * len(ps))
+    assert state(v) == before
+
+
+def test_the_layout_is_the_rounds_own_and_a_refused_rounds_rows_are_never_read():
+    # An engine scores every round it has; a round its checks refuse keeps its rows
+    # in the layout, and they are never read (NaN there poisons nothing).
+    stale = make(0, 40, Plan(0, None, False, "counts", [], False, False, False))
+    stale.decode_target_only(0)
+    fresh = make(1, 40, Plan(0, None, False, "counts", [], False, False, False))
+    rounds = [(stale, None, 0), (fresh, None, 0)]
     prefixes = step_prefixes(rounds)
-    assert len(prefixes) == 1
-    got = verify_step(rounds, np.stack([ToyLM(40, 3).probs(p) for p in prefixes]))
-    assert not isinstance(got[0], VerifyError)
-    assert isinstance(got[1], VerifyError)
-    assert got[1].code is ErrorCode.BAD_ARGUMENT
-
-
-def test_a_step_without_rows_needs_no_array():
-    v = make(0, 40, Plan(0, None, False, "counts", [], False, False, False))
-    v.decode_target_only(0)
-    got = verify_step([(v, None, 0)], None)
+    assert [list(p) for p in prefixes] == [stale.committed, fresh.committed]
+    probs = np.stack([ToyLM(40, 3).probs(p) for p in prefixes])
+    probs[0] = np.nan
+    got = verify_step(rounds, probs)
     assert isinstance(got[0], VerifyError)
     assert got[0].code is ErrorCode.ROUND_REUSED
+    assert not stale.poisoned
+    assert not isinstance(got[1], VerifyError)
 
 
 def test_verify_batch_with_an_engine_that_returns_one_array_is_one_step():
@@ -428,7 +440,7 @@ def test_row_levels_and_descents_are_each_rows_own(values, draws):
 def test_draws_from_no_mass_are_refused_by_every_path():
     p = np.array([0.25, 0.75, 0.0])
     q = QRow(token=1, counts=np.array([M // 4, 3 * (M // 4), 0]))
-    rows = targetrows.StepRows.of_matrix(p[None], 1)
+    rows = targetrows.StepRows.of_matrix(p[None])
     assert targetrows._HostRows(rows).draw([(0, 1.0, q, 123, 3)]) == [-1]
     assert targetrows._HostRows(rows).draw([(0, 1.0, None, 123, 3)]) != [-1]
 
@@ -457,7 +469,7 @@ def test_torch_rows_decide_the_same(device_path, vocab, plans_, dtype):
 def test_a_cpu_tensor_is_viewed_not_copied():
     torch = pytest.importorskip("torch")
     rows = torch.rand(3, 40, dtype=torch.float64)
-    view = targetrows.StepRows.of_matrix(rows, 3).host(1, 40)
+    view = targetrows.StepRows.of_matrix(rows).host(1, 40)
     assert view is not None
     assert view.ctypes.data == rows[1].data_ptr()
 

@@ -300,18 +300,8 @@ class StepRows:
         self._host: dict[int, npt.NDArray[Any] | None] = {}
 
     @classmethod
-    def of_matrix(cls, probs: Any, count: int) -> StepRows:
-        """``probs``: ``count`` rows of the step, as one 2-D array or tensor.
-
-        Raises:
-            VerifyError: ``BAD_ARGUMENT`` unless ``probs`` is 2-D with ``count`` rows.
-        """
-        shape = tuple(getattr(probs, "shape", ()))
-        if len(shape) != 2 or shape[0] != count:
-            raise VerifyError(
-                ErrorCode.BAD_ARGUMENT,
-                f"target rows of shape {shape}: the step needs ({count}, V)",
-            )
+    def of_matrix(cls, probs: Any) -> StepRows:
+        """``probs``: the step's rows as one 2-D array or tensor (the caller checked its shape)."""
         if _on_device(probs):
             return cls(probs, device=probs)
         try:

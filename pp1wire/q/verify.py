@@ -30,7 +30,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.errors import ErrorCode, VerifyError
+from pp1wire.errors import ErrorCode, UsageError, VerifyError
 from pp1wire.q import dyadic, targetrows
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
@@ -546,45 +546,61 @@ class _Planned:
 _Out = list[RoundResult | VerifyError | None]
 
 
-def _plan(rounds: Sequence[StepRound]) -> tuple[_Out, list[_Planned], list[Sequence[int]]]:
-    """Every check before any row is read: refusals in place, the others' row spans."""
+def _plan(
+    rounds: Sequence[StepRound], *, every: bool
+) -> tuple[_Out, list[_Planned], list[Sequence[int]]]:
+    """Every check before any row is read: refusals in place, the others' row spans.
+
+    With ``every``, each round has rows in the layout whether it is refused or
+    not (an engine's layout, fixed by the rounds alone); else only the rounds
+    that pass their checks (what one target call needs to score).
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
+    """
+    if len({id(v) for v, _, _ in rounds}) != len(rounds):
+        raise UsageError(ErrorCode.BAD_ARGUMENT, "a step takes one round per request")
     out: _Out = [None] * len(rounds)
     planned: list[_Planned] = []
     prefixes: list[Sequence[int]] = []
-    seen: set[int] = set()
     for k, (v, proposal, given) in enumerate(rounds):
         round_id = given if proposal is None else proposal.round_id
+        first = len(prefixes)
         try:
-            if id(v) in seen:
-                raise VerifyError(ErrorCode.BAD_ARGUMENT, "a request has one round per step")
             if proposal is not None:
+                if every:
+                    prefixes.extend(v.prefixes(proposal))
                 v.check_proposal(proposal)
                 wanted = v.prefixes(proposal)
             else:
+                if every:
+                    prefixes.append(v.committed)
                 v._require_live()
                 v._claim_round(round_id)
                 wanted = [v.committed]
         except VerifyError as exc:
             out[k] = exc
             continue
-        seen.add(id(v))
-        planned.append(_Planned(k, v, proposal, round_id, len(prefixes), len(wanted)))
-        prefixes.extend(wanted)
+        if not every:
+            prefixes.extend(wanted)
+        planned.append(_Planned(k, v, proposal, round_id, first, len(wanted)))
     return out, planned, prefixes
 
 
 def step_prefixes(rounds: Sequence[StepRound]) -> list[Sequence[int]]:
     """The prefixes whose target rows :func:`verify_step` takes, in its flat layout.
 
-    For each round that passes its checks, in order: a proposal of d drafts
-    needs d + 1 rows (the committed prefix followed by the first 0, 1, ..., d
-    drafts: each draft's row and the bonus row), a target-only round one (the
-    committed prefix). A round refused by its checks (stale, reused, finished,
-    poisoned, malformed, a second round of one request) needs none; decides
-    nothing and changes nothing. The prefixes view the committed tokens: score
-    them before anything commits.
+    For each round in order: a proposal of d drafts needs d + 1 rows (its
+    request's committed prefix followed by the first 0, 1, ..., d drafts: each
+    draft's row and the bonus row), a target-only round one (the committed
+    prefix). The layout depends on the rounds alone: a round its checks will
+    refuse has its rows too (never read). The prefixes view the committed
+    tokens: score them before anything commits.
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request.
     """
-    return _plan(rounds)[2]
+    return _plan(rounds, every=True)[2]
 
 
 def verify_step(
@@ -609,12 +625,19 @@ def verify_step(
     committed) or ``EMPTY_RESIDUAL`` (the round is spent).
 
     Raises:
-        VerifyError: ``BAD_ARGUMENT`` (nothing changed) if ``probs`` is not
-            2-D with one row per prefix (not checked when no round needs a row).
+        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if
+            ``probs`` is not 2-D with one row per prefix, or for two rounds of
+            one request.
     """
-    out, planned, prefixes = _plan(rounds)
+    out, planned, prefixes = _plan(rounds, every=True)
+    shape = tuple(getattr(probs, "shape", ()))
+    if len(shape) != 2 or shape[0] != len(prefixes):
+        raise UsageError(
+            ErrorCode.BAD_ARGUMENT,
+            f"target rows of shape {shape}: the step needs ({len(prefixes)}, V)",
+        )
     if planned:
-        rows = StepRows.of_matrix(probs, len(prefixes))
+        rows = StepRows.of_matrix(probs)
         _decide(planned, rows, out, commit=commit, threads=threads)
     return _finished(out)
 
@@ -636,8 +659,12 @@ def verify_batch(
     Never raises for a round's failure: a failing ``target`` call fails every
     scored round with ``TARGET_FAILED`` (and poisons their requests); a
     :class:`FailedRow` in its result fails only the rounds that needed that row.
+    Only the rounds that pass their checks are scored.
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
     """
-    out, planned, prefixes = _plan(rounds)
+    out, planned, prefixes = _plan(rounds, every=False)
     if not planned:
         return _finished(out)
     try:
@@ -645,7 +672,7 @@ def verify_batch(
         if len(scored) != len(prefixes):
             raise ValueError(f"{len(scored)} rows for {len(prefixes)} prefixes")
         if getattr(scored, "ndim", None) == 2:
-            rows = StepRows.of_matrix(scored, len(prefixes))
+            rows = StepRows.of_matrix(scored)
         else:
             rows = StepRows.of_rows(scored)
     except Exception as exc:  # a plugin failure must not leave a half round
