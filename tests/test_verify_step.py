@@ -197,18 +197,33 @@ def reference(rounds, matrix, spans, commit: bool):
     return out
 
 
-@pytest.fixture(params=["compiled", "compiled-threads", "numpy"])
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def simd(request):
+    """The compiled step with its AVX2 path (where the CPU has it) and without."""
+    fastq = targetrows._fastq
+    if getattr(fastq, "step_simd", None) is None:
+        pytest.skip("compiled fast path not built")
+    was = fastq.step_simd(request.param)
+    yield request.param
+    fastq.step_simd(was)
+
+
+@pytest.fixture(params=["compiled", "compiled-threads", "compiled-portable", "numpy"])
 def step_path(request, monkeypatch):
     """Decide with the compiled step (when built; on one thread and on three, whatever
-    the step's size) and with the numpy walk."""
+    the step's size; without its AVX2 path) and with the numpy walk."""
+    fastq = targetrows._fastq
     if request.param == "numpy":
         monkeypatch.setattr(targetrows, "_fastq", None)
-    elif getattr(targetrows._fastq, "verify_rounds", None) is None:
+    elif getattr(fastq, "verify_rounds", None) is None:
         pytest.skip("compiled fast path not built")
     threads = 3 if request.param == "compiled-threads" else 1
     decide = targetrows.decide
     monkeypatch.setattr(targetrows, "decide", lambda jobs, rows, _: decide(jobs, rows, threads))
-    return request.param
+    was = fastq.step_simd(request.param != "compiled-portable") if fastq else None
+    yield request.param
+    if fastq is not None:
+        fastq.step_simd(was)
 
 
 def check_same(vocab, plans_, dtype=np.float64, commit=True):
@@ -408,6 +423,83 @@ def test_the_compiled_acceptance_test_at_its_boundary():
         assert float(u * count) == u * count  # p is exact
         assert not targetrows._fastq.accept_u53(u, count, p)
         assert targetrows._fastq.accept_u53(u, count, np.nextafter(p, 2.0))
+
+
+values = st.floats(0, 1e30) | st.sampled_from([0.0, 5e-324, 1e-300, 1.0, 0.25])
+
+
+@st.composite
+def long_rows(draw):
+    """A row of any length around the compiled step's blocks (64 and 256 leaves), of
+    values of every scale, and FP32 or FP64."""
+    n = draw(st.sampled_from([1, 3, 63, 64, 65, 255, 256, 257, 700, 1024, 1500]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([1.0, 1e-300, 1e300, 1e-310]))
+    row = rng.random(n) ** draw(st.sampled_from([1, 8])) * scale
+    row[rng.random(n) < draw(st.sampled_from([0.0, 0.3]))] = 0.0
+    dtype = draw(st.sampled_from([np.float64, np.float32]))
+    with np.errstate(over="ignore", under="ignore"):
+        return row.astype(dtype)
+
+
+@compiled
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # simd: one setting per test
+)
+@given(long_rows(), st.sampled_from([None, -1e-9, -0.0, np.nan]))
+def test_the_compiled_total_and_check_are_check_targets(simd, row, poison):
+    # What the compiled step reads from a row is exactly what check_target reads.
+    row = row.copy()
+    if poison is not None:
+        row[len(row) // 2] = poison
+    total, negative = targetrows._fastq.row_stats(row)
+    x = row.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = tree.total(x)
+    if np.isnan(want):
+        assert np.isnan(total)  # a NaN's sign and payload are not part of the contract
+    else:
+        assert total == want
+        assert np.signbit(total) == np.signbit(want)
+    assert negative == bool((x < 0).any())
+
+
+@compiled
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # simd: one setting per test
+)
+@given(long_rows(), st.sampled_from(["none", "q32", "i32", "i64", "sparse"]), st.integers(0, 2**32))
+def test_the_compiled_draw_total_is_the_residuals(simd, row, qkind, seed):
+    # The tree a compiled draw descends has the per-request residual's total, bit for bit.
+    x = row.astype(np.float64)
+    total = tree.total(x)
+    if not total > 0 or not np.isfinite(total):
+        return
+    vocab = len(row)
+    rng = np.random.default_rng(seed)
+    w = rng.random(vocab)
+    counts = dyadic.counts_from_weights(w) if vocab > 1 else np.array([M])
+    q: object = None
+    ids = None
+    if qkind == "q32":
+        q = dyadic.counts_to_fp32(counts)
+    elif qkind == "i32":
+        q = counts.astype(np.int32)
+    elif qkind == "i64":
+        q = counts.astype(np.int64)
+    elif qkind == "sparse":
+        ids = np.flatnonzero(counts).astype(np.int32)
+        q = counts[ids].astype(np.int64)
+    p = x / total
+    want_w = p if q is None else targetrows.residual(p, counts)
+    want = tree.total(want_w)
+    got = targetrows._fastq.draw_total(row, total, q, ids)
+    assert got == want
 
 
 # -- the row-vectorized tree -------------------------------------------------------------

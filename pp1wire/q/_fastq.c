@@ -891,7 +891,13 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
  *   accept_u53(u53, count, p) -> bool
- *       The draw and the acceptance test alone, for qualification.
+ *   step_simd(on) -> bool
+ *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
+ *   row_stats(row) -> (total, negative)
+ *   draw_total(row, total, q, ids) -> float
+ *       The pieces alone, for qualification: a draw, the acceptance test, a
+ *       row's canonical total and check, the canonical total of the weights
+ *       a draw descends (max(v / total - q, 0), or v / total without q).
  * ------------------------------------------------------------------------- */
 
 enum { V_EOS = 0, V_CORRECTION = 1, V_BONUS = 2, V_TARGET = 3, V_BAD_ROW = 4, V_EMPTY = 5,
@@ -982,6 +988,98 @@ static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restric
     return m;
 }
 
+/* The root of a 64-leaf block with AVX2, every node the same one addition of
+ * its two children as in root64 (only independent additions are reordered),
+ * with in-lane shuffles: level 1 adds unpacklo/unpackhi of two loads, giving
+ * nodes in the order (0, 2, 1, 3); the next level adds the two 128-bit halves,
+ * which puts four consecutive nodes back in order; and so on. sign_acc ORs in
+ * the raw bits of every leaf (its sign bit says whether one may be negative). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define HAVE_X86_PATH 1
+
+__attribute__((target("avx2"))) static inline __m256d pairs_unordered(__m256d a, __m256d b) {
+    return _mm256_add_pd(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b));
+}
+
+__attribute__((target("avx2"))) static inline __m256d halves(__m256d s, __m256d t) {
+    return _mm256_add_pd(_mm256_permute2f128_pd(s, t, 0x20), _mm256_permute2f128_pd(s, t, 0x31));
+}
+
+/* Levels 1..6 from the 16 leaf vectors. */
+__attribute__((target("avx2"))) static double root_of_leaves(const __m256d *v) {
+    __m256d l1[8], l2[4], l3[2];
+    for (int k = 0; k < 8; k++) l1[k] = pairs_unordered(v[2 * k], v[2 * k + 1]);
+    for (int j = 0; j < 4; j++) l2[j] = halves(l1[2 * j], l1[2 * j + 1]);
+    for (int i = 0; i < 2; i++) l3[i] = pairs_unordered(l2[2 * i], l2[2 * i + 1]);
+    __m256d l4 = halves(l3[0], l3[1]);
+    __m128d lo = _mm256_castpd256_pd128(l4), hi = _mm256_extractf128_pd(l4, 1);
+    __m128d l5 = _mm_add_pd(_mm_unpacklo_pd(lo, hi), _mm_unpackhi_pd(lo, hi));
+    return _mm_cvtsd_f64(l5) + _mm_cvtsd_f64(_mm_unpackhi_pd(l5, l5));
+}
+
+__attribute__((target("avx2"))) static double root64_f64_x86(const double *x, uint64_t *sign) {
+    __m256d v[16], acc = _mm256_setzero_pd();
+    for (int k = 0; k < 16; k++) {
+        v[k] = _mm256_loadu_pd(x + 4 * k);
+        acc = _mm256_or_pd(acc, v[k]);
+    }
+    *sign |= (uint64_t)_mm256_movemask_pd(acc);
+    return root_of_leaves(v);
+}
+
+__attribute__((target("avx2"))) static double root64_f32_x86(const float *f, uint64_t *sign) {
+    __m256d v[16];
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        __m256 raw = _mm256_loadu_ps(f + 8 * k);
+        acc = _mm256_or_ps(acc, raw);
+        v[2 * k] = _mm256_cvtps_pd(_mm256_castps256_ps128(raw));
+        v[2 * k + 1] = _mm256_cvtps_pd(_mm256_extractf128_ps(raw, 1));
+    }
+    *sign |= (uint64_t)_mm256_movemask_ps(acc);
+    return root_of_leaves(v);
+}
+
+/* The draw's block root in one go (full blocks, dense q of FP32 values or
+ * int32 counts, or none): p = v / total, max(p - q, 0), then the block's
+ * levels, all in registers. The same IEEE operations as weights_block. */
+__attribute__((target("avx2"))) static double weights_root_x86(const void *row, int f32,
+                                                               size_t base, double total,
+                                                               const void *q, int qkind) {
+    __m256d v[16];
+    const __m256d t = _mm256_set1_pd(total), zero = _mm256_setzero_pd();
+    const __m256d scale = _mm256_set1_pd(1.0 / M24); /* exact: c / 2**24 == c * 2**-24 */
+    for (int k = 0; k < 16; k++) {
+        size_t at = base + 4 * (size_t)k;
+        __m256d p = f32 ? _mm256_cvtps_pd(_mm_loadu_ps((const float *)row + at))
+                        : _mm256_loadu_pd((const double *)row + at);
+        p = _mm256_div_pd(p, t);
+        if (qkind == K_F32) {
+            __m256d qv = _mm256_cvtps_pd(_mm_loadu_ps((const float *)q + at));
+            p = _mm256_max_pd(_mm256_sub_pd(p, qv), zero);
+        } else if (qkind == K_I32) {
+            __m128i c = _mm_loadu_si128((const __m128i *)((const int32_t *)q + at));
+            __m256d qv = _mm256_mul_pd(_mm256_cvtepi32_pd(c), scale);
+            p = _mm256_max_pd(_mm256_sub_pd(p, qv), zero);
+        }
+        v[k] = p;
+    }
+    return root_of_leaves(v);
+}
+
+/* -1: not asked yet; tests turn the AVX2 path off to qualify the portable one. */
+static int avx2_state = -1;
+
+static int have_avx2(void) {
+    if (avx2_state < 0) {
+        __builtin_cpu_init();
+        avx2_state = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return avx2_state;
+}
+#endif
+
 /* Whether some value is below zero: the OR of the raw bit patterns has its sign
  * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
  * the exact test decides. NaN and infinities need no test of their own: they
@@ -1045,9 +1143,33 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
     double stack[64];
     int badness = 0;
     size_t blocks = size >> 6;
+#ifdef HAVE_X86_PATH
+    int x86 = have_avx2();
+#endif
     for (size_t blk = 0; blk < blocks; blk++) {
         size_t base = blk << 6;
         double carry = 0.0;
+#ifdef HAVE_X86_PATH
+        if (x86 && base + 64 <= n) {
+            uint64_t sign = 0;
+            if (r->kind == K_F64) {
+                const double *src = (const double *)r->p + base;
+                carry = root64_f64_x86(src, &sign);
+                if (sign) badness |= any_negative(src, 64);
+            } else {
+                const float *src = (const float *)r->p + base;
+                carry = root64_f32_x86(src, &sign);
+                if (sign) {
+                    widen64(src, x);
+                    badness |= any_negative(x, 64);
+                }
+            }
+            int level = 0;
+            for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+            stack[level] = carry;
+            continue;
+        }
+#endif
         if (base + 64 <= n && r->kind == K_F64) {
             const double *src = (const double *)r->p + base;
             if (sign_or64(src)) badness |= any_negative(src, 64);
@@ -1202,8 +1324,66 @@ static size_t block_descend(const double *lv, size_t size, double t) {
     return index;
 }
 
+static double block_root(const double *x) {
+#ifdef HAVE_X86_PATH
+    if (have_avx2()) {
+        uint64_t sign = 0;
+        return root64_f64_x86(x, &sign);
+    }
+#endif
+    return root64(x);
+}
+
 /* sample_weights / residual_sample of the row: the drawn index, -1 if the
  * weights have no mass, -2 if out of memory. */
+/* The block roots of the draw's weights into up[0, blocks), then the levels
+ * above them (block_levels); the root is up[2 * blocks - 2]. */
+static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
+                         size_t blocks) {
+    double lv[64];
+#ifdef HAVE_X86_PATH
+    int qkind = q == NULL ? K_NONE : q->kind;
+    int fused = have_avx2() && (q == NULL || (q->ids == NULL && qkind != K_I64));
+#endif
+    for (size_t blk = 0; blk < blocks; blk++) {
+        size_t base = blk << 6;
+        if (base >= n) {
+            up[blk] = 0.0;
+            continue;
+        }
+#ifdef HAVE_X86_PATH
+        if (fused && base + 64 <= n) {
+            up[blk] = weights_root_x86(r->p, r->kind == K_F32, base, total,
+                                       q == NULL ? NULL : q->q, qkind);
+            continue;
+        }
+#endif
+        weights_block(r, n, base, total, q, lv);
+        up[blk] = block_root(lv);
+    }
+    block_levels(up, blocks);
+}
+
+/* The canonical total of the draw's weights (what the draw descends); -1.0 if
+ * out of memory (a total is never negative). */
+static double weights_total(const vrow_t *r, size_t n, double total, const vq_t *q) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    if (depth < 6) {
+        double lv[128];
+        weights_block(r, n, 0, total, q, lv);
+        block_levels(lv, size);
+        return lv[2 * size - 2];
+    }
+    size_t blocks = size >> 6;
+    double *up = (double *)malloc(2 * blocks * sizeof(double));
+    if (up == NULL) return -1.0;
+    weights_tree(r, n, total, q, up, blocks);
+    double root = up[2 * blocks - 2];
+    free(up);
+    return root;
+}
+
 static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
     int depth;
     size_t size = tree_size(n, &depth);
@@ -1218,16 +1398,7 @@ static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, 
     size_t blocks = size >> 6;
     double *up = (double *)malloc(2 * blocks * sizeof(double));
     if (up == NULL) return -2;
-    for (size_t blk = 0; blk < blocks; blk++) {
-        size_t base = blk << 6;
-        if (base >= n) {
-            up[blk] = 0.0;
-        } else {
-            weights_block(r, n, base, total, q, lv);
-            up[blk] = root64(lv);
-        }
-    }
-    block_levels(up, blocks);
+    weights_tree(r, n, total, q, up, blocks);
     double root = up[2 * blocks - 2];
     if (!(root > 0.0)) {
         free(up);
@@ -1495,6 +1666,86 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One row for the qualification entry points: its buffer into *view. */
+static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
+    Py_ssize_t len;
+    int kind = take_buffer(obj, views, used, &row->p, &len);
+    if (kind < 0) return -1;
+    if ((kind != K_F32 && kind != K_F64) || len < 1) {
+        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
+        return -1;
+    }
+    row->kind = kind;
+    *n = (size_t)len;
+    return 0;
+}
+
+static PyObject *row_stats(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer views[1];
+    int used = 0, bad = 0;
+    vrow_t row;
+    size_t n;
+    double total = 0.0;
+    int ok = one_row(obj, views, &used, &row, &n) == 0;
+    if (ok) total = row_total(&row, n, &bad);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    if (!ok) return NULL;
+    return Py_BuildValue("(dO)", total, bad ? Py_True : Py_False);
+}
+
+static PyObject *draw_total(PyObject *self, PyObject *args) {
+    PyObject *obj, *qobj, *idobj;
+    double total;
+    if (!PyArg_ParseTuple(args, "OdOO", &obj, &total, &qobj, &idobj)) return NULL;
+    Py_buffer views[3];
+    int used = 0;
+    vrow_t row;
+    vq_t q = {NULL, K_NONE, NULL, 0};
+    size_t n;
+    int ok = one_row(obj, views, &used, &row, &n) == 0;
+    if (ok && qobj != Py_None) {
+        Py_ssize_t nq;
+        q.kind = take_buffer(qobj, views, &used, &q.q, &nq);
+        ok = q.kind == K_F32 || q.kind == K_I32 || q.kind == K_I64;
+        if (ok && idobj != Py_None) {
+            Py_ssize_t nid;
+            const void *ip;
+            ok = take_buffer(idobj, views, &used, &ip, &nid) == K_I32 && nid == nq;
+            q.ids = (const int32_t *)ip;
+            q.nids = (size_t)nid;
+            for (Py_ssize_t j = 0; ok && j < nid; j++)
+                ok = q.ids[j] >= 0 && (size_t)q.ids[j] < n && (!j || q.ids[j] > q.ids[j - 1]);
+        } else if (ok) {
+            ok = (size_t)nq >= n;
+        }
+        if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "draw_total: bad q");
+    }
+    double root = 0.0;
+    if (ok) root = weights_total(&row, n, total, qobj == Py_None ? NULL : &q);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    if (!ok) return NULL;
+    if (root < 0.0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(root);
+}
+
+/* step_simd(on) -> whether the AVX2 path was on: off runs the portable path on
+ * any CPU (tests qualify both); on takes it only where the CPU has AVX2. */
+static PyObject *step_simd(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_X86_PATH
+    int was = have_avx2();
+    avx2_state = -1;
+    if (!on || !have_avx2()) avx2_state = 0;
+    return PyBool_FromLong(was);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *philox_u53(PyObject *self, PyObject *args) {
     unsigned long long seed;
     unsigned long gen, round, pos;
@@ -1520,6 +1771,10 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"verify_rounds", verify_rounds, METH_VARARGS, "verify_rounds(jobs, out[, threads]) -> None"},
+    {"row_stats", row_stats, METH_VARARGS, "row_stats(row) -> (canonical total, some value < 0)"},
+    {"draw_total", draw_total, METH_VARARGS,
+     "draw_total(row, total, q or None, ids or None) -> the canonical total of the draw's weights"},
+    {"step_simd", step_simd, METH_VARARGS, "step_simd(on) -> whether the AVX2 path was on"},
     {"philox_u53", philox_u53, METH_VARARGS,
      "philox_u53(seed, generation, round, position, domain) -> the 53-bit draw"},
     {"accept_u53", accept_u53, METH_VARARGS, "accept_u53(u53, count, p) -> u * q < p, exactly"},
