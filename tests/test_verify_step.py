@@ -502,7 +502,7 @@ def test_the_compiled_draw_total_is_the_residuals(simd, row, qkind, seed):
     assert got == want
 
 
-# -- the row-vectorized tree -------------------------------------------------------------
+# -- the row-batched tree of the device path -------------------------------------------
 
 
 @settings(max_examples=100, deadline=None)
@@ -515,26 +515,36 @@ def test_the_compiled_draw_total_is_the_residuals(simd, row, qkind, seed):
     st.lists(st.integers(0, (1 << 53) - 1), min_size=4, max_size=4),
 )
 def test_row_levels_and_descents_are_each_rows_own(values, draws):
+    torch = pytest.importorskip("torch")
+    from pp1wire.q import torch_ops
+
     x = np.array(values)
-    levels = tree.row_levels(x)
+    levels = torch_ops.row_levels(torch.from_numpy(x))
     for i, row in enumerate(x):
         own = tree.levels(row)
         assert all(a[i].tolist() == b.tolist() for a, b in zip(levels, own, strict=True))
-    totals = tree.row_totals(x)
+    totals = torch_ops.row_totals(torch.from_numpy(x)).numpy()
     assert totals.tolist() == [tree.total(r) for r in x]
     t = np.array([d / 2.0**53 for d in draws[: len(x)]]) * totals
-    got = tree.descend_rows(levels, t)
+    got = torch_ops.descend_rows(levels, torch.from_numpy(t))
     for i, row in enumerate(x):
         if totals[i] > 0:
             assert int(got[i]) == tree.descend(tree.levels(row), float(t[i]))
 
 
 def test_draws_from_no_mass_are_refused_by_every_path():
+    # q equal to p leaves no residual: -1 (EMPTY_RESIDUAL), on the host and on a device.
     p = np.array([0.25, 0.75, 0.0])
     q = QRow(token=1, counts=np.array([M // 4, 3 * (M // 4), 0]))
-    rows = targetrows.StepRows.of_matrix(p[None])
-    assert targetrows._HostRows(rows).draw([(0, 1.0, q, 123, 3)]) == [-1]
-    assert targetrows._HostRows(rows).draw([(0, 1.0, None, 123, 3)]) != [-1]
+    host = targetrows._HostRows(targetrows.StepRows.of_matrix(p[None]))
+    assert host.draw([(0, 1.0, q, 123, 3)]) == [-1]
+    assert host.draw([(0, 1.0, None, 123, 3)]) != [-1]
+    torch = pytest.importorskip("torch")
+    from pp1wire.q import torch_ops
+
+    device = torch_ops.DeviceStep(torch.from_numpy(p[None]), [(0, 1)])
+    assert device.draw([(0, 1.0, q, 123, 3), (0, 1.0, None, 123, 3)])[0] == -1
+    assert device.draw([(0, 1.0, None, 123, 3)]) != [-1]
 
 
 # -- torch rows: viewed on the CPU, kept on their device otherwise -----------------------

@@ -445,26 +445,25 @@ class _Rows(Protocol):
 
 
 class _HostRows:
-    """The numpy row work: totals and checks, and draws, vectorized over rows."""
+    """The numpy row work, row by row: at a large vocabulary, stacking rows for numpy
+    only adds copies (measured: ``benchmarks/verify_batch.py``, numpy only)."""
 
     def __init__(self, rows: StepRows) -> None:
         self.rows = rows
 
     def stats(self, wanted: list[tuple[int, int]]) -> list[tuple[float, bool]]:
-        out = [(0.0, False)] * len(wanted)
-        by_size: dict[int, list[int]] = {}
-        for j, (r, vocab) in enumerate(wanted):
-            if self.rows.host(r, vocab) is not None:
-                by_size.setdefault(vocab, []).append(j)
-        for vocab, js in by_size.items():
-            rows = [self._row(wanted[j][0], vocab) for j in js]
-            x = np.stack(rows).astype(np.float64, copy=False)
+        out = []
+        for r, vocab in wanted:
+            arr = self.rows.host(r, vocab)
+            if arr is None:
+                out.append((0.0, False))
+                continue
+            x = arr.astype(np.float64, copy=False)
             with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN totals are refusals
-                totals = tree.row_totals(x)
+                total = tree.total(x)
             # check_target's test: min >= 0 (false for NaN), a finite, positive total.
-            ok = (x.min(axis=1) >= 0.0) & np.isfinite(totals) & (totals > 0.0)
-            for j, t, good in zip(js, totals.tolist(), ok.tolist(), strict=True):
-                out[j] = (t, good)
+            good = float(x.min()) >= 0.0 and np.isfinite(total) and total > 0.0
+            out.append((total, bool(good)))
         return out
 
     def _row(self, row: int, vocab: int) -> npt.NDArray[Any]:
@@ -476,24 +475,15 @@ class _HostRows:
         return float(self._row(row, vocab)[x])
 
     def draw(self, jobs: list[tuple[int, float, QRow | None, int, int]]) -> list[int]:
-        out = [-1] * len(jobs)
-        by_size: dict[int, list[int]] = {}
-        for j, job in enumerate(jobs):
-            by_size.setdefault(job[4], []).append(j)
-        for vocab, js in by_size.items():
-            rows = [self._row(jobs[j][0], vocab) for j in js]
-            values = np.stack(rows).astype(np.float64, copy=False)
-            w = values / np.array([jobs[j][1] for j in js])[:, None]  # p, one division each
-            for i, j in enumerate(js):
-                qrow = jobs[j][2]
-                if qrow is not None:
-                    w[i] = residual(w[i], qrow.dense_counts(vocab))
-            levels = tree.row_levels(w)
-            roots = levels[-1][:, 0]
-            target = np.array([jobs[j][3] / _U53 for j in js]) * roots
-            drawn = tree.descend_rows(levels, target)
-            for j, root, y in zip(js, roots.tolist(), drawn.tolist(), strict=True):
-                out[j] = int(y) if root > 0 else -1
+        out = []
+        for row, total, qrow, u53, vocab in jobs:
+            w = self._row(row, vocab).astype(np.float64, copy=False) / total  # p
+            if qrow is not None:
+                w = residual(w, qrow.dense_counts(vocab))
+            try:
+                out.append(sample_weights(w, u53))
+            except VerifyError:  # no mass
+                out.append(-1)
         return out
 
 

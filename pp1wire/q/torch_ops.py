@@ -277,14 +277,16 @@ def residual_sample(p: torch.Tensor, counts: torch.Tensor, u53: int) -> torch.Te
 
 
 def row_levels(rows: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`pp1wire.q.tree.row_levels` on a 2-D tensor: every row's canonical tree at once."""
+    """Every row's canonical tree at once: level ``l`` of row ``i`` is, bit for bit,
+    level ``l`` of :func:`pp1wire.q.tree.levels` of that row."""
     x = rows.to(torch.float64)
     size = 1 << max(0, (x.shape[1] - 1).bit_length())
     level = torch.zeros((x.shape[0], size), dtype=torch.float64, device=x.device)
     level[:, : x.shape[1]] = x
     out = [level]
     while level.shape[1] > 1:
-        level = level[:, 0::2] + level[:, 1::2]
+        pairs = level.view(level.shape[0], -1, 2)  # (left, right) children side by side
+        level = pairs[:, :, 0] + pairs[:, :, 1]
         out.append(level)
     return out
 
@@ -295,7 +297,8 @@ def row_totals(rows: torch.Tensor) -> torch.Tensor:
 
 
 def descend_rows(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """:func:`pp1wire.q.tree.descend_rows` on tensors: each row's leaf (int64, no host sync)."""
+    """:func:`pp1wire.q.tree.descend` of each row of :func:`row_levels` with its own
+    target (int64, no host sync; meaningless for a row without mass)."""
     t = target.to(torch.float64)
     index = torch.zeros(levels[0].shape[0], dtype=torch.int64, device=t.device)
     for level in range(len(levels) - 1, 0, -1):

@@ -100,51 +100,6 @@ def descend(tree: list[Float64Array], t: float) -> int:
     return index
 
 
-def row_levels(rows: npt.ArrayLike) -> list[Float64Array]:
-    """:func:`levels` of every row of a 2-D array at once: level ``l`` is ``(rows, 2**(L - l))``.
-
-    Row ``i`` of each level is, bit for bit, that level of ``levels(rows[i])``.
-
-    Raises:
-        ValueError: if ``rows`` is not 2-D.
-    """
-    x = np.asarray(rows, dtype=np.float64)
-    if x.ndim != 2:
-        raise ValueError("rows must be 2-D")
-    size = 1 << depth_for(x.shape[1])
-    level = np.zeros((x.shape[0], size), dtype=np.float64)
-    level[:, : x.shape[1]] = x
-    out = [level]
-    while level.shape[1] > 1:
-        level = level[:, 0::2] + level[:, 1::2]
-        out.append(level)
-    return out
-
-
-def row_totals(rows: npt.ArrayLike) -> Float64Array:
-    """The canonical total of every row of a 2-D array (:func:`total` row by row)."""
-    return row_levels(rows)[-1][:, 0]
-
-
-def descend_rows(tree: list[Float64Array], t: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    """:func:`descend` of every row of :func:`row_levels` with its own target, at once.
-
-    A row whose total is not positive gets an index that means nothing: the
-    caller refuses those rows first.
-    """
-    target = np.array(t, dtype=np.float64)  # a copy: updated in place below
-    n = tree[0].shape[0]
-    rows = np.arange(n)
-    index = np.zeros(n, dtype=np.int64)
-    for level in range(len(tree) - 1, 0, -1):
-        below = tree[level - 1]
-        a, b = below[rows, 2 * index], below[rows, 2 * index + 1]
-        right = (b > 0.0) & ((a == 0.0) | (target >= a))
-        target = np.where(right, target - a, target)
-        index = 2 * index + right
-    return index
-
-
 def cover(start: int, stop: int, depth: int) -> list[Node]:
     """The maximal aligned nodes exactly covering positions ``[start, stop)``, left to right."""
     out: list[Node] = []
