@@ -13,13 +13,16 @@ walks its positions as the per-request verifier does, and only the rows a round
 reaches are read. Three ways, the same decisions bit for bit (tests check it):
 
 * compiled (``pp1wire/q/_fastq.c`` ``verify_rounds``, when built): the whole
-  step in one call with the GIL released, each reached row read once for its
-  total and checks and, where the round ends, once more for the draw;
-* numpy: the same walk position by position over every live round at once,
-  the totals and the draws vectorized over rows;
+  step in one call with the GIL released (its rounds shared out to two
+  threads, one in a pinned process), each reached row read once for its total
+  and checks and, where the round ends, once more for the draw;
+* numpy (no compiler): the same walk, position by position over every live
+  round, with numpy row by row (stacking rows only adds copies at a large
+  vocabulary);
 * torch on a device (:class:`pp1wire.q.torch_ops.DeviceStep`): the rows stay
-  where the engine computed them; totals, checks and ``v[x]`` come back in one
-  transfer, the drawn IDs in another.
+  where the engine computed them; totals, checks and ``v[x]`` of every row come
+  back in one transfer, the draws run batched over rows there, and the drawn IDs
+  come back in another.
 
 Where a step's rows come from: one call of a batched target (:func:`batched`
 gives a per-prefix plugin that form, a :class:`FailedRow` in place of each
