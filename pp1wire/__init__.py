@@ -61,16 +61,20 @@ if TYPE_CHECKING:
     from pp1wire.errors import ErrorCode, Pp1Error, UsageError, VerifyError
     from pp1wire.q.proposal import Proposal
     from pp1wire.q.rng import derive_seed
-    from pp1wire.q.stepverify import StepRound, step_prefixes, verify_step
-    from pp1wire.q.verify import TARGET_FAILURES, Outcome, RequestVerifier, RoundResult
+    from pp1wire.q.verify import (
+        TARGET_FAILURES,
+        Outcome,
+        RequestVerifier,
+        RoundResult,
+        StepRound,
+        step_prefixes,
+        verify_step,
+    )
     from pp1wire.tp.coordinator import GroupCoordinator as GroupCoordinator
     from pp1wire.tp.coordinator import GroupFailedError as GroupFailedError
     from pp1wire.tp.fanout import Item as GroupItem  # noqa: F401 (exported, not in __all__)
     from pp1wire.tp.group import SparkGroup as SparkGroup
     from pp1wire.wire.spark_core import SparkConfig
-
-# Where the step verifier lives (step_prefixes, verify_step): one line to change.
-_STEP = "pp1wire.q.stepverify"
 
 _CLIENT = "pp1wire.aio.handles"
 _VERIFY = "pp1wire.q.verify"
@@ -88,9 +92,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RoundResult": (_VERIFY, "RoundResult"),
     "Outcome": (_VERIFY, "Outcome"),
     "TARGET_FAILURES": (_VERIFY, "TARGET_FAILURES"),
-    "StepRound": ("pp1wire.q.stepverify", "StepRound"),
-    "step_prefixes": (_STEP, "step_prefixes"),
-    "verify_step": (_STEP, "verify_step"),
+    "StepRound": (_VERIFY, "StepRound"),
+    "step_prefixes": (_VERIFY, "step_prefixes"),
+    "verify_step": (_VERIFY, "verify_step"),
     "derive_seed": ("pp1wire.q.rng", "derive_seed"),
     "ErrorCode": (_ERRORS, "ErrorCode"),
     "Pp1Error": (_ERRORS, "Pp1Error"),

@@ -13,8 +13,7 @@ import numpy.typing as npt
 from pp1wire.errors import ErrorCode, Pp1Error, UsageError, VerifyError
 from pp1wire.q.arrays import host_array
 from pp1wire.q.proposal import Proposal
-from pp1wire.q.stepverify import StepRound
-from pp1wire.q.verify import RequestVerifier
+from pp1wire.q.verify import RequestVerifier, StepRound
 
 _Rows = TypeVar("_Rows", bound=Any)  # numpy rows, or an engine tensor sliced the same way
 

@@ -51,6 +51,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
 
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
@@ -858,7 +861,923 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Li)", (long long)found, 0);
 }
 
+/* ---------------------------------------------------------------------------
+ * Verification of an engine step's rounds (pp1wire.q.targetrows), protocol
+ * §6.5 and §6.6, bit for bit what pp1wire.q.verify's per-request path decides:
+ *
+ *   verify_rounds(jobs, out[, threads]) -> None
+ *       Each job is one round: (rows, tokens, counts, qs, seed, generation,
+ *       round, start, final_domain, eos, vocab). rows: its target rows (float32
+ *       or float64, `vocab` entries each; None for a row that could not be
+ *       read), d + 1 for a proposal of d drafts, 1 for a target-only round;
+ *       tokens, counts: each draft and its q count; qs: each draft row's q as
+ *       (values, ids or None): float32 q values or int32/int64 counts, dense
+ *       (at least `vocab` entries) or sparse (ascending ids). out: int64, four
+ *       per job: (status, stop row, accepted drafts, drawn token or -1).
+ *       With the GIL released, each round walks its positions: the row's
+ *       canonical total and its checks in one pass, the exact acceptance test
+ *       u * q(x) < p(x) with p(x) = v[x] / total, and at the first rejection
+ *       the correction from max(p - q, 0), else the bonus (or the target-only
+ *       token) from p, each drawn by descending the canonical tree: one pass
+ *       over the row stores the sums of its 64-leaf blocks, the descent
+ *       recomputes the one block it ends in. The Philox draws are those of
+ *       pp1wire.q.rng (ACCEPTANCE, CORRECTION, TARGET domains). With
+ *       threads > 1, that many threads take the rounds one by one.
+ *       Status: 0 accepted terminal draft, 1 correction, 2 bonus, 3
+ *       target-only token, 4 the row `stop` failed its checks (the caller
+ *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
+ *       are not ascending inside the vocabulary (the caller decides the round
+ *       its own way), 7 out of memory.
+ *
+ *   philox_u53(seed, generation, round, position, domain) -> int
+ *   accept_u53(u53, count, p) -> bool
+ *   step_simd(on) -> bool
+ *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
+ *   row_stats(row) -> (total, negative)
+ *   draw_total(row, total, q, ids) -> float
+ *       The pieces alone, for qualification: a draw, the acceptance test, a
+ *       row's canonical total and check, the canonical total of the weights
+ *       a draw descends (max(v / total - q, 0), or v / total without q).
+ * ------------------------------------------------------------------------- */
+
+enum { V_EOS = 0, V_CORRECTION = 1, V_BONUS = 2, V_TARGET = 3, V_BAD_ROW = 4, V_EMPTY = 5,
+       V_BAD_Q = 6, V_NOMEM = 7 };
+enum { D_ACCEPTANCE = 2, D_CORRECTION = 3, D_TARGET = 4 };
+enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
+#define V_MAX_ROWS 6 /* MAX_DEPTH drafts and the bonus */
+#define V_BUFFERS (3 * V_MAX_ROWS)
+
+static void philox10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int i = 0; i < 10; i++) {
+        if (i) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0];
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = (uint32_t)p1;
+        c[2] = n2;
+        c[3] = (uint32_t)p0;
+    }
+}
+
+static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t pos, int domain) {
+    uint32_t c[4] = {pos, round, gen, (uint32_t)domain << 24};
+    philox10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    return ((uint64_t)(c[0] >> 5) << 26) | (uint64_t)(c[1] >> 6);
+}
+
+/* (u / 2**53) * (count / 2**24) < p, exactly: u * count < p * 2**77. p * 2**77
+ * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
+ * a < ceil(b). Both sides are below 2**78: compared as 32-bit high and low
+ * halves (u = uh * 2**32 + ul with uh < 2**21, count <= 2**24), so no 128-bit
+ * integer type is needed. */
+static int accept_test(uint64_t u, int64_t count, double p) {
+    if (!(p > 0.0)) return 0;
+    if (count <= 0) return 1; /* 0 < p; a count is never negative (checked on arrival) */
+    double b = ceil(ldexp(p, 77));
+    double b_hi = floor(ldexp(b, -32));
+    uint64_t bh = (uint64_t)b_hi, bl = (uint64_t)(b - ldexp(b_hi, 32));
+    uint64_t c = (uint64_t)count;
+    uint64_t low = (u & 0xFFFFFFFFu) * c; /* < 2**56 */
+    uint64_t ah = (u >> 32) * c + (low >> 32), al = low & 0xFFFFFFFFu;
+    return ah < bh || (ah == bh && al < bl);
+}
+
+typedef struct {
+    const void *p;
+    int kind; /* K_F32 or K_F64; K_NONE: the row could not be read */
+} vrow_t;
+
+typedef struct {
+    const void *q; /* K_F32 values or K_I32 / K_I64 counts */
+    int kind;
+    const int32_t *ids; /* NULL for a dense row */
+    size_t nids;
+} vq_t;
+
+typedef struct {
+    int nrows, ndrafts, final_domain, bad_q;
+    vrow_t rows[V_MAX_ROWS];
+    int64_t tokens[V_MAX_ROWS], counts[V_MAX_ROWS];
+    vq_t qs[V_MAX_ROWS];
+    uint64_t seed;
+    uint32_t gen, round, start;
+    int64_t eos;
+    size_t vocab;
+    int64_t *out;
+} vround_t;
+
+static inline double row_at(const vrow_t *r, size_t i) {
+    return r->kind == K_F32 ? (double)((const float *)r->p)[i] : ((const double *)r->p)[i];
+}
+
+/* Leaves [base, base + 64) of the row as binary64, +0.0 past n; returns how many are real. */
+static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restrict x) {
+    size_t m = base >= n ? 0 : (n - base < 64 ? n - base : 64);
+    if (r->kind == K_F32) {
+        const float *f = (const float *)r->p + base;
+        for (size_t i = 0; i < m; i++) x[i] = (double)f[i];
+    } else {
+        memcpy(x, (const double *)r->p + base, m * sizeof(double));
+    }
+    for (size_t i = m; i < 64; i++) x[i] = 0.0;
+    return m;
+}
+
+/* The root of a 64-leaf block with AVX2, every node the same one addition of
+ * its two children as in root64 (only independent additions are reordered),
+ * with in-lane shuffles: level 1 adds unpacklo/unpackhi of two loads, giving
+ * nodes in the order (0, 2, 1, 3); the next level adds the two 128-bit halves,
+ * which puts four consecutive nodes back in order; and so on. sign_acc ORs in
+ * the raw bits of every leaf (its sign bit says whether one may be negative). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define HAVE_X86_PATH 1
+
+__attribute__((target("avx2"))) static inline __m256d pairs_unordered(__m256d a, __m256d b) {
+    return _mm256_add_pd(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b));
+}
+
+__attribute__((target("avx2"))) static inline __m256d halves(__m256d s, __m256d t) {
+    return _mm256_add_pd(_mm256_permute2f128_pd(s, t, 0x20), _mm256_permute2f128_pd(s, t, 0x31));
+}
+
+/* Levels 1..6 from the 16 leaf vectors. */
+__attribute__((target("avx2"))) static double root_of_leaves(const __m256d *v) {
+    __m256d l1[8], l2[4], l3[2];
+    for (int k = 0; k < 8; k++) l1[k] = pairs_unordered(v[2 * k], v[2 * k + 1]);
+    for (int j = 0; j < 4; j++) l2[j] = halves(l1[2 * j], l1[2 * j + 1]);
+    for (int i = 0; i < 2; i++) l3[i] = pairs_unordered(l2[2 * i], l2[2 * i + 1]);
+    __m256d l4 = halves(l3[0], l3[1]);
+    __m128d lo = _mm256_castpd256_pd128(l4), hi = _mm256_extractf128_pd(l4, 1);
+    __m128d l5 = _mm_add_pd(_mm_unpacklo_pd(lo, hi), _mm_unpackhi_pd(lo, hi));
+    return _mm_cvtsd_f64(l5) + _mm_cvtsd_f64(_mm_unpackhi_pd(l5, l5));
+}
+
+__attribute__((target("avx2"))) static double root64_f64_x86(const double *x, uint64_t *sign) {
+    __m256d v[16], acc = _mm256_setzero_pd();
+    for (int k = 0; k < 16; k++) {
+        v[k] = _mm256_loadu_pd(x + 4 * k);
+        acc = _mm256_or_pd(acc, v[k]);
+    }
+    *sign |= (uint64_t)_mm256_movemask_pd(acc);
+    return root_of_leaves(v);
+}
+
+__attribute__((target("avx2"))) static double root64_f32_x86(const float *f, uint64_t *sign) {
+    __m256d v[16];
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        __m256 raw = _mm256_loadu_ps(f + 8 * k);
+        acc = _mm256_or_ps(acc, raw);
+        v[2 * k] = _mm256_cvtps_pd(_mm256_castps256_ps128(raw));
+        v[2 * k + 1] = _mm256_cvtps_pd(_mm256_extractf128_ps(raw, 1));
+    }
+    *sign |= (uint64_t)_mm256_movemask_ps(acc);
+    return root_of_leaves(v);
+}
+
+/* The draw's block root in one go (full blocks, dense q of FP32 values or
+ * int32 counts, or none): p = v / total, max(p - q, 0), then the block's
+ * levels, all in registers. The same IEEE operations as weights_block. */
+__attribute__((target("avx2"))) static double weights_root_x86(const void *row, int f32,
+                                                               size_t base, double total,
+                                                               const void *q, int qkind) {
+    __m256d v[16];
+    const __m256d t = _mm256_set1_pd(total), zero = _mm256_setzero_pd();
+    const __m256d scale = _mm256_set1_pd(1.0 / M24); /* exact: c / 2**24 == c * 2**-24 */
+    for (int k = 0; k < 16; k++) {
+        size_t at = base + 4 * (size_t)k;
+        __m256d p = f32 ? _mm256_cvtps_pd(_mm_loadu_ps((const float *)row + at))
+                        : _mm256_loadu_pd((const double *)row + at);
+        p = _mm256_div_pd(p, t);
+        if (qkind == K_F32) {
+            __m256d qv = _mm256_cvtps_pd(_mm_loadu_ps((const float *)q + at));
+            p = _mm256_max_pd(_mm256_sub_pd(p, qv), zero);
+        } else if (qkind == K_I32) {
+            __m128i c = _mm_loadu_si128((const __m128i *)((const int32_t *)q + at));
+            __m256d qv = _mm256_mul_pd(_mm256_cvtepi32_pd(c), scale);
+            p = _mm256_max_pd(_mm256_sub_pd(p, qv), zero);
+        }
+        v[k] = p;
+    }
+    return root_of_leaves(v);
+}
+
+/* -1: not asked yet; tests turn the AVX2 path off to qualify the portable one. */
+static int avx2_state = -1;
+
+static int have_avx2(void) {
+    if (avx2_state < 0) {
+        __builtin_cpu_init();
+        avx2_state = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return avx2_state;
+}
+#endif
+
+/* Whether some value is below zero: the OR of the raw bit patterns has its sign
+ * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
+ * the exact test decides. NaN and infinities need no test of their own: they
+ * make the total non-finite. */
+MULTIVERSION
+static uint64_t sign_or64(const double *restrict x) {
+    uint64_t acc = 0;
+    for (int i = 0; i < 64; i++) {
+        uint64_t b;
+        memcpy(&b, &x[i], sizeof b);
+        acc |= b;
+    }
+    return acc >> 63;
+}
+
+MULTIVERSION
+static uint32_t sign_or32(const float *restrict f) {
+    uint32_t acc = 0;
+    for (int i = 0; i < 64; i++) {
+        uint32_t b;
+        memcpy(&b, &f[i], sizeof b);
+        acc |= b;
+    }
+    return acc >> 31;
+}
+
+static int any_negative(const double *restrict x, size_t m) {
+    for (size_t i = 0; i < m; i++)
+        if (x[i] < 0.0) return 1;
+    return 0;
+}
+
+MULTIVERSION
+static void widen64(const float *restrict f, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = (double)f[i];
+}
+
+static size_t tree_size(size_t n, int *depth) {
+    size_t size = 1;
+    *depth = 0;
+    while (size < n) {
+        size <<= 1;
+        (*depth)++;
+    }
+    return size;
+}
+
+/* The row's canonical total (tree_root's tree), and whether some value is
+ * negative: with the total's finiteness, what check_target reads, in one pass. */
+static double row_total(const vrow_t *r, size_t n, int *bad) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    double x[64];
+    if (depth < 6) {
+        size_t m = load_block(r, n, 0, x);
+        *bad = any_negative(x, m);
+        for (size_t width = size; width > 1; width >>= 1)
+            for (size_t i = 0; i < width / 2; i++) x[i] = x[2 * i] + x[2 * i + 1];
+        return x[0];
+    }
+    double stack[64];
+    int badness = 0;
+    size_t blocks = size >> 6;
+#ifdef HAVE_X86_PATH
+    int x86 = have_avx2();
+#endif
+    for (size_t blk = 0; blk < blocks; blk++) {
+        size_t base = blk << 6;
+        double carry = 0.0;
+#ifdef HAVE_X86_PATH
+        if (x86 && base + 64 <= n) {
+            uint64_t sign = 0;
+            if (r->kind == K_F64) {
+                const double *src = (const double *)r->p + base;
+                carry = root64_f64_x86(src, &sign);
+                if (sign) badness |= any_negative(src, 64);
+            } else {
+                const float *src = (const float *)r->p + base;
+                carry = root64_f32_x86(src, &sign);
+                if (sign) {
+                    widen64(src, x);
+                    badness |= any_negative(x, 64);
+                }
+            }
+            int level = 0;
+            for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+            stack[level] = carry;
+            continue;
+        }
+#endif
+        if (base + 64 <= n && r->kind == K_F64) {
+            const double *src = (const double *)r->p + base;
+            if (sign_or64(src)) badness |= any_negative(src, 64);
+            carry = root64(src);
+        } else if (base + 64 <= n) {
+            const float *src = (const float *)r->p + base;
+            widen64(src, x);
+            if (sign_or32(src)) badness |= any_negative(x, 64);
+            carry = root64(x);
+        } else if (base < n) {
+            size_t m = load_block(r, n, base, x);
+            badness |= any_negative(x, m);
+            carry = root64(x);
+        }
+        int level = 0;
+        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+        stack[level] = carry;
+    }
+    *bad = badness;
+    return stack[depth - 6];
+}
+
+static inline double q_at(const vq_t *q, size_t i) {
+    switch (q->kind) {
+    case K_F32: return (double)((const float *)q->q)[i];
+    case K_I32: return (double)((const int32_t *)q->q)[i] / M24;
+    default: return (double)((const int64_t *)q->q)[i] / M24;
+    }
+}
+
+MULTIVERSION
+static void divide_block(double *restrict x, size_t m, double total) {
+    for (size_t i = 0; i < m; i++) x[i] = x[i] / total;
+}
+
+static inline double clamp0(double d) { return d > 0.0 ? d : 0.0; }
+
+MULTIVERSION
+static void p64_f64(const double *restrict v, double total, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = v[i] / total;
+}
+
+MULTIVERSION
+static void p64_f32(const float *restrict v, double total, double *restrict x) {
+    for (int i = 0; i < 64; i++) x[i] = (double)v[i] / total;
+}
+
+/* max(v / total - q, 0) over 64 leaves, for each row type and each dense q type
+ * (FP32 values, or integer counts c with q = c / 2**24, exact). */
+#define R64(NAME, VT, QT, QEXPR)                                                           \
+    MULTIVERSION                                                                           \
+    static void NAME(const VT *restrict v, const QT *restrict q, double total,             \
+                     double *restrict x) {                                                 \
+        for (int i = 0; i < 64; i++) {                                                     \
+            double d = (double)v[i] / total - (QEXPR);                                     \
+            x[i] = d > 0.0 ? d : 0.0;                                                      \
+        }                                                                                  \
+    }
+R64(r64_f64_f32, double, float, (double)q[i])
+R64(r64_f32_f32, float, float, (double)q[i])
+R64(r64_f64_i32, double, int32_t, (double)q[i] / M24)
+R64(r64_f32_i32, float, int32_t, (double)q[i] / M24)
+R64(r64_f64_i64, double, int64_t, (double)q[i] / M24)
+R64(r64_f32_i64, float, int64_t, (double)q[i] / M24)
+#undef R64
+
+/* The draw's weights at leaves [base, base + 64): p = v / total, then
+ * max(p - q, 0) where the row has a q (residual), +0.0 past n. */
+static void weights_block(const vrow_t *r, size_t n, size_t base, double total, const vq_t *q,
+                          double *restrict x) {
+    int f32 = r->kind == K_F32;
+    if (base + 64 <= n && (q == NULL || q->kind == K_NONE)) {
+        if (f32) p64_f32((const float *)r->p + base, total, x);
+        else p64_f64((const double *)r->p + base, total, x);
+        return;
+    }
+    if (base + 64 <= n && q->ids == NULL) {
+        const float *vf = (const float *)r->p + base;
+        const double *vd = (const double *)r->p + base;
+        switch (q->kind) {
+        case K_F32: {
+            const float *qs = (const float *)q->q + base;
+            if (f32) r64_f32_f32(vf, qs, total, x); else r64_f64_f32(vd, qs, total, x);
+            return;
+        }
+        case K_I32: {
+            const int32_t *qs = (const int32_t *)q->q + base;
+            if (f32) r64_f32_i32(vf, qs, total, x); else r64_f64_i32(vd, qs, total, x);
+            return;
+        }
+        default: {
+            const int64_t *qs = (const int64_t *)q->q + base;
+            if (f32) r64_f32_i64(vf, qs, total, x); else r64_f64_i64(vd, qs, total, x);
+            return;
+        }
+        }
+    }
+    size_t m = load_block(r, n, base, x);
+    divide_block(x, m, total);
+    if (q == NULL || q->kind == K_NONE || m == 0) return;
+    if (q->ids == NULL) {
+        for (size_t i = 0; i < m; i++) x[i] = clamp0(x[i] - q_at(q, base + i));
+        return;
+    }
+    /* Sparse: q is zero outside its ids, and max(p - 0, 0) is p. */
+    size_t lo = 0, hi = q->nids;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if ((size_t)q->ids[mid] < base) lo = mid + 1; else hi = mid;
+    }
+    for (size_t j = lo; j < q->nids && (size_t)q->ids[j] < base + m; j++) {
+        size_t i = (size_t)q->ids[j] - base;
+        x[i] = clamp0(x[i] - q_at(q, j));
+    }
+}
+
+static inline int go_right(double a, double b, double *t) {
+    if (b > 0.0 && (a == 0.0 || *t >= a)) {
+        *t = *t - a;
+        return 1;
+    }
+    return 0;
+}
+
+/* Levels of a block of 64 (or fewer) leaves: level l at lv + offset[l]. */
+static void block_levels(double *lv, size_t size) {
+    double *below = lv;
+    for (size_t width = size; width > 1; width >>= 1) {
+        double *above = below + width;
+        for (size_t i = 0; i < width / 2; i++) above[i] = below[2 * i] + below[2 * i + 1];
+        below = above;
+    }
+}
+
+/* Descend the levels block_levels built from its root; the leaf index. */
+static size_t block_descend(const double *lv, size_t size, double t) {
+    const double *level[8];
+    size_t width = size, off = 0;
+    int depth = 0;
+    while (1) {
+        level[depth] = lv + off;
+        if (width == 1) break;
+        off += width;
+        width >>= 1;
+        depth++;
+    }
+    size_t index = 0;
+    for (int l = depth; l > 0; l--) {
+        const double *below = level[l - 1];
+        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
+    }
+    return index;
+}
+
+static double block_root(const double *x) {
+#ifdef HAVE_X86_PATH
+    if (have_avx2()) {
+        uint64_t sign = 0;
+        return root64_f64_x86(x, &sign);
+    }
+#endif
+    return root64(x);
+}
+
+/* sample_weights / residual_sample of the row: the drawn index, -1 if the
+ * weights have no mass, -2 if out of memory. */
+/* The block roots of the draw's weights into up[0, blocks), then the levels
+ * above them (block_levels); the root is up[2 * blocks - 2]. */
+static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
+                         size_t blocks) {
+    double lv[64];
+#ifdef HAVE_X86_PATH
+    int qkind = q == NULL ? K_NONE : q->kind;
+    int fused = have_avx2() && (q == NULL || (q->ids == NULL && qkind != K_I64));
+#endif
+    for (size_t blk = 0; blk < blocks; blk++) {
+        size_t base = blk << 6;
+        if (base >= n) {
+            up[blk] = 0.0;
+            continue;
+        }
+#ifdef HAVE_X86_PATH
+        if (fused && base + 64 <= n) {
+            up[blk] = weights_root_x86(r->p, r->kind == K_F32, base, total,
+                                       q == NULL ? NULL : q->q, qkind);
+            continue;
+        }
+#endif
+        weights_block(r, n, base, total, q, lv);
+        up[blk] = block_root(lv);
+    }
+    block_levels(up, blocks);
+}
+
+/* The canonical total of the draw's weights (what the draw descends); -1.0 if
+ * out of memory (a total is never negative). */
+static double weights_total(const vrow_t *r, size_t n, double total, const vq_t *q) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    if (depth < 6) {
+        double lv[128];
+        weights_block(r, n, 0, total, q, lv);
+        block_levels(lv, size);
+        return lv[2 * size - 2];
+    }
+    size_t blocks = size >> 6;
+    double *up = (double *)malloc(2 * blocks * sizeof(double));
+    if (up == NULL) return -1.0;
+    weights_tree(r, n, total, q, up, blocks);
+    double root = up[2 * blocks - 2];
+    free(up);
+    return root;
+}
+
+static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    double lv[128];
+    if (depth < 6) {
+        weights_block(r, n, 0, total, q, lv);
+        block_levels(lv, size);
+        double root = lv[2 * size - 2];
+        if (!(root > 0.0)) return -1;
+        return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
+    }
+    size_t blocks = size >> 6;
+    double *up = (double *)malloc(2 * blocks * sizeof(double));
+    if (up == NULL) return -2;
+    weights_tree(r, n, total, q, up, blocks);
+    double root = up[2 * blocks - 2];
+    if (!(root > 0.0)) {
+        free(up);
+        return -1;
+    }
+    double t = ((double)u53 / 9007199254740992.0) * root;
+    /* Down the blocks' tree to one block, then inside it. */
+    const double *level[64];
+    size_t width = blocks, off = 0;
+    int top = 0;
+    while (1) {
+        level[top] = up + off;
+        if (width == 1) break;
+        off += width;
+        width >>= 1;
+        top++;
+    }
+    size_t index = 0;
+    for (int l = top; l > 0; l--) {
+        const double *below = level[l - 1];
+        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
+    }
+    free(up);
+    weights_block(r, n, index << 6, total, q, lv);
+    block_levels(lv, 64);
+    return (int64_t)((index << 6) + block_descend(lv, 64, t));
+}
+
+static void finish(vround_t *job, int64_t status, int64_t stop, int64_t accepted, int64_t token) {
+    job->out[0] = status;
+    job->out[1] = stop;
+    job->out[2] = accepted;
+    job->out[3] = token;
+}
+
+static void run_round(vround_t *job) {
+    size_t n = job->vocab;
+    int64_t accepted = 0;
+    if (job->bad_q) {
+        finish(job, V_BAD_Q, 0, 0, -1);
+        return;
+    }
+    for (int i = 0; i < job->nrows; i++) {
+        const vrow_t *row = &job->rows[i];
+        if (row->kind == K_NONE) {
+            finish(job, V_BAD_ROW, i, accepted, -1);
+            return;
+        }
+        int bad = 0;
+        double total = row_total(row, n, &bad);
+        if (bad || !isfinite(total) || !(total > 0.0)) {
+            finish(job, V_BAD_ROW, i, accepted, -1);
+            return;
+        }
+        uint32_t pos = job->start + (uint32_t)i;
+        if (i == job->ndrafts) { /* the bonus, or the target-only token */
+            uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, job->final_domain);
+            int64_t y = draw_row(row, n, total, NULL, u);
+            int64_t status = job->final_domain == D_TARGET ? V_TARGET : V_BONUS;
+            if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
+            else finish(job, y < 0 ? V_EMPTY : status, i, accepted, y);
+            return;
+        }
+        int64_t x = job->tokens[i];
+        double px = row_at(row, (size_t)x) / total;
+        uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, D_ACCEPTANCE);
+        if (accept_test(u, job->counts[i], px)) {
+            accepted++;
+            if (x == job->eos) {
+                finish(job, V_EOS, i, accepted, -1);
+                return;
+            }
+            continue;
+        }
+        u = draw_u53(job->seed, job->gen, job->round, pos, D_CORRECTION);
+        int64_t y = draw_row(row, n, total, &job->qs[i], u);
+        if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
+        else finish(job, y < 0 ? V_EMPTY : V_CORRECTION, i, accepted, y);
+        return;
+    }
+    finish(job, V_BAD_ROW, job->nrows, accepted, -1); /* unreachable: the last row draws */
+}
+
+/* The buffer's element kind, from its format and item size. */
+static int buffer_kind(const Py_buffer *b) {
+    const char *f = b->format == NULL ? "B" : b->format;
+    while (*f == '@' || *f == '=' || *f == '<') f++;
+    if (f[0] == '\0' || f[1] != '\0') return K_NONE;
+    switch (f[0]) {
+    case 'd': return b->itemsize == 8 ? K_F64 : K_NONE;
+    case 'f': return b->itemsize == 4 ? K_F32 : K_NONE;
+    case 'i': case 'l': case 'q':
+        return b->itemsize == 4 ? K_I32 : b->itemsize == 8 ? K_I64 : K_NONE;
+    default: return K_NONE;
+    }
+}
+
+/* A contiguous buffer of obj into views[*used]; its kind, or -1 with an exception set. */
+static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **ptr,
+                       Py_ssize_t *count) {
+    Py_buffer *b = &views[*used];
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    (*used)++;
+    int kind = buffer_kind(b);
+    if (kind == K_NONE || b->ndim != 1) {
+        PyErr_SetString(PyExc_TypeError, "verify_rounds: unsupported buffer");
+        return -1;
+    }
+    *ptr = b->buf;
+    *count = b->shape[0];
+    return kind;
+}
+
+static int parse_round(PyObject *item, vround_t *job, Py_buffer *views, int *used) {
+    PyObject *rows, *tokens, *counts, *qs;
+    unsigned long long seed;
+    unsigned long gen, round, start;
+    int final_domain;
+    long long eos;
+    Py_ssize_t vocab;
+    if (!PyArg_ParseTuple(item, "O!O!O!O!KkkkiLn", &PyTuple_Type, &rows, &PyTuple_Type, &tokens,
+                          &PyTuple_Type, &counts, &PyTuple_Type, &qs, &seed, &gen, &round,
+                          &start, &final_domain, &eos, &vocab))
+        return -1;
+    Py_ssize_t nrows = PyTuple_GET_SIZE(rows), nd = PyTuple_GET_SIZE(tokens);
+    if (nrows < 1 || nrows > V_MAX_ROWS || nd != nrows - 1 || PyTuple_GET_SIZE(counts) != nd ||
+        PyTuple_GET_SIZE(qs) != nd || vocab < 1 || gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul ||
+        start + (unsigned long)nd > 0xFFFFFFFFul ||
+        (final_domain != D_CORRECTION && final_domain != D_TARGET)) {
+        PyErr_SetString(PyExc_ValueError, "verify_rounds: malformed round");
+        return -1;
+    }
+    memset(job, 0, sizeof *job);
+    job->nrows = (int)nrows;
+    job->ndrafts = (int)nd;
+    job->final_domain = final_domain;
+    job->seed = seed;
+    job->gen = (uint32_t)gen;
+    job->round = (uint32_t)round;
+    job->start = (uint32_t)start;
+    job->eos = eos;
+    job->vocab = (size_t)vocab;
+    for (Py_ssize_t i = 0; i < nrows; i++) {
+        PyObject *r = PyTuple_GET_ITEM(rows, i);
+        if (r == Py_None) continue; /* kind stays K_NONE */
+        Py_ssize_t len;
+        int kind = take_buffer(r, views, used, &job->rows[i].p, &len);
+        if (kind < 0) return -1;
+        if ((kind != K_F32 && kind != K_F64) || len != vocab) {
+            PyErr_SetString(PyExc_ValueError, "verify_rounds: a row is not vocab floats");
+            return -1;
+        }
+        job->rows[i].kind = kind;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        job->tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tokens, i));
+        job->counts[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
+        if (PyErr_Occurred()) return -1;
+        if (job->tokens[i] < 0 || job->tokens[i] >= vocab) {
+            PyErr_SetString(PyExc_ValueError, "verify_rounds: draft outside the vocabulary");
+            return -1;
+        }
+        PyObject *spec = PyTuple_GET_ITEM(qs, i), *values, *ids;
+        if (!PyArg_ParseTuple(spec, "OO", &values, &ids)) return -1;
+        vq_t *q = &job->qs[i];
+        Py_ssize_t nq;
+        q->kind = take_buffer(values, views, used, &q->q, &nq);
+        if (q->kind < 0) return -1;
+        if (q->kind == K_F64) {
+            PyErr_SetString(PyExc_TypeError, "verify_rounds: q is float32 values or int counts");
+            return -1;
+        }
+        if (ids == Py_None) {
+            if (nq < vocab) {
+                PyErr_SetString(PyExc_ValueError, "verify_rounds: dense q shorter than vocab");
+                return -1;
+            }
+            continue;
+        }
+        Py_ssize_t nid;
+        const void *idp;
+        if (take_buffer(ids, views, used, &idp, &nid) != K_I32 || nid != nq) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "verify_rounds: ids are int32, one per q");
+            return -1;
+        }
+        q->ids = (const int32_t *)idp;
+        q->nids = (size_t)nid;
+        for (Py_ssize_t j = 0; j < nid; j++) {
+            int32_t id = q->ids[j];
+            if (id < 0 || id >= vocab || (j && id <= q->ids[j - 1])) job->bad_q = 1;
+        }
+    }
+    return 0;
+}
+
+/* Rounds are handed out one at a time from a shared counter, so threads that
+ * draw short rounds take more of them. Each round writes only its own out. */
+typedef struct {
+    vround_t *rounds;
+    Py_ssize_t count;
+    Py_ssize_t next; /* atomic */
+} vwork_t;
+
+static void *run_rounds(void *arg) {
+    vwork_t *work = (vwork_t *)arg;
+    for (;;) {
+        Py_ssize_t j = __atomic_fetch_add(&work->next, 1, __ATOMIC_RELAXED);
+        if (j >= work->count) break;
+        run_round(&work->rounds[j]);
+    }
+    return NULL;
+}
+
+#define V_MAX_THREADS 16
+
+static void run_all(vround_t *rounds, Py_ssize_t k, int threads) {
+    vwork_t work = {rounds, k, 0};
+#if defined(_WIN32)
+    (void)threads;
+    run_rounds(&work);
+#else
+    pthread_t helpers[V_MAX_THREADS];
+    int started = 0;
+    if (threads > V_MAX_THREADS) threads = V_MAX_THREADS;
+    if (threads > k) threads = (int)k;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&helpers[started], NULL, run_rounds, &work) != 0) break;
+        started++; /* a thread that could not start leaves its rounds to the others */
+    }
+    run_rounds(&work);
+    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+#endif
+}
+
+static PyObject *verify_rounds(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    Py_buffer ob;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!w*|i", &PyList_Type, &jobs, &ob, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(jobs);
+    if (ob.len != k * 4 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&ob);
+        PyErr_SetString(PyExc_ValueError, "verify_rounds: out holds four int64 per round");
+        return NULL;
+    }
+    vround_t *rounds = (vround_t *)calloc(k ? (size_t)k : 1, sizeof(vround_t));
+    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * V_BUFFERS : 1, sizeof(Py_buffer));
+    int used = 0, failed = rounds == NULL || views == NULL;
+    if (failed) PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < k && !failed; j++) {
+        failed = parse_round(PyList_GET_ITEM(jobs, j), &rounds[j], views, &used) < 0;
+        rounds[j].out = (int64_t *)ob.buf + 4 * j;
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        run_all(rounds, k, threads);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(rounds);
+    PyBuffer_Release(&ob);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* One row for the qualification entry points: its buffer into *view. */
+static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
+    Py_ssize_t len;
+    int kind = take_buffer(obj, views, used, &row->p, &len);
+    if (kind < 0) return -1;
+    if ((kind != K_F32 && kind != K_F64) || len < 1) {
+        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
+        return -1;
+    }
+    row->kind = kind;
+    *n = (size_t)len;
+    return 0;
+}
+
+static PyObject *row_stats(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer views[1];
+    int used = 0, bad = 0;
+    vrow_t row;
+    size_t n;
+    double total = 0.0;
+    int ok = one_row(obj, views, &used, &row, &n) == 0;
+    if (ok) total = row_total(&row, n, &bad);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    if (!ok) return NULL;
+    return Py_BuildValue("(dO)", total, bad ? Py_True : Py_False);
+}
+
+static PyObject *draw_total(PyObject *self, PyObject *args) {
+    PyObject *obj, *qobj, *idobj;
+    double total;
+    if (!PyArg_ParseTuple(args, "OdOO", &obj, &total, &qobj, &idobj)) return NULL;
+    Py_buffer views[3];
+    int used = 0;
+    vrow_t row;
+    vq_t q = {NULL, K_NONE, NULL, 0};
+    size_t n;
+    int ok = one_row(obj, views, &used, &row, &n) == 0;
+    if (ok && qobj != Py_None) {
+        Py_ssize_t nq;
+        q.kind = take_buffer(qobj, views, &used, &q.q, &nq);
+        ok = q.kind == K_F32 || q.kind == K_I32 || q.kind == K_I64;
+        if (ok && idobj != Py_None) {
+            Py_ssize_t nid;
+            const void *ip;
+            ok = take_buffer(idobj, views, &used, &ip, &nid) == K_I32 && nid == nq;
+            q.ids = (const int32_t *)ip;
+            q.nids = (size_t)nid;
+            for (Py_ssize_t j = 0; ok && j < nid; j++)
+                ok = q.ids[j] >= 0 && (size_t)q.ids[j] < n && (!j || q.ids[j] > q.ids[j - 1]);
+        } else if (ok) {
+            ok = (size_t)nq >= n;
+        }
+        if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "draw_total: bad q");
+    }
+    double root = 0.0;
+    if (ok) root = weights_total(&row, n, total, qobj == Py_None ? NULL : &q);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    if (!ok) return NULL;
+    if (root < 0.0) return PyErr_NoMemory();
+    return PyFloat_FromDouble(root);
+}
+
+/* step_simd(on) -> whether the AVX2 path was on: off runs the portable path on
+ * any CPU (tests qualify both); on takes it only where the CPU has AVX2. */
+static PyObject *step_simd(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_X86_PATH
+    int was = have_avx2();
+    avx2_state = -1;
+    if (!on || !have_avx2()) avx2_state = 0;
+    return PyBool_FromLong(was);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyObject *philox_u53(PyObject *self, PyObject *args) {
+    unsigned long long seed;
+    unsigned long gen, round, pos;
+    int domain;
+    if (!PyArg_ParseTuple(args, "Kkkki", &seed, &gen, &round, &pos, &domain)) return NULL;
+    if (gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul || pos > 0xFFFFFFFFul || domain < 0 ||
+        domain > 255) {
+        PyErr_SetString(PyExc_ValueError, "philox_u53: field out of range");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(
+        draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
+}
+
+static PyObject *accept_u53(PyObject *self, PyObject *args) {
+    unsigned long long u;
+    long long count;
+    double p;
+    if (!PyArg_ParseTuple(args, "KLd", &u, &count, &p)) return NULL;
+    return PyBool_FromLong(accept_test(u, count, p));
+}
+
+
 static PyMethodDef methods[] = {
+    {"verify_rounds", verify_rounds, METH_VARARGS, "verify_rounds(jobs, out[, threads]) -> None"},
+    {"row_stats", row_stats, METH_VARARGS, "row_stats(row) -> (canonical total, some value < 0)"},
+    {"draw_total", draw_total, METH_VARARGS,
+     "draw_total(row, total, q or None, ids or None) -> the canonical total of the draw's weights"},
+    {"step_simd", step_simd, METH_VARARGS, "step_simd(on) -> whether the AVX2 path was on"},
+    {"philox_u53", philox_u53, METH_VARARGS,
+     "philox_u53(seed, generation, round, position, domain) -> the 53-bit draw"},
+    {"accept_u53", accept_u53, METH_VARARGS, "accept_u53(u53, count, p) -> u * q < p, exactly"},
     {"sample_counts", sample_counts, METH_VARARGS,
      "sample_counts(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"},
     {"tree_total", tree_total, METH_VARARGS, "tree_total(values) -> the canonical total"},

@@ -15,10 +15,12 @@ Errors are the same :class:`~pp1wire.errors.ConstructionError` /
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic
+from pp1wire.q.proposal import QRow
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -269,3 +271,116 @@ def residual_sample(p: torch.Tensor, counts: torch.Tensor, u53: int) -> torch.Te
         VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
     """
     return sample_weights(residual(p, counts), u53)
+
+
+# -- a verification step's rows, on their device ---------------------------------------
+
+
+def row_levels(rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every row's canonical tree at once: level ``l`` of row ``i`` is, bit for bit,
+    level ``l`` of :func:`pp1wire.q.tree.levels` of that row."""
+    x = rows.to(torch.float64)
+    size = 1 << max(0, (x.shape[1] - 1).bit_length())
+    level = torch.zeros((x.shape[0], size), dtype=torch.float64, device=x.device)
+    level[:, : x.shape[1]] = x
+    out = [level]
+    while level.shape[1] > 1:
+        pairs = level.view(level.shape[0], -1, 2)  # (left, right) children side by side
+        level = pairs[:, :, 0] + pairs[:, :, 1]
+        out.append(level)
+    return out
+
+
+def row_totals(rows: torch.Tensor) -> torch.Tensor:
+    """Every row's canonical total (float64, on the rows' device)."""
+    return row_levels(rows)[-1][:, 0]
+
+
+def descend_rows(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    """:func:`pp1wire.q.tree.descend` of each row of :func:`row_levels` with its own
+    target (int64, no host sync; meaningless for a row without mass)."""
+    t = target.to(torch.float64)
+    index = torch.zeros(levels[0].shape[0], dtype=torch.int64, device=t.device)
+    for level in range(len(levels) - 1, 0, -1):
+        below = levels[level - 1]
+        a = below.gather(1, (2 * index)[:, None])[:, 0]
+        b = below.gather(1, (2 * index + 1)[:, None])[:, 0]
+        right = (b > 0) & ((a == 0) | (t >= a))
+        t = torch.where(right, t - a, t)
+        index = 2 * index + right.to(torch.int64)
+    return index
+
+
+class DeviceStep:
+    """The target rows of one verification step, kept on their device.
+
+    What verification needs from them leaves the device in two transfers:
+    every row's canonical total and check and each draft's ``v[x]`` (one
+    read), then the drawn IDs of the rows that end a round (another). A row
+    leaves whole only when the caller asks for it (:meth:`row`, to diagnose a
+    refused row). The arithmetic is :mod:`pp1wire.q.targetrows`'s, operation
+    for operation, so the decisions are bit-for-bit the host's.
+    """
+
+    def __init__(self, probs: torch.Tensor, drafts: list[tuple[int, int]]) -> None:
+        """Total and check every row of ``probs`` (rows x V) and read ``v[x]`` at each
+        ``(row, x)`` of ``drafts``."""
+        self.probs = probs
+        self.width = int(probs.shape[1])
+        x = probs.to(torch.float64)
+        self._x = x
+        totals = row_totals(x)
+        ok = (x >= 0).all(dim=1) & torch.isfinite(totals) & (totals > 0)
+        device = x.device
+        rows = torch.tensor([r for r, _ in drafts], dtype=torch.int64, device=device)
+        xs = torch.tensor([t for _, t in drafts], dtype=torch.int64, device=device)
+        self._totals_dev = totals
+        host = torch.cat([totals, ok.to(torch.float64), x[rows, xs]]).cpu().tolist()
+        n = len(totals)
+        self._totals, self._ok = host[:n], [bool(o) for o in host[n : 2 * n]]
+        self._values = dict(zip(drafts, host[2 * n :], strict=True))
+
+    def row(self, index: int) -> torch.Tensor:
+        """Row ``index`` as the caller gave it."""
+        return self.probs[index]
+
+    def stats(self, rows: list[tuple[int, int]]) -> list[tuple[float, bool]]:
+        """(canonical total, passes the checks) of each (row, vocabulary size)."""
+        return [(self._totals[r], self._ok[r] and v == self.width) for r, v in rows]
+
+    def value(self, row: int, vocab: int, x: int) -> float:
+        """``v[x]`` of the row (read with the totals)."""
+        return float(self._values[(row, x)])
+
+    def draw(self, jobs: list[tuple[int, float, QRow | None, int, int]]) -> list[int]:
+        """For each (row, total, q row or None, u53, vocab): the draw from
+        ``max(v / total - q, 0)`` (or from ``v / total``), -1 where that has no mass."""
+        device = self._x.device
+        rows = torch.tensor([j[0] for j in jobs], dtype=torch.int64, device=device)
+        p = self._x[rows] / self._totals_dev[rows][:, None]
+        q = torch.zeros_like(p)
+        for i, (_, _, qrow, _, vocab) in enumerate(jobs):
+            if qrow is not None:
+                q[i] = _device_q(qrow, vocab, device)
+        w = torch.clamp_min(p - q, 0.0)
+        levels = row_levels(w)
+        roots = levels[-1][:, 0]
+        u = torch.tensor([j[3] / _U53 for j in jobs], dtype=torch.float64, device=device)
+        drawn = descend_rows(levels, u * roots)
+        drawn = torch.where(roots > 0, drawn, torch.full_like(drawn, -1))
+        return [int(d) for d in drawn.cpu().tolist()]
+
+
+def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """q of a proposal row over the vocabulary as float64 on ``device`` (exact: c / 2**24).
+
+    A dense row travels as it is (FP32 values or integer counts) and widens on
+    the device; a sparse one is spread on the host first (a few entries).
+    """
+    if row.ids is not None:
+        return torch.from_numpy(row.dense_q(vocab)).to(device)
+    if row.counts is not None:
+        counts = torch.from_numpy(np.ascontiguousarray(row.counts[:vocab])).to(device)
+        return counts.to(torch.float64) / M
+    assert row.q32 is not None
+    return torch.from_numpy(np.ascontiguousarray(row.q32[:vocab])).to(device).to(torch.float64)

@@ -12,6 +12,12 @@ Everything that is the proposal's fault is refused before the first draw. A
 failure inside the target or a processor leaves the committed prefix as it was
 and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
 commits all of its tokens or none.
+
+An engine's step (:func:`verify_step`): the rounds of many requests decided
+from one ``(N, V)`` array of target rows for :func:`step_prefixes`, exactly as
+the per-request methods decide each of them, with the row work batched
+(:mod:`pp1wire.q.targetrows`: compiled, numpy, or on the rows' torch device).
+:func:`verify_batch` is that step with the rows from one target call.
 """
 
 from __future__ import annotations
@@ -19,24 +25,60 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.errors import ErrorCode, VerifyError
-from pp1wire.q import dyadic, tree
-from pp1wire.q.arrays import host_array
+from pp1wire.errors import ErrorCode, UsageError, VerifyError
+from pp1wire.q import dyadic, targetrows
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
 from pp1wire.q.stoprules import StopKind, audit
+from pp1wire.q.targetrows import (
+    BatchTargetFn,
+    CheckedRow,
+    Decision,
+    FailedRow,
+    RoundRows,
+    StepRows,
+    Stop,
+    TargetFn,
+    accept_exact,
+    batched,
+    check_target,
+    checked_target,
+    residual,
+    residual_sample,
+    sample_weights,
+)
+
+__all__ = [
+    "TARGET_FAILURES",
+    "BatchTargetFn",
+    "FailedRow",
+    "Outcome",
+    "Processor",
+    "RequestVerifier",
+    "RoundResult",
+    "StepRound",
+    "TargetFn",
+    "accept_exact",
+    "audit_mismatch",
+    "batched",
+    "check_target",
+    "checked_target",
+    "proposal_from_rows",
+    "residual",
+    "residual_sample",
+    "sample_weights",
+    "step_prefixes",
+    "verify_batch",
+    "verify_step",
+]
 
 Float64Array = npt.NDArray[np.float64]
-TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
-"""The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
-BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | npt.ArrayLike]
-"""A batched target: many prefixes → one probability row each (an engine's batched forward)."""
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
 
@@ -50,10 +92,6 @@ TARGET_FAILURES = frozenset(
     }
 )
 """The codes that mean the target (or a processor) failed: the request is poisoned."""
-
-_U53_SHIFT = 53
-_Q_SHIFT = 24
-_U53 = float(1 << _U53_SHIFT)
 
 
 class Outcome(Enum):
@@ -81,112 +119,6 @@ class RoundResult:
     outcome: Outcome
     finished: bool
     new_position: int
-
-
-def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
-    """Check a target vector (finite, non-negative, positive mass) and normalize it.
-
-    Raises:
-        VerifyError: ``TARGET_FAILED`` for a wrong shape, ``TARGET_NON_FINITE``,
-            ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
-    """
-    arr, total = checked_target(p, vocab_size)
-    return arr / total  # a new array: the caller's p is never modified
-
-
-def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, float]:
-    """:func:`check_target` without the division: the values and their canonical total.
-
-    ``values[x] / total`` is bit-for-bit ``check_target(p)[x]`` (one IEEE division
-    either way), so a caller that needs one entry need not divide the whole row.
-
-    Raises:
-        VerifyError: as :func:`check_target`.
-    """
-    arr = host_array(p, np.float64)  # numpy, or an engine's tensor (viewed, not copied, on the CPU)
-    if arr.shape != (vocab_size,):
-        raise VerifyError(
-            ErrorCode.TARGET_FAILED, f"target shape {arr.shape}, expected ({vocab_size},)"
-        )
-    # Two read passes decide the common case (NaN propagates through both, +inf
-    # through the sum); the classifying passes run only when something is wrong.
-    # The total is the canonical pairwise one (§6.6), so any split agrees.
-    total = tree.total(arr)
-    if not (float(arr.min()) >= 0.0 and np.isfinite(total)):
-        if not np.isfinite(arr).all():
-            raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
-        if (arr < 0).any():
-            raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
-    if not (total > 0 and np.isfinite(total)):
-        raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
-    return arr, float(total)
-
-
-class _Row:
-    """A checked target row, divided by its total only when the whole row is needed.
-
-    An accepted draft needs p(x) alone; only a correction or a bonus needs all of p.
-    """
-
-    __slots__ = ("_p", "_total", "_values")
-
-    def __init__(self, values: Float64Array, total: float | None) -> None:
-        self._values, self._total = values, total
-        self._p = values if total is None else None
-
-    def at(self, x: int) -> float:
-        if self._p is not None:
-            return float(self._p[x])
-        assert self._total is not None
-        return float(self._values[x]) / self._total
-
-    def full(self) -> Float64Array:
-        if self._p is None:
-            assert self._total is not None
-            self._p = self._values / self._total
-        return self._p
-
-
-def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
-    """Exact test of ``(u53_int / 2**53) * (count / 2**24) < p_x`` in integers."""
-    num, den = float(p_x).as_integer_ratio()
-    return u53_int * count * den < num << (_U53_SHIFT + _Q_SHIFT)
-
-
-def sample_weights(weights: Float64Array, u53: int) -> int:
-    """The draw ``u53`` (in ``[0, 2**53)``) from non-negative binary64 weights; never a zero weight.
-
-    The canonical tree over the weights is descended with the target
-    ``(u53 / 2**53) * total`` (``docs/protocol.md`` §6.6), so any split of the
-    weights into shards draws the same ID.
-
-    Raises:
-        VerifyError: ``EMPTY_RESIDUAL`` if the weights have no mass.
-    """
-    levels = tree.levels(weights)
-    total = float(levels[-1][0])
-    if not total > 0:
-        raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
-    return tree.descend(levels, (u53 / _U53) * total)
-
-
-def residual(p: Float64Array, counts: npt.ArrayLike) -> Float64Array:
-    """``max(p - q, 0)`` over every ID, with ``q = counts / 2**24`` (exact in binary64)."""
-    r = p - np.asarray(counts, dtype=np.float64) / M
-    np.maximum(r, 0.0, out=r)
-    return r
-
-
-def residual_sample(p: Float64Array, counts: npt.ArrayLike, u53: int) -> int:
-    """The correction for the draw ``u53``: :func:`sample_weights` of :func:`residual`.
-
-    ``p`` is the normalized target (:func:`check_target`), ``counts`` the dense
-    integer counts of q (zero outside a sparse support).
-
-    Raises:
-        VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
-    """
-    return sample_weights(residual(p, counts), u53)
 
 
 def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None:
@@ -311,16 +243,16 @@ class RequestVerifier:
     def _p(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> Float64Array:
         return self._row(prefix, scored).full()
 
-    def _row(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> _Row:
+    def _row(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> CheckedRow:
         try:
             raw = self.target(prefix) if scored is None else scored
             values, total = checked_target(raw, self.vocab_size)
-            row = _Row(values, total)
+            row = CheckedRow(values, total)
             if self.processors:
                 p = row.full()
                 for proc in self.processors:
                     p = check_target(proc(prefix, p), self.vocab_size)
-                row = _Row(p, None)
+                row = CheckedRow(p, None)
         except VerifyError:
             self.poisoned = True
             raise
@@ -466,6 +398,14 @@ class RequestVerifier:
             out.append(context)
         return out
 
+    def _audit(self, proposal: Proposal) -> None:
+        wrong = audit_mismatch(proposal, self.seed, self.vocab_size)
+        if wrong is not None:
+            raise VerifyError(
+                ErrorCode.AUDIT_MISMATCH,
+                f"draft {wrong} is not the token its q and the proposal draw select",
+            )
+
     def _verify(
         self,
         proposal: Proposal,
@@ -474,12 +414,7 @@ class RequestVerifier:
         scores: Sequence[npt.ArrayLike] | None = None,
     ) -> RoundResult:
         if self.audit:
-            wrong = audit_mismatch(proposal, self.seed, self.vocab_size)
-            if wrong is not None:
-                raise VerifyError(
-                    ErrorCode.AUDIT_MISMATCH,
-                    f"draft {wrong} is not the token its q and the proposal draw select",
-                )
+            self._audit(proposal)
         streams = RoundStreams(Role.SPARK, self.seed, self.generation, proposal.round_id)
         context = ExtendedPrefix(self.committed)
         start = len(self.committed)
@@ -613,42 +548,127 @@ def proposal_from_rows(
     )
 
 
-class FailedRow:
-    """The row a per-prefix target could not give: its call raised ``error``.
+# -- a step: many requests' rounds at once ----------------------------------------------
 
-    :func:`batched` puts one in place of each failed call, so a failure of a
-    per-prefix plugin fails only the rounds that needed that prefix.
+StepRound = tuple[RequestVerifier, Proposal | None, int]
+"""One request's round in a step: (verifier, the proposal to verify or None, round ID).
+
+The round ID is used for a target-only round (None); a proposal carries its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A round that passed its checks, and where its rows are in the step's layout."""
+
+    index: int
+    verifier: RequestVerifier
+    proposal: Proposal | None
+    round_id: int
+    first: int
+    count: int
+
+
+_Out = list[RoundResult | VerifyError | None]
+
+
+def _plan(
+    rounds: Sequence[StepRound], *, every: bool
+) -> tuple[_Out, list[_Planned], list[Sequence[int]]]:
+    """Every check before any row is read: refusals in place, the others' row spans.
+
+    With ``every``, each round has rows in the layout whether it is refused or
+    not (an engine's layout, fixed by the rounds alone); else only the rounds
+    that pass their checks (what one target call needs to score).
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
     """
+    if len({id(v) for v, _, _ in rounds}) != len(rounds):
+        raise UsageError(ErrorCode.BAD_ARGUMENT, "a step takes one round per request")
+    out: _Out = [None] * len(rounds)
+    planned: list[_Planned] = []
+    prefixes: list[Sequence[int]] = []
+    for k, (v, proposal, given) in enumerate(rounds):
+        round_id = given if proposal is None else proposal.round_id
+        first = len(prefixes)
+        try:
+            if proposal is not None:
+                if every:
+                    prefixes.extend(v.prefixes(proposal))
+                v.check_proposal(proposal)
+                wanted = v.prefixes(proposal)
+            else:
+                if every:
+                    prefixes.append(v.committed)
+                v._require_live()
+                v._claim_round(round_id)
+                wanted = [v.committed]
+        except VerifyError as exc:
+            out[k] = exc
+            continue
+        if not every:
+            prefixes.extend(wanted)
+        planned.append(_Planned(k, v, proposal, round_id, first, len(wanted)))
+    return out, planned, prefixes
 
-    __slots__ = ("error",)
 
-    def __init__(self, error: Exception) -> None:
-        """The failure of one call."""
-        self.error = error
+def step_prefixes(rounds: Sequence[StepRound]) -> list[Sequence[int]]:
+    """The prefixes whose target rows :func:`verify_step` takes, in its flat layout.
+
+    For each round in order: a proposal of d drafts needs d + 1 rows (its
+    request's committed prefix followed by the first 0, 1, ..., d drafts: each
+    draft's row and the bonus row), a target-only round one (the committed
+    prefix). The layout depends on the rounds alone: a round its checks will
+    refuse has its rows too (never read). The prefixes view the committed
+    tokens: score them before anything commits.
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request.
+    """
+    return _plan(rounds, every=True)[2]
 
 
-def batched(target: TargetFn) -> BatchTargetFn:
-    """``target``'s batched form: its own ``batch`` attribute if it has one (one call
-    for the whole step: if it raises, every round it scored fails), else one call
-    per prefix, each failure in its own place (:class:`FailedRow`)."""
-    batch = getattr(target, "batch", None)
-    if callable(batch):
-        return cast(BatchTargetFn, batch)
+def verify_step(
+    rounds: Sequence[StepRound], probs: Any, *, commit: bool = True, threads: int | None = None
+) -> list[RoundResult | VerifyError]:
+    """Decide a step's rounds from the target's rows for :func:`step_prefixes`, as an engine does.
 
-    def each(prefixes: Sequence[Sequence[int]]) -> list[npt.ArrayLike]:
-        rows: list[npt.ArrayLike] = []
-        for prefix in prefixes:
-            try:
-                rows.append(target(prefix))
-            except Exception as exc:  # this prefix's rounds fail, not the whole step
-                rows.append(cast(npt.ArrayLike, FailedRow(exc)))
-        return rows
+    ``probs``: those rows as one ``(N, V)`` array: numpy, anything exporting
+    DLPack, or a torch tensor on any device (a CPU one is viewed, not copied;
+    on another device only each row's total and check, each draft's ``p(x)``
+    and the drawn IDs leave it). Each round is decided exactly as
+    :meth:`RequestVerifier.verify` / :meth:`~RequestVerifier.decode_target_only`
+    decide it (the same tokens for the same seeds), and only the rows it
+    reaches are read. With ``commit`` False nothing commits
+    (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
+    ``threads``: how many threads the compiled step may share the rounds out
+    to (None: 2, or 1 in a process pinned to one core).
 
-    return each
+    Returns one entry per round, in order: its :class:`RoundResult`, or the
+    :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
+    its target row raised (``TARGET_*``: the request is poisoned, nothing
+    committed) or ``EMPTY_RESIDUAL`` (the round is spent).
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if
+            ``probs`` is not 2-D with one row per prefix, or for two rounds of
+            one request.
+    """
+    out, planned, prefixes = _plan(rounds, every=True)
+    shape = tuple(getattr(probs, "shape", ()))
+    if len(shape) != 2 or shape[0] != len(prefixes):
+        raise UsageError(
+            ErrorCode.BAD_ARGUMENT,
+            f"target rows of shape {shape}: the step needs ({len(prefixes)}, V)",
+        )
+    if planned:
+        rows = StepRows.of_matrix(probs)
+        _decide(planned, rows, out, commit=commit, threads=threads)
+    return _finished(out)
 
 
 def verify_batch(
-    rounds: Sequence[tuple[RequestVerifier, Proposal | None, int]],
+    rounds: Sequence[StepRound],
     target: BatchTargetFn,
     *,
     commit: bool = True,
@@ -656,67 +676,137 @@ def verify_batch(
     """Decide many requests' rounds with **one** target call, as an engine's step does.
 
     Each round is ``(verifier, proposal, round_id)``: a proposal to verify, or
-    None to decode ``round_id`` target-only. Every proposal position and bonus
-    (and every target-only prefix) is scored in a single call of ``target``;
-    then each round is verified exactly as :meth:`RequestVerifier.verify` /
-    :meth:`~RequestVerifier.decode_target_only` would (same tokens for the same
-    seeds). A round refused before scoring, or whose verification fails, gets
-    its :class:`VerifyError` in its place; the others commit (with ``commit``
-    False, nothing commits: :meth:`RequestVerifier.evaluate` semantics, for a
-    group that votes first). Rounds must be of distinct requests.
+    None to decode ``round_id`` target-only. Every prefix of
+    :func:`step_prefixes` is scored in a single call of ``target``, then the
+    step is decided by :func:`verify_step` (its results; with ``commit``
+    False nothing commits). Rounds must be of distinct requests.
 
     Never raises for a round's failure: a failing ``target`` call fails every
     scored round with ``TARGET_FAILED`` (and poisons their requests); a
     :class:`FailedRow` in its result fails only the rounds that needed that row.
+    Only the rounds that pass their checks are scored.
+
+    Raises:
+        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
     """
-    out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
-    spans: list[tuple[int, int, int]] = []  # (round, first prefix, count)
-    prefixes: list[Sequence[int]] = []
-    for k, (v, proposal, round_id) in enumerate(rounds):
-        try:
-            if proposal is not None:
-                v.check_proposal(proposal)
-                wanted = v.prefixes(proposal)
-            else:
-                v._require_live()
-                v._claim_round(round_id)
-                wanted = [v.committed]
-        except VerifyError as exc:
-            out[k] = exc
-            continue
-        spans.append((k, len(prefixes), len(wanted)))
-        prefixes.extend(wanted)
-    rows: Sequence[npt.ArrayLike] = []
-    failure: VerifyError | None = None
-    if prefixes:
-        try:
-            rows = cast(Sequence[npt.ArrayLike], target(prefixes))
-            if len(rows) != len(prefixes):
-                raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
-        except Exception as exc:  # a plugin failure must not leave a half round
-            failure = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
-    for k, first, count in spans:
-        v, proposal, round_id = rounds[k]
-        span: Sequence[object] = rows[first : first + count]
-        failed = next((r for r in span if isinstance(r, FailedRow)), None)
-        if failed is not None:
-            failure_k: VerifyError | None = VerifyError(
-                ErrorCode.TARGET_FAILED, f"target evaluation failed: {failed.error!r}"
-            )
+    out, planned, prefixes = _plan(rounds, every=False)
+    if not planned:
+        return _finished(out)
+    try:
+        scored = cast(Sequence[Any], target(prefixes))
+        if len(scored) != len(prefixes):
+            raise ValueError(f"{len(scored)} rows for {len(prefixes)} prefixes")
+        if getattr(scored, "ndim", None) == 2:
+            rows = StepRows.of_matrix(scored)
         else:
-            failure_k = failure
-        if failure_k is not None:
-            v.poisoned = True
-            out[k] = failure_k
+            rows = StepRows.of_rows(scored)
+    except Exception as exc:  # a plugin failure must not leave a half round
+        failure = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
+        for pl in planned:
+            pl.verifier.poisoned = True
+            out[pl.index] = failure
+        return _finished(out)
+    whole = []
+    for pl in planned:
+        span = (rows.raw(i) for i in range(pl.first, pl.first + pl.count))
+        failed = next((r for r in span if isinstance(r, FailedRow)), None)
+        if failed is None:
+            whole.append(pl)
             continue
-        try:
-            if proposal is not None:
-                scores = rows[first : first + count]
-                out[k] = v.verify(proposal, scores) if commit else v.evaluate(proposal, scores)
-            elif commit:
-                out[k] = v.decode_target_only(round_id, score=rows[first])
-            else:
-                out[k] = v.evaluate_target_only(round_id, score=rows[first])
-        except VerifyError as exc:
-            out[k] = exc
+        pl.verifier.poisoned = True
+        out[pl.index] = VerifyError(
+            ErrorCode.TARGET_FAILED, f"target evaluation failed: {failed.error!r}"
+        )
+    _decide(whole, rows, out, commit=commit)
+    return _finished(out)
+
+
+def _finished(out: _Out) -> list[RoundResult | VerifyError]:
     return [r if r is not None else VerifyError(ErrorCode.INTERNAL, "not decided") for r in out]
+
+
+def _decide(
+    planned: list[_Planned], rows: StepRows, out: _Out, *, commit: bool, threads: int | None = None
+) -> None:
+    """The checked rounds' outcomes into ``out``: the round is spent (when
+    committing) before anything is drawn, as :meth:`RequestVerifier.verify` spends it."""
+    fast: list[tuple[_Planned, RoundRows]] = []
+    for pl in planned:
+        v = pl.verifier
+        if commit:
+            v.last_round = pl.round_id
+        job = _round_rows(pl)
+        if v.processors or not job.in_rng_range():
+            # A processor sees all of p at each position: the per-round path.
+            out[pl.index] = _per_round(pl, rows, commit)
+            continue
+        if pl.proposal is not None and v.audit:
+            try:
+                v._audit(pl.proposal)
+            except VerifyError as exc:
+                out[pl.index] = exc
+                continue
+        fast.append((pl, job))
+    decided = targetrows.decide([job for _, job in fast], rows, threads)
+    for (pl, job), d in zip(fast, decided, strict=True):
+        out[pl.index] = _outcome(pl, job, d, rows, commit)
+
+
+def _round_rows(pl: _Planned) -> RoundRows:
+    v = pl.verifier
+    drafts = () if pl.proposal is None else pl.proposal.rows
+    return RoundRows(
+        rows=tuple(range(pl.first, pl.first + pl.count)),
+        drafts=drafts,
+        tokens=tuple(r.token for r in drafts),
+        counts=tuple(r.count_at(r.token) for r in drafts),
+        seed=v.seed,
+        generation=v.generation,
+        round_id=pl.round_id,
+        start=v.position,
+        eos=v.eos,
+        vocab=v.vocab_size,
+    )
+
+
+def _per_round(pl: _Planned, rows: StepRows, commit: bool) -> RoundResult | VerifyError:
+    v = pl.verifier
+    scores = [rows.raw(i) for i in range(pl.first, pl.first + pl.count)]
+    try:
+        if pl.proposal is not None:
+            return v._verify(pl.proposal, commit=commit, scores=scores)
+        return v._target_only(pl.round_id, commit=commit, score=scores[0])
+    except VerifyError as exc:
+        return exc
+
+
+_OUTCOMES = {Stop.CORRECTION: Outcome.CORRECTION, Stop.BONUS: Outcome.BONUS}
+
+
+def _outcome(
+    pl: _Planned, job: RoundRows, d: Decision, rows: StepRows, commit: bool
+) -> RoundResult | VerifyError:
+    v = pl.verifier
+    if d.stop is Stop.BAD_ROW:
+        return _row_failure(v, rows.raw(job.rows[d.row]))
+    if d.stop is Stop.EMPTY:
+        return VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
+    tokens = list(job.tokens[: d.accepted])
+    if d.stop is Stop.EOS:
+        return v._commit(pl.round_id, tokens, d.accepted, None, Outcome.EOS, commit)
+    outcome = _OUTCOMES.get(d.stop, Outcome.TARGET)
+    return v._commit(pl.round_id, [*tokens, d.token], d.accepted, d.token, outcome, commit)
+
+
+def _row_failure(v: RequestVerifier, raw: Any) -> VerifyError:
+    """The error the per-request verifier raises for a row the step refused (it poisons)."""
+    try:
+        checked_target(raw, v.vocab_size)
+    except VerifyError as exc:
+        error = exc
+    except Exception as exc:  # as RequestVerifier._row reports a failing row
+        error = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
+    else:
+        return VerifyError(ErrorCode.INTERNAL, "a row the step refused passes its checks")
+    v.poisoned = True
+    return error
