@@ -31,10 +31,10 @@ import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, UsageError, VerifyError
-from pp1wire.q import dyadic, targetrows
-from pp1wire.q.dyadic import M
+from pp1wire.q import targetrows
+from pp1wire.q.draw_audit import audit_mismatch
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
-from pp1wire.q.rng import Domain, Role, RoundStreams, proposal_u24, u53_int_from_block
+from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.stoprules import StopKind, audit
 from pp1wire.q.targetrows import (
     BatchTargetFn,
@@ -119,27 +119,6 @@ class RoundResult:
     outcome: Outcome
     finished: bool
     new_position: int
-
-
-def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None:
-    """The first draft that is not what the PROPOSAL draw selects from its own q, else None.
-
-    Recomputes the worker's 24-bit draw for each row (§6.3) and samples the
-    row's q with it (§6.4): a worker that sampled from another q than it
-    shipped, or with other noise, is caught wherever the two disagree.
-    """
-    for i, row in enumerate(proposal.rows):
-        u24 = proposal_u24(seed, proposal.generation, proposal.round_id, proposal.position + i)
-        if row.ids is None:
-            chosen = dyadic.sample(row.dense_counts(vocab_size), u24)
-        else:
-            ids = row.ids
-            chosen = int(
-                ids[dyadic.sample(np.rint(row.dense_q(vocab_size)[ids] * M).astype(np.int64), u24)]
-            )
-        if chosen != row.token:
-            return i
-    return None
 
 
 class RequestVerifier:

@@ -1,0 +1,41 @@
+"""The audit of a shipped proposal against the worker's own draw (``docs/protocol.md`` §6.5).
+
+With ``--audit`` the Spark side recomputes, for every row, the 24-bit PROPOSAL
+draw the worker owns (§6.3) and samples the row's shipped q with it (§6.4): a
+worker that sampled from another q than it shipped, or with other noise, is
+caught wherever the two disagree. Nothing here draws in the Spark side's own
+domains.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pp1wire.q import dyadic
+from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import Proposal
+from pp1wire.q.rng import proposal_u24
+
+
+def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None:
+    """The first draft that is not what the PROPOSAL draw selects from its own q, else None.
+
+    Recomputes the worker's 24-bit draw for each row (§6.3) and samples the
+    row's q with it (§6.4): a worker that sampled from another q than it
+    shipped, or with other noise, is caught wherever the two disagree.
+    """
+    for i, row in enumerate(proposal.rows):
+        u24 = proposal_u24(seed, proposal.generation, proposal.round_id, proposal.position + i)
+        if row.ids is None:
+            chosen = dyadic.sample(row.dense_counts(vocab_size), u24)
+        else:
+            ids = row.ids
+            chosen = int(
+                ids[dyadic.sample(np.rint(row.dense_q(vocab_size)[ids] * M).astype(np.int64), u24)]
+            )
+        if chosen != row.token:
+            return i
+    return None
+
+
+__all__ = ["audit_mismatch"]
