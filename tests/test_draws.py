@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode
+from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire.draws import DrawScheduler, FailureLog, TokenBucket
 from pp1wire.wire.messages import MsgType, Reset
 
-from .test_worker_core import commit, error_of, frames_of, ready_pair, reply_bytes, step
+from .test_worker_core import PREFIX, commit, error_of, frames_of, ready_pair, reply_bytes, step
 
 # -- the scheduler ------------------------------------------------------------------------
 
@@ -296,3 +297,33 @@ def test_each_kind_of_failure_is_logged_once_then_at_most_once_per_period():
     # Beyond the kinds remembered, the rest share one rate-limited line.
     assert log.note(c, 61.0) == (True, False, 0)
     assert log.note(_raised("d"), 62.0) == (False, False, 1)
+
+
+def test_a_reset_step_loop_owes_its_abandoned_draws_and_a_committing_peer_never_does():
+    # Before: every RESET opened a fresh draw, so a peer looping STEP -> RESET made
+    # the worker draw without bound (no rate limit set, as by default).
+    pair = ready_pair(worker_kw={"abandon_rate": 1.0, "abandon_burst": 2})
+    served = [_loop_step(pair, g, now=0.0) for g in range(4)]
+    # Draws 0, 1 and 2 were drawn; the RESETs before 1 and 2 abandoned two (the
+    # burst), the RESET before 3 a third: that one is owed, so STEP 3 is refused.
+    assert [frames_of([r])[-1].type for r in served[:3]] == [MsgType.COMPLETION] * 3
+    assert ErrorCode(error_of(served[3]).code) is ErrorCode.DRAW_RATE_LIMITED
+    pair.now = 0.5
+    assert ErrorCode(error_of(reply_bytes(pair, step(generation=3))).code) is (
+        ErrorCode.DRAW_RATE_LIMITED  # half a draw earned back: still owing
+    )
+    pair.now = 1.0
+    assert frames_of([reply_bytes(pair, step(generation=3))])[-1].type is MsgType.COMPLETION
+    # A peer that commits every round it asks for abandons nothing, however many
+    # rounds, and a RESET after a COMMIT abandons nothing either.
+    honest = ready_pair(worker_kw={"abandon_rate": 1.0, "abandon_burst": 1})
+    prefix = list(PREFIX)
+    for r in range(6):
+        ask = step(round=r, position=len(prefix), digest=prefix_digest(prefix))
+        assert frames_of([reply_bytes(honest, ask)])[-1].type is MsgType.COMPLETION
+        done = commit(round=r, position=len(prefix) + 1, digest=prefix_digest([*prefix, 5]))
+        assert frames_of([reply_bytes(honest, done)])[0].type is MsgType.COMMITTED
+        prefix.append(5)
+    reply_bytes(honest, Reset(session=7, slot=0, generation=1))
+    ask = step(generation=1, round=0, position=len(prefix), digest=prefix_digest(prefix))
+    assert frames_of([reply_bytes(honest, ask)])[-1].type is MsgType.COMPLETION

@@ -183,6 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --max-slots)",
     )
     p.add_argument(
+        "--abandon-rate",
+        type=settings.rate,
+        default=1.0,
+        metavar="DRAWS/S",
+        help="fresh draws per second one connection may leave uncommitted (its slot reset "
+        "or closed before a COMMIT); beyond them and --abandon-burst its fresh STEPs are "
+        "refused with DRAW_RATE_LIMITED until it has paid them back",
+    )
+    p.add_argument(
+        "--abandon-burst",
+        type=settings.u16,
+        default=None,
+        metavar="DRAWS",
+        help="uncommitted draws one connection may leave at once (default: 2 x --max-slots)",
+    )
+    p.add_argument(
         "--busy-poll",
         action="store_true",
         help="spin the event loop while connections are open (lower latency, one busy core)",
@@ -305,6 +321,8 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         idle_timeout=args.idle_timeout,
         max_draw_rate=args.max_draw_rate,
         draw_burst=args.max_slots if args.draw_burst is None else args.draw_burst,
+        abandon_rate=args.abandon_rate,
+        abandon_burst=2 * args.max_slots if args.abandon_burst is None else args.abandon_burst,
     )
 
 

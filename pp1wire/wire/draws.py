@@ -42,7 +42,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.errors import Pp1Error
 from pp1wire.q.proposal import batched_drafter, propose_batch
@@ -302,6 +302,90 @@ class TokenBucket:
         """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
         self._refill(now)
         return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
+
+
+class AbandonBudget:
+    """Fresh draws one connection may leave uncommitted, and how fast it earns more.
+
+    A draw is *abandoned* when the slot it was drawn for is reset or closed
+    before any COMMIT of that round or a later one (``docs/protocol.md`` §4.4):
+    the RESET/STEP loop that makes a worker draw without bound, since every
+    RESET opens a new generation. A Spark side commits every round it asks for,
+    so it abandons only what a reconnect or a shutdown cuts. At most ``burst``
+    abandons are free, then ``rate`` per second; a connection beyond that owes
+    them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
+    paid them back. The clock is the caller's.
+    """
+
+    __slots__ = ("_bucket", "_owed")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        """A full budget at ``now``.
+
+        Raises:
+            ValueError: as :class:`TokenBucket`.
+        """
+        self._bucket = TokenBucket(rate, burst, now)
+        self._owed = 0
+
+    def abandoned(self, now: float) -> None:
+        """One more draw left uncommitted at ``now``."""
+        if not self._bucket.take(now):
+            self._owed += 1
+
+    def allows(self, now: float) -> bool:
+        """Whether a fresh draw may start at ``now`` (pays back what it can first)."""
+        while self._owed and self._bucket.take(now):
+            self._owed -= 1
+        return not self._owed
+
+
+class DrawBudget:
+    """Both of one connection's draw budgets (``docs/protocol.md`` §4.4): fresh draws
+    per second (``max_draw_rate``, off unless set) and draws left uncommitted
+    (:class:`AbandonBudget`, ``abandon_rate``). A fresh STEP either budget refuses
+    is answered ``DRAW_RATE_LIMITED``."""
+
+    __slots__ = ("_abandons", "_rate")
+
+    def __init__(self, config: DrawLimits, now: float) -> None:
+        """Full budgets at ``now`` for ``config``'s limits (None: that budget is off)."""
+        rate, abandon = config.max_draw_rate, config.abandon_rate
+        self._rate = None if rate is None else TokenBucket(rate, config.draw_burst, now)
+        self._abandons = (
+            None if abandon is None else AbandonBudget(abandon, config.abandon_burst, now)
+        )
+
+    def allows_fresh(self, now: float) -> bool:
+        """Whether a fresh draw may start at ``now``; spends from the rate budget if so."""
+        if self._abandons is not None and not self._abandons.allows(now):
+            return False
+        return self._rate is None or self._rate.take(now)
+
+    def abandoned(self, now: float) -> None:
+        """A fresh draw died uncommitted at ``now``."""
+        if self._abandons is not None:
+            self._abandons.abandoned(now)
+
+
+class DrawLimits(Protocol):
+    """The draw limits of a worker's configuration (``WorkerConfig``)."""
+
+    @property
+    def max_draw_rate(self) -> float | None:
+        """Fresh draws per second per connection (None: no limit)."""
+
+    @property
+    def draw_burst(self) -> int:
+        """Fresh draws at once."""
+
+    @property
+    def abandon_rate(self) -> float | None:
+        """Uncommitted draws per second per connection (None: no limit)."""
+
+    @property
+    def abandon_burst(self) -> int:
+        """Uncommitted draws at once."""
 
 
 #: Each distinct drafter failure is logged with its traceback once, then at most

@@ -49,12 +49,15 @@ decodes that round target-only; DROP changes nothing but a counter.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sized
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
 from pp1wire.errors import ErrorCode
-from pp1wire.wire.messages import Commit, Reset, Step
+from pp1wire.q.stoprules import step_rule
+from pp1wire.wire.messages import Commit, Hello, Reset, Step
 
 
 class Action(Enum):
@@ -229,3 +232,33 @@ def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decisi
     if flight.settled:
         return Decision(Action.DROP, ErrorCode.COMPLETION_DUPLICATE)
     return ACCEPT
+
+
+def worker_step_fields(
+    limits: Hello, prefix: Sized, digest: int, context: int, fence: WorkerSlotFence, step: Step
+) -> ErrorCode | None:
+    """A fresh STEP's own fields against the negotiated limits and the slot it names
+    (§4.4), and the one-fresh-proposal-per-slot rule: None if it may be drawn.
+
+    ``limits`` is the worker's answer to the HELLO; ``prefix``, ``digest`` and
+    ``context`` the slot's committed prefix, its digest and its target context.
+    """
+    if not 1 <= step.depth <= limits.max_depth:
+        return ErrorCode.DEPTH_OUT_OF_RANGE
+    if isinstance(rule := step_rule(step.stop, step.threshold, limits.stop_rules), ErrorCode):
+        return rule
+    if step.support > limits.max_support:
+        return ErrorCode.SUPPORT_OUT_OF_RANGE
+    if not (math.isfinite(step.temperature) and step.temperature >= 0.0):
+        return ErrorCode.BAD_TEMPERATURE
+    if step.position != len(prefix):
+        return ErrorCode.WRONG_POSITION
+    if step.digest != digest:
+        return ErrorCode.PREFIX_DIGEST_MISMATCH
+    if step.context != context:
+        return ErrorCode.CONTEXT_MISMATCH
+    if fence.last_step_round > fence.committed_round:
+        # One fresh proposal per slot until it is committed (or the slot reset), so a
+        # peer that never commits cannot make the worker draw without bound.
+        return ErrorCode.STEP_UNCOMMITTED
+    return None

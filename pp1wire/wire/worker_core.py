@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import math
 import secrets
 from array import array
 from collections.abc import Callable
@@ -25,9 +24,9 @@ import numpy as np
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
 from pp1wire.q.rng import Role
-from pp1wire.q.stoprules import STOP_RULES, step_rule, stopped_by_rule
+from pp1wire.q.stoprules import STOP_RULES, stopped_by_rule
 from pp1wire.wire import fencing, framing, integrity, transitions
-from pp1wire.wire.draws import TokenBucket
+from pp1wire.wire.draws import DrawBudget
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -100,6 +99,10 @@ class WorkerConfig(PeerConfig):
     #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
     max_draw_rate: float | None = None
     draw_burst: int = 1
+    #: Fresh draws per second one connection may leave uncommitted (RESET or CLOSE
+    #: before a COMMIT), and how many at once (§4.4, ``DRAW_RATE_LIMITED``; None: any).
+    abandon_rate: float | None = 1.0
+    abandon_burst: int = 8
     stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
 
 
@@ -193,8 +196,7 @@ class WorkerProtocol:
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
-        rate = config.max_draw_rate
-        self._draw_budget = None if rate is None else TokenBucket(rate, config.draw_burst, now)
+        self._budget = DrawBudget(config, now)
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -602,6 +604,7 @@ class WorkerProtocol:
         if slot is None:
             return
         del self.slots[msg.slot]
+        self._abandon(slot)
         self._send(Closed(session=self.session, slot=msg.slot))
         self._events.append(
             SlotEvent(MsgType.CLOSE, msg.slot, slot.fence.generation, len(slot.prefix))
@@ -659,30 +662,17 @@ class WorkerProtocol:
         )
 
     def _check_step(self, slot: WorkerSlot, step: Step) -> ErrorCode | None:
-        limits = self.limits
-        if not 1 <= step.depth <= limits.max_depth:
-            return ErrorCode.DEPTH_OUT_OF_RANGE
-        if isinstance(rule := step_rule(step.stop, step.threshold, limits.stop_rules), ErrorCode):
-            return rule
-        if step.support > limits.max_support:
-            return ErrorCode.SUPPORT_OUT_OF_RANGE
-        if not (math.isfinite(step.temperature) and step.temperature >= 0.0):
-            return ErrorCode.BAD_TEMPERATURE
-        if step.position != len(slot.prefix):
-            return ErrorCode.WRONG_POSITION
-        if step.digest != slot.digest:
-            return ErrorCode.PREFIX_DIGEST_MISMATCH
-        if step.context != slot.context:
-            return ErrorCode.CONTEXT_MISMATCH
-        fence = slot.fence
-        if fence.last_step_round > fence.committed_round:
-            # One fresh proposal per slot until it is committed (or the slot reset),
-            # so a peer that never commits cannot make the worker draw without bound.
-            return ErrorCode.STEP_UNCOMMITTED
-        # Last: only a STEP that would be drawn spends the budget (RESET opens new ones).
-        if self._draw_budget is not None and not self._draw_budget.take(self._now):
-            return ErrorCode.DRAW_RATE_LIMITED
-        return None
+        code = fencing.worker_step_fields(
+            self.limits, slot.prefix, slot.digest, slot.context, slot.fence, step
+        )
+        if code is None and not self._budget.allows_fresh(self._now):
+            return ErrorCode.DRAW_RATE_LIMITED  # last: only a STEP that would be drawn spends
+        return code
+
+    def _abandon(self, slot: WorkerSlot) -> None:
+        """The slot's fresh draw dies uncommitted (a RESET or CLOSE): count it (§4.4)."""
+        if slot.fence.last_step_round > slot.fence.committed_round:
+            self._budget.abandoned(self._now)
 
     def _encode(
         self, step: Step, eos: int | None, rows: tuple[QRow, ...], status: int
@@ -775,6 +765,7 @@ class WorkerProtocol:
             self._refuse_msg(decision.code, kind, msg)
             return
         if decision.action is Action.ACCEPT:
+            self._abandon(slot)
             slot.fence.invalidate(msg.generation)
             self._slot_generations[msg.slot] = msg.generation
             slot.reply = None
