@@ -39,6 +39,7 @@ SPARK_BREAK: dict[str, dict[str, Any]] = {
     "max_frame": {"max_frame": (1 << 20) - 1},
     "max_prefix": {"max_prefix": 1023},
     "shards": {"shards": 2, "shard": 1, "shard_start": 4, "shard_end": VOCAB, "layout": 5},
+    "group": {"group": bytes(16)},  # a group nonce on an unsharded link
 }
 
 

@@ -16,8 +16,9 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final, cast
+from typing import Final, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -27,9 +28,26 @@ from pp1wire.wire import framing, worker_core
 from pp1wire.wire.draws import BatchRunner, DrawScheduler, FailureLog, run_each
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
-from pp1wire.wire.worker_events import Proposer
+from pp1wire.wire.worker_events import DrawJob, DrawResult, Proposer
 
 log = logging.getLogger("pp1wire.worker")
+
+
+class GroupDraws(Protocol):
+    """A rank of a vocabulary-sharded worker group (``docs/protocol.md`` §6.7): it draws
+    every accepted STEP of this server's links with its group, matched per group
+    session, and calls ``done`` with the result from a thread of its own."""
+
+    def join(self, link: Hashable, group: bytes) -> bool:
+        """A link completed its handshake naming ``group``: False if another live link
+        already serves that group session on this rank."""
+
+    def submit(self, link: Hashable, job: DrawJob, done: Callable[[DrawResult], None]) -> None:
+        """Draw ``job`` (never blocks; the result comes later through ``done``)."""
+
+    def leave(self, link: Hashable) -> None:
+        """The link is gone: forget everything held for it."""
+
 
 # Round trips and draws on loopback span 50 us to seconds.
 SECONDS_BUCKETS = (
@@ -236,7 +254,7 @@ class _Conn(asyncio.BufferedProtocol):
             srv.drafter,
             session=next(srv.sessions),
             now=self.accepted_at,
-            defer_draws=srv.draw_pool is not None,
+            defer_draws=srv.draw_pool is not None or srv.group is not None,
             proposer=srv.proposer,
         )
         srv.conns.add(self)
@@ -280,6 +298,17 @@ class _Conn(asyncio.BufferedProtocol):
             return
         self.server.conns.discard(self)
         self._events(core.close_with(ErrorCode.CONNECTION_LIMIT))
+        self._flush()
+
+    def refuse(self, code: ErrorCode) -> None:
+        """Close this authenticated connection with a fatal ERROR ``code`` (the server's
+        own decision, as ``GROUP_IN_USE``)."""
+        core = self.core
+        if core is None or core.closed:
+            return
+        log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
+        self.server.metrics.refusals.labels(code=code.name.lower()).inc()
+        self._events(core.close_with(code))
         self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -513,6 +542,7 @@ class WorkerServer:
         evict_idle: float = EVICT_IDLE_S,
         run_batch: BatchRunner = run_each,
         max_draw_batch: int = 1,
+        group: GroupDraws | None = None,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -535,7 +565,9 @@ class WorkerServer:
         between connections (:class:`~pp1wire.wire.draws.DrawScheduler`);
         ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
         pool thread. 0 draws on the event loop. ``proposer`` replaces the local
-        proposal chain (a rank of a vocabulary-sharded worker group).
+        proposal chain; ``group`` draws every STEP instead (a rank of a
+        vocabulary-sharded worker group: a link joins it at its handshake, and
+        one whose group nonce the rank already serves is closed, ``GROUP_IN_USE``).
 
         Raises:
             ValueError: for a limit below 1 or a timeout that is not above 0.
@@ -547,6 +579,7 @@ class WorkerServer:
         self.config = config
         self.drafter = drafter
         self.proposer = proposer
+        self.group = group
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.slot_idle_timeout = slot_idle_timeout
@@ -623,16 +656,36 @@ class WorkerServer:
                 conn.evict(refused=True)
                 return
             victim.evict()
+        # A sharded link joins its group session: one live link per session per rank.
+        core = conn.core
+        if (
+            self.group is not None
+            and core is not None
+            and not core.closed
+            and not self.group.join(conn, core.limits.group)
+        ):
+            conn.refuse(ErrorCode.GROUP_IN_USE)
 
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
         """Queue ``conn``'s draw; it runs when its turn comes (docs/protocol.md §4.4)."""
+        if self.group is not None:
+            loop = asyncio.get_running_loop()
+
+            def done(result: DrawResult) -> None:  # on a thread of the group's
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(conn._drawn, job, result)
+
+            self.group.submit(conn, job, done)
+            return
         self.draws.submit(conn, job)
         self._schedule()
 
     def forget_draws(self, conn: _Conn) -> None:
         """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
+        if self.group is not None:
+            self.group.leave(conn)
         self.draws.drop(conn)
         self.metrics.draws_queued.set(self.draws.queued)
 

@@ -223,6 +223,7 @@ class RequestState:
     flight: asyncio.Task[Proposal] | None = None
     round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
     sent: float = 0.0
+    reopened: int | None = None  # the generation of an OPEN not yet agreed on
 
     @property
     def index(self) -> int:
@@ -551,6 +552,12 @@ class RoundDriver:
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._off_loop(self.strategy.agree, local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
+            reopened, st.reopened = st.reopened, None
+            if reopened is not None and code == 0 and st.opened is not None:
+                # Only a round the group STEPs moves the verifier to the new generation:
+                # a rank that reopened while another could not stays where they are.
+                st.verifier.rebuild(st.verifier.committed, reopened)
+                st.verifier.session = st.opened.session
             st.round_id = st.verifier.take_round()
             if code == _TARGET_ONLY:
                 continue
@@ -598,9 +605,8 @@ class RoundDriver:
         except Pp1Error as exc:
             log.warning("open failed", extra={"slot": st.slot, "error": repr(exc)})
             return int(exc.code)
-        v.rebuild(v.committed, generation)
-        v.session = client.session
         st.opened = client
+        st.reopened = generation  # the verifier follows once the ranks agree (_launch)
         return 0
 
     # -- waiting for a step ------------------------------------------------------------------

@@ -358,13 +358,11 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return worker_tp.launch(world, list(argv))
     drafter: DrafterFn = settings.make_plugin(args.drafter, vocab_size=args.vocab, seed=args.seed)
     group = worker_tp.join(args, drafter) if world > 1 else None
-    rank, port_wanted, draw_threads = 0, args.port, args.draw_threads
+    rank, port_wanted = 0, args.port
     if group is not None:
         layout, rank, _ = group
         config = dataclasses.replace(config, layout=layout, shard=rank)
         port_wanted += rank
-        # Every slot's draw waits for the group: one thread per slot keeps them from queueing.
-        draw_threads = max(draw_threads, args.max_slots)
     ctx = None
     if args.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -387,8 +385,8 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         slot_idle_timeout=args.slot_idle_timeout,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
-        draw_threads=draw_threads,
-        proposer=group[2] if group is not None else None,
+        draw_threads=args.draw_threads,
+        group=group[2] if group is not None else None,
     )
     port = await server.start(args.host, port_wanted)
     out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's
