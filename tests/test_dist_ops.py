@@ -226,6 +226,9 @@ def _compare_targets(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
     weights, draws, expect = [], [], []
     for p in usable:
         q = dyadic.counts_from_weights(p)
+        mine = dist_ops.residual_rows(p[lo:hi], (q / dyadic.M)[lo:hi])
+        if not np.array_equal(mine, verify.residual(p, q)[lo:hi]):
+            failures.append("residual")
         # p itself, its residual against q, and an empty residual (p = q exactly).
         for w in (p, verify.residual(p, q), verify.residual(q / dyadic.M, q)):
             u53 = int(rng.integers(0, U53))
@@ -240,6 +243,12 @@ def _compare_targets(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
     draws.append(7)
     expect.append(ErrorCode.EMPTY_RESIDUAL)
     picks = dist_ops.sample_weights_rows(np.stack(weights), draws, coord)
+    # A row the target could not score on one rank fails on every rank; the others go on.
+    both = dist_ops.normalize_targets(
+        [rows[0][lo:hi], rows[0][lo:hi]], coord, [False, coord.rank == coord.world - 1]
+    )
+    if both.codes != [None, ErrorCode.TARGET_FAILED]:
+        failures.append(f"a row lost on one rank: {both.codes}")
     if picks != expect:
         failures.append(f"draws from weights: {picks} != {expect}")
     # Counts drawn with 24-bit draws, and the refusals of a bad draw or a wrong total.

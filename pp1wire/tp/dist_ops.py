@@ -221,14 +221,14 @@ class TargetRows:
     """A batch of target rows after :func:`normalize_targets`: this rank's values, each
     row's canonical total and code (None: a distribution)."""
 
-    values: Float64Array
+    values: list[Float64Array]
     totals: Float64Array
     codes: list[ErrorCode | None]
     start: int
 
     def at(self, row: int, x: int) -> float:
         """``p(x)`` of ``row`` for an ``x`` this rank owns: bit for bit ``check_target(p)[x]``."""
-        return float(self.values[row, x - self.start]) / float(self.totals[row])
+        return float(self.values[row][x - self.start]) / float(self.totals[row])
 
     def normalized(self, row: int) -> Float64Array:
         """This rank's range of ``check_target(p)`` for ``row`` (a new array)."""
@@ -236,49 +236,70 @@ class TargetRows:
         return out
 
 
-def normalize_targets(p: npt.ArrayLike, coord: GroupCoordinator) -> TargetRows:
+def normalize_targets(
+    p: Float64Array | Sequence[Float64Array],
+    coord: GroupCoordinator,
+    failed: Sequence[bool] | None = None,
+) -> TargetRows:
     """:func:`pp1wire.q.verify.check_target` of each global row: one all-gather.
 
-    Each row's code is the unsharded function's (``TARGET_NON_FINITE``, then
-    ``TARGET_NEGATIVE``, then ``TARGET_ZERO_MASS``), the same on every rank.
+    ``p`` is ``[rows, this rank's range]``, or a sequence of such rows (views of
+    the target's output: nothing is copied). ``failed`` marks the rows this
+    rank could not score (their values are ignored): such a row gets
+    ``TARGET_FAILED`` on every rank. Otherwise each row's code is the unsharded
+    function's (``TARGET_NON_FINITE``, then ``TARGET_NEGATIVE``, then
+    ``TARGET_ZERO_MASS``), the same on every rank.
 
     Raises:
-        ValueError: rows that are not ``[rows, this rank's range]``.
+        ValueError: rows that are not this rank's range, or ``failed`` of another length.
         GroupFailedError: the collective failed.
     """
     plan = plan_of(coord)
-    x = _rows(p, plan)
-    rows = x.shape[0]
-    local = np.zeros((rows, 2 + plan.slots), dtype=np.float64)
-    if rows:
-        covers = plan.cover_totals(x)
-        local[:, 2:] = covers
+    width = plan.stop - plan.start
+    xs: list[Float64Array] = [np.ascontiguousarray(row, dtype=np.float64) for row in p]
+    rows = len(xs)
+    lost = [False] * rows if failed is None else list(failed)
+    if len(lost) != rows:
+        raise ValueError(f"{len(lost)} failure flags for {rows} rows")
+    if any(x.shape != (width,) for x, gone in zip(xs, lost, strict=True) if not gone):
+        raise ValueError(f"rank {plan.rank} holds {width} entries per row")
+    if not rows:
+        return TargetRows([], np.zeros(0), [], plan.start)
+    local = np.zeros((rows, 3 + plan.slots), dtype=np.float64)
+    for r, x in enumerate(xs):
+        if lost[r]:
+            local[r, 0] = 1.0
+            xs[r] = np.zeros(width)
+            continue
+        covers = plan.cover_totals(x.reshape(1, -1))[0]
+        local[r, 3:] = covers
         with np.errstate(invalid="ignore"):
-            low = x.min(axis=1) if x.shape[1] else np.zeros(rows)
+            low = x.min() if width else 0.0
         # The common case in two read passes; the classifying ones only when something is wrong.
-        suspect = ~((low >= 0.0) & np.isfinite(covers).all(axis=1))
-        for bad in np.flatnonzero(suspect):
-            local[bad, 0] = float(not np.isfinite(x[bad]).all())
-            local[bad, 1] = float(bool((x[bad] < 0).any()))
-    gathered = _gather(coord, local) if rows else np.zeros((plan.world, 0, 2 + plan.slots))
-    upper = plan.totals(gathered[:, :, 2:])
-    totals = upper[plan.root] if rows else np.zeros(0)
+        if not (low >= 0.0 and np.isfinite(covers).all()):
+            local[r, 1] = float(not np.isfinite(x).all())
+            local[r, 2] = float(bool((x < 0).any()))
+    gathered = _gather(coord, local)
+    totals = plan.totals(gathered[:, :, 3:])[plan.root]
     codes: list[ErrorCode | None] = []
     for r in range(rows):
         if gathered[:, r, 0].any():
-            codes.append(ErrorCode.TARGET_NON_FINITE)
+            codes.append(ErrorCode.TARGET_FAILED)
         elif gathered[:, r, 1].any():
+            codes.append(ErrorCode.TARGET_NON_FINITE)
+        elif gathered[:, r, 2].any():
             codes.append(ErrorCode.TARGET_NEGATIVE)
         elif not (totals[r] > 0 and np.isfinite(totals[r])):
             codes.append(ErrorCode.TARGET_ZERO_MASS)
         else:
             codes.append(None)
-    return TargetRows(x, np.asarray(totals, dtype=np.float64), codes, plan.start)
+    return TargetRows(xs, np.asarray(totals, dtype=np.float64), codes, plan.start)
 
 
-def residual_rows(p: npt.ArrayLike, counts: npt.ArrayLike) -> Float64Array:
-    """``max(p - counts / 2**24, 0)`` elementwise (:func:`pp1wire.q.verify.residual`)."""
-    r = np.asarray(p, dtype=np.float64) - np.asarray(counts, dtype=np.float64) / M
+def residual_rows(p: npt.ArrayLike, q: npt.ArrayLike) -> Float64Array:
+    """``max(p - q, 0)`` elementwise, with ``q`` the values ``counts / 2**24`` (exact in
+    binary64): :func:`pp1wire.q.verify.residual`."""
+    r = np.subtract(p, q, dtype=np.float64)
     np.maximum(r, 0.0, out=r)
     return r
 
@@ -338,7 +359,7 @@ class BuiltRow:
     dense counts over its range (``ids`` None), or the sparse entries in its range."""
 
     token: int
-    counts: Int64Array
+    counts: Int64Array | npt.NDArray[np.int32]
     ids: npt.NDArray[np.int32] | None
 
 
@@ -380,12 +401,15 @@ def construct_rows(
         local[r, 5] = spec.u24 if coord.rank == 0 else -1.0
         local[r, 6] = spec.draw_code if coord.rank == 0 else -1.0
     if n:
-        nans: npt.NDArray[np.bool_] = np.asarray(np.isnan(x).any(axis=1))
-        clean = np.where(nans.reshape(-1, 1), -np.inf, x) if nans.any() else x
-        local[:, 1] = nans
-        local[:, 2] = np.isposinf(clean).any(axis=1)
-        local[:, 3] = clean.max(axis=1)
-        local[:, 4] = plan.start + clean.argmax(axis=1)
+        highest: Float64Array = x.max(axis=1)  # NaN propagates: one pass finds both
+        for bad in np.flatnonzero(np.isnan(highest)):
+            local[bad, 1] = 1.0
+            highest[bad] = np.where(np.isnan(x[bad]), -np.inf, x[bad]).max()
+        local[:, 2] = highest == np.inf
+        local[:, 3] = highest
+        for r, spec in enumerate(specs):
+            if spec.temperature == 0:  # greedy: the first maximal logit (a refused row's is moot)
+                local[r, 4] = plan.start + int(x[r].argmax())
     else:
         local[:, 3] = -np.inf
         local[:, 4] = plan.vocab
@@ -425,11 +449,14 @@ def construct_rows(
             out[r] = exc
             continue
         (sparse if spec.support else dense).append(r)
-    weights = {r: _shifted_exp(x[r], tops[r], specs[r].temperature) for r in (*dense, *sparse)}
     if dense:
-        for r, got in zip(dense, _dense(weights, dense, draws, plan, coord), strict=True):
+        w = np.empty((len(dense), n), dtype=np.float64)
+        for j, r in enumerate(dense):
+            _shifted_exp(x[r], tops[r], specs[r].temperature, w[j])
+        for r, got in zip(dense, _dense(w, dense, draws, plan, coord), strict=True):
             out[r] = got
     if sparse:
+        weights = {r: _shifted_exp(x[r], tops[r], specs[r].temperature) for r in sparse}
         for r, got in zip(sparse, _sparse(weights, sparse, specs, draws, plan, coord), strict=True):
             out[r] = got
     for r in (*dense, *sparse):
@@ -440,11 +467,13 @@ def construct_rows(
     return [o for o in out if o is not None]
 
 
-def _shifted_exp(x: Float64Array, top: float, temperature: float) -> Float64Array:
+def _shifted_exp(
+    x: Float64Array, top: float, temperature: float, out: Float64Array | None = None
+) -> Float64Array:
     # A logit far below the top over a small temperature overflows to -inf, whose
     # weight is 0 as intended.
     with np.errstate(over="ignore"):
-        return dyadic.shifted_exp(x, top, temperature)
+        return dyadic.shifted_exp(x, top, temperature, out=out)
 
 
 def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
@@ -461,13 +490,14 @@ def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
 
 def _bucket_keys(rem: Float64Array) -> npt.NDArray[np.int64]:
     """Each remainder's bucket (monotone in the value; bucket 0 below 2**-128)."""
-    bits: npt.NDArray[np.int64] = rem.view(np.int64) >> (52 - _SUB_BITS)
-    keys: npt.NDArray[np.int64] = np.maximum(bits - ((_LOW_EXPONENT << _SUB_BITS) - 1), 0)
+    keys: npt.NDArray[np.int64] = rem.view(np.int64) >> (52 - _SUB_BITS)
+    keys -= (_LOW_EXPONENT << _SUB_BITS) - 1
+    np.maximum(keys, 0, out=keys)
     return keys
 
 
 def _dense(
-    weights: dict[int, Float64Array],
+    w: Float64Array,
     rows: list[int],
     draws: list[int],
     plan: TreePlan,
@@ -476,23 +506,20 @@ def _dense(
     """Dense counts (floors, then the largest remainders over every rank, ties to the
     lowest ID) and the draw: four collectives for every dense row of the position."""
     n = plan.stop - plan.start
-    w = np.stack([weights[r] for r in rows])
     totals = plan.totals(_gather(coord, plan.cover_totals(w)))[plan.root]
     # The logits' top maps to exp(0) = 1, so a total is at least 1 and finite.
-    floors = np.empty((len(rows), n), dtype=np.int64)
+    floors = np.empty((len(rows), n), dtype=np.int32)  # counts never exceed 2**24
     rem = np.empty((len(rows), n), dtype=np.float64)
     for j in range(len(rows)):
-        share = np.empty(n, dtype=np.int32)
-        dyadic.floors_and_remainders(w[j], float(totals[j]), share, rem[j])
-        floors[j] = share
+        dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
     hist = np.zeros((len(rows), 1 + _BUCKETS), dtype=np.int64)
-    hist[:, 0] = floors.sum(axis=1)
-    keys = _bucket_keys(rem) if n else np.zeros((len(rows), 0), dtype=np.int64)
+    hist[:, 0] = floors.sum(axis=1, dtype=np.int64)
+    keys = _bucket_keys(rem)
     for j in range(len(rows)):
         hist[j, 1:] = np.bincount(keys[j], minlength=_BUCKETS)
     hists = _gather_ints(coord, hist)  # [world, rows, 1 + buckets]
     remaining = [M - int(hists[:, j, 0].sum()) for j in range(len(rows))]
-    # Per row: the bucket holding the threshold, and the tickets above that bucket.
+    # Per row: the bucket holding the threshold (above it, fewer tickets than left over).
     chosen = [-1] * len(rows)
     for j, left in enumerate(remaining):
         if 0 < left < plan.vocab:
@@ -525,7 +552,7 @@ def _dense(
             before = sum(per_rank[: plan.rank])
             u = draws[r]
             if before <= u < before + per_rank[plan.rank]:
-                cumulative = np.cumsum(floors[j])
+                cumulative = np.cumsum(floors[j], dtype=np.int32)
                 found = plan.start + int(np.searchsorted(cumulative, u - before, side="right"))
         local.append(found)
     tokens = _found(coord, local)
@@ -542,7 +569,7 @@ def _leftovers(
     bucket: int,
     hists: npt.NDArray[np.int64],
     gathered: Float64Array,
-    floors: Int64Array,
+    floors: npt.NDArray[np.int32],
     rem: Float64Array,
     plan: TreePlan,
 ) -> list[int]:
@@ -772,7 +799,7 @@ def residual_sample(
         VerifyError: ``EMPTY_RESIDUAL`` on every rank if p <= q everywhere.
         ValueError: a piece that is not this rank's range.
     """
-    w = residual_rows(_one(coord, p), _one(coord, counts))
+    w = residual_rows(_one(coord, p), _one(coord, counts) / M)
     (got,) = sample_weights_rows(w, [u53], coord)
     if isinstance(got, ErrorCode):
         raise VerifyError(got, "distribution has no mass")

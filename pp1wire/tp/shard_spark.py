@@ -88,8 +88,10 @@ class ShardReport:
 
 
 def _mass(row: QRow) -> int:
+    """The shard's count sum: its q values are multiples of 2**-24 summing to at most 1,
+    so their binary64 sum is exact, in any order."""
     assert row.q32 is not None
-    return int((row.q32.astype(np.float64) * M).sum())
+    return int(row.q32.sum(dtype=np.float64) * M)
 
 
 def _summary(words: Sequence[int]) -> ShardSummary:
@@ -154,8 +156,8 @@ class ShardedVerifyGroup:
         n = len(rounds)
         out: list[RoundResult | VerifyError | None] = [None] * n
         self._check(rounds, out)
-        scores = self._score(rounds, out, target)
-        self._verify(rounds, scores, out)
+        scores, lost = self._score(rounds, out, target)
+        self._verify(rounds, scores, lost, out)
         decided = [o if o is not None else VerifyError(ErrorCode.INTERNAL) for o in out]
         self._vote(decided)
         for r, o in zip(rounds, decided, strict=True):
@@ -198,8 +200,10 @@ class ShardedVerifyGroup:
         rounds: Sequence[ShardRound],
         out: list[RoundResult | VerifyError | None],
         target: BatchTargetFn,
-    ) -> list[list[npt.NDArray[np.float64]]]:
-        """Step 2: this rank's range of the target for every prefix of the step (one call)."""
+    ) -> tuple[list[list[npt.NDArray[np.float64]]], list[bool]]:
+        """Step 2: this rank's range of the target for every prefix of the step (one call),
+        and whether each round's scoring failed here (its rows then hold nothing; the
+        normalization tells every rank)."""
         wanted: list[tuple[int, int]] = []  # (round, prefixes)
         prefixes: list[Sequence[int]] = []
         for i, r in enumerate(rounds):
@@ -210,31 +214,30 @@ class ShardedVerifyGroup:
             wanted.append((i, len(own)))
             prefixes.extend(own)
         scores: list[list[npt.NDArray[np.float64]]] = [[] for _ in rounds]
-        failed = [False] * len(wanted)
-        if prefixes:
-            try:
-                rows = cast(Sequence[object], target(prefixes))
-                if len(rows) != len(prefixes):
-                    raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
-            except Exception:  # one batched call: every round it scored fails
-                failed = [True] * len(wanted)
-            else:
-                at = 0
-                for n, (i, count) in enumerate(wanted):
-                    for row in rows[at : at + count]:
-                        full = None if isinstance(row, FailedRow) else _as_row(row)
-                        if full is None or full.shape != (self.vocab,):
-                            failed[n] = True  # a per-prefix plugin failed for this round
-                            break
-                        scores[i].append(full[self.start : self.end])
-                    at += count
-        # Every rank learns which rounds failed anywhere (one all-reduce, even if empty).
-        anywhere = self.coord.flags(*failed) if wanted else self.coord.flags(False)
-        for (i, _), bad in zip(wanted, anywhere, strict=False):
-            if bad:
-                rounds[i].verifier.poisoned = True
-                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
-        return scores
+        lost = [False] * len(rounds)
+        if not prefixes:
+            return scores, lost
+        empty = np.zeros(0)
+        try:
+            rows = cast(Sequence[object], target(prefixes))
+            if len(rows) != len(prefixes):
+                raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
+        except Exception:  # one batched call: every round it scored fails
+            for i, count in wanted:
+                lost[i] = True
+                scores[i] = [empty] * count
+            return scores, lost
+        at = 0
+        for i, count in wanted:
+            for row in rows[at : at + count]:
+                full = None if isinstance(row, FailedRow) else _as_row(row)
+                if full is None or full.shape != (self.vocab,):
+                    lost[i] = True  # a per-prefix plugin failed for this round
+                    scores[i] = [empty] * count
+                    break
+                scores[i].append(full[self.start : self.end])
+            at += count
+        return scores, lost
 
     def _vote(self, decided: Sequence[RoundResult | VerifyError]) -> None:
         """Step 4: every rank decided exactly this, or the group fails closed."""
@@ -258,21 +261,31 @@ class ShardedVerifyGroup:
         self,
         rounds: Sequence[ShardRound],
         scores: list[list[npt.NDArray[np.float64]]],
+        lost: list[bool],
         out: list[RoundResult | VerifyError | None],
     ) -> None:
         """Step 3 for every round still open, with one set of collectives: every target
-        row normalized together, every drafted token's acceptance test in one
-        all-reduce, then every round's one descent (correction, bonus or target-only)
-        together. Each round's tokens are those of the unsharded verifier."""
+        row normalized together (which also tells every rank whose target failed on
+        any rank), every drafted token's acceptance test in one all-reduce, then every
+        round's one descent (correction, bonus or target-only) together. Each round's
+        tokens are those of the unsharded verifier."""
         todo = [i for i, o in enumerate(out) if o is None]
         first: dict[int, int] = {}  # round -> its first row in the batch
         rows: list[npt.NDArray[np.float64]] = []
+        failed: list[bool] = []
         for i in todo:
             first[i] = len(rows)
             rows.extend(scores[i])
+            failed += [lost[i]] * len(scores[i])
         if not rows:
             return
-        p = dist_ops.normalize_targets(np.stack(rows), self.coord)
+        p = dist_ops.normalize_targets(rows, self.coord, failed)
+        for i in todo:  # a target that failed on any rank stops its request (as on one rank)
+            span = p.codes[first[i] : first[i] + len(scores[i])]
+            if ErrorCode.TARGET_FAILED in span:
+                rounds[i].verifier.poisoned = True
+                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
+        todo = [i for i in todo if out[i] is None]
         # The acceptance test of every drafted token, by the rank that owns it.
         owned: list[int] = []
         for i in todo:
@@ -319,7 +332,7 @@ class ShardedVerifyGroup:
                         out[i] = _result(v, r.round_id, new, len(new), None, Outcome.EOS)
                         break
                     continue
-                weights = dist_ops.residual_rows(p.normalized(base + k), self._counts(row))
+                weights = dist_ops.residual_rows(p.normalized(base + k), self._q(row))
                 draws.append((i, weights, streams.u53_int(Domain.CORRECTION, start + k)))
                 pending[i] = (new, Outcome.CORRECTION)
                 break
@@ -359,13 +372,13 @@ class ShardedVerifyGroup:
         out[i] = VerifyError(code, "the target is not a distribution")
         return True
 
-    def _counts(self, row: QRow) -> npt.NDArray[np.float64]:
-        """This shard's counts of a row as binary64, one per ID of the range."""
+    def _q(self, row: QRow) -> npt.NDArray[np.float64]:
+        """This shard's q of a row as binary64 (exact), one per ID of the range."""
         assert row.q32 is not None
         if row.ids is None:
-            return row.q32.astype(np.float64) * M
+            return row.q32.astype(np.float64)
         dense = np.zeros(self.end - self.start, dtype=np.float64)
-        dense[row.ids.astype(np.int64) - self.start] = row.q32.astype(np.float64) * M
+        dense[row.ids.astype(np.int64) - self.start] = row.q32
         return dense
 
     def _count_at(self, row: QRow, x: int) -> int:

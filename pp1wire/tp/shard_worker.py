@@ -67,6 +67,7 @@ Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
 
 _KEY_WORDS = 13  # the nonce's two words, the STEP's nine, the terminal token, then 1 (a key)
+# An exchange's first row: how many keys follow, and whether the rank is stopping.
 
 
 def key_of(group: bytes, step: Step, eos: int | None) -> Key:
@@ -124,6 +125,8 @@ class ShardedDrafting:
         match_timeout: float = 5.0,
         beat: float = 0.25,
         tick: float = 0.002,
+        linger: float = 0.002,
+        width: int = 64,
         after_draw: AfterDraw | None = None,
         finish_threads: int = 4,
     ) -> None:
@@ -132,18 +135,21 @@ class ShardedDrafting:
 
         ``beat`` bounds how long the ranks go without an exchange (and how long a
         rank waits in one for the others while idle); ``tick`` is the shortest
-        interval between exchanges while a STEP is held by only some ranks.
+        interval between exchanges while a STEP is held by only some ranks;
+        ``linger`` how long a new STEP waits for more of its burst (at most four
+        times that); ``width`` the most keys a rank sends in one exchange (the
+        exchange is one all-gather of fixed size).
 
         Raises:
-            ValueError: if the coordinator has no vocabulary layout, or a time is
-                not positive.
+            ValueError: if the coordinator has no vocabulary layout, a time is not
+                positive or a count is below 1.
         """
         if coord.layout is None:
             raise ValueError("a sharded worker group needs a vocabulary layout")
-        if not (match_timeout > 0 and beat > 0 and tick > 0) or finish_threads < 1:
-            raise ValueError(
-                "the group's times must be positive, and one finishing thread at least"
-            )
+        if not (match_timeout > 0 and beat > 0 and tick > 0 and linger >= 0):
+            raise ValueError("the group's times must be positive")
+        if finish_threads < 1 or width < 1:
+            raise ValueError("a group needs one finishing thread and one key per exchange")
         self.coord = coord
         self.rank = coord.rank
         self.world = coord.world
@@ -154,6 +160,8 @@ class ShardedDrafting:
         self.match_timeout = match_timeout
         self.beat = beat
         self.tick = tick
+        self.linger = linger
+        self.width = width
         self.after_draw = after_draw
         self.broken: str | None = None
         self.draws = 0  # STEPs drawn by the group (the same count on every rank)
@@ -164,6 +172,8 @@ class ShardedDrafting:
         self._links: dict[Hashable, bytes] = {}
         self._held: dict[Key, _Held] = {}  # in arrival order
         self._fresh = False  # a STEP arrived since the last exchange
+        self._burst = 0.0  # when the first of them arrived
+        self._arrived = 0.0  # when the last of them arrived
         self._stopping = False
         self._ended = False  # the group thread has left
         self._cond = threading.Condition()
@@ -229,8 +239,11 @@ class ShardedDrafting:
             elif key is None or key in self._held:
                 refusal = Pp1Error(ErrorCode.INTERNAL, "this link cannot draw with the group")
             else:
-                self._held[key] = _Held(link, key, job, done)
-                self._fresh = True
+                held = _Held(link, key, job, done)
+                self._held[key] = held
+                if not self._fresh:
+                    self._fresh, self._burst = True, held.since
+                self._arrived = held.since
                 self._cond.notify_all()
                 return
         self._answer(_Held(link, (), job, done), refusal, 0)
@@ -259,15 +272,10 @@ class ShardedDrafting:
         try:
             while True:
                 snapshot, stop = self._next_turn(last, wait)
-                head = self.coord.max_words([len(snapshot), int(stop)])
+                matched, stopping = self._exchange(snapshot, stop)
                 last = time.monotonic()
-                self.exchanges += 1
-                if head[1]:
+                if stopping:
                     return
-                if not head[0]:
-                    wait = self.beat
-                    continue
-                matched = self._match(snapshot, head[0])
                 wait = self._backoff(snapshot, matched, last)
                 if matched:
                     self._draw(matched)
@@ -280,8 +288,9 @@ class ShardedDrafting:
             self._fail_all(self.broken or "stopped")
 
     def _next_turn(self, last: float, wait: float) -> tuple[list[_Held], bool]:
-        """Wait for a new STEP, a stop or the next exchange's time, answering the STEPs
-        that waited too long; then this rank's held STEPs (arrival order) and its stop."""
+        """Wait for a new STEP (and the others of its burst), a stop or the next
+        exchange's time, answering the STEPs that waited too long; then this rank's
+        held STEPs (arrival order) and its stop."""
         expired: list[_Held] = []
         with self._cond:
             while True:
@@ -290,8 +299,16 @@ class ShardedDrafting:
                     k for k, h in self._held.items() if now - h.since >= self.match_timeout
                 ]:
                     expired.append(self._held.pop(key))
-                if self._fresh or self._stopping or now >= last + wait:
+                if self._stopping or now >= last + wait:
                     break
+                if self._fresh:
+                    # A Spark group sends a step's STEPs together: give the rest of the
+                    # burst a moment, so that they are matched and drawn as one batch.
+                    quiet = self._arrived + self.linger - now
+                    if quiet <= 0 or now >= self._burst + 4 * self.linger:
+                        break
+                    self._cond.wait(quiet)
+                    continue
                 oldest = min((h.since for h in self._held.values()), default=now)
                 until = min(last + wait, oldest + self.match_timeout)
                 self._cond.wait(max(0.0, until - now))
@@ -309,25 +326,35 @@ class ShardedDrafting:
             )
         return snapshot, stop
 
-    def _match(self, snapshot: list[_Held], width: int) -> list[_Held]:
-        """The STEPs every rank holds (one all-gather of the keys), in rank 0's order;
-        this rank's held ones, now taken."""
-        words = np.zeros((width, _KEY_WORDS), dtype=np.int64)
-        for i, held in enumerate(snapshot):
+    def _exchange(self, snapshot: list[_Held], stop: bool) -> tuple[list[_Held], bool]:
+        """One all-gather of every rank's held keys (at most ``width`` each, oldest first)
+        and stop flag: the STEPs every rank holds, in rank 0's order (this rank's own,
+        now taken), and whether any rank is stopping."""
+        width = self.width
+        words = np.zeros((1 + width, _KEY_WORDS), dtype=np.int64)
+        sent = snapshot[:width]
+        words[0, 0], words[0, 1] = len(sent), int(stop)
+        for i, held in enumerate(sent, start=1):
             words[i, :-1] = held.key
             words[i, -1] = 1
+        if len(snapshot) > width:  # the rest go in the next exchange, at once
+            with self._cond:
+                self._fresh = True
         gathered = self.coord.all_gather(torch.from_numpy(words)).tolist()
-        keys = [{tuple(row[:-1]) for row in rank if row[-1]} for rank in gathered]
-        everywhere = [tuple(row[:-1]) for row in gathered[0] if row[-1]]
+        self.exchanges += 1
+        if any(rank[0][1] for rank in gathered):
+            return [], True
+        keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1]} for rank in gathered]
+        everywhere = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1]]
         everywhere = [k for k in everywhere if all(k in s for s in keys[1:])]
-        mine = {h.key: h for h in snapshot}
+        mine = {h.key: h for h in sent}
         matched = [mine[k] for k in everywhere]
         with self._cond:
             for held in matched:
                 if self._held.get(held.key) is held:
                     del self._held[held.key]
         self.matched += len(matched)
-        return matched
+        return matched, False
 
     def _backoff(self, snapshot: list[_Held], matched: list[_Held], now: float) -> float:
         """How long until the next exchange: soon while this rank holds a young STEP
