@@ -79,6 +79,7 @@ class Settings:
     slots: int = 2
     support: int = 8
     handshake_wait: float = 12.0
+    match_wait: float = 8.0  # longer than a sharded worker's match timeout (§6.7)
     idle_wait: float | None = None  # longer than the worker's idle timeout; None: skip 2.3
     shards: int = 1  # a sharded worker group's size: link r at port + r (§6.7)
     shard: int = 0  # the shard this connection's HELLO declares
