@@ -16,9 +16,8 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final, Protocol, cast
+from typing import Final, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,25 +27,9 @@ from pp1wire.wire import framing, worker_core
 from pp1wire.wire.draws import BatchRunner, DrawScheduler, FailureLog, run_each
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
-from pp1wire.wire.worker_events import DrawJob, DrawResult, Proposer
+from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
 
 log = logging.getLogger("pp1wire.worker")
-
-
-class GroupDraws(Protocol):
-    """A rank of a vocabulary-sharded worker group (``docs/protocol.md`` §6.7): it draws
-    every accepted STEP of this server's links with its group, matched per group
-    session, and calls ``done`` with the result from a thread of its own."""
-
-    def join(self, link: Hashable, group: bytes) -> bool:
-        """A link completed its handshake naming ``group``: False if another live link
-        already serves that group session on this rank."""
-
-    def submit(self, link: Hashable, job: DrawJob, done: Callable[[DrawResult], None]) -> None:
-        """Draw ``job`` (never blocks; the result comes later through ``done``)."""
-
-    def leave(self, link: Hashable) -> None:
-        """The link is gone: forget everything held for it."""
 
 
 # Round trips and draws on loopback span 50 us to seconds.
@@ -301,8 +284,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
 
     def refuse(self, code: ErrorCode) -> None:
-        """Close this authenticated connection with a fatal ERROR ``code`` (the server's
-        own decision, as ``GROUP_IN_USE``)."""
+        """Close this connection with a fatal ERROR ``code`` (``GROUP_IN_USE``)."""
         core = self.core
         if core is None or core.closed:
             return
@@ -656,28 +638,17 @@ class WorkerServer:
                 conn.evict(refused=True)
                 return
             victim.evict()
-        # A sharded link joins its group session: one live link per session per rank.
-        core = conn.core
-        if (
-            self.group is not None
-            and core is not None
-            and not core.closed
-            and not self.group.join(conn, core.limits.group)
-        ):
+        core = conn.core  # a sharded link joins its group session: one per session and rank
+        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
             conn.refuse(ErrorCode.GROUP_IN_USE)
 
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
         """Queue ``conn``'s draw; it runs when its turn comes (docs/protocol.md §4.4)."""
-        if self.group is not None:
+        if self.group is not None:  # its result comes back on a thread of the group's
             loop = asyncio.get_running_loop()
-
-            def done(result: DrawResult) -> None:  # on a thread of the group's
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(conn._drawn, job, result)
-
-            self.group.submit(conn, job, done)
+            self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
             return
         self.draws.submit(conn, job)
         self._schedule()
@@ -813,6 +784,13 @@ class WorkerServer:
         if self.server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+
+def _group_drawn(
+    loop: asyncio.AbstractEventLoop, conn: _Conn, job: worker_core.DrawJob, result: DrawResult
+) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+        loop.call_soon_threadsafe(conn._drawn, job, result)
 
 
 def _idle_since(conn: _Conn) -> float:

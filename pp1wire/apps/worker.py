@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.seconds,
         default=5.0,
         metavar="SECONDS",
-        help="how long a rank waits for the STEP another rank is drawing to reach its own link",
+        help="how long a rank of a sharded group holds a STEP that the group's other links "
+        "have not sent (then it answers GROUP_UNMATCHED)",
     )
     p.add_argument(
         "--handshake-timeout",

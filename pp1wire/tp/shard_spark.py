@@ -11,12 +11,15 @@ paths included):
    (:class:`ShardReport`) is gathered once for the whole step, so each rank
    takes the same decision on each round (:func:`pp1wire.q.layout.check_group`);
 2. the scores: one call of the target for every prefix the step needs, each
-   rank keeping its range; a rank whose call failed says so in one all-reduce,
-   and those rounds stop on every rank (``TARGET_FAILED``);
-3. the verification: the acceptance test by the rank that owns the drafted
-   token, the correction and bonus by the sharded descent of §6.6 — exactly
-   the tokens of the unsharded verifier for the same p, q and seed — and the
-   target-only rounds by the sharded target draw;
+   rank keeping its range;
+3. the verification, every round of the step at once
+   (:mod:`pp1wire.tp.dist_ops`): every target row normalized in one
+   all-gather, which also tells every rank whose target failed on any rank
+   (those rounds stop on every rank, ``TARGET_FAILED``); every drafted
+   token's acceptance test, by the rank that owns it, in one all-reduce; then
+   every round's one sharded descent of §6.6 — the correction, the bonus or
+   the target-only token — together (two collectives): exactly the tokens of
+   the unsharded verifier for the same p, q and seed;
 4. the vote: every rank's outcomes are gathered once; if any rank decided
    otherwise the group fails closed, nothing of the step committed anywhere.
    Otherwise each rank applies the results to its verifiers.
@@ -146,7 +149,7 @@ class ShardedVerifyGroup:
         A round that cannot use its proposal gets the reason (the lowest rank's
         own refusal, or the group check's code); a round whose target failed on
         any rank gets ``TARGET_FAILED`` (its verifier is poisoned); the others
-        are committed on every rank. Seven collectives for the whole step,
+        are committed on every rank. Six collectives for the whole step,
         whatever its rounds (``docs/tp.md`` §11).
 
         Raises:
