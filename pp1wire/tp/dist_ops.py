@@ -22,8 +22,9 @@ Collectives per batch (every one of fixed shape, given the batch):
 * :func:`normalize_targets` — 1 (an all-gather of flags and cover totals);
 * :func:`sample_weights_rows` — 2 (cover totals; the drawn IDs);
 * :func:`construct_rows` — 1 for the maxima, flags and the proposal draws,
-  then 4 if any row is dense (cover totals, count histograms, the leftover
-  tickets' bucket, the drawn IDs) and 1 if any is sparse (the top-k offers);
+  then 3 if any row is dense (cover totals; floor sums, remainder histograms
+  and each rank's guess of the leftover tickets' bucket; the drawn IDs), 4 when
+  a guess missed, and 1 if any is sparse (the top-k offers);
 * :func:`sample_counts` — 2 (shard totals; the drawn IDs).
 
 The single-row functions (:func:`counts_from_logits`, :func:`sample`, …) are
@@ -63,6 +64,14 @@ _MIN_NORMAL = 2.2250738585072014e-308
 _SUB_BITS: Final = 4
 _LOW_EXPONENT: Final = 1023 - 128
 _BUCKETS: Final = 1 + (128 << _SUB_BITS)
+# With its histogram each rank sends its remainders in the three buckets around its own
+# guess of the threshold (where its count from the top reaches its remainders' sum, as
+# the group's does at the group's sum), or in the guessed bucket alone, if they are at
+# most this many: usually the threshold's bucket is among them on every rank, and no
+# further collective is needed.
+_WINDOW: Final = 4096
+_GUESS: Final = 1 + _BUCKETS  # the guess's words: first bucket, last bucket, how many
+_WORDS: Final = _GUESS + 3 + _WINDOW
 
 
 def _rows(values: npt.ArrayLike, plan: TreePlan) -> Float64Array:
@@ -395,39 +404,52 @@ def _dense(
     coord: GroupCoordinator,
 ) -> list[BuiltRow | Pp1Error]:
     """Dense counts (floors, then the largest remainders over every rank, ties to the
-    lowest ID) and the draw: four collectives for every dense row of the position."""
+    lowest ID) and the draw: four collectives for every dense row of the position,
+    five when a rank's guess of where the threshold lies was wrong."""
     n = plan.stop - plan.start
+    count = len(rows)
     totals = plan.totals(_gather(coord, plan.cover_totals(w)))[plan.root]
     # The logits' top maps to exp(0) = 1, so a total is at least 1 and finite.
-    floors = np.empty((len(rows), n), dtype=np.int32)  # counts never exceed 2**24
-    rem = np.empty((len(rows), n), dtype=np.float64)
-    for j in range(len(rows)):
+    floors = np.empty((count, n), dtype=np.int32)  # counts never exceed 2**24
+    rem = np.empty((count, n), dtype=np.float64)
+    for j in range(count):
         dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
-    hist = np.zeros((len(rows), 1 + _BUCKETS), dtype=np.int64)
-    hist[:, 0] = floors.sum(axis=1, dtype=np.int64)
     keys = _bucket_keys(rem)
-    for j in range(len(rows)):
-        hist[j, 1:] = np.bincount(keys[j], minlength=_BUCKETS)
-    hists = _gather_ints(coord, hist)  # [world, rows, 1 + buckets]
-    remaining = [M - int(hists[:, j, 0].sum()) for j in range(len(rows))]
-    # Per row: the bucket holding the threshold (above it, fewer tickets than left over).
-    chosen = [-1] * len(rows)
+    words = np.zeros((count, _WORDS), dtype=np.int64)
+    words[:, 0] = floors.sum(axis=1, dtype=np.int64)
+    for j in range(count):
+        hist = np.bincount(keys[j], minlength=_BUCKETS)
+        words[j, 1 : 1 + _BUCKETS] = hist
+        _guess(words[j], hist, rem[j], keys[j])
+    gathered = _gather_ints(coord, words)  # [world, rows, words]
+    remaining = [M - int(gathered[:, j, 0].sum()) for j in range(count)]
+    hists = gathered[:, :, 1 : 1 + _BUCKETS]
+    # Per row: the bucket holding the threshold (above it, fewer tickets than left over),
+    # and every rank's remainders in it, from its guess when the guess covered it.
+    chosen = [-1] * count
+    pools: list[list[Float64Array] | None] = [None] * count
     for j, left in enumerate(remaining):
-        if 0 < left < plan.vocab:
-            above = np.cumsum(hists[:, j, 1:].sum(axis=0)[::-1])  # from the top bucket down
-            chosen[j] = _BUCKETS - 1 - int(np.searchsorted(above, left))
-    width = max([int(hists[:, j, 1 + b].max()) for j, b in enumerate(chosen) if b >= 0] or [0])
-    offers = np.full((len(rows), width), -1.0, dtype=np.float64)
-    for j, b in enumerate(chosen):
-        if b >= 0:
-            mine = rem[j][keys[j] == b]
-            offers[j, : mine.size] = mine
-    gathered = _gather(coord, offers) if width else np.zeros((plan.world, len(rows), 0))
+        if not 0 < left < plan.vocab:
+            continue
+        above = np.cumsum(hists[:, j].sum(axis=0)[::-1])  # from the top bucket down
+        b = chosen[j] = _BUCKETS - 1 - int(np.searchsorted(above, left))
+        pools[j] = _guessed(gathered[:, j], b)
+    missed = [j for j, b in enumerate(chosen) if b >= 0 and pools[j] is None]
+    if missed:  # one more collective, the same on every rank: the buckets themselves
+        width = max(int(hists[:, j, chosen[j]].max()) for j in missed)
+        offers = np.full((len(missed), width), -1.0, dtype=np.float64)
+        for m, j in enumerate(missed):
+            mine = rem[j][keys[j] == chosen[j]]
+            offers[m, : mine.size] = mine
+        exact = _gather(coord, offers)
+        for m, j in enumerate(missed):
+            pools[j] = [exact[k, m, : int(hists[k, j, chosen[j]])] for k in range(plan.world)]
     out: list[BuiltRow | Pp1Error] = []
     totals_by_rank: list[list[int]] = []
     for j, left in enumerate(remaining):
         try:
-            per_rank = _leftovers(j, left, chosen[j], hists, gathered, floors, rem, plan)
+            sums = [int(v) for v in gathered[:, j, 0]]
+            per_rank = _leftovers(j, left, chosen[j], hists, sums, pools[j], floors, rem, plan)
         except ConstructionError as exc:
             out.append(exc)
             totals_by_rank.append([])
@@ -454,18 +476,51 @@ def _dense(
     return out
 
 
+def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, keys: Int64Array) -> None:
+    """Write this rank's guess of the threshold's bucket into a row's words: the
+    buckets around it and, if they fit, their remainders (as their binary64 bits)."""
+    share = max(1, round(float(rem.sum())))
+    above = np.cumsum(hist[::-1])
+    guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
+    lo, hi = max(0, guess - 1), min(_BUCKETS - 1, guess + 1)
+    if int(hist[lo : hi + 1].sum()) > _WINDOW:
+        lo = hi = guess
+    words[_GUESS], words[_GUESS + 1] = lo, hi
+    if int(hist[lo : hi + 1].sum()) > _WINDOW:
+        words[_GUESS + 2] = -1  # too many: the bucket will be asked for
+        return
+    inside = rem[(keys >= lo) & (keys <= hi)]
+    words[_GUESS + 2] = inside.size
+    words[_GUESS + 3 : _GUESS + 3 + inside.size] = inside.view(np.int64)
+
+
+def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
+    """Every rank's remainders in ``bucket`` from their guesses (``[world, words]``), or
+    None if a rank's guess did not cover it."""
+    pool: list[Float64Array] = []
+    for words in ranks:
+        lo, hi, size = (int(v) for v in words[_GUESS : _GUESS + 3])
+        if size < 0 or not lo <= bucket <= hi:
+            return None
+        values = np.ascontiguousarray(words[_GUESS + 3 : _GUESS + 3 + size]).view(np.float64)
+        pool.append(values[_bucket_keys(values) == bucket])
+    return pool
+
+
 def _leftovers(
     j: int,
     remaining: int,
     bucket: int,
     hists: npt.NDArray[np.int64],
-    gathered: Float64Array,
+    floor_sums: list[int],
+    pool: list[Float64Array] | None,
     floors: npt.NDArray[np.int32],
     rem: Float64Array,
     plan: TreePlan,
 ) -> list[int]:
     """Give row ``j``'s leftover tickets (in place, to this rank's floors) and return
-    every rank's count total.
+    every rank's count total, from every rank's floor sum, histogram (``hists``)
+    and remainders in ``bucket`` (``pool``).
 
     Raises:
         ConstructionError: ``ALLOCATION_INCONSISTENT`` as the unsharded allocation.
@@ -475,14 +530,14 @@ def _leftovers(
             ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {plan.vocab} entries"
         )
     world = plan.world
-    sums = [int(hists[k, j, 0]) for k in range(world)]
     if remaining == 0:
-        return sums
-    values = [gathered[k, j, : int(hists[k, j, 1 + bucket])] for k in range(world)]
-    pool = np.concatenate(values)
-    above_bucket = [int(hists[k, j, 2 + bucket :].sum()) for k in range(world)]
+        return floor_sums
+    assert pool is not None
+    values = pool
+    above_bucket = [int(hists[k, j, bucket + 1 :].sum()) for k in range(world)]
     wanted = remaining - sum(above_bucket)  # tickets for this bucket, 1..its size
-    threshold = float(np.partition(pool, pool.size - wanted)[pool.size - wanted])
+    merged = np.concatenate(values)
+    threshold = float(np.partition(merged, merged.size - wanted)[merged.size - wanted])
     if not threshold > 0.0:
         raise ConstructionError(
             ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
@@ -500,7 +555,7 @@ def _leftovers(
     take = takes[plan.rank]
     if take:
         row[np.flatnonzero(mine == threshold)[:take]] += 1
-    per_rank = [sums[k] + above[k] + takes[k] for k in range(world)]
+    per_rank = [floor_sums[k] + above[k] + takes[k] for k in range(world)]
     if sum(per_rank) != M:
         raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
     return per_rank
