@@ -404,8 +404,8 @@ def _dense(
     coord: GroupCoordinator,
 ) -> list[BuiltRow | Pp1Error]:
     """Dense counts (floors, then the largest remainders over every rank, ties to the
-    lowest ID) and the draw: four collectives for every dense row of the position,
-    five when a rank's guess of where the threshold lies was wrong."""
+    lowest ID) and the draw: three collectives for every dense row of the position,
+    four when a rank's guess of where the threshold lies was wrong."""
     n = plan.stop - plan.start
     count = len(rows)
     totals = plan.totals(_gather(coord, plan.cover_totals(w)))[plan.root]
