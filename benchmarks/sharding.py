@@ -86,9 +86,7 @@ def rank_worker(reps: int) -> None:
 
     result = {
         "construct_2": _trial(synced(lambda: dist_ops.counts_from_logits(zt, 1.0, coord)), reps),
-        "resid_2": _trial(
-            synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3, coord)), reps
-        ),
+        "resid_2": _trial(synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3, coord)), reps),
     }
     if rank == 0:
         print(json.dumps(result), flush=True)
