@@ -11,11 +11,12 @@ group, and no thread ever waits for a match:
   nonce, then slot, generation, round, position, prefix digest, depth,
   support, temperature, context and terminal token (nothing of it is copied:
   the slot's prefix cannot change while its draw is outstanding);
-* the ranks exchange the keys they hold (an all-reduce of the counts, an
-  all-gather of the keys) when any of them has a new STEP, again soon while
-  one holds a STEP that only some ranks hold yet, and at least every
-  ``beat`` seconds; a key that every rank holds is **matched**, the same set
-  on every rank, in rank 0's order;
+* the ranks exchange the keys they hold, and their live links' nonces (one
+  all-gather of fixed size), when any of them has a new STEP, again soon
+  while one holds a STEP that only some ranks hold yet but every rank could
+  (its session has a live link on each), and at least every ``beat``
+  seconds; a key that every rank holds is **matched**, the same set on every
+  rank, in rank 0's order;
 * the matched STEPs are drawn together, position by position: one drafter
   call for every row of the position, the sharded construction and draw of
   §6.6 for all of them (:func:`pp1wire.tp.dist_ops.construct_rows`, rank 0's
@@ -70,13 +71,20 @@ _KEY_WORDS = 13  # the nonce's two words, the STEP's nine, the terminal token, t
 # An exchange's first row: how many keys follow, and whether the rank is stopping.
 
 
-def key_of(group: bytes, step: Step, eos: int | None) -> Key:
-    """The int64 words that name one STEP of one group session on every link."""
-    (temperature,) = struct.unpack("<q", struct.pack("<d", step.temperature))
+def nonce_words(group: bytes) -> tuple[int, int]:
+    """A group nonce as two int64 words."""
     nonce = group.ljust(16, b"\0")
     return (
         int.from_bytes(nonce[:8], "little", signed=True),
         int.from_bytes(nonce[8:16], "little", signed=True),
+    )
+
+
+def key_of(group: bytes, step: Step, eos: int | None) -> Key:
+    """The int64 words that name one STEP of one group session on every link."""
+    (temperature,) = struct.unpack("<q", struct.pack("<d", step.temperature))
+    return (
+        *nonce_words(group),
         step.slot,
         step.generation,
         step.round,
@@ -272,11 +280,11 @@ class ShardedDrafting:
         try:
             while True:
                 snapshot, stop = self._next_turn(last, wait)
-                matched, stopping = self._exchange(snapshot, stop)
+                matched, stopping, everywhere = self._exchange(snapshot, stop)
                 last = time.monotonic()
                 if stopping:
                     return
-                wait = self._backoff(snapshot, matched, last)
+                wait = self._backoff(snapshot, matched, everywhere, last)
                 if matched:
                     self._draw(matched)
         except Exception as exc:  # a dead rank or a timed-out collective: fail closed
@@ -326,26 +334,34 @@ class ShardedDrafting:
             )
         return snapshot, stop
 
-    def _exchange(self, snapshot: list[_Held], stop: bool) -> tuple[list[_Held], bool]:
-        """One all-gather of every rank's held keys (at most ``width`` each, oldest first)
-        and stop flag: the STEPs every rank holds, in rank 0's order (this rank's own,
-        now taken), and whether any rank is stopping."""
+    def _exchange(
+        self, snapshot: list[_Held], stop: bool
+    ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
+        """One all-gather of every rank's held keys (at most ``width`` each, oldest first),
+        its live links' group nonces (as many) and its stop flag: the STEPs every rank
+        holds, in rank 0's order (this rank's own, now taken), whether any rank is
+        stopping, and the nonces every rank has a live link for."""
         width = self.width
-        words = np.zeros((1 + width, _KEY_WORDS), dtype=np.int64)
+        words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
         sent = snapshot[:width]
+        with self._cond:
+            nonces = [nonce_words(g) for g in list(self._groups)[:width]]
+            if len(snapshot) > width:  # the rest go in the next exchange, at once
+                self._fresh = True
         words[0, 0], words[0, 1] = len(sent), int(stop)
         for i, held in enumerate(sent, start=1):
             words[i, :-1] = held.key
             words[i, -1] = 1
-        if len(snapshot) > width:  # the rest go in the next exchange, at once
-            with self._cond:
-                self._fresh = True
+        for i, nonce in enumerate(nonces, start=1 + width):
+            words[i, :2] = nonce
+            words[i, -1] = 2
         gathered = self.coord.all_gather(torch.from_numpy(words)).tolist()
         self.exchanges += 1
         if any(rank[0][1] for rank in gathered):
-            return [], True
-        keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1]} for rank in gathered]
-        everywhere = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1]]
+            return [], True, set()
+        keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1] == 1} for rank in gathered]
+        links = [{tuple(row[:2]) for row in rank[1:] if row[-1] == 2} for rank in gathered]
+        everywhere = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1] == 1]
         everywhere = [k for k in everywhere if all(k in s for s in keys[1:])]
         mine = {h.key: h for h in sent}
         matched = [mine[k] for k in everywhere]
@@ -354,14 +370,22 @@ class ShardedDrafting:
                 if self._held.get(held.key) is held:
                     del self._held[held.key]
         self.matched += len(matched)
-        return matched, False
+        return matched, False, set.intersection(*links)
 
-    def _backoff(self, snapshot: list[_Held], matched: list[_Held], now: float) -> float:
+    def _backoff(
+        self,
+        snapshot: list[_Held],
+        matched: list[_Held],
+        everywhere: set[tuple[int, ...]],
+        now: float,
+    ) -> float:
         """How long until the next exchange: soon while this rank holds a young STEP
-        the others lack (their copy is on its way, and will not wake this rank),
-        backing off as it ages; a beat when it holds none."""
+        the others lack but could send (their link of its group session is live: their
+        copy is on its way, and will not wake this rank), backing off as it ages; a
+        beat otherwise (a STEP of a session that has no link on some rank waits for
+        its match timeout without costing the group an exchange)."""
         taken = {id(h) for h in matched}
-        ages = [now - h.since for h in snapshot if id(h) not in taken]
+        ages = [now - h.since for h in snapshot if id(h) not in taken and h.key[:2] in everywhere]
         if not ages:
             return self.beat
         return min(self.beat, max(self.tick, min(ages) / 4))
@@ -479,4 +503,4 @@ class ShardedDrafting:
         return local, codes, errors
 
 
-__all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of"]
+__all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]
