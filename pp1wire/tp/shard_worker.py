@@ -67,8 +67,10 @@ raise or end the process while the group goes on."""
 Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
 
-_KEY_WORDS = 13  # the nonce's two words, the STEP's nine, the terminal token, then 1 (a key)
-# An exchange's first row: how many keys follow, and whether the rank is stopping.
+# A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
+# then 1 (2 for a row that carries a live link's nonce instead; the first row of an
+# exchange: how many keys follow, and whether the rank is stopping).
+_KEY_WORDS = 13
 
 
 def nonce_words(group: bytes) -> tuple[int, int]:
