@@ -5,7 +5,7 @@
 numpy: the unsharded kernels (``pp1wire.q.dyadic`` / ``verify``) against the
 two-shard emulator (``pp1wire.q.sharding``), interleaved in one process.
 torch (CPU): the unsharded ``pp1wire.q.torch_ops`` kernels in this process
-against ``pp1wire.q.dist_ops`` on two gloo ranks started with torchrun (the
+against ``pp1wire.tp.dist_ops`` on two gloo ranks started with torchrun (the
 ranks share this machine's cores, so the ratio includes that contention and
 every collective). Medians over ``--reps`` calls; ratios are sharded /
 unsharded measured in this same run.
@@ -66,12 +66,13 @@ def torch_unsharded(reps: int) -> dict[str, float]:
 
 def rank_worker(reps: int) -> None:
     import torch
-    import torch.distributed as dist
 
-    from pp1wire.q import dist_ops
+    from pp1wire.q.layout import ShardLayout
+    from pp1wire.tp import dist_ops
+    from pp1wire.tp.coordinator import GroupCoordinator
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    coord = GroupCoordinator.join(60.0, ShardLayout((0, CUT, V)))
+    rank = coord.rank
     z, p, c = inputs()
     lo, hi = (0, CUT) if rank == 0 else (CUT, V)
     zt, pt, ct = (torch.from_numpy(a[lo:hi].copy()) for a in (z, p, c))
@@ -79,17 +80,17 @@ def rank_worker(reps: int) -> None:
     def synced(fn):
         def run():
             fn()
-            dist.barrier()
+            coord.everyone(True)
 
         return run
 
     result = {
-        "construct_2": _trial(synced(lambda: dist_ops.counts_from_logits(zt)), reps),
-        "resid_2": _trial(synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3)), reps),
+        "construct_2": _trial(synced(lambda: dist_ops.counts_from_logits(zt, 1.0, coord)), reps),
+        "resid_2": _trial(synced(lambda: dist_ops.residual_sample(pt, ct, U53 // 3, coord)), reps),
     }
     if rank == 0:
         print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    coord.leave()
 
 
 def main() -> int:

@@ -127,6 +127,12 @@ class ErrorCode(IntEnum):
     # A Spark TP group's attempt header or row table that no rank 0 could have
     # written (docs/tp.md): rank-local, never on the wire.
     GROUP_HEADER_INVALID = 104
+    # A sharded worker rank's STEP that the group's other links did not send within
+    # the match timeout (protocol §6.7): a COMPLETION status.
+    GROUP_UNMATCHED = 105
+    # A sharded link whose group nonce another live link of the worker rank serves
+    # (§6.7): fatal at the handshake.
+    GROUP_IN_USE = 106
 
     # -- liveness and connection (110..127) ------------------------------------
     IDLE_TIMEOUT = 110

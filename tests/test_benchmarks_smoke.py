@@ -365,3 +365,28 @@ def test_adaptive_smoke():
     d = result["diagnostic"]
     assert 0 <= d["mean_acceptance"] <= 1
     assert -1 <= d["correlation_q_acceptance"] <= 1
+
+
+@pytest.mark.bench
+def test_hostile_group_smoke():
+    pytest.importorskip("torch")
+    result = run_json(
+        "hostile_group.py", "--vocab", "128", "--reps", "1", "--max-tokens", "4", "--json"
+    )
+    assert result["same_tokens"]  # the attack changes no token of the legitimate run
+    assert result["attacked_vs_quiet"] == pytest.approx(
+        result["attacked_tokens_per_s"] / result["quiet_tokens_per_s"]
+    )
+    # No hostile STEP is ever drawn: none matches a session of the legitimate group's.
+    assert all(t["proposals"] == 0 for t in result["attackers"].values())
+
+
+@pytest.mark.bench
+def test_group_memory_smoke():
+    pytest.importorskip("torch")
+    result = run_json(
+        "group_memory.py", "--connections", "1", "--vocab", "1024", "--hold", "0.5",
+        "--settle", "1", "--json",
+    )  # fmt: skip
+    assert result["growth_mib"] == pytest.approx(result["peak_mib"] - result["baseline_mib"])
+    assert result["growth_within_bound"]

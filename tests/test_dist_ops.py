@@ -74,3 +74,262 @@ def test_a_kernel_refuses_a_piece_that_is_not_its_range():
         return "ok"
 
     assert run_in_threads(2, body, layout=layout) == ["ok", "ok"]
+
+
+# -- the batched kernels: one set of collectives for many rows, each row as numpy's -------
+
+
+def _logit_rows(v: int, seed: int) -> list[np.ndarray]:
+    """Rows that exercise every path: smooth, spread, ties, -inf entries, refused rows."""
+    rng = np.random.default_rng(seed)
+    return [
+        rng.standard_normal(v) * 3.0,
+        rng.standard_normal(v) * 60.0,  # most weights underflow: remainders near or at 0
+        np.zeros(v),  # every remainder equal: the leftover tickets are ties across ranks
+        np.where(rng.random(v) < 0.5, -np.inf, rng.standard_normal(v)),
+        np.full(v, -np.inf),  # ZERO_MASS
+        np.where(np.arange(v) == v // 2, np.nan, 0.0),  # WEIGHT_NON_FINITE
+        np.where(np.arange(v) == v - 1, np.inf, 0.0),  # WEIGHT_NON_FINITE
+        np.round(rng.standard_normal(v) * 2.0),  # many equal logits: ties in the top k
+    ]
+
+
+def _unsharded(logits: np.ndarray, temperature: float, support: int, u24: int):
+    """What one process builds and draws: (token, dense counts over V) or the code."""
+    from pp1wire.errors import Pp1Error
+    from pp1wire.q.proposal import build_row
+
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            counts, ids = build_row(logits, temperature, support or None)
+        pick = dyadic.sample(counts, u24)
+    except Pp1Error as exc:
+        return exc.code
+    whole = np.zeros(logits.size, dtype=np.int64)
+    if ids is None:
+        whole[:] = counts
+        return pick, whole
+    whole[ids] = counts
+    return int(ids[pick]), whole
+
+
+def _built(coord: GroupCoordinator, logits, specs) -> list:
+    """Each row's (token, this rank's dense piece of q) or its code."""
+    from pp1wire.errors import Pp1Error
+
+    assert coord.layout is not None
+    lo, hi = coord.layout.range(coord.rank)
+    out = []
+    for got in dist_ops.construct_rows(logits, specs, coord):
+        if isinstance(got, Pp1Error):
+            out.append(got.code)
+            continue
+        piece = np.zeros(hi - lo, dtype=np.int64)
+        if got.ids is None:
+            piece[:] = got.counts
+        else:
+            assert np.all(np.diff(got.ids) > 0)
+            assert np.all((got.ids >= lo) & (got.ids < hi))
+            piece[got.ids.astype(np.int64) - lo] = got.counts
+        out.append((got.token, piece))
+    return out
+
+
+def _construct_case(v: int, seed: int):
+    rows = _logit_rows(v, seed)
+    kinds = [(1.0, 0), (0.7, 0), (1.3, 5), (1.0, 1), (0.0, 0), (0.0, 3), (0.5, 32)]
+    rng = np.random.default_rng(seed + 1)
+    cases = []
+    for logits in rows:
+        for temperature, support in kinds:
+            cases.append((logits, temperature, support, int(rng.integers(0, 1 << 24))))
+    return cases
+
+
+def _compare_construction(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
+    from pp1wire.errors import ErrorCode
+
+    assert coord.layout is not None
+    lo, hi = coord.layout.range(coord.rank)
+    cases = _construct_case(v, seed)
+    # The last row's drafter failed on rank 1 only: every rank gets that code for it.
+    specs = [dist_ops.RowSpec(t, k, u24) for (_, t, k, u24) in cases]
+    specs.append(dist_ops.RowSpec(1.0, 0, 5, drafter_code=84 if coord.rank == 1 else 0))
+    logits = np.stack([c[0][lo:hi] for c in cases] + [np.zeros(hi - lo)])
+    got = _built(coord, logits, specs)
+    failures = []
+    for n, (case, mine) in enumerate(zip(cases, got[:-1], strict=True)):
+        want = _unsharded(*case)
+        if isinstance(want, ErrorCode) or isinstance(mine, ErrorCode):
+            if want != mine:
+                failures.append(f"case {n}: {mine} != {want}")
+        elif mine[0] != want[0] or not np.array_equal(mine[1], want[1][lo:hi]):
+            failures.append(f"case {n} (T={case[1]}, k={case[2]}): token {mine[0]} vs {want[0]}")
+    if got[-1] != ErrorCode.BAD_SHAPE:
+        failures.append(f"a rank's drafter failure: {got[-1]}")
+    return failures
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [(0, 20, 37), (0, 10, 10, 37), (0, 5, 37), (0, 0, 37), (0, 999, 1000), (0, 300, 700, 1000)],
+    ids=["2 ranks", "3 ranks, middle empty", "ties span ranks", "first empty", "uneven", "3 ranks"],
+)
+def test_a_batch_of_rows_is_built_and_drawn_as_numpy_builds_each(bounds):
+    layout = ShardLayout(bounds)
+    v = layout.vocab_size
+    results = run_in_threads(
+        layout.shards, lambda c: _compare_construction(c, v, 11), layout=layout
+    )
+    for rank, result in enumerate(results):
+        assert result == [], f"rank {rank}: {result}"
+
+
+def _targets(v: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    good = rng.random(v) ** 4
+    return [
+        good,
+        np.where(np.arange(v) % 3 == 0, 0.0, good),
+        np.where(np.arange(v) == 1, np.nan, good),  # TARGET_NON_FINITE
+        np.where(np.arange(v) == v - 1, -1e-9, good),  # TARGET_NEGATIVE
+        np.where(np.arange(v) == v - 1, np.inf, good),  # TARGET_NON_FINITE
+        np.zeros(v),  # TARGET_ZERO_MASS
+        np.full(v, 1e308),  # the total overflows: TARGET_ZERO_MASS
+    ]
+
+
+def _compare_targets(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
+    from pp1wire.errors import ErrorCode, VerifyError
+
+    assert coord.layout is not None
+    lo, hi = coord.layout.range(coord.rank)
+    rows = _targets(v, seed)
+    got = dist_ops.normalize_targets(np.stack([r[lo:hi] for r in rows]), coord)
+    failures = []
+    usable = []
+    for n, raw in enumerate(rows):
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                want = verify.check_target(raw, v)
+        except VerifyError as exc:
+            if got.codes[n] != exc.code:
+                failures.append(f"target {n}: {got.codes[n]} != {exc.code}")
+            continue
+        if got.codes[n] is not None or not np.array_equal(got.normalized(n), want[lo:hi]):
+            failures.append(f"target {n} normalized")
+        if any(got.at(n, x) != want[x] for x in range(lo, hi)):
+            failures.append(f"target {n}: p(x) one at a time")
+        usable.append(want)
+    # Draws from every usable p and from residuals against dense q (one empty: p = q).
+    rng = np.random.default_rng(seed + 2)
+    weights, draws, expect = [], [], []
+    for p in usable:
+        q = dyadic.counts_from_weights(p)
+        mine = dist_ops.residual_rows(p[lo:hi], (q / dyadic.M)[lo:hi])
+        if not np.array_equal(mine, verify.residual(p, q)[lo:hi]):
+            failures.append("residual")
+        # p itself, its residual against q, and an empty residual (p = q exactly).
+        for w in (p, verify.residual(p, q), verify.residual(q / dyadic.M, q)):
+            u53 = int(rng.integers(0, U53))
+            weights.append(w[lo:hi])
+            draws.append(u53)
+            try:
+                expect.append(verify.sample_weights(w, u53))
+            except VerifyError as exc:
+                expect.append(exc.code)
+    empty = np.zeros(v)
+    weights.append(empty[lo:hi])
+    draws.append(7)
+    expect.append(ErrorCode.EMPTY_RESIDUAL)
+    picks = dist_ops.sample_weights_rows(np.stack(weights), draws, coord)
+    # A row the target could not score on one rank fails on every rank; the others go on.
+    both = dist_ops.normalize_targets(
+        [rows[0][lo:hi], rows[0][lo:hi]], coord, [False, coord.rank == coord.world - 1]
+    )
+    if both.codes != [None, ErrorCode.TARGET_FAILED]:
+        failures.append(f"a row lost on one rank: {both.codes}")
+    if picks != expect:
+        failures.append(f"draws from weights: {picks} != {expect}")
+    # Counts drawn with 24-bit draws, and the refusals of a bad draw or a wrong total.
+    q = dyadic.counts_from_weights(usable[0])
+    bad = q.copy()
+    bad[0] += 1
+    u24s = [0, 1, 12_345_678, dyadic.M - 1, dyadic.M, 3]
+    rows24 = np.stack([q[lo:hi]] * 5 + [bad[lo:hi]])
+    want24 = [dyadic.sample(q, u) for u in u24s[:4]]
+    want24 += [ErrorCode.BAD_DRAW, ErrorCode.MASS_MISMATCH]
+    got24 = dist_ops.sample_counts(rows24, u24s, coord)
+    if got24 != want24:
+        failures.append(f"count draws: {got24} != {want24}")
+    return failures
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [(0, 20, 37), (0, 10, 10, 37), (0, 0, 37), (0, 500, 1000)],
+    ids=["2 ranks", "3 ranks, middle empty", "first empty", "even"],
+)
+def test_batched_normalization_and_draws_equal_numpys_row_by_row(bounds):
+    layout = ShardLayout(bounds)
+    v = layout.vocab_size
+    results = run_in_threads(layout.shards, lambda c: _compare_targets(c, v, 3), layout=layout)
+    for rank, result in enumerate(results):
+        assert result == [], f"rank {rank}: {result}"
+
+
+def test_the_batched_kernels_run_one_set_of_collectives_whatever_the_batch():
+    # Whatever the rows, a batch costs the same collectives: the count is fixed by the
+    # kinds of row in it, not by their number (the point of batching a step).
+    layout = ShardLayout.even(64, 2)
+
+    def body(coord: GroupCoordinator) -> list[int]:
+        counts = []
+        for rows in (1, 6):
+            rng = np.random.default_rng(rows)
+            x = rng.standard_normal((rows, 32))
+            before = coord.collectives
+            dist_ops.construct_rows(x, [dist_ops.RowSpec(1.0, 0, 5)] * rows, coord)
+            counts.append(coord.collectives - before)
+            before = coord.collectives
+            t = dist_ops.normalize_targets(np.exp(x), coord)
+            dist_ops.sample_weights_rows(
+                np.stack([t.normalized(i) for i in range(rows)]), [1] * rows, coord
+            )
+            counts.append(coord.collectives - before)
+        return counts
+
+    a, b = run_in_threads(2, body, layout=layout)
+    assert a == b == [4, 3, 4, 3]
+
+
+def test_the_threshold_comes_from_the_ranks_guesses_or_from_one_more_collective():
+    # With its histogram each rank sends the remainders around its own guess of where
+    # the leftover tickets' threshold lies. Rows whose threshold every guess covers
+    # need no fifth collective; a rank whose guess misses (its shard unlike the rest)
+    # or whose guessed buckets hold too many values makes the group ask for the
+    # threshold's bucket. Either way each row is numpy's.
+    v = 10_000
+    layout = ShardLayout.even(v, 2)
+    rng = np.random.default_rng(4)
+    smooth = rng.standard_normal((3, v)) * 2.0
+    skewed = np.concatenate([rng.standard_normal(v // 2) * 3.0, np.full(v - v // 2, -9.0)])
+    uniform = np.zeros(v)
+
+    def body(coord: GroupCoordinator) -> list:
+        lo, hi = layout.range(coord.rank)
+        out = []
+        for rows in (smooth, skewed[None, :], uniform[None, :]):
+            specs = [dist_ops.RowSpec(1.0, 0, 777 + i) for i in range(len(rows))]
+            before = coord.collectives
+            got = _built(coord, np.ascontiguousarray(rows[:, lo:hi]), specs)
+            spent = coord.collectives - before
+            for row, (token, piece), spec in zip(rows, got, specs, strict=True):
+                want_token, want = _unsharded(row, 1.0, 0, spec.u24)
+                assert token == want_token
+                assert np.array_equal(piece, want[lo:hi])
+            out.append(spent)
+        return out
+
+    a, b = run_in_threads(2, body, layout=layout)
+    assert a == b == [4, 5, 5]

@@ -41,6 +41,7 @@ SPARK_BREAK: dict[str, dict[str, Any]] = {
     "shards": {"shards": 2, "shard": 1, "shard_start": 4, "shard_end": VOCAB, "layout": 5},
     # The Spark side sent "": a worker echoing a stop-rule set upgraded it.
     "stop_rules": {"stop_rules": "pp1-stop-rules-v1"},
+    "group": {"group": bytes(16)},  # a group nonce on an unsharded link
 }
 
 

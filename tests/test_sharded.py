@@ -46,13 +46,20 @@ def committed(group: RunningGroup) -> list[tuple[float, float]]:
     return out
 
 
-def sharded_workers(*faults: str, vocab: int = VOCAB, env: dict[str, str] | None = None):
-    return worker_group("--log-level", "warning", vocab=vocab, seed=SEED, faults=faults, env=env)
+def sharded_workers(
+    *faults: str, vocab: int = VOCAB, env: dict[str, str] | None = None, extra: tuple = ()
+):
+    return worker_group(
+        "--log-level", "warning", *extra, vocab=vocab, seed=SEED, faults=faults, env=env
+    )
+
+
+MATCH_TIMEOUT = 1.0  # the shared group's: its unmatched STEPs are answered this soon
 
 
 @pytest.fixture(scope="module")
 def group():
-    with sharded_workers() as running:
+    with sharded_workers(extra=("--match-timeout", str(MATCH_TIMEOUT))) as running:
         yield running
 
 
@@ -217,6 +224,8 @@ def test_conformance_cases_pass_against_the_sharded_worker_group(group):
         "--case",
         "4.1",
         "6.7",
+        "--match-wait",
+        str(MATCH_TIMEOUT + 2),
         "--json",
         timeout=180,
     )
@@ -226,7 +235,7 @@ def test_conformance_cases_pass_against_the_sharded_worker_group(group):
         for r in map(json.loads, (ln for ln in done.stdout.splitlines() if ln.startswith("{")))
     }
     assert {i: g for i, g in results.items() if i.startswith("6.7")} == {
-        f"6.7.{n}": "pass" for n in range(1, 6)
+        f"6.7.{n}": "pass" for n in range(1, 9)
     }
     assert all(g in ("pass", "informational") for g in results.values()), results
 
@@ -249,3 +258,108 @@ def test_a_sharded_group_honours_tls_and_metrics_like_one_rank(tmp_path, capsys)
         # Without the CA the links are refused as on one rank: one line, exit 1.
         refused = lead(run_group(2, *spark_flags(workers.address), sharded=True))
         assert refused.code == 1
+
+
+async def _collide(address: str, seed: int) -> tuple[bool, bool]:
+    """One collide attempt: a foreign link to rank 1 sends a group session's exact STEP
+    (slot 0, generation 0, round 0, the prompt's digest: all predictable) just before
+    the session does. Returns (the foreign link got a proposal, the session got its own
+    on both links, the same tokens)."""
+    import asyncio
+    import dataclasses
+
+    from pp1wire.testing.conformance.core import Peer, Settings
+
+    host, port = address.rsplit(":", 1)
+    # A Settings of its own is a group session of its own (a fresh group nonce).
+    victim = Settings(host=host, port=int(port), vocab=VOCAB, shards=2, timeout=MATCH_TIMEOUT + 3)
+    foreign = Settings(host=host, port=int(port) + 1, vocab=VOCAB, shards=2, shard=1)
+    foreign.timeout = victim.timeout
+    links = [Peer(dataclasses.replace(victim, port=int(port) + r, shard=r)) for r in (0, 1)]
+    thief = Peer(foreign)
+    try:
+        for peer, s in ((thief, seed + 1), (links[0], seed), (links[1], seed)):
+            await peer.connect()
+            await peer.handshake()
+            await peer.open_slot(seed=s)
+        thief.send_msg(thief.step_msg(depth=3))
+        await asyncio.sleep(0)
+        for peer in links:
+            peer.send_msg(peer.step_msg(depth=3))
+
+        async def answer(peer: Peer) -> tuple[int, tuple[int, ...]]:
+            tokens: list[int] = []
+            while True:
+                frame = await peer.next()
+                if frame is None or frame.type.name == "ERROR":
+                    return -1, ()
+                if frame.type.name == "REPLY":
+                    tokens.append(frame.message.token)
+                if frame.type.name == "COMPLETION":
+                    return frame.message.status, tuple(tokens)
+
+        got = await asyncio.gather(answer(thief), *(answer(p) for p in links))
+    finally:
+        for peer in (thief, *links):
+            peer.close()
+    (stolen, _), (a, ta), (b, tb) = got
+    return stolen == 0, a == 0 and b == 0 and ta == tb
+
+
+def test_no_step_is_matched_across_group_sessions_in_20_collide_attempts(group):
+    # Before: the match key named no session, so the foreign STEP was drawn with the
+    # session's rank-0 STEP (the proposal from the session's seed handed to the
+    # foreign peer) and the session's own rank-1 STEP was never answered.
+    import asyncio
+
+    async def waves() -> list[tuple[bool, bool]]:
+        out: list[tuple[bool, bool]] = []
+        for wave in range(4):  # 5 attempts at once: 15 links, within --max-connections
+            out += await asyncio.gather(
+                *(_collide(group.address, 100 + 5 * wave + i) for i in range(5))
+            )
+        return out
+
+    results = asyncio.run(waves())
+    assert len(results) == 20
+    assert sum(stolen for stolen, _ in results) == 0, results
+    assert all(served for _, served in results), results
+
+
+def test_a_second_link_of_one_group_session_on_a_rank_is_refused(group):
+    # One live link per group nonce and rank: its STEPs are matched unambiguously. Once
+    # the first link closes, the nonce is free again.
+    import asyncio
+    import dataclasses
+
+    from pp1wire.errors import ErrorCode
+    from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
+
+    host, port = group.address.rsplit(":", 1)
+    s = Settings(host=host, port=int(port) + 1, vocab=VOCAB, shards=2, shard=1)
+
+    async def link() -> Peer:
+        peer = await Peer(dataclasses.replace(s)).connect()
+        await peer.handshake()
+        return peer
+
+    async def scenario() -> int:
+        first = await link()
+        second = await link()  # the worker's HELLO, then the refusal
+        try:
+            await second.expect_error(ErrorCode.GROUP_IN_USE, fatal=True)
+        finally:
+            second.close()
+        first.close()
+        for attempt in range(100):  # until the worker has seen the first link close
+            third = await link()
+            try:
+                await third.open_slot()
+                return attempt
+            except CaseFailed:
+                continue
+            finally:
+                third.close()
+        raise AssertionError("the group nonce stayed in use after its link closed")
+
+    asyncio.run(scenario())

@@ -27,9 +27,10 @@ from pp1wire.wire import framing, worker_core
 from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
-from pp1wire.wire.worker_events import Proposer
+from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
 
 log = logging.getLogger("pp1wire.worker")
+
 
 # Round trips and draws on loopback span 50 us to seconds.
 SECONDS_BUCKETS = (
@@ -236,7 +237,7 @@ class _Conn(asyncio.BufferedProtocol):
             srv.drafter,
             session=next(srv.sessions),
             now=self.accepted_at,
-            defer_draws=srv.draw_pool is not None,
+            defer_draws=srv.draw_pool is not None or srv.group is not None,
             proposer=srv.proposer,
         )
         srv.conns.add(self)
@@ -280,6 +281,16 @@ class _Conn(asyncio.BufferedProtocol):
             return
         self.server.conns.discard(self)
         self._events(core.close_with(ErrorCode.CONNECTION_LIMIT))
+        self._flush()
+
+    def refuse(self, code: ErrorCode) -> None:
+        """Close this connection with a fatal ERROR ``code`` (``GROUP_IN_USE``)."""
+        core = self.core
+        if core is None or core.closed:
+            return
+        log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
+        self.server.metrics.refusals.labels(code=code.name.lower()).inc()
+        self._events(core.close_with(code))
         self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -518,6 +529,7 @@ class WorkerServer:
         run_batch: BatchRunner | None = None,
         max_draw_batch: int | None = None,
         draw_gather: float = DRAW_GATHER_S,
+        group: GroupDraws | None = None,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -542,8 +554,10 @@ class WorkerServer:
         pool thread (default: :func:`~pp1wire.wire.draws.default_runner`), a
         free thread waiting up to ``draw_gather`` seconds for the STEPs a
         connection's COMMITs announced. 0 draws on the event loop.
-        ``proposer`` replaces the local proposal chain (a rank of a
-        vocabulary-sharded worker group).
+        ``proposer`` replaces the local proposal chain; ``group`` draws every
+        STEP instead (a rank of a vocabulary-sharded worker group: a link joins
+        it at its handshake, and one whose group nonce the rank already serves
+        is closed, ``GROUP_IN_USE``).
 
         Raises:
             ValueError: for a limit below 1, a timeout that is not above 0, or a
@@ -563,6 +577,7 @@ class WorkerServer:
         self.config = config
         self.drafter = drafter
         self.proposer = proposer
+        self.group = group
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.slot_idle_timeout = slot_idle_timeout
@@ -641,12 +656,19 @@ class WorkerServer:
                 conn.evict(refused=True)
                 return
             victim.evict()
+        core = conn.core  # a sharded link joins its group session: one per session and rank
+        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
+            conn.refuse(ErrorCode.GROUP_IN_USE)
 
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
         """Queue ``conn``'s draw (docs/protocol.md §4.4); batches are taken once the
         frames at hand are handled, so that STEPs read together are drafted together."""
+        if self.group is not None:  # its result comes back on a thread of the group's
+            loop = asyncio.get_running_loop()
+            self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
+            return
         self.draws.submit(conn, job, now=time.monotonic(), tag=job.step.slot)
         if not self._scheduling:
             self._scheduling = True
@@ -654,6 +676,8 @@ class WorkerServer:
 
     def forget_draws(self, conn: _Conn) -> None:
         """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
+        if self.group is not None:
+            self.group.leave(conn)
         self.draws.drop(conn)
         self.metrics.draws_queued.set(self.draws.queued)
 
@@ -793,6 +817,13 @@ class WorkerServer:
         if self.server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+
+def _group_drawn(
+    loop: asyncio.AbstractEventLoop, conn: _Conn, job: worker_core.DrawJob, result: DrawResult
+) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+        loop.call_soon_threadsafe(conn._drawn, job, result)
 
 
 def _idle_since(conn: _Conn) -> float:

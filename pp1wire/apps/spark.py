@@ -398,9 +398,13 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
 
 
 def spark_config(
-    args: argparse.Namespace, plan: Plan, layout: ShardLayout | None, rank: int
+    args: argparse.Namespace,
+    plan: Plan,
+    layout: ShardLayout | None,
+    rank: int,
+    group: bytes = b"",
 ) -> SparkConfig:
-    """This rank's HELLO settings."""
+    """This rank's HELLO settings (``group``: a sharded group's nonce)."""
     return SparkConfig(
         vocab_size=args.vocab,
         vocab_hash=args.vocab_hash,
@@ -416,6 +420,7 @@ def spark_config(
         layout=layout,
         shard=rank if layout is not None else 0,
         stop_rules="" if plan.stop.kind is StopKind.FIXED else STOP_RULES,
+        group=group,
     )
 
 
@@ -473,11 +478,15 @@ async def run_rank(
     rank, layout = 0, None
     strategy: Strategy
     finish: Callable[[], None] | None = None  # ends a group's attempts (replicated TP)
+    nonce = b""  # a sharded group's nonce, on every link's HELLO
     if coord is not None and mode.sharded:
         from pp1wire.apps.spark_sharded import ShardedStrategy  # noqa: PLC0415 - needs torch
 
         rank, layout = coord.rank, coord.layout
-        strategy = ShardedStrategy(coord, batched(target))
+        sharded = ShardedStrategy(coord, batched(target))
+        if plan.depth > 0:
+            nonce = await asyncio.to_thread(sharded.group_nonce)
+        strategy = sharded
     elif coord is not None:
         from pp1wire.apps import spark_tp  # noqa: PLC0415 - needs torch
         from pp1wire.tp.group import SparkGroup  # noqa: PLC0415
@@ -500,7 +509,7 @@ async def run_rank(
         link = Link(
             host,
             port + rank,
-            spark_config(args, plan, layout, rank),
+            spark_config(args, plan, layout, rank, nonce),
             m,
             tls=tls_context(args.tls_ca),
             reconnect=not mode.sharded,

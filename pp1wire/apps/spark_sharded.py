@@ -2,8 +2,9 @@
 
 Every rank runs the same round driver (:class:`pp1wire.apps.driver.RoundDriver`)
 on the same requests (``docs/protocol.md`` §6.7): rank r connects to the worker
-address's port + r, declares shard r of the even layout in HELLO, and sends the
-same OPEN, STEP and COMMIT on its link as every other rank. What a link alone
+address's port + r, declares shard r of the even layout and the group's nonce
+(:meth:`ShardedStrategy.group_nonce`) in HELLO, and sends the same OPEN, STEP
+and COMMIT on its link as every other rank. What a link alone
 decides — can this request STEP, did its proposal arrive, stop — the ranks
 agree on (:meth:`ShardedStrategy.agree`: the first rank's reason wins), and
 each step is decided by the group together
@@ -16,6 +17,7 @@ mode: the ranks' links could come back at different generations).
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from pp1wire.apps.driver import Round, Verdict, verdict_of
 from pp1wire.q.verify import BatchTargetFn
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound
+from pp1wire.wire.messages import GROUP_NONCE_SIZE
 
 
 class ShardedStrategy:
@@ -39,6 +42,25 @@ class ShardedStrategy:
         self.group = ShardedVerifyGroup(coord)
         self.target = target
         self.link_bytes = 0
+
+    def group_nonce(self) -> bytes:
+        """The group session's nonce, the same on every rank: rank 0 draws 16 random
+        bytes and broadcasts them (one collective). Every link of the group carries it
+        in HELLO, so that the worker ranks match its STEPs only with each other's
+        (``docs/protocol.md`` §6.7).
+
+        Raises:
+            GroupFailedError: the collective failed.
+        """
+        words = torch.zeros(2, dtype=torch.int64)
+        if self.coord.rank == 0:
+            drawn = secrets.token_bytes(GROUP_NONCE_SIZE)
+            words = torch.tensor(
+                [int.from_bytes(drawn[i : i + 8], "little", signed=True) for i in (0, 8)],
+                dtype=torch.int64,
+            )
+        shared = self.coord.broadcast(words, 0).tolist()
+        return b"".join(int(w).to_bytes(8, "little", signed=True) for w in shared)
 
     def agree(self, local: list[int]) -> list[int]:
         """Per entry, the first rank's nonzero value (one all-gather).

@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.seconds,
         default=5.0,
         metavar="SECONDS",
-        help="how long a rank waits for the STEP another rank is drawing to reach its own link",
+        help="how long a rank of a sharded group holds a STEP that the group's other links "
+        "have not sent (then it answers GROUP_UNMATCHED)",
     )
     p.add_argument(
         "--handshake-timeout",
@@ -389,13 +390,11 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return worker_tp.launch(world, list(argv))
     drafter: DrafterFn = settings.make_plugin(args.drafter, vocab_size=args.vocab, seed=args.seed)
     group = worker_tp.join(args, drafter) if world > 1 else None
-    rank, port_wanted, draw_threads = 0, args.port, args.draw_threads
+    rank, port_wanted = 0, args.port
     if group is not None:
         layout, rank, _ = group
         config = dataclasses.replace(config, layout=layout, shard=rank)
         port_wanted += rank
-        # Every slot's draw waits for the group: one thread per slot keeps them from queueing.
-        draw_threads = max(draw_threads, args.max_slots)
     ctx = None
     if args.tls_cert:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -418,8 +417,8 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         slot_idle_timeout=args.slot_idle_timeout,
         ssl_context=ctx,
         busy_poll=args.busy_poll,
-        draw_threads=draw_threads,
-        proposer=group[2] if group is not None else None,
+        draw_threads=args.draw_threads,
+        group=group[2] if group is not None else None,
         max_draw_batch=None if group is not None else args.max_draw_batch,
     )
     port = await server.start(args.host, port_wanted)

@@ -3,8 +3,10 @@
 ``pp1-worker --tp N`` starts N ranks on this machine (:func:`pp1wire.apps.ranks.launch`,
 as ``pp1-spark --tp N`` does); ``torchrun --nproc-per-node N -m pp1wire.apps.worker``
 starts them directly. Rank r listens on ``--port`` + r and serves the link of
-Spark rank r, declaring shard r of the even layout in HELLO; the ranks draw
-every STEP together (:class:`pp1wire.tp.shard_worker.ShardedDrafting`). Only
+Spark rank r, declaring shard r of the even layout in HELLO; the ranks match
+each STEP with the same group session's on every link, then draw the matched
+ones together (:class:`pp1wire.tp.shard_worker.ShardedDrafting`, the server's
+``group`` hook). Only
 rank 0 prints the ``listening`` line on stdout (the others on stderr). Torch is
 imported only here, so an unsharded worker never needs it.
 """

@@ -1,324 +1,769 @@
-"""The vocabulary-sharded kernels across the ranks of a ``torch.distributed`` group.
+"""The vocabulary-sharded kernels across the ranks of a ``torch.distributed`` group, by batch.
 
 Rank ``r`` holds the contiguous slice of the global vocabulary that its
-coordinator's layout gives it (any sizes, empty ones included). Every function
-runs the same collectives, with the same fixed shapes, on every rank and in
-the same order whatever the data (failure paths included: refusals are
-decided from all-reduced flags, so every rank raises the same error after the
-same collectives). The results equal :mod:`pp1wire.q.sharding` and the
-unsharded numpy kernels (``docs/protocol.md`` §6.6); the rank-local work is
-:mod:`pp1wire.q.torch_ops` on the shard's own device.
+coordinator's layout gives it (any sizes, empty ones included). Every kernel
+takes a batch of rows (``rows x shard``: row i of every rank is one global
+row) and runs **one** fixed set of collectives for the whole batch, the same
+on every rank and in the same order whatever the data: the number and kinds
+of rows are the caller's, identical on every rank; a row's refusal is decided
+from flags every rank sees, so each row gets the same code on every rank
+(returned, never raised, so that the other rows go on). The results equal the
+unsharded numpy functions of :mod:`pp1wire.q.dyadic` and :mod:`pp1wire.q.verify`
+row for row, bit for bit (``docs/protocol.md`` §6.6; ``tests/test_dist_ops.py``).
 
-Every collective goes through the rank's
+The rank-local work is numpy on the host (the collectives are the control
+group's, gloo); every collective goes through the rank's
 :class:`~pp1wire.tp.coordinator.GroupCoordinator` (a failure is the group's
-``GROUP_FAILED``); its layout is static, so no kernel gathers shard sizes.
+``GROUP_FAILED``, raised). The layout is static, so every rank knows every
+rank's part of the canonical tree of §6.6 without a collective.
+
+Collectives per batch (every one of fixed shape, given the batch):
+
+* :func:`normalize_targets` — 1 (an all-gather of flags and cover totals);
+* :func:`sample_weights_rows` — 2 (cover totals; the drawn IDs);
+* :func:`construct_rows` — 1 for the maxima, flags and the proposal draws,
+  then 3 if any row is dense (cover totals; floor sums, remainder histograms
+  and each rank's guess of the leftover tickets' bucket; the drawn IDs), 4 when
+  a guess missed, and 1 if any is sparse (the top-k offers);
+* :func:`sample_counts` — 2 (shard totals; the drawn IDs).
+
+The single-row functions (:func:`counts_from_logits`, :func:`sample`, …) are
+these with one row, raising the row's code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from pp1wire.errors import ConstructionError, ErrorCode, ValidationError, VerifyError
-from pp1wire.q import dyadic, torch_ops, tree
-from pp1wire.q.torch_ops import M
-from pp1wire.tp.coordinator import MAX, SUM, GroupCoordinator, ReduceOp
+from pp1wire.errors import (
+    ConstructionError,
+    ErrorCode,
+    Pp1Error,
+    ValidationError,
+    VerifyError,
+)
+from pp1wire.q import dyadic, tree
+from pp1wire.q.dyadic import M
+from pp1wire.tp.coordinator import MAX, GroupCoordinator
+from pp1wire.tp.shard_tree import TreePlan, plan_of
+
+Float64Array = npt.NDArray[np.float64]
+Int64Array = npt.NDArray[np.int64]
 
 _U53 = float(1 << 53)
+_MIN_NORMAL = 2.2250738585072014e-308
+# The leftover tickets' threshold is found by bucket: remainders in [0, 1) are
+# bucketed by their binary64 bits (for non-negative floats the bits order as the
+# values do), 16 buckets per binade down to 2**-128, everything below in bucket 0.
+_SUB_BITS: Final = 4
+_LOW_EXPONENT: Final = 1023 - 128
+_BUCKETS: Final = 1 + (128 << _SUB_BITS)
+# With its histogram each rank sends its remainders in the three buckets around its own
+# guess of the threshold (where its count from the top reaches its remainders' sum, as
+# the group's does at the group's sum), or in the guessed bucket alone, if they are at
+# most this many: usually the threshold's bucket is among them on every rank, and no
+# further collective is needed.
+_WINDOW: Final = 4096
+_GUESS: Final = 1 + _BUCKETS  # the guess's words: first bucket, last bucket, how many
+_WORDS: Final = _GUESS + 3 + _WINDOW
 
 
-class Layout:
-    """Where this rank's shard sits in the global vocabulary: the coordinator's static
-    layout (no collective), and the collectives the kernels run through it."""
-
-    def __init__(self, coord: GroupCoordinator, local_size: int, device: torch.device):
-        """This rank's range of ``coord.layout``.
-
-        Raises:
-            ValueError: if the coordinator has no layout, or ``local_size`` is not
-                the size of this rank's range.
-        """
-        if coord.layout is None:
-            raise ValueError("the sharded kernels need a coordinator with a vocabulary layout")
-        self.coord = coord
-        self.device = device
-        self.world = coord.world
-        self.rank = coord.rank
-        self.start, self.stop = coord.layout.range(coord.rank)
-        if self.stop - self.start != local_size:
-            raise ValueError(
-                f"rank {coord.rank} holds {local_size} entries, its range has "
-                f"{self.stop - self.start}"
-            )
-        self.total_size = coord.layout.vocab_size
-        self.depth = tree.depth_for(self.total_size)
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (same shape on all ranks), stacked in rank order."""
-        return self.coord.all_gather(t)
-
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """``t`` reduced over the group (a new tensor)."""
-        return self.coord.all_reduce(t, op)
-
-    def flags(self, *local: bool) -> list[bool]:
-        """Each flag OR-ed over the group (one all-reduce, the same on every rank)."""
-        return self.coord.flags(*local)
+def _rows(values: npt.ArrayLike, plan: TreePlan) -> Float64Array:
+    x: Float64Array = np.ascontiguousarray(values, dtype=np.float64)
+    _check_width(x, plan)
+    return x
 
 
-class _Tree:
-    """The canonical tree across the group: cover nodes local, the rest shared."""
-
-    def __init__(self, values: torch.Tensor, layout: Layout):
-        depth = layout.depth
-        stop = layout.stop if layout.rank < layout.world - 1 else 1 << depth
-        self.local: dict[tuple[int, int], list[torch.Tensor]] = {}
-        slots = 2 * (depth + 1)  # a range has at most 2 cover nodes per level
-        rows = torch.full((slots, 3), -1.0, dtype=torch.float64, device=layout.device)
-        for n, (level, index) in enumerate(tree.cover(layout.start, stop, depth)):
-            first = (index << level) - layout.start
-            block = values[first : first + (1 << level)]
-            padded = torch.zeros(1 << level, dtype=torch.float64, device=values.device)
-            padded[: block.numel()] = block
-            levels = torch_ops.tree_levels(padded)
-            self.local[(level, index)] = levels
-            rows[n, 0], rows[n, 1], rows[n, 2] = level, index, levels[-1][0]
-        gathered = layout.all_gather(rows).reshape(-1, 3).cpu().tolist()
-        self.owner: dict[tuple[int, int], int] = {}
-        self.upper: dict[tuple[int, int], float] = {}
-        for n, (level, index, value) in enumerate(gathered):
-            if level >= 0:
-                node = (int(level), int(index))
-                self.owner[node] = n // slots
-                self.upper[node] = value
-        for level in range(depth):
-            for index in sorted(i for (lv, i) in list(self.upper) if lv == level):
-                if index & 1 or (level + 1, index >> 1) in self.upper:
-                    continue
-                right = self.upper.get((level, index + 1))
-                if right is not None:
-                    self.upper[(level + 1, index >> 1)] = self.upper[(level, index)] + right
-        self.depth = depth
-        self.layout = layout
-
-    @property
-    def total(self) -> float:
-        return self.upper[(self.depth, 0)]
-
-    def descend(self, t: float) -> int:
-        """The global index reached (an all-reduce shares the owner's answer)."""
-        level, index = self.depth, 0
-        while (level, index) not in self.owner:
-            a, b = self.upper[(level - 1, 2 * index)], self.upper[(level - 1, 2 * index + 1)]
-            right = b > 0.0 and (a == 0.0 or t >= a)
-            t = t - a if right else t
-            level, index = level - 1, 2 * index + int(right)
-        found = -1
-        if self.owner[(level, index)] == self.layout.rank:
-            levels = self.local[(level, index)]
-            target = torch.tensor(t, dtype=torch.float64, device=levels[0].device)
-            found = (index << level) + int(torch_ops.descend(levels, target))
-        result = torch.tensor([found], dtype=torch.int64, device=self.layout.device)
-        return int(self.layout.all_reduce(result, MAX)[0])
+def _count_rows(values: npt.ArrayLike, plan: TreePlan) -> Int64Array:
+    x: Int64Array = np.ascontiguousarray(values, dtype=np.int64)
+    _check_width(x, plan)
+    return x
 
 
-def _weights_checked(w: torch.Tensor, layout: Layout, tree_: _Tree) -> float:
-    nonfinite, negative = layout.flags(
-        bool((~torch.isfinite(w)).any()), bool((w < 0).any()) if w.numel() else False
-    )
-    if nonfinite:
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
-    if negative:
-        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
-    total = tree_.total
-    if not total > 0.0:
-        raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
-    if total == float("inf"):
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "total weight overflows binary64")
-    return total
-
-
-def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest values of ``x`` (in no order).
-
-    On the CPU a linear-time partition (numpy's introselect): ``torch.topk`` with
-    a k of tens of thousands was the largest cost of a sharded row (5.8 of 27 ms
-    at 64,640 entries per rank). The values are the same either way.
-    """
-    if x.device.type != "cpu":
-        return torch.topk(x, k).values
-    if k == 0:
-        return x[:0]
-    return torch.from_numpy(np.partition(x.numpy(), x.numel() - k)[x.numel() - k :])
-
-
-def _kth_smallest(x: torch.Tensor, k: int) -> float:
-    """The value of rank ``k`` (0-based) in ascending order (a partition on the CPU)."""
-    if x.device.type != "cpu":
-        return float(torch.kthvalue(x, k + 1).values)
-    return float(np.partition(x.numpy(), k)[k])
-
-
-def _allocate(w: torch.Tensor, total: float, layout: Layout) -> torch.Tensor:
-    floors, rem = torch_ops.floors_and_remainders(
-        w, torch.tensor(total, dtype=torch.float64, device=w.device)
-    )
-    summed = layout.all_reduce(floors.sum().reshape(1), SUM)
-    remaining = M - int(summed[0])
-    if not 0 <= remaining < layout.total_size:
-        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over")
-    if remaining:
-        offer = torch.full((remaining,), -1.0, dtype=torch.float64, device=w.device)
-        best = _largest(rem, min(remaining, rem.numel()))  # values only: ties do not matter
-        offer[: best.numel()] = best
-        offers = layout.all_gather(offer).reshape(-1)
-        threshold = _kth_smallest(offers, offers.numel() - remaining)
-        above = rem > threshold
-        ties = rem == threshold
-        counts = (
-            layout.all_gather(torch.stack([above.sum(), ties.sum()]).to(torch.int64)).cpu().tolist()
+def _check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
+    if x.ndim != 2 or x.shape[1] != plan.stop - plan.start:
+        raise ValueError(
+            f"rank {plan.rank} holds {plan.stop - plan.start} entries per row, got shape {x.shape}"
         )
-        if not threshold > 0.0:
-            raise ConstructionError(
-                ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-            )
-        ties_left = remaining - sum(c[0] for c in counts) - sum(c[1] for c in counts[: layout.rank])
-        take = max(0, min(ties_left, counts[layout.rank][1]))
-        floors = floors + above.to(torch.int64)
-        tie_ids = torch.nonzero(ties).reshape(-1)[:take]
-        floors = floors.index_add(0, tie_ids, torch.ones_like(tie_ids))
-    check = layout.all_reduce(floors.sum().reshape(1), SUM)
-    if int(check[0]) != M:
-        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
-    return floors
 
 
-def counts_from_weights(w: torch.Tensor, coord: GroupCoordinator) -> torch.Tensor:
-    """This rank's piece of :func:`pp1wire.q.dyadic.counts_from_weights` of the global vector.
+def _gather(coord: GroupCoordinator, local: Float64Array) -> Float64Array:
+    """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``."""
+    out: Float64Array = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
+    return out
+
+
+def _gather_ints(coord: GroupCoordinator, local: Int64Array) -> Int64Array:
+    """:func:`_gather` of int64 words."""
+    out: Int64Array = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
+    return out
+
+
+def _found(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
+    """The owners' answers (-1 elsewhere), one all-reduce (MAX)."""
+    if not local:
+        return []
+    t = torch.tensor(list(local), dtype=torch.int64)
+    return [int(v) for v in coord.all_reduce(t, MAX).tolist()]
+
+
+# -- the target side: normalization and draws from weights -------------------------------
+
+
+@dataclass
+class TargetRows:
+    """A batch of target rows after :func:`normalize_targets`: this rank's values, each
+    row's canonical total and code (None: a distribution)."""
+
+    values: list[Float64Array]
+    totals: Float64Array
+    codes: list[ErrorCode | None]
+    start: int
+
+    def at(self, row: int, x: int) -> float:
+        """``p(x)`` of ``row`` for an ``x`` this rank owns: bit for bit ``check_target(p)[x]``."""
+        return float(self.values[row][x - self.start]) / float(self.totals[row])
+
+    def normalized(self, row: int) -> Float64Array:
+        """This rank's range of ``check_target(p)`` for ``row`` (a new array)."""
+        out: Float64Array = self.values[row] / self.totals[row]
+        return out
+
+
+def normalize_targets(
+    p: Float64Array | Sequence[Float64Array],
+    coord: GroupCoordinator,
+    failed: Sequence[bool] | None = None,
+) -> TargetRows:
+    """:func:`pp1wire.q.verify.check_target` of each global row: one all-gather.
+
+    ``p`` is ``[rows, this rank's range]``, or a sequence of such rows (views of
+    the target's output: nothing is copied). ``failed`` marks the rows this
+    rank could not score (their values are ignored): such a row gets
+    ``TARGET_FAILED`` on every rank. Otherwise each row's code is the unsharded
+    function's (``TARGET_NON_FINITE``, then ``TARGET_NEGATIVE``, then
+    ``TARGET_ZERO_MASS``), the same on every rank.
 
     Raises:
-        ConstructionError: the unsharded function's code, on every rank.
+        ValueError: rows that are not this rank's range, or ``failed`` of another length.
+        GroupFailedError: the collective failed.
     """
-    w = w.to(torch.float64)
-    layout = Layout(coord, w.numel(), w.device)
-    t = _Tree(w, layout)
-    return _allocate(w, _weights_checked(w, layout, t), layout)
+    plan = plan_of(coord)
+    width = plan.stop - plan.start
+    xs: list[Float64Array] = [np.ascontiguousarray(row, dtype=np.float64) for row in p]
+    rows = len(xs)
+    lost = [False] * rows if failed is None else list(failed)
+    if len(lost) != rows:
+        raise ValueError(f"{len(lost)} failure flags for {rows} rows")
+    if any(x.shape != (width,) for x, gone in zip(xs, lost, strict=True) if not gone):
+        raise ValueError(f"rank {plan.rank} holds {width} entries per row")
+    if not rows:
+        return TargetRows([], np.zeros(0), [], plan.start)
+    local = np.zeros((rows, 3 + plan.slots), dtype=np.float64)
+    for r, x in enumerate(xs):
+        if lost[r]:
+            local[r, 0] = 1.0
+            xs[r] = np.zeros(width)
+            continue
+        covers = plan.cover_totals(x.reshape(1, -1))[0]
+        local[r, 3:] = covers
+        with np.errstate(invalid="ignore"):
+            low = x.min() if width else 0.0
+        # The common case in two read passes; the classifying ones only when something is wrong.
+        if not (low >= 0.0 and np.isfinite(covers).all()):
+            local[r, 1] = float(not np.isfinite(x).all())
+            local[r, 2] = float(bool((x < 0).any()))
+    gathered = _gather(coord, local)
+    totals = plan.totals(gathered[:, :, 3:])[plan.root]
+    codes: list[ErrorCode | None] = []
+    for r in range(rows):
+        if gathered[:, r, 0].any():
+            codes.append(ErrorCode.TARGET_FAILED)
+        elif gathered[:, r, 1].any():
+            codes.append(ErrorCode.TARGET_NON_FINITE)
+        elif gathered[:, r, 2].any():
+            codes.append(ErrorCode.TARGET_NEGATIVE)
+        elif not (totals[r] > 0 and np.isfinite(totals[r])):
+            codes.append(ErrorCode.TARGET_ZERO_MASS)
+        else:
+            codes.append(None)
+    return TargetRows(xs, np.asarray(totals, dtype=np.float64), codes, plan.start)
 
 
-def _weights_from_logits(x: torch.Tensor, temperature: float, layout: Layout) -> torch.Tensor:
-    dyadic.check_temperature(temperature)
-    local = (
-        x.max() if x.numel() else torch.tensor(float("-inf"), dtype=torch.float64, device=x.device)
-    )
-    nan = layout.flags(bool(torch.isnan(x).any()))[0]
-    top = float(layout.all_reduce(local.reshape(1).to(torch.float64), MAX)[0])
-    top = dyadic.check_top(float("nan") if nan else top)
-    w = x - top
-    if temperature != 1.0:
-        w = w / temperature
-    return torch.exp(w)
+def residual_rows(p: npt.ArrayLike, q: npt.ArrayLike) -> Float64Array:
+    """``max(p - q, 0)`` elementwise, with ``q`` the values ``counts / 2**24`` (exact in
+    binary64): :func:`pp1wire.q.verify.residual`."""
+    r = np.subtract(p, q, dtype=np.float64)
+    np.maximum(r, 0.0, out=r)
+    return r
+
+
+def sample_weights_rows(
+    weights: npt.ArrayLike, u53s: Sequence[int], coord: GroupCoordinator
+) -> list[int | ErrorCode]:
+    """:func:`pp1wire.q.verify.sample_weights` of each global row with its draw: the
+    drawn ID, or ``EMPTY_RESIDUAL`` for a row without mass. Two collectives
+    (none for an empty batch).
+
+    The weights must be non-negative and finite (normalized targets, residuals).
+
+    Raises:
+        ValueError: rows that are not ``[len(u53s), this rank's range]``.
+        GroupFailedError: a collective failed.
+    """
+    plan = plan_of(coord)
+    w = _rows(weights, plan)
+    if w.shape[0] != len(u53s):
+        raise ValueError(f"{len(u53s)} draws for {w.shape[0]} rows")
+    if not len(u53s):
+        return []
+    upper = plan.totals(_gather(coord, plan.cover_totals(w)))
+    totals = upper[plan.root]
+    local: list[int] = []
+    for r, u53 in enumerate(u53s):
+        total = float(totals[r])
+        if not total > 0:
+            local.append(-1)
+            continue
+        node, t = plan.descend_upper(upper, r, (u53 / _U53) * total)
+        local.append(plan.descend_local(w[r], node, t) if plan.owner[node] == plan.rank else -1)
+    found = _found(coord, local)
+    return [f if float(totals[r]) > 0 else ErrorCode.EMPTY_RESIDUAL for r, f in enumerate(found)]
+
+
+# -- the worker side: q rows from logits, and their draws ----------------------------------
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How to build one row of a position: the proposal's temperature (0: greedy) and
+    sparse support (0: dense), rank 0's 24-bit PROPOSAL draw and the code its RNG
+    raised instead (other ranks: 0), and this rank's drafter failure for the row."""
+
+    temperature: float
+    support: int = 0
+    u24: int = 0
+    draw_code: int = 0
+    drafter_code: int = 0
+
+
+@dataclass(frozen=True)
+class BuiltRow:
+    """One row built by the group: the drawn global token and this rank's part of q —
+    dense counts over its range (``ids`` None), or the sparse entries in its range."""
+
+    token: int
+    counts: Int64Array | npt.NDArray[np.int32]
+    ids: npt.NDArray[np.int32] | None
+
+
+# C1 columns: the drafter's code, NaN, +inf, the maximum, its first global index,
+# rank 0's draw and its RNG code.
+_C1 = 7
+
+
+def construct_rows(
+    logits: npt.ArrayLike, specs: Sequence[RowSpec], coord: GroupCoordinator
+) -> list[BuiltRow | Pp1Error]:
+    """Build and draw a position's rows together: for each global logits row, exactly
+    what :func:`pp1wire.q.proposal.build_row` then the proposal draw give on one
+    process (greedy: the point mass at the first maximal logit; dense:
+    :func:`pp1wire.q.dyadic.counts_from_logits`; sparse:
+    :func:`~pp1wire.q.dyadic.sparse_counts_from_logits`; the token
+    :func:`pp1wire.q.dyadic.sample` picks with rank 0's draw), or the code the
+    unsharded chain raises, in its order: a drafter failure on any rank (the
+    lowest rank's code), the temperature and support checks, the logits (NaN or
+    +inf, all -inf), the allocation, then rank 0's RNG code.
+
+    Rows whose drafter failed on this rank may hold anything: the group's code
+    decides them.
+
+    Raises:
+        ValueError: rows that are not ``[len(specs), this rank's range]``.
+        GroupFailedError: a collective failed.
+    """
+    plan = plan_of(coord)
+    x = _rows(logits, plan)
+    rows, n = x.shape
+    if rows != len(specs):
+        raise ValueError(f"{len(specs)} specs for {rows} rows")
+    if not rows:
+        return []
+    local = np.zeros((rows, _C1), dtype=np.float64)
+    for r, spec in enumerate(specs):
+        local[r, 0] = spec.drafter_code
+        local[r, 5] = spec.u24 if coord.rank == 0 else -1.0
+        local[r, 6] = spec.draw_code if coord.rank == 0 else -1.0
+    if n:
+        highest: Float64Array = x.max(axis=1)  # NaN propagates: one pass finds both
+        for bad in np.flatnonzero(np.isnan(highest)):
+            local[bad, 1] = 1.0
+            highest[bad] = np.where(np.isnan(x[bad]), -np.inf, x[bad]).max()
+        local[:, 2] = highest == np.inf
+        local[:, 3] = highest
+        for r, spec in enumerate(specs):
+            if spec.temperature == 0:  # greedy: the first maximal logit (a refused row's is moot)
+                local[r, 4] = plan.start + int(x[r].argmax())
+    else:
+        local[:, 3] = -np.inf
+        local[:, 4] = plan.vocab
+    c1 = _gather(coord, local)
+    out: list[BuiltRow | Pp1Error | None] = [None] * rows
+    draws: list[int] = [0] * rows
+    dense: list[int] = []
+    sparse: list[int] = []
+    tops: dict[int, float] = {}
+    for r, spec in enumerate(specs):
+        failed = next((int(c) for c in c1[:, r, 0] if c), 0)
+        if failed:
+            out[r] = Pp1Error(ErrorCode(failed), "the drafter failed on a rank")
+            continue
+        draws[r] = int(c1[0, r, 5])
+        draw_code = int(c1[0, r, 6])
+        nan, posinf = bool(c1[:, r, 1].any()), bool(c1[:, r, 2].any())
+        top = float(c1[:, r, 3].max())
+        try:
+            if spec.temperature == 0:
+                if nan or posinf:
+                    raise ConstructionError(
+                        ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
+                    )
+                if top == -np.inf:
+                    raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+                token = int(min(c1[k, r, 4] for k in range(plan.world) if c1[k, r, 3] == top))
+                if draw_code:
+                    raise Pp1Error(ErrorCode(draw_code), "the proposal draw failed on rank 0")
+                out[r] = _point(token, spec.support, plan)
+                continue
+            if spec.support:
+                dyadic.check_k(spec.support)
+            dyadic.check_temperature(spec.temperature)
+            tops[r] = dyadic.check_top(float("nan") if nan else top)
+        except Pp1Error as exc:
+            out[r] = exc
+            continue
+        (sparse if spec.support else dense).append(r)
+    if dense:
+        w = np.empty((len(dense), n), dtype=np.float64)
+        for j, r in enumerate(dense):
+            _shifted_exp(x[r], tops[r], specs[r].temperature, w[j])
+        for r, got in zip(dense, _dense(w, dense, draws, plan, coord), strict=True):
+            out[r] = got
+    if sparse:
+        weights = {r: _shifted_exp(x[r], tops[r], specs[r].temperature) for r in sparse}
+        for r, got in zip(sparse, _sparse(weights, sparse, specs, draws, plan, coord), strict=True):
+            out[r] = got
+    for r in (*dense, *sparse):
+        code = int(c1[0, r, 6])
+        if code and isinstance(out[r], BuiltRow):  # the draw's error counts after the row's own
+            out[r] = Pp1Error(ErrorCode(code), "the proposal draw failed on rank 0")
+    assert all(o is not None for o in out)
+    return [o for o in out if o is not None]
+
+
+def _shifted_exp(
+    x: Float64Array, top: float, temperature: float, out: Float64Array | None = None
+) -> Float64Array:
+    # A logit far below the top over a small temperature overflows to -inf, whose
+    # weight is 0 as intended.
+    with np.errstate(over="ignore"):
+        return dyadic.shifted_exp(x, top, temperature, out=out)
+
+
+def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
+    """The greedy row: all of the mass at ``token``, in this rank's range if it owns it."""
+    mine = plan.start <= token < plan.stop
+    if support:
+        ids = np.array([token] if mine else [], dtype=np.int32)
+        return BuiltRow(token, np.array([M] if mine else [], dtype=np.int64), ids)
+    counts = np.zeros(plan.stop - plan.start, dtype=np.int64)
+    if mine:
+        counts[token - plan.start] = M
+    return BuiltRow(token, counts, None)
+
+
+def _bucket_keys(rem: Float64Array) -> npt.NDArray[np.int64]:
+    """Each remainder's bucket (monotone in the value; bucket 0 below 2**-128)."""
+    keys: npt.NDArray[np.int64] = rem.view(np.int64) >> (52 - _SUB_BITS)
+    keys -= (_LOW_EXPONENT << _SUB_BITS) - 1
+    np.maximum(keys, 0, out=keys)
+    return keys
+
+
+def _dense(
+    w: Float64Array,
+    rows: list[int],
+    draws: list[int],
+    plan: TreePlan,
+    coord: GroupCoordinator,
+) -> list[BuiltRow | Pp1Error]:
+    """Dense counts (floors, then the largest remainders over every rank, ties to the
+    lowest ID) and the draw: three collectives for every dense row of the position,
+    four when a rank's guess of where the threshold lies was wrong."""
+    n = plan.stop - plan.start
+    count = len(rows)
+    totals = plan.totals(_gather(coord, plan.cover_totals(w)))[plan.root]
+    # The logits' top maps to exp(0) = 1, so a total is at least 1 and finite.
+    floors = np.empty((count, n), dtype=np.int32)  # counts never exceed 2**24
+    rem = np.empty((count, n), dtype=np.float64)
+    for j in range(count):
+        dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
+    keys = _bucket_keys(rem)
+    words = np.zeros((count, _WORDS), dtype=np.int64)
+    words[:, 0] = floors.sum(axis=1, dtype=np.int64)
+    for j in range(count):
+        hist = np.bincount(keys[j], minlength=_BUCKETS)
+        words[j, 1 : 1 + _BUCKETS] = hist
+        _guess(words[j], hist, rem[j], keys[j])
+    gathered = _gather_ints(coord, words)  # [world, rows, words]
+    remaining = [M - int(gathered[:, j, 0].sum()) for j in range(count)]
+    hists = gathered[:, :, 1 : 1 + _BUCKETS]
+    # Per row: the bucket holding the threshold (above it, fewer tickets than left over),
+    # and every rank's remainders in it, from its guess when the guess covered it.
+    chosen = [-1] * count
+    pools: list[list[Float64Array] | None] = [None] * count
+    for j, left in enumerate(remaining):
+        if not 0 < left < plan.vocab:
+            continue
+        above = np.cumsum(hists[:, j].sum(axis=0)[::-1])  # from the top bucket down
+        b = chosen[j] = _BUCKETS - 1 - int(np.searchsorted(above, left))
+        pools[j] = _guessed(gathered[:, j], b)
+    missed = [j for j, b in enumerate(chosen) if b >= 0 and pools[j] is None]
+    if missed:  # one more collective, the same on every rank: the buckets themselves
+        width = max(int(hists[:, j, chosen[j]].max()) for j in missed)
+        offers = np.full((len(missed), width), -1.0, dtype=np.float64)
+        for m, j in enumerate(missed):
+            mine = rem[j][keys[j] == chosen[j]]
+            offers[m, : mine.size] = mine
+        exact = _gather(coord, offers)
+        for m, j in enumerate(missed):
+            pools[j] = [exact[k, m, : int(hists[k, j, chosen[j]])] for k in range(plan.world)]
+    out: list[BuiltRow | Pp1Error] = []
+    totals_by_rank: list[list[int]] = []
+    for j, left in enumerate(remaining):
+        try:
+            sums = [int(v) for v in gathered[:, j, 0]]
+            per_rank = _leftovers(j, left, chosen[j], hists, sums, pools[j], floors, rem, plan)
+        except ConstructionError as exc:
+            out.append(exc)
+            totals_by_rank.append([])
+            continue
+        out.append(BuiltRow(-1, floors[j], None))
+        totals_by_rank.append(per_rank)
+    # The draw: the rank whose slice of the cumulative counts holds u24 finds the ID.
+    local: list[int] = []
+    for j, r in enumerate(rows):
+        per_rank = totals_by_rank[j]
+        found = -1
+        if per_rank:
+            before = sum(per_rank[: plan.rank])
+            u = draws[r]
+            if before <= u < before + per_rank[plan.rank]:
+                cumulative = np.cumsum(floors[j], dtype=np.int32)
+                found = plan.start + int(np.searchsorted(cumulative, u - before, side="right"))
+        local.append(found)
+    tokens = _found(coord, local)
+    for j, token in enumerate(tokens):
+        built = out[j]
+        if isinstance(built, BuiltRow):
+            out[j] = BuiltRow(token, built.counts, None)
+    return out
+
+
+def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, keys: Int64Array) -> None:
+    """Write this rank's guess of the threshold's bucket into a row's words: the
+    buckets around it and, if they fit, their remainders (as their binary64 bits)."""
+    share = max(1, round(float(rem.sum())))
+    above = np.cumsum(hist[::-1])
+    guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
+    lo, hi = max(0, guess - 1), min(_BUCKETS - 1, guess + 1)
+    if int(hist[lo : hi + 1].sum()) > _WINDOW:
+        lo = hi = guess
+    words[_GUESS], words[_GUESS + 1] = lo, hi
+    if int(hist[lo : hi + 1].sum()) > _WINDOW:
+        words[_GUESS + 2] = -1  # too many: the bucket will be asked for
+        return
+    inside = rem[(keys >= lo) & (keys <= hi)]
+    words[_GUESS + 2] = inside.size
+    words[_GUESS + 3 : _GUESS + 3 + inside.size] = inside.view(np.int64)
+
+
+def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
+    """Every rank's remainders in ``bucket`` from their guesses (``[world, words]``), or
+    None if a rank's guess did not cover it."""
+    pool: list[Float64Array] = []
+    for words in ranks:
+        lo, hi, size = (int(v) for v in words[_GUESS : _GUESS + 3])
+        if size < 0 or not lo <= bucket <= hi:
+            return None
+        values = np.ascontiguousarray(words[_GUESS + 3 : _GUESS + 3 + size]).view(np.float64)
+        pool.append(values[_bucket_keys(values) == bucket])
+    return pool
+
+
+def _leftovers(
+    j: int,
+    remaining: int,
+    bucket: int,
+    hists: npt.NDArray[np.int64],
+    floor_sums: list[int],
+    pool: list[Float64Array] | None,
+    floors: npt.NDArray[np.int32],
+    rem: Float64Array,
+    plan: TreePlan,
+) -> list[int]:
+    """Give row ``j``'s leftover tickets (in place, to this rank's floors) and return
+    every rank's count total, from every rank's floor sum, histogram (``hists``)
+    and remainders in ``bucket`` (``pool``).
+
+    Raises:
+        ConstructionError: ``ALLOCATION_INCONSISTENT`` as the unsharded allocation.
+    """
+    if not 0 <= remaining < plan.vocab:
+        raise ConstructionError(
+            ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {plan.vocab} entries"
+        )
+    world = plan.world
+    if remaining == 0:
+        return floor_sums
+    assert pool is not None
+    values = pool
+    above_bucket = [int(hists[k, j, bucket + 1 :].sum()) for k in range(world)]
+    wanted = remaining - sum(above_bucket)  # tickets for this bucket, 1..its size
+    merged = np.concatenate(values)
+    threshold = float(np.partition(merged, merged.size - wanted)[merged.size - wanted])
+    if not threshold > 0.0:
+        raise ConstructionError(
+            ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
+        )
+    above = [above_bucket[k] + int((values[k] > threshold).sum()) for k in range(world)]
+    ties = [int((values[k] == threshold).sum()) for k in range(world)]
+    left = remaining - sum(above)
+    takes = []
+    for k in range(world):
+        takes.append(max(0, min(left, ties[k])))
+        left -= takes[-1]
+    mine = rem[j]
+    row = floors[j]
+    row += mine > threshold
+    take = takes[plan.rank]
+    if take:
+        row[np.flatnonzero(mine == threshold)[:take]] += 1
+    per_rank = [floor_sums[k] + above[k] + takes[k] for k in range(world)]
+    if sum(per_rank) != M:
+        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
+    return per_rank
+
+
+def _sparse(
+    weights: dict[int, Float64Array],
+    rows: list[int],
+    specs: Sequence[RowSpec],
+    draws: list[int],
+    plan: TreePlan,
+    coord: GroupCoordinator,
+) -> list[BuiltRow | Pp1Error]:
+    """The global top-k support merged from every rank's own top k (one all-gather),
+    allocated and drawn on every rank alike."""
+    k = max(specs[r].support for r in rows)
+    offer = np.full((len(rows), k, 2), -1.0, dtype=np.float64)
+    for j, r in enumerate(rows):
+        w = weights[r]
+        ids = dyadic.largest_indices(w, specs[r].support) if w.size else np.zeros(0, np.intp)
+        ids = ids[w[ids] > 0]
+        offer[j, : ids.size, 0] = w[ids]
+        offer[j, : ids.size, 1] = ids + plan.start
+    offers = _gather(coord, offer)
+    out: list[BuiltRow | Pp1Error] = []
+    for j, r in enumerate(rows):
+        pool = offers[:, j].reshape(-1, 2)
+        pool = pool[pool[:, 0] > 0]
+        # By weight descending, ties to the lowest ID; the k chosen, IDs ascending.
+        order = np.lexsort((pool[:, 1], -pool[:, 0]))[: specs[r].support]
+        chosen = pool[order]
+        chosen = chosen[np.argsort(chosen[:, 1], kind="stable")]
+        sub = np.ascontiguousarray(chosen[:, 0])
+        try:
+            counts = dyadic.builder(sub.size).allocate(sub, tree.total(sub)).astype(np.int64)
+            keep = counts > 0
+            ids = chosen[keep, 1].astype(np.int32)
+            counts = counts[keep]
+            token = int(ids[dyadic.sample(counts, draws[r])])
+        except Pp1Error as exc:
+            out.append(exc)
+            continue
+        mine = (ids >= plan.start) & (ids < plan.stop)
+        out.append(BuiltRow(token, counts[mine], ids[mine]))
+    return out
+
+
+def sample_counts(
+    counts: npt.ArrayLike, u24s: Sequence[int], coord: GroupCoordinator
+) -> list[int | ErrorCode]:
+    """:func:`pp1wire.q.dyadic.sample` of each global count row with its draw: the ID,
+    or ``BAD_DRAW`` / ``MASS_MISMATCH``. Two collectives (none for an empty batch).
+
+    Raises:
+        ValueError: rows that are not ``[len(u24s), this rank's range]``.
+        GroupFailedError: a collective failed.
+    """
+    plan = plan_of(coord)
+    c = _count_rows(counts, plan)
+    if c.shape[0] != len(u24s):
+        raise ValueError(f"{len(u24s)} draws for {c.shape[0]} rows")
+    if not len(u24s):
+        return []
+    sums = _gather_ints(coord, c.sum(axis=1).astype(np.int64))  # [world, rows]
+    local: list[int] = []
+    for r, u24 in enumerate(u24s):
+        per_rank = [int(v) for v in sums[:, r]]
+        before = sum(per_rank[: plan.rank])
+        found = -1
+        if 0 <= u24 < M and sum(per_rank) == M and before <= u24 < before + per_rank[plan.rank]:
+            cumulative = np.cumsum(c[r])
+            found = plan.start + int(np.searchsorted(cumulative, u24 - before, side="right"))
+        local.append(found)
+    out: list[int | ErrorCode] = []
+    for r, token in enumerate(_found(coord, local)):
+        if not 0 <= u24s[r] < M:
+            out.append(ErrorCode.BAD_DRAW)
+        elif int(sums[:, r].sum()) != M:
+            out.append(ErrorCode.MASS_MISMATCH)
+        else:
+            out.append(token)
+    return out
+
+
+# -- one row: the batched kernels with a batch of one, the code raised --------------------
+
+
+def _one(coord: GroupCoordinator, t: torch.Tensor | npt.ArrayLike) -> Float64Array:
+    """One rank's piece of one global row, as a batch of one row.
+
+    Raises:
+        ValueError: a piece that is not this rank's range.
+    """
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu().numpy()
+    x: Float64Array = np.asarray(t, dtype=np.float64)
+    plan = plan_of(coord)
+    if x.ndim != 1 or x.size != plan.stop - plan.start:
+        raise ValueError(
+            f"rank {coord.rank} holds {x.size} entries, its range has {plan.stop - plan.start}"
+        )
+    return x.reshape(1, -1)
 
 
 def counts_from_logits(
-    x: torch.Tensor, temperature: float, coord: GroupCoordinator
+    x: torch.Tensor | npt.ArrayLike, temperature: float, coord: GroupCoordinator
 ) -> torch.Tensor:
     """This rank's piece of :func:`pp1wire.q.dyadic.counts_from_logits` of the global logits.
 
     Raises:
         ConstructionError: the unsharded function's code, on every rank.
+        ValueError: a piece that is not this rank's range.
     """
-    x = x.to(torch.float64)
-    layout = Layout(coord, x.numel(), x.device)
-    w = _weights_from_logits(x, temperature, layout)
-    return _allocate(w, _Tree(w, layout).total, layout)
+    if temperature == 0:  # a greedy spec: the dense function has no such temperature
+        dyadic.check_temperature(temperature)
+    (got,) = construct_rows(_one(coord, x), [RowSpec(temperature)], coord)
+    if isinstance(got, Pp1Error):
+        raise got
+    return torch.from_numpy(got.counts)
 
 
 def sparse_counts_from_logits(
-    x: torch.Tensor, temperature: float, k: int, coord: GroupCoordinator
+    x: torch.Tensor | npt.ArrayLike, temperature: float, k: int, coord: GroupCoordinator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pp1wire.q.dyadic.sparse_counts_from_logits` of the global logits, on every rank.
-
-    Each rank offers its top-k ``(weight, global ID)``; the merge keeps the
-    global top-k (ties to the lowest ID), and every rank allocates the same
-    counts on that support.
+    """:func:`pp1wire.q.dyadic.sparse_counts_from_logits` of the global logits: the whole
+    support (IDs ascending, int32) and its counts, on every rank.
 
     Raises:
         ConstructionError: the unsharded function's code, on every rank.
+        ValueError: a piece that is not this rank's range.
     """
     dyadic.check_k(k)
-    x = x.to(torch.float64)
-    layout = Layout(coord, x.numel(), x.device)
-    w = _weights_from_logits(x, temperature, layout)
-    offer = torch.full((k, 2), -1.0, dtype=torch.float64, device=w.device)
-    local = torch_ops.top_k_ids(w, k)
-    offer[: local.numel(), 0] = w[local]
-    offer[: local.numel(), 1] = (local + layout.start).to(torch.float64)
-    offers = layout.all_gather(offer).reshape(-1, 2).cpu()
-    offers = offers[offers[:, 0] > 0]
-    # Stable sort by ID, then by weight descending: ties keep the lowest ID first.
-    by_id = offers[torch.sort(offers[:, 1], stable=True).indices]
-    chosen = by_id[torch.sort(by_id[:, 0], descending=True, stable=True).indices[:k]]
-    chosen = chosen[torch.sort(chosen[:, 1]).indices]
-    counts = torch_ops.allocate(chosen[:, 0], torch_ops.tree_total(chosen[:, 0]))
-    keep = counts > 0
-    return chosen[keep, 1].to(torch.int32), counts[keep]
+    if temperature == 0:
+        dyadic.check_temperature(temperature)
+    (got,) = construct_rows(_one(coord, x), [RowSpec(temperature, k)], coord)
+    if isinstance(got, Pp1Error):
+        raise got
+    pairs = _gather_ints(coord, _padded_support(got, k))  # every rank's part of the support
+    ids, counts = pairs[:, 0].reshape(-1), pairs[:, 1].reshape(-1)
+    keep = ids >= 0
+    return torch.from_numpy(ids[keep].astype(np.int32)), torch.from_numpy(counts[keep])
 
 
-def sample(counts: torch.Tensor, u24: int, coord: GroupCoordinator) -> int:
+def _padded_support(row: BuiltRow, k: int) -> Int64Array:
+    assert row.ids is not None
+    out = np.full((2, k), -1, dtype=np.int64)
+    out[0, : row.ids.size] = row.ids
+    out[1, : row.counts.size] = row.counts
+    return out
+
+
+def sample(counts: torch.Tensor | npt.ArrayLike, u24: int, coord: GroupCoordinator) -> int:
     """:func:`pp1wire.q.dyadic.sample` of the global counts (the same ID on every rank).
 
     Raises:
         ValidationError: ``BAD_DRAW`` or ``MASS_MISMATCH``, on every rank.
+        ValueError: a piece that is not this rank's range.
     """
-    if not 0 <= u24 < M:
-        raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")
-    layout = Layout(coord, counts.numel(), counts.device)
-    totals = layout.all_gather(counts.to(torch.int64).sum().reshape(1))[:, 0].cpu().tolist()
-    if sum(totals) != M:
-        raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
-    before = sum(totals[: layout.rank])
-    found = -1
-    if before <= u24 < before + totals[layout.rank]:
-        found = layout.start + int(torch_ops.sample(counts, u24 - before))
-    result = torch.tensor([found], dtype=torch.int64, device=counts.device)
-    return int(layout.all_reduce(result, MAX)[0])
+    (got,) = sample_counts(_one(coord, counts).astype(np.int64), [u24], coord)
+    if isinstance(got, ErrorCode):
+        raise ValidationError(got, "the counts cannot be sampled with this draw")
+    return got
 
 
-def normalize_target(p: torch.Tensor, coord: GroupCoordinator) -> torch.Tensor:
+def normalize_target(p: torch.Tensor | npt.ArrayLike, coord: GroupCoordinator) -> torch.Tensor:
     """This rank's piece of :func:`pp1wire.q.verify.check_target` of the global target.
 
     Raises:
         VerifyError: the unsharded function's code, on every rank.
+        ValueError: a piece that is not this rank's range.
     """
-    x = p.to(torch.float64)
-    layout = Layout(coord, x.numel(), x.device)
-    nonfinite, negative = layout.flags(
-        bool((~torch.isfinite(x)).any()), bool((x < 0).any()) if x.numel() else False
-    )
-    t = _Tree(x, layout)
-    if nonfinite:
-        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
-    if negative:
-        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
-    if not (t.total > 0 and t.total != float("inf")):
-        raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
-    return x / t.total
+    rows = normalize_targets(_one(coord, p), coord)
+    if rows.codes[0] is not None:
+        raise VerifyError(rows.codes[0], "the target is not a distribution")
+    return torch.from_numpy(rows.normalized(0))
 
 
 def residual_sample(
-    p: torch.Tensor, counts: torch.Tensor, u53: int, coord: GroupCoordinator
+    p: torch.Tensor | npt.ArrayLike,
+    counts: torch.Tensor | npt.ArrayLike,
+    u53: int,
+    coord: GroupCoordinator,
 ) -> int:
     """:func:`pp1wire.q.verify.residual_sample` of the global p and q (the same ID on every rank).
 
-    Every rank forms ``max(p - q, 0)`` over every ID it owns; the draw descends
-    the canonical tree, finished by the rank owning the node it reaches.
-
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` on every rank if p <= q everywhere.
+        ValueError: a piece that is not this rank's range.
     """
-    r = torch_ops.residual(p, counts)
-    layout = Layout(coord, r.numel(), r.device)
-    t = _Tree(r, layout)
-    if not t.total > 0:
-        raise VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
-    return t.descend((u53 / _U53) * t.total)
+    w = residual_rows(_one(coord, p), _one(coord, counts) / M)
+    (got,) = sample_weights_rows(w, [u53], coord)
+    if isinstance(got, ErrorCode):
+        raise VerifyError(got, "distribution has no mass")
+    return got
+
+
+__all__ = [
+    "BuiltRow",
+    "RowSpec",
+    "TargetRows",
+    "construct_rows",
+    "counts_from_logits",
+    "normalize_target",
+    "normalize_targets",
+    "residual_rows",
+    "residual_sample",
+    "sample",
+    "sample_counts",
+    "sample_weights_rows",
+    "sparse_counts_from_logits",
+]

@@ -11,12 +11,15 @@ paths included):
    (:class:`ShardReport`) is gathered once for the whole step, so each rank
    takes the same decision on each round (:func:`pp1wire.q.layout.check_group`);
 2. the scores: one call of the target for every prefix the step needs, each
-   rank keeping its range; a rank whose call failed says so in one all-reduce,
-   and those rounds stop on every rank (``TARGET_FAILED``);
-3. the verification: the acceptance test by the rank that owns the drafted
-   token, the correction and bonus by the sharded descent of §6.6 — exactly
-   the tokens of the unsharded verifier for the same p, q and seed — and the
-   target-only rounds by the sharded target draw;
+   rank keeping its range;
+3. the verification, every round of the step at once
+   (:mod:`pp1wire.tp.dist_ops`): every target row normalized in one
+   all-gather, which also tells every rank whose target failed on any rank
+   (those rounds stop on every rank, ``TARGET_FAILED``); every drafted
+   token's acceptance test, by the rank that owns it, in one all-reduce; then
+   every round's one sharded descent of §6.6 — the correction, the bonus or
+   the target-only token — together (two collectives): exactly the tokens of
+   the unsharded verifier for the same p, q and seed;
 4. the vote: every rank's outcomes are gathered once; if any rank decided
    otherwise the group fails closed, nothing of the step committed anywhere.
    Otherwise each rank applies the results to its verifiers.
@@ -88,8 +91,10 @@ class ShardReport:
 
 
 def _mass(row: QRow) -> int:
+    """The shard's count sum: its q values are multiples of 2**-24 summing to at most 1,
+    so their binary64 sum is exact, in any order."""
     assert row.q32 is not None
-    return int((row.q32.astype(np.float64) * M).sum())
+    return int(row.q32.sum(dtype=np.float64) * M)
 
 
 def _summary(words: Sequence[int]) -> ShardSummary:
@@ -144,7 +149,8 @@ class ShardedVerifyGroup:
         A round that cannot use its proposal gets the reason (the lowest rank's
         own refusal, or the group check's code); a round whose target failed on
         any rank gets ``TARGET_FAILED`` (its verifier is poisoned); the others
-        are committed on every rank.
+        are committed on every rank. Six collectives for the whole step,
+        whatever its rounds (``docs/tp.md`` §11).
 
         Raises:
             GroupFailedError: a collective failed, or the ranks' outcomes differ
@@ -153,16 +159,8 @@ class ShardedVerifyGroup:
         n = len(rounds)
         out: list[RoundResult | VerifyError | None] = [None] * n
         self._check(rounds, out)
-        scores = self._score(rounds, out, target)
-        for i, r in enumerate(rounds):
-            if out[i] is not None:
-                continue
-            try:
-                out[i] = self._decide_one(r, scores[i])
-            except VerifyError as exc:  # raised on every rank alike (flags are all-reduced)
-                if exc.code is not ErrorCode.EMPTY_RESIDUAL:
-                    r.verifier.poisoned = True
-                out[i] = exc
+        scores, lost = self._score(rounds, out, target)
+        self._verify(rounds, scores, lost, out)
         decided = [o if o is not None else VerifyError(ErrorCode.INTERNAL) for o in out]
         self._vote(decided)
         for r, o in zip(rounds, decided, strict=True):
@@ -205,8 +203,10 @@ class ShardedVerifyGroup:
         rounds: Sequence[ShardRound],
         out: list[RoundResult | VerifyError | None],
         target: BatchTargetFn,
-    ) -> list[list[npt.NDArray[np.float64]]]:
-        """Step 2: this rank's range of the target for every prefix of the step (one call)."""
+    ) -> tuple[list[list[npt.NDArray[np.float64]]], list[bool]]:
+        """Step 2: this rank's range of the target for every prefix of the step (one call),
+        and whether each round's scoring failed here (its rows then hold nothing; the
+        normalization tells every rank)."""
         wanted: list[tuple[int, int]] = []  # (round, prefixes)
         prefixes: list[Sequence[int]] = []
         for i, r in enumerate(rounds):
@@ -217,31 +217,30 @@ class ShardedVerifyGroup:
             wanted.append((i, len(own)))
             prefixes.extend(own)
         scores: list[list[npt.NDArray[np.float64]]] = [[] for _ in rounds]
-        failed = [False] * len(wanted)
-        if prefixes:
-            try:
-                rows = cast(Sequence[object], target(prefixes))
-                if len(rows) != len(prefixes):
-                    raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
-            except Exception:  # one batched call: every round it scored fails
-                failed = [True] * len(wanted)
-            else:
-                at = 0
-                for n, (i, count) in enumerate(wanted):
-                    for row in rows[at : at + count]:
-                        full = None if isinstance(row, FailedRow) else _as_row(row)
-                        if full is None or full.shape != (self.vocab,):
-                            failed[n] = True  # a per-prefix plugin failed for this round
-                            break
-                        scores[i].append(full[self.start : self.end])
-                    at += count
-        # Every rank learns which rounds failed anywhere (one all-reduce, even if empty).
-        anywhere = self.coord.flags(*failed) if wanted else self.coord.flags(False)
-        for (i, _), bad in zip(wanted, anywhere, strict=False):
-            if bad:
-                rounds[i].verifier.poisoned = True
-                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
-        return scores
+        lost = [False] * len(rounds)
+        if not prefixes:
+            return scores, lost
+        empty = np.zeros(0)
+        try:
+            rows = cast(Sequence[object], target(prefixes))
+            if len(rows) != len(prefixes):
+                raise ValueError(f"{len(rows)} rows for {len(prefixes)} prefixes")
+        except Exception:  # one batched call: every round it scored fails
+            for i, count in wanted:
+                lost[i] = True
+                scores[i] = [empty] * count
+            return scores, lost
+        at = 0
+        for i, count in wanted:
+            for row in rows[at : at + count]:
+                full = None if isinstance(row, FailedRow) else _as_row(row)
+                if full is None or full.shape != (self.vocab,):
+                    lost[i] = True  # a per-prefix plugin failed for this round
+                    scores[i] = [empty] * count
+                    break
+                scores[i].append(full[self.start : self.end])
+            at += count
+        return scores, lost
 
     def _vote(self, decided: Sequence[RoundResult | VerifyError]) -> None:
         """Step 4: every rank decided exactly this, or the group fails closed."""
@@ -259,27 +258,130 @@ class ShardedVerifyGroup:
         if not all(torch.equal(g, gathered[0]) for g in gathered):
             raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
 
-    # -- one round, on every rank -----------------------------------------------------------
+    # -- the step's verification, every round at once ---------------------------------------
 
-    def _decide_one(self, r: ShardRound, scores: list[npt.NDArray[np.float64]]) -> RoundResult:
-        v = r.verifier
-        if r.proposal is None:
-            streams = RoundStreams(Role.SPARK, v.seed, v.generation, r.round_id)
-            p = self._normalize(scores[0])
-            token = self._draw(p, None, streams.u53_int(Domain.TARGET, len(v.committed)))
-            return _result(v, r.round_id, [token], 0, token, Outcome.TARGET)
-        return self._verify(v, r.proposal, scores)
+    def _verify(
+        self,
+        rounds: Sequence[ShardRound],
+        scores: list[list[npt.NDArray[np.float64]]],
+        lost: list[bool],
+        out: list[RoundResult | VerifyError | None],
+    ) -> None:
+        """Step 3 for every round still open, with one set of collectives: every target
+        row normalized together (which also tells every rank whose target failed on
+        any rank), every drafted token's acceptance test in one all-reduce, then every
+        round's one descent (correction, bonus or target-only) together. Each round's
+        tokens are those of the unsharded verifier."""
+        todo = [i for i, o in enumerate(out) if o is None]
+        first: dict[int, int] = {}  # round -> its first row in the batch
+        rows: list[npt.NDArray[np.float64]] = []
+        failed: list[bool] = []
+        for i in todo:
+            first[i] = len(rows)
+            rows.extend(scores[i])
+            failed += [lost[i]] * len(scores[i])
+        if not rows:
+            return
+        p = dist_ops.normalize_targets(rows, self.coord, failed)
+        for i in todo:  # a target that failed on any rank stops its request (as on one rank)
+            span = p.codes[first[i] : first[i] + len(scores[i])]
+            if ErrorCode.TARGET_FAILED in span:
+                rounds[i].verifier.poisoned = True
+                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
+        todo = [i for i in todo if out[i] is None]
+        # The acceptance test of every drafted token, by the rank that owns it.
+        owned: list[int] = []
+        for i in todo:
+            r = rounds[i]
+            if r.proposal is None:
+                continue
+            v, proposal = r.verifier, r.proposal
+            streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
+            start = len(v.committed)
+            for k, row in enumerate(proposal.rows):
+                at, x = first[i] + k, row.token
+                result = 0  # 1 + the test's result on the owner, 0 elsewhere
+                if p.codes[at] is None and self.start <= x < self.end:
+                    u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + k))
+                    result = 1 + int(accept_exact(u, self._count_at(row, x), p.at(at, x)))
+                owned.append(result)
+        accepted = iter(self.coord.max_words(owned) if owned else [])
+        # Each round walks its rows as the unsharded verifier does, up to its one draw.
+        draws: list[tuple[int, npt.NDArray[np.float64], int]] = []  # (round, weights, u53)
+        pending: dict[int, tuple[list[int], Outcome]] = {}
+        for i in todo:
+            r = rounds[i]
+            v = r.verifier
+            base = first[i]
+            if r.proposal is None:
+                streams = RoundStreams(Role.SPARK, v.seed, v.generation, r.round_id)
+                if self._refused(i, p.codes[base], rounds, out):
+                    continue
+                u53 = streams.u53_int(Domain.TARGET, len(v.committed))
+                draws.append((i, p.normalized(base), u53))
+                pending[i] = ([], Outcome.TARGET)
+                continue
+            proposal = r.proposal
+            streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
+            start = len(v.committed)
+            tests = [next(accepted) for _ in proposal.rows]
+            new: list[int] = []
+            for k, row in enumerate(proposal.rows):
+                if self._refused(i, p.codes[base + k], rounds, out):
+                    break
+                if tests[k] == 2:
+                    new.append(row.token)
+                    if row.token == v.eos:
+                        out[i] = _result(v, r.round_id, new, len(new), None, Outcome.EOS)
+                        break
+                    continue
+                weights = dist_ops.residual_rows(p.normalized(base + k), self._q(row))
+                draws.append((i, weights, streams.u53_int(Domain.CORRECTION, start + k)))
+                pending[i] = (new, Outcome.CORRECTION)
+                break
+            else:
+                d = len(proposal.rows)
+                if self._refused(i, p.codes[base + d], rounds, out):
+                    continue
+                draws.append(
+                    (i, p.normalized(base + d), streams.u53_int(Domain.CORRECTION, start + d))
+                )
+                pending[i] = (new, Outcome.BONUS)
+        if not draws:
+            return
+        weights = np.stack([w for _, w, _ in draws])
+        picks = dist_ops.sample_weights_rows(weights, [u for _, _, u in draws], self.coord)
+        for (i, _, _), pick in zip(draws, picks, strict=True):
+            new, outcome = pending[i]
+            if isinstance(pick, ErrorCode):  # EMPTY_RESIDUAL: the round is spent, not poisoned
+                out[i] = VerifyError(pick, "distribution has no mass")
+                continue
+            accepted_count = len(new) if outcome is not Outcome.TARGET else 0
+            out[i] = _result(
+                rounds[i].verifier, rounds[i].round_id, [*new, pick], accepted_count, pick, outcome
+            )
 
-    def _normalize(self, shard: npt.NDArray[np.float64]) -> torch.Tensor:
-        return dist_ops.normalize_target(torch.from_numpy(np.ascontiguousarray(shard)), self.coord)
+    @staticmethod
+    def _refused(
+        i: int,
+        code: ErrorCode | None,
+        rounds: Sequence[ShardRound],
+        out: list[RoundResult | VerifyError | None],
+    ) -> bool:
+        """A target row that is not a distribution stops its request (as on one rank)."""
+        if code is None:
+            return False
+        rounds[i].verifier.poisoned = True
+        out[i] = VerifyError(code, "the target is not a distribution")
+        return True
 
-    def _counts(self, row: QRow) -> npt.NDArray[np.float64]:
-        """This shard's counts of a row as binary64, one per ID of the range."""
+    def _q(self, row: QRow) -> npt.NDArray[np.float64]:
+        """This shard's q of a row as binary64 (exact), one per ID of the range."""
         assert row.q32 is not None
         if row.ids is None:
-            return row.q32.astype(np.float64) * M
+            return row.q32.astype(np.float64)
         dense = np.zeros(self.end - self.start, dtype=np.float64)
-        dense[row.ids.astype(np.int64) - self.start] = row.q32.astype(np.float64) * M
+        dense[row.ids.astype(np.int64) - self.start] = row.q32
         return dense
 
     def _count_at(self, row: QRow, x: int) -> int:
@@ -290,37 +392,6 @@ class ShardedVerifyGroup:
         at = int(np.searchsorted(row.ids, x))
         hit = at < row.ids.size and int(row.ids[at]) == x
         return int(float(row.q32[at]) * M) if hit else 0
-
-    def _draw(self, p: torch.Tensor, counts: npt.NDArray[np.float64] | None, u53: int) -> int:
-        zeros = np.zeros(self.end - self.start, dtype=np.float64)
-        c = torch.from_numpy(counts if counts is not None else zeros)
-        return dist_ops.residual_sample(p, c, u53, self.coord)
-
-    def _verify(
-        self, v: RequestVerifier, proposal: Proposal, scores: list[npt.NDArray[np.float64]]
-    ) -> RoundResult:
-        """The round's tokens from this rank's shard of ``proposal`` (checked by the group)."""
-        streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
-        start = len(v.committed)
-        new: list[int] = []
-        rid = proposal.round_id
-        for i, row in enumerate(proposal.rows):
-            p = self._normalize(scores[i])
-            x = row.token
-            u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + i))
-            owned = 0  # 1 + the test's result on the rank that owns x, 0 elsewhere
-            if self.start <= x < self.end:
-                owned = 1 + int(accept_exact(u, self._count_at(row, x), float(p[x - self.start])))
-            if self.coord.max_words([owned])[0] == 2:
-                new.append(x)
-                if x == v.eos:
-                    return _result(v, rid, new, len(new), None, Outcome.EOS)
-                continue
-            y = self._draw(p, self._counts(row), streams.u53_int(Domain.CORRECTION, start + i))
-            return _result(v, rid, [*new, y], len(new), y, Outcome.CORRECTION)
-        p = self._normalize(scores[len(proposal.rows)])
-        b = self._draw(p, None, streams.u53_int(Domain.CORRECTION, start + len(proposal.rows)))
-        return _result(v, rid, [*new, b], len(new), b, Outcome.BONUS)
 
 
 def _as_row(row: object) -> npt.NDArray[np.float64] | None:

@@ -1,68 +1,92 @@
-"""A rank of a vocabulary-sharded worker group: every STEP drawn by all ranks together.
+"""A rank of a vocabulary-sharded worker group: STEPs matched per group session, drawn together.
 
-Worker rank r serves its own link (the Spark rank r's connection) and holds
-only the q of its range (``docs/protocol.md`` §6.7). A STEP arrives on every
-link; the ranks must draw it together, in the same order, with the same
-collectives. One thread per rank runs the group:
+Worker rank r serves its own links (Spark rank r's connections) and holds only
+the q of its range (``docs/protocol.md`` §6.7). The Spark group binds its links
+together at the handshake: every link's HELLO carries the same random 16-byte
+**group nonce**, so a STEP names its group session as well as its round. A rank
+serves at most one live link per group nonce. One thread per rank runs the
+group, and no thread ever waits for a match:
 
-* rank 0 takes its link's STEPs in arrival order and broadcasts each one's key
-  (slot, generation, round, position, prefix digest, depth, support,
-  temperature, context); when it has none for a while it broadcasts an idle
-  beat, so a follower never waits in a collective longer than that;
-* every other rank finds the STEP with that key among its own link's
-  (waiting up to ``match_timeout`` for it to arrive), and the ranks all-reduce
-  whether each has it. If one does not, every rank answers its STEP with a
-  COMPLETION of status ``INTERNAL`` (the Spark side falls back);
-* then they run the proposal chain of §6.4 on the global q: each rank takes
-  its range of the drafter's logits, the counts come from the sharded
-  construction of §6.6 (:mod:`pp1wire.q.dist_ops`), rank 0 alone draws the
-  24-bit PROPOSAL value from the request's stream and broadcasts it, and the
-  sharded draw gives every rank the same token before the next row is
-  conditioned on it.
+* an accepted STEP is held by its rank under its **match key**: the group
+  nonce, then slot, generation, round, position, prefix digest, depth,
+  support, temperature, context and terminal token (nothing of it is copied:
+  the slot's prefix cannot change while its draw is outstanding);
+* the ranks exchange the keys they hold, and their live links' nonces (one
+  all-gather of fixed size), when any of them has a new STEP, again soon
+  while one holds a STEP that only some ranks hold yet but every rank could
+  (its session has a live link on each), and at least every ``beat``
+  seconds; a key that every rank holds is **matched**, the same set on every
+  rank, in rank 0's order;
+* the matched STEPs are drawn together, position by position: one drafter
+  call for every row of the position, the sharded construction and draw of
+  §6.6 for all of them (:func:`pp1wire.tp.dist_ops.construct_rows`, rank 0's
+  24-bit draws riding on its first collective), so the collectives per
+  position do not depend on how many STEPs are drawn;
+* a STEP its rank holds for ``match_timeout`` seconds without a match is
+  answered alone with a COMPLETION of status ``GROUP_UNMATCHED``; nothing of
+  it touched the group. A STEP of a link that closes is dropped with the link.
 
-A STEP of a follower's link that rank 0 never names is answered ``INTERNAL``
-after ``match_timeout``. A broken group (a dead rank, a collective that timed
-out) answers every STEP ``INTERNAL`` from then on: the Spark side decodes
-target-only, which needs no worker.
+A foreign connection therefore cannot stall another group's STEPs (they match
+without it), cannot match them (it does not hold their nonce; under a
+pre-shared key the nonce is authenticated, §5), and leaves nothing behind. A
+broken group (a dead rank, a collective that timed out) answers every STEP
+``INTERNAL`` from then on: the Spark side decodes target-only, which needs no
+worker. Replies are encoded on a few finishing threads, off the group's.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
-from pp1wire.q import dyadic
 from pp1wire.q.layout import as_int64
-from pp1wire.q.proposal import MAX_DEPTH, DrafterFn, ExtendedPrefix, QRow
+from pp1wire.q.proposal import MAX_DEPTH, DrafterFn, ExtendedPrefix, QRow, batched_drafter
 from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.wire.messages import Step
+from pp1wire.wire.worker_events import DrawJob, DrawResult
 
 log = logging.getLogger("pp1wire.worker.group")
 
 Key = tuple[int, ...]
 AfterDraw = Callable[[int, int, tuple[QRow, ...]], tuple[QRow, ...]]
-"""Testing hook ``(rank, draw, rows) -> rows`` run after each group draw (1-based, the
-same count on every rank); it may alter the rows, sleep, raise or end the process."""
-_WORDS = 10  # the beat word, then the key's nine
-_STOP = object()  # the group thread's signal to leave
+"""Testing hook ``(rank, draw, rows) -> rows`` run after each STEP's group draw (1-based,
+the same count on every rank), on a finishing thread: it may alter the rows, sleep,
+raise or end the process while the group goes on."""
+Done = Callable[[DrawResult], None]
+"""Where a STEP's result goes (called on a finishing thread)."""
+
+# A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
+# then 1 (2 for a row that carries a live link's nonce instead; the first row of an
+# exchange: how many keys follow, and whether the rank is stopping).
+_KEY_WORDS = 13
 
 
-def key_of(step: Step) -> Key:
-    """The words that name one STEP on every link (everything but the session)."""
+def nonce_words(group: bytes) -> tuple[int, int]:
+    """A group nonce as two int64 words."""
+    nonce = group.ljust(16, b"\0")
+    return (
+        int.from_bytes(nonce[:8], "little", signed=True),
+        int.from_bytes(nonce[8:16], "little", signed=True),
+    )
+
+
+def key_of(group: bytes, step: Step, eos: int | None) -> Key:
+    """The int64 words that name one STEP of one group session on every link."""
     (temperature,) = struct.unpack("<q", struct.pack("<d", step.temperature))
     return (
+        *nonce_words(group),
         step.slot,
         step.generation,
         step.round,
@@ -72,25 +96,36 @@ def key_of(step: Step) -> Key:
         step.support,
         temperature,
         as_int64(step.context),
+        -1 if eos is None else eos,
     )
 
 
 @dataclass
-class _Job:
+class _Held:
+    """A STEP held by this rank until its group matches it (or the match timeout)."""
+
+    link: Hashable
     key: Key
-    seed: int
-    prefix: Sequence[int]
-    step: Step
-    eos: int | None
-    done: concurrent.futures.Future[tuple[QRow, ...]] = field(
-        default_factory=concurrent.futures.Future
-    )
+    job: DrawJob
+    done: Done
     since: float = field(default_factory=time.monotonic)
-    draw: int = 0  # the group's count of this draw, once drawn
+
+
+class _Chain:
+    """One matched STEP while the group draws it."""
+
+    __slots__ = ("context", "held", "index", "rows", "streams")
+
+    def __init__(self, index: int, held: _Held, streams: RoundStreams | None) -> None:
+        self.index = index
+        self.held = held
+        self.streams = streams
+        self.context = ExtendedPrefix(held.job.prefix)
+        self.rows: list[QRow] = []
 
 
 class ShardedDrafting:
-    """This rank's share of the worker group's draws (a :data:`Proposer` for its server)."""
+    """This rank's share of the worker group's draws (the server's group hook)."""
 
     def __init__(
         self,
@@ -99,31 +134,60 @@ class ShardedDrafting:
         *,
         match_timeout: float = 5.0,
         beat: float = 0.25,
+        tick: float = 0.002,
+        linger: float = 0.002,
+        width: int = 64,
         after_draw: AfterDraw | None = None,
+        finish_threads: int = 4,
     ) -> None:
         """This rank's drafting over ``coord`` (its layout: one range per rank); call
         :meth:`start` once the server is listening.
 
+        ``beat`` bounds how long the ranks go without an exchange (and how long a
+        rank waits in one for the others while idle); ``tick`` is the shortest
+        interval between exchanges while a STEP is held by only some ranks;
+        ``linger`` how long a new STEP waits for more of its burst (at most four
+        times that); ``width`` the most keys a rank sends in one exchange (the
+        exchange is one all-gather of fixed size).
+
         Raises:
-            ValueError: if the coordinator has no vocabulary layout.
+            ValueError: if the coordinator has no vocabulary layout, a time is not
+                positive or a count is below 1.
         """
         if coord.layout is None:
             raise ValueError("a sharded worker group needs a vocabulary layout")
+        if not (match_timeout > 0 and beat > 0 and tick > 0 and linger >= 0):
+            raise ValueError("the group's times must be positive")
+        if finish_threads < 1 or width < 1:
+            raise ValueError("a group needs one finishing thread and one key per exchange")
         self.coord = coord
         self.rank = coord.rank
         self.world = coord.world
         self.lo, self.hi = coord.layout.range(self.rank)
         self.vocab = coord.layout.vocab_size
         self.drafter = drafter
+        self.draft_batch = batched_drafter(drafter)
         self.match_timeout = match_timeout
         self.beat = beat
-        self.broken: str | None = None
-        self.draws = 0
+        self.tick = tick
+        self.linger = linger
+        self.width = width
         self.after_draw = after_draw
-        self._arrived: queue.Queue[_Job] = queue.Queue()  # rank 0: in arrival order
-        self._pending: dict[Key, _Job] = {}  # other ranks: waiting to be named
+        self.broken: str | None = None
+        self.draws = 0  # STEPs drawn by the group (the same count on every rank)
+        self.exchanges = 0  # key exchanges run (the same count on every rank)
+        self.matched = 0  # STEPs matched (the same count on every rank)
+        self.unmatched = 0  # STEPs this rank answered GROUP_UNMATCHED
+        self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
+        self._links: dict[Hashable, bytes] = {}
+        self._held: dict[Key, _Held] = {}  # in arrival order
+        self._fresh = False  # a STEP arrived since the last exchange
+        self._burst = 0.0  # when the first of them arrived
+        self._arrived = 0.0  # when the last of them arrived
+        self._stopping = False
+        self._ended = False  # the group thread has left
         self._cond = threading.Condition()
-        self._stop = threading.Event()
+        self._finish = ThreadPoolExecutor(finish_threads, thread_name_prefix="pp1-group-reply")
         self._thread = threading.Thread(target=self._run, name="pp1-worker-group", daemon=True)
 
     def start(self) -> None:
@@ -136,203 +200,309 @@ class ShardedDrafting:
         return self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop after the draw in progress (rank 0 tells the others to stop)."""
-        self._stop.set()
-        self._thread.join(timeout=self.match_timeout + self.beat + 1.0)
+        """Stop after the draw in progress (every rank stops at the same exchange)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.coord.timeout + self.beat + 1.0)
+        self._finish.shutdown(wait=False)
 
-    # -- the Proposer ------------------------------------------------------
+    # -- the server's hook ---------------------------------------------------------------
 
-    def __call__(
-        self, seed: int, prefix: Sequence[int], step: Step, eos: int | None
-    ) -> tuple[QRow, ...]:
-        """This rank's rows of ``step``, drawn with the group (blocks until drawn).
+    def join(self, link: Hashable, group: bytes) -> bool:
+        """``link`` completed its handshake with ``group``'s nonce: False if another
+        live link of this rank already serves that group session (the newcomer is
+        refused, ``GROUP_IN_USE``)."""
+        with self._cond:
+            holder = self._groups.get(group)
+            if holder is not None and holder is not link:
+                return False
+            self._groups[group] = link
+            self._links[link] = group
+            return True
 
-        Raises:
-            Pp1Error: the construction's code on every rank, or ``INTERNAL`` if
-                the group could not draw this STEP together.
-        """
-        job = _Job(key_of(step), seed, list(prefix), step, eos)
-        if self.broken is not None:
-            raise Pp1Error(ErrorCode.INTERNAL, f"worker group broken: {self.broken}")
-        if self.rank == 0:
-            self._arrived.put(job)
-        else:
-            with self._cond:
-                self._pending[job.key] = job
+    def leave(self, link: Hashable) -> None:
+        """``link`` is gone: its held STEPs are dropped, unanswered (nobody is listening)."""
+        with self._cond:
+            group = self._links.pop(link, None)
+            if group is not None and self._groups.get(group) is link:
+                del self._groups[group]
+            for key in [k for k, h in self._held.items() if h.link is link]:
+                del self._held[key]
+
+    @property
+    def held(self) -> int:
+        """STEPs this rank holds, waiting for their match."""
+        with self._cond:
+            return len(self._held)
+
+    def submit(self, link: Hashable, job: DrawJob, done: Done) -> None:
+        """Hold ``job`` (an accepted STEP of ``link``) until its group matches it; ``done``
+        gets its result (its rows, ``GROUP_UNMATCHED`` after the match timeout, or
+        ``INTERNAL`` from a broken group), on a finishing thread."""
+        with self._cond:
+            group = self._links.get(link)
+            key = None if group is None else key_of(group, job.step, job.eos)
+            refusal: Pp1Error | None = None
+            if self.broken is not None or self._ended or self._stopping:
+                refusal = Pp1Error(ErrorCode.INTERNAL, f"worker group down: {self.broken}")
+            elif key is None or key in self._held:
+                refusal = Pp1Error(ErrorCode.INTERNAL, "this link cannot draw with the group")
+            else:
+                held = _Held(link, key, job, done)
+                self._held[key] = held
+                if not self._fresh:
+                    self._fresh, self._burst = True, held.since
+                self._arrived = held.since
                 self._cond.notify_all()
-        while True:  # never outlive the group: a stopped or broken one answers INTERNAL
-            try:
-                rows = job.done.result(timeout=self.beat)
-                break
-            except concurrent.futures.TimeoutError:
-                if self.broken is not None or not self._thread.is_alive():
-                    raise Pp1Error(ErrorCode.INTERNAL, "the worker group stopped") from None
-        if self.after_draw is not None:  # on this STEP's own thread: the group goes on
-            rows = self.after_draw(self.rank, job.draw, rows)
-        return rows
+                return
+        self._answer(_Held(link, (), job, done), refusal, 0)
 
-    # -- the group thread ----------------------------------------------------
+    # -- answering (finishing threads) -------------------------------------------------
+
+    def _answer(self, held: _Held, outcome: tuple[QRow, ...] | BaseException, draw: int) -> None:
+        try:
+            self._finish.submit(self._complete, held, outcome, draw)
+        except RuntimeError:  # shut down: answer on this thread
+            self._complete(held, outcome, draw)
+
+    def _complete(self, held: _Held, outcome: tuple[QRow, ...] | BaseException, draw: int) -> None:
+        if isinstance(outcome, tuple) and self.after_draw is not None:
+            try:
+                outcome = self.after_draw(self.rank, draw, outcome)
+            except Exception as exc:  # a fault hook's failure answers this STEP only
+                outcome = exc
+        held.done(held.job.complete(outcome))
+
+    # -- the group thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        last = time.monotonic()
+        wait = self.beat  # until the next exchange, unless a STEP arrives
         try:
             while True:
-                job = self._lead() if self.rank == 0 else self._follow()
-                if job is _STOP:
+                snapshot, stop = self._next_turn(last, wait)
+                matched, stopping, everywhere = self._exchange(snapshot, stop)
+                last = time.monotonic()
+                if stopping:
                     return
-                if isinstance(job, _Job):
-                    self._draw(job)
+                wait = self._backoff(snapshot, matched, everywhere, last)
+                if matched:
+                    self._draw(matched)
         except Exception as exc:  # a dead rank or a timed-out collective: fail closed
             self.broken = repr(exc)
             log.error("worker group broken", extra={"error": self.broken})
         finally:
+            with self._cond:
+                self._ended = True
             self._fail_all(self.broken or "stopped")
 
-    def _broadcast(self, words: list[int]) -> list[int]:
-        t = self.coord.broadcast(torch.tensor(words, dtype=torch.int64), 0)
-        return [int(v) for v in t.tolist()]
-
-    def _everyone(self, flag: bool) -> bool:
-        return self.coord.everyone(flag)
-
-    def _lead(self) -> _Job | object | None:
-        if self._stop.is_set():
-            self._broadcast([-1] + [0] * (_WORDS - 1))
-            return _STOP
-        try:
-            job = self._arrived.get(timeout=self.beat)
-        except queue.Empty:
-            self._broadcast([0] * _WORDS)
-            return None
-        self._broadcast([1, *job.key])
-        if not self._everyone(True):
-            self._fail(job, "a rank's link has no matching STEP")
-            return None
-        return job
-
-    def _follow(self) -> _Job | object | None:
-        words = self._broadcast([0] * _WORDS)
-        self._expire()
-        if words[0] < 0:
-            return _STOP
-        if words[0] == 0:
-            return None
-        key = tuple(words[1:])
-        deadline = time.monotonic() + self.match_timeout
+    def _next_turn(self, last: float, wait: float) -> tuple[list[_Held], bool]:
+        """Wait for a new STEP (and the others of its burst), a stop or the next
+        exchange's time, answering the STEPs that waited too long; then this rank's
+        held STEPs (arrival order) and its stop."""
+        expired: list[_Held] = []
         with self._cond:
-            while key not in self._pending and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            job = self._pending.pop(key, None)
-        if not self._everyone(job is not None):
-            if job is not None:
-                self._fail(job, "a rank's link has no matching STEP")
-            return None
-        return job
+            while True:
+                now = time.monotonic()
+                for key in [
+                    k for k, h in self._held.items() if now - h.since >= self.match_timeout
+                ]:
+                    expired.append(self._held.pop(key))
+                if self._stopping or now >= last + wait:
+                    break
+                if self._fresh:
+                    # A Spark group sends a step's STEPs together: give the rest of the
+                    # burst a moment, so that they are matched and drawn as one batch.
+                    quiet = self._arrived + self.linger - now
+                    if quiet <= 0 or now >= self._burst + 4 * self.linger:
+                        break
+                    self._cond.wait(quiet)
+                    continue
+                oldest = min((h.since for h in self._held.values()), default=now)
+                until = min(last + wait, oldest + self.match_timeout)
+                self._cond.wait(max(0.0, until - now))
+            self._fresh = False
+            snapshot, stop = list(self._held.values()), self._stopping
+        for held in expired:
+            self.unmatched += 1
+            self._answer(
+                held,
+                Pp1Error(
+                    ErrorCode.GROUP_UNMATCHED,
+                    f"no matching STEP on every link within {self.match_timeout:g} s",
+                ),
+                0,
+            )
+        return snapshot, stop
 
-    def _expire(self) -> None:
-        now = time.monotonic()
+    def _exchange(
+        self, snapshot: list[_Held], stop: bool
+    ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
+        """One all-gather of every rank's held keys (at most ``width`` each, oldest first),
+        its live links' group nonces (as many) and its stop flag: the STEPs every rank
+        holds, in rank 0's order (this rank's own, now taken), whether any rank is
+        stopping, and the nonces every rank has a live link for."""
+        width = self.width
+        words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
+        sent = snapshot[:width]
         with self._cond:
-            old = [k for k, j in self._pending.items() if now - j.since > self.match_timeout]
-            jobs = [self._pending.pop(k) for k in old]
-        for job in jobs:
-            self._fail(job, "rank 0 never drew this STEP")
+            nonces = [nonce_words(g) for g in list(self._groups)[:width]]
+            if len(snapshot) > width:  # the rest go in the next exchange, at once
+                self._fresh = True
+        words[0, 0], words[0, 1] = len(sent), int(stop)
+        for i, held in enumerate(sent, start=1):
+            words[i, :-1] = held.key
+            words[i, -1] = 1
+        for i, nonce in enumerate(nonces, start=1 + width):
+            words[i, :2] = nonce
+            words[i, -1] = 2
+        gathered = self.coord.all_gather(torch.from_numpy(words)).tolist()
+        self.exchanges += 1
+        if any(rank[0][1] for rank in gathered):
+            return [], True, set()
+        keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1] == 1} for rank in gathered]
+        links = [{tuple(row[:2]) for row in rank[1:] if row[-1] == 2} for rank in gathered]
+        everywhere = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1] == 1]
+        everywhere = [k for k in everywhere if all(k in s for s in keys[1:])]
+        mine = {h.key: h for h in sent}
+        matched = [mine[k] for k in everywhere]
+        with self._cond:
+            for held in matched:
+                if self._held.get(held.key) is held:
+                    del self._held[held.key]
+        self.matched += len(matched)
+        return matched, False, set.intersection(*links)
 
-    def _fail(self, job: _Job, why: str) -> None:
-        job.done.set_exception(Pp1Error(ErrorCode.INTERNAL, why))
+    def _backoff(
+        self,
+        snapshot: list[_Held],
+        matched: list[_Held],
+        everywhere: set[tuple[int, ...]],
+        now: float,
+    ) -> float:
+        """How long until the next exchange: soon while this rank holds a young STEP
+        the others lack but could send (their link of its group session is live: their
+        copy is on its way, and will not wake this rank), backing off as it ages; a
+        beat otherwise (a STEP of a session that has no link on some rank waits for
+        its match timeout without costing the group an exchange)."""
+        taken = {id(h) for h in matched}
+        ages = [now - h.since for h in snapshot if id(h) not in taken and h.key[:2] in everywhere]
+        if not ages:
+            return self.beat
+        return min(self.beat, max(self.tick, min(ages) / 4))
 
     def _fail_all(self, why: str) -> None:
         with self._cond:
-            jobs = list(self._pending.values())
-            self._pending.clear()
-        while not self._arrived.empty():
-            jobs.append(self._arrived.get_nowait())
-        for job in jobs:
-            self._fail(job, f"worker group broken: {why}")
+            held = list(self._held.values())
+            self._held.clear()
+        for h in held:
+            self._answer(h, Pp1Error(ErrorCode.INTERNAL, f"worker group down: {why}"), 0)
 
-    # -- one proposal, on every rank -------------------------------------------
+    # -- the matched STEPs, drawn together on every rank -------------------------------------
 
-    def _draw(self, job: _Job) -> None:
-        try:
-            rows = self._chain(job)
-        except Pp1Error as exc:  # raised on every rank alike (flags are all-reduced)
-            job.done.set_exception(exc)
-            return
-        self.draws += 1
-        job.draw = self.draws
-        job.done.set_result(rows)
+    def _draw(self, matched: list[_Held]) -> None:
+        outcomes = self._chains(matched)
+        for held, outcome in zip(matched, outcomes, strict=True):
+            draw = 0
+            if isinstance(outcome, tuple):
+                self.draws += 1
+                draw = self.draws
+            with self._cond:
+                live = held.link in self._links
+            if live:  # a closed link's STEP was drawn with the group, its reply is dropped
+                self._answer(held, outcome, draw)
 
-    def _chain(self, job: _Job) -> tuple[QRow, ...]:
-        step = job.step
-        if not 1 <= step.depth <= MAX_DEPTH:
-            raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5")
-        # Only rank 0 holds the proposal randomness; the others learn each draw.
-        streams = (
-            RoundStreams(Role.WORKER, job.seed, step.generation, step.round)
-            if self.rank == 0
-            else None
-        )
-        context = ExtendedPrefix(job.prefix)
-        rows: list[QRow] = []
-        for i in range(step.depth):
-            logits = self._local_logits(context)
-            u24 = self._broadcast_draw(streams, step.position + i)
-            row = self._row(logits, step.temperature, step.support, u24)
-            rows.append(row)
-            context.append(row.token)
-            if row.token == job.eos:
+    def _chains(self, matched: list[_Held]) -> list[tuple[QRow, ...] | BaseException]:
+        """Every matched STEP's rows (or failure): the proposal chain of §6.4 on the
+        global q, one position at a time for all of them."""
+        out: list[tuple[QRow, ...] | BaseException | None] = [None] * len(matched)
+        chains: list[_Chain] = []
+        for index, held in enumerate(matched):
+            step = held.job.step
+            if not 1 <= step.depth <= MAX_DEPTH:
+                out[index] = ConstructionError(
+                    ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5"
+                )
+                continue
+            # Only rank 0 holds the proposal randomness; the others learn each draw.
+            streams = (
+                RoundStreams(Role.WORKER, held.job.seed, step.generation, step.round)
+                if self.rank == 0
+                else None
+            )
+            chains.append(_Chain(index, held, streams))
+        for i in range(MAX_DEPTH):
+            if not chains:
                 break
-        return tuple(rows)
+            logits, codes, errors = self._logits([c.context for c in chains])
+            specs = [self._spec(c, i, code) for c, code in zip(chains, codes, strict=True)]
+            built = dist_ops.construct_rows(logits, specs, self.coord)
+            going: list[_Chain] = []
+            for c, got, error in zip(chains, built, errors, strict=True):
+                if isinstance(got, Pp1Error):
+                    # This rank's own drafter failure keeps its exception, for the log.
+                    mine = error is not None and got.code is ErrorCode.INTERNAL
+                    out[c.index] = error if mine and error is not None else got
+                    continue
+                c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
+                c.context.append(got.token)
+                step, eos = c.held.job.step, c.held.job.eos
+                if got.token == eos or len(c.rows) == step.depth:
+                    out[c.index] = tuple(c.rows)
+                else:
+                    going.append(c)
+            chains = going
+        assert all(o is not None for o in out)
+        return [o for o in out if o is not None]
 
-    def _local_logits(self, context: Sequence[int]) -> torch.Tensor:
-        full = np.asarray(self.drafter(context), dtype=np.float64)
-        if full.shape != (self.vocab,):
-            # Every rank's drafter sees the same context: all of them refuse together.
-            raise ConstructionError(ErrorCode.BAD_SHAPE, f"drafter gave shape {full.shape}")
-        return torch.from_numpy(full[self.lo : self.hi].copy())
+    def _spec(self, chain: _Chain, i: int, drafter_code: int) -> dist_ops.RowSpec:
+        step = chain.held.job.step
+        u24, draw_code = 0, 0
+        if chain.streams is not None:
+            try:
+                u24 = chain.streams.u24(Domain.PROPOSAL, step.position + i)
+            except Pp1Error as exc:
+                draw_code = int(exc.code)
+        return dist_ops.RowSpec(step.temperature, step.support, u24, draw_code, drafter_code)
 
-    def _broadcast_draw(self, streams: RoundStreams | None, position: int) -> int:
-        u = streams.u24(Domain.PROPOSAL, position) if streams is not None else 0
-        return self._broadcast([u])[0]
-
-    def _row(self, logits: torch.Tensor, temperature: float, support: int, u24: int) -> QRow:
-        g = self.coord
-        if temperature == 0:
-            counts, token = self._greedy(logits)
-            if support == 0:
-                return QRow(token=token, counts=counts)
-            point = np.array([dyadic.M], dtype=np.int64)
-            return self._shard_row(token, point, np.array([token], dtype=np.int32))
-        if support == 0:
-            local = dist_ops.counts_from_logits(logits, temperature, g)
-            token = dist_ops.sample(local, u24, g)
-            return QRow(token=token, counts=local.numpy().astype(np.int64))
-        ids_t, counts_t = dist_ops.sparse_counts_from_logits(logits, temperature, support, g)
-        ids, counts = ids_t.numpy().astype(np.int32), counts_t.numpy().astype(np.int64)
-        token = int(ids[dyadic.sample(counts, u24)])  # the same global support on every rank
-        return self._shard_row(token, counts, ids)
-
-    def _shard_row(self, token: int, counts: np.ndarray, ids: np.ndarray | None) -> QRow:
-        if ids is None:
-            return QRow(token=token, counts=counts)
-        mine = (ids >= self.lo) & (ids < self.hi)
-        return QRow(token=token, counts=counts[mine], ids=ids[mine])
-
-    def _greedy(self, logits: torch.Tensor) -> tuple[np.ndarray, int]:
-        """The point mass at the first maximal logit of the whole vocabulary."""
-        bad = bool(torch.isnan(logits).any() or torch.isposinf(logits).any())
-        local = float(logits.max()) if logits.numel() else float("-inf")
-        where = self.lo + int(torch.argmax(logits)) if logits.numel() else self.vocab
-        offer = torch.tensor([float(bad), local, float(where)], dtype=torch.float64)
-        offers = self.coord.all_gather(offer)
-        if any(o[0] > 0 for o in offers):
-            raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite")
-        top = max(float(o[1]) for o in offers)
-        if top == float("-inf"):
-            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
-        token = min(int(o[2]) for o in offers if float(o[1]) == top)
-        counts = np.zeros(self.hi - self.lo, dtype=np.int64)
-        if self.lo <= token < self.hi:
-            counts[token - self.lo] = dyadic.M
-        return counts, token
+    def _logits(
+        self, contexts: Sequence[Sequence[int]]
+    ) -> tuple[npt.NDArray[np.float64], list[int], list[BaseException | None]]:
+        """This rank's range of the drafter's logits for every context (one call), each
+        row's failure code (0: none) and the exception behind an ``INTERNAL`` one."""
+        n = len(contexts)
+        local = np.zeros((n, self.hi - self.lo), dtype=np.float64)
+        codes = [0] * n
+        errors: list[BaseException | None] = [None] * n
+        try:
+            got = self.draft_batch(contexts)
+            if isinstance(got, np.ndarray):
+                if got.shape != (n, self.vocab):
+                    raise ConstructionError(
+                        ErrorCode.BAD_SHAPE, f"drafter gave logits of shape {got.shape}"
+                    )
+                local[:] = got[:, self.lo : self.hi]
+                return local, codes, errors
+            if len(got) != n:
+                raise ConstructionError(
+                    ErrorCode.BAD_SHAPE, f"drafter gave {len(got)} rows for {n} prefixes"
+                )
+        except Pp1Error as exc:
+            return local, [int(exc.code)] * n, errors
+        except Exception as exc:  # a plugin failure fails its rows, not the group
+            return local, [int(ErrorCode.INTERNAL)] * n, [exc] * n
+        for j, item in enumerate(got):
+            try:
+                row = np.asarray(item, dtype=np.float64)
+            except Exception as exc:  # a plugin's odd row
+                codes[j], errors[j] = int(ErrorCode.INTERNAL), exc
+                continue
+            if row.shape != (self.vocab,):
+                codes[j] = int(ErrorCode.BAD_SHAPE)
+                continue
+            local[j] = row[self.lo : self.hi]
+        return local, codes, errors
 
 
-__all__ = ["ShardedDrafting", "key_of"]
+__all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]

@@ -20,7 +20,14 @@ from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import ABI_NAME, Role
 from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.wire import framing, integrity
-from pp1wire.wire.messages import LABEL_PREFIX, PRECISION, VERIFIER_ID, WIRE_VERSION, Hello
+from pp1wire.wire.messages import (
+    GROUP_NONCE_SIZE,
+    LABEL_PREFIX,
+    PRECISION,
+    VERIFIER_ID,
+    WIRE_VERSION,
+    Hello,
+)
 
 #: The limits a worker's HELLO echoes from the Spark side's (§4.1): never a silent downgrade.
 ECHOED_LIMITS: Final = (
@@ -42,7 +49,9 @@ class PeerConfig:
 
     ``layout`` and ``shard`` make this end one link of a vocabulary-sharded
     group (§6.7): it carries only q over ``layout.range(shard)``. Without a
-    layout the link is unsharded (one shard: the whole vocabulary).
+    layout the link is unsharded (one shard: the whole vocabulary). ``group``
+    is a sharded Spark side's group nonce (the same 16 bytes on every link of
+    its group); a worker has none (it echoes its peer's).
     """
 
     vocab_size: int
@@ -61,18 +70,24 @@ class PeerConfig:
     #: The stop-rule set (``docs/adaptive.md``): the one a Spark side asks for, the
     #: one a worker implements; ``""``: fixed depth only.
     stop_rules: str = ""
+    #: A sharded link's group nonce (§6.7): 16 bytes the Spark group draws once; empty
+    #: on an unsharded link.
+    group: bytes = b""
 
     def __post_init__(self) -> None:
-        """Refuse a shard that the layout does not have, or an unknown stop-rule set.
+        """Refuse a shard the layout does not have, an unknown stop-rule set, or a bad nonce.
 
         Raises:
             ValueError: if the layout's vocabulary is not ``vocab_size``,
                 ``shard`` is not one of its ranks (or not 0 without a layout),
-                or ``stop_rules`` is neither ``""`` nor ``pp1-stop-rules-v1``.
+                or ``stop_rules`` is neither ``""`` nor ``pp1-stop-rules-v1``, or a
+                group nonce is given that is not 16 bytes of a sharded link.
         """
         self.shard_layout.range(self.shard)
         if self.shard_layout.vocab_size != self.vocab_size:
             raise ValueError("the shard layout does not split this vocabulary")
+        if self.group and (len(self.group) != GROUP_NONCE_SIZE or not self.sharded):
+            raise ValueError(f"a group nonce is {GROUP_NONCE_SIZE} bytes, on a sharded link only")
         if self.stop_rules not in ("", STOP_RULES):
             raise ValueError(f"unknown stop-rule set {self.stop_rules!r} (known: {STOP_RULES})")
 
@@ -129,7 +144,8 @@ def build_hello(
     nonce: bytes,
     session: int = 0,
 ) -> Hello:
-    """A HELLO for ``role``: its own identities, and the limits (the peer's, when echoing)."""
+    """A HELLO for ``role``: its own identities, and the limits and group nonce (the
+    peer's, when echoing)."""
     src = limits
     return Hello(
         role=int(role),
@@ -158,6 +174,7 @@ def build_hello(
         layout=cfg.shard_layout.digest,
         session=session,
         stop_rules=src.stop_rules if src else cfg.stop_rules,
+        group=src.group if src else cfg.group,
     )
 
 
@@ -169,6 +186,16 @@ def _shard_fields(x: Hello | PeerConfig) -> tuple[int, int, int, int, int]:
 
 
 SharedCheck = Callable[[Hello, PeerConfig, Role], bool]
+
+
+def _group_nonce_ok(peer: Hello, cfg: PeerConfig, role: Role) -> bool:
+    """The §4.1 ``group`` row: none on an unsharded link; on a sharded one, 16 bytes
+    from a Spark side, and from a worker the Spark side's own nonce echoed."""
+    if not cfg.sharded:
+        return peer.group == b""
+    if role is Role.WORKER:
+        return peer.group == cfg.group
+    return len(peer.group) == GROUP_NONCE_SIZE
 
 
 @dataclass(frozen=True)
@@ -322,6 +349,16 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "implements none",
         'worker: `""` or the set it implements, by exact name; Spark side: equal to what it sent',
         ErrorCode.STOP_RULES_MISMATCH,
+    ),
+    HelloRule(
+        ("group",),
+        "a sharded link's group session (§6.7): 16 random bytes the Spark group draws once "
+        "and sends on every one of its links; empty on an unsharded link; the worker echoes "
+        "the Spark side's",
+        "worker: 16 bytes on a sharded link, empty on an unsharded one; Spark side: equal to "
+        "what it sent",
+        ErrorCode.SHARD_LAYOUT_MISMATCH,
+        _group_nonce_ok,
     ),
     HelloRule(
         ("session",),

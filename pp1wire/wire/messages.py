@@ -38,6 +38,9 @@ Depth = Annotated[int, Meta(ge=0, le=0xFF)]
 Name = Annotated[str, Meta(max_length=128)]
 Nonce = Annotated[bytes, Meta(min_length=16, max_length=64)]
 Proof = Annotated[bytes, Meta(min_length=32, max_length=32)]
+#: The length of a sharded link's group nonce (HELLO ``group``, §4.1 and §6.7).
+GROUP_NONCE_SIZE: Final = 16
+GroupNonce = Annotated[bytes, Meta(max_length=GROUP_NONCE_SIZE)]
 
 
 class MsgType(IntEnum):
@@ -100,7 +103,8 @@ def _check_range(start: int | None, end: int | None) -> None:
 class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     """Capabilities and limits; sent by the Spark side first, answered by the worker.
 
-    The worker's answer echoes the accepted limits and assigns ``session``.
+    The worker's answer echoes the accepted limits and the ``group`` nonce, and
+    assigns ``session``.
     """
 
     role: U8
@@ -131,6 +135,9 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     #: The stop-rule set the STEPs may name (``docs/adaptive.md``): ``pp1-stop-rules-v1``,
     #: or ``""`` (omitted): fixed depth only.
     stop_rules: Name = ""
+    #: The Spark group's nonce on a sharded link (§6.7): every link of one group
+    #: session carries the same 16 bytes; empty on an unsharded link.
+    group: GroupNonce = b""
 
     def __post_init__(self) -> None:
         """Cross-field rules (protocol §4.1).

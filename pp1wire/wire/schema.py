@@ -65,7 +65,7 @@ def _describe(t: msgspec.inspect.Type) -> tuple[str, str]:
     if isinstance(t, i.StrType):
         return "str", f"UTF-8, ≤ {t.max_length} chars"
     if isinstance(t, i.BytesType):
-        return "bin", f"{t.min_length}–{t.max_length} bytes"  # noqa: RUF001 - a range in prose
+        return "bin", f"{t.min_length or 0}–{t.max_length} bytes"  # noqa: RUF001 - a range in prose
     if isinstance(t, i.UnionType):
         parts = [_describe(x) for x in t.types if not isinstance(x, i.NoneType)]
         return f"{parts[0][0]} or nil", parts[0][1]
@@ -83,7 +83,8 @@ def field_table(kind: MsgType) -> str:
     ]
     for n, f in enumerate(info.fields, start=1):
         wire, rule = _describe(f.type)
-        default = "" if f.required else f" (may be omitted: default {f.default!r})"
+        shown = "empty" if f.default == b"" else repr(f.default)
+        default = "" if f.required else f" (may be omitted: default {shown})"
         lines.append(f"| {n} | `{f.name}` | {wire} | {rule}{default} |")
     return "\n".join(lines)
 

@@ -37,7 +37,7 @@ from pp1wire.wire.handshake import (
     spark_proof,
     worker_proof,
 )
-from pp1wire.wire.messages import Message, MsgType, Scope, Step
+from pp1wire.wire.messages import GROUP_NONCE_SIZE, Message, MsgType, Scope, Step
 from pp1wire.wire.spark_events import (
     CommitAcked,
     ConnectionFailed,
@@ -67,6 +67,20 @@ class SparkConfig(PeerConfig):
 
     draft_identity: str = ""
     reply_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        """Refuse a sharded link without its group's nonce (§6.7), and what
+        :class:`PeerConfig` refuses.
+
+        Raises:
+            ValueError: as :class:`PeerConfig`, or a sharded link whose ``group``
+                is not 16 bytes.
+        """
+        super().__post_init__()
+        if self.sharded and len(self.group) != GROUP_NONCE_SIZE:
+            raise ValueError(
+                f"a sharded Spark link needs its group's {GROUP_NONCE_SIZE}-byte nonce"
+            )
 
 
 # -- state -------------------------------------------------------------------

@@ -8,7 +8,7 @@ the core: a job carries the callables that draw and encode it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -203,6 +203,22 @@ class DrawResult:
     seconds: float
     #: The unexpected exception (not a Pp1Error) that stopped the draw, for the shell's log.
     failure: BaseException | None = None
+
+
+class GroupDraws(Protocol):
+    """A rank of a vocabulary-sharded worker group (``docs/protocol.md`` §6.7): it draws
+    every accepted STEP of its server's links with its group, matched per group
+    session, and calls ``done`` with the result from a thread of its own."""
+
+    def join(self, link: Hashable, group: bytes) -> bool:
+        """A link completed its handshake naming ``group``: False if another live link
+        already serves that group session on this rank."""
+
+    def submit(self, link: Hashable, job: DrawJob, done: Callable[[DrawResult], None]) -> None:
+        """Draw ``job`` (never blocks; the result comes later, through ``done``)."""
+
+    def leave(self, link: Hashable) -> None:
+        """The link is gone: everything held for it is dropped."""
 
 
 @dataclass(frozen=True)

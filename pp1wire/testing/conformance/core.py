@@ -9,7 +9,7 @@ import secrets
 import ssl as ssl_module
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -79,9 +79,12 @@ class Settings:
     slots: int = 2
     support: int = 8
     handshake_wait: float = 12.0
+    match_wait: float = 8.0  # longer than a sharded worker's match timeout (§6.7)
     idle_wait: float | None = None  # longer than the worker's idle timeout; None: skip 2.3
     shards: int = 1  # a sharded worker group's size: link r at port + r (§6.7)
     shard: int = 0  # the shard this connection's HELLO declares
+    # The suite's group session on a sharded group: the same nonce on every link (§6.7).
+    group: bytes = field(default_factory=lambda: secrets.token_bytes(messages.GROUP_NONCE_SIZE))
 
 
 # -- a raw peer ------------------------------------------------------------------
@@ -276,6 +279,7 @@ class Peer:
             psk=s.psk,
             layout=ShardLayout.even(s.vocab, s.shards) if s.shards > 1 else None,
             shard=s.shard,
+            group=s.group if s.shards > 1 else b"",
         )
         hello = build_hello(
             Role.SPARK,

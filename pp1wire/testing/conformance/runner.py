@@ -34,7 +34,7 @@ from pp1wire.wire.messages import Challenge, Error
 async def run_case(c: Case, s: Settings) -> Outcome:
     """Run one case with an overall time limit."""
     try:
-        await asyncio.wait_for(c.fn(s), timeout=s.handshake_wait + 20)
+        await asyncio.wait_for(c.fn(s), timeout=max(s.handshake_wait, s.match_wait) + 20)
     except NonStrictSkip as exc:
         return Outcome(Grade.INFO, f"skipped: {exc}")
     except NonStrict as exc:
@@ -196,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=12.0,
         metavar="SECONDS",
         help="how long the handshake-timeout case waits",
+    )
+    p.add_argument(
+        "--match-wait",
+        type=settings.seconds,
+        default=8.0,
+        metavar="SECONDS",
+        help="longer than a sharded worker group's match timeout: how long the 6.7 cases "
+        "wait for an unmatched STEP's answer",
     )
     p.add_argument(
         "--idle-wait",
@@ -410,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ssl=ctx,
             timeout=args.timeout,
             handshake_wait=args.handshake_wait,
+            match_wait=args.match_wait,
             idle_wait=args.idle_wait,
             shards=args.vocab_shards,
         )

@@ -2,13 +2,18 @@
 
 With ``--vocab-shards N`` the suite's HELLO declares shard 0 of the even
 layout on ``--worker`` (rank 0's link), and the cases that need the whole group
-connect to every link: rank r at the worker's port + r. Without it they check
-that an unsharded worker refuses a sharded HELLO.
+connect to every link: rank r at the worker's port + r, each link of one group
+session with the same group nonce. Without it they check that an unsharded
+worker refuses a sharded HELLO. The group-session cases (6.7.6 to 6.7.8) wait for
+unmatched STEPs up to ``--match-wait``, which must exceed the worker's match
+timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import time
 
 import numpy as np
 
@@ -18,7 +23,7 @@ from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
 from pp1wire.testing.conformance import core, handshake
 from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
 from pp1wire.wire import framing
-from pp1wire.wire.messages import Completion, MsgType, Reply
+from pp1wire.wire.messages import GROUP_NONCE_SIZE, Completion, MsgType, Reply
 
 
 def _layout(s: Settings) -> ShardLayout:
@@ -167,3 +172,151 @@ async def dense_group(s: Settings) -> None:
 )
 async def sparse_group(s: Settings) -> None:
     await _group_reply(s, min(s.support, s.vocab))
+
+
+# -- group sessions: a STEP matches only its own session's, on every link ----------------
+
+
+async def _link(s: Settings, rank: int, group: bytes, *, seed: int = 11) -> Peer:
+    """A handshaken link of group session ``group`` on rank ``rank``, slot 0 open."""
+    link = dataclasses.replace(s, port=s.port + rank, shard=rank, group=group)
+    peer = await Peer(link).connect()
+    try:
+        await peer.handshake()
+        await peer.open_slot(seed=seed)
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+async def _answer(peer: Peer, timeout: float) -> tuple[int, tuple[int, ...]]:
+    """The next reply on ``peer``: its COMPLETION status and its tokens.
+
+    Raises:
+        CaseFailed: on an ERROR, EOF or nothing within ``timeout``.
+    """
+    tokens: list[int] = []
+    while True:
+        frame = await peer.next(timeout)
+        if frame is None or frame.type is MsgType.ERROR:
+            raise CaseFailed(f"no complete reply ({core.describe(frame)})")
+        if frame.type is MsgType.REPLY:
+            assert isinstance(frame.message, Reply)
+            tokens.append(frame.message.token)
+        elif frame.type is MsgType.COMPLETION:
+            assert isinstance(frame.message, Completion)
+            return frame.message.status, tuple(tokens)
+
+
+def _needs_group(s: Settings) -> None:
+    if s.shards < 2:
+        raise core.NonStrictSkip("needs --vocab-shards N (a sharded worker group)")
+
+
+@core.case(
+    "6.7.6",
+    "sharded links",
+    "a STEP with another group session's key is never matched with it",
+    "a link of another group nonce that sends a session's exact STEP (slot, round, prefix "
+    "digest: all predictable) first gets GROUP_UNMATCHED, never that session's proposal; "
+    "the session's own links get theirs, the same tokens on each",
+)
+async def foreign_key(s: Settings) -> None:
+    _needs_group(s)
+    world = s.shards
+    ours = secrets.token_bytes(GROUP_NONCE_SIZE)
+    peers: list[Peer] = []
+    try:
+        foreign = await _link(s, world - 1, secrets.token_bytes(GROUP_NONCE_SIZE))
+        peers.append(foreign)
+        for r in range(world):
+            peers.append(await _link(s, r, ours))
+        step = foreign.step_msg(depth=3)
+        foreign.send_msg(step)  # first: a key-only match would pair it with ours
+        for peer in peers[1:]:
+            peer.send_msg(peer.step_msg(depth=3))
+        answers = [await _answer(peer, s.match_wait) for peer in peers[1:]]
+        if any(status for status, _ in answers):
+            raise CaseFailed(f"the session's own STEPs were not drawn: {answers}")
+        if len({tokens for _, tokens in answers}) != 1:
+            raise CaseFailed(f"the session's links carry different tokens: {answers}")
+        status, tokens = await _answer(foreign, s.match_wait)
+        if status != ErrorCode.GROUP_UNMATCHED:
+            raise CaseFailed(
+                f"the foreign STEP got status {status} and tokens {tokens}, not GROUP_UNMATCHED"
+            )
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@core.case(
+    "6.7.7",
+    "sharded links",
+    "a half-sent STEP is answered GROUP_UNMATCHED and stalls no other session",
+    "a STEP sent on one link of a session only is answered alone after the match timeout "
+    "with GROUP_UNMATCHED; another session's STEPs, sent after it, are answered before",
+)
+async def half_sent(s: Settings) -> None:
+    _needs_group(s)
+    world = s.shards
+    half, whole = secrets.token_bytes(GROUP_NONCE_SIZE), secrets.token_bytes(GROUP_NONCE_SIZE)
+    peers: list[Peer] = []
+    try:
+        lone = await _link(s, 0, half)
+        peers.append(lone)
+        others = []
+        for r in range(world):
+            others.append(await _link(s, r, whole, seed=12))
+        peers += others
+        lone.send_msg(lone.step_msg(depth=2))
+        sent = time.monotonic()
+        for peer in others:
+            peer.send_msg(peer.step_msg(depth=2))
+        for peer in others:
+            status, _ = await _answer(peer, s.match_wait)
+            if status:
+                raise CaseFailed(f"the whole session's STEP was answered with status {status}")
+        served = time.monotonic() - sent
+        status, _ = await _answer(lone, s.match_wait)
+        unmatched = time.monotonic() - sent
+        if status != ErrorCode.GROUP_UNMATCHED:
+            raise CaseFailed(f"the half-sent STEP got status {status}, not GROUP_UNMATCHED")
+        if served >= unmatched:
+            raise CaseFailed(
+                f"the other session waited for the half-sent STEP: served after {served:.2f} s, "
+                f"the half-sent one answered after {unmatched:.2f} s"
+            )
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@core.case(
+    "6.7.8",
+    "sharded links",
+    "a closed link's STEP is dropped with it, and matches nothing later",
+    "a link that sends a STEP and closes leaves nothing behind: a later session's identical "
+    "STEPs on every link are matched with each other and drawn at once",
+)
+async def closed_leftovers(s: Settings) -> None:
+    _needs_group(s)
+    world = s.shards
+    peers: list[Peer] = []
+    try:
+        gone = await _link(s, world - 1, secrets.token_bytes(GROUP_NONCE_SIZE))
+        gone.send_msg(gone.step_msg(depth=2))
+        await gone.quiet(0.05)
+        gone.close()
+        later = secrets.token_bytes(GROUP_NONCE_SIZE)
+        for r in range(world):
+            peers.append(await _link(s, r, later))
+        for peer in peers:
+            peer.send_msg(peer.step_msg(depth=2))
+        answers = [await _answer(peer, s.match_wait) for peer in peers]
+        if any(status for status, _ in answers) or len({t for _, t in answers}) != 1:
+            raise CaseFailed(f"the later session's STEPs were not drawn together: {answers}")
+    finally:
+        for peer in peers:
+            peer.close()

@@ -17,6 +17,8 @@ from pp1wire.wire.messages import (
 )
 
 NONCE = bytes(range(16))
+#: The group nonce of the vectors' sharded links (§6.7).
+GROUP = bytes(range(0xA0, 0xB0))
 
 Vector = dict[str, Any]
 

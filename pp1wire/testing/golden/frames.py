@@ -17,7 +17,7 @@ from pp1wire.testing.builders import (
     reply_header,
     reply_step,
 )
-from pp1wire.testing.golden.common import NONCE, Vector, hello, message_json
+from pp1wire.testing.golden.common import GROUP, NONCE, Vector, hello, message_json
 from pp1wire.wire import framing, messages
 
 raw_frame = framing.encode_raw_frame
@@ -37,7 +37,15 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
         ("hello_worker", hello(1, SESSION), b""),
         (
             "hello_spark_shard",
-            hello(2, shards=2, shard=1, shard_start=4, shard_end=8, layout=SHARD_LAYOUT.digest),
+            hello(
+                2,
+                shards=2,
+                shard=1,
+                shard_start=4,
+                shard_end=8,
+                layout=SHARD_LAYOUT.digest,
+                group=GROUP,
+            ),
             b"",
         ),
         ("challenge", messages.Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),

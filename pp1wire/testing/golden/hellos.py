@@ -20,9 +20,9 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.testing.builders import SESSION, VOCAB
-from pp1wire.testing.golden.common import Vector, hello
+from pp1wire.testing.golden.common import GROUP, Vector, hello
 from pp1wire.wire import framing, handshake, integrity
-from pp1wire.wire.messages import WIRE_VERSION, Error, MsgType
+from pp1wire.wire.messages import WIRE_VERSION, Error, Hello, MsgType
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 #: The worker every HELLO vector talks to; the Spark HELLO of :func:`hello` fits it.
@@ -70,7 +70,18 @@ BREAK: dict[str, dict[str, Any]] = {
         "layout": _OTHER_LAYOUT.digest,
     },
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
+    "group": {"group": GROUP},
 }
+
+#: Shard 0 of :data:`_OTHER_LAYOUT`, as a Spark HELLO declares it (its group nonce apart).
+_SHARD_0 = {
+    "shards": 2,
+    "shard": 0,
+    "shard_start": 0,
+    "shard_end": 4,
+    "layout": _OTHER_LAYOUT.digest,
+}
+_SHARDED_WORKER = {"layout": list(_OTHER_LAYOUT.bounds), "shard": 0}
 
 
 def hello_vectors() -> list[Vector]:
@@ -119,6 +130,25 @@ def hello_vectors() -> list[Vector]:
             {**BREAK["shards"], "stop_rules": STOP_RULES},
             {"layout": list(_OTHER_LAYOUT.bounds), "shard": 1},
             {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        (
+            # §6.7: a sharded link's HELLO names its group session with 16 bytes.
+            "hello_shard_group_accepted",
+            {**_SHARD_0, "group": GROUP},
+            _SHARDED_WORKER,
+            {"answer": "HELLO", "group": GROUP.hex()},
+        ),
+        (
+            "hello_shard_group_missing",
+            _SHARD_0,
+            _SHARDED_WORKER,
+            {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        (
+            "hello_shard_group_short",
+            {**_SHARD_0, "group": GROUP[:8]},
+            _SHARDED_WORKER,
+            {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
         ),
         (
             # §5: with a key, no rule is checked before AUTH, not even the role.
@@ -178,4 +208,7 @@ def run_hello_vector(vector: Vector) -> dict[str, Any]:
             "answers": MsgType(first.answers).name,
             "scope": first.scope,
         }
-    return {"answer": sent[0].type.name}
+    answer: dict[str, Any] = {"answer": sent[0].type.name}
+    if isinstance(first, Hello) and first.group:  # the worker echoes the group nonce
+        answer["group"] = first.group.hex()
+    return answer

@@ -22,7 +22,7 @@ from pp1wire.testing.builders import (
     sparse_payload,
     whole_reply,
 )
-from pp1wire.testing.golden.common import Vector, message_from_json, message_json
+from pp1wire.testing.golden.common import GROUP, Vector, message_from_json, message_json
 from pp1wire.wire import framing, spark_events
 from pp1wire.wire.messages import (
     Opened,
@@ -631,6 +631,7 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
     cfg = spark_core.SparkConfig(
         layout=layout,
         shard=ctx.get("shard", 0),
+        group=GROUP if layout is not None else b"",
         vocab_size=ctx["vocab_size"],
         row_entries=ctx["row_entries"],
         max_support=ctx["max_support"],
