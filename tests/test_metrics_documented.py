@@ -11,7 +11,7 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def _worker() -> CollectorRegistry:
-    from pp1wire.aio.server import WorkerMetrics
+    from pp1wire.aio.worker_metrics import WorkerMetrics
 
     return WorkerMetrics().registry
 

@@ -205,7 +205,7 @@ def test_the_spark_side_never_sends_a_rule_it_did_not_negotiate():
 def test_a_hello_asking_for_rules_the_link_lacks_is_refused(worker_kw, spark_rules):
     spark_kw = {"stop_rules": spark_rules}
     if "layout" in worker_kw:
-        spark_kw |= {"layout": worker_kw["layout"], "shard": 0}
+        spark_kw |= {"layout": worker_kw["layout"], "shard": 0, "group": bytes(range(16))}
     pair = make_pair(VOCAB, worker_kw=worker_kw, spark_kw=spark_kw)
     (frame,) = framing.FrameDecoder(1 << 20).feed(b"".join(pair.to_spark))
     assert isinstance(frame.message, Error)
@@ -230,7 +230,15 @@ def test_an_unknown_rule_set_is_a_configuration_error():
 
     with pytest.raises(ValueError, match="unknown stop-rule set"):
         WorkerConfig(vocab_size=VOCAB, stop_rules="pp1-stop-rules-v2")
-    assert Hello.__struct_defaults__[-1] == ""  # an omitted field means fixed only
+    fields = Hello.__struct_fields__
+    defaults = dict(
+        zip(
+            fields[len(fields) - len(Hello.__struct_defaults__) :],
+            Hello.__struct_defaults__,
+            strict=True,
+        )
+    )
+    assert defaults["stop_rules"] == ""  # an omitted field means fixed only
 
 
 # -- the chains ------------------------------------------------------------------------------

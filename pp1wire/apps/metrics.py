@@ -15,7 +15,7 @@ import urllib.request
 import prometheus_client as prom
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from pp1wire.aio.server import SECONDS_BUCKETS
+from pp1wire.aio.worker_metrics import SECONDS_BUCKETS
 
 
 def _samples(counter: Counter) -> list[tuple[dict[str, str], float]]:

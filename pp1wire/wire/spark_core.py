@@ -379,14 +379,8 @@ class SparkProtocol:
         return state
 
     def next_round(self, slot: int) -> int:
-        """The lowest round ``slot`` may use next in its generation: one above every
-        round it has stepped or committed (derived from the fencing state, not a
-        second counter; a request that numbers its own rounds does not need it).
-
-        Raises:
-            ProtocolError: ``UNKNOWN_SLOT``.
-            LocalStateError: ``NOT_READY``, or ``SLOT_DESYNCED`` until the slot is reopened.
-        """
+        """One above every round ``slot`` stepped or committed in its generation (read off
+        the fencing state: not a second counter). Raises as :meth:`step` does for the slot."""
         return self._slot(slot).fence.last_round + 1
 
     def step(
@@ -425,9 +419,7 @@ class SparkProtocol:
         if not 1 <= depth <= self.config.max_depth:
             raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
         if stop.kind is not StopKind.FIXED and self.stop_rules != STOP_RULES:
-            raise ProtocolError(
-                ErrorCode.BAD_STOP_RULE, f"{stop}: the HELLO negotiated no stop rules"
-            )
+            raise ProtocolError(ErrorCode.BAD_STOP_RULE, f"{stop}: no stop rules negotiated")
         if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
             raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
         msg = Step(
