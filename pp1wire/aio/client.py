@@ -43,6 +43,7 @@ from pp1wire.q.proposal import Proposal
 from pp1wire.q.stoprules import FIXED, StopRule
 from pp1wire.q.verify import Processor, RequestVerifier, RoundResult, TargetFn
 from pp1wire.wire import spark_events
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
 # Codes with which a connection ends without anyone refusing anything.
@@ -213,7 +214,7 @@ class AsyncClient:
     def _route(self, event: spark_events.SparkEvent) -> None:
         if self.observer is not None:
             self.observer(event)
-        if isinstance(event, spark_events.HandshakeDone):
+        if isinstance(event, HandshakeDone):
             _settle(self._handshake, None)
         elif isinstance(event, spark_events.SlotOpened):
             _settle(self._opened.pop(event.slot, None), None)

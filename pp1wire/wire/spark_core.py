@@ -28,6 +28,7 @@ from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import FIXED, STOP_RULES, StopKind, StopRule
 from pp1wire.wire import fencing, framing, integrity, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
     ECHOED_LIMITS,
@@ -43,7 +44,6 @@ from pp1wire.wire.spark_events import (
     ConnectionFailed,
     FrameDropped,
     FrameRejected,
-    HandshakeDone,
     PongReceived,
     ProposalFailed,
     ProposalReady,

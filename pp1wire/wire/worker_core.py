@@ -28,6 +28,7 @@ from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import STOP_RULES, step_rule, stopped_by_rule
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.draws import TokenBucket
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -63,7 +64,6 @@ from pp1wire.wire.worker_events import (
     DrawJob,
     DrawRequested,
     DrawResult,
-    HandshakeDone,
     Proposer,
     Refused,
     SlotEvent,
