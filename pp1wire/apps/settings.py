@@ -19,11 +19,13 @@ import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
 ENV_PREFIX = "PP1_"
+
+_V = TypeVar("_V")
 
 
 class SettingsError(ValueError):
@@ -52,6 +54,16 @@ def _real(raw: object) -> float:
     return value
 
 
+def _described(check: Callable[[object], _V], meaning: str, kind: type) -> Callable[[object], _V]:
+    """``check`` as a flag type: its docstring names ``meaning``, and ``kind`` is what a
+    TOML value for it must be."""
+    check.__doc__ = (
+        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
+    )
+    check.kind = kind  # type: ignore[attr-defined]
+    return check
+
+
 def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
     """A flag type accepting integers in ``lo..hi``; ``meaning`` names the range."""
 
@@ -61,12 +73,7 @@ def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
             raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
         return value
 
-    check.__doc__ = (
-        f"Flag type: {meaning} (a TOML float such as 2.7 is refused, not truncated).\n\n"
-        "Raises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = int  # type: ignore[attr-defined]  # what a TOML value must be
-    return check
+    return _described(check, f"{meaning} (a TOML float such as 2.7 is refused, not truncated)", int)
 
 
 def _real_type(
@@ -81,11 +88,7 @@ def _real_type(
             raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
         return value
 
-    check.__doc__ = (
-        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = float  # type: ignore[attr-defined]
-    return check
+    return _described(check, meaning, float)
 
 
 def _text_type(max_length: int, meaning: str) -> Callable[[object], str]:
@@ -98,11 +101,7 @@ def _text_type(max_length: int, meaning: str) -> Callable[[object], str]:
             raise argparse.ArgumentTypeError(f"{raw[:20]!r}... is not {meaning}")
         return raw
 
-    check.__doc__ = (
-        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = str  # type: ignore[attr-defined]
-    return check
+    return _described(check, meaning, str)
 
 
 _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
