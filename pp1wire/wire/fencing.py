@@ -127,8 +127,7 @@ def _generation(current: int, received: int) -> Decision | None:
 
 def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
     """Fencing decision for a STEP on an open slot of the right session."""
-    refused = _generation(fence.generation, step.generation)
-    if refused:
+    if refused := _generation(fence.generation, step.generation):
         return refused
     if step.round <= fence.committed_round:
         return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
@@ -143,8 +142,7 @@ def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
 
 def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
     """Fencing decision for a COMMIT on an open slot of the right session."""
-    refused = _generation(fence.generation, commit.generation)
-    if refused:
+    if refused := _generation(fence.generation, commit.generation):
         return refused
     if commit == fence.last_commit:
         return REPLAY
