@@ -618,28 +618,17 @@ def _internal(exc: Exception) -> Pp1Error:
     return err
 
 
+@dataclass(slots=True, eq=False)
 class _Row:
     """One position of one job on its way through construction."""
 
-    __slots__ = ("at", "draw", "draw_error", "logits", "support", "temperature", "top")
-
-    def __init__(
-        self,
-        at: int,
-        logits: npt.NDArray[np.float64],
-        temperature: float,
-        support: int,
-        top: float,
-        draw: int,
-        draw_error: Pp1Error | None,
-    ) -> None:
-        self.at = at  # the job's place in the position's list
-        self.logits = logits
-        self.temperature = temperature
-        self.support = support
-        self.top = top
-        self.draw = draw
-        self.draw_error = draw_error
+    at: int  # the job's place in the position's list
+    logits: npt.NDArray[np.float64]
+    temperature: float
+    support: int
+    top: float
+    draw: int
+    draw_error: Pp1Error | None
 
 
 def _build_position(
