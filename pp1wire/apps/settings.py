@@ -450,8 +450,9 @@ def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
-    """The flags both daemons take with the same meaning (the two sides must agree on them)."""
+def add_link_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of what both sides of a link must agree on (the daemons, and the
+    conformance suite as a Spark side): vocabulary, its split, the target and the key."""
     p.add_argument(
         "--vocab",
         type=vocabulary,
@@ -479,9 +480,9 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         type=ranks,
         default=1,
         metavar="N",
-        help="split the vocabulary evenly over N ranks, one link per rank pair (with --tp N, "
-        "needs torch): worker rank r listens on --port + r and Spark rank r connects to the "
-        "worker address's port + r; each link carries only its range of q",
+        help="split the vocabulary evenly over N ranks, one link per rank pair (the daemons: "
+        "with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
+        "connects to the worker address's port + r; each link carries only its range of q",
     )
     p.add_argument(
         "--target-identity",
@@ -497,6 +498,22 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         help="file holding the pre-shared key, at least 16 bytes (default: none, no "
         "authentication)",
     )
+
+
+def add_tls_ca(p: argparse.ArgumentParser) -> None:
+    """``--tls-ca``: a Spark side connects with TLS, trusting that certificate."""
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="CA / certificate file: connect with TLS, trusting it (default: plaintext)",
+    )
+
+
+def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
+    """The flags both daemons take with the same meaning: :func:`add_link_flags`, then
+    metrics, logging and :func:`add_config`."""
+    add_link_flags(p)
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",
@@ -517,6 +534,11 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         metavar="LEVEL",
         help="JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
     )
+    add_config(p)
+
+
+def add_config(p: argparse.ArgumentParser) -> None:
+    """``--config``: a TOML file of settings (see :func:`parse`)."""
     p.add_argument(
         "--config",
         default=None,

@@ -300,12 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to keep trying to reach the worker at the start",
     )
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="CA / certificate file: connect with TLS (default: plaintext)",
-    )
+    settings.add_tls_ca(p)
     p.add_argument(
         "--tp",
         type=settings.ranks,

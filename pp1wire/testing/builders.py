@@ -22,20 +22,23 @@ SESSION = 7
 VOCAB = 8
 
 
-def reply_step(support: int, depth: int = 2) -> Step:
-    """The STEP the reply vectors answer: slot 0 at prefix (1, 2, 3), round 0; support 0: dense."""
-    return Step(
-        session=SESSION,
-        slot=0,
-        generation=0,
-        round=0,
-        position=3,
-        digest=prefix_digest([1, 2, 3]),
-        depth=depth,
-        temperature=1.0,
-        support=support,
-        context=0,
-    )
+def reply_step(support: int, depth: int = 2, **over: Any) -> Step:
+    """The STEP the reply vectors answer: slot 0 at prefix (1, 2, 3), round 0; support 0:
+    dense (any other field overridden)."""
+    fields: dict[str, Any] = {
+        "session": SESSION,
+        "slot": 0,
+        "generation": 0,
+        "round": 0,
+        "position": 3,
+        "digest": prefix_digest([1, 2, 3]),
+        "depth": depth,
+        "temperature": 1.0,
+        "support": support,
+        "context": 0,
+    }
+    fields.update(over)
+    return Step(**fields)
 
 
 def dense_payload(counts: list[int], entries: int = VOCAB) -> bytes:
