@@ -351,8 +351,9 @@ def test_a_released_proposal_cannot_be_read():
         with pytest.raises(ProposalReleasedError, match="released"):
             read(proposal.rows[0])
     assert proposal.tokens == tuple(r.token for r in proposal.rows)  # tokens are copies
+    request = verifier(pair, 5, PREFIX)
     with pytest.raises(ProposalReleasedError):
-        verifier(pair, 5, PREFIX).verify(proposal)
+        request.verify(proposal)
 
 
 def test_spark_errors_answer_the_message_that_failed():
