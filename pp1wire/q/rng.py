@@ -45,10 +45,10 @@ from pp1wire.errors import ErrorCode, RngError
 
 ABI_NAME: Final = "pp1-philox4x32-10-v1"
 
-_M0: Final = 0xD2511F53
-_M1: Final = 0xCD9E8D57
-_W0: Final = 0x9E3779B9
-_W1: Final = 0xBB67AE85
+# Philox4x32 (Salmon et al., SC11): the round multipliers, and the Weyl increments
+# that bump the key between rounds.
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32: Final = 0xFFFFFFFF
 _ROUNDS: Final = 10
 
