@@ -500,8 +500,14 @@ def add_link_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tls_ca(p: argparse.ArgumentParser) -> None:
-    """``--tls-ca``: a Spark side connects with TLS, trusting that certificate."""
+def add_connect_flags(p: argparse.ArgumentParser) -> None:
+    """How a Spark side (``pp1-spark``, ``pp1-conformance``) reaches its worker."""
+    p.add_argument(
+        "--worker",
+        default="127.0.0.1:7070",
+        metavar="HOST:PORT",
+        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
+    )
     p.add_argument(
         "--tls-ca",
         default=None,

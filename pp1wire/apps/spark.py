@@ -182,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = settings.parser(
         "pp1-spark", f"PP1 v{WIRE_VERSION} verifier side (the Spark rank): docs/runner.md."
     )
-    p.add_argument(
-        "--worker",
-        default="127.0.0.1:7070",
-        metavar="HOST:PORT",
-        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
-    )
+    settings.add_connect_flags(p)
     p.add_argument(
         "--seed",
         type=count,
@@ -300,7 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to keep trying to reach the worker at the start",
     )
-    settings.add_tls_ca(p)
     p.add_argument(
         "--tp",
         type=settings.ranks,

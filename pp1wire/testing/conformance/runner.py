@@ -116,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-conformance`` argument parser."""
     p = settings.parser("pp1-conformance", __doc__)
     p.epilog = spark_side.TEMPLATE_CONTRACT
-    p.add_argument(
-        "--worker", default="127.0.0.1:7070", metavar="HOST:PORT", help="the worker under test"
-    )
+    settings.add_connect_flags(p)
     p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
@@ -136,7 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     settings.add_link_flags(p)
-    settings.add_tls_ca(p)
     p.add_argument(
         "--timeout",
         type=settings.seconds,
