@@ -19,7 +19,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
@@ -587,6 +587,33 @@ def run_daemon(
     except OSError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+
+
+class LinkFields(TypedDict):
+    """The :class:`~pp1wire.wire.handshake.PeerConfig` fields the :func:`add_link_flags`
+    flags give (``--vocab-shards`` is a layout, made where the ranks are known)."""
+
+    vocab_size: int
+    vocab_hash: int
+    row_entries: int
+    target_identity: str
+    psk: bytes | None
+
+
+def link_fields(args: argparse.Namespace) -> LinkFields:
+    """What both sides of a link must agree on, from the flags: ``--row-entries`` checked,
+    the key read.
+
+    Raises:
+        SettingsError: as :func:`row_entries` and :func:`read_psk`.
+    """
+    return LinkFields(
+        vocab_size=args.vocab,
+        vocab_hash=args.vocab_hash,
+        row_entries=row_entries(args),
+        target_identity=args.target_identity,
+        psk=read_psk(args.psk_file),
+    )
 
 
 def row_entries(args: argparse.Namespace) -> int:

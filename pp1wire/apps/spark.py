@@ -59,7 +59,6 @@ from pp1wire.apps.settings import (
     load_factory,
     positive,
     read_psk,
-    row_entries,
     run_daemon,
     seconds,
     temperature,
@@ -391,16 +390,12 @@ def spark_config(
 ) -> SparkConfig:
     """This rank's HELLO settings."""
     return SparkConfig(
-        vocab_size=args.vocab,
-        vocab_hash=args.vocab_hash,
+        **settings.link_fields(args),
         draft_identity=args.draft_identity,
-        target_identity=args.target_identity,
         max_slots=plan.concurrency,
         max_depth=max(plan.depth, 1),
         max_support=min(max(plan.support, 1), args.vocab),
         max_prefix=args.max_prefix,
-        row_entries=row_entries(args),
-        psk=read_psk(args.psk_file),
         reply_timeout=args.reply_timeout,
         layout=layout,
         shard=rank if layout is not None else 0,
