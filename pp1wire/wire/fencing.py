@@ -174,12 +174,8 @@ class SparkInFlight(Protocol):
     """
 
     @property
-    def generation(self) -> int:
-        """The generation the STEP was sent under."""
-
-    @property
-    def round(self) -> int:
-        """The STEP's round ID."""
+    def step(self) -> Step:
+        """The STEP (its generation and round are the ones its reply must name)."""
 
     settled: bool  # completed or discarded: later frames are late
     discarded: bool
@@ -218,9 +214,9 @@ def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decisi
         if round_id <= fence.last_round:
             return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
         return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
-    if round_id < flight.round:
+    if round_id < flight.step.round:
         return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
-    if round_id > flight.round:
+    if round_id > flight.step.round:
         return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
     if flight.discarded:
         return Decision(Action.DROP, ErrorCode.LATE_FRAME)
