@@ -397,19 +397,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             ("sparse256", 256),
         ]
     }
+    # pp1 against each other transport, in the same run, per row kind.
+    vs = [("dense", "raw"), ("dense", "zmq"), ("dense", "grpc")]
+    vs += [("sparse", "raw"), ("sparse", "zmq"), ("sparse", "grpc")]
+    spun = [("dense", "raw"), ("dense", "zmq"), ("sparse", "raw"), ("sparse", "grpc")]
     ratios = {
-        "dense_vs_raw": ratio(t["pp1_dense"], t["raw_dense"]),
-        "dense_vs_zmq": ratio(t["pp1_dense"], t["zmq_dense"]),
-        "dense_vs_grpc": ratio(t["pp1_dense"], t["grpc_dense"]),
-        "sparse_vs_raw": ratio(t["pp1_sparse"], t["raw_sparse"]),
-        "sparse_vs_zmq": ratio(t["pp1_sparse"], t["zmq_sparse"]),
-        "sparse_vs_grpc": ratio(t["pp1_sparse"], t["grpc_sparse"]),
+        **{f"{k}_vs_{b}": ratio(t[f"pp1_{k}"], t[f"{b}_{k}"]) for k, b in vs},
         "sparse_loop_floor_vs_raw": ratio(t["loop_sparse"], t["raw_sparse"]),
         "sparse_vs_loop": ratio(t["pp1_sparse"], t["loop_sparse"]),
-        "busy_poll_dense_vs_raw": ratio(t_spin["pp1_dense"], t_spin["raw_dense"]),
-        "busy_poll_dense_vs_zmq": ratio(t_spin["pp1_dense"], t_spin["zmq_dense"]),
-        "busy_poll_sparse_vs_raw": ratio(t_spin["pp1_sparse"], t_spin["raw_sparse"]),
-        "busy_poll_sparse_vs_grpc": ratio(t_spin["pp1_sparse"], t_spin["grpc_sparse"]),
+        **{f"busy_poll_{k}_vs_{b}": ratio(t_spin[f"pp1_{k}"], t_spin[f"{b}_{k}"]) for k, b in spun},
         "fresh_dense_vs_ideal": [
             f / (d + r)
             for f, d, r in zip(

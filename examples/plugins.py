@@ -18,15 +18,15 @@ or simply ``python examples/plugins.py``, which does exactly that on a free port
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+from daemons import command, running_worker
 
 Row = npt.NDArray[np.float64]
 
@@ -65,33 +65,6 @@ def drafter_factory(vocab_size: int, seed: int) -> Callable[[Sequence[int]], Row
         return np.log(w)
 
     return drafter
-
-
-def command(name: str) -> str:
-    """The installed console script ``name``: next to this Python (a virtual
-    environment's ``bin``), else on ``PATH``."""
-    beside = Path(sys.executable).with_name(name)
-    return str(beside) if beside.exists() else name
-
-
-@contextlib.contextmanager
-def running_worker(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``pp1-worker`` on a free loopback port until the block ends; yields its HOST:PORT."""
-    worker = subprocess.Popen(
-        [command("pp1-worker"), "--host", "127.0.0.1", "--port", "0", *flags],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline()  # "pp1-worker listening on HOST:PORT"
-        if "listening on" not in line:
-            raise RuntimeError(f"pp1-worker did not start: {line!r}")
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        worker.terminate()
-        worker.wait()
 
 
 def main() -> int:

@@ -12,13 +12,12 @@ Run: ``python examples/scrape_metrics.py``.
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+
+from daemons import command, running_worker
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -31,33 +30,6 @@ def scrape(address: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
-
-
-def command(name: str) -> str:
-    """The installed console script ``name``: next to this Python (a virtual
-    environment's ``bin``), else on ``PATH``."""
-    beside = Path(sys.executable).with_name(name)
-    return str(beside) if beside.exists() else name
-
-
-@contextlib.contextmanager
-def running_worker(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``pp1-worker`` on a free loopback port until the block ends; yields its HOST:PORT."""
-    worker = subprocess.Popen(
-        [command("pp1-worker"), "--host", "127.0.0.1", "--port", "0", *flags],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline()  # "pp1-worker listening on HOST:PORT"
-        if "listening on" not in line:
-            raise RuntimeError(f"pp1-worker did not start: {line!r}")
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        worker.terminate()
-        worker.wait()
 
 
 def main() -> int:

@@ -76,38 +76,43 @@ if TYPE_CHECKING:
     from pp1wire.tp.group import SparkGroup as SparkGroup
     from pp1wire.wire.spark_core import SparkConfig
 
-_CLIENT = "pp1wire.aio.handles"
-_VERIFY = "pp1wire.q.verify"
-_ERRORS = "pp1wire.errors"
+
+def _by_module(names: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, str]]:
+    """``{module: names}`` as ``{name: (module, name)}``."""
+    return {name: (module, name) for module, listed in names.items() for name in listed}
+
 
 # name -> (module, attribute in it)
-_EXPORTS: dict[str, tuple[str, str]] = {
-    "AsyncClient": ("pp1wire.aio.client", "AsyncClient"),
-    "SyncClient": ("pp1wire.aio.sync", "SyncClient"),
-    "SparkConfig": ("pp1wire.wire.spark_core", "SparkConfig"),
-    "Request": (_CLIENT, "Request"),
-    "ProposalBatch": (_CLIENT, "ProposalBatch"),
-    "Proposal": ("pp1wire.q.proposal", "Proposal"),
-    "RequestVerifier": (_VERIFY, "RequestVerifier"),
-    "RoundResult": (_VERIFY, "RoundResult"),
-    "Outcome": (_VERIFY, "Outcome"),
-    "TARGET_FAILURES": (_VERIFY, "TARGET_FAILURES"),
-    "StepRound": (_VERIFY, "StepRound"),
-    "step_prefixes": (_VERIFY, "step_prefixes"),
-    "verify_step": (_VERIFY, "verify_step"),
-    "derive_seed": ("pp1wire.q.rng", "derive_seed"),
-    "ErrorCode": (_ERRORS, "ErrorCode"),
-    "Pp1Error": (_ERRORS, "Pp1Error"),
-    "UsageError": (_ERRORS, "UsageError"),
-    "VerifyError": (_ERRORS, "VerifyError"),
-    "RefusedError": (_CLIENT, "RefusedError"),
-    "ConnectionLostError": (_CLIENT, "ConnectionLostError"),
-    "ProposalUnavailableError": (_CLIENT, "ProposalUnavailableError"),
-    "flatten_drafts": (_CLIENT, "flatten_drafts"),
-    "target_rows": (_CLIENT, "target_rows"),
-    "pack_outputs": (_CLIENT, "pack_outputs"),
-    "toy_target": ("pp1wire.apps.models", "toy_target"),
-}
+_EXPORTS: dict[str, tuple[str, str]] = _by_module(
+    {
+        "pp1wire.aio.client": ("AsyncClient",),
+        "pp1wire.aio.sync": ("SyncClient",),
+        "pp1wire.wire.spark_core": ("SparkConfig",),
+        "pp1wire.aio.handles": (
+            "Request",
+            "ProposalBatch",
+            "RefusedError",
+            "ConnectionLostError",
+            "ProposalUnavailableError",
+            "flatten_drafts",
+            "target_rows",
+            "pack_outputs",
+        ),
+        "pp1wire.q.proposal": ("Proposal",),
+        "pp1wire.q.verify": (
+            "RequestVerifier",
+            "RoundResult",
+            "Outcome",
+            "TARGET_FAILURES",
+            "StepRound",
+            "step_prefixes",
+            "verify_step",
+        ),
+        "pp1wire.q.rng": ("derive_seed",),
+        "pp1wire.errors": ("ErrorCode", "Pp1Error", "UsageError", "VerifyError"),
+        "pp1wire.apps.models": ("toy_target",),
+    }
+)
 
 # Public, but they import torch: loaded on use, kept out of __all__.
 _TP_EXPORTS: dict[str, tuple[str, str]] = {

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pp1wire.apps.models import ToyLM
+from pp1wire.q.verify import RequestVerifier
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Message
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
@@ -65,6 +67,18 @@ def make_pair(
         spark.start(0.0)
         pair.pump()
     return pair
+
+
+def verifier(pair: Pair, seed: int, prefix: Sequence[int]) -> RequestVerifier:
+    """The verifier of a request opened on ``pair`` with ``seed`` at ``prefix``, against
+    the toy target of seed 1."""
+    return RequestVerifier(
+        session=pair.spark.session,
+        seed=seed,
+        vocab_size=pair.spark.config.vocab_size,
+        prefix=prefix,
+        target=ToyLM(pair.spark.config.vocab_size, 1).probs,
+    )
 
 
 def next_round(spark: SparkProtocol, slot: int = 0) -> int:

@@ -44,6 +44,17 @@ async def _still_served(clients: list[AsyncClient]) -> list[bool]:
     return alive
 
 
+async def _shut(
+    srv: WorkerServer, sockets: list[socket.socket], clients: list[AsyncClient]
+) -> None:
+    """Close the raw sockets and the clients, then stop the worker."""
+    for s in sockets:
+        s.close()
+    for c in clients:
+        await c.close()
+    await srv.stop(grace=1.0)
+
+
 @pytest.mark.asyncio
 async def test_a_keyless_flood_never_evicts_an_authenticated_peer():
     # evict_idle=0: the held peers are idle and slotless, as replaceable as they can
@@ -73,11 +84,7 @@ async def test_a_keyless_flood_never_evicts_an_authenticated_peer():
         assert took > 0
         assert (await _still_served(held)).count(True) == 3
     finally:
-        for s in flood:
-            s.close()
-        for c in held:
-            await c.close()
-        await srv.stop(grace=1.0)
+        await _shut(srv, flood, held)
 
 
 @pytest.mark.asyncio
@@ -112,9 +119,7 @@ async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
                 served = False
             return served, await _still_served(squatters)
         finally:
-            for c in squatters:
-                await c.close()
-            await srv.stop(grace=1.0)
+            await _shut(srv, [], squatters)
 
     protected = await attempt(slot_idle_timeout=3600.0)
     assert protected == (False, [True, True, True])  # slots that may still work are kept
@@ -150,8 +155,4 @@ async def test_the_per_address_limit_replaces_a_handshake_and_refuses_beyond_bus
         extra.close()
         assert await _still_served(clients) == [True, True]
     finally:
-        for s in silent:
-            s.close()
-        for c in clients:
-            await c.close()
-        await srv.stop(grace=1.0)
+        await _shut(srv, silent, clients)

@@ -13,6 +13,7 @@ import pytest
 from pp1wire.apps.launch import worker_process
 from pp1wire.testing import conformance
 from pp1wire.testing.hostile import FaultyWorker
+from pp1wire.wire import fencing
 from pp1wire.wire.worker_core import WorkerProtocol
 
 from .certs import self_signed
@@ -144,14 +145,13 @@ async def test_suite_detects_a_worker_that_skips_step_checks(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_suite_detects_a_worker_that_redraws_retries(monkeypatch):
-    original = WorkerProtocol._on_step
+    original = fencing.worker_step
 
-    def forgetful(self, msg, frame):
-        for slot in self.slots.values():
-            slot.fence.last_step_round = -1  # forget the replay cache: every retry is redrawn
-        original(self, msg, frame)
+    def forgetful(fence, step):
+        fence.last_step_round = -1  # forget the replay cache: every retry is redrawn
+        return original(fence, step)
 
-    monkeypatch.setattr(WorkerProtocol, "_on_step", forgetful)
+    monkeypatch.setattr(fencing, "worker_step", forgetful)
     worker = FaultyWorker(64)
     port = await worker.start()
     settings = conformance.Settings(host="127.0.0.1", port=port, vocab=64, timeout=1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pp1wire.aio.client import flatten_drafts, pack_outputs, target_rows
+from pp1wire.aio.handles import flatten_drafts, pack_outputs, target_rows
 from pp1wire.q.proposal import Proposal, QRow
 
 

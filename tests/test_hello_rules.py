@@ -11,31 +11,23 @@ import pytest
 
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.builders import SESSION, VOCAB
-from pp1wire.testing.golden.common import hello
+from pp1wire.testing.golden.common import hello, spark_config
+from pp1wire.testing.golden.hellos import BREAK
 from pp1wire.wire import framing, handshake, integrity, messages
 from pp1wire.wire.handshake import HELLO_RULES, first_failure
 from pp1wire.wire.messages import Error, Hello
-from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
+from pp1wire.wire.spark_core import SparkProtocol
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 CHECKED = [r for r in HELLO_RULES if r.checked]
 
-# What breaks each checked row of a worker's HELLO as the Spark side receives it.
-SPARK_BREAK: dict[str, dict[str, Any]] = {
+# What breaks each checked row of a worker's HELLO as the Spark side receives it: the
+# golden vectors' breaks of a Spark HELLO where the same change breaks that row from
+# this side too; the role and the limits a worker echoes break the other way.
+SPARK_BREAK: dict[str, dict[str, Any]] = BREAK | {
     "role": {"role": 2},
-    "wire_version": {"wire_version": messages.WIRE_VERSION + 1},
-    "q_semantic": {"q_semantic": "dyadic16-standard-v1"},
-    "verifier": {"verifier": "pp1-standard-verifier-v0"},
-    "rng_abi": {"rng_abi": "pp1-philox4x32-10-v0"},
-    "precision": {"precision": "bf16"},
-    "vocab_size": {"vocab_size": VOCAB - 1},
-    "vocab_hash": {"vocab_hash": 99},
-    "draft_identity": {"draft_identity": "another-drafter"},
-    "target_identity": {"target_identity": "another-target"},
-    "integrity": {"integrity": integrity.SCHEME},
     "max_slots": {"max_slots": 3},
-    "row_entries": {"row_entries": VOCAB + 1},
     "max_frame": {"max_frame": (1 << 20) - 1},
     "max_prefix": {"max_prefix": 1023},
     "shards": {"shards": 2, "shard": 1, "shard_start": 4, "shard_end": VOCAB, "layout": 5},
@@ -47,15 +39,7 @@ SPARK_BREAK: dict[str, dict[str, Any]] = {
 
 def spark_refuses(fields: dict[str, Any]) -> ErrorCode | None:
     """The code a Spark side (pinning the drafter) answers this worker HELLO with, if any."""
-    cfg = SparkConfig(
-        vocab_size=VOCAB,
-        max_slots=4,
-        max_support=4,
-        max_frame=1 << 20,
-        max_prefix=1024,
-        draft_identity="pp1-toy-drafter",
-    )
-    spark = SparkProtocol(cfg, now=0.0)
+    spark = SparkProtocol(spark_config("pp1-toy-drafter"), now=0.0)
     spark.start(0.0)
     ours = spark._hello
     assert ours is not None

@@ -17,6 +17,7 @@ from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
 from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.hostile import shut
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, MsgType, Opened, Ping
 from pp1wire.wire.spark_core import SparkConfig
@@ -160,13 +161,7 @@ class Relay:
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for w in self.writers:
-            w.close()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        await shut(self.server, self.tasks, [w.close for w in self.writers])
 
     async def _handle(self, client_r, client_w) -> None:
         self.tasks.append(asyncio.current_task())

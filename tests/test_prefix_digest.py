@@ -10,12 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pp1wire.apps.models import ToyLM
 from pp1wire.q import proposal as proposal_module
 from pp1wire.q.proposal import ExtendedPrefix, PrefixDigest, prefix_digest
-from pp1wire.q.verify import RequestVerifier
 from pp1wire.wire.spark_events import ProposalReady
 
+from . import pairs
 from .pairs import VOCAB, make_pair, step
 
 tokens = st.lists(st.integers(0, 0x7FFFFFFF), max_size=40)
@@ -85,13 +84,7 @@ def test_rounds_at_a_million_token_prefix_touch_only_the_new_tokens(hashed_bytes
     prefix = (np.arange(MILLION) % VOCAB).tolist()
     pair.spark.open_slot(0, seed=3, prefix=prefix)
     pair.pump()
-    verifier = RequestVerifier(
-        session=pair.spark.session,
-        seed=3,
-        vocab_size=VOCAB,
-        prefix=prefix,
-        target=ToyLM(VOCAB, 1).probs,
-    )
+    verifier = pairs.verifier(pair, 3, prefix)
     del prefix
 
     def one_round() -> None:

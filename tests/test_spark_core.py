@@ -23,7 +23,7 @@ from pp1wire.wire.spark_events import (
     SlotDesynced,
 )
 
-from .pairs import VOCAB, make_pair, next_round, step
+from .pairs import VOCAB, make_pair, next_round, step, verifier
 
 PREFIX = [1, 2, 3]
 
@@ -351,15 +351,9 @@ def test_a_released_proposal_cannot_be_read():
         with pytest.raises(ProposalReleasedError, match="released"):
             read(proposal.rows[0])
     assert proposal.tokens == tuple(r.token for r in proposal.rows)  # tokens are copies
-    verifier = RequestVerifier(
-        session=pair.spark.session,
-        seed=5,
-        vocab_size=VOCAB,
-        prefix=PREFIX,
-        target=ToyLM(VOCAB, 1).probs,
-    )
+    request = verifier(pair, 5, PREFIX)
     with pytest.raises(ProposalReleasedError):
-        verifier.verify(proposal)
+        request.verify(proposal)
 
 
 def test_spark_errors_answer_the_message_that_failed():

@@ -30,6 +30,7 @@ from pp1wire.q.stoprules import (
     stopped_by_rule,
 )
 from pp1wire.q.verify import RequestVerifier, proposal_from_rows
+from pp1wire.testing.builders import reply_step
 from pp1wire.tp import fanout
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Completion, Error, Hello, Step
@@ -111,20 +112,7 @@ def test_a_terminal_token_ends_a_ruled_block_without_the_stopped_flag():
 
 
 def test_a_step_without_a_rule_asks_for_the_fixed_rule():
-    ruled = Step(
-        session=7,
-        slot=0,
-        generation=0,
-        round=0,
-        position=3,
-        digest=0,
-        depth=3,
-        temperature=1.0,
-        support=0,
-        context=0,
-        stop=2,
-        threshold=M // 3,
-    )
+    ruled = reply_step(0, depth=3, stop=2, threshold=M // 3)
     raw = msgspec.msgpack.decode(framing.encode_frame(ruled)[framing.PREAMBLE_SIZE :])
     assert raw[-2:] == [2, M // 3]
     # A STEP of the eleven elements before the stop rule decodes with the fixed rule.
@@ -153,20 +141,8 @@ def test_the_worker_refuses_a_bad_rule_and_changes_nothing(negotiate, stop, thre
     pair = negotiated() if negotiate else make_pair(VOCAB)
     pair.spark.open_slot(0, seed=5, prefix=PREFIX)
     pair.pump()
-    bad = Step(
-        session=7,
-        slot=0,
-        generation=0,
-        round=0,
-        position=3,
-        digest=pair.spark.slots[0].digest,
-        depth=3,
-        temperature=1.0,
-        support=0,
-        context=0,
-        stop=stop,
-        threshold=threshold,
-    )
+    # The STEP the Spark side would send next, but for its stop rule.
+    bad = reply_step(0, depth=3, digest=pair.spark.slots[0].digest, stop=stop, threshold=threshold)
     pair.send_raw(bad)
     (frame,) = framing.FrameDecoder(1 << 20).feed(b"".join(pair.worker.data_to_send()))
     err = frame.message

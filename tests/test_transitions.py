@@ -13,11 +13,11 @@ import pytest
 
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.builders import SESSION, VOCAB
-from pp1wire.testing.golden.common import hello
+from pp1wire.testing.golden.common import hello, spark_config
 from pp1wire.testing.golden.frames import valid_messages
 from pp1wire.wire import framing, transitions
 from pp1wire.wire.messages import Error, MsgType
-from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
+from pp1wire.wire.spark_core import SparkProtocol
 from pp1wire.wire.transitions import Act, State
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
@@ -52,15 +52,7 @@ def worker_in(state: State) -> WorkerProtocol:
 
 
 def spark_in(state: State) -> SparkProtocol:
-    cfg = SparkConfig(
-        vocab_size=VOCAB,
-        max_slots=4,
-        max_support=4,
-        max_frame=1 << 20,
-        max_prefix=1024,
-        draft_identity="",
-    )
-    core = SparkProtocol(cfg, 0.0)
+    core = SparkProtocol(spark_config(), 0.0)
     if state is not State.IDLE:
         core.start(0.0)
     if state is State.READY:

@@ -32,10 +32,7 @@ from pp1wire.aio.handles import (
     ProposalUnavailableError,
     RefusedError,
     Request,
-    flatten_drafts,
-    pack_outputs,
     scored_by_the_engine,
-    target_rows,
 )
 from pp1wire.aio.pool import BufferPool
 from pp1wire.errors import ErrorCode, LocalStateError, Pp1Error, ProtocolError, UsageError
@@ -43,6 +40,7 @@ from pp1wire.q.proposal import Proposal
 from pp1wire.q.stoprules import FIXED, StopRule
 from pp1wire.q.verify import Processor, RequestVerifier, RoundResult, TargetFn
 from pp1wire.wire import spark_events
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 
 # Codes with which a connection ends without anyone refusing anything.
@@ -213,7 +211,7 @@ class AsyncClient:
     def _route(self, event: spark_events.SparkEvent) -> None:
         if self.observer is not None:
             self.observer(event)
-        if isinstance(event, spark_events.HandshakeDone):
+        if isinstance(event, HandshakeDone):
             _settle(self._handshake, None)
         elif isinstance(event, spark_events.SlotOpened):
             _settle(self._opened.pop(event.slot, None), None)
@@ -289,6 +287,25 @@ class AsyncClient:
         if request.client is not self:
             raise UsageError(ErrorCode.BAD_ARGUMENT, f"slot {request.slot} is on another client")
 
+    async def _answered(
+        self, waiting: dict[int, asyncio.Future[None]], slot: int, send: Callable[[], int]
+    ) -> int:
+        """Queue a slot message with ``send`` (a core call; its result is returned) and
+        wait until the worker answers it (``waiting`` holds the slot's future).
+
+        Raises:
+            UsageError, RefusedError, ConnectionLostError: as the caller documents.
+        """
+        fut: asyncio.Future[None] = self.loop.create_future()
+        try:
+            sent = send()
+        except (ProtocolError, LocalStateError) as exc:
+            self._local(exc)
+        waiting[slot] = fut
+        self._flush()
+        await fut
+        return sent
+
     # -- API ----------------------------------------------------------------
 
     @property
@@ -324,9 +341,10 @@ class AsyncClient:
             ConnectionLostError: the connection is gone.
         """
         self._require_open()
-        fut: asyncio.Future[None] = self.loop.create_future()
-        try:
-            chosen = self.core.open_slot(
+        return await self._answered(
+            self._opened,
+            slot,
+            lambda: self.core.open_slot(
                 slot,
                 seed=seed,
                 prefix=prefix,
@@ -334,13 +352,8 @@ class AsyncClient:
                 context=context,
                 generation=generation,
                 at_least=at_least,
-            )
-        except (ProtocolError, LocalStateError) as exc:
-            self._local(exc)
-        self._opened[slot] = fut
-        self._flush()
-        await fut
-        return chosen
+            ),
+        )
 
     async def open_request(
         self,
@@ -649,17 +662,9 @@ class AsyncClient:
             ConnectionLostError: the connection is gone.
         """
         self._require_open()
-        fut: asyncio.Future[None] = self.loop.create_future()
         if slot in self.core.slots:
             self._cancel(slot, "the slot was reset")
-        try:
-            generation = self.core.reset(slot)
-        except (ProtocolError, LocalStateError) as exc:
-            self._local(exc)
-        self._resets[slot] = fut
-        self._flush()
-        await fut
-        return generation
+        return await self._answered(self._resets, slot, lambda: self.core.reset(slot))
 
     async def reset_request(self, request: Request) -> None:
         """:meth:`reset` ``request``'s slot and move its verifier to the new generation
@@ -767,7 +772,4 @@ __all__ = [
     "ProposalUnavailableError",
     "RefusedError",
     "Request",
-    "flatten_drafts",
-    "pack_outputs",
-    "target_rows",
 ]

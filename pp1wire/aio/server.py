@@ -31,7 +31,7 @@ from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
 log = logging.getLogger("pp1wire.worker")
 
 
-# Round trips and draws on loopback span 50 us to seconds.
+#: Frames one connection may handle before the loop serves the others.
 FRAMES_PER_TURN: Final = 64
 #: Replies queued for a peer beyond this many bytes stop reading its requests.
 WRITE_BUFFER_CAP: Final = 1 << 20

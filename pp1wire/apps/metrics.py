@@ -10,6 +10,7 @@ metric ``pp1-spark`` exports (the worker's are in :mod:`pp1wire.aio.server`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import urllib.request
 
 import prometheus_client as prom
@@ -100,71 +101,60 @@ class SparkMetrics:
     def __init__(self, max_depth: int) -> None:
         """Register the metrics."""
         r = self.registry = prom.CollectorRegistry()
-        self.drafts = prom.Counter(
-            "pp1_spec_decode_draft_tokens", "Draft tokens verified.", registry=r
-        )
-        self.accepted = prom.Counter(
-            "pp1_spec_decode_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
-        self.num_drafts = prom.Counter(
-            "pp1_spec_decode_num_drafts", "Proposals verified (rounds).", registry=r
-        )
-        per_position = prom.Counter(
+        counter = functools.partial(prom.Counter, registry=r)
+        histogram = functools.partial(prom.Histogram, registry=r)
+        self.drafts = counter("pp1_spec_decode_draft_tokens", "Draft tokens verified.")
+        self.accepted = counter("pp1_spec_decode_accepted_tokens", "Draft tokens accepted.")
+        self.num_drafts = counter("pp1_spec_decode_num_drafts", "Proposals verified (rounds).")
+        per_position = counter(
             "pp1_spec_decode_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the block (0-based).",
             ["position"],
-            registry=r,
         )
         # Children made once: every position is exported from the start, and the
         # per-round path skips the label lookup.
         self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
-        self.tokens = prom.Counter("pp1_tokens", "Tokens committed.", registry=r)
-        self.requests = prom.Counter("pp1_requests", "Requests completed.", registry=r)
-        self.stopped = prom.Counter(
+        self.tokens = counter("pp1_tokens", "Tokens committed.")
+        self.requests = counter("pp1_requests", "Requests completed.")
+        self.stopped = counter(
             "pp1_requests_stopped",
             "Requests stopped before their end, by reason (target_failed, group_failed).",
             ["reason"],
-            registry=r,
         )
-        self.fallbacks = prom.Counter(
-            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"], registry=r
+        self.fallbacks = counter(
+            "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"]
         )
-        self.rejected = prom.Counter(
-            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"], registry=r
+        self.rejected = counter(
+            "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"]
         )
-        self.dropped = prom.Counter(
-            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"], registry=r
+        self.dropped = counter(
+            "pp1_frames_dropped", "Late or duplicate frames dropped, by code.", ["code"]
         )
-        self.reconnects = prom.Counter("pp1_reconnects", "Reconnections.", registry=r)
-        self.audit_failures = prom.Counter(
+        self.reconnects = counter("pp1_reconnects", "Reconnections.")
+        self.audit_failures = counter(
             "pp1_audit_failures",
             "Proposals whose drafts are not what the worker's own draw selects from its q.",
-            registry=r,
         )
-        self.steps = prom.Counter(
-            "pp1_steps", "Engine steps: rounds decided together (one target call).", registry=r
+        self.steps = counter(
+            "pp1_steps", "Engine steps: rounds decided together (one target call)."
         )
-        self.step_rounds = prom.Counter(
-            "pp1_step_rounds", "Rounds decided, summed over steps.", registry=r
+        self.step_rounds = counter("pp1_step_rounds", "Rounds decided, summed over steps.")
+        self.step_slots = counter(
+            "pp1_step_slots", "Running requests at each step, summed over steps."
         )
-        self.step_slots = prom.Counter(
-            "pp1_step_slots", "Running requests at each step, summed over steps.", registry=r
-        )
-        self.tp_votes_failed = prom.Counter(
+        self.tp_votes_failed = counter(
             "pp1_tp_votes_failed",
             "TP group attempts voted down, by the reason each no-vote gave.",
             ["reason"],
-            registry=r,
         )
-        self.tp_fanout_bytes = prom.Counter(
-            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group.", registry=r
+        self.tp_fanout_bytes = counter(
+            "pp1_tp_fanout_bytes", "Proposal bytes this rank fanned out to the group."
         )
-        self.tp_fanout_seconds = prom.Counter(
-            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals.", registry=r
+        self.tp_fanout_seconds = counter(
+            "pp1_tp_fanout_seconds", "Seconds spent broadcasting proposals."
         )
-        self.rtt = prom.Histogram(
+        self.rtt = histogram(
             "pp1_proposal_round_trip_seconds",
             "STEP sent to proposal validated, seconds.",
             buckets=SECONDS_BUCKETS,
-            registry=r,
         )

@@ -19,11 +19,13 @@ import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
 ENV_PREFIX = "PP1_"
+
+_V = TypeVar("_V")
 
 
 class SettingsError(ValueError):
@@ -52,6 +54,16 @@ def _real(raw: object) -> float:
     return value
 
 
+def _described(check: Callable[[object], _V], meaning: str, kind: type) -> Callable[[object], _V]:
+    """``check`` as a flag type: its docstring names ``meaning``, and ``kind`` is what a
+    TOML value for it must be."""
+    check.__doc__ = (
+        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
+    )
+    check.kind = kind  # type: ignore[attr-defined]
+    return check
+
+
 def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
     """A flag type accepting integers in ``lo..hi``; ``meaning`` names the range."""
 
@@ -61,12 +73,7 @@ def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
             raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
         return value
 
-    check.__doc__ = (
-        f"Flag type: {meaning} (a TOML float such as 2.7 is refused, not truncated).\n\n"
-        "Raises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = int  # type: ignore[attr-defined]  # what a TOML value must be
-    return check
+    return _described(check, f"{meaning} (a TOML float such as 2.7 is refused, not truncated)", int)
 
 
 def _real_type(
@@ -81,11 +88,7 @@ def _real_type(
             raise argparse.ArgumentTypeError(f"{value} is not {meaning}")
         return value
 
-    check.__doc__ = (
-        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = float  # type: ignore[attr-defined]
-    return check
+    return _described(check, meaning, float)
 
 
 def _text_type(max_length: int, meaning: str) -> Callable[[object], str]:
@@ -98,11 +101,7 @@ def _text_type(max_length: int, meaning: str) -> Callable[[object], str]:
             raise argparse.ArgumentTypeError(f"{raw[:20]!r}... is not {meaning}")
         return raw
 
-    check.__doc__ = (
-        f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
-    )
-    check.kind = str  # type: ignore[attr-defined]
-    return check
+    return _described(check, meaning, str)
 
 
 _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
@@ -451,8 +450,9 @@ def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
-    """The flags both daemons take with the same meaning (the two sides must agree on them)."""
+def add_link_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of what both sides of a link must agree on (the daemons, and the
+    conformance suite as a Spark side): vocabulary, its split, the target and the key."""
     p.add_argument(
         "--vocab",
         type=vocabulary,
@@ -480,9 +480,9 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         type=ranks,
         default=1,
         metavar="N",
-        help="split the vocabulary evenly over N ranks, one link per rank pair (with --tp N, "
-        "needs torch): worker rank r listens on --port + r and Spark rank r connects to the "
-        "worker address's port + r; each link carries only its range of q",
+        help="split the vocabulary evenly over N ranks, one link per rank pair (the daemons: "
+        "with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
+        "connects to the worker address's port + r; each link carries only its range of q",
     )
     p.add_argument(
         "--target-identity",
@@ -498,6 +498,28 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         help="file holding the pre-shared key, at least 16 bytes (default: none, no "
         "authentication)",
     )
+
+
+def add_connect_flags(p: argparse.ArgumentParser) -> None:
+    """How a Spark side (``pp1-spark``, ``pp1-conformance``) reaches its worker."""
+    p.add_argument(
+        "--worker",
+        default="127.0.0.1:7070",
+        metavar="HOST:PORT",
+        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="CA / certificate file: connect with TLS, trusting it (default: plaintext)",
+    )
+
+
+def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
+    """The flags both daemons take with the same meaning: :func:`add_link_flags`, then
+    metrics, logging and :func:`add_config`."""
+    add_link_flags(p)
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",
@@ -518,6 +540,11 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         metavar="LEVEL",
         help="JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
     )
+    add_config(p)
+
+
+def add_config(p: argparse.ArgumentParser) -> None:
+    """``--config``: a TOML file of settings (see :func:`parse`)."""
     p.add_argument(
         "--config",
         default=None,
@@ -560,6 +587,33 @@ def run_daemon(
     except OSError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+
+
+class LinkFields(TypedDict):
+    """The :class:`~pp1wire.wire.handshake.PeerConfig` fields the :func:`add_link_flags`
+    flags give (``--vocab-shards`` is a layout, made where the ranks are known)."""
+
+    vocab_size: int
+    vocab_hash: int
+    row_entries: int
+    target_identity: str
+    psk: bytes | None
+
+
+def link_fields(args: argparse.Namespace) -> LinkFields:
+    """What both sides of a link must agree on, from the flags: ``--row-entries`` checked,
+    the key read.
+
+    Raises:
+        SettingsError: as :func:`row_entries` and :func:`read_psk`.
+    """
+    return LinkFields(
+        vocab_size=args.vocab,
+        vocab_hash=args.vocab_hash,
+        row_entries=row_entries(args),
+        target_identity=args.target_identity,
+        psk=read_psk(args.psk_file),
+    )
 
 
 def row_entries(args: argparse.Namespace) -> int:

@@ -59,7 +59,6 @@ from pp1wire.apps.settings import (
     load_factory,
     positive,
     read_psk,
-    row_entries,
     run_daemon,
     seconds,
     temperature,
@@ -182,12 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = settings.parser(
         "pp1-spark", f"PP1 v{WIRE_VERSION} verifier side (the Spark rank): docs/runner.md."
     )
-    p.add_argument(
-        "--worker",
-        default="127.0.0.1:7070",
-        metavar="HOST:PORT",
-        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
-    )
+    settings.add_connect_flags(p)
     p.add_argument(
         "--seed",
         type=count,
@@ -301,12 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to keep trying to reach the worker at the start",
     )
     p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="CA / certificate file: connect with TLS (default: plaintext)",
-    )
-    p.add_argument(
         "--tp",
         type=settings.ranks,
         default=1,
@@ -406,16 +394,12 @@ def spark_config(
 ) -> SparkConfig:
     """This rank's HELLO settings (``group``: a sharded group's nonce)."""
     return SparkConfig(
-        vocab_size=args.vocab,
-        vocab_hash=args.vocab_hash,
+        **settings.link_fields(args),
         draft_identity=args.draft_identity,
-        target_identity=args.target_identity,
         max_slots=plan.concurrency,
         max_depth=max(plan.depth, 1),
         max_support=min(max(plan.support, 1), args.vocab),
         max_prefix=args.max_prefix,
-        row_entries=row_entries(args),
-        psk=read_psk(args.psk_file),
         reply_timeout=args.reply_timeout,
         layout=layout,
         shard=rank if layout is not None else 0,

@@ -308,16 +308,12 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     if args.draw_burst is not None and args.max_draw_rate is None:
         raise settings.SettingsError("--draw-burst needs --max-draw-rate")
     return WorkerConfig(
-        vocab_size=args.vocab,
-        vocab_hash=args.vocab_hash,
+        **settings.link_fields(args),
         draft_identity=args.draft_identity,
-        target_identity=args.target_identity,
         max_slots=args.max_slots,
         max_depth=args.max_depth,
         max_support=min(args.max_support, args.vocab),
         max_prefix=args.max_prefix,
-        row_entries=settings.row_entries(args),
-        psk=settings.read_psk(args.psk_file),
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
         max_draw_rate=args.max_draw_rate,

@@ -280,24 +280,26 @@ static inline double share_of(double w, double total, double scale, int small) {
  * implies key(r) <= key(s)) and spreads them evenly, unlike their exponent
  * bits. The remainders themselves are not stored: the few the ticket choice
  * needs are computed again, by the same operations. Returns the sum of the
- * floors. No histogram here, so the loop vectorizes (the division dominates). */
+ * floors. No histogram here, so the loop vectorizes (the division dominates).
+ * floor_key does one value; floors_scaled and floors_small differ in the share. */
+static inline int32_t floor_key(double v, int32_t *restrict out, uint16_t *restrict key) {
+    /* v >= 0: truncation is the floor. A share beyond int32 (only from a
+     * total that does not match the weights) converts as numpy's cast
+     * does, and the ticket count then refuses the row. */
+    int32_t f = (int32_t)v;
+    double r = v - (double)f;
+    *out = f;
+    /* exact: r in [0, 1), a power-of-two scale; the mask guards memory
+     * against such an inconsistent total */
+    *key = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
+    return f;
+}
+
 MULTIVERSION
 static int64_t floors_scaled(const double *restrict w, size_t n, double scale,
                              int32_t *restrict out, uint16_t *restrict key) {
     int64_t sum = 0;
-    for (size_t i = 0; i < n; i++) {
-        double v = w[i] / scale;
-        /* v >= 0: truncation is the floor. A share beyond int32 (only from a
-         * total that does not match the weights) converts as numpy's cast
-         * does, and the ticket count then refuses the row. */
-        int32_t f = (int32_t)v;
-        double r = v - (double)f;
-        out[i] = f;
-        /* exact: r in [0, 1), a power-of-two scale; the mask guards memory
-         * against such an inconsistent total */
-        key[i] = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
-        sum += f;
-    }
+    for (size_t i = 0; i < n; i++) sum += floor_key(w[i] / scale, &out[i], &key[i]);
     return sum;
 }
 
@@ -306,14 +308,7 @@ MULTIVERSION
 static int64_t floors_small(const double *restrict w, size_t n, double total,
                             int32_t *restrict out, uint16_t *restrict key) {
     int64_t sum = 0;
-    for (size_t i = 0; i < n; i++) {
-        double v = (w[i] / total) * M24;
-        int32_t f = (int32_t)v;
-        double r = v - (double)f;
-        out[i] = f;
-        key[i] = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
-        sum += f;
-    }
+    for (size_t i = 0; i < n; i++) sum += floor_key((w[i] / total) * M24, &out[i], &key[i]);
     return sum;
 }
 
@@ -1084,27 +1079,20 @@ static int have_avx2(void) {
  * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
  * the exact test decides. NaN and infinities need no test of their own: they
  * make the total non-finite. */
-MULTIVERSION
-static uint64_t sign_or64(const double *restrict x) {
-    uint64_t acc = 0;
-    for (int i = 0; i < 64; i++) {
-        uint64_t b;
-        memcpy(&b, &x[i], sizeof b);
-        acc |= b;
+#define SIGN_OR(name, value_t, bits_t)                    \
+    MULTIVERSION                                           \
+    static bits_t name(const value_t *restrict x) {        \
+        bits_t acc = 0;                                    \
+        for (int i = 0; i < 64; i++) {                     \
+            bits_t b;                                      \
+            memcpy(&b, &x[i], sizeof b);                   \
+            acc |= b;                                      \
+        }                                                  \
+        return acc >> (8 * sizeof(bits_t) - 1);            \
     }
-    return acc >> 63;
-}
-
-MULTIVERSION
-static uint32_t sign_or32(const float *restrict f) {
-    uint32_t acc = 0;
-    for (int i = 0; i < 64; i++) {
-        uint32_t b;
-        memcpy(&b, &f[i], sizeof b);
-        acc |= b;
-    }
-    return acc >> 31;
-}
+SIGN_OR(sign_or64, double, uint64_t)
+SIGN_OR(sign_or32, float, uint32_t)
+#undef SIGN_OR
 
 static int any_negative(const double *restrict x, size_t m) {
     for (size_t i = 0; i < m; i++)
@@ -1304,10 +1292,12 @@ static void block_levels(double *lv, size_t size) {
     }
 }
 
-/* Descend the levels block_levels built from its root; the leaf index. */
-static size_t block_descend(const double *lv, size_t size, double t) {
-    const double *level[8];
-    size_t width = size, off = 0;
+/* Descend levels laid out as block_levels builds them (width leaves first, then
+ * each level above) from the root, carrying *t down; the leaf index, with *t
+ * left where it falls inside that leaf. */
+static size_t descend(const double *lv, size_t width, double *t) {
+    const double *level[64];
+    size_t off = 0;
     int depth = 0;
     while (1) {
         level[depth] = lv + off;
@@ -1319,10 +1309,13 @@ static size_t block_descend(const double *lv, size_t size, double t) {
     size_t index = 0;
     for (int l = depth; l > 0; l--) {
         const double *below = level[l - 1];
-        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
+        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], t);
     }
     return index;
 }
+
+/* Descend the levels block_levels built from its root; the leaf index. */
+static size_t block_descend(const double *lv, size_t size, double t) { return descend(lv, size, &t); }
 
 static double block_root(const double *x) {
 #ifdef HAVE_X86_PATH
@@ -1406,21 +1399,7 @@ static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, 
     }
     double t = ((double)u53 / 9007199254740992.0) * root;
     /* Down the blocks' tree to one block, then inside it. */
-    const double *level[64];
-    size_t width = blocks, off = 0;
-    int top = 0;
-    while (1) {
-        level[top] = up + off;
-        if (width == 1) break;
-        off += width;
-        width >>= 1;
-        top++;
-    }
-    size_t index = 0;
-    for (int l = top; l > 0; l--) {
-        const double *below = level[l - 1];
-        index = 2 * index + (size_t)go_right(below[2 * index], below[2 * index + 1], &t);
-    }
+    size_t index = descend(up, blocks, &t);
     free(up);
     weights_block(r, n, index << 6, total, q, lv);
     block_levels(lv, 64);
@@ -1769,29 +1748,28 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
 }
 
 
+/* One entry: the function under its own name, documented as that name followed by sig. */
+#define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
+
 static PyMethodDef methods[] = {
-    {"verify_rounds", verify_rounds, METH_VARARGS, "verify_rounds(jobs, out[, threads]) -> None"},
-    {"row_stats", row_stats, METH_VARARGS, "row_stats(row) -> (canonical total, some value < 0)"},
-    {"draw_total", draw_total, METH_VARARGS,
-     "draw_total(row, total, q or None, ids or None) -> the canonical total of the draw's weights"},
-    {"step_simd", step_simd, METH_VARARGS, "step_simd(on) -> whether the AVX2 path was on"},
-    {"philox_u53", philox_u53, METH_VARARGS,
-     "philox_u53(seed, generation, round, position, domain) -> the 53-bit draw"},
-    {"accept_u53", accept_u53, METH_VARARGS, "accept_u53(u53, count, p) -> u * q < p, exactly"},
-    {"sample_counts", sample_counts, METH_VARARGS,
-     "sample_counts(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"},
-    {"tree_total", tree_total, METH_VARARGS, "tree_total(values) -> the canonical total"},
-    {"allocate", allocate, METH_VARARGS,
-     "allocate(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"},
-    {"build_rows", build_rows, METH_VARARGS,
-     "build_rows(w, n, out, draws, tokens, status, share, work[, payloads]) -> None"},
-    {"sparse_candidates", sparse_candidates, METH_VARARGS,
-     "sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)"},
-    {"scan_dense", scan_dense, METH_VARARGS, "scan_dense(row) -> (max_bits, count_sum, non_integral)"},
-    {"check_sparse", check_sparse, METH_VARARGS,
-     "check_sparse(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"},
+    METHOD(verify_rounds, "(jobs, out[, threads]) -> None"),
+    METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
+    METHOD(draw_total,
+           "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
+    METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
+    METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
+    METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
+    METHOD(sample_counts,
+           "(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
+    METHOD(tree_total, "(values) -> the canonical total"),
+    METHOD(allocate, "(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"),
+    METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work[, payloads]) -> None"),
+    METHOD(sparse_candidates, "(x, top, scale, k, margin, idx) -> (count, x_out_max)"),
+    METHOD(scan_dense, "(row) -> (max_bits, count_sum, non_integral)"),
+    METHOD(check_sparse, "(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"),
     {NULL, NULL, 0, NULL},
 };
+#undef METHOD
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastq", NULL, -1, methods};
 

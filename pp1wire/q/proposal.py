@@ -12,12 +12,11 @@ looks at a draw to decide whether to verify it (``docs/adaptive.md``).
 from __future__ import annotations
 
 import sys
-import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast, overload
+from typing import Final, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -482,16 +481,10 @@ class _Draft:
         self.drawn: list[int] = []  # each row's count at its token (the stop rule's input)
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="pp1-q")
-        return pool
+# The threads that build q rows, one pool per thread count.
+_pool: Final = rows_.PerSize(
+    lambda workers: ThreadPoolExecutor(workers, thread_name_prefix="pp1-q")
+)
 
 
 def propose_batch(
@@ -625,28 +618,17 @@ def _internal(exc: Exception) -> Pp1Error:
     return err
 
 
+@dataclass(slots=True, eq=False)
 class _Row:
     """One position of one job on its way through construction."""
 
-    __slots__ = ("at", "draw", "draw_error", "logits", "support", "temperature", "top")
-
-    def __init__(
-        self,
-        at: int,
-        logits: npt.NDArray[np.float64],
-        temperature: float,
-        support: int,
-        top: float,
-        draw: int,
-        draw_error: Pp1Error | None,
-    ) -> None:
-        self.at = at  # the job's place in the position's list
-        self.logits = logits
-        self.temperature = temperature
-        self.support = support
-        self.top = top
-        self.draw = draw
-        self.draw_error = draw_error
+    at: int  # the job's place in the position's list
+    logits: npt.NDArray[np.float64]
+    temperature: float
+    support: int
+    top: float
+    draw: int
+    draw_error: Pp1Error | None
 
 
 def _build_position(

@@ -33,6 +33,7 @@ Derived uniforms from a block ``(w0, w1, w2, w3)``:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from enum import IntEnum
 from typing import Final
@@ -44,10 +45,10 @@ from pp1wire.errors import ErrorCode, RngError
 
 ABI_NAME: Final = "pp1-philox4x32-10-v1"
 
-_M0: Final = 0xD2511F53
-_M1: Final = 0xCD9E8D57
-_W0: Final = 0x9E3779B9
-_W1: Final = 0xBB67AE85
+# Philox4x32 (Salmon et al., SC11): the round multipliers, and the Weyl increments
+# that bump the key between rounds.
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32: Final = 0xFFFFFFFF
 _ROUNDS: Final = 10
 
@@ -81,6 +82,16 @@ OWNED_DOMAINS: Final[dict[Role, frozenset[Domain]]] = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
+def _round_keys(k0: int, k1: int) -> tuple[tuple[int, int], ...]:
+    """The key of each Philox round: (k0, k1), then bumped by the Weyl constants."""
+    keys = []
+    for _ in range(_ROUNDS):
+        keys.append((k0, k1))
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return tuple(keys)
+
+
 def philox4x32_10(counter: Iterable[int], key: Iterable[int]) -> tuple[int, int, int, int]:
     """Return the Philox4x32-10 block for a 4-word counter and a 2-word key.
 
@@ -93,11 +104,7 @@ def philox4x32_10(counter: Iterable[int], key: Iterable[int]) -> tuple[int, int,
     if len(c) != 4 or len(k) != 2 or any(not 0 <= v <= _MASK32 for v in (*c, *k)):
         raise RngError(ErrorCode.RNG_FIELD_RANGE, "counter needs 4 and key 2 uint32 words")
     c0, c1, c2, c3 = c
-    k0, k1 = k
-    for i in range(_ROUNDS):
-        if i:
-            k0 = (k0 + _W0) & _MASK32
-            k1 = (k1 + _W1) & _MASK32
+    for k0, k1 in _round_keys(k[0], k[1]):
         p0 = _M0 * c0
         p1 = _M1 * c2
         c0, c1, c2, c3 = (
@@ -127,15 +134,11 @@ def philox4x32_10_array(counters: npt.ArrayLike, key: tuple[int, int]) -> npt.ND
         raise RngError(ErrorCode.RNG_FIELD_RANGE, "key needs 2 uint32 words")
     c = raw.astype(np.uint64)
     c0, c1, c2, c3 = (c[:, i].copy() for i in range(4))
-    k0, k1 = int(key[0]), int(key[1])
     mask = np.uint64(_MASK32)
     shift = np.uint64(32)
     m0 = np.uint64(_M0)
     m1 = np.uint64(_M1)
-    for i in range(_ROUNDS):
-        if i:
-            k0 = (k0 + _W0) & _MASK32
-            k1 = (k1 + _W1) & _MASK32
+    for k0, k1 in _round_keys(int(key[0]), int(key[1])):
         # Both factors are below 2**32, so the uint64 product is exact.
         p0 = m0 * c0
         p1 = m1 * c2

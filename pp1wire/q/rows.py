@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import Float32Array, Float64Array, Int32Array, M, builder, sample
+
+_V = TypeVar("_V")
 
 
 def _compiled() -> Any:
@@ -152,17 +154,27 @@ class RowBuffers:
             return fresh
 
 
-_row_buffers: dict[int, RowBuffers] = {}
-_row_buffers_lock = threading.Lock()
+class PerSize(Generic[_V]):
+    """One ``make(size)`` per size for the whole process, made on first use (under a
+    lock, so two threads asking at once never make two)."""
+
+    def __init__(self, make: Callable[[int], _V]) -> None:
+        """Make values with ``make``."""
+        self._make = make
+        self._made: dict[int, _V] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, size: int) -> _V:
+        """The value for ``size``."""
+        with self._lock:
+            value = self._made.get(size)
+            if value is None:
+                value = self._made[size] = self._make(size)
+            return value
 
 
-def row_buffers(entries: int) -> RowBuffers:
-    """The process's pool of FP32 row buffers of ``entries`` values."""
-    with _row_buffers_lock:
-        pool = _row_buffers.get(entries)
-        if pool is None:
-            pool = _row_buffers[entries] = RowBuffers(entries)
-        return pool
+#: The process's pool of FP32 row buffers of a number of entries.
+row_buffers: Final = PerSize(RowBuffers)
 
 
 def allocate_rows_fp32(

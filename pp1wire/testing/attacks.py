@@ -20,9 +20,10 @@ import msgspec
 from pp1wire.aio.client import AsyncClient
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.messages import Error, MsgType, Reset, Step
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
-from pp1wire.wire.spark_events import HandshakeDone, SlotOpened
+from pp1wire.wire.spark_events import SlotOpened
 
 
 def rss_mib(pid: int) -> float:

@@ -22,20 +22,23 @@ SESSION = 7
 VOCAB = 8
 
 
-def reply_step(support: int, depth: int = 2) -> Step:
-    """The STEP the reply vectors answer: slot 0 at prefix (1, 2, 3), round 0; support 0: dense."""
-    return Step(
-        session=SESSION,
-        slot=0,
-        generation=0,
-        round=0,
-        position=3,
-        digest=prefix_digest([1, 2, 3]),
-        depth=depth,
-        temperature=1.0,
-        support=support,
-        context=0,
-    )
+def reply_step(support: int, depth: int = 2, **over: Any) -> Step:
+    """The STEP the reply vectors answer: slot 0 at prefix (1, 2, 3), round 0; support 0:
+    dense (any other field overridden)."""
+    fields: dict[str, Any] = {
+        "session": SESSION,
+        "slot": 0,
+        "generation": 0,
+        "round": 0,
+        "position": 3,
+        "digest": prefix_digest([1, 2, 3]),
+        "depth": depth,
+        "temperature": 1.0,
+        "support": support,
+        "context": 0,
+    }
+    fields.update(over)
+    return Step(**fields)
 
 
 def dense_payload(counts: list[int], entries: int = VOCAB) -> bytes:
@@ -114,26 +117,29 @@ def reply_row(step: Step, index: int, token: int, payload: bytes, **over: Any) -
     return framing.encode_frame(reply_header(step, index, token, payload, **over), payload)
 
 
-def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
-    """The COMPLETION frame of a reply whose REPLY frames are ``body`` (range as for
+def completion_header(step: Step, body: bytes, nrows: int, **over: int) -> Completion:
+    """The COMPLETION header of a reply whose REPLY frames are ``body`` (range as for
     :func:`reply_header`; ``stopped=1``: the flag of a block its stop rule ended)."""
-    return framing.encode_frame(
-        Completion(
-            session=step.session,
-            slot=step.slot,
-            generation=over.get("generation", step.generation),
-            round=over.get("round", step.round),
-            position=over.get("position", step.position),
-            context=step.context,
-            rows=over.get("rows", nrows),
-            reply_bytes=over.get("reply_bytes", len(body)),
-            reply_checksum=over.get("reply_checksum", xxhash.xxh3_64_intdigest(body)),
-            status=over.get("status", 0),
-            start=over.get("start"),
-            end=over.get("end"),
-            stopped=bool(over.get("stopped", 0)),
-        )
+    return Completion(
+        session=step.session,
+        slot=step.slot,
+        generation=over.get("generation", step.generation),
+        round=over.get("round", step.round),
+        position=over.get("position", step.position),
+        context=step.context,
+        rows=over.get("rows", nrows),
+        reply_bytes=over.get("reply_bytes", len(body)),
+        reply_checksum=over.get("reply_checksum", xxhash.xxh3_64_intdigest(body)),
+        status=over.get("status", 0),
+        start=over.get("start"),
+        end=over.get("end"),
+        stopped=bool(over.get("stopped", 0)),
     )
+
+
+def completion(step: Step, body: bytes, nrows: int, **over: int) -> bytes:
+    """The COMPLETION frame :func:`completion_header` describes."""
+    return framing.encode_frame(completion_header(step, body, nrows, **over))
 
 
 def whole_reply(step: Step, *frames: bytes, **over: int) -> bytes:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.wire import framing
@@ -25,6 +26,22 @@ def split_frames(data: bytes) -> list[bytes]:
     """The frames in ``data``, each as its own bytes."""
     decoder = framing.FrameDecoder(1 << 26)
     return [bytes(f.raw) for f in decoder.feed(data)]
+
+
+async def shut(
+    server: asyncio.Server | None,
+    tasks: Iterable[asyncio.Future[Any]] = (),
+    closers: Iterable[Callable[[], object]] = (),
+) -> None:
+    """Stop a loopback test server: cancel its pending ``tasks``, close its connections
+    (each of ``closers``), then stop listening and wait until it has."""
+    for t in tasks:
+        t.cancel()
+    for close in closers:
+        close()
+    if server is not None:
+        server.close()
+        await server.wait_closed()
 
 
 class FaultyConn(asyncio.Protocol):
@@ -99,9 +116,4 @@ class FaultyWorker:
 
     async def stop(self) -> None:
         """Abort every connection and stop listening."""
-        for c in self.conns:
-            if c.transport is not None:
-                c.transport.abort()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        await shut(self.server, closers=[c.transport.abort for c in self.conns if c.transport])

@@ -263,19 +263,23 @@ def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tupl
     return tuple(out)
 
 
+# The fields a PROPOSAL header carries of its proposal: (header field, proposal field).
+# Both directions read this one list, so they cannot drift apart.
+_CARRIED = (
+    ("session", "session"),
+    ("generation", "generation"),
+    ("round_id", "round_id"),
+    ("position", "position"),
+    ("prefix_digest", "digest"),
+    ("depth", "depth"),
+    ("context", "context"),
+    ("stop", "stop"),
+)
+
+
 def proposal_of(header: Header, rows: tuple[QRow, ...]) -> Proposal:
     """The proposal a PROPOSAL header and its rows describe."""
-    return Proposal(
-        session=header.session,
-        generation=header.generation,
-        round_id=header.round_id,
-        position=header.position,
-        digest=header.prefix_digest,
-        depth=header.depth,
-        rows=rows,
-        context=header.context,
-        stop=header.stop,
-    )
+    return Proposal(rows=rows, **{theirs: getattr(header, ours) for ours, theirs in _CARRIED})
 
 
 def header_of(
@@ -285,18 +289,11 @@ def header_of(
     return Header(
         kind=Kind.PROPOSAL,
         request=request,
-        session=proposal.session,
-        generation=proposal.generation,
-        round_id=proposal.round_id,
-        position=proposal.position,
-        prefix_digest=proposal.digest,
-        depth=proposal.depth,
         rows=len(proposal.rows),
         sparse=sparse,
         nbytes=payload.nbytes,
         payload_digest=digest(payload),
-        context=proposal.context,
-        stop=proposal.stop,
+        **{ours: getattr(proposal, theirs) for ours, theirs in _CARRIED},
     )
 
 

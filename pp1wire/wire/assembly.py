@@ -45,16 +45,6 @@ class ReplyAssembly:
     lease: Lease = field(default_factory=Lease)  # rows are readable until it is released
 
     @property
-    def generation(self) -> int:
-        """The generation the STEP was sent under."""
-        return self.step.generation
-
-    @property
-    def round(self) -> int:
-        """The STEP's round ID."""
-        return self.step.round
-
-    @property
     def rule(self) -> StopRule:
         """The STEP's stop rule (this side sent it: always a valid one)."""
         return StopRule(StopKind(self.step.stop), self.step.threshold)

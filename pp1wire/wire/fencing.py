@@ -130,8 +130,7 @@ def _generation(current: int, received: int) -> Decision | None:
 
 def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
     """Fencing decision for a STEP on an open slot of the right session."""
-    refused = _generation(fence.generation, step.generation)
-    if refused:
+    if refused := _generation(fence.generation, step.generation):
         return refused
     if step.round <= fence.committed_round:
         return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
@@ -146,8 +145,7 @@ def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
 
 def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
     """Fencing decision for a COMMIT on an open slot of the right session."""
-    refused = _generation(fence.generation, commit.generation)
-    if refused:
+    if refused := _generation(fence.generation, commit.generation):
         return refused
     if commit == fence.last_commit:
         return REPLAY
@@ -179,12 +177,8 @@ class SparkInFlight(Protocol):
     """
 
     @property
-    def generation(self) -> int:
-        """The generation the STEP was sent under."""
-
-    @property
-    def round(self) -> int:
-        """The STEP's round ID."""
+    def step(self) -> Step:
+        """The STEP (its generation and round are the ones its reply must name)."""
 
     settled: bool  # completed or discarded: later frames are late
     discarded: bool
@@ -223,9 +217,9 @@ def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decisi
         if round_id <= fence.last_round:
             return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
         return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
-    if round_id < flight.round:
+    if round_id < flight.step.round:
         return Decision(Action.DROP, ErrorCode.ROUND_REUSED)
-    if round_id > flight.round:
+    if round_id > flight.step.round:
         return Decision(Action.FAIL, ErrorCode.ROW_OUT_OF_ORDER)
     if flight.discarded:
         return Decision(Action.DROP, ErrorCode.LATE_FRAME)

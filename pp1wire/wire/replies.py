@@ -14,7 +14,10 @@ sampled token is in every shard's row.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from pp1wire.q import dyadic
@@ -55,13 +58,27 @@ def row_payload(
         np.multiply(counts, scale, out=q[:used], dtype=np.float32, casting="unsafe")
         q[used:] = 0.0
         return q.data.cast("B"), row_entries
+    return _sparse_payload(ids, counts, shard, scale)
+
+
+def _sparse_payload(
+    ids: npt.NDArray[np.int32],
+    values: npt.NDArray[Any],
+    shard: tuple[int, int] | None,
+    scale: np.float32 | None,
+) -> tuple[memoryview, int]:
+    """A sparse payload: the IDs (those in ``shard``, when given), then their values as
+    FP32 (counts times ``scale``, or FP32 values as they are when ``scale`` is None)."""
     if shard is not None:
         lo, hi = np.searchsorted(ids, shard, side="left")
-        ids, counts = ids[lo:hi], counts[lo:hi]
+        ids, values = ids[lo:hi], values[lo:hi]
     k = ids.size
     both = np.empty(2 * k, dtype="<i4")
     both[:k] = ids
-    np.multiply(counts, scale, out=both[k:].view("<f4"), dtype=np.float32, casting="unsafe")
+    if scale is None:
+        both[k:].view("<f4")[:] = values
+    else:
+        np.multiply(values, scale, out=both[k:].view("<f4"), dtype=np.float32, casting="unsafe")
     return both.data.cast("B"), k
 
 
@@ -92,14 +109,7 @@ def _fp32_payload(
         q[: q32.size] = q32
         q[q32.size :] = 0.0
         return q.data.cast("B"), row_entries
-    if shard is not None:
-        lo, hi = np.searchsorted(ids, shard, side="left")
-        ids, q32 = ids[lo:hi], q32[lo:hi]
-    k = ids.size
-    both = np.empty(2 * k, dtype="<i4")
-    both[:k] = ids
-    both[k:].view("<f4")[:] = q32
-    return both.data.cast("B"), k
+    return _sparse_payload(ids, q32, shard, None)
 
 
 def reply_frame(
@@ -225,18 +235,10 @@ def reply_frames(
     return (*frames, (done,))
 
 
-def build_reply(
-    session: int,
-    step: Step,
-    rows: tuple[QRow, ...],
-    row_entries: int,
-    status: int = 0,
-    *,
-    shard: tuple[int, int] | None = None,
-    stopped: bool = False,
-) -> bytes:
-    """The whole untagged reply to a STEP as one byte string (see :func:`reply_frames`)."""
-    frames = reply_frames(session, step, rows, row_entries, status, shard=shard, stopped=stopped)
+def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: int) -> bytes:
+    """The whole untagged reply to a STEP, unsharded and of status 0, as one byte string
+    (:func:`reply_frames`, joined)."""
+    frames = reply_frames(session, step, rows, row_entries)
     return b"".join(part for parts in frames for part in parts)
 
 

@@ -28,6 +28,7 @@ from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import FIXED, STOP_RULES, StopKind, StopRule
 from pp1wire.wire import fencing, framing, integrity, messages, transitions
 from pp1wire.wire.assembly import ReplyAssembly, status_code
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
     ECHOED_LIMITS,
@@ -43,7 +44,6 @@ from pp1wire.wire.spark_events import (
     ConnectionFailed,
     FrameDropped,
     FrameRejected,
-    HandshakeDone,
     PongReceived,
     ProposalFailed,
     ProposalReady,
@@ -702,24 +702,24 @@ class SparkProtocol:
             self._closing[slot] = pending - 1
         self._events.append(SlotClosed(slot))
 
+    def _current(self, msg: messages.Committed | messages.ResetDone) -> SparkSlot | None:
+        """The slot an acknowledgement is for, if it is of the slot's generation; one of
+        an older generation is dropped (the slot was reset since: the caller's wait for
+        it ended at the reset)."""
+        state = self._known(msg.session, msg.slot)
+        if state is not None and msg.generation != state.fence.generation:
+            self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
+            return None
+        return state
+
     def _on_committed(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Committed)
-        state = self._known(msg.session, msg.slot)
-        if state is None:
-            return
-        if msg.generation != state.fence.generation:
-            # The slot was reset since: the caller's wait for it ended at the reset.
-            self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
-            return
-        self._events.append(CommitAcked(msg.slot, msg.generation, msg.round, msg.position))
+        if self._current(msg) is not None:
+            self._events.append(CommitAcked(msg.slot, msg.generation, msg.round, msg.position))
 
     def _on_reset_done(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, messages.ResetDone)
-        state = self._known(msg.session, msg.slot)
-        if state is None:
-            return
-        if msg.generation != state.fence.generation:
-            self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))
+        if (state := self._current(msg)) is None:
             return
         if self._desynced(msg.slot, state, msg.position, msg.digest):
             return
@@ -754,6 +754,11 @@ class SparkProtocol:
                 self._discard(slot, state, decision.code)
         return None
 
+    @property
+    def _shard(self) -> tuple[int, int] | None:
+        """The global ID range this link carries (None: unsharded)."""
+        return self.config.shard_range if self.config.sharded else None
+
     def _fail_row(self, index: int, state: SparkSlot, code: ErrorCode) -> None:
         self._events.append(FrameRejected(index, code))
         self._discard(index, state, code)
@@ -763,13 +768,8 @@ class SparkProtocol:
         if (fenced := self._fence(msg)) is None:
             return
         state, flight = fenced
-        cfg = self.config
         row = flight.check_row(
-            msg,
-            frame.payload,
-            eos=state.eos,
-            validator=self._validator,
-            shard=cfg.shard_range if cfg.sharded else None,
+            msg, frame.payload, eos=state.eos, validator=self._validator, shard=self._shard
         )
         if isinstance(row, ErrorCode):
             self._fail_row(msg.slot, state, row)
@@ -783,8 +783,7 @@ class SparkProtocol:
             return
         state, flight = fenced
         step = flight.step
-        shard = self.config.shard_range if self.config.sharded else None
-        code = flight.check_completion(msg, eos=state.eos, shard=shard)
+        code = flight.check_completion(msg, eos=state.eos, shard=self._shard)
         if code is not None:
             if not msg.status:
                 self._events.append(FrameRejected(msg.slot, code))
@@ -795,4 +794,6 @@ class SparkProtocol:
         rows = tuple(flight.rows)
         state.drafts[step.round] = tuple(r.token for r in rows)
         self._ready[(msg.slot, step.round)] = (flight.lease, flight.settle(discarded=False))
-        self._events.append(ProposalReady(msg.slot, flight.proposal(self.session, rows, shard)))
+        self._events.append(
+            ProposalReady(msg.slot, flight.proposal(self.session, rows, self._shard))
+        )

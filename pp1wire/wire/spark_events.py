@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import Proposal
-from pp1wire.wire.messages import Hello
+from pp1wire.wire.events import Event, HandshakeDone
 
 
-@dataclass(frozen=True)
-class HandshakeDone:
-    """The worker accepted our HELLO; ``session`` is on every later message."""
-
-    session: int
-    peer: Hello
-
-
-@dataclass(frozen=True)
-class SlotOpened:
+class SlotOpened(Event):
     """OPEN was acknowledged."""
 
     slot: int
@@ -26,16 +15,14 @@ class SlotOpened:
     position: int
 
 
-@dataclass(frozen=True)
-class ProposalReady:
+class ProposalReady(Event):
     """A whole proposal passed validation and may be verified."""
 
     slot: int
     proposal: Proposal
 
 
-@dataclass(frozen=True)
-class ProposalFailed:
+class ProposalFailed(Event):
     """The in-flight proposal was discarded; decode this round target-only."""
 
     slot: int
@@ -44,8 +31,7 @@ class ProposalFailed:
     code: ErrorCode
 
 
-@dataclass(frozen=True)
-class CommitAcked:
+class CommitAcked(Event):
     """The worker applied a COMMIT."""
 
     slot: int
@@ -54,8 +40,7 @@ class CommitAcked:
     position: int
 
 
-@dataclass(frozen=True)
-class ResetAcked:
+class ResetAcked(Event):
     """The worker applied (or re-acknowledged) a RESET."""
 
     slot: int
@@ -63,46 +48,40 @@ class ResetAcked:
     position: int
 
 
-@dataclass(frozen=True)
-class SlotClosed:
+class SlotClosed(Event):
     """CLOSE was acknowledged."""
 
     slot: int
 
 
-@dataclass(frozen=True)
-class SlotDesynced:
+class SlotDesynced(Event):
     """The worker refused a slot-level request; the slot must be reopened."""
 
     slot: int
     code: ErrorCode
 
 
-@dataclass(frozen=True)
-class FrameDropped:
+class FrameDropped(Event):
     """A late, stale or duplicate frame was dropped (nothing consumed)."""
 
     slot: int | None
     code: ErrorCode
 
 
-@dataclass(frozen=True)
-class FrameRejected:
+class FrameRejected(Event):
     """A frame failed validation (counted by code)."""
 
     slot: int | None
     code: ErrorCode
 
 
-@dataclass(frozen=True)
-class PongReceived:
+class PongReceived(Event):
     """Answer to our PING."""
 
     nonce: int
 
 
-@dataclass(frozen=True)
-class ConnectionFailed:
+class ConnectionFailed(Event):
     """The connection is dead; every slot and in-flight proposal with it."""
 
     code: ErrorCode

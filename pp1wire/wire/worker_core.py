@@ -17,7 +17,7 @@ import secrets
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import STOP_RULES, stopped_by_rule
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.draws import DrawBudget
+from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
     PeerConfig,
@@ -54,6 +55,7 @@ from pp1wire.wire.messages import (
     ResetDone,
     Scope,
     Step,
+    type_of,
 )
 from pp1wire.wire.replies import FrameParts, reply_frames
 from pp1wire.wire.transitions import Act, State
@@ -62,7 +64,6 @@ from pp1wire.wire.worker_events import (
     DrawJob,
     DrawRequested,
     DrawResult,
-    HandshakeDone,
     Proposer,
     Refused,
     SlotEvent,
@@ -86,6 +87,8 @@ __all__ = [
     "WorkerProtocol",
     "WorkerSlot",
 ]
+
+_M = TypeVar("_M", Step, Commit, Reset)  # the slot messages a fencing rule decides
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,9 @@ class WorkerProtocol:
             MsgType.AUTH: self._on_auth,
             MsgType.OPEN: self._on_open,
             MsgType.CLOSE: self._on_close,
-            MsgType.STEP: self._on_step,
-            MsgType.COMMIT: self._on_commit,
-            MsgType.RESET: self._on_reset,
+            MsgType.STEP: self._fenced(Step, fencing.worker_step, self._on_step),
+            MsgType.COMMIT: self._fenced(Commit, fencing.worker_commit, self._on_commit),
+            MsgType.RESET: self._fenced(Reset, fencing.worker_reset, self._on_reset),
         }
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
@@ -538,6 +541,31 @@ class WorkerProtocol:
             return None
         return slot
 
+    def _fenced(
+        self,
+        cls: type[_M],
+        rule: Callable[[WorkerSlotFence, _M], fencing.Decision],
+        then: Callable[[_M, WorkerSlot, fencing.Decision], None],
+    ) -> Callable[[Message, framing.Frame], None]:
+        """The handler of a slot message that ``rule`` fences: a message for no open
+        slot of this session, or one ``rule`` refuses, is answered here; ``then`` gets
+        the others with their slot and the decision (accept or replay)."""
+
+        def handle(msg: Message, _frame: framing.Frame) -> None:
+            assert isinstance(msg, cls)
+            kind = type_of(msg)
+            slot = self._slot_for(msg, kind)
+            if slot is None:
+                return
+            decision = rule(slot.fence, msg)
+            if decision.action is Action.REFUSE:
+                assert decision.code is not None
+                self._refuse_msg(decision.code, kind, msg)
+                return
+            then(msg, slot, decision)
+
+        return handle
+
     def _on_open(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, Open)
         kind = MsgType.OPEN
@@ -612,21 +640,12 @@ class WorkerProtocol:
 
     # -- STEP --------------------------------------------------------------
 
-    def _on_step(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Step)
+    def _on_step(self, msg: Step, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.STEP
-        slot = self._slot_for(msg, kind)
-        if slot is None:
-            return
-        decision = fencing.worker_step(slot.fence, msg)
         if decision.action is Action.REPLAY:
             assert slot.reply is not None
             self._queue_frames(slot.reply)
             self._events.append(StepReplayed(msg.slot, msg.round))
-            return
-        if decision.action is Action.REFUSE:
-            assert decision.code is not None
-            self._refuse_msg(decision.code, kind, msg)
             return
         problem = self._check_step(slot, msg)
         if problem is not None:
@@ -687,20 +706,11 @@ class WorkerProtocol:
 
     # -- COMMIT / RESET ------------------------------------------------------
 
-    def _on_commit(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Commit)
+    def _on_commit(self, msg: Commit, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.COMMIT
-        slot = self._slot_for(msg, kind)
-        if slot is None:
-            return
-        decision = fencing.worker_commit(slot.fence, msg)
         if decision.action is Action.REPLAY:
             assert slot.committed_msg is not None
             self._send(slot.committed_msg)
-            return
-        if decision.action is Action.REFUSE:
-            assert decision.code is not None
-            self._refuse_msg(decision.code, kind, msg)
             return
         drafts = slot.drafts if msg.round == slot.fence.last_step_round else ()
         if msg.accepted > len(drafts):
@@ -753,17 +763,8 @@ class WorkerProtocol:
             )
         )
 
-    def _on_reset(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, Reset)
+    def _on_reset(self, msg: Reset, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.RESET
-        slot = self._slot_for(msg, kind)
-        if slot is None:
-            return
-        decision = fencing.worker_reset(slot.fence, msg)
-        if decision.action is Action.REFUSE:
-            assert decision.code is not None
-            self._refuse_msg(decision.code, kind, msg)
-            return
         if decision.action is Action.ACCEPT:
             self._abandon(slot)
             slot.fence.invalidate(msg.generation)

@@ -16,7 +16,8 @@ from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.proposal import DrafterFn, DraftJob, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.stoprules import StopKind, StopRule
-from pp1wire.wire.messages import Hello, MsgType, Scope, Step
+from pp1wire.wire.events import Event, HandshakeDone
+from pp1wire.wire.messages import MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts
 
 Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
@@ -26,16 +27,7 @@ group draws with its group and returns its shard's rows (protocol §6.7). It may
 block; it raises :class:`~pp1wire.errors.Pp1Error` for a COMPLETION status."""
 
 
-@dataclass(frozen=True)
-class HandshakeDone:
-    """The peer passed HELLO (and authentication, if configured)."""
-
-    session: int
-    peer: Hello
-
-
-@dataclass(frozen=True)
-class StepServed:
+class StepServed(Event):
     """A STEP was answered with a fresh proposal (or a failed completion)."""
 
     slot: int
@@ -221,24 +213,21 @@ class GroupDraws(Protocol):
         """The link is gone: everything held for it is dropped."""
 
 
-@dataclass(frozen=True)
-class DrawRequested:
+class DrawRequested(Event):
     """An accepted STEP's proposal must be drawn: run ``job`` (off the event loop)
     and give the result to :meth:`WorkerProtocol.finish_draw`."""
 
     job: DrawJob
 
 
-@dataclass(frozen=True)
-class StepReplayed:
+class StepReplayed(Event):
     """A retried STEP got the cached, byte-identical reply."""
 
     slot: int
     round: int
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(Event):
     """A message was refused with an ERROR."""
 
     code: ErrorCode
@@ -246,8 +235,7 @@ class Refused:
     scope: Scope
 
 
-@dataclass(frozen=True)
-class SlotEvent:
+class SlotEvent(Event):
     """OPEN, COMMIT, RESET or CLOSE took effect on a slot."""
 
     kind: MsgType
@@ -258,8 +246,7 @@ class SlotEvent:
     proposed: bool = False  # COMMIT: the round is the slot's last drawn proposal (not target-only)
 
 
-@dataclass(frozen=True)
-class ConnectionClosing:
+class ConnectionClosing(Event):
     """The core wants the connection closed after its pending bytes are sent."""
 
     code: ErrorCode | None

@@ -12,10 +12,13 @@ from pp1wire.testing.conformance import core
 from pp1wire.wire.messages import (
     Close,
     Commit,
+    Message,
     MsgType,
     Reset,
     Step,
 )
+
+case = core.Section("COMMIT and RESET").case
 
 # -- COMMIT, RESET, CLOSE ------------------------------------------------------------------
 
@@ -56,15 +59,13 @@ def _commit_refusal(
     build: Callable[[core.Peer, Step, list[int]], Commit],
 ) -> None:
     async def run(s: core.Settings) -> None:
-        peer, step, data = await core.ready(s)
-        async with peer:
+        async with core.ready(s) as (peer, step, data):
             drafts = await _drafts(peer, step)
-            peer.send_msg(build(peer, step, drafts))
-            await peer.expect_error(code, fatal=False, answers=MsgType.COMMIT)
+            await peer.expect_refusal(build(peer, step, drafts), code)
             await core.unchanged(peer, step, data)
             await _commit_first(peer, step, drafts)  # the round can still be committed
 
-    core.case(case_id, "COMMIT and RESET", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 _commit_refusal(
@@ -125,15 +126,13 @@ _commit_refusal(
 )
 
 
-@core.case(
-    "7.9",
-    "COMMIT and RESET",
-    "retried COMMIT is acknowledged identically",
-    "COMMIT identical to the last applied COMMIT: replay COMMITTED",
-)
+@case("7.9")
 async def _commit_retry(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """retried COMMIT is acknowledged identically
+
+    COMMIT identical to the last applied COMMIT: replay COMMITTED
+    """
+    async with core.ready(s) as (peer, step, _):
         drafts = await _drafts(peer, step)
         msg = _commit(peer, step, [drafts[0], 0], 1)
         peer.send_msg(msg)
@@ -144,57 +143,43 @@ async def _commit_retry(s: core.Settings) -> None:
             raise core.CaseFailed("the retried COMMIT got a different acknowledgement")
 
 
-@core.case(
+def _refused_after_commit(
+    case_id: str, title: str, rule: str, build: Callable[[core.Peer, Step, list[int]], Message]
+) -> None:
+    """A case: once the first round is committed, ``build``'s message is ROUND_REUSED."""
+
+    async def run(s: core.Settings) -> None:
+        async with core.ready(s) as (peer, step, _):
+            drafts = await _drafts(peer, step)
+            await _commit_first(peer, step, drafts)
+            await peer.expect_refusal(build(peer, step, drafts), ErrorCode.ROUND_REUSED)
+
+    case(case_id, title, rule)(run)
+
+
+_refused_after_commit(
     "7.10",
-    "COMMIT and RESET",
     "COMMIT for an already committed round",
     "COMMIT round ≤ last committed round: ROUND_REUSED",
+    lambda p, st, d: _commit(
+        p, st, [d[0], 0, 5], 1, extra=5, position=6, digest=prefix_digest([1, 2, 3, d[0], 0, 5])
+    ),
 )
-async def _commit_old(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
-        drafts = await _drafts(peer, step)
-        await _commit_first(peer, step, drafts)
-        peer.send_msg(
-            _commit(
-                peer,
-                step,
-                [drafts[0], 0, 5],
-                1,
-                extra=5,
-                position=6,
-                digest=prefix_digest([1, 2, 3, drafts[0], 0, 5]),
-            )
-        )
-        await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.COMMIT)
-
-
-@core.case(
+_refused_after_commit(
     "7.11",
-    "COMMIT and RESET",
     "a STEP for a committed round is refused",
     "STEP round ≤ last committed round: ROUND_REUSED",
+    lambda _p, st, d: core.with_fields(st, position=5, digest=prefix_digest([1, 2, 3, d[0], 0])),
 )
-async def _step_after_commit(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
-        drafts = await _drafts(peer, step)
-        await _commit_first(peer, step, drafts)
-        peer.send_msg(
-            core.with_fields(step, position=5, digest=prefix_digest([1, 2, 3, drafts[0], 0]))
-        )
-        await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
 
 
-@core.case(
-    "4.7.9",
-    "COMMIT and RESET",
-    "target-only commit under a fresh round",
-    "a round with no usable proposal commits with accepted = 0 and extra = the target token",
-)
+@case("4.7.9")
 async def _target_only_commit(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """target-only commit under a fresh round
+
+    a round with no usable proposal commits with accepted = 0 and extra = the target token
+    """
+    async with core.ready(s) as (peer, step, _):
         msg = _commit(peer, core.with_fields(step, round=9), [4], 0)
         peer.send_msg(msg)
         ack = await peer.expect(MsgType.COMMITTED)
@@ -204,30 +189,27 @@ async def _target_only_commit(s: core.Settings) -> None:
         await peer.reply(nxt)
 
 
-@core.case(
-    "4.8.1",
-    "COMMIT and RESET",
-    "RESET to an older generation",
-    "RESET generation < slot generation: STALE_GENERATION",
-)
+@case("4.8.1")
 async def _reset_old(s: core.Settings) -> None:
-    peer, _step, _ = await core.ready(s)
-    async with peer:
+    """RESET to an older generation
+
+    RESET generation < slot generation: STALE_GENERATION
+    """
+    async with core.ready(s) as (peer, _step, _):
         peer.send_msg(Reset(session=peer.session, slot=0, generation=2))
         await peer.expect(MsgType.RESET_DONE)
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
-        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.RESET)
+        await peer.expect_refusal(
+            Reset(session=peer.session, slot=0, generation=1), ErrorCode.STALE_GENERATION
+        )
 
 
-@core.case(
-    "4.8.2",
-    "COMMIT and RESET",
-    "RESET to the same generation is idempotent",
-    "RESET generation = slot generation: replay RESET_DONE, change nothing",
-)
+@case("4.8.2")
 async def _reset_same(s: core.Settings) -> None:
-    peer, step, data = await core.ready(s)
-    async with peer:
+    """RESET to the same generation is idempotent
+
+    RESET generation = slot generation: replay RESET_DONE, change nothing
+    """
+    async with core.ready(s) as (peer, step, data):
         peer.send_msg(Reset(session=peer.session, slot=0, generation=0))
         done = await peer.expect(MsgType.RESET_DONE)
         if done.message.position != 3:  # type: ignore[union-attr]
@@ -235,46 +217,41 @@ async def _reset_same(s: core.Settings) -> None:
         await core.unchanged(peer, step, data)
 
 
-@core.case(
-    "4.8.3",
-    "COMMIT and RESET",
-    "STEP of the old generation after RESET",
-    "RESET invalidates the old generation: STEP generation < slot generation is STALE_GENERATION",
-)
+@case("4.8.3")
 async def _stale_step(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """STEP of the old generation after RESET
+
+    RESET invalidates the old generation: STEP generation < slot generation is STALE_GENERATION
+    """
+    async with core.ready(s) as (peer, step, _):
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
         await peer.expect(MsgType.RESET_DONE)
-        peer.send_msg(core.with_fields(step, round=1))
-        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
+        await peer.expect_refusal(core.with_fields(step, round=1), ErrorCode.STALE_GENERATION)
         await peer.reply(core.with_fields(step, generation=1, round=0))  # rounds restart at 0
 
 
-@core.case(
-    "4.8.4",
-    "COMMIT and RESET",
-    "COMMIT of the old generation after RESET",
-    "COMMIT generation < slot generation: STALE_GENERATION",
-)
+@case("4.8.4")
 async def _stale_commit(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """COMMIT of the old generation after RESET
+
+    COMMIT generation < slot generation: STALE_GENERATION
+    """
+    async with core.ready(s) as (peer, step, _):
         drafts = await _drafts(peer, step)
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
         await peer.expect(MsgType.RESET_DONE)
-        peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
-        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.COMMIT)
+        await peer.expect_refusal(
+            _commit(peer, step, [drafts[0], 0], 1), ErrorCode.STALE_GENERATION
+        )
 
 
-@core.case(
-    "4.8.5",
-    "COMMIT and RESET",
-    "RESET mid-reply, then the old rows",
-    "on RESET the Spark side discards the in-flight proposal; later frames of the old "
-    "generation are dropped; the worker finishes the old reply before RESET_DONE",
-)
+@case("4.8.5")
 async def _reset_mid_reply(s: core.Settings) -> None:
+    """RESET mid-reply, then the old rows
+
+    on RESET the Spark side discards the in-flight proposal; later frames of the old generation are
+    dropped; the worker finishes the old reply before RESET_DONE
+    """
     async with await core.fresh(s) as peer:
         await peer.open_slot()
         peer.send_msg(peer.step_msg(round=0))
@@ -294,66 +271,67 @@ async def _reset_mid_reply(s: core.Settings) -> None:
         await peer.reply(peer.step_msg(generation=1, round=0))
 
 
-@core.case(
-    "4.8.6",
-    "COMMIT and RESET",
-    "the retried STEP after RESET is refused, not redrawn",
-    "a retry never redraws under a used key and consumes an earlier q",
-)
+@case("4.8.6")
 async def _retry_after_reset(s: core.Settings) -> None:
-    peer, step, _data = await core.ready(s)
-    async with peer:
+    """the retried STEP after RESET is refused, not redrawn
+
+    a retry never redraws under a used key and consumes an earlier q
+    """
+    async with core.ready(s) as (peer, step, _data):
         peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
         await peer.expect(MsgType.RESET_DONE)
-        peer.send_msg(step)
-        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.STEP)
+        await peer.expect_refusal(step, ErrorCode.STALE_GENERATION)
 
 
-@core.case(
-    "4.3.10", "COMMIT and RESET", "CLOSE then STEP", "CLOSE drops the slot; then UNKNOWN_SLOT"
-)
+@case("4.3.10")
 async def _close_step(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """CLOSE then STEP
+
+    CLOSE drops the slot; then UNKNOWN_SLOT
+    """
+    async with core.ready(s) as (peer, step, _):
         peer.send_msg(Close(session=peer.session, slot=0))
         await peer.expect(MsgType.CLOSED)
-        peer.send_msg(core.with_fields(step, round=1))
-        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
+        await peer.expect_refusal(core.with_fields(step, round=1), ErrorCode.UNKNOWN_SLOT)
         await peer.open_slot(0, generation=1)  # free again, under a higher generation
 
 
-@core.case(
-    "4.3.11",
-    "COMMIT and RESET",
-    "reopening a closed slot without a higher generation",
-    "a slot reopened in the same session must use a generation greater than any it had "
-    "before (STALE_GENERATION), so frames of its earlier instance stay fenced off",
-)
+@case("4.3.11")
 async def _reopen_same_generation(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """reopening a closed slot without a higher generation
+
+    a slot reopened in the same session must use a generation greater than any it had before
+    (STALE_GENERATION), so frames of its earlier instance stay fenced off
+    """
+    async with core.ready(s) as (peer, step, _):
         peer.send_msg(Close(session=peer.session, slot=0))
         await peer.expect(MsgType.CLOSED)
-        peer.send_msg(core.open_msg(peer, slot=0, tokens=(1, 2, 3)), token_bytes((1, 2, 3)))
-        await peer.expect_error(ErrorCode.STALE_GENERATION, fatal=False, answers=MsgType.OPEN)
+        await peer.expect_refusal(
+            core.open_msg(peer, slot=0, tokens=(1, 2, 3)),
+            ErrorCode.STALE_GENERATION,
+            token_bytes((1, 2, 3)),
+        )
         await peer.open_slot(0, generation=1)
         await peer.reply(core.with_fields(step, generation=1))
 
 
-@core.case(
-    "4.3.12",
-    "COMMIT and RESET",
-    "CLOSE of a slot that is not open",
-    "CLOSE ... (UNKNOWN_SLOT if not open)",
-)
+@case("4.3.12")
 async def _close_unknown(s: core.Settings) -> None:
+    """CLOSE of a slot that is not open
+
+    CLOSE ... (UNKNOWN_SLOT if not open)
+    """
     async with await core.fresh(s) as peer:
-        peer.send_msg(Close(session=peer.session, slot=1))
-        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.CLOSE)
+        await peer.expect_refusal(Close(session=peer.session, slot=1), ErrorCode.UNKNOWN_SLOT)
 
 
-@core.case("4.8.7", "COMMIT and RESET", "RESET of a slot that is not open", "UNKNOWN_SLOT")
+@case("4.8.7")
 async def _reset_unknown(s: core.Settings) -> None:
+    """RESET of a slot that is not open
+
+    UNKNOWN_SLOT
+    """
     async with await core.fresh(s) as peer:
-        peer.send_msg(Reset(session=peer.session, slot=1, generation=1))
-        await peer.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.RESET)
+        await peer.expect_refusal(
+            Reset(session=peer.session, slot=1, generation=1), ErrorCode.UNKNOWN_SLOT
+        )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
+import inspect
 import secrets
 import ssl as ssl_module
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -228,6 +230,24 @@ class Peer:
         elif err.scope != 0:
             raise CaseFailed(f"{code.name} must refuse only the message, got scope {err.scope}")
 
+    async def expect_refusal(self, msg: Message, code: ErrorCode, payload: bytes = b"") -> None:
+        """Send ``msg``: the worker must refuse that message alone, with ``code``.
+
+        Raises:
+            CaseFailed: another reaction (as :meth:`expect_error`, answering ``msg``'s type).
+        """
+        self.send_msg(msg, payload)
+        await self.expect_error(code, fatal=False, answers=messages.type_of(msg))
+
+    async def expect_fatal(self, msg: Message, code: ErrorCode, payload: bytes = b"") -> None:
+        """Send ``msg``: the worker must answer with the fatal ERROR ``code`` and close.
+
+        Raises:
+            CaseFailed, NonStrict: as :meth:`expect_error`.
+        """
+        self.send_msg(msg, payload)
+        await self.expect_error(code, fatal=True)
+
     async def closed(self, timeout: float | None = None) -> bool:
         """True if the worker closes the connection (frames in between are ignored)."""
         deadline = time.monotonic() + (self.s.timeout if timeout is None else timeout)
@@ -439,6 +459,42 @@ def case(
     return register
 
 
+@dataclass(frozen=True)
+class Section:
+    """The cases of one section of the suite: ``case = Section(name).case`` registers
+    them under that category."""
+
+    name: str
+
+    def case(
+        self,
+        case_id: str,
+        title: str | None = None,
+        rule: str | None = None,
+        *,
+        informational: bool = False,
+    ) -> Callable[[CaseFn], CaseFn]:
+        """:func:`case` in this section. Without ``title`` and ``rule``, the case's
+        docstring gives them: its first paragraph is the title, its second the rule.
+
+        Raises:
+            ValueError: if the ID is already taken, or the docstring lacks either.
+        """
+
+        def register(fn: CaseFn) -> CaseFn:
+            if title is not None and rule is not None:
+                told = [title, rule]
+            else:
+                told = [
+                    " ".join(p.split()) for p in inspect.cleandoc(fn.__doc__ or "").split("\n\n")
+                ]
+                if len(told) != 2:
+                    raise ValueError(f"case {case_id}: the docstring is not title, then rule")
+            return case(case_id, self.name, *told, informational=informational)(fn)
+
+        return register
+
+
 async def fresh(s: Settings) -> Peer:
     """A connected, handshaken peer."""
     peer = await Peer(s).connect()
@@ -459,13 +515,19 @@ async def still_serves(s: Settings) -> None:
             await peer.reply(peer.step_msg())
 
 
-async def ready(s: Settings) -> tuple[Peer, Step, bytes]:
-    """A peer with slot 0 open and one STEP answered: (peer, that STEP, its reply bytes)."""
-    peer = await fresh(s)
-    await peer.open_slot()
-    step = peer.step_msg()
-    data, _ = await peer.reply(step)
-    return peer, step, data
+@contextlib.asynccontextmanager
+async def ready(s: Settings) -> AsyncIterator[tuple[Peer, Step, bytes]]:
+    """For the block, a peer with slot 0 open and one STEP answered: (peer, that STEP,
+    its reply bytes); the connection is closed when the block ends.
+
+    Raises:
+        CaseFailed: if the handshake, the OPEN or the STEP does not succeed.
+    """
+    async with await fresh(s) as peer:
+        await peer.open_slot()
+        step = peer.step_msg()
+        data, _ = await peer.reply(step)
+        yield peer, step, data
 
 
 async def unchanged(peer: Peer, step: Step, data: bytes) -> None:

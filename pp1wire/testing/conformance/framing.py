@@ -17,6 +17,8 @@ from pp1wire.wire.messages import (
     Ping,
 )
 
+case = core.Section("framing").case
+
 
 def _fatal_framing_case(
     case_id: str,
@@ -35,7 +37,7 @@ def _fatal_framing_case(
             await peer.expect_error(code, fatal=True)
         await core.still_serves(s)
 
-    core.case(case_id, "framing", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 R_MAGIC = "magic: bytes 0x50 0x57 ... a wrong magic is BAD_MAGIC; every framing error is fatal"
@@ -150,14 +152,13 @@ for row in PREAMBLE_CASES:
     _fatal_framing_case(*row, after_handshake=row[0] not in BEFORE_HANDSHAKE)
 
 
-@core.case(
-    "3.1.29",
-    "framing",
-    "trailing garbage after a valid frame",
-    "frames follow each other with no padding: the next bytes must be a preamble; the "
-    "valid frame ahead of the error is still handled",
-)
+@case("3.1.29")
 async def _trailing(s: core.Settings) -> None:
+    """trailing garbage after a valid frame
+
+    frames follow each other with no padding: the next bytes must be a preamble; the valid frame
+    ahead of the error is still handled
+    """
     async with await core.fresh(s) as peer:
         peer.send(peer.frame(Ping(nonce=3)) + b"\0" * 16)
         await peer.expect(MsgType.PONG)
@@ -189,13 +190,12 @@ for case_id, (name, header) in zip(
     )
 
 
-@core.case(
-    "3.2.10",
-    "framing",
-    "slot above uint16",
-    "an integer outside its stated range is HEADER_INVALID",
-)
+@case("3.2.10")
 async def _slot_range(s: core.Settings) -> None:
+    """slot above uint16
+
+    an integer outside its stated range is HEADER_INVALID
+    """
     async with await core.fresh(s) as peer:
         # CLOSE = [6, session, slot] with slot 65536.
         header = b"\x93\x06" + msgspec.msgpack.encode(peer.session) + b"\xce\x00\x01\x00\x00"
@@ -203,27 +203,24 @@ async def _slot_range(s: core.Settings) -> None:
         await peer.expect_error(ErrorCode.HEADER_INVALID, fatal=True)
 
 
-@core.case(
-    "3.1.30",
-    "framing",
-    "truncated preamble, then silence",
-    "a receiver buffers a partial frame and waits; it is not an error by itself",
-    informational=True,
-)
+@case("3.1.30", informational=True)
 async def _truncated(s: core.Settings) -> None:
+    """truncated preamble, then silence
+
+    a receiver buffers a partial frame and waits; it is not an error by itself
+    """
     async with await core.fresh(s) as peer:
         peer.send(framing.encode_frame(Ping(nonce=9))[:10])
         if not await peer.quiet(0.5):
             raise core.CaseFailed("the worker reacted to half a preamble")
 
 
-@core.case(
-    "3.1.31",
-    "framing",
-    "handshake split at every byte",
-    "frames may arrive in any number of reads; bytes are a stream",
-)
+@case("3.1.31")
 async def _split(s: core.Settings) -> None:
+    """handshake split at every byte
+
+    frames may arrive in any number of reads; bytes are a stream
+    """
     async with await core.Peer(s).connect() as peer:
         frame = framing.encode_frame(peer.hello())
         assert peer.writer is not None
@@ -235,13 +232,12 @@ async def _split(s: core.Settings) -> None:
             raise core.CaseFailed(f"expected HELLO, got {core.describe(reply)}")
 
 
-@core.case(
-    "3.1.32",
-    "framing",
-    "several frames in one read",
-    "frames follow each other with no padding; each is handled in order",
-)
+@case("3.1.32")
 async def _batched(s: core.Settings) -> None:
+    """several frames in one read
+
+    frames follow each other with no padding; each is handled in order
+    """
     async with await core.fresh(s) as peer:
         peer.send(b"".join(peer.frame(Ping(nonce=n)) for n in (1, 2, 3)))
         got = []
@@ -252,13 +248,12 @@ async def _batched(s: core.Settings) -> None:
             raise core.CaseFailed(f"PONGs out of order: {got}")
 
 
-@core.case(
-    "3.1.33",
-    "framing",
-    "a STEP split across two reads inside its header",
-    "frames may arrive in any number of reads",
-)
+@case("3.1.33")
 async def _split_step(s: core.Settings) -> None:
+    """a STEP split across two reads inside its header
+
+    frames may arrive in any number of reads
+    """
     async with await core.fresh(s) as peer:
         await peer.open_slot()
         frame = peer.frame(peer.step_msg())

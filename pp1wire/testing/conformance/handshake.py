@@ -26,6 +26,8 @@ from pp1wire.wire.messages import (
     Reset,
 )
 
+case = core.Section("handshake").case
+
 # -- handshake ---------------------------------------------------------------------
 
 
@@ -38,13 +40,11 @@ def _before_hello(
             if payload:
                 # A payload before the handshake is itself a framing error; send headers only.
                 payload = b""
-            peer.send_msg(msg, payload)
-            await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
+            await peer.expect_fatal(msg, ErrorCode.HANDSHAKE_REQUIRED, payload)
         await core.still_serves(s)
 
-    core.case(
+    case(
         case_id,
-        "handshake",
         f"{kind} before HELLO",
         "any message before the handshake completes (other than PING/PONG/ERROR) is fatal "
         "(HANDSHAKE_REQUIRED)",
@@ -70,20 +70,22 @@ _before_hello("5.5", "CLOSE", lambda p: (Close(session=0, slot=0), b""))
 _before_hello("5.6", "AUTH", lambda p: (Auth(proof=bytes(32)), b""))
 
 
-@core.case("5.7", "handshake", "second HELLO", "a second HELLO is fatal (DUPLICATE_HELLO)")
+@case("5.7")
 async def _second_hello(s: core.Settings) -> None:
+    """second HELLO
+
+    a second HELLO is fatal (DUPLICATE_HELLO)
+    """
     async with await core.fresh(s) as peer:
-        peer.send_msg(peer.hello())
-        await peer.expect_error(ErrorCode.DUPLICATE_HELLO, fatal=True)
+        await peer.expect_fatal(peer.hello(), ErrorCode.DUPLICATE_HELLO)
 
 
-@core.case(
-    "4.10.1",
-    "handshake",
-    "PING before HELLO is answered",
-    "either side MAY send PING at any time (also before the handshake)",
-)
+@case("4.10.1")
 async def _ping_first(s: core.Settings) -> None:
+    """PING before HELLO is answered
+
+    either side MAY send PING at any time (also before the handshake)
+    """
     async with await core.Peer(s).connect() as peer:
         peer.send_msg(Ping(nonce=77))
         frame = await peer.expect(MsgType.PONG)
@@ -98,7 +100,7 @@ def _mismatch(
     async def run(s: core.Settings) -> None:
         await _mismatch_run(s, overrides, code)
 
-    core.case(case_id, "handshake", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 async def _auth_reply(peer: core.Peer, hello: Hello) -> None:
@@ -159,9 +161,8 @@ def _vocab_mismatch(case_id: str, delta: int) -> None:
             ErrorCode.VOCAB_SIZE_MISMATCH,
         )
 
-    core.case(
+    case(
         case_id,
-        "handshake",
         f"HELLO with vocab_size {delta:+d}",
         "vocab_size: exact, else VOCAB_SIZE_MISMATCH",
     )(run)
@@ -189,9 +190,8 @@ def _limit(case_id: str, title: str, overrides: Callable[[core.Settings], dict[s
     async def run(s: core.Settings) -> None:
         await _mismatch_run(s, overrides(s), ErrorCode.LIMIT_EXCEEDED)
 
-    core.case(
+    case(
         case_id,
-        "handshake",
         title,
         "max_slots, max_depth, max_support: each ≤ the worker's limit; row_entries equal; "
         "max_frame, max_prefix ≤ the worker's; else LIMIT_EXCEEDED",
@@ -209,13 +209,12 @@ _limit(
 )
 
 
-@core.case(
-    "4.1.18",
-    "handshake",
-    "HELLO with row_entries below vocab_size",
-    "cross-field rules (HEADER_INVALID if broken): row_entries ≥ vocab_size",
-)
+@case("4.1.18")
 async def _cross_field(s: core.Settings) -> None:
+    """HELLO with row_entries below vocab_size
+
+    cross-field rules (HEADER_INVALID if broken): row_entries ≥ vocab_size
+    """
     async with await core.Peer(s).connect() as peer:
         hello = peer.hello()
         body = msgspec.structs.asdict(hello)
@@ -225,13 +224,12 @@ async def _cross_field(s: core.Settings) -> None:
         await peer.expect_error(ErrorCode.HEADER_INVALID, fatal=True)
 
 
-@core.case(
-    "4.1.19",
-    "handshake",
-    "the worker's HELLO echoes our limits and assigns a session",
-    "the worker answers ... with its own HELLO, which echoes the Spark side's limits unchanged",
-)
+@case("4.1.19")
 async def _echo(s: core.Settings) -> None:
+    """the worker's HELLO echoes our limits and assigns a session
+
+    the worker answers ... with its own HELLO, which echoes the Spark side's limits unchanged
+    """
     async with await core.Peer(s).connect() as peer:
         ours = peer.hello()
         theirs = await peer.handshake(ours)
@@ -263,34 +261,34 @@ async def _challenged(s: core.Settings) -> tuple[core.Peer, Hello, framing.Frame
     return peer, hello, frame
 
 
-@core.case("5.8", "handshake", "forged AUTH proof", "a wrong proof is fatal (AUTH_FAILED)")
+@case("5.8")
 async def _bad_auth(s: core.Settings) -> None:
+    """forged AUTH proof
+
+    a wrong proof is fatal (AUTH_FAILED)
+    """
     peer, _, _ = await _challenged(s)
     async with peer:
-        peer.send_msg(Auth(proof=bytes(32)))
-        await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
+        await peer.expect_fatal(Auth(proof=bytes(32)), ErrorCode.AUTH_FAILED)
 
 
-@core.case(
-    "5.9",
-    "handshake",
-    "STEP instead of AUTH",
-    "any message other than AUTH while the worker waits for it is fatal (HANDSHAKE_REQUIRED)",
-)
+@case("5.9")
 async def _step_not_auth(s: core.Settings) -> None:
+    """STEP instead of AUTH
+
+    any message other than AUTH while the worker waits for it is fatal (HANDSHAKE_REQUIRED)
+    """
     peer, _, _ = await _challenged(s)
     async with peer:
-        peer.send_msg(peer.step_msg())
-        await peer.expect_error(ErrorCode.HANDSHAKE_REQUIRED, fatal=True)
+        await peer.expect_fatal(peer.step_msg(), ErrorCode.HANDSHAKE_REQUIRED)
 
 
-@core.case(
-    "5.10",
-    "handshake",
-    "AUTH proof bound to the HELLO bytes",
-    "proof = HMAC-SHA256(psk, label ‖ N_w ‖ N_s ‖ SHA256(H)), H = our HELLO header bytes",
-)
+@case("5.10")
 async def _auth_binding(s: core.Settings) -> None:
+    """AUTH proof bound to the HELLO bytes
+
+    proof = HMAC-SHA256(psk, label ‖ N_w ‖ N_s ‖ SHA256(H)), H = our HELLO header bytes
+    """
     peer, hello, frame = await _challenged(s)
     async with peer:
         ch = frame.message
@@ -298,18 +296,17 @@ async def _auth_binding(s: core.Settings) -> None:
         assert s.psk is not None  # _challenged skips the case otherwise
         other = framing.encode_frame(peer.hello())[framing.PREAMBLE_SIZE :]  # another nonce
         msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(other).digest()
-        peer.send_msg(Auth(proof=hmac.new(s.psk, msg, hashlib.sha256).digest()))
-        await peer.expect_error(ErrorCode.AUTH_FAILED, fatal=True)
+        await peer.expect_fatal(
+            Auth(proof=hmac.new(s.psk, msg, hashlib.sha256).digest()), ErrorCode.AUTH_FAILED
+        )
 
 
-@core.case(
-    "5.11",
-    "handshake",
-    "worker requires a key the suite was not given",
-    "a worker with a PSK answers HELLO with CHALLENGE",
-    informational=True,
-)
+@case("5.11", informational=True)
 async def _auth_info(s: core.Settings) -> None:
+    """worker requires a key the suite was not given
+
+    a worker with a PSK answers HELLO with CHALLENGE
+    """
     async with await core.Peer(s).connect() as peer:
         peer.send_msg(peer.hello())
         frame = await peer.next()
@@ -319,14 +316,13 @@ async def _auth_info(s: core.Settings) -> None:
             raise core.CaseFailed("the worker requires a key; pass --psk-file for the auth cases")
 
 
-@core.case(
-    "5.12",
-    "handshake",
-    "handshake timeout drops a silent peer",
-    "a worker drops a connection whose handshake does not complete within its handshake "
-    "timeout (HANDSHAKE_TIMEOUT)",
-)
+@case("5.12")
 async def _handshake_timeout(s: core.Settings) -> None:
+    """handshake timeout drops a silent peer
+
+    a worker drops a connection whose handshake does not complete within its handshake timeout
+    (HANDSHAKE_TIMEOUT)
+    """
     async with await core.Peer(s).connect() as peer:
         peer.send(framing.encode_frame(Ping(nonce=1))[:5])  # a slow-loris start
         frame = await peer.next(s.handshake_wait)
@@ -340,13 +336,12 @@ async def _handshake_timeout(s: core.Settings) -> None:
             raise core.CaseFailed("not closed after HANDSHAKE_TIMEOUT")
 
 
-@core.case(
-    "5.13",
-    "handshake",
-    "AUTH after the handshake",
-    "AUTH is only a handshake message; after it, any AUTH is fatal (UNEXPECTED_MESSAGE)",
-)
+@case("5.13")
 async def _late_auth(s: core.Settings) -> None:
+    """AUTH after the handshake
+
+    AUTH is only a handshake message; after it, any AUTH is fatal (UNEXPECTED_MESSAGE)
+    """
     async with await core.fresh(s) as peer:
         peer.send_msg(Auth(proof=bytes(32)))
         await peer.expect_error(ErrorCode.UNEXPECTED_MESSAGE, fatal=True, answers=MsgType.AUTH)

@@ -15,6 +15,8 @@ from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import Completion, MsgType, Ping
 
+case = core.Section("integrity").case
+
 R_TAGS = (
     "with a PSK, every frame after AUTH (Spark side) and from the worker's HELLO on carries "
     "tag_n = HMAC-SHA256(K, u64le(n) ‖ frame)[0:16]; a missing or wrong tag is fatal "
@@ -38,9 +40,8 @@ def _sealer(peer: core.Peer) -> integrity.Sealer:
     return peer.sealer
 
 
-@core.case(
+@case(
     "5.1.1",
-    "integrity",
     "the worker's frames are tagged from its HELLO on, and the tags verify",
     R_TAGS + "; COMPLETION's reply_bytes and reply_checksum cover the REPLY frames "
     "without their tags",
@@ -76,7 +77,7 @@ def _refusal_case(
     async def run(s: core.Settings) -> None:
         await _refused(s, build)
 
-    core.case(case_id, "integrity", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 async def _changed_step(peer: core.Peer) -> bytes:
@@ -140,9 +141,8 @@ for case_id, title, rule, build in (
     _refusal_case(case_id, title, rule, build)
 
 
-@core.case(
+@case(
     "5.1.7",
-    "integrity",
     "a keyed worker refuses a HELLO that names no integrity scheme",
     f"integrity: {integrity.SCHEME!r} with a PSK, exact (INTEGRITY_MISMATCH)",
 )
@@ -155,15 +155,15 @@ async def _no_scheme(s: core.Settings) -> None:
         await peer.expect_error(ErrorCode.INTEGRITY_MISMATCH, fatal=True)
 
 
-@core.case(
-    "5.1.8",
-    "integrity",
-    "a worker without a key refuses a HELLO that names a scheme",
-    'integrity: "" without a PSK, exact (INTEGRITY_MISMATCH)',
-)
+@case("5.1.8")
 async def _scheme_without_key(s: core.Settings) -> None:
+    """a worker without a key refuses a HELLO that names a scheme
+
+    integrity: "" without a PSK, exact (INTEGRITY_MISMATCH)
+    """
     if s.psk is not None:
         raise core.NonStrictSkip("runs without --psk-file")
     async with await core.Peer(s).connect() as peer:
-        peer.send_msg(peer.hello(integrity=integrity.SCHEME))
-        await peer.expect_error(ErrorCode.INTEGRITY_MISMATCH, fatal=True)
+        await peer.expect_fatal(
+            peer.hello(integrity=integrity.SCHEME), ErrorCode.INTEGRITY_MISMATCH
+        )

@@ -16,16 +16,17 @@ from pp1wire.wire.messages import (
     Pong,
 )
 
+case = core.Section("liveness and close").case
+
 # -- liveness and close --------------------------------------------------------------------
 
 
-@core.case(
-    "4.10.2",
-    "liveness and close",
-    "PING gets PONG with the same nonce",
-    "the peer answers PONG with the same nonce",
-)
+@case("4.10.2")
 async def _ping(s: core.Settings) -> None:
+    """PING gets PONG with the same nonce
+
+    the peer answers PONG with the same nonce
+    """
     async with await core.fresh(s) as peer:
         for nonce in (0, 1, 2**64 - 1):
             peer.send_msg(Ping(nonce=nonce))
@@ -34,60 +35,54 @@ async def _ping(s: core.Settings) -> None:
                 raise core.CaseFailed("PONG nonce differs")
 
 
-@core.case(
-    "2.1",
-    "liveness and close",
-    "a new connection does not inherit slots",
-    "a connection that ends ends its session: every slot ... is invalid",
-)
+@case("2.1")
 async def _reconnect(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    peer.close()
+    """a new connection does not inherit slots
+
+    a connection that ends ends its session: every slot ... is invalid
+    """
+    async with core.ready(s) as (_, step, _):
+        pass  # the connection ends with the block
     async with await core.fresh(s) as other:
-        other.send_msg(core.with_fields(step, session=other.session, round=1))
-        await other.expect_error(ErrorCode.UNKNOWN_SLOT, fatal=False, answers=MsgType.STEP)
+        await other.expect_refusal(
+            core.with_fields(step, session=other.session, round=1), ErrorCode.UNKNOWN_SLOT
+        )
 
 
-@core.case(
-    "2.2",
-    "liveness and close",
-    "old session ID on a new connection",
-    "session and slot first for every message: WRONG_SESSION",
-)
+@case("2.2")
 async def _old_session(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    old = peer.session
-    peer.close()
+    """old session ID on a new connection
+
+    session and slot first for every message: WRONG_SESSION
+    """
+    async with core.ready(s) as (peer, step, _):
+        old = peer.session  # the connection ends with the block
     async with await core.fresh(s) as other:
         if other.session == old:
             raise core.CaseFailed("a new connection got the old session ID")
-        other.send_msg(core.with_fields(step, round=1))
-        await other.expect_error(ErrorCode.WRONG_SESSION, fatal=False, answers=MsgType.STEP)
+        await other.expect_refusal(core.with_fields(step, round=1), ErrorCode.WRONG_SESSION)
 
 
-@core.case(
-    "4.9.1",
-    "liveness and close",
-    "ERROR with scope 2 from the peer ends the connection",
-    "scope 2 = the connection is dead and the sender closes it",
-)
+@case("4.9.1")
 async def _error_scope(s: core.Settings) -> None:
+    """ERROR with scope 2 from the peer ends the connection
+
+    scope 2 = the connection is dead and the sender closes it
+    """
     async with await core.fresh(s) as peer:
         peer.send_msg(Error(code=int(ErrorCode.INTERNAL), answers=0, scope=2))
         peer.close()
     await core.still_serves(s)
 
 
-@core.case(
-    "4.9.2",
-    "liveness and close",
-    "a refusal carries no free text",
-    "no free text travels on the wire: ERROR has exactly code, answers, scope, slot, "
-    "generation, round",
-)
+@case("4.9.2")
 async def _error_shape(s: core.Settings) -> None:
-    peer, step, _ = await core.ready(s)
-    async with peer:
+    """a refusal carries no free text
+
+    no free text travels on the wire: ERROR has exactly code, answers, scope, slot, generation,
+    round
+    """
+    async with core.ready(s) as (peer, step, _):
         peer.send_msg(core.with_fields(step, round=1, depth=0))
         frame = await peer.expect(MsgType.ERROR)
         header = bytes(frame.raw)[framing.PREAMBLE_SIZE :]
@@ -96,13 +91,12 @@ async def _error_shape(s: core.Settings) -> None:
             raise core.CaseFailed(f"ERROR header has {items!r}")
 
 
-@core.case(
-    "2.3",
-    "liveness and close",
-    "idle connections are eventually closed",
-    "a worker drops a connection idle past its idle timeout (IDLE_TIMEOUT, fatal)",
-)
+@case("2.3")
 async def _idle(s: core.Settings) -> None:
+    """idle connections are eventually closed
+
+    a worker drops a connection idle past its idle timeout (IDLE_TIMEOUT, fatal)
+    """
     if s.idle_wait is None:
         raise core.NonStrictSkip("needs --idle-wait (longer than the worker's idle timeout)")
     async with await core.fresh(s) as peer:
@@ -113,13 +107,12 @@ async def _idle(s: core.Settings) -> None:
         await peer.expect_error(ErrorCode.IDLE_TIMEOUT, fatal=True)
 
 
-@core.case(
-    "8.2",
-    "liveness and close",
-    "a peer that does not read does not stall the worker",
-    "replies queue behind a slow reader; other connections are served meanwhile",
-)
+@case("8.2")
 async def _slow_reader(s: core.Settings) -> None:
+    """a peer that does not read does not stall the worker
+
+    replies queue behind a slow reader; other connections are served meanwhile
+    """
     retries = 32
     async with await core.fresh(s) as peer:
         await peer.open_slot()
@@ -140,14 +133,13 @@ async def _slow_reader(s: core.Settings) -> None:
             raise core.CaseFailed("a retried STEP got a different reply")
 
 
-@core.case(
-    "4.10.3",
-    "liveness and close",
-    "PONG before HELLO is ignored",
-    "PING, PONG and ERROR are allowed before the handshake; a PONG answers nothing "
-    "of the worker's, so it is ignored (section 5 transition table)",
-)
+@case("4.10.3")
 async def _pong_first(s: core.Settings) -> None:
+    """PONG before HELLO is ignored
+
+    PING, PONG and ERROR are allowed before the handshake; a PONG answers nothing of the worker's,
+    so it is ignored (section 5 transition table)
+    """
     async with await core.Peer(s).connect() as peer:
         peer.send_msg(Pong(nonce=5))
         if not await peer.quiet(0.3):
@@ -155,14 +147,13 @@ async def _pong_first(s: core.Settings) -> None:
         await peer.handshake()
 
 
-@core.case(
-    "8.3",
-    "liveness and close",
-    "uncommitted STEPs from a peer that does not read are refused, not drawn",
-    "one fresh proposal per slot until COMMIT or RESET (STEP_UNCOMMITTED); a worker stops "
-    "reading a peer whose replies back up, and serves the others meanwhile (§8)",
-)
+@case("8.3")
 async def _flood_unread(s: core.Settings) -> None:
+    """uncommitted STEPs from a peer that does not read are refused, not drawn
+
+    one fresh proposal per slot until COMMIT or RESET (STEP_UNCOMMITTED); a worker stops reading a
+    peer whose replies back up, and serves the others meanwhile (§8)
+    """
     rounds = 200
     async with await core.fresh(s) as peer:
         await peer.open_slot()
@@ -188,26 +179,23 @@ def _plain(s: core.Settings) -> core.Settings:
     return dataclasses.replace(s, ssl=None)
 
 
-@core.case(
-    "2.4",
-    "liveness and close",
-    "a connection that never starts TLS is closed within the handshake timeout",
-    "the handshake timeout runs from accept, TLS included (§2, §5)",
-)
+@case("2.4")
 async def _silent_tls(s: core.Settings) -> None:
+    """a connection that never starts TLS is closed within the handshake timeout
+
+    the handshake timeout runs from accept, TLS included (§2, §5)
+    """
     async with await core.Peer(_plain(s)).connect() as peer:
         if not await peer.closed(s.handshake_wait):
             raise core.CaseFailed(f"still open after {s.handshake_wait:.0f} s")
 
 
-@core.case(
-    "2.5",
-    "liveness and close",
-    "a plaintext frame to a TLS worker gets TLS_REQUIRED",
-    "a worker serving TLS SHOULD answer a peer whose first bytes are the frame magic with "
-    "a plaintext fatal ERROR TLS_REQUIRED (§2)",
-)
+@case("2.5")
 async def _plaintext_to_tls(s: core.Settings) -> None:
+    """a plaintext frame to a TLS worker gets TLS_REQUIRED
+
+    a worker serving TLS SHOULD answer a peer whose first bytes are the frame magic with a plaintext
+    fatal ERROR TLS_REQUIRED (§2)
+    """
     async with await core.Peer(_plain(s)).connect() as peer:
-        peer.send_msg(peer.hello())
-        await peer.expect_error(ErrorCode.TLS_REQUIRED, fatal=True)
+        await peer.expect_fatal(peer.hello(), ErrorCode.TLS_REQUIRED)

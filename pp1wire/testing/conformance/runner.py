@@ -116,15 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-conformance`` argument parser."""
     p = settings.parser("pp1-conformance", __doc__)
     p.epilog = spark_side.TEMPLATE_CONTRACT
-    p.add_argument(
-        "--worker", default="127.0.0.1:7070", metavar="HOST:PORT", help="the worker under test"
-    )
-    p.add_argument(
-        "--psk-file",
-        default=None,
-        metavar="FILE",
-        help="pre-shared key for the worker (default: none)",
-    )
+    settings.add_connect_flags(p)
     p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
@@ -141,48 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only these cases, or the cases under these section numbers (default: all)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
-    p.add_argument(
-        "--vocab",
-        type=settings.vocabulary,
-        default=129_280,
-        metavar="TOKENS",
-        help="the worker's vocabulary size",
-    )
-    p.add_argument(
-        "--vocab-hash",
-        type=settings.count,
-        default=0,
-        metavar="HASH",
-        help="the worker's vocabulary hash",
-    )
-    p.add_argument(
-        "--vocab-shards",
-        type=settings.ranks,
-        default=1,
-        metavar="N",
-        help="the worker is a vocabulary-sharded group of N ranks: --worker is rank 0's "
-        "link and rank r listens on its port + r (run the 4.1 and 6.7 cases)",
-    )
-    p.add_argument(
-        "--row-entries",
-        type=settings.entries,
-        default=None,
-        metavar="ENTRIES",
-        help="the worker's dense row length in FP32 entries (default: --vocab)",
-    )
-    p.add_argument(
-        "--target-identity",
-        type=settings.name,
-        default="pp1-toy-target",
-        metavar="NAME",
-        help="the target identity the suite declares in HELLO",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="connect with TLS, trusting this certificate (default: plaintext)",
-    )
+    settings.add_link_flags(p)
     p.add_argument(
         "--timeout",
         type=settings.seconds,
@@ -255,12 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spark-side suite: do not read fallback and drop reasons from the command's "
         "last stdout line",
     )
-    p.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="TOML file with any of these settings (default: none)",
-    )
+    settings.add_config(p)
     return p
 
 

@@ -17,6 +17,8 @@ from pp1wire.wire.messages import (
     Step,
 )
 
+case = core.Section("session and STEP").case
+
 # -- slots and STEP ------------------------------------------------------------------
 
 
@@ -24,13 +26,11 @@ def _step_refusal(
     case_id: str, title: str, rule: str, code: ErrorCode, build: Callable[[core.Peer, Step], Step]
 ) -> None:
     async def run(s: core.Settings) -> None:
-        peer, step, data = await core.ready(s)
-        async with peer:
-            peer.send_msg(build(peer, step))
-            await peer.expect_error(code, fatal=False, answers=MsgType.STEP)
+        async with core.ready(s) as (peer, step, data):
+            await peer.expect_refusal(build(peer, step), code)
             await core.unchanged(peer, step, data)
 
-    core.case(case_id, "session and STEP", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 def _with_temperature(_peer: core.Peer, step: Step, *, value: float) -> Step:
@@ -149,44 +149,39 @@ for case_id, (label, value) in zip(
     )
 
 
-@core.case(
-    "7.7",
-    "session and STEP",
-    "older round after a newer one",
-    "STEP round < last STEP round: ROUND_REUSED",
-)
+@case("7.7")
 async def _older_round(s: core.Settings) -> None:
+    """older round after a newer one
+
+    STEP round < last STEP round: ROUND_REUSED
+    """
     peer = await core.fresh(s)
     async with peer:
         await peer.open_slot()
         newer = core.with_fields(peer.step_msg(), round=5)
         data5, _ = await peer.reply(newer)
-        peer.send_msg(core.with_fields(newer, round=3))
-        await peer.expect_error(ErrorCode.ROUND_REUSED, fatal=False, answers=MsgType.STEP)
+        await peer.expect_refusal(core.with_fields(newer, round=3), ErrorCode.ROUND_REUSED)
         await core.unchanged(peer, newer, data5)
 
 
-@core.case(
-    "7.8",
-    "session and STEP",
-    "retried STEP gets the byte-identical reply",
-    "a retried STEP therefore returns the byte-identical reply or is refused; it is never "
-    "answered with a fresh draw",
-)
+@case("7.8")
 async def _retry(s: core.Settings) -> None:
-    peer, step, data = await core.ready(s)
-    async with peer:
+    """retried STEP gets the byte-identical reply
+
+    a retried STEP therefore returns the byte-identical reply or is refused; it is never answered
+    with a fresh draw
+    """
+    async with core.ready(s) as (peer, step, data):
         for _ in range(3):
             await core.unchanged(peer, step, data)
 
 
-@core.case(
-    "6.4.1",
-    "session and STEP",
-    "the same STEP on two connections gets the same reply",
-    "draws are keyed by (seed, generation, round, position, domain): no hidden state",
-)
+@case("6.4.1")
 async def _deterministic(s: core.Settings) -> None:
+    """the same STEP on two connections gets the same reply
+
+    draws are keyed by (seed, generation, round, position, domain): no hidden state
+    """
     async with await core.fresh(s) as a:
         await a.open_slot()
         step = a.step_msg()
@@ -200,13 +195,12 @@ async def _deterministic(s: core.Settings) -> None:
             raise core.CaseFailed("payloads differ across connections for the same key")
 
 
-@core.case(
-    "4.5.1",
-    "session and STEP",
-    "reply rows are well formed",
-    "REPLY frames for positions 0, 1, … in order, then COMPLETION; row checksum; q contract",
-)
+@case("4.5.1")
 async def _rows(s: core.Settings) -> None:
+    """reply rows are well formed
+
+    REPLY frames for positions 0, 1, … in order, then COMPLETION; row checksum; q contract
+    """
     async with await core.fresh(s) as peer:
         await peer.open_slot()
         step = peer.step_msg()
@@ -232,13 +226,12 @@ async def _rows(s: core.Settings) -> None:
         )
 
 
-@core.case(
-    "4.5.2",
-    "session and STEP",
-    "a dense reply validates",
-    "dense: entries = row_entries FP32 values; padding +0.0; the q contract of §6.2",
-)
+@case("4.5.2")
 async def _dense(s: core.Settings) -> None:
+    """a dense reply validates
+
+    dense: entries = row_entries FP32 values; padding +0.0; the q contract of §6.2
+    """
     async with await core.fresh(s) as peer:
         await peer.open_slot()
         _, frames = await peer.reply(peer.step_msg(depth=1, support=0))
@@ -250,13 +243,14 @@ async def _dense(s: core.Settings) -> None:
         dyadic.validate_dense(bytes(row.payload), s.vocab, r.token)
 
 
-@core.case(
-    "4.3.1", "session and STEP", "more slots than negotiated", "slot < max_slots (SLOT_LIMIT)"
-)
+@case("4.3.1")
 async def _slot_limit(s: core.Settings) -> None:
+    """more slots than negotiated
+
+    slot < max_slots (SLOT_LIMIT)
+    """
     async with await core.fresh(s) as peer:
-        peer.send_msg(open_message(peer.session, s.slots, []))
-        await peer.expect_error(ErrorCode.SLOT_LIMIT, fatal=False, answers=MsgType.OPEN)
+        await peer.expect_refusal(open_message(peer.session, s.slots, []), ErrorCode.SLOT_LIMIT)
         await peer.open_slot(0)
         await peer.reply(peer.step_msg())
 
@@ -269,14 +263,12 @@ def _open_refusal(
     build: Callable[[core.Peer], tuple[Open, bytes]],
 ) -> None:
     async def run(s: core.Settings) -> None:
-        peer, step, data = await core.ready(s)
-        async with peer:
+        async with core.ready(s) as (peer, step, data):
             msg, payload = build(peer)
-            peer.send_msg(msg, payload)
-            await peer.expect_error(code, fatal=False, answers=MsgType.OPEN)
+            await peer.expect_refusal(msg, code, payload)
             await core.unchanged(peer, step, data)
 
-    core.case(case_id, "session and STEP", title, rule)(run)
+    case(case_id, title, rule)(run)
 
 
 _open_refusal(
@@ -330,40 +322,39 @@ _open_refusal(
 )
 
 
-@core.case(
-    "4.3.9",
-    "session and STEP",
-    "an identical OPEN is acknowledged again",
-    "an identical OPEN of a slot with no commit yet is answered with OPENED again",
-)
+@case("4.3.9")
 async def _open_twice(s: core.Settings) -> None:
+    """an identical OPEN is acknowledged again
+
+    an identical OPEN of a slot with no commit yet is answered with OPENED again
+    """
     async with await core.fresh(s) as peer:
         await peer.open_slot(0)
         await peer.open_slot(0)
 
 
-@core.case(
-    "8.1",
-    "session and STEP",
-    "OPEN prefix longer than negotiated",
-    "payload ≤ min(4 x max_prefix, max_frame), checked from the preamble",
-)
+@case("8.1")
 async def _open_too_long(s: core.Settings) -> None:
+    """OPEN prefix longer than negotiated
+
+    payload ≤ min(4 x max_prefix, max_frame), checked from the preamble
+    """
     async with await core.fresh(s) as peer:
         n = peer.hello_msg.max_prefix + 1
-        peer.send_msg(core.open_msg(peer, slot=0, tokens=[1] * n), token_bytes([1] * n))
-        await peer.expect_error(ErrorCode.FRAME_TOO_LARGE, fatal=True)
+        await peer.expect_fatal(
+            core.open_msg(peer, slot=0, tokens=[1] * n),
+            ErrorCode.FRAME_TOO_LARGE,
+            token_bytes([1] * n),
+        )
 
 
-@core.case(
-    "4.4.12",
-    "session and STEP",
-    "temperature sent as an integer or float32",
-    "temperature: a receiver accepts msgpack float 64, float 32 or integer and takes the value",
-)
+@case("4.4.12")
 async def _temperature_encodings(s: core.Settings) -> None:
-    peer, step, data = await core.ready(s)
-    async with peer:
+    """temperature sent as an integer or float32
+
+    temperature: a receiver accepts msgpack float 64, float 32 or integer and takes the value
+    """
+    async with core.ready(s) as (peer, step, data):
         header = bytearray(messages.encode(step))
         at = header.index(b"\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00")  # 1.0 as float 64
         for encoding in (b"\x01", b"\xca\x3f\x80\x00\x00"):  # integer 1, float 32 1.0
@@ -380,16 +371,15 @@ async def _temperature_encodings(s: core.Settings) -> None:
                 raise core.CaseFailed("not the reply of temperature 1.0")
 
 
-@core.case(
-    "4.4.13",
-    "session and STEP",
-    "a fresh STEP while the last one is uncommitted",
-    "at most one uncommitted fresh proposal per slot: a STEP for a new round before the last "
-    "STEP's round is committed (or the slot reset) is refused (STEP_UNCOMMITTED)",
-)
+@case("4.4.13")
 async def _uncommitted(s: core.Settings) -> None:
-    peer, step, data = await core.ready(s)
-    async with peer:
-        peer.send_msg(core.with_fields(step, round=step.round + 1))
-        await peer.expect_error(ErrorCode.STEP_UNCOMMITTED, fatal=False, answers=MsgType.STEP)
+    """a fresh STEP while the last one is uncommitted
+
+    at most one uncommitted fresh proposal per slot: a STEP for a new round before the last STEP's
+    round is committed (or the slot reset) is refused (STEP_UNCOMMITTED)
+    """
+    async with core.ready(s) as (peer, step, data):
+        await peer.expect_refusal(
+            core.with_fields(step, round=step.round + 1), ErrorCode.STEP_UNCOMMITTED
+        )
         await core.unchanged(peer, step, data)

@@ -30,6 +30,8 @@ from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Sco
 H, Q = 0.5, 0.25
 GOOD = [M // 2, 0, M // 4, 0, 0, 0, 0, M // 4]
 PSK = b"pp1-conformance-spark-side-key-0"
+#: The tokens a hostile block drafts for a STEP.
+Drafts = Callable[[Step], list[int]]
 
 
 def _dense(values: list[float]) -> bytes:
@@ -274,7 +276,7 @@ def silence(conn: Conn, _st: Step, _honest: bytes) -> None:
     """Never answer the STEP."""
 
 
-def _ruled(tokens: Callable[[Step], list[int]], stopped: bool | None = None) -> Build:
+def _ruled(tokens: Drafts, stopped: bool | None = None) -> Build:
     """Rows of GOOD drafting ``tokens(step)``, then a COMPLETION whose ``stopped`` is
     ``stopped``, or by default whether the block is shorter than the depth.
 
@@ -290,7 +292,7 @@ def _ruled(tokens: Callable[[Step], list[int]], stopped: bool | None = None) -> 
     return build
 
 
-def used(tokens: Callable[[Step], list[int]]) -> ReplyHook:
+def used(tokens: Drafts) -> ReplyHook:
     """Answer with a legal block of ``tokens(step)`` (not the honest one) and hold the
     worker core to it, so the COMMIT of the block's drafts is accepted."""
     build = _ruled(tokens)
@@ -583,52 +585,53 @@ def _stop_cases() -> list[SparkCase]:
     (q = 1/4: the rule continues), and 2 then 0 ends it (1/8)."""
     conf, joint = "confidence:0.5", "joint:0.25"
     rule = "docs/adaptive.md §2: the block must end where the rule, from the rows, ends it"
-    violated = ErrorCode.STOP_RULE_VIOLATED
+
+    def kept(case_id: str, title: str, why: str, drafts: Drafts, stop: str) -> SparkCase:
+        """A block of ``drafts`` that ends where ``stop`` ends it: used as a proposal."""
+        return SparkCase(case_id, title, why, Expect.USE, None, reply=used(drafts), stop=stop)
+
+    def cut(case_id: str, title: str, why: str, block: Build, stop: str | None) -> SparkCase:
+        """A ``block`` that breaks ``stop``: discarded with STOP_RULE_VIOLATED."""
+        violated = ErrorCode.STOP_RULE_VIOLATED
+        return SparkCase(
+            case_id, title, why, Expect.DISCARD, violated, reply=send(block), stop=stop
+        )
+
     return [
-        SparkCase(
+        kept(
             "S6.1",
             "a block the rule ended after its first draft is used",
             "§4.6: fewer rows than the depth, stopped, and the audit agrees: a proposal",
-            Expect.USE,
-            None,
-            reply=used(lambda _st: [2]),
-            stop=conf,
+            lambda _st: [2],
+            conf,
         ),
-        SparkCase(
+        cut(
             "S6.2",
             "a draft drawn and dropped where the rule continues (early stop)",
             rule + ": a block cut where the rule continues is STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda _st: [0])),
-            stop=conf,
+            _ruled(lambda _st: [0]),
+            conf,
         ),
-        SparkCase(
+        cut(
             "S6.3",
             "a draft after the rule stopped (late)",
             rule + ": a row after the stop is STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda _st: [2, 0])),
-            stop=conf,
+            _ruled(lambda _st: [2, 0]),
+            conf,
         ),
-        SparkCase(
+        cut(
             "S6.4",
             "the rule ignored: drafted to the depth past its stop",
             rule + ": a row after the stop is STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda st: [2] + [0] * (st.depth - 1))),
-            stop=conf,
+            _ruled(lambda st: [2] + [0] * (st.depth - 1)),
+            conf,
         ),
-        SparkCase(
+        cut(
             "S6.5",
             "stopped claimed for a block that reached its depth",
             "§4.6: stopped only with fewer rows than the depth: STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda st: [0] * st.depth, stopped=True)),
-            stop=conf,
+            _ruled(lambda st: [0] * st.depth, stopped=True),
+            conf,
         ),
         SparkCase(
             "S6.6",
@@ -639,31 +642,26 @@ def _stop_cases() -> list[SparkCase]:
             reply=send(_ruled(lambda _st: [2], stopped=False)),
             stop=conf,
         ),
-        SparkCase(
+        cut(
             "S6.7",
             "a stop under the fixed rule",
             "§4.6: stopped only under a rule other than fixed: STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda _st: [0])),
+            _ruled(lambda _st: [0]),
+            None,
         ),
-        SparkCase(
+        kept(
             "S6.8",
             "joint: a block ended where the product falls below the threshold is used",
             "docs/adaptive.md §1: continue while the product of the drafts' q >= T / 2^24",
-            Expect.USE,
-            None,
-            reply=used(lambda st: [2, 0][: st.depth]),
-            stop=joint,
+            lambda st: [2, 0][: st.depth],
+            joint,
         ),
-        SparkCase(
+        cut(
             "S6.9",
             "joint: stopped on the boundary, where the rule continues (>=, not >)",
             rule + ": q = T / 2^24 exactly continues; a stop there is STOP_RULE_VIOLATED",
-            Expect.DISCARD,
-            violated,
-            reply=send(_ruled(lambda _st: [2])),
-            stop=joint,
+            _ruled(lambda _st: [2]),
+            joint,
         ),
         SparkCase(
             "S6.10",

@@ -42,6 +42,7 @@ import msgspec
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
+from pp1wire.testing.hostile import shut
 from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import Commit, Error, Message, MsgType, Step
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
@@ -272,13 +273,7 @@ class HostileWorker:
 
     async def stop(self) -> None:
         """Cancel pending hooks, abort every connection and stop listening."""
-        for t in self.tasks:
-            t.cancel()
-        for c in self.conns:
-            c.abort()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        await shut(self.server, self.tasks, [c.abort for c in self.conns])
 
 
 # -- running and grading --------------------------------------------------------------------

@@ -24,29 +24,27 @@ from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Completion, MsgType, Reply, Step
 
-_CATEGORY = "stop rules"
+case = core.Section("stop rules").case
 
 
-@core.case(
-    "4.1.21",
-    _CATEGORY,
-    "HELLO naming an unknown stop-rule set",
-    'stop_rules: the worker\'s own set or "", by exact name, else STOP_RULES_MISMATCH (fatal)',
-)
+@case("4.1.21")
 async def _unknown_set(s: Settings) -> None:
+    """HELLO naming an unknown stop-rule set
+
+    stop_rules: the worker's own set or "", by exact name, else STOP_RULES_MISMATCH (fatal)
+    """
     await handshake._mismatch_run(
         s, {"stop_rules": "pp1-stop-rules-v0"}, ErrorCode.STOP_RULES_MISMATCH
     )
 
 
-@core.case(
-    "4.1.22",
-    _CATEGORY,
-    "HELLO asking for pp1-stop-rules-v1: echoed exactly, or refused",
-    "no silent downgrade and no auto-upgrade: the worker echoes the set, or refuses it "
-    "with STOP_RULES_MISMATCH",
-)
+@case("4.1.22")
 async def _echoed(s: Settings) -> None:
+    """HELLO asking for pp1-stop-rules-v1: echoed exactly, or refused
+
+    no silent downgrade and no auto-upgrade: the worker echoes the set, or refuses it with
+    STOP_RULES_MISMATCH
+    """
     await _negotiated(s)
 
 
@@ -91,9 +89,8 @@ def _refuse(case_id: str, title: str, stop: int, threshold: int, *, negotiate: b
             await peer.expect_error(ErrorCode.BAD_STOP_RULE, fatal=False, answers=MsgType.STEP)
             await core.unchanged(peer, step, data)
 
-    core.case(
+    case(
         case_id,
-        _CATEGORY,
         title,
         "the stop rule: a stop other than 0, 1, 2, a threshold above 2^24, fixed with a "
         "threshold, or a rule not negotiated at HELLO: BAD_STOP_RULE (nothing changes)",
@@ -160,9 +157,8 @@ def _applied(case_id: str, text: str) -> None:
         if done.stopped != (end < 5):
             raise CaseFailed(f"{rule}: COMPLETION stopped={done.stopped} after {end} of 5 rows")
 
-    core.case(
+    case(
         case_id,
-        _CATEGORY,
         f"{text}: the block is the fixed block cut where the rule ends it",
         "after row i the worker draws row i + 1 only if the rule, from the counts of rows "
         "1..i, continues; it ships every row it draws; stopped = fewer rows than the depth",

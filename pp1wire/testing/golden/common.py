@@ -9,12 +9,13 @@ import msgspec
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import VOCAB
 from pp1wire.wire import messages
-from pp1wire.wire.handshake import PeerConfig, build_hello
+from pp1wire.wire.handshake import build_hello
 from pp1wire.wire.messages import (
     Hello,
     Message,
     MsgType,
 )
+from pp1wire.wire.spark_core import SparkConfig
 
 NONCE = bytes(range(16))
 #: The group nonce of the vectors' sharded links (§6.7).
@@ -23,19 +24,23 @@ GROUP = bytes(range(0xA0, 0xB0))
 Vector = dict[str, Any]
 
 
-def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
-    """The vectors' HELLO from ``role`` (any field overridden)."""
-    config = PeerConfig(
+def spark_config(draft_identity: str = "") -> SparkConfig:
+    """A Spark side with the limits of the vectors' HELLO, pinning ``draft_identity``
+    ("" accepts any drafter)."""
+    return SparkConfig(
         vocab_size=VOCAB,
-        max_slots=4,
-        max_depth=5,
         max_support=4,
         max_frame=1 << 20,
         max_prefix=1024,
+        draft_identity=draft_identity,
     )
+
+
+def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
+    """The vectors' HELLO from ``role`` (any field overridden)."""
     hello = build_hello(
         Role(role),
-        config,
+        spark_config(),
         draft_identity="pp1-toy-drafter",
         draft_native=True,
         limits=None,

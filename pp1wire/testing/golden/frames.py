@@ -13,6 +13,7 @@ from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.testing.builders import (
     SESSION,
+    completion_header,
     open_message,
     reply_header,
     reply_step,
@@ -32,6 +33,20 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
     sparse_q = dyadic.counts_to_fp32(np.array([dyadic.M // 4, dyadic.M // 4, dyadic.M // 2]))
     sparse = sparse_ids + sparse_q.tobytes()
     dense = q.tobytes()
+
+    def commit(*, accepted: int, extra: int | None, position: int) -> messages.Commit:
+        """A COMMIT of round 0 on slot 0 (its digest a placeholder)."""
+        return messages.Commit(
+            session=SESSION,
+            slot=0,
+            generation=0,
+            round=0,
+            accepted=accepted,
+            extra=extra,
+            position=position,
+            digest=9,
+        )
+
     return [
         ("hello_spark", hello(2), b""),
         ("hello_worker", hello(1, SESSION), b""),
@@ -84,48 +99,11 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
         ),
         (
             "completion",
-            messages.Completion(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                position=3,
-                context=0,
-                rows=5,
-                reply_bytes=1000,
-                reply_checksum=2**64 - 1,
-                status=0,
-            ),
+            completion_header(reply_step(0), b"", 5, reply_bytes=1000, reply_checksum=2**64 - 1),
             b"",
         ),
-        (
-            "commit",
-            messages.Commit(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                accepted=2,
-                extra=5,
-                position=6,
-                digest=9,
-            ),
-            b"",
-        ),
-        (
-            "commit_eos",
-            messages.Commit(
-                session=SESSION,
-                slot=0,
-                generation=0,
-                round=0,
-                accepted=1,
-                extra=None,
-                position=4,
-                digest=9,
-            ),
-            b"",
-        ),
+        ("commit", commit(accepted=2, extra=5, position=6), b""),
+        ("commit_eos", commit(accepted=1, extra=None, position=4), b""),
         (
             "committed",
             messages.Committed(
@@ -193,116 +171,64 @@ def frame_vectors() -> list[Vector]:
         }
     )
     step_header = messages.encode(valid_messages()[8][1])
-    errors: list[tuple[str, bytes, ErrorCode, int]] = [
-        ("bad_magic", raw_frame(16, ping, magic=0x5858), ErrorCode.BAD_MAGIC, limit),
+    # Each error vector is read with max_payload = limit, but those named here.
+    max_payload = {"payload_before_handshake": 0}
+    errors: list[tuple[str, bytes, ErrorCode]] = [
+        ("bad_magic", raw_frame(16, ping, magic=0x5858), E.BAD_MAGIC),
         (
             "unknown_version",
             raw_frame(16, ping, version=messages.WIRE_VERSION + 1),
-            ErrorCode.UNSUPPORTED_VERSION,
-            limit,
+            E.UNSUPPORTED_VERSION,
         ),
-        ("version_one", raw_frame(16, ping, version=1), ErrorCode.UNSUPPORTED_VERSION, limit),
-        ("unknown_type", raw_frame(99, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
-        ("type_zero", raw_frame(0, ping), ErrorCode.UNKNOWN_MESSAGE_TYPE, limit),
-        ("flags_set", raw_frame(16, ping, flags=2), ErrorCode.BAD_FLAGS, limit),
-        ("reserved_set", raw_frame(16, ping, reserved=0x80), ErrorCode.BAD_FLAGS, limit),
-        ("zero_header", raw_frame(16, b""), ErrorCode.ZERO_LENGTH_HEADER, limit),
+        ("version_one", raw_frame(16, ping, version=1), E.UNSUPPORTED_VERSION),
+        ("unknown_type", raw_frame(99, ping), E.UNKNOWN_MESSAGE_TYPE),
+        ("type_zero", raw_frame(0, ping), E.UNKNOWN_MESSAGE_TYPE),
+        ("flags_set", raw_frame(16, ping, flags=2), E.BAD_FLAGS),
+        ("reserved_set", raw_frame(16, ping, reserved=0x80), E.BAD_FLAGS),
+        ("zero_header", raw_frame(16, b""), E.ZERO_LENGTH_HEADER),
         (
             "header_too_long",
             raw_frame(16, ping, header_len=framing.MAX_HEADER + 1),
-            ErrorCode.FRAME_TOO_LARGE,
-            limit,
+            E.FRAME_TOO_LARGE,
         ),
-        (
-            "payload_over_limit",
-            raw_frame(9, ping, payload_len=limit + 1),
-            ErrorCode.FRAME_TOO_LARGE,
-            limit,
-        ),
-        (
-            "payload_4gib_declared",
-            raw_frame(9, ping, payload_len=0xFFFFFFFF),
-            ErrorCode.FRAME_TOO_LARGE,
-            limit,
-        ),
-        (
-            "payload_on_ping",
-            raw_frame(16, ping, b"\x00\x00\x00\x00"),
-            ErrorCode.PAYLOAD_LENGTH,
-            limit,
-        ),
-        (
-            "payload_before_handshake",
-            raw_frame(4, ping, payload_len=4),
-            ErrorCode.FRAME_TOO_LARGE,
-            0,
-        ),
-        ("checksum_mismatch", raw_frame(16, ping, checksum=0), ErrorCode.PREAMBLE_CHECKSUM, limit),
-        ("header_not_msgpack", raw_frame(16, b"\xc1"), ErrorCode.HEADER_INVALID, limit),
-        ("header_tag_differs", raw_frame(17, ping), ErrorCode.HEADER_INVALID, limit),
-        ("header_trailing_bytes", raw_frame(16, ping + b"\x00"), ErrorCode.HEADER_INVALID, limit),
-        (
-            "header_extra_field",
-            raw_frame(16, b"\x93\x10\x01\x02"),
-            ErrorCode.HEADER_INVALID,
-            limit,
-        ),
-        ("header_missing_field", raw_frame(16, b"\x91\x10"), ErrorCode.HEADER_INVALID, limit),
-        (
-            "header_negative_int",
-            raw_frame(16, b"\x92\x10\xff"),
-            ErrorCode.HEADER_INVALID,
-            limit,
-        ),
+        ("payload_over_limit", raw_frame(9, ping, payload_len=limit + 1), E.FRAME_TOO_LARGE),
+        ("payload_4gib_declared", raw_frame(9, ping, payload_len=0xFFFFFFFF), E.FRAME_TOO_LARGE),
+        ("payload_on_ping", raw_frame(16, ping, b"\x00\x00\x00\x00"), E.PAYLOAD_LENGTH),
+        ("payload_before_handshake", raw_frame(4, ping, payload_len=4), E.FRAME_TOO_LARGE),
+        ("checksum_mismatch", raw_frame(16, ping, checksum=0), E.PREAMBLE_CHECKSUM),
+        ("header_not_msgpack", raw_frame(16, b"\xc1"), E.HEADER_INVALID),
+        ("header_tag_differs", raw_frame(17, ping), E.HEADER_INVALID),
+        ("header_trailing_bytes", raw_frame(16, ping + b"\x00"), E.HEADER_INVALID),
+        ("header_extra_field", raw_frame(16, b"\x93\x10\x01\x02"), E.HEADER_INVALID),
+        ("header_missing_field", raw_frame(16, b"\x91\x10"), E.HEADER_INVALID),
+        ("header_negative_int", raw_frame(16, b"\x92\x10\xff"), E.HEADER_INVALID),
         (
             "header_slot_out_of_range",
             raw_frame(6, b"\x93\x06\x07\xce\x00\x01\x00\x00"),
-            ErrorCode.HEADER_INVALID,
-            limit,
+            E.HEADER_INVALID,
         ),
         (
             "header_float_for_int",
             raw_frame(16, b"\x92\x10\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00"),
-            ErrorCode.HEADER_INVALID,
-            limit,
+            E.HEADER_INVALID,
         ),
-        (
-            "header_map_not_array",
-            raw_frame(16, b"\x81\xa5nonce\x01"),
-            ErrorCode.HEADER_INVALID,
-            limit,
-        ),
+        ("header_map_not_array", raw_frame(16, b"\x81\xa5nonce\x01"), E.HEADER_INVALID),
         # §4.5, §4.6: exactly one of start and end, or start above end, is invalid
         # in REPLY and COMPLETION alike.
-        ("reply_start_without_end", raw_frame(9, _ranged(9, 4, None)), E.HEADER_INVALID, limit),
-        ("reply_start_above_end", raw_frame(9, _ranged(9, 8, 4)), E.HEADER_INVALID, limit),
-        (
-            "completion_start_without_end",
-            raw_frame(10, _ranged(10, 4, None)),
-            E.HEADER_INVALID,
-            limit,
-        ),
-        (
-            "completion_end_without_start",
-            raw_frame(10, _ranged(10, None, 8)),
-            E.HEADER_INVALID,
-            limit,
-        ),
-        ("completion_start_above_end", raw_frame(10, _ranged(10, 8, 4)), E.HEADER_INVALID, limit),
-        (
-            "step_header_in_reply_frame",
-            raw_frame(9, step_header),
-            ErrorCode.HEADER_INVALID,
-            limit,
-        ),
+        ("reply_start_without_end", raw_frame(9, _ranged(9, 4, None)), E.HEADER_INVALID),
+        ("reply_start_above_end", raw_frame(9, _ranged(9, 8, 4)), E.HEADER_INVALID),
+        ("completion_start_without_end", raw_frame(10, _ranged(10, 4, None)), E.HEADER_INVALID),
+        ("completion_end_without_start", raw_frame(10, _ranged(10, None, 8)), E.HEADER_INVALID),
+        ("completion_start_above_end", raw_frame(10, _ranged(10, 8, 4)), E.HEADER_INVALID),
+        ("step_header_in_reply_frame", raw_frame(9, step_header), E.HEADER_INVALID),
     ]
-    for name, frame, code, max_payload in errors:
+    for name, frame, code in errors:
         out.append(
             {
                 "name": f"error_{name}",
                 "kind": "frame",
                 "hex": frame.hex(),
-                "context": {"max_payload": max_payload},
+                "context": {"max_payload": max_payload.get(name, limit)},
                 "expect": {"error": code.name},
             }
         )

@@ -36,6 +36,13 @@ def reply_vectors() -> list[Vector]:
     """One valid dense and sparse reply, then one vector per rejection class."""
     d = reply_step(0)
     s = reply_step(3)
+
+    def good(st: Step) -> bytes:
+        """The valid dense reply to ``st``: tokens 0 and 2."""
+        return whole_reply(
+            st, *(reply_row(st, i, t, dense_payload(GOOD_DENSE)) for i, t in ((0, 0), (1, 2)))
+        )
+
     good0 = reply_row(d, 0, 0, dense_payload(GOOD_DENSE))
     good1 = reply_row(d, 1, 2, dense_payload(GOOD_DENSE))
     sp0 = reply_row(s, 0, 2, sparse_payload([0, 2, 7], [dyadic.M // 4] * 2 + [dyadic.M // 2]))
@@ -52,7 +59,7 @@ def reply_vectors() -> list[Vector]:
     half, quarter = 0.5, 0.25
     base = [half, 0.0, quarter, 0.0, 0.0, 0.0, 0.0, quarter]
     cases: list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]] = [
-        ("valid_dense", d, whole_reply(d, good0, good1), {"proposal": [0, 2]}, {}),
+        ("valid_dense", d, good(d), {"proposal": [0, 2]}, {}),
         ("valid_sparse", s, whole_reply(s, sp0, sp1), {"proposal": [2, 7]}, {}),
         (
             "valid_terminal_shortens_block",
@@ -311,31 +318,21 @@ def reply_vectors() -> list[Vector]:
         (
             "completion_twice",
             d,
-            whole_reply(d, good0, good1) + completion(d, good0 + good1, 2),
+            good(d) + completion(d, good0 + good1, 2),
             {"proposal": [0, 2], "dropped": ["COMPLETION_DUPLICATE"]},
             {},
         ),
         (
             "stale_generation_dropped",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=0)
-            + whole_reply(
-                _gen(d, 1),
-                reply_row(_gen(d, 1), 0, 0, dense_payload(GOOD_DENSE)),
-                reply_row(_gen(d, 1), 1, 2, dense_payload(GOOD_DENSE)),
-            ),
+            good0 + good(_gen(d, 1)),
             {"proposal": [0, 2], "dropped": ["STALE_GENERATION"]},
             {"generation": 1},
         ),
         (
             "stale_round_dropped",
             _round(d, 1),
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE))
-            + whole_reply(
-                _round(d, 1),
-                reply_row(_round(d, 1), 0, 0, dense_payload(GOOD_DENSE)),
-                reply_row(_round(d, 1), 1, 2, dense_payload(GOOD_DENSE)),
-            ),
+            good0 + good(_round(d, 1)),
             {"proposal": [0, 2], "dropped": ["ROUND_REUSED"]},
             {"round": 1},
         ),
@@ -372,7 +369,7 @@ def reply_vectors() -> list[Vector]:
             # §7: a COMMIT does not end the last STEP; its COMPLETION is still a duplicate.
             "completion_duplicate_after_commit",
             d,
-            whole_reply(d, good0, good1) + completion(d, good0 + good1, 2),
+            good(d) + completion(d, good0 + good1, 2),
             {"proposal": [0, 2], "dropped": ["COMPLETION_DUPLICATE"]},
             {"commit": {"after": 3, "accepted": 2, "extra": 5}},
         ),
@@ -383,7 +380,7 @@ def reply_vectors() -> list[Vector]:
             d,
             reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1)
             + reply_row(d, 1, 2, dense_payload(GOOD_DENSE), generation=1)
-            + whole_reply(d, good0, good1),
+            + good(d),
             {"discarded": "FUTURE_GENERATION", "rejected": ["FUTURE_GENERATION"]},
             {"late": 3},
         ),
@@ -398,15 +395,14 @@ def reply_vectors() -> list[Vector]:
             # §7: the slot is checked before the generation.
             "future_generation_slot_not_open",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), slot=1, generation=5)
-            + whole_reply(d, good0, good1),
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), slot=1, generation=5) + good(d),
             {"proposal": [0, 2], "dropped": ["UNKNOWN_SLOT"]},
             {},
         ),
         (
             "wrong_session",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + whole_reply(d, good0, good1),
+            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + good(d),
             {"proposal": [0, 2], "rejected": ["WRONG_SESSION"]},
             {},
         ),
