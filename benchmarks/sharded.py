@@ -21,51 +21,33 @@ Every process runs with ``OMP_NUM_THREADS=1``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
-from pp1wire.apps.launch import spark_command, worker_group, worker_process
+import spark_runs
+
+from pp1wire.apps.launch import worker_group, worker_process
 from pp1wire.apps.metrics import scrape
 
 
 def spark(address: str, vocab: int, support: str, sharded: bool, max_tokens: int) -> dict[str, Any]:
     """One pp1-spark run's --json summary."""
     extra = ["--vocab-shards", "2"] if sharded else []
-    cmd = spark_command(
-        address,
+    return spark_runs.summary(
+        address, vocab,
         "--requests", "4", "--concurrency", "4", "--max-tokens", str(max_tokens),
-        "--depth", "5", "--support", support, "--tp", "2", "--json", *extra,
-        vocab=vocab,
+        "--depth", "5", "--support", support, "--tp", "2", *extra,
+        what=f"sharded={sharded}",
     )  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0:
-        sys.exit(f"pp1-spark (sharded={sharded}) failed:\n{done.stderr[-2000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("{"))
-    summary: dict[str, Any] = json.loads(line)
-    return summary
 
 
 def main() -> None:
     """Measure and print the figures."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--vocab", type=int, default=129_280)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument(
-        "--support",
-        action="append",
-        choices=["dense", "sparse:32"],
-        help="measure only this support (repeatable; default: dense and sparse:32)",
-    )
+    p = spark_runs.parser(__doc__)
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request (default 24)")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args()
     supports = args.support or ["dense", "sparse:32"]
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every worker and pp1-spark
     out: dict[str, Any] = {"vocab": args.vocab}
     with (
         worker_process("--metrics-port", "0", vocab=args.vocab, seed=0) as single,
@@ -95,19 +77,13 @@ def main() -> None:
             out[key] = {
                 "unsharded_round_ms": statistics.median(t1) / batch_rounds * 1e3,
                 "sharded_round_ms": statistics.median(t2) / batch_rounds * 1e3,
-                "sharded_vs_unsharded": statistics.median(t2) / statistics.median(t1),
-                "sharded_vs_unsharded_min_max": [min(t2) / max(t1), max(t2) / min(t1)],
+                **spark_runs.ratio("sharded_vs_unsharded", t1, t2),
                 "unsharded_link_bytes_per_batch_round": sent[False][0][0] / batch_rounds,
                 "sharded_link_bytes_per_batch_round": [b / batch_rounds for b in sent[True][0]],
                 "batch_rounds": batch_rounds,
                 "fallbacks": split["fallbacks"],
             }
-    if args.json:
-        print(json.dumps(out))
-        return
-    print(f"vocab {args.vocab}, 4 slots x depth 5, {args.reps} runs each (median)")
-    for key in (s.replace(":", "") for s in supports):
-        r = out[key]
+    for key, r in spark_runs.table(out, args, supports):
         lo, hi = r["sharded_vs_unsharded_min_max"]
         per_link = " / ".join(f"{b:,.0f}" for b in r["sharded_link_bytes_per_batch_round"])
         print(

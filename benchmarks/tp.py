@@ -21,49 +21,31 @@ against the worker on a small machine, nor TP2 flattered by it.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
-from pp1wire.apps.launch import spark_command, worker_process
+import spark_runs
+
+from pp1wire.apps.launch import worker_process
 
 
 def spark(address: str, vocab: int, support: str, tp: int, requests: int) -> dict[str, Any]:
     """One pp1-spark run's --json summary."""
-    cmd = spark_command(
-        address,
+    return spark_runs.summary(
+        address, vocab,
         "--requests", str(requests), "--concurrency", "4", "--max-tokens", "24",
-        "--depth", "5", "--support", support, "--tp", str(tp), "--json",
-        vocab=vocab,
+        "--depth", "5", "--support", support, "--tp", str(tp),
+        what=f"--tp {tp}",
     )  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0:
-        sys.exit(f"pp1-spark --tp {tp} failed:\n{done.stderr[-2000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("{"))
-    summary: dict[str, Any] = json.loads(line)
-    return summary
 
 
 def main() -> None:
     """Measure and print the figures."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--vocab", type=int, default=129_280)
+    p = spark_runs.parser(__doc__)
     p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument(
-        "--support",
-        action="append",
-        choices=["dense", "sparse:32"],
-        help="measure only this support (repeatable; default: dense and sparse:32)",
-    )
-    p.add_argument("--json", action="store_true")
     args = p.parse_args()
     supports = args.support or ["dense", "sparse:32"]
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the worker and every pp1-spark
     out: dict[str, Any] = {"vocab": args.vocab}
     with worker_process(vocab=args.vocab, seed=0) as worker:
         for support in supports:
@@ -81,19 +63,13 @@ def main() -> None:
             out[key] = {
                 "tp1_round_ms": statistics.median(t1) / batch_rounds * 1e3,
                 "tp2_round_ms": statistics.median(t2) / batch_rounds * 1e3,
-                "tp2_vs_tp1": statistics.median(t2) / statistics.median(t1),
-                "tp2_vs_tp1_min_max": [min(t2) / max(t1), max(t2) / min(t1)],
+                **spark_runs.ratio("tp2_vs_tp1", t1, t2),
                 "fanout_bytes_per_batch_round": two["tp_fanout_bytes"] / batch_rounds,
                 "fanout_ms_per_batch_round": two["tp_fanout_seconds"] / batch_rounds * 1e3,
                 "batch_rounds": batch_rounds,
                 "rounds_per_attempt": two["tp_rounds_per_attempt"],
             }
-    if args.json:
-        print(json.dumps(out))
-        return
-    print(f"vocab {args.vocab}, 4 slots x depth 5, {args.reps} runs each (median)")
-    for key in (s.replace(":", "") for s in supports):
-        r = out[key]
+    for key, r in spark_runs.table(out, args, supports):
         print(
             f"{key:9s} TP1 {r['tp1_round_ms']:7.2f} ms/round  TP2 {r['tp2_round_ms']:7.2f} "
             f"ms/round  TP2/TP1 {r['tp2_vs_tp1']:.2f} (range {r['tp2_vs_tp1_min_max'][0]:.2f}"

@@ -18,6 +18,18 @@ from pp1wire.apps import spark
 from pp1wire.apps.settings import parse
 
 
+def workload(
+    address: str, *extra: str, vocab: int, seed: int, requests: int, tokens: int, slots: int
+) -> list[str]:
+    """``pp1-spark``'s flags for ``requests`` requests of ``tokens`` new tokens on
+    ``slots`` slots against the worker at ``address`` (then ``extra``)."""
+    return [
+        "--worker", address, "--vocab", str(vocab), "--seed", str(seed),
+        "--requests", str(requests), "--max-tokens", str(tokens), "--concurrency", str(slots),
+        *extra,
+    ]  # fmt: skip
+
+
 def args_of(*argv: str) -> Any:
     """``pp1-spark``'s settings for ``argv`` (no environment, no config file)."""
     return parse(spark.build_parser(), list(argv), environ={})
@@ -60,6 +72,13 @@ def lead(results: list[spark.RankRun | BaseException]) -> spark.RankRun:
     first = results[0]
     assert isinstance(first, spark.RankRun)
     return first
+
+
+def summary_of(result: spark.RankRun, code: int = 0) -> dict[str, Any]:
+    """Rank 0's summary, after checking the run ended with exit status ``code``."""
+    assert result.code == code, result
+    assert result.summary is not None
+    return result.summary
 
 
 def tokens(result: spark.RankRun) -> list[list[int]]:

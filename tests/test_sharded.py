@@ -23,7 +23,7 @@ from pp1wire.apps.launch import RunningGroup, worker_group, worker_process
 from pp1wire.apps.models import target_factory
 
 from . import cli
-from .groups import lead, output_tokens, run_group, run_one, tokens
+from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
 from .test_verify import _chi_square_ok
 from .waiting import scrape, scrape_page
 
@@ -54,6 +54,17 @@ def sharded_workers(
     )
 
 
+def faulted(*faults: str, flags: list[str], env: dict[str, str] | None = None, scrape: bool = True):
+    """A sharded Spark group's run (``--requests``, ``--concurrency``, ``--max-tokens``
+    then ``--reply-timeout`` from ``flags``) against a worker group with ``faults``;
+    the run, and what each worker rank committed by then (with ``scrape``)."""
+    requests, slots, tokens_, reply = flags
+    extra = ["--requests", requests, "--concurrency", slots, "--max-tokens", tokens_]
+    with sharded_workers(*faults, env=env) as workers:
+        done = sharded(workers.address, *extra, "--reply-timeout", reply)
+        return done, committed(workers) if scrape else []
+
+
 MATCH_TIMEOUT = 1.0  # the shared group's: its unmatched STEPs are answered this soon
 
 
@@ -70,21 +81,7 @@ def tp1_worker():
 
 
 def spark_flags(address: str, *extra: str) -> list[str]:
-    return [
-        "--worker",
-        address,
-        "--vocab",
-        str(VOCAB),
-        "--seed",
-        str(SEED),
-        "--requests",
-        "3",
-        "--max-tokens",
-        "20",
-        "--concurrency",
-        "3",
-        *extra,
-    ]
+    return workload(address, *extra, vocab=VOCAB, seed=SEED, requests=3, tokens=20, slots=3)
 
 
 def sharded(address: str, *extra: str, timeout: float = 10.0):
@@ -98,9 +95,7 @@ def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, suppor
     assert ref.code == 0
     before = committed(group)
     done = sharded(group.address, "--support", support)
-    assert done.code == 0
-    summary = done.summary
-    assert summary is not None
+    summary = summary_of(done)
     assert summary["fallbacks"] == 0, summary
     assert summary["draft_tokens"] > 0
     assert summary["shard_ranges"] == [[0, 16], [16, 32]]
@@ -125,27 +120,22 @@ def test_sharded_spark_rank_processes(group, tp1_worker, tmp_path):
 def test_each_fault_on_one_link_falls_back_on_every_rank_then_rounds_resume(tmp_path):
     # One request on one slot: the group's draw k is the request's round k.
     faults = ("mass:1:2", "missing:1:4", "corrupt:1:6", "late:1:8")
-    extra = ["--requests", "1", "--concurrency", "1", "--max-tokens", "60"]
-    extra += ["--reply-timeout", "1"]
-    with sharded_workers(*faults, env={"PP1_SHARD_LATE_S": "1.5"}) as workers:
-        done = sharded(workers.address, *extra)
-        assert done.code == 0
-        summary = done.summary
-        assert summary is not None
-        reasons = summary["fallbacks_by_reason"]
-        # The shard with the wrong total passed its own checks: the group refused it.
-        assert reasons.get("group_mass_mismatch") == 1, reasons
-        assert reasons.get("internal") == 1, reasons  # the missing shard's COMPLETION status
-        assert reasons.get("negative") == 1, reasons  # refused by rank 1's own shard checks
-        # The late shard misses the reply timeout; the round right after it may time
-        # out too while rank 1 catches up.
-        assert 1 <= reasons.get("reply_timeout", 0) <= 2, reasons
-        assert set(reasons) == {"group_mass_mismatch", "internal", "negative", "reply_timeout"}
-        emitted = sum(len(t) for t in tokens(done))
-        fallbacks = summary["fallbacks"]
-        # Every rank's worker saw exactly the target-only COMMITs and the tokens the
-        # Spark side emitted: no round was committed on one link and not the other.
-        assert committed(workers) == [(emitted, fallbacks), (emitted, fallbacks)]
+    done, seen = faulted(*faults, flags=["1", "1", "60", "1"], env={"PP1_SHARD_LATE_S": "1.5"})
+    summary = summary_of(done)
+    reasons = summary["fallbacks_by_reason"]
+    # The shard with the wrong total passed its own checks: the group refused it.
+    assert reasons.get("group_mass_mismatch") == 1, reasons
+    assert reasons.get("internal") == 1, reasons  # the missing shard's COMPLETION status
+    assert reasons.get("negative") == 1, reasons  # refused by rank 1's own shard checks
+    # The late shard misses the reply timeout; the round right after it may time
+    # out too while rank 1 catches up.
+    assert 1 <= reasons.get("reply_timeout", 0) <= 2, reasons
+    assert set(reasons) == {"group_mass_mismatch", "internal", "negative", "reply_timeout"}
+    emitted = sum(len(t) for t in tokens(done))
+    fallbacks = summary["fallbacks"]
+    # Every rank's worker saw exactly the target-only COMMITs and the tokens the
+    # Spark side emitted: no round was committed on one link and not the other.
+    assert seen == [(emitted, fallbacks), (emitted, fallbacks)]
     # Rounds after the faults used proposals again.
     assert done.records is not None
     (record,) = done.records
@@ -157,16 +147,11 @@ def test_a_shard_from_a_stale_generation_is_dropped_and_the_round_falls_back():
     # Two requests on one slot: the second reopens it at generation 1, and rank 1's
     # first shard there names generation 0. Spark rank 1 drops those frames (counted
     # on its link), its shard never completes, and every rank falls back once.
-    extra = ["--requests", "2", "--concurrency", "1", "--max-tokens", "10"]
-    extra += ["--reply-timeout", "0.5"]
-    with sharded_workers("stale:1:*") as workers:
-        done = sharded(workers.address, *extra)
-        assert done.code == 0
-        summary = done.summary
-        assert summary is not None
-        assert summary["fallbacks_by_reason"] == {"reply_timeout": 1}, summary
-        emitted = sum(len(t) for t in tokens(done))
-        assert committed(workers) == [(emitted, 1), (emitted, 1)]
+    done, seen = faulted("stale:1:*", flags=["2", "1", "10", "0.5"])
+    summary = summary_of(done)
+    assert summary["fallbacks_by_reason"] == {"reply_timeout": 1}, summary
+    emitted = sum(len(t) for t in tokens(done))
+    assert seen == [(emitted, 1), (emitted, 1)]
     assert done.records is not None
     first, second = done.records
     assert first.fallbacks == 0
@@ -175,13 +160,8 @@ def test_a_shard_from_a_stale_generation_is_dropped_and_the_round_falls_back():
 
 
 def test_a_dead_worker_rank_leaves_the_spark_group_decoding_target_only():
-    extra = ["--requests", "2", "--concurrency", "2", "--max-tokens", "12"]
-    extra += ["--reply-timeout", "1"]
-    with sharded_workers("die:1:3") as workers:
-        done = sharded(workers.address, *extra)
-    assert done.code == 0
-    summary = done.summary
-    assert summary is not None
+    done, _ = faulted("die:1:3", flags=["2", "2", "12", "1"], scrape=False)  # rank 1 is dead
+    summary = summary_of(done)
     assert summary["fallbacks"] >= 1
     assert summary["finished"] == 2
     assert all(len(t) >= 12 for t in tokens(done))
@@ -201,9 +181,7 @@ def test_every_round_refused_by_the_group_still_samples_the_target_law():
     extra = ["--requests", str(n), "--max-tokens", "1", "--concurrency", "4", "--depth", "1"]
     with sharded_workers("mass:1:*") as workers:
         done = sharded(workers.address, *extra, timeout=30)
-    assert done.code == 0
-    summary = done.summary
-    assert summary is not None
+    summary = summary_of(done)
     assert summary["fallbacks_by_reason"] == {"group_mass_mismatch": n}
     assert summary["draft_tokens"] == 0
     first = Counter(t[0] for t in tokens(done))

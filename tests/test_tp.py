@@ -22,7 +22,7 @@ from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import target_factory
 
 from . import cli
-from .groups import lead, output_tokens, run_group, run_one, tokens
+from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
 from .test_verify import _chi_square_ok
 from .waiting import scrape, scrape_page
 
@@ -41,21 +41,7 @@ def worker():
 
 
 def flags(address: str, *extra: str) -> list[str]:
-    return [
-        "--worker",
-        address,
-        "--vocab",
-        str(VOCAB),
-        "--seed",
-        str(SEED),
-        "--requests",
-        "6",
-        "--max-tokens",
-        "20",
-        "--concurrency",
-        "3",
-        *extra,
-    ]
+    return workload(address, *extra, vocab=VOCAB, seed=SEED, requests=6, tokens=20, slots=3)
 
 
 def faults(*specs: str, late: float = 3.0) -> InjectedFaults:
@@ -160,9 +146,7 @@ def test_every_round_voted_down_still_samples_the_target_law(worker):
     # One slot: each attempt carries one round, so the corrupt copy hits every proposal.
     args = flags(worker.address, "--requests", str(n), "--max-tokens", "1", "--concurrency", "1")
     done = lead(run_group(2, *args, faults=faults("corrupt:1:*")))
-    assert done.code == 0
-    summary = done.summary
-    assert summary is not None
+    summary = summary_of(done)
     check_group(summary)
     assert summary["fallbacks_by_reason"] == {"group_copy_mismatch": n}
     assert summary["draft_tokens"] == 0

@@ -362,40 +362,35 @@ class Link:
 # -- the driver ---------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class RoundDriver:
-    """Runs every request of a :class:`Plan` through steps decided by a :class:`Strategy`."""
+    """Runs every request of a :class:`Plan` through steps decided by a :class:`Strategy`.
 
-    def __init__(
-        self,
-        plan: Plan,
-        strategy: Strategy,
-        target: TargetFn,
-        link: Link | None,
-        metrics_: SparkMetrics,
-        *,
-        rank: int = 0,
-    ) -> None:
-        """Prepare a run; ``link`` is None when no worker is used (``--depth 0``)."""
-        self.plan = plan
-        self.strategy = strategy
-        self.target = target
-        self.link = link
-        self.metrics = metrics_
-        self.rank = rank
-        # A signal sets stop_requested; the step's agreement turns it into stopping,
-        # which every rank of a group then acts on at the same step.
-        self.stop_requested = False
-        self.stopping = False
-        self.group_failure: Pp1Error | None = None
-        self.round_trips: list[float] = []  # the first 100,000, for the summary's median
-        self._thread = ThreadPoolExecutor(1, "pp1-step")
-        self._generations: dict[int, int] = {}  # slot -> the last generation it used
-        self.records: dict[int, RequestRecord] = {}
-        self.steps = 0
-        self.seconds = 0.0
-        self.stepped = 0  # STEPs sent, and their maximum depths summed (the summary's mean)
-        self.stepped_depth = 0
-        self.cpu_seconds = 0.0
+    ``link`` is None when no worker is used (``--depth 0``).
+    """
+
+    plan: Plan
+    strategy: Strategy
+    target: TargetFn
+    link: Link | None
+    metrics: SparkMetrics
+    rank: int = 0
+    # A signal sets stop_requested; the step's agreement turns it into stopping,
+    # which every rank of a group then acts on at the same step.
+    stop_requested: bool = field(default=False, init=False)
+    stopping: bool = field(default=False, init=False)
+    group_failure: Pp1Error | None = field(default=None, init=False)
+    round_trips: list[float] = field(default_factory=list, init=False)  # the first 100,000
+    records: dict[int, RequestRecord] = field(default_factory=dict, init=False)
+    steps: int = field(default=0, init=False)
+    seconds: float = field(default=0.0, init=False)
+    stepped: int = field(default=0, init=False)  # STEPs sent, and their maximum depths summed
+    stepped_depth: int = field(default=0, init=False)
+    cpu_seconds: float = field(default=0.0, init=False)
+    _generations: dict[int, int] = field(default_factory=dict, init=False)  # slot -> last used
+    _thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, "pp1-step"), init=False
+    )
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -478,6 +478,12 @@ class RequestVerifier:
             result.round_id, tokens, result.accepted, result.extra, result.outcome, commit=True
         )
 
+    def result(
+        self, round_id: int, tokens: list[int], accepted: int, extra: int | None, outcome: Outcome
+    ) -> RoundResult:
+        """The result of a round decided elsewhere (a sharded group), committing nothing."""
+        return self._commit(round_id, tokens, accepted, extra, outcome, commit=False)
+
     def discard(self) -> None:
         """Forget a failed evaluation: clear poisoning, keep prefix, generation and rounds.
 

@@ -24,7 +24,6 @@ Each spoils only that rank's link (its shard of that one reply):
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -40,6 +39,7 @@ from pp1wire.apps import worker, worker_tp
 from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import QRow
+from pp1wire.testing import tp_faults
 from pp1wire.testing.tp_faults import Fault
 from pp1wire.tp.shard_worker import AfterDraw
 from pp1wire.wire import worker_core
@@ -55,11 +55,7 @@ def parse_fault(text: str) -> Fault:
     Raises:
         argparse.ArgumentTypeError: for anything else.
     """
-    kind, _, rest = text.partition(":")
-    rank, _, draw = rest.partition(":")
-    if kind not in KINDS or not rank.isdigit() or not (draw == "*" or draw.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: use KIND:RANK:DRAW, KIND in {KINDS}")
-    return Fault(kind, int(rank), None if draw == "*" else int(draw))
+    return tp_faults.parse_fault(text, KINDS, "DRAW")
 
 
 def _spoiled(rows: tuple[QRow, ...], how: str) -> tuple[QRow, ...]:
@@ -113,15 +109,11 @@ def _stale_frames(original: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``--fault``s, install the hooks, run ``pp1-worker`` with the rest."""
-    line = list(sys.argv[1:] if argv is None else argv)
-    split = line.index("--") if "--" in line else len(line)
-    parser = argparse.ArgumentParser(prog="pp1wire.testing.shard_faults")
-    parser.add_argument("--fault", type=parse_fault, action="append", default=[])
-    args = parser.parse_args(line[:split])
-    worker_tp.AFTER_DRAW = after_draw(args.fault)
+    faults, rest = tp_faults.split_faults("pp1wire.testing.shard_faults", argv, parse_fault)
+    worker_tp.AFTER_DRAW = after_draw(faults)
     # The core builds each reply with its module's reply_frames: wrap that one.
     setattr(worker_core, "reply_frames", _stale_frames(getattr(worker_core, "reply_frames")))  # noqa: B009, B010
-    return worker.main(line[split + 1 :])
+    return worker.main(rest)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pp1wire.apps import spark, spark_tp
@@ -45,16 +45,17 @@ class Fault:
         return rank == self.rank and self.attempt in (None, attempt)
 
 
-def parse_fault(text: str) -> Fault:
-    """``KIND:RANK:ATTEMPT`` → Fault.
+def parse_fault(text: str, kinds: Sequence[str] = KINDS, unit: str = "ATTEMPT") -> Fault:
+    """``KIND:RANK:ATTEMPT`` → Fault (``unit`` names the count: a group's draw for the
+    sharded worker's faults).
 
     Raises:
         argparse.ArgumentTypeError: for anything else.
     """
     kind, _, rest = text.partition(":")
     rank, _, attempt = rest.partition(":")
-    if kind not in KINDS or not rank.isdigit() or not (attempt == "*" or attempt.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: use KIND:RANK:ATTEMPT, KIND in {KINDS}")
+    if kind not in kinds or not rank.isdigit() or not (attempt == "*" or attempt.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: use KIND:RANK:{unit}, KIND in {kinds}")
     return Fault(kind, int(rank), None if attempt == "*" else int(attempt))
 
 
@@ -104,15 +105,23 @@ class InjectedFaults:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Install the faults, then run ``pp1-spark`` with the flags after ``--``."""
+def split_faults(
+    prog: str, argv: Sequence[str] | None, parse: Callable[[str], Fault]
+) -> tuple[list[Fault], list[str]]:
+    """The ``--fault``s before ``--`` (parsed by ``parse``) and the command line after it."""
     line = list(sys.argv[1:] if argv is None else argv)
     split = line.index("--") if "--" in line else len(line)
-    p = argparse.ArgumentParser(prog="pp1wire.testing.tp_faults")
-    p.add_argument("--fault", type=parse_fault, action="append", default=[])
-    args = p.parse_args(line[:split])
-    spark_tp.FAULTS = InjectedFaults(args.fault)
-    return spark.main(line[split + 1 :])
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--fault", type=parse, action="append", default=[])
+    faults: list[Fault] = p.parse_args(line[:split]).fault
+    return faults, line[split + 1 :]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Install the faults, then run ``pp1-spark`` with the flags after ``--``."""
+    faults, rest = split_faults("pp1wire.testing.tp_faults", argv, parse_fault)
+    spark_tp.FAULTS = InjectedFaults(faults)
+    return spark.main(rest)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -84,6 +84,16 @@ def _count_rows(values: npt.ArrayLike, plan: TreePlan) -> Int64Array:
     x: Int64Array = np.ascontiguousarray(values, dtype=np.int64)
     _check_width(x, plan)
     return x
+
+
+def _one_draw_each(rows: npt.NDArray[Any], draws: Sequence[int]) -> None:
+    """Refuse a batch whose rows and draws do not pair up.
+
+    Raises:
+        ValueError: as the kernels say.
+    """
+    if rows.shape[0] != len(draws):
+        raise ValueError(f"{len(draws)} draws for {rows.shape[0]} rows")
 
 
 def _check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
@@ -219,8 +229,7 @@ def sample_weights_rows(
     """
     plan = plan_of(coord)
     w = _rows(weights, plan)
-    if w.shape[0] != len(u53s):
-        raise ValueError(f"{len(u53s)} draws for {w.shape[0]} rows")
+    _one_draw_each(w, u53s)
     if not len(u53s):
         return []
     upper = plan.totals(_gather(coord, plan.cover_totals(w)))
@@ -615,8 +624,7 @@ def sample_counts(
     """
     plan = plan_of(coord)
     c = _count_rows(counts, plan)
-    if c.shape[0] != len(u24s):
-        raise ValueError(f"{len(u24s)} draws for {c.shape[0]} rows")
+    _one_draw_each(c, u24s)
     if not len(u24s):
         return []
     sums = _gather_ints(coord, c.sum(axis=1).astype(np.int64))  # [world, rows]

@@ -332,7 +332,7 @@ class ShardedVerifyGroup:
                 if tests[k] == 2:
                     new.append(row.token)
                     if row.token == v.eos:
-                        out[i] = _result(v, r.round_id, new, len(new), None, Outcome.EOS)
+                        out[i] = v.result(r.round_id, new, len(new), None, Outcome.EOS)
                         break
                     continue
                 weights = dist_ops.residual_rows(p.normalized(base + k), self._q(row))
@@ -357,8 +357,8 @@ class ShardedVerifyGroup:
                 out[i] = VerifyError(pick, "distribution has no mass")
                 continue
             accepted_count = len(new) if outcome is not Outcome.TARGET else 0
-            out[i] = _result(
-                rounds[i].verifier, rounds[i].round_id, [*new, pick], accepted_count, pick, outcome
+            out[i] = rounds[i].verifier.result(
+                rounds[i].round_id, [*new, pick], accepted_count, pick, outcome
             )
 
     @staticmethod
@@ -400,25 +400,6 @@ def _as_row(row: object) -> npt.NDArray[np.float64] | None:
         return np.asarray(row, dtype=np.float64)
     except (TypeError, ValueError):
         return None
-
-
-def _result(
-    v: RequestVerifier,
-    round_id: int,
-    tokens: list[int],
-    accepted: int,
-    extra: int | None,
-    outcome: Outcome,
-) -> RoundResult:
-    return RoundResult(
-        round_id=round_id,
-        accepted=accepted,
-        tokens=tuple(tokens),
-        extra=extra,
-        outcome=outcome,
-        finished=v.eos is not None and tokens[-1] == v.eos,
-        new_position=len(v.committed) + len(tokens),
-    )
 
 
 __all__ = ["ShardReport", "ShardRound", "ShardedVerifyGroup"]
