@@ -133,7 +133,8 @@ class Conn(asyncio.Protocol):
         plain: list[bytes] = []
         reply: list[bytes] = []
         for f in framing.FrameDecoder(1 << 26).feed(out):
-            raw = bytes(f.raw)
+            # A keyed session's frames carry their integrity tag after ``raw``.
+            raw = bytes(f.raw) if f.tag is None else bytes(f.raw) + bytes(f.tag)
             edit = case.edits.get(f.type)
             if edit is not None:
                 raw = framing.encode_frame(edit(f.message), bytes(f.payload))
