@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from pp1wire.q import dyadic
@@ -15,3 +21,27 @@ def dyadic_path(request, monkeypatch):
     elif dyadic._fastq is None:
         pytest.skip("compiled fast path not built")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The command that starts a forked ``pp1-spark`` (``tests/forkserver.py``); ``--pp1-worker``
+    after it makes it ``pp1-worker``, ``--broken NAME`` a broken Spark side."""
+    server_py = Path(__file__).resolve().parent / "forkserver.py"
+    sock = tmp_path_factory.mktemp("fork") / "server.sock"
+    server = subprocess.Popen(
+        [sys.executable, str(server_py), str(sock)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=server_py.parent.parent,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
+        quoted = " ".join(map(shlex.quote, (str(server_py), "--client", str(sock))))
+        yield f"{shlex.quote(sys.executable)} -S {quoted}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()

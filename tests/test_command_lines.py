@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import sys
 
 import pytest
@@ -88,15 +89,16 @@ CASES = [
 
 
 @pytest.mark.parametrize(("prog", "args", "says"), CASES, ids=[" ".join(c[1]) for c in CASES])
-def test_a_bad_command_line_is_one_line_and_exit_2(tmp_path, prog, args, says):
+def test_a_bad_command_line_is_one_line_and_exit_2(tmp_path, forkserver, prog, args, says):
+    # Each command runs as a process forked from one that imported the programs
+    # (tests/forkserver.py): the code, arguments and exit are a fresh process's.
     _files(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if prog == "pp1-spark":
         argv = ["--worker", CLOSED, "--connect-timeout", "0.2", *argv]
-        module = "pp1wire.apps.spark"
     else:
-        module = "pp1wire.apps.worker"
-    done = cli.module(module, *argv, timeout=30)
+        argv = ["--pp1-worker", "--", *argv]
+    done = cli.run(*shlex.split(forkserver), *argv, timeout=30)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1, done.stderr

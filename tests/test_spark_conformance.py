@@ -6,7 +6,7 @@ slot, at depth 3 or 2 — and fail against each deliberate breakage in
 passed a broken Spark side would prove nothing.
 
 Every case starts its Spark command afresh. Here that command is a client of
-``tests/spark_forkserver.py``, which forks a ``pp1-spark`` that has already
+``tests/forkserver.py``, which forks a ``pp1-spark`` that has already
 imported its modules (the same code and arguments as a fresh process), and up
 to four cases run at once (``--jobs``; the timing cases alone): the suite's
 checks are the same, the imports are paid once.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ from pp1wire.testing.conformance.spark_side import (
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = shlex.quote(sys.executable)
-SERVER = ROOT / "tests" / "spark_forkserver.py"
 # The reply timeout every command here gets ({reply_timeout}); the timing cases pace against it.
 REPLY_TIMEOUT = "1"
 
@@ -53,24 +51,9 @@ def failed_ids(out: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def spark(forkserver: str) -> str:
     """The command that starts a forked ``pp1-spark`` (``--broken NAME`` may follow it)."""
-    sock = tmp_path_factory.mktemp("fork") / "spark.sock"
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER), str(sock)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert server.stdout is not None
-        assert server.stdout.readline().strip() == "ready"
-        yield f"{PY} -S {shlex.quote(str(SERVER))} --client {shlex.quote(str(sock))}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        if server.stdout is not None:
-            server.stdout.close()
+    return forkserver
 
 
 def template(command: str, **flags: str) -> str:

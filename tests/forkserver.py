@@ -1,18 +1,20 @@
-"""A fork server for ``pp1-spark``: each start forks a process that has already imported it.
+"""A fork server for ``pp1-spark`` and ``pp1-worker``: each start forks a process that has
+already imported them.
 
-The Spark-side suite starts its Spark command once per case. A fresh
-interpreter spends most of a case importing numpy, msgspec and pp1wire; here
-one server imports them once and each case's command is a small client
-(``python -S``, no imports beyond the standard library's socket) that asks the
-server to fork a child running ``pp1wire.apps.spark.main`` with the command's
-arguments, its stdout and stderr, and relays the child's exit status. The child
-is ``pp1-spark`` as a fresh process runs it: same code, same arguments, a new
-event loop; only the imports are inherited.
+The Spark-side suite starts its Spark command once per case, and the command-line
+tests start a daemon once per bad flag. A fresh interpreter spends most of such a
+start importing numpy, msgspec and pp1wire; here one server imports them once and
+each start is a small client (``python -S``, no imports beyond the standard
+library's socket) that asks the server to fork a child running the program's
+``main`` with the client's arguments, stdout and stderr, and relays the child's
+exit status. The child is the program as a fresh process runs it: same code,
+same arguments, a new event loop; only the imports (and the server's
+environment) are inherited.
 
-Usage: ``python tests/spark_forkserver.py SOCKET`` (prints ``ready``), then per
-start: ``python -S tests/spark_forkserver.py --client SOCKET [--broken NAME] --
-[pp1-spark arguments]``. A client that dies (the suite stops a slow command)
-takes its child with it.
+Usage: ``python tests/forkserver.py SOCKET`` (prints ``ready``), then per start:
+``python -S tests/forkserver.py --client SOCKET [--pp1-worker] [--broken NAME] --
+[arguments]`` (``pp1-spark`` unless ``--pp1-worker``). A client that dies (the suite
+stops a slow command) takes its child with it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ import sys
 
 
 def client(argv: list[str]) -> int:
-    """Ask the server at ``argv[0]`` to run pp1-spark; returns its exit status."""
+    """Ask the server at ``argv[0]`` to run the program; returns its exit status."""
     path, rest = argv[0], argv[1:]
+    program = "spark"
+    if rest[:1] == ["--pp1-worker"]:
+        program, rest = "worker", rest[1:]
     broken = None
     if rest[:1] == ["--broken"]:
         broken, rest = rest[1], rest[2:]
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    request = json.dumps({"argv": rest, "broken": broken}).encode() + b"\n"
+    request = json.dumps({"program": program, "argv": rest, "broken": broken}).encode() + b"\n"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
         socket.send_fds(s, [request], [1, 2])
@@ -40,7 +45,7 @@ def client(argv: list[str]) -> int:
 
 
 def _child(conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
-    """In the forked child: become the client's pp1-spark, report its status, exit."""
+    """In the forked child: become the client's program, report its status, exit."""
     import threading
     import traceback
 
@@ -58,7 +63,7 @@ def _child(conn: socket.socket, request: dict[str, object], fds: list[int]) -> N
     threading.Thread(target=watch, daemon=True).start()
     code = 1
     try:
-        from pp1wire.apps import spark
+        from pp1wire.apps import spark, worker
 
         broken = request.get("broken")
         if isinstance(broken, str):
@@ -67,7 +72,8 @@ def _child(conn: socket.socket, request: dict[str, object], fds: list[int]) -> N
             broken_spark.BREAKAGES[broken]()
         argv = request["argv"]
         assert isinstance(argv, list)
-        code = spark.main([str(a) for a in argv])
+        main = worker.main if request.get("program") == "worker" else spark.main
+        code = main([str(a) for a in argv])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -83,13 +89,13 @@ def _child(conn: socket.socket, request: dict[str, object], fds: list[int]) -> N
 
 
 def serve(path: str) -> None:
-    """Import pp1-spark once, then fork one child per client until stopped."""
+    """Import both programs once, then fork one child per client until stopped."""
     import signal
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import broken_spark  # noqa: F401 - imported once, for the children
 
-    from pp1wire.apps import spark  # noqa: F401
+    from pp1wire.apps import spark, worker  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
