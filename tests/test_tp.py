@@ -209,3 +209,56 @@ def test_a_dead_rank_process_fails_the_group_closed(worker, tmp_path):
     assert time.monotonic() - started < 30
     assert "TP group failed: GROUP_FAILED" in done.stderr, done.stderr[-3000:]
     _failed_closed(worker, out, before)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # it ended while we looked
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
+    # Before: --tp started its ranks and ignored SIGTERM (the ranks ran on, by hand
+    # to kill). The ranks here wait for a worker that never answers.
+    import signal
+    import subprocess
+
+    argv = ["--worker", "127.0.0.1:1", "--connect-timeout", "60", "--vocab", str(VOCAB)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pp1wire.spark", *argv, "--tp", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(ranks) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+            ranks = _children(launcher.pid)
+            time.sleep(0.02)
+        assert len(ranks) == 2, (ranks, launcher.poll())
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=30)
+        assert not [pid for pid in ranks if _alive(pid)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        assert launcher.stderr is not None
+        launcher.stderr.close()

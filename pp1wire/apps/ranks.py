@@ -103,6 +103,8 @@ def launch(world: int, argv: Sequence[str], module: str) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for rank in range(world):
+            if signalled:  # stopped while starting: no rank is started after the signal
+                break
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=rank_env))
         failed_at: float | None = None
