@@ -251,3 +251,46 @@ async def test_a_relay_cannot_drive_a_connection_it_forwarded_the_handshake_of(p
     finally:
         await relay.stop()
         await srv.stop(grace=1.0)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_peers():
+    # Before: every STEP beyond the draw budget was read, refused and answered at
+    # once, so the loop cost the worker ~12,000 refusals a second (a legitimate
+    # round took 2-3x longer on 2 cores). Now a refusal holds the connection until
+    # its budget allows a draw: at most one refusal per payback period.
+    import threading
+    import time
+
+    from pp1wire.testing.attacks import reset_step_loop
+
+    rate, burst, seconds = 4.0, 1, 1.0
+    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    running, stop = threading.Event(), threading.Event()
+    running.set()
+    try:
+        attack = asyncio.create_task(
+            asyncio.to_thread(
+                reset_step_loop, port, 256, connections=1, slots=1, running=running, stop=stop
+            )
+        )
+        start = time.monotonic()
+        await eventually(
+            lambda: _count(srv.metrics.refusals, code="draw_rate_limited") >= 1,
+            what="the budget refusing the loop",
+        )
+        await asyncio.sleep(seconds)
+        stop.set()
+        drawn, refused = await asyncio.wait_for(attack, 10)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        await srv.stop(grace=1.0)
+    # The budget's own arithmetic: `burst` draws free, then one per 1/rate seconds,
+    # each payback period ending in at most one refusal (+2: the periods cut by the
+    # start and the end of the run).
+    periods = burst + rate * elapsed
+    assert 2 <= drawn <= periods + 1, (drawn, elapsed)  # draws resume after each hold
+    assert 1 <= refused <= periods + 2, (refused, elapsed)

@@ -58,6 +58,7 @@ class _Conn(asyncio.BufferedProtocol):
         # Reading stops while replies back up or frames wait for the next turn.
         self.writing_paused = False
         self.turn: asyncio.Handle | None = None
+        self.held = False  # reading held after a DRAW_RATE_LIMITED refusal (_pump)
         self.reading = True
         self.accepted_at = 0.0
         self.address = ""
@@ -244,6 +245,10 @@ class _Conn(asyncio.BufferedProtocol):
         if self.turn is None:
             self._pump()  # messages held for the slot go on
 
+    def _end_hold(self) -> None:
+        self.held = False
+        self._pump()
+
     def _pump(self) -> None:
         self.turn = None
         core, transport = self.core, self.transport
@@ -259,6 +264,15 @@ class _Conn(asyncio.BufferedProtocol):
         self._events(events)
         self._flush()
         if core.closed:
+            return
+        hold = core.refused_until - time.monotonic()
+        if hold > 0 and not self.draining:
+            # A STEP was refused DRAW_RATE_LIMITED: read and answer nothing more from
+            # this peer until its budget allows a draw, so a loop of refused STEPs
+            # costs the worker one refusal per budget period, not one per frame.
+            self._set_reading(False)
+            self.held = True
+            self.turn = asyncio.get_running_loop().call_later(hold, self._end_hold)
             return
         if core.waiting:
             self._set_reading(False)  # a message waits for its slot's draw: _drawn pumps again
@@ -279,6 +293,9 @@ class _Conn(asyncio.BufferedProtocol):
             return
         self.draining = True
         self._set_reading(False)
+        if self.held and self.turn is not None:
+            self.turn.cancel()  # a draining connection answers what it has at once
+            self.turn, self.held = None, False
         if self.turn is None and not self.writing_paused:
             self._pump()  # frames already buffered are handled; then _close_if_drained
         else:

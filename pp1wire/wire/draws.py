@@ -339,6 +339,13 @@ class AbandonBudget:
             self._owed -= 1
         return not self._owed
 
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`allows` would be true (0 if it is now)."""
+        if not self.allows(now):
+            # What is owed after this payment comes in at the bucket's rate.
+            return self._bucket.wait(now) + (self._owed - 1) / self._bucket.rate
+        return 0.0
+
 
 class DrawBudget:
     """Both of one connection's draw budgets (``docs/protocol.md`` §4.4): fresh draws
@@ -366,6 +373,13 @@ class DrawBudget:
         """A fresh draw died uncommitted at ``now``."""
         if self._abandons is not None:
             self._abandons.abandoned(now)
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until a fresh draw would be allowed (0 if it is now);
+        spends nothing."""
+        abandons = 0.0 if self._abandons is None else self._abandons.wait(now)
+        rate = 0.0 if self._rate is None else self._rate.wait(now)
+        return max(abandons, rate)
 
 
 class DrawLimits(Protocol):

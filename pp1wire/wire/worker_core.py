@@ -200,6 +200,10 @@ class WorkerProtocol:
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
         self._budget = DrawBudget(config, now)
+        #: Until when (the caller's clock) a fresh STEP would be refused
+        #: ``DRAW_RATE_LIMITED``, as of the last such refusal: a server reads nothing
+        #: more from the connection until then (``docs/protocol.md`` §8).
+        self.refused_until = 0.0
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -685,6 +689,7 @@ class WorkerProtocol:
             self.limits, slot.prefix, slot.digest, slot.context, slot.fence, step
         )
         if code is None and not self._budget.allows_fresh(self._now):
+            self.refused_until = self._now + self._budget.wait(self._now)
             return ErrorCode.DRAW_RATE_LIMITED  # last: only a STEP that would be drawn spends
         return code
 
