@@ -220,7 +220,7 @@ class Peer:
         assert isinstance(err, Error)
         if err.code != code:
             raise CaseFailed(f"expected ERROR {code.name}, got {describe(frame)}")
-        if answers is not None and err.answers not in (0, int(answers)):
+        if answers is not None and err.answers != int(answers):
             raise CaseFailed(f"ERROR answers type {err.answers}, expected {int(answers)}")
         if fatal:
             if err.scope != 2:
