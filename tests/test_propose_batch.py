@@ -85,8 +85,6 @@ def _reference(job: DraftJob, drafter):
             )
     except Pp1Error as exc:
         return exc.code
-    except Exception:
-        return ErrorCode.INTERNAL
 
 
 STEP = Step(
