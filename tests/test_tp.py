@@ -24,7 +24,7 @@ from pp1wire.apps.models import target_factory
 from . import cli
 from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
 from .test_verify import _chi_square_ok
-from .waiting import scrape, scrape_page
+from .waiting import scrape, scrape_page, wait_until
 
 pytest.importorskip("torch")
 
@@ -235,8 +235,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
 def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
-    # Before: --tp started its ranks and ignored SIGTERM (the ranks ran on, by hand
-    # to kill). The ranks here wait for a worker that never answers.
+    # The launcher passes SIGTERM on to its ranks and reaps them (docs/tp.md §8);
+    # the ranks here wait for a worker that never answers.
     import signal
     import subprocess
 
@@ -247,11 +247,12 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
         stderr=subprocess.PIPE,
     )
     try:
-        ranks: list[int] = []
-        deadline = time.monotonic() + 30
-        while len(ranks) < 2 and time.monotonic() < deadline and launcher.poll() is None:
-            ranks = _children(launcher.pid)
-            time.sleep(0.02)
+        wait_until(
+            lambda: len(_children(launcher.pid)) == 2 or launcher.poll() is not None,
+            30,
+            "both ranks started",
+        )
+        ranks = _children(launcher.pid)
         assert len(ranks) == 2, (ranks, launcher.poll())
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=30)
