@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from typing import Any
 
 from pp1wire.apps.launch import spark_command, worker_group
@@ -119,22 +120,29 @@ async def replay(s: Settings, stop: asyncio.Event, tally: Tally) -> None:
 
 
 async def legitimate(address: str, vocab: int, max_tokens: int) -> dict[str, Any]:
-    """One pp1-spark run's --json summary."""
-    cmd = spark_command(
-        address,
-        "--requests", str(SLOTS), "--concurrency", str(SLOTS), "--max-tokens", str(max_tokens),
-        "--depth", "5", "--support", "dense", "--temperature", "1.0",
-        "--tp", "2", "--vocab-shards", "2", "--json",
-        vocab=vocab,
-    )  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        sys.exit(f"pp1-spark failed:\n{err.decode()[-2000:]}")
+    """One pp1-spark run's --json summary, with each request's tokens (from
+    ``--output``) under ``"outputs"``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = os.path.join(tmp, "out.jsonl")
+        cmd = spark_command(
+            address,
+            "--requests", str(SLOTS), "--concurrency", str(SLOTS),
+            "--max-tokens", str(max_tokens), "--depth", "5", "--support", "dense",
+            "--temperature", "1.0", "--tp", "2", "--vocab-shards", "2",
+            "--output", output, "--json",
+            vocab=vocab,
+        )  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            sys.exit(f"pp1-spark failed:\n{err.decode()[-2000:]}")
+        with open(output, encoding="utf-8") as f:
+            outputs = [json.loads(line)["tokens"] for line in f]
     line = next(x for x in out.decode().splitlines() if x.startswith("{"))
     summary: dict[str, Any] = json.loads(line)
+    summary["outputs"] = outputs
     return summary
 
 
@@ -186,7 +194,8 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
         "attacked_vs_quiet": statistics.median(h) / statistics.median(q),
         "quiet_fallbacks": sum(r["fallbacks"] for r in quiet),
         "attacked_fallbacks": sum(r["fallbacks"] for r in hostile),
-        "same_tokens": len({r["tokens"] for r in quiet + hostile}) == 1,
+        # Every run has the same seeds: an attack that changed a token shows here.
+        "same_tokens": all(r["outputs"] == quiet[0]["outputs"] for r in quiet + hostile),
         "attackers": {k: dataclasses.asdict(v) for k, v in tallies.items()},
     }
 

@@ -384,7 +384,9 @@ def test_hostile_group_smoke():
     assert result["attacked_vs_quiet"] == pytest.approx(
         result["attacked_tokens_per_s"] / result["quiet_tokens_per_s"]
     )
-    # No hostile STEP is ever drawn: none matches a session of the legitimate group's.
+    # Both attackers sent STEPs, and none was ever drawn: none matches a session of
+    # the legitimate group's.
+    assert all(t["steps"] > 0 for t in result["attackers"].values()), result["attackers"]
     assert all(t["proposals"] == 0 for t in result["attackers"].values())
 
 
