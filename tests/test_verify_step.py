@@ -637,3 +637,24 @@ def test_a_process_on_one_core_decides_on_one_thread(monkeypatch):
     assert targetrows.step_threads() == 1
     monkeypatch.setattr(targetrows.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert targetrows.step_threads() == 2
+
+
+def test_a_round_the_compiled_step_could_not_draw_for_is_walked_in_numpy(monkeypatch):
+    # Status 7 (out of memory in the compiled draw) hands the round to the numpy walk
+    # like BAD_Q: the step still decides what each request decides.
+    fastq = targetrows._fastq
+    if getattr(fastq, "verify_rounds", None) is None:
+        pytest.skip("compiled fast path not built")
+    failed = []
+
+    def verify_rounds(specs, status, threads):
+        fastq.verify_rounds(specs, status, threads)
+        status[0] = (7, 0, 0, -1)
+        failed.append(len(specs))
+
+    monkeypatch.setattr(
+        targetrows, "_fastq", type("Compiled", (), {"verify_rounds": staticmethod(verify_rounds)})
+    )
+    plans_ = [Plan(d, None, False, "counts", ["ok"] * 6, False, False, False) for d in (4, 0, 2)]
+    check_same(300, plans_)
+    assert failed == [3]

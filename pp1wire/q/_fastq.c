@@ -882,7 +882,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       target-only token, 4 the row `stop` failed its checks (the caller
  *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
  *       are not ascending inside the vocabulary (the caller decides the round
- *       its own way), 7 out of memory.
+ *       its own way), 7 out of memory in a draw (the caller likewise).
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
  *   accept_u53(u53, count, p) -> bool

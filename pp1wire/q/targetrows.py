@@ -236,7 +236,9 @@ class Stop(enum.IntEnum):
     """The row the round reached failed its checks (or could not be read)."""
     EMPTY = 5
     """The correction or bonus had no mass to draw from."""
-    BAD_Q = 6  # compiled only: a sparse q it does not take; decided by the numpy walk
+    BAD_Q = 6
+    """Compiled only: a sparse q it does not take. This status, and any above it (7:
+    out of memory in a draw), leaves the round to the numpy walk."""
 
 
 class Decision(NamedTuple):
@@ -405,7 +407,8 @@ def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None
             threads = step_threads() if entries >= _PARALLEL_ENTRIES else 1
         compiled([spec for _, spec in ready], status, threads)
         for (k, _), (stop, row, accepted, token) in zip(ready, status.tolist(), strict=True):
-            if stop != Stop.BAD_Q:
+            # BAD_Q, and an allocation that failed in the compiled draw: the numpy walk decides.
+            if stop < Stop.BAD_Q:
                 out[k] = Decision(Stop(stop), row, accepted, token)
     rest = [k for k, d in enumerate(out) if d is None]
     if rest:
