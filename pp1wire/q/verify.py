@@ -35,7 +35,7 @@ from pp1wire.q import targetrows
 from pp1wire.q.draw_audit import audit_mismatch
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
-from pp1wire.q.stoprules import StopKind, audit
+from pp1wire.q.stoprules import StopKind, audit, stopped_by_rule
 from pp1wire.q.targetrows import (
     BatchTargetFn,
     CheckedRow,
@@ -287,7 +287,7 @@ class RequestVerifier:
                 )
         if proposal.stop.kind is not StopKind.FIXED:
             self._audit_stop(proposal)
-        elif len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
+        elif stopped_by_rule(proposal.depth, [row.token for row in rows], self.eos):
             raise VerifyError(
                 ErrorCode.MALFORMED_PROPOSAL,
                 "block shorter than its depth without a terminal token",
