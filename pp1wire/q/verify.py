@@ -578,10 +578,10 @@ def _plan(
         first = len(prefixes)
         try:
             if proposal is not None:
+                wanted = v.prefixes(proposal)  # views of the committed prefix: nothing copied
                 if every:
-                    prefixes.extend(v.prefixes(proposal))
+                    prefixes.extend(wanted)
                 v.check_proposal(proposal)
-                wanted = v.prefixes(proposal)
             else:
                 if every:
                     prefixes.append(v.committed)
