@@ -627,7 +627,8 @@ def verify_step(
     reaches are read. With ``commit`` False nothing commits
     (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
     ``threads``: how many threads the compiled step may share the rounds out
-    to (None: 2, or 1 in a process pinned to one core).
+    to (None: one for a step of fewer than 2**20 row entries, where a second
+    costs more than it saves; else 2, or 1 in a process pinned to one core).
 
     Returns one entry per round, in order: its :class:`RoundResult`, or the
     :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
