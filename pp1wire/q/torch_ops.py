@@ -317,15 +317,15 @@ class DeviceStep:
     What verification needs from them leaves the device in two transfers:
     every row's canonical total and check and each draft's ``v[x]`` (one
     read), then the drawn IDs of the rows that end a round (another). A row
-    leaves whole only when the caller asks for it (:meth:`row`, to diagnose a
-    refused row). The arithmetic is :mod:`pp1wire.q.targetrows`'s, operation
-    for operation, so the decisions are bit-for-bit the host's.
+    leaves whole only to diagnose a refused row, and the caller reads that from
+    its own rows (:meth:`pp1wire.q.targetrows.StepRows.raw`). The arithmetic is
+    :mod:`pp1wire.q.targetrows`'s, operation for operation, so the decisions are
+    bit-for-bit the host's.
     """
 
     def __init__(self, probs: torch.Tensor, drafts: list[tuple[int, int]]) -> None:
         """Total and check every row of ``probs`` (rows x V) and read ``v[x]`` at each
         ``(row, x)`` of ``drafts``."""
-        self.probs = probs
         self.width = int(probs.shape[1])
         x = probs.to(torch.float64)
         self._x = x
@@ -339,10 +339,6 @@ class DeviceStep:
         n = len(totals)
         self._totals, self._ok = host[:n], [bool(o) for o in host[n : 2 * n]]
         self._values = dict(zip(drafts, host[2 * n :], strict=True))
-
-    def row(self, index: int) -> torch.Tensor:
-        """Row ``index`` as the caller gave it."""
-        return self.probs[index]
 
     def stats(self, rows: list[tuple[int, int]]) -> list[tuple[float, bool]]:
         """(canonical total, passes the checks) of each (row, vocabulary size)."""
