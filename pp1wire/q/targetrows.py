@@ -294,8 +294,9 @@ class StepRows:
     Either one ``rows x V`` array (numpy, anything DLPack exports, or a torch
     tensor on any device) or a sequence of rows (a per-prefix target's
     results). Rows on the host are viewed, not copied, when they are float32
-    or float64 (other dtypes are widened once); a 2-D torch tensor on another
-    device stays there (:attr:`device`).
+    or float64 (other dtypes are widened once, exactly: a narrower float such
+    as bf16 to float32, anything else to float64); a 2-D torch tensor on
+    another device stays there (:attr:`device`).
     """
 
     def __init__(self, raw: Any, device: Any = None) -> None:
@@ -312,9 +313,10 @@ class StepRows:
         try:
             matrix = host_array(probs)
         except (BufferError, RuntimeError, TypeError):  # a CPU tensor numpy cannot view (bf16)
-            matrix = host_array(probs.double())
+            narrow = probs.dtype.is_floating_point and probs.dtype.itemsize < 4
+            matrix = host_array(probs.float() if narrow else probs.double())  # both exact
         if matrix.dtype not in _FLOATS:
-            matrix = host_array(matrix, np.float64)
+            matrix = host_array(matrix, _widened(matrix.dtype))
         return cls(matrix)
 
     @classmethod
@@ -348,7 +350,7 @@ class StepRows:
             raw = self._raw[index]
             arr = raw if isinstance(raw, np.ndarray) else host_array(raw)
             if arr.dtype not in _FLOATS:
-                arr = host_array(raw, np.float64)
+                arr = host_array(raw, _widened(arr.dtype))
         except Exception:  # diagnosed, if the round reaches it, as the verifier would
             arr = None
         if arr is not None and arr.shape != (vocab,):
@@ -357,6 +359,12 @@ class StepRows:
             arr = np.ascontiguousarray(arr)
         self._host[index] = arr
         return arr
+
+
+def _widened(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
+    """What rows of ``dtype`` become on the host: a narrow float widens to float32
+    (exact, half the copy of float64); anything else (integers too) to float64."""
+    return np.float32 if dtype.kind == "f" and dtype.itemsize < 4 else np.float64
 
 
 def _on_device(x: Any) -> bool:
