@@ -28,16 +28,9 @@ _MIN_NORMAL = 2.2250738585072014e-308
 
 
 def tree_levels(values: torch.Tensor) -> list[torch.Tensor]:
-    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded)."""
-    x = values.to(torch.float64)
-    size = 1 << max(0, (x.numel() - 1).bit_length())
-    level = torch.zeros(size, dtype=torch.float64, device=x.device)
-    level[: x.numel()] = x
-    out = [level]
-    while level.numel() > 1:
-        level = level[0::2] + level[1::2]
-        out.append(level)
-    return out
+    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded):
+    :func:`row_levels` of the one row."""
+    return [level[0] for level in row_levels(values.reshape(1, -1))]
 
 
 def tree_total(values: torch.Tensor) -> torch.Tensor:
@@ -48,17 +41,10 @@ def tree_total(values: torch.Tensor) -> torch.Tensor:
 
 
 def descend(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync)."""
-    device = levels[0].device
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    t = target.to(torch.float64)
-    for level in range(len(levels) - 1, 0, -1):
-        below = levels[level - 1]
-        a, b = below[2 * index], below[2 * index + 1]
-        right = (b > 0) & ((a == 0) | (t >= a))
-        t = torch.where(right, t - a, t)
-        index = 2 * index + right.to(torch.int64)
-    return index
+    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync):
+    :func:`descend_rows` of the one row."""
+    rows = [level[None] for level in levels]
+    return descend_rows(rows, target.to(levels[0].device).reshape(1))[0]
 
 
 def _refuse_bad_values(x: torch.Tensor, nonfinite: Pp1Error, negative: Pp1Error) -> None:
