@@ -24,6 +24,7 @@ from pp1wire.q.stoprules import (
     STOP_RULES,
     StopKind,
     StopRule,
+    admits_next,
     audit,
     step_rule,
     stop_after,
@@ -320,6 +321,13 @@ def test_stopped_is_what_only_a_rule_can_end():
     assert not stopped_by_rule(3, [1, 2, 4], None)
     assert not stopped_by_rule(3, [1, 2], 2)
     assert stopped_by_rule(3, [2, 1], 2)
+
+
+@pytest.mark.parametrize("eos", [None, 2])
+def test_admits_next_refuses_no_rows_with_a_value_error(eos):
+    # With a terminal token set the token test must not read tokens[-1] of no rows first.
+    with pytest.raises(ValueError, match="at least one"):
+        admits_next(StopRule.confidence("0.5"), 3, [], [], eos)
 
 
 # -- the replicated group carries the rule ---------------------------------------------------

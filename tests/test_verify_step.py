@@ -610,6 +610,23 @@ def test_rows_of_another_float_type_are_widened_as_per_request(step_path):
     check_same(300, plans_, np.float16)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_cpu_tensors_are_widened_exactly(step_path, dtype):
+    # numpy cannot view bf16: the step widens it (and float16) to float32, which
+    # holds every such value, so it decides what each request decides on those values.
+    torch = pytest.importorskip("torch")
+    plans_ = [
+        Plan(d, None, False, q, ["ok"] * 6, False, False, False)
+        for d, q in ((4, "q32"), (0, "counts"), (3, "i32"))
+    ]
+    (mine, ref), matrix, spans = build(300, plans_)
+    rows = torch.from_numpy(matrix).to(getattr(torch, dtype))
+    want = reference(ref, rows.double().numpy(), spans, True)
+    got = verify_step(mine, rows)
+    assert [outcome(g) for g in got] == [outcome(w) for w in want]
+    assert [state(v) for v, _, _ in mine] == [state(v) for v, _, _ in ref]
+
+
 def test_per_prefix_rows_on_a_device_are_decided_there(monkeypatch):
     # A per-prefix target whose rows live on one device: stacked there, not copied out.
     torch = pytest.importorskip("torch")
@@ -637,3 +654,24 @@ def test_a_process_on_one_core_decides_on_one_thread(monkeypatch):
     assert targetrows.step_threads() == 1
     monkeypatch.setattr(targetrows.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert targetrows.step_threads() == 2
+
+
+def test_a_round_the_compiled_step_could_not_draw_for_is_walked_in_numpy(monkeypatch):
+    # Status 7 (out of memory in the compiled draw) hands the round to the numpy walk
+    # like BAD_Q: the step still decides what each request decides.
+    fastq = targetrows._fastq
+    if getattr(fastq, "verify_rounds", None) is None:
+        pytest.skip("compiled fast path not built")
+    failed = []
+
+    def verify_rounds(specs, status, threads):
+        fastq.verify_rounds(specs, status, threads)
+        status[0] = (7, 0, 0, -1)
+        failed.append(len(specs))
+
+    monkeypatch.setattr(
+        targetrows, "_fastq", type("Compiled", (), {"verify_rounds": staticmethod(verify_rounds)})
+    )
+    plans_ = [Plan(d, None, False, "counts", ["ok"] * 6, False, False, False) for d in (4, 0, 2)]
+    check_same(300, plans_)
+    assert failed == [3]

@@ -194,45 +194,9 @@ static double root64(const double *restrict x) {
     return (d[0] + d[1]) + (d[2] + d[3]);
 }
 
-/* The canonical tree's root. Leaves arrive in order; a binary counter keeps
- * the pending left children (stack[l] is a complete left subtree of level l),
- * so every addition is exactly one node of the tree: left child + right child.
- * Blocks of 64 leaves are summed first, level by level, so the additions of a
- * level are independent (and vectorize); a block of padding only is +0.0. */
-static double tree_root(const double *restrict v, size_t n) {
-    size_t size = 1;
-    int depth = 0;
-    while (size < n) {
-        size <<= 1;
-        depth++;
-    }
-    if (depth < 6) { /* fewer than 64 leaves: pad and add level by level */
-        double level[64] = {0};
-        memcpy(level, v, n * sizeof(double));
-        for (size_t width = size; width > 1; width >>= 1)
-            for (size_t i = 0; i < width / 2; i++) level[i] = level[2 * i] + level[2 * i + 1];
-        return level[0];
-    }
-    double stack[64];
-    size_t blocks = size >> 6;
-    for (size_t blk = 0; blk < blocks; blk++) {
-        size_t base = blk << 6;
-        double carry;
-        if (base + 64 <= n) {
-            carry = root64(v + base);
-        } else if (base < n) {
-            double x[64] = {0};
-            memcpy(x, v + base, (n - base) * sizeof(double));
-            carry = root64(x);
-        } else {
-            carry = 0.0;
-        }
-        int level = 0;
-        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
-        stack[level] = carry;
-    }
-    return stack[depth - 6];
-}
+/* The canonical tree's root over n >= 1 float64 leaves (row_total's tree,
+ * defined with it below). */
+static double tree_root(const double *restrict v, size_t n);
 
 static PyObject *tree_total(PyObject *self, PyObject *args) {
     Py_buffer vb;
@@ -882,7 +846,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       target-only token, 4 the row `stop` failed its checks (the caller
  *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
  *       are not ascending inside the vocabulary (the caller decides the round
- *       its own way), 7 out of memory.
+ *       its own way), 7 out of memory in a draw (the caller likewise).
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
  *   accept_u53(u53, count, p) -> bool
@@ -1115,8 +1079,13 @@ static size_t tree_size(size_t n, int *depth) {
     return size;
 }
 
-/* The row's canonical total (tree_root's tree), and whether some value is
- * negative: with the total's finiteness, what check_target reads, in one pass. */
+/* The canonical tree's root. Leaves arrive in order; a binary counter keeps
+ * the pending left children (stack[l] is a complete left subtree of level l),
+ * so every addition is exactly one node of the tree: left child + right child.
+ * Blocks of 64 leaves are summed first, level by level, so the additions of a
+ * level are independent (and vectorize); a block of padding only is +0.0.
+ * Also whether some value is negative: with the total's finiteness, what
+ * check_target reads, in one pass. */
 static double row_total(const vrow_t *r, size_t n, int *bad) {
     int depth;
     size_t size = tree_size(n, &depth);
@@ -1178,6 +1147,12 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
     }
     *bad = badness;
     return stack[depth - 6];
+}
+
+static double tree_root(const double *restrict v, size_t n) {
+    const vrow_t row = {v, K_F64};
+    int bad;
+    return row_total(&row, n, &bad);
 }
 
 static inline double q_at(const vq_t *q, size_t i) {

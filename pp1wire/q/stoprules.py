@@ -288,8 +288,8 @@ def admits_next(
         raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
     if len(counts) > depth:
         raise ValueError(f"{len(counts)} rows for depth {depth}")
+    _check_counts(counts)  # before tokens[-1]: no rows is a ValueError, not an IndexError
     if len(counts) == depth or (eos is not None and tokens[-1] == eos):
-        _check_counts(counts)
         return False
     return continues(rule, counts)
 

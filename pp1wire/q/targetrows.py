@@ -236,7 +236,9 @@ class Stop(enum.IntEnum):
     """The row the round reached failed its checks (or could not be read)."""
     EMPTY = 5
     """The correction or bonus had no mass to draw from."""
-    BAD_Q = 6  # compiled only: a sparse q it does not take; decided by the numpy walk
+    BAD_Q = 6
+    """Compiled only: a sparse q it does not take. This status, and any above it (7:
+    out of memory in a draw), leaves the round to the numpy walk."""
 
 
 class Decision(NamedTuple):
@@ -292,8 +294,9 @@ class StepRows:
     Either one ``rows x V`` array (numpy, anything DLPack exports, or a torch
     tensor on any device) or a sequence of rows (a per-prefix target's
     results). Rows on the host are viewed, not copied, when they are float32
-    or float64 (other dtypes are widened once); a 2-D torch tensor on another
-    device stays there (:attr:`device`).
+    or float64 (other dtypes are widened once, exactly: a narrower float such
+    as bf16 to float32, anything else to float64); a 2-D torch tensor on
+    another device stays there (:attr:`device`).
     """
 
     def __init__(self, raw: Any, device: Any = None) -> None:
@@ -310,9 +313,10 @@ class StepRows:
         try:
             matrix = host_array(probs)
         except (BufferError, RuntimeError, TypeError):  # a CPU tensor numpy cannot view (bf16)
-            matrix = host_array(probs.double())
+            narrow = probs.dtype.is_floating_point and probs.dtype.itemsize < 4
+            matrix = host_array(probs.float() if narrow else probs.double())  # both exact
         if matrix.dtype not in _FLOATS:
-            matrix = host_array(matrix, np.float64)
+            matrix = host_array(matrix, _widened(matrix.dtype))
         return cls(matrix)
 
     @classmethod
@@ -346,7 +350,7 @@ class StepRows:
             raw = self._raw[index]
             arr = raw if isinstance(raw, np.ndarray) else host_array(raw)
             if arr.dtype not in _FLOATS:
-                arr = host_array(raw, np.float64)
+                arr = host_array(raw, _widened(arr.dtype))
         except Exception:  # diagnosed, if the round reaches it, as the verifier would
             arr = None
         if arr is not None and arr.shape != (vocab,):
@@ -355,6 +359,12 @@ class StepRows:
             arr = np.ascontiguousarray(arr)
         self._host[index] = arr
         return arr
+
+
+def _widened(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
+    """What rows of ``dtype`` become on the host: a narrow float widens to float32
+    (exact, half the copy of float64); anything else (integers too) to float64."""
+    return np.float32 if dtype.kind == "f" and dtype.itemsize < 4 else np.float64
 
 
 def _on_device(x: Any) -> bool:
@@ -405,7 +415,8 @@ def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None
             threads = step_threads() if entries >= _PARALLEL_ENTRIES else 1
         compiled([spec for _, spec in ready], status, threads)
         for (k, _), (stop, row, accepted, token) in zip(ready, status.tolist(), strict=True):
-            if stop != Stop.BAD_Q:
+            # BAD_Q, and an allocation that failed in the compiled draw: the numpy walk decides.
+            if stop < Stop.BAD_Q:
                 out[k] = Decision(Stop(stop), row, accepted, token)
     rest = [k for k, d in enumerate(out) if d is None]
     if rest:

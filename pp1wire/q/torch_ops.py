@@ -28,16 +28,9 @@ _MIN_NORMAL = 2.2250738585072014e-308
 
 
 def tree_levels(values: torch.Tensor) -> list[torch.Tensor]:
-    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded)."""
-    x = values.to(torch.float64)
-    size = 1 << max(0, (x.numel() - 1).bit_length())
-    level = torch.zeros(size, dtype=torch.float64, device=x.device)
-    level[: x.numel()] = x
-    out = [level]
-    while level.numel() > 1:
-        level = level[0::2] + level[1::2]
-        out.append(level)
-    return out
+    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded):
+    :func:`row_levels` of the one row."""
+    return [level[0] for level in row_levels(values.reshape(1, -1))]
 
 
 def tree_total(values: torch.Tensor) -> torch.Tensor:
@@ -48,17 +41,10 @@ def tree_total(values: torch.Tensor) -> torch.Tensor:
 
 
 def descend(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync)."""
-    device = levels[0].device
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    t = target.to(torch.float64)
-    for level in range(len(levels) - 1, 0, -1):
-        below = levels[level - 1]
-        a, b = below[2 * index], below[2 * index + 1]
-        right = (b > 0) & ((a == 0) | (t >= a))
-        t = torch.where(right, t - a, t)
-        index = 2 * index + right.to(torch.int64)
-    return index
+    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync):
+    :func:`descend_rows` of the one row."""
+    rows = [level[None] for level in levels]
+    return descend_rows(rows, target.to(levels[0].device).reshape(1))[0]
 
 
 def _refuse_bad_values(x: torch.Tensor, nonfinite: Pp1Error, negative: Pp1Error) -> None:
@@ -317,15 +303,15 @@ class DeviceStep:
     What verification needs from them leaves the device in two transfers:
     every row's canonical total and check and each draft's ``v[x]`` (one
     read), then the drawn IDs of the rows that end a round (another). A row
-    leaves whole only when the caller asks for it (:meth:`row`, to diagnose a
-    refused row). The arithmetic is :mod:`pp1wire.q.targetrows`'s, operation
-    for operation, so the decisions are bit-for-bit the host's.
+    leaves whole only to diagnose a refused row, and the caller reads that from
+    its own rows (:meth:`pp1wire.q.targetrows.StepRows.raw`). The arithmetic is
+    :mod:`pp1wire.q.targetrows`'s, operation for operation, so the decisions are
+    bit-for-bit the host's.
     """
 
     def __init__(self, probs: torch.Tensor, drafts: list[tuple[int, int]]) -> None:
         """Total and check every row of ``probs`` (rows x V) and read ``v[x]`` at each
         ``(row, x)`` of ``drafts``."""
-        self.probs = probs
         self.width = int(probs.shape[1])
         x = probs.to(torch.float64)
         self._x = x
@@ -339,10 +325,6 @@ class DeviceStep:
         n = len(totals)
         self._totals, self._ok = host[:n], [bool(o) for o in host[n : 2 * n]]
         self._values = dict(zip(drafts, host[2 * n :], strict=True))
-
-    def row(self, index: int) -> torch.Tensor:
-        """Row ``index`` as the caller gave it."""
-        return self.probs[index]
 
     def stats(self, rows: list[tuple[int, int]]) -> list[tuple[float, bool]]:
         """(canonical total, passes the checks) of each (row, vocabulary size)."""

@@ -35,7 +35,7 @@ from pp1wire.q import targetrows
 from pp1wire.q.draw_audit import audit_mismatch
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
-from pp1wire.q.stoprules import StopKind, audit
+from pp1wire.q.stoprules import StopKind, audit, stopped_by_rule
 from pp1wire.q.targetrows import (
     BatchTargetFn,
     CheckedRow,
@@ -287,7 +287,7 @@ class RequestVerifier:
                 )
         if proposal.stop.kind is not StopKind.FIXED:
             self._audit_stop(proposal)
-        elif len(rows) < proposal.depth and (self.eos is None or rows[-1].token != self.eos):
+        elif stopped_by_rule(proposal.depth, [row.token for row in rows], self.eos):
             raise VerifyError(
                 ErrorCode.MALFORMED_PROPOSAL,
                 "block shorter than its depth without a terminal token",
@@ -578,10 +578,10 @@ def _plan(
         first = len(prefixes)
         try:
             if proposal is not None:
+                wanted = v.prefixes(proposal)  # views of the committed prefix: nothing copied
                 if every:
-                    prefixes.extend(v.prefixes(proposal))
+                    prefixes.extend(wanted)
                 v.check_proposal(proposal)
-                wanted = v.prefixes(proposal)
             else:
                 if every:
                     prefixes.append(v.committed)
@@ -627,7 +627,8 @@ def verify_step(
     reaches are read. With ``commit`` False nothing commits
     (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
     ``threads``: how many threads the compiled step may share the rounds out
-    to (None: 2, or 1 in a process pinned to one core).
+    to (None: one for a step of fewer than 2**20 row entries, where a second
+    costs more than it saves; else 2, or 1 in a process pinned to one core).
 
     Returns one entry per round, in order: its :class:`RoundResult`, or the
     :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
