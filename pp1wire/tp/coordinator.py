@@ -36,10 +36,9 @@ Group = Any
 ``ProcessGroupGloo`` (the stubs do not relate the two)."""
 
 ReduceOp = dist.ReduceOp.RedOpType
-"""The type of :data:`MAX`, :data:`MIN` and :data:`SUM`."""
+"""The type of :data:`MAX` and :data:`MIN`."""
 MAX = dist.ReduceOp.MAX
 MIN = dist.ReduceOp.MIN
-SUM = dist.ReduceOp.SUM
 
 
 class GroupFailedError(Pp1Error):
@@ -219,15 +218,6 @@ class GroupCoordinator:
 
     # -- small forms ------------------------------------------------------------------------
 
-    def words(self, local: Sequence[int]) -> list[list[int]]:
-        """Every rank's int64 words (the same length everywhere), in rank order.
-
-        Raises:
-            GroupFailedError: the collective failed.
-        """
-        gathered = self.all_gather(torch.tensor(list(local), dtype=torch.int64))
-        return [[int(v) for v in row] for row in gathered.tolist()]
-
     def max_words(self, local: Sequence[int]) -> list[int]:
         """The element-wise maximum of every rank's int64 words.
 
@@ -236,14 +226,6 @@ class GroupCoordinator:
         """
         out = self.all_reduce(torch.tensor(list(local), dtype=torch.int64), MAX)
         return [int(v) for v in out.tolist()]
-
-    def flags(self, *local: bool) -> list[bool]:
-        """Each flag OR-ed over the group (one all-reduce).
-
-        Raises:
-            GroupFailedError: the collective failed.
-        """
-        return [bool(v) for v in self.max_words([int(f) for f in local])]
 
     def everyone(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (one all-reduce).
@@ -294,7 +276,6 @@ def run_in_threads(
 __all__ = [
     "MAX",
     "MIN",
-    "SUM",
     "GroupCoordinator",
     "GroupFailedError",
     "ReduceOp",

@@ -57,7 +57,6 @@ Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 
 _U53 = float(1 << 53)
-_MIN_NORMAL = 2.2250738585072014e-308
 # The leftover tickets' threshold is found by bucket: remainders in [0, 1) are
 # bucketed by their binary64 bits (for non-negative floats the bits order as the
 # values do), 16 buckets per binade down to 2**-128, everything below in bucket 0.
@@ -116,9 +115,7 @@ def _gather_ints(coord: GroupCoordinator, local: Int64Array) -> Int64Array:
 
 
 def _found(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
-    """The owners' answers (-1 elsewhere), one all-reduce (MAX)."""
-    if not local:
-        return []
+    """The owners' answers (-1 elsewhere), one all-reduce (MAX); never for an empty batch."""
     t = torch.tensor(list(local), dtype=torch.int64)
     return [int(v) for v in coord.all_reduce(t, MAX).tolist()]
 

@@ -98,7 +98,6 @@ class RankReport:
 class GroupStats:
     """This rank's counters."""
 
-    collectives: int = 0
     attempts: int = 0
     fanout_bytes: int = 0
     fanout_seconds: float = 0.0

@@ -49,8 +49,9 @@ class TreePlan:
             self.covers.append(tree.cover(lo, hi if r < layout.shards - 1 else padded, self.depth))
         self.slots = max(1, *(len(c) for c in self.covers))
         self.owner: dict[Node, int] = {n: r for r, c in enumerate(self.covers) for n in c}
-        # The nodes above the covers, each the sum of two known children (as _Tree did:
-        # level by level, left to right, a parent once both of its children are known).
+        # The nodes above the covers, each the sum of two known children (as
+        # tree.ShardedTree.build adds them: level by level, left to right, a parent
+        # once both of its children are known).
         known = set(self.owner)
         self.additions: list[tuple[Node, Node, Node]] = []
         for level in range(self.depth):
