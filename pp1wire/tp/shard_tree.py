@@ -100,8 +100,7 @@ class TreePlan:
         while (level, index) not in self.owner:
             a = float(upper[(level - 1, 2 * index)][row])
             b = float(upper[(level - 1, 2 * index + 1)][row])
-            right = b > 0.0 and (a == 0.0 or t >= a)
-            t = t - a if right else t
+            right, t = tree.step(a, b, t)
             level, index = level - 1, 2 * index + int(right)
         return (level, index), t
 
