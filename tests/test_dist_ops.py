@@ -8,6 +8,12 @@ middle one owns nothing.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -333,3 +339,72 @@ def test_the_threshold_comes_from_the_ranks_guesses_or_from_one_more_collective(
 
     a, b = run_in_threads(2, body, layout=layout)
     assert a == b == [4, 5, 5]
+
+
+# -- joining: a device group only when every rank has a device ------------------------------
+
+_JOIN = """
+import json, sys
+import torch
+import torch.distributed as dist
+from pp1wire.tp.coordinator import GroupCoordinator
+
+cuda, device = sys.argv[1] == "1", sys.argv[2] == "1"
+torch.cuda.is_available = lambda: cuda
+torch.cuda.device_count = lambda: 2 * int(cuda)
+torch.cuda.set_device = lambda d: None
+built = []
+def new_group(**kwargs):
+    built.append(kwargs.get("backend"))
+    return dist.distributed_c10d._get_default_group()
+dist.new_group = new_group
+coord = GroupCoordinator.join(20.0, device=device)
+print(json.dumps({"built": built, "device": str(coord.device), "count": coord.collectives}))
+coord.leave()
+"""
+
+
+def _join(cudas: tuple[bool, bool], device: bool) -> list[dict]:
+    """Two real rank processes join over env://, each told whether it has CUDA."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, cuda in enumerate(cudas):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(len(cudas)),
+        )
+        argv = [sys.executable, "-c", _JOIN, str(int(cuda)), str(int(device))]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=60)
+        finally:
+            p.kill()
+        assert p.returncode == 0
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.parametrize(
+    ("cudas", "device", "nccl"),
+    [
+        ((True, False), True, False),  # one rank without CUDA: no rank builds a group
+        ((True, True), False, False),  # not asked for (a sharded group): none built
+        ((True, True), True, True),
+    ],
+    ids=["one rank without cuda", "not asked", "every rank with cuda"],
+)
+def test_a_device_group_is_built_by_every_rank_or_by_none(cudas, device, nccl):
+    # Creating a group takes every rank: one rank building it alone would hang.
+    outs = _join(cudas, device)
+    for rank, out in enumerate(outs):
+        assert out["built"] == (["nccl"] if nccl else [])
+        assert out["device"] == (f"cuda:{rank}" if nccl else "cpu")
+        assert out["count"] == 0  # the agreement is not one of the group's collectives

@@ -136,17 +136,21 @@ def launch(world: int, argv: Sequence[str], module: str) -> int:
     return 0
 
 
-def join_group(timeout: float, layout: ShardLayout | None = None) -> GroupCoordinator:
-    """Join the group this process is a rank of (``timeout`` for every collective).
+def join_group(
+    timeout: float, layout: ShardLayout | None = None, *, device: bool = False
+) -> GroupCoordinator:
+    """Join the group this process is a rank of (``timeout`` for every collective);
+    ``device``: a NCCL device group if every rank has CUDA (``GroupCoordinator.join``).
 
     Raises:
         SettingsError: if torch is not installed.
         RuntimeError: from ``torch.distributed`` if the rendezvous fails.
+        GroupFailedError: the ranks could not agree on their devices.
     """
     require_torch("--tp above 1")
     from pp1wire.tp.coordinator import GroupCoordinator  # noqa: PLC0415 - torch is optional
 
-    return GroupCoordinator.join(timeout, layout)
+    return GroupCoordinator.join(timeout, layout, device=device)
 
 
 __all__ = ["in_launched_rank", "join_group", "launch", "require_torch", "world_size"]

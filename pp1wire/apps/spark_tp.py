@@ -20,7 +20,7 @@ from typing import Any
 from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, SparkMetrics, Verdict
 from pp1wire.errors import Pp1Error
 from pp1wire.q.rng import derive_seed
-from pp1wire.q.verify import TARGET_FAILURES, RequestVerifier, TargetFn
+from pp1wire.q.verify import RequestVerifier, TargetFn
 from pp1wire.tp.fanout import Header, Item
 from pp1wire.tp.group import Faults, RankReport, SparkGroup
 
@@ -69,9 +69,8 @@ class ReplicatedStrategy:
             if d.result is not None:
                 out.append(Verdict(d.result))
                 continue
-            codes = [code for _, code in d.failures]
             m.tp_votes_failed.labels(reason=d.reason).inc()
-            out.append(Verdict(None, codes[0], stop=all(c in TARGET_FAILURES for c in codes)))
+            out.append(Verdict(None, d.failures[0][1], stop=d.target_failed))
         return out
 
     def finish(self) -> None:

@@ -77,7 +77,7 @@ def total(values: npt.ArrayLike) -> float:
     return float(levels(x)[-1][0])
 
 
-def _step(a: float, b: float, t: float) -> tuple[bool, float]:
+def step(a: float, b: float, t: float) -> tuple[bool, float]:
     """One descent decision: (go right?, the target in the chosen child)."""
     if b > 0.0 and (a == 0.0 or t >= a):
         return True, t - a
@@ -95,7 +95,7 @@ def descend(tree: list[Float64Array], t: float) -> int:
     index = 0
     for level in range(len(tree) - 1, 0, -1):
         below = tree[level - 1]
-        right, t = _step(float(below[2 * index]), float(below[2 * index + 1]), t)
+        right, t = step(float(below[2 * index]), float(below[2 * index + 1]), t)
         index = 2 * index + int(right)
     return index
 
@@ -180,7 +180,7 @@ class ShardedTree:
             raise ValueError("the tree has no mass")
         level, index = self.depth, 0
         while (level, index) not in self.owner:
-            right, t = _step(
+            right, t = step(
                 self.upper[(level - 1, 2 * index)], self.upper[(level - 1, 2 * index + 1)], t
             )
             level, index = level - 1, 2 * index + int(right)

@@ -2,13 +2,14 @@
 
 In the manner of vLLM's ``GroupCoordinator``: the rank, the world size, the
 control group (gloo: small words and flags), the device group (NCCL when the
-rank has a CUDA device, else the control group), the static vocabulary layout
-and the collective timeout live in one object, and every collective any group
-of this package runs goes through :meth:`GroupCoordinator._run`. There a
-failure — a peer that died, a collective that timed out, a broken backend —
-becomes :class:`GroupFailedError`, the one group failure ``docs/tp.md`` defines,
-and the coordinator stays dead: a gloo group cannot be used after a timeout, so
-every later collective fails at once instead of hanging.
+group asked for one and every rank has a CUDA device, else the control group),
+the static vocabulary layout and the collective timeout live in one object, and
+every collective any group of this package runs goes through
+:meth:`GroupCoordinator._run`. There a failure — a peer that died, a collective
+that timed out, a broken backend — becomes :class:`GroupFailedError`, the one
+group failure ``docs/tp.md`` defines, and the coordinator stays dead: a gloo
+group cannot be used after a timeout, so every later collective fails at once
+instead of hanging.
 
 Collectives are called on the process-group objects themselves, not through
 ``torch.distributed``'s default-group registry, so several ranks can share one
@@ -35,10 +36,9 @@ Group = Any
 ``ProcessGroupGloo`` (the stubs do not relate the two)."""
 
 ReduceOp = dist.ReduceOp.RedOpType
-"""The type of :data:`MAX`, :data:`MIN` and :data:`SUM`."""
+"""The type of :data:`MAX` and :data:`MIN`."""
 MAX = dist.ReduceOp.MAX
 MIN = dist.ReduceOp.MIN
-SUM = dist.ReduceOp.SUM
 
 
 class GroupFailedError(Pp1Error):
@@ -93,31 +93,43 @@ class GroupCoordinator:
     # -- construction ----------------------------------------------------------------
 
     @classmethod
-    def join(cls, timeout: float, layout: ShardLayout | None = None) -> GroupCoordinator:
+    def join(
+        cls, timeout: float, layout: ShardLayout | None = None, *, device: bool = False
+    ) -> GroupCoordinator:
         """Initialize the default group from the launcher's environment (``torchrun``,
-        or ``--tp N``'s elastic launcher) and wrap it; NCCL for the device group when
-        this rank has a CUDA device.
+        or ``--tp N``'s elastic launcher) and wrap it.
+
+        With ``device`` (every rank must pass the same), the ranks agree in one
+        all-reduce whether every one of them has a CUDA device; only then does
+        each take ``cuda:LOCAL_RANK`` and a NCCL device group (creating a group
+        takes every rank). Otherwise, or without ``device``, the device group is
+        the control group and tensors stay on the CPU.
 
         Raises:
             RuntimeError: from ``torch.distributed`` if the rendezvous fails.
+            GroupFailedError: the ranks could not agree on their devices.
             ValueError: as the constructor.
         """
         delta = timedelta(seconds=timeout)
         dist.init_process_group("gloo", timeout=delta)
-        device_group, device = None, None
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-            device_group = dist.new_group(backend="nccl", timeout=delta)
         group = dist.distributed_c10d._get_default_group()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device_group, cuda = None, None
+        has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        # The agreement runs on a coordinator of its own: the group's count of
+        # collectives starts with its rounds.
+        if device and cls(group, rank=rank, world=world, timeout=timeout).everyone(has_cuda):
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            cuda = torch.device("cuda", local)
+            torch.cuda.set_device(cuda)
+            device_group = dist.new_group(backend="nccl", timeout=delta)
         return cls(
             group,
-            rank=dist.get_rank(),
-            world=dist.get_world_size(),
+            rank=rank,
+            world=world,
             timeout=timeout,
             device_group=device_group,
-            device=device,
+            device=cuda,
             layout=layout,
         )
 
@@ -206,15 +218,6 @@ class GroupCoordinator:
 
     # -- small forms ------------------------------------------------------------------------
 
-    def words(self, local: Sequence[int]) -> list[list[int]]:
-        """Every rank's int64 words (the same length everywhere), in rank order.
-
-        Raises:
-            GroupFailedError: the collective failed.
-        """
-        gathered = self.all_gather(torch.tensor(list(local), dtype=torch.int64))
-        return [[int(v) for v in row] for row in gathered.tolist()]
-
     def max_words(self, local: Sequence[int]) -> list[int]:
         """The element-wise maximum of every rank's int64 words.
 
@@ -223,14 +226,6 @@ class GroupCoordinator:
         """
         out = self.all_reduce(torch.tensor(list(local), dtype=torch.int64), MAX)
         return [int(v) for v in out.tolist()]
-
-    def flags(self, *local: bool) -> list[bool]:
-        """Each flag OR-ed over the group (one all-reduce).
-
-        Raises:
-            GroupFailedError: the collective failed.
-        """
-        return [bool(v) for v in self.max_words([int(f) for f in local])]
 
     def everyone(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (one all-reduce).
@@ -281,7 +276,6 @@ def run_in_threads(
 __all__ = [
     "MAX",
     "MIN",
-    "SUM",
     "GroupCoordinator",
     "GroupFailedError",
     "ReduceOp",

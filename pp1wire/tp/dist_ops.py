@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -55,9 +55,9 @@ from pp1wire.tp.shard_tree import TreePlan, plan_of
 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
+_S = TypeVar("_S", bound=np.generic)
 
 _U53 = float(1 << 53)
-_MIN_NORMAL = 2.2250738585072014e-308
 # The leftover tickets' threshold is found by bucket: remainders in [0, 1) are
 # bucketed by their binary64 bits (for non-negative floats the bits order as the
 # values do), 16 buckets per binade down to 2**-128, everything below in bucket 0.
@@ -74,14 +74,8 @@ _GUESS: Final = 1 + _BUCKETS  # the guess's words: first bucket, last bucket, ho
 _WORDS: Final = _GUESS + 3 + _WINDOW
 
 
-def _rows(values: npt.ArrayLike, plan: TreePlan) -> Float64Array:
-    x: Float64Array = np.ascontiguousarray(values, dtype=np.float64)
-    _check_width(x, plan)
-    return x
-
-
-def _count_rows(values: npt.ArrayLike, plan: TreePlan) -> Int64Array:
-    x: Int64Array = np.ascontiguousarray(values, dtype=np.int64)
+def _rows(values: npt.ArrayLike, plan: TreePlan, dtype: type[_S]) -> npt.NDArray[_S]:
+    x: npt.NDArray[_S] = np.ascontiguousarray(values, dtype=dtype)
     _check_width(x, plan)
     return x
 
@@ -103,22 +97,24 @@ def _check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
         )
 
 
-def _gather(coord: GroupCoordinator, local: Float64Array) -> Float64Array:
+def _gather(coord: GroupCoordinator, local: npt.NDArray[_S]) -> npt.NDArray[_S]:
     """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``."""
-    out: Float64Array = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
+    out: npt.NDArray[_S] = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
     return out
 
 
-def _gather_ints(coord: GroupCoordinator, local: Int64Array) -> Int64Array:
-    """:func:`_gather` of int64 words."""
-    out: Int64Array = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
-    return out
+def _pick(counts: npt.NDArray[_S], per_rank: list[int], u: int, plan: TreePlan) -> int:
+    """The global ID a draw ``u`` of 24 bits picks from a row's counts if it falls in
+    this rank's slice of their cumulative sum (every rank's total in ``per_rank``), else -1."""
+    before = sum(per_rank[: plan.rank])
+    if not before <= u < before + per_rank[plan.rank]:
+        return -1
+    cumulative = np.cumsum(counts, dtype=counts.dtype)
+    return plan.start + int(np.searchsorted(cumulative, u - before, side="right"))
 
 
 def _found(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
-    """The owners' answers (-1 elsewhere), one all-reduce (MAX)."""
-    if not local:
-        return []
+    """The owners' answers (-1 elsewhere), one all-reduce (MAX); never for an empty batch."""
     t = torch.tensor(list(local), dtype=torch.int64)
     return [int(v) for v in coord.all_reduce(t, MAX).tolist()]
 
@@ -228,7 +224,7 @@ def sample_weights_rows(
         GroupFailedError: a collective failed.
     """
     plan = plan_of(coord)
-    w = _rows(weights, plan)
+    w = _rows(weights, plan, np.float64)
     _one_draw_each(w, u53s)
     if not len(u53s):
         return []
@@ -298,7 +294,7 @@ def construct_rows(
         GroupFailedError: a collective failed.
     """
     plan = plan_of(coord)
-    x = _rows(logits, plan)
+    x = _rows(logits, plan, np.float64)
     rows, n = x.shape
     if rows != len(specs):
         raise ValueError(f"{len(specs)} specs for {rows} rows")
@@ -430,7 +426,7 @@ def _dense(
         hist = np.bincount(keys[j], minlength=_BUCKETS)
         words[j, 1 : 1 + _BUCKETS] = hist
         _guess(words[j], hist, rem[j], keys[j])
-    gathered = _gather_ints(coord, words)  # [world, rows, words]
+    gathered = _gather(coord, words)  # [world, rows, words]
     remaining = [M - int(gathered[:, j, 0].sum()) for j in range(count)]
     hists = gathered[:, :, 1 : 1 + _BUCKETS]
     # Per row: the bucket holding the threshold (above it, fewer tickets than left over),
@@ -469,14 +465,7 @@ def _dense(
     local: list[int] = []
     for j, r in enumerate(rows):
         per_rank = totals_by_rank[j]
-        found = -1
-        if per_rank:
-            before = sum(per_rank[: plan.rank])
-            u = draws[r]
-            if before <= u < before + per_rank[plan.rank]:
-                cumulative = np.cumsum(floors[j], dtype=np.int32)
-                found = plan.start + int(np.searchsorted(cumulative, u - before, side="right"))
-        local.append(found)
+        local.append(_pick(floors[j], per_rank, draws[r], plan) if per_rank else -1)
     tokens = _found(coord, local)
     for j, token in enumerate(tokens):
         built = out[j]
@@ -623,20 +612,16 @@ def sample_counts(
         GroupFailedError: a collective failed.
     """
     plan = plan_of(coord)
-    c = _count_rows(counts, plan)
+    c = _rows(counts, plan, np.int64)
     _one_draw_each(c, u24s)
     if not len(u24s):
         return []
-    sums = _gather_ints(coord, c.sum(axis=1).astype(np.int64))  # [world, rows]
+    sums = _gather(coord, c.sum(axis=1).astype(np.int64))  # [world, rows]
     local: list[int] = []
     for r, u24 in enumerate(u24s):
         per_rank = [int(v) for v in sums[:, r]]
-        before = sum(per_rank[: plan.rank])
-        found = -1
-        if 0 <= u24 < M and sum(per_rank) == M and before <= u24 < before + per_rank[plan.rank]:
-            cumulative = np.cumsum(c[r])
-            found = plan.start + int(np.searchsorted(cumulative, u24 - before, side="right"))
-        local.append(found)
+        usable = 0 <= u24 < M and sum(per_rank) == M
+        local.append(_pick(c[r], per_rank, u24, plan) if usable else -1)
     out: list[int | ErrorCode] = []
     for r, token in enumerate(_found(coord, local)):
         if not 0 <= u24s[r] < M:
@@ -701,7 +686,7 @@ def sparse_counts_from_logits(
     (got,) = construct_rows(_one(coord, x), [RowSpec(temperature, k)], coord)
     if isinstance(got, Pp1Error):
         raise got
-    pairs = _gather_ints(coord, _padded_support(got, k))  # every rank's part of the support
+    pairs = _gather(coord, _padded_support(got, k))  # every rank's part of the support
     ids, counts = pairs[:, 0].reshape(-1), pairs[:, 1].reshape(-1)
     keep = ids >= 0
     return torch.from_numpy(ids[keep].astype(np.int32)), torch.from_numpy(counts[keep])

@@ -13,10 +13,11 @@ collectives on every rank, in this order:
 4. all-gather the votes (per entry: ok, reason, outcome digest).
 
 An entry commits on every rank only if every rank voted ok with the same
-outcome digest; otherwise every rank discards it, and rank 0 follows with a
-target-only round for that request. A round whose target failed on its owner
-stops that request (its verifier stays poisoned). A target-only round voted
-down for any other reason, and any collective that raises (timeout, dead
+outcome digest; otherwise every rank discards it (its verifier is left as it
+was, poisoning cleared), and rank 0 follows with a target-only round for that
+request, unless every no-vote was a target failure
+(:attr:`Decision.target_failed`): then the request stops. A target-only round
+voted down for any other reason, and any collective that raises (timeout, dead
 peer), ends the group: :class:`~pp1wire.tp.coordinator.GroupFailedError` on
 every rank that can still run, nothing of that attempt committed. Every
 collective goes through the rank's
@@ -76,6 +77,12 @@ class Decision:
     failures: list[tuple[int, ErrorCode]]
 
     @property
+    def target_failed(self) -> bool:
+        """Whether the round was voted down and every no-vote was a target failure
+        (``TARGET_FAILURES``): the request stops instead of falling back."""
+        return bool(self.failures) and all(code in TARGET_FAILURES for _, code in self.failures)
+
+    @property
     def reason(self) -> str:
         """The first no-vote's reason, lower-case (``""`` when committed)."""
         return self.failures[0][1].name.lower() if self.failures else ""
@@ -98,7 +105,6 @@ class RankReport:
 class GroupStats:
     """This rank's counters."""
 
-    collectives: int = 0
     attempts: int = 0
     fanout_bytes: int = 0
     fanout_seconds: float = 0.0
@@ -221,9 +227,7 @@ class SparkGroup:
         lost = [
             d
             for d in decisions
-            if d.failures
-            and d.header.kind is Kind.TARGET_ONLY
-            and not all(code in TARGET_FAILURES for _, code in d.failures)
+            if d.failures and d.header.kind is Kind.TARGET_ONLY and not d.target_failed
         ]
         if lost:
             d = lost[0]

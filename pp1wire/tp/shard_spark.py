@@ -291,12 +291,14 @@ class ShardedVerifyGroup:
         todo = [i for i in todo if out[i] is None]
         # The acceptance test of every drafted token, by the rank that owns it.
         owned: list[int] = []
+        streams_of: dict[int, RoundStreams] = {}  # a proposal round's, for its draw below too
         for i in todo:
             r = rounds[i]
             if r.proposal is None:
                 continue
             v, proposal = r.verifier, r.proposal
             streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
+            streams_of[i] = streams
             start = len(v.committed)
             for k, row in enumerate(proposal.rows):
                 at, x = first[i] + k, row.token
@@ -321,8 +323,7 @@ class ShardedVerifyGroup:
                 draws.append((i, p.normalized(base), u53))
                 pending[i] = ([], Outcome.TARGET)
                 continue
-            proposal = r.proposal
-            streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
+            proposal, streams = r.proposal, streams_of[i]
             start = len(v.committed)
             tests = [next(accepted) for _ in proposal.rows]
             new: list[int] = []

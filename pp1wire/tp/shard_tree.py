@@ -49,8 +49,9 @@ class TreePlan:
             self.covers.append(tree.cover(lo, hi if r < layout.shards - 1 else padded, self.depth))
         self.slots = max(1, *(len(c) for c in self.covers))
         self.owner: dict[Node, int] = {n: r for r, c in enumerate(self.covers) for n in c}
-        # The nodes above the covers, each the sum of two known children (as _Tree did:
-        # level by level, left to right, a parent once both of its children are known).
+        # The nodes above the covers, each the sum of two known children (as
+        # tree.ShardedTree.build adds them: level by level, left to right, a parent
+        # once both of its children are known).
         known = set(self.owner)
         self.additions: list[tuple[Node, Node, Node]] = []
         for level in range(self.depth):
@@ -99,8 +100,7 @@ class TreePlan:
         while (level, index) not in self.owner:
             a = float(upper[(level - 1, 2 * index)][row])
             b = float(upper[(level - 1, 2 * index + 1)][row])
-            right = b > 0.0 and (a == 0.0 or t >= a)
-            t = t - a if right else t
+            right, t = tree.step(a, b, t)
             level, index = level - 1, 2 * index + int(right)
         return (level, index), t
 

@@ -162,10 +162,8 @@ class ShardedDrafting:
             raise ValueError("a group needs one finishing thread and one key per exchange")
         self.coord = coord
         self.rank = coord.rank
-        self.world = coord.world
         self.lo, self.hi = coord.layout.range(self.rank)
         self.vocab = coord.layout.vocab_size
-        self.drafter = drafter
         self.draft_batch = batched_drafter(drafter)
         self.match_timeout = match_timeout
         self.beat = beat
@@ -175,9 +173,6 @@ class ShardedDrafting:
         self.after_draw = after_draw
         self.broken: str | None = None
         self.draws = 0  # STEPs drawn by the group (the same count on every rank)
-        self.exchanges = 0  # key exchanges run (the same count on every rank)
-        self.matched = 0  # STEPs matched (the same count on every rank)
-        self.unmatched = 0  # STEPs this rank answered GROUP_UNMATCHED
         self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
         self._links: dict[Hashable, bytes] = {}
         self._held: dict[Key, _Held] = {}  # in arrival order
@@ -229,12 +224,6 @@ class ShardedDrafting:
                 del self._groups[group]
             for key in [k for k, h in self._held.items() if h.link is link]:
                 del self._held[key]
-
-    @property
-    def held(self) -> int:
-        """STEPs this rank holds, waiting for their match."""
-        with self._cond:
-            return len(self._held)
 
     def submit(self, link: Hashable, job: DrawJob, done: Done) -> None:
         """Hold ``job`` (an accepted STEP of ``link``) until its group matches it; ``done``
@@ -325,7 +314,6 @@ class ShardedDrafting:
             self._fresh = False
             snapshot, stop = list(self._held.values()), self._stopping
         for held in expired:
-            self.unmatched += 1
             self._answer(
                 held,
                 Pp1Error(
@@ -358,7 +346,6 @@ class ShardedDrafting:
             words[i, :2] = nonce
             words[i, -1] = 2
         gathered = self.coord.all_gather(torch.from_numpy(words)).tolist()
-        self.exchanges += 1
         if any(rank[0][1] for rank in gathered):
             return [], True, set()
         keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1] == 1} for rank in gathered]
@@ -371,7 +358,6 @@ class ShardedDrafting:
             for held in matched:
                 if self._held.get(held.key) is held:
                     del self._held[held.key]
-        self.matched += len(matched)
         return matched, False, set.intersection(*links)
 
     def _backoff(
