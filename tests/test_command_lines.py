@@ -60,6 +60,12 @@ CASES = [
     ("pp1-spark", ["--output", "{tmp}/no/such/dir/out.jsonl"], "--output"),
     ("pp1-spark", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ("pp1-spark", ["--support", "bogus"], "--support 'bogus': use dense or sparse:K"),
+    # Before: a digit that is not ASCII passed the check and int() traced back.
+    (
+        "pp1-spark",
+        ["--support", "sparse:\u00b2"],
+        "--support 'sparse:\u00b2': use dense or sparse:K",
+    ),
     # Before: parsed by the sharded runner after the group had started (a traceback).
     (
         "pp1-spark",

@@ -192,6 +192,9 @@ CASES = [
     (DEMO, ["--target-ms", "-1"], "--target-ms: -1.0 is not a duration in 0..60000 ms"),
     (DEMO, ["--temperature", "-2"], "--temperature: -2.0 is not a temperature"),
     (DEMO, ["--support", "sparse:x", "--in-process"], "--support 'sparse:x' is not dense"),
+    (DEMO, ["--support", "sparse:\u00b2", "--in-process"], "--support 'sparse:\u00b2' is not"),
+    (DEMO, ["--support", "sparse:0", "--in-process"], "--support 'sparse:0' is not dense"),
+    (DEMO, ["--support", "sparse:99", "--vocab", "8", "--in-process"], "K in 1..8"),
     (DEMO, ["--support", "dense"], "--support applies only with --in-process"),
     (
         CONFORMANCE,

@@ -79,20 +79,6 @@ MAX_CONCURRENCY = 0xFFFF
 """The most slots a HELLO can ask for (``max_slots`` is a 16-bit field)."""
 
 
-def parse_support(text: str) -> int:
-    """``dense`` → 0; ``sparse:K`` → K.
-
-    Raises:
-        SettingsError: for anything else.
-    """
-    if text == "dense":
-        return 0
-    kind, sep, k = text.partition(":")
-    if kind == "sparse" and sep and k.isdigit() and int(k) > 0:
-        return int(k)
-    raise SettingsError(f"--support {text!r}: use dense or sparse:K")
-
-
 def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
     """Prompts from a JSONL file (one JSON list of token IDs per line).
 
@@ -340,7 +326,7 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         raise SettingsError(f"--stop {stop} needs proposals: --depth above 0")
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise SettingsError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
-    support = parse_support(args.support)
+    support = settings.parse_support(args.support)
     if support > args.vocab:
         raise SettingsError(f"--support sparse:{support} is larger than --vocab {args.vocab}")
     if args.eos is not None and args.eos >= args.vocab:
