@@ -72,6 +72,8 @@ CASES = [
         ["--tp", "2", "--vocab-shards", "2", "--support", "sparse:x"],
         "--support 'sparse:x': use dense or sparse:K",
     ),
+    # Before: the factory's own failure (abs() takes no keywords) was a traceback.
+    ("pp1-spark", ["--target", "builtins:abs", "--depth", "0"], "plugin 'builtins:abs': the"),
     # Before: 100000 ranks were started (76 processes, 4.7 GB within 20 s).
     ("pp1-spark", ["--tp", "100000"], "--tp: 100000 is not a number of ranks in 1..16"),
     ("pp1-spark", ["--concurrency", "70000"], "--concurrency must be in 1..65535"),

@@ -56,7 +56,6 @@ from pp1wire.apps.settings import (
     add_common_flags,
     count,
     host_port,
-    load_factory,
     positive,
     read_psk,
     run_daemon,
@@ -443,7 +442,7 @@ async def run_rank(
     for a replicated group. Signal handlers are installed only on the main thread,
     so a test can run a whole group as threads of one process.
     """
-    target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
+    target = settings.make_plugin(args.target, vocab_size=args.vocab, seed=args.seed)
     m = SparkMetrics(max(plan.depth, 1))
     rank, layout = 0, None
     strategy: Strategy
