@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -126,20 +127,28 @@ def tls_context(cafile: str | None) -> ssl.SSLContext | None:
 class Output:
     """``--output``: checked writable before any work, replaced whole at the end.
 
-    The check never truncates an existing file; the results go to a temporary
-    file beside it that replaces it in one rename, so a run that fails (or a
-    bad flag) leaves an earlier output byte for byte as it was.
+    The check neither creates the file nor truncates an existing one; the
+    results go to a temporary file beside it that replaces it in one rename,
+    so a run that fails (or a bad flag) leaves an earlier output byte for byte
+    as it was, and no output where there was none.
     """
 
     def __init__(self, path: str) -> None:
-        """Check that ``path`` can be written.
+        """Check that ``path`` can be written, creating and changing nothing.
 
         Raises:
-            SettingsError: if it cannot be created or its folder written.
+            SettingsError: if an existing ``path`` cannot be opened for writing (a
+                folder, a file without write permission), or its folder is missing
+                or cannot be written.
         """
         self.path = Path(path)
         try:
-            with self.path.open("a"), tempfile.TemporaryFile(dir=self.path.parent or "."):
+            # Without O_CREAT a missing file stays missing (made at the end: its folder is
+            # what must be writable); O_NONBLOCK: a FIFO without a reader is refused
+            # instead of blocking the check.
+            with contextlib.suppress(FileNotFoundError):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+            with tempfile.TemporaryFile(dir=self.path.parent):
                 pass
         except OSError as exc:
             raise SettingsError(f"--output {path}: {exc.strerror or exc}") from None
@@ -150,7 +159,7 @@ class Output:
         Raises:
             OSError: if the file cannot be written.
         """
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent or ".", prefix=f".{self.path.name}.")
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
             with os.fdopen(fd, "w") as f:
                 for r in records:
@@ -308,7 +317,7 @@ class _Mode:
 
 
 def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
-    """Every setting checked before anything runs (nothing is opened or started).
+    """Every setting checked before anything runs (nothing is created or started).
 
     Raises:
         SettingsError: the first bad setting, in one line.
@@ -352,6 +361,8 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         )
     tls_context(args.tls_ca)
     read_psk(args.psk_file)
+    if args.output:  # on every rank and the launcher: none starts with a bad one
+        Output(args.output)
     plan = Plan(
         requests=args.requests,
         concurrency=args.concurrency,
