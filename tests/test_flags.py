@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from pp1wire.apps import settings
+from pp1wire.apps.launch import worker_process
 from pp1wire.apps.settings import SettingsError
+
+from . import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,3 +288,12 @@ def test_an_exposed_address_is_served_with_a_key_or_when_told_insecure():
     check_exposure(args("127.0.0.1", False), plain)
     with pytest.raises(SettingsError, match="pass --insecure"):
         check_exposure(args("0.0.0.0", False), plain)
+
+
+def test_the_health_check_hellos_with_the_workers_row_entries():
+    # Before: --check left row_entries at --vocab, so a padded worker refused its own check.
+    padded = ("--vocab", "16", "--row-entries", "24")
+    with worker_process("--row-entries", "24", vocab=16) as running:
+        done = cli.module("pp1wire.apps.worker", "--check", running.address, *padded, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("healthy"), done.stdout
