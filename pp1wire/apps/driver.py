@@ -374,7 +374,6 @@ class RoundDriver:
     target: TargetFn
     link: Link | None
     metrics: SparkMetrics
-    rank: int = 0
     # A signal sets stop_requested; the step's agreement turns it into stopping,
     # which every rank of a group then acts on at the same step.
     stop_requested: bool = field(default=False, init=False)
@@ -382,7 +381,6 @@ class RoundDriver:
     group_failure: Pp1Error | None = field(default=None, init=False)
     round_trips: list[float] = field(default_factory=list, init=False)  # the first 100,000
     records: dict[int, RequestRecord] = field(default_factory=dict, init=False)
-    steps: int = field(default=0, init=False)
     seconds: float = field(default=0.0, init=False)
     stepped: int = field(default=0, init=False)  # STEPs sent, and their maximum depths summed
     stepped_depth: int = field(default=0, init=False)
@@ -591,7 +589,6 @@ class RoundDriver:
         rounds = [self._round(st) for st in ready]
         verdicts: list[Verdict] = await self._off_loop(self.strategy.decide, rounds)
         m = self.metrics
-        self.steps += 1
         m.steps.inc()
         m.step_rounds.inc(len(rounds))
         m.step_slots.inc(running)

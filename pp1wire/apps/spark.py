@@ -494,7 +494,7 @@ async def run_rank(
             tls=tls_context(args.tls_ca),
             reconnect=not mode.sharded,
         )
-    driver = RoundDriver(plan, strategy, target, link, m, rank=rank)
+    driver = RoundDriver(plan, strategy, target, link, m)
     loop = asyncio.get_running_loop()
 
     def stop() -> None:

@@ -41,7 +41,6 @@ class ShardedStrategy:
         self.coord = coord
         self.group = ShardedVerifyGroup(coord)
         self.target = target
-        self.link_bytes = 0
 
     def group_nonce(self) -> bytes:
         """The group session's nonce, the same on every rank: rank 0 draws 16 random
