@@ -26,6 +26,7 @@ from pp1wire.apps.driver import Round, Verdict, verdict_of
 from pp1wire.q.verify import BatchTargetFn
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound
+from pp1wire.tp.shard_worker import nonce_words
 from pp1wire.wire.messages import GROUP_NONCE_SIZE
 
 
@@ -53,10 +54,8 @@ class ShardedStrategy:
         """
         words = torch.zeros(2, dtype=torch.int64)
         if self.coord.rank == 0:
-            drawn = secrets.token_bytes(GROUP_NONCE_SIZE)
             words = torch.tensor(
-                [int.from_bytes(drawn[i : i + 8], "little", signed=True) for i in (0, 8)],
-                dtype=torch.int64,
+                nonce_words(secrets.token_bytes(GROUP_NONCE_SIZE)), dtype=torch.int64
             )
         shared = self.coord.broadcast(words, 0).tolist()
         return b"".join(int(w).to_bytes(8, "little", signed=True) for w in shared)
