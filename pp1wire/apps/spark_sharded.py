@@ -33,6 +33,8 @@ from pp1wire.wire.messages import GROUP_NONCE_SIZE
 class ShardedStrategy:
     """Decide steps with a vocabulary-sharded group; agree on every link-local choice."""
 
+    collective = True  # agree is an all-gather: the driver runs it off the event loop
+
     def __init__(self, coord: GroupCoordinator, target: BatchTargetFn) -> None:
         """This rank's strategy over ``coord`` (which carries the layout).
 
