@@ -136,8 +136,11 @@ def launch(world: int, argv: Sequence[str], module: str) -> int:
     return 0
 
 
-def join_group(timeout: float, layout: ShardLayout | None = None) -> GroupCoordinator:
-    """Join the group this process is a rank of (``timeout`` for every collective).
+def join_group(
+    timeout: float, layout: ShardLayout | None = None, *, device: bool = False
+) -> GroupCoordinator:
+    """Join the group this process is a rank of (``timeout`` for every collective);
+    ``device``: also build the NCCL device group, where this rank has a CUDA device.
 
     Raises:
         SettingsError: if torch is not installed.
@@ -146,7 +149,7 @@ def join_group(timeout: float, layout: ShardLayout | None = None) -> GroupCoordi
     require_torch("--tp above 1")
     from pp1wire.tp.coordinator import GroupCoordinator  # noqa: PLC0415 - torch is optional
 
-    return GroupCoordinator.join(timeout, layout)
+    return GroupCoordinator.join(timeout, layout, device=device)
 
 
 __all__ = ["in_launched_rank", "join_group", "launch", "require_torch", "world_size"]

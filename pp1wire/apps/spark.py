@@ -428,7 +428,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     coord = None
     if mode.world > 1:
         layout = ShardLayout.even(args.vocab, mode.world) if mode.sharded else None
-        coord = ranks.join_group(args.group_timeout, layout)
+        # Only the replicated group's steps run on the device group.
+        coord = ranks.join_group(args.group_timeout, layout, device=layout is None)
     done = await run_rank(args, plan, mode, coord)
     if done.summary is not None:
         if args.json:
