@@ -58,14 +58,29 @@ CASES = [
     ("pp1-spark", ["--tls-ca", "{tmp}/missing.pem"], "--tls-ca"),
     ("pp1-spark", ["--tls-ca", "{tmp}/garbage.pem"], "--tls-ca"),
     ("pp1-spark", ["--output", "{tmp}/no/such/dir/out.jsonl"], "--output"),
+    # Before: checked on rank 0 after the group had started (the others timed out).
+    (
+        "pp1-spark",
+        ["--tp", "2", "--vocab-shards", "2", "--output", "{tmp}/no/such/dir/out.jsonl"],
+        "--output",
+    ),
+    ("pp1-spark", ["--output", "{tmp}"], "--output"),
     ("pp1-spark", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ("pp1-spark", ["--support", "bogus"], "--support 'bogus': use dense or sparse:K"),
+    # Before: a digit that is not ASCII passed the check and int() traced back.
+    (
+        "pp1-spark",
+        ["--support", "sparse:\u00b2"],
+        "--support 'sparse:\u00b2': use dense or sparse:K",
+    ),
     # Before: parsed by the sharded runner after the group had started (a traceback).
     (
         "pp1-spark",
         ["--tp", "2", "--vocab-shards", "2", "--support", "sparse:x"],
         "--support 'sparse:x': use dense or sparse:K",
     ),
+    # Before: the factory's own failure (abs() takes no keywords) was a traceback.
+    ("pp1-spark", ["--target", "builtins:abs", "--depth", "0"], "plugin 'builtins:abs': the"),
     # Before: 100000 ranks were started (76 processes, 4.7 GB within 20 s).
     ("pp1-spark", ["--tp", "100000"], "--tp: 100000 is not a number of ranks in 1..16"),
     ("pp1-spark", ["--concurrency", "70000"], "--concurrency must be in 1..65535"),
@@ -179,3 +194,14 @@ def test_a_bad_flag_leaves_an_existing_output_byte_for_byte(tmp_path):
     )
     assert done.returncode == 1, done.stderr
     assert out.read_bytes() == before
+
+
+def test_a_refused_run_creates_no_output(tmp_path):
+    # --output is checked with the other settings, before the target is made: the
+    # check itself must not leave an empty file behind.
+    out = tmp_path / "out.jsonl"
+    done = cli.module(
+        "pp1wire.apps.spark", "--depth", "0", "--target", "builtins:abs", "--output", str(out)
+    )
+    assert done.returncode == 2, done.stderr
+    assert not out.exists()

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from pp1wire.apps import settings
+from pp1wire.apps.launch import worker_process
 from pp1wire.apps.settings import SettingsError
+
+from . import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,6 +195,9 @@ CASES = [
     (DEMO, ["--target-ms", "-1"], "--target-ms: -1.0 is not a duration in 0..60000 ms"),
     (DEMO, ["--temperature", "-2"], "--temperature: -2.0 is not a temperature"),
     (DEMO, ["--support", "sparse:x", "--in-process"], "--support 'sparse:x' is not dense"),
+    (DEMO, ["--support", "sparse:\u00b2", "--in-process"], "--support 'sparse:\u00b2' is not"),
+    (DEMO, ["--support", "sparse:0", "--in-process"], "--support 'sparse:0' is not dense"),
+    (DEMO, ["--support", "sparse:99", "--vocab", "8", "--in-process"], "K in 1..8"),
     (DEMO, ["--support", "dense"], "--support applies only with --in-process"),
     (
         CONFORMANCE,
@@ -282,3 +288,12 @@ def test_an_exposed_address_is_served_with_a_key_or_when_told_insecure():
     check_exposure(args("127.0.0.1", False), plain)
     with pytest.raises(SettingsError, match="pass --insecure"):
         check_exposure(args("0.0.0.0", False), plain)
+
+
+def test_the_health_check_hellos_with_the_workers_row_entries():
+    # Before: --check left row_entries at --vocab, so a padded worker refused its own check.
+    padded = ("--vocab", "16", "--row-entries", "24")
+    with worker_process("--row-entries", "24", vocab=16) as running:
+        done = cli.module("pp1wire.apps.worker", "--check", running.address, *padded, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("healthy"), done.stdout

@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from pp1wire.apps import settings
 from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
@@ -281,14 +281,18 @@ def _support(text: str | None, vocab: int) -> int | None:
     Raises:
         settings.SettingsError: for anything but ``dense`` or ``sparse:K`` with K in 1..vocab.
     """
-    if text is None or text == "dense":
+    if text is None:
         return None
-    kind, _, k = text.partition(":")
-    if kind != "sparse" or not (k.isascii() and k.isdigit()) or not 1 <= int(k) <= vocab:
-        raise settings.SettingsError(
-            f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
-        )
-    return int(k)
+    bad = settings.SettingsError(
+        f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
+    )
+    try:
+        k = settings.parse_support(text)
+    except settings.SettingsError:
+        raise bad from None
+    if k > vocab:
+        raise bad
+    return k or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,11 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns 2.
     """
     parser = build_parser()
-
-    def one_line(message: str) -> NoReturn:
-        raise settings.SettingsError(message)
-
-    parser.error = one_line  # type: ignore[method-assign]
+    settings.one_line_errors(parser)
     try:
         args = parser.parse_args(argv)
         support = _support(args.support, args.vocab)

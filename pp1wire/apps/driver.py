@@ -205,11 +205,18 @@ def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
 
 
 class Strategy(Protocol):
-    """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
+    """How a mode decides a step's rounds (and, for a group, agrees on link state).
+
+    A strategy whose :meth:`agree` runs a collective says so with a class attribute
+    ``collective = True``, one whose :meth:`agree` returns at once with ``collective =
+    False``; the driver calls the latter on the event loop. One that says neither is
+    taken to run a collective.
+    """
 
     def agree(self, local: list[int]) -> list[int]:
         """Per entry, the first nonzero value over the group's ranks (0 if every rank
-        gave 0); a single driver returns ``local``. Runs off the event loop.
+        gave 0); a single driver returns ``local``. Runs off the event loop unless
+        the strategy's ``collective`` is False.
 
         Raises:
             GroupFailedError: the group failed.
@@ -229,6 +236,8 @@ class Strategy(Protocol):
 
 class LocalStrategy:
     """One rank: every round of a step scored by one call of the target's batched form."""
+
+    collective = False  # agree returns its argument: no hop off the event loop
 
     def __init__(self, target: BatchTargetFn) -> None:
         """Decide with ``target`` (:func:`pp1wire.q.verify.batched` of the plugin)."""
@@ -374,7 +383,6 @@ class RoundDriver:
     target: TargetFn
     link: Link | None
     metrics: SparkMetrics
-    rank: int = 0
     # A signal sets stop_requested; the step's agreement turns it into stopping,
     # which every rank of a group then acts on at the same step.
     stop_requested: bool = field(default=False, init=False)
@@ -382,7 +390,6 @@ class RoundDriver:
     group_failure: Pp1Error | None = field(default=None, init=False)
     round_trips: list[float] = field(default_factory=list, init=False)  # the first 100,000
     records: dict[int, RequestRecord] = field(default_factory=dict, init=False)
-    steps: int = field(default=0, init=False)
     seconds: float = field(default=0.0, init=False)
     stepped: int = field(default=0, init=False)  # STEPs sent, and their maximum depths summed
     stepped_depth: int = field(default=0, init=False)
@@ -397,6 +404,13 @@ class RoundDriver:
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         # Collectives and target calls block: the loop keeps serving the link meanwhile.
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _agree(self, local: list[int]) -> list[int]:
+        """The strategy's :meth:`Strategy.agree`, off the loop only if it is a collective."""
+        if not getattr(self.strategy, "collective", True):
+            return self.strategy.agree(local)
+        agreed: list[int] = await self._off_loop(self.strategy.agree, local)
+        return agreed
 
     def _new_request(self, index: int) -> RequestState:
         p = self.plan
@@ -484,7 +498,7 @@ class RoundDriver:
         # before any STEP of this launch is sent (docs/runner.md section 4).
         load = len(states)
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
-        agreed = await self._off_loop(self.strategy.agree, local)
+        agreed = await self._agree(local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
             if not code and st.opening is not None and st.opened is not None:
                 st.verifier.rebuild(st.verifier.committed, st.opening)
@@ -581,7 +595,7 @@ class RoundDriver:
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
             for st in states
         ]
-        agreed = await self._off_loop(self.strategy.agree, [*local, int(self.stop_requested)])
+        agreed = await self._agree([*local, int(self.stop_requested)])
         self.stopping = self.stopping or bool(agreed[-1])
         return [st for st, flag in zip(states, agreed, strict=False) if not flag]
 
@@ -591,7 +605,6 @@ class RoundDriver:
         rounds = [self._round(st) for st in ready]
         verdicts: list[Verdict] = await self._off_loop(self.strategy.decide, rounds)
         m = self.metrics
-        self.steps += 1
         m.steps.inc()
         m.step_rounds.inc(len(rounds))
         m.step_slots.inc(running)

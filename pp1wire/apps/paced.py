@@ -18,6 +18,7 @@ environment when the factory runs; both sides with the same ``--vocab`` and
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from pp1wire.apps import settings
 from pp1wire.apps.models import ToyLM
 
 #: Contexts tabulated: a prefix's row is the toy model's row after ``last % CONTEXTS``.
@@ -38,7 +40,7 @@ Row = npt.NDArray[np.float64]
 
 
 def _milliseconds(name: str, default: float) -> float:
-    """``$name`` in milliseconds (``default`` when unset).
+    """``$name`` in milliseconds (``default`` when unset), as ``pp1-demo --target-ms``.
 
     Raises:
         ValueError: unless it is a finite number in 0..60,000.
@@ -47,12 +49,9 @@ def _milliseconds(name: str, default: float) -> float:
     if raw is None:
         return default
     try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (0.0 <= value <= 60_000.0):  # also refuses nan
-        raise ValueError(f"{name}={raw!r} is not a duration in 0..60000 ms")
-    return value
+        return settings.pace_ms(raw)
+    except argparse.ArgumentTypeError as exc:  # a plugin factory's caller expects ValueError
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
 
 
 class PacedModel:

@@ -19,7 +19,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, NoReturn, TypedDict, TypeVar, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
@@ -171,6 +171,21 @@ def depth_or_auto(raw: object) -> int | str:
 depth_or_auto.kind = (int, str)  # type: ignore[attr-defined]  # TOML: depth = 3 or "auto"
 
 
+def parse_support(text: str) -> int:
+    """``--support``: ``dense`` → 0, ``sparse:K`` → K (ASCII digits, K >= 1); the bound by
+    the vocabulary is the command's check.
+
+    Raises:
+        SettingsError: for anything else.
+    """
+    if text == "dense":
+        return 0
+    kind, sep, k = text.partition(":")
+    if kind == "sparse" and sep and k.isascii() and k.isdigit() and int(k) > 0:
+        return int(k)
+    raise SettingsError(f"--support {text!r}: use dense or sparse:K")
+
+
 def _exact(action: argparse.Action, raw: object) -> str | None:
     """Why a TOML value has the wrong type for ``action`` (None if it is right):
     a TOML file types its values, so a string is not a port and 2 is not a path."""
@@ -232,6 +247,16 @@ def _convert_one(action: argparse.Action, raw: object, source: str) -> object:
     return value
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` report a bad flag as a :class:`SettingsError` (one line) instead
+    of printing its usage text and exiting."""
+
+    def one_line(message: str) -> NoReturn:
+        raise SettingsError(message)
+
+    parser.error = one_line  # type: ignore[method-assign]
+
+
 def parse(
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None = None,
@@ -247,10 +272,7 @@ def parse(
             UTF-8 included), an unknown key in it, or a value that does not convert.
     """
 
-    def one_line(message: str) -> None:
-        raise SettingsError(message)
-
-    parser.error = one_line  # type: ignore[method-assign,assignment]
+    one_line_errors(parser)
     env = os.environ if environ is None else environ
     defaults: dict[str, Any] = {}
     for action in parser._actions:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -56,7 +57,6 @@ from pp1wire.apps.settings import (
     add_common_flags,
     count,
     host_port,
-    load_factory,
     positive,
     read_psk,
     run_daemon,
@@ -77,20 +77,6 @@ if TYPE_CHECKING:
 
 MAX_CONCURRENCY = 0xFFFF
 """The most slots a HELLO can ask for (``max_slots`` is a 16-bit field)."""
-
-
-def parse_support(text: str) -> int:
-    """``dense`` → 0; ``sparse:K`` → K.
-
-    Raises:
-        SettingsError: for anything else.
-    """
-    if text == "dense":
-        return 0
-    kind, sep, k = text.partition(":")
-    if kind == "sparse" and sep and k.isdigit() and int(k) > 0:
-        return int(k)
-    raise SettingsError(f"--support {text!r}: use dense or sparse:K")
 
 
 def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
@@ -141,20 +127,28 @@ def tls_context(cafile: str | None) -> ssl.SSLContext | None:
 class Output:
     """``--output``: checked writable before any work, replaced whole at the end.
 
-    The check never truncates an existing file; the results go to a temporary
-    file beside it that replaces it in one rename, so a run that fails (or a
-    bad flag) leaves an earlier output byte for byte as it was.
+    The check neither creates the file nor truncates an existing one; the
+    results go to a temporary file beside it that replaces it in one rename,
+    so a run that fails (or a bad flag) leaves an earlier output byte for byte
+    as it was, and no output where there was none.
     """
 
     def __init__(self, path: str) -> None:
-        """Check that ``path`` can be written.
+        """Check that ``path`` can be written, creating and changing nothing.
 
         Raises:
-            SettingsError: if it cannot be created or its folder written.
+            SettingsError: if an existing ``path`` cannot be opened for writing (a
+                folder, a file without write permission), or its folder is missing
+                or cannot be written.
         """
         self.path = Path(path)
         try:
-            with self.path.open("a"), tempfile.TemporaryFile(dir=self.path.parent or "."):
+            # Without O_CREAT a missing file stays missing (made at the end: its folder is
+            # what must be writable); O_NONBLOCK: a FIFO without a reader is refused
+            # instead of blocking the check.
+            with contextlib.suppress(FileNotFoundError):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+            with tempfile.TemporaryFile(dir=self.path.parent):
                 pass
         except OSError as exc:
             raise SettingsError(f"--output {path}: {exc.strerror or exc}") from None
@@ -165,7 +159,7 @@ class Output:
         Raises:
             OSError: if the file cannot be written.
         """
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent or ".", prefix=f".{self.path.name}.")
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
             with os.fdopen(fd, "w") as f:
                 for r in records:
@@ -323,7 +317,7 @@ class _Mode:
 
 
 def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
-    """Every setting checked before anything runs (nothing is opened or started).
+    """Every setting checked before anything runs (nothing is created or started).
 
     Raises:
         SettingsError: the first bad setting, in one line.
@@ -340,7 +334,7 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         raise SettingsError(f"--stop {stop} needs proposals: --depth above 0")
     if not 1 <= args.concurrency <= MAX_CONCURRENCY:
         raise SettingsError(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
-    support = parse_support(args.support)
+    support = settings.parse_support(args.support)
     if support > args.vocab:
         raise SettingsError(f"--support sparse:{support} is larger than --vocab {args.vocab}")
     if args.eos is not None and args.eos >= args.vocab:
@@ -367,6 +361,8 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         )
     tls_context(args.tls_ca)
     read_psk(args.psk_file)
+    if args.output:  # on every rank and the launcher: none starts with a bad one
+        Output(args.output)
     plan = Plan(
         requests=args.requests,
         concurrency=args.concurrency,
@@ -432,7 +428,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     coord = None
     if mode.world > 1:
         layout = ShardLayout.even(args.vocab, mode.world) if mode.sharded else None
-        coord = ranks.join_group(args.group_timeout, layout)
+        # Only the replicated group's steps run on the device group.
+        coord = ranks.join_group(args.group_timeout, layout, device=layout is None)
     done = await run_rank(args, plan, mode, coord)
     if done.summary is not None:
         if args.json:
@@ -457,7 +454,7 @@ async def run_rank(
     for a replicated group. Signal handlers are installed only on the main thread,
     so a test can run a whole group as threads of one process.
     """
-    target = load_factory(args.target)(vocab_size=args.vocab, seed=args.seed)
+    target = settings.make_plugin(args.target, vocab_size=args.vocab, seed=args.seed)
     m = SparkMetrics(max(plan.depth, 1))
     rank, layout = 0, None
     strategy: Strategy
@@ -498,7 +495,7 @@ async def run_rank(
             tls=tls_context(args.tls_ca),
             reconnect=not mode.sharded,
         )
-    driver = RoundDriver(plan, strategy, target, link, m, rank=rank)
+    driver = RoundDriver(plan, strategy, target, link, m)
     loop = asyncio.get_running_loop()
 
     def stop() -> None:

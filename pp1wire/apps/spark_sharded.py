@@ -26,11 +26,14 @@ from pp1wire.apps.driver import Round, Verdict, verdict_of
 from pp1wire.q.verify import BatchTargetFn
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound
+from pp1wire.tp.shard_worker import nonce_words
 from pp1wire.wire.messages import GROUP_NONCE_SIZE
 
 
 class ShardedStrategy:
     """Decide steps with a vocabulary-sharded group; agree on every link-local choice."""
+
+    collective = True  # agree is an all-gather: the driver runs it off the event loop
 
     def __init__(self, coord: GroupCoordinator, target: BatchTargetFn) -> None:
         """This rank's strategy over ``coord`` (which carries the layout).
@@ -41,7 +44,6 @@ class ShardedStrategy:
         self.coord = coord
         self.group = ShardedVerifyGroup(coord)
         self.target = target
-        self.link_bytes = 0
 
     def group_nonce(self) -> bytes:
         """The group session's nonce, the same on every rank: rank 0 draws 16 random
@@ -54,10 +56,8 @@ class ShardedStrategy:
         """
         words = torch.zeros(2, dtype=torch.int64)
         if self.coord.rank == 0:
-            drawn = secrets.token_bytes(GROUP_NONCE_SIZE)
             words = torch.tensor(
-                [int.from_bytes(drawn[i : i + 8], "little", signed=True) for i in (0, 8)],
-                dtype=torch.int64,
+                nonce_words(secrets.token_bytes(GROUP_NONCE_SIZE)), dtype=torch.int64
             )
         shared = self.coord.broadcast(words, 0).tolist()
         return b"".join(int(w).to_bytes(8, "little", signed=True) for w in shared)

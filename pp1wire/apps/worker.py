@@ -349,14 +349,11 @@ async def check(args: argparse.Namespace, target: str) -> int:
     host, port = settings.host_port(target)
     cfg = config_from(args)
     spark_cfg = SparkConfig(
-        vocab_size=cfg.vocab_size,
-        vocab_hash=cfg.vocab_hash,
-        target_identity=cfg.target_identity,
+        **settings.link_fields(args),
         max_slots=1,
         max_depth=1,
         max_support=0,
         max_prefix=0,
-        psk=cfg.psk,
     )
     ctx = None
     if args.tls_cert:
