@@ -294,3 +294,77 @@ async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_pee
     periods = burst + rate * elapsed
     assert 2 <= drawn <= periods + 1, (drawn, elapsed)  # draws resume after each hold
     assert 1 <= refused <= periods + 2, (refused, elapsed)
+
+
+def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: float):
+    """Open slot 0, write ``pairs`` RESET/STEP pairs in one go, then read for
+    ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
+    import time
+
+    from pp1wire.q.proposal import prefix_digest
+    from pp1wire.testing.attacks import _handshake_and_open
+    from pp1wire.wire.messages import Reset, Step
+
+    prefix = [1, 2, 3]
+    sock, session = _handshake_and_open(port, vocab, 1, prefix)
+    out = []
+    for generation in range(pairs):
+        if generation:
+            out.append(framing.encode_frame(Reset(session=session, slot=0, generation=generation)))
+        step = Step(
+            session=session,
+            slot=0,
+            generation=generation,
+            round=0,
+            position=len(prefix),
+            digest=prefix_digest(prefix),
+            depth=1,
+            temperature=1.0,
+            support=0,
+            context=0,
+        )
+        out.append(framing.encode_frame(step))
+    decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+    drawn = refused = 0
+    try:
+        start = time.monotonic()
+        sock.sendall(b"".join(out))
+        while (left := start + seconds - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            for frame in decoder.feed(data):
+                if frame.type is MsgType.COMPLETION:
+                    drawn += 1
+                elif isinstance(frame.message, Error) and frame.message.answers == MsgType.STEP:
+                    refused += 1
+        return drawn, refused, time.monotonic() - start
+    finally:
+        sock.close()
+
+
+@pytest.mark.asyncio
+async def test_reset_step_pairs_pipelined_in_one_write_are_refused_once_per_payback_period():
+    # Before: the frames already buffered after a refusal were still handled in the
+    # same turn (up to 64), so one write of RESET/STEP pairs got ~30 refusals at once
+    # and then ~30 per payback period, not one.
+    rate, burst, seconds = 4.0, 1, 1.0
+    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        drawn, refused, elapsed = await asyncio.wait_for(
+            asyncio.to_thread(_pipelined_reset_step_pairs, port, 256, 500, seconds), 30
+        )
+    finally:
+        await srv.stop(grace=1.0)
+    # As in the loop above: `burst` draws free, then one per 1/rate seconds, each
+    # payback period ending in at most one refusal (+2: the periods cut by the start
+    # and the end of the run).
+    periods = burst + rate * elapsed
+    assert 2 <= drawn <= periods + 1, (drawn, elapsed)
+    assert 1 <= refused <= periods + 2, (refused, elapsed)

@@ -260,7 +260,14 @@ class _Conn(asyncio.BufferedProtocol):
         # The transport pauses us above the cap (its high-water mark); below it,
         # this turn may queue up to the cap (at least one frame's reply).
         budget = max(1, WRITE_BUFFER_CAP - transport.get_write_buffer_size())
-        events = core.pump(time.monotonic(), max_frames=FRAMES_PER_TURN, out_budget=budget)
+        # A refusal ends the turn (unless draining, which answers all at once): the
+        # frames the peer pipelined after it wait for the hold below.
+        events = core.pump(
+            time.monotonic(),
+            max_frames=FRAMES_PER_TURN,
+            out_budget=budget,
+            hold_after_refusal=not self.draining,
+        )
         self._events(events)
         self._flush()
         if core.closed:
