@@ -296,17 +296,12 @@ async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_pee
     assert 1 <= refused <= periods + 2, (refused, elapsed)
 
 
-def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: float):
-    """Open slot 0, write ``pairs`` RESET/STEP pairs in one go, then read for
-    ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
-    import time
-
+def _reset_step_pairs(session: int, pairs: int, prefix: list[int], copies: int = 1) -> bytes:
+    """``pairs`` RESET/STEP pairs for slot 0 (the first STEP without its RESET), each
+    STEP sent ``copies`` times."""
     from pp1wire.q.proposal import prefix_digest
-    from pp1wire.testing.attacks import _handshake_and_open
     from pp1wire.wire.messages import Reset, Step
 
-    prefix = [1, 2, 3]
-    sock, session = _handshake_and_open(port, vocab, 1, prefix)
     out = []
     for generation in range(pairs):
         if generation:
@@ -323,12 +318,24 @@ def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: floa
             support=0,
             context=0,
         )
-        out.append(framing.encode_frame(step))
+        out += [framing.encode_frame(step)] * copies
+    return b"".join(out)
+
+
+def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: float):
+    """Open slot 0, write ``pairs`` RESET/STEP pairs in one go, then read for
+    ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
+    import time
+
+    from pp1wire.testing.attacks import _handshake_and_open
+
+    prefix = [1, 2, 3]
+    sock, session = _handshake_and_open(port, vocab, 1, prefix)
     decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
     drawn = refused = 0
     try:
         start = time.monotonic()
-        sock.sendall(b"".join(out))
+        sock.sendall(_reset_step_pairs(session, pairs, prefix))
         while (left := start + seconds - time.monotonic()) > 0:
             sock.settimeout(left)
             try:
@@ -368,3 +375,31 @@ async def test_reset_step_pairs_pipelined_in_one_write_are_refused_once_per_payb
     periods = burst + rate * elapsed
     assert 2 <= drawn <= periods + 1, (drawn, elapsed)
     assert 1 <= refused <= periods + 2, (refused, elapsed)
+
+
+@pytest.mark.asyncio
+async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period():
+    # uvloop rounds call_later to whole milliseconds and may fire it up to ~0.5 ms
+    # early. Before: the early timer handed the next STEP (here the refused one,
+    # sent twice) to the core, which refused it again: two refusals in one period.
+    from pp1wire.testing.attacks import _handshake_and_open
+
+    config = WorkerConfig(vocab_size=256, abandon_rate=0.5, abandon_burst=1)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    sock, session = await asyncio.to_thread(_handshake_and_open, port, 256, 1, [1, 2, 3])
+    try:
+        (conn,) = srv.conns
+        await asyncio.to_thread(sock.sendall, _reset_step_pairs(session, 20, [1, 2, 3], copies=2))
+        await eventually(lambda: conn.held, what="the connection held after a refusal")
+        refused = _count(srv.metrics.refusals, code="draw_rate_limited")
+        assert refused == 1
+        conn.turn.cancel()
+        conn._end_hold()  # the timer, fired ~2 s early
+        await asyncio.sleep(0.05)
+        assert conn.held
+        assert conn.turn is not None
+        assert _count(srv.metrics.refusals, code="draw_rate_limited") == refused
+    finally:
+        sock.close()
+        await srv.stop(grace=1.0)

@@ -246,6 +246,13 @@ class _Conn(asyncio.BufferedProtocol):
             self._pump()  # messages held for the slot go on
 
     def _end_hold(self) -> None:
+        core = self.core
+        hold = 0.0 if core is None else core.refused_until - time.monotonic()
+        if hold > 0:
+            # uvloop rounds a timer to whole milliseconds and may fire it early: the
+            # held STEP would be refused again, so the hold runs its remainder first.
+            self.turn = asyncio.get_running_loop().call_later(hold, self._end_hold)
+            return
         self.held = False
         self._pump()
 
