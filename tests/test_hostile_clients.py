@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from pp1wire.aio.client import AsyncClient, ConnectionLostError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
 from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
@@ -402,4 +402,53 @@ async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period
         assert _count(srv.metrics.refusals, code="draw_rate_limited") == refused
     finally:
         sock.close()
+        await srv.stop(grace=1.0)
+
+
+class _OneLinkGroup:
+    """A group rank that lets one link join and refuses every later one."""
+
+    def __init__(self) -> None:
+        self.joined: list[object] = []
+        self.left: list[object] = []
+
+    def join(self, link, group: bytes) -> bool:
+        self.joined.append(link)
+        return len(self.joined) == 1
+
+    def submit(self, link, job, done) -> None:
+        raise AssertionError("no STEP is sent")
+
+    def leave(self, link) -> None:
+        self.left.append(link)
+
+
+@pytest.mark.asyncio
+async def test_a_link_refused_group_in_use_evicts_nobody_to_make_room_for_itself():
+    # Before: a newcomer admitted on credit evicted the idle peer it was admitted
+    # for, and only then was refused GROUP_IN_USE: the peer was lost for nothing.
+    group = _OneLinkGroup()
+    srv = WorkerServer(
+        WorkerConfig(vocab_size=64),
+        drafter_factory(64),
+        max_connections=1,
+        evict_idle=0.0,
+        group=group,
+    )
+    port = await srv.start("127.0.0.1", 0)
+    config = SparkConfig(vocab_size=64)
+    held = await AsyncClient.connect("127.0.0.1", port, config)
+    try:
+
+        async def newcomer() -> None:
+            client = await AsyncClient.connect("127.0.0.1", port, config, timeout=5.0)
+            await asyncio.wait_for(client.ping(), 5)  # the refusal may come after the handshake
+
+        with pytest.raises((RefusedError, ConnectionLostError), match="GROUP_IN_USE"):
+            await newcomer()
+        await asyncio.wait_for(held.ping(), 5)
+        assert _count(srv.metrics.evictions) == 0
+        await eventually(lambda: len(group.left) == 1, what="the refused link leaves its group")
+    finally:
+        await held.close()
         await srv.stop(grace=1.0)

@@ -600,7 +600,14 @@ class WorkerServer:
 
     def handshake_done(self, conn: _Conn) -> None:
         """``conn`` authenticated: if that puts a scope over its limit, evict the
-        longest idle replaceable peer, or close ``conn`` itself if none is left."""
+        longest idle replaceable peer, or close ``conn`` itself if none is left.
+
+        A sharded link joins its group session first (one per session and rank): one
+        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
+        core = conn.core
+        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
+            conn.refuse(ErrorCode.GROUP_IN_USE)
+            return
         now = time.monotonic()
         for members, limit in self._scopes(conn):
             authenticated = [c for c in members if c.authenticated]
@@ -612,9 +619,6 @@ class WorkerServer:
                 conn.evict(refused=True)
                 return
             victim.evict()
-        core = conn.core  # a sharded link joins its group session: one per session and rank
-        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
-            conn.refuse(ErrorCode.GROUP_IN_USE)
 
     # -- draws ----------------------------------------------------------------------
 
