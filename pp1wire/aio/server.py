@@ -190,17 +190,11 @@ class _Conn(asyncio.BufferedProtocol):
         core = self.core
         return core is not None and core.handshake_deadline is None and not core.closed
 
-    def evict(self, *, refused: bool = False) -> None:
-        """Close this connection (``CONNECTION_LIMIT``): to make room for a new one, or
-        (``refused``) because it authenticated with no room left for it."""
+    def evict(self) -> None:
+        """Close this connection (``CONNECTION_LIMIT``) to make room for a new one."""
         core = self.core
-        metrics = self.server.metrics
-        if refused:
-            log.warning("connection refused", extra={"peer": self.peer, "code": "CONNECTION_LIMIT"})
-            metrics.refusals.labels(code="connection_limit").inc()
-        else:
-            log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
-            metrics.evictions.inc()
+        log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
+        self.server.metrics.evictions.inc()
         if self.transport is None or core is None:
             self._cut_handshake()
             self.connection_lost(None)
@@ -210,12 +204,15 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
 
     def refuse(self, code: ErrorCode) -> None:
-        """Close this connection with a fatal ERROR ``code`` (``GROUP_IN_USE``)."""
+        """Close this authenticated connection with a fatal ERROR ``code``
+        (``GROUP_IN_USE``, or ``CONNECTION_LIMIT`` with no room left for it)."""
         core = self.core
         if core is None or core.closed:
             return
         log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
         self.server.metrics.refusals.labels(code=code.name.lower()).inc()
+        # Closing, it no longer counts against the limits (nor is it evicted again).
+        self.server.conns.discard(self)
         self._events(core.close_with(code))
         self._flush()
 
@@ -616,7 +613,7 @@ class WorkerServer:
             victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
             victim = min(victims, key=_idle_since, default=None)
             if victim is None:  # the peers it was admitted for became busy meanwhile
-                conn.evict(refused=True)
+                conn.refuse(ErrorCode.CONNECTION_LIMIT)
                 return
             victim.evict()
 
