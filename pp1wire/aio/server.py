@@ -349,9 +349,10 @@ class _Conn(asyncio.BufferedProtocol):
             elif isinstance(e, worker_core.StepReplayed):
                 m.replays.inc()
             elif isinstance(e, worker_core.SlotEvent):
-                # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
-                draws = self.server.draws
-                (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
+                if self.server.gathers:
+                    # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
+                    draws = self.server.draws
+                    (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
                 if e.kind is MsgType.COMMIT:
                     m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
                     m.committed_tokens.inc(e.tokens)
@@ -545,6 +546,9 @@ class WorkerServer:
         self.draws: DrawScheduler[_Conn, worker_core.DrawJob] = DrawScheduler(
             max(1, draw_threads), max_batch=max_draw_batch or 1, gather=draw_gather
         )
+        # Draws are queued and gathered into batches only on the server's own pool
+        # (a group draws them itself, and without a pool they are drawn inline).
+        self.gathers = self.draw_pool is not None and group is None
         self.run_batch = run_batch
         self._scheduling = False  # a _schedule is due on the loop
         self._gather_timer: asyncio.TimerHandle | None = None
