@@ -158,6 +158,22 @@ async def test_misuse_is_a_usage_error_and_sends_nothing_nor_takes_a_round(port)
 
 
 @pytest.mark.asyncio
+async def test_a_stop_rule_not_negotiated_is_a_usage_error_and_takes_no_round(port):
+    # Before: propose_many checked depth and support itself but not the stop rule,
+    # so each request took a round before the core refused its STEP.
+    from pp1wire.q.stoprules import StopRule
+
+    client = await connect(port)  # no stop-rule set negotiated
+    a, b = await open_requests(client, 2)
+    with pytest.raises(UsageError) as info:
+        await client.propose_many([a, b], depth=3, stop=StopRule.confidence(0.5))
+    assert info.value.code is ErrorCode.BAD_STOP_RULE
+    assert a.verifier.take_round() == 0
+    assert b.verifier.take_round() == 0
+    await client.close()
+
+
+@pytest.mark.asyncio
 async def test_a_slot_with_a_proposal_in_flight_is_busy():
     held = []
     worker = FaultyWorker(VOCAB, mutate=lambda conn, data: held.append(data))  # holds a reply

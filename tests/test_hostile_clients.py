@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from pp1wire.aio.client import AsyncClient, ConnectionLostError
+from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
 from pp1wire.aio.server import WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
@@ -294,3 +294,161 @@ async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_pee
     periods = burst + rate * elapsed
     assert 2 <= drawn <= periods + 1, (drawn, elapsed)  # draws resume after each hold
     assert 1 <= refused <= periods + 2, (refused, elapsed)
+
+
+def _reset_step_pairs(session: int, pairs: int, prefix: list[int], copies: int = 1) -> bytes:
+    """``pairs`` RESET/STEP pairs for slot 0 (the first STEP without its RESET), each
+    STEP sent ``copies`` times."""
+    from pp1wire.q.proposal import prefix_digest
+    from pp1wire.wire.messages import Reset, Step
+
+    out = []
+    for generation in range(pairs):
+        if generation:
+            out.append(framing.encode_frame(Reset(session=session, slot=0, generation=generation)))
+        step = Step(
+            session=session,
+            slot=0,
+            generation=generation,
+            round=0,
+            position=len(prefix),
+            digest=prefix_digest(prefix),
+            depth=1,
+            temperature=1.0,
+            support=0,
+            context=0,
+        )
+        out += [framing.encode_frame(step)] * copies
+    return b"".join(out)
+
+
+def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: float):
+    """Open slot 0, write ``pairs`` RESET/STEP pairs in one go, then read for
+    ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
+    import time
+
+    from pp1wire.testing.attacks import _handshake_and_open
+
+    prefix = [1, 2, 3]
+    sock, session = _handshake_and_open(port, vocab, 1, prefix)
+    decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+    drawn = refused = 0
+    try:
+        start = time.monotonic()
+        sock.sendall(_reset_step_pairs(session, pairs, prefix))
+        while (left := start + seconds - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            for frame in decoder.feed(data):
+                if frame.type is MsgType.COMPLETION:
+                    drawn += 1
+                elif isinstance(frame.message, Error) and frame.message.answers == MsgType.STEP:
+                    refused += 1
+        return drawn, refused, time.monotonic() - start
+    finally:
+        sock.close()
+
+
+@pytest.mark.asyncio
+async def test_reset_step_pairs_pipelined_in_one_write_are_refused_once_per_payback_period():
+    # Before: the frames already buffered after a refusal were still handled in the
+    # same turn (up to 64), so one write of RESET/STEP pairs got ~30 refusals at once
+    # and then ~30 per payback period, not one.
+    rate, burst, seconds = 4.0, 1, 1.0
+    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        drawn, refused, elapsed = await asyncio.wait_for(
+            asyncio.to_thread(_pipelined_reset_step_pairs, port, 256, 500, seconds), 30
+        )
+    finally:
+        await srv.stop(grace=1.0)
+    # As in the loop above: `burst` draws free, then one per 1/rate seconds, each
+    # payback period ending in at most one refusal (+2: the periods cut by the start
+    # and the end of the run).
+    periods = burst + rate * elapsed
+    assert 2 <= drawn <= periods + 1, (drawn, elapsed)
+    assert 1 <= refused <= periods + 2, (refused, elapsed)
+
+
+@pytest.mark.asyncio
+async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period():
+    # uvloop rounds call_later to whole milliseconds and may fire it up to ~0.5 ms
+    # early. Before: the early timer handed the next STEP (here the refused one,
+    # sent twice) to the core, which refused it again: two refusals in one period.
+    from pp1wire.testing.attacks import _handshake_and_open
+
+    config = WorkerConfig(vocab_size=256, abandon_rate=0.5, abandon_burst=1)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    sock, session = await asyncio.to_thread(_handshake_and_open, port, 256, 1, [1, 2, 3])
+    try:
+        (conn,) = srv.conns
+        await asyncio.to_thread(sock.sendall, _reset_step_pairs(session, 20, [1, 2, 3], copies=2))
+        await eventually(lambda: conn.held, what="the connection held after a refusal")
+        refused = _count(srv.metrics.refusals, code="draw_rate_limited")
+        assert refused == 1
+        conn.turn.cancel()
+        conn._end_hold()  # the timer, fired ~2 s early
+        await asyncio.sleep(0.05)
+        assert conn.held
+        assert conn.turn is not None
+        assert _count(srv.metrics.refusals, code="draw_rate_limited") == refused
+    finally:
+        sock.close()
+        await srv.stop(grace=1.0)
+
+
+class _OneLinkGroup:
+    """A group rank that lets one link join and refuses every later one."""
+
+    def __init__(self) -> None:
+        self.joined: list[object] = []
+        self.left: list[object] = []
+
+    def join(self, link, group: bytes) -> bool:
+        self.joined.append(link)
+        return len(self.joined) == 1
+
+    def submit(self, link, job, done) -> None:
+        raise AssertionError("no STEP is sent")
+
+    def leave(self, link) -> None:
+        self.left.append(link)
+
+
+@pytest.mark.asyncio
+async def test_a_link_refused_group_in_use_evicts_nobody_to_make_room_for_itself():
+    # Before: a newcomer admitted on credit evicted the idle peer it was admitted
+    # for, and only then was refused GROUP_IN_USE: the peer was lost for nothing.
+    group = _OneLinkGroup()
+    srv = WorkerServer(
+        WorkerConfig(vocab_size=64),
+        drafter_factory(64),
+        max_connections=1,
+        evict_idle=0.0,
+        group=group,
+    )
+    port = await srv.start("127.0.0.1", 0)
+    config = SparkConfig(vocab_size=64)
+    held = await AsyncClient.connect("127.0.0.1", port, config)
+    try:
+
+        async def newcomer() -> None:
+            client = await AsyncClient.connect("127.0.0.1", port, config, timeout=5.0)
+            await asyncio.wait_for(client.ping(), 5)  # the refusal may come after the handshake
+
+        with pytest.raises((RefusedError, ConnectionLostError), match="GROUP_IN_USE"):
+            await newcomer()
+        await asyncio.wait_for(held.ping(), 5)
+        assert _count(srv.metrics.evictions) == 0
+        await eventually(lambda: len(group.left) == 1, what="the refused link leaves its group")
+    finally:
+        await held.close()
+        await srv.stop(grace=1.0)

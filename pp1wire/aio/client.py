@@ -489,16 +489,16 @@ class AsyncClient:
 
         Raises:
             UsageError: nothing sent, no round taken: a depth or support out of
-                range, two requests on one slot, a request not open on this
+                range, a stop rule other than FIXED with no stop-rule set
+                negotiated (``BAD_STOP_RULE``), two requests on one slot, a request not open on this
                 client (another client, or closed), one that already ended
                 (``REQUEST_FINISHED``, ``SESSION_POISONED``), or a proposal
                 already in flight on a slot (``SLOT_BUSY``).
         """
-        cfg = self.config
-        if not 1 <= depth <= cfg.max_depth:
-            raise UsageError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
-        if not 0 <= support <= min(cfg.max_support, cfg.vocab_size):
-            raise UsageError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
+        try:
+            self.core.check_step(depth=depth, support=support, stop=stop)
+        except ProtocolError as exc:
+            raise UsageError(exc.code, exc.detail) from None
         if len({r.slot for r in requests}) != len(requests):
             raise UsageError(ErrorCode.BAD_ARGUMENT, "two requests on one slot")
         for r in requests:

@@ -190,17 +190,11 @@ class _Conn(asyncio.BufferedProtocol):
         core = self.core
         return core is not None and core.handshake_deadline is None and not core.closed
 
-    def evict(self, *, refused: bool = False) -> None:
-        """Close this connection (``CONNECTION_LIMIT``): to make room for a new one, or
-        (``refused``) because it authenticated with no room left for it."""
+    def evict(self) -> None:
+        """Close this connection (``CONNECTION_LIMIT``) to make room for a new one."""
         core = self.core
-        metrics = self.server.metrics
-        if refused:
-            log.warning("connection refused", extra={"peer": self.peer, "code": "CONNECTION_LIMIT"})
-            metrics.refusals.labels(code="connection_limit").inc()
-        else:
-            log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
-            metrics.evictions.inc()
+        log.warning("evicted", extra={"peer": self.peer, "authenticated": self.authenticated})
+        self.server.metrics.evictions.inc()
         if self.transport is None or core is None:
             self._cut_handshake()
             self.connection_lost(None)
@@ -210,12 +204,15 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
 
     def refuse(self, code: ErrorCode) -> None:
-        """Close this connection with a fatal ERROR ``code`` (``GROUP_IN_USE``)."""
+        """Close this authenticated connection with a fatal ERROR ``code``
+        (``GROUP_IN_USE``, or ``CONNECTION_LIMIT`` with no room left for it)."""
         core = self.core
         if core is None or core.closed:
             return
         log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
         self.server.metrics.refusals.labels(code=code.name.lower()).inc()
+        # Closing, it no longer counts against the limits (nor is it evicted again).
+        self.server.conns.discard(self)
         self._events(core.close_with(code))
         self._flush()
 
@@ -246,6 +243,13 @@ class _Conn(asyncio.BufferedProtocol):
             self._pump()  # messages held for the slot go on
 
     def _end_hold(self) -> None:
+        core = self.core
+        hold = 0.0 if core is None else core.refused_until - time.monotonic()
+        if hold > 0:
+            # uvloop rounds a timer to whole milliseconds and may fire it early: the
+            # held STEP would be refused again, so the hold runs its remainder first.
+            self.turn = asyncio.get_running_loop().call_later(hold, self._end_hold)
+            return
         self.held = False
         self._pump()
 
@@ -260,7 +264,14 @@ class _Conn(asyncio.BufferedProtocol):
         # The transport pauses us above the cap (its high-water mark); below it,
         # this turn may queue up to the cap (at least one frame's reply).
         budget = max(1, WRITE_BUFFER_CAP - transport.get_write_buffer_size())
-        events = core.pump(time.monotonic(), max_frames=FRAMES_PER_TURN, out_budget=budget)
+        # A refusal ends the turn (unless draining, which answers all at once): the
+        # frames the peer pipelined after it wait for the hold below.
+        events = core.pump(
+            time.monotonic(),
+            max_frames=FRAMES_PER_TURN,
+            out_budget=budget,
+            hold_after_refusal=not self.draining,
+        )
         self._events(events)
         self._flush()
         if core.closed:
@@ -338,9 +349,10 @@ class _Conn(asyncio.BufferedProtocol):
             elif isinstance(e, worker_core.StepReplayed):
                 m.replays.inc()
             elif isinstance(e, worker_core.SlotEvent):
-                # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
-                draws = self.server.draws
-                (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
+                if self.server.gathers:
+                    # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
+                    draws = self.server.draws
+                    (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
                 if e.kind is MsgType.COMMIT:
                     m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
                     m.committed_tokens.inc(e.tokens)
@@ -534,6 +546,9 @@ class WorkerServer:
         self.draws: DrawScheduler[_Conn, worker_core.DrawJob] = DrawScheduler(
             max(1, draw_threads), max_batch=max_draw_batch or 1, gather=draw_gather
         )
+        # Draws are queued and gathered into batches only on the server's own pool
+        # (a group draws them itself, and without a pool they are drawn inline).
+        self.gathers = self.draw_pool is not None and group is None
         self.run_batch = run_batch
         self._scheduling = False  # a _schedule is due on the loop
         self._gather_timer: asyncio.TimerHandle | None = None
@@ -586,7 +601,14 @@ class WorkerServer:
 
     def handshake_done(self, conn: _Conn) -> None:
         """``conn`` authenticated: if that puts a scope over its limit, evict the
-        longest idle replaceable peer, or close ``conn`` itself if none is left."""
+        longest idle replaceable peer, or close ``conn`` itself if none is left.
+
+        A sharded link joins its group session first (one per session and rank): one
+        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
+        core = conn.core
+        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
+            conn.refuse(ErrorCode.GROUP_IN_USE)
+            return
         now = time.monotonic()
         for members, limit in self._scopes(conn):
             authenticated = [c for c in members if c.authenticated]
@@ -595,12 +617,9 @@ class WorkerServer:
             victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
             victim = min(victims, key=_idle_since, default=None)
             if victim is None:  # the peers it was admitted for became busy meanwhile
-                conn.evict(refused=True)
+                conn.refuse(ErrorCode.CONNECTION_LIMIT)
                 return
             victim.evict()
-        core = conn.core  # a sharded link joins its group session: one per session and rank
-        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
-            conn.refuse(ErrorCode.GROUP_IN_USE)
 
     # -- draws ----------------------------------------------------------------------
 

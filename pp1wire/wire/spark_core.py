@@ -383,6 +383,17 @@ class SparkProtocol:
         the fencing state: not a second counter). Raises as :meth:`step` does for the slot."""
         return self._slot(slot).fence.last_round + 1
 
+    def check_step(self, *, depth: int, support: int, stop: StopRule = FIXED) -> None:
+        """Raise ``ProtocolError`` as :meth:`step` does for a bad block, whichever the slot:
+        ``DEPTH_OUT_OF_RANGE``, ``SUPPORT_OUT_OF_RANGE``, or ``BAD_STOP_RULE`` (a rule other
+        than FIXED needs the stop-rule set negotiated at HELLO)."""
+        if not 1 <= depth <= self.config.max_depth:
+            raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
+        if stop.kind is not StopKind.FIXED and self.stop_rules != STOP_RULES:
+            raise ProtocolError(ErrorCode.BAD_STOP_RULE, f"{stop}: no stop rules negotiated")
+        if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
+            raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
+
     def step(
         self,
         slot: int,
@@ -394,34 +405,24 @@ class SparkProtocol:
         now: float,
         stop: StopRule = FIXED,
     ) -> None:
-        """Queue STEP for ``slot`` under ``round_id``.
+        """Queue STEP for ``slot`` under ``round_id`` (nothing is queued if it raises).
 
-        The caller owns the round numbering (one counter per request and
-        generation: :meth:`pp1wire.q.verify.RequestVerifier.take_round`); the
-        round must be above every round this slot has used in its generation.
-        ``depth`` is the block's maximum and ``stop`` its stop rule
-        (``docs/adaptive.md``); a rule other than FIXED needs the stop-rule set
-        negotiated at HELLO.
+        The caller owns the round numbering (one counter per request and generation:
+        :meth:`pp1wire.q.verify.RequestVerifier.take_round`); the round must be above every
+        round this slot has used in its generation. ``depth`` is the block's maximum and
+        ``stop`` its stop rule (``docs/adaptive.md``), both checked by :meth:`check_step`.
 
         Raises:
-            ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, ``DEPTH_OUT_OF_RANGE``,
-                ``BAD_STOP_RULE`` or ``SUPPORT_OUT_OF_RANGE``; nothing is sent then.
+            ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, or as :meth:`check_step`.
             LocalStateError: ``NOT_READY``, ``SLOT_DESYNCED``, or ``SLOT_BUSY`` when
                 a proposal is already in flight on the slot.
         """
         state = self._slot(slot)
         if state.flight is not None:
             raise LocalStateError(ErrorCode.SLOT_BUSY, f"slot {slot} has a proposal in flight")
-        if round_id <= state.fence.last_round:
-            raise ProtocolError(
-                ErrorCode.ROUND_REUSED, f"round {round_id} is not after {state.fence.last_round}"
-            )
-        if not 1 <= depth <= self.config.max_depth:
-            raise ProtocolError(ErrorCode.DEPTH_OUT_OF_RANGE, f"depth {depth}")
-        if stop.kind is not StopKind.FIXED and self.stop_rules != STOP_RULES:
-            raise ProtocolError(ErrorCode.BAD_STOP_RULE, f"{stop}: no stop rules negotiated")
-        if not 0 <= support <= min(self.config.max_support, self.config.vocab_size):
-            raise ProtocolError(ErrorCode.SUPPORT_OUT_OF_RANGE, f"support {support}")
+        if round_id <= (last := state.fence.last_round):
+            raise ProtocolError(ErrorCode.ROUND_REUSED, f"round {round_id} is not after {last}")
+        self.check_step(depth=depth, support=support, stop=stop)
         msg = Step(
             session=self.session,
             slot=slot,

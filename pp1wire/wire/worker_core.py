@@ -200,9 +200,8 @@ class WorkerProtocol:
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
         self._budget = DrawBudget(config, now)
-        #: Until when (the caller's clock) a fresh STEP would be refused
-        #: ``DRAW_RATE_LIMITED``, as of the last such refusal: a server reads nothing
-        #: more from the connection until then (``docs/protocol.md`` §8).
+        #: Until when (the caller's clock) a fresh STEP would be refused ``DRAW_RATE_LIMITED``,
+        #: as of the last such refusal: a server reads nothing more until then (§4.4).
         self.refused_until = 0.0
         self.closed = False
 
@@ -276,14 +275,18 @@ class WorkerProtocol:
         return self.pump(now, max_frames=max_frames, out_budget=out_budget)
 
     def pump(
-        self, now: float, *, max_frames: int | None = None, out_budget: int | None = None
+        self,
+        now: float,
+        *,
+        max_frames: int | None = None,
+        out_budget: int | None = None,
+        hold_after_refusal: bool = False,
     ) -> list[WorkerEvent]:
         """Handle frames already received, in order; returns the events caused.
 
-        Stops after ``max_frames`` frames, or once the bytes queued for the peer
-        reach ``out_budget``, leaving the rest buffered and :attr:`more` true: a
-        shell bounds one connection's turn on the loop and the replies a peer
-        that does not read can make it hold.
+        Stops after ``max_frames`` frames, once the bytes queued reach ``out_budget``, or
+        (``hold_after_refusal``) until :attr:`refused_until`, leaving the rest buffered and
+        :attr:`more` true: a shell bounds a turn, a non-reading peer, a refused one (§4.4).
         """
         self.more = False
         self._now = now
@@ -295,8 +298,10 @@ class WorkerProtocol:
             self._dispatch(held)
             handled += 1
         while not self.closed:
-            if (max_frames is not None and handled >= max_frames) or (
-                out_budget is not None and self._out_bytes >= out_budget
+            if (
+                (max_frames is not None and handled >= max_frames)
+                or (out_budget is not None and self._out_bytes >= out_budget)
+                or (hold_after_refusal and self.refused_until > now)
             ):
                 self.more = True
                 break
