@@ -43,7 +43,7 @@ ACCEPT_BURST: Final = 64
 CLOSE_GRACE_S: Final = 2.0
 #: An authenticated connection idle this long, with no slot working, may be evicted for a newcomer.
 EVICT_IDLE_S: Final = 1.0
-#: A slot that has seen no STEP or COMMIT for this long stops protecting its connection.
+#: A slot not opened, freshly stepped or committed for this long stops protecting its connection.
 SLOT_IDLE_S: Final = 10.0
 
 
@@ -493,7 +493,7 @@ class WorkerServer:
         limit is reached, a newcomer first replaces the oldest connection still
         in its handshake; failing that, it is admitted *on credit* if a held
         peer is replaceable (authenticated, idle for ``evict_idle`` s, and with
-        no slot that saw a STEP or COMMIT in the last ``slot_idle_timeout`` s),
+        no slot opened, freshly stepped or committed in the last ``slot_idle_timeout`` s),
         and that peer is evicted only once the newcomer has itself
         authenticated, so a peer without the key never evicts one with it.
         Otherwise the newcomer is refused (``CONNECTION_LIMIT``). Connections

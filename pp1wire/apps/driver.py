@@ -205,13 +205,11 @@ def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
 
 
 class Strategy(Protocol):
-    """How a mode decides a step's rounds (and, for a group, agrees on link state).
+    """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
 
-    A strategy whose :meth:`agree` runs a collective says so with a class attribute
-    ``collective = True``, one whose :meth:`agree` returns at once with ``collective =
-    False``; the driver calls the latter on the event loop. One that says neither is
-    taken to run a collective.
-    """
+    #: Whether :meth:`agree` runs a collective (then the driver calls it off the
+    #: event loop); False when it returns at once.
+    collective: bool
 
     def agree(self, local: list[int]) -> list[int]:
         """Per entry, the first nonzero value over the group's ranks (0 if every rank
@@ -407,7 +405,7 @@ class RoundDriver:
 
     async def _agree(self, local: list[int]) -> list[int]:
         """The strategy's :meth:`Strategy.agree`, off the loop only if it is a collective."""
-        if not getattr(self.strategy, "collective", True):
+        if not self.strategy.collective:
             return self.strategy.agree(local)
         agreed: list[int] = await self._off_loop(self.strategy.agree, local)
         return agreed

@@ -31,6 +31,8 @@ FAULTS: Faults | None = None
 class ReplicatedStrategy:
     """Rank 0's strategy: each step is one attempt of the group (docs/tp.md)."""
 
+    collective = False  # agree returns its argument: no hop off the event loop
+
     def __init__(self, group: SparkGroup, metrics: SparkMetrics) -> None:
         """Lead ``group``; count failed votes and the fan-out in ``metrics``."""
         self.group = group

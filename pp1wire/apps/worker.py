@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most authenticated connections; when full, a newcomer replaces the oldest "
         "peer still in its handshake, or (once it has itself authenticated) a peer idle "
-        "for 1 s whose slots saw no STEP or COMMIT for --slot-idle-timeout",
+        "for 1 s whose slots were not opened, stepped or committed for --slot-idle-timeout",
     )
     p.add_argument(
         "--max-per-address",
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.seconds,
         default=server.SLOT_IDLE_S,
         metavar="SECONDS",
-        help="a slot without STEP or COMMIT for this long no longer keeps its connection "
+        help="a slot not opened, stepped or committed for this long no longer keeps its connection "
         "from being replaced by a newcomer when the worker is full",
     )
     p.add_argument(
