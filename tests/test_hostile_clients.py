@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
@@ -253,6 +254,31 @@ async def test_a_relay_cannot_drive_a_connection_it_forwarded_the_handshake_of(p
         await srv.stop(grace=1.0)
 
 
+#: The abandon budget of the read-hold tests: `BUDGET_BURST` draws free, then one
+#: per 1 / `BUDGET_RATE` seconds; each test watches `BUDGET_WINDOW_S` seconds of attack.
+BUDGET_RATE, BUDGET_BURST, BUDGET_WINDOW_S = 4.0, 1, 1.0
+
+
+@contextlib.asynccontextmanager
+async def _budgeted_server():
+    config = WorkerConfig(vocab_size=256, abandon_rate=BUDGET_RATE, abandon_burst=BUDGET_BURST)
+    srv = WorkerServer(config, drafter_factory(256))
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        yield srv, port
+    finally:
+        await srv.stop(grace=1.0)
+
+
+def _assert_paced_by_budget(drawn: int, refused: int, elapsed: float) -> None:
+    """The budget's own arithmetic: `BUDGET_BURST` draws free, then one per payback
+    period, each period ending in at most one refusal (+2: the periods cut by the
+    start and the end of the run); draws resume after each hold."""
+    periods = BUDGET_BURST + BUDGET_RATE * elapsed
+    assert 2 <= drawn <= periods + 1, (drawn, elapsed)
+    assert 1 <= refused <= periods + 2, (refused, elapsed)
+
+
 @pytest.mark.asyncio
 async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_peers():
     # Before: every STEP beyond the draw budget was read, refused and answered at
@@ -264,36 +290,27 @@ async def test_a_refused_reset_step_loop_is_read_at_the_budgets_pace_not_the_pee
 
     from pp1wire.testing.attacks import reset_step_loop
 
-    rate, burst, seconds = 4.0, 1, 1.0
-    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
-    srv = WorkerServer(config, drafter_factory(256))
-    port = await srv.start("127.0.0.1", 0)
     running, stop = threading.Event(), threading.Event()
     running.set()
-    try:
-        attack = asyncio.create_task(
-            asyncio.to_thread(
-                reset_step_loop, port, 256, connections=1, slots=1, running=running, stop=stop
+    async with _budgeted_server() as (srv, port):
+        try:
+            attack = asyncio.create_task(
+                asyncio.to_thread(
+                    reset_step_loop, port, 256, connections=1, slots=1, running=running, stop=stop
+                )
             )
-        )
-        start = time.monotonic()
-        await eventually(
-            lambda: _count(srv.metrics.refusals, code="draw_rate_limited") >= 1,
-            what="the budget refusing the loop",
-        )
-        await asyncio.sleep(seconds)
-        stop.set()
-        drawn, refused = await asyncio.wait_for(attack, 10)
-        elapsed = time.monotonic() - start
-    finally:
-        stop.set()
-        await srv.stop(grace=1.0)
-    # The budget's own arithmetic: `burst` draws free, then one per 1/rate seconds,
-    # each payback period ending in at most one refusal (+2: the periods cut by the
-    # start and the end of the run).
-    periods = burst + rate * elapsed
-    assert 2 <= drawn <= periods + 1, (drawn, elapsed)  # draws resume after each hold
-    assert 1 <= refused <= periods + 2, (refused, elapsed)
+            start = time.monotonic()
+            await eventually(
+                lambda: _count(srv.metrics.refusals, code="draw_rate_limited") >= 1,
+                what="the budget refusing the loop",
+            )
+            await asyncio.sleep(BUDGET_WINDOW_S)  # the measured window
+            stop.set()
+            drawn, refused = await asyncio.wait_for(attack, 10)
+            elapsed = time.monotonic() - start
+        finally:
+            stop.set()
+    _assert_paced_by_budget(drawn, refused, elapsed)
 
 
 def _reset_step_pairs(session: int, pairs: int, prefix: list[int], copies: int = 1) -> bytes:
@@ -359,29 +376,18 @@ async def test_reset_step_pairs_pipelined_in_one_write_are_refused_once_per_payb
     # Before: the frames already buffered after a refusal were still handled in the
     # same turn (up to 64), so one write of RESET/STEP pairs got ~30 refusals at once
     # and then ~30 per payback period, not one.
-    rate, burst, seconds = 4.0, 1, 1.0
-    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
-    srv = WorkerServer(config, drafter_factory(256))
-    port = await srv.start("127.0.0.1", 0)
-    try:
+    async with _budgeted_server() as (_, port):
         drawn, refused, elapsed = await asyncio.wait_for(
-            asyncio.to_thread(_pipelined_reset_step_pairs, port, 256, 500, seconds), 30
+            asyncio.to_thread(_pipelined_reset_step_pairs, port, 256, 500, BUDGET_WINDOW_S), 30
         )
-    finally:
-        await srv.stop(grace=1.0)
-    # As in the loop above: `burst` draws free, then one per 1/rate seconds, each
-    # payback period ending in at most one refusal (+2: the periods cut by the start
-    # and the end of the run).
-    periods = burst + rate * elapsed
-    assert 2 <= drawn <= periods + 1, (drawn, elapsed)
-    assert 1 <= refused <= periods + 2, (refused, elapsed)
+    _assert_paced_by_budget(drawn, refused, elapsed)
 
 
 @pytest.mark.asyncio
 async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period():
     # uvloop rounds call_later to whole milliseconds and may fire it up to ~0.5 ms
-    # early. Before: the early timer handed the next STEP (here the refused one,
-    # sent twice) to the core, which refused it again: two refusals in one period.
+    # early. The early timer must not let the core refuse the next STEP (here the
+    # refused one, sent twice) again in the same payback period.
     from pp1wire.testing.attacks import _handshake_and_open
 
     config = WorkerConfig(vocab_size=256, abandon_rate=0.5, abandon_burst=1)
@@ -395,8 +401,7 @@ async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period
         refused = _count(srv.metrics.refusals, code="draw_rate_limited")
         assert refused == 1
         conn.turn.cancel()
-        conn._end_hold()  # the timer, fired ~2 s early
-        await asyncio.sleep(0.05)
+        conn._end_hold()  # the timer, fired ~2 s early: it pumps at once, synchronously
         assert conn.held
         assert conn.turn is not None
         assert _count(srv.metrics.refusals, code="draw_rate_limited") == refused

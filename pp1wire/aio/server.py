@@ -243,13 +243,9 @@ class _Conn(asyncio.BufferedProtocol):
             self._pump()  # messages held for the slot go on
 
     def _end_hold(self) -> None:
-        core = self.core
-        hold = 0.0 if core is None else core.refused_until - time.monotonic()
-        if hold > 0:
-            # uvloop rounds a timer to whole milliseconds and may fire it early: the
-            # held STEP would be refused again, so the hold runs its remainder first.
-            self.turn = asyncio.get_running_loop().call_later(hold, self._end_hold)
-            return
+        # A timer that fires early (uvloop rounds delays to whole milliseconds) is
+        # harmless: the core handles nothing while its refusal holds, and _pump
+        # holds the connection again for the remainder.
         self.held = False
         self._pump()
 

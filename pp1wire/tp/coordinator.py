@@ -113,25 +113,17 @@ class GroupCoordinator:
         delta = timedelta(seconds=timeout)
         dist.init_process_group("gloo", timeout=delta)
         group = dist.distributed_c10d._get_default_group()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device_group, cuda = None, None
-        has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
-        # The agreement runs on a coordinator of its own: the group's count of
-        # collectives starts with its rounds.
-        if device and cls(group, rank=rank, world=world, timeout=timeout).everyone(has_cuda):
-            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            cuda = torch.device("cuda", local)
-            torch.cuda.set_device(cuda)
-            device_group = dist.new_group(backend="nccl", timeout=delta)
-        return cls(
-            group,
-            rank=rank,
-            world=world,
-            timeout=timeout,
-            device_group=device_group,
-            device=cuda,
-            layout=layout,
+        coord = cls(
+            group, rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, layout=layout
         )
+        has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        if device and coord.everyone(has_cuda):
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            coord.device = torch.device("cuda", local)
+            torch.cuda.set_device(coord.device)
+            coord.device_group = dist.new_group(backend="nccl", timeout=delta)
+        coord.collectives = 0  # the group's count of collectives starts with its rounds
+        return coord
 
     @classmethod
     def over_store(
