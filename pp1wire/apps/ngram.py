@@ -320,7 +320,7 @@ def _load(path: Path, digest: str) -> Tables | None:
     """The tables cached at ``path`` for the text ``digest``; None if absent, unreadable,
     of another format or text, or not what their recorded digest says."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             tokens = tuple(bytes(z["tokens"]).decode("utf-8").split("\0"))
             counts = {
@@ -418,7 +418,7 @@ class NgramLM:
         self.vocab_size = vocab_size
         self.tables = table
         self.size = k
-        self.identity = f"pp1-ngram{order}-d{discount:g}-{table.digest[:12]}"
+        self.identity = _identity(order, discount, table)
         keys, counts = table.counts[order]
         self._levels: dict[int, _Level] = {}
         for n in range(order, 1, -1):
@@ -493,6 +493,25 @@ class NgramLM:
         for i, prefix in enumerate(prefixes):
             self._logits_into(prefix, out[i])
         return out
+
+
+def _identity(order: int, discount: float, table: Tables) -> str:
+    return f"pp1-ngram{order}-d{discount:g}-{table.digest[:12]}"
+
+
+def identities() -> tuple[str, str]:
+    """The drafter's and the target's identities (for HELLO's ``--draft-identity`` and
+    ``--target-identity``): they name the tables, so sides whose Python texts differ
+    (and so whose models differ) do not pair.
+
+    Raises:
+        CorpusMissingError: if this Python install lacks the text.
+    """
+    table = tables()
+    return (
+        _identity(DRAFT_ORDER, DRAFT_DISCOUNT, table),
+        _identity(TARGET_ORDER, TARGET_DISCOUNT, table),
+    )
 
 
 def ngram_target(vocab_size: int = DEFAULT_VOCAB) -> NgramLM:
