@@ -16,7 +16,7 @@ temperature 1, depth 5 and sparse top-32.
   32), so the figures hold at 129,280.
 - The toy pair (``pp1wire.apps.models``) at ``--toy-vocab`` (129,280).
 
-``--row-cost`` (on by default) also times one row of each model at 129,280,
+It also times one row of each model at 129,280 (``--no-row-cost``: not),
 one prefix at a time and in batches of 8 (best of 3 passes over 32 prefixes
 sampled from the n-gram target; a shared machine makes these noisy).
 

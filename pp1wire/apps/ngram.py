@@ -41,7 +41,7 @@ know backs off to the orders that do not see it).
 A row is the model's interpolation over K tokens (one copy of the unigram row,
 then per order one scale and one scatter of the context's followers) copied
 into a row of V, so it costs less than a toy row at V = 129,280
-(``benchmarks/pair_stats.py --row-cost`` measures both). Rows are computed
+(``benchmarks/pair_stats.py`` measures both). Rows are computed
 afresh on every call from read-only tables: the models are thread-safe.
 
 Plugins: ``--drafter pp1wire.apps.ngram:drafter_factory`` (prefix -> logits)
