@@ -1,13 +1,15 @@
 """Adaptive blocks against the best fixed depth: tokens/s and drafted rows per committed token.
 
 Run from the repository root: ``python benchmarks/adaptive.py [--runs 3] [--requests 8]
-[--max-tokens 64] [--json]``.
+[--max-tokens 64] [--vocab 32000] [--models toy ngram] [--json]``.
 
 Declared before any run (nothing here is tuned to the result):
 
-- Plugins (``benchmarks/adaptive_plugins.py``): the toy target at a fixed
-  ``--target-ms`` 20 ms per call, a batch of prefixes being one call (one
-  engine step), and the toy drafter at ``--draft-ms`` 2 ms per call; vocabulary
+- Plugins (``benchmarks/adaptive_plugins.py``), for each pair of ``--models``
+  (both by default): the toy pair (``pp1wire.apps.models``) or the n-gram pair
+  (``pp1wire.apps.ngram``, the statistics of real language); the target at a
+  fixed ``--target-ms`` 20 ms per call, a batch of prefixes being one call (one
+  engine step), and the drafter at ``--draft-ms`` 2 ms per call; ``--vocab``
   32,000; ``--requests`` S = 8 requests at once, one slot each; temperature 1.
 - Configurations, every one with the same plugins, worker and prompts: fixed
   depth 1..5 (``--stop fixed``); ``--depth 5 --stop confidence:0.3``;
@@ -25,11 +27,15 @@ Declared before any run (nothing here is tuned to the result):
   repetition by repetition, then summarized. Goal: >= 1.10 in tokens/s, and
   fewer drafted rows per committed token.
 
-A diagnostic from the same toy models, in process: over ``--probes`` drafted
-positions (random one-token contexts), the drafter's q at its own draw against
-the exact acceptance chance min(1, p/q) of that draw: their mean, their
-correlation, and the acceptance above and below tau. A rule on q can only help
-where q says something about acceptance.
+A diagnostic from the same models, in process: over ``--probes`` drafted
+positions, the drafter's q at its own draw against the exact acceptance chance
+min(1, p/q) of that draw: their mean, their correlation, and the acceptance
+above and below tau. A rule on q can only help where q says something about
+acceptance. For the toy pair (``diagnostic``) the positions follow random
+one-token contexts and the correlation is Pearson's; for every pair
+(``statistics``) they are contexts sampled from the pair's own target, as
+``benchmarks/pair_stats.py`` measures them (:mod:`pp1wire.apps.pairstats`:
+Spearman's correlation, acceptance, mean accepted length at depth 5).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from pp1wire.apps import ngram, pairstats
 from pp1wire.apps.launch import spark_command, worker_process
 from pp1wire.apps.models import ToyLM
 from pp1wire.q.proposal import build_row
@@ -52,6 +59,12 @@ ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 32_000
 TAU = "0.3"
 SUPPORTS = {"dense": "dense", "sparse32": "sparse:32"}
+# Each pair's plugins in benchmarks/adaptive_plugins.py: (drafter, target).
+PAIRS = {
+    "toy": ("drafter_factory", "target_factory"),
+    "ngram": ("ngram_drafter_factory", "ngram_target_factory"),
+}
+PLUGINS = "benchmarks.adaptive_plugins"
 
 
 def configurations(depths: list[int]) -> dict[str, list[str]]:
@@ -64,15 +77,23 @@ def configurations(depths: list[int]) -> dict[str, list[str]]:
 
 
 def spark(
-    address: str, flags: list[str], support: str, requests: int, tokens: int, env: dict[str, str]
+    address: str,
+    flags: list[str],
+    support: str,
+    requests: int,
+    tokens: int,
+    env: dict[str, str],
+    *,
+    vocab: int = VOCAB,
+    pair: str = "toy",
 ) -> dict[str, Any]:
     """One pp1-spark run's --json summary."""
     cmd = spark_command(
         address,
-        "--target", "benchmarks.adaptive_plugins:target_factory",
+        "--target", f"{PLUGINS}:{PAIRS[pair][1]}",
         "--requests", str(requests), "--concurrency", str(requests),
         "--max-tokens", str(tokens), "--support", support, "--json", *flags,
-        vocab=VOCAB,
+        vocab=vocab,
     )  # fmt: skip
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=900, check=True, cwd=ROOT, env=env
@@ -89,9 +110,18 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def measure(
-    runs: int, requests: int, tokens: int, target_ms: float, draft_ms: float, depths: list[int]
+    runs: int,
+    requests: int,
+    tokens: int,
+    target_ms: float,
+    draft_ms: float,
+    depths: list[int],
+    *,
+    vocab: int = VOCAB,
+    pair: str = "toy",
 ) -> dict[str, Any]:
-    """Every configuration ``runs`` times, interleaved; returns the figures."""
+    """Every configuration ``runs`` times, interleaved, with the pair ``pair``; returns
+    the figures."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),  # the plugins: benchmarks.adaptive_plugins
@@ -103,14 +133,17 @@ def measure(
         s: {c: [] for c in configs} for s in SUPPORTS
     }
     with worker_process(
-        "--drafter", "benchmarks.adaptive_plugins:drafter_factory",
+        "--drafter", f"{PLUGINS}:{PAIRS[pair][0]}",
         "--max-slots", str(requests), "--draw-threads", str(requests),
-        vocab=VOCAB, seed=0, env=env,  # the drafter perturbs the target of the same seed
+        vocab=vocab, seed=0, env=env,  # the toy drafter perturbs the target of the same seed
     ) as worker:  # fmt: skip
         for _ in range(runs):
             for skey, support in SUPPORTS.items():
                 for name, flags in configs.items():
-                    summary = spark(worker.address, flags, support, requests, tokens, env)
+                    summary = spark(
+                        worker.address, flags, support, requests, tokens, env,
+                        vocab=vocab, pair=pair,
+                    )  # fmt: skip
                     raw[skey][name].append(summary)
     out: dict[str, Any] = {}
     for skey in SUPPORTS:
@@ -137,18 +170,18 @@ def measure(
     return out
 
 
-def diagnostic(probes: int, seed: int = 1) -> dict[str, Any]:
-    """The drafter's q at its draw against the draw's exact acceptance chance (dense q)."""
-    target, drafter = ToyLM(VOCAB, 0), ToyLM(VOCAB, 0, draft=True)
+def diagnostic(probes: int, seed: int = 1, vocab: int = VOCAB) -> dict[str, Any]:
+    """The toy drafter's q at its draw against the draw's exact acceptance chance (dense q)."""
+    target, drafter = ToyLM(vocab, 0), ToyLM(vocab, 0, draft=True)
     rng = np.random.default_rng(seed)
     qs, accept = [], []
     for _ in range(probes):
-        prefix = [int(rng.integers(VOCAB))]
+        prefix = [int(rng.integers(vocab))]
         counts, _ = build_row(drafter.logits(prefix), 1.0, None)
         q = counts / float(1 << 24)
         p = np.asarray(target.probs(prefix), dtype=np.float64)
         p = p / p.sum()
-        x = int(rng.choice(VOCAB, p=q))
+        x = int(rng.choice(vocab, p=q))
         qs.append(float(q[x]))
         accept.append(min(1.0, float(p[x] / q[x])))
     q_arr, a_arr = np.asarray(qs), np.asarray(accept)
@@ -164,6 +197,18 @@ def diagnostic(probes: int, seed: int = 1) -> dict[str, Any]:
     }
 
 
+def statistics_of(pair: str, vocab: int, probes: int) -> dict[str, Any]:
+    """The pair's statistics (:func:`pp1wire.apps.pairstats.measure`) over about ``probes``
+    contexts sampled from its own target (chains of 40 tokens)."""
+    if pair == "ngram":
+        d, t = ngram.ngram_drafter(vocab), ngram.ngram_target(vocab)
+        drafter, target = d.logits, t.probs
+    else:
+        drafter, target = ToyLM(vocab, 0, draft=True).logits, ToyLM(vocab, 0).probs
+    length = min(40, probes)
+    return pairstats.measure(drafter, target, vocab, chains=max(1, probes // length), length=length)
+
+
 def main() -> None:
     """Measure and print the figures."""
     p = argparse.ArgumentParser(description=__doc__)
@@ -174,42 +219,68 @@ def main() -> None:
     p.add_argument("--draft-ms", type=float, default=2.0)
     p.add_argument("--depths", default="1,2,3,4,5", help="the fixed depths swept")
     p.add_argument("--probes", type=int, default=400)
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--models", nargs="+", choices=list(PAIRS), default=list(PAIRS))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
-    out = measure(args.runs, args.requests, args.max_tokens, args.target_ms, args.draft_ms, depths)
-    out["diagnostic"] = diagnostic(args.probes)
+    out: dict[str, Any] = {"pairs": {}}
+    for pair in args.models:
+        res = measure(
+            args.runs, args.requests, args.max_tokens, args.target_ms, args.draft_ms, depths,
+            vocab=args.vocab, pair=pair,
+        )  # fmt: skip
+        if pair == "toy":
+            res["diagnostic"] = diagnostic(args.probes, vocab=args.vocab)
+        res["statistics"] = statistics_of(pair, args.vocab, args.probes)
+        out["pairs"][pair] = res
     out["settings"] = {
         "runs": args.runs,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "target_ms": args.target_ms,
         "draft_ms": args.draft_ms,
-        "vocab": VOCAB,
+        "vocab": args.vocab,
         "tau": TAU,
+        "models": args.models,
     }
     if args.json:
         print(json.dumps(out))
         return
     print(
-        f"vocab {VOCAB}, {args.requests} requests x {args.max_tokens} tokens, target "
+        f"vocab {args.vocab}, {args.requests} requests x {args.max_tokens} tokens, target "
         f"{args.target_ms:g} ms per batch call, drafter {args.draft_ms:g} ms per call, "
         f"{args.runs} interleaved runs (median [min-max])"
     )
-    for skey in SUPPORTS:
-        res = out[skey]
-        print(f"\n{skey}: best fixed depth = {res['best_fixed']}")
-        for name, row in res["configurations"].items():
-            r, w = row["tokens_per_second"], row["rows_per_token"]
-            line = (
-                f"  {name:10s} {r['median']:7.1f} tok/s [{r['min']:.1f}-{r['max']:.1f}]  "
-                f"rows/token {w['median']:.3f} [{w['min']:.3f}-{w['max']:.3f}]"
-            )
-            if "speed_vs_best_fixed" in row:
-                s = row["speed_vs_best_fixed"]
-                line += f"  vs best fixed x{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
-            print(line)
-    print("\ndiagnostic:", json.dumps(out["diagnostic"]))
+    for pair, res in out["pairs"].items():
+        for skey in SUPPORTS:
+            table = res[skey]
+            print(f"\n{pair} pair, {skey}: best fixed depth = {table['best_fixed']}")
+            for name, row in table["configurations"].items():
+                r, w = row["tokens_per_second"], row["rows_per_token"]
+                line = (
+                    f"  {name:10s} {r['median']:7.1f} tok/s [{r['min']:.1f}-{r['max']:.1f}]  "
+                    f"rows/token {w['median']:.3f} [{w['min']:.3f}-{w['max']:.3f}]  "
+                    f"depth {row['mean_step_depth']['median'] or 0:.2f}"
+                )
+                if "speed_vs_best_fixed" in row:
+                    sp = row["speed_vs_best_fixed"]
+                    line += f"  vs best fixed x{sp['median']:.3f} [{sp['min']:.3f}-{sp['max']:.3f}]"
+                print(line)
+        if "diagnostic" in res:
+            print(f"\n{pair} pair, diagnostic:", json.dumps(res["diagnostic"]))
+        st = res["statistics"]
+        c = st["confidence"]
+        print(
+            f"{pair} pair, statistics over {st['contexts']} contexts from its target: acceptance "
+            f"{st['acceptance']['dense']['mean']:.3f} (sparse:32 "
+            f"{st['acceptance']['sparse32']['mean']:.3f}), mean accepted length at depth 5 "
+            f"{st['mean_accepted_length']['dense']:.2f} (sparse:32 "
+            f"{st['mean_accepted_length']['sparse32']:.2f}), Spearman q(x) vs min(1,p/q) "
+            f"{c['spearman_dense']:.3f}, q(x) >= {c['tau']}: {c['share_q_at_least_tau']:.2f} "
+            f"of draws, accepted {c['acceptance_q_at_least_tau'] or 0:.3f} "
+            f"(below: {c['acceptance_q_below_tau'] or 0:.3f})"
+        )
 
 
 if __name__ == "__main__":

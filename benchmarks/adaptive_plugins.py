@@ -1,4 +1,4 @@
-"""Toy plugins with a fixed cost per call, for ``benchmarks/adaptive.py``.
+"""Plugins with a fixed cost per call, for ``benchmarks/adaptive.py``.
 
 ``target_factory``: the toy target at a fixed cost per call, a batch of prefixes
 being one call (an engine's forward pass): ``PP1_BENCH_TARGET_MS`` ms (default
@@ -6,8 +6,10 @@ being one call (an engine's forward pass): ``PP1_BENCH_TARGET_MS`` ms (default
 (default 2), per prefix or, through its ``batch`` method, per batch of prefixes.
 Each call sleeps to a deadline (releasing the GIL, as a call into a GPU runtime
 would), the toy model's arithmetic done inside that time from rows cached per
-last token (a toy bigram depends on nothing else). The costs are read from the
-environment when a factory runs, so a benchmark sets them for both daemons.
+last token (a toy bigram depends on nothing else). ``ngram_target_factory`` and
+``ngram_drafter_factory``: the n-gram pair (:mod:`pp1wire.apps.ngram`) at the
+same costs, its rows computed inside each call's time. The costs are read from
+the environment when a factory runs, so a benchmark sets them for both daemons.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from pp1wire.apps import ngram
 from pp1wire.apps.models import ToyLM
 
 Row = npt.NDArray[np.float64]
@@ -73,3 +76,15 @@ def target_factory(vocab_size: int, seed: int = 0) -> _Paced:
 def drafter_factory(vocab_size: int, seed: int = 0) -> _Paced:
     """The toy drafter's logits at ``PP1_BENCH_DRAFT_MS`` (2) ms per call."""
     return _Paced(ToyLM(vocab_size, seed, draft=True).logits, _seconds("PP1_BENCH_DRAFT_MS", 2.0))
+
+
+def ngram_target_factory(vocab_size: int, seed: int = 0) -> ngram.PacedModelFn:
+    """The n-gram target's probabilities at ``PP1_BENCH_TARGET_MS`` (20) ms per call."""
+    model = ngram.target_factory(vocab_size, seed)
+    return ngram.PacedModelFn(model, _seconds("PP1_BENCH_TARGET_MS", 20.0))
+
+
+def ngram_drafter_factory(vocab_size: int, seed: int = 0) -> ngram.PacedModelFn:
+    """The n-gram drafter's logits at ``PP1_BENCH_DRAFT_MS`` (2) ms per call."""
+    model = ngram.drafter_factory(vocab_size, seed)
+    return ngram.PacedModelFn(model, _seconds("PP1_BENCH_DRAFT_MS", 2.0))

@@ -1,13 +1,17 @@
 """What speculative decoding buys: speculative against target-only tokens/s, and against the ideal.
 
-Run from the repository root: ``python benchmarks/speedup.py [--json] [--smoke]``.
+Run from the repository root: ``python benchmarks/speedup.py [--json] [--smoke]
+[--models toy ngram]``.
 
 The plugins cost a fixed time per call, as a forward pass does
 (:mod:`pp1wire.apps.paced`): the target sleeps to a deadline t_t per call,
 whether it scores one prefix or a whole step's batch, and the drafter costs
-t_d = 0.5 ms per call (one prefix or a batch). The rows themselves are nearly
-free (tabulated toy models), so what is left of each side's CPU is pp1wire's
-own. ``pp1-worker`` and ``pp1-spark`` run as they ship, pinned to different
+t_d = 0.5 ms per call (one prefix or a batch). Two model pairs (``--models``,
+both by default, one table each): ``toy``, whose rows are nearly free
+(tabulated toy models), so what is left of each side's CPU is pp1wire's own;
+and ``ngram`` (:mod:`pp1wire.apps.ngram`, the pair with the statistics of real
+language), whose rows are computed inside the paced time (a few hundredths
+of a millisecond each). ``pp1-worker`` and ``pp1-spark`` run as they ship, pinned to different
 cores (the first half of this process's cores, and the second half), with
 S = 8 requests of 64 tokens at concurrency 8 (8 slots) and depth d = 5; for
 each vocabulary V in {32,000, 129,280} and target cost t_t in {5, 20, 50}
@@ -68,7 +72,14 @@ SUPPORTS = ("dense", "sparse:32")
 TARGET_MS = (5.0, 20.0, 50.0)
 DRAFTER_MS = 0.5
 DEPTH = 5
-PLUGINS = "pp1wire.apps.paced"
+# The model pairs (--models): each one's paced drafter and target plugins.
+PAIRS = {
+    "toy": ("pp1wire.apps.paced:drafter_factory", "pp1wire.apps.paced:target_factory"),
+    "ngram": (
+        "pp1wire.apps.ngram:paced_drafter_factory",
+        "pp1wire.apps.ngram:paced_target_factory",
+    ),
+}
 # Run each process where it is pinned: the affinity is set before the interpreter starts.
 _PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys.argv[1:])"
 
@@ -121,11 +132,12 @@ def spark_run(
     requests: int,
     tokens: int,
     on: list[int],
+    models: str = "toy",
 ) -> dict[str, Any]:
     """One ``pp1-spark`` run: its summary, with the worker's CPU and rows during it."""
     cmd = spark_command(
         worker.address,
-        "--target", f"{PLUGINS}:target_factory",
+        "--target", PAIRS[models][1],
         "--requests", str(requests), "--concurrency", str(requests),
         "--max-tokens", str(tokens), "--depth", str(depth), "--support", support, "--json",
         vocab=vocab,
@@ -144,10 +156,12 @@ def spark_run(
 
 
 @contextmanager
-def worker_on(vocab: int, slots: int, on: list[int]) -> Iterator[RunningWorker]:
+def worker_on(
+    vocab: int, slots: int, on: list[int], models: str = "toy"
+) -> Iterator[RunningWorker]:
     """``pp1-worker`` with the fixed-cost drafter, pinned to ``on``, metrics on a free port."""
     cmd = worker_command(
-        "--drafter", f"{PLUGINS}:drafter_factory", "--max-slots", str(slots),
+        "--drafter", PAIRS[models][0], "--max-slots", str(slots),
         "--metrics-port", "0", vocab=vocab, seed=0,
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", DRAFTER_MS_ENV: repr(DRAFTER_MS)}
@@ -214,18 +228,20 @@ def measure(
     tokens: int = 64,
     reps: int = 3,
     warm_up: bool = True,
+    models: Sequence[str] = ("toy",),
 ) -> dict[str, Any]:
-    """Run the table (see the module docstring); returns ``cells``, ``runs`` and headline keys.
+    """Run the table (see the module docstring) for each pair of ``models`` (``PAIRS``);
+    returns ``cells``, ``runs`` and the headline keys (of the first pair).
 
     With ``warm_up``, each worker's first run (its warm-up) is not measured."""
     worker_cores, spark_cores = cores()
     runs: list[dict[str, Any]] = []
-    for vocab in vocabs:
-        with worker_on(vocab, requests, worker_cores) as worker:
+    for pair, vocab in [(m, v) for m in models for v in vocabs]:
+        with worker_on(vocab, requests, worker_cores, pair) as worker:
             if warm_up:
                 spark_run(
                     worker, vocab=vocab, depth=DEPTH, support=supports[0], target_ms=0.0,
-                    requests=requests, tokens=min(tokens, 8), on=spark_cores,
+                    requests=requests, tokens=min(tokens, 8), on=spark_cores, models=pair,
                 )  # fmt: skip
             order = [(t, s) for t in target_ms for s in ("target_only", *supports)]
             for rep in range(reps):
@@ -241,11 +257,13 @@ def measure(
                         requests=requests,
                         tokens=tokens,
                         on=spark_cores,
+                        models=pair,
                     )
                 for t in target_ms:
                     for s in supports:
                         runs.append(
                             {
+                                "models": pair,
                                 "vocab": vocab,
                                 "q": s,
                                 "target_ms": t,
@@ -256,13 +274,14 @@ def measure(
                             }
                         )
     cells = []
-    for vocab in vocabs:
+    for pair, vocab in [(m, v) for m in models for v in vocabs]:
         for t in target_ms:
             for s in supports:
-                mine = [r for r in runs if (r["vocab"], r["target_ms"], r["q"]) == (vocab, t, s)]
-                cell: dict[str, Any] = {"vocab": vocab, "q": s, "target_ms": t}
+                key = (pair, vocab, t, s)
+                mine = [r for r in runs if (r["models"], r["vocab"], r["target_ms"], r["q"]) == key]
+                cell: dict[str, Any] = {"models": pair, "vocab": vocab, "q": s, "target_ms": t}
                 for name in mine[0]:
-                    if name not in ("vocab", "q", "target_ms", "rep"):
+                    if name not in ("models", "vocab", "q", "target_ms", "rep"):
                         cell[name] = summarize([r[name] for r in mine])
                 cells.append(cell)
     out: dict[str, Any] = {
@@ -279,7 +298,8 @@ def measure(
         "cells": cells,
         "runs": runs,
     }
-    out.update(headline(runs, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
+    first = [r for r in runs if r["models"] == models[0]]
+    out.update(headline(first, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
     return out
 
 
@@ -321,14 +341,15 @@ def _cell_text(f: dict[str, float], digits: int = 2) -> str:
 def table(result: dict[str, Any]) -> str:
     """The cells as a markdown table: median (min-max) of the repetitions."""
     head = [
-        "| V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
+        "| pair | V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
         "STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
         "Spark CPU ms/token (spec, target-only) | L |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         head.append(
-            f"| {c['vocab']:,} | {c['q']} | {c['target_ms']:g} | {_cell_text(c['speedup'])}x "
+            f"| {c['models']} | {c['vocab']:,} | {c['q']} | {c['target_ms']:g} "
+            f"| {_cell_text(c['speedup'])}x "
             f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
             f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
             f"| {c['step_ms']['median']:.1f} ({c['ideal_step_ms']['median']:.1f}; "
@@ -349,6 +370,10 @@ def main() -> None:
     )
     p.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS), metavar="V")
     p.add_argument("--support", nargs="+", default=list(SUPPORTS), metavar="dense|sparse:K")
+    p.add_argument(
+        "--models", nargs="+", choices=list(PAIRS), default=list(PAIRS),
+        help="the model pairs: toy (pp1wire.apps.models) and ngram (pp1wire.apps.ngram)",
+    )  # fmt: skip
     p.add_argument("--target-ms", type=float, nargs="+", default=list(TARGET_MS), metavar="MS")
     p.add_argument("--requests", type=int, default=8, metavar="N")
     p.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS")
@@ -377,6 +402,7 @@ def main() -> None:
         tokens=args.max_tokens,
         reps=args.reps,
         warm_up=not args.smoke,
+        models=args.models,
     )
     if args.json:
         print(json.dumps(result))

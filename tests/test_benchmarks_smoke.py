@@ -196,8 +196,8 @@ def test_speedup_smoke():
         assert r["target_only_spark_cpu_ms_per_token"] > 0
     for cell in result["cells"]:
         mine = [
-            r for r in runs if (r["vocab"], r["q"], r["target_ms"]) ==
-            (cell["vocab"], cell["q"], cell["target_ms"])
+            r for r in runs if (r["models"], r["vocab"], r["q"], r["target_ms"]) ==
+            (cell["models"], cell["vocab"], cell["q"], cell["target_ms"])
         ]  # fmt: skip
         assert len(mine) == setup["reps"]
         for name, summary in cell.items():
@@ -210,11 +210,13 @@ def test_speedup_smoke():
                 )
     # The keys run.py reads: one repetition's, so they follow from each other.
     head = result["headline"]
+    assert {c["models"] for c in result["cells"]} == {"toy", "ngram"}  # both pairs by default
     chosen = {
         r["q"]: r
         for r in runs
-        if (r["vocab"], r["target_ms"], r["rep"]) == (head["vocab"], head["target_ms"], head["rep"])
-    }
+        if (r["models"], r["vocab"], r["target_ms"], r["rep"])
+        == ("toy", head["vocab"], head["target_ms"], head["rep"])
+    }  # the headline: the first pair's
     plain = result["target_only_tokens_per_second"]
     for key, q in (("dense", "dense"), ("sparse32", "sparse:32")):
         assert result[f"{key}_tokens_per_second"] == chosen[q]["tokens_per_second"]
@@ -354,8 +356,9 @@ def test_adaptive_smoke():
         "adaptive.py", "--runs", "1", "--requests", "2", "--max-tokens", "4", "--depths", "1",
         "--target-ms", "1", "--draft-ms", "0.1", "--probes", "20", "--json",
     )  # fmt: skip
-    for key in ("dense", "sparse32"):
-        res = result[key]
+    assert set(result["pairs"]) == {"toy", "ngram"}  # both pairs by default
+    for pair, key in ((p, k) for p in ("toy", "ngram") for k in ("dense", "sparse32")):
+        res = result["pairs"][pair][key]
         table = res["configurations"]
         assert set(table) == {"fixed1", "confidence", "joint", "auto"}
         assert res["best_fixed"] == "fixed1"
@@ -369,9 +372,13 @@ def test_adaptive_smoke():
         # Fixed depth 1 drafts one row per round; every round commits at least one token.
         assert 0 < best["rows_per_token"]["median"] <= 1
         assert best["mean_step_depth"]["median"] == 1
-    d = result["diagnostic"]
+    d = result["pairs"]["toy"]["diagnostic"]
     assert 0 <= d["mean_acceptance"] <= 1
     assert -1 <= d["correlation_q_acceptance"] <= 1
+    for pair in ("toy", "ngram"):
+        stats = result["pairs"][pair]["statistics"]
+        assert stats["contexts"] == 20  # --probes
+        assert -1 <= stats["confidence"]["spearman_dense"] <= 1
 
 
 @pytest.mark.bench

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
 import numpy as np
 import pytest
 
-from pp1wire.apps import paced
+from pp1wire.apps import demo, ngram, paced
 from pp1wire.apps.models import ToyLM
 
 from . import cli
@@ -65,17 +66,36 @@ def test_a_meaningless_pace_is_refused(monkeypatch, raw):
         paced.target_factory(8, 0)
 
 
-def test_the_demo_shows_target_only_and_speculative_side_by_side():
+@pytest.fixture(scope="module")
+def ngram_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a demo whose n-gram pair is cached in a folder of this module's."""
+    return {**os.environ, ngram.CACHE_ENV: str(tmp_path_factory.mktemp("ngram-cache"))}
+
+
+@pytest.mark.parametrize("pair", ["ngram", "toy"])
+def test_the_demo_shows_target_only_and_speculative_side_by_side(pair, ngram_cache):
+    models = [] if pair == "ngram" else ["--models", "toy"]  # the n-gram pair by default
     done = cli.run(
-        sys.executable, "-m", "pp1wire.apps.demo",
+        sys.executable, "-m", "pp1wire.apps.demo", *models,
         "--vocab", "256", "--requests", "2", "--max-tokens", "6",
         "--target-ms", "2", "--drafter-ms", "0",
-        timeout=120,
+        timeout=120, env=ngram_cache,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "PP1_PACED_TARGET_MS=2 pp1-spark" in out  # the commands, as a user would type them
     assert "PP1_PACED_DRAFTER_MS=0 pp1-worker" in out
+    plugins = {"ngram": "pp1wire.apps.ngram:paced_", "toy": "pp1wire.apps.paced:"}[pair]
+    assert f"--drafter {plugins}drafter_factory" in out
+    assert f"--target {plugins}target_factory" in out
+    title = {"ngram": "n-gram pair", "toy": "toy pair"}[pair]
+    assert f"({title}, vocabulary 256)" in out
+    if pair == "ngram":  # both sides declare the tables they were built from
+        drafter_id, target_id = (
+            f"pp1-ngram{order}-d{d:g}-" for order, d in ((4, 0.5), (5, 0.4))
+        )
+        assert out.count(f"--target-identity {target_id}") == 4  # the worker and 3 runs
+        assert f"--draft-identity {drafter_id}" in out
     rates = {}
     for title in ("target-only", "speculative, dense q", "speculative, sparse:32 q"):
         line = re.search(rf"^  {re.escape(title)} +([0-9.]+) +([0-9.]+)x", out, re.MULTILINE)
@@ -86,3 +106,24 @@ def test_the_demo_shows_target_only_and_speculative_side_by_side():
         # Each ratio against the target-only run of the same demo (to the digits printed).
         assert ratio == pytest.approx(rate / plain, abs=0.006)
     assert "worker stopped on SIGTERM, exit code 0" in out
+
+
+@pytest.mark.parametrize("pair", ["ngram", "toy"])
+def test_the_in_process_demo_runs_either_pair(pair, ngram_cache, monkeypatch):
+    monkeypatch.setenv(ngram.CACHE_ENV, ngram_cache[ngram.CACHE_ENV])
+    stats = demo.run_in_process(
+        pair=pair, vocab_size=512, seed=0, requests=2, max_tokens=8, depth=3, support=32,
+        temperature=1.0, prompt=[1, 2, 3],
+    )  # fmt: skip
+    assert stats["tokens"] >= 2 * 8
+    assert 0 < stats["mean_accepted_length"] <= 3
+
+
+def test_the_demo_without_the_text_says_so_and_names_the_toy_pair(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, ngram.TEXT_MODULE, None)
+    monkeypatch.setattr(ngram, "_memo", {})
+    assert demo.main(["--vocab", "64", "--requests", "1", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "pydoc_data.topics" in err
+    assert "--models toy" in err

@@ -1,16 +1,19 @@
-"""The main job: both daemons on loopback with the built-in toy models, and what speculation buys.
+"""The main job: both daemons on loopback with a built-in model pair, and what speculation buys.
 
 ``pp1-demo`` starts ``pp1-worker`` on a free loopback port and runs
 ``pp1-spark`` against it three times: target-only (``--depth 0``), then
 speculative with dense q, then with sparse top-32 q, every request of a run
-in one step (concurrency = requests). The toy models are paced
-(:mod:`pp1wire.apps.paced`): the target costs ``--target-ms`` per call,
-whether it scores one prefix or a whole step's batch, as a forward pass does,
-and the drafter ``--drafter-ms`` per call. It prints each run's summary, the
-three runs' tokens/s side by side, the worker's Prometheus counters, then
-stops the worker with SIGTERM. ``pp1-demo --in-process`` instead runs the
-proposal chain and the verifier in one process (no sockets, no pacing), which
-is handy when debugging numerics.
+in one step (concurrency = requests). The models are, by default, the n-gram
+pair learned from the English text that ships with Python
+(:mod:`pp1wire.apps.ngram`: a 5-gram target and a 4-gram drafter whose
+statistics are those of real language), or with ``--models toy`` the toy
+pair (:mod:`pp1wire.apps.models`). Both are paced: the target costs
+``--target-ms`` per call, whether it scores one prefix or a whole step's
+batch, as a forward pass does, and the drafter ``--drafter-ms`` per call. It
+prints each run's summary, the three runs' tokens/s side by side, the
+worker's Prometheus counters, then stops the worker with SIGTERM.
+``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
+one process (no sockets, no pacing), which is handy when debugging numerics.
 """
 
 from __future__ import annotations
@@ -25,14 +28,35 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from pp1wire.apps import settings
+from pp1wire.apps import ngram, settings
 from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import QRow, propose
+from pp1wire.q.proposal import DrafterFn, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams, derive_seed
-from pp1wire.q.verify import RequestVerifier, proposal_from_rows
+from pp1wire.q.verify import RequestVerifier, TargetFn, proposal_from_rows
+
+#: The model pairs: name -> (what pp1-demo calls it, its paced drafter and target plugins).
+PAIRS = {
+    "ngram": (
+        "n-gram pair",
+        "pp1wire.apps.ngram:paced_drafter_factory",
+        "pp1wire.apps.ngram:paced_target_factory",
+    ),
+    "toy": ("toy pair", "pp1wire.apps.paced:drafter_factory", "pp1wire.apps.paced:target_factory"),
+}
+
+
+def models(name: str, vocab_size: int, seed: int) -> tuple[DrafterFn, TargetFn]:
+    """The drafter (prefix -> logits) and target (prefix -> p) of the pair ``name``, unpaced.
+
+    Raises:
+        ngram.CorpusMissingError: for the n-gram pair on a Python without its text.
+    """
+    if name == "ngram":
+        return ngram.ngram_drafter(vocab_size).logits, ngram.ngram_target(vocab_size).probs
+    return toy_drafter(vocab_size, seed).logits, toy_target(vocab_size, seed).probs
 
 
 def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
@@ -50,6 +74,7 @@ def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
 
 def run_in_process(
     *,
+    pair: str = "toy",
     vocab_size: int,
     seed: int,
     requests: int,
@@ -59,9 +84,13 @@ def run_in_process(
     temperature: float,
     prompt: Sequence[int],
 ) -> dict[str, Any]:
-    """Generate ``requests`` sequences in one process; return the summary statistics."""
-    target = toy_target(vocab_size, seed)
-    drafter = toy_drafter(vocab_size, seed)
+    """Generate ``requests`` sequences in one process with the pair ``pair``; return the
+    summary statistics.
+
+    Raises:
+        ngram.CorpusMissingError: for the n-gram pair on a Python without its text.
+    """
+    drafter, target = models(pair, vocab_size, seed)
     per_position = [0] * depth
     drafts = accepted = tokens = rounds = 0
     started = time.perf_counter()
@@ -72,7 +101,7 @@ def run_in_process(
             seed=request_seed,
             vocab_size=vocab_size,
             prefix=prompt,
-            target=target.probs,
+            target=target,
         )
         round_id = 0
         while verifier.position - len(prompt) < max_tokens and not verifier.finished:
@@ -80,7 +109,7 @@ def run_in_process(
             rows = propose(
                 verifier.committed,
                 depth,
-                drafter.logits,
+                drafter,
                 worker,
                 temperature=temperature,
                 support=support,
@@ -146,19 +175,33 @@ def run_daemons(args: argparse.Namespace) -> int:
     """Start the worker, run the Spark side target-only and speculative, stop the worker."""
     drafter_env = {DRAFTER_MS_ENV: f"{args.drafter_ms:g}"}
     target_env = {TARGET_MS_ENV: f"{args.target_ms:g}"}
+    title, drafter_plugin, target_plugin = PAIRS[args.models]
+    drafter_flags: list[str] = []
+    target_flags: list[str] = []
+    if args.models == "ngram":
+        # The tables are built (or read from the cache) here, once, so both daemons
+        # only load them; their identities name the tables (ngram.identities).
+        try:
+            drafter_id, target_id = ngram.identities()
+        except ngram.CorpusMissingError as exc:
+            print(f"pp1-demo: {exc} (or pp1-demo --models toy)", file=sys.stderr)
+            return 1
+        target_flags = ["--target-identity", target_id]
+        drafter_flags = ["--draft-identity", drafter_id, *target_flags]
     worker_cmd = worker_command(
-        "--drafter", "pp1wire.apps.paced:drafter_factory", "--max-slots", str(args.requests),
+        "--drafter", drafter_plugin, *drafter_flags, "--max-slots", str(args.requests),
         "--metrics-port", "0", vocab=args.vocab, seed=args.seed,
     )  # fmt: skip
     print(_shown(drafter_env, worker_cmd, "pp1-worker"), flush=True)
     runs: list[tuple[str, dict[str, Any]]] = []
     try:
         with worker_process(command=worker_cmd, env={**os.environ, **drafter_env}) as worker:
-            print(f"  worker up at {worker.address} (toy drafter, vocabulary {args.vocab})")
+            print(f"  worker up at {worker.address} ({title}, vocabulary {args.vocab})")
             for title, depth, support in RUNS:
                 spark_cmd = spark_command(
                     worker.address,
-                    "--target", "pp1wire.apps.paced:target_factory",
+                    "--target", target_plugin,
+                    *target_flags,
                     "--seed", str(args.seed),
                     "--requests", str(args.requests),
                     "--concurrency", str(args.requests),
@@ -209,11 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-demo`` argument parser."""
     p = settings.parser("pp1-demo", __doc__)
     p.add_argument(
+        "--models",
+        choices=tuple(PAIRS),
+        default="ngram",
+        metavar="ngram|toy",
+        help="the model pair: ngram (learned from the English text that ships with Python: "
+        "the statistics of real language) or toy (the exactness tests' pair)",
+    )
+    p.add_argument(
         "--vocab",
         type=settings.vocabulary,
         default=DEFAULT_VOCAB,
         metavar="TOKENS",
-        help="vocabulary size of the toy models, in token IDs",
+        help="vocabulary size, in token IDs (the n-gram pair has about 3,700 tokens: IDs "
+        "beyond them have probability zero; a smaller vocabulary keeps its most frequent)",
     )
     p.add_argument(
         "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
@@ -315,17 +367,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not args.in_process:
         return run_daemons(args)
-    stats = run_in_process(
-        vocab_size=args.vocab,
-        seed=args.seed,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        depth=args.depth,
-        support=support,
-        temperature=args.temperature,
-        prompt=[1, 2, 3],
+    try:
+        stats = run_in_process(
+            pair=args.models,
+            vocab_size=args.vocab,
+            seed=args.seed,
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            depth=args.depth,
+            support=support,
+            temperature=args.temperature,
+            prompt=[1, 2, 3],
+        )
+    except ngram.CorpusMissingError as exc:
+        print(f"pp1-demo: {exc} (or pp1-demo --models toy)", file=sys.stderr)
+        return 1
+    _print(
+        f"pp1wire in-process round trip ({PAIRS[args.models][0]}): vocab {args.vocab}, "
+        f"depth {args.depth}",
+        stats,
     )
-    _print(f"pp1wire in-process round trip: vocab {args.vocab}, depth {args.depth}", stats)
     return 0
 
 
