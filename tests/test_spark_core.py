@@ -216,8 +216,15 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10))
     def duplicate(self, i):
         frame = self.delivered[i % len(self.delivered)]
+        rows = sum(f[3] == MsgType.REPLY for f in self.delivered)
         events = self._feed([frame])
-        assert not any(isinstance(e, ProposalReady) for e in events)
+        for e in events:
+            if isinstance(e, ProposalReady):
+                # A frame delivered twice never completes a block: a repeated row is
+                # refused, which ends the block before it (a cut) with the rows
+                # delivered once, in order (docs/adaptive.md section 7).
+                assert e.proposal.cut is ErrorCode.ROW_OUT_OF_ORDER
+                assert len(e.proposal.rows) == rows
 
     @precondition(lambda self: self.step_bytes is not None)
     @rule()
