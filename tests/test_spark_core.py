@@ -409,7 +409,7 @@ def test_a_desynced_slot_refuses_local_calls_with_its_own_code():
 
 def test_a_corrupt_row_after_a_valid_one_cuts_the_block_to_the_valid_row():
     pair = opened()
-    r, frames = held_reply(pair, depth=3)
+    _r, frames = held_reply(pair, depth=3)
     bad = bytearray(frames[1])
     bad[-1] ^= 0x01  # row 1's payload no longer matches its checksum
     events = deliver(pair, [frames[0], bytes(bad), *frames[2:]])
@@ -423,7 +423,7 @@ def test_a_corrupt_row_after_a_valid_one_cuts_the_block_to_the_valid_row():
 
 def test_the_reply_deadline_cuts_at_the_rows_that_arrived_and_later_frames_are_late():
     pair = opened(spark_kw={"reply_timeout": 1.0})
-    r, frames = held_reply(pair, depth=3)
+    _r, frames = held_reply(pair, depth=3)
     deliver(pair, frames[:2])
     assert pair.spark.next_deadline() == pytest.approx(pair.now + 1.0)
     events = pair.spark.handle_timer(pair.now + 1.0)
@@ -455,7 +455,7 @@ def test_cut_stops_waiting_now_with_the_rows_that_arrived_or_fails_without_any()
 
 def test_a_failure_reported_after_rows_is_a_block_cut_by_its_status():
     pair = opened()
-    r, frames = held_reply(pair, depth=3)
+    _r, frames = held_reply(pair, depth=3)
     # The worker drew row 0, then its drafter failed: it ships row 0 with the status.
     from pp1wire.testing.builders import completion
 

@@ -42,9 +42,8 @@ class MuteWorker(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.core = WorkerProtocol(
-            WorkerConfig(vocab_size=VOCAB), drafter_factory(VOCAB, 3), session=1, now=time.monotonic()
-        )
+        config, drafter = WorkerConfig(vocab_size=VOCAB), drafter_factory(VOCAB, 3)
+        self.core = WorkerProtocol(config, drafter, session=1, now=time.monotonic())
         self.decoder = framing.FrameDecoder(1 << 24)
 
     def data_received(self, data: bytes) -> None:
