@@ -14,7 +14,12 @@ Each engine step, for every running request at once:
 
 A request whose proposal is missing decodes that round target-only; one whose
 proposal was refused decodes its next round target-only; one whose target failed
-stops. Request i has seed ``derive_seed(--seed, i)`` and runs on slot
+stops. A proposal that is late is never dropped: when the step's deadline
+(``--step-timeout``, else the reply timeout) passes, it is **cut** at the rows
+that arrived, and those rows are verified like any block (``docs/adaptive.md``
+§7) — dropping them, with ``round_for(None)``, would keep exactly the blocks
+that were quick to draw, which biases the output whenever drafting time
+depends on what was drafted. Request i has seed ``derive_seed(--seed, i)`` and runs on slot
 ``i mod --concurrency``, so with the same flags and worker this emits exactly the
 tokens ``pp1-spark`` emits (``docs/runner.md``).
 """
@@ -53,6 +58,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--support", type=int, default=0, help="sparse top-k, up to 256 (0: dense)")
     p.add_argument("--eos", type=int, default=None)
     p.add_argument("--output", default=None, help="JSONL: one record per request")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="seconds a step waits for its proposals; a late one is cut at the rows that "
+        "arrived (default: the client's reply timeout)",
+    )
     return p.parse_args()
 
 
@@ -66,7 +78,7 @@ def main() -> None:
     running: dict[int, tuple[int, Request]] = {}  # slot -> (request index, request)
     fallback: set[int] = set()  # slots whose next round must be target-only
     done: dict[int, Request] = {}  # request index -> its ended request
-    fallbacks = 0
+    fallbacks = cuts = 0
 
     with SyncClient(host, int(port), config) as client:
         while True:
@@ -81,12 +93,18 @@ def main() -> None:
             step = [request for _, request in running.values()]
             asking = [r for r in step if r.slot not in fallback]
             with client.propose_many(
-                asking, depth=args.depth, temperature=args.temperature, support=args.support
+                asking,
+                depth=args.depth,
+                temperature=args.temperature,
+                support=args.support,
+                timeout=args.step_timeout,  # late proposals come back cut, not missing
             ) as batch:
                 got = {r.slot: outcome for r, outcome in zip(asking, batch, strict=True)}
-                # A missing proposal (or a planned fallback) makes the round target-only.
+                # A missing proposal (or a planned fallback) makes the round target-only;
+                # a cut one (a fault ended its block early) is verified as it is.
                 rounds = [r.round_for(got.get(r.slot)) for r in step]
                 fallbacks += sum(proposal is None for _, proposal, _ in rounds)
+                cuts += sum(p is not None and p.cut is not None for _, p, _ in rounds)
                 probs = model.batch(step_prefixes(rounds))  # the engine's forward pass
                 results = verify_step(rounds, probs)  # every round of the step, one call
             fallback.clear()
@@ -115,7 +133,10 @@ def main() -> None:
                 record = {"request": i, "seed": request.verifier.seed, "tokens": request.tokens}
                 f.write(json.dumps(record) + "\n")
     tokens = sum(len(r.tokens) for r in done.values())
-    print(f"{len(done)} requests, {tokens} tokens, {fallbacks} target-only rounds")
+    print(
+        f"{len(done)} requests, {tokens} tokens, {fallbacks} target-only rounds, "
+        f"{cuts} cut blocks"
+    )
 
 
 if __name__ == "__main__":

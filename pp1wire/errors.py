@@ -147,6 +147,9 @@ class ErrorCode(IntEnum):
     # Local, never on the wire: what was pending on a slot ended because this
     # side closed or reset the slot (or the client) itself.
     CANCELLED = 117
+    # An OPEN, CLOSE, COMMIT or RESET the worker did not answer within the reply
+    # timeout: the Spark side ends the connection (fatal; protocol §7).
+    ANSWER_TIMEOUT = 118
 
     # -- local API state (120..126): never on the wire -------------------------
     NOT_READY = 120

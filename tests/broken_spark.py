@@ -54,9 +54,30 @@ def trust_worker_proof() -> None:
 
 
 def no_stop_audit() -> None:
-    """Take any block whose COMPLETION says it stopped: no recomputation of the rule."""
+    """Take any block whose COMPLETION says it stopped: no recomputation of the rule,
+    neither on arrival (a row past the stop) nor at COMPLETION (a block cut early)."""
+    assembly.continues = lambda *a, **k: True  # type: ignore[assignment]
     assembly.audit = lambda *a, **k: None  # type: ignore[assignment]
     verify.RequestVerifier._audit_stop = lambda self, proposal: None  # type: ignore[method-assign]
+
+
+def discard_on_fault() -> None:
+    """The rule pp1wire no longer follows: a fault discards the whole proposal, the
+    valid rows before it included (docs/adaptive.md section 7)."""
+    protocol = spark_core.SparkProtocol
+    publish = protocol._publish
+
+    def end_block(self: Any, index: int, slot: Any, code: ErrorCode) -> None:
+        self._discard(index, slot, code)
+
+    def publish_whole(self: Any, index: int, slot: Any, *, cut: ErrorCode | None = None) -> None:
+        if cut is not None:
+            self._discard(index, slot, cut)
+        else:
+            publish(self, index, slot)
+
+    protocol._end_block = end_block  # type: ignore[method-assign]
+    protocol._publish = publish_whole  # type: ignore[method-assign]
 
 
 BREAKAGES = {
@@ -66,6 +87,7 @@ BREAKAGES = {
     "any-hello": any_hello,
     "trust-worker-proof": trust_worker_proof,
     "no-stop-audit": no_stop_audit,
+    "discard-on-fault": discard_on_fault,
 }
 
 if __name__ == "__main__":

@@ -349,40 +349,72 @@ def test_adaptive_blocks_commit_the_target_law_two_sample(
         assert abs(a / n - b / m) <= 6 * sd + 1 / n + 1 / m, (mode, cell, a, b)
 
 
-def test_depth_auto_sees_only_earlier_verified_rounds_and_the_load(worker, monkeypatch):
-    # Non-anticipating by construction (docs/runner.md section 4): when a STEP's
-    # depth is chosen, the request's history holds exactly its verified rounds so
-    # far, never the round being drafted, and the load is the requests running.
+def test_depth_auto_depends_on_earlier_verified_rounds_and_the_flags_alone(worker, monkeypatch):
+    # Non-anticipating and timing-free by construction (docs/runner.md section 4.1).
+    # Recorded apart from the driver's own choice: the depth each STEP carries (where
+    # the client sends it) and each round's verdict (where the driver applies it). A
+    # fresh controller, fed each request's verified rounds before its STEP and the
+    # load the flags imply (min(--concurrency, --requests) = 4), must give exactly the
+    # depth that went on the wire; a driver that used the live load (2 requests run
+    # alone after the first 4), the round being drafted, or another request's rounds
+    # would not.
     import asyncio
 
+    from pp1wire.aio.client import AsyncClient
     from pp1wire.apps import driver
     from pp1wire.apps import spark as spark_app
+    from pp1wire.q.stoprules import AcceptanceHistory, DepthController
+    from pp1wire.q.verify import Outcome
 
     from .groups import args_of
 
-    seen: list[tuple[int, int, int, int]] = []
-    choose = driver.RoundDriver._depth
+    events: list[tuple] = []
+    new_request, apply, propose = (
+        driver.RoundDriver._new_request, driver.RoundDriver._apply, AsyncClient.propose
+    )
 
-    def recording(self, st, load):
-        depth = choose(self, st, load)
-        assert depth == self.plan.controller.choose(st.history, load)
-        seen.append((st.index, len(st.history.rounds), st.record.rounds, load))
-        return depth
+    def recording_new(self, index):
+        events.append(("new", index))
+        return new_request(self, index)
 
-    monkeypatch.setattr(driver.RoundDriver, "_depth", recording)
+    def recording_apply(self, r, verdict):
+        res = verdict.result
+        if res is not None and r.proposal is not None:
+            events.append(("verified", r.state.index, res.accepted, res.outcome))
+        return apply(self, r, verdict)
+
+    async def recording_propose(self, slot, *, depth, **kw):
+        events.append(("step", slot, depth))
+        return await propose(self, slot, depth=depth, **kw)
+
+    monkeypatch.setattr(driver.RoundDriver, "_new_request", recording_new)
+    monkeypatch.setattr(driver.RoundDriver, "_apply", recording_apply)
+    monkeypatch.setattr(AsyncClient, "propose", recording_propose)
     args = args_of(
         "--worker", worker.address, "--vocab", str(VOCAB), "--depth", "auto",
-        "--requests", "6", "--concurrency", "3", "--max-tokens", "12",
+        "--requests", "6", "--concurrency", "4", "--max-tokens", "16",
     )  # fmt: skip
     plan, mode = spark_app.check_settings(args)
     done = asyncio.run(spark_app.run_rank(args, plan, mode, None))
     assert done.summary is not None
     assert done.summary["fallbacks"] == 0
     assert plan.controller is not None
-    window = plan.controller.policy.window
-    for index in range(6):
-        calls = [c for c in seen if c[0] == index]
-        assert [c[1] for c in calls] == [min(k, window) for k in range(len(calls))]
-        assert all(c[2] == k for k, c in enumerate(calls))  # committed rounds before it
-        assert all(1 <= c[3] <= 3 for c in calls)
-    assert len(seen) == done.summary["rounds"]
+    fresh = DepthController(plan.controller.policy)
+    history: dict[int, AcceptanceHistory] = {}
+    on_slot: dict[int, int] = {}
+    steps = 0
+    for event in events:
+        if event[0] == "new":
+            on_slot[event[1] % 4] = event[1]
+            history[event[1]] = AcceptanceHistory()
+        elif event[0] == "step":
+            index = on_slot[event[1]]
+            assert event[2] == fresh.choose(history[index], 4), (index, history[index])
+            steps += 1
+        else:
+            _, index, accepted, outcome = event
+            history[index] = fresh.record(
+                history[index], accepted, outcome is Outcome.CORRECTION
+            )
+    assert steps == done.summary["rounds"] > 6
+    assert len({e[2] for e in events if e[0] == "step"}) > 1  # the choice moved

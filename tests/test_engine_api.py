@@ -92,8 +92,8 @@ async def test_propose_many_gives_each_request_its_proposal_and_a_with_block_rel
 
 
 @pytest.mark.asyncio
-async def test_one_slots_failure_is_its_own_entry_and_its_round_goes_target_only():
-    def lose_slot_1(conn, data):  # slot 1's COMPLETION never arrives
+async def test_a_slot_whose_completion_is_lost_gets_its_rows_cut_at_the_deadline():
+    def lose_completion_1(conn, data):  # slot 1's COMPLETION never arrives
         frames = framing.FrameDecoder(1 << 26).feed(data)
         conn.write(
             b"".join(
@@ -102,6 +102,71 @@ async def test_one_slots_failure_is_its_own_entry_and_its_round_goes_target_only
                 if not (f.type is MsgType.COMPLETION and f.message.slot == 1)
             )
         )
+
+    worker = FaultyWorker(VOCAB, mutate=lose_completion_1, once=False)
+    client = await connect(await worker.start(), reply_timeout=0.3)
+    requests = await open_requests(client, 3)
+    with await client.propose_many(requests, depth=3) as batch:
+        assert all(isinstance(p, Proposal) for p in batch)
+        # Its rows arrived, its COMPLETION did not: at the reply deadline the rows that
+        # validated are the block, cut there (docs/adaptive.md section 7).
+        assert batch[1].cut is ErrorCode.REPLY_TIMEOUT
+        assert len(batch[1].rows) == 3
+        assert batch[0].cut is None
+        assert batch[2].cut is None
+        rounds = [r.round_for(outcome) for r, outcome in zip(requests, batch, strict=True)]
+        results = verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
+    assert client.cuts == {"reply_timeout": 1}
+    for request, result in zip(requests, results, strict=True):
+        assert isinstance(result, RoundResult)
+        await client.commit_round(request, result)
+        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_engines_own_deadline_cuts_late_blocks_at_the_rows_that_arrived():
+    def slow_slot_1(conn, data):  # slot 1's row 0 at once, the rest of its reply late
+        frames = framing.FrameDecoder(1 << 26).feed(data)
+        now = b"".join(
+            bytes(f.raw)
+            for f in frames
+            if f.message.slot != 1 or (f.type is MsgType.REPLY and f.message.index == 0)
+        )
+        later = b"".join(
+            bytes(f.raw)
+            for f in frames
+            if f.message.slot == 1 and not (f.type is MsgType.REPLY and f.message.index == 0)
+        )
+        conn.write(now)
+        asyncio.get_running_loop().call_later(0.5, conn.write, later)
+
+    worker = FaultyWorker(VOCAB, mutate=slow_slot_1, once=False)
+    client = await connect(await worker.start(), reply_timeout=5.0)
+    requests = await open_requests(client, 3)
+    started = asyncio.get_running_loop().time()
+    with await client.propose_many(requests, depth=3, timeout=0.1) as batch:
+        assert asyncio.get_running_loop().time() - started < 0.4  # the engine's deadline
+        assert [p.cut for p in batch] == [None, ErrorCode.REPLY_TIMEOUT, None]
+        assert len(batch[1].rows) == 1
+        rounds = [r.round_for(outcome) for r, outcome in zip(requests, batch, strict=True)]
+        results = verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
+    for request, result in zip(requests, results, strict=True):
+        assert isinstance(result, RoundResult)
+        await client.commit_round(request, result)
+    await eventually(lambda: client.dropped["late_frame"] + client.dropped["round_reused"] >= 1)
+    for request in requests:
+        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await client.close()
+    await worker.stop()
+
+
+@pytest.mark.asyncio
+async def test_one_slots_failure_is_its_own_entry_and_its_round_goes_target_only():
+    def lose_slot_1(conn, data):  # nothing of slot 1's reply arrives
+        frames = framing.FrameDecoder(1 << 26).feed(data)
+        conn.write(b"".join(bytes(f.raw) for f in frames if f.message.slot != 1))
 
     worker = FaultyWorker(VOCAB, mutate=lose_slot_1, once=False)
     client = await connect(await worker.start(), reply_timeout=0.3)

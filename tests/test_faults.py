@@ -72,15 +72,20 @@ async def normal_round(client, verifier, worker):
 @pytest.mark.asyncio
 async def test_worker_closes_mid_reply():
     def cut(conn, data):
-        conn.write(data[: len(data) // 2])
+        conn.write(data[: len(data) // 2])  # row 0 whole, row 1 in part
         conn.transport.close()
 
     worker = FaultyWorker(VOCAB, mutate=cut)
     async with connected(worker) as (port, client, verifier):
-        assert await unavailable(client) is ErrorCode.CONNECTION_LOST
-        assert client.fallbacks["connection_lost"] == 1
+        # The lost connection ends the block after the rows that arrived: they are
+        # verified (docs/adaptive.md section 7), not thrown away.
+        proposal = await client.propose(0, round_id=client.next_round(0), depth=3)
+        assert proposal.cut is ErrorCode.CONNECTION_LOST
+        assert len(proposal.rows) == 1
+        assert client.cuts["connection_lost"] == 1
+        assert not client.fallbacks
         before = list(verifier.committed)
-        res = verifier.decode_target_only(verifier.last_round + 1)  # target-only, locally
+        res = verifier.verify(proposal)  # committed locally: no connection to commit on
         assert verifier.committed == [*before, *res.tokens]
         with pytest.raises(ConnectionLostError):
             await client.open(1, seed=1, prefix=[])
@@ -92,6 +97,21 @@ async def test_worker_closes_mid_reply():
         assert worker.slot_prefix() == verifier.committed
         await normal_round(again, verifier, worker)
         await again.close()
+
+
+@pytest.mark.asyncio
+async def test_worker_closes_before_a_whole_row():
+    def cut(conn, data):
+        conn.write(data[:40])  # not even row 0's header
+        conn.transport.close()
+
+    worker = FaultyWorker(VOCAB, mutate=cut)
+    async with connected(worker) as (_, client, verifier):
+        assert await unavailable(client) is ErrorCode.CONNECTION_LOST
+        assert client.fallbacks["connection_lost"] == 1
+        before = list(verifier.committed)
+        res = verifier.decode_target_only(verifier.last_round + 1)  # target-only, locally
+        assert verifier.committed == [*before, *res.tokens]
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,8 @@
 For each class the client must refuse the proposal before anything is consumed,
 count it under the right code, let the round be decoded target-only (the worker
 accepts that commit, so nothing was half-applied), and work normally next round.
+A class whose bad row follows valid ones cuts the block to them instead: the
+valid rows are verified and committed (``docs/adaptive.md`` section 7).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pp1wire.testing.builders import (
     completion,
     whole_reply,
 )
-from pp1wire.testing.conformance.spark_cases import REPLY_CLASSES, ok_row
+from pp1wire.testing.conformance.spark_cases import REPLY_CLASSES, ok_row, ok_token
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
@@ -28,13 +30,17 @@ VOCAB = 8
 CLASSES = REPLY_CLASSES
 
 
-async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None, generation=0):
+async def exercise(
+    build, support, expected, *, reply_timeout=1.0, dropped=None, generation=0, kept=0
+):
     sent = {}
 
     def hostile(conn, data):
         step = conn.core.slots[0].fence.last_step
         sent["bytes"] = build(msgspec.structs.replace(step))
         conn.write(sent["bytes"])
+        if kept:  # the worker drew the valid rows before the fault: they may be committed
+            conn.core.slots[0].drafts = (ok_token(step),) * kept
 
     worker = FaultyWorker(VOCAB, mutate=hostile)
     port = await worker.start()
@@ -53,16 +59,27 @@ async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None,
     )
     await client.open(0, seed=11, prefix=[1, 2, 3], generation=generation)
     try:
-        with pytest.raises(ProposalUnavailableError) as info:
-            await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
-        assert info.value.code is expected
-        assert client.fallbacks[expected.name.lower()] == 1
-        for code in dropped or []:
-            await eventually(lambda code=code: client.dropped[code] >= 1, what=code)
-        # Target-only from the committed prefix; the worker accepts it: nothing half-applied.
-        round_id = client.next_round(0)
-        res = verifier.decode_target_only(round_id)
-        await client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
+        if kept:
+            # The fault ends the block after its valid rows: they are verified (a cut).
+            cut = await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
+            assert cut.cut is expected
+            assert len(cut.rows) == kept
+            assert client.cuts[expected.name.lower()] == 1
+            assert not client.fallbacks
+            res = verifier.verify(cut)
+            client.release(cut)
+            await client.commit(0, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted)
+        else:
+            with pytest.raises(ProposalUnavailableError) as info:
+                await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
+            assert info.value.code is expected
+            assert client.fallbacks[expected.name.lower()] == 1
+            for code in dropped or []:
+                await eventually(lambda code=code: client.dropped[code] >= 1, what=code)
+            # Target-only from the committed prefix; the worker accepts it: nothing half-applied.
+            round_id = client.next_round(0)
+            res = verifier.decode_target_only(round_id)
+            await client.commit(0, round_id=round_id, tokens=res.tokens, accepted=0)
         assert worker.slot_prefix() == verifier.committed
         proposal = await client.propose(0, round_id=client.next_round(0), depth=3, support=support)
         res = verifier.verify(proposal)
@@ -76,13 +93,16 @@ async def exercise(build, support, expected, *, reply_timeout=1.0, dropped=None,
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("name", "support", "build", "code"), CLASSES, ids=[c[0] for c in CLASSES])
-async def test_malformed_reply_class(name, support, build, code):
-    client = await exercise(build, support, code)
+@pytest.mark.parametrize(
+    ("name", "support", "build", "code", "kept"), CLASSES, ids=[c[0] for c in CLASSES]
+)
+async def test_malformed_reply_class(name, support, build, code, kept):
+    client = await exercise(build, support, code, kept=kept)
     if code not in (
         ErrorCode.REPLY_CHECKSUM_MISMATCH,
         ErrorCode.REPLY_SIZE_MISMATCH,
         ErrorCode.COMPLETION_EARLY,
+        ErrorCode.INTERNAL,  # a failure the worker reports is no refused frame
     ):
         assert client.rejected[code.name.lower()] == 1
 

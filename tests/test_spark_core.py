@@ -216,8 +216,15 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10))
     def duplicate(self, i):
         frame = self.delivered[i % len(self.delivered)]
+        rows = sum(f[3] == MsgType.REPLY for f in self.delivered)
         events = self._feed([frame])
-        assert not any(isinstance(e, ProposalReady) for e in events)
+        for e in events:
+            if isinstance(e, ProposalReady):
+                # A frame delivered twice never completes a block: a repeated row is
+                # refused, which ends the block before it (a cut) with the rows
+                # delivered once, in order (docs/adaptive.md section 7).
+                assert e.proposal.cut is ErrorCode.ROW_OUT_OF_ORDER
+                assert len(e.proposal.rows) == rows
 
     @precondition(lambda self: self.step_bytes is not None)
     @rule()
@@ -395,3 +402,98 @@ def test_a_desynced_slot_refuses_local_calls_with_its_own_code():
     pair.spark.open_slot(0, seed=5, prefix=PREFIX)
     pair.pump()
     step(pair.spark, 0, depth=2, temperature=1.0, support=0, now=0.0)
+
+
+# -- faults end a block; answers are owed in time (docs/adaptive.md section 7) ---------
+
+
+def test_a_corrupt_row_after_a_valid_one_cuts_the_block_to_the_valid_row():
+    pair = opened()
+    _r, frames = held_reply(pair, depth=3)
+    bad = bytearray(frames[1])
+    bad[-1] ^= 0x01  # row 1's payload no longer matches its checksum
+    events = deliver(pair, [frames[0], bytes(bad), *frames[2:]])
+    ready = [e for e in events if isinstance(e, ProposalReady)]
+    assert len(ready) == 1
+    assert ready[0].proposal.cut is ErrorCode.ROW_CHECKSUM_MISMATCH
+    assert len(ready[0].proposal.rows) == 1
+    dropped = [e.code for e in events if isinstance(e, FrameDropped)]
+    assert dropped == [ErrorCode.LATE_FRAME] * 2  # row 2 and the COMPLETION
+
+
+def test_the_reply_deadline_cuts_at_the_rows_that_arrived_and_later_frames_are_late():
+    pair = opened(spark_kw={"reply_timeout": 1.0})
+    _r, frames = held_reply(pair, depth=3)
+    deliver(pair, frames[:2])
+    assert pair.spark.next_deadline() == pytest.approx(pair.now + 1.0)
+    events = pair.spark.handle_timer(pair.now + 1.0)
+    (ready,) = events
+    assert isinstance(ready, ProposalReady)
+    assert ready.proposal.cut is ErrorCode.REPLY_TIMEOUT
+    assert ready.proposal.tokens == tuple(
+        msgspec.msgpack.decode(f[16 : 16 + int.from_bytes(f[6:8], "little")])[7]
+        for f in frames[:2]
+    )
+    late = deliver(pair, frames[2:])
+    assert [e.code for e in late] == [ErrorCode.LATE_FRAME] * 2
+
+
+def test_cut_stops_waiting_now_with_the_rows_that_arrived_or_fails_without_any():
+    pair = opened()
+    r, frames = held_reply(pair, depth=3)
+    deliver(pair, frames[:1])
+    (ready,) = pair.spark.cut(0, ErrorCode.SHUTTING_DOWN)
+    assert ready.proposal.cut is ErrorCode.SHUTTING_DOWN
+    assert len(ready.proposal.rows) == 1
+    assert pair.spark.cut(0) == []  # nothing in flight any more
+    pair.spark.commit(0, round_id=r, tokens=[ready.proposal.tokens[0], 5], accepted=1)
+    pair.pump()
+    r, _ = held_reply(pair, depth=3)
+    (failed,) = pair.spark.cut(0)
+    assert failed == ProposalFailed(0, 0, r, ErrorCode.REPLY_TIMEOUT)
+
+
+def test_a_failure_reported_after_rows_is_a_block_cut_by_its_status():
+    pair = opened()
+    _r, frames = held_reply(pair, depth=3)
+    # The worker drew row 0, then its drafter failed: it ships row 0 with the status.
+    from pp1wire.testing.builders import completion
+
+    step_msg = pair.spark.slots[0].flight.step
+    fail = completion(step_msg, frames[0], 1, status=int(ErrorCode.INTERNAL))
+    events = deliver(pair, [frames[0], fail])
+    (ready,) = [e for e in events if isinstance(e, ProposalReady)]
+    assert ready.proposal.cut is ErrorCode.INTERNAL
+    assert len(ready.proposal.rows) == 1
+
+
+def test_an_unanswered_open_ends_the_connection_at_the_reply_timeout():
+    pair = make_pair(spark_kw={"reply_timeout": 2.0})
+    pair.spark.open_slot(0, seed=5, prefix=PREFIX, now=10.0)
+    pair.spark.data_to_send()  # the worker never sees it: it is mute
+    assert pair.spark.next_deadline() == 12.0
+    assert pair.spark.handle_timer(11.9) == []
+    events = pair.spark.handle_timer(12.0)
+    assert ConnectionFailed(ErrorCode.ANSWER_TIMEOUT) in events
+    assert pair.spark.closed
+
+
+def test_answers_settle_what_is_owed_slot_by_slot():
+    pair = make_pair(spark_kw={"reply_timeout": 2.0})
+    for slot in (0, 1):
+        pair.spark.open_slot(slot, seed=5, prefix=PREFIX, now=0.0)
+    pair.pump()  # both OPENED
+    assert pair.spark.next_deadline() is None
+    pair.spark.close_slot(1, now=0.0)
+    pair.pump()  # CLOSED
+    v = verifier(pair, 5, PREFIX)
+    r, frames = held_reply(pair, depth=2)
+    (ready,) = [e for e in deliver(pair, frames) if isinstance(e, ProposalReady)]
+    res = v.verify(ready.proposal)
+    pair.spark.commit(0, round_id=r, tokens=res.tokens, accepted=res.accepted, now=0.0)
+    assert pair.spark.next_deadline() == 2.0  # COMMITTED owed
+    pair.pump()
+    assert pair.spark.next_deadline() is None
+    pair.spark.reset(0, now=5.0)
+    pair.spark.data_to_send()  # never delivered
+    assert ConnectionFailed(ErrorCode.ANSWER_TIMEOUT) in pair.spark.handle_timer(7.0)

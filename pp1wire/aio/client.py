@@ -122,6 +122,8 @@ class AsyncClient:
         #: Called with every protocol event (metrics, logs); must not raise.
         self.observer: Callable[[spark_events.SparkEvent], None] | None = None
         self.fallbacks: TallyCounter[str] = TallyCounter()
+        #: Proposals a fault cut short (their rows before it handed out), by the fault.
+        self.cuts: TallyCounter[str] = TallyCounter()
         self.rejected: TallyCounter[str] = TallyCounter()
         self.dropped: TallyCounter[str] = TallyCounter()
 
@@ -217,6 +219,8 @@ class AsyncClient:
             _settle(self._opened.pop(event.slot, None), None)
         elif isinstance(event, spark_events.ProposalReady):
             proposal = dataclasses.replace(event.proposal, slot=event.slot, releaser=self.release)
+            if proposal.cut is not None:
+                self.cuts[proposal.cut.name.lower()] += 1
             self._held[(event.slot, proposal.round_id)] = proposal
             waiter = self._proposals.pop(event.slot, None)
             if waiter is None or waiter.done():
@@ -318,6 +322,12 @@ class AsyncClient:
         """True once the connection is dead."""
         return self.core.closed
 
+    def slot_usable(self, slot: int) -> bool:
+        """Whether ``slot`` is open on this live connection and in sync with the worker
+        (not refused: a refused slot must be reopened, :meth:`reopen_slot`)."""
+        state = None if self.core.closed else self.core.slots.get(slot)
+        return state is not None and not state.desynced
+
     async def open(
         self,
         slot: int,
@@ -352,6 +362,7 @@ class AsyncClient:
                 context=context,
                 generation=generation,
                 at_least=at_least,
+                now=time.monotonic(),
             ),
         )
 
@@ -405,19 +416,47 @@ class AsyncClient:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
         """
         v = request.verifier
-        if request.client is self and request.slot in self.core.slots:
-            await self.close_slot(request.slot)
-        generation = await self.open(
+        generation = await self.reopen_slot(
             request.slot,
-            seed=v.seed,
-            prefix=v.committed,
-            eos=v.eos,
-            context=v.context,
+            v,
             at_least=v.generation + 1,
+            close_first=request.client is self,
         )
         v.rebuild(v.committed, generation)
         v.session = self.session
         request.client = self
+
+    async def reopen_slot(
+        self,
+        slot: int,
+        verifier: RequestVerifier,
+        *,
+        generation: int | None = None,
+        at_least: int = 0,
+        close_first: bool = True,
+    ) -> int:
+        """The one way a slot is (re)opened for a running request: whatever instance of
+        ``slot`` this client holds (refused, desynced, or the request's own) is closed
+        first (unless ``close_first`` is False), then OPEN carries ``verifier``'s
+        seed, committed prefix, terminal token and context, at ``generation``
+        (None: the slot's next, no lower than ``at_least``). Returns the
+        generation; ``verifier`` is not changed (the caller moves it:
+        :meth:`reopen`, or a group once its ranks agree).
+
+        Raises:
+            UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
+        """
+        if close_first and slot in self.core.slots:
+            await self.close_slot(slot)
+        return await self.open(
+            slot,
+            seed=verifier.seed,
+            prefix=verifier.committed,
+            eos=verifier.eos,
+            context=verifier.context,
+            generation=generation,
+            at_least=at_least,
+        )
 
     async def propose(
         self,
@@ -477,6 +516,7 @@ class AsyncClient:
         temperature: float = 1.0,
         support: int = 0,
         stop: StopRule = FIXED,
+        timeout: float | None = None,
     ) -> ProposalBatch:
         """Send a STEP for every request at once; return when each proposal is whole or failed.
 
@@ -486,6 +526,15 @@ class AsyncClient:
         sent, and no round taken, for a slot the worker refused earlier:
         ``SLOT_DESYNCED``, reopen it; nor on a closed connection:
         ``CONNECTION_LOST``). One slot's failure never raises.
+
+        A proposal may be **cut** (:attr:`Proposal.cut`): a fault ended its block
+        before its next row, and it holds the rows before the fault. Verify it
+        like any other: its rows are exactly as legitimate (``docs/adaptive.md``
+        §7). ``timeout`` (seconds) is the engine's own deadline: when it passes,
+        each proposal still in flight is cut at the rows that arrived
+        (``REPLY_TIMEOUT``; with none, that error) — never drop a late
+        proposal's rows instead, which would choose blocks by how long they took
+        to draw (:meth:`cut`).
 
         Raises:
             UsageError: nothing sent, no round taken: a depth or support out of
@@ -542,12 +591,32 @@ class AsyncClient:
         if waiting:
             self._spin_if_asked()
             try:
-                await asyncio.wait(waiting)
+                await asyncio.wait(waiting, timeout=timeout)
+                late = [r.slot for r, f in zip(requests, out, strict=True)
+                        if isinstance(f, asyncio.Future) and not f.done()]
+                if late:
+                    self.cut(late)
+                    await asyncio.wait(waiting)  # settled by the cut, on this loop
             except asyncio.CancelledError:
                 for f in waiting:  # the caller left: give back what still arrives
                     f.add_done_callback(self._release_orphan)
                 raise
         return ProposalBatch(_outcome(f) for f in out)
+
+    def cut(self, slots: Sequence[int], code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> None:
+        """Stop waiting for the proposals in flight on ``slots``: each becomes the block
+        of the rows that arrived, cut by ``code`` (its waiter gets that proposal), or
+        fails with ``code`` if no row arrived (``docs/adaptive.md`` §7). Later frames
+        of those rounds are dropped as late. A slot with nothing in flight, or
+        not open, is left alone; on a closed connection this does nothing.
+        """
+        if self.core.closed:
+            return
+        events: list[spark_events.SparkEvent] = []
+        for slot in slots:
+            if slot in self.core.slots:
+                events += self.core.cut(slot, code)
+        self._handle(events)
 
     def _release_orphan(self, fut: asyncio.Future[Proposal]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -631,7 +700,9 @@ class AsyncClient:
         self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
         try:
-            self.core.commit(slot, round_id=round_id, tokens=tokens, accepted=accepted)
+            self.core.commit(
+                slot, round_id=round_id, tokens=tokens, accepted=accepted, now=time.monotonic()
+            )
         except (ProtocolError, LocalStateError) as exc:
             self._local(exc)
         self._commits[(slot, self.core.slots[slot].fence.generation, round_id)] = fut
@@ -664,7 +735,9 @@ class AsyncClient:
         self._require_open()
         if slot in self.core.slots:
             self._cancel(slot, "the slot was reset")
-        return await self._answered(self._resets, slot, lambda: self.core.reset(slot))
+        return await self._answered(
+            self._resets, slot, lambda: self.core.reset(slot, time.monotonic())
+        )
 
     async def reset_request(self, request: Request) -> None:
         """:meth:`reset` ``request``'s slot and move its verifier to the new generation
@@ -690,7 +763,7 @@ class AsyncClient:
         self._cancel(slot, "the slot was closed")
         for key in [k for k in self._held if k[0] == slot]:
             del self._held[key]  # the core gives their buffers back with the slot
-        self.core.close_slot(slot)
+        self.core.close_slot(slot, time.monotonic())
         self._flush()
 
     async def close_request(self, request: Request) -> None:

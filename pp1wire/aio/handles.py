@@ -96,9 +96,15 @@ class Request:
         """This request's round of a step, for :func:`~pp1wire.verify_step`.
 
         ``outcome`` is this request's entry of ``AsyncClient.propose_many``:
-        a proposal is verified under its own round; anything else (the
-        :class:`ProposalUnavailableError`, or None for a round planned without a
-        proposal) makes the round target-only under the request's next round ID.
+        a proposal — whole, or cut by a fault (:attr:`Proposal.cut`) — is
+        verified under its own round; anything else (the
+        :class:`ProposalUnavailableError`, or None for a round planned
+        target-only *before* its STEP was sent) makes the round target-only
+        under the request's next round ID. Never pass None for a proposal that
+        arrived, even late: stop waiting with ``propose_many(timeout=…)`` or
+        ``AsyncClient.cut``, which hand back the rows that arrived. Dropping a
+        late proposal keeps only the blocks that were quick to draw and biases
+        the output (``docs/adaptive.md`` §7).
 
         Raises:
             UsageError: a proposal of another request.

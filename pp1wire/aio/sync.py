@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from pp1wire.aio.client import AsyncClient
 from pp1wire.aio.handles import ProposalBatch, Request
+from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.verify import RoundResult
 from pp1wire.wire.spark_core import SparkConfig
@@ -80,6 +81,10 @@ class SyncClient:
     def propose_many(self, requests: Sequence[Request], **kwargs: Any) -> ProposalBatch:
         """See :meth:`AsyncClient.propose_many`."""
         return self._call(self.client.propose_many(requests, **kwargs))
+
+    def cut(self, slots: Sequence[int], code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> None:
+        """See :meth:`AsyncClient.cut`."""
+        self._run(self.client.cut, slots, code)
 
     def release(self, proposal: Proposal) -> None:
         """See :meth:`AsyncClient.release` (returns once the buffers are back)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import ssl
 import statistics
 import time
@@ -73,6 +74,9 @@ GROUP_FAILED_EXIT = 3
 TARGET_FAILED_EXIT = 4
 """Exit status when a target failure stopped at least one request (results written)."""
 
+#: Handshake refusals that a later attempt may overcome (docs/protocol.md §9).
+RETRYABLE_REFUSALS = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.CONNECTION_LIMIT})
+
 # A proposal that arrives more than this fraction of a typical STEP→proposal time
 # after the first of its step is a straggler: it joins the next step instead.
 _STRAGGLER_FRACTION = 0.5
@@ -94,6 +98,8 @@ class RequestRecord:
     accepted_tokens: int = 0
     fallbacks: int = 0
     fallback_reasons: Counter[str] = field(default_factory=Counter)
+    cuts: int = 0  # rounds whose block a fault ended early (its rows before were verified)
+    cut_reasons: Counter[str] = field(default_factory=Counter)
     finished: bool = False
     stopped: str | None = None
 
@@ -109,6 +115,8 @@ class RequestRecord:
             "accepted_tokens": self.accepted_tokens,
             "fallbacks": self.fallbacks,
             "fallback_reasons": dict(self.fallback_reasons),
+            "cuts": self.cuts,
+            "cut_reasons": dict(self.cut_reasons),
             "finished": self.finished,
             "stopped": self.stopped,
         }
@@ -189,12 +197,15 @@ class Verdict:
     ``result``: committed (already applied to the request's verifier).
     Otherwise ``code`` says why: with ``stop`` the target failed and the
     request stops; without, the proposal was discarded and the request's next
-    round is target-only.
+    round is target-only. ``block`` is the proposal the round verified when a
+    strategy verified a shorter block than the round's own (a group whose
+    links got different rows: ``docs/adaptive.md`` §7); None otherwise.
     """
 
     result: RoundResult | None = None
     code: ErrorCode | None = None
     stop: bool = False
+    block: Proposal | None = None
 
 
 def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
@@ -291,27 +302,39 @@ class Link:
         self._lock = asyncio.Lock()
 
     async def connect(self, timeout: float) -> None:
-        """Connect, retrying transient failures until ``timeout`` seconds have passed.
+        """Connect, retrying transient failures until ``timeout`` seconds have passed:
+        a refused or reset connection, and the worker's retryable refusals
+        (:data:`RETRYABLE_REFUSALS`: full, or shutting down), with backoff.
 
         Raises:
             RefusedError, ConnectionLostError, OSError: the last failure; at once for a
                 TLS failure or a refusal that no retry can cure.
         """
         deadline = time.monotonic() + timeout
+        pause = 0.1
         while True:
             try:
                 self._adopt(
-                    await AsyncClient.connect(self.host, self.port, self.config, ssl=self.tls)
+                    await AsyncClient.connect(
+                        self.host,
+                        self.port,
+                        self.config,
+                        ssl=self.tls,
+                        timeout=max(0.1, min(10.0, deadline - time.monotonic())),
+                    )
                 )
                 return
             except (OSError, RefusedError, ConnectionLostError) as exc:
                 if isinstance(exc, ssl.SSLError):
                     raise  # a certificate or TLS-versus-plain mismatch: certain, not transient
-                if isinstance(exc, RefusedError) and exc.code is not ErrorCode.SHUTTING_DOWN:
+                if isinstance(exc, RefusedError) and exc.code not in RETRYABLE_REFUSALS:
                     raise
                 if time.monotonic() >= deadline:
                     raise
-                await asyncio.sleep(0.1)
+                # Backoff with jitter: a full worker frees a connection when a peer
+                # leaves or idles out, and every waiting client should not arrive at once.
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 1.0) * (0.75 + random.random() / 2)
 
     def _adopt(self, client: AsyncClient) -> None:
         self.client = client
@@ -381,12 +404,15 @@ class RoundDriver:
     target: TargetFn
     link: Link | None
     metrics: SparkMetrics
-    # A signal sets stop_requested; the step's agreement turns it into stopping,
+    # A signal calls request_stop(); the step's agreement turns it into stopping,
     # which every rank of a group then acts on at the same step.
     stop_requested: bool = field(default=False, init=False)
     stopping: bool = field(default=False, init=False)
     group_failure: Pp1Error | None = field(default=None, init=False)
     round_trips: list[float] = field(default_factory=list, init=False)  # the first 100,000
+    # The last STEP→proposal times: the straggler wait follows the recent ones.
+    recent_trips: deque[float] = field(default_factory=lambda: deque(maxlen=64), init=False)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     records: dict[int, RequestRecord] = field(default_factory=dict, init=False)
     seconds: float = field(default=0.0, init=False)
     stepped: int = field(default=0, init=False)  # STEPs sent, and their maximum depths summed
@@ -398,6 +424,39 @@ class RoundDriver:
     )
 
     # -- helpers -----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop as soon as possible (a signal handler's call; on the loop's thread).
+
+        Every wait of the run ends at once: an OPEN or a connect in progress is
+        abandoned, the proposals in flight are cut at the rows that arrived
+        (``docs/adaptive.md`` §7; with none, the round is not run), the step
+        under way is decided and committed, and :meth:`run` returns every
+        record. A group stops at the step where its ranks agree on it.
+        """
+        self.stop_requested = True
+        self._stopped.set()
+
+    async def until_stopped(self, waiting: Any) -> tuple[bool, Any]:
+        """``(True, None)`` if a stop was requested before the awaitable ``waiting``
+        finished (it is cancelled), else ``(False, its result)``; its exception
+        propagates."""
+        if self._stopped.is_set():
+            if asyncio.iscoroutine(waiting):
+                waiting.close()
+            return True, None
+        task = asyncio.ensure_future(waiting)
+        stop = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return False, task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return True, None
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         # Collectives and target calls block: the loop keeps serving the link meanwhile.
@@ -492,9 +551,11 @@ class RoundDriver:
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
-        # The load the depth controller sees: the requests running now, counted
-        # before any STEP of this launch is sent (docs/runner.md section 4).
-        load = len(states)
+        # The load the depth controller sees is a function of the run's flags, not
+        # of how many requests happen to be running: that number depends on when
+        # other requests finished, i.e. on timing, and tokens must not
+        # (docs/runner.md section 4).
+        load = self.load
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._agree(local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
@@ -530,6 +591,12 @@ class RoundDriver:
                 )
             )
 
+    @property
+    def load(self) -> int:
+        """The load ``--depth auto`` assumes for every STEP: the requests that can
+        run at once, ``min(--concurrency, --requests)`` (``docs/runner.md`` §4.1)."""
+        return max(1, min(self.plan.concurrency, self.plan.requests))
+
     def _depth(self, st: RequestState, load: int) -> int:
         """The STEP's maximum depth: ``--depth``, or the controller's choice from the
         request's verified rounds and the load alone; the round it is for has no
@@ -549,19 +616,23 @@ class RoundDriver:
         client = await self.link.live()
         if client is None:
             return int(ErrorCode.CONNECTION_LOST)
-        if st.opened is client:
+        if st.opened is client and client.slot_usable(st.slot):
             return 0
+        # Out of sync (a refused COMMIT or OPEN), on another connection, or new: the
+        # slot is closed if this connection holds it, then opened at a generation
+        # above every one it had (AsyncClient.reopen_slot, the one way to reopen).
         st.opened = None
         generation = self._generations.get(st.slot, -1) + 1
         self._generations[st.slot] = generation  # used, even if refused
-        v = st.verifier
         try:
-            await client.open(
-                st.slot, seed=v.seed, prefix=v.committed, eos=self.plan.eos, generation=generation
+            stopped, _ = await self.until_stopped(
+                client.reopen_slot(st.slot, st.verifier, generation=generation)
             )
         except Pp1Error as exc:
             log.warning("open failed", extra={"slot": st.slot, "error": repr(exc)})
             return int(exc.code)
+        if stopped:
+            return int(ErrorCode.CANCELLED)
         st.opening = generation  # the verifier moves to it in _launch, once agreed
         st.opened = client
         return 0
@@ -571,7 +642,7 @@ class RoundDriver:
     def straggler_wait(self, first: float) -> float:
         """How long a step waits for its other proposals once one arrived (docs/runner.md §8);
         ``first`` is the STEP→proposal time of its first, used until one was measured."""
-        recent = self.round_trips[-64:]
+        recent = self.recent_trips
         return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * (statistics.median(recent or [first])))
 
     async def _ready(self, states: list[RequestState]) -> list[RequestState]:
@@ -583,12 +654,16 @@ class RoundDriver:
         """
         moving = [st for st in states if st.round_id >= 0]
         pending = [st.flight for st in moving if st.flight is not None and not st.flight.done()]
-        if pending:
+        if pending and not self.stop_requested:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                await self.until_stopped(
+                    asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                )
             sent = [st.sent for st in moving if st.flight is not None]
             first = time.perf_counter() - min(sent) if sent else 0.0
-            await asyncio.wait(pending, timeout=self.straggler_wait(first))
+            await self.until_stopped(asyncio.wait(pending, timeout=self.straggler_wait(first)))
+        if self.stop_requested:
+            await self._cut_flights(moving)
         local = [
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
             for st in states
@@ -596,6 +671,20 @@ class RoundDriver:
         agreed = await self._agree([*local, int(self.stop_requested)])
         self.stopping = self.stopping or bool(agreed[-1])
         return [st for st, flag in zip(states, agreed, strict=False) if not flag]
+
+    async def _cut_flights(self, moving: list[RequestState]) -> None:
+        """A stop was requested: each proposal in flight becomes the rows that arrived
+        (a block cut by SHUTTING_DOWN, verified in this step) or, with none, fails."""
+        cut: dict[AsyncClient, list[int]] = {}
+        waiting = []
+        for st in moving:
+            if st.flight is not None and not st.flight.done() and st.opened is not None:
+                cut.setdefault(st.opened, []).append(st.slot)
+                waiting.append(st.flight)
+        for client, slots in cut.items():
+            client.cut(slots, ErrorCode.SHUTTING_DOWN)
+        if waiting:  # settled by the cut on this loop; a dead link's already are
+            await asyncio.wait(waiting, timeout=1.0)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -621,6 +710,7 @@ class RoundDriver:
         self.metrics.rtt.observe(rtt)
         if len(self.round_trips) < 100_000:
             self.round_trips.append(rtt)
+        self.recent_trips.append(rtt)
         return Round(st, st.round_id, proposal)
 
     def _apply(self, r: Round, verdict: Verdict) -> None:
@@ -648,7 +738,14 @@ class RoundDriver:
                 self._fallback(st, st.fallback)
                 st.fallback = None
         else:
-            drafted = len(r.proposal.rows)
+            block = verdict.block or r.proposal
+            drafted = len(block.rows)
+            if block.cut is not None:
+                # A fault ended the block early; its rows were verified (not a fallback).
+                reason = block.cut.name.lower()
+                rec.cuts += 1
+                rec.cut_reasons[reason] += 1
+                m.cuts.labels(reason=reason).inc()
             if self.plan.controller is not None:
                 st.history = self.plan.controller.record(
                     st.history, res.accepted, res.outcome is Outcome.CORRECTION
@@ -726,6 +823,8 @@ class RoundDriver:
             "mean_accepted_length": accepted / rounds if rounds else 0.0,
             "fallbacks": sum(r.fallbacks for r in records),
             "fallbacks_by_reason": metrics.by_label(m.fallbacks),
+            "cuts": sum(r.cuts for r in records),
+            "cuts_by_reason": metrics.by_label(m.cuts),
             "stopped_by_reason": dict(Counter(r.stopped for r in records if r.stopped)),
             "frames_rejected": metrics.by_label(m.rejected),
             "frames_dropped": metrics.by_label(m.dropped),

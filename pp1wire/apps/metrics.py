@@ -124,6 +124,12 @@ class SparkMetrics:
         self.fallbacks = counter(
             "pp1_fallbacks", "Rounds decoded target-only, by reason.", ["reason"]
         )
+        self.cuts = counter(
+            "pp1_blocks_cut",
+            "Rounds whose block a fault ended before its next row (the rows before it "
+            "were verified), by the fault.",
+            ["reason"],
+        )
         self.rejected = counter(
             "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"]
         )

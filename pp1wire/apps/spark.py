@@ -499,7 +499,7 @@ async def run_rank(
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
-        driver.stop_requested = True
+        driver.request_stop()
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -511,20 +511,26 @@ async def run_rank(
         # stderr: stdout carries the summary (--json parses it whole).
         print(f"pp1-spark metrics on {args.metrics_host}:{bound}", file=sys.stderr, flush=True)
     try:
+        stopped = False
         if link is not None:
             unreachable = 0
             try:
-                await link.connect(args.connect_timeout)
+                stopped, _ = await driver.until_stopped(link.connect(args.connect_timeout))
             except (OSError, RefusedError, ConnectionLostError) as exc:
                 where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
                 print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
                 unreachable = 1
-            # Every rank of a sharded group needs its link: they start (or not) together.
-            if (await asyncio.to_thread(strategy.agree, [unreachable]))[0]:
+            # Every rank of a sharded group needs its link: they start (or not) together,
+            # and a stop asked for while connecting stops them all before any round.
+            agreed = await asyncio.to_thread(strategy.agree, [unreachable, int(stopped)])
+            if agreed[0] or agreed[1]:
                 if finish is not None:
                     await asyncio.to_thread(finish)  # followers stop instead of timing out
-                return RankRun(1)
-        records = await driver.run()
+                    finish = None
+                if agreed[0]:
+                    return RankRun(1)
+                stopped = True
+        records = [] if stopped else await driver.run()
         failure = driver.group_failure
         if finish is not None and failure is None:
             try:
@@ -553,9 +559,9 @@ async def run_rank(
         return done
     if coord is not None:
         coord.leave()
-    stopped = sum(r.stopped == "target_failed" for r in records)
-    if stopped:
-        print(f"pp1-spark: the target failed: {stopped} request(s) stopped", file=sys.stderr)
+    failed = sum(r.stopped == "target_failed" for r in records)
+    if failed:
+        print(f"pp1-spark: the target failed: {failed} request(s) stopped", file=sys.stderr)
         done.code = TARGET_FAILED_EXIT
     return done
 

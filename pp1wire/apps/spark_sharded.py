@@ -17,6 +17,7 @@ mode: the ranks' links could come back at different generations).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
@@ -82,7 +83,14 @@ class ShardedStrategy:
         shard_rounds = [
             ShardRound(r.state.verifier, r.round_id, r.proposal, r.failure) for r in rounds
         ]
-        return [verdict_of(d) for d in self.group.decide(shard_rounds, self.target)]
+        decided = self.group.decide(shard_rounds, self.target)
+        verdicts = []
+        for r, sr, d in zip(rounds, shard_rounds, decided, strict=True):
+            verdict = verdict_of(d)
+            if sr.proposal is not r.proposal:  # the group verified fewer rows (a cut link)
+                verdict = dataclasses.replace(verdict, block=sr.proposal)
+            verdicts.append(verdict)
+        return verdicts
 
     def summary(self) -> dict[str, Any]:
         """The sharded keys of the summary."""

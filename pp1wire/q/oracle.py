@@ -269,6 +269,13 @@ Revoke = Callable[[Prefix, Prefix, tuple[Fraction, ...]], bool]
 """An *anticipating* worker: after drawing x_i, whether to drop it and end the
 block at i - 1. Forbidden by the design; kept to show the bias it causes."""
 
+Fault = Callable[[Prefix, Prefix], Fraction | bool]
+"""A fault: ``(context, drafts x_1..x_i)`` → the probability that row i+1 is lost
+(not drawn because drafting failed, missing at the reply deadline, refused on
+arrival). It may depend on every draft before row i+1 — a drafter that fails
+for some contexts, a block whose length sets its time on the wire — but not
+on row i+1's own draw (``docs/adaptive.md`` §7)."""
+
 DRAFT, BONUS, TARGET = "d", "b", "t"
 """How a committed token was produced: at a drafted position (an accepted draft
 or its correction), as the bonus after the last kept draft, or target-only."""
@@ -285,14 +292,22 @@ class RoundOutcome(NamedTuple):
 
 @dataclass(frozen=True)
 class Drafting:
-    """How one round drafts: a maximum depth, a stop rule, and (forbidden) a revocation.
+    """How one round drafts: a maximum depth, a stop rule, (forbidden) a revocation,
+    and faults.
 
     ``depth`` 0 is a target-only round. ``admit`` ``None`` is the fixed rule.
+    ``fault`` says how likely each row is lost; the Spark side then verifies
+    the rows before it as a block that stopped there (``docs/adaptive.md``
+    §7), or, with ``discard_on_fault`` (the rule pp1wire no longer follows,
+    kept to show its bias), discards the whole block and decodes the round
+    target-only.
     """
 
     depth: int
     admit: Admit | None = None
     revoke: Revoke | None = None
+    fault: Fault | None = None
+    discard_on_fault: bool = False
 
 
 Planner = Callable[[Prefix, tuple[RoundOutcome, ...]], Sequence[tuple[Fraction, Drafting]]]
@@ -336,6 +351,16 @@ def _go(drafting: Drafting, context: Prefix, drawn: Prefix, qs: tuple[Fraction, 
     return go
 
 
+def _lost(drafting: Drafting, context: Prefix, drawn: Prefix) -> Fraction:
+    """The chance that the row after ``drawn`` is lost (0 without a fault model)."""
+    if drafting.fault is None:
+        return Fraction(0)
+    f = Fraction(drafting.fault(context, drawn))
+    if not 0 <= f <= 1:
+        raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, f"fault probability {f} not in [0, 1]")
+    return f
+
+
 def _check_depth(depth: int) -> None:
     if not 0 <= depth <= MAX_DEPTH:
         raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, f"depth {depth} outside 0..{MAX_DEPTH}")
@@ -355,11 +380,19 @@ def adaptive_round_distribution(
     rejection at k commits nothing drawn after k, and no decision uses the
     verifier's draws.
 
+    A ``fault`` loses row i+1 with its probability before it is drawn; the
+    round then verifies the rows before it as a block that ended there (a
+    bonus after them, or target-only if none) — or, with
+    ``discard_on_fault``, the whole block is discarded and the round is
+    target-only (:func:`_discarding_round_distribution`).
+
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` for a depth outside 0..5 or an
-            admission probability outside [0, 1].
+            admission or fault probability outside [0, 1].
     """
     _check_depth(drafting.depth)
+    if drafting.fault is not None and drafting.discard_on_fault:
+        return _discarding_round_distribution(prefix, drafting, q_fn, p_fn, eos)
     out: dict[RoundOutcome, Fraction] = {}
 
     def close(drafts: Prefix, mass: Fraction) -> None:
@@ -369,6 +402,12 @@ def adaptive_round_distribution(
             _add(out, RoundOutcome((*drafts, b), kinds, len(drafts), False), mass * pb)
 
     def walk(drafts: Prefix, qs: tuple[Fraction, ...], mass: Fraction) -> None:
+        lost = _lost(drafting, prefix, drafts)
+        if lost:  # the row is lost before its draw: the block is the rows before it
+            close(drafts, mass * lost)
+            mass *= 1 - lost
+            if not mass:
+                return
         ctx = prefix + drafts
         p = list(p_fn(ctx))
         q = list(q_fn(ctx))
@@ -403,6 +442,66 @@ def adaptive_round_distribution(
         close((), Fraction(1))
     else:
         walk((), (), Fraction(1))
+    return out
+
+
+def _discarding_round_distribution(
+    prefix: Prefix, drafting: Drafting, q_fn: DistFn, p_fn: DistFn, eos: int | None
+) -> dict[RoundOutcome, Fraction]:
+    """One round under the whole-block discard: the worker drafts the block (a fault
+    at any row loses the whole block), then the Spark side verifies what arrived
+    whole, or decodes one token target-only. Drafted first, verified second: the
+    discard depends on drafts that a rejection would otherwise never reach."""
+    out: dict[RoundOutcome, Fraction] = {}
+    blocks: dict[Prefix | None, Fraction] = {}  # None: the block was lost
+
+    def walk(drafts: Prefix, qs: tuple[Fraction, ...], mass: Fraction) -> None:
+        lost = _lost(drafting, prefix, drafts)
+        if lost:
+            _add(blocks, None, mass * lost)
+            mass *= 1 - lost
+            if not mass:
+                return
+        for x, qx in enumerate(q_fn(prefix + drafts)):
+            if not qx:
+                continue
+            drawn, qs_x = (*drafts, x), (*qs, qx)
+            go = Fraction(0) if x == eos else _go(drafting, prefix, drawn, qs_x)
+            if go:
+                walk(drawn, qs_x, mass * qx * go)
+            if go != 1:
+                _add(blocks, drawn, mass * qx * (1 - go))
+
+    walk((), (), Fraction(1))
+    for block, mass in blocks.items():
+        for outcome, m in _verified_outcomes(prefix, block or (), q_fn, p_fn, eos).items():
+            _add(out, outcome, mass * m)
+    return out
+
+
+def _verified_outcomes(
+    prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None
+) -> dict[RoundOutcome, Fraction]:
+    """:func:`verify_block_distribution` with each outcome's marks and verification."""
+    out: dict[RoundOutcome, Fraction] = {}
+    mass = Fraction(1)
+    for i, x in enumerate(drafts):
+        ctx = prefix + drafts[:i]
+        p, q = list(p_fn(ctx)), list(q_fn(ctx))
+        a = acceptance(p, q, x)
+        if a != 1:
+            kinds = (DRAFT,) * (i + 1)
+            for y, ry in enumerate(residual(p, q)):
+                _add(out, RoundOutcome((*drafts[:i], y), kinds, i, True), mass * (1 - a) * ry)
+        mass *= a
+        if not mass:
+            return out
+    if drafts and drafts[-1] == eos:
+        _add(out, RoundOutcome(drafts, (DRAFT,) * len(drafts), len(drafts), False), mass)
+        return out
+    kinds = (DRAFT,) * len(drafts) + ((BONUS if drafts else TARGET),)
+    for b, pb in enumerate(p_fn(prefix + drafts)):
+        _add(out, RoundOutcome((*drafts, b), kinds, len(drafts), False), mass * pb)
     return out
 
 

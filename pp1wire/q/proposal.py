@@ -301,6 +301,13 @@ class Proposal:
     a vocabulary-sharded proposal (protocol §6.7): its rows hold q over that
     range only, and only its group can verify it. ``stop`` is the stop rule
     the STEP asked for (``depth`` is then the block's maximum length).
+
+    ``cut`` is the code of the fault that ended the block before its next row
+    (``docs/adaptive.md`` §7: a row missing at the reply deadline, refused on
+    arrival, not drawn because drafting failed, or lost with the connection):
+    its rows are the rows before the fault, verified as a block stopped there.
+    ``None`` for a block that ended by its depth, its terminal token or its
+    stop rule.
     """
 
     session: int
@@ -313,6 +320,7 @@ class Proposal:
     context: int = 0
     shard: tuple[int, int] | None = None
     stop: StopRule = FIXED
+    cut: ErrorCode | None = None
     #: The slot it was received on (-1: built in this process, not received).
     slot: int = -1
     #: Gives the rows' receive buffers back (set by the client that received it).
@@ -379,6 +387,38 @@ def build_row(
     return counts, ids
 
 
+class DraftingStoppedError(Pp1Error):
+    """Drafting failed at row ``len(rows)`` of a block after ``rows`` were drawn.
+
+    A fault is a stopping time (``docs/adaptive.md`` §7): the rows drawn before
+    it are shipped and verified as a block that ended there, so a failure that
+    depends on the drafted tokens cannot select which blocks are verified.
+    ``code`` is the COMPLETION status the failure answers with (``INTERNAL``
+    for an unexpected exception, which is ``__cause__``); ``rows`` is never
+    empty (a failure at the first row is raised as itself).
+    """
+
+    def __init__(self, failure: BaseException, rows: Sequence[QRow]) -> None:
+        """Drafting stopped by ``failure`` after ``rows`` (at least one).
+
+        Raises:
+            ValueError: for no rows.
+        """
+        if not rows:
+            raise ValueError("a failure before the first row is raised as itself")
+        code = failure.code if isinstance(failure, Pp1Error) else ErrorCode.INTERNAL
+        detail = failure.detail if isinstance(failure, Pp1Error) else repr(failure)
+        super().__init__(code, f"after {len(rows)} rows: {detail}")
+        self.rows = tuple(rows)
+        self.failure = failure
+        self.__cause__ = failure
+
+
+def stopped_by(failure: BaseException, rows: Sequence[QRow]) -> BaseException:
+    """``failure`` itself when nothing was drawn before it, else :class:`DraftingStoppedError`."""
+    return DraftingStoppedError(failure, rows) if rows else failure
+
+
 def propose(
     prefix: Sequence[int],
     depth: int,
@@ -400,8 +440,11 @@ def propose(
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
-            building q raises.
+            building q raises at the first row.
         RngError: if ``streams`` is not a worker stream or a key is reused.
+        DraftingStoppedError: the drafter or construction failed at a later row (the
+            rows drawn before it ride on the exception); anything the drafter
+            raises at the first row propagates as itself.
     """
     if not 1 <= depth <= MAX_DEPTH:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {depth} outside 1..{MAX_DEPTH}")
@@ -414,9 +457,14 @@ def propose(
     rows: list[QRow] = []
     drawn: list[int] = []  # each row's count at its own token: the rule's input
     for i in range(depth):
-        counts, ids = build_row(drafter(context), temperature, support)
-        u = streams.u24(Domain.PROPOSAL, start + i)
-        pick = dyadic.sample(counts, u)
+        try:
+            counts, ids = build_row(drafter(context), temperature, support)
+            u = streams.u24(Domain.PROPOSAL, start + i)
+            pick = dyadic.sample(counts, u)
+        except Exception as exc:
+            if not rows:
+                raise
+            raise DraftingStoppedError(exc, rows) from exc
         token = pick if ids is None else int(ids[pick])
         rows.append(QRow(token=token, counts=counts, ids=ids))
         context.append(token)
@@ -503,7 +551,8 @@ def propose_batch(
     released). Each job's result is exactly :func:`propose`'s for that job
     alone: the same rows (tokens, counts, IDs, dtypes), the same proposal
     draws, or a :class:`~pp1wire.errors.Pp1Error` with the code ``propose``
-    raises. One job's failure leaves the others going. A ``drafter`` call that
+    raises (a :class:`DraftingStoppedError` carrying the rows drawn before a
+    failure after the first row). One job's failure leaves the others going. A ``drafter`` call that
     raises fails every job of that call: with its code if it raised a
     ``Pp1Error``, else ``INTERNAL`` (the exception is the error's
     ``__cause__``, for the log); a call returning another number of rows, or
@@ -548,12 +597,12 @@ def propose_batch(
         rows = _draft_logits(drafter, [d.context for d in live], vocab_size)
         if isinstance(rows, Pp1Error):
             for d in live:
-                results[d.index] = rows
+                results[d.index] = cast(Pp1Error, stopped_by(rows, d.rows))
             break
         going: list[_Draft] = []
         for d, got in zip(live, _build_position(live, rows, i, threads, row_entries), strict=True):
             if isinstance(got, Pp1Error):
-                results[d.index] = got
+                results[d.index] = cast(Pp1Error, stopped_by(got, d.rows))
                 continue
             d.rows.append(got)
             d.context.append(got.token)

@@ -320,7 +320,13 @@ def stop_after(
 
 
 def audit(
-    rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
+    rule: StopRule,
+    depth: int,
+    counts: Sequence[int],
+    tokens: Sequence[int],
+    eos: int | None,
+    *,
+    cut: bool = False,
 ) -> ErrorCode | None:
     """The Spark side's check of one received block: ``None`` if it stopped where the rule says.
 
@@ -328,7 +334,9 @@ def audit(
     terminal token had ended the block (late), or the block ends before the
     depth, without a terminal token, at a row after which the rule continues
     (early: the worker drew a row and dropped it, or never drew it). An empty
-    block is early: position 1 is always drawn.
+    block is early: position 1 is always drawn. A block ``cut`` by a fault
+    (``docs/adaptive.md`` §7) may end anywhere the rule continues; it may
+    still not run late.
 
     Raises:
         ValueError: for a depth outside 1..5, rows and tokens of different
@@ -339,7 +347,9 @@ def audit(
             raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
         return ErrorCode.STOP_RULE_VIOLATED
     end = stop_after(rule, depth, counts, tokens, eos)
-    if end is None or end != len(counts):
+    if end is None:
+        return None if cut else ErrorCode.STOP_RULE_VIOLATED
+    if end != len(counts):
         return ErrorCode.STOP_RULE_VIOLATED
     return None
 

@@ -255,7 +255,10 @@ class RequestVerifier:
         A proposal under a stop rule other than FIXED is audited here
         (``docs/adaptive.md`` §2): its block must end exactly where the rule,
         recomputed from its rows, ends it; only then may it be shorter than
-        its depth without a terminal token.
+        its depth without a terminal token. A block a fault cut
+        (:attr:`Proposal.cut`, ``docs/adaptive.md`` §7) may end anywhere
+        before its depth, but never after the depth, a terminal token or
+        the rule ended it.
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
@@ -287,7 +290,9 @@ class RequestVerifier:
                 )
         if proposal.stop.kind is not StopKind.FIXED:
             self._audit_stop(proposal)
-        elif stopped_by_rule(proposal.depth, [row.token for row in rows], self.eos):
+        elif proposal.cut is None and stopped_by_rule(
+            proposal.depth, [row.token for row in rows], self.eos
+        ):
             raise VerifyError(
                 ErrorCode.MALFORMED_PROPOSAL,
                 "block shorter than its depth without a terminal token",
@@ -303,7 +308,14 @@ class RequestVerifier:
         rows = proposal.rows
         counts = [row.count_at(row.token) for row in rows]
         try:
-            code = audit(proposal.stop, proposal.depth, counts, [r.token for r in rows], self.eos)
+            code = audit(
+                proposal.stop,
+                proposal.depth,
+                counts,
+                [r.token for r in rows],
+                self.eos,
+                cut=proposal.cut is not None,
+            )
         except ValueError as exc:  # a count outside 0..2**24: rows never validated
             raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, str(exc)) from None
         if code is not None:

@@ -82,11 +82,12 @@ class Header:
     payload_digest: int = 0
     context: int = 0
     stop: StopRule = FIXED  # the proposal's stop rule: word 1, kind * 2**32 + threshold
+    cut: ErrorCode | None = None  # the fault that cut the block (word 14; 0: none)
 
     def words(self) -> Words:
         """The header as ``int64[WORDS]``."""
         out = np.zeros(WORDS, dtype=np.int64)
-        out[:14] = [
+        out[:15] = [
             int(self.kind),
             (int(self.stop.kind) << 32) | self.stop.threshold,
             self.request,
@@ -101,6 +102,7 @@ class Header:
             self.nbytes,
             self.payload_digest,
             as_int64(self.context),
+            int(self.cut or 0),
         ]
         return out
 
@@ -124,6 +126,12 @@ class Header:
             raise ValidationError(
                 ErrorCode.GROUP_HEADER_INVALID, f"no stop rule is the word {w[1]}"
             ) from None
+        try:
+            cut = ErrorCode(w[14]) if w[14] else None
+        except ValueError:
+            raise ValidationError(
+                ErrorCode.GROUP_HEADER_INVALID, f"no error code is the word {w[14]}"
+            ) from None
         return cls(
             kind=Kind(w[0]),
             request=w[2],
@@ -139,6 +147,7 @@ class Header:
             payload_digest=w[12],
             context=as_uint64(w[13]),
             stop=stop,
+            cut=cut,
         )
 
 
@@ -274,6 +283,7 @@ _CARRIED = (
     ("depth", "depth"),
     ("context", "context"),
     ("stop", "stop"),
+    ("cut", "cut"),
 )
 
 

@@ -27,6 +27,7 @@ paths included):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -52,7 +53,7 @@ from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
-_REPORT = 3 + _KEY + 2 * MAX_DEPTH
+_REPORT = 4 + _KEY + 2 * MAX_DEPTH  # ok, code, cut, rows, key, tokens, masses
 _OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
 _OUTCOMES = list(Outcome)
 
@@ -78,11 +79,13 @@ class ShardReport:
         )
         return cls(None, ShardSummary(key, proposal.tokens, masses))
 
-    def words(self) -> list[int]:
-        """The fixed-size int64 words every rank gathers."""
+    def words(self, cut: ErrorCode | None = None) -> list[int]:
+        """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
+        this rank's block, if one did)."""
         out = [int(self.code is None), 0 if self.code is None else int(self.code)]
+        out.append(0 if cut is None else int(cut))
         if self.summary is None:
-            return out + [0] * (_REPORT - 2)
+            return out + [0] * (_REPORT - 3)
         s = self.summary
         out += [len(s.tokens), *s.key]
         out += [*s.tokens, *[-1] * (MAX_DEPTH - len(s.tokens))]
@@ -97,12 +100,31 @@ def _mass(row: QRow) -> int:
     return int(row.q32.sum(dtype=np.float64) * M)
 
 
-def _summary(words: Sequence[int]) -> ShardSummary:
-    n = words[2]
-    key = tuple(words[3 : 3 + _KEY])
-    tokens = tuple(words[3 + _KEY : 3 + _KEY + n])
-    masses = tuple(words[3 + _KEY + MAX_DEPTH : 3 + _KEY + MAX_DEPTH + n])
+def _summary(words: Sequence[int], rows: int) -> ShardSummary:
+    """A rank's report read back, cut to its first ``rows`` rows."""
+    key = tuple(words[4 : 4 + _KEY])
+    tokens = tuple(words[4 + _KEY : 4 + _KEY + rows])
+    masses = tuple(words[4 + _KEY + MAX_DEPTH : 4 + _KEY + MAX_DEPTH + rows])
     return ShardSummary(key, tokens, masses)
+
+
+def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | None] | None:
+    """The block every rank can verify: its rows and the fault that cut it, or None if
+    the ranks' blocks cannot be one block (``docs/adaptive.md`` §7).
+
+    Each rank's link gave its shard of the first rows of one block; a fault on a
+    link ends that rank's rows early. Row i is verified only if every rank holds
+    it, so the group's block is the shortest, cut (by the lowest such rank's
+    fault) when any rank's was. Ranks whose blocks ended without a fault must
+    agree on its length, and no rank may hold more rows than that.
+    """
+    rows = [int(w[3]) for w in reports]
+    whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
+    if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
+        return None
+    n = min(rows)
+    cut = next((ErrorCode(w[2]) for w in reports if w[2]), None)
+    return n, cut
 
 
 @dataclass
@@ -175,7 +197,7 @@ class ShardedVerifyGroup:
         mine: list[int] = []
         for r in rounds:
             if r.proposal is not None:
-                mine += ShardReport.of(r.proposal).words()
+                mine += ShardReport.of(r.proposal).words(r.proposal.cut)
             else:
                 mine += ShardReport(r.failure).words()
         if not rounds:
@@ -188,15 +210,27 @@ class ShardedVerifyGroup:
                 continue
             reports = [[int(v) for v in gathered[k, i].tolist()] for k in range(self.world)]
             refused = next((ErrorCode(w[1]) for w in reports if not w[0]), None)
-            reason = refused or check_group([_summary(w) for w in reports])
+            block = None if refused else _agreed_block(reports)
+            reason = refused or (
+                ErrorCode.GROUP_SHARD_MISMATCH
+                if block is None
+                else check_group([_summary(w, block[0]) for w in reports])
+            )
             if reason is not None:
                 out[i] = VerifyError(reason, "the group cannot use this proposal")
-            else:
-                assert r.proposal is not None
-                try:
-                    r.verifier.check_key(r.proposal)
-                except VerifyError as exc:  # the same on every rank: same state, same key
-                    out[i] = exc
+                continue
+            assert r.proposal is not None
+            assert block is not None
+            rows, cut = block
+            if rows < len(r.proposal.rows) or cut is not r.proposal.cut:
+                # Every rank verifies the same block: the rows all of them hold.
+                r.proposal = dataclasses.replace(
+                    r.proposal, rows=r.proposal.rows[:rows], cut=cut
+                )
+            try:
+                r.verifier.check_key(r.proposal)
+            except VerifyError as exc:  # the same on every rank: same state, same key
+                out[i] = exc
 
     def _score(
         self,

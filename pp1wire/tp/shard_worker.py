@@ -50,7 +50,14 @@ import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q.layout import as_int64
-from pp1wire.q.proposal import MAX_DEPTH, DrafterFn, ExtendedPrefix, QRow, batched_drafter
+from pp1wire.q.proposal import (
+    MAX_DEPTH,
+    DrafterFn,
+    ExtendedPrefix,
+    QRow,
+    batched_drafter,
+    stopped_by,
+)
 from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
@@ -429,7 +436,10 @@ class ShardedDrafting:
                 if isinstance(got, Pp1Error):
                     # This rank's own drafter failure keeps its exception, for the log.
                     mine = error is not None and got.code is ErrorCode.INTERNAL
-                    out[c.index] = error if mine and error is not None else got
+                    failure = error if mine and error is not None else got
+                    # The rows drawn before the failure are shipped (every rank
+                    # learns the failure from the same collective, at the same row).
+                    out[c.index] = stopped_by(failure, c.rows)
                     continue
                 c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
                 c.context.append(got.token)

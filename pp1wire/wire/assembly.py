@@ -18,7 +18,7 @@ import xxhash
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic, layout
 from pp1wire.q.proposal import Lease, Proposal, QRow
-from pp1wire.q.stoprules import StopKind, StopRule, audit, stopped_by_rule
+from pp1wire.q.stoprules import StopKind, StopRule, audit, continues, stopped_by_rule
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
 
 
@@ -40,9 +40,10 @@ class ReplyAssembly:
     hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
     nbytes: int = 0
     buffers: list[memoryview] = field(default_factory=list)
-    settled: bool = False  # completed or discarded: later frames of this round are late
-    discarded: bool = False
+    settled: bool = False  # completed, cut or discarded: later frames of this round are late
+    discarded: bool = False  # discarded or cut: its later frames are LATE_FRAME, not duplicates
     lease: Lease = field(default_factory=Lease)  # rows are readable until it is released
+    counts: list[int] = field(default_factory=list)  # each row's count at its own token
 
     @property
     def rule(self) -> StopRule:
@@ -70,6 +71,10 @@ class ReplyAssembly:
         index = len(self.rows)
         if msg.index != index or index >= step.depth or self._ended_by_eos(eos):
             return ErrorCode.ROW_OUT_OF_ORDER
+        if self.counts and not continues(self.rule, self.counts):
+            # The stop rule ended the block at the last row: this row was drawn
+            # late (docs/adaptive.md §2), refused on arrival like a row after eos.
+            return ErrorCode.STOP_RULE_VIOLATED
         if msg.position != step.position + index:
             return ErrorCode.WRONG_POSITION
         if (msg.start, msg.end) != (shard or (None, None)):
@@ -121,6 +126,9 @@ class ReplyAssembly:
     def add_row(self, row: QRow, raw: memoryview) -> None:
         """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""
         self.rows.append(row)
+        if self.rule.kind is not StopKind.FIXED:
+            # Counted once here: the next row's late check and the audit read it.
+            self.counts.append(row.count_at(row.token))
         self.hasher.update(raw)
         self.nbytes += len(raw)
         self.buffers.append(raw)
@@ -131,23 +139,27 @@ class ReplyAssembly:
         """None if COMPLETION closes this reply exactly; else the code that discards it.
 
         ``shard`` is a sharded link's global ID range, as for :meth:`check_row`.
-        A block shorter than its depth without a terminal token needs
-        ``stopped``; a ``stopped`` block needs a stop rule other than FIXED and
-        fewer rows than the depth without a terminal token
+        The rows announced must be the rows received. A nonzero ``status``
+        with no row discards the proposal with that status; with rows, the
+        worker failed after drawing them and, once the rest checks, the block
+        is usable cut there (the caller reads the status). Under ``status``
+        0, a block shorter than its depth without a terminal token needs
+        ``stopped``; a ``stopped`` block needs ``status`` 0, a stop rule other
+        than FIXED and fewer rows than the depth without a terminal token
         (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
         (``docs/adaptive.md`` §2) recomputes where the rule ends the block.
         """
         step = self.step
         got = len(self.rows)
-        if msg.status:
-            return status_code(msg.status)
         if msg.rows != got:
             return ErrorCode.COMPLETION_EARLY if msg.rows > got else ErrorCode.REPLY_SIZE_MISMATCH
+        if msg.status and not got:
+            return status_code(msg.status)
         rule = self.rule
         short = stopped_by_rule(step.depth, [r.token for r in self.rows], eos)
-        if short and not msg.stopped:
+        if short and not msg.stopped and not msg.status:
             return ErrorCode.COMPLETION_EARLY
-        if msg.stopped and (not short or rule.kind is StopKind.FIXED):
+        if msg.stopped and (msg.status or not short or rule.kind is StopKind.FIXED):
             return ErrorCode.STOP_RULE_VIOLATED
         if msg.position != step.position:
             return ErrorCode.WRONG_POSITION
@@ -159,20 +171,24 @@ class ReplyAssembly:
             return ErrorCode.REPLY_SIZE_MISMATCH
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
-        if rule.kind is not StopKind.FIXED:
-            # Each row's count at its own token, as validated (§6.2): 1..2**24.
-            counts = [r.count_at(r.token) for r in self.rows]
-            return audit(rule, step.depth, counts, [r.token for r in self.rows], eos)
+        if rule.kind is not StopKind.FIXED and not msg.status:
+            # Late rows were refused on arrival; this finds a block cut early.
+            return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
         return None
 
     def proposal(
-        self, session: int, rows: tuple[QRow, ...], shard: tuple[int, int] | None = None
+        self,
+        session: int,
+        rows: tuple[QRow, ...],
+        shard: tuple[int, int] | None = None,
+        cut: ErrorCode | None = None,
     ) -> Proposal:
         """The validated proposal this reply carried (``rows``: the checked rows;
-        ``shard``: the link's range on a sharded link)."""
+        ``shard``: the link's range on a sharded link; ``cut``: the fault that
+        ended the block after ``rows``, if one did)."""
         st = self.step
         at = (st.generation, st.round, st.position, st.digest, st.depth)
-        return Proposal(session, *at, rows, st.context, shard, self.rule)
+        return Proposal(session, *at, rows, st.context, shard, self.rule, cut)
 
     def settle(self, *, discarded: bool) -> list[memoryview]:
         """Mark the reply settled (later frames are late) and hand back its buffers."""

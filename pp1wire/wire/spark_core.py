@@ -4,10 +4,15 @@ The Spark side asks the worker for proposals and validates everything that
 comes back before anything is consumed: each REPLY row as it arrives (fencing,
 order, sizes, row checksum, the dyadic24 contract), then the COMPLETION (row
 count, exact reply byte count and checksum, status). A proposal is published
-(:class:`ProposalReady`) only after its COMPLETION validates; any failure
-discards the whole proposal (:class:`ProposalFailed`) so the caller decodes
-that round target-only. Late or duplicate frames are dropped and counted.
-No asyncio here; the clock is passed in.
+(:class:`ProposalReady`) once its COMPLETION validates, or **cut** when a fault
+ends its block before the next row — the reply deadline, a refused row, a
+worker that reports a failure after some rows, a lost connection — with the
+rows that validated before it (``docs/adaptive.md`` §7: a fault is a stopping
+time, so those rows are verified, not thrown away). A proposal with no
+usable row, or one whose COMPLETION does not check, is discarded whole
+(:class:`ProposalFailed`) and the caller decodes that round target-only. Late
+or duplicate frames are dropped and counted. No asyncio here; the clock is
+passed in.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -56,6 +62,11 @@ from pp1wire.wire.spark_events import (
 from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
+
+# The answers a worker owes this side's slot requests (§4.3, §4.7, §4.8), and the
+# requests an ERROR may answer in their place (§4.9).
+_ANSWERS = frozenset({MsgType.OPENED, MsgType.CLOSED, MsgType.COMMITTED, MsgType.RESET_DONE})
+_ANSWERED = frozenset({MsgType.OPEN, MsgType.CLOSE, MsgType.COMMIT, MsgType.RESET})
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,11 @@ class SparkProtocol:
         # of a slot (late acks, replies) are ignored until its CLOSED arrives.
         self._closing: dict[int, int] = {}
         self._slot_generations: dict[int, int] = {}
+        # Per slot, the deadlines of requests still owed an answer (OPEN, CLOSE, COMMIT,
+        # RESET), oldest first: a worker answers each slot's messages in order (§4.4),
+        # so every answer settles the oldest. One not answered in time ends the
+        # connection (ANSWER_TIMEOUT): a mute worker never hangs a caller.
+        self._owed: dict[int, deque[float]] = {}
         # Ready proposals the caller has not released: their rows' lease and buffers.
         self._ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]] = {}
         self._release_buffer = release
@@ -173,6 +189,19 @@ class SparkProtocol:
         out, self._out = self._out, []
         return out
 
+    def _owe(self, slot: int, now: float | None) -> None:
+        """The message just queued for ``slot`` is owed an answer by ``now`` + the reply
+        timeout (no deadline without a clock reading)."""
+        if now is not None:
+            self._owed.setdefault(slot, deque()).append(now + self.config.reply_timeout)
+
+    def _answered(self, slot: int) -> None:
+        owed = self._owed.get(slot)
+        if owed:
+            owed.popleft()
+            if not owed:
+                del self._owed[slot]
+
     def _send(self, msg: Message, payload: bytes = b"") -> None:
         frame = framing.encode_frame(msg, payload, tagged=self._sealer is not None)
         self._out.append(frame)
@@ -184,22 +213,52 @@ class SparkProtocol:
         return events
 
     def next_deadline(self) -> float | None:
-        """The earliest handshake or reply deadline, if any."""
+        """The earliest handshake, reply or answer deadline, if any."""
         times = [s.flight.deadline for s in self.slots.values() if s.flight is not None]
+        times += [owed[0] for owed in self._owed.values() if owed]
         if self.handshake_deadline is not None:
             times.append(self.handshake_deadline)
         return min(times) if times and not self.closed else None
 
     def handle_timer(self, now: float) -> list[SparkEvent]:
-        """Fail proposals past their reply deadline; fail a stalled handshake."""
+        """Cut or fail proposals past their reply deadline; fail a stalled handshake;
+        end the connection when a request went unanswered past its deadline."""
         if self.closed:
             return []
         if self.handshake_deadline is not None and now >= self.handshake_deadline:
             self._fatal(ErrorCode.HANDSHAKE_TIMEOUT)
             return self._take()
+        if any(owed and now >= owed[0] for owed in self._owed.values()):
+            # An OPEN, CLOSE, COMMIT or RESET unanswered for a reply timeout: the worker
+            # is not serving this connection; like a lost connection, every slot is
+            # reopened on a new one (and rounds decode target-only meanwhile).
+            self._fatal(ErrorCode.ANSWER_TIMEOUT)
+            return self._take()
         for index, slot in self.slots.items():
             if slot.flight is not None and now >= slot.flight.deadline:
-                self._discard(index, slot, ErrorCode.REPLY_TIMEOUT)
+                # The rows that arrived are a block the deadline stopped (§6.5).
+                self._end_block(index, slot, ErrorCode.REPLY_TIMEOUT)
+        return self._take()
+
+    def cut(self, slot: int, code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> list[SparkEvent]:
+        """End ``slot``'s block in flight now, as its reply deadline would (§6.5): the
+        rows that arrived are published as a proposal cut by ``code``
+        (:class:`ProposalReady`), or with none the proposal fails
+        (:class:`ProposalFailed`); later frames of its round are dropped as late.
+        Nothing happens for a slot with nothing in flight. An engine that stops
+        waiting for a proposal calls this rather than dropping it: dropping the
+        rows that arrived would select blocks by how long they took to draw.
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
+        """
+        self._require_ready()
+        state = self.slots.get(slot)
+        if state is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        if state.flight is not None:
+            self._end_block(slot, state, code)
         return self._take()
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
@@ -315,6 +374,7 @@ class SparkProtocol:
         eos: int | None = None,
         generation: int | None = None,
         at_least: int = 0,
+        now: float | None = None,
     ) -> int:
         """Queue OPEN for ``slot`` with its committed prefix and request seed.
 
@@ -323,6 +383,8 @@ class SparkProtocol:
         fenced off; ``generation=None`` picks the next one, and no lower than
         ``at_least`` (a caller reopening on a new connection passes its last
         generation + 1, so no RNG key of the old one is reused). Returns it.
+        With ``now``, OPENED (or the ERROR refusing it) is owed within the reply
+        timeout: past it the connection ends (``ANSWER_TIMEOUT``).
 
         Raises:
             ProtocolError: ``SLOT_LIMIT``, ``SLOT_IN_USE``, ``STALE_GENERATION``,
@@ -366,6 +428,7 @@ class SparkProtocol:
             digest=digest,
         )
         self._send(msg, np.asarray(tokens, dtype="<i4").tobytes())
+        self._owe(slot, now)
         self._slot_generations[slot] = generation
         return generation
 
@@ -442,11 +505,19 @@ class SparkProtocol:
         )
         self._send(msg)
 
-    def commit(self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int) -> None:
+    def commit(
+        self,
+        slot: int,
+        *,
+        round_id: int,
+        tokens: Sequence[int],
+        accepted: int,
+        now: float | None = None,
+    ) -> None:
         """Queue COMMIT of ``tokens`` (accepted drafts, then the correction/bonus if any).
 
         The local prefix advances at once so the next STEP can be pipelined
-        behind this COMMIT.
+        behind this COMMIT. With ``now``, COMMITTED is owed as for :meth:`open_slot`.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``; ``COMMIT_INVALID`` if ``accepted``
@@ -477,11 +548,13 @@ class SparkProtocol:
             digest=state.digest,
         )
         self._send(msg)
+        self._owe(slot, now)
 
-    def reset(self, slot: int) -> int:
+    def reset(self, slot: int, now: float | None = None) -> int:
         """Queue RESET: a new generation; everything in flight on the slot is discarded.
 
-        Returns the new generation.
+        Returns the new generation. With ``now``, RESET_DONE is owed as for
+        :meth:`open_slot`.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -499,10 +572,12 @@ class SparkProtocol:
         state.drafts.clear()
         msg = messages.Reset(session=self.session, slot=slot, generation=generation)
         self._send(msg)
+        self._owe(slot, now)
         return generation
 
-    def close_slot(self, slot: int) -> None:
-        """Queue CLOSE; the slot's state is dropped at once.
+    def close_slot(self, slot: int, now: float | None = None) -> None:
+        """Queue CLOSE; the slot's state is dropped at once. With ``now``, CLOSED is
+        owed as for :meth:`open_slot`.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -518,6 +593,7 @@ class SparkProtocol:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
         self._send(messages.Close(session=self.session, slot=slot))
+        self._owe(slot, now)
 
     def ping(self, nonce: int) -> None:
         """Queue PING."""
@@ -537,10 +613,37 @@ class SparkProtocol:
         """The connection is dead: every in-flight proposal fails, every slot is dropped."""
         for index, slot in list(self.slots.items()):
             if slot.flight is not None:
-                self._discard(index, slot, code)
+                self._end_block(index, slot, code)
         self.slots.clear()
         self.closed = True
         self._events.append(ConnectionFailed(code))
+
+    def _end_block(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
+        """A fault at the next row of the block in flight (its deadline, a refused
+        row, the connection): the rows before it are the block, cut by ``code``
+        (docs/adaptive.md §7); with no row, the proposal is discarded."""
+        flight = slot.flight
+        assert flight is not None
+        if flight.rows:
+            self._publish(index, slot, cut=code)
+        else:
+            self._discard(index, slot, code)
+
+    def _publish(self, index: int, slot: SparkSlot, *, cut: ErrorCode | None = None) -> None:
+        """Hand out the flight's validated rows as its proposal (cut by ``cut``, if set)."""
+        flight = slot.flight
+        assert flight is not None
+        step = flight.step
+        slot.flight = None
+        slot.fence.last_round = max(slot.fence.last_round, step.round)
+        rows = tuple(flight.rows)
+        slot.drafts[step.round] = tuple(r.token for r in rows)
+        # A cut reply's later frames are late (LATE_FRAME), a completed one's duplicates.
+        buffers = flight.settle(discarded=cut is not None)
+        self._ready[(index, step.round)] = (flight.lease, buffers)
+        self._events.append(
+            ProposalReady(index, flight.proposal(self.session, rows, self._shard, cut))
+        )
 
     def _discard(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
         flight = slot.flight
@@ -565,6 +668,11 @@ class SparkProtocol:
         if rule.act is Act.IGNORE:
             return
         slot_of = getattr(msg, "slot", None)
+        if slot_of is not None and (
+            kind in _ANSWERS
+            or (kind is MsgType.ERROR and getattr(msg, "answers", None) in _ANSWERED)
+        ):
+            self._answered(slot_of)  # whichever instance of the slot it answers
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             if kind is MsgType.ERROR and getattr(msg, "answers", None) == MsgType.CLOSE:
                 # The worker held no such slot (its OPEN was refused): the CLOSE is
@@ -761,8 +869,9 @@ class SparkProtocol:
         return self.config.shard_range if self.config.sharded else None
 
     def _fail_row(self, index: int, state: SparkSlot, code: ErrorCode) -> None:
+        # A refused row ends the block before it; the rows before it stand (§4.5).
         self._events.append(FrameRejected(index, code))
-        self._discard(index, state, code)
+        self._end_block(index, state, code)
 
     def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Reply)
@@ -783,18 +892,12 @@ class SparkProtocol:
         if (fenced := self._fence(msg)) is None:
             return
         state, flight = fenced
-        step = flight.step
         code = flight.check_completion(msg, eos=state.eos, shard=self._shard)
         if code is not None:
-            if not msg.status:
-                self._events.append(FrameRejected(msg.slot, code))
+            if not (msg.status and not flight.rows and code is status_code(msg.status)):
+                self._events.append(FrameRejected(msg.slot, code))  # not a reported failure
             self._discard(msg.slot, state, code)
             return
-        state.flight = None
-        state.fence.last_round = max(state.fence.last_round, step.round)
-        rows = tuple(flight.rows)
-        state.drafts[step.round] = tuple(r.token for r in rows)
-        self._ready[(msg.slot, step.round)] = (flight.lease, flight.settle(discarded=False))
-        self._events.append(
-            ProposalReady(msg.slot, flight.proposal(self.session, rows, self._shard))
-        )
+        # A nonzero status after rows: the worker failed drawing the next row, so
+        # the rows it shipped are the block, cut there (§4.6).
+        self._publish(msg.slot, state, cut=status_code(msg.status) if msg.status else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pp1wire.errors import ErrorCode, Pp1Error
-from pp1wire.q.proposal import DrafterFn, DraftJob, QRow, propose
+from pp1wire.q.proposal import DrafterFn, DraftingStoppedError, DraftJob, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.stoprules import StopKind, StopRule
 from pp1wire.wire.events import Event, HandshakeDone
@@ -165,7 +165,9 @@ class DrawJob:
         """The result of this job from rows drawn elsewhere, or the exception that
         stopped them: a :class:`~pp1wire.errors.Pp1Error` answers with its code
         (a COMPLETION status); anything else answers ``INTERNAL`` and is kept in
-        :attr:`DrawResult.failure` for the shell to log. Never raises.
+        :attr:`DrawResult.failure` for the shell to log. A
+        :class:`~pp1wire.q.proposal.DraftingStoppedError` ships the rows drawn
+        before the failure with its status. Never raises.
 
         ``started`` (a :func:`time.perf_counter` reading) dates the draw; by
         default the encoding alone is timed.
@@ -173,7 +175,17 @@ class DrawJob:
         begun = time.perf_counter() if started is None else started
         failure: BaseException | None = None
         status = 0
-        if isinstance(rows, Pp1Error):  # a status on purpose (q construction, a group's code)
+        if isinstance(rows, DraftingStoppedError):
+            # The rows drawn before the failure are shipped with its status: the
+            # Spark side verifies them as a block that stopped there (§4.6).
+            stopped, rows = rows, rows.rows
+            status = int(stopped.code)
+            cause: BaseException | None = stopped.failure
+            if isinstance(cause, Pp1Error):
+                # A status on purpose is not logged; a plugin's bug behind INTERNAL is.
+                cause = cause.__cause__ if stopped.code is ErrorCode.INTERNAL else None
+            failure = cause
+        elif isinstance(rows, Pp1Error):  # a status on purpose (q construction, a group's code)
             status, rows = int(rows.code), ()
         elif isinstance(rows, BaseException):  # a bug in a plugin: logged by the shell
             status, failure, rows = int(ErrorCode.INTERNAL), rows, ()

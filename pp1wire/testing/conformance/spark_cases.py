@@ -1,7 +1,9 @@
 """The Spark-side cases (``pp1-conformance --spark``): stimuli written for a vocabulary of 8.
 
 ``REPLY_CLASSES`` lists every reply-side rejection class once; the S1 cases and
-the library-level hostile-worker tests both run it.
+the library-level hostile-worker tests both run it. A class whose bad row comes
+after valid ones cuts the block to them (``docs/adaptive.md`` §7) instead of
+discarding it.
 """
 
 from __future__ import annotations
@@ -64,96 +66,128 @@ def _all_rows(st: Step, **over: int) -> bytes:
     return _rows(st, *range(st.depth), **over)
 
 
-REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
+def _bad_at(st: Step, index: int, row: bytes) -> bytes:
+    """A reply whose row ``index`` is ``row`` and whose other rows are valid."""
+    return whole_reply(
+        st, *(row if i == index else ok_row(st, i) for i in range(st.depth))
+    )
+
+
+def ok_token(st: Step) -> int:
+    """The token of :func:`ok_row` for ``st``."""
+    return 7 if st.support else 0
+
+
+# Every reply-side rejection class: name, sparse support (0 = dense), builder, code, and
+# the valid rows before the refused one (0: the proposal is discarded; more: the block
+# is cut to them, docs/adaptive.md section 7).
+ReplyClass = tuple[str, int, Build, ErrorCode, int]
+
+REPLY_CLASSES: list[ReplyClass] = [
     (
         "non_finite",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, np.nan, 0, 0, 0, Q]))),
         ErrorCode.NON_FINITE,
+        0,
     ),
     (
         "negative",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, -0.0, 0, 0, 0, Q]))),
         ErrorCode.NEGATIVE,
+        0,
     ),
     (
         "non_dyadic",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
         ErrorCode.NON_DYADIC,
+        0,
     ),
     (
         "wrong_total_mass",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _dense([H, 0, Q, 0, 0, 0, 0, 0]))),
         ErrorCode.MASS_MISMATCH,
+        0,
     ),
     (
         "zero_q_at_proposed",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 1, dense_payload(GOOD))),
         ErrorCode.ZERO_Q_AT_PROPOSED,
+        0,
     ),
     (
         "proposed_out_of_range",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, VOCAB, dense_payload(GOOD))),
         ErrorCode.PROPOSED_OUT_OF_RANGE,
+        0,
     ),
     (
         "unexpected_size",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD, VOCAB - 1))),
         ErrorCode.ROW_LENGTH,
+        0,
     ),
     (
         "missing_q",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, b"", entries=0)),
         ErrorCode.MISSING_Q,
+        0,
     ),
     (
         "row_checksum",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), checksum=5)),
         ErrorCode.ROW_CHECKSUM_MISMATCH,
+        0,
     ),
     (
         "rows_out_of_order",
         0,
         lambda st: _rows(st, 1, 0, *range(2, st.depth)),
         ErrorCode.ROW_OUT_OF_ORDER,
+        0,
     ),
     (
         "row_repeated",
         0,
         lambda st: _rows(st, 0, *range(st.depth)),
         ErrorCode.ROW_OUT_OF_ORDER,
+        1,
     ),
     (
         "completion_early",
         0,
         lambda st: ok_row(st, 0) + completion(st, ok_row(st, 0), 1),
         ErrorCode.COMPLETION_EARLY,
+        0,
     ),
     (
         "reply_checksum",
         0,
         lambda st: _all_rows(st, reply_checksum=1),
         ErrorCode.REPLY_CHECKSUM_MISMATCH,
+        0,
     ),
     (
         "reply_size",
         0,
         lambda st: _all_rows(st, reply_bytes=7),
         ErrorCode.REPLY_SIZE_MISMATCH,
+        0,
     ),
     (
         "wrong_position",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), position=99)),
         ErrorCode.WRONG_POSITION,
+        0,
     ),
     (
         "future_generation",
@@ -162,54 +196,63 @@ REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
             st, reply_row(st, 0, 0, dense_payload(GOOD), generation=st.generation + 1)
         ),
         ErrorCode.FUTURE_GENERATION,
+        0,
     ),
     (
         "newer_round",
         0,
         lambda st: _first_bad(st, reply_row(st, 0, 0, dense_payload(GOOD), round=st.round + 1)),
         ErrorCode.ROW_OUT_OF_ORDER,
+        0,
     ),
     (
         "sparse_duplicate_ids",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 0, 7], [Q, Q, H]))),
         ErrorCode.SPARSE_DUPLICATE_ID,
+        0,
     ),
     (
         "sparse_duplicate_zeros",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 5, 5], [1.0, 0.0, 0.0]))),
         ErrorCode.SPARSE_DUPLICATE_ID,
+        0,
     ),
     (
         "sparse_unsorted",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([7, 0], [H, H]))),
         ErrorCode.SPARSE_UNSORTED,
+        0,
     ),
     (
         "sparse_padded_support",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, -1], [H, H]))),
         ErrorCode.SPARSE_ID_OUT_OF_RANGE,
+        0,
     ),
     (
         "sparse_out_of_range",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, VOCAB], [H, H]))),
         ErrorCode.SPARSE_ID_OUT_OF_RANGE,
+        0,
     ),
     (
         "sparse_zero_entry",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 7], [1.0, 0.0]))),
         ErrorCode.SPARSE_ZERO_ENTRY,
+        0,
     ),
     (
         "sparse_support_too_large",
         3,
         lambda st: _first_bad(st, reply_row(st, 0, 0, _sparse([0, 2, 5, 7], [Q, Q, Q, Q]))),
         ErrorCode.SUPPORT_TOO_LARGE,
+        0,
     ),
     (
         "dense_row_for_sparse_step",
@@ -218,6 +261,29 @@ REPLY_CLASSES: list[tuple[str, int, Build, ErrorCode]] = [
             st, reply_row(st, 0, 0, dense_payload(GOOD), representation=0, entries=VOCAB)
         ),
         ErrorCode.BAD_REPRESENTATION,
+        0,
+    ),
+    # Later classes (their case IDs follow the earlier ones').
+    (
+        "row_checksum_after_a_valid_row",
+        0,
+        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, dense_payload(GOOD), checksum=5)),
+        ErrorCode.ROW_CHECKSUM_MISMATCH,
+        1,
+    ),
+    (
+        "non_dyadic_after_a_valid_row",
+        0,
+        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, _dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
+        ErrorCode.NON_DYADIC,
+        1,
+    ),
+    (
+        "failure_status_after_a_valid_row",
+        0,
+        lambda st: whole_reply(st, ok_row(st, 0), status=int(ErrorCode.INTERNAL)),
+        ErrorCode.INTERNAL,
+        1,
     ),
 ]
 
@@ -272,6 +338,19 @@ def cut(keep: Callable[[bytes], int]) -> ReplyHook:
     return hook
 
 
+def stalls_after(rows: int, seconds: Callable[[float], float]) -> ReplyHook:
+    """Send the honest reply's first ``rows`` frames at once and the rest ``seconds(T)``
+    after the STEP arrived, T being the Spark side's reply timeout."""
+
+    def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
+        frames = _frames(honest)
+        conn.write_now(b"".join(frames[:rows]))
+        rest = b"".join(frames[rows:])
+        return conn.pace(rest, len(rest), seconds(conn.worker.reply_timeout))
+
+    return hook
+
+
 def silence(conn: Conn, _st: Step, _honest: bytes) -> None:
     """Never answer the STEP."""
 
@@ -296,6 +375,23 @@ def used(tokens: Drafts) -> ReplyHook:
     """Answer with a legal block of ``tokens(step)`` (not the honest one) and hold the
     worker core to it, so the COMMIT of the block's drafts is accepted."""
     build = _ruled(tokens)
+
+    def hook(conn: Conn, st: Step, _honest: bytes) -> None:
+        conn.write(build(st))
+        conn.core.slots[st.slot].drafts = tuple(tokens(st))
+
+    return hook
+
+
+def _ok_tokens(rows: int) -> Drafts:
+    """The drafts of ``rows`` :func:`ok_row` rows."""
+    return lambda st: [ok_token(st)] * rows
+
+
+def kept_rows(build: Build, tokens: Drafts) -> ReplyHook:
+    """Answer with ``build(step)``, a reply a fault cuts after the rows drafting
+    ``tokens(step)``, and hold the worker core to those drafts (the COMMIT of
+    the cut block's accepted drafts is then accepted)."""
 
     def hook(conn: Conn, st: Step, _honest: bytes) -> None:
         conn.write(build(st))
@@ -341,16 +437,32 @@ def _step_error(code: ErrorCode) -> Build:
 
 def _cases() -> list[SparkCase]:
     out: list[SparkCase] = []
-    for n, (name, support, build, code) in enumerate(REPLY_CLASSES, 1):
+    for n, (name, support, build, code, kept) in enumerate(REPLY_CLASSES, 1):
+        if not kept:
+            out.append(
+                SparkCase(
+                    f"S1.{n}",
+                    f"reply class {name} discards the proposal",
+                    "§4.5, §4.6, §6.2: a row or reply that breaks the contract before any "
+                    "valid row is discarded whole",
+                    Expect.DISCARD,
+                    code,
+                    support=support,
+                    reply=send(build),
+                )
+            )
+            continue
         out.append(
             SparkCase(
                 f"S1.{n}",
-                f"reply class {name} discards the proposal",
-                "§4.5, §4.6, §6.2: a row or reply that breaks the contract is discarded whole",
-                Expect.DISCARD,
+                f"reply class {name} cuts the block to the {kept} valid row(s) before it",
+                "§4.5, §4.6, docs/adaptive.md §7: a fault ends the block before its row; "
+                "the rows before it are verified",
+                Expect.CUT,
                 code,
                 support=support,
-                reply=send(build),
+                reply=kept_rows(build, _ok_tokens(kept)),
+                kept=kept,
             )
         )
     stale_round: Build = lambda st: ok_row(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
@@ -436,9 +548,10 @@ def _cases() -> list[SparkCase]:
         ),
         SparkCase(
             "S3.4",
-            "a reply whose last byte comes 1.5 reply timeouts after the STEP is discarded",
-            "§6.5: a proposal incomplete at its reply timeout is discarded whole",
-            Expect.DISCARD,
+            "a reply paced over 1.5 reply timeouts: the rows in by the timeout are the block",
+            "§6.5, docs/adaptive.md §7: rows missing at the reply timeout end the block; "
+            "the rows that arrived are verified",
+            Expect.CUT,
             ErrorCode.REPLY_TIMEOUT,
             reply=paced(16, lambda timeout: 1.5 * timeout),
             timing=Timing.PAST,
@@ -462,17 +575,18 @@ def _cases() -> list[SparkCase]:
         ),
         SparkCase(
             "S3.7",
-            "connection closed after half a reply: nothing of it is used",
-            "§6.5: a lost proposal is discarded whole",
-            Expect.DISCARD,
+            "connection closed after half a reply: the rows before the cut are the block",
+            "§6.5, docs/adaptive.md §7: a lost connection ends the block; the rows that "
+            "arrived are verified and committed once the slot is reopened",
+            Expect.CUT,
             ErrorCode.CONNECTION_LOST,
             reply=cut(lambda honest: len(honest) // 2),
         ),
         SparkCase(
             "S3.8",
-            "connection closed just before the COMPLETION: nothing is used",
-            "§4.6: a proposal exists only once its COMPLETION validates",
-            Expect.DISCARD,
+            "connection closed just before the COMPLETION: every row is the block",
+            "§6.5, docs/adaptive.md §7: a lost connection ends the block after its rows",
+            Expect.CUT,
             ErrorCode.CONNECTION_LOST,
             reply=cut(lambda honest: len(honest) - len(_frames(honest)[-1])),
         ),
@@ -491,6 +605,18 @@ def _cases() -> list[SparkCase]:
             Expect.DISCARD,
             ErrorCode.FRAME_TOO_LARGE,
             reply=send(lambda st: _too_large(ok_row(st, 0))),
+        ),
+        SparkCase(
+            "S3.11",
+            "row 0 at once, the rest 1.5 reply timeouts later: row 0 is the block",
+            "§6.5, docs/adaptive.md §7: a slow row ends the block before it at the reply "
+            "timeout; the rows that arrived are verified, later frames dropped",
+            Expect.CUT,
+            ErrorCode.REPLY_TIMEOUT,
+            reply=stalls_after(1, lambda timeout: 1.5 * timeout),
+            timing=Timing.PAST,
+            kept=1,
+            also_dropped=ErrorCode.LATE_FRAME,
         ),
     ]
     out += _stop_cases()
@@ -597,6 +723,15 @@ def _stop_cases() -> list[SparkCase]:
             case_id, title, why, Expect.DISCARD, violated, reply=send(block), stop=stop
         )
 
+    def late(case_id: str, title: str, why: str, block: Build, stop: str) -> SparkCase:
+        """A ``block`` that runs past where ``stop`` ended it after its first draft (2):
+        the rows up to the stop are the block."""
+        violated = ErrorCode.STOP_RULE_VIOLATED
+        hook = kept_rows(block, lambda _st: [2])
+        return SparkCase(
+            case_id, title, why, Expect.CUT, violated, reply=hook, stop=stop, kept=1
+        )
+
     return [
         kept(
             "S6.1",
@@ -612,17 +747,19 @@ def _stop_cases() -> list[SparkCase]:
             _ruled(lambda _st: [0]),
             conf,
         ),
-        cut(
+        late(
             "S6.3",
-            "a draft after the rule stopped (late)",
-            rule + ": a row after the stop is STOP_RULE_VIOLATED",
+            "a draft after the rule stopped (late): the block is the rows up to the stop",
+            rule + ": a row after the stop is refused on arrival (STOP_RULE_VIOLATED), "
+            "which ends the block before it",
             _ruled(lambda _st: [2, 0]),
             conf,
         ),
-        cut(
+        late(
             "S6.4",
-            "the rule ignored: drafted to the depth past its stop",
-            rule + ": a row after the stop is STOP_RULE_VIOLATED",
+            "the rule ignored: drafted to the depth past its stop; the rows up to the stop stand",
+            rule + ": a row after the stop is refused on arrival (STOP_RULE_VIOLATED), "
+            "which ends the block before it",
             _ruled(lambda st: [2] + [0] * (st.depth - 1)),
             conf,
         ),

@@ -11,6 +11,12 @@ first connection is recorded and graded against ``docs/protocol.md``:
   may name the corrupted round (its generation and round); the next COMMIT of
   that generation must be a target-only one (``accepted = 0``, a fresh round
   ID, §6.5).
+- **cut** cases: a fault ends the block after some valid rows (a refused row,
+  a failure status after rows, rows missing at the reply deadline): those rows
+  must be verified as a block that stopped there (``docs/adaptive.md`` §7), so
+  a COMMIT names the round with ``accepted`` at most the rows before the
+  fault, and nothing falls back. When the fault is the connection itself, no
+  COMMIT can name the round on it; only the reasons are graded.
 - **drop** and **reject** cases: the stray frames are extra; the honest
   proposal must still be used (a COMMIT names its generation and round) and
   nothing falls back.
@@ -79,8 +85,10 @@ reconnecting (the suite serves a new connection honestly) or decoding
 target-only. It must exit 0 in every case except the refused handshakes (S4,
 S5), whose exit status is not graded, and finish within 20 s plus 3 reply
 timeouts. Unless --no-reasons is given, its last line on stdout must be a JSON
-object with "fallbacks_by_reason", "frames_dropped" and "frames_rejected",
-each mapping lower-case code names to counts (as pp1-spark --json prints).
+object with "fallbacks_by_reason", "cuts_by_reason", "frames_dropped" and
+"frames_rejected", each mapping lower-case code names to counts (as pp1-spark
+--json prints; "cuts_by_reason" counts the rounds whose block a fault cut, the
+rows before it verified: docs/adaptive.md section 7).
 A command that cannot start, or exits without ever connecting, stops the suite
 with one line saying so (exit status 2)."""
 
@@ -201,6 +209,7 @@ class Expect(Enum):
     """What a conforming Spark side does in a case."""
 
     DISCARD = "discard"  # never consume the proposal; decode the round target-only
+    CUT = "cut"  # verify the rows before the fault as the round's block; no fallback
     DROP = "drop"  # ignore the stray frames (counted as dropped); consume the honest proposal
     REJECT = "reject"  # as DROP, counted as rejected
     REFUSE = "refuse"  # fatal ERROR with the code; no OPEN or STEP on that connection
@@ -232,6 +241,7 @@ class SparkCase:
     spark_psk: bytes | None = None
     also_dropped: ErrorCode | None = None  # a DISCARD case whose later frames must be dropped
     timing: Timing | None = None  # a case whose reply is paced against the reply timeout
+    kept: int | None = None  # a CUT case: the most rows that arrive before the fault
     stop: str | None = None  # the stop rule the command runs with ({stop_args})
 
 
@@ -404,9 +414,18 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
         later = [c for c in commits if c.round > round_id]
         if later and later[0].accepted != 0:
             raise CaseFailedError(f"the fallback COMMIT has accepted={later[0].accepted}, not 0")
+    elif case.expect is Expect.CUT and case.code is ErrorCode.CONNECTION_LOST:
+        if used:  # the connection is gone: the round is committed locally, then reopened
+            raise CaseFailedError(f"a COMMIT of round {round_id} after the connection closed")
     elif not used:
+        what = "the rows before the fault" if case.expect is Expect.CUT else "the honest proposal"
         raise CaseFailedError(
-            f"the honest proposal of round {round_id} (generation {generation}) was not used"
+            f"{what} of round {round_id} (generation {generation}) was not used"
+        )
+    elif case.expect is Expect.CUT and case.kept is not None and used[0].accepted > case.kept:
+        raise CaseFailedError(
+            f"round {round_id} committed {used[0].accepted} drafts; at most {case.kept} "
+            "arrived before the fault"
         )
     if not reasons:
         return
@@ -422,6 +441,12 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
         return
     if fallbacks:
         raise CaseFailedError(f"fell back ({fallbacks}) where nothing was wrong with the proposal")
+    if case.expect is Expect.CUT:
+        assert case.code is not None
+        if _count(run.summary, "cuts_by_reason", case.code) < 1:
+            cuts = run.summary.get("cuts_by_reason")
+            raise CaseFailedError(f"cuts_by_reason {cuts}, expected {case.code.name}")
+        return
     if case.expect in (Expect.DROP, Expect.REJECT):
         assert case.code is not None
         key = "frames_dropped" if case.expect is Expect.DROP else "frames_rejected"

@@ -267,11 +267,57 @@ def reply_vectors() -> list[Vector]:
             {},
         ),
         (
+            # §4.5: a refused row ends the block before it; the rows before it stand.
             "row_beyond_depth",
             d,
             whole_reply(d, good0, good1, reply_row(d, 2, 0, dense_payload(GOOD_DENSE))),
-            {"discarded": "ROW_OUT_OF_ORDER"},
-            {"late": 1},
+            {"proposal": [0, 2], "cut": "ROW_OUT_OF_ORDER", "dropped": ["LATE_FRAME"]},
+            {},
+        ),
+        (
+            # §4.5, docs/adaptive.md §7: a corrupt row 1 cuts the block to row 0.
+            "row_checksum_mismatch_mid_block",
+            d,
+            whole_reply(d, good0, reply_row(d, 1, 2, dense_payload(GOOD_DENSE), checksum=1)),
+            {"proposal": [0], "cut": "ROW_CHECKSUM_MISMATCH", "dropped": ["LATE_FRAME"]},
+            {},
+        ),
+        (
+            # §4.6: the worker failed drafting row 1 and shipped row 0 with the status.
+            "completion_status_after_rows",
+            d,
+            whole_reply(d, good0, status=int(ErrorCode.INTERNAL)),
+            {"proposal": [0], "cut": "INTERNAL"},
+            {},
+        ),
+        (
+            "completion_status_after_rows_count_differs",
+            d,
+            whole_reply(d, good0, status=int(ErrorCode.INTERNAL), rows=2),
+            {"discarded": "COMPLETION_EARLY"},
+            {"late": 0},
+        ),
+        (
+            "completion_status_after_rows_wrong_checksum",
+            d,
+            whole_reply(d, good0, status=int(ErrorCode.INTERNAL), reply_checksum=1),
+            {"discarded": "REPLY_CHECKSUM_MISMATCH"},
+            {"late": 0},
+        ),
+        (
+            # §6.5: the rows that arrived by the reply deadline are the block.
+            "reply_timeout_after_rows",
+            d,
+            good0,
+            {"proposal": [0], "cut": "REPLY_TIMEOUT"},
+            {"deadline": True},
+        ),
+        (
+            "reply_timeout_before_any_row",
+            d,
+            b"",
+            {"discarded": "REPLY_TIMEOUT"},
+            {"deadline": True, "late": 0},
         ),
         (
             "row_wrong_position",
@@ -428,6 +474,8 @@ def reply_vectors() -> list[Vector]:
         }
         if "commit" in extra:
             context["commit"] = extra["commit"]
+        if extra.get("deadline"):  # the reply deadline passes after the bytes (§6.5)
+            context["deadline"] = True
         if "stop_rules" in extra:  # the HELLO negotiated these stop rules (§4.1)
             context["stop_rules"] = extra["stop_rules"]
         if "layout" in extra:  # a link of a vocabulary-sharded group (§6.7)
@@ -549,6 +597,7 @@ def _stop_cases() -> list[tuple[str, Step | None, bytes, dict[str, Any], dict[st
         return whole_reply(st, *frames, **over)
 
     violated = {"discarded": "STOP_RULE_VIOLATED"}
+    late = {"proposal": [2], "cut": "STOP_RULE_VIOLATED", "dropped": ["LATE_FRAME"]}
     return [
         ("stop_confidence_ends_early", conf, rows(conf, 2, stopped=1), {"proposal": [2]}, STOPPING),
         (
@@ -580,9 +629,27 @@ def _stop_cases() -> list[tuple[str, Step | None, bytes, dict[str, Any], dict[st
             STOPPING,
         ),
         ("stop_early_row_dropped", conf, rows(conf, 0, stopped=1), violated, STOPPING),
-        ("stop_late_row_after_stop", conf, rows(conf, 2, 0, stopped=1), violated, STOPPING),
-        ("stop_late_to_depth", conf, rows(conf, 2, 0, 0), violated, STOPPING),
-        ("stop_joint_late", joint, rows(joint, 0, 2, 0), violated, STOPPING),
+        # A row after the rule stopped is refused on arrival: the block is the rows up
+        # to the stop (docs/adaptive.md §2), later frames late.
+        ("stop_late_row_after_stop", conf, rows(conf, 2, 0, stopped=1), late, STOPPING),
+        ("stop_late_to_depth", conf, rows(conf, 2, 0, 0), {**late, "dropped": ["LATE_FRAME"] * 2},
+         STOPPING),
+        ("stop_joint_late", joint, rows(joint, 0, 2, 0), {**late, "proposal": [0, 2]}, STOPPING),
+        (
+            # A fault after a row where the rule continues: the block is cut there.
+            "stop_fault_where_the_rule_continues",
+            conf,
+            rows(conf, 0, status=int(ErrorCode.INTERNAL)),
+            {"proposal": [0], "cut": "INTERNAL"},
+            STOPPING,
+        ),
+        (
+            "stop_flag_with_a_failure_status",
+            conf,
+            rows(conf, 2, stopped=1, status=int(ErrorCode.INTERNAL)),
+            violated,
+            STOPPING,
+        ),
         ("stop_flag_at_depth", conf, rows(conf, 0, 0, 2, stopped=1), violated, STOPPING),
         (
             "stop_flag_after_terminal_token",
@@ -685,15 +752,23 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         tokens = [*drafts[: commit["accepted"]], commit["extra"]]
         spark.commit(slot, round_id=step.round, tokens=tokens, accepted=commit["accepted"])
         events += spark.receive_data(data[cut:], 0.0)
+    if ctx.get("deadline"):
+        events += spark.handle_timer(spark.config.reply_timeout)
     result: dict[str, Any] = {"dropped": [], "rejected": []}
     for n, event in enumerate(events):
         following = events[n + 1] if n + 1 < len(events) else None
-        if isinstance(event, spark_events.FrameRejected) and isinstance(
-            following, spark_events.ProposalFailed
+        if isinstance(event, spark_events.FrameRejected) and (
+            isinstance(following, spark_events.ProposalFailed)
+            or (
+                isinstance(following, spark_events.ProposalReady)
+                and following.proposal.cut is event.code
+            )
         ):
-            continue  # the frame that discarded the proposal: reported as "discarded"
+            continue  # the frame that ended the proposal: reported as "discarded" or "cut"
         if isinstance(event, spark_events.ProposalReady):
             result["proposal"] = list(event.proposal.tokens)
+            if event.proposal.cut is not None:
+                result["cut"] = event.proposal.cut.name
         elif isinstance(event, spark_events.ProposalFailed):
             result["discarded"] = event.code.name
         elif isinstance(event, spark_events.FrameDropped):

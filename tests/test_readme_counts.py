@@ -1,0 +1,34 @@
+"""Every count the README states about the code comes from the code."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from pp1wire.testing.conformance import CASES
+from pp1wire.testing.conformance.spark_cases import SPARK_CASES
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def stated(pattern: str) -> int:
+    found = re.findall(pattern, README)
+    assert len(found) == 1, (pattern, found)
+    return int(found[0].replace(",", ""))
+
+
+def test_the_worker_suite_count_is_the_number_of_cases():
+    assert stated(r"runs ([\d,]+) numbered cases against any worker endpoint") == len(CASES)
+
+
+def test_the_spark_suite_count_is_the_number_of_cases():
+    assert stated(r"runs the other half: ([\d,]+) numbered cases") == len(SPARK_CASES)
+
+
+def test_every_golden_vector_count_in_the_readme_is_the_file_s():
+    vectors = json.loads((ROOT / "golden" / "vectors.json").read_text())
+    total = len(vectors["vectors"]) if isinstance(vectors, dict) else len(vectors)
+    for count in re.findall(r"([\d,]+) golden vectors", README):
+        assert int(count.replace(",", "")) == total

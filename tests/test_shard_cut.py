@@ -1,0 +1,132 @@
+"""A vocabulary-sharded Spark group verifies the rows every rank holds (``docs/adaptive.md`` §7).
+
+Each rank's link may receive a different number of rows when a fault hits one
+link (a late row, a corrupt one). The group verifies the block of the rows all
+ranks hold, cut by the fault, and every rank decides the same tokens as one
+rank verifying that cut block. Two ranks as threads of this process, gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pp1wire.apps.models import ToyLM  # noqa: E402
+from pp1wire.errors import ErrorCode, VerifyError  # noqa: E402
+from pp1wire.q import dyadic  # noqa: E402
+from pp1wire.q.layout import ShardLayout  # noqa: E402
+from pp1wire.q.proposal import Proposal, QRow  # noqa: E402
+from pp1wire.q.rng import Domain, Role, RoundStreams  # noqa: E402
+from pp1wire.q.verify import RequestVerifier, RoundResult, batched  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound  # noqa: E402
+
+V = 64
+SEED = 21
+PREFIX = [1, 2, 3]
+LAYOUT = ShardLayout.even(V, 2)
+
+
+def whole_rows(depth: int) -> list[QRow]:
+    """An honest block of ``depth`` dense rows from the toy drafter."""
+    drafter = ToyLM(V, 3, draft=True)
+    streams = RoundStreams(Role.WORKER, SEED, 0, 0)
+    rows, context = [], list(PREFIX)
+    for i in range(depth):
+        counts = dyadic.counts_from_logits(drafter.logits(context), 1.0)
+        token = dyadic.sample(counts, streams.u24(Domain.PROPOSAL, len(PREFIX) + i))
+        rows.append(QRow(token=token, counts=counts))
+        context.append(token)
+    return rows
+
+
+def verifier() -> RequestVerifier:
+    return RequestVerifier(
+        session=0, seed=SEED, vocab_size=V, prefix=PREFIX, target=ToyLM(V, 3).probs
+    )
+
+
+def proposal(rows: list[QRow], *, shard=None, cut=None, depth: int = 3) -> Proposal:
+    v = verifier()
+    return Proposal(0, 0, 0, v.position, v.digest, depth, tuple(rows), 0, shard, cut=cut)
+
+
+def shard_of(row: QRow, rank: int) -> QRow:
+    lo, hi = LAYOUT.range(rank)
+    q = row.dense_q(V).astype(np.float32)
+    return QRow(token=row.token, q32=np.ascontiguousarray(q[lo:hi]))
+
+
+# Each scenario: per rank, the rows its link got (the first n of the block) and the
+# fault that cut them; None for a link that got no row (a fault before row 0).
+SCENARIOS = {
+    "one link cut": [(3, None), (1, ErrorCode.ROW_CHECKSUM_MISMATCH)],
+    "every link whole": [(3, None), (3, None)],
+    "one link empty": [(3, None), None],
+    "two lengths, no fault": [(3, None), (2, None)],
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every scenario's outcome on each rank, decided by one group (one gloo start)."""
+    rows = whole_rows(3)
+
+    def body(coord: GroupCoordinator):
+        group = ShardedVerifyGroup(coord)
+        target = batched(ToyLM(V, 3).probs)
+        span = LAYOUT.range(coord.rank)
+        out = {}
+        for name, per_rank in SCENARIOS.items():
+            got = per_rank[coord.rank]
+            if got is None:
+                r = ShardRound(verifier(), 0, None, ErrorCode.REPLY_TIMEOUT)
+            else:
+                n, cut = got
+                shards = [shard_of(x, coord.rank) for x in rows[:n]]
+                r = ShardRound(verifier(), 0, proposal(shards, shard=span, cut=cut))
+            (out[name],) = group.decide([r], target)
+        return out
+
+    results = run_in_threads(2, body, layout=LAYOUT, timeout=20.0)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return rows, {name: [r[name] for r in results] for name in SCENARIOS}
+
+
+def test_the_group_verifies_the_rows_every_rank_holds_as_one_rank_verifies_them(outcomes):
+    rows, outs = outcomes[0], outcomes[1]["one link cut"]
+    assert all(isinstance(o, RoundResult) for o in outs), outs
+    assert outs[0] == outs[1]
+    one = verifier().verify(proposal(rows[:1], cut=ErrorCode.ROW_CHECKSUM_MISMATCH))
+    assert outs[0] == one
+    assert len(one.tokens) <= 2  # the cut block: one draft and its correction or bonus
+
+
+def test_every_link_whole_verifies_the_whole_block(outcomes):
+    rows, outs = outcomes[0], outcomes[1]["every link whole"]
+    assert outs[0] == outs[1] == verifier().verify(proposal(rows))
+
+
+def test_a_link_with_no_row_discards_the_round_on_every_rank(outcomes):
+    outs = outcomes[1]["one link empty"]
+    assert all(isinstance(o, VerifyError) and o.code is ErrorCode.REPLY_TIMEOUT for o in outs)
+
+
+def test_whole_blocks_of_different_lengths_are_not_one_block(outcomes):
+    # Two links that both say their block ended, at different rows: a worker group
+    # that drew two different blocks for one STEP; nothing of it is used.
+    outs = outcomes[1]["two lengths, no fault"]
+    assert all(isinstance(o, VerifyError) for o in outs)
+    assert {o.code for o in outs} == {ErrorCode.GROUP_SHARD_MISMATCH}
+
+
+def test_the_cut_block_keeps_its_key():
+    rows = whole_rows(3)
+    cut = dataclasses.replace(proposal(rows), rows=tuple(rows[:2]), cut=ErrorCode.REPLY_TIMEOUT)
+    verifier().check_proposal(cut)  # a fault may end a block anywhere before its depth
