@@ -890,6 +890,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       its own way), 7 out of memory in a draw (the caller likewise).
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
+ *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
  *   accept_u53(u53, count, p) -> bool
  *   step_simd(on) -> bool
  *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
@@ -2228,6 +2229,19 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
+static PyObject *philox_block(PyObject *self, PyObject *args) {
+    unsigned long c0, c1, c2, c3, k0, k1;
+    if (!PyArg_ParseTuple(args, "kkkkkk", &c0, &c1, &c2, &c3, &k0, &k1)) return NULL;
+    if ((c0 | c1 | c2 | c3 | k0 | k1) > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "philox_block: a word outside uint32");
+        return NULL;
+    }
+    uint32_t c[4] = {(uint32_t)c0, (uint32_t)c1, (uint32_t)c2, (uint32_t)c3};
+    philox10(c, (uint32_t)k0, (uint32_t)k1);
+    return Py_BuildValue("(kkkk)", (unsigned long)c[0], (unsigned long)c[1], (unsigned long)c[2],
+                         (unsigned long)c[3]);
+}
+
 static PyObject *accept_u53(PyObject *self, PyObject *args) {
     unsigned long long u;
     long long count;
@@ -2248,6 +2262,7 @@ static PyMethodDef methods[] = {
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
     METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
+    METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
     METHOD(sample_counts,
            "(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
