@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from math import floor, isfinite
-from typing import NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar
 
 from pp1wire.errors import ConstructionError, ErrorCode, VerifyError
 from pp1wire.q.dyadic import M
@@ -601,10 +601,13 @@ def fp32_weights(weights: Sequence[float | int | Fraction]) -> Dist:
         ConstructionError: ``WEIGHT_NON_FINITE`` (NaN, infinity, or beyond the
             FP32 range), ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``, in that order.
     """
-    rounded = [round_fp32(v) for v in weights]
-    if any(isinstance(v, float) for v in rounded):
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "a weight is beyond the FP32 range")
-    return normalize(cast("list[Fraction]", rounded))
+    rounded: list[Fraction] = []
+    for v in weights:
+        r = round_fp32(v)
+        if isinstance(r, float):
+            raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "a weight is beyond the FP32 range")
+        rounded.append(r)
+    return normalize(rounded)
 
 
 def fp32_dyadic_counts(weights: Sequence[float | int | Fraction]) -> list[int]:
