@@ -321,6 +321,11 @@ def test_staging_buffers_are_reused_only_when_no_row_refers_to_them():
     del first
     third = torch_ops.build_position(x, [(1.0, 0)] * 3, [1, 2, 3], 64)
     assert id(third[0].q32.base) == first_buffer  # type: ignore[union-attr]
+    from pp1wire.wire.replies import row_payload
+
+    payload, entries = row_payload(third[1], 64)  # type: ignore[arg-type]
+    assert entries == 64
+    assert np.shares_memory(np.frombuffer(payload, dtype="<f4"), third[1].q32)  # sent from there
     del second
 
 

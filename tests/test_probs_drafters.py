@@ -321,3 +321,52 @@ def test_make_plugin_builds_the_probabilities_factories():
         assert np.asarray(made([1])).dtype == np.float32
 
 
+
+
+def test_a_worker_sends_each_row_from_its_own_buffer_and_the_spark_side_takes_it():
+    """The reply's chunks go to the transport as they are: each dense row is the
+    buffer it was written into (no concatenation), and the Spark side validates the
+    rows the probabilities drafter's q was built into."""
+    from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
+    from pp1wire.wire.spark_events import ProposalReady
+    from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
+    from pp1wire.wire.worker_events import DrawRequested
+
+    vocab = 512
+    drafter = models.probs_drafter_factory(vocab, 1)
+    worker = WorkerProtocol(
+        WorkerConfig(vocab_size=vocab), drafter, session=7, now=0.0, defer_draws=True
+    )
+    spark = SparkProtocol(SparkConfig(vocab_size=vocab), now=0.0)
+    spark.start(0.0)
+
+    def pump() -> list:
+        events: list = []
+        for _ in range(10):
+            for chunk in spark.data_to_send():
+                events += worker.receive_data(chunk, 0.0)
+            sent = worker.data_to_send()
+            for chunk in sent:
+                events += spark.receive_data(chunk, 0.0)
+            if not sent:
+                break
+        return events
+
+    pump()
+    spark.open_slot(0, seed=9, prefix=[1, 2])
+    pump()
+    spark.step(0, round_id=1, depth=4, temperature=1.0, support=0, now=0.0)
+    for chunk in spark.data_to_send():
+        requested = [e for e in worker.receive_data(chunk, 0.0) if isinstance(e, DrawRequested)]
+    (job,) = (e.job for e in requested)
+    (result,) = DraftTogether(vocab, vocab)([job])
+    worker.finish_draw(job, result)
+    chunks = worker.data_to_send()
+    payloads = [c for c in chunks if memoryview(c).nbytes == 4 * vocab]
+    assert len(payloads) == len(result.rows) == 4
+    for chunk, row in zip(payloads, result.rows, strict=True):
+        assert isinstance(chunk, memoryview)
+        assert np.shares_memory(np.frombuffer(chunk, dtype="<f4"), row.q32)  # sent as it is
+    events = [e for c in chunks for e in spark.receive_data(c, 0.0)]
+    (ready,) = (e for e in events if isinstance(e, ProposalReady))
+    assert ready.proposal.tokens == tuple(r.token for r in result.rows)
