@@ -1711,6 +1711,45 @@ FAST64(fast64_f64, double)
 FAST64(fast64_f32, float)
 #undef FAST64
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* The same values where the CPU converts binary64 to and from int64 in vectors
+ * (AVX-512 DQ): floor(T) for T = s * 2**12 in one conversion (T < 2**37), its
+ * floor and key by shift and mask, the distance f = T - floor(T) exactly as
+ * above (T - floor(T) is exact, Sterbenz). Chosen at run time. */
+#define FAST64_Q(NAME, WT)                                                                 \
+    __attribute__((target("arch=x86-64-v4"))) static int NAME(                             \
+        const WT *restrict w, double inv, float *restrict q, uint16_t *restrict key,       \
+        int64_t *restrict sum) {                                                           \
+        int64_t acc = 0, near = 0;                                                         \
+        for (int i = 0; i < 64; i++) {                                                     \
+            double t = ((double)w[i] * inv) * TOP_SCALE;                                   \
+            int64_t whole = (int64_t)t;                                                    \
+            double f = t - (double)whole;                                                  \
+            int64_t c = whole >> TOP_BITS;                                                 \
+            near |= (int64_t)((f > 1.0 - NEAR_KEY) | ((f < NEAR_KEY) & (whole != 0)));     \
+            q[i] = (float)c * 0x1p-24f;                                                    \
+            key[i] = (uint16_t)(whole & TOP_MASK);                                         \
+            acc += c;                                                                      \
+        }                                                                                  \
+        *sum = acc;                                                                        \
+        return near != 0;                                                                  \
+    }
+FAST64_Q(fast64q_f64, double)
+FAST64_Q(fast64q_f32, float)
+#undef FAST64_Q
+#define HAVE_FAST64_Q 1
+
+static int have_dq = -1;
+
+static int use_fast64_q(void) {
+    if (have_dq < 0) {
+        __builtin_cpu_init();
+        have_dq = __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    }
+    return have_dq;
+}
+#endif
+
 /* Pass 2 by division (floor_key, as build_counts does) over [lo, lo + len). */
 static int64_t floors_exact_q(const void *w, int f32, size_t lo, size_t len, double total,
                               double scale, int small, float *restrict q,
@@ -1732,7 +1771,14 @@ static int64_t floors_block_q(const void *w, int f32, size_t lo, size_t len, dou
     size_t i = lo, end = lo + len;
     for (; !small && i + 64 <= end; i += 64) {
         int64_t part;
-        int near = f32 ? fast64_f32((const float *)w + i, inv, q + i, key + i, &part)
+        int near;
+#ifdef HAVE_FAST64_Q
+        if (use_fast64_q())
+            near = f32 ? fast64q_f32((const float *)w + i, inv, q + i, key + i, &part)
+                       : fast64q_f64((const double *)w + i, inv, q + i, key + i, &part);
+        else
+#endif
+            near = f32 ? fast64_f32((const float *)w + i, inv, q + i, key + i, &part)
                        : fast64_f64((const double *)w + i, inv, q + i, key + i, &part);
         if (near) part = floors_exact_q(w, f32, i, 64, total, scale, small, q, key);
         sum += part;
