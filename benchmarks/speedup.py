@@ -36,7 +36,18 @@ Per cell, from the same repetition:
   (``pp1_worker_rows_total``), all in;
 * ``spark_cpu_ms_per_token`` = ``pp1-spark``'s CPU during its requests
   (``cpu_seconds``) / the tokens it committed; the same for target-only
-  (``target_only_spark_cpu_ms_per_token``).
+  (``target_only_spark_cpu_ms_per_token``);
+* ``spark_cpu_ms_per_row`` = the same CPU / the rows the worker sent it (every
+  one received and checked).
+
+``--drafter-kind logits|probs|both`` chooses the drafter: the paced toy
+drafter handing over logits (``drafter_factory``, the default) or FP32
+probabilities (``probs_drafter_factory``, ``kind = "probs"``); each kind has
+its own worker, and every run and cell says which (``drafter``). The
+**free-model floor** (``floors``) is, per vocabulary and kind, dense q with
+free models (t_t = 0 and a drafter of 0 ms, its own worker): speculative and
+target-only tokens/s and each side's CPU per row, over the same repetitions
+(``--no-floor`` skips it).
 
 ``--json`` prints one object: ``cells`` (those figures, each ``{"median",
 "min", "max"}``), ``runs`` (every repetition's raw figures, from which each
@@ -61,6 +72,9 @@ from typing import Any
 
 from pp1wire.apps.launch import RunningWorker, spark_command, worker_command, worker_process
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
+
+#: The paced drafter of each kind (``--drafter-kind``).
+DRAFTERS = {"logits": "drafter_factory", "probs": "probs_drafter_factory"}
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCABS = (32_000, 129_280)
@@ -144,13 +158,21 @@ def spark_run(
 
 
 @contextmanager
-def worker_on(vocab: int, slots: int, on: list[int]) -> Iterator[RunningWorker]:
-    """``pp1-worker`` with the fixed-cost drafter, pinned to ``on``, metrics on a free port."""
+def worker_on(
+    vocab: int, slots: int, on: list[int], kind: str = "logits", drafter_ms: float = DRAFTER_MS
+) -> Iterator[RunningWorker]:
+    """``pp1-worker`` with the fixed-cost drafter of ``kind``, pinned to ``on``, metrics on a
+    free port."""
     cmd = worker_command(
-        "--drafter", f"{PLUGINS}:drafter_factory", "--max-slots", str(slots),
+        "--drafter", f"{PLUGINS}:{DRAFTERS[kind]}", "--max-slots", str(slots),
         "--metrics-port", "0", vocab=vocab, seed=0,
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", DRAFTER_MS_ENV: repr(DRAFTER_MS)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",  # no BLAS threads spinning on the worker's CPU
+        DRAFTER_MS_ENV: repr(drafter_ms),
+    }
     with worker_process(command=pinned(cmd, on), env=env) as worker:
         yield worker
 
@@ -197,6 +219,7 @@ def figures(
         "worker_cpu_ms_per_row": 1e3 * spec["worker_cpu_seconds"] / max(1.0, spec["worker_rows"]),
         "spark_cpu_ms_per_token": 1e3 * spec["cpu_seconds"] / max(1, spec["tokens"]),
         "target_only_spark_cpu_ms_per_token": 1e3 * plain["cpu_seconds"] / max(1, plain["tokens"]),
+        "spark_cpu_ms_per_row": 1e3 * spec["cpu_seconds"] / max(1.0, spec["worker_rows"]),
     }
 
 
@@ -214,14 +237,17 @@ def measure(
     tokens: int = 64,
     reps: int = 3,
     warm_up: bool = True,
+    kinds: Sequence[str] = ("logits",),
+    floor: bool = True,
 ) -> dict[str, Any]:
-    """Run the table (see the module docstring); returns ``cells``, ``runs`` and headline keys.
+    """Run the table (see the module docstring); returns ``cells``, ``runs``, ``floors`` and
+    headline keys (from the first of ``kinds``).
 
     With ``warm_up``, each worker's first run (its warm-up) is not measured."""
     worker_cores, spark_cores = cores()
     runs: list[dict[str, Any]] = []
-    for vocab in vocabs:
-        with worker_on(vocab, requests, worker_cores) as worker:
+    for kind, vocab in ((k, v) for k in kinds for v in vocabs):
+        with worker_on(vocab, requests, worker_cores, kind) as worker:
             if warm_up:
                 spark_run(
                     worker, vocab=vocab, depth=DEPTH, support=supports[0], target_ms=0.0,
@@ -247,6 +273,7 @@ def measure(
                         runs.append(
                             {
                                 "vocab": vocab,
+                                "drafter": kind,
                                 "q": s,
                                 "target_ms": t,
                                 "rep": rep,
@@ -256,15 +283,22 @@ def measure(
                             }
                         )
     cells = []
-    for vocab in vocabs:
+    for kind, vocab in ((k, v) for k in kinds for v in vocabs):
         for t in target_ms:
             for s in supports:
-                mine = [r for r in runs if (r["vocab"], r["target_ms"], r["q"]) == (vocab, t, s)]
-                cell: dict[str, Any] = {"vocab": vocab, "q": s, "target_ms": t}
+                at = (vocab, kind, t, s)
+                mine = [r for r in runs if (r["vocab"], r["drafter"], r["target_ms"], r["q"]) == at]
+                cell: dict[str, Any] = {"vocab": vocab, "drafter": kind, "q": s, "target_ms": t}
                 for name in mine[0]:
-                    if name not in ("vocab", "q", "target_ms", "rep"):
+                    if name not in ("vocab", "drafter", "q", "target_ms", "rep"):
                         cell[name] = summarize([r[name] for r in mine])
                 cells.append(cell)
+    floors = [
+        free_model_floor(vocab, kind, requests, tokens, reps, worker_cores, spark_cores)
+        for kind in kinds
+        for vocab in vocabs
+        if floor
+    ]
     out: dict[str, Any] = {
         "setup": {
             "requests": requests,
@@ -275,11 +309,55 @@ def measure(
             "reps": reps,
             "worker_cores": worker_cores,
             "spark_cores": spark_cores,
+            "drafter_kinds": list(kinds),
         },
         "cells": cells,
         "runs": runs,
+        "floors": floors,
     }
-    out.update(headline(runs, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
+    first = [r for r in runs if r["drafter"] == kinds[0]]
+    out.update(headline(first, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
+    return out
+
+
+def free_model_floor(
+    vocab: int,
+    kind: str,
+    requests: int,
+    tokens: int,
+    reps: int,
+    worker_cores: list[int],
+    spark_cores: list[int],
+) -> dict[str, Any]:
+    """Dense q with free models (t_t = 0, a 0 ms drafter of ``kind``): what pp1wire itself
+    allows, speculative and target-only, over ``reps`` interleaved repetitions."""
+    figures_of: dict[str, list[float]] = {}
+    with worker_on(vocab, requests, worker_cores, kind, drafter_ms=0.0) as worker:
+        for _ in range(reps):
+            spec, plain = (
+                spark_run(
+                    worker,
+                    vocab=vocab,
+                    depth=depth,
+                    support="dense",
+                    target_ms=0.0,
+                    requests=requests,
+                    tokens=tokens,
+                    on=spark_cores,
+                )
+                for depth in (DEPTH, 0)
+            )
+            rows = max(1.0, spec["worker_rows"])
+            for name, value in (
+                ("tokens_per_second", spec["tokens_per_second"]),
+                ("target_only_tokens_per_second", plain["tokens_per_second"]),
+                ("worker_cpu_ms_per_row", 1e3 * spec["worker_cpu_seconds"] / rows),
+                ("spark_cpu_ms_per_row", 1e3 * spec["cpu_seconds"] / rows),
+                ("mean_accepted_length", spec["mean_accepted_length"]),
+            ):
+                figures_of.setdefault(name, []).append(value)
+    out: dict[str, Any] = {"vocab": vocab, "drafter": kind, "q": "dense", "target_ms": 0.0}
+    out.update({name: summarize(values) for name, values in figures_of.items()})
     return out
 
 
@@ -321,24 +399,43 @@ def _cell_text(f: dict[str, float], digits: int = 2) -> str:
 def table(result: dict[str, Any]) -> str:
     """The cells as a markdown table: median (min-max) of the repetitions."""
     head = [
-        "| V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
-        "STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
-        "Spark CPU ms/token (spec, target-only) | L |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| V | drafter | q | t_t ms | speculative / target-only | ideal | measured / ideal | "
+        "fill | STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
+        "Spark CPU ms/row | Spark CPU ms/token (spec, target-only) | L |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         head.append(
-            f"| {c['vocab']:,} | {c['q']} | {c['target_ms']:g} | {_cell_text(c['speedup'])}x "
+            f"| {c['vocab']:,} | {c['drafter']} | {c['q']} | {c['target_ms']:g} "
+            f"| {_cell_text(c['speedup'])}x "
             f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
             f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
             f"| {c['step_ms']['median']:.1f} ({c['ideal_step_ms']['median']:.1f}; "
             f"{c['worker_cpu_ms_per_step']['median']:.1f}, "
             f"{c['spark_cpu_ms_per_step']['median']:.1f}) "
             f"| {_cell_text(c['worker_cpu_ms_per_row'], 3)} "
+            f"| {_cell_text(c['spark_cpu_ms_per_row'], 3)} "
             f"| {c['spark_cpu_ms_per_token']['median']:.3f}, "
             f"{c['target_only_spark_cpu_ms_per_token']['median']:.3f} "
             f"| {c['mean_accepted_length']['median']:.2f} |"
         )
+    if result["floors"]:
+        head += [
+            "",
+            "Free-model floor (dense, t_t = 0, drafter 0 ms):",
+            "",
+            "| V | drafter | speculative tokens/s | target-only tokens/s | worker CPU ms/row | "
+            "Spark CPU ms/row | L |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for f in result["floors"]:
+            head.append(
+                f"| {f['vocab']:,} | {f['drafter']} | {_cell_text(f['tokens_per_second'], 0)} "
+                f"| {_cell_text(f['target_only_tokens_per_second'], 0)} "
+                f"| {_cell_text(f['worker_cpu_ms_per_row'], 3)} "
+                f"| {_cell_text(f['spark_cpu_ms_per_row'], 3)} "
+                f"| {f['mean_accepted_length']['median']:.2f} |"
+            )
     return "\n".join(head)
 
 
@@ -353,6 +450,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8, metavar="N")
     p.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS")
     p.add_argument("--reps", type=int, default=3, metavar="N", help="interleaved repetitions")
+    p.add_argument(
+        "--drafter-kind",
+        choices=("logits", "probs", "both"),
+        default="logits",
+        help="the paced drafter hands over logits, FP32 probabilities, or each in turn",
+    )
+    p.add_argument("--no-floor", action="store_true", help="skip the free-model floor")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -377,6 +481,8 @@ def main() -> None:
         tokens=args.max_tokens,
         reps=args.reps,
         warm_up=not args.smoke,
+        kinds=("logits", "probs") if args.drafter_kind == "both" else (args.drafter_kind,),
+        floor=not args.no_floor,
     )
     if args.json:
         print(json.dumps(result))
