@@ -128,6 +128,42 @@ def test_compiled_pass_at_block_boundaries_and_full_vocabulary(n):
         assert_row(got, numpy_rule(w, u), n, n + 128)
 
 
+@st.composite
+def long_rows(draw):
+    """Rows long enough for the sampled bracket of the leftover tickets (AVX-512)."""
+    n = draw(st.integers(4096, 20_000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    gen = np.random.default_rng(seed)
+    style = draw(st.integers(0, 5))
+    if style == 0:
+        w = gen.random(n) ** float(draw(st.sampled_from([1.0, 8.0, 60.0])))
+    elif style == 1:  # every remainder in a few key buckets
+        w = np.full(n, 1.0) + gen.integers(0, 3, n) * 2.0**-20
+    elif style == 2:  # tiny weights beside a few large: most keys 0
+        w = np.where(gen.random(n) < 0.01, 1.0, 2.0**-60)
+    elif style == 3:  # powers of two: shares on the key grid
+        w = 2.0 ** gen.integers(-30, 5, n).astype(np.float64)
+    elif style == 4:  # zeros and -0.0 among them
+        w = gen.random(n) * (gen.random(n) < 0.5)
+        w[gen.random(n) < 0.1] = -0.0
+    else:
+        w = np.exp(gen.standard_normal(n) * 3.0)
+    return w.astype(np.float32)
+
+
+# The bracket as built, then centred far below and far above the ticket bucket (it misses).
+@pytest.mark.parametrize("bias", [1.0, 0.2, 5.0])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(long_rows(), st.integers(0, dyadic.M - 1))
+def test_the_sampled_bracket_and_its_way_back_give_the_same_rows(bias, w, u):
+    was = fastq.bracket_bias(bias)
+    try:
+        (got,) = compiled([w], [u], w.size)
+    finally:
+        fastq.bracket_bias(was)
+    assert_row(got, numpy_rule(w, u), w.size, w.size)
+
+
 def test_binary64_weights_that_overflow_the_total_are_refused_in_order():
     big = np.array([1e308, 1e308, 1.0])
     assert compiled([big], [0], 3) == [ErrorCode.WEIGHT_NON_FINITE]

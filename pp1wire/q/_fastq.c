@@ -40,6 +40,10 @@
  *       drafter's) or float64 ones, checks included, each row's counts held
  *       only as its FP32 wire values: three passes over a row. See the function.
  *
+ *   bracket_bias(x) -> previous
+ *       A factor on the rank the sampled bracket of construct_rows (AVX-512
+ *       machines) is centred on: 1, but tests make it miss to qualify the way back.
+ *
  *   topk_f32(row, k, ids, scratch) -> (count, status)
  *       The checks and the sparse top-k support of a row of FP32 weights.
  *
@@ -403,6 +407,10 @@ static inline double weight_at(const void *w, int f32, size_t i) {
 /* One ticket more for the k largest remainders, ties to the lowest index,
  * keeping the block sums (and the FP32 values, when q is given). Returns 0, or
  * 2 if a ticket lands on a zero. */
+static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
+                             const scratch_t *s, size_t count, size_t need,
+                             int32_t *restrict out, float *q);
+
 static int leftover_pass(const void *w, int f32, double total, double scale, int small,
                          const scratch_t *s, size_t n, size_t k, int32_t *restrict out,
                          float *q, const uint32_t *restrict top_hist) {
@@ -426,6 +434,18 @@ static int leftover_pass(const void *w, int f32, double total, double scale, int
                                  : add_above(s->key + lo, len, top, out + lo);
     }
     size_t count = gather_equal(s->key, n, top, idx);
+    return tickets_in_bucket(w, f32, total, scale, small, s, count, need, out, q);
+}
+
+/* The need largest remainders among the count entries of one key bucket, whose
+ * indices s->idx holds in ascending order, get one ticket each (ties to the lowest
+ * index). Returns 0, or 2 if a ticket would land on a zero remainder. */
+static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
+                             const scratch_t *s, size_t count, size_t need,
+                             int32_t *restrict out, float *q) {
+    uint32_t *idx = s->idx;
+    double *rem = s->rem;
+    int64_t *blocks = s->blocks;
     for (size_t c = 0; c < count; c++) {
         double v = share_of(weight_at(w, f32, idx[c]), total, scale, small);
         /* as the floors pass had it; + 0.0 makes the remainder of a -0.0 weight
@@ -1679,9 +1699,15 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
  *      by division. (Exact remainders are needed only for the candidates of
  *      the ticket bucket, and leftover_pass computes those by division.)
  *   3. The tickets (leftover_pass), then the proposal draw from block sums.
+ *      Where the CPU has AVX-512, the floors pass counts the keys of one chunk
+ *      in SAMPLE_EVERY only (a scalar histogram of every key costs as much as
+ *      the floors themselves), and bracket_tickets finds the ticket bucket
+ *      from that sample and one vector pass, or goes back to the full count.
  * ------------------------------------------------------------------------- */
 
 #define NEAR_KEY 0x1p-14
+/* The sampled key histogram of bracket_tickets: one 64-weight chunk in this many. */
+#define SAMPLE_EVERY 8
 
 /* Pass 2 over 64 weights by multiplication: the floors as FP32 values into q,
  * the keys, the floors' sum into *sum; nonzero if some product lies within
@@ -1766,7 +1792,7 @@ static int64_t floors_exact_q(const void *w, int f32, size_t lo, size_t len, dou
 /* Pass 2 over a block of at most BLOCK weights starting at lo; the floors' sum. */
 static int64_t floors_block_q(const void *w, int f32, size_t lo, size_t len, double total,
                               double scale, int small, double inv, float *q, uint16_t *key,
-                              uint32_t *hist) {
+                              uint32_t *hist, int sampled) {
     int64_t sum = 0;
     size_t i = lo, end = lo + len;
     for (; !small && i + 64 <= end; i += 64) {
@@ -1782,12 +1808,13 @@ static int64_t floors_block_q(const void *w, int f32, size_t lo, size_t len, dou
                        : fast64_f64((const double *)w + i, inv, q + i, key + i, &part);
         if (near) part = floors_exact_q(w, f32, i, 64, total, scale, small, q, key);
         sum += part;
-        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector work. */
-        histogram(key + i, 64, hist);
+        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
+         * work. With sampled, one chunk in SAMPLE_EVERY only (bracket_tickets). */
+        if (!sampled || (i / 64) % SAMPLE_EVERY == 0) histogram(key + i, 64, hist);
     }
     if (i < end) {
         sum += floors_exact_q(w, f32, i, end - i, total, scale, small, q, key);
-        histogram(key + i, end - i, hist);
+        if (!sampled) histogram(key + i, end - i, hist);
     }
     return sum;
 }
@@ -1801,6 +1828,122 @@ static int any_non_finite(const void *w, int f32, size_t n) {
         if (!isfinite(weight_at(w, f32, i))) return 1;
     return 0;
 }
+
+#ifdef HAVE_FAST64_Q
+#include <immintrin.h>
+
+/* Rows at least this long take the sampled bracket (bracket_tickets). */
+#define BRACKET_MIN 4096
+
+/* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
+ * that the bracket misses, and qualify the way back. */
+static double bracket_bias = 1.0;
+
+/* Over every key: a ticket (q += 2**-24, block sums kept) for each key above hi, and
+ * the indices of the keys in [lo, hi] appended to idx in ascending order (idx holds
+ * n + 16). Returns how many were appended; *given gets the tickets. */
+__attribute__((target("arch=x86-64-v4"))) static size_t bracket_pass(
+    const uint16_t *key, size_t n, uint32_t lo, uint32_t hi, float *q, int64_t *blocks,
+    uint32_t *idx, size_t *given) {
+    const __m512i vlo = _mm512_set1_epi32((int)lo), vhi = _mm512_set1_epi32((int)hi);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 step = _mm512_set1_ps(0x1p-24f);
+    size_t count = 0, total = 0, i = 0;
+    for (size_t b = 0; i < n; b++) {
+        size_t end = i + BLOCK < n ? i + BLOCK : n;
+        size_t inblock = 0;
+        for (; i + 16 <= end; i += 16) {
+            __m512i k = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(key + i)));
+            __mmask16 gt = _mm512_cmpgt_epu32_mask(k, vhi);
+            __mmask16 in = _mm512_mask_cmpge_epu32_mask((__mmask16)~gt, k, vlo);
+            __m512 qv = _mm512_loadu_ps(q + i);
+            _mm512_storeu_ps(q + i, _mm512_mask_add_ps(qv, gt, qv, step));
+            inblock += (size_t)__builtin_popcount(gt);
+            __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), iota);
+            _mm512_storeu_si512((void *)(idx + count), _mm512_maskz_compress_epi32(in, ids));
+            count += (size_t)__builtin_popcount(in);
+        }
+        for (; i < end; i++) {
+            uint32_t k = key[i];
+            if (k > hi) {
+                q[i] += 0x1p-24f;
+                inblock++;
+            } else if (k >= lo) {
+                idx[count++] = (uint32_t)i;
+            }
+        }
+        blocks[b] += (int64_t)inblock;
+        total += inblock;
+    }
+    *given = total;
+    return count;
+}
+
+/* The leftover tickets from a sampled histogram (one chunk in SAMPLE_EVERY):
+ * the sample brackets the key bucket of the k-th largest remainder, [lo, hi],
+ * six standard deviations of its rank and some either side; one vector pass
+ * gives a ticket to every key above the bracket and gathers the keys inside
+ * it; those are counted exactly, and the bucket's remainders decided as
+ * leftover_pass does (the same tickets: the choice does not depend on how the
+ * bucket was found). Returns 0 or 2 as leftover_pass, or -1 if the bracket
+ * missed the bucket (the tickets given are taken back: q as before). */
+static int bracket_tickets(const void *w, int f32, double total, double scale,
+                           const scratch_t *s, size_t n, size_t k, float *q,
+                           const uint32_t *sample) {
+    size_t sampled = 0;
+    for (size_t b = 0; b <= TOP_MASK; b++) sampled += sample[b];
+    size_t chunks = n / 64, every = (chunks + SAMPLE_EVERY - 1) / SAMPLE_EVERY;
+    if (sampled == 0 || every == 0) return -1;
+    /* k's rank in the sample (times bracket_bias: 1 but in tests) */
+    double rank = bracket_bias * (double)k * (double)sampled / (double)n;
+    double margin = 6.0 * sqrt(rank) + 16.0;
+    double want_hi = rank - margin, want_lo = rank + margin;
+    uint32_t hi = TOP_MASK, lo = 0;
+    double acc = 0.0;
+    int found_hi = 0;
+    for (int b = (int)TOP_MASK; b >= 0; b--) {
+        acc += sample[b];
+        if (!found_hi && acc > want_hi) {
+            hi = (uint32_t)b;
+            found_hi = 1;
+        }
+        if (acc >= want_lo) {
+            lo = (uint32_t)b;
+            break;
+        }
+    }
+    size_t given = 0;
+    size_t count = bracket_pass(s->key, n, lo, hi, q, s->blocks, s->idx, &given);
+    if (!(given < k && k <= given + count)) {
+        for (size_t i = 0; i < n; i++) { /* undo: exact, (c + 1) / 2**24 - 2**-24 */
+            if (s->key[i] > hi) {
+                q[i] -= 0x1p-24f;
+                s->blocks[i / BLOCK] -= 1;
+            }
+        }
+        return -1;
+    }
+    size_t need = k - given;
+    uint32_t hist[1 << TOP_BITS];
+    memset(hist + lo, 0, (hi - lo + 1) * sizeof(uint32_t));
+    for (size_t c = 0; c < count; c++) hist[s->key[s->idx[c]]]++;
+    uint32_t top = hi;
+    size_t above = 0;
+    for (;; top--) {
+        if (above + hist[top] >= need) break;
+        above += hist[top];
+    }
+    need -= above;
+    size_t kept = 0;
+    for (size_t c = 0; c < count; c++) { /* tickets above top; top's own, in index order */
+        uint32_t i = s->idx[c], kk = s->key[i];
+        if (kk > top) ticket(NULL, s->blocks, q, i);
+        s->idx[kept] = i;
+        kept += kk == top;
+    }
+    return tickets_in_bucket(w, f32, total, scale, 0, s, kept, need, NULL, q);
+}
+#endif
 
 /* The counts of one row of n weights into q (FP32 values c / 2**24), and the
  * block sums; 0, or a status: 1 or 2 as build_counts, C_* for a refused row
@@ -1821,17 +1964,30 @@ static int build_q(const void *w, int f32, size_t n, float *q, const scratch_t *
     double inv = 1.0 / scale;
     uint32_t top_hist[1 << TOP_BITS];
     memset(top_hist, 0, sizeof top_hist);
+    int sampled = 0;
+#ifdef HAVE_FAST64_Q
+    sampled = !small && n >= BRACKET_MIN && use_fast64_q();
+#endif
     int64_t sum = 0;
     for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
         size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        int64_t part =
-            floors_block_q(w, f32, lo, len, total, scale, small, inv, q, s->key, top_hist);
+        int64_t part = floors_block_q(w, f32, lo, len, total, scale, small, inv, q, s->key,
+                                      top_hist, sampled);
         s->blocks[b] = part;
         sum += part;
     }
     int64_t remaining = (int64_t)M24 - sum;
     if (remaining < 0 || remaining >= (int64_t)n) return 1;
     if (remaining == 0) return 0;
+#ifdef HAVE_FAST64_Q
+    if (sampled) {
+        int st = bracket_tickets(w, f32, total, scale, s, n, (size_t)remaining, q, top_hist);
+        if (st >= 0) return st;
+        /* The bracket missed (undone): count every key, and go on as below. */
+        memset(top_hist, 0, sizeof top_hist);
+        histogram(s->key, n, top_hist);
+    }
+#endif
     return leftover_pass(w, f32, total, scale, small, s, n, (size_t)remaining, NULL, q,
                          top_hist);
 }
@@ -2275,6 +2431,21 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
+/* bracket_bias(x) -> the previous value: a factor on the rank the sampled bracket is
+ * centred on (1; far from 1 the bracket misses, for qualification). */
+static PyObject *bracket_bias_set(PyObject *self, PyObject *args) {
+    double x;
+    if (!PyArg_ParseTuple(args, "d", &x)) return NULL;
+#ifdef HAVE_FAST64_Q
+    double was = bracket_bias;
+    bracket_bias = x;
+    return PyFloat_FromDouble(was);
+#else
+    (void)x;
+    return PyFloat_FromDouble(1.0);
+#endif
+}
+
 static PyObject *philox_block(PyObject *self, PyObject *args) {
     unsigned long c0, c1, c2, c3, k0, k1;
     if (!PyArg_ParseTuple(args, "kkkkkk", &c0, &c1, &c2, &c3, &k0, &k1)) return NULL;
@@ -2309,6 +2480,8 @@ static PyMethodDef methods[] = {
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
     METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
     METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
+    {"bracket_bias", bracket_bias_set, METH_VARARGS,
+     "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
     METHOD(sample_counts,
            "(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),

@@ -605,7 +605,7 @@ def fp32_weights(weights: Sequence[float | int | Fraction]) -> Dist:
     for v in weights:
         r = round_fp32(v)
         if isinstance(r, float):
-            raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "a weight is beyond the FP32 range")
+            raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "a weight beyond the FP32 range")
         rounded.append(r)
     return normalize(rounded)
 
