@@ -98,7 +98,7 @@ def assert_row(got, want, n: int, entries: int) -> None:
     assert not payload[n:].view(np.uint32).any()  # +0.0 padding
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(fp32_rows(), min_size=1, max_size=4), st.data())
 def test_compiled_pass_equals_the_numpy_rule(batch, data):
     n = batch[0].size
@@ -234,7 +234,7 @@ def test_a_negative_zero_weight_never_takes_a_leftover_ticket():
 # -- sparse ----------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(fp32_rows(max_size=300), st.integers(1, 80))
 def test_compiled_sparse_support_equals_the_numpy_rule(w, k):
     def outcome(fn):
@@ -279,7 +279,7 @@ def test_sparse_support_on_a_full_vocabulary_row():
 # -- torch on CPU tensors ---------------------------------------------------------------
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(fp32_rows(max_size=60), min_size=1, max_size=4), st.data())
 def test_torch_position_equals_the_host_paths(batch, data):
     torch = pytest.importorskip("torch")

@@ -141,9 +141,11 @@ def test_each_job_of_a_probabilities_batch_is_drafted_as_alone(batch, threads, p
         assert_same(g, w, entries)
 
 
-@pytest.mark.usefixtures("dyadic_path")
-@pytest.mark.parametrize("tensor", [False, True])
-def test_full_vocabulary_probabilities_batch(tensor):
+@pytest.mark.parametrize(("path", "tensor"), [("compiled", False), ("numpy", False),
+                                             ("compiled", True)])  # fmt: skip
+def test_full_vocabulary_probabilities_batch(path, tensor, monkeypatch):
+    if path == "numpy":
+        monkeypatch.setattr(dyadic, "_fastq", None)
     vocab = 129_280
     drafter = ProbsDrafter(vocab, 3, False, tensor=tensor)
     jobs = [
