@@ -62,6 +62,19 @@ def fp32_rows(draw, max_size: int = 70):
 # -- the paths ------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["avx512", "portable"])
+def simd(request):
+    """Each test on the AVX-512 path of the compiled pass (where the CPU has it) and on
+    the path every CPU takes."""
+    was = fastq.construct_simd(request.param == "avx512")
+    if request.param == "avx512" and not fastq.construct_simd(True):
+        fastq.construct_simd(was)
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    fastq.construct_simd(was)
+
+
+
 def numpy_rule(w32: np.ndarray, u: int):
     """The reference: the numpy rule alone (compiled module off), then the draw."""
     saved = (dyadic._fastq, tree._fastq)
@@ -98,7 +111,10 @@ def assert_row(got, want, n: int, entries: int) -> None:
     assert not payload[n:].view(np.uint32).any()  # +0.0 padding
 
 
-@settings(max_examples=120, deadline=None)
+@pytest.mark.usefixtures("simd")
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(fp32_rows(), min_size=1, max_size=4), st.data())
 def test_compiled_pass_equals_the_numpy_rule(batch, data):
     n = batch[0].size
@@ -113,6 +129,7 @@ def test_compiled_pass_equals_the_numpy_rule(batch, data):
         assert_row(got, numpy_rule(w, u), n, entries)
 
 
+@pytest.mark.usefixtures("simd")
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 4095, 4096, 4097, 129_280])
 def test_compiled_pass_at_block_boundaries_and_full_vocabulary(n):
     gen = np.random.default_rng(n)
@@ -151,9 +168,15 @@ def long_rows(draw):
     return w.astype(np.float32)
 
 
-# The bracket as built, then centred far below and far above the ticket bucket (it misses).
+# The bracket as built, then centred far below and far above the ticket bucket (it misses);
+# and long rows on the path every CPU takes.
+@pytest.mark.usefixtures("simd")
 @pytest.mark.parametrize("bias", [1.0, 0.2, 5.0])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(long_rows(), st.integers(0, dyadic.M - 1))
 def test_the_sampled_bracket_and_its_way_back_give_the_same_rows(bias, w, u):
     was = fastq.bracket_bias(bias)
@@ -164,6 +187,7 @@ def test_the_sampled_bracket_and_its_way_back_give_the_same_rows(bias, w, u):
     assert_row(got, numpy_rule(w, u), w.size, w.size)
 
 
+@pytest.mark.usefixtures("simd")
 def test_binary64_weights_that_overflow_the_total_are_refused_in_order():
     big = np.array([1e308, 1e308, 1.0])
     assert compiled([big], [0], 3) == [ErrorCode.WEIGHT_NON_FINITE]
@@ -195,6 +219,7 @@ def test_compiled_pass_refuses_malformed_batches():
         )  # fmt: skip
 
 
+@pytest.mark.usefixtures("simd")
 def test_a_draw_outside_the_range_is_refused_as_sample_refuses_it():
     w = np.ones(5, dtype=np.float32)
     assert compiled([w, w], [-1, dyadic.M], 5) == [ErrorCode.BAD_DRAW] * 2
@@ -216,6 +241,7 @@ def test_without_the_compiled_module_the_same_rows(monkeypatch):
             assert np.array_equal(g[0].view(np.uint32), w[0].view(np.uint32))
 
 
+@pytest.mark.usefixtures("simd")
 def test_a_negative_zero_weight_never_takes_a_leftover_ticket():
     """2**17 weights of 2**-41 beside 1.0: every remainder falls in the lowest key
     bucket, and the one ticket left must go to a positive remainder, not to the

@@ -40,6 +40,10 @@
  *       drafter's) or float64 ones, checks included, each row's counts held
  *       only as its FP32 wire values: three passes over a row. See the function.
  *
+ *   construct_simd(on) -> bool
+ *       Turn the AVX-512 path of construct_rows off (the other floors form and
+ *       the full key count, as on any CPU) or back on where the CPU has it.
+ *
  *   bracket_bias(x) -> previous
  *       A factor on the rank the sampled bracket of construct_rows (AVX-512
  *       machines) is centred on: 1, but tests make it miss to qualify the way back.
@@ -1770,7 +1774,10 @@ static int have_dq = -1;
 static int use_fast64_q(void) {
     if (have_dq < 0) {
         __builtin_cpu_init();
-        have_dq = __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+        /* what target("arch=x86-64-v4") compiles for */
+        have_dq = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                  && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq")
+                  && __builtin_cpu_supports("avx512vl");
     }
     return have_dq;
 }
@@ -1892,8 +1899,7 @@ static int bracket_tickets(const void *w, int f32, double total, double scale,
                            const uint32_t *sample) {
     size_t sampled = 0;
     for (size_t b = 0; b <= TOP_MASK; b++) sampled += sample[b];
-    size_t chunks = n / 64, every = (chunks + SAMPLE_EVERY - 1) / SAMPLE_EVERY;
-    if (sampled == 0 || every == 0) return -1;
+    if (sampled == 0) return -1;
     /* k's rank in the sample (times bracket_bias: 1 but in tests) */
     double rank = bracket_bias * (double)k * (double)sampled / (double)n;
     double margin = 6.0 * sqrt(rank) + 16.0;
@@ -2431,6 +2437,23 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
+/* construct_simd(on) -> whether the AVX-512 path of construct_rows was on: off runs
+ * the floors pass's other form and the full key count on any CPU (tests qualify
+ * both); on takes the AVX-512 path only where the CPU has it. */
+static PyObject *construct_simd(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_FAST64_Q
+    int was = use_fast64_q();
+    have_dq = -1;
+    if (!on || !use_fast64_q()) have_dq = 0;
+    return PyBool_FromLong(was);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* bracket_bias(x) -> the previous value: a factor on the rank the sampled bracket is
  * centred on (1; far from 1 the bracket misses, for qualification). */
 static PyObject *bracket_bias_set(PyObject *self, PyObject *args) {
@@ -2480,6 +2503,7 @@ static PyMethodDef methods[] = {
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
     METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
     METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
+    METHOD(construct_simd, "(on) -> whether the AVX-512 path of construct_rows was on"),
     {"bracket_bias", bracket_bias_set, METH_VARARGS,
      "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
     METHOD(sample_counts,
