@@ -1,6 +1,7 @@
 """Worker CPU per drafted row: drafting STEPs one request at a time vs as one batch.
 
-Run: ``python benchmarks/draft_batch.py [--quick] [--json] [--reps N]``.
+Run: ``python benchmarks/draft_batch.py [--quick] [--json] [--reps N]
+[--drafter-kind logits|probs|both]``.
 
 A step of 8 slots x depth 5 (40 rows) is drafted and its replies encoded two
 ways, interleaved in every repetition (the machines are shared and noisy):
@@ -11,8 +12,11 @@ ways, interleaved in every repetition (the machines are shared and noisy):
   position, the rows in one compiled pass on ``--threads`` threads, dense rows
   written once as they travel), then :func:`reply_frames` per slot.
 
-The drafter is free (it returns precomputed logits rows), so the figures are
-the worker's own work: q construction, the proposal draw and reply encoding.
+The drafter is free (it returns precomputed rows: logits, or with
+``--drafter-kind probs`` the same rows' FP32 probabilities, ``kind =
+"probs"``: q built with no exponential), so the figures are the worker's own
+work: q construction, the proposal draw and reply encoding. Cases of a
+probabilities drafter are named ``probs:<case>``.
 CPU is the process's (every thread); wall is elapsed time. Each figure is the
 median over repetitions with the min-max beside it, and ``ratio`` is
 per-request / batch within one repetition.
@@ -38,15 +42,24 @@ DEPTH = 5
 CASES = (("dense", 129_280, 0), ("dense", 32_000, 0), ("sparse:32", 129_280, 32))
 
 
-def _drafter(vocab: int) -> tuple[Callable[[Sequence[int]], np.ndarray], list[np.ndarray]]:
+class _Drafter:
+    """Precomputed rows, chosen by the prefix: logits, or their FP32 probabilities."""
+
+    def __init__(self, pool: list[np.ndarray], kind: str) -> None:
+        self.pool = pool
+        self.kind = kind
+
+    def __call__(self, prefix: Sequence[int]) -> np.ndarray:
+        last = int(prefix[-1]) if len(prefix) else 0
+        return self.pool[(len(prefix) * 31 + last) % len(self.pool)]
+
+
+def _drafter(vocab: int, kind: str = "logits") -> tuple[_Drafter, list[np.ndarray]]:
     rng = np.random.default_rng(vocab)
     pool = [rng.standard_normal(vocab) * 3.0 for _ in range(16)]
-
-    def logits(prefix: Sequence[int]) -> np.ndarray:
-        last = int(prefix[-1]) if len(prefix) else 0
-        return pool[(len(prefix) * 31 + last) % len(pool)]
-
-    return logits, pool
+    if kind == "probs":
+        pool = [(np.exp(x - x.max()) / np.exp(x - x.max()).sum()).astype(np.float32) for x in pool]
+    return _Drafter(pool, kind), pool
 
 
 def _step(slot: int, round_id: int, position: int, support: int) -> Step:
@@ -79,9 +92,11 @@ class Clock:
         return out
 
 
-def one_rep(vocab: int, support: int, rounds: int, threads: int) -> dict[str, float]:
+def one_rep(
+    vocab: int, support: int, rounds: int, threads: int, kind: str = "logits"
+) -> dict[str, float]:
     """Milliseconds per drafted row of each variant over ``rounds`` steps."""
-    drafter, _ = _drafter(vocab)
+    drafter, _ = _drafter(vocab, kind)
     prefixes = [[slot + 1, 7 * slot + 3] for slot in range(SLOTS)]
     clocks = {k: Clock() for k in ("seq_build", "seq_encode", "batch_build", "batch_encode")}
     rows_drafted = {"seq": 0, "batch": 0}
@@ -107,7 +122,7 @@ def one_rep(vocab: int, support: int, rounds: int, threads: int) -> dict[str, fl
         got = clocks["batch_build"].time(
             lambda jobs=jobs: propose_batch(
                 lambda ps: [drafter(p) for p in ps], jobs, vocab, threads=threads,
-                row_entries=vocab,
+                row_entries=vocab, kind=kind,
             )
         )  # fmt: skip
         assert isinstance(got, list)
@@ -123,23 +138,28 @@ def one_rep(vocab: int, support: int, rounds: int, threads: int) -> dict[str, fl
         n = rows_drafted[name.split("_")[0]]
         out[f"{name}_cpu"] = clock.cpu / n * 1e3
         out[f"{name}_wall"] = clock.wall / n * 1e3
-    for kind in ("cpu", "wall"):
-        out[f"seq_all_{kind}"] = out[f"seq_build_{kind}"] + out[f"seq_encode_{kind}"]
-        out[f"batch_all_{kind}"] = out[f"batch_build_{kind}"] + out[f"batch_encode_{kind}"]
-        out[f"ratio_all_{kind}"] = out[f"seq_all_{kind}"] / out[f"batch_all_{kind}"]
+    for clock_kind in ("cpu", "wall"):
+        seq, batch = f"seq_all_{clock_kind}", f"batch_all_{clock_kind}"
+        out[seq] = out[f"seq_build_{clock_kind}"] + out[f"seq_encode_{clock_kind}"]
+        out[batch] = out[f"batch_build_{clock_kind}"] + out[f"batch_encode_{clock_kind}"]
+        out[f"ratio_all_{clock_kind}"] = out[seq] / out[batch]
     return out
 
 
-def run(reps: int, rounds: int, threads: int) -> dict[str, dict[str, list[float]]]:
-    """Per case, each figure's values over the repetitions."""
+def run(
+    reps: int, rounds: int, threads: int, kinds: Sequence[str] = ("logits",)
+) -> dict[str, dict[str, list[float]]]:
+    """Per case (and drafter kind), each figure's values over the repetitions."""
     results: dict[str, dict[str, list[float]]] = {}
-    for label, vocab, support in CASES:
-        one_rep(vocab, support, 1, threads)  # warm up: scratch, pools, caches
-        per: dict[str, list[float]] = {}
-        for _ in range(reps):
-            for key, value in one_rep(vocab, support, rounds, threads).items():
-                per.setdefault(key, []).append(value)
-        results[f"{label}@{vocab}"] = per
+    for kind in kinds:
+        for label, vocab, support in CASES:
+            one_rep(vocab, support, 1, threads, kind)  # warm up: scratch, pools, caches
+            per: dict[str, list[float]] = {}
+            for _ in range(reps):
+                for key, value in one_rep(vocab, support, rounds, threads, kind).items():
+                    per.setdefault(key, []).append(value)
+            name = f"{label}@{vocab}"
+            results[name if kind == "logits" else f"{kind}:{name}"] = per
     return results
 
 
@@ -160,9 +180,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3, help="steps per repetition")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--drafter-kind", choices=("logits", "probs", "both"), default="logits")
     args = parser.parse_args()
     reps, rounds = (2, 1) if args.quick else (args.reps, args.rounds)
-    results = run(reps, rounds, args.threads)
+    kinds = ("logits", "probs") if args.drafter_kind == "both" else (args.drafter_kind,)
+    results = run(reps, rounds, args.threads, kinds)
     if args.json:
         summary = {
             case: {k: statistics.median(v) for k, v in per.items()} for case, per in results.items()

@@ -1,13 +1,13 @@
 """What speculative decoding buys: speculative against target-only tokens/s, and against the ideal.
 
 Run from the repository root: ``python benchmarks/speedup.py [--json] [--smoke]
-[--models toy ngram]``.
+[--models toy ngram] [--drafter-kind logits|probs|both]``.
 
 The plugins cost a fixed time per call, as a forward pass does
 (:mod:`pp1wire.apps.paced`): the target sleeps to a deadline t_t per call,
 whether it scores one prefix or a whole step's batch, and the drafter costs
 t_d = 0.5 ms per call (one prefix or a batch). Two model pairs (``--models``,
-both by default, one table each): ``toy``, whose rows are nearly free
+both by default, one table row each): ``toy``, whose rows are nearly free
 (tabulated toy models), so what is left of each side's CPU is pp1wire's own;
 and ``ngram`` (:mod:`pp1wire.apps.ngram`, the pair with the statistics of real
 language), whose rows are computed inside the paced time (a few hundredths
@@ -40,7 +40,18 @@ Per cell, from the same repetition:
   (``pp1_worker_rows_total``), all in;
 * ``spark_cpu_ms_per_token`` = ``pp1-spark``'s CPU during its requests
   (``cpu_seconds``) / the tokens it committed; the same for target-only
-  (``target_only_spark_cpu_ms_per_token``).
+  (``target_only_spark_cpu_ms_per_token``);
+* ``spark_cpu_ms_per_row`` = the same CPU / the rows the worker sent it (every
+  one received and checked).
+
+``--drafter-kind logits|probs|both`` chooses what the paced drafter hands
+over: logits (the default) or FP32 probabilities (``kind = "probs"``); each
+pair and kind has its own worker, and every run and cell says which
+(``models``, ``drafter``). The
+**free-model floor** (``floors``) is, per pair, vocabulary and kind, dense q with
+free models (t_t = 0 and a drafter of 0 ms, its own worker): speculative and
+target-only tokens/s and each side's CPU per row, over the same repetitions
+(``--no-floor`` skips it).
 
 ``--json`` prints one object: ``cells`` (those figures, each ``{"median",
 "min", "max"}``), ``runs`` (every repetition's raw figures, from which each
@@ -66,20 +77,31 @@ from typing import Any
 from pp1wire.apps.launch import RunningWorker, spark_command, worker_command, worker_process
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 
+#: Each model pair's paced plugins (``--models``): the drafter of each kind
+#: (``--drafter-kind``), then the target.
+PAIRS = {
+    "toy": (
+        {
+            "logits": "pp1wire.apps.paced:drafter_factory",
+            "probs": "pp1wire.apps.paced:probs_drafter_factory",
+        },
+        "pp1wire.apps.paced:target_factory",
+    ),
+    "ngram": (
+        {
+            "logits": "pp1wire.apps.ngram:paced_drafter_factory",
+            "probs": "pp1wire.apps.ngram:paced_probs_drafter_factory",
+        },
+        "pp1wire.apps.ngram:paced_target_factory",
+    ),
+}
+
 ROOT = Path(__file__).resolve().parent.parent
 VOCABS = (32_000, 129_280)
 SUPPORTS = ("dense", "sparse:32")
 TARGET_MS = (5.0, 20.0, 50.0)
 DRAFTER_MS = 0.5
 DEPTH = 5
-# The model pairs (--models): each one's paced drafter and target plugins.
-PAIRS = {
-    "toy": ("pp1wire.apps.paced:drafter_factory", "pp1wire.apps.paced:target_factory"),
-    "ngram": (
-        "pp1wire.apps.ngram:paced_drafter_factory",
-        "pp1wire.apps.ngram:paced_target_factory",
-    ),
-}
 # Run each process where it is pinned: the affinity is set before the interpreter starts.
 _PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys.argv[1:])"
 
@@ -157,14 +179,25 @@ def spark_run(
 
 @contextmanager
 def worker_on(
-    vocab: int, slots: int, on: list[int], models: str = "toy"
+    vocab: int,
+    slots: int,
+    on: list[int],
+    kind: str = "logits",
+    drafter_ms: float = DRAFTER_MS,
+    models: str = "toy",
 ) -> Iterator[RunningWorker]:
-    """``pp1-worker`` with the fixed-cost drafter, pinned to ``on``, metrics on a free port."""
+    """``pp1-worker`` with the fixed-cost drafter of pair ``models`` and ``kind``, pinned to
+    ``on``, metrics on a free port."""
     cmd = worker_command(
-        "--drafter", PAIRS[models][0], "--max-slots", str(slots),
+        "--drafter", PAIRS[models][0][kind], "--max-slots", str(slots),
         "--metrics-port", "0", vocab=vocab, seed=0,
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", DRAFTER_MS_ENV: repr(DRAFTER_MS)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",  # no BLAS threads spinning on the worker's CPU
+        DRAFTER_MS_ENV: repr(drafter_ms),
+    }
     with worker_process(command=pinned(cmd, on), env=env) as worker:
         yield worker
 
@@ -211,6 +244,7 @@ def figures(
         "worker_cpu_ms_per_row": 1e3 * spec["worker_cpu_seconds"] / max(1.0, spec["worker_rows"]),
         "spark_cpu_ms_per_token": 1e3 * spec["cpu_seconds"] / max(1, spec["tokens"]),
         "target_only_spark_cpu_ms_per_token": 1e3 * plain["cpu_seconds"] / max(1, plain["tokens"]),
+        "spark_cpu_ms_per_row": 1e3 * spec["cpu_seconds"] / max(1.0, spec["worker_rows"]),
     }
 
 
@@ -228,16 +262,20 @@ def measure(
     tokens: int = 64,
     reps: int = 3,
     warm_up: bool = True,
+    kinds: Sequence[str] = ("logits",),
+    floor: bool = True,
     models: Sequence[str] = ("toy",),
 ) -> dict[str, Any]:
-    """Run the table (see the module docstring) for each pair of ``models`` (``PAIRS``);
-    returns ``cells``, ``runs`` and the headline keys (of the first pair).
+    """Run the table (see the module docstring) for each pair of ``models`` (``PAIRS``) and
+    drafter kind; returns ``cells``, ``runs``, ``floors`` and headline keys (from the
+    first pair and kind).
 
     With ``warm_up``, each worker's first run (its warm-up) is not measured."""
     worker_cores, spark_cores = cores()
     runs: list[dict[str, Any]] = []
-    for pair, vocab in [(m, v) for m in models for v in vocabs]:
-        with worker_on(vocab, requests, worker_cores, pair) as worker:
+    combos = [(m, k, v) for m in models for k in kinds for v in vocabs]
+    for pair, kind, vocab in combos:
+        with worker_on(vocab, requests, worker_cores, kind, models=pair) as worker:
             if warm_up:
                 spark_run(
                     worker, vocab=vocab, depth=DEPTH, support=supports[0], target_ms=0.0,
@@ -265,6 +303,7 @@ def measure(
                             {
                                 "models": pair,
                                 "vocab": vocab,
+                                "drafter": kind,
                                 "q": s,
                                 "target_ms": t,
                                 "rep": rep,
@@ -274,16 +313,22 @@ def measure(
                             }
                         )
     cells = []
-    for pair, vocab in [(m, v) for m in models for v in vocabs]:
+    labels = ("models", "vocab", "drafter", "target_ms", "q")
+    for pair, kind, vocab in combos:
         for t in target_ms:
             for s in supports:
-                key = (pair, vocab, t, s)
-                mine = [r for r in runs if (r["models"], r["vocab"], r["target_ms"], r["q"]) == key]
-                cell: dict[str, Any] = {"models": pair, "vocab": vocab, "q": s, "target_ms": t}
+                at = (pair, vocab, kind, t, s)
+                mine = [r for r in runs if tuple(r[k] for k in labels) == at]
+                cell: dict[str, Any] = dict(zip(labels, at, strict=True))
                 for name in mine[0]:
-                    if name not in ("models", "vocab", "q", "target_ms", "rep"):
+                    if name not in (*labels, "rep"):
                         cell[name] = summarize([r[name] for r in mine])
                 cells.append(cell)
+    floors = [
+        free_model_floor(vocab, kind, requests, tokens, reps, worker_cores, spark_cores, pair)
+        for pair, kind, vocab in combos
+        if floor
+    ]
     out: dict[str, Any] = {
         "setup": {
             "requests": requests,
@@ -294,12 +339,61 @@ def measure(
             "reps": reps,
             "worker_cores": worker_cores,
             "spark_cores": spark_cores,
+            "drafter_kinds": list(kinds),
+            "models": list(models),
         },
         "cells": cells,
         "runs": runs,
+        "floors": floors,
     }
-    first = [r for r in runs if r["models"] == models[0]]
+    first = [r for r in runs if (r["models"], r["drafter"]) == (models[0], kinds[0])]
     out.update(headline(first, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
+    return out
+
+
+def free_model_floor(
+    vocab: int,
+    kind: str,
+    requests: int,
+    tokens: int,
+    reps: int,
+    worker_cores: list[int],
+    spark_cores: list[int],
+    models: str = "toy",
+) -> dict[str, Any]:
+    """Dense q with free models (t_t = 0, a 0 ms drafter of pair ``models`` and ``kind``):
+    what pp1wire itself allows, speculative and target-only, over ``reps`` interleaved
+    repetitions."""
+    figures_of: dict[str, list[float]] = {}
+    with worker_on(vocab, requests, worker_cores, kind, drafter_ms=0.0, models=models) as worker:
+        for _ in range(reps):
+            spec, plain = (
+                spark_run(
+                    worker,
+                    vocab=vocab,
+                    depth=depth,
+                    support="dense",
+                    target_ms=0.0,
+                    requests=requests,
+                    tokens=tokens,
+                    on=spark_cores,
+                    models=models,
+                )
+                for depth in (DEPTH, 0)
+            )
+            rows = max(1.0, spec["worker_rows"])
+            for name, value in (
+                ("tokens_per_second", spec["tokens_per_second"]),
+                ("target_only_tokens_per_second", plain["tokens_per_second"]),
+                ("worker_cpu_ms_per_row", 1e3 * spec["worker_cpu_seconds"] / rows),
+                ("spark_cpu_ms_per_row", 1e3 * spec["cpu_seconds"] / rows),
+                ("mean_accepted_length", spec["mean_accepted_length"]),
+            ):
+                figures_of.setdefault(name, []).append(value)
+    out: dict[str, Any] = {
+        "models": models, "vocab": vocab, "drafter": kind, "q": "dense", "target_ms": 0.0
+    }
+    out.update({name: summarize(values) for name, values in figures_of.items()})
     return out
 
 
@@ -341,14 +435,14 @@ def _cell_text(f: dict[str, float], digits: int = 2) -> str:
 def table(result: dict[str, Any]) -> str:
     """The cells as a markdown table: median (min-max) of the repetitions."""
     head = [
-        "| pair | V | q | t_t ms | speculative / target-only | ideal | measured / ideal | fill | "
-        "STEP→proposal ms | step ms (ideal; worker, Spark CPU) | worker CPU ms/row | "
-        "Spark CPU ms/token (spec, target-only) | L |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pair | V | drafter | q | t_t ms | speculative / target-only | ideal | "
+        "measured / ideal | fill | STEP→proposal ms | step ms (ideal; worker, Spark CPU) | "
+        "worker CPU ms/row | Spark CPU ms/row | Spark CPU ms/token (spec, target-only) | L |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         head.append(
-            f"| {c['models']} | {c['vocab']:,} | {c['q']} | {c['target_ms']:g} "
+            f"| {c['models']} | {c['vocab']:,} | {c['drafter']} | {c['q']} | {c['target_ms']:g} "
             f"| {_cell_text(c['speedup'])}x "
             f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
             f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
@@ -356,10 +450,29 @@ def table(result: dict[str, Any]) -> str:
             f"{c['worker_cpu_ms_per_step']['median']:.1f}, "
             f"{c['spark_cpu_ms_per_step']['median']:.1f}) "
             f"| {_cell_text(c['worker_cpu_ms_per_row'], 3)} "
+            f"| {_cell_text(c['spark_cpu_ms_per_row'], 3)} "
             f"| {c['spark_cpu_ms_per_token']['median']:.3f}, "
             f"{c['target_only_spark_cpu_ms_per_token']['median']:.3f} "
             f"| {c['mean_accepted_length']['median']:.2f} |"
         )
+    if result["floors"]:
+        head += [
+            "",
+            "Free-model floor (dense, t_t = 0, drafter 0 ms):",
+            "",
+            "| pair | V | drafter | speculative tokens/s | target-only tokens/s | "
+            "worker CPU ms/row | Spark CPU ms/row | L |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for f in result["floors"]:
+            head.append(
+                f"| {f['models']} | {f['vocab']:,} | {f['drafter']} "
+                f"| {_cell_text(f['tokens_per_second'], 0)} "
+                f"| {_cell_text(f['target_only_tokens_per_second'], 0)} "
+                f"| {_cell_text(f['worker_cpu_ms_per_row'], 3)} "
+                f"| {_cell_text(f['spark_cpu_ms_per_row'], 3)} "
+                f"| {f['mean_accepted_length']['median']:.2f} |"
+            )
     return "\n".join(head)
 
 
@@ -378,6 +491,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8, metavar="N")
     p.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS")
     p.add_argument("--reps", type=int, default=3, metavar="N", help="interleaved repetitions")
+    p.add_argument(
+        "--drafter-kind",
+        choices=("logits", "probs", "both"),
+        default="logits",
+        help="the paced drafter hands over logits, FP32 probabilities, or each in turn",
+    )
+    p.add_argument("--no-floor", action="store_true", help="skip the free-model floor")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -402,6 +522,8 @@ def main() -> None:
         tokens=args.max_tokens,
         reps=args.reps,
         warm_up=not args.smoke,
+        kinds=("logits", "probs") if args.drafter_kind == "both" else (args.drafter_kind,),
+        floor=not args.no_floor,
         models=args.models,
     )
     if args.json:

@@ -1,4 +1,5 @@
-"""Smoke runs of benchmarks/verify_batch.py and benchmarks/gpu_verify_check.py.
+"""Smoke runs of benchmarks/verify_batch.py, benchmarks/gpu_verify_check.py and
+benchmarks/gpu_worker_check.py.
 
 Tiny sizes; the checks are on what each figure is made of, never on a
 wall-clock value: the scripts exit non-zero when the step and the per-request
@@ -68,3 +69,16 @@ def test_gpu_verify_check_smoke():
         "TARGET_NON_FINITE",
         "TARGET_ZERO_MASS",
     ]
+
+
+def test_gpu_worker_check_smoke():
+    """Without CUDA the device path runs on CPU tensors: bit-equal to the host path,
+    and the CUDA timing is skipped (said in one line, no figure made up)."""
+    pytest.importorskip("torch")
+    import torch
+
+    result = run_json("gpu_worker_check.py", "--vocab", "300", "--steps", "1")
+    assert result["jobs_bit_equal"] == "16/16"
+    if not torch.cuda.is_available():
+        assert "host_cpu_ms_per_row" not in result
+        assert "dense_rows_pinned" not in result

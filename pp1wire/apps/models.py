@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.q.proposal import DrafterFn
+from pp1wire.q.proposal import DrafterFn, DrafterKind, drafter_kind
 from pp1wire.q.verify import TargetFn
 
 DEFAULT_VOCAB = 129_280
@@ -106,6 +106,15 @@ class ToyLM:
             z[r] /= z[r].sum()
         return z
 
+    def probs32(self, prefix: Sequence[int]) -> npt.NDArray[np.float32]:
+        """:meth:`probs` rounded to FP32: what a draft head hands over as probabilities."""
+        return self.probs(prefix).astype(np.float32)
+
+    def probs32_batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+        """:meth:`probs32` of every prefix, as the rows of one ``[B, V]`` float32 array
+        (bit for bit)."""
+        return self.probs_batch(prefixes).astype(np.float32)
+
     __call__ = probs
     batch = probs_batch
 
@@ -113,24 +122,34 @@ class ToyLM:
 class ModelFn:
     """A per-prefix model function with its vectorized form as ``batch``, the
     shape :func:`pp1wire.q.proposal.batched_drafter` and
-    :func:`pp1wire.q.verify.batched` look for."""
+    :func:`pp1wire.q.verify.batched` look for. As a drafter, ``kind`` says what
+    its rows are (:func:`pp1wire.q.proposal.drafter_kind`)."""
 
-    __slots__ = ("_many", "_one")
+    __slots__ = ("_many", "_one", "kind")
 
     def __init__(
         self,
-        one: Callable[[Sequence[int]], npt.NDArray[np.float64]],
-        many: Callable[[Sequence[Sequence[int]]], npt.NDArray[np.float64]],
+        one: Callable[[Sequence[int]], npt.NDArray[np.floating]],
+        many: Callable[[Sequence[Sequence[int]]], npt.NDArray[np.floating]],
+        *,
+        kind: DrafterKind = "logits",
     ) -> None:
-        """Pair ``one`` (prefix → row) with ``many`` (prefixes → ``[B, V]``)."""
+        """Pair ``one`` (prefix → row) with ``many`` (prefixes → ``[B, V]``); ``kind``:
+        ``"logits"``, or ``"probs"`` for FP32 probabilities.
+
+        Raises:
+            ValueError: for another ``kind``.
+        """
         self._one = one
         self._many = many
+        self.kind: DrafterKind = kind
+        drafter_kind(self)
 
-    def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.float64]:
+    def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.floating]:
         """The row for one prefix."""
         return self._one(prefix)
 
-    def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.floating]:
         """The rows for many prefixes, one call."""
         return self._many(prefixes)
 
@@ -145,11 +164,27 @@ def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
     return ToyLM(vocab_size, seed, draft=True)
 
 
-def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
+def drafter_factory(
+    vocab_size: int = DEFAULT_VOCAB, seed: int = 0, *, kind: DrafterKind = "logits"
+) -> DrafterFn:
     """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits
-    (with ``batch``: prefixes → ``[B, V]`` logits)."""
+    (with ``batch``: prefixes → ``[B, V]`` logits); with ``kind="probs"``, the same
+    model's probabilities as FP32 (:func:`probs_drafter_factory`).
+
+    Raises:
+        ValueError: for a ``kind`` other than ``"logits"`` and ``"probs"``.
+    """
     model = toy_drafter(vocab_size, seed)
-    return ModelFn(model.logits, model.logits_batch)
+    if kind == "probs":
+        return ModelFn(model.probs32, model.probs32_batch, kind="probs")
+    return ModelFn(model.logits, model.logits_batch, kind=kind)
+
+
+def probs_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
+    """Plugin factory for ``--drafter pp1wire.apps.models:probs_drafter_factory``: the toy
+    drafter handing over probabilities (``kind = "probs"``): prefix → FP32 row, with
+    ``batch``: prefixes → ``[B, V]`` float32."""
+    return drafter_factory(vocab_size, seed, kind="probs")
 
 
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:

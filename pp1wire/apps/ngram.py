@@ -546,6 +546,22 @@ def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
     return ModelFn(model.logits, model.logits_batch)
 
 
+def probs_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
+    """Plugin factory for ``--drafter pp1wire.apps.ngram:probs_drafter_factory``: the
+    pair's drafter handing over FP32 probabilities (``kind = "probs"``; with ``batch``:
+    ``[B, V]`` float32), as a draft head on a device does; ``seed`` changes nothing.
+
+    Raises:
+        CorpusMissingError: if this Python install lacks the text.
+    """
+    model = ngram_drafter(vocab_size)
+    return ModelFn(
+        lambda prefix: model.probs(prefix).astype(np.float32),
+        lambda prefixes: model.probs_batch(prefixes).astype(np.float32),
+        kind="probs",
+    )
+
+
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
     """Plugin factory for ``--target pp1wire.apps.ngram:target_factory``: prefix -> p
     (with ``batch``: prefixes -> ``[B, V]`` p); ``seed`` changes nothing.
@@ -563,18 +579,20 @@ class PacedModelFn:
     only if computing them takes longer)."""
 
     def __init__(self, fn: ModelFn, seconds: float) -> None:
-        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call."""
+        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call; its rows
+        are what ``fn``'s are (``kind``)."""
         self.fn = fn
         self.seconds = seconds
+        self.kind = fn.kind
 
-    def __call__(self, prefix: Sequence[int]) -> Row:
+    def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.floating]:
         """One prefix's row, at the cost of one call."""
         deadline = time.perf_counter() + self.seconds
         row = self.fn(prefix)
         _sleep_until(deadline)
         return row
 
-    def batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.floating]:
         """Every prefix's row, at the cost of one call."""
         deadline = time.perf_counter() + self.seconds
         rows = self.fn.batch(prefixes)
@@ -623,3 +641,16 @@ def paced_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pac
     """
     seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     return PacedModelFn(drafter_factory(vocab_size, seed), seconds)
+
+
+def paced_probs_drafter_factory(
+    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
+) -> PacedModelFn:
+    """:func:`paced_drafter_factory` handing over FP32 probabilities (``kind = "probs"``).
+
+    Raises:
+        CorpusMissingError: if this Python install lacks the text.
+        ValueError: for a pace that is not a duration in 0..60,000 ms.
+    """
+    seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+    return PacedModelFn(probs_drafter_factory(vocab_size, seed), seconds)

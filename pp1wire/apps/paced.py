@@ -13,6 +13,8 @@ prefix's row is the toy model's row after its last token modulo
 ``drafter_factory`` ``PP1_PACED_DRAFTER_MS`` (default 0.5 ms), read from the
 environment when the factory runs; both sides with the same ``--vocab`` and
 ``--seed`` make a matching pair (the drafter is the perturbed toy drafter).
+``drafter_factory`` hands over logits; ``probs_drafter_factory`` the same
+drafter's probabilities as FP32 (``kind = "probs"``), as a draft head does.
 ``pp1-demo`` runs them; ``benchmarks/speedup.py`` measures with them.
 """
 
@@ -28,6 +30,7 @@ import numpy.typing as npt
 
 from pp1wire.apps import settings
 from pp1wire.apps.models import ToyLM
+from pp1wire.q.proposal import DrafterKind, drafter_kind
 
 #: Contexts tabulated: a prefix's row is the toy model's row after ``last % CONTEXTS``.
 CONTEXTS = 64
@@ -36,7 +39,7 @@ DRAFTER_MS_ENV = "PP1_PACED_DRAFTER_MS"
 DEFAULT_TARGET_MS = 20.0
 DEFAULT_DRAFTER_MS = 0.5
 
-Row = npt.NDArray[np.float64]
+Row = npt.NDArray[np.floating]
 
 
 def _milliseconds(name: str, default: float) -> float:
@@ -55,13 +58,24 @@ def _milliseconds(name: str, default: float) -> float:
 
 
 class PacedModel:
-    """A tabulated toy model that costs ``seconds`` per call (a prefix or a batch)."""
+    """A tabulated toy model that costs ``seconds`` per call (a prefix or a batch).
 
-    def __init__(self, table: Row, seconds: float) -> None:
-        """Serve the rows of ``table`` (one per context, read-only) at ``seconds`` per call."""
+    As a drafter, ``kind`` says what its rows are: ``"logits"``, or ``"probs"``
+    (:func:`pp1wire.q.proposal.drafter_kind`). A batch is the list of the
+    table's rows (not copied into one array: the rows are meant to be free).
+    """
+
+    def __init__(self, table: Row, seconds: float, *, kind: DrafterKind = "logits") -> None:
+        """Serve the rows of ``table`` (one per context, read-only) at ``seconds`` per call.
+
+        Raises:
+            ValueError: for a ``kind`` other than ``"logits"`` and ``"probs"``.
+        """
         table.flags.writeable = False
         self.table = table
         self.seconds = seconds
+        self.kind: DrafterKind = kind
+        drafter_kind(self)
 
     def _row(self, prefix: Sequence[int]) -> Row:
         last = int(prefix[-1]) if len(prefix) else 0
@@ -103,12 +117,27 @@ def target_factory(vocab_size: int, seed: int = 0) -> PacedModel:
     return PacedModel(ToyLM(vocab_size, seed).probs_batch(_contexts(vocab_size)), seconds)
 
 
-def drafter_factory(vocab_size: int, seed: int = 0) -> PacedModel:
-    """The toy drafter's logits at ``PP1_PACED_DRAFTER_MS`` per call.
+def drafter_factory(vocab_size: int, seed: int = 0, *, kind: DrafterKind = "logits") -> PacedModel:
+    """The toy drafter's logits at ``PP1_PACED_DRAFTER_MS`` per call; with
+    ``kind="probs"``, its probabilities as FP32 (:func:`probs_drafter_factory`).
+
+    Raises:
+        ValueError: for a pace that is not a duration in 0..60,000 ms, or a
+            ``kind`` other than ``"logits"`` and ``"probs"``.
+    """
+    seconds = _milliseconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS) / 1e3
+    model = ToyLM(vocab_size, seed, draft=True)
+    contexts = _contexts(vocab_size)
+    if kind == "probs":
+        return PacedModel(model.probs32_batch(contexts), seconds, kind="probs")
+    return PacedModel(model.logits_batch(contexts), seconds, kind=kind)
+
+
+def probs_drafter_factory(vocab_size: int, seed: int = 0) -> PacedModel:
+    """The toy drafter's FP32 probabilities (``kind = "probs"``) at
+    ``PP1_PACED_DRAFTER_MS`` per call: ``--drafter pp1wire.apps.paced:probs_drafter_factory``.
 
     Raises:
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _milliseconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS) / 1e3
-    model = ToyLM(vocab_size, seed, draft=True)
-    return PacedModel(model.logits_batch(_contexts(vocab_size)), seconds)
+    return drafter_factory(vocab_size, seed, kind="probs")

@@ -35,6 +35,25 @@
  *       by scanning one block; optionally each row's FP32 wire values written
  *       straight into its outgoing buffer. See the function for the details.
  *
+ *   construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
+ *       build_rows for rows that travel, from float32 weights (a probabilities
+ *       drafter's) or float64 ones, checks included, each row's counts held
+ *       only as its FP32 wire values: three passes over a row. See the function.
+ *
+ *   construct_simd(on) -> bool
+ *       Turn the AVX-512 path of construct_rows off (the other floors form and
+ *       the full key count, as on any CPU) or back on where the CPU has it.
+ *
+ *   bracket_bias(x) -> previous
+ *       A factor on the rank the sampled bracket of construct_rows (AVX-512
+ *       machines) is centred on: 1, but tests make it miss to qualify the way back.
+ *
+ *   topk_f32(row, k, ids, scratch) -> (count, status)
+ *       The checks and the sparse top-k support of a row of FP32 weights.
+ *
+ *   check_dense(row, vocab, proposed) -> code
+ *       DenseRowValidator.check in one pass: 0 or the first failing ErrorCode.
+ *
  *   sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
  *       A small superset of a sparse top-k support, from the logits without
  *       the exponential; the caller proves it holds the top k or falls back.
@@ -58,8 +77,11 @@
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+/* The wide loops of construct_rows: AVX-512 where the CPU has it. */
+#define MULTIVERSION512 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define MULTIVERSION
+#define MULTIVERSION512
 #endif
 
 MULTIVERSION
@@ -355,17 +377,45 @@ static const int WIDTHS[6] = {12, 12, 12, 12, 12, 4};
 /* Up to this many candidates are ordered by insertion instead. */
 #define FEW 64
 
-/* One ticket more for entry i (after the bulk pass), keeping blocks and q. */
+/* One ticket more for entry i (after the bulk pass), keeping blocks and q; without
+ * out, the counts live in q alone: (c + 1) / 2**24 = c / 2**24 + 2**-24, exact in
+ * FP32 for c < 2**24. */
 static inline void ticket(int32_t *out, int64_t *blocks, float *q, uint32_t i) {
-    out[i] += 1;
     blocks[i / BLOCK] += 1;
+    if (out == NULL) {
+        q[i] += 0x1p-24f;
+        return;
+    }
+    out[i] += 1;
     if (q != NULL) q[i] = (float)out[i] * 0x1p-24f;
+}
+
+/* add_above for counts held only as FP32 values in q. */
+MULTIVERSION
+static int64_t add_above_q(const uint16_t *restrict key, size_t n, uint32_t top,
+                           float *restrict q) {
+    int64_t added = 0;
+    for (size_t i = 0; i < n; i++) {
+        int32_t a = key[i] > top;
+        q[i] += a ? 0x1p-24f : 0.0f;
+        added += a;
+    }
+    return added;
+}
+
+/* A weight of a row of float64 or float32 values, as binary64 (exact). */
+static inline double weight_at(const void *w, int f32, size_t i) {
+    return f32 ? (double)((const float *)w)[i] : ((const double *)w)[i];
 }
 
 /* One ticket more for the k largest remainders, ties to the lowest index,
  * keeping the block sums (and the FP32 values, when q is given). Returns 0, or
  * 2 if a ticket lands on a zero. */
-static int leftover_pass(const double *w, double total, double scale, int small,
+static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
+                             const scratch_t *s, size_t count, size_t need,
+                             int32_t *restrict out, float *q);
+
+static int leftover_pass(const void *w, int f32, double total, double scale, int small,
                          const scratch_t *s, size_t n, size_t k, int32_t *restrict out,
                          float *q, const uint32_t *restrict top_hist) {
     uint32_t *idx = s->idx;
@@ -383,13 +433,28 @@ static int leftover_pass(const double *w, double total, double scale, int small,
      * target bucket's indices, in index order: about n / 4096 of them. */
     for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
         size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        blocks[b] += q != NULL ? add_above_fp32(s->key + lo, len, top, out + lo, q + lo)
-                               : add_above(s->key + lo, len, top, out + lo);
+        blocks[b] += out == NULL ? add_above_q(s->key + lo, len, top, q + lo)
+                     : q != NULL ? add_above_fp32(s->key + lo, len, top, out + lo, q + lo)
+                                 : add_above(s->key + lo, len, top, out + lo);
     }
     size_t count = gather_equal(s->key, n, top, idx);
+    return tickets_in_bucket(w, f32, total, scale, small, s, count, need, out, q);
+}
+
+/* The need largest remainders among the count entries of one key bucket, whose
+ * indices s->idx holds in ascending order, get one ticket each (ties to the lowest
+ * index). Returns 0, or 2 if a ticket would land on a zero remainder. */
+static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
+                             const scratch_t *s, size_t count, size_t need,
+                             int32_t *restrict out, float *q) {
+    uint32_t *idx = s->idx;
+    double *rem = s->rem;
+    int64_t *blocks = s->blocks;
     for (size_t c = 0; c < count; c++) {
-        double v = share_of(w[idx[c]], total, scale, small);
-        rem[c] = v - (double)(int32_t)v; /* as the floors pass had it */
+        double v = share_of(weight_at(w, f32, idx[c]), total, scale, small);
+        /* as the floors pass had it; + 0.0 makes the remainder of a -0.0 weight
+         * +0.0, which orders below every positive one (its bits would not) */
+        rem[c] = (v - (double)(int32_t)v) + 0.0;
     }
     uint64_t threshold = 0;
     if (count <= FEW) {
@@ -467,7 +532,7 @@ static int build_counts(const double *w, size_t n, double total, int32_t *out, f
         if (q != NULL) counts_to_fp32(out, n, q);
         return 0;
     }
-    return leftover_pass(w, total, scale, small, s, n, (size_t)remaining, out, q, top_hist);
+    return leftover_pass(w, 0, total, scale, small, s, n, (size_t)remaining, out, q, top_hist);
 }
 
 /* The proposal draw from counts whose block sums are known: the first index
@@ -849,6 +914,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       its own way), 7 out of memory in a draw (the caller likewise).
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
+ *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
  *   accept_u53(u53, count, p) -> bool
  *   step_simd(on) -> bool
  *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
@@ -1620,6 +1686,663 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------------------
+ * Rows built to travel: weights (float32, as a probabilities drafter hands
+ * them over, or float64) to their FP32 wire values, in three passes over the
+ * row and without an int32 count array (a count c is held as c / 2**24 in the
+ * outgoing buffer itself: exact in FP32 for c <= 2**24).
+ *
+ *   1. The checks and the canonical total (row_total: the tree of §6.6).
+ *   2. The floors and the remainders' coarse keys (floor_key), each share
+ *      w / (W / M) found by one multiplication by (W / M)'s reciprocal: the
+ *      product is within 3 units in the last place of the correctly rounded
+ *      quotient (two roundings, and the quotient's own), i.e. within 2**-27.4
+ *      of it for shares up to M, 2**-15.4 in key units; so a product farther
+ *      than 2**-14 key units from every key boundary has the quotient's floor
+ *      and key, and a block of 64 where some product is nearer is done again
+ *      by division. (Exact remainders are needed only for the candidates of
+ *      the ticket bucket, and leftover_pass computes those by division.)
+ *   3. The tickets (leftover_pass), then the proposal draw from block sums.
+ *      Where the CPU has AVX-512, the floors pass counts the keys of one chunk
+ *      in SAMPLE_EVERY only (a scalar histogram of every key costs as much as
+ *      the floors themselves), and bracket_tickets finds the ticket bucket
+ *      from that sample and one vector pass, or goes back to the full count.
+ * ------------------------------------------------------------------------- */
+
+#define NEAR_KEY 0x1p-14
+/* The sampled key histogram of bracket_tickets: one 64-weight chunk in this many. */
+#define SAMPLE_EVERY 8
+
+/* Pass 2 over 64 weights by multiplication: the floors as FP32 values into q,
+ * the keys, the floors' sum into *sum; nonzero if some product lies within
+ * NEAR_KEY of a key boundary (other than the boundary at 0, which no share
+ * crosses). */
+#define FAST64(NAME, WT)                                                                   \
+    MULTIVERSION512                                                                        \
+    static int NAME(const WT *restrict w, double inv, float *restrict q,                   \
+                    uint16_t *restrict key, int64_t *restrict sum) {                       \
+        int64_t acc = 0;                                                                   \
+        int near = 0;                                                                      \
+        for (int i = 0; i < 64; i++) {                                                     \
+            double s = (double)w[i] * inv;                                                 \
+            int32_t c = (int32_t)s;                                                        \
+            double t = (s - (double)c) * TOP_SCALE;                                        \
+            int32_t k = (int32_t)t;                                                        \
+            double f = t - (double)k;                                                      \
+            near |= (f > 1.0 - NEAR_KEY) | ((f < NEAR_KEY) & ((c | k) != 0));             \
+            q[i] = (float)c * 0x1p-24f;                                                    \
+            key[i] = (uint16_t)((uint32_t)k & TOP_MASK);                                   \
+            acc += c;                                                                      \
+        }                                                                                  \
+        *sum = acc;                                                                        \
+        return near;                                                                       \
+    }
+FAST64(fast64_f64, double)
+FAST64(fast64_f32, float)
+#undef FAST64
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* The same values where the CPU converts binary64 to and from int64 in vectors
+ * (AVX-512 DQ): floor(T) for T = s * 2**12 in one conversion (T < 2**37), its
+ * floor and key by shift and mask, the distance f = T - floor(T) exactly as
+ * above (T - floor(T) is exact, Sterbenz). Chosen at run time. */
+#define FAST64_Q(NAME, WT)                                                                 \
+    __attribute__((target("arch=x86-64-v4"))) static int NAME(                             \
+        const WT *restrict w, double inv, float *restrict q, uint16_t *restrict key,       \
+        int64_t *restrict sum) {                                                           \
+        int64_t acc = 0, near = 0;                                                         \
+        for (int i = 0; i < 64; i++) {                                                     \
+            double t = ((double)w[i] * inv) * TOP_SCALE;                                   \
+            int64_t whole = (int64_t)t;                                                    \
+            double f = t - (double)whole;                                                  \
+            int64_t c = whole >> TOP_BITS;                                                 \
+            near |= (int64_t)((f > 1.0 - NEAR_KEY) | ((f < NEAR_KEY) & (whole != 0)));     \
+            q[i] = (float)c * 0x1p-24f;                                                    \
+            key[i] = (uint16_t)(whole & TOP_MASK);                                         \
+            acc += c;                                                                      \
+        }                                                                                  \
+        *sum = acc;                                                                        \
+        return near != 0;                                                                  \
+    }
+FAST64_Q(fast64q_f64, double)
+FAST64_Q(fast64q_f32, float)
+#undef FAST64_Q
+#define HAVE_FAST64_Q 1
+
+static int have_dq = -1;
+
+static int use_fast64_q(void) {
+    if (have_dq < 0) {
+        __builtin_cpu_init();
+        /* what target("arch=x86-64-v4") compiles for */
+        have_dq = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                  && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq")
+                  && __builtin_cpu_supports("avx512vl");
+    }
+    return have_dq;
+}
+#endif
+
+/* Pass 2 by division (floor_key, as build_counts does) over [lo, lo + len). */
+static int64_t floors_exact_q(const void *w, int f32, size_t lo, size_t len, double total,
+                              double scale, int small, float *restrict q,
+                              uint16_t *restrict key) {
+    int64_t sum = 0;
+    for (size_t i = lo; i < lo + len; i++) {
+        int32_t c;
+        sum += floor_key(share_of(weight_at(w, f32, i), total, scale, small), &c, &key[i]);
+        q[i] = (float)c * 0x1p-24f;
+    }
+    return sum;
+}
+
+/* Pass 2 over a block of at most BLOCK weights starting at lo; the floors' sum. */
+static int64_t floors_block_q(const void *w, int f32, size_t lo, size_t len, double total,
+                              double scale, int small, double inv, float *q, uint16_t *key,
+                              uint32_t *hist, int sampled) {
+    int64_t sum = 0;
+    size_t i = lo, end = lo + len;
+    for (; !small && i + 64 <= end; i += 64) {
+        int64_t part;
+        int near;
+#ifdef HAVE_FAST64_Q
+        if (use_fast64_q())
+            near = f32 ? fast64q_f32((const float *)w + i, inv, q + i, key + i, &part)
+                       : fast64q_f64((const double *)w + i, inv, q + i, key + i, &part);
+        else
+#endif
+            near = f32 ? fast64_f32((const float *)w + i, inv, q + i, key + i, &part)
+                       : fast64_f64((const double *)w + i, inv, q + i, key + i, &part);
+        if (near) part = floors_exact_q(w, f32, i, 64, total, scale, small, q, key);
+        sum += part;
+        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
+         * work. With sampled, one chunk in SAMPLE_EVERY only (bracket_tickets). */
+        if (!sampled || (i / 64) % SAMPLE_EVERY == 0) histogram(key + i, 64, hist);
+    }
+    if (i < end) {
+        sum += floors_exact_q(w, f32, i, end - i, total, scale, small, q, key);
+        if (!sampled) histogram(key + i, end - i, hist);
+    }
+    return sum;
+}
+
+/* Construction statuses beyond build_rows' 0..4 (protocol §6.1's refusals). */
+enum { C_NON_FINITE = 5, C_NEGATIVE = 6, C_ZERO_MASS = 7 };
+
+/* Whether some weight is NaN or infinite (the diagnosis of a non-finite total). */
+static int any_non_finite(const void *w, int f32, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(weight_at(w, f32, i))) return 1;
+    return 0;
+}
+
+#ifdef HAVE_FAST64_Q
+#include <immintrin.h>
+
+/* Rows at least this long take the sampled bracket (bracket_tickets). */
+#define BRACKET_MIN 4096
+
+/* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
+ * that the bracket misses, and qualify the way back. */
+static double bracket_bias = 1.0;
+
+/* Over every key: a ticket (q += 2**-24, block sums kept) for each key above hi, and
+ * the indices of the keys in [lo, hi] appended to idx in ascending order (idx holds
+ * n + 16). Returns how many were appended; *given gets the tickets. */
+__attribute__((target("arch=x86-64-v4"))) static size_t bracket_pass(
+    const uint16_t *key, size_t n, uint32_t lo, uint32_t hi, float *q, int64_t *blocks,
+    uint32_t *idx, size_t *given) {
+    const __m512i vlo = _mm512_set1_epi32((int)lo), vhi = _mm512_set1_epi32((int)hi);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 step = _mm512_set1_ps(0x1p-24f);
+    size_t count = 0, total = 0, i = 0;
+    for (size_t b = 0; i < n; b++) {
+        size_t end = i + BLOCK < n ? i + BLOCK : n;
+        size_t inblock = 0;
+        for (; i + 16 <= end; i += 16) {
+            __m512i k = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(key + i)));
+            __mmask16 gt = _mm512_cmpgt_epu32_mask(k, vhi);
+            __mmask16 in = _mm512_mask_cmpge_epu32_mask((__mmask16)~gt, k, vlo);
+            __m512 qv = _mm512_loadu_ps(q + i);
+            _mm512_storeu_ps(q + i, _mm512_mask_add_ps(qv, gt, qv, step));
+            inblock += (size_t)__builtin_popcount(gt);
+            __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), iota);
+            _mm512_storeu_si512((void *)(idx + count), _mm512_maskz_compress_epi32(in, ids));
+            count += (size_t)__builtin_popcount(in);
+        }
+        for (; i < end; i++) {
+            uint32_t k = key[i];
+            if (k > hi) {
+                q[i] += 0x1p-24f;
+                inblock++;
+            } else if (k >= lo) {
+                idx[count++] = (uint32_t)i;
+            }
+        }
+        blocks[b] += (int64_t)inblock;
+        total += inblock;
+    }
+    *given = total;
+    return count;
+}
+
+/* The leftover tickets from a sampled histogram (one chunk in SAMPLE_EVERY):
+ * the sample brackets the key bucket of the k-th largest remainder, [lo, hi],
+ * six standard deviations of its rank and some either side; one vector pass
+ * gives a ticket to every key above the bracket and gathers the keys inside
+ * it; those are counted exactly, and the bucket's remainders decided as
+ * leftover_pass does (the same tickets: the choice does not depend on how the
+ * bucket was found). Returns 0 or 2 as leftover_pass, or -1 if the bracket
+ * missed the bucket (the tickets given are taken back: q as before). */
+static int bracket_tickets(const void *w, int f32, double total, double scale,
+                           const scratch_t *s, size_t n, size_t k, float *q,
+                           const uint32_t *sample) {
+    size_t sampled = 0;
+    for (size_t b = 0; b <= TOP_MASK; b++) sampled += sample[b];
+    if (sampled == 0) return -1;
+    /* k's rank in the sample (times bracket_bias: 1 but in tests) */
+    double rank = bracket_bias * (double)k * (double)sampled / (double)n;
+    double margin = 6.0 * sqrt(rank) + 16.0;
+    double want_hi = rank - margin, want_lo = rank + margin;
+    uint32_t hi = TOP_MASK, lo = 0;
+    double acc = 0.0;
+    int found_hi = 0;
+    for (int b = (int)TOP_MASK; b >= 0; b--) {
+        acc += sample[b];
+        if (!found_hi && acc > want_hi) {
+            hi = (uint32_t)b;
+            found_hi = 1;
+        }
+        if (acc >= want_lo) {
+            lo = (uint32_t)b;
+            break;
+        }
+    }
+    size_t given = 0;
+    size_t count = bracket_pass(s->key, n, lo, hi, q, s->blocks, s->idx, &given);
+    if (!(given < k && k <= given + count)) {
+        for (size_t i = 0; i < n; i++) { /* undo: exact, (c + 1) / 2**24 - 2**-24 */
+            if (s->key[i] > hi) {
+                q[i] -= 0x1p-24f;
+                s->blocks[i / BLOCK] -= 1;
+            }
+        }
+        return -1;
+    }
+    size_t need = k - given;
+    uint32_t hist[1 << TOP_BITS];
+    memset(hist + lo, 0, (hi - lo + 1) * sizeof(uint32_t));
+    for (size_t c = 0; c < count; c++) hist[s->key[s->idx[c]]]++;
+    uint32_t top = hi;
+    size_t above = 0;
+    for (;; top--) {
+        if (above + hist[top] >= need) break;
+        above += hist[top];
+    }
+    need -= above;
+    size_t kept = 0;
+    for (size_t c = 0; c < count; c++) { /* tickets above top; top's own, in index order */
+        uint32_t i = s->idx[c], kk = s->key[i];
+        if (kk > top) ticket(NULL, s->blocks, q, i);
+        s->idx[kept] = i;
+        kept += kk == top;
+    }
+    return tickets_in_bucket(w, f32, total, scale, 0, s, kept, need, NULL, q);
+}
+#endif
+
+/* The counts of one row of n weights into q (FP32 values c / 2**24), and the
+ * block sums; 0, or a status: 1 or 2 as build_counts, C_* for a refused row
+ * (dyadic._check_weights' order: a non-finite weight, a negative one, zero mass,
+ * a total beyond binary64). */
+static int build_q(const void *w, int f32, size_t n, float *q, const scratch_t *s) {
+    int negative = 0;
+    const vrow_t row = {w, f32 ? K_F32 : K_F64};
+    double total = row_total(&row, n, &negative);
+    if (!isfinite(total)) {
+        if (any_non_finite(w, f32, n)) return C_NON_FINITE;
+        return negative ? C_NEGATIVE : C_NON_FINITE;
+    }
+    if (negative) return C_NEGATIVE;
+    if (!(total > 0.0)) return C_ZERO_MASS;
+    double scale = total / M24;
+    int small = !(scale >= MIN_NORMAL);
+    double inv = 1.0 / scale;
+    uint32_t top_hist[1 << TOP_BITS];
+    memset(top_hist, 0, sizeof top_hist);
+    int sampled = 0;
+#ifdef HAVE_FAST64_Q
+    sampled = !small && n >= BRACKET_MIN && use_fast64_q();
+#endif
+    int64_t sum = 0;
+    for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        size_t len = n - lo < BLOCK ? n - lo : BLOCK;
+        int64_t part = floors_block_q(w, f32, lo, len, total, scale, small, inv, q, s->key,
+                                      top_hist, sampled);
+        s->blocks[b] = part;
+        sum += part;
+    }
+    int64_t remaining = (int64_t)M24 - sum;
+    if (remaining < 0 || remaining >= (int64_t)n) return 1;
+    if (remaining == 0) return 0;
+#ifdef HAVE_FAST64_Q
+    if (sampled) {
+        int st = bracket_tickets(w, f32, total, scale, s, n, (size_t)remaining, q, top_hist);
+        if (st >= 0) return st;
+        /* The bracket missed (undone): count every key, and go on as below. */
+        memset(top_hist, 0, sizeof top_hist);
+        histogram(s->key, n, top_hist);
+    }
+#endif
+    return leftover_pass(w, f32, total, scale, small, s, n, (size_t)remaining, NULL, q,
+                         top_hist);
+}
+
+/* draw_from_blocks over counts held as FP32 values c / 2**24. */
+static int64_t draw_from_q(const float *q, size_t n, const int64_t *blocks, int64_t u) {
+    size_t nblocks = (n + BLOCK - 1) / BLOCK;
+    int64_t total = 0;
+    for (size_t b = 0; b < nblocks; b++) total += blocks[b];
+    if (total != (int64_t)M24) return -1;
+    int64_t acc = 0;
+    size_t b = 0;
+    while (acc + blocks[b] <= u) acc += blocks[b++];
+    size_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+    for (size_t i = b * BLOCK; i < end; i++) {
+        acc += (int64_t)(q[i] * 16777216.0f); /* exact */
+        if (acc > u) return (int64_t)i;
+    }
+    return -1; /* unreachable for counts that sum to M */
+}
+
+/* construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
+ *     Each row (a C-contiguous buffer of n float32 or float64 weights, all of
+ *     one type) is checked, totalled, allocated and drawn from with draws[r]
+ *     (int64), its FP32 wire values c / 2**24 written into payloads[r] (a
+ *     writable buffer of m >= n FP32 values) followed by +0.0: tokens[r]
+ *     (int64, -1 unless drawn) and status[r] (int32: 0 done; 1, 2, 3 as
+ *     build_rows, allocation inconsistent; 4 a draw outside [0, M); 5 a NaN or
+ *     infinite weight or a total beyond binary64, 6 a negative weight, 7 zero
+ *     mass). A refused row's payload is unspecified. scratch: a writable
+ *     buffer of at least 16 n bytes. The GIL is released for the batch. */
+static PyObject *construct_rows(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *payloads;
+    Py_ssize_t nn;
+    Py_buffer db, tb, stb, sb;
+    if (!PyArg_ParseTuple(args, "Onw*w*w*Ow*", &rows_obj, &nn, &db, &tb, &stb, &payloads, &sb))
+        return NULL;
+    size_t n = (size_t)(nn > 0 ? nn : 0);
+    size_t count = (size_t)db.len / 8;
+    PyObject *rseq = PySequence_Fast(rows_obj, "construct_rows: rows must be a sequence");
+    PyObject *pseq = rseq == NULL ? NULL
+                                  : PySequence_Fast(payloads, "construct_rows: payloads must be a sequence");
+    int ok = pseq != NULL;
+    if (ok && !(nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)tb.len == 8 * count
+                && (size_t)stb.len == 4 * count && (size_t)sb.len >= 16 * n
+                && (size_t)PySequence_Fast_GET_SIZE(rseq) == count
+                && (size_t)PySequence_Fast_GET_SIZE(pseq) == count)) {
+        PyErr_SetString(PyExc_ValueError, "construct_rows: sizes do not match");
+        ok = 0;
+    }
+    Py_buffer *views = NULL;
+    size_t held = 0;
+    int f32 = -1;
+    if (ok) {
+        views = (Py_buffer *)PyMem_Calloc(count ? 2 * count : 1, sizeof(Py_buffer));
+        ok = views != NULL;
+        if (!ok) PyErr_NoMemory();
+    }
+    for (size_t r = 0; ok && r < count; r++) {
+        Py_buffer *wv = &views[held];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(rseq, (Py_ssize_t)r), wv,
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            ok = 0;
+            break;
+        }
+        held++;
+        int kind = buffer_kind(wv);
+        int is32 = kind == K_F32;
+        if ((kind != K_F32 && kind != K_F64) || (f32 >= 0 && is32 != f32)
+            || (size_t)wv->len != n * (is32 ? 4 : 8)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "construct_rows: each row is n float32 or n float64, one type for all");
+            ok = 0;
+            break;
+        }
+        f32 = is32;
+        Py_buffer *qv = &views[held];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pseq, (Py_ssize_t)r), qv,
+                               PyBUF_WRITABLE) < 0) {
+            ok = 0;
+            break;
+        }
+        held++;
+        if (qv->len % 4 || (size_t)qv->len < 4 * n) {
+            PyErr_SetString(PyExc_ValueError, "construct_rows: a payload holds fewer than n FP32");
+            ok = 0;
+        }
+    }
+    int64_t stack_blocks[STACK_BLOCKS];
+    int64_t *blocks = NULL;
+    if (ok) {
+        size_t nblocks = (n + BLOCK - 1) / BLOCK;
+        blocks = nblocks <= STACK_BLOCKS ? stack_blocks
+                                         : (int64_t *)malloc(nblocks * sizeof(int64_t));
+        if (blocks == NULL) {
+            ok = 0;
+            PyErr_NoMemory();
+        }
+    }
+    if (ok) {
+        scratch_t s;
+        /* rem: 8 n bytes; then the keys (2 n, rounded) and the indices (4 n). */
+        scratch_in(&s, (double *)sb.buf, (char *)sb.buf + 8 * n, n, blocks);
+        const int64_t *draws = (const int64_t *)db.buf;
+        int64_t *tokens = (int64_t *)tb.buf;
+        int32_t *status = (int32_t *)stb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (size_t r = 0; r < count; r++) {
+            float *q = (float *)views[2 * r + 1].buf;
+            int st = build_q(views[2 * r].buf, f32, n, q, &s);
+            int64_t token = -1;
+            if (st == 0) {
+                if (draws[r] < 0 || draws[r] >= (int64_t)M24) {
+                    st = 4;
+                } else {
+                    token = draw_from_q(q, n, blocks, draws[r]);
+                    if (token < 0) st = 3;
+                }
+            }
+            if (st == 0) memset(q + n, 0, (size_t)views[2 * r + 1].len - 4 * n); /* +0.0 */
+            status[r] = st;
+            tokens[r] = token;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (blocks != NULL && blocks != stack_blocks) free(blocks);
+    for (size_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_XDECREF(rseq);
+    Py_XDECREF(pseq);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&sb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------------------
+ * Sparse top-k support from FP32 weights: the k largest positive weights,
+ * ties to the lowest ID (dyadic.largest_indices on the positive weights).
+ * Non-negative FP32 values order as their bit patterns, so the selection is
+ * on integers: the maxima of 64-weight chunks give a lower bound for the k-th
+ * largest weight (k chunks hold a weight at least that large), every weight
+ * at or above it in the chunks that reach it is a candidate, and the k-th
+ * largest candidate is found by a radix select.
+ * ------------------------------------------------------------------------- */
+
+/* A weight's order key: its bits, 0 for -0.0 (a zero weight). */
+static inline uint32_t order_bits(uint32_t b) { return b == 0x80000000u ? 0u : b; }
+
+/* The largest order key of 64 weights (vectorized), OR-ing into *flags bit 0 for a
+ * NaN or infinity and bit 1 for a negative weight (-0.0 is a zero weight). The
+ * keys of a row with a negative weight are never used (it is refused), so the
+ * sign bit is dropped rather than tested. */
+MULTIVERSION
+static uint32_t chunk_max_bits(const uint32_t *restrict bits, uint32_t *restrict flags) {
+    uint32_t mx = 0;
+    int32_t nonfinite = 0, negative = 0;
+    for (int i = 0; i < 64; i++) {
+        uint32_t b = bits[i];
+        nonfinite |= (int32_t)((b & 0x7F800000u) == 0x7F800000u);
+        int32_t v = (int32_t)b; /* a negative weight: sign bit set, and not -0.0 */
+        negative |= (int32_t)(v < 0) & (int32_t)(v != INT32_MIN);
+        uint32_t o = b & 0x7FFFFFFFu;
+        mx = o > mx ? o : mx;
+    }
+    *flags |= (uint32_t)nonfinite | ((uint32_t)(negative != 0) << 1);
+    return mx;
+}
+
+/* The k-th largest (1-based) of m values (k <= m), by 11-bit digits; tmp holds m. */
+static uint32_t kth_largest_u32(const uint32_t *vals, size_t m, size_t k, uint32_t *tmp) {
+    static const int shift[3] = {21, 10, 0};
+    static const uint32_t width[3] = {2048, 2048, 1024};
+    uint32_t hist[2048];
+    uint32_t prefix = 0, mask = 0;
+    const uint32_t *cur = vals;
+    size_t count = m;
+    for (int d = 0; d < 3; d++) {
+        memset(hist, 0, sizeof hist);
+        for (size_t i = 0; i < count; i++) hist[(cur[i] >> shift[d]) & (width[d] - 1)]++;
+        uint32_t digit = width[d] - 1;
+        for (;; digit--) {
+            if (hist[digit] >= k) break;
+            k -= hist[digit];
+        }
+        prefix |= digit << shift[d];
+        mask |= (width[d] - 1) << shift[d];
+        size_t kept = 0;
+        for (size_t i = 0; i < count; i++)
+            if ((cur[i] & mask) == prefix) tmp[kept++] = cur[i];
+        cur = tmp;
+        count = kept;
+    }
+    return prefix;
+}
+
+/* topk_f32(row, k, ids, scratch) -> (count, status)
+ *     row: FP32 weights; ids: int64 output of capacity cap >= k; scratch: a
+ *     writable buffer of at least 4 (ceil(n / 64) + 2 cap) bytes. status 5: a
+ *     NaN or infinite weight; 6: a negative one; 7: none positive (count 0);
+ *     else 0 and the IDs of the min(k, positive weights) largest positive
+ *     weights, ties to the lowest ID, ascending, in ids[0 .. count). count -1:
+ *     more than cap candidates (equal weights over many chunks): the caller
+ *     selects another way. */
+static PyObject *topk_f32(PyObject *self, PyObject *args) {
+    Py_buffer rb, ib, sb;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "y*nw*w*", &rb, &k, &ib, &sb)) return NULL;
+    size_t n = (size_t)rb.len / 4, cap = (size_t)ib.len / 8, chunks = (n + 63) / 64;
+    if (rb.len % 4 || ib.len % 8 || k < 1 || (size_t)k > cap || n == 0
+        || (size_t)sb.len < 4 * (chunks + 2 * cap)) {
+        PyBuffer_Release(&rb);
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&sb);
+        PyErr_SetString(PyExc_ValueError, "topk_f32: bad arguments");
+        return NULL;
+    }
+    const uint32_t *bits = (const uint32_t *)rb.buf;
+    int64_t *ids = (int64_t *)ib.buf;
+    uint32_t *cmax = (uint32_t *)sb.buf, *cand = cmax + chunks, *tmp = cand + cap;
+    Py_ssize_t count = 0;
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint32_t flags = 0;
+    size_t positive_chunks = 0;
+    for (size_t c = 0; c < chunks; c++) {
+        size_t lo = 64 * c, hi = lo + 64 < n ? lo + 64 : n;
+        uint32_t mx = 0;
+        if (hi - lo == 64) {
+            mx = chunk_max_bits(bits + lo, &flags);
+        } else {
+            for (size_t i = lo; i < hi; i++) {
+                uint32_t b = bits[i];
+                flags |= (uint32_t)((b & 0x7F800000u) == 0x7F800000u) | ((uint32_t)(b > 0x80000000u) << 1);
+                uint32_t o = order_bits(b);
+                mx = o > mx ? o : mx;
+            }
+        }
+        cmax[c] = mx;
+        positive_chunks += mx != 0;
+    }
+    if (flags & 1) status = C_NON_FINITE;
+    else if (flags & 2) status = C_NEGATIVE;
+    else if (positive_chunks == 0) status = C_ZERO_MASS;
+    if (status == 0) {
+        /* At least k chunks (or every chunk with a positive weight) reach floor. */
+        uint32_t floor = positive_chunks >= (size_t)k
+                             ? kth_largest_u32(cmax, chunks, (size_t)k, tmp)
+                             : 1u;
+        size_t m = 0;
+        for (size_t c = 0; c < chunks && m <= cap; c++) {
+            if (cmax[c] < floor) continue;
+            size_t lo = 64 * c, hi = lo + 64 < n ? lo + 64 : n;
+            for (size_t i = lo; i < hi; i++) {
+                if (order_bits(bits[i]) < floor) continue;
+                if (m == cap) {
+                    m = cap + 1;
+                    break;
+                }
+                ids[m] = (int64_t)i;
+                cand[m++] = order_bits(bits[i]);
+            }
+        }
+        if (m > cap) {
+            count = -1;
+        } else if (m <= (size_t)k) {
+            count = (Py_ssize_t)m; /* every positive weight: fewer than k of them */
+        } else {
+            uint32_t theta = kth_largest_u32(cand, m, (size_t)k, tmp);
+            size_t above = 0;
+            for (size_t j = 0; j < m; j++) above += cand[j] > theta;
+            size_t ties = (size_t)k - above, kept = 0;
+            for (size_t j = 0; j < m; j++) {
+                int take = cand[j] > theta || (cand[j] == theta && ties > 0);
+                if (cand[j] == theta && take) ties--;
+                if (take) ids[kept++] = ids[j];
+            }
+            count = (Py_ssize_t)kept;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&sb);
+    return Py_BuildValue("(ni)", count, status);
+}
+
+/* ---------------------------------------------------------------------------
+ * check_dense(row, vocab, proposed) -> code
+ *     DenseRowValidator.check in one pass over the row (protocol §6.2, dense,
+ *     in its order): 0 if the row is valid, else the ErrorCode value of the
+ *     first failing check: ROW_LENGTH (not whole FP32 values, or fewer than
+ *     vocab), PROPOSED_OUT_OF_RANGE, NON_FINITE / NEGATIVE / NON_DYADIC (a
+ *     value above 1) over the first vocab values, DENSE_PADDING_NONZERO,
+ *     NON_DYADIC (not c / 2**24), MASS_MISMATCH, ZERO_Q_AT_PROPOSED. The
+ *     diagnosis of a value out of range reads the row again; a valid row is
+ *     read once.
+ * ------------------------------------------------------------------------- */
+
+enum { E_DENSE_PADDING_NONZERO = 72 };
+
+/* OR of the raw bits (padding must be +0.0 bit for bit). */
+MULTIVERSION
+static uint32_t or_bits(const uint32_t *restrict bits, size_t n) {
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++) acc |= bits[i];
+    return acc;
+}
+
+static int dense_code(const uint32_t *bits, size_t entries, size_t vocab, int64_t proposed) {
+    if (entries < vocab) return E_ROW_LENGTH;
+    if (proposed < 0 || proposed >= (int64_t)vocab) return E_PROPOSED_OUT_OF_RANGE;
+    uint64_t sum = 0;
+    uint32_t bad = 0;
+    uint32_t mx = scan_loop(bits, vocab, &sum, &bad);
+    if (mx > 0x3F800000u) {
+        for (size_t i = 0; i < vocab; i++)
+            if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
+        for (size_t i = 0; i < vocab; i++)
+            if (bits[i] & 0x80000000u) return E_NEGATIVE;
+        return E_NON_DYADIC;
+    }
+    if (or_bits(bits + vocab, entries - vocab)) return E_DENSE_PADDING_NONZERO;
+    if (bad) return E_NON_DYADIC;
+    if (sum != 16777216u) return E_MASS_MISMATCH;
+    if (bits[proposed] == 0) return E_ZERO_Q_AT_PROPOSED;
+    return 0;
+}
+
+static PyObject *check_dense(PyObject *self, PyObject *args) {
+    Py_buffer rb;
+    Py_ssize_t vocab;
+    long long proposed;
+    if (!PyArg_ParseTuple(args, "y*nL", &rb, &vocab, &proposed)) return NULL;
+    int code;
+    if (rb.len % 4 || vocab < 1) {
+        code = E_ROW_LENGTH;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        code = dense_code((const uint32_t *)rb.buf, (size_t)rb.len / 4, (size_t)vocab,
+                          (int64_t)proposed);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&rb);
+    return PyLong_FromLong(code);
+}
+
 /* One row for the qualification entry points: its buffer into *view. */
 static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
     Py_ssize_t len;
@@ -1714,6 +2437,51 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
+/* construct_simd(on) -> whether the AVX-512 path of construct_rows was on: off runs
+ * the floors pass's other form and the full key count on any CPU (tests qualify
+ * both); on takes the AVX-512 path only where the CPU has it. */
+static PyObject *construct_simd(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_FAST64_Q
+    int was = use_fast64_q();
+    have_dq = -1;
+    if (!on || !use_fast64_q()) have_dq = 0;
+    return PyBool_FromLong(was);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
+/* bracket_bias(x) -> the previous value: a factor on the rank the sampled bracket is
+ * centred on (1; far from 1 the bracket misses, for qualification). */
+static PyObject *bracket_bias_set(PyObject *self, PyObject *args) {
+    double x;
+    if (!PyArg_ParseTuple(args, "d", &x)) return NULL;
+#ifdef HAVE_FAST64_Q
+    double was = bracket_bias;
+    bracket_bias = x;
+    return PyFloat_FromDouble(was);
+#else
+    (void)x;
+    return PyFloat_FromDouble(1.0);
+#endif
+}
+
+static PyObject *philox_block(PyObject *self, PyObject *args) {
+    unsigned long c0, c1, c2, c3, k0, k1;
+    if (!PyArg_ParseTuple(args, "kkkkkk", &c0, &c1, &c2, &c3, &k0, &k1)) return NULL;
+    if ((c0 | c1 | c2 | c3 | k0 | k1) > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "philox_block: a word outside uint32");
+        return NULL;
+    }
+    uint32_t c[4] = {(uint32_t)c0, (uint32_t)c1, (uint32_t)c2, (uint32_t)c3};
+    philox10(c, (uint32_t)k0, (uint32_t)k1);
+    return Py_BuildValue("(kkkk)", (unsigned long)c[0], (unsigned long)c[1], (unsigned long)c[2],
+                         (unsigned long)c[3]);
+}
+
 static PyObject *accept_u53(PyObject *self, PyObject *args) {
     unsigned long long u;
     long long count;
@@ -1734,12 +2502,20 @@ static PyMethodDef methods[] = {
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
     METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
+    METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
+    METHOD(construct_simd, "(on) -> whether the AVX-512 path of construct_rows was on"),
+    {"bracket_bias", bracket_bias_set, METH_VARARGS,
+     "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
     METHOD(sample_counts,
            "(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
     METHOD(allocate, "(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"),
     METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work[, payloads]) -> None"),
     METHOD(sparse_candidates, "(x, top, scale, k, margin, idx) -> (count, x_out_max)"),
+    METHOD(construct_rows,
+           "(rows, n, draws, tokens, status, payloads, scratch) -> None"),
+    METHOD(topk_f32, "(row, k, ids, scratch) -> (count, status)"),
+    METHOD(check_dense, "(row, vocab, proposed) -> 0 or the first failing error code"),
     METHOD(scan_dense, "(row) -> (max_bits, count_sum, non_integral)"),
     METHOD(check_sparse, "(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"),
     {NULL, NULL, 0, NULL},

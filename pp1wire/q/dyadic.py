@@ -287,6 +287,33 @@ def check_temperature(temperature: float) -> None:
         )
 
 
+def check_probs_temperature(temperature: float) -> None:
+    """Refuse a temperature other than 1 for a probabilities drafter's row (0, greedy,
+    is the caller's): its values are the weights as given (``docs/protocol.md`` §6.1).
+
+    Raises:
+        ConstructionError: ``BAD_TEMPERATURE``.
+    """
+    if temperature != 1.0:
+        raise ConstructionError(
+            ErrorCode.BAD_TEMPERATURE,
+            f"temperature {temperature!r}: a probabilities drafter's rows are drawn "
+            "at temperature 1 (or 0, greedy) only",
+        )
+
+
+def counts_from_fp32(weights: npt.ArrayLike) -> Int32Array:
+    """Dense counts (int32, a fresh array) from FP32 weights, a probabilities drafter's
+    row: :func:`counts_from_weights` of the values widened exactly to binary64.
+
+    Raises:
+        ConstructionError: as :func:`counts_from_weights`.
+    """
+    with np.errstate(over="ignore"):  # beyond the FP32 range: infinite, and refused
+        w = _as_weights(np.asarray(weights, dtype=np.float32))
+    return builder(w.size).allocate(w, _check_weights(w)).copy()
+
+
 def check_top(top: float) -> float:
     """The largest logit, once it is known to be finite (NaN propagates through max).
 
@@ -361,6 +388,56 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     w = _as_weights(weights)
     _check_weights(w)
     return _sparse_from_checked(w, k)
+
+
+_WEIGHT_STATUS: Final = {
+    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
+    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
+    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
+}
+
+
+class _TopkScratch:
+    """Per-thread scratch of :func:`sparse_counts_from_fp32` for rows of n and a support k."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.cap = max(64 * k, 4096)
+        self.ids = np.empty(self.cap, dtype=np.int64)
+        self.work = np.empty((n + 63) // 64 + 2 * self.cap, dtype=np.uint32)
+
+
+def sparse_counts_from_fp32(weights: npt.ArrayLike, k: int) -> tuple[Int32Array, Int64Array]:
+    """:func:`sparse_counts_from_weights` of FP32 weights (widened exactly to binary64),
+    a probabilities drafter's row: the same result, bit for bit.
+
+    The compiled pass checks the row and chooses its support without sorting
+    it: non-negative FP32 values order as their bit patterns, the maxima of
+    64-weight chunks bound the k-th largest weight from below, and the
+    weights at or above that bound are few (the numpy path runs when they
+    are not: equal weights over many chunks).
+
+    Raises:
+        ConstructionError: as :func:`sparse_counts_from_weights`.
+    """
+    check_k(k)
+    w = np.ascontiguousarray(weights, dtype=np.float32)
+    if w.ndim != 1 or w.size == 0:
+        raise ConstructionError(
+            ErrorCode.BAD_SHAPE, f"weights must be a non-empty 1-D array, got shape {w.shape}"
+        )
+    if _fastq is not None:
+        n = w.size
+        scratch = _scratch("topk", (n, k), lambda: _TopkScratch(n, k))
+        count, status = _fastq.topk_f32(w, k, scratch.ids, scratch.work)
+        if status:
+            raise ConstructionError(*_WEIGHT_STATUS[status])
+        if count >= 0:
+            ids = scratch.ids[:count]  # ascending
+            sub = w[ids].astype(np.float64)
+            counts = _allocate(sub, tree.total(sub))
+            keep = counts > 0
+            return ids[keep].astype(np.int32), counts[keep]
+    return sparse_counts_from_weights(w.astype(np.float64), k)
 
 
 def sparse_counts_from_logits(
@@ -536,7 +613,8 @@ class DenseRowValidator:
     Order of checks (the first failing one names the error): row length,
     proposed token range, value range (non-finite, then negative including
     ``-0.0``, then above 1), padding, integrality (non-dyadic), exact total,
-    zero q at the proposed token. Nothing is allocated per row.
+    zero q at the proposed token. Nothing is allocated per row; with the compiled
+    module every check is one pass over the row (``_fastq.check_dense``).
 
     Not thread-safe: one validator per receiving thread.
     """
@@ -580,19 +658,11 @@ class DenseRowValidator:
         body = row[:v]
         bits = body.view(np.uint32)
         if _fastq is not None:
-            # One compiled pass gives the max bits, the count sum and integrality.
-            max_bits, total, non_integral = _fastq.scan_dense(body)
-            if max_bits > ONE_BITS:
-                raise diagnose_range(bits)
-            if self.row_entries > v and row[v:].view(np.uint32).any():
-                raise ValidationError(ErrorCode.DENSE_PADDING_NONZERO, "dense padding is not +0.0")
+            # One compiled pass over the row: every check, in this order (§6.2).
+            code = _fastq.check_dense(row, v, proposed)
             self._fresh = False
-            if non_integral:
-                raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
-            if total != M:
-                raise ValidationError(ErrorCode.MASS_MISMATCH, "q counts do not sum to 2**24")
-            if body[proposed] == 0:
-                raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
+            if code:
+                raise ValidationError(ErrorCode(code), _DENSE_REFUSALS.get(code, "q row refused"))
             self._last = body
             return
         # One pass over the raw bits rejects NaN, infinities, every value with
@@ -621,6 +691,16 @@ class DenseRowValidator:
             np.copyto(self._counts, self._scaled, casting="unsafe")
             self._fresh = True
         return self._counts
+
+
+_DENSE_REFUSALS: Final = {
+    int(ErrorCode.NON_FINITE): "q contains NaN or infinity",
+    int(ErrorCode.NEGATIVE): "q contains a negative value or -0.0",
+    int(ErrorCode.NON_DYADIC): "q value above 1 or not a multiple of 2**-24",
+    int(ErrorCode.DENSE_PADDING_NONZERO): "dense padding is not +0.0",
+    int(ErrorCode.MASS_MISMATCH): "q counts do not sum to 2**24",
+    int(ErrorCode.ZERO_Q_AT_PROPOSED): "q is zero at the proposed token",
+}
 
 
 def _exact_count_sum(counts: Int32Array, body: int) -> int:

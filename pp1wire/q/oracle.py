@@ -652,3 +652,68 @@ def conditional_laws(
         total = sum(row.values(), Fraction(0))
         out[cond] = {v: m / total for v, m in row.items()}
     return out
+
+
+# --------------------------------------------------------------------------
+# FP32 weights: what a probabilities drafter hands over (docs/protocol.md §6.1)
+# --------------------------------------------------------------------------
+
+_FP32_MANTISSA = 24  # significand bits, the implicit one included
+_FP32_MIN_EXP = -126  # exponent of the smallest normal
+_FP32_LIMIT = Fraction(2**128)  # the first power of two beyond the largest finite value
+
+
+def round_fp32(value: float | int | Fraction) -> Fraction | float:
+    """``value`` rounded to IEEE binary32 (to nearest, ties to even), as an exact
+    rational; ``inf`` or ``-inf`` when it rounds beyond the largest finite value.
+
+    Raises:
+        ConstructionError: ``WEIGHT_NON_FINITE`` for NaN or infinities.
+    """
+    x = exact(value)
+    if x == 0:
+        return Fraction(0)
+    sign = 1 if x > 0 else -1
+    a = abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:  # 2**e <= a < 2**(e + 1)
+        e -= 1
+    unit = Fraction(2) ** (max(e, _FP32_MIN_EXP) - (_FP32_MANTISSA - 1))
+    scaled = a / unit
+    m = floor(scaled)
+    rest = scaled - m
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and m % 2):
+        m += 1
+    rounded = m * unit
+    if rounded >= _FP32_LIMIT:
+        return sign * float("inf")
+    return sign * rounded
+
+
+def fp32_weights(weights: Sequence[float | int | Fraction]) -> Dist:
+    """The exact normalization q* = w / Σw of the weights rounded to FP32 (Σ exact).
+
+    Weights are rounded first (:func:`round_fp32`): one beyond the FP32 range
+    is infinite, and refused; one that underflows is zero, a zero weight.
+
+    Raises:
+        ConstructionError: ``WEIGHT_NON_FINITE`` (NaN, infinity, or beyond the
+            FP32 range), ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``, in that order.
+    """
+    rounded: list[Fraction] = []
+    for v in weights:
+        r = round_fp32(v)
+        if isinstance(r, float):
+            raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "a weight beyond the FP32 range")
+        rounded.append(r)
+    return normalize(rounded)
+
+
+def fp32_dyadic_counts(weights: Sequence[float | int | Fraction]) -> list[int]:
+    """The exact floor-plus-largest-remainder allocation (ties to the lowest ID) of
+    :func:`fp32_weights`: what the binary64 rule of §6.1 approximates.
+
+    Raises:
+        ConstructionError: as :func:`fp32_weights`.
+    """
+    return dyadic_counts(fp32_weights(weights))

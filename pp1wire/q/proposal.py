@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, cast, overload
+from typing import Any, Final, Literal, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +38,24 @@ MAX_DEPTH = stoprules.MAX_DEPTH
 _LITTLE = sys.byteorder == "little"
 
 DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
-"""A drafter: token prefix → one logits row over the global vocabulary."""
+"""A drafter: token prefix → one row over the global vocabulary: logits, or (a drafter
+whose ``kind`` is ``"probs"``) probabilities or non-negative weights."""
+
+DrafterKind = Literal["logits", "probs"]
+DRAFTER_KINDS: Final = ("logits", "probs")
+
+
+def drafter_kind(drafter: object) -> DrafterKind:
+    """What a drafter's rows are: its ``kind`` attribute, ``"logits"`` (the default) or
+    ``"probs"`` (FP32 probabilities or non-negative weights, ``docs/protocol.md`` §6.1).
+
+    Raises:
+        ValueError: for any other ``kind``.
+    """
+    kind = getattr(drafter, "kind", "logits")
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"a drafter's kind is 'logits' or 'probs', not {kind!r}")
+    return cast(DrafterKind, kind)
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes | memoryview:
@@ -364,16 +381,84 @@ def _greedy_row(
     return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32), top
 
 
+def _greedy_weights(
+    weights: npt.NDArray[np.float32], support: int | None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None, int]:
+    """The greedy row of a probabilities drafter: the point mass at the first maximal
+    weight, after the checks of §6.1 (NaN or infinity, a negative weight, zero mass)."""
+    row = weights
+    if row.ndim != 1 or row.size == 0:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, "weights must be a non-empty 1-D row")
+    if not np.isfinite(row).all():
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
+    if (row < 0).any():
+        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
+    top = int(np.argmax(row))
+    if not row[top] > 0:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
+    if support is None:
+        return dyadic.point_mass(row.size, top), None, top
+    return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32), top
+
+
+def probs_row(row: object) -> npt.NDArray[np.float32]:
+    """A probabilities drafter's row as the FP32 values q is built from: float32 as it
+    is, anything else (a torch tensor on any device included) rounded to FP32 (to
+    nearest, ties to even; beyond the FP32 range it is infinite, and refused).
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` unless it is a non-empty 1-D row.
+    """
+    x = _host(row)
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32):
+        with np.errstate(over="ignore"):
+            x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 1 or x.size == 0:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, "weights must be a non-empty 1-D row")
+    return x
+
+
+def _host(x: object) -> object:
+    """A torch tensor's values on the host (as an array; others as they are)."""
+    if _is_tensor(x):
+        return cast(Any, x).detach().cpu().numpy()
+    return x
+
+
+def _is_tensor(x: object) -> bool:
+    """Whether ``x`` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def build_row(
-    logits: npt.ArrayLike, temperature: float, support: int | None
+    logits: npt.ArrayLike,
+    temperature: float,
+    support: int | None,
+    *,
+    kind: DrafterKind = "logits",
 ) -> tuple[npt.NDArray[np.int64] | npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
     """q counts for one position: dense (``support=None``) or sparse top-k.
 
-    A temperature of 0 means greedy: the point mass at the first maximal logit.
+    A temperature of 0 means greedy: the point mass at the first maximal logit
+    (or weight). With ``kind="probs"`` the row is a probabilities drafter's:
+    its FP32 values (:func:`probs_row`) are the weights of §6.1, with no
+    exponential, and the temperature must be 1 (or 0).
 
     Raises:
-        ConstructionError: see :mod:`pp1wire.q.dyadic`.
+        ConstructionError: see :mod:`pp1wire.q.dyadic`; ``BAD_TEMPERATURE`` for
+            a probabilities row at a temperature other than 0 and 1.
     """
+    if kind == "probs":
+        w = probs_row(logits)
+        if temperature == 0:
+            counts, ids, _ = _greedy_weights(w, support)
+            return counts, ids
+        dyadic.check_probs_temperature(temperature)
+        if support is None:
+            return dyadic.counts_from_fp32(w), None
+        ids, counts = dyadic.sparse_counts_from_fp32(w, support)
+        return counts, ids
     if temperature == 0:
         counts, ids, _ = _greedy_row(logits, support)
         return counts, ids
@@ -437,6 +522,8 @@ def propose(
     each row, the next is drawn only if the depth, ``eos`` and the stop rule
     admit it (:func:`pp1wire.q.stoprules.admits_next`), so the rows of a
     stopped block are the first rows of the fixed block with the same key.
+    The drafter's rows are logits, or probabilities if its ``kind`` is
+    ``"probs"`` (:func:`drafter_kind`, :func:`build_row`).
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
@@ -445,6 +532,7 @@ def propose(
         DraftingStoppedError: the drafter or construction failed at a later row (the
             rows drawn before it ride on the exception); anything the drafter
             raises at the first row propagates as itself.
+        ValueError: for a drafter ``kind`` other than ``"logits"`` and ``"probs"``.
     """
     if not 1 <= depth <= MAX_DEPTH:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"depth {depth} outside 1..{MAX_DEPTH}")
@@ -452,13 +540,14 @@ def propose(
         # The RNG's own refusal, raised before the drafter runs (one meaning: a draw
         # in a domain the caller's role does not own).
         raise RngError(ErrorCode.WRONG_OWNER, "proposal draws belong to the worker")
+    kind = drafter_kind(drafter)
     context = ExtendedPrefix(prefix)
     start = len(prefix)
     rows: list[QRow] = []
     drawn: list[int] = []  # each row's count at its own token: the rule's input
     for i in range(depth):
         try:
-            counts, ids = build_row(drafter(context), temperature, support)
+            counts, ids = build_row(drafter(context), temperature, support, kind=kind)
             u = streams.u24(Domain.PROPOSAL, start + i)
             pick = dyadic.sample(counts, u)
         except Exception as exc:
@@ -542,6 +631,7 @@ def propose_batch(
     *,
     threads: int = 2,
     row_entries: int | None = None,
+    kind: DrafterKind = "logits",
 ) -> list[tuple[QRow, ...] | Pp1Error]:
     """Draw many requests' blocks together, as an engine's step does.
 
@@ -558,8 +648,17 @@ def propose_batch(
     ``__cause__``, for the log); a call returning another number of rows, or
     a 2-D array whose width is not ``vocab_size``, fails them with
     ``BAD_SHAPE``. A returned row that is not a 1-D row of ``vocab_size``
-    logits fails its own job with ``BAD_SHAPE`` (``propose``, which knows no
+    values fails its own job with ``BAD_SHAPE`` (``propose``, which knows no
     vocabulary size, would build a row of another length).
+
+    ``kind`` is what the drafter returns (:func:`drafter_kind`): logits, or
+    (``"probs"``) probabilities or non-negative weights, an ``[N, V]`` float32
+    array (anything else is rounded to FP32, :func:`probs_row`), used as the
+    weights of §6.1 with no exponential. A probabilities drafter that returns
+    a torch tensor (on any device) has its rows built and drawn where the
+    tensor lives, in one batched call per position
+    (:func:`pp1wire.q.torch_ops.build_position`), the same rows bit for bit;
+    a logits tensor is read on the host.
 
     With ``row_entries`` (the negotiated dense row length, at least
     ``vocab_size``), each dense row of a positive temperature is written
@@ -570,14 +669,16 @@ def propose_batch(
     keep their counts.
 
     Raises:
-        ValueError: for ``vocab_size`` or ``threads`` below 1, or
-            ``row_entries`` below ``vocab_size`` (a job's failure is returned,
-            never raised).
+        ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries``
+            below ``vocab_size``, or an unknown ``kind`` (a job's failure is
+            returned, never raised).
     """
     if vocab_size < 1 or threads < 1:
         raise ValueError("vocab_size and threads must be at least 1")
     if row_entries is not None and row_entries < vocab_size:
         raise ValueError(f"row_entries {row_entries} below the vocabulary {vocab_size}")
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"a drafter's kind is 'logits' or 'probs', not {kind!r}")
     results: list[tuple[QRow, ...] | Pp1Error | None] = [None] * len(jobs)
     live: list[_Draft] = []
     for index, job in enumerate(jobs):
@@ -594,13 +695,18 @@ def propose_batch(
     for i in range(MAX_DEPTH):
         if not live:
             break
-        rows = _draft_logits(drafter, [d.context for d in live], vocab_size)
+        rows = _draft_rows(drafter, [d.context for d in live], vocab_size, kind)
         if isinstance(rows, Pp1Error):
             for d in live:
                 results[d.index] = cast(Pp1Error, stopped_by(rows, d.rows))
             break
         going: list[_Draft] = []
-        for d, got in zip(live, _build_position(live, rows, i, threads, row_entries), strict=True):
+        built = (
+            _device_position(live, rows, i, row_entries)
+            if isinstance(rows, _DeviceRows)
+            else _build_position(live, rows, i, threads, row_entries, kind)
+        )
+        for d, got in zip(live, built, strict=True):
             if isinstance(got, Pp1Error):
                 results[d.index] = cast(Pp1Error, stopped_by(got, d.rows))
                 continue
@@ -617,43 +723,69 @@ def propose_batch(
     return cast("list[tuple[QRow, ...] | Pp1Error]", results)
 
 
-def _draft_logits(
-    drafter: BatchDrafterFn, prefixes: list[ExtendedPrefix], vocab_size: int
-) -> list[npt.NDArray[np.float64] | Pp1Error] | Pp1Error:
-    """One drafter call: a float64 row per prefix (or that row's error), or the call's error."""
+@dataclass(frozen=True, slots=True)
+class _DeviceRows:
+    """A probabilities drafter's ``[N, V]`` torch tensor, left where it lives."""
+
+    tensor: Any
+
+
+_Drafted = npt.NDArray[np.float64] | npt.NDArray[np.float32] | Pp1Error
+
+
+def _draft_rows(
+    drafter: BatchDrafterFn, prefixes: list[ExtendedPrefix], vocab_size: int, kind: DrafterKind
+) -> list[_Drafted] | _DeviceRows | Pp1Error:
+    """One drafter call: a row per prefix (float64 logits, or FP32 weights for a
+    probabilities drafter; or that row's error), a probabilities tensor to build on its
+    device, or the call's error."""
+    dtype = np.float32 if kind == "probs" else np.float64
     try:
-        out = drafter(prefixes)
+        out: Any = drafter(prefixes)
+        if _is_tensor(out):
+            shape = tuple(cast(Any, out).shape)
+            if len(shape) != 2 or shape != (len(prefixes), vocab_size):
+                return ConstructionError(
+                    ErrorCode.BAD_SHAPE,
+                    f"drafter gave rows of shape {shape} for {len(prefixes)} prefixes",
+                )
+            if kind == "probs":
+                return _DeviceRows(out)
+            out = _host(out)
         if isinstance(out, np.ndarray):
-            x = np.asarray(out, dtype=np.float64)
+            with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
+                x = np.asarray(out, dtype=dtype)
             if x.ndim != 2 or x.shape != (len(prefixes), vocab_size):
                 return ConstructionError(
                     ErrorCode.BAD_SHAPE,
-                    f"drafter gave logits of shape {x.shape} for {len(prefixes)} prefixes",
+                    f"drafter gave rows of shape {x.shape} for {len(prefixes)} prefixes",
                 )
             return list(x)
         if len(out) != len(prefixes):
             return ConstructionError(
                 ErrorCode.BAD_SHAPE, f"drafter gave {len(out)} rows for {len(prefixes)} prefixes"
             )
-        rows: list[npt.NDArray[np.float64] | Pp1Error] = []
+        rows: list[_Drafted] = []
         for item in out:
             try:
-                row = np.asarray(item, dtype=np.float64)
+                with np.errstate(over="ignore"):
+                    row = np.asarray(_host(item), dtype=dtype)
             except Exception as exc:  # a plugin's odd row, as propose meets it
                 rows.append(_internal(exc))
                 continue
             if row.ndim != 1 or row.size == 0:
+                what = "weights" if kind == "probs" else "logits"
                 rows.append(
-                    ConstructionError(ErrorCode.BAD_SHAPE, "logits must be a non-empty 1-D row")
+                    ConstructionError(ErrorCode.BAD_SHAPE, f"{what} must be a non-empty 1-D row")
                 )
             elif row.size != vocab_size:
                 rows.append(
                     ConstructionError(
-                        ErrorCode.BAD_SHAPE, f"{row.size} logits for a vocabulary of {vocab_size}"
+                        ErrorCode.BAD_SHAPE, f"{row.size} values for a vocabulary of {vocab_size}"
                     )
                 )
             else:
-                rows.append(row)
+                rows.append(cast(_Drafted, row))
         return rows
     except Pp1Error as exc:
         return exc
@@ -672,50 +804,71 @@ class _Row:
     """One position of one job on its way through construction."""
 
     at: int  # the job's place in the position's list
-    logits: npt.NDArray[np.float64]
+    values: npt.NDArray[np.float64] | npt.NDArray[np.float32]  # logits, or FP32 weights
     temperature: float
     support: int
     top: float
     draw: int
     draw_error: Pp1Error | None
+    probs: bool = False  # the values are a probabilities drafter's FP32 weights
+
+
+def _position_draws(drafts: list[_Draft], i: int) -> list[tuple[int, Pp1Error | None]]:
+    """Each draft's proposal draw at position ``i``, or the error drawing it raised.
+
+    The draw comes first here (the compiled pass takes it); an error in it counts
+    only after the row's own, in propose's order."""
+    out: list[tuple[int, Pp1Error | None]] = []
+    for d in drafts:
+        try:
+            out.append((d.streams.u24(Domain.PROPOSAL, len(d.job.prefix) + i), None))
+        except Pp1Error as exc:
+            out.append((0, exc))
+    return out
 
 
 def _build_position(
     drafts: list[_Draft],
-    rows: list[npt.NDArray[np.float64] | Pp1Error],
+    rows: list[_Drafted],
     i: int,
     threads: int,
     row_entries: int | None,
+    kind: DrafterKind,
 ) -> list[QRow | Pp1Error]:
     """Position ``i`` of every draft: its q row and token, or its error."""
     out: list[QRow | Pp1Error | None] = [None] * len(drafts)
     dense: list[_Row] = []
     sparse: list[_Row] = []
-    for at, (d, logits) in enumerate(zip(drafts, rows, strict=True)):
-        if isinstance(logits, Pp1Error):
-            out[at] = logits
+    probs = kind == "probs"
+    for at, (d, values) in enumerate(zip(drafts, rows, strict=True)):
+        if isinstance(values, Pp1Error):
+            out[at] = values
             continue
         job = d.job
-        # The draw comes first here (the compiled pass takes it); an error in
-        # it counts only after the row's own, in propose's order.
-        draw, draw_error = 0, None
-        try:
-            draw = d.streams.u24(Domain.PROPOSAL, len(job.prefix) + i)
-        except Pp1Error as exc:
-            draw_error = exc
+        ((draw, draw_error),) = _position_draws([d], i)
         try:
             if job.temperature == 0:
-                counts, ids, token = _greedy_row(logits, job.support or None)
+                counts, ids, token = (
+                    _greedy_weights(cast("npt.NDArray[np.float32]", values), job.support or None)
+                    if probs
+                    else _greedy_row(values, job.support or None)
+                )
                 out[at] = draw_error or QRow(token=token, counts=counts, ids=ids)
                 continue
-            if job.support:
-                dyadic.check_k(job.support)
-            dyadic.check_temperature(job.temperature)
-            top = dyadic.check_top(float(logits.max()))
+            if probs:
+                dyadic.check_probs_temperature(job.temperature)
+                if job.support:
+                    dyadic.check_k(job.support)
+                top = 0.0  # unused: weights need no shift
+            else:
+                if job.support:
+                    dyadic.check_k(job.support)
+                dyadic.check_temperature(job.temperature)
+                top = dyadic.check_top(float(values.max()))
         except Pp1Error as exc:
             out[at] = exc
             continue
-        row = _Row(at, logits, job.temperature, job.support, top, draw, draw_error)
+        row = _Row(at, values, job.temperature, job.support, top, draw, draw_error, probs)
         (sparse if job.support else dense).append(row)
     parts = min(threads, max(len(dense), len(sparse) // 4, 1))
     if parts == 1:
@@ -750,36 +903,70 @@ def _construct_rows(
     dense: list[_Row], sparse: list[_Row], row_entries: int | None
 ) -> list[tuple[int, QRow | Pp1Error]]:
     done: list[tuple[int, QRow | Pp1Error]] = []
+    probs = any(r.probs for r in (*dense, *sparse))  # one kind per position
     if dense:
-        w = rows_.weights_rows(
-            [r.logits for r in dense], [r.top for r in dense], [r.temperature for r in dense]
-        )
         draws = [r.draw for r in dense]
-        built: list[QRow | None] = [None] * len(dense)
-        if row_entries is None:
+        built: list[QRow | Pp1Error] = []
+        if row_entries is not None:
+            # One compiled pass per row: checks, total, allocation, draw, wire values.
+            weights: list[Any] = (
+                [r.values for r in dense]
+                if probs
+                else list(
+                    rows_.weights_rows(
+                        [cast("npt.NDArray[np.float64]", r.values) for r in dense],
+                        [r.top for r in dense],
+                        [r.temperature for r in dense],
+                    )
+                )
+            )
+            payloads, picks = rows_.construct_rows(weights, draws, row_entries)
+            for payload, pick in zip(payloads, picks, strict=True):
+                built.append(pick if isinstance(pick, Pp1Error) else QRow(pick, q32=payload))
+        elif probs:
+            for r in dense:
+                try:
+                    counts = dyadic.counts_from_fp32(r.values)
+                    built.append(QRow(dyadic.sample(counts, r.draw), counts=counts))
+                except Pp1Error as exc:
+                    built.append(exc)
+        else:
+            w = rows_.weights_rows(
+                [cast("npt.NDArray[np.float64]", r.values) for r in dense],
+                [r.top for r in dense],
+                [r.temperature for r in dense],
+            )
             counts, picks = rows_.allocate_rows(w, draws)
             for j, pick in enumerate(picks):
-                if isinstance(pick, int):
-                    built[j] = QRow(token=pick, counts=counts[j])
-        else:
-            payloads, picks = rows_.allocate_rows_fp32(w, draws, row_entries)
-            for j, pick in enumerate(picks):
-                if isinstance(pick, int):
-                    built[j] = QRow(token=pick, q32=payloads[j])
-        for r, pick, row in zip(dense, picks, built, strict=True):
-            if isinstance(pick, Pp1Error):
-                done.append((r.at, pick))
-            else:
-                assert row is not None
-                done.append((r.at, r.draw_error or row))
+                built.append(pick if isinstance(pick, Pp1Error) else QRow(pick, counts=counts[j]))
+        for r, row in zip(dense, built, strict=True):
+            done.append((r.at, row if isinstance(row, Pp1Error) else r.draw_error or row))
     for r in sparse:
         try:
-            ids, sparse_counts = dyadic.sparse_row_from_logits(
-                r.logits, r.top, r.temperature, r.support
-            )
+            if probs:
+                ids, sparse_counts = dyadic.sparse_counts_from_fp32(r.values, r.support)
+            else:
+                ids, sparse_counts = dyadic.sparse_row_from_logits(
+                    cast("npt.NDArray[np.float64]", r.values), r.top, r.temperature, r.support
+                )
             token = int(ids[dyadic.sample(sparse_counts, r.draw)])
         except Pp1Error as exc:
             done.append((r.at, exc))
             continue
         done.append((r.at, r.draw_error or QRow(token=token, counts=sparse_counts, ids=ids)))
     return done
+
+
+def _device_position(
+    drafts: list[_Draft], rows: _DeviceRows, i: int, row_entries: int | None
+) -> list[QRow | Pp1Error]:
+    """Position ``i`` of every draft from a probabilities tensor, built on its device."""
+    from pp1wire.q import torch_ops  # noqa: PLC0415 - torch is optional; a tensor means it is here
+
+    draws = _position_draws(drafts, i)
+    specs = [(d.job.temperature, d.job.support) for d in drafts]
+    built = torch_ops.build_position(rows.tensor, specs, [u for u, _ in draws], row_entries)
+    return [
+        got if isinstance(got, Pp1Error) else (error or got)
+        for got, (_, error) in zip(built, draws, strict=True)
+    ]

@@ -36,12 +36,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from enum import IntEnum
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, RngError
+
+try:  # the optional compiled rounds (pp1wire/q/_fastq.c), qualified by the known answers
+    from pp1wire.q import _fastq  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised by tests that disable it
+    _fastq = None
 
 ABI_NAME: Final = "pp1-philox4x32-10-v1"
 
@@ -103,6 +108,8 @@ def philox4x32_10(counter: Iterable[int], key: Iterable[int]) -> tuple[int, int,
     k = [int(v) for v in key]
     if len(c) != 4 or len(k) != 2 or any(not 0 <= v <= _MASK32 for v in (*c, *k)):
         raise RngError(ErrorCode.RNG_FIELD_RANGE, "counter needs 4 and key 2 uint32 words")
+    if _fastq is not None:  # the same rounds compiled (qualified by the known answers)
+        return cast("tuple[int, int, int, int]", _fastq.philox_block(*c, *k))
     c0, c1, c2, c3 = c
     for k0, k1 in _round_keys(k[0], k[1]):
         p0 = _M0 * c0
@@ -249,6 +256,8 @@ class RoundStreams:
                 f"{domain.name} draw {draw} at position {position} already used this round",
             )
         self._used.add(slot)
+        if _fastq is not None:  # the fields were checked by counter_for
+            return cast("tuple[int, int, int, int]", _fastq.philox_block(*counter, *self.key))
         return philox4x32_10(counter, self.key)
 
     def u24(self, domain: Domain, position: int, draw: int = 0) -> int:

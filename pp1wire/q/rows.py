@@ -1,13 +1,15 @@
 """Batches of rows: q construction and the proposal draw for many requests at once.
 
 What the worker does when it drafts a step of several requests together
-(:func:`pp1wire.q.proposal.propose_batch`): the weights of every row in one
-exponential call, then every row's canonical total, allocation and draw in
-one compiled call with the GIL released (``pp1wire/q/_fastq.c``:
-``build_rows``), optionally writing each row's FP32 wire values straight into
-a buffer of its own that is sent as it is. Each row gets exactly what
-:mod:`pp1wire.q.dyadic` gives it alone; without the compiled module, numpy
-gives the same results.
+(:func:`pp1wire.q.proposal.propose_batch`): from logits, the weights of every
+row in one exponential call (:func:`weights_rows`); then, for rows that
+travel, every row's checks, canonical total, allocation, draw and FP32 wire
+values in one compiled call with the GIL released, written straight into a
+buffer of its own that is sent as it is (:func:`construct_rows`,
+``pp1wire/q/_fastq.c``: ``construct_rows``; a probabilities drafter's FP32
+rows go there as they are), or the counts alone (:func:`allocate_rows`).
+Each row gets exactly what :mod:`pp1wire.q.dyadic` gives it alone; without
+the compiled module, numpy gives the same results.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 from pp1wire.q import dyadic, tree
@@ -95,7 +98,7 @@ def allocate_rows(
     w, rows, n = _rows_shape(weights, draws)
     out = np.empty((rows, n), dtype=np.int32)
     if _compiled() is not None and rows:
-        return out, _build_rows(w, draws, out, None)
+        return out, _build_rows(w, draws, out)
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(rows):
         try:
@@ -177,39 +180,117 @@ class PerSize(Generic[_V]):
 row_buffers: Final = PerSize(RowBuffers)
 
 
-def allocate_rows_fp32(
-    weights: Float64Array, draws: Sequence[int], entries: int
+_CONSTRUCT_STATUS: Final = {
+    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity, or overflow binary64"),
+    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
+    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
+}
+
+
+class _ConstructScratch:
+    """Per-thread scratch of :func:`construct_rows`: the compiled pass's remainders,
+    keys and indices (16 bytes per entry), and the small per-call outputs."""
+
+    def __init__(self, n: int) -> None:
+        self.work = np.empty(2 * n, dtype=np.float64)
+        self.tokens = np.empty(0, dtype=np.int64)
+        self.status = np.empty(0, dtype=np.int32)
+        self.draws = np.empty(0, dtype=np.int64)
+
+    def outputs(self, count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        if self.tokens.size < count:
+            self.tokens = np.empty(count, dtype=np.int64)
+            self.status = np.empty(count, dtype=np.int32)
+            self.draws = np.empty(count, dtype=np.int64)
+        return self.tokens[:count], self.status[:count]
+
+
+def construct_rows(
+    weights: Sequence[Float32Array] | Sequence[Float64Array],
+    draws: Sequence[int],
+    entries: int,
+    payloads: Sequence[Float32Array] | None = None,
 ) -> tuple[list[Float32Array], list[int | ConstructionError | ValidationError]]:
-    """:func:`allocate_rows` with each row written once, as it travels: FP32
-    ``c / 2**24`` (:func:`counts_to_fp32`) followed by ``+0.0`` up to
-    ``entries`` values, in an array per row of its own (from
-    :func:`row_buffers`; valid for the rows whose result is a drawn index).
-    The counts themselves stay in scratch.
+    """Rows of weights to their wire values and proposal draws, written once, as they travel.
+
+    Each row of ``weights`` (1-D, all of one length n and one dtype: FP32 as a
+    probabilities drafter hands them over, or binary64 such as
+    :func:`weights_rows` makes) gets exactly what
+    ``counts_from_weights(row)`` and ``sample(counts, draw)`` give it alone
+    (``docs/protocol.md`` §6.1 steps 2-5 on the row's values, widened exactly
+    to binary64): its checks (NaN or infinity, a negative weight, zero mass,
+    in that order), canonical total, allocation and draw, its FP32 values ``c
+    / 2**24`` followed by ``+0.0`` up to ``entries`` written into a buffer of
+    its own (``payloads``, else from :func:`row_buffers`; valid for the rows
+    whose result is a drawn index). The compiled path does the batch in one
+    call with the GIL released (three passes over a row, nothing allocated
+    per row); without it, numpy gives the same results.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` as :func:`allocate_rows`, or for
-            ``entries`` below the row length.
+        ConstructionError: ``BAD_SHAPE`` for rows that are not 1-D of one
+            length and one floating dtype, for a draw count other than the
+            rows', or for ``entries`` below the row length (a row's own
+            failure is returned, not raised).
     """
-    w, rows, n = _rows_shape(weights, draws)
+    count = len(weights)
+    if count != len(draws):
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"{count} rows for {len(draws)} draws")
+    if not count:
+        return [], []
+    first = weights[0]
+    n = first.shape[0] if first.ndim == 1 else 0
+    if n < 1 or any(
+        w.shape != (n,) or w.dtype != first.dtype or w.dtype not in _ROW_DTYPES for w in weights
+    ):
+        raise ConstructionError(
+            ErrorCode.BAD_SHAPE, "rows must be 1-D float32 or float64, of one length and dtype"
+        )
     if entries < n:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"{entries} entries for rows of {n}")
-    pool = row_buffers(entries)
-    payloads = [pool.take() for _ in range(rows)]
-    if _compiled() is not None and rows:
-        counts = builder(n).out  # scratch: each row's counts live only until its payload
-        return payloads, _build_rows(w, draws, counts, payloads)
-    results: list[int | ConstructionError | ValidationError] = []
+    if payloads is None:
+        pool = row_buffers(entries)
+        payloads = [pool.take() for _ in range(count)]
+    elif len(payloads) != count:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"{len(payloads)} payloads for {count} rows")
+    out = list(payloads)
+    fast = _compiled()
+    if fast is not None and all(w.flags.c_contiguous for w in weights):
+        scratch = dyadic._scratch("construct", n, lambda: _ConstructScratch(n))
+        tokens, status = scratch.outputs(count)
+        u = scratch.draws[:count]
+        u[:] = draws
+        fast.construct_rows(weights, n, u, tokens, status, out, scratch.work)
+        results: list[int | ConstructionError | ValidationError] = []
+        for r in range(count):
+            code = int(status[r])
+            if code == 0:
+                results.append(int(tokens[r]))
+            elif code == 4:
+                results.append(
+                    ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
+                )
+            elif code in _CONSTRUCT_STATUS:
+                results.append(ConstructionError(*_CONSTRUCT_STATUS[code]))
+            else:
+                results.append(
+                    ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code])
+                )
+        return out, results
+    results = []
     scale = np.float32(1.0 / M)
-    for r in range(rows):
+    for r in range(count):
         try:
-            c = builder(n).allocate(w[r], tree.total(w[r]))
+            c = dyadic.counts_from_weights(np.asarray(weights[r], dtype=np.float64))
             results.append(sample(c, draws[r]))
         except (ConstructionError, ValidationError) as exc:
             results.append(exc)
             continue
-        np.multiply(c, scale, out=payloads[r][:n], dtype=np.float32, casting="unsafe")
-        payloads[r][n:] = 0.0
-    return payloads, results
+        np.multiply(c, scale, out=out[r][:n], dtype=np.float32, casting="unsafe")
+        out[r][n:] = 0.0
+    return out, results
+
+
+_ROW_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Array, int, int]:
@@ -223,14 +304,13 @@ def _build_rows(
     w: Float64Array,
     draws: Sequence[int],
     counts: Int32Array,
-    payloads: list[Float32Array] | None,
 ) -> list[int | ConstructionError | ValidationError]:
     rows, n = w.shape
     scratch = builder(n)
     tokens = np.empty(rows, dtype=np.int64)
     status = np.empty(rows, dtype=np.int32)
     u = np.asarray(draws, dtype=np.int64)
-    _compiled().build_rows(w, n, counts, u, tokens, status, scratch.share, scratch.work, payloads)
+    _compiled().build_rows(w, n, counts, u, tokens, status, scratch.share, scratch.work)
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(rows):
         code = int(status[r])

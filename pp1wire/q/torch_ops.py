@@ -15,6 +15,10 @@ Errors are the same :class:`~pp1wire.errors.ConstructionError` /
 
 from __future__ import annotations
 
+import sys
+import threading
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -366,3 +370,257 @@ def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
         return counts.to(torch.float64) / M
     assert row.q32 is not None
     return torch.from_numpy(np.ascontiguousarray(row.q32[:vocab])).to(device).to(torch.float64)
+
+
+# -- a worker's position, built where a probabilities drafter's tensor lives -----------
+
+
+def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`allocate` of every row of ``w`` (``[R, n]`` float64, checked) with its total,
+    in one batched pass: (int64 counts ``[R, n]``, int64 status ``[R]``: 0 done; 1
+    tickets left over outside ``0..n-1``; 2 a ticket on a zero remainder; 3 counts
+    not summing to M: the three ``ALLOCATION_INCONSISTENT`` of the compiled path).
+
+    The same IEEE operations as :func:`pp1wire.q.dyadic.floors_and_remainders`
+    elementwise; the leftover tickets go to the largest remainders, ties to the
+    lowest index, by a stable descending sort (no host sync).
+    """
+    n = int(w.shape[1])
+    totals = totals.to(torch.float64)
+    scale = totals / M
+    small = ~(scale >= _MIN_NORMAL)
+    share = torch.where(small[:, None], (w / totals[:, None]) * M, w / scale[:, None])
+    floors = share.to(torch.int64)  # share >= 0: truncation is the floor
+    # + 0.0: a -0.0 weight's remainder is +0.0, which sorts with the zeros
+    rem = (share - floors.to(torch.float64)) + 0.0
+    left = M - floors.sum(dim=1)
+    status = torch.where((left < 0) | (left >= n), 1, 0)
+    order = torch.sort(rem, dim=1, descending=True, stable=True).indices
+    ranked = torch.arange(n, device=w.device)[None, :] < left[:, None]
+    take = torch.zeros_like(floors).scatter_(1, order, ranked.to(torch.int64))
+    last = rem.gather(1, order.gather(1, (left - 1).clamp(0, n - 1)[:, None]))[:, 0]
+    status = torch.where((status == 0) & (left > 0) & ~(last > 0), 2, status)
+    counts = floors + take
+    status = torch.where((status == 0) & (counts.sum(dim=1) != M), 3, status)
+    return counts, status
+
+
+def draw_rows(counts: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """:func:`pp1wire.q.dyadic.sample` of each row of counts with its 24-bit draw
+    (int64 indices; no host sync)."""
+    cumulative = torch.cumsum(counts, dim=1)
+    return torch.searchsorted(cumulative, draws[:, None].to(torch.int64), right=True)[:, 0]
+
+
+class StagingBuffers:
+    """Recycled host buffers that a position's rows reach in one copy and are sent from.
+
+    A buffer holds ``capacity`` rows of ``entries`` FP32 values (zero padding
+    past ``vocab`` written once, when it is made), page-locked when the rows
+    come from a CUDA device (so the copy is a DMA the socket then reads). A
+    row's payload views its buffer, and a reply lives until its slot's next
+    COMMIT or RESET: a buffer is handed out again only when nothing but the
+    pool refers to it (no row, view or memoryview a transport still holds),
+    as :class:`pp1wire.q.rows.RowBuffers` does for single rows.
+    """
+
+    def __init__(self, vocab: int, entries: int, pinned: bool, limit: int = 64) -> None:
+        """A pool of buffers for rows of ``vocab`` values padded to ``entries``."""
+        self.vocab = vocab
+        self.entries = entries
+        self.pinned = pinned
+        self.limit = limit
+        self._buffers: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._probe = np.empty(0, dtype="<f4")
+
+    def take(self, rows: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A buffer of at least ``rows`` rows that nothing else refers to: its array
+        and its tensor (one memory)."""
+        capacity = 1 << max(0, (rows - 1).bit_length())
+        with self._lock:
+            probes = [self._probe]
+            idle = sys.getrefcount(probes[0]) - 1
+            for array, tensor in self._buffers:
+                if array.shape[0] == capacity and sys.getrefcount(array) == idle + 1:
+                    return array, tensor
+            tensor = torch.zeros((capacity, self.entries), dtype=torch.float32,
+                                 pin_memory=self.pinned)  # fmt: skip
+            array = tensor.numpy()
+            if len(self._buffers) < self.limit:
+                self._buffers.append((array, tensor))
+            return array, tensor
+
+
+_staging: dict[tuple[int, int, bool], StagingBuffers] = {}
+_staging_lock = threading.Lock()
+
+
+def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
+    """The process's pool of staging buffers for rows of this shape."""
+    key = (vocab, entries, pinned)
+    with _staging_lock:
+        pool = _staging.get(key)
+        if pool is None:
+            pool = _staging[key] = StagingBuffers(vocab, entries, pinned)
+        return pool
+
+
+_ROW_ERRORS = {
+    1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
+    2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
+    3: (ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"),
+    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
+    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
+    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
+}
+
+
+def build_position(
+    probs: torch.Tensor,
+    specs: list[tuple[float, int]],
+    draws: list[int],
+    row_entries: int | None,
+) -> list[QRow | Pp1Error]:
+    """One position of a worker's step from a probabilities drafter's ``[N, V]`` tensor,
+    built and drawn on the tensor's device in one batched pass: per row, what
+    :func:`pp1wire.q.proposal.build_row` (``kind="probs"``) and
+    :func:`pp1wire.q.dyadic.sample` give on the host, bit for bit (no
+    exponential: only exact operations, the canonical tree and a stable sort).
+
+    ``specs`` holds each row's (temperature, support: 0 dense) and ``draws``
+    its 24-bit proposal draw. The values are rounded to FP32 first. Dense rows
+    of temperature 1 reach a staging buffer (:func:`staging_buffers`) in one
+    copy: with ``row_entries``, each row's :attr:`QRow.q32` is its wire
+    payload there (FP32 ``c / 2**24``, then ``+0.0``); without, its counts. The
+    rows' status, tokens and sparse supports come back in one more. Greedy
+    rows (temperature 0) are the point mass at the first maximal weight.
+
+    Refusals, per row, in the host's order: ``BAD_TEMPERATURE`` (other than 0
+    and 1), ``BAD_SHAPE`` (support below 0), ``WEIGHT_NON_FINITE``,
+    ``WEIGHT_NEGATIVE``, ``ZERO_MASS``, ``ALLOCATION_INCONSISTENT``, ``BAD_DRAW``.
+    """
+    x = probs.detach().to(torch.float32)
+    n = int(x.shape[1])
+    device = x.device
+    out: list[QRow | Pp1Error | None] = [None] * len(specs)
+    greedy: list[int] = []
+    dense: list[int] = []
+    sparse: dict[int, list[int]] = {}
+    for r, (temperature, support) in enumerate(specs):
+        try:
+            if temperature == 0:
+                greedy.append(r)
+                continue
+            dyadic.check_probs_temperature(temperature)
+            if support:
+                dyadic.check_k(support)
+        except Pp1Error as exc:
+            out[r] = exc
+            continue
+        if support:
+            sparse.setdefault(support, []).append(r)
+        else:
+            dense.append(r)
+    # A draw outside [0, M) is refused after the row's own checks (as sample does).
+    u = torch.tensor([v if 0 <= v < M else 0 for v in draws], dtype=torch.int64, device=device)
+    # The checks of every row: a NaN or infinity, a negative weight, no positive one.
+    flags = torch.stack([~torch.isfinite(x).all(dim=1), (x < 0).any(dim=1), ~(x > 0).any(dim=1)])
+    refused = torch.where(flags[0], 5, torch.where(flags[1], 6, torch.where(flags[2], 7, 0)))
+    pieces: list[torch.Tensor] = [refused, torch.argmax(x, dim=1)]
+    q32 = None
+    if dense:
+        at = torch.tensor(dense, dtype=torch.int64, device=device)
+        w = x[at].to(torch.float64)
+        counts, status = allocate_rows(w, row_totals(w))
+        pieces += [status, draw_rows(counts, u[at])]
+        if row_entries is not None:
+            q32 = counts.to(torch.float32) * (1.0 / M)  # exact: c <= 2**24
+        else:
+            pieces.append(counts.reshape(-1))
+    for k, group in sparse.items():
+        at = torch.tensor(group, dtype=torch.int64, device=device)
+        ids, counts, status = _sparse_rows(x[at], k)
+        pieces += [status, ids.reshape(-1), counts.reshape(-1), draw_rows(counts, u[at])]
+    staged = None
+    if q32 is not None:
+        assert row_entries is not None
+        pool = staging_buffers(n, row_entries, device.type == "cuda")
+        staged, tensor = pool.take(len(dense))
+        tensor[: len(dense), :n].copy_(q32, non_blocking=tensor.is_pinned())
+    host = torch.cat([p.reshape(-1).to(torch.int64) for p in pieces]).cpu().numpy()
+    rows = len(specs)
+    refused_h, argmax_h = host[:rows], host[rows : 2 * rows]
+    pos = 2 * rows
+    for r in greedy:
+        code = int(refused_h[r])
+        token = int(argmax_h[r])
+        if code:
+            out[r] = ConstructionError(*_ROW_ERRORS[code])
+        elif specs[r][1]:
+            out[r] = QRow(token, counts=np.array([M], dtype=np.int64),
+                          ids=np.array([token], dtype=np.int32))  # fmt: skip
+        else:
+            out[r] = QRow(token, counts=dyadic.point_mass(n, token))
+    if dense:
+        d = len(dense)
+        status_h, tokens_h = host[pos : pos + d], host[pos + d : pos + 2 * d]
+        pos += 2 * d
+        counts_h = None
+        if q32 is None:
+            counts_h = host[pos : pos + d * n].reshape(d, n).astype(np.int32)
+            pos += d * n
+        for j, r in enumerate(dense):
+            code = int(refused_h[r]) or int(status_h[j])
+            if code:
+                out[r] = ConstructionError(*_ROW_ERRORS[code])
+            elif not 0 <= draws[r] < M:
+                out[r] = _bad_draw(draws[r])
+            elif staged is not None:
+                out[r] = QRow(int(tokens_h[j]), q32=staged[j])
+            else:
+                assert counts_h is not None
+                out[r] = QRow(int(tokens_h[j]), counts=counts_h[j].copy())
+    for k, group in sparse.items():
+        g = len(group)
+        width = min(k, n)
+        status_h = host[pos : pos + g]
+        ids_h = host[pos + g : pos + g + g * width].reshape(g, width)
+        counts_h = host[pos + g + g * width : pos + g + 2 * g * width].reshape(g, width)
+        picks_h = host[pos + g + 2 * g * width : pos + 2 * g + 2 * g * width]
+        pos += 2 * g + 2 * g * width
+        for j, r in enumerate(group):
+            code = int(refused_h[r]) or int(status_h[j])
+            if code:
+                out[r] = ConstructionError(*_ROW_ERRORS[code])
+                continue
+            if not 0 <= draws[r] < M:
+                out[r] = _bad_draw(draws[r])
+                continue
+            keep = counts_h[j] > 0
+            token = int(ids_h[j][int(picks_h[j])])
+            out[r] = QRow(token, counts=counts_h[j][keep].astype(np.int64),
+                          ids=ids_h[j][keep].astype(np.int32))  # fmt: skip
+    assert all(o is not None for o in out)
+    return cast("list[QRow | Pp1Error]", out)
+
+
+def _bad_draw(u: int) -> ValidationError:
+    return ValidationError(ErrorCode.BAD_DRAW, f"draw {u} outside [0, 2**24)")
+
+
+def _sparse_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse top-k rows of FP32 weights ``[R, V]``: (ids, counts, status), ``[R, k']``
+    with ``k' = min(k, V)``: the support (the k largest positive weights, ties to the
+    lowest ID) in ascending ID order, then any non-positive picks at the end with
+    count 0, as :func:`pp1wire.q.dyadic.sparse_counts_from_weights` builds them
+    (zero weights at the end of a tree change no node of it, §6.6)."""
+    n = int(x.shape[1])
+    width = min(k, n)
+    top = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :width]
+    positive = x.gather(1, top) > 0
+    order = torch.sort(torch.where(positive, top, top + n), dim=1).indices
+    ids = top.gather(1, order)
+    w = torch.where(positive.gather(1, order), x.gather(1, ids), 0.0).to(torch.float64)
+    counts, status = allocate_rows(w, row_totals(w))
+    return ids, counts, status

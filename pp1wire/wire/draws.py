@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.errors import Pp1Error
-from pp1wire.q.proposal import batched_drafter, propose_batch
+from pp1wire.q.proposal import batched_drafter, drafter_kind, propose_batch
 from pp1wire.wire.worker_events import DrawJob, DrawResult
 
 K = TypeVar("K", bound=Hashable)
@@ -97,8 +97,10 @@ class DraftTogether:
 
     Per position, one call of the drafter's batched form over every job still
     drafting (:func:`~pp1wire.q.proposal.batched_drafter`: the plugin's own
-    ``batch``, else one call per prefix); the q rows of the batch built and
-    drawn in one compiled pass on ``threads`` threads; with ``row_entries``
+    ``batch``, else one call per prefix; its rows logits or, for a drafter of
+    ``kind = "probs"``, probabilities: :func:`~pp1wire.q.proposal.drafter_kind`);
+    the q rows of the batch built and drawn in one compiled pass on
+    ``threads`` threads (or on the device of a probabilities tensor); with ``row_entries``
     (an unsharded link's dense row length), each dense row written once, as
     its FP32 wire values, and sent from there. Each job's reply is the one
     :meth:`DrawJob.run` gives, byte for byte, with the same proposal draws. A
@@ -131,13 +133,18 @@ class DraftTogether:
                 by_drafter.setdefault(id(job.drafter), []).append(i)
         for indices in by_drafter.values():
             started = time.perf_counter()
-            drafter = batched_drafter(jobs[indices[0]].drafter)
+            plugin = jobs[indices[0]].drafter
+            try:
+                kind = drafter_kind(plugin)
+            except ValueError:  # left to each job alone, which answers (and logs) it
+                continue
             drawn = propose_batch(
-                drafter,
+                batched_drafter(plugin),
                 [jobs[i].draft_job() for i in indices],
                 self.vocab_size,
                 threads=self.threads,
                 row_entries=self.row_entries,
+                kind=kind,
             )
             for i, rows in zip(indices, drawn, strict=True):
                 if not isinstance(rows, Pp1Error):
