@@ -13,7 +13,6 @@ each STEP alone sends, in one drafter call per position.
 from __future__ import annotations
 
 import asyncio
-import functools
 from array import array
 from dataclasses import dataclass
 
@@ -25,10 +24,9 @@ from hypothesis import strategies as st
 from pp1wire.aio.client import AsyncClient
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
-from pp1wire.q.proposal import QRow
 from pp1wire.wire.draws import MAX_DRAW_BATCH, DraftTogether, default_runner, run_each
 from pp1wire.wire.messages import Step
-from pp1wire.wire.replies import reply_frames
+from pp1wire.wire.replies import ReplyEncoder
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 from pp1wire.wire.worker_events import DrawJob, DrawResult
@@ -43,17 +41,14 @@ class Slot:
     eos: int | None
 
 
-def encode(session: int, step: Step, entries: int, rows: tuple[QRow, ...], status: int):
-    return reply_frames(session, step, rows, entries, status)
-
-
-def job_for(slot: Slot, step: Step, drafter, entries: int) -> DrawJob:
+def job_for(slot: Slot, step: Step, drafter, entries: int, vocab: int | None = None) -> DrawJob:
     return DrawJob(
         slot,
         step,
         drafter=drafter,
         proposer=None,
-        encode=functools.partial(encode, 7, step, entries),
+        encoder=ReplyEncoder(7, step, entries),
+        vocab_size=vocab,
     )
 
 
@@ -144,8 +139,8 @@ def test_each_step_drafted_together_gets_the_reply_it_gets_alone(case, threads):
     drafter = drafter_of(vocab, style, kind, bad)
     entries = vocab + padding
     runner = DraftTogether(vocab, entries, threads=threads)
-    together = runner([job_for(slot, step, drafter, entries) for slot, step in specs])
-    alone = [job_for(slot, step, drafter, entries).run() for slot, step in specs]
+    together = runner([job_for(slot, step, drafter, entries, vocab) for slot, step in specs])
+    alone = [job_for(slot, step, drafter, entries, vocab).run() for slot, step in specs]
     assert len(together) == len(alone)
     for got, want in zip(together, alone, strict=True):
         assert_same_answer(got, want)
@@ -204,7 +199,7 @@ def test_a_proposer_job_is_left_to_its_proposer():
         step_for(3, depth=2),
         drafter=model,
         proposer=proposer,
-        encode=functools.partial(encode, 7, step_for(3, depth=2), vocab),
+        encoder=ReplyEncoder(7, step_for(3, depth=2), vocab),
     )
     local = job_for(slot, step_for(4, depth=2), model, vocab)
     got = DraftTogether(vocab, vocab)([job, local])

@@ -34,7 +34,18 @@ def test_before_any_measure_the_first_proposals_time_sets_the_allowance(driver):
 
 
 def test_once_measured_the_median_of_the_recent_round_trips_does(driver):
-    driver.round_trips += [0.010, 0.030, 0.050]
+    driver.recent_trips.extend([0.010, 0.030, 0.050])
     assert driver.straggler_wait(0.5) == pytest.approx(0.015)
-    driver.round_trips += [0.001] * 100  # only the last 64 count
+    driver.recent_trips.extend([0.001] * 100)  # only the last 64 count
     assert driver.straggler_wait(0.5) == pytest.approx(0.002)
+
+
+def test_the_window_keeps_rolling_past_the_summarys_first_100000(driver):
+    # The summary's median keeps the run's first 100,000 round trips; the straggler
+    # window must follow the recent ones for the whole run.
+    for _ in range(100_000):
+        driver.record_trip(0.001)
+    for _ in range(64):
+        driver.record_trip(0.100)
+    assert len(driver.round_trips) == 100_000
+    assert driver.straggler_wait(0.5) == pytest.approx(0.050)

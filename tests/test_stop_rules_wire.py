@@ -360,6 +360,7 @@ def test_a_header_word_that_is_no_stop_rule_is_refused(word):
 def test_the_batch_runner_drafts_with_the_steps_stop_rule():
     # The worker's default runner builds each job's DraftJob from its DrawJob: the
     # STEP's rule must travel with it, or a batched draw would ignore the rule.
+    from pp1wire.wire.replies import ReplyEncoder
     from pp1wire.wire.worker_events import DrawJob
 
     class _Slot:
@@ -369,5 +370,7 @@ def test_the_batch_runner_drafts_with_the_steps_stop_rule():
         session=7, slot=0, generation=0, round=0, position=2, digest=0, depth=4,
         temperature=1.0, support=0, context=0, stop=1, threshold=1 << 20,
     )  # fmt: skip
-    job = DrawJob(_Slot(), step, drafter=lambda p: [0.0] * 4, proposer=None, encode=lambda *a: ())  # type: ignore[arg-type]
+    job = DrawJob(
+        _Slot(), step, drafter=lambda p: [0.0] * 4, proposer=None, encoder=ReplyEncoder(7, step, 4)
+    )
     assert job.draft_job().stop == StopRule.parse("confidence:0.0625")

@@ -25,6 +25,7 @@ from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
 from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
+from pp1wire.wire.replies import FrameParts
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
 
@@ -232,6 +233,14 @@ class _Conn(asyncio.BufferedProtocol):
     def _draw(self, job: worker_core.DrawJob) -> None:
         """Queue a draw for the server's pool; the loop keeps serving this and other connections."""
         self.server.submit_draw(self, job)
+
+    def stream(self, job: worker_core.DrawJob, frames: list[FrameParts]) -> None:
+        """REPLY frames of ``job`` drawn so far (on the loop): queued and sent at once."""
+        core = self.core
+        if core is None or self.lost:
+            return
+        core.stream_rows(job, frames)
+        self._flush()
 
     def _drawn(self, job: worker_core.DrawJob, result: worker_core.DrawResult) -> None:
         core = self.core
@@ -626,10 +635,17 @@ class WorkerServer:
             loop = asyncio.get_running_loop()
             self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
             return
+        # The job's rows go to the connection as they are drawn (docs/adaptive.md §7).
+        job.owner = conn
+        job.streamer = self._streamer
         self.draws.submit(conn, job, now=time.monotonic(), tag=job.step.slot)
         if not self._scheduling:
             self._scheduling = True
             asyncio.get_running_loop().call_soon(self._schedule)
+
+    @functools.cached_property
+    def _streamer(self) -> _RowStreamer:
+        return _RowStreamer(asyncio.get_running_loop())
 
     def forget_draws(self, conn: _Conn) -> None:
         """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
@@ -774,6 +790,28 @@ class WorkerServer:
         if self.server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+
+class _RowStreamer:
+    """Hands REPLY frames drawn on a pool thread to their connections, on the loop: one
+    hop per hand-over, each connection flushed once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def send(self, frames: list[tuple[worker_core.DrawJob, FrameParts]]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing to send to
+            self.loop.call_soon_threadsafe(self._deliver, frames)
+
+    @staticmethod
+    def _deliver(frames: list[tuple[worker_core.DrawJob, FrameParts]]) -> None:
+        by_job: dict[worker_core.DrawJob, list[FrameParts]] = {}
+        for job, frame in frames:
+            by_job.setdefault(job, []).append(frame)
+        for job, mine in by_job.items():
+            conn = job.owner
+            if isinstance(conn, _Conn):
+                conn.stream(job, mine)
 
 
 def _group_drawn(

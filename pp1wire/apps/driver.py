@@ -706,12 +706,16 @@ class RoundDriver:
             proposal = flight.result()
         except Pp1Error as exc:  # unavailable, refused locally, or connection gone
             return Round(st, st.round_id, None, exc.code)
-        rtt = time.perf_counter() - st.sent
+        self.record_trip(time.perf_counter() - st.sent)
+        return Round(st, st.round_id, proposal)
+
+    def record_trip(self, rtt: float) -> None:
+        """One STEP→proposal time: the metric, the summary's first 100,000, and the
+        rolling window the straggler wait follows for the whole run."""
         self.metrics.rtt.observe(rtt)
         if len(self.round_trips) < 100_000:
             self.round_trips.append(rtt)
         self.recent_trips.append(rtt)
-        return Round(st, st.round_id, proposal)
 
     def _apply(self, r: Round, verdict: Verdict) -> None:
         st, m = r.state, self.metrics

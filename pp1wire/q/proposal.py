@@ -514,6 +514,8 @@ def propose(
     support: int | None = None,
     eos: int | None = None,
     stop: StopRule = FIXED,
+    on_row: Callable[[int, QRow], None] | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[QRow, ...]:
     """Draw one block of at most ``depth`` rows after ``prefix``.
 
@@ -523,7 +525,10 @@ def propose(
     admit it (:func:`pp1wire.q.stoprules.admits_next`), so the rows of a
     stopped block are the first rows of the fixed block with the same key.
     The drafter's rows are logits, or probabilities if its ``kind`` is
-    ``"probs"`` (:func:`drafter_kind`, :func:`build_row`).
+    ``"probs"`` (:func:`drafter_kind`, :func:`build_row`). ``on_row(i, row)``
+    is called with each row as soon as it is drawn (a worker sends it then).
+    With ``vocab_size``, a 1-D row of another length is refused (``BAD_SHAPE``),
+    as :func:`propose_batch` refuses it.
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
@@ -547,7 +552,10 @@ def propose(
     drawn: list[int] = []  # each row's count at its own token: the rule's input
     for i in range(depth):
         try:
-            counts, ids = build_row(drafter(context), temperature, support, kind=kind)
+            raw = drafter(context)
+            if vocab_size is not None:
+                _check_width(raw, vocab_size)
+            counts, ids = build_row(raw, temperature, support, kind=kind)
             u = streams.u24(Domain.PROPOSAL, start + i)
             pick = dyadic.sample(counts, u)
         except Exception as exc:
@@ -556,6 +564,8 @@ def propose(
             raise DraftingStoppedError(exc, rows) from exc
         token = pick if ids is None else int(ids[pick])
         rows.append(QRow(token=token, counts=counts, ids=ids))
+        if on_row is not None:
+            on_row(i, rows[-1])
         context.append(token)
         drawn.append(int(counts[pick]))
         if not admits_next(stop, depth, drawn, context.tail, eos):
@@ -632,6 +642,7 @@ def propose_batch(
     threads: int = 2,
     row_entries: int | None = None,
     kind: DrafterKind = "logits",
+    on_position: Callable[[int, list[tuple[int, QRow]]], None] | None = None,
 ) -> list[tuple[QRow, ...] | Pp1Error]:
     """Draw many requests' blocks together, as an engine's step does.
 
@@ -642,14 +653,16 @@ def propose_batch(
     alone: the same rows (tokens, counts, IDs, dtypes), the same proposal
     draws, or a :class:`~pp1wire.errors.Pp1Error` with the code ``propose``
     raises (a :class:`DraftingStoppedError` carrying the rows drawn before a
-    failure after the first row). One job's failure leaves the others going. A ``drafter`` call that
-    raises fails every job of that call: with its code if it raised a
-    ``Pp1Error``, else ``INTERNAL`` (the exception is the error's
-    ``__cause__``, for the log); a call returning another number of rows, or
-    a 2-D array whose width is not ``vocab_size``, fails them with
-    ``BAD_SHAPE``. A returned row that is not a 1-D row of ``vocab_size``
-    values fails its own job with ``BAD_SHAPE`` (``propose``, which knows no
-    vocabulary size, would build a row of another length).
+    failure after the first row). One job's failure leaves the others going:
+    when a ``drafter`` call over several prefixes fails (raises, or returns
+    another number of rows, or a 2-D array whose width is not
+    ``vocab_size``), each prefix of it is asked for alone, so a failure is
+    the job's own (with its code if it raised a ``Pp1Error``, else
+    ``INTERNAL``, the exception being the error's ``__cause__``, for the
+    log) and the others' rows are those they get alone. A returned row that is
+    not a 1-D row of ``vocab_size`` values fails its own job with
+    ``BAD_SHAPE`` (``propose``, which knows no vocabulary size, would build a
+    row of another length).
 
     ``kind`` is what the drafter returns (:func:`drafter_kind`): logits, or
     (``"probs"``) probabilities or non-negative weights, an ``[N, V]`` float32
@@ -667,6 +680,10 @@ def propose_batch(
     :func:`pp1wire.wire.replies.row_payload` sends without a copy (the same
     bytes as from counts); its ``counts`` is None. Greedy and sparse rows
     keep their counts.
+
+    ``on_position(i, rows)`` is called after position ``i`` with every row it
+    drew, as ``(index of the job in jobs, row)``: a worker sends each row as
+    soon as it is drawn (``docs/adaptive.md`` §7).
 
     Raises:
         ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries``
@@ -696,11 +713,16 @@ def propose_batch(
         if not live:
             break
         rows = _draft_rows(drafter, [d.context for d in live], vocab_size, kind)
+        if isinstance(rows, Pp1Error) and len(live) > 1:
+            # One prefix may have failed the whole call: ask for each alone, so that
+            # a failure is its own job's and the others go on as they would alone.
+            rows = [_row_alone(drafter, d.context, vocab_size, kind) for d in live]
         if isinstance(rows, Pp1Error):
             for d in live:
                 results[d.index] = cast(Pp1Error, stopped_by(rows, d.rows))
             break
         going: list[_Draft] = []
+        drawn_now: list[tuple[int, QRow]] = []
         built = (
             _device_position(live, rows, i, row_entries)
             if isinstance(rows, _DeviceRows)
@@ -711,6 +733,7 @@ def propose_batch(
                 results[d.index] = cast(Pp1Error, stopped_by(got, d.rows))
                 continue
             d.rows.append(got)
+            drawn_now.append((d.index, got))
             d.context.append(got.token)
             d.drawn.append(got.count_at(got.token))
             job = d.job
@@ -718,9 +741,24 @@ def propose_batch(
                 going.append(d)
             else:
                 results[d.index] = tuple(d.rows)
+        if on_position is not None and drawn_now:
+            on_position(i, drawn_now)
         live = going
     assert all(r is not None for r in results)
     return cast("list[tuple[QRow, ...] | Pp1Error]", results)
+
+
+def _row_alone(
+    drafter: BatchDrafterFn, prefix: ExtendedPrefix, vocab_size: int, kind: DrafterKind
+) -> _Drafted:
+    """One prefix's row from a call of its own (a tensor read to the host), or its error."""
+    got = _draft_rows(drafter, [prefix], vocab_size, kind)
+    if isinstance(got, Pp1Error):
+        return got
+    if isinstance(got, _DeviceRows):
+        host: npt.NDArray[np.float32] = np.asarray(_host(got.tensor), dtype=np.float32)
+        return cast(npt.NDArray[np.float32], host[0])
+    return got[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -791,6 +829,20 @@ def _draft_rows(
         return exc
     except Exception as exc:  # a drafter plugin failure fails its jobs, not the caller
         return _internal(exc)
+
+
+def _check_width(raw: object, vocab_size: int) -> None:
+    """Refuse a 1-D row whose length is not ``vocab_size`` (other shapes are
+    :func:`build_row`'s to refuse).
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE``.
+    """
+    shape: tuple[int, ...] = tuple(getattr(raw, "shape", None) or np.shape(cast(Any, raw)))
+    if len(shape) == 1 and shape[0] not in (0, vocab_size):
+        raise ConstructionError(
+            ErrorCode.BAD_SHAPE, f"{shape[0]} values for a vocabulary of {vocab_size}"
+        )
 
 
 def _internal(exc: Exception) -> Pp1Error:

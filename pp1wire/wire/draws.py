@@ -36,6 +36,7 @@ failures a shell logs. No clock is read here: callers pass ``now``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -44,9 +45,9 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final, Generic, Protocol, TypeVar
 
-from pp1wire.errors import Pp1Error
-from pp1wire.q.proposal import batched_drafter, drafter_kind, propose_batch
-from pp1wire.wire.worker_events import DrawJob, DrawResult
+from pp1wire.q.proposal import QRow, batched_drafter, drafter_kind, propose_batch
+from pp1wire.wire.replies import FrameParts
+from pp1wire.wire.worker_events import DrawJob, DrawResult, Streamer
 
 K = TypeVar("K", bound=Hashable)
 J = TypeVar("J")
@@ -103,10 +104,12 @@ class DraftTogether:
     ``threads`` threads (or on the device of a probabilities tensor); with ``row_entries``
     (an unsharded link's dense row length), each dense row written once, as
     its FP32 wire values, and sent from there. Each job's reply is the one
-    :meth:`DrawJob.run` gives, byte for byte, with the same proposal draws. A
-    job that fails in the batch is drawn again alone, so that its answer (the
-    status, and the exception a shell logs) is exactly the per-job one; jobs
-    of a :data:`~pp1wire.wire.worker_events.Proposer` run alone too.
+    :meth:`DrawJob.run` gives, byte for byte, with the same proposal draws; a
+    drafter call that fails for the batch is asked again prefix by prefix, so
+    a failure is its own job's (its status, and the exception a shell logs).
+    Each position's rows go to the jobs' streamers as soon as that position
+    is drawn (:meth:`DrawJob.row_frame`), one hand-over per streamer. Jobs of
+    a :data:`~pp1wire.wire.worker_events.Proposer` run alone.
     """
 
     def __init__(self, vocab_size: int, row_entries: int | None, *, threads: int = 2) -> None:
@@ -138,18 +141,34 @@ class DraftTogether:
                 kind = drafter_kind(plugin)
             except ValueError:  # left to each job alone, which answers (and logs) it
                 continue
+            mine = [jobs[i] for i in indices]
             drawn = propose_batch(
                 batched_drafter(plugin),
-                [jobs[i].draft_job() for i in indices],
+                [job.draft_job() for job in mine],
                 self.vocab_size,
                 threads=self.threads,
                 row_entries=self.row_entries,
                 kind=kind,
+                on_position=functools.partial(_stream_position, mine),
             )
             for i, rows in zip(indices, drawn, strict=True):
-                if not isinstance(rows, Pp1Error):
-                    results[i] = jobs[i].complete(rows, started=started)
+                results[i] = jobs[i].complete(rows, started=started)
         return [jobs[i].run() if r is None else r for i, r in enumerate(results)]
+
+
+def _stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:
+    """One position's rows, framed and handed to their jobs' streamers, one call each."""
+    out: dict[int, tuple[Streamer, list[tuple[DrawJob, FrameParts]]]] = {}
+    for at, row in rows:
+        job = jobs[at]
+        try:
+            frame = job.row_frame(position, row)
+        except Exception:  # framed again at completion, which ends the block there
+            frame = None
+        if frame is not None and job.streamer is not None:
+            out.setdefault(id(job.streamer), (job.streamer, []))[1].append((job, frame))
+    for streamer, frames in out.values():
+        streamer.send(frames)
 
 
 class DrawScheduler(Generic[K, J]):

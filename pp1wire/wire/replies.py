@@ -198,41 +198,71 @@ def reply_frames(
     replay re-tags the same frames. ``stopped`` is COMPLETION's flag: the
     STEP's stop rule ended the block before its depth.
     """
-    frames = []
-    for index, row in enumerate(rows):
-        payload, entries = row_payload(row, row_entries, shard)
-        dense = row.ids is None
-        frames.append(
-            reply_frame(
-                session,
-                step,
-                index,
-                row.token,
-                dense,
-                entries,
-                payload,
-                shard=shard,
-                tagged=tagged,
-            )
+    encoder = ReplyEncoder(session, step, row_entries, shard=shard, tagged=tagged)
+    frames = tuple(encoder.row(index, row) for index, row in enumerate(rows))
+    return (*frames, encoder.completion(frames, status, stopped=stopped))
+
+
+class ReplyEncoder:
+    """A STEP's reply, framed a row at a time: each REPLY frame as soon as its row is
+    drawn (a worker sends it then, ``docs/adaptive.md`` §7), then the COMPLETION
+    over the frames framed. The same bytes as :func:`reply_frames`."""
+
+    __slots__ = ("row_entries", "session", "shard", "step", "tagged")
+
+    def __init__(
+        self,
+        session: int,
+        step: Step,
+        row_entries: int,
+        *,
+        shard: tuple[int, int] | None = None,
+        tagged: bool = False,
+    ) -> None:
+        """Frame the reply to ``step`` (``shard`` and ``tagged`` as for :func:`reply_frame`)."""
+        self.session = session
+        self.step = step
+        self.row_entries = row_entries
+        self.shard = shard
+        self.tagged = tagged
+
+    def row(self, index: int, row: QRow) -> FrameParts:
+        """The REPLY frame of row ``index``."""
+        payload, entries = row_payload(row, self.row_entries, self.shard)
+        return reply_frame(
+            self.session,
+            self.step,
+            index,
+            row.token,
+            row.ids is None,
+            entries,
+            payload,
+            shard=self.shard,
+            tagged=self.tagged,
         )
-    checksum = xxhash.xxh3_64()
-    body = 0
-    for parts in frames:
-        for part in parts:
-            checksum.update(part)
-            body += memoryview(part).nbytes
-    done = completion_frame(
-        session,
-        step,
-        len(rows),
-        body,
-        checksum.intdigest(),
-        status,
-        shard=shard,
-        tagged=tagged,
-        stopped=stopped,
-    )
-    return (*frames, (done,))
+
+    def completion(
+        self, frames: tuple[FrameParts, ...], status: int = 0, *, stopped: bool = False
+    ) -> FrameParts:
+        """The COMPLETION closing a reply whose REPLY frames are ``frames``."""
+        checksum = xxhash.xxh3_64()
+        body = 0
+        for parts in frames:
+            for part in parts:
+                checksum.update(part)
+                body += memoryview(part).nbytes
+        done = completion_frame(
+            self.session,
+            self.step,
+            len(frames),
+            body,
+            checksum.intdigest(),
+            status,
+            shard=self.shard,
+            tagged=self.tagged,
+            stopped=stopped,
+        )
+        return (done,)
 
 
 def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: int) -> bytes:
@@ -244,6 +274,7 @@ def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: i
 
 __all__ = [
     "FrameParts",
+    "ReplyEncoder",
     "build_reply",
     "completion_frame",
     "reply_frame",

@@ -78,6 +78,9 @@ class SparkConfig(PeerConfig):
 
     draft_identity: str = ""
     reply_timeout: float = 5.0
+    #: Seconds an OPEN, CLOSE, COMMIT or RESET may go unanswered before the connection
+    #: ends (``ANSWER_TIMEOUT``, §7); None: the reply timeout.
+    answer_timeout: float | None = None
 
     def __post_init__(self) -> None:
         """Refuse a sharded link without its group's nonce (§6.7), and what
@@ -193,7 +196,9 @@ class SparkProtocol:
         """The message just queued for ``slot`` is owed an answer by ``now`` + the reply
         timeout (no deadline without a clock reading)."""
         if now is not None:
-            self._owed.setdefault(slot, deque()).append(now + self.config.reply_timeout)
+            wait = self.config.answer_timeout
+            wait = self.config.reply_timeout if wait is None else wait
+            self._owed.setdefault(slot, deque()).append(now + wait)
 
     def _answered(self, slot: int) -> None:
         owed = self._owed.get(slot)

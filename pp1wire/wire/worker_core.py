@@ -11,20 +11,19 @@ No asyncio here; :mod:`pp1wire.apps.worker` pumps bytes between a socket and thi
 
 from __future__ import annotations
 
-import functools
 import hmac
 import secrets
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
 import numpy as np
 
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
+from pp1wire.q.proposal import DrafterFn, PrefixDigest
 from pp1wire.q.rng import Role
-from pp1wire.q.stoprules import STOP_RULES, stopped_by_rule
+from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.wire import fencing, framing, integrity, transitions
 from pp1wire.wire.draws import DrawBudget
 from pp1wire.wire.events import HandshakeDone
@@ -57,7 +56,7 @@ from pp1wire.wire.messages import (
     Step,
     type_of,
 )
-from pp1wire.wire.replies import FrameParts, reply_frames
+from pp1wire.wire.replies import FrameParts, ReplyEncoder
 from pp1wire.wire.transitions import Act, State
 from pp1wire.wire.worker_events import (
     ConnectionClosing,
@@ -165,6 +164,8 @@ class WorkerProtocol:
         self.defer_draws = defer_draws
         self.proposer = proposer
         self._drawing: dict[int, DrawJob] = {}
+        # Per slot: the frames of its draw in progress already queued (stream_rows).
+        self._streamed: dict[int, int] = {}
         # The first frame that names a slot being drawn, held with all after it.
         self._held: framing.Frame | None = None
         self.state = State.AWAIT_HELLO
@@ -337,8 +338,21 @@ class WorkerProtocol:
         (a shell stops reading; :meth:`finish_draw` and then :meth:`pump` go on)."""
         return self._held is not None and not self.closed
 
+    def stream_rows(self, job: DrawJob, frames: Sequence[FrameParts]) -> None:
+        """REPLY frames of a deferred draw, queued as their rows are drawn (before
+        :meth:`finish_draw`), so that rows drawn before a slow or failing one reach the
+        Spark side in time (``docs/adaptive.md`` §7). Frames of a draw that is not the
+        slot's current one (its connection or slot went away) are dropped."""
+        slot = job.step.slot
+        current = self._drawing.get(slot) is job and self.slots.get(slot) is job.slot
+        if self.closed or not current:
+            return
+        self._queue_frames(tuple(frames))
+        self._streamed[slot] = self._streamed.get(slot, 0) + len(frames)
+
     def finish_draw(self, job: DrawJob, result: DrawResult) -> list[WorkerEvent]:
-        """A deferred draw is done: queue its reply; returns the events caused.
+        """A deferred draw is done: queue what is left of its reply (the frames not
+        streamed: :meth:`stream_rows`); returns the events caused.
 
         A result for a connection that closed, or whose slot is gone, is dropped.
         Call :meth:`pump` afterwards: messages held for the slot go on.
@@ -346,9 +360,10 @@ class WorkerProtocol:
         if self._drawing.get(job.step.slot) is not job:
             return self._take_events()
         del self._drawing[job.step.slot]
+        sent = self._streamed.pop(job.step.slot, 0)
         slot = self.slots.get(job.step.slot)
         if not self.closed and slot is not None and slot is job.slot:
-            self._served(slot, job.step, result)
+            self._served(slot, job.step, result, sent)
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
@@ -362,6 +377,7 @@ class WorkerProtocol:
         """The transport is gone: drop every slot (its generation dies with it)."""
         self.slots.clear()
         self._drawing.clear()
+        self._streamed.clear()
         self._held = None
         self.closed = True
 
@@ -661,21 +677,37 @@ class WorkerProtocol:
             self._refuse_msg(problem, kind, msg)
             return
         slot.worked_at = self._now
-        encode = functools.partial(self._encode, msg, slot.eos)
-        job = DrawJob(slot, msg, drafter=self.drafter, proposer=self.proposer, encode=encode)
+        cfg = self.config
+        encoder = ReplyEncoder(
+            self.session,
+            msg,
+            cfg.entries,
+            shard=cfg.shard_range if cfg.sharded else None,
+            tagged=self._sealer is not None,
+        )
+        job = DrawJob(
+            slot,
+            msg,
+            drafter=self.drafter,
+            proposer=self.proposer,
+            encoder=encoder,
+            vocab_size=cfg.vocab_size,
+        )
         if self.defer_draws:
             self._drawing[msg.slot] = job
             self._events.append(DrawRequested(job))
             return
         self._served(slot, msg, job.run())
 
-    def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult) -> None:
+    def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult, sent: int = 0) -> None:
+        """Record and queue a drawn reply; its first ``sent`` frames were queued as their
+        rows were drawn (:meth:`stream_rows`)."""
         reply, rows = result.reply, result.rows
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
         slot.drafts = tuple(r.token for r in rows)
         slot.reply = reply
-        self._queue_frames(reply)
+        self._queue_frames(reply[sent:])
         self._events.append(
             StepServed(
                 msg.slot,
@@ -702,17 +734,6 @@ class WorkerProtocol:
         """The slot's fresh draw dies uncommitted (a RESET or CLOSE): count it (§4.4)."""
         if slot.fence.last_step_round > slot.fence.committed_round:
             self._budget.abandoned(self._now)
-
-    def _encode(
-        self, step: Step, eos: int | None, rows: tuple[QRow, ...], status: int
-    ) -> tuple[FrameParts, ...]:
-        cfg, tagged, tokens = self.config, self._sealer is not None, [r.token for r in rows]
-        shard = cfg.shard_range if cfg.sharded else None
-        # Only the stop rule ends a block early without a terminal token (§4.6).
-        cut = bool(rows) and not status and stopped_by_rule(step.depth, tokens, eos)
-        return reply_frames(
-            self.session, step, rows, cfg.entries, status, shard=shard, tagged=tagged, stopped=cut
-        )
 
     # -- COMMIT / RESET ------------------------------------------------------
 

@@ -15,10 +15,10 @@ from typing import Protocol
 from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q.proposal import DrafterFn, DraftingStoppedError, DraftJob, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
-from pp1wire.q.stoprules import StopKind, StopRule
+from pp1wire.q.stoprules import StopKind, StopRule, stopped_by_rule
 from pp1wire.wire.events import Event, HandshakeDone
 from pp1wire.wire.messages import MsgType, Scope, Step
-from pp1wire.wire.replies import FrameParts
+from pp1wire.wire.replies import FrameParts, ReplyEncoder
 
 Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
 """A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local
@@ -58,6 +58,15 @@ class DrawSlot(Protocol):
         """The terminal token, if any."""
 
 
+class Streamer(Protocol):
+    """Where a job's REPLY frames go as soon as their rows are drawn (a shell's: it hands
+    them to its connection's core, :meth:`WorkerProtocol.stream_rows`). Called on the
+    thread that draws; it must not block."""
+
+    def send(self, frames: list[tuple[DrawJob, FrameParts]]) -> None:
+        """Send each job's frame (in order, per job)."""
+
+
 class DrawJob:
     """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
 
@@ -68,9 +77,17 @@ class DrawJob:
     runner that draws many :attr:`local` jobs' rows together (one drafter call
     per position) gives each job its rows, or the exception that stopped them,
     through :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
+
+    Each row is framed as soon as it is drawn (:meth:`row_frame`) and, with a
+    :attr:`streamer`, sent at once: a row drawn before a slow or failing one
+    reaches the Spark side before its deadline (``docs/adaptive.md`` §7). The
+    COMPLETION follows when the draw is done.
     """
 
-    __slots__ = ("_encode", "drafter", "proposer", "slot", "step")
+    __slots__ = (
+        "_encoder", "_frames", "drafter", "owner", "proposer", "slot", "step", "streamer",
+        "vocab_size",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -79,19 +96,27 @@ class DrawJob:
         *,
         drafter: DrafterFn,
         proposer: Proposer | None,
-        encode: Callable[[tuple[QRow, ...], int], tuple[FrameParts, ...]],
+        encoder: ReplyEncoder,
+        vocab_size: int | None = None,
     ) -> None:
         """A job for ``step`` on ``slot`` (the core's slot, compared by identity).
 
         The rows come from ``proposer`` when given (a sharded group), else from
-        the local chain over ``drafter``; ``encode`` frames rows and a status as
-        the reply.
+        the local chain over ``drafter`` (with ``vocab_size``, a drafter row of
+        another length is refused, as a batch runner refuses it); ``encoder``
+        frames its rows and its COMPLETION.
         """
         self.slot = slot
         self.step = step
         self.drafter = drafter
         self.proposer = proposer
-        self._encode = encode
+        self._encoder = encoder
+        self.vocab_size = vocab_size
+        self._frames: list[FrameParts] = []
+        #: Where the job's rows go as they are drawn (None: with the COMPLETION).
+        self.streamer: Streamer | None = None
+        #: The shell's handle on the connection the job is for (its streamer's business).
+        self.owner: object = None
 
     @property
     def seed(self) -> int:
@@ -134,6 +159,25 @@ class DrawJob:
             stop=self.stop,
         )
 
+    def row_frame(self, index: int, row: QRow) -> FrameParts | None:
+        """Frame row ``index`` as it is drawn; None if it was framed already (the same
+        key drawn again gives the same row), or if an earlier row could not be (the
+        block ends there).
+
+        Raises:
+            Exception: whatever framing a row a drafter shaped wrongly raises.
+        """
+        if index != len(self._frames):
+            return None
+        frame = self._encoder.row(index, row)
+        self._frames.append(frame)
+        return frame
+
+    def _stream(self, index: int, row: QRow) -> None:
+        frame = self.row_frame(index, row)
+        if frame is not None and self.streamer is not None:
+            self.streamer.send([(self, frame)])
+
     def draw(self) -> tuple[QRow, ...]:
         """The STEP's rows (the drafter or proposer may raise anything)."""
         step = self.step
@@ -148,6 +192,8 @@ class DrawJob:
             support=step.support or None,
             eos=self.eos,
             stop=self.stop,
+            on_row=self._stream,
+            vocab_size=self.vocab_size,
         )
 
     def run(self) -> DrawResult:
@@ -178,22 +224,31 @@ class DrawJob:
         if isinstance(rows, DraftingStoppedError):
             # The rows drawn before the failure are shipped with its status: the
             # Spark side verifies them as a block that stopped there (§4.6).
-            stopped, rows = rows, rows.rows
-            status = int(stopped.code)
-            cause: BaseException | None = stopped.failure
+            cut_by, rows = rows, rows.rows
+            status = int(cut_by.code)
+            cause: BaseException | None = cut_by.failure
             if isinstance(cause, Pp1Error):
                 # A status on purpose is not logged; a plugin's bug behind INTERNAL is.
-                cause = cause.__cause__ if stopped.code is ErrorCode.INTERNAL else None
+                cause = cause.__cause__ if cut_by.code is ErrorCode.INTERNAL else None
             failure = cause
         elif isinstance(rows, Pp1Error):  # a status on purpose (q construction, a group's code)
+            cause = rows.__cause__
+            if rows.code is ErrorCode.INTERNAL and not isinstance(cause, Pp1Error | None):
+                failure = cause  # a plugin's bug a batch runner wrapped: logged by the shell
             status, rows = int(rows.code), ()
         elif isinstance(rows, BaseException):  # a bug in a plugin: logged by the shell
             status, failure, rows = int(ErrorCode.INTERNAL), rows, ()
-        try:
-            reply = self._encode(rows, status)
-        except Exception as exc:  # rows a drafter shaped wrongly
-            failure, rows, status = exc, (), int(ErrorCode.INTERNAL)
-            reply = self._encode(rows, status)
+        for index, row in enumerate(rows):
+            try:
+                self.row_frame(index, row)
+            except Exception as exc:  # a row a drafter shaped wrongly: the block ends before it
+                failure, rows, status = exc, rows[:index], int(ErrorCode.INTERNAL)
+                break
+        frames = tuple(self._frames[: len(rows)])
+        tokens = [r.token for r in rows]
+        # Only the stop rule ends a block early without a terminal token (§4.6).
+        stopped = bool(rows) and not status and stopped_by_rule(self.step.depth, tokens, self.eos)
+        reply = (*frames, self._encoder.completion(frames, status, stopped=stopped))
         return DrawResult(reply, rows, status, time.perf_counter() - begun, failure)
 
 
