@@ -28,7 +28,7 @@ pid in the name) is gone.
 
 Before the table, a raw TCP transfer (``--transfer-mb``, Python sockets, one
 connection) through each link at each rate says what the shaping gives: the rate
-the receiver saw from its first byte to its last, against the rate set, and the
+the receiver saw from its first read to its last, against the rate set, and the
 same transfer unshaped (the namespaces' ceiling on this machine).
 
 The table: at V = 129,280 with the fixed-cost plugins of
@@ -47,9 +47,9 @@ configuration unshaped, and to ``dense`` at the same rate, each taken repetition
 by repetition; the step time (seconds / target calls) and ``fill`` (the rounds
 each target call decided over the slots running: below 1 when a call went ahead
 without the proposals still on the link); the bytes each link carried per step
-(worker to Spark, counted on the veth: frames with their TCP/IP headers). The worker runs on
-the first half of this process's cores and the Spark side on the second, as in
-``benchmarks/speedup.py``.
+(worker to Spark, counted on the veth: frames with their TCP/IP headers). The
+worker runs on the first half of this process's cores and the Spark side on the
+second, as in ``benchmarks/speedup.py``.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ DEPTH = 5
 # worker group (rank r at + r) and the raw transfers (link r at + r).
 SINGLE_PORT, GROUP_PORT, TRANSFER_PORT = 7000, 7100, 7200
 # tbf: the bucket must hold what the link carries between two runs of the qdisc's
-# watchdog on a busy machine, or the rate set is never reached (200 us reached 0.88 of
-# 2 Gb/s on the development VM, 1 ms 0.95, the most that 1,500-byte frames carry).
+# watchdog on a busy machine, or the rate set is never reached (with 1,500-byte frames
+# on the development VM, 200 us reached 0.88 of 2 Gb/s and 1 ms 0.95, the most those
+# frames' headers leave).
 # The link idles between steps long enough to fill it, so each step's first BURST_S
 # of bytes pass at the veth's own speed: a step's transfer takes at most BURST_S less
 # than at the exact rate. A queue of LATENCY beyond the bucket lets a burst wait
@@ -115,13 +116,13 @@ import json, socket, sys, time
 host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 buf = bytearray(1 << 20)
 c = socket.create_connection((host, port), timeout=30)
-got = c.recv_into(buf)
+first_chunk = n = got = c.recv_into(buf)
 first = time.perf_counter()
-n = got
 while got:
     got = c.recv_into(buf)
     n += got
-print(json.dumps({"bytes": n, "seconds": time.perf_counter() - first}))
+seconds = time.perf_counter() - first
+print(json.dumps({"bytes": n, "timed": n - first_chunk, "seconds": seconds}))
 """
 
 
@@ -382,7 +383,7 @@ def deferred_signals() -> Iterator[None]:
 
 
 def interrupt(signum: int, _frame: FrameType | None) -> None:
-    """SIGTERM / SIGHUP handler: end the run as an exception does (the cleanup runs).
+    """SIGINT / SIGTERM / SIGHUP handler: end the run as an exception does (the cleanup runs).
 
     Raises:
         Interrupted: always, with the exit status 128 + ``signum``.
@@ -392,7 +393,8 @@ def interrupt(signum: int, _frame: FrameType | None) -> None:
 
 def transfer(links: Links, link: int, size: int) -> dict[str, Any]:
     """``size`` bytes from the worker namespace to the Spark one through ``link``, over
-    one TCP connection: the receiver's rate, first byte to last, and the link's count."""
+    one TCP connection: the receiver's rate (the bytes after its first read, over the
+    time from that read to the last) and what the link counted."""
     port = TRANSFER_PORT + link
     server = links.start(
         links.worker,
@@ -425,7 +427,7 @@ def transfer(links: Links, link: int, size: int) -> dict[str, Any]:
     return {
         "bytes": size,
         "seconds": got["seconds"],
-        "gbit_per_s": size * 8 / got["seconds"] / 1e9,
+        "gbit_per_s": got["timed"] * 8 / got["seconds"] / 1e9,
         "link_bytes": carried,
     }
 
@@ -740,8 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     left = [ns for ns in namespaces(args.ip) if not owner_alive(ns)]
     if left:
         progress(f"{len(left)} namespaces of earlier runs are left: --cleanup deletes them")
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGHUP, interrupt)
+    for sig in HELD:  # SIGINT too: a run started in the background ignores it otherwise
+        signal.signal(sig, interrupt)
     worker_cores, spark_cores = cores()
     setup = {
         "vocab": args.vocab, "target_ms": args.target_ms, "requests": args.requests,
@@ -764,9 +766,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 links, rates=args.rates, configs=args.configs, setup=setup, reps=args.reps,
                 transfer_bytes=setup["transfer_bytes"], warm_up=not args.smoke,
             )  # fmt: skip
-    except KeyboardInterrupt:
-        print("shaped.py: interrupted; namespaces deleted", file=sys.stderr)
-        return 128 + signal.SIGINT
     except Interrupted as exc:
         print("shaped.py: stopped by a signal; namespaces deleted", file=sys.stderr)
         return int(exc.code or 1)
