@@ -71,7 +71,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from speedup import PLUGINS, cores, pinned
+from speedup import PAIRS, cores, pinned
 
 from pp1wire.apps.launch import LISTENING, spark_command, worker_command
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
@@ -461,7 +461,7 @@ def start_worker(
     port = GROUP_PORT if sharded else SINGLE_PORT
     extra = ["--tp", "2", "--vocab-shards", "2"] if sharded else []
     cmd = worker_command(
-        "--drafter", f"{PLUGINS}:drafter_factory", "--max-slots", str(setup["requests"]),
+        "--drafter", PAIRS["toy"][0]["logits"], "--max-slots", str(setup["requests"]),
         "--host", WORKER_HOST, "--port", str(port), "--insecure", *extra,
         vocab=setup["vocab"], seed=0,
     )  # fmt: skip
@@ -502,7 +502,7 @@ def spark_run(
     port, flags = spark_flags(config)
     requests = str(setup["requests"])
     cmd = spark_command(
-        f"{WORKER_HOST}:{port}", "--target", f"{PLUGINS}:target_factory",
+        f"{WORKER_HOST}:{port}", "--target", PAIRS["toy"][1],
         "--requests", requests, "--concurrency", requests,
         "--max-tokens", str(tokens or setup["tokens"]), "--depth", str(DEPTH), "--json", *flags,
         vocab=setup["vocab"],
