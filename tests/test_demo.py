@@ -85,11 +85,16 @@ def test_the_demo_shows_target_only_and_speculative_side_by_side(pair, ngram_cac
     out = done.stdout
     assert "PP1_PACED_TARGET_MS=2 pp1-spark" in out  # the commands, as a user would type them
     assert "PP1_PACED_DRAFTER_MS=0 pp1-worker" in out
+    # The drafter hands over probabilities by default, as a draft head on a device does.
+    drafter = {
+        "ngram": "pp1wire.apps.ngram:paced_probs_drafter_factory",
+        "toy": "pp1wire.apps.paced:probs_drafter_factory",
+    }[pair]
+    assert f"--drafter {drafter}" in out
     plugins = {"ngram": "pp1wire.apps.ngram:paced_", "toy": "pp1wire.apps.paced:"}[pair]
-    assert f"--drafter {plugins}drafter_factory" in out
     assert f"--target {plugins}target_factory" in out
     title = {"ngram": "n-gram pair", "toy": "toy pair"}[pair]
-    assert f"({title}, vocabulary 256)" in out
+    assert f"({title}, drafter hands over probs, vocabulary 256)" in out
     if pair == "ngram":  # both sides declare the tables they were built from
         drafter_id, target_id = (
             f"pp1-ngram{order}-d{d:g}-" for order, d in ((4, 0.5), (5, 0.4))

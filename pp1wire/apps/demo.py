@@ -9,9 +9,12 @@ pair learned from the English text that ships with Python
 statistics are those of real language), or with ``--models toy`` the toy
 pair (:mod:`pp1wire.apps.models`). Both are paced: the target costs
 ``--target-ms`` per call, whether it scores one prefix or a whole step's
-batch, as a forward pass does, and the drafter ``--drafter-ms`` per call. It
-prints each run's summary, the three runs' tokens/s side by side, the
-worker's Prometheus counters, then stops the worker with SIGTERM.
+batch, as a forward pass does, and the drafter ``--drafter-ms`` per call. The
+drafter hands over its probabilities, as a draft head on a device does
+(``kind = "probs"``: q is built from them with no exponential), or with
+``--drafter-kind logits`` its logits. It prints each run's summary, the three
+runs' tokens/s side by side, the worker's Prometheus counters, then stops the
+worker with SIGTERM.
 ``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
 one process (no sockets, no pacing), which is handy when debugging numerics.
 """
@@ -37,14 +40,25 @@ from pp1wire.q.proposal import DrafterFn, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams, derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn, proposal_from_rows
 
-#: The model pairs: name -> (what pp1-demo calls it, its paced drafter and target plugins).
+#: The model pairs: name -> (what pp1-demo calls it, its paced drafter plugin of each
+#: kind, its paced target plugin).
 PAIRS = {
     "ngram": (
         "n-gram pair",
-        "pp1wire.apps.ngram:paced_drafter_factory",
+        {
+            "probs": "pp1wire.apps.ngram:paced_probs_drafter_factory",
+            "logits": "pp1wire.apps.ngram:paced_drafter_factory",
+        },
         "pp1wire.apps.ngram:paced_target_factory",
     ),
-    "toy": ("toy pair", "pp1wire.apps.paced:drafter_factory", "pp1wire.apps.paced:target_factory"),
+    "toy": (
+        "toy pair",
+        {
+            "probs": "pp1wire.apps.paced:probs_drafter_factory",
+            "logits": "pp1wire.apps.paced:drafter_factory",
+        },
+        "pp1wire.apps.paced:target_factory",
+    ),
 }
 
 
@@ -175,7 +189,8 @@ def run_daemons(args: argparse.Namespace) -> int:
     """Start the worker, run the Spark side target-only and speculative, stop the worker."""
     drafter_env = {DRAFTER_MS_ENV: f"{args.drafter_ms:g}"}
     target_env = {TARGET_MS_ENV: f"{args.target_ms:g}"}
-    title, drafter_plugin, target_plugin = PAIRS[args.models]
+    title, drafters, target_plugin = PAIRS[args.models]
+    drafter_plugin = drafters[args.drafter_kind]
     drafter_flags: list[str] = []
     target_flags: list[str] = []
     if args.models == "ngram":
@@ -196,7 +211,10 @@ def run_daemons(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     try:
         with worker_process(command=worker_cmd, env={**os.environ, **drafter_env}) as worker:
-            print(f"  worker up at {worker.address} ({title}, vocabulary {args.vocab})")
+            print(
+                f"  worker up at {worker.address} ({title}, drafter hands over "
+                f"{args.drafter_kind}, vocabulary {args.vocab})"
+            )
             for title, depth, support in RUNS:
                 spark_cmd = spark_command(
                     worker.address,
@@ -258,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ngram|toy",
         help="the model pair: ngram (learned from the English text that ships with Python: "
         "the statistics of real language) or toy (the exactness tests' pair)",
+    )
+    p.add_argument(
+        "--drafter-kind",
+        choices=("probs", "logits"),
+        default="probs",
+        help="what the paced drafter hands over (daemons only): its FP32 probabilities, as a "
+        "draft head on a device does (q built with no exponential), or its logits",
     )
     p.add_argument(
         "--vocab",
