@@ -126,7 +126,8 @@ def _alive(pid: int) -> bool:
 
 
 def _group_commands() -> dict[str, tuple[list[str], str, int]]:
-    """Each group kind's launcher command, the line that says its group is up, how often."""
+    """Each group kind's launcher command, the line that says its group is up, how often
+    (a worker group's ports are its own: call this once per group)."""
     from pp1wire.apps.launch import free_ports
 
     port = free_ports(2)
@@ -153,8 +154,8 @@ def test_killing_any_rank_of_any_group_ends_the_group_within_its_timeout(tmp_pat
     # rank 1 was killed served on (rank 0 answering every STEP INTERNAL) forever.
     launchers = {}
     try:
-        for kind, (cmd, up, lines) in _group_commands().items():
-            for victim in (0, 1):
+        for victim in (0, 1):
+            for kind, (cmd, up, lines) in _group_commands().items():
                 log = tmp_path / f"{kind}-{victim}.log"
                 with log.open("w") as f:
                     proc = subprocess.Popen(
