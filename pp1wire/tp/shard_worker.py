@@ -177,6 +177,9 @@ class ShardedDrafting:
         self.draws = 0  # STEPs drawn by the group (the same count on every rank)
         self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
         self._links: dict[Hashable, bytes] = {}
+        # Group nonce -> when its link on this rank left: no other link may take its place
+        # while the session lives on (docs/protocol.md §6.7, "Group sessions").
+        self._closed: dict[bytes, float] = {}
         self._held: dict[Key, _Held] = {}  # in arrival order
         # Per group session (nonce words): whether every rank had a live link for it
         # at the last exchange that carried it (absent: none has yet).
@@ -211,11 +214,18 @@ class ShardedDrafting:
 
     def join(self, link: Hashable, group: bytes) -> bool:
         """``link`` completed its handshake with ``group``'s nonce: False if another
-        live link of this rank already serves that group session (the newcomer is
-        refused, ``GROUP_IN_USE``)."""
+        live link of this rank already serves that group session, or served it and
+        left while the session lives on (the newcomer is refused, ``GROUP_IN_USE``).
+
+        Without a key the nonce is a bearer secret: a peer that read it off the wire
+        could otherwise take a dropped link's place and be matched with the STEPs
+        its session's other links still send (and get that round's drafted tokens).
+        A session whose link dropped here stays closed to newcomers until no rank
+        has a live link of it and ``match_timeout`` has passed (nothing of it can be
+        matched any more); its Spark group re-forms under a new nonce."""
         with self._cond:
             holder = self._groups.get(group)
-            if holder is not None and holder is not link:
+            if (holder is not None and holder is not link) or group in self._closed:
                 return False
             self._groups[group] = link
             self._links[link] = group
@@ -228,6 +238,7 @@ class ShardedDrafting:
             if group is not None and self._groups.get(group) is link:
                 del self._groups[group]
                 self._matchable.pop(nonce_words(group), None)
+                self._closed[group] = time.monotonic()
             for key in [k for k, h in self._held.items() if h.link is link]:
                 del self._held[key]
 
@@ -398,6 +409,14 @@ class ShardedDrafting:
             for nonce in nonces:
                 if nonce in live:
                     self._matchable[nonce] = nonce in everywhere
+            anywhere = set.union(*links)
+            now = time.monotonic()
+            for group in [
+                g
+                for g, since in self._closed.items()
+                if now - since >= self.match_timeout and nonce_words(g) not in anywhere
+            ]:
+                del self._closed[group]
         return matched, False, everywhere
 
     def _backoff(

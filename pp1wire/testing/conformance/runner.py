@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import secrets
 import ssl as ssl_module
 import sys
 import time
@@ -32,7 +34,11 @@ from pp1wire.wire.messages import Challenge, Error
 
 
 async def run_case(c: Case, s: Settings) -> Outcome:
-    """Run one case with an overall time limit."""
+    """Run one case with an overall time limit, as a group session of its own on a
+    sharded worker group (a fresh nonce: a worker rank keeps a nonce whose link
+    closed out of use while its session could still be matched, §6.7)."""
+    if s.shards > 1:
+        s = dataclasses.replace(s, group=secrets.token_bytes(len(s.group)))
     try:
         await asyncio.wait_for(c.fn(s), timeout=max(s.handshake_wait, s.match_wait) + 20)
     except NonStrictSkip as exc:
