@@ -14,7 +14,13 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from pp1wire.apps import settings
-from pp1wire.apps.settings import SettingsError, host_port, parse
+from pp1wire.apps.settings import (
+    SettingsError,
+    check_writable,
+    host_port,
+    linked_address,
+    parse,
+)
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import spark_cases, spark_side
 from pp1wire.testing.conformance.core import (
@@ -346,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parse(parser, argv)
+        if args.junit:  # before any connection: a run never ends unable to report
+            check_writable("--junit", args.junit)
         if args.spark:
             return spark_main(args)
         cases = select(args.case)
@@ -355,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{c.id:8s} [{c.category}] {c.title}{tag}\n         rule: {c.rule}")
             print(f"{len(cases)} cases")
             return 0
-        host, port = host_port(args.worker)
+        host, port = linked_address(args.worker, args.vocab_shards)
         from pp1wire.apps.settings import read_psk  # noqa: PLC0415
 
         ctx = ssl_module.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
