@@ -67,6 +67,8 @@ CASES = [
         "--metrics-host 0.0.0.0 without --psk-file",
     ),
     ("pp1-spark", ["--metrics-host", "[::1"], "'[::1' is not a listen address"),
+    # Before: accepted, and the followers' collectives gave up while rank 0 waited.
+    ("pp1-spark", ["--tp", "2", "--reply-timeout", "30"], "--reply-timeout 30 is not below"),
     ("pp1-spark", ["--max-prefix", "0"], "--max-prefix: 0 is not an integer >= 1"),
     ("pp1-spark", ["--eos", "999999999"], "--eos 999999999 is not a token ID"),
     ("pp1-spark", ["--temperature", "nan"], "--temperature: 'nan' is not a finite number"),

@@ -110,6 +110,7 @@ def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, suppor
 def test_sharded_spark_rank_processes(group, tp1_worker, tmp_path):
     out = tmp_path / "o.jsonl"
     argv = spark_flags(group.address, "--output", str(out), "--json", "--group-timeout", "10")
+    argv += ["--connect-timeout", "5"]  # below the group timeout (the settings refuse others)
     done = cli.module("pp1wire.spark", *argv, "--tp", "2", "--vocab-shards", "2", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert output_tokens(out) == tokens(run_one(*spark_flags(tp1_worker.address)))

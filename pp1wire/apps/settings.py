@@ -646,6 +646,23 @@ def check_listeners(listeners: Sequence[tuple[str, str]], *, keyed: bool, insecu
             )
 
 
+def check_group_waits(group_timeout: float, waits: Mapping[str, float]) -> None:
+    """A rank of a group waits for its link (``waits``: flag -> seconds, e.g. the reply
+    and connect timeouts) while the other ranks wait for it in a collective, which
+    gives up after ``group_timeout``: each such wait must end before that one, or
+    a legitimate wait (a slow reply, a worker still starting) fails the group.
+
+    Raises:
+        SettingsError: naming the first wait that is not below ``group_timeout``.
+    """
+    for flag, seconds in waits.items():
+        if seconds >= group_timeout:
+            raise SettingsError(
+                f"{flag} {seconds:g} is not below --group-timeout {group_timeout:g}: the "
+                "other ranks wait for that long in a collective, which would fail the group"
+            )
+
+
 def linked_address(text: str, shards: int) -> tuple[str, int]:
     """``--worker HOST:PORT`` of a Spark side with ``shards`` links (rank r connects to
     PORT + r).

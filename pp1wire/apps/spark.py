@@ -340,6 +340,9 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
     if args.vocab_shards not in (1, world):
         raise SettingsError(f"--vocab-shards {args.vocab_shards} needs --tp {args.vocab_shards}")
     settings.linked_address(args.worker, args.vocab_shards)
+    if world > 1 and depth > 0:  # without proposals no rank waits for a link
+        waits = {"--reply-timeout": args.reply_timeout, "--connect-timeout": args.connect_timeout}
+        settings.check_group_waits(args.group_timeout, waits)
     if args.metrics_port is not None:
         settings.check_listeners(
             [("--metrics-host", args.metrics_host)],
