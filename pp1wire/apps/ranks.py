@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -197,7 +198,40 @@ def join_group(
     require_torch("--tp above 1")
     from pp1wire.tp.coordinator import GroupCoordinator  # noqa: PLC0415 - torch is optional
 
-    return GroupCoordinator.join(timeout, layout, device=device)
+    coord = GroupCoordinator.join(timeout, layout, device=device)
+    _JOINED.add(os.getpid())
+    return coord
 
 
-__all__ = ["in_launched_rank", "join_group", "launch", "require_torch", "world_size"]
+_JOINED: set[int] = set()  # the process that joined its group (a fork of it has not)
+
+
+def end_process(code: int) -> int:
+    """Return ``code``, unless this process joined a group: then end it now with ``code``.
+
+    A rank process ends without the interpreter's teardown (``os._exit``, after
+    flushing stdout, stderr and the log handlers; its results are written by
+    then). torch's threads outlive the Python code of a rank: a thread that
+    returns from a collective, or a C++ thread that takes the GIL, once the
+    interpreter has begun to finalize is ended by it with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` frame calls ``std::terminate``: SIGABRT,
+    "terminate called without an active exception" (``docs/tp.md`` §8). The
+    teardown has nothing left to do for a rank, so it is skipped.
+    """
+    if os.getpid() not in _JOINED:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+__all__ = [
+    "end_process",
+    "in_launched_rank",
+    "join_group",
+    "launch",
+    "require_torch",
+    "world_size",
+]

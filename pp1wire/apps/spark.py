@@ -605,7 +605,8 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-spark`` entry point."""
     line = list(sys.argv[1:] if argv is None else argv)
-    return run_daemon("pp1-spark", build_parser(), line, lambda args: run(args, line))
+    code = run_daemon("pp1-spark", build_parser(), line, lambda args: run(args, line))
+    return ranks.end_process(code)  # a rank process ends here
 
 
 if __name__ == "__main__":

@@ -453,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def body(args: argparse.Namespace) -> int:
         return await (check(args, args.check) if args.check else serve(args, line))
 
-    return settings.run_daemon("pp1-worker", build_parser(), line, body)
+    code = settings.run_daemon("pp1-worker", build_parser(), line, body)
+    return ranks.end_process(code)  # a rank process ends here
 
 
 if __name__ == "__main__":
