@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -106,7 +107,9 @@ async def own_keys(s: Settings, stop: asyncio.Event, tally: Tally) -> None:
 async def replay(s: Settings, stop: asyncio.Event, tally: Tally) -> None:
     """The legitimate requests' first STEP, on every slot, from connection after connection."""
     while not stop.is_set():
-        peer = await Peer(s).connect()
+        # A nonce of its own each time: a worker rank keeps a nonce whose link closed
+        # out of use while its session could be matched (docs/protocol.md §6.7).
+        peer = await Peer(dataclasses.replace(s, group=secrets.token_bytes(16))).connect()
         try:
             await peer.handshake()
             for slot in range(SLOTS):

@@ -122,12 +122,22 @@ class Pp1:
         return self
 
     async def fresh(self, slots: list[int], reps: int) -> float:
-        """Median time of fresh rounds on ``slots`` (each after an untimed RESET, so
-        the worker draws: drafter, construction, encoding, transfer, validation)."""
+        """Median time of fresh rounds on ``slots`` (each after an untimed COMMIT of the
+        slot's last round, so the worker draws: drafter, construction, encoding,
+        transfer, validation).
+
+        The last round is committed (one target-only token), as a Spark side does,
+        rather than reset: a RESET would abandon its draw uncommitted, and the
+        worker's default abandon budget refuses a client that keeps doing so
+        (``DRAW_RATE_LIMITED``)."""
         client, samples = self.client, []
         for _ in range(reps):
-            for slot in slots:
-                await client.reset(slot)
+            await asyncio.gather(
+                *(
+                    client.commit(slot, round_id=self.steps[slot].round, tokens=[1], accepted=0)
+                    for slot in slots
+                )
+            )
             t0 = time.perf_counter()
             proposals = await asyncio.gather(
                 *(

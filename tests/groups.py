@@ -52,6 +52,11 @@ def run_group(
     from pp1wire.tp.coordinator import run_in_threads
 
     extra = ["--tp", str(world), "--group-timeout", str(timeout)]
+    # A rank's waits for its link end before the others' collective gives up (the
+    # settings refuse anything else): half the group timeout unless argv chose.
+    for flag, default in (("--reply-timeout", 5.0), ("--connect-timeout", 10.0)):
+        if flag not in argv:
+            extra += [flag, f"{min(default, timeout / 2):g}"]
     if sharded:
         extra += ["--vocab-shards", str(world)]
     args = args_of(*argv, *extra)

@@ -406,3 +406,33 @@ def test_group_memory_smoke():
     )  # fmt: skip
     assert result["growth_mib"] == pytest.approx(result["peak_mib"] - result["baseline_mib"])
     assert result["growth_within_bound"]
+
+
+def test_run_py_fresh_rounds_abandon_no_draw():
+    # Before: each fresh round RESET its slots first, abandoning their uncommitted
+    # draws, and the worker's default abandon budget refused the benchmark
+    # (DRAW_RATE_LIMITED). It commits each slot's last round instead: 8 fresh
+    # rounds of 4 slots (32 draws, twice the default burst) run, and the last
+    # rounds are still answered from the worker's cache.
+    import asyncio
+    import importlib.util
+
+    from pp1wire.apps.launch import worker_process
+
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH / "run.py")
+    assert spec is not None
+    assert spec.loader is not None
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    async def rounds(port: int) -> float:
+        pp1 = await run.Pp1.setup(port)
+        try:
+            seconds = await pp1.fresh(run.DENSE_SLOTS, 8)
+            await pp1.replay(run.DENSE_SLOTS)
+        finally:
+            await pp1.client.close()
+        return float(seconds)
+
+    with worker_process("--max-slots", "8", vocab=run.VOCAB) as worker:
+        assert asyncio.run(rounds(worker.port)) > 0

@@ -34,6 +34,7 @@ def _files(tmp_path):
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     (tmp_path / "long.jsonl").write_text("[1, 2, 3, 4, 5, 6]\n")
     (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    (tmp_path / "empty_prompt.jsonl").write_text("[1, 2]\n[]\n")
 
 
 # program, arguments (``{tmp}`` is the test's directory), what the one line must say
@@ -51,6 +52,23 @@ CASES = [
     ("pp1-spark", ["--prompts", "{tmp}/huge.jsonl"], "huge.jsonl:1: Exceeds the limit"),
     ("pp1-spark", ["--prompts", "{tmp}/deep.jsonl"], "deep.jsonl:1: maximum recursion"),
     ("pp1-spark", ["--prompts", "{tmp}/long.jsonl", "--max-prefix", "4"], "longer than"),
+    # Before: an empty prompt reached the connect step (and every OPEN was refused).
+    ("pp1-spark", ["--prompts", "{tmp}/empty_prompt.jsonl"], "empty_prompt.jsonl:2: an empty"),
+    # Before: rank 1 tried port 65536.
+    (
+        "pp1-spark",
+        ["--worker", "127.0.0.1:65535", "--tp", "2", "--vocab-shards", "2"],
+        "--worker 127.0.0.1:65535 with --vocab-shards 2: rank 1 would connect to port 65536",
+    ),
+    # Before: protected mode did not cover the metrics endpoint.
+    (
+        "pp1-spark",
+        ["--metrics-host", "0.0.0.0", "--metrics-port", "0"],
+        "--metrics-host 0.0.0.0 without --psk-file",
+    ),
+    ("pp1-spark", ["--metrics-host", "[::1"], "'[::1' is not a listen address"),
+    # Before: accepted, and the followers' collectives gave up while rank 0 waited.
+    ("pp1-spark", ["--tp", "2", "--reply-timeout", "30"], "--reply-timeout 30 is not below"),
     ("pp1-spark", ["--max-prefix", "0"], "--max-prefix: 0 is not an integer >= 1"),
     ("pp1-spark", ["--eos", "999999999"], "--eos 999999999 is not a token ID"),
     ("pp1-spark", ["--temperature", "nan"], "--temperature: 'nan' is not a finite number"),

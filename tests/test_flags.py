@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pp1wire.apps import settings
+from pp1wire.apps import settings, worker
 from pp1wire.apps.launch import worker_process
 from pp1wire.apps.settings import SettingsError
 
@@ -148,6 +148,37 @@ def test_plugins_must_be_callables_that_make_callables():
     assert settings.make_plugin("pp1wire.apps.models:drafter_factory", vocab_size=8, seed=0)
 
 
+def test_a_bracketed_ipv6_listen_address_is_the_address():
+    # Before: --host [::1] passed the exposure check and failed to bind.
+    parser = worker.build_parser()
+    args = settings.parse(parser, ["--host", "[::1]", "--metrics-host", "[::1]"], environ={})
+    assert (args.host, args.metrics_host) == ("::1", "::1")
+    assert settings.address_text("::1", 7070) == "[::1]:7070"
+    assert settings.host_port(settings.address_text("::1", 7070)) == ("::1", 7070)
+    assert settings.address_text("127.0.0.1", 7070) == "127.0.0.1:7070"
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_worker_listens_on_a_bracketed_ipv6_address_and_says_where():
+    with worker_process("--host", "[::1]", "--metrics-port", "0", "--metrics-host", "[::1]") as w:
+        assert w.address.startswith("[::1]:"), w.address
+        assert w.metrics is not None
+        assert w.metrics.startswith("[::1]:"), w.metrics
+        done = cli.module("pp1wire.apps.worker", "--check", w.address, "--vocab", "16")
+    assert done.returncode == 0, done.stderr
+
+
 def test_exposed_addresses():
     assert not any(map(settings.exposed, ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"]))
     assert all(map(settings.exposed, ["0.0.0.0", "::", "", "10.0.0.1", "worker.example"]))
@@ -164,6 +195,15 @@ CASES = [
     (WORKER, ["--host", "0.0.0.0"], "--host 0.0.0.0 without --psk-file"),
     (WORKER, ["--host", "::", "--port", "0"], "--host :: without --psk-file"),
     (WORKER, ["--tp", "2", "--vocab-shards", "2", "--port", "65535"], "would listen on port 65536"),
+    # Before: protected mode covered --host only; /metrics was served on 0.0.0.0.
+    (
+        WORKER,
+        ["--metrics-host", "0.0.0.0", "--metrics-port", "0"],
+        "--metrics-host 0.0.0.0 without --psk-file",
+    ),
+    (WORKER, ["--host", "[::1", "--port", "0"], "'[::1' is not a listen address (brackets"),
+    (WORKER, ["--host", "[localhost]"], "'[localhost]' is not a listen address (brackets hold"),
+    (WORKER, ["--metrics-host", "[10.0.0.1]"], "'[10.0.0.1]' is not a listen address"),
     (WORKER, ["--tp", "100000"], "--tp: 100000 is not a number of ranks in 1..16"),
     (WORKER, ["--group-timeout", "1e300"], "--group-timeout: 1e+300 is not a duration"),
     (WORKER, ["--idle-timeout", "inf"], "--idle-timeout: 'inf' is not a finite number"),
@@ -209,6 +249,14 @@ CASES = [
     (CONFORMANCE, ["--vocab", "-3"], "--vocab: -3 is not a vocabulary size"),
     (CONFORMANCE, ["--timeout", "1e300"], "--timeout: 1e+300 is not a duration"),
     (CONFORMANCE, ["--vocab-shards", "0"], "--vocab-shards: 0 is not a number of ranks"),
+    # Before: checked only once the cases had run against a worker.
+    (CONFORMANCE, ["--junit", "/"], "--junit /: Is a directory"),
+    (CONFORMANCE, ["--junit", "/no/such/dir/r.xml"], "--junit /no/such/dir/r.xml: No such file"),
+    (
+        CONFORMANCE,
+        ["--worker", "127.0.0.1:65535", "--vocab-shards", "2"],
+        "rank 1 would connect to port 65536, above 65535",
+    ),
 ]
 
 PROG = {WORKER: "pp1-worker", DEMO: "pp1-demo", CONFORMANCE: "pp1-conformance"}

@@ -110,6 +110,7 @@ def test_sharded_tp2_emits_the_tokens_of_unsharded_tp1(group, tp1_worker, suppor
 def test_sharded_spark_rank_processes(group, tp1_worker, tmp_path):
     out = tmp_path / "o.jsonl"
     argv = spark_flags(group.address, "--output", str(out), "--json", "--group-timeout", "10")
+    argv += ["--connect-timeout", "5"]  # below the group timeout (the settings refuse others)
     done = cli.module("pp1wire.spark", *argv, "--tp", "2", "--vocab-shards", "2", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert output_tokens(out) == tokens(run_one(*spark_flags(tp1_worker.address)))
@@ -308,9 +309,12 @@ def test_no_step_is_matched_across_group_sessions_in_20_collide_attempts(group):
 
 def test_a_second_link_of_one_group_session_on_a_rank_is_refused(group):
     # One live link per group nonce and rank: its STEPs are matched unambiguously. Once
-    # the first link closes, the nonce is free again.
+    # the first link closes, the nonce stays closed while its session could still be
+    # matched (tests/test_worker_group_sessions.py), then it is free again: here no
+    # other rank has a link of it, so after the match timeout.
     import asyncio
     import dataclasses
+    import time
 
     from pp1wire.errors import ErrorCode
     from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
@@ -331,15 +335,18 @@ def test_a_second_link_of_one_group_session_on_a_rank_is_refused(group):
         finally:
             second.close()
         first.close()
-        for attempt in range(100):  # until the worker has seen the first link close
+        deadline = time.monotonic() + MATCH_TIMEOUT + 10
+        attempt = 0
+        while time.monotonic() < deadline:
             third = await link()
             try:
                 await third.open_slot()
                 return attempt
             except CaseFailed:
-                continue
+                attempt += 1
+                await asyncio.sleep(0.1)
             finally:
                 third.close()
-        raise AssertionError("the group nonce stayed in use after its link closed")
+        raise AssertionError("the group nonce stayed in use after its session ended")
 
     asyncio.run(scenario())

@@ -97,6 +97,7 @@ def test_rank_processes_started_by_the_tp_flag(worker, tmp_path):
     # The torchrun path is taken by the dead-rank test below.
     out = tmp_path / "o.jsonl"
     argv = flags(worker.address, "--output", str(out), "--json", "--group-timeout", "10")
+    argv += ["--connect-timeout", "5"]  # below the group timeout (the settings refuse others)
     done = cli.run(sys.executable, "-m", "pp1wire.spark", *argv, "--tp", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert output_tokens(out) == tokens(run_one(*flags(worker.address)))
@@ -189,6 +190,7 @@ def test_a_dead_rank_process_fails_the_group_closed(worker, tmp_path):
     out = tmp_path / "o.jsonl"
     before = committed(worker)
     argv = flags(worker.address, "--max-tokens", "40", "--output", str(out), "--group-timeout", "2")
+    argv += ["--reply-timeout", "1", "--connect-timeout", "1"]
     started = time.monotonic()
     done = cli.run(
         sys.executable,
@@ -240,7 +242,7 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
     import signal
     import subprocess
 
-    argv = ["--worker", "127.0.0.1:1", "--connect-timeout", "60", "--vocab", str(VOCAB)]
+    argv = ["--worker", "127.0.0.1:1", "--connect-timeout", "25", "--vocab", str(VOCAB)]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "pp1wire.spark", *argv, "--tp", "2"],
         stdout=subprocess.DEVNULL,
@@ -263,3 +265,57 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
             launcher.wait()
         assert launcher.stderr is not None
         launcher.stderr.close()
+
+
+def test_a_link_wait_past_the_group_timeout_fails_the_group_so_it_is_refused():
+    # Confirmed: with --reply-timeout above --group-timeout, rank 0 waiting for a
+    # slow proposal (3 s here, within its 4 s reply timeout) leaves the follower in
+    # a collective past the 2 s group timeout, and the group fails though nothing
+    # went wrong. The settings refuse that combination now (and --connect-timeout's).
+    import asyncio
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from pp1wire.apps import spark
+    from pp1wire.apps.settings import SettingsError
+    from pp1wire.tp.coordinator import GroupCoordinator
+
+    from .groups import args_of
+
+    env = {**os.environ, "PP1_PACED_DRAFTER_MS": "3000"}
+    drafter = ("--drafter", "pp1wire.apps.paced:drafter_factory")
+    with worker_process(*drafter, vocab=VOCAB, seed=SEED, env=env) as slow:
+        argv = workload(slow.address, vocab=VOCAB, seed=SEED, requests=1, tokens=2, slots=1)
+        argv += ["--depth", "1", "--tp", "2", "--group-timeout", "2"]
+        refused = (("4", "1", "--reply-timeout 4"), ("1", "4", "--connect-timeout 4"))
+        for reply, connect, says in refused:
+            with pytest.raises(SettingsError, match=f"{says} is not below --group-timeout 2"):
+                spark.check_settings(
+                    args_of(*argv, "--reply-timeout", reply, "--connect-timeout", connect)
+                )
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        results: list[object] = [None, None]
+
+        def rank_main(rank: int) -> None:
+            args = args_of(*argv, "--reply-timeout", "1", "--connect-timeout", "1")
+            plan, mode = spark.check_settings(args)
+            args.reply_timeout = 4.0  # what the settings accepted before
+            coord = GroupCoordinator.over_store(store, rank, 2, 2.0)
+            try:
+                results[rank] = asyncio.run(spark.run_rank(args, plan, mode, coord))
+            except BaseException as exc:  # reported below
+                results[rank] = exc
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    lead_run = results[0]
+    assert isinstance(lead_run, spark.RankRun), results
+    assert lead_run.code == 3, lead_run  # the group failed
+    assert lead_run.summary is not None
+    assert "GROUP_FAILED" in lead_run.summary["tp_failure"]
+    assert lead_run.summary["fallbacks_by_reason"].get("reply_timeout", 0) == 0  # nothing late

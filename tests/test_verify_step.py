@@ -675,3 +675,29 @@ def test_a_round_the_compiled_step_could_not_draw_for_is_walked_in_numpy(monkeyp
     plans_ = [Plan(d, None, False, "counts", ["ok"] * 6, False, False, False) for d in (4, 0, 2)]
     check_same(300, plans_)
     assert failed == [3]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_tensor_rows_decide_alike_in_every_form(step_path, dtype):
+    # One conversion for every form of a step's rows: a bf16 matrix was widened
+    # exactly, while a per-prefix target's bf16 rows (and the per-request
+    # verifier's) were unreadable, so every round failed TARGET_FAILED.
+    torch = pytest.importorskip("torch")
+    plans_ = [
+        Plan(d, None, False, q, ["ok"] * 6, False, False, False)
+        for d, q in ((4, "q32"), (0, "counts"), (3, "i32"))
+    ]
+    (as_matrix, per_request), matrix, spans = build(300, plans_)
+    (per_prefix, _), _, _ = build(300, plans_)
+    rows = torch.from_numpy(matrix).to(getattr(torch, dtype))
+
+    def target(prefixes):
+        assert len(prefixes) == len(rows)
+        return list(rows)  # one 1-D tensor per prefix, as a per-prefix plugin gives them
+
+    want = [outcome(w) for w in reference(per_request, rows.double().numpy(), spans, True)]
+    assert not any(isinstance(w[0], ErrorCode) for w in want)
+    assert [outcome(g) for g in verify_step(as_matrix, rows)] == want
+    assert [outcome(g) for g in verify_batch(per_prefix, target)] == want
+    (each, _), _, _ = build(300, plans_)
+    assert [outcome(g) for g in reference(each, rows, spans, True)] == want

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -70,19 +71,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world: int, argv: Sequence[str], module: str) -> int:
-    """Start ``world`` ranks of ``python -m module argv`` on this machine and wait for them.
+def launch(world: int, argv: Sequence[str], module: str, *, grace: float = _STOP_GRACE) -> int:
+    """Start ``world`` ranks of ``python -m module argv`` on this machine and supervise them.
 
     Every rank gets the rendezvous environment ``torch.distributed`` reads
     (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) and
     one OpenMP thread unless the caller chose (as torchrun does: N ranks that
     each spin a thread per core were measured 2.1x slower). SIGTERM and SIGINT
-    are passed on to every rank; a rank that fails makes the others stop
-    (SIGTERM, then SIGKILL after a grace period), and every rank is reaped
-    before this returns.
+    are passed on to every rank. The group lives only while all its ranks do:
+    the first rank that exits, for any reason (a failure, a signal, or exit 0
+    while the others run), ends it — the others get SIGTERM, then SIGKILL
+    after ``grace`` seconds — and every rank is reaped before this returns.
 
-    Returns 0 when every rank exited 0, else the exit code of the lowest rank
-    that failed (one line on stderr names it).
+    Returns the code of the first failure, in the order the ranks exited (one
+    line on stderr names the rank): a rank's own non-zero exit code, 128 + N for
+    a rank that signal N ended (unless this launcher sent it N), or 1 for a
+    rank that had to be killed after the grace period. 0 when there was none.
 
     Raises:
         SettingsError: if torch is not installed.
@@ -91,49 +95,93 @@ def launch(world: int, argv: Sequence[str], module: str) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
-    procs: list[subprocess.Popen[bytes]] = []
-    signalled: list[int] = []
+    group = _Group(module, grace)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        signalled.append(signum)
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signum)
+        group.stop(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for rank in range(world):
-            if signalled:  # stopped while starting: no rank is started after the signal
+            if group.stopping is not None:  # stopped while starting: no rank starts after it
                 break
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=rank_env))
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-            if failed_at is not None and time.monotonic() - failed_at > _STOP_GRACE:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
+            group.procs.append(
+                subprocess.Popen([sys.executable, "-m", module, *argv], env=rank_env)
+            )
+        while not group.poll():
+            time.sleep(_POLL)
     finally:
-        for p in procs:  # never leave a rank behind (an exception here, a second signal)
+        for p in group.procs:  # never leave a rank behind (an exception here, a second signal)
             if p.poll() is None:
                 p.kill()
             p.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    codes = [p.returncode for p in procs]
-    for rank, code in enumerate(codes):
-        if code != 0:
-            if code < 0 and signalled:
-                continue  # stopped by the signal this launcher passed on
-            print(f"{module}: rank {rank} exited with {code}", file=sys.stderr)
-            return code if code > 0 else 1
-    return 0
+    return group.code()
+
+
+_POLL = 0.05  # seconds between looks at the ranks
+
+
+class _Group:
+    """The ranks of one launch and what became of each, in the order they exited."""
+
+    def __init__(self, module: str, grace: float) -> None:
+        self.module = module
+        self.grace = grace
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopping: float | None = None  # when the group was told to stop
+        self.sent: dict[int, set[int]] = {}  # rank -> signals this launcher sent it
+        self.killed: set[int] = set()  # ranks killed after the grace period
+        self.exits: list[tuple[int, int]] = []  # (rank, returncode), in exit order
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Send ``signum`` to every rank still running (a forwarded signal, or the end of
+        the group); the grace period starts with the first stop."""
+        if self.stopping is None:
+            self.stopping = time.monotonic()
+        for rank, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.sent.setdefault(rank, set()).add(signum)
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signum)
+
+    def poll(self) -> bool:
+        """Look at every rank once (not only up to the first live one); stop the group
+        at its first exit, kill what outlives the grace. Whether every rank has exited."""
+        seen = {rank for rank, _ in self.exits}
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None and rank not in seen:
+                self.exits.append((rank, code))
+        running = len(self.exits) < len(self.procs)
+        if self.exits and running and self.stopping is None:
+            self.stop()
+        late = self.stopping is not None and time.monotonic() - self.stopping > self.grace
+        if running and late:
+            for rank, p in enumerate(self.procs):
+                if p.poll() is None and rank not in self.killed:
+                    self.killed.add(rank)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+        return not running
+
+    def code(self) -> int:
+        """The first failure's exit code (0: none); one line on stderr names it."""
+        for rank, code in self.exits:
+            if rank in self.killed:
+                print(
+                    f"{self.module}: rank {rank} did not stop within {self.grace:g} s of "
+                    "the group's end: killed",
+                    file=sys.stderr,
+                )
+                return 1
+            if code == 0 or -code in self.sent.get(rank, ()):
+                continue  # a clean exit, or the signal this launcher sent it
+            print(f"{self.module}: rank {rank} exited with {code}", file=sys.stderr)
+            return code if code > 0 else 128 - code
+        return 0
 
 
 def join_group(
@@ -150,7 +198,40 @@ def join_group(
     require_torch("--tp above 1")
     from pp1wire.tp.coordinator import GroupCoordinator  # noqa: PLC0415 - torch is optional
 
-    return GroupCoordinator.join(timeout, layout, device=device)
+    coord = GroupCoordinator.join(timeout, layout, device=device)
+    _JOINED.add(os.getpid())
+    return coord
 
 
-__all__ = ["in_launched_rank", "join_group", "launch", "require_torch", "world_size"]
+_JOINED: set[int] = set()  # the process that joined its group (a fork of it has not)
+
+
+def end_process(code: int) -> int:
+    """Return ``code``, unless this process joined a group: then end it now with ``code``.
+
+    A rank process ends without the interpreter's teardown (``os._exit``, after
+    flushing stdout, stderr and the log handlers; its results are written by
+    then). torch's threads outlive the Python code of a rank: a thread that
+    returns from a collective, or a C++ thread that takes the GIL, once the
+    interpreter has begun to finalize is ended by it with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` frame calls ``std::terminate``: SIGABRT,
+    "terminate called without an active exception" (``docs/tp.md`` §8). The
+    teardown has nothing left to do for a rank, so it is skipped.
+    """
+    if os.getpid() not in _JOINED:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+__all__ = [
+    "end_process",
+    "in_launched_rank",
+    "join_group",
+    "launch",
+    "require_torch",
+    "world_size",
+]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
 import math
 import os
 import sys
+import tempfile
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
@@ -152,6 +154,35 @@ connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
 rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1e6)
 #: A name carried in HELLO (at most 128 characters).
 name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
+
+
+def _listen_host(raw: object) -> str:
+    if not isinstance(raw, str):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a string")
+    if not (raw.startswith("[") or raw.endswith("]")):
+        return raw
+    inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else ""
+    try:
+        ipaddress.IPv6Address(inner)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not a listen address (brackets hold an IPv6 address, as in [::1])"
+        ) from None
+    return inner
+
+
+#: A listen address (``--host``, ``--metrics-host``): a name, an IPv4 address, or an IPv6
+#: address with or without brackets (``[::1]`` listens on ``::1``).
+listen_host = _described(
+    _listen_host,
+    "a listen address: a name, an IPv4 address, or an IPv6 address ([::1] or ::1)",
+    str,
+)
+
+
+def address_text(host: str, port: int) -> str:
+    """``HOST:PORT`` as :func:`host_port` reads it back (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def depth_or_auto(raw: object) -> int | str:
@@ -544,9 +575,11 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     add_link_flags(p)
     p.add_argument(
         "--metrics-host",
+        type=listen_host,
         default="127.0.0.1",
         metavar="HOST",
-        help="address of the Prometheus endpoint",
+        help="address of the Prometheus endpoint; without --psk-file, an address other than "
+        "loopback needs --insecure",
     )
     p.add_argument(
         "--metrics-port",
@@ -554,6 +587,13 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         default=None,
         metavar="PORT",
         help="Prometheus port, GET /metrics (0: any free port; default: unset, no endpoint)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen on an address other than loopback without --psk-file (the worker's "
+        "--host, either daemon's --metrics-host): anyone who can reach it may use it (open "
+        "sessions and make the worker draw; read /metrics)",
     )
     p.add_argument(
         "--log-level",
@@ -585,6 +625,80 @@ def exposed(host: str) -> bool:
         return not ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return True
+
+
+def check_listeners(listeners: Sequence[tuple[str, str]], *, keyed: bool, insecure: bool) -> None:
+    """Protected mode, for every listener a daemon opens: ``listeners`` are its
+    ``(flag, host)`` pairs; one beyond loopback (:func:`exposed`) needs a key
+    (``keyed``: ``--psk-file``) or ``insecure`` (``--insecure``).
+
+    Raises:
+        SettingsError: naming the first listener beyond loopback, without a key or
+            ``--insecure``.
+    """
+    if keyed or insecure:
+        return
+    for flag, host in listeners:
+        if exposed(host):
+            raise SettingsError(
+                f"{flag} {host} without --psk-file: anyone who can reach it could use it; "
+                "give a key, listen on 127.0.0.1, or pass --insecure"
+            )
+
+
+def check_group_waits(group_timeout: float, waits: Mapping[str, float]) -> None:
+    """A rank of a group waits for its link (``waits``: flag -> seconds, e.g. the reply
+    and connect timeouts) while the other ranks wait for it in a collective, which
+    gives up after ``group_timeout``: each such wait must end before that one, or
+    a legitimate wait (a slow reply, a worker still starting) fails the group.
+
+    Raises:
+        SettingsError: naming the first wait that is not below ``group_timeout``.
+    """
+    for flag, seconds in waits.items():
+        if seconds >= group_timeout:
+            raise SettingsError(
+                f"{flag} {seconds:g} is not below --group-timeout {group_timeout:g}: the "
+                "other ranks wait for that long in a collective, which would fail the group"
+            )
+
+
+def linked_address(text: str, shards: int) -> tuple[str, int]:
+    """``--worker HOST:PORT`` of a Spark side with ``shards`` links (rank r connects to
+    PORT + r).
+
+    Raises:
+        SettingsError: as :func:`host_port`, or a last rank's port above 65535.
+    """
+    host, port = host_port(text)
+    if port + shards - 1 > 0xFFFF:
+        raise SettingsError(
+            f"--worker {text} with --vocab-shards {shards}: rank {shards - 1} would connect to "
+            f"port {port + shards - 1}, above 65535"
+        )
+    return host, port
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Check that a run could write ``path`` at its end, creating and changing nothing:
+    an existing file must open for writing, and its folder must take a new file.
+
+    Raises:
+        SettingsError: if an existing ``path`` cannot be opened for writing (a folder,
+            a file without write permission), or its folder is missing or cannot be
+            written.
+    """
+    target = Path(path)
+    try:
+        # Without O_CREAT a missing file stays missing (made at the end: its folder is
+        # what must be writable); O_NONBLOCK: a FIFO without a reader is refused
+        # instead of blocking the check.
+        with contextlib.suppress(FileNotFoundError):
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        raise SettingsError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
 def run_daemon(

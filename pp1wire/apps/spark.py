@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -104,6 +103,8 @@ def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
         ):
             raise SettingsError(f"prompts {path}:{n}: need a JSON list of token IDs < {vocab}")
+        if not tokens:  # an OPEN's prefix holds at least one token (docs/protocol.md §4.3)
+            raise SettingsError(f"prompts {path}:{n}: an empty prompt (at least one token)")
         prompts.append(tokens)
     if not prompts:
         raise SettingsError(f"prompts {path}: no prompts")
@@ -142,16 +143,7 @@ class Output:
                 or cannot be written.
         """
         self.path = Path(path)
-        try:
-            # Without O_CREAT a missing file stays missing (made at the end: its folder is
-            # what must be writable); O_NONBLOCK: a FIFO without a reader is refused
-            # instead of blocking the check.
-            with contextlib.suppress(FileNotFoundError):
-                os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
-            with tempfile.TemporaryFile(dir=self.path.parent):
-                pass
-        except OSError as exc:
-            raise SettingsError(f"--output {path}: {exc.strerror or exc}") from None
+        settings.check_writable("--output", path)
 
     def write(self, records: Sequence[RequestRecord]) -> None:
         """Replace the file with one JSON object per record.
@@ -343,11 +335,20 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
     longest = max(len(p) for p in prompts)
     if longest > args.max_prefix:
         raise SettingsError(f"a prompt of {longest} tokens is longer than --max-prefix")
-    host_port(args.worker)
     world = ranks.world_size(args)
     sharded = args.vocab_shards > 1
     if args.vocab_shards not in (1, world):
         raise SettingsError(f"--vocab-shards {args.vocab_shards} needs --tp {args.vocab_shards}")
+    settings.linked_address(args.worker, args.vocab_shards)
+    if world > 1 and depth > 0:  # without proposals no rank waits for a link
+        waits = {"--reply-timeout": args.reply_timeout, "--connect-timeout": args.connect_timeout}
+        settings.check_group_waits(args.group_timeout, waits)
+    if args.metrics_port is not None:
+        settings.check_listeners(
+            [("--metrics-host", args.metrics_host)],
+            keyed=bool(args.psk_file),
+            insecure=args.insecure,
+        )
     if sharded and args.audit:
         raise SettingsError("--audit is not available with --vocab-shards (no rank holds all q)")
     if sharded and stop.kind is not StopKind.FIXED:
@@ -509,7 +510,8 @@ async def run_rank(
         metrics_server = await metrics.serve(m.registry, args.metrics_host, args.metrics_port)
         bound = metrics_server.sockets[0].getsockname()[1]
         # stderr: stdout carries the summary (--json parses it whole).
-        print(f"pp1-spark metrics on {args.metrics_host}:{bound}", file=sys.stderr, flush=True)
+        shown = settings.address_text(args.metrics_host, bound)
+        print(f"pp1-spark metrics on {shown}", file=sys.stderr, flush=True)
     try:
         stopped = False
         if link is not None:
@@ -609,7 +611,8 @@ def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-spark`` entry point."""
     line = list(sys.argv[1:] if argv is None else argv)
-    return run_daemon("pp1-spark", build_parser(), line, lambda args: run(args, line))
+    code = run_daemon("pp1-spark", build_parser(), line, lambda args: run(args, line))
+    return ranks.end_process(code)  # a rank process ends here
 
 
 if __name__ == "__main__":

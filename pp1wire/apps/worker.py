@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host",
+        type=settings.listen_host,
         default="127.0.0.1",
         metavar="HOST",
         help="listen address; without --psk-file, an address other than loopback needs --insecure",
@@ -268,12 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM private key for --tls-cert (default: in the certificate file)",
     )
     p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="listen on an address other than loopback without --psk-file: anyone who can "
-        "reach it may open sessions and make it draw",
-    )
-    p.add_argument(
         "--check",
         default=None,
         metavar="HOST:PORT",
@@ -324,17 +319,17 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
 
 
 def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
-    """Refuse to serve beyond loopback without a key unless told ``--insecure``.
+    """Refuse to listen beyond loopback without a key unless told ``--insecure``: the
+    protocol listener, and the metrics endpoint when there is one.
 
     Raises:
         settings.SettingsError: for an address other than loopback with neither
             ``--psk-file`` nor ``--insecure``.
     """
-    if config.psk is None and not args.insecure and settings.exposed(args.host):
-        raise settings.SettingsError(
-            f"--host {args.host} without --psk-file: anyone who can reach it could use this "
-            "worker; give a key, listen on 127.0.0.1, or pass --insecure"
-        )
+    listeners = [("--host", args.host)]
+    if getattr(args, "metrics_port", None) is not None:
+        listeners.append(("--metrics-host", args.metrics_host))
+    settings.check_listeners(listeners, keyed=config.psk is not None, insecure=args.insecure)
 
 
 async def check(args: argparse.Namespace, target: str) -> int:
@@ -424,7 +419,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             server.metrics.registry, args.metrics_host, args.metrics_port
         )
         bound = metrics_server.sockets[0].getsockname()[1]
-        shown = f"pp1-worker metrics on {args.metrics_host}:{bound}"
+        shown = f"pp1-worker metrics on {settings.address_text(args.metrics_host, bound)}"
         print(shown if rank == 0 else f"{shown} (rank {rank})", file=out, flush=True)
     log.info(
         "listening",
@@ -437,7 +432,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             "metrics_port": args.metrics_port,
         },
     )
-    line = f"pp1-worker listening on {args.host}:{port}"
+    line = f"pp1-worker listening on {settings.address_text(args.host, port)}"
     print(line if rank == 0 else f"{line} (rank {rank})", file=out, flush=True)
     await stop.wait()
     log.info("draining", extra={"connections": len(server.conns)})
@@ -458,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def body(args: argparse.Namespace) -> int:
         return await (check(args, args.check) if args.check else serve(args, line))
 
-    return settings.run_daemon("pp1-worker", build_parser(), line, body)
+    code = settings.run_daemon("pp1-worker", build_parser(), line, body)
+    return ranks.end_process(code)  # a rank process ends here
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, flo
     Raises:
         VerifyError: as :func:`check_target`.
     """
-    arr = host_array(p, np.float64)  # numpy, or an engine's tensor (viewed, not copied, on the CPU)
+    arr = host_rows(p, np.float64)  # numpy, or an engine's tensor (viewed, not copied, on the CPU)
     if arr.shape != (vocab_size,):
         raise VerifyError(
             ErrorCode.TARGET_FAILED, f"target shape {arr.shape}, expected ({vocab_size},)"
@@ -106,6 +106,27 @@ def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, flo
     if not (total > 0 and np.isfinite(total)):
         raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
     return arr, float(total)
+
+
+def host_rows(x: Any, dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
+    """Target rows on the host, the one conversion of every form they come in: one row
+    (the per-request verifier's, or a per-prefix target's) or a step's matrix.
+
+    As :func:`~pp1wire.q.arrays.host_array` (CPU memory viewed, a device's copied
+    once), and a tensor numpy cannot view (bf16) is first widened exactly on its
+    side: a narrower float to float32, which holds every such value, anything
+    else to float64. So a bf16 row means the same number in every form.
+
+    Raises:
+        BufferError, RuntimeError, TypeError: ``x`` is not readable as an array.
+    """
+    try:
+        return host_array(x, dtype)
+    except (BufferError, RuntimeError, TypeError):
+        if not (callable(getattr(x, "is_floating_point", None)) and hasattr(x, "double")):
+            raise
+        narrow = x.is_floating_point() and x.element_size() < 4
+        return host_array(x.float() if narrow else x.double(), dtype)
 
 
 class CheckedRow:
@@ -295,7 +316,8 @@ class StepRows:
     tensor on any device) or a sequence of rows (a per-prefix target's
     results). Rows on the host are viewed, not copied, when they are float32
     or float64 (other dtypes are widened once, exactly: a narrower float such
-    as bf16 to float32, anything else to float64); a 2-D torch tensor on
+    as bf16 to float32, anything else to float64), the same way in either form
+    and for the per-request verifier (:func:`host_rows`); a 2-D torch tensor on
     another device stays there (:attr:`device`).
     """
 
@@ -310,11 +332,7 @@ class StepRows:
         """``probs``: the step's rows as one 2-D array or tensor (the caller checked its shape)."""
         if _on_device(probs):
             return cls(probs, device=probs)
-        try:
-            matrix = host_array(probs)
-        except (BufferError, RuntimeError, TypeError):  # a CPU tensor numpy cannot view (bf16)
-            narrow = probs.dtype.is_floating_point and probs.dtype.itemsize < 4
-            matrix = host_array(probs.float() if narrow else probs.double())  # both exact
+        matrix = host_rows(probs)
         if matrix.dtype not in _FLOATS:
             matrix = host_array(matrix, _widened(matrix.dtype))
         return cls(matrix)
@@ -348,7 +366,7 @@ class StepRows:
         arr: npt.NDArray[Any] | None
         try:
             raw = self._raw[index]
-            arr = raw if isinstance(raw, np.ndarray) else host_array(raw)
+            arr = raw if isinstance(raw, np.ndarray) else host_rows(raw)
             if arr.dtype not in _FLOATS:
                 arr = host_array(raw, _widened(arr.dtype))
         except Exception:  # diagnosed, if the round reaches it, as the verifier would

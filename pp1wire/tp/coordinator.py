@@ -121,7 +121,7 @@ class GroupCoordinator:
             local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
             coord.device = torch.device("cuda", local)
             torch.cuda.set_device(coord.device)
-            coord.device_group = dist.new_group(backend="nccl", timeout=delta)
+            coord.device_group = nccl_group(delta)
         coord.collectives = 0  # the group's count of collectives starts with its rounds
         return coord
 
@@ -229,6 +229,32 @@ class GroupCoordinator:
         return bool(out[0])
 
 
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+"""The variable that makes a NCCL group's ``wait()`` block the calling thread and raise
+at its timeout; read when the group is made."""
+
+
+def nccl_group(timeout: timedelta) -> Group:
+    """A NCCL group of every rank whose collectives fail the way gloo's do.
+
+    By default a NCCL collective's ``wait()`` only orders the current CUDA
+    stream: the host blocks later, in the copy that reads the result, and a
+    collective a dead rank never joins is found by NCCL's watchdog thread,
+    which at the timeout ends the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    defaults to tearing it down: SIGABRT, no result written). In blocking-wait
+    mode there is no watchdog; ``wait()`` blocks until the collective completes
+    or ``timeout`` passes, then aborts the communicator and raises
+    ``DistBackendError`` (a ``RuntimeError``), which :meth:`GroupCoordinator._run`
+    turns into :class:`GroupFailedError`: the group fails closed. The mode is
+    set unless the environment already chose (``TORCH_NCCL_BLOCKING_WAIT``).
+
+    Raises:
+        RuntimeError: from ``torch.distributed`` if the group cannot be made.
+    """
+    os.environ.setdefault(BLOCKING_WAIT, "1")
+    return dist.new_group(backend="nccl", timeout=timeout)
+
+
 def run_in_threads(
     world: int,
     body: Callable[[GroupCoordinator], _T],
@@ -266,10 +292,12 @@ def run_in_threads(
 
 
 __all__ = [
+    "BLOCKING_WAIT",
     "MAX",
     "MIN",
     "GroupCoordinator",
     "GroupFailedError",
     "ReduceOp",
+    "nccl_group",
     "run_in_threads",
 ]

@@ -11,8 +11,10 @@ group, and no thread ever waits for a match:
   nonce, then slot, generation, round, position, prefix digest, depth,
   support, temperature, context and terminal token (nothing of it is copied:
   the slot's prefix cannot change while its draw is outstanding);
-* the ranks exchange the keys they hold, and their live links' nonces (one
-  all-gather of fixed size), when any of them has a new STEP, again soon
+* the ranks exchange the keys they hold that can match — those of a group
+  session that has a live link on every rank, in a window shared fairly
+  between sessions — and their live links' nonces (one all-gather of fixed
+  size), when any of them has a new STEP, again soon
   while one holds a STEP that only some ranks hold yet but every rank could
   (its session has a live link on each), and at least every ``beat``
   seconds; a key that every rank holds is **matched**, the same set on every
@@ -182,7 +184,13 @@ class ShardedDrafting:
         self.draws = 0  # STEPs drawn by the group (the same count on every rank)
         self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
         self._links: dict[Hashable, bytes] = {}
+        # Group nonce -> when its link on this rank left: no other link may take its place
+        # while the session lives on (docs/protocol.md §6.7, "Group sessions").
+        self._closed: dict[bytes, float] = {}
         self._held: dict[Key, _Held] = {}  # in arrival order
+        # Per group session (nonce words): whether every rank had a live link for it
+        # at the last exchange that carried it (absent: none has yet).
+        self._matchable: dict[tuple[int, int], bool] = {}
         self._fresh = False  # a STEP arrived since the last exchange
         self._burst = 0.0  # when the first of them arrived
         self._arrived = 0.0  # when the last of them arrived
@@ -213,11 +221,18 @@ class ShardedDrafting:
 
     def join(self, link: Hashable, group: bytes) -> bool:
         """``link`` completed its handshake with ``group``'s nonce: False if another
-        live link of this rank already serves that group session (the newcomer is
-        refused, ``GROUP_IN_USE``)."""
+        live link of this rank already serves that group session, or served it and
+        left while the session lives on (the newcomer is refused, ``GROUP_IN_USE``).
+
+        Without a key the nonce is a bearer secret: a peer that read it off the wire
+        could otherwise take a dropped link's place and be matched with the STEPs
+        its session's other links still send (and get that round's drafted tokens).
+        A session whose link dropped here stays closed to newcomers until no rank
+        has a live link of it and ``match_timeout`` has passed (nothing of it can be
+        matched any more); its Spark group re-forms under a new nonce."""
         with self._cond:
             holder = self._groups.get(group)
-            if holder is not None and holder is not link:
+            if (holder is not None and holder is not link) or group in self._closed:
                 return False
             self._groups[group] = link
             self._links[link] = group
@@ -229,6 +244,8 @@ class ShardedDrafting:
             group = self._links.pop(link, None)
             if group is not None and self._groups.get(group) is link:
                 del self._groups[group]
+                self._matchable.pop(nonce_words(group), None)
+                self._closed[group] = time.monotonic()
             for key in [k for k, h in self._held.items() if h.link is link]:
                 del self._held[key]
 
@@ -331,19 +348,48 @@ class ShardedDrafting:
             )
         return snapshot, stop
 
+    def _window(self, snapshot: list[_Held]) -> tuple[list[_Held], list[tuple[int, int]]]:
+        """The keys this rank sends in the next exchange, and the nonces.
+
+        Only a key that can match enters the window: one whose group session had a
+        live link on every rank at the last exchange that carried its nonce, or that
+        no exchange has carried yet. The window is shared fairly: one key of each such
+        session in turn (sessions by their oldest held key, each session's keys
+        oldest first), so that no session's keys, matchable or not, delay another's.
+        The nonces sent are those of the sessions holding keys first, then this
+        rank's other live links.
+        """
+        sessions: dict[tuple[int, int], list[_Held]] = {}
+        for held in snapshot:  # arrival order: each session's list is oldest first
+            sessions.setdefault((held.key[0], held.key[1]), []).append(held)
+        queues = [q for n, q in sessions.items() if self._matchable.get(n, True)]
+        window: list[_Held] = []
+        depth = 0
+        while len(window) < self.width and queues:
+            queues = [q for q in queues if depth < len(q)]
+            for q in queues[: self.width - len(window)]:
+                window.append(q[depth])
+            depth += 1
+        live = [nonce_words(g) for g in self._groups]
+        nonces = list(sessions) + [n for n in live if n not in sessions]
+        return window, nonces[: self.width]
+
     def _exchange(
         self, snapshot: list[_Held], stop: bool
     ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
-        """One all-gather of every rank's held keys (at most ``width`` each, oldest first),
-        its live links' group nonces (as many) and its stop flag: the STEPs every rank
-        holds, in rank 0's order (this rank's own, now taken), whether any rank is
-        stopping, and the nonces every rank has a live link for."""
+        """One all-gather of every rank's window of held keys (:meth:`_window`, at most
+        ``width``), its nonces (as many) and its stop flag: the STEPs every rank sent,
+        in rank 0's order (this rank's own, now taken), whether any rank is stopping,
+        and the nonces every rank has a live link for."""
         width = self.width
         words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
-        sent = snapshot[:width]
         with self._cond:
-            nonces = [nonce_words(g) for g in list(self._groups)[:width]]
-            if len(snapshot) > width:  # the rest go in the next exchange, at once
+            sent, nonces = self._window(snapshot)
+            taken = {id(h) for h in sent}
+            if any(  # a key that can match but did not fit goes in the next exchange, at once
+                id(h) not in taken and self._matchable.get((h.key[0], h.key[1]), True)
+                for h in snapshot
+            ):
                 self._fresh = True
         words[0, 0], words[0, 1] = len(sent), int(stop)
         for i, held in enumerate(sent, start=1):
@@ -357,15 +403,28 @@ class ShardedDrafting:
             return [], True, set()
         keys = [{tuple(row[:-1]) for row in rank[1:] if row[-1] == 1} for rank in gathered]
         links = [{tuple(row[:2]) for row in rank[1:] if row[-1] == 2} for rank in gathered]
-        everywhere = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1] == 1]
-        everywhere = [k for k in everywhere if all(k in s for s in keys[1:])]
+        everywhere = set.intersection(*links)
+        ordered = [tuple(row[:-1]) for row in gathered[0][1:] if row[-1] == 1]
+        ordered = [k for k in ordered if all(k in s for s in keys[1:])]
         mine = {h.key: h for h in sent}
-        matched = [mine[k] for k in everywhere]
+        matched = [mine[k] for k in ordered]
         with self._cond:
             for held in matched:
                 if self._held.get(held.key) is held:
                     del self._held[held.key]
-        return matched, False, set.intersection(*links)
+            live = {nonce_words(g) for g in self._groups}
+            for nonce in nonces:
+                if nonce in live:
+                    self._matchable[nonce] = nonce in everywhere
+            anywhere = set.union(*links)
+            now = time.monotonic()
+            for group in [
+                g
+                for g, since in self._closed.items()
+                if now - since >= self.match_timeout and nonce_words(g) not in anywhere
+            ]:
+                del self._closed[group]
+        return matched, False, everywhere
 
     def _backoff(
         self,

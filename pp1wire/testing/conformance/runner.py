@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import secrets
 import ssl as ssl_module
 import sys
 import time
@@ -12,7 +14,13 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from pp1wire.apps import settings
-from pp1wire.apps.settings import SettingsError, host_port, parse
+from pp1wire.apps.settings import (
+    SettingsError,
+    check_writable,
+    host_port,
+    linked_address,
+    parse,
+)
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import spark_cases, spark_side
 from pp1wire.testing.conformance.core import (
@@ -32,7 +40,11 @@ from pp1wire.wire.messages import Challenge, Error
 
 
 async def run_case(c: Case, s: Settings) -> Outcome:
-    """Run one case with an overall time limit."""
+    """Run one case with an overall time limit, as a group session of its own on a
+    sharded worker group (a fresh nonce: a worker rank keeps a nonce whose link
+    closed out of use while its session could still be matched, §6.7)."""
+    if s.shards > 1:
+        s = dataclasses.replace(s, group=secrets.token_bytes(len(s.group)))
     try:
         await asyncio.wait_for(c.fn(s), timeout=max(s.handshake_wait, s.match_wait) + 20)
     except NonStrictSkip as exc:
@@ -340,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parse(parser, argv)
+        if args.junit:  # before any connection: a run never ends unable to report
+            check_writable("--junit", args.junit)
         if args.spark:
             return spark_main(args)
         cases = select(args.case)
@@ -349,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{c.id:8s} [{c.category}] {c.title}{tag}\n         rule: {c.rule}")
             print(f"{len(cases)} cases")
             return 0
-        host, port = host_port(args.worker)
+        host, port = linked_address(args.worker, args.vocab_shards)
         from pp1wire.apps.settings import read_psk  # noqa: PLC0415
 
         ctx = ssl_module.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
