@@ -78,6 +78,7 @@ def worker_ranks(match_timeout: float = MATCH_TIMEOUT) -> Iterator[list[Any]]:
 def step_job(slot: int, seed: int = 7) -> Any:
     """A STEP (depth 2, dense) on ``slot``, as the server hands it to the group."""
     from pp1wire.wire.messages import Step
+    from pp1wire.wire.replies import ReplyEncoder
     from pp1wire.wire.worker_events import DrawJob
 
     step = Step(
@@ -85,7 +86,7 @@ def step_job(slot: int, seed: int = 7) -> Any:
         temperature=1.0, support=0, context=0,
     )  # fmt: skip
     return DrawJob(
-        _Slot(seed), step, drafter=lambda _p: [], proposer=None, encode=lambda _rows, _st: ()
+        _Slot(seed), step, drafter=lambda _p: [], proposer=None, encoder=ReplyEncoder(1, step, 8)
     )
 
 

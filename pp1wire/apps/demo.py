@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter-kind",
         choices=("probs", "logits"),
         default="probs",
+        metavar="probs|logits",
         help="what the paced drafter hands over (daemons only): its FP32 probabilities, as a "
         "draft head on a device does (q built with no exponential), or its logits",
     )

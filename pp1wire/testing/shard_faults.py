@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -43,7 +42,7 @@ from pp1wire.testing import tp_faults
 from pp1wire.testing.tp_faults import Fault
 from pp1wire.tp.shard_worker import AfterDraw
 from pp1wire.wire import worker_core
-from pp1wire.wire.messages import Step
+from pp1wire.wire.replies import FrameParts, ReplyEncoder
 
 KINDS = ("mass", "corrupt", "late", "missing", "stale", "die")
 _stale = threading.local()
@@ -96,23 +95,33 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
 _stale_spent = threading.Event()
 
 
-def _stale_frames(original: Any) -> Any:
-    def frames(session: int, step: Step, *args: Any, **kwargs: Any) -> Any:
-        armed, _stale.on = getattr(_stale, "on", False), False
-        if armed and step.generation >= 1 and not _stale_spent.is_set():
-            _stale_spent.set()
-            step = msgspec.structs.replace(step, generation=step.generation - 1)
-        return original(session, step, *args, **kwargs)
+class _StaleEncoder(ReplyEncoder):
+    """The reply encoder, except that the reply a ``stale`` fault armed names the
+    generation before the STEP's (armed on the thread that finishes the draw)."""
 
-    return frames
+    def _arm(self) -> None:
+        armed, _stale.on = getattr(_stale, "on", False), False
+        if armed and self.step.generation >= 1 and not _stale_spent.is_set():
+            _stale_spent.set()
+            self.step = msgspec.structs.replace(self.step, generation=self.step.generation - 1)
+
+    def row(self, index: int, row: QRow) -> FrameParts:
+        self._arm()
+        return super().row(index, row)
+
+    def completion(
+        self, frames: tuple[FrameParts, ...], status: int = 0, *, stopped: bool = False
+    ) -> FrameParts:
+        self._arm()
+        return super().completion(frames, status, stopped=stopped)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``--fault``s, install the hooks, run ``pp1-worker`` with the rest."""
     faults, rest = tp_faults.split_faults("pp1wire.testing.shard_faults", argv, parse_fault)
     worker_tp.AFTER_DRAW = after_draw(faults)
-    # The core builds each reply with its module's reply_frames: wrap that one.
-    setattr(worker_core, "reply_frames", _stale_frames(getattr(worker_core, "reply_frames")))  # noqa: B009, B010
+    # The core frames each reply with its module's ReplyEncoder: replace that one.
+    setattr(worker_core, "ReplyEncoder", _StaleEncoder)  # noqa: B010
     return worker.main(rest)
 
 
