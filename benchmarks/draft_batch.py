@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pp1wire.q.proposal import DraftJob, propose, propose_batch
+from pp1wire.q.batch import propose_batch
+from pp1wire.q.proposal import DraftJob, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire.messages import Step
 from pp1wire.wire.replies import reply_frames

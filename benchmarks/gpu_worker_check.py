@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import Pp1Error
-from pp1wire.q.proposal import DraftJob, QRow, propose_batch
+from pp1wire.q.batch import propose_batch
+from pp1wire.q.proposal import DraftJob, QRow
 from pp1wire.wire.messages import Step
 from pp1wire.wire.replies import reply_frames
 

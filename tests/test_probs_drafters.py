@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from pp1wire.apps import models, paced
 from pp1wire.errors import ErrorCode, Pp1Error
 from pp1wire.q import dyadic
+from pp1wire.q.batch import propose_batch
 from pp1wire.q.proposal import (
     DraftJob,
     batched_drafter,
     build_row,
     drafter_kind,
     propose,
-    propose_batch,
 )
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire.draws import DraftTogether

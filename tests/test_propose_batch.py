@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q import dyadic, rows
-from pp1wire.q.proposal import DraftJob, batched_drafter, propose, propose_batch
+from pp1wire.q.batch import propose_batch
+from pp1wire.q.proposal import DraftJob, batched_drafter, propose
 from pp1wire.q.rng import RoundStreams
 from pp1wire.wire.messages import Step
 from pp1wire.wire.replies import build_reply, reply_frames, row_payload
@@ -370,16 +371,16 @@ def test_a_kept_reply_is_never_overwritten_by_later_batches():
 def test_a_positions_rows_are_split_over_the_threads(monkeypatch):
     import threading
 
-    from pp1wire.q import proposal
+    from pp1wire.q import batch
 
     seen = []
-    real = proposal._construct
+    real = batch._construct
 
     def recording(dense, sparse, entries):
         seen.append((threading.get_ident(), len(dense), len(sparse)))
         return real(dense, sparse, entries)
 
-    monkeypatch.setattr(proposal, "_construct", recording)
+    monkeypatch.setattr(batch, "_construct", recording)
     vocab = 500
     drafter = make_drafter(vocab, 5, False)
     jobs = _jobs(8, vocab)

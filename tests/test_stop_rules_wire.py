@@ -15,9 +15,10 @@ import pytest
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode, ProtocolError, ValidationError, VerifyError
+from pp1wire.q.batch import propose_batch
 from pp1wire.q.dyadic import M
 from pp1wire.q.layout import ShardLayout
-from pp1wire.q.proposal import DraftJob, Proposal, batched_drafter, propose, propose_batch
+from pp1wire.q.proposal import DraftJob, Proposal, batched_drafter, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.stoprules import (
     FIXED,

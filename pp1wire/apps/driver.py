@@ -38,8 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import ssl
 import statistics
 import time
 from collections import Counter, deque
@@ -48,8 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pp1wire.aio.client import AsyncClient, ConnectionLostError, RefusedError
+from pp1wire.aio.client import AsyncClient
 from pp1wire.apps import metrics
+from pp1wire.apps.link import Link
 from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
@@ -64,8 +63,6 @@ from pp1wire.q.verify import (
     TargetFn,
     verify_batch,
 )
-from pp1wire.wire import spark_events
-from pp1wire.wire.spark_core import SparkConfig
 
 log = logging.getLogger("pp1wire.apps.spark")
 
@@ -73,9 +70,6 @@ GROUP_FAILED_EXIT = 3
 """Exit status when the group failed: every request stopped, results written."""
 TARGET_FAILED_EXIT = 4
 """Exit status when a target failure stopped at least one request (results written)."""
-
-#: Handshake refusals that a later attempt may overcome (docs/protocol.md §9).
-RETRYABLE_REFUSALS = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.CONNECTION_LIMIT})
 
 # A proposal that arrives more than this fraction of a typical STEP→proposal time
 # after the first of its step is a straggler: it joins the next step instead.
@@ -271,122 +265,6 @@ class LocalStrategy:
     def summary(self) -> dict[str, Any]:
         """No keys of its own."""
         return {}
-
-
-# -- the worker link --------------------------------------------------------------------
-
-
-class Link:
-    """This rank's connection to its worker: connects, reconnects with backoff, counts."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        config: SparkConfig,
-        metrics_: SparkMetrics,
-        *,
-        tls: ssl.SSLContext | None = None,
-        reconnect: bool = True,
-    ) -> None:
-        """A link to ``host:port`` (nothing connects yet)."""
-        self.host, self.port = host, port
-        self.config = config
-        self.metrics = metrics_
-        self.tls = tls
-        self.reconnect = reconnect
-        self.client: AsyncClient | None = None
-        self.bytes_received = 0
-        self._retry_at = 0.0
-        self._backoff = 0.05
-        self._lock = asyncio.Lock()
-
-    async def connect(self, timeout: float) -> None:
-        """Connect, retrying transient failures until ``timeout`` seconds have passed:
-        a refused or reset connection, and the worker's retryable refusals
-        (:data:`RETRYABLE_REFUSALS`: full, or shutting down), with backoff.
-
-        Raises:
-            RefusedError, ConnectionLostError, OSError: the last failure; at once for a
-                TLS failure or a refusal that no retry can cure.
-        """
-        deadline = time.monotonic() + timeout
-        pause = 0.1
-        while True:
-            try:
-                self._adopt(
-                    await AsyncClient.connect(
-                        self.host,
-                        self.port,
-                        self.config,
-                        ssl=self.tls,
-                        timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-                    )
-                )
-                return
-            except (OSError, RefusedError, ConnectionLostError) as exc:
-                if isinstance(exc, ssl.SSLError):
-                    raise  # a certificate or TLS-versus-plain mismatch: certain, not transient
-                if isinstance(exc, RefusedError) and exc.code not in RETRYABLE_REFUSALS:
-                    raise
-                if time.monotonic() >= deadline:
-                    raise
-                # Backoff with jitter: a full worker frees a connection when a peer
-                # leaves or idles out, and every waiting client should not arrive at once.
-                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(pause * 2, 1.0) * (0.75 + random.random() / 2)
-
-    def _adopt(self, client: AsyncClient) -> None:
-        self.client = client
-        client.observer = self.observe
-
-    async def live(self) -> AsyncClient | None:
-        """The connected client, reconnecting (with backoff) if it died and this link
-        may; None while it is down."""
-        async with self._lock:
-            client = self.client
-            if client is not None and not client.closed:
-                return client
-            if client is not None:
-                self._count(client)
-            if not self.reconnect:
-                self.client = None
-                return None
-            now = time.monotonic()
-            if now < self._retry_at:
-                return None
-            try:
-                client = await AsyncClient.connect(
-                    self.host, self.port, self.config, ssl=self.tls, timeout=2.0
-                )
-            except (OSError, RefusedError, ConnectionLostError) as exc:
-                self.client = None
-                self._retry_at = now + self._backoff
-                self._backoff = min(self._backoff * 2, 2.0)
-                log.info("reconnect failed", extra={"error": repr(exc)})
-                return None
-            self._backoff = 0.05
-            self._adopt(client)
-            self.metrics.reconnects.inc()
-            log.info("reconnected", extra={"session": client.session})
-            return client
-
-    def observe(self, event: spark_events.SparkEvent) -> None:
-        """Count rejected and dropped frames as the client sees them."""
-        if isinstance(event, spark_events.FrameRejected):
-            self.metrics.rejected.labels(code=event.code.name.lower()).inc()
-        elif isinstance(event, spark_events.FrameDropped):
-            self.metrics.dropped.labels(code=event.code.name.lower()).inc()
-
-    def _count(self, client: AsyncClient) -> None:
-        self.bytes_received += client.core.decoder.bytes_received
-
-    async def close(self) -> None:
-        """Close the connection after queued frames are written."""
-        if self.client is not None:
-            self._count(self.client)
-            await self.client.close()
-            self.client = None
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -857,7 +735,6 @@ _FALLBACK = 1_001
 __all__ = [
     "GROUP_FAILED_EXIT",
     "TARGET_FAILED_EXIT",
-    "Link",
     "LocalStrategy",
     "Plan",
     "RequestRecord",

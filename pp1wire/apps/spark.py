@@ -42,7 +42,6 @@ from pp1wire.apps import metrics, ranks, settings
 from pp1wire.apps.driver import (
     GROUP_FAILED_EXIT,
     TARGET_FAILED_EXIT,
-    Link,
     LocalStrategy,
     Plan,
     RequestRecord,
@@ -50,6 +49,7 @@ from pp1wire.apps.driver import (
     SparkMetrics,
     Strategy,
 )
+from pp1wire.apps.link import Link
 from pp1wire.apps.settings import (
     MAX_RANKS,
     SettingsError,

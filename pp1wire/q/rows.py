@@ -1,7 +1,7 @@
 """Batches of rows: q construction and the proposal draw for many requests at once.
 
 What the worker does when it drafts a step of several requests together
-(:func:`pp1wire.q.proposal.propose_batch`): from logits, the weights of every
+(:func:`pp1wire.q.batch.propose_batch`): from logits, the weights of every
 row in one exponential call (:func:`weights_rows`); then, for rows that
 travel, every row's checks, canonical total, allocation, draw and FP32 wire
 values in one compiled call with the GIL released, written straight into a

@@ -45,7 +45,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final, Generic, Protocol, TypeVar
 
-from pp1wire.q.proposal import QRow, batched_drafter, drafter_kind, propose_batch
+from pp1wire.q.batch import propose_batch
+from pp1wire.q.proposal import QRow, batched_drafter, drafter_kind
 from pp1wire.wire.replies import FrameParts
 from pp1wire.wire.worker_events import DrawJob, DrawResult, Streamer
 
@@ -94,7 +95,7 @@ def run_each(jobs: list[DrawJob]) -> list[DrawResult]:
 
 class DraftTogether:
     """The worker's engine step as a :data:`BatchRunner`: a batch's :attr:`~DrawJob.local`
-    jobs drafted together by :func:`~pp1wire.q.proposal.propose_batch`.
+    jobs drafted together by :func:`~pp1wire.q.batch.propose_batch`.
 
     Per position, one call of the drafter's batched form over every job still
     drafting (:func:`~pp1wire.q.proposal.batched_drafter`: the plugin's own

@@ -145,7 +145,7 @@ class DrawJob:
         return self.proposer is None
 
     def draft_job(self) -> DraftJob:
-        """What :func:`~pp1wire.q.proposal.propose_batch` needs to draw this job's rows."""
+        """What :func:`~pp1wire.q.batch.propose_batch` needs to draw this job's rows."""
         step = self.step
         return DraftJob(
             seed=self.seed,
