@@ -115,19 +115,25 @@ async def _ping_forever(port: int) -> None:
 
 @pytest.mark.asyncio
 async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
-    # The authenticated peers never count as idle here (evict_idle is far beyond
-    # the test), so the newcomer can only take a place still in its handshake.
+    # The authenticated peers each drew once (protected for the slot idle timeout,
+    # far beyond the test), so the newcomer can only take a place still in its handshake.
     srv = WorkerServer(
-        WorkerConfig(vocab_size=64), drafter_factory(64), max_connections=16, evict_idle=3600.0
+        WorkerConfig(vocab_size=64),
+        drafter_factory(64),
+        max_connections=16,
+        slot_idle_timeout=3600.0,
     )
     port = await srv.start("127.0.0.1", 0)
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
     pingers = [asyncio.ensure_future(_ping_forever(port)) for _ in range(6)]
-    # Authenticated, then idle with no slot.
+    # Authenticated, one proposal drawn, then idle.
     idle = [
         await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=64)) for _ in range(4)
     ]
     try:
+        for c in idle:
+            await c.open(0, seed=1, prefix=[1, 2])
+            (await c.propose(0, round_id=c.next_round(0), depth=1)).release()
         await eventually(lambda: len(srv.conns) == 16, what="16 connections held")
         took = await asyncio.wait_for(probe(port, 64), 10)
         assert took < PROBE_BOUND_S, took
@@ -437,7 +443,7 @@ async def test_a_link_refused_group_in_use_evicts_nobody_to_make_room_for_itself
         WorkerConfig(vocab_size=64),
         drafter_factory(64),
         max_connections=1,
-        evict_idle=0.0,
+        handshake_grace=0.0,
         group=group,
     )
     port = await srv.start("127.0.0.1", 0)
