@@ -27,7 +27,9 @@ Prints for each: the legitimate runs' tokens per second alone and beside the
 attack, the median and range of the per-pair ratios (the goal is >= 0.8),
 whether they completed, and the attacker's fresh draws and refusals while it
 ran (with, for ``reconnect``, the most the abandon budget lets one principal
-draw in that time). ``--json`` prints all of it as one JSON object instead.
+draw in that time; ``commit`` is counted only while another principal draws,
+so it draws freely in the seconds around each legitimate run). ``--json``
+prints all of it as one JSON object instead.
 """
 
 from __future__ import annotations
@@ -242,9 +244,17 @@ def main() -> None:
             f"  attacker over {seconds:.1f} s: {drawn} fresh draws ({drawn / seconds:.1f}/s), "
             f"{res['attacker_refused']} STEPs refused DRAW_RATE_LIMITED"
         )
-        if name in ("commit", "reconnect") and limits.abandon_rate is not None:
-            bound = len(ratios) * limits.abandon_burst + limits.abandon_rate * seconds
+        if name == "reconnect" and limits.abandon_rate is not None:
+            # Each phase starts with the burst paid back, and each slot's first draw is
+            # abandoned only by the RESET after it.
+            bound = len(ratios) * (limits.abandon_burst + args.slots)
+            bound += limits.abandon_rate * seconds
             print(f"  the abandon budget allows one principal {bound:.0f} in that time")
+        elif name == "commit":
+            print(
+                "  (a draw passed over counts only while another principal draws: the "
+                "attack draws freely before and between the legitimate runs)"
+            )
         sys.stdout.flush()
     if args.json:
         print(json.dumps(results))

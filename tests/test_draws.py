@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
-from pp1wire.wire.draws import Account, Accounts, DrawScheduler, FailureLog, TokenBucket
+from pp1wire.wire.budgets import Account, Accounts, DrawGate, TokenBucket
+from pp1wire.wire.draws import DrawScheduler, FailureLog
 from pp1wire.wire.messages import MsgType, Reset
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -554,7 +555,7 @@ def test_a_peer_that_hangs_up_and_reconnects_finds_its_lanes_spent():
     drawn = 0
     for n in range(6):
         pair = make_pair()
-        pair.worker.account = accounts.acquire("10.0.0.9", n * 0.1)  # as the server does
+        pair.worker.gate = DrawGate(accounts.acquire("10.0.0.9", n * 0.1))  # as the server does
         pair.now = n * 0.1
         open_slot(pair)
         drawn += frames_of([reply_bytes(pair, step())])[-1].type is MsgType.COMPLETION
@@ -564,7 +565,7 @@ def test_a_peer_that_hangs_up_and_reconnects_finds_its_lanes_spent():
 
 
 def test_the_principal_of_an_address():
-    from pp1wire.aio.server import principal_of
+    from pp1wire.aio.admission import principal_of
 
     assert principal_of("::ffff:10.1.2.3") == "10.1.2.3"  # one host, either family
     assert principal_of("2001:db8::1") == principal_of("2001:DB8:0::1")
@@ -596,7 +597,7 @@ def test_a_draw_passed_over_by_a_later_target_only_commit_is_abandoned_while_oth
 def _connection(accounts, principal: str, now: float, slots: int = 2) -> Slots:
     """A connection of ``principal`` with ``slots`` slots open, holding its account."""
     conn = Slots(slots, abandon_rate=1.0, abandon_burst=1)
-    conn.pair.worker.account = accounts.acquire(principal, now)  # as the server does
+    conn.pair.worker.gate = DrawGate(accounts.acquire(principal, now))  # as the server does
     return conn
 
 

@@ -336,3 +336,19 @@ async def test_a_step_then_target_only_commit_loop_is_bounded_by_the_abandon_bud
     # by the COMMIT after them).
     assert drawn <= burst + rate * elapsed + 4, (drawn, refused, elapsed)
     assert refused >= 1
+
+
+def test_the_documented_budget_defaults():
+    # docs/protocol.md §4.4 and §2: a slot may run 4 draws ahead of --max-draw-rate;
+    # 4,096 principals are remembered without a connection; the grace is 1 s.
+    from pp1wire.aio import admission
+    from pp1wire.apps import worker
+    from pp1wire.wire import budgets
+
+    args = worker.build_parser().parse_args(["--max-draw-rate", "50"])
+    config = worker.config_from(args)
+    assert (config.max_draw_rate, config.draw_burst) == (50.0, 4)
+    assert (config.abandon_rate, config.abandon_burst) == (1.0, 2 * config.max_slots)
+    assert budgets.Accounts(config).idle == budgets.IDLE_ACCOUNTS == 4096
+    assert admission.HANDSHAKE_GRACE_S == 1.0
+    assert budgets.SHARE_WINDOW_S == 1.0

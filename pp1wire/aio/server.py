@@ -11,28 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import itertools
 import logging
-import select
 import socket
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
+from pp1wire.aio.admission import HANDSHAKE_GRACE_S, SLOT_IDLE_S, Admission, principal_of
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.draws import (
-    DRAW_GATHER_S,
-    Accounts,
-    BatchRunner,
-    DrawScheduler,
-    FailureLog,
-    default_runner,
-)
+from pp1wire.wire.budgets import Accounts
+from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
@@ -50,28 +43,6 @@ ACCEPT_BACKLOG: Final = 1024
 ACCEPT_BURST: Final = 64
 #: A closing connection whose peer does not read is cut after this many seconds.
 CLOSE_GRACE_S: Final = 2.0
-#: How long after its handshake a connection that has not drawn yet is protected from
-#: replacement (at most one connection per principal per --slot-idle-timeout).
-HANDSHAKE_GRACE_S: Final = 1.0
-#: A connection that had no fresh draw for this long may be replaced by a newcomer.
-SLOT_IDLE_S: Final = 10.0
-# A peer gone (its FIN or an error received) although its connection is not read.
-_GONE: Final = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
-
-
-def principal_of(address: str) -> str:
-    """The principal a peer at source IP ``address`` belongs to (``docs/protocol.md`` §2):
-    the address itself, an IPv4-mapped IPv6 address as its IPv4 address. The draw
-    budgets, the share of the draw threads and the first-draw grace follow it."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return address  # not an IP address (a Unix socket): one principal per name
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
-
-
 class _Conn(asyncio.BufferedProtocol):
     def __init__(self, server: WorkerServer) -> None:
         self.server = server
@@ -322,7 +293,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
         if core.closed:
             return
-        hold = core.hold_until - now
+        hold = core.gate.hold_until - now
         if core.waiting and hold > 0 and not self.draining:
             # A STEP waits for its budget after a DRAW_RATE_LIMITED refusal: read and
             # answer nothing more from this peer until then, so a loop of refused STEPs
@@ -516,8 +487,9 @@ def _name(code: int) -> str:
         return str(code)
 
 
-class WorkerServer:
-    """A listening worker; one :class:`WorkerProtocol` per connection."""
+class WorkerServer(Admission[_Conn]):
+    """A listening worker; one :class:`WorkerProtocol` per connection (admission rules:
+    :class:`~pp1wire.aio.admission.Admission`)."""
 
     def __init__(
         self,
@@ -555,7 +527,7 @@ class WorkerServer:
         stops counting at once, even if its connection was not being read.
 
         Draw budgets (``config``) are kept per principal (:func:`principal_of`),
-        across its connections (:class:`~pp1wire.wire.draws.Accounts`).
+        across its connections (:class:`~pp1wire.wire.budgets.Accounts`).
 
         ``busy_poll`` keeps the event loop spinning while any connection is
         open, trading one busy core for the wake-up latency of an idle one.
@@ -616,116 +588,6 @@ class WorkerServer:
         self._spinner: asyncio.Task[None] | None = None
         self.server: asyncio.Server | None = None
         self.listener: socket.socket | None = None
-
-    # -- admission -----------------------------------------------------------------
-
-    def _scopes(self, conn: _Conn) -> list[tuple[list[_Conn], int]]:
-        """The connection groups ``conn`` counts in, each with its limit."""
-        scopes: list[tuple[list[_Conn], int]] = []
-        if self.max_per_address is not None:
-            same = [c for c in self.conns if c.address == conn.address]
-            scopes.append((same, self.max_per_address))
-        scopes.append((list(self.conns), self.max_connections))
-        return scopes
-
-    def closed_conn(self, conn: _Conn) -> None:
-        """``conn`` is closing: it no longer counts against the limits (nor is evicted)."""
-        if conn in self.conns:
-            self.conns.discard(conn)
-            self.closing.add(conn)
-            self.metrics.connections.set(len(self.conns))
-
-    def reap_gone(self) -> None:
-        """End every connection whose peer has left (its FIN, a reset), read or not.
-
-        A connection not being read (held after a refusal, waiting for a draw, or
-        for a peer that does not read its replies) would otherwise count until it
-        is read again; and a client that closes and reconnects at once may be
-        accepted before its old connection's end is read."""
-        poller = select.poll()
-        by_fd: dict[int, _Conn] = {}
-        for conn in self.conns:
-            fd = conn.fileno()
-            if fd is not None and fd >= 0:
-                by_fd[fd] = conn
-                poller.register(fd, _GONE)
-        for fd, _ in poller.poll(0):
-            by_fd[fd].peer_left()
-
-    def replaceable(self, conn: _Conn, now: float) -> bool:
-        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated,
-        no draw in progress, and no fresh draw in the last ``slot_idle_timeout`` s (a
-        connection that never drew: past its first-draw grace, if it had one).
-
-        Only a fresh draw protects: a target-only COMMIT, an OPEN, a CLOSE or a PING
-        costs the worker nothing, so a peer could repeat it forever (§2)."""
-        core = conn.core
-        if core is None or not conn.authenticated or core.drawing:
-            return False
-        if core.drew_at is None:
-            return now >= conn.grace_until
-        return now - core.drew_at >= self.slot_idle_timeout
-
-    def _over(self, new: _Conn) -> bool:
-        """Whether admitting ``new`` puts any scope over its limit (credit aside)."""
-        return any(len(members) + 1 > limit for members, limit in self._scopes(new))
-
-    def admit(self, new: _Conn, now: float) -> ErrorCode | None:
-        """Make room for ``new`` at accept (evicting a handshake if needed), or the
-        code it is refused with. Nobody authenticated is evicted here."""
-        if self.stopping:
-            return ErrorCode.SHUTTING_DOWN
-        if self._over(new):
-            self.reap_gone()
-        evict: list[_Conn] = []
-        for scope, limit in self._scopes(new):
-            members = [c for c in scope if c not in evict]
-            credit = sum(1 for c in members if self.replaceable(c, now))
-            over = len(members) + 1 - (limit + credit)
-            if over <= 0:
-                continue  # room, or admitted on credit: see handshake_done
-            pending = sorted(
-                (c for c in members if not c.authenticated), key=lambda c: c.accepted_at
-            )
-            if len(pending) < over:
-                return ErrorCode.CONNECTION_LIMIT
-            evict += pending[:over]
-        for victim in evict:
-            victim.evict()
-        return None
-
-    def handshake_done(self, conn: _Conn) -> None:
-        """``conn`` authenticated: if that puts a scope over its limit, evict the
-        replaceable peer whose last draw (or handshake) is oldest, or close ``conn``
-        itself if none is left.
-
-        A sharded link joins its group session first (one per session and rank): one
-        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
-        core = conn.core
-        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
-            conn.refuse(ErrorCode.GROUP_IN_USE)
-            return
-        now = time.monotonic()
-        conn.authenticated_at = now
-        if any(
-            len([c for c in members if c.authenticated]) > limit
-            for members, limit in self._scopes(conn)
-        ):
-            self.reap_gone()
-        for members, limit in self._scopes(conn):
-            authenticated = [c for c in members if c.authenticated]
-            if len(authenticated) <= limit:
-                continue
-            victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
-            victim = min(victims, key=_worked_at, default=None)
-            if victim is None:  # the peers it was admitted for became busy meanwhile
-                conn.refuse(ErrorCode.CONNECTION_LIMIT)
-                return
-            victim.evict()
-        # Time to open its slots and ask for its first draw, once per principal and
-        # period: a peer that reconnects again and again gets it no more often.
-        if core is not None and core.account.grace(now, self.slot_idle_timeout):
-            conn.grace_until = now + self.handshake_grace
 
     # -- draws ----------------------------------------------------------------------
 
@@ -893,10 +755,3 @@ def _group_drawn(
 ) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
         loop.call_soon_threadsafe(conn._drawn, job, result)
-
-
-def _worked_at(conn: _Conn) -> float:
-    """When ``conn`` last did work that protects it: its last fresh draw, else its handshake."""
-    core = conn.core
-    drew = core.drew_at if core is not None else None
-    return conn.authenticated_at if drew is None else max(drew, conn.authenticated_at)

@@ -23,11 +23,11 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from pp1wire.aio import server
+from pp1wire.aio import admission
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
-from pp1wire.wire import draws, framing
+from pp1wire.wire import budgets, draws, framing
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slot-idle-timeout",
         type=settings.seconds,
-        default=server.SLOT_IDLE_S,
+        default=admission.SLOT_IDLE_S,
         metavar="SECONDS",
         help="a connection that had no fresh draw (a STEP drawn) for this long may be replaced "
         "by a newcomer when the worker is full; COMMIT, OPEN, CLOSE and PING do not count "
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DRAWS",
         help="fresh draws one slot may ask for ahead of --max-draw-rate "
-        f"(default: {draws.DRAW_BURST})",
+        f"(default: {budgets.DRAW_BURST})",
     )
     p.add_argument(
         "--abandon-rate",
@@ -320,7 +320,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
         max_draw_rate=args.max_draw_rate,
-        draw_burst=draws.DRAW_BURST if args.draw_burst is None else args.draw_burst,
+        draw_burst=budgets.DRAW_BURST if args.draw_burst is None else args.draw_burst,
         abandon_rate=args.abandon_rate,
         abandon_burst=2 * args.max_slots if args.abandon_burst is None else args.abandon_burst,
     )

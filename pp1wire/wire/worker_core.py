@@ -26,7 +26,7 @@ from pp1wire.q.proposal import DrafterFn, PrefixDigest, QRow
 from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import STOP_RULES, stopped_by_rule
 from pp1wire.wire import fencing, framing, integrity, transitions
-from pp1wire.wire.draws import DRAW_BURST, Account, TokenBucket
+from pp1wire.wire.budgets import DRAW_BURST, Account, DrawGate
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
@@ -98,12 +98,10 @@ class WorkerConfig(PeerConfig):
     draft_identity: str = "pp1-toy-drafter"
     draft_native: bool = True
     idle_timeout: float = 300.0
-    #: Fresh draws per second one slot may ask for (None: no limit), and how many
-    #: ahead of that rate (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
+    #: Fresh draws per second per slot (None: any), and ahead of it (§4.4, DRAW_RATE_LIMITED).
     max_draw_rate: float | None = None
     draw_burst: int = DRAW_BURST
-    #: Fresh draws per second one principal may leave uncommitted (RESET or CLOSE
-    #: before a COMMIT), and how many at once (§4.4, ``DRAW_RATE_LIMITED``; None: any).
+    #: Draws one principal may leave uncommitted per second (None: any), and at once.
     abandon_rate: float | None = 1.0
     abandon_burst: int = 8
     stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
@@ -126,7 +124,6 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
-    lane: TokenBucket | None = None  # the slot's rate budget (Account.bind), if limited
 
     @property
     def digest(self) -> int:
@@ -154,8 +151,7 @@ class WorkerProtocol:
         """Start a connection at time ``now``; ``session`` is assigned to the peer.
 
         ``proposer`` draws each STEP's rows instead of the local proposal chain.
-        ``account`` holds the draw budgets of the peer's principal, shared with its
-        other connections (default: budgets of this connection alone).
+        ``account``: the draw budgets of the peer's principal (default: its own).
 
         With ``defer_draws``, an accepted STEP is not drawn inline: the core
         emits :class:`DrawRequested` and goes on with the connection's messages
@@ -202,18 +198,7 @@ class WorkerProtocol:
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
-        self.account = account if account is not None else Account(config, now)
-        #: When this connection last had a fresh STEP accepted for drawing (None: never):
-        #: the only work that keeps it from being replaced when a server is full (§2).
-        self.drew_at: float | None = None
-        # After a DRAW_RATE_LIMITED refusal, until when the next fresh STEP waits (§4.4):
-        # any slot's while the principal owes abandons, else only the refused slot's.
-        self._wait_all = 0.0
-        self._wait_slot: dict[int, float] = {}
-        self._limited = False  # a STEP of this connection was refused DRAW_RATE_LIMITED
-        #: Until when (the caller's clock) the STEP held by :meth:`pump` waits for its
-        #: budget (0 when no STEP is held for that reason).
-        self.hold_until = 0.0
+        self.gate = DrawGate(account if account is not None else Account(config, now))
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -295,24 +280,18 @@ class WorkerProtocol:
     ) -> list[WorkerEvent]:
         """Handle frames already received, in order; returns the events caused.
 
-        Stops after ``max_frames`` frames or once the bytes queued reach ``out_budget``,
-        leaving the rest buffered and :attr:`more` true (a shell bounds a turn, a
-        non-reading peer). With ``hold_after_refusal``, after a ``DRAW_RATE_LIMITED``
-        refusal the next fresh STEP of the refused slot (of any slot while the
-        principal owes abandons) is held with everything after it until
-        :attr:`hold_until`, when its budget allows it (§4.4): :attr:`waiting` is
-        then true, and a shell calls again at that time.
+        Stops after ``max_frames`` frames, once the bytes queued reach ``out_budget``, or
+        (``hold_after_refusal``) at a STEP its budget holds (:meth:`DrawGate.holds`),
+        leaving the rest buffered: a shell bounds a turn, a non-reading peer, a refused one.
         """
         self.more = False
         self._now = now
         handled = 0
         if self._held is not None and not self.closed:
-            if _slot_of(self._held) in self._drawing:
-                return self._take_events()
-            if hold_after_refusal and self._must_wait(self._held, now):
+            if self._waits(self._held, now, hold_after_refusal):
                 return self._take_events()
             held, self._held = self._held, None
-            self.hold_until = 0.0
+            self.gate.hold_until = 0.0
             self._dispatch(held)
             handled += 1
         while not self.closed:
@@ -335,33 +314,21 @@ class WorkerProtocol:
             # trickles the bytes of one frame, is idle and cannot hold a connection slot.
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
-            if (self._drawing and _slot_of(frame) in self._drawing) or (
-                hold_after_refusal and self._must_wait(frame, now)
-            ):
+            if self._waits(frame, now, hold_after_refusal):
                 self._held = framing.detached(frame)
                 break
             self._dispatch(frame)
             handled += 1
         return self._take_events()
 
-    def _must_wait(self, frame: framing.Frame, now: float) -> bool:
-        """Whether ``frame`` is a fresh STEP that waits for its budget after a refusal
-        (then :attr:`hold_until` says until when). Anything else, a retry (answered from
-        the replay cache) and a STEP fencing refuses included, is handled at once."""
-        if frame.type is not MsgType.STEP:
-            return False
+    def _waits(self, frame: framing.Frame, now: float, budget: bool) -> bool:
+        """Whether ``frame`` waits: its slot is drawn, or (``budget``) its budget holds it."""
         msg = frame.message
-        assert isinstance(msg, Step)
-        until = max(self._wait_all, self._wait_slot.get(msg.slot, 0.0))
-        if until <= now:
+        if self._drawing and _slot_of(frame) in self._drawing:
+            return True
+        if not budget or not isinstance(msg, Step) or msg.slot not in self.slots:
             return False
-        slot = self.slots.get(msg.slot)
-        if slot is None or msg.session != self.session:
-            return False
-        if fencing.worker_step(slot.fence, msg).action is not Action.ACCEPT:
-            return False
-        self.hold_until = until
-        return True
+        return msg.session == self.session and self.gate.holds(msg, self.slots[msg.slot].fence, now)
 
     @property
     def drawing(self) -> bool:
@@ -397,7 +364,8 @@ class WorkerProtocol:
 
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
-        self._drop_slots()
+        self.gate.lost(self.slots, self._now)
+        self.slots.clear()
         self._drawing.clear()
         self._held = None
         self.closed = True
@@ -460,7 +428,8 @@ class WorkerProtocol:
     def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
         self._refuse(code, answers, scope=Scope.CONNECTION)
         self.closed = True
-        self._drop_slots()
+        self.gate.lost(self.slots, self._now)
+        self.slots.clear()
         self._events.append(ConnectionClosing(code))
 
     # -- dispatch --------------------------------------------------------
@@ -482,21 +451,9 @@ class WorkerProtocol:
         assert isinstance(msg, Error)
         if msg.scope == Scope.CONNECTION:
             self.closed = True
-            self._drop_slots()
+            self.gate.lost(self.slots, self._now)
+            self.slots.clear()
             self._events.append(ConnectionClosing(None))
-
-    def _drop_slots(self) -> None:
-        """Every slot is gone with the connection: the lanes go back to the principal,
-        still owing what they spent (§4.4). A fresh draw left uncommitted is
-        abandoned if this connection was ever refused ``DRAW_RATE_LIMITED``: a peer
-        that hangs up at a refusal to start afresh owes what it cut. Otherwise it is
-        not (a test suite or a restarting Spark side hangs up with draws in flight)."""
-        for slot in self.slots.values():
-            if self._limited:
-                self._abandon(slot)
-            self.account.unbind(slot.lane, self._now)
-        self.slots.clear()
-        self._wait_slot.clear()
 
     # -- handshake -------------------------------------------------------
 
@@ -669,8 +626,8 @@ class WorkerProtocol:
             prefix=prefix,
             hasher=hasher,
             fence=WorkerSlotFence(generation=msg.generation),
-            lane=self.account.bind(self._now),
         )
+        self.gate.opened(msg.slot, self._now)
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
         self._send(self._opened(msg.slot, slot))
@@ -691,9 +648,7 @@ class WorkerProtocol:
         if slot is None:
             return
         del self.slots[msg.slot]
-        self._abandon(slot)
-        self.account.unbind(slot.lane, self._now)
-        self._wait_slot.pop(msg.slot, None)
+        self.gate.closed(msg.slot, slot, self._now)
         self._send(Closed(session=self.session, slot=msg.slot))
         self._events.append(
             SlotEvent(MsgType.CLOSE, msg.slot, slot.fence.generation, len(slot.prefix))
@@ -712,8 +667,6 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_msg(problem, kind, msg)
             return
-        self.drew_at = self._now
-        self.account.drew(self._now)
         encode = functools.partial(self._encode, msg, slot.eos)
         job = DrawJob(slot, msg, drafter=self.drafter, proposer=self.proposer, encode=encode)
         if self.defer_draws:
@@ -746,24 +699,9 @@ class WorkerProtocol:
         code = fencing.worker_step_fields(
             self.limits, slot.prefix, slot.digest, slot.context, slot.fence, step
         )
-        # Last: only a STEP that would be drawn spends (§4.4).
-        if code is None and not self.account.allows(slot.lane, now := self._now):
-            self._limited = True
-            owes = self.account.owes(now)
-            if owes > 0:  # the principal's abandon debt: every slot's next STEP waits
-                self._wait_all = now + owes
-            elif slot.lane is not None:  # this slot's rate: only its next STEP waits
-                self._wait_slot[step.slot] = now + slot.lane.wait(now)
-            return ErrorCode.DRAW_RATE_LIMITED
+        if code is None and not self.gate.fresh(step.slot, self._now):
+            return ErrorCode.DRAW_RATE_LIMITED  # last: only a STEP that would be drawn spends
         return code
-
-    def _abandon(self, slot: WorkerSlot) -> None:
-        """The slot's fresh draw, if not committed, dies (a RESET, a CLOSE, or a COMMIT
-        of a later round): count it against the principal's abandon budget (§4.4).
-        A draw that failed (a reply with a failure status, no drafts) is the worker's
-        loss, not the peer's: it is not counted."""
-        if slot.fence.last_step_round > slot.fence.committed_round and slot.drafts:
-            self.account.abandoned(self._now)
 
     def _encode(
         self, step: Step, eos: int | None, rows: tuple[QRow, ...], status: int
@@ -807,11 +745,7 @@ class WorkerProtocol:
         if digest != msg.digest:
             self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
-        if msg.round != slot.fence.last_step_round and self.account.contended(self._now):
-            # A later round committed over a fresh draw never committed threw that draw
-            # away, while other principals wait for the draw threads: abandoned (§4.4).
-            # Alone, a Spark side that discards a proposal (corrupt, late) costs nobody.
-            self._abandon(slot)
+        self.gate.committed(slot, msg.round, self._now)  # §4.4: a draw passed over?
         slot.prefix.extend(new)
         slot.hasher = hasher
         slot.fence.committed_round = msg.round
@@ -842,7 +776,7 @@ class WorkerProtocol:
     def _on_reset(self, msg: Reset, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.RESET
         if decision.action is Action.ACCEPT:
-            self._abandon(slot)
+            self.gate.reset(slot, self._now)
             slot.fence.invalidate(msg.generation)
             self._slot_generations[msg.slot] = msg.generation
             slot.reply = None
