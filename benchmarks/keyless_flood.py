@@ -4,7 +4,7 @@ Run: ``python benchmarks/keyless_flood.py [--seconds S] [--clients N] [WORKER FL
 
 Starts ``pp1-worker --psk-file KEY`` (``--max-connections`` = ``--clients``) and
 that many clients holding the key. Every ``--period`` seconds each makes one
-request (OPEN, a depth-1 proposal, a target-only COMMIT, CLOSE), idling in
+request (OPEN, a depth-1 proposal, a COMMIT of its round, CLOSE), idling in
 between with no slot open; a client closed by the worker reconnects. For ``--seconds``
 nothing else happens (the baseline), then for as long a peer without the key
 opens a bare TCP connection every ``--every`` seconds and holds it. Prints,
@@ -52,9 +52,10 @@ async def client_loop(port: int, psk: bytes, period: float, until: float, tally:
             while time.monotonic() < until:
                 await asyncio.sleep(period)  # idle between requests, holding no slot
                 await client.open(0, seed=1, prefix=[1, 2, 3])
-                proposal = await client.propose(0, round_id=client.next_round(0), depth=1)
+                round_id = client.next_round(0)
+                proposal = await client.propose(0, round_id=round_id, depth=1)
                 client.release(proposal)
-                await client.commit(0, round_id=client.next_round(0), tokens=[4], accepted=0)
+                await client.commit(0, round_id=round_id, tokens=[4], accepted=0)
                 await client.close_slot(0)
                 tally.requests += 1
         except (RefusedError, ConnectionLostError, ProposalUnavailableError, OSError):

@@ -3,11 +3,12 @@
 Run: ``python benchmarks/reset_step.py [--vocab V] [--pairs N] [--rounds M] [WORKER FLAG ...]``.
 
 Starts ``pp1-worker`` (its defaults, plus any flags given after the options) and
-a legitimate client holding one slot. Another process runs the attack from
-:func:`pp1wire.testing.attacks.reset_step_loop`: ``--connections`` connections
-x ``--slots`` slots, each slot looping STEP -> read the reply -> RESET -> STEP,
+a legitimate client holding one slot (from 127.0.0.1). Another process runs the
+attack from :func:`pp1wire.testing.attacks.reset_step_loop` (from 127.0.0.2, another
+principal): ``--connections`` connections x ``--slots`` slots, each slot looping
+STEP -> read the reply -> RESET -> STEP,
 so every STEP is a fresh dense depth-5 draw. The legitimate client measures
-``--rounds`` rounds (a dense depth-5 proposal, then a target-only COMMIT) with
+``--rounds`` rounds (a dense depth-5 proposal, then a COMMIT of its round) with
 the attack paused, then as many with it running, ``--pairs`` times,
 interleaved; the first rounds after each switch are not counted (the attack
 settles in or drains).
@@ -44,6 +45,9 @@ from pp1wire.testing.attacks import reset_step_loop
 from pp1wire.wire.spark_core import SparkConfig
 
 SETTLE_ROUNDS = 2
+# The attack's source address: a principal apart from the legitimate client's 127.0.0.1,
+# whose budgets and share of the draw threads it would otherwise be spending.
+ATTACKER = "127.0.0.2"
 
 
 def _attack(
@@ -57,6 +61,7 @@ def _attack(
         running=running,
         stop=stop,
         ready=ready.set,
+        source=ATTACKER,
     )
 
 
@@ -72,10 +77,13 @@ async def _rounds(client: AsyncClient, n: int, think: float) -> list[float]:
     out = []
     for i in range(n + SETTLE_ROUNDS):
         started = time.perf_counter()
-        proposal = await client.propose(0, round_id=client.next_round(0), depth=5)
+        round_id = client.next_round(0)
+        proposal = await client.propose(0, round_id=round_id, depth=5)
         took = time.perf_counter() - started
         client.release(proposal)
-        await client.commit(0, round_id=client.next_round(0), tokens=[10 + i % 50], accepted=0)
+        # The round it stepped, accepting nothing: a COMMIT of a later round would
+        # throw the draw away, which the worker counts against the abandon budget.
+        await client.commit(0, round_id=round_id, tokens=[10 + i % 50], accepted=0)
         if i >= SETTLE_ROUNDS:
             out.append(took)
         if think:

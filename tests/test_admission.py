@@ -1,9 +1,9 @@
 """Admission under attack: keyless floods, squatters, and the per-address limit.
 
 A full worker admits a newcomer by replacing a peer that cannot be doing useful
-work: first one still in its handshake, then an authenticated one that is idle
-and whose slots saw no STEP or COMMIT lately. An authenticated peer is replaced
-only once the newcomer has itself authenticated (docs/protocol.md §2).
+work: first one still in its handshake, then an authenticated one that made the
+worker draw nothing lately. An authenticated peer is replaced only once the
+newcomer has itself authenticated (docs/protocol.md §2).
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def _count(counter) -> float:
     return counter._value.get()
 
 
+async def _draw_once(client: AsyncClient) -> None:
+    """Open slot 0 and have one proposal drawn (the work that protects a connection)."""
+    await client.open(0, seed=1, prefix=[1, 2])
+    proposal = await client.propose(0, round_id=client.next_round(0), depth=1)
+    proposal.release()
+
+
 async def _still_served(clients: list[AsyncClient]) -> list[bool]:
     alive = []
     for c in clients:
@@ -57,14 +64,14 @@ async def _shut(
 
 @pytest.mark.asyncio
 async def test_a_keyless_flood_never_evicts_an_authenticated_peer():
-    # evict_idle=0: the held peers are idle and slotless, as replaceable as they can
+    # No first-draw grace: the held peers never drew, as replaceable as they can
     # be, so only the key decides. The flood keeps its connections open (a
     # connection that hangs up frees its place on its own).
     srv = WorkerServer(
         WorkerConfig(vocab_size=VOCAB, psk=PSK),
         drafter_factory(VOCAB),
         max_connections=4,
-        evict_idle=0.0,
+        handshake_grace=0.0,
     )
     port = await srv.start("127.0.0.1", 0)
     keyed = SparkConfig(vocab_size=VOCAB, psk=PSK)
@@ -89,14 +96,14 @@ async def test_a_keyless_flood_never_evicts_an_authenticated_peer():
 
 @pytest.mark.asyncio
 async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
-    # Peers that each OPEN a slot and then sit filled the worker forever. A slot
-    # protects its connection only while it sees STEPs or COMMITs.
+    # Peers that each drew once and then sit filled the worker forever. A fresh draw
+    # protects its connection only for the slot idle timeout.
     async def attempt(slot_idle_timeout: float) -> tuple[bool, list[bool]]:
         srv = WorkerServer(
             WorkerConfig(vocab_size=VOCAB),
             drafter_factory(VOCAB),
             max_connections=3,
-            evict_idle=0.0,
+            handshake_grace=0.0,
             slot_idle_timeout=slot_idle_timeout,
         )
         port = await srv.start("127.0.0.1", 0)
@@ -106,7 +113,7 @@ async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
         ]
         try:
             for c in squatters:
-                await c.open(0, seed=1, prefix=[1, 2])
+                await _draw_once(c)
             if slot_idle_timeout < 60:
                 await eventually(
                     lambda: all(srv.replaceable(c, time.monotonic()) for c in srv.conns),
@@ -122,7 +129,7 @@ async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
             await _shut(srv, [], squatters)
 
     protected = await attempt(slot_idle_timeout=3600.0)
-    assert protected == (False, [True, True, True])  # slots that may still work are kept
+    assert protected == (False, [True, True, True])  # peers that drew lately are kept
     served, alive = await attempt(slot_idle_timeout=0.05)
     assert served
     assert alive.count(True) == 2  # exactly one squatter made room
@@ -131,10 +138,7 @@ async def test_squatters_stop_being_protected_once_their_slots_sit_idle():
 @pytest.mark.asyncio
 async def test_the_per_address_limit_replaces_a_handshake_and_refuses_beyond_busy_peers():
     srv = WorkerServer(
-        WorkerConfig(vocab_size=VOCAB),
-        drafter_factory(VOCAB),
-        max_per_address=2,
-        evict_idle=3600.0,
+        WorkerConfig(vocab_size=VOCAB), drafter_factory(VOCAB), max_per_address=2
     )
     port = await srv.start("127.0.0.1", 0)
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
@@ -147,6 +151,8 @@ async def test_the_per_address_limit_replaces_a_handshake_and_refuses_beyond_bus
                 await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
             )
         await eventually(lambda: len(srv.conns) == 2, what="the two handshakes replaced")
+        for c in clients:
+            await _draw_once(c)
         # Two authenticated, busy connections from the address: a third is refused.
         extra = socket.create_connection(("127.0.0.1", port))
         extra.settimeout(5.0)

@@ -336,6 +336,25 @@ def test_never_commits_smoke():
 
 
 @pytest.mark.bench
+def test_principal_attacks_smoke():
+    result = run_json(
+        "principal_attacks.py",
+        *("--vocab", "256", "--pairs", "1", "--requests", "2", "--max-tokens", "8"),
+        *("--settle", "0.2", "--squat-settle", "1.5", "--slot-idle-timeout", "1", "--json"),
+        timeout=600,
+    )
+    assert set(result) == {"squat", "commit", "reject", "reconnect"}
+    for name, res in result.items():
+        assert [r["exit"] for r in res["alone"] + res["beside"]] == [0, 0], name
+        alone, beside = res["alone"][0], res["beside"][0]
+        # The ratio is made of the two runs of its pair, measured in this invocation.
+        assert res["ratios"] == [beside["tokens_per_second"] / alone["tokens_per_second"]]
+    assert result["squat"]["flags"][-2:] == ["--max-connections", "4"]
+    for name in ("commit", "reject", "reconnect"):
+        assert result[name]["attacker_draws"] >= 1, name
+
+
+@pytest.mark.bench
 def test_tls_flood_smoke():
     done = cli.run(sys.executable, BENCH / "tls_flood.py", "--silent", "8")
     assert done.returncode == 0, done.stderr

@@ -122,13 +122,15 @@ def test_short_psk_is_refused(tmp_path):
 
 
 @pytest.mark.asyncio
-async def test_connection_limit_refuses_a_newcomer_when_every_peer_holds_a_slot():
+async def test_connection_limit_refuses_a_newcomer_when_every_peer_drew_lately():
     with worker_process("--max-connections", "2", vocab=16) as running:
         host, port = running.address.rsplit(":", 1)
         held = []
         for i in range(2):
             client = await AsyncClient.connect(host, int(port), SparkConfig(vocab_size=16))
             await client.open(0, seed=i, prefix=[1])
+            # A fresh draw is the work that protects a connection (docs/protocol.md §2).
+            (await client.propose(0, round_id=0, depth=1)).release()
             held.append(client)
         extra = socket.create_connection((host, int(port)))
         frames, eof = _read_frames(extra, 3.0)

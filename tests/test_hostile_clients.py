@@ -115,19 +115,25 @@ async def _ping_forever(port: int) -> None:
 
 @pytest.mark.asyncio
 async def test_idle_and_ping_only_peers_cannot_lock_out_an_authenticated_one():
-    # The authenticated peers never count as idle here (evict_idle is far beyond
-    # the test), so the newcomer can only take a place still in its handshake.
+    # The authenticated peers each drew once (protected for the slot idle timeout,
+    # far beyond the test), so the newcomer can only take a place still in its handshake.
     srv = WorkerServer(
-        WorkerConfig(vocab_size=64), drafter_factory(64), max_connections=16, evict_idle=3600.0
+        WorkerConfig(vocab_size=64),
+        drafter_factory(64),
+        max_connections=16,
+        slot_idle_timeout=3600.0,
     )
     port = await srv.start("127.0.0.1", 0)
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
     pingers = [asyncio.ensure_future(_ping_forever(port)) for _ in range(6)]
-    # Authenticated, then idle with no slot.
+    # Authenticated, one proposal drawn, then idle.
     idle = [
         await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=64)) for _ in range(4)
     ]
     try:
+        for c in idle:
+            await c.open(0, seed=1, prefix=[1, 2])
+            (await c.propose(0, round_id=c.next_round(0), depth=1)).release()
         await eventually(lambda: len(srv.conns) == 16, what="16 connections held")
         took = await asyncio.wait_for(probe(port, 64), 10)
         assert took < PROBE_BOUND_S, took
@@ -344,10 +350,10 @@ def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: floa
     ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
     import time
 
-    from pp1wire.testing.attacks import _handshake_and_open
+    from pp1wire.testing.attacks import handshake_and_open
 
     prefix = [1, 2, 3]
-    sock, session = _handshake_and_open(port, vocab, 1, prefix)
+    sock, session = handshake_and_open(port, vocab, 1, prefix)
     decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
     drawn = refused = 0
     try:
@@ -388,12 +394,12 @@ async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period
     # uvloop rounds call_later to whole milliseconds and may fire it up to ~0.5 ms
     # early. The early timer must not let the core refuse the next STEP (here the
     # refused one, sent twice) again in the same payback period.
-    from pp1wire.testing.attacks import _handshake_and_open
+    from pp1wire.testing.attacks import handshake_and_open
 
     config = WorkerConfig(vocab_size=256, abandon_rate=0.5, abandon_burst=1)
     srv = WorkerServer(config, drafter_factory(256))
     port = await srv.start("127.0.0.1", 0)
-    sock, session = await asyncio.to_thread(_handshake_and_open, port, 256, 1, [1, 2, 3])
+    sock, session = await asyncio.to_thread(handshake_and_open, port, 256, 1, [1, 2, 3])
     try:
         (conn,) = srv.conns
         await asyncio.to_thread(sock.sendall, _reset_step_pairs(session, 20, [1, 2, 3], copies=2))
@@ -437,7 +443,7 @@ async def test_a_link_refused_group_in_use_evicts_nobody_to_make_room_for_itself
         WorkerConfig(vocab_size=64),
         drafter_factory(64),
         max_connections=1,
-        evict_idle=0.0,
+        handshake_grace=0.0,
         group=group,
     )
     port = await srv.start("127.0.0.1", 0)

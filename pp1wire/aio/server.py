@@ -19,10 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
+from pp1wire.aio.admission import HANDSHAKE_GRACE_S, SLOT_IDLE_S, Admission, principal_of
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
+from pp1wire.wire.budgets import Accounts
 from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.replies import FrameParts
@@ -42,12 +44,6 @@ ACCEPT_BACKLOG: Final = 1024
 ACCEPT_BURST: Final = 64
 #: A closing connection whose peer does not read is cut after this many seconds.
 CLOSE_GRACE_S: Final = 2.0
-#: An authenticated connection idle this long, with no slot working, may be evicted for a newcomer.
-EVICT_IDLE_S: Final = 1.0
-#: A slot not opened, freshly stepped or committed for this long stops protecting its connection.
-SLOT_IDLE_S: Final = 10.0
-
-
 class _Conn(asyncio.BufferedProtocol):
     def __init__(self, server: WorkerServer) -> None:
         self.server = server
@@ -59,10 +55,13 @@ class _Conn(asyncio.BufferedProtocol):
         # Reading stops while replies back up or frames wait for the next turn.
         self.writing_paused = False
         self.turn: asyncio.Handle | None = None
-        self.held = False  # reading held after a DRAW_RATE_LIMITED refusal (_pump)
+        self.held = False  # a STEP held for its budget after a DRAW_RATE_LIMITED refusal (_pump)
         self.reading = True
         self.accepted_at = 0.0
+        self.authenticated_at = 0.0
+        self.grace_until = 0.0  # protected from replacement until then, if it has not drawn
         self.address = ""
+        self.principal = ""
         self.lost = False
         # Stopping: no more reading; closed once the frames already received are answered.
         self.draining = False
@@ -151,6 +150,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.address, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
         else:
             self.address = self.peer = str(peer)
+        self.principal = principal_of(self.address)
         srv = self.server
         refusal = srv.admit(self, self.accepted_at)
         if refusal is not None:
@@ -166,6 +166,7 @@ class _Conn(asyncio.BufferedProtocol):
             now=self.accepted_at,
             defer_draws=srv.draw_pool is not None or srv.group is not None,
             proposer=srv.proposer,
+            account=srv.accounts.acquire(self.principal, self.accepted_at),
         )
         srv.conns.add(self)
         srv.connection_opened()
@@ -185,6 +186,27 @@ class _Conn(asyncio.BufferedProtocol):
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
 
+    def fileno(self) -> int | None:
+        """The connection's socket descriptor (None once closed)."""
+        if self.sock is not None:
+            return self.sock.fileno()
+        if self.transport is None or self.transport.is_closing():
+            return None
+        sock = self.transport.get_extra_info("socket")
+        return None if sock is None else int(sock.fileno())
+
+    def peer_left(self) -> None:
+        """The peer is gone although its connection was not being read (held for its
+        budget, a draw, or replies it does not read): end it now, so that it stops
+        counting against the limits (docs/protocol.md §2)."""
+        log.info("peer left", extra={"peer": self.peer})
+        self.server.closed_conn(self)
+        if self.transport is not None:
+            self.transport.abort()
+        else:
+            self._cut_handshake()
+            self.connection_lost(None)
+
     @property
     def authenticated(self) -> bool:
         """The peer completed the handshake (HELLO, and AUTH when a key is set)."""
@@ -200,7 +222,7 @@ class _Conn(asyncio.BufferedProtocol):
             self._cut_handshake()
             self.connection_lost(None)
             return
-        self.server.conns.discard(self)
+        self.server.closed_conn(self)
         self._events(core.close_with(ErrorCode.CONNECTION_LIMIT))
         self._flush()
 
@@ -212,8 +234,6 @@ class _Conn(asyncio.BufferedProtocol):
             return
         log.warning("connection refused", extra={"peer": self.peer, "code": code.name})
         self.server.metrics.refusals.labels(code=code.name.lower()).inc()
-        # Closing, it no longer counts against the limits (nor is it evicted again).
-        self.server.conns.discard(self)
         self._events(core.close_with(code))
         self._flush()
 
@@ -253,8 +273,8 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _end_hold(self) -> None:
         # A timer that fires early (uvloop rounds delays to whole milliseconds) is
-        # harmless: the core handles nothing while its refusal holds, and _pump
-        # holds the connection again for the remainder.
+        # harmless: the core keeps the STEP held until its time, and _pump holds
+        # the connection again for the remainder.
         self.held = False
         self._pump()
 
@@ -269,10 +289,11 @@ class _Conn(asyncio.BufferedProtocol):
         # The transport pauses us above the cap (its high-water mark); below it,
         # this turn may queue up to the cap (at least one frame's reply).
         budget = max(1, WRITE_BUFFER_CAP - transport.get_write_buffer_size())
-        # A refusal ends the turn (unless draining, which answers all at once): the
-        # frames the peer pipelined after it wait for the hold below.
+        # After a refusal the next STEP it applies to is held (unless draining, which
+        # answers all at once), with the frames the peer pipelined after it.
+        now = time.monotonic()
         events = core.pump(
-            time.monotonic(),
+            now,
             max_frames=FRAMES_PER_TURN,
             out_budget=budget,
             hold_after_refusal=not self.draining,
@@ -281,10 +302,10 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
         if core.closed:
             return
-        hold = core.refused_until - time.monotonic()
-        if hold > 0 and not self.draining:
-            # A STEP was refused DRAW_RATE_LIMITED: read and answer nothing more from
-            # this peer until its budget allows a draw, so a loop of refused STEPs
+        hold = core.gate.hold_until - now
+        if core.waiting and hold > 0 and not self.draining:
+            # A STEP waits for its budget after a DRAW_RATE_LIMITED refusal: read and
+            # answer nothing more from this peer until then, so a loop of refused STEPs
             # costs the worker one refusal per budget period, not one per frame.
             self._set_reading(False)
             self.held = True
@@ -357,7 +378,9 @@ class _Conn(asyncio.BufferedProtocol):
                 if self.server.gathers:
                     # After OPEN, RESET or COMMIT the slot's next STEP is due; not after CLOSE.
                     draws = self.server.draws
-                    (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(self, e.slot)
+                    (draws.unexpect if e.kind is MsgType.CLOSE else draws.expect)(
+                        self.principal, e.slot, owner=self
+                    )
                 if e.kind is MsgType.COMMIT:
                     m.commits.labels(round="proposed" if e.proposed else "target_only").inc()
                     m.committed_tokens.inc(e.tokens)
@@ -391,6 +414,8 @@ class _Conn(asyncio.BufferedProtocol):
         elif chunks:
             transport.writelines(chunks)
         if core.closed:
+            # Closing, it no longer counts against the limits (nor is it evicted again).
+            self.server.closed_conn(self)
             transport.close()
             # close() waits to flush; a peer that never reads must not keep the
             # descriptor, so the connection is cut after a grace period.
@@ -437,8 +462,10 @@ class _Conn(asyncio.BufferedProtocol):
             self.turn.cancel()
         if self.core is not None:
             self.core.connection_lost()
+            self.server.accounts.release(self.principal, time.monotonic())
         self.server.forget_draws(self)
         self.server.conns.discard(self)
+        self.server.closing.discard(self)
         self.server.metrics.connections.set(len(self.server.conns))
         log.info("closed", extra={"peer": self.peer, "error": repr(exc) if exc else None})
         self.closed.set()
@@ -469,8 +496,9 @@ def _name(code: int) -> str:
         return str(code)
 
 
-class WorkerServer:
-    """A listening worker; one :class:`WorkerProtocol` per connection."""
+class WorkerServer(Admission[_Conn]):
+    """A listening worker; one :class:`WorkerProtocol` per connection (admission rules:
+    :class:`~pp1wire.aio.admission.Admission`)."""
 
     def __init__(
         self,
@@ -484,7 +512,7 @@ class WorkerServer:
         draw_threads: int = 0,
         proposer: Proposer | None = None,
         slot_idle_timeout: float = SLOT_IDLE_S,
-        evict_idle: float = EVICT_IDLE_S,
+        handshake_grace: float = HANDSHAKE_GRACE_S,
         run_batch: BatchRunner | None = None,
         max_draw_batch: int | None = None,
         draw_gather: float = DRAW_GATHER_S,
@@ -497,18 +525,24 @@ class WorkerServer:
         and at most ``max_per_address`` from one source IP address. When a
         limit is reached, a newcomer first replaces the oldest connection still
         in its handshake; failing that, it is admitted *on credit* if a held
-        peer is replaceable (authenticated, idle for ``evict_idle`` s, and with
-        no slot opened, freshly stepped or committed in the last ``slot_idle_timeout`` s),
-        and that peer is evicted only once the newcomer has itself
-        authenticated, so a peer without the key never evicts one with it.
-        Otherwise the newcomer is refused (``CONNECTION_LIMIT``). Connections
-        count from accept (a TLS handshake included).
+        peer is replaceable (:meth:`replaceable`: authenticated, and no fresh
+        draw in the last ``slot_idle_timeout`` s, nor, if it never drew, in the
+        ``handshake_grace`` s after its handshake that one connection of its
+        principal gets per ``slot_idle_timeout``), and that peer is evicted
+        only once the newcomer has itself authenticated, so a peer without the
+        key never evicts one with it. Otherwise the newcomer is refused
+        (``CONNECTION_LIMIT``). Connections count from accept (a TLS handshake
+        included) until they close; a peer found gone when they are counted
+        stops counting at once, even if its connection was not being read.
+
+        Draw budgets (``config``) are kept per principal (:func:`principal_of`),
+        across its connections (:class:`~pp1wire.wire.budgets.Accounts`).
 
         ``busy_poll`` keeps the event loop spinning while any connection is
         open, trading one busy core for the wake-up latency of an idle one.
         ``draw_threads`` > 0 draws proposals on a pool of that many threads
         (slots draw in parallel, the loop keeps answering), shared fairly
-        between connections (:class:`~pp1wire.wire.draws.DrawScheduler`);
+        between principals (:class:`~pp1wire.wire.draws.DrawScheduler`);
         ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
         pool thread (default: :func:`~pp1wire.wire.draws.default_runner`), a
         free thread waiting up to ``draw_gather`` seconds for the STEPs a
@@ -524,7 +558,7 @@ class WorkerServer:
         """
         if max_connections < 1 or (max_per_address is not None and max_per_address < 1):
             raise ValueError("connection limits must be at least 1")
-        if not (slot_idle_timeout > 0 and evict_idle >= 0) or (
+        if not (slot_idle_timeout > 0 and handshake_grace >= 0) or (
             max_draw_batch is not None and max_draw_batch < 1
         ):
             raise ValueError("idle limits must be positive and a draw batch at least 1 job")
@@ -540,15 +574,17 @@ class WorkerServer:
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.slot_idle_timeout = slot_idle_timeout
-        self.evict_idle = evict_idle
+        self.handshake_grace = handshake_grace
         self.ssl_context = ssl_context
         self.metrics = WorkerMetrics()
-        self.conns: set[_Conn] = set()
+        self.conns: set[_Conn] = set()  # open: counted against the limits
+        self.closing: set[_Conn] = set()  # closed, flushing what was queued
+        self.accounts: Accounts[str] = Accounts(config)
         self.sessions = itertools.count(1)
         self.stopping = False
         self.busy_poll = busy_poll
         self.draw_pool = ThreadPoolExecutor(draw_threads, "pp1-draw") if draw_threads > 0 else None
-        self.draws: DrawScheduler[_Conn, worker_core.DrawJob] = DrawScheduler(
+        self.draws: DrawScheduler[str, tuple[_Conn, worker_core.DrawJob]] = DrawScheduler(
             max(1, draw_threads), max_batch=max_draw_batch or 1, gather=draw_gather
         )
         # Draws are queued and gathered into batches only on the server's own pool
@@ -562,70 +598,6 @@ class WorkerServer:
         self.server: asyncio.Server | None = None
         self.listener: socket.socket | None = None
 
-    # -- admission -----------------------------------------------------------------
-
-    def _scopes(self, conn: _Conn) -> list[tuple[list[_Conn], int]]:
-        """The connection groups ``conn`` counts in, each with its limit."""
-        scopes: list[tuple[list[_Conn], int]] = []
-        if self.max_per_address is not None:
-            same = [c for c in self.conns if c.address == conn.address]
-            scopes.append((same, self.max_per_address))
-        scopes.append((list(self.conns), self.max_connections))
-        return scopes
-
-    def replaceable(self, conn: _Conn, now: float) -> bool:
-        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated,
-        idle, and holding no slot that worked (STEP, COMMIT) recently."""
-        core = conn.core
-        if core is None or not conn.authenticated or now - core.last_activity < self.evict_idle:
-            return False
-        worked = max((s.worked_at for s in core.slots.values()), default=None)
-        return worked is None or now - worked >= self.slot_idle_timeout
-
-    def admit(self, new: _Conn, now: float) -> ErrorCode | None:
-        """Make room for ``new`` at accept (evicting a handshake if needed), or the
-        code it is refused with. Nobody authenticated is evicted here."""
-        if self.stopping:
-            return ErrorCode.SHUTTING_DOWN
-        evict: list[_Conn] = []
-        for scope, limit in self._scopes(new):
-            members = [c for c in scope if c not in evict]
-            credit = sum(1 for c in members if self.replaceable(c, now))
-            over = len(members) + 1 - (limit + credit)
-            if over <= 0:
-                continue  # room, or admitted on credit: see handshake_done
-            pending = sorted(
-                (c for c in members if not c.authenticated), key=lambda c: c.accepted_at
-            )
-            if len(pending) < over:
-                return ErrorCode.CONNECTION_LIMIT
-            evict += pending[:over]
-        for victim in evict:
-            victim.evict()
-        return None
-
-    def handshake_done(self, conn: _Conn) -> None:
-        """``conn`` authenticated: if that puts a scope over its limit, evict the
-        longest idle replaceable peer, or close ``conn`` itself if none is left.
-
-        A sharded link joins its group session first (one per session and rank): one
-        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
-        core = conn.core
-        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
-            conn.refuse(ErrorCode.GROUP_IN_USE)
-            return
-        now = time.monotonic()
-        for members, limit in self._scopes(conn):
-            authenticated = [c for c in members if c.authenticated]
-            if len(authenticated) <= limit:
-                continue
-            victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
-            victim = min(victims, key=_idle_since, default=None)
-            if victim is None:  # the peers it was admitted for became busy meanwhile
-                conn.refuse(ErrorCode.CONNECTION_LIMIT)
-                return
-            victim.evict()
-
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
@@ -638,7 +610,9 @@ class WorkerServer:
         # The job's rows go to the connection as they are drawn (docs/adaptive.md §7).
         job.owner = conn
         job.streamer = self._streamer
-        self.draws.submit(conn, job, now=time.monotonic(), tag=job.step.slot)
+        self.draws.submit(
+            conn.principal, (conn, job), now=time.monotonic(), owner=conn, tag=job.step.slot
+        )
         if not self._scheduling:
             self._scheduling = True
             asyncio.get_running_loop().call_soon(self._schedule)
@@ -651,7 +625,7 @@ class WorkerServer:
         """``conn`` is gone: its queued draws are dropped (running ones finish unused)."""
         if self.group is not None:
             self.group.leave(conn)
-        self.draws.drop(conn)
+        self.draws.drop(conn.principal, owner=conn)
         self.metrics.draws_queued.set(self.draws.queued)
 
     def _schedule(self) -> None:
@@ -661,10 +635,10 @@ class WorkerServer:
             loop = asyncio.get_running_loop()
             now = time.monotonic()
             while batch := self.draws.next_batch(now):
-                jobs = [job for _, job in batch]
+                jobs = [job for _, (_, job) in batch]
                 done = loop.run_in_executor(pool, self.run_batch, jobs)
                 done.add_done_callback(functools.partial(self._batch_done, batch))
-            until = self.draws.hold_until()
+            until = self.draws.hold_until(now)
             if until is not None and self._gather_timer is None:
                 self._gather_timer = loop.call_later(max(0.0, until - now), self._gathered)
         self.metrics.draws_queued.set(self.draws.queued)
@@ -675,7 +649,7 @@ class WorkerServer:
 
     def _batch_done(
         self,
-        batch: list[tuple[_Conn, worker_core.DrawJob]],
+        batch: list[tuple[str, tuple[_Conn, worker_core.DrawJob]]],
         done: asyncio.Future[list[worker_core.DrawResult]],
     ) -> None:
         self.draws.finished(batch)
@@ -687,8 +661,8 @@ class WorkerServer:
             failure = error or RuntimeError(
                 f"the batch runner returned {len(results or ())} results for {len(batch)} jobs"
             )
-            results = [job.complete(failure) for _, job in batch]
-        for (conn, job), result in zip(batch, results, strict=True):
+            results = [job.complete(failure) for _, (_, job) in batch]
+        for (_, (conn, job)), result in zip(batch, results, strict=True):
             conn._drawn(job, result)
         self._schedule()
 
@@ -775,11 +749,11 @@ class WorkerServer:
         conns = list(self.conns)
         for conn in conns:
             conn.drain()
-        waits = [c.closed.wait() for c in conns]
+        waits = [c.closed.wait() for c in [*conns, *self.closing]]
         if waits:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*waits), grace)
-        for conn in list(self.conns):
+        for conn in [*self.conns, *self.closing]:
             if conn.transport is not None:
                 conn.transport.abort()
         if self._gather_timer is not None:
@@ -819,7 +793,3 @@ def _group_drawn(
 ) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
         loop.call_soon_threadsafe(conn._drawn, job, result)
-
-
-def _idle_since(conn: _Conn) -> float:
-    return conn.core.last_activity if conn.core is not None else 0.0

@@ -23,11 +23,11 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from pp1wire.aio import server
+from pp1wire.aio import admission
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
 from pp1wire.apps import metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
-from pp1wire.wire import draws, framing
+from pp1wire.wire import budgets, draws, framing
 from pp1wire.wire.messages import WIRE_VERSION
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="N",
         help="most authenticated connections; when full, a newcomer replaces the oldest "
-        "peer still in its handshake, or (once it has itself authenticated) a peer idle "
-        "for 1 s whose slots were not opened, stepped or committed for --slot-idle-timeout",
+        "peer still in its handshake, or (once it has itself authenticated) a peer that "
+        "had no fresh draw for --slot-idle-timeout",
     )
     p.add_argument(
         "--max-per-address",
@@ -162,42 +162,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slot-idle-timeout",
         type=settings.seconds,
-        default=server.SLOT_IDLE_S,
+        default=admission.SLOT_IDLE_S,
         metavar="SECONDS",
-        help="a slot not opened, stepped or committed for this long no longer keeps its connection "
-        "from being replaced by a newcomer when the worker is full",
+        help="a connection that had no fresh draw (a STEP drawn) for this long may be replaced "
+        "by a newcomer when the worker is full; COMMIT, OPEN, CLOSE and PING do not count "
+        "(one new connection per source address and period is protected for its first 1 s)",
     )
     p.add_argument(
         "--max-draw-rate",
         type=settings.rate,
         default=None,
         metavar="DRAWS/S",
-        help="fresh draws per second one connection may ask for; a STEP beyond it is "
-        "refused with DRAW_RATE_LIMITED (default: unset, no limit)",
+        help="fresh draws per second one slot may ask for, kept per source address across "
+        "reconnections; a STEP beyond it is refused with DRAW_RATE_LIMITED: size it as the "
+        "most rounds per second one request should run (default: unset, no limit)",
     )
     p.add_argument(
         "--draw-burst",
         type=settings.u16,
         default=None,
         metavar="DRAWS",
-        help="fresh draws one connection may ask for at once under --max-draw-rate "
-        "(default: --max-slots)",
+        help="fresh draws one slot may ask for ahead of --max-draw-rate "
+        f"(default: {budgets.DRAW_BURST})",
     )
     p.add_argument(
         "--abandon-rate",
         type=settings.rate,
         default=1.0,
         metavar="DRAWS/S",
-        help="fresh draws per second one connection may leave uncommitted (its slot reset "
-        "or closed before a COMMIT); beyond them and --abandon-burst its fresh STEPs are "
-        "refused with DRAW_RATE_LIMITED until it has paid them back",
+        help="fresh draws per second one source address may leave uncommitted (a slot reset "
+        "or closed before a COMMIT), over all its connections; beyond them and "
+        "--abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until it has "
+        "paid them back",
     )
     p.add_argument(
         "--abandon-burst",
         type=settings.u16,
         default=None,
         metavar="DRAWS",
-        help="uncommitted draws one connection may leave at once (default: 2 x --max-slots)",
+        help="uncommitted draws one source address may leave at once (default: 2 x --max-slots)",
     )
     p.add_argument(
         "--busy-poll",
@@ -312,7 +315,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         handshake_timeout=args.handshake_timeout,
         idle_timeout=args.idle_timeout,
         max_draw_rate=args.max_draw_rate,
-        draw_burst=args.max_slots if args.draw_burst is None else args.draw_burst,
+        draw_burst=budgets.DRAW_BURST if args.draw_burst is None else args.draw_burst,
         abandon_rate=args.abandon_rate,
         abandon_burst=2 * args.max_slots if args.abandon_burst is None else args.abandon_burst,
     )

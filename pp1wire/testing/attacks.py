@@ -1,9 +1,13 @@
 """Hostile clients, for the tests and benchmarks that attack a worker.
 
 A peer that opens a slot and then floods STEPs without reading, peers that
-keep every slot drawing with a RESET/STEP loop, and the probe a legitimate
-client runs meanwhile. Blocking sockets on purpose: the
-attacker must not be paced by an event loop the worker might share.
+keep every slot drawing with a RESET/STEP loop (reconnecting when refused, if
+asked), or with a STEP -> target-only COMMIT loop, squatters that keep a
+connection busy without drawing, and the probe a legitimate client runs
+meanwhile. Blocking sockets on purpose: the attacker must not be paced by an
+event loop the worker might share. Every attacker may connect from its own
+loopback ``source`` address (any of 127.0.0.0/8), so that the worker counts it
+as a principal apart from a legitimate client on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from typing import Protocol
 import msgspec
 
 from pp1wire.aio.client import AsyncClient
-from pp1wire.q.proposal import prefix_digest
+from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.q.proposal import PrefixDigest, prefix_digest
+from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing
 from pp1wire.wire.events import HandshakeDone
-from pp1wire.wire.messages import Error, MsgType, Reset, Step
+from pp1wire.wire.messages import Close, Commit, Error, MsgType, Reset, Scope, Step
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 from pp1wire.wire.spark_events import SlotOpened
 
@@ -105,11 +111,28 @@ class _Switch(Protocol):
         """Wait until it is on (or ``timeout`` s); whether it is."""
 
 
-def _handshake_and_open(
-    port: int, vocab: int, slots: int, prefix: list[int]
+def _connect(port: int, source: str | None) -> socket.socket:
+    """A TCP connection to the worker on loopback, from ``source`` if given."""
+    return socket.create_connection(
+        ("127.0.0.1", port), timeout=30.0, source_address=None if source is None else (source, 0)
+    )
+
+
+def handshake_and_open(
+    port: int,
+    vocab: int,
+    slots: int,
+    prefix: list[int],
+    *,
+    source: str | None = None,
 ) -> tuple[socket.socket, int]:
-    """A connection with ``slots`` slots open at ``prefix``; the socket and its session."""
-    sock = socket.create_connection(("127.0.0.1", port))
+    """A connection (from ``source``) with ``slots`` slots open at ``prefix``; the
+    socket and its session. No key: the attack loops write untagged frames.
+
+    Raises:
+        OSError, ConnectionError: if the worker cannot be reached or closes the connection.
+    """
+    sock = _connect(port, source)
     core = SparkProtocol(SparkConfig(vocab_size=vocab, max_slots=slots), now=0.0)
     core.start(0.0)
     events: list[object] = []
@@ -117,7 +140,6 @@ def _handshake_and_open(
     def exchange(done: Callable[[], bool]) -> None:
         for chunk in core.data_to_send():
             sock.sendall(chunk)
-        sock.settimeout(30.0)
         while not done():
             data = sock.recv(1 << 20)
             if not data:
@@ -126,12 +148,64 @@ def _handshake_and_open(
             for chunk in core.data_to_send():
                 sock.sendall(chunk)
 
-    exchange(lambda: any(isinstance(e, HandshakeDone) for e in events))
-    for slot in range(slots):
-        core.open_slot(slot, seed=slot + 1, prefix=prefix)
-    exchange(lambda: sum(isinstance(e, SlotOpened) for e in events) == slots)
+    try:
+        exchange(lambda: any(isinstance(e, HandshakeDone) for e in events))
+        for slot in range(slots):
+            core.open_slot(slot, seed=slot + 1, prefix=prefix)
+        exchange(lambda: sum(isinstance(e, SlotOpened) for e in events) == slots)
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(None)
     return sock, core.session
+
+
+def step_at(
+    session: int, slot: int, round_id: int, prefix: PrefixDigest, *, depth: int = 5
+) -> Step:
+    """A dense STEP of ``slot`` (generation 0) for ``round_id`` after ``prefix``."""
+    return Step(
+        session=session,
+        slot=slot,
+        generation=0,
+        round=round_id,
+        position=prefix.length,
+        digest=prefix.value,
+        depth=depth,
+        temperature=1.0,
+        support=0,
+        context=0,
+    )
+
+
+def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> tuple[int, int]:
+    """Read until ``steps`` STEPs are answered: (drawn, refused DRAW_RATE_LIMITED); a
+    closed connection answers the rest as neither.
+
+    Raises:
+        ProtocolError: if the worker answers another ERROR to a STEP (the loop is broken).
+    """
+    answered = drawn = limited = 0
+    while answered < steps:
+        try:
+            data = sock.recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:
+            return drawn, limited
+        for frame in decoder.feed(data):
+            msg = frame.message
+            if frame.type is MsgType.COMPLETION:
+                answered += 1
+                drawn += 1
+            elif isinstance(msg, Error) and msg.scope == Scope.CONNECTION:
+                return drawn, limited
+            elif isinstance(msg, Error) and msg.answers == MsgType.STEP:
+                answered += 1
+                if msg.code != ErrorCode.DRAW_RATE_LIMITED:
+                    raise ProtocolError(ErrorCode(msg.code), "the attack loop was refused")
+                limited += 1
+    return drawn, limited
 
 
 def reset_step_loop(
@@ -144,11 +218,15 @@ def reset_step_loop(
     running: _Switch,
     stop: _Switch,
     ready: Callable[[], object] | None = None,
+    source: str | None = None,
+    reconnect: bool = False,
 ) -> tuple[int, int]:
     """Keep every slot of ``connections`` connections drawing: STEP, read the reply,
     RESET (a new generation), STEP again, for as long as ``running`` is on and until
     ``stop``. Each STEP is a fresh draw (dense, ``depth`` rows); no COMMIT is ever
-    sent, so the one-uncommitted-STEP rule never applies. ``ready`` is called once
+    sent, so the one-uncommitted-STEP rule never applies. With ``reconnect``, a
+    connection refused ``DRAW_RATE_LIMITED`` is closed and made again at once (a
+    fresh session, as if budgets lived on the connection). ``ready`` is called once
     every slot is open. Returns the STEPs answered with a proposal and those refused.
 
     Raises:
@@ -162,51 +240,62 @@ def reset_step_loop(
     def one(sock: socket.socket, session: int) -> None:
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         generation = 0
-        while not stop.is_set():
-            if not running.wait(0.05):
-                continue
-            out = []
-            for slot in range(slots):
-                if generation:
+        try:
+            while not stop.is_set():
+                if not running.wait(0.05):
+                    continue
+                out = []
+                for slot in range(slots):
+                    if generation:
+                        out.append(
+                            framing.encode_frame(
+                                Reset(session=session, slot=slot, generation=generation)
+                            )
+                        )
                     out.append(
                         framing.encode_frame(
-                            Reset(session=session, slot=slot, generation=generation)
+                            Step(
+                                session=session,
+                                slot=slot,
+                                generation=generation,
+                                round=0,
+                                position=len(prefix),
+                                digest=digest,
+                                depth=depth,
+                                temperature=1.0,
+                                support=0,
+                                context=0,
+                            )
                         )
                     )
-                out.append(
-                    framing.encode_frame(
-                        Step(
-                            session=session,
-                            slot=slot,
-                            generation=generation,
-                            round=0,
-                            position=len(prefix),
-                            digest=digest,
-                            depth=depth,
-                            temperature=1.0,
-                            support=0,
-                            context=0,
-                        )
-                    )
-                )
-            sock.sendall(b"".join(out))
-            answered = drawn = 0
-            while answered < slots:
-                data = sock.recv(1 << 20)
-                if not data:
+                try:
+                    sock.sendall(b"".join(out))
+                except OSError:
                     return
-                for frame in decoder.feed(data):
-                    if frame.type is MsgType.COMPLETION:
-                        answered += 1
-                        drawn += 1
-                    elif isinstance(frame.message, Error) and frame.message.answers == MsgType.STEP:
-                        answered += 1
-            generation += 1
-            with lock:
-                totals[0] += drawn
-                totals[1] += answered - drawn
+                drawn, refused = _answers(sock, decoder, slots)
+                generation += 1
+                with lock:
+                    totals[0] += drawn
+                    totals[1] += refused
+                if refused and reconnect:
+                    sock.close()
+                    while True:
+                        try:
+                            sock, session = handshake_and_open(
+                                port, vocab, slots, prefix, source=source
+                            )
+                            break
+                        except (OSError, ConnectionError):
+                            if stop.wait(0.01):
+                                return
+                    decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+                    generation = 0
+        finally:
+            sock.close()
 
-    links = [_handshake_and_open(port, vocab, slots, prefix) for _ in range(connections)]
+    links = [
+        handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
+    ]
     if ready is not None:
         ready()
     threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
@@ -214,6 +303,171 @@ def reset_step_loop(
         t.start()
     for t in threads:
         t.join()
-    for sock, _ in links:
-        sock.close()
     return totals[0], totals[1]
+
+
+def commit_loop(
+    port: int,
+    vocab: int,
+    *,
+    connections: int = 4,
+    slots: int = 4,
+    running: _Switch,
+    stop: _Switch,
+    ready: Callable[[], object] | None = None,
+    source: str | None = None,
+    same_round: bool = False,
+) -> tuple[int, int]:
+    """Keep every slot of ``connections`` connections drawing and throw every draw away:
+    STEP round r (dense, depth 5), read the reply, COMMIT one token of its own for
+    round r + 1, never stepped (a target-only COMMIT, passing round r's draw over),
+    STEP round r + 2, for as long as ``running`` is on and until ``stop``; no RESET,
+    no CLOSE. With ``same_round``, COMMIT round r itself with no draft accepted (as a
+    Spark side whose target rejected the first draft) and STEP round r + 1: every
+    round stepped is committed. ``ready`` is called once every slot is open.
+    Returns the STEPs answered with a proposal and those refused.
+
+    Raises:
+        OSError, ConnectionError: if the worker cannot be reached.
+    """
+    start = [1, 2, 3]
+    totals = [0, 0]
+    lock = threading.Lock()
+
+    def one(sock: socket.socket, session: int) -> None:
+        decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+        prefixes = [PrefixDigest(start) for _ in range(slots)]
+        round_id = 0
+        try:
+            while not stop.is_set():
+                if not running.wait(0.05):
+                    continue
+                out = [
+                    framing.encode_frame(step_at(session, slot, round_id, prefixes[slot]))
+                    for slot in range(slots)
+                ]
+                try:
+                    sock.sendall(b"".join(out))
+                except OSError:
+                    return
+                drawn, refused = _answers(sock, decoder, slots)
+                if drawn + refused < slots:
+                    return  # the worker closed the connection
+                with lock:
+                    totals[0] += drawn
+                    totals[1] += refused
+                out = []
+                for slot, prefix in enumerate(prefixes):
+                    token = 4 + round_id % 50
+                    prefix.extend([token])
+                    commit = Commit(
+                        session=session,
+                        slot=slot,
+                        generation=0,
+                        round=round_id if same_round else round_id + 1,
+                        accepted=0,
+                        extra=token,
+                        position=prefix.length,
+                        digest=prefix.value,
+                    )
+                    out.append(framing.encode_frame(commit))
+                round_id += 1 if same_round else 2
+                try:
+                    sock.sendall(b"".join(out))
+                except OSError:
+                    return
+        finally:
+            sock.close()
+
+    links = [
+        handshake_and_open(port, vocab, slots, start, source=source) for _ in range(connections)
+    ]
+    if ready is not None:
+        ready()
+    threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return totals[0], totals[1]
+
+
+def squat(
+    port: int,
+    vocab: int,
+    *,
+    period: float,
+    stop: _Switch,
+    source: str | None = None,
+    ready: Callable[[], object] | None = None,
+    reopen: bool = False,
+) -> int:
+    """Hold a connection without drawing: open slot 0, then every ``period`` seconds
+    COMMIT one token of a round never stepped (a target-only COMMIT), or with
+    ``reopen`` CLOSE slot 0 and OPEN it again, until ``stop``. A connection the
+    worker closes is made again at once. ``ready`` is called once the first
+    connection holds its slot. Returns how often the worker closed it.
+
+    Raises:
+        OSError, ConnectionError: if the worker cannot be reached at the start.
+    """
+    start = [1, 2, 3]
+    closed = 0
+    link: tuple[socket.socket, int] | None
+    link = handshake_and_open(port, vocab, 1, start, source=source)
+    if ready is not None:
+        ready()
+    while not stop.is_set():
+        if link is None:
+            try:
+                link = handshake_and_open(port, vocab, 1, start, source=source)
+            except (OSError, ConnectionError):
+                stop.wait(0.05)
+                continue
+        sock, session = link
+        prefix, round_id = PrefixDigest(start), 0
+        decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
+        alive = True
+        while alive and not stop.wait(period):
+            if reopen:
+                round_id += 1  # the generation of the next OPEN
+                data = framing.encode_frame(Close(session=session, slot=0))
+                data += framing.encode_frame(
+                    open_message(session, 0, start, generation=round_id), token_bytes(start)
+                )
+                answer = MsgType.OPENED
+            else:
+                token = 4 + round_id % 50
+                prefix.extend([token])
+                commit = Commit(
+                    session=session,
+                    slot=0,
+                    generation=0,
+                    round=round_id,
+                    accepted=0,
+                    extra=token,
+                    position=prefix.length,
+                    digest=prefix.value,
+                )
+                round_id += 1
+                data, answer = framing.encode_frame(commit), MsgType.COMMITTED
+            try:
+                sock.sendall(data)
+                sock.settimeout(5.0)
+                frames = decoder.feed(sock.recv(1 << 16))
+            except (OSError, ProtocolError):
+                frames = []
+            alive = any(f.type is answer for f in frames)
+        if alive:  # stopped: was it closed meanwhile (an ERROR, or EOF, waiting)?
+            sock.setblocking(False)
+            try:
+                left = sock.recv(1 << 16)
+                alive = bool(left) and not any(f.type is MsgType.ERROR for f in decoder.feed(left))
+            except BlockingIOError:
+                pass
+            except (OSError, ProtocolError):
+                alive = False
+        sock.close()
+        link = None
+        closed += not alive
+    return closed

@@ -1,22 +1,23 @@
-"""Draw work shared fairly between connections, and bounded per connection (sans-IO).
+"""Draw work shared fairly between principals, and bounded per principal (sans-IO).
 
 A worker draws proposals on a pool of a few workers (threads). Served in
 arrival order, one peer that keeps every slot drawing (a RESET/STEP loop on all
-of them) puts every other peer's draw behind all of its own. Two rules bound
-what one connection takes:
+of them) puts every other peer's draw behind all of its own. What one peer may
+take is bounded per *principal* (``docs/protocol.md`` §2: the peer's source
+address), never per connection, which a peer could open again or open more of:
 
-* :class:`DrawScheduler` keeps one queue per connection and gives each free
-  worker a batch taken from the connections with the fewest draws running,
-  the least recently served first among equals (round robin). A connection
-  whose draw arrives while others are backlogged waits for the first worker
-  that frees up, not for their queues.
-* :class:`TokenBucket` limits the fresh draws one connection may ask for
-  (``--max-draw-rate`` draws per second, ``--draw-burst`` at once); a STEP
-  beyond it is refused with ``DRAW_RATE_LIMITED`` (``docs/protocol.md`` §4.4),
-  changing nothing, before anything is drawn.
+* :class:`DrawScheduler` keeps one queue per principal and gives each free
+  worker a batch taken from the principals with the fewest draws running, the
+  least recently served first among equals (round robin); while several
+  principals have drawn lately, none holds more than its share of the workers.
+  A principal whose draw arrives while others are backlogged waits for the
+  first worker that frees up, not for their queues.
+* :mod:`pp1wire.wire.budgets` holds a principal's draw budgets, kept between
+  its connections; a fresh STEP beyond one is refused with
+  ``DRAW_RATE_LIMITED``, changing nothing, before anything is drawn.
 
 The scheduler hands out *batches* of up to ``max_batch`` jobs (fairly across
-connections) to a :data:`BatchRunner`: :class:`DraftTogether` drafts every
+principals) to a :data:`BatchRunner`: :class:`DraftTogether` drafts every
 STEP of a batch together, as an engine's step does (one drafter call per
 position over all of them, the q rows of the batch built and drawn in one
 compiled pass), and :func:`run_each` runs each job on its own.
@@ -25,11 +26,11 @@ STEPs that arrive together are drafted together. A Spark side that steps like
 an engine sends every slot's COMMIT, then every slot's next STEP, in a burst
 that may reach the worker over several reads; dispatching the first STEP at
 once would draft the burst as several batches, one after another. So a
-connection's slots that were opened, reset or committed since its last
-dispatch are *expected* (:meth:`DrawScheduler.expect`), and a free worker
+connection's slots that were opened, reset or committed since its principal's
+last dispatch are *expected* (:meth:`DrawScheduler.expect`), and a free worker
 waits for them, at most ``gather`` seconds after the first queued job, before
 taking a batch; a slot whose STEP arrives is no longer expected, and a
-dispatch stops expecting the rest of its connections' slots (a slot that does
+dispatch stops expecting the rest of its principal's slots (a slot that does
 not STEP costs one wait, once). :class:`FailureLog` decides which drafter
 failures a shell logs. No clock is read here: callers pass ``now``.
 """
@@ -43,19 +44,16 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, TypeVar
 
 from pp1wire.q.batch import propose_batch
 from pp1wire.q.proposal import QRow, batched_drafter, drafter_kind
+from pp1wire.wire.budgets import SHARE_WINDOW_S
 from pp1wire.wire.replies import FrameParts
 from pp1wire.wire.worker_events import DrawJob, DrawResult, Streamer
 
 K = TypeVar("K", bound=Hashable)
 J = TypeVar("J")
-
-# Refills add up elapsed time in floating point: a token due exactly now may come
-# out a few ulps short of 1.
-_EPSILON = 1e-9
 
 BatchRunner = Callable[[list[DrawJob]], list[DrawResult]]
 """Draws a batch of jobs on a pool worker and returns one result per job, in order.
@@ -173,114 +171,188 @@ def _stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, Q
 
 
 class DrawScheduler(Generic[K, J]):
-    """Per-connection draw queues served fairly by ``workers`` pool workers.
+    """Per-principal draw queues served fairly by ``workers`` pool workers.
 
-    ``K`` names a connection, ``J`` is a job. Jobs of one connection are handed
-    out in the order they were submitted.
+    ``K`` names a principal (the peer a share belongs to: all its connections
+    together), ``J`` is a job. Jobs of one key are handed out in the order they
+    were submitted; each job may name its ``owner`` (a connection), whose jobs
+    :meth:`drop` removes.
+
+    Shares: while several keys are *active* (jobs queued or running, or a
+    batch handed out within the last ``share_window`` seconds), a key holds at
+    most its share of the workers, ``ceil(workers / active keys)`` of them (a
+    worker holding a batch with one of its jobs counts as one of them). A key
+    at its share waits even if a worker is free: that worker is the share of a
+    key between two of its rounds, so its next draw starts at once instead of
+    behind another key's batch. With one key active, every worker is its own.
     """
 
-    def __init__(self, workers: int, *, max_batch: int = 1, gather: float = 0.0) -> None:
+    def __init__(
+        self,
+        workers: int,
+        *,
+        max_batch: int = 1,
+        gather: float = 0.0,
+        share_window: float = SHARE_WINDOW_S,
+    ) -> None:
         """Serve with ``workers`` (>= 1) workers, ``max_batch`` (>= 1) jobs per batch,
-        waiting up to ``gather`` (>= 0) seconds for expected jobs (0: never).
+        waiting up to ``gather`` (>= 0) seconds for expected jobs (0: never), a key
+        counting as active ``share_window`` (>= 0) seconds after its last batch.
 
         Raises:
-            ValueError: for a count below 1 or a negative or non-finite ``gather``.
+            ValueError: for a count below 1 or a negative or non-finite ``gather``
+                or ``share_window``.
         """
         if workers < 1 or max_batch < 1:
             raise ValueError("a draw scheduler needs at least one worker and one job per batch")
         if not (math.isfinite(gather) and gather >= 0):
             raise ValueError("a draw scheduler's gather time must be finite and at least 0")
+        if not (math.isfinite(share_window) and share_window >= 0):
+            raise ValueError("a draw scheduler's share window must be finite and at least 0")
         self.workers = workers
         self.max_batch = max_batch
         self.gather = gather
-        # Per connection: (time queued, job), in submission order.
-        self._queues: dict[K, deque[tuple[float, J]]] = {}
-        self._running: dict[K, int] = {}
+        self.share_window = share_window
+        # Per key: (time queued, owner, job), in submission order.
+        self._queues: dict[K, deque[tuple[float, Hashable, J]]] = {}
+        self._running: dict[K, int] = {}  # jobs handed out, not finished
+        self._holding: dict[K, int] = {}  # workers holding a batch with a job of the key
+        self._active_until: dict[K, float] = {}  # a batch handed out: counted until then
         self._served_at: dict[K, int] = {}
-        self._expected: dict[K, set[Hashable]] = {}
+        self._expected: dict[K, set[tuple[Hashable, Hashable]]] = {}
         self._turn = 0
         self.busy = 0  # workers holding a batch
         self.queued = 0  # jobs waiting
 
-    def submit(self, key: K, job: J, *, now: float = 0.0, tag: Hashable = None) -> None:
-        """Queue ``job`` for connection ``key`` at time ``now``; the job named ``tag``
-        (a slot) is no longer expected."""
-        self._queues.setdefault(key, deque()).append((now, job))
+    def submit(
+        self, key: K, job: J, *, now: float = 0.0, owner: Hashable = None, tag: Hashable = None
+    ) -> None:
+        """Queue ``job`` of ``owner`` for ``key`` at time ``now``; the job named ``tag``
+        (a slot) of that owner is no longer expected."""
+        self._queues.setdefault(key, deque()).append((now, owner, job))
         self.queued += 1
         if tag is not None:
-            self.unexpect(key, tag)
+            self.unexpect(key, tag, owner=owner)
 
-    def expect(self, key: K, tag: Hashable) -> None:
-        """Connection ``key`` is expected to submit a job named ``tag`` soon."""
-        self._expected.setdefault(key, set()).add(tag)
+    def expect(self, key: K, tag: Hashable, *, owner: Hashable = None) -> None:
+        """``owner`` (of ``key``) is expected to submit a job named ``tag`` soon."""
+        self._expected.setdefault(key, set()).add((owner, tag))
 
-    def unexpect(self, key: K, tag: Hashable) -> None:
+    def unexpect(self, key: K, tag: Hashable, *, owner: Hashable = None) -> None:
         """The job named ``tag`` is no longer expected (it came, or its slot closed)."""
         tags = self._expected.get(key)
         if tags is not None:
-            tags.discard(tag)
+            tags.discard((owner, tag))
             if not tags:
                 del self._expected[key]
 
-    def drop(self, key: K) -> list[J]:
-        """Connection ``key`` is gone: its queued jobs, removed (running ones finish)."""
-        jobs = [job for _, job in self._queues.pop(key, ())]
-        self.queued -= len(jobs)
-        self._expected.pop(key, None)
-        if not self._running.get(key):
+    def drop(self, key: K, *, owner: Hashable = None) -> list[J]:
+        """``owner`` of ``key`` is gone (None: the whole key): its queued jobs, removed
+        (running ones finish), and nothing of it is expected any more."""
+        queue = self._queues.get(key)
+        dropped: list[J] = []
+        if queue is not None:
+            kept: deque[tuple[float, Hashable, J]] = deque()
+            for item in queue:
+                if owner is None or item[1] == owner:
+                    dropped.append(item[2])
+                else:
+                    kept.append(item)
+            if kept:
+                self._queues[key] = kept
+            else:
+                del self._queues[key]
+        self.queued -= len(dropped)
+        tags = self._expected.get(key)
+        if tags is not None:
+            left = {t for t in tags if owner is not None and t[0] != owner}
+            if left:
+                self._expected[key] = left
+            else:
+                del self._expected[key]
+        if key not in self._queues and not self._running.get(key):
             self._served_at.pop(key, None)
-        return jobs
+        return dropped
 
-    def hold_until(self) -> float | None:
+    def hold_until(self, now: float = math.inf) -> float | None:
         """While a free worker waits for expected jobs: the time it stops waiting
-        (``gather`` after the oldest queued job); else None."""
-        if (
-            self.gather <= 0
-            or self.busy >= self.workers
-            or self.queued >= self.max_batch
-            or not any(k in self._expected for k in self._queues)
-        ):
+        (``gather`` after the oldest job a key within its share at ``now`` has
+        queued); else None (a key at its share waits for a worker, not for this)."""
+        if self.gather <= 0 or self.busy >= self.workers or self.queued >= self.max_batch:
             return None
-        return min(q[0][0] for q in self._queues.values()) + self.gather
+        eligible = self._eligible(now)
+        if not any(k in self._expected for k in eligible):
+            return None
+        return min(self._queues[k][0][0] for k in eligible) + self.gather
 
     def running(self, key: K) -> int:
         """Jobs of ``key`` handed out and not yet finished."""
         return self._running.get(key, 0)
 
-    def next_batch(self, now: float = math.inf) -> list[tuple[K, J]]:
-        """A batch for a free worker, now marked busy, or [] (no free worker, no job,
-        or, at time ``now``, still waiting for expected jobs: :meth:`hold_until`).
+    def share(self, now: float) -> int:
+        """The most workers one key may hold at ``now`` (see the class)."""
+        if now != math.inf:
+            for key in [k for k, t in self._active_until.items() if t <= now]:
+                del self._active_until[key]
+        recent = {k for k, t in self._active_until.items() if t > now}
+        active = set(self._queues) | set(self._running) | recent
+        return max(1, -(-self.workers // max(1, len(active))))
 
-        Each job of the batch goes to the queued connection with the fewest jobs
-        running (this batch's included); ties go to the one served longest ago.
-        The connections of the batch expect nothing more.
+    def _eligible(self, now: float) -> list[K]:
+        """The keys with jobs queued that hold fewer workers than their share at ``now``."""
+        share = self.share(now)
+        return [k for k in self._queues if self._holding.get(k, 0) < share]
+
+    def next_batch(self, now: float = math.inf) -> list[tuple[K, J]]:
+        """A batch for a free worker, now marked busy, or [] (no free worker, no job
+        a key within its share may take, or, at time ``now``, still waiting for
+        expected jobs: :meth:`hold_until`).
+
+        Each job of the batch goes to the queued key with the fewest jobs running
+        (this batch's included), ties to the one served longest ago, among the keys
+        that hold fewer than their share of the workers (:meth:`share`). The keys
+        of the batch expect nothing more.
         """
         if self.busy >= self.workers or not self._queues:
             return []
-        until = self.hold_until()
+        until = self.hold_until(now)
         if until is not None and now < until:
             return []
+        eligible = self._eligible(now)
         batch: list[tuple[K, J]] = []
-        while self._queues and len(batch) < self.max_batch:
+        while eligible and len(batch) < self.max_batch:
             key = min(
-                self._queues,
+                eligible,
                 key=lambda k: (self._running.get(k, 0), self._served_at.get(k, -1)),
             )
             queue = self._queues[key]
-            batch.append((key, queue.popleft()[1]))
+            batch.append((key, queue.popleft()[2]))
             self._expected.pop(key, None)
             if not queue:
                 del self._queues[key]
+                eligible.remove(key)
             self.queued -= 1
             self._running[key] = self._running.get(key, 0) + 1
             self._turn += 1
             self._served_at[key] = self._turn
+        if not batch:
+            return []
+        for key in {k for k, _ in batch}:
+            self._holding[key] = self._holding.get(key, 0) + 1
+            if now != math.inf:
+                self._active_until[key] = now + self.share_window
         self.busy += 1
         return batch
 
     def finished(self, batch: Sequence[tuple[K, J]]) -> None:
         """A worker is done with ``batch`` (from :meth:`next_batch`) and free again."""
         self.busy -= 1
+        for key in {k for k, _ in batch}:
+            held = self._holding[key] - 1
+            if held:
+                self._holding[key] = held
+            else:
+                del self._holding[key]
         for key, _ in batch:
             left = self._running[key] - 1
             if left:
@@ -289,144 +361,6 @@ class DrawScheduler(Generic[K, J]):
                 del self._running[key]
                 if key not in self._queues:
                     self._served_at.pop(key, None)
-
-
-class TokenBucket:
-    """At most ``burst`` draws at once and ``rate`` per second on average.
-
-    Full at creation. The clock is the caller's (monotonic seconds).
-    """
-
-    __slots__ = ("_stamp", "_tokens", "burst", "rate")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        """A full bucket at time ``now``.
-
-        Raises:
-            ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
-        """
-        if not (math.isfinite(rate) and rate > 0) or burst < 1:
-            raise ValueError("a draw budget needs a finite rate above 0 and a burst of at least 1")
-        self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._stamp = now
-
-    def _refill(self, now: float) -> None:
-        if now > self._stamp:
-            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
-            self._stamp = now
-
-    def take(self, now: float) -> bool:
-        """Spend one draw at ``now`` if the budget has one; False (nothing spent) if not."""
-        self._refill(now)
-        if self._tokens >= 1.0 - _EPSILON:
-            self._tokens = max(0.0, self._tokens - 1.0)
-            return True
-        return False
-
-    def wait(self, now: float) -> float:
-        """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
-        self._refill(now)
-        return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
-
-
-class AbandonBudget:
-    """Fresh draws one connection may leave uncommitted, and how fast it earns more.
-
-    A draw is *abandoned* when the slot it was drawn for is reset or closed
-    before any COMMIT of that round or a later one (``docs/protocol.md`` §4.4):
-    the RESET/STEP loop that makes a worker draw without bound, since every
-    RESET opens a new generation. A Spark side commits every round it asks for,
-    so it abandons only what a reconnect or a shutdown cuts. At most ``burst``
-    abandons are free, then ``rate`` per second; a connection beyond that owes
-    them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
-    paid them back. The clock is the caller's.
-    """
-
-    __slots__ = ("_bucket", "_owed")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        """A full budget at ``now``.
-
-        Raises:
-            ValueError: as :class:`TokenBucket`.
-        """
-        self._bucket = TokenBucket(rate, burst, now)
-        self._owed = 0
-
-    def abandoned(self, now: float) -> None:
-        """One more draw left uncommitted at ``now``."""
-        if not self._bucket.take(now):
-            self._owed += 1
-
-    def allows(self, now: float) -> bool:
-        """Whether a fresh draw may start at ``now`` (pays back what it can first)."""
-        while self._owed and self._bucket.take(now):
-            self._owed -= 1
-        return not self._owed
-
-    def wait(self, now: float) -> float:
-        """Seconds from ``now`` until :meth:`allows` would be true (0 if it is now)."""
-        if not self.allows(now):
-            # What is owed after this payment comes in at the bucket's rate.
-            return self._bucket.wait(now) + (self._owed - 1) / self._bucket.rate
-        return 0.0
-
-
-class DrawBudget:
-    """Both of one connection's draw budgets (``docs/protocol.md`` §4.4): fresh draws
-    per second (``max_draw_rate``, off unless set) and draws left uncommitted
-    (:class:`AbandonBudget`, ``abandon_rate``). A fresh STEP either budget refuses
-    is answered ``DRAW_RATE_LIMITED``."""
-
-    __slots__ = ("_abandons", "_rate")
-
-    def __init__(self, config: DrawLimits, now: float) -> None:
-        """Full budgets at ``now`` for ``config``'s limits (None: that budget is off)."""
-        rate, abandon = config.max_draw_rate, config.abandon_rate
-        self._rate = None if rate is None else TokenBucket(rate, config.draw_burst, now)
-        self._abandons = (
-            None if abandon is None else AbandonBudget(abandon, config.abandon_burst, now)
-        )
-
-    def allows_fresh(self, now: float) -> bool:
-        """Whether a fresh draw may start at ``now``; spends from the rate budget if so."""
-        if self._abandons is not None and not self._abandons.allows(now):
-            return False
-        return self._rate is None or self._rate.take(now)
-
-    def abandoned(self, now: float) -> None:
-        """A fresh draw died uncommitted at ``now``."""
-        if self._abandons is not None:
-            self._abandons.abandoned(now)
-
-    def wait(self, now: float) -> float:
-        """Seconds from ``now`` until a fresh draw would be allowed (0 if it is now);
-        spends nothing."""
-        abandons = 0.0 if self._abandons is None else self._abandons.wait(now)
-        rate = 0.0 if self._rate is None else self._rate.wait(now)
-        return max(abandons, rate)
-
-
-class DrawLimits(Protocol):
-    """The draw limits of a worker's configuration (``WorkerConfig``)."""
-
-    @property
-    def max_draw_rate(self) -> float | None:
-        """Fresh draws per second per connection (None: no limit)."""
-
-    @property
-    def draw_burst(self) -> int:
-        """Fresh draws at once."""
-
-    @property
-    def abandon_rate(self) -> float | None:
-        """Uncommitted draws per second per connection (None: no limit)."""
-
-    @property
-    def abandon_burst(self) -> int:
-        """Uncommitted draws at once."""
 
 
 #: Each distinct drafter failure is logged with its traceback once, then at most

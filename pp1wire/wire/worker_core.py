@@ -25,7 +25,7 @@ from pp1wire.q.proposal import DrafterFn, PrefixDigest
 from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.wire import fencing, framing, integrity, transitions
-from pp1wire.wire.draws import DrawBudget
+from pp1wire.wire.budgets import DRAW_BURST, Account, DrawGate
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
@@ -97,12 +97,10 @@ class WorkerConfig(PeerConfig):
     draft_identity: str = "pp1-toy-drafter"
     draft_native: bool = True
     idle_timeout: float = 300.0
-    #: Fresh draws per second one connection may ask for (None: no limit), and
-    #: how many at once (``docs/protocol.md`` §4.4, ``DRAW_RATE_LIMITED``).
+    #: Fresh draws per second per slot (None: any), and ahead of it (§4.4, DRAW_RATE_LIMITED).
     max_draw_rate: float | None = None
-    draw_burst: int = 1
-    #: Fresh draws per second one connection may leave uncommitted (RESET or CLOSE
-    #: before a COMMIT), and how many at once (§4.4, ``DRAW_RATE_LIMITED``; None: any).
+    draw_burst: int = DRAW_BURST
+    #: Draws one principal may leave uncommitted per second (None: any), and at once.
     abandon_rate: float | None = 1.0
     abandon_burst: int = 8
     stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
@@ -125,7 +123,6 @@ class WorkerSlot:
     drafts: tuple[int, ...] = ()
     reply: tuple[FrameParts, ...] | None = None
     committed_msg: Committed | None = None
-    worked_at: float = 0.0  # the last OPEN, fresh STEP or applied COMMIT (admission)
 
     @property
     def digest(self) -> int:
@@ -148,10 +145,12 @@ class WorkerProtocol:
         now: float,
         defer_draws: bool = False,
         proposer: Proposer | None = None,
+        account: Account | None = None,
     ) -> None:
         """Start a connection at time ``now``; ``session`` is assigned to the peer.
 
         ``proposer`` draws each STEP's rows instead of the local proposal chain.
+        ``account``: the draw budgets of the peer's principal (default: its own).
 
         With ``defer_draws``, an accepted STEP is not drawn inline: the core
         emits :class:`DrawRequested` and goes on with the connection's messages
@@ -200,10 +199,7 @@ class WorkerProtocol:
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
-        self._budget = DrawBudget(config, now)
-        #: Until when (the caller's clock) a fresh STEP would be refused ``DRAW_RATE_LIMITED``,
-        #: as of the last such refusal: a server reads nothing more until then (§4.4).
-        self.refused_until = 0.0
+        self.gate = DrawGate(account if account is not None else Account(config, now))
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -286,23 +282,22 @@ class WorkerProtocol:
         """Handle frames already received, in order; returns the events caused.
 
         Stops after ``max_frames`` frames, once the bytes queued reach ``out_budget``, or
-        (``hold_after_refusal``) until :attr:`refused_until`, leaving the rest buffered and
-        :attr:`more` true: a shell bounds a turn, a non-reading peer, a refused one (§4.4).
+        (``hold_after_refusal``) at a STEP its budget holds (:meth:`DrawGate.holds`),
+        leaving the rest buffered: a shell bounds a turn, a non-reading peer, a refused one.
         """
         self.more = False
         self._now = now
         handled = 0
         if self._held is not None and not self.closed:
-            if _slot_of(self._held) in self._drawing:
+            if self._waits(self._held, now, hold_after_refusal):
                 return self._take_events()
             held, self._held = self._held, None
+            self.gate.hold_until = 0.0
             self._dispatch(held)
             handled += 1
         while not self.closed:
-            if (
-                (max_frames is not None and handled >= max_frames)
-                or (out_budget is not None and self._out_bytes >= out_budget)
-                or (hold_after_refusal and self.refused_until > now)
+            if (max_frames is not None and handled >= max_frames) or (
+                out_budget is not None and self._out_bytes >= out_budget
             ):
                 self.more = True
                 break
@@ -320,12 +315,21 @@ class WorkerProtocol:
             # trickles the bytes of one frame, is idle and cannot hold a connection slot.
             if frame.type not in _NOT_ACTIVITY:
                 self.last_activity = now
-            if self._drawing and _slot_of(frame) in self._drawing:
+            if self._waits(frame, now, hold_after_refusal):
                 self._held = framing.detached(frame)
                 break
             self._dispatch(frame)
             handled += 1
         return self._take_events()
+
+    def _waits(self, frame: framing.Frame, now: float, budget: bool) -> bool:
+        """Whether ``frame`` waits: its slot is drawn, or (``budget``) its budget holds it."""
+        msg = frame.message
+        if self._drawing and _slot_of(frame) in self._drawing:
+            return True
+        if not budget or not isinstance(msg, Step) or msg.slot not in self.slots:
+            return False
+        return msg.session == self.session and self.gate.holds(msg, self.slots[msg.slot].fence, now)
 
     @property
     def drawing(self) -> bool:
@@ -375,6 +379,7 @@ class WorkerProtocol:
 
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
+        self.gate.lost(self.slots, self._now)
         self.slots.clear()
         self._drawing.clear()
         self._streamed.clear()
@@ -439,6 +444,7 @@ class WorkerProtocol:
     def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
         self._refuse(code, answers, scope=Scope.CONNECTION)
         self.closed = True
+        self.gate.lost(self.slots, self._now)
         self.slots.clear()
         self._events.append(ConnectionClosing(code))
 
@@ -461,6 +467,7 @@ class WorkerProtocol:
         assert isinstance(msg, Error)
         if msg.scope == Scope.CONNECTION:
             self.closed = True
+            self.gate.lost(self.slots, self._now)
             self.slots.clear()
             self._events.append(ConnectionClosing(None))
 
@@ -635,8 +642,8 @@ class WorkerProtocol:
             prefix=prefix,
             hasher=hasher,
             fence=WorkerSlotFence(generation=msg.generation),
-            worked_at=self._now,
         )
+        self.gate.opened(msg.slot, self._now)
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
         self._send(self._opened(msg.slot, slot))
@@ -657,7 +664,7 @@ class WorkerProtocol:
         if slot is None:
             return
         del self.slots[msg.slot]
-        self._abandon(slot)
+        self.gate.closed(msg.slot, slot, self._now)
         self._send(Closed(session=self.session, slot=msg.slot))
         self._events.append(
             SlotEvent(MsgType.CLOSE, msg.slot, slot.fence.generation, len(slot.prefix))
@@ -676,7 +683,6 @@ class WorkerProtocol:
         if problem is not None:
             self._refuse_msg(problem, kind, msg)
             return
-        slot.worked_at = self._now
         cfg = self.config
         encoder = ReplyEncoder(
             self.session,
@@ -725,15 +731,10 @@ class WorkerProtocol:
         code = fencing.worker_step_fields(
             self.limits, slot.prefix, slot.digest, slot.context, slot.fence, step
         )
-        if code is None and not self._budget.allows_fresh(self._now):
-            self.refused_until = self._now + self._budget.wait(self._now)
+        if code is None and not self.gate.fresh(step.slot, self._now):
             return ErrorCode.DRAW_RATE_LIMITED  # last: only a STEP that would be drawn spends
         return code
 
-    def _abandon(self, slot: WorkerSlot) -> None:
-        """The slot's fresh draw dies uncommitted (a RESET or CLOSE): count it (§4.4)."""
-        if slot.fence.last_step_round > slot.fence.committed_round:
-            self._budget.abandoned(self._now)
 
     # -- COMMIT / RESET ------------------------------------------------------
 
@@ -766,9 +767,9 @@ class WorkerProtocol:
         if digest != msg.digest:
             self._refuse_msg(ErrorCode.PREFIX_DIGEST_MISMATCH, kind, msg)
             return
+        self.gate.committed(slot, msg.round, self._now)  # §4.4: a draw passed over?
         slot.prefix.extend(new)
         slot.hasher = hasher
-        slot.worked_at = self._now
         slot.fence.committed_round = msg.round
         slot.fence.last_commit = msg
         slot.reply = None
@@ -797,7 +798,7 @@ class WorkerProtocol:
     def _on_reset(self, msg: Reset, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.RESET
         if decision.action is Action.ACCEPT:
-            self._abandon(slot)
+            self.gate.reset(slot, self._now)
             slot.fence.invalidate(msg.generation)
             self._slot_generations[msg.slot] = msg.generation
             slot.reply = None

@@ -1,0 +1,206 @@
+"""Who a full worker admits, and whom it replaces (``docs/protocol.md`` §2).
+
+The rules of admission in one place, mixed into the asyncio server
+(:class:`pp1wire.aio.server.WorkerServer`): a connection counts from accept
+until it closes or its peer is found gone; when a limit is reached, a newcomer
+replaces the oldest connection still in its handshake, or, once it has itself
+authenticated, a peer that is doing no useful work. The only work that protects
+a peer is a fresh draw; a new connection has a short grace to ask for its
+first, once per principal (:func:`principal_of`) per slot idle timeout.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import select
+import time
+from collections.abc import Hashable
+from typing import Final, Generic, Protocol, TypeVar
+
+from pp1wire.aio.worker_metrics import WorkerMetrics
+from pp1wire.errors import ErrorCode
+from pp1wire.wire.worker_core import WorkerProtocol
+from pp1wire.wire.worker_events import GroupDraws
+
+#: How long after its handshake a connection that has not drawn yet is protected from
+#: replacement (at most one connection per principal per --slot-idle-timeout).
+HANDSHAKE_GRACE_S: Final = 1.0
+#: A connection that had no fresh draw for this long may be replaced by a newcomer.
+SLOT_IDLE_S: Final = 10.0
+# A peer gone (its FIN or an error received) although its connection is not read.
+_GONE: Final = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+def principal_of(address: str) -> str:
+    """The principal a peer at source IP ``address`` belongs to (``docs/protocol.md`` §2):
+    the address itself, an IPv4-mapped IPv6 address as its IPv4 address. The draw
+    budgets, the share of the draw threads and the first-draw grace follow it."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address  # not an IP address (a Unix socket): one principal per name
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+class Peer(Hashable, Protocol):
+    """What admission reads of, and does to, a connection of the server."""
+
+    address: str  # the source IP address
+    accepted_at: float
+    authenticated_at: float
+    grace_until: float  # protected from replacement until then, if it has not drawn
+
+    @property
+    def core(self) -> WorkerProtocol | None:
+        """The connection's protocol core (None if refused at accept)."""
+
+    @property
+    def authenticated(self) -> bool:
+        """The peer completed the handshake (HELLO, and AUTH when a key is set)."""
+
+    def fileno(self) -> int | None:
+        """The socket descriptor (None once closed)."""
+
+    def peer_left(self) -> None:
+        """End the connection: its peer is gone."""
+
+    def evict(self) -> None:
+        """Close the connection (``CONNECTION_LIMIT``) to make room for a newcomer."""
+
+    def refuse(self, code: ErrorCode) -> None:
+        """Close the authenticated connection with a fatal ERROR ``code``."""
+
+
+C = TypeVar("C", bound=Peer)
+
+
+class Admission(Generic[C]):
+    """The admission rules of a server whose connections are ``C`` (see the module)."""
+
+    conns: set[C]  # open: counted against the limits
+    closing: set[C]  # closed, flushing what was queued
+    max_connections: int
+    max_per_address: int | None
+    slot_idle_timeout: float
+    handshake_grace: float
+    stopping: bool
+    group: GroupDraws | None
+    metrics: WorkerMetrics
+
+    def _scopes(self, conn: C) -> list[tuple[list[C], int]]:
+        """The connection groups ``conn`` counts in, each with its limit."""
+        scopes: list[tuple[list[C], int]] = []
+        if self.max_per_address is not None:
+            same = [c for c in self.conns if c.address == conn.address]
+            scopes.append((same, self.max_per_address))
+        scopes.append((list(self.conns), self.max_connections))
+        return scopes
+
+    def closed_conn(self, conn: C) -> None:
+        """``conn`` is closing: it no longer counts against the limits (nor is evicted)."""
+        if conn in self.conns:
+            self.conns.discard(conn)
+            self.closing.add(conn)
+            self.metrics.connections.set(len(self.conns))
+
+    def reap_gone(self) -> None:
+        """End every connection whose peer has left (its FIN, a reset), read or not.
+
+        A connection not being read (held after a refusal, waiting for a draw, or
+        for a peer that does not read its replies) would otherwise count until it
+        is read again; and a client that closes and reconnects at once may be
+        accepted before its old connection's end is read."""
+        poller = select.poll()
+        by_fd: dict[int, C] = {}
+        for conn in self.conns:
+            fd = conn.fileno()
+            if fd is not None and fd >= 0:
+                by_fd[fd] = conn
+                poller.register(fd, _GONE)
+        for fd, _ in poller.poll(0):
+            by_fd[fd].peer_left()
+
+    def replaceable(self, conn: C, now: float) -> bool:
+        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated,
+        no draw in progress, and no fresh draw in the last ``slot_idle_timeout`` s (a
+        connection that never drew: past its first-draw grace, if it had one).
+
+        Only a fresh draw protects: a target-only COMMIT, an OPEN, a CLOSE or a PING
+        costs the worker nothing, so a peer could repeat it forever (§2)."""
+        core = conn.core
+        if core is None or not conn.authenticated or core.drawing:
+            return False
+        drew = core.gate.drew_at
+        if drew is None:
+            return now >= conn.grace_until
+        return now - drew >= self.slot_idle_timeout
+
+    def _over(self, new: C) -> bool:
+        """Whether admitting ``new`` puts any scope over its limit (credit aside)."""
+        return any(len(members) + 1 > limit for members, limit in self._scopes(new))
+
+    def admit(self, new: C, now: float) -> ErrorCode | None:
+        """Make room for ``new`` at accept (evicting a handshake if needed), or the
+        code it is refused with. Nobody authenticated is evicted here."""
+        if self.stopping:
+            return ErrorCode.SHUTTING_DOWN
+        if self._over(new):
+            self.reap_gone()
+        evict: list[C] = []
+        for scope, limit in self._scopes(new):
+            members = [c for c in scope if c not in evict]
+            credit = sum(1 for c in members if self.replaceable(c, now))
+            over = len(members) + 1 - (limit + credit)
+            if over <= 0:
+                continue  # room, or admitted on credit: see handshake_done
+            pending = sorted(
+                (c for c in members if not c.authenticated), key=lambda c: c.accepted_at
+            )
+            if len(pending) < over:
+                return ErrorCode.CONNECTION_LIMIT
+            evict += pending[:over]
+        for victim in evict:
+            victim.evict()
+        return None
+
+    def handshake_done(self, conn: C) -> None:
+        """``conn`` authenticated: if that puts a scope over its limit, evict the
+        replaceable peer whose last draw (or handshake) is oldest, or close ``conn``
+        itself if none is left.
+
+        A sharded link joins its group session first (one per session and rank): one
+        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
+        core = conn.core
+        if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
+            conn.refuse(ErrorCode.GROUP_IN_USE)
+            return
+        now = time.monotonic()
+        conn.authenticated_at = now
+        if any(
+            len([c for c in members if c.authenticated]) > limit
+            for members, limit in self._scopes(conn)
+        ):
+            self.reap_gone()
+        for members, limit in self._scopes(conn):
+            authenticated = [c for c in members if c.authenticated]
+            if len(authenticated) <= limit:
+                continue
+            victims = [c for c in authenticated if c is not conn and self.replaceable(c, now)]
+            victim = min(victims, key=_worked_at, default=None)
+            if victim is None:  # the peers it was admitted for became busy meanwhile
+                conn.refuse(ErrorCode.CONNECTION_LIMIT)
+                return
+            victim.evict()
+        # Time to open its slots and ask for its first draw, once per principal and
+        # period: a peer that reconnects again and again gets it no more often.
+        if core is not None and core.gate.account.grace(now, self.slot_idle_timeout):
+            conn.grace_until = now + self.handshake_grace
+
+
+def _worked_at(conn: Peer) -> float:
+    """When ``conn`` last did work that protects it: its last fresh draw, else its handshake."""
+    core = conn.core
+    drew = core.gate.drew_at if core is not None else None
+    return conn.authenticated_at if drew is None else max(drew, conn.authenticated_at)

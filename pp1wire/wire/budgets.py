@@ -1,0 +1,478 @@
+"""Draw budgets per principal, kept across its connections (sans-IO).
+
+``docs/protocol.md`` §4.4: a worker bounds the fresh draws a peer asks for over
+time, and what it may leave uncommitted; the bounds belong to the peer's
+*principal* (§2: its source address), not to its connection, which it could
+open again or open more of. :class:`Account` is one principal's budgets,
+:class:`Accounts` keeps them between its connections (and forgets them once
+paid back), :class:`DrawGate` is one connection's side of them (the lanes of
+its slots, and what waits after a refusal), :class:`Activity` says whether
+other principals are drawing. No clock is read here: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from typing import Final, Generic, Protocol, TypeVar
+
+from pp1wire.wire import fencing
+from pp1wire.wire.fencing import Action, WorkerSlotFence
+from pp1wire.wire.messages import Step
+
+#: Seconds a principal counts as drawing after its last draw (the draw threads'
+#: share, and whether others wait for them).
+SHARE_WINDOW_S: Final = 1.0
+#: Fresh draws one slot may ask for ahead of ``--max-draw-rate`` (the default ``--draw-burst``).
+DRAW_BURST: Final = 4
+#: Principals remembered with no connection open (their budgets still owing).
+IDLE_ACCOUNTS: Final = 4096
+
+# Refills add up elapsed time in floating point: a token due exactly now may come
+# out a few ulps short of 1.
+_EPSILON = 1e-9
+
+
+class TokenBucket:
+    """At most ``burst`` draws at once and ``rate`` per second on average.
+
+    Full at creation. The clock is the caller's (monotonic seconds).
+    """
+
+    __slots__ = ("_stamp", "_tokens", "burst", "rate")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        """A full bucket at time ``now``.
+
+        Raises:
+            ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
+        """
+        if not (math.isfinite(rate) and rate > 0) or burst < 1:
+            raise ValueError("a draw budget needs a finite rate above 0 and a burst of at least 1")
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._stamp:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+
+    def level(self, now: float) -> float:
+        """The draws the bucket holds at ``now`` (fractions included)."""
+        self._refill(now)
+        return self._tokens
+
+    def full(self, now: float) -> bool:
+        """Whether the bucket is full at ``now`` (a new one would be no different)."""
+        return self.level(now) >= self.burst - _EPSILON
+
+    def take(self, now: float) -> bool:
+        """Spend one draw at ``now`` if the budget has one; False (nothing spent) if not."""
+        self._refill(now)
+        if self._tokens >= 1.0 - _EPSILON:
+            self._tokens = max(0.0, self._tokens - 1.0)
+            return True
+        return False
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
+        self._refill(now)
+        return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
+
+
+class AbandonBudget:
+    """Fresh draws a principal may leave uncommitted, and how fast it earns more.
+
+    A draw is *abandoned* when the slot it was drawn for is reset or closed
+    before any COMMIT of that round or a later one (``docs/protocol.md`` §4.4):
+    the RESET/STEP loop that makes a worker draw without bound, since every
+    RESET opens a new generation. A Spark side commits every round it asks for,
+    so it abandons only what a reconnect or a shutdown cuts. At most ``burst``
+    abandons are free, then ``rate`` per second; a principal beyond that owes
+    them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
+    paid them back. The clock is the caller's.
+    """
+
+    __slots__ = ("_level", "_stamp", "burst", "rate")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        """A full budget at ``now``.
+
+        Raises:
+            ValueError: as :class:`TokenBucket`.
+        """
+        TokenBucket(rate, burst, now)  # the same limits
+        self.rate = rate
+        self.burst = burst
+        # Free abandons left; below 0, what is owed. Paid back as it accrues, so a
+        # debt is never charged twice by a bucket that would have been full meanwhile.
+        self._level = float(burst)
+        self._stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._stamp:
+            self._level = min(float(self.burst), self._level + (now - self._stamp) * self.rate)
+            self._stamp = now
+
+    def abandoned(self, now: float) -> None:
+        """One more draw left uncommitted at ``now``."""
+        self._refill(now)
+        self._level -= 1.0
+
+    def allows(self, now: float) -> bool:
+        """Whether a fresh draw may start at ``now`` (nothing is owed)."""
+        self._refill(now)
+        return self._level > -_EPSILON
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`allows` would be true (0 if it is now)."""
+        return 0.0 if self.allows(now) else -self._level / self.rate
+
+    def settled(self, now: float) -> bool:
+        """Whether nothing is owed and the whole burst is free again at ``now``."""
+        self._refill(now)
+        return self._level >= self.burst - _EPSILON
+
+
+class DrawLimits(Protocol):
+    """The draw limits of a worker's configuration (``WorkerConfig``)."""
+
+    @property
+    def max_draw_rate(self) -> float | None:
+        """Fresh draws per second per slot (None: no limit)."""
+
+    @property
+    def draw_burst(self) -> int:
+        """Fresh draws one slot may ask for ahead of that rate."""
+
+    @property
+    def abandon_rate(self) -> float | None:
+        """Uncommitted draws per second per principal (None: no limit)."""
+
+    @property
+    def abandon_burst(self) -> int:
+        """Uncommitted draws at once per principal."""
+
+
+class Activity:
+    """When the principals last had a fresh draw accepted: whether a principal draws
+    while others do (``docs/protocol.md`` §4.4). Remembers only the two principals
+    that drew last, which is all that question needs."""
+
+    __slots__ = ("_last", "window")
+
+    def __init__(self, window: float = SHARE_WINDOW_S) -> None:
+        """Others count as drawing for ``window`` seconds after their last draw."""
+        self.window = window
+        self._last: list[tuple[object, float]] = []  # (principal, when), latest first
+
+    def drew(self, principal: object, now: float) -> None:
+        """``principal`` had a fresh draw accepted at ``now``."""
+        others = [e for e in self._last if e[0] != principal]
+        self._last = [(principal, now), *others[:1]]
+
+    def others(self, principal: object, now: float) -> bool:
+        """Whether a principal other than ``principal`` drew in the last ``window`` s."""
+        return any(p != principal and now - t < self.window for p, t in self._last)
+
+
+class Account:
+    """One principal's draw budgets (``docs/protocol.md`` §4.4), shared by all its
+    connections and kept between them, so that reconnecting earns nothing.
+
+    * The rate budget counts **per slot**: each open slot holds a *lane*, a
+      :class:`TokenBucket` of ``max_draw_rate`` draws per second and
+      ``draw_burst`` at once (off when ``max_draw_rate`` is None). A slot that
+      closes, or whose connection ends, hands its lane back still owing what
+      it spent, and a slot opened later takes the fullest lane handed back
+      before a new one is made. So closing and reopening slots, or
+      reconnecting, refills nothing, and a principal holds at most as many
+      lanes as it ever had slots open at once.
+    * The abandon budget (:class:`AbandonBudget`, ``abandon_rate``) is one for
+      the principal: what one connection abandoned, the next one owes.
+    * The first-draw grace of admission (:meth:`grace`): at most one of its new
+      connections per period.
+    * Whether other principals are drawing (:meth:`contended`), from the
+      :class:`Activity` all the accounts of a worker share.
+
+    The clock is the caller's.
+    """
+
+    __slots__ = (
+        "_abandons",
+        "_activity",
+        "_burst",
+        "_free",
+        "_grace_free",
+        "_rate",
+        "bound",
+        "principal",
+        "refs",
+    )
+
+    def __init__(
+        self,
+        limits: DrawLimits,
+        now: float,
+        *,
+        principal: object = None,
+        activity: Activity | None = None,
+    ) -> None:
+        """Full budgets at ``now`` for ``limits`` (a limit that is None is off), for
+        ``principal``, whose draws are recorded in ``activity`` (default: its own,
+        where no other principal ever draws).
+
+        Raises:
+            ValueError: for a rate that is not finite and above 0, or a burst below 1.
+        """
+        rate, abandon = limits.max_draw_rate, limits.abandon_rate
+        if rate is not None:
+            TokenBucket(rate, limits.draw_burst, now)  # checks the limits once, here
+        self._rate = rate
+        self._burst = limits.draw_burst
+        self._abandons = (
+            None if abandon is None else AbandonBudget(abandon, limits.abandon_burst, now)
+        )
+        self._free: list[TokenBucket] = []  # lanes handed back, still paying back
+        self._grace_free = -math.inf
+        self._activity = activity if activity is not None else Activity()
+        self.principal = principal
+        self.bound = 0  #: lanes held by open slots
+        self.refs = 0  #: connections of the principal holding this account
+
+    def bind(self, now: float) -> TokenBucket | None:
+        """A lane for a slot opened at ``now`` (None without a rate limit)."""
+        if self._rate is None:
+            return None
+        self.bound += 1
+        self._free = [lane for lane in self._free if not lane.full(now)]
+        if not self._free:
+            return TokenBucket(self._rate, self._burst, now)
+        lane = max(self._free, key=lambda b: b.level(now))
+        self._free.remove(lane)
+        return lane
+
+    def unbind(self, lane: TokenBucket | None, now: float) -> None:
+        """The slot holding ``lane`` closed at ``now``: the lane is handed back."""
+        if lane is None:
+            return
+        self.bound -= 1
+        if not lane.full(now):
+            self._free.append(lane)
+
+    def allows(self, lane: TokenBucket | None, now: float) -> bool:
+        """Whether a fresh draw of the slot holding ``lane`` may start at ``now``;
+        spends from its lane if so (nothing is spent if not)."""
+        if self._abandons is not None and not self._abandons.allows(now):
+            return False
+        return lane is None or lane.take(now)
+
+    def owes(self, now: float) -> float:
+        """Seconds from ``now`` until the abandon budget allows any fresh draw of the
+        principal (0 if it does now)."""
+        return 0.0 if self._abandons is None else self._abandons.wait(now)
+
+    def abandoned(self, now: float) -> None:
+        """A fresh draw of the principal died uncommitted at ``now``."""
+        if self._abandons is not None:
+            self._abandons.abandoned(now)
+
+    def drew(self, now: float) -> None:
+        """A fresh draw of the principal was accepted at ``now``."""
+        self._activity.drew(self.principal, now)
+
+    def contended(self, now: float) -> bool:
+        """Whether another principal drew in the last share window (others wait for
+        the draw threads this one's draws take)."""
+        return self._activity.others(self.principal, now)
+
+    def grace(self, now: float, period: float) -> bool:
+        """Whether a connection of the principal that completed its handshake at ``now``
+        gets the first-draw grace: yes unless another one got it less than ``period``
+        seconds ago (which it then takes)."""
+        if now < self._grace_free:
+            return False
+        self._grace_free = now + period
+        return True
+
+    def settled(self, now: float) -> bool:
+        """Whether nothing is left to remember at ``now``: no connection, no slot, every
+        budget full again and no grace period running (a new account would be no
+        different)."""
+        return (
+            self.refs == 0
+            and self.bound == 0
+            and now >= self._grace_free
+            and (self._abandons is None or self._abandons.settled(now))
+            and all(lane.full(now) for lane in self._free)
+        )
+
+
+P = TypeVar("P", bound=Hashable)
+
+
+class Accounts(Generic[P]):
+    """The :class:`Account` of each principal, kept while a connection of it is open
+    and afterwards only while it still owes something, up to ``idle`` such
+    principals (beyond them the longest idle is forgotten first). The clock is
+    the caller's.
+    """
+
+    def __init__(self, limits: DrawLimits, *, idle: int = IDLE_ACCOUNTS) -> None:
+        """Budgets of ``limits`` for every principal; ``idle`` (>= 0) principals without
+        a connection remembered at most.
+
+        Raises:
+            ValueError: for a negative ``idle``, or limits :class:`Account` refuses.
+        """
+        if idle < 0:
+            raise ValueError("the idle accounts kept must be at least 0")
+        Account(limits, 0.0)  # checks the limits once, here
+        self.limits = limits
+        self.idle = idle
+        self.activity = Activity()
+        self._accounts: dict[P, Account] = {}
+        self._released: dict[P, None] = {}  # principals without a connection, oldest first
+
+    def __len__(self) -> int:
+        """Principals remembered (with a connection or still owing)."""
+        return len(self._accounts)
+
+    def __contains__(self, principal: object) -> bool:
+        """Whether ``principal`` is remembered."""
+        return principal in self._accounts
+
+    def acquire(self, principal: P, now: float) -> Account:
+        """The account of ``principal``, for a new connection of it at ``now``."""
+        self._trim(now)
+        account = self._accounts.get(principal)
+        if account is None:
+            account = self._accounts[principal] = Account(
+                self.limits, now, principal=principal, activity=self.activity
+            )
+        self._released.pop(principal, None)
+        account.refs += 1
+        return account
+
+    def release(self, principal: P, now: float) -> None:
+        """A connection of ``principal`` ended at ``now`` (its slots closed first)."""
+        account = self._accounts.get(principal)
+        if account is None:
+            return
+        account.refs -= 1
+        if not account.refs:
+            if account.settled(now):
+                del self._accounts[principal]
+            else:
+                self._released[principal] = None
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        """Forget the oldest released principals that are settled, and any beyond ``idle``."""
+        while self._released:
+            oldest = next(iter(self._released))
+            if len(self._released) <= self.idle and not self._accounts[oldest].settled(now):
+                break
+            del self._released[oldest]
+            del self._accounts[oldest]
+
+
+class DrawnSlot(Protocol):
+    """What :class:`DrawGate` reads of a worker's open slot."""
+
+    @property
+    def fence(self) -> WorkerSlotFence:
+        """The slot's fencing state (its last STEP and COMMIT rounds)."""
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        """The drafts of its last fresh draw, until committed (none if it failed)."""
+
+
+def pending(slot: DrawnSlot) -> bool:
+    """Whether ``slot`` holds a fresh draw not committed, which a RESET, a CLOSE or a
+    later round would abandon (§4.4); a failed draw (no drafts) is the worker's loss."""
+    return slot.fence.last_step_round > slot.fence.committed_round and bool(slot.drafts)
+
+
+class DrawGate:
+    """One connection's side of its principal's :class:`Account`: the lane each of its
+    open slots holds, and, after a ``DRAW_RATE_LIMITED`` refusal, until when its next
+    fresh STEP waits (§4.4): any slot's while the principal owes abandons, else only
+    the refused slot's. The clock is the caller's."""
+
+    __slots__ = ("_lanes", "_wait_all", "_wait_slot", "account", "drew_at", "hold_until", "limited")
+
+    def __init__(self, account: Account) -> None:
+        """The gate of a connection of ``account``'s principal."""
+        self.account = account
+        self._lanes: dict[int, TokenBucket | None] = {}
+        self._wait_all = 0.0
+        self._wait_slot: dict[int, float] = {}
+        self.limited = False  #: a fresh STEP of this connection was refused
+        #: When a fresh STEP of this connection was last let through (None: never): the
+        #: only work that keeps a connection from being replaced when a server is full.
+        self.drew_at: float | None = None
+        #: Until when the STEP held by :meth:`holds` waits (0: none is held for its budget).
+        self.hold_until = 0.0
+
+    def opened(self, slot: int, now: float) -> None:
+        """``slot`` opened at ``now``: it takes a lane of the principal."""
+        self._lanes[slot] = self.account.bind(now)
+
+    def closed(self, index: int, slot: DrawnSlot, now: float, *, abandons: bool = True) -> None:
+        """Slot ``index`` closed at ``now``: its lane goes back to the principal, still
+        owing what it spent, and (``abandons``) a draw it leaves uncommitted is abandoned."""
+        if abandons and pending(slot):
+            self.account.abandoned(now)
+        self.account.unbind(self._lanes.pop(index, None), now)
+        self._wait_slot.pop(index, None)
+
+    def lost(self, slots: Mapping[int, DrawnSlot], now: float) -> None:
+        """The connection ended at ``now`` with ``slots`` open: a draw left uncommitted
+        is abandoned only if it was ever refused (a peer hanging up at a refusal owes
+        what it cut; a test suite or a restarting Spark side hangs up mid-round)."""
+        for index, slot in slots.items():
+            self.closed(index, slot, now, abandons=self.limited)
+
+    def fresh(self, slot: int, now: float) -> bool:
+        """Whether ``slot`` may start a fresh draw at ``now`` (spent, and recorded as the
+        principal's, if so); if not, the wait of the next fresh STEP is recorded."""
+        lane = self._lanes.get(slot)
+        if self.account.allows(lane, now):
+            self.account.drew(now)
+            self.drew_at = now
+            return True
+        self.limited = True
+        owes = self.account.owes(now)
+        if owes > 0:
+            self._wait_all = now + owes
+        elif lane is not None:
+            self._wait_slot[slot] = now + lane.wait(now)
+        return False
+
+    def holds(self, step: Step, fence: WorkerSlotFence, now: float) -> bool:
+        """Whether ``step`` (for an open slot whose fencing state is ``fence``) waits at
+        ``now`` for the budget a refusal found empty (then until :attr:`hold_until`).
+        A retry (answered from the replay cache) or a STEP fencing refuses does not."""
+        until = max(self._wait_all, self._wait_slot.get(step.slot, 0.0))
+        if until <= now or fencing.worker_step(fence, step).action is not Action.ACCEPT:
+            return False
+        self.hold_until = until
+        return True
+
+    def reset(self, slot: DrawnSlot, now: float) -> None:
+        """``slot`` was reset at ``now``: a draw it leaves uncommitted is abandoned."""
+        if pending(slot):
+            self.account.abandoned(now)
+
+    def committed(self, slot: DrawnSlot, round_id: int, now: float) -> None:
+        """``slot`` is about to commit ``round_id`` at ``now``. A later round than its last
+        STEP's throws a draw away: abandoned while other principals draw; alone, a Spark
+        side that discards a proposal (corrupt, late) and decodes the next round
+        target-only costs nobody anything."""
+        passed = round_id != slot.fence.last_step_round and pending(slot)
+        if passed and self.account.contended(now):
+            self.account.abandoned(now)

@@ -1,0 +1,354 @@
+"""Budgets, draw shares and admission follow the principal, not the connection.
+
+A principal is the peer's source address (docs/protocol.md §2): what one
+connection of it spent, another of it cannot spend again, and k connections of
+it share the draw threads as one. Only a fresh draw keeps a connection from
+being replaced when the worker is full, and a connection counts against the
+limits only while its peer is there. Over loopback: the attackers connect from
+127.0.0.2, the legitimate client from 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+
+from pp1wire.aio.client import AsyncClient
+from pp1wire.aio.server import WorkerServer
+from pp1wire.apps.models import drafter_factory
+from pp1wire.q.proposal import PrefixDigest
+from pp1wire.testing.attacks import (
+    commit_loop,
+    handshake_and_open,
+    probe,
+    reset_step_loop,
+    squat,
+    step_at,
+)
+from pp1wire.wire import framing
+from pp1wire.wire.draws import run_each
+from pp1wire.wire.spark_core import SparkConfig
+from pp1wire.wire.worker_core import WorkerConfig
+
+from .waiting import eventually
+
+VOCAB = 64
+ATTACKER = "127.0.0.2"
+
+
+def _count(counter, **labels) -> float:
+    return (counter.labels(**labels) if labels else counter)._value.get()
+
+
+@contextlib.asynccontextmanager
+async def _worker(config: WorkerConfig, drafter=None, **kw):
+    srv = WorkerServer(config, drafter or drafter_factory(config.vocab_size), **kw)
+    port = await srv.start("127.0.0.1", 0)
+    try:
+        yield srv, port
+    finally:
+        await srv.stop(grace=1.0)
+
+
+# -- squatting ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("reopen", [False, True], ids=["target-only-commits", "close-open"])
+async def test_keep_alive_squatters_cannot_keep_a_full_worker_from_a_drawing_client(reopen):
+    # Before: a target-only COMMIT (or an OPEN) counted as the work that protects a
+    # slot, so peers committing one token (or reopening their slot) every 50 ms kept
+    # a full worker full forever: every newcomer was refused CONNECTION_LIMIT. Now
+    # only a fresh draw protects: the squatters are replaceable, a client that draws
+    # gets in and stays, and the squatters only replace each other.
+    stop = threading.Event()
+    async with _worker(
+        WorkerConfig(vocab_size=VOCAB), max_connections=2, slot_idle_timeout=0.3
+    ) as (srv, port):
+        squatters = [
+            asyncio.ensure_future(
+                asyncio.to_thread(
+                    squat, port, VOCAB, period=0.05, stop=stop, source=ATTACKER, reopen=reopen
+                )
+            )
+            for _ in range(2)
+        ]
+        try:
+            await eventually(lambda: len(srv.conns) == 2, what="the squatters hold the worker")
+            await asyncio.sleep(1.2)  # past the first connection's grace and the slot timeout
+            assert await asyncio.wait_for(probe(port, VOCAB), 10) > 0
+            client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
+            try:
+                await client.open(0, seed=3, prefix=[1, 2])
+                for n in range(20):  # drawing every 50 ms: never replaced
+                    proposal = await client.propose(0, round_id=client.next_round(0), depth=1)
+                    proposal.release()
+                    # The round it stepped, accepting nothing: what a Spark side commits.
+                    round_id = proposal.round_id
+                    await client.commit(0, round_id=round_id, tokens=[5 + n], accepted=0)
+                    await asyncio.sleep(0.05)
+                assert not client.closed
+            finally:
+                await client.close()
+        finally:
+            stop.set()
+            closed = await asyncio.gather(*squatters)
+    assert sum(closed) >= 1  # the squatters made room, the client did not
+
+
+# -- budgets across reconnection -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_reset_step_loop_that_reconnects_when_refused_keeps_its_debt():
+    # Before: the abandon budget lived on the connection, so reconnecting at the
+    # first DRAW_RATE_LIMITED brought a fresh budget: ~100x the draws the budget
+    # allows. Now the debt stays with the principal (the source address).
+    rate, burst, window = 4.0, 1, 1.0
+    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
+    running, stop = threading.Event(), threading.Event()
+    running.set()
+    async with _worker(config) as (_, port):
+        attack = asyncio.ensure_future(
+            asyncio.to_thread(
+                reset_step_loop,
+                port,
+                256,
+                connections=1,
+                slots=1,
+                running=running,
+                stop=stop,
+                source=ATTACKER,
+                reconnect=True,
+            )
+        )
+        start = time.monotonic()
+        await asyncio.sleep(window)
+        stop.set()
+        drawn, refused = await asyncio.wait_for(attack, 10)
+        elapsed = time.monotonic() - start
+    # The budget's arithmetic: the burst, then one draw per payback period, plus
+    # the first draw (abandoned only by the RESET after it) and one cut by the end.
+    assert drawn <= burst + rate * elapsed + 2, (drawn, refused, elapsed)
+    assert refused >= 1
+
+
+# -- the draw threads, shared by principal --------------------------------------------------
+
+
+class GatedDrafter:
+    """The toy drafter; its first call waits for :attr:`gate`; records whose prefix each
+    call drew (the prompt's last token)."""
+
+    def __init__(self) -> None:
+        self.fast = drafter_factory(VOCAB, 0)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.order: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, prefix):
+        with self.lock:
+            first = not self.order
+            self.order.append(prefix[-1])
+        if first:
+            self.started.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.fast(prefix)
+
+
+def _drawing(srv: WorkerServer) -> int:
+    return sum(len(c.core._drawing) for c in srv.conns if c.core is not None)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("batch", [1, 4], ids=["alone", "together"])
+async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batch):
+    # Four connections of one principal keep all four slots drawing (what a
+    # RESET/STEP loop does); one thread draws, and its first batch is held until
+    # every STEP has arrived. Served in arrival order the legitimate draw came
+    # 17th; shared per connection, the attacker's four connections had four turns
+    # for the legitimate client's one. Shared per principal the legitimate draw
+    # goes in the batch right after the one already running: each STEP drawn
+    # alone, second; drafted together in batches of 4, within the first 4 + 1 calls.
+    attacker_token, legit_token = 9, 8
+    drafter = GatedDrafter()
+    run = run_each if batch == 1 else None  # None: the default, drafting together
+    config = WorkerConfig(vocab_size=VOCAB, max_slots=4)
+    async with _worker(config, drafter, draw_threads=1, run_batch=run, max_draw_batch=batch) as (
+        srv,
+        port,
+    ):
+        prefix = [1, attacker_token]
+        links = [
+            await asyncio.to_thread(handshake_and_open, port, VOCAB, 4, prefix, source=ATTACKER)
+            for _ in range(4)
+        ]
+        legit = await AsyncClient.connect(
+            "127.0.0.1", port, SparkConfig(vocab_size=VOCAB, max_depth=1)
+        )
+        try:
+            await legit.open(0, seed=1, prefix=[1, legit_token])
+            for sock, session in links:
+                steps = [step_at(session, s, 0, PrefixDigest(prefix), depth=1) for s in range(4)]
+                sock.sendall(b"".join(framing.encode_frame(m) for m in steps))
+            assert await asyncio.to_thread(drafter.started.wait, 10)
+            await eventually(lambda: _drawing(srv) == 16, what="the attacker's sixteen draws")
+            mine = asyncio.ensure_future(legit.propose(0, round_id=0, depth=1))
+            await eventually(lambda: _drawing(srv) == 17, what="the legitimate draw requested")
+            drafter.gate.set()
+            await asyncio.wait_for(mine, 10)
+            position = drafter.order.index(legit_token) + 1
+            assert position <= batch + 1, drafter.order
+            # Every attacker draw is still made: a share delays, it never drops.
+            await eventually(
+                lambda: drafter.order.count(attacker_token) == 16, what="all sixteen drawn"
+            )
+        finally:
+            drafter.gate.set()
+            await legit.close()
+            for sock, _ in links:
+                sock.close()
+
+
+# -- a connection counts only while it is open ----------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_held_connection_whose_peer_left_stops_counting_at_once():
+    # Before: a connection held after a DRAW_RATE_LIMITED refusal was not read, so
+    # its peer's leaving went unnoticed until the hold ended, and it still counted
+    # against --max-connections: the next client was refused CONNECTION_LIMIT.
+    config = WorkerConfig(vocab_size=VOCAB, abandon_rate=0.2, abandon_burst=1)
+    async with _worker(config, max_connections=1) as (srv, port):
+        sock, session = await asyncio.to_thread(
+            handshake_and_open, port, VOCAB, 1, [1, 2, 3], source=ATTACKER
+        )
+        (conn,) = srv.conns
+        from .test_hostile_clients import _reset_step_pairs
+
+        await asyncio.to_thread(sock.sendall, _reset_step_pairs(session, 10, [1, 2, 3]))
+        await eventually(
+            lambda: _count(srv.metrics.refusals, code="draw_rate_limited") >= 1,
+            what="the loop refused",
+        )
+        await eventually(lambda: not conn.reading, what="the connection held")
+        sock.close()
+        # At once: the client is admitted although the hold has seconds to run.
+        assert await asyncio.wait_for(probe(port, VOCAB), 5) > 0
+
+
+@pytest.mark.asyncio
+async def test_a_connection_waiting_for_a_draw_whose_peer_left_stops_counting_at_once():
+    # A message for a slot being drawn stops reading until the draw is done; the
+    # peer's leaving meanwhile went unnoticed, and the connection still counted.
+    drafter = GatedDrafter()
+    async with _worker(
+        WorkerConfig(vocab_size=VOCAB), drafter, max_connections=1, draw_threads=1
+    ) as (srv, port):
+        try:
+            sock, session = await asyncio.to_thread(
+                handshake_and_open, port, VOCAB, 1, [1, 2], source=ATTACKER
+            )
+            (conn,) = srv.conns
+            ask = framing.encode_frame(step_at(session, 0, 0, PrefixDigest([1, 2]), depth=1))
+            await asyncio.to_thread(sock.sendall, ask + ask)  # the retry waits for the draw
+            assert await asyncio.to_thread(drafter.started.wait, 10)
+            await eventually(lambda: conn.core.waiting, what="the retry held for the draw")
+            sock.close()
+            # Admitted at once (its own draws would wait for the gate: it only pings).
+            client = await AsyncClient.connect(
+                "127.0.0.1", port, SparkConfig(vocab_size=VOCAB), timeout=5.0
+            )
+            await asyncio.wait_for(client.ping(), 5)
+            await client.close()
+        finally:
+            drafter.gate.set()
+
+
+@pytest.mark.asyncio
+async def test_a_client_reconnecting_at_once_is_never_refused_by_its_own_closing_connection():
+    async with _worker(WorkerConfig(vocab_size=VOCAB), max_connections=1) as (srv, port):
+        config = SparkConfig(vocab_size=VOCAB)
+        for _ in range(20):
+            client = await AsyncClient.connect("127.0.0.1", port, config)
+            await client.open(0, seed=1, prefix=[1, 2])
+            (await client.propose(0, round_id=0, depth=1)).release()  # protected: it drew
+            await client.commit(0, round_id=0, tokens=[3], accepted=0)
+            await client.close()
+        assert _count(srv.metrics.refusals, code="connection_limit") == 0
+
+
+async def _drawing_beside(port: int, vocab: int, stop: asyncio.Event) -> int:
+    """A client from 127.0.0.1 drawing a proposal every 50 ms (committing each round it
+    steps) until ``stop``; the proposals it got."""
+    client = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=vocab))
+    got = 0
+    try:
+        await client.open(0, seed=9, prefix=[1, 2])
+        while not stop.is_set():
+            round_id = client.next_round(0)
+            (await client.propose(0, round_id=round_id, depth=1)).release()
+            await client.commit(0, round_id=round_id, tokens=[3], accepted=0)
+            got += 1
+            await asyncio.sleep(0.05)
+    finally:
+        await client.close()
+    return got
+
+
+@pytest.mark.asyncio
+async def test_a_step_then_target_only_commit_loop_is_bounded_by_the_abandon_budget():
+    # Before: STEP round r, then COMMIT round r + 1 (never stepped) drew without
+    # bound and was never refused: ~600 draws a second at this vocabulary, beside
+    # a client waiting for the draw threads.
+    rate, burst, window = 4.0, 1, 1.0
+    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
+    running, stop = threading.Event(), threading.Event()
+    running.set()
+    async with _worker(config) as (_, port):
+        done = asyncio.Event()
+        beside = asyncio.ensure_future(_drawing_beside(port, 256, done))
+        attack = asyncio.ensure_future(
+            asyncio.to_thread(
+                commit_loop,
+                port,
+                256,
+                connections=2,
+                slots=2,
+                running=running,
+                stop=stop,
+                source=ATTACKER,
+            )
+        )
+        start = time.monotonic()
+        await asyncio.sleep(window)
+        stop.set()
+        drawn, refused = await asyncio.wait_for(attack, 10)
+        elapsed = time.monotonic() - start
+        done.set()
+        assert await asyncio.wait_for(beside, 10) >= 1  # never refused: it commits its rounds
+    # The burst, one per payback period, and the four first draws (passed over only
+    # by the COMMIT after them).
+    assert drawn <= burst + rate * elapsed + 4, (drawn, refused, elapsed)
+    assert refused >= 1
+
+
+def test_the_documented_budget_defaults():
+    # docs/protocol.md §4.4 and §2: a slot may run 4 draws ahead of --max-draw-rate;
+    # 4,096 principals are remembered without a connection; the grace is 1 s.
+    from pp1wire.aio import admission
+    from pp1wire.apps import worker
+    from pp1wire.wire import budgets
+
+    args = worker.build_parser().parse_args(["--max-draw-rate", "50"])
+    config = worker.config_from(args)
+    assert (config.max_draw_rate, config.draw_burst) == (50.0, 4)
+    assert (config.abandon_rate, config.abandon_burst) == (1.0, 2 * config.max_slots)
+    assert budgets.Accounts(config).idle == budgets.IDLE_ACCOUNTS == 4096
+    assert admission.HANDSHAKE_GRACE_S == 1.0
+    assert budgets.SHARE_WINDOW_S == 1.0
