@@ -26,7 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
-from pp1wire.q import dyadic
+from pp1wire.q import validate
 from pp1wire.q.proposal import Lease, PrefixDigest
 from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import FIXED, STOP_RULES, StopKind, StopRule
@@ -88,7 +88,7 @@ class SparkProtocol(SparkReplies):
         self._hello_header = b""
         self._hello: messages.Hello | None = None
         self.handshake_deadline: float | None = None
-        self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
+        self._validator = validate.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
         # Frame integrity (§5.1): keys once AUTH is sent; tags from the worker's HELLO on.
         self._sealer: integrity.Sealer | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.q import dyadic
+from pp1wire.q import validate
 from pp1wire.q.proposal import Lease
 from pp1wire.wire import fencing, framing, messages
 from pp1wire.wire.assembly import ReplyAssembly, status_code
@@ -37,7 +37,7 @@ class SparkReplies:
     slots: dict[int, SparkSlot]
     _events: list[SparkEvent]
     _ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]]
-    _validator: dyadic.DenseRowValidator
+    _validator: validate.DenseRowValidator
     _retained: bool
     _require_ready: Callable[[], None]
     _take: Callable[[], list[SparkEvent]]
