@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pp1wire.q import dyadic, tree
+from pp1wire.q import dyadic, tree, validate
 from pp1wire.q import rows as rows_
 
 VOCAB = 129_280
@@ -71,7 +71,7 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
     row = np.frombuffer(row_bytes, dtype="<f4")
     bits = row.view(np.uint32)
     token = int(np.argmax(counts))
-    validator = dyadic.DenseRowValidator(VOCAB)
+    validator = validate.DenseRowValidator(VOCAB)
     builder = dyadic.builder(VOCAB)
     sparse_ids, sparse_counts = dyadic.sparse_counts_from_logits(logits, 1.0, 32)
     sparse_ids_b = sparse_ids.astype("<i4").tobytes()
@@ -130,8 +130,8 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
     cases: dict[str, Callable[[], object]] = {
         "max_pass": lambda: bits.max(),
         "validate_dense": lambda: validator.check(row, token),
-        "validate_dense_api": lambda: dyadic.validate_dense(row_bytes, VOCAB, token),
-        "validate_sparse32": lambda: dyadic.validate_sparse(
+        "validate_dense_api": lambda: validate.validate_dense(row_bytes, VOCAB, token),
+        "validate_sparse32": lambda: validate.validate_sparse(
             sparse_ids_b, sparse_q_b, VOCAB, 32, int(sparse_ids[0])
         ),
         "softmax_f64": softmax,

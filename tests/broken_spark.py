@@ -10,14 +10,14 @@ from typing import Any
 
 from pp1wire.apps import spark
 from pp1wire.errors import ErrorCode
-from pp1wire.q import dyadic, verify
+from pp1wire.q import validate, verify
 from pp1wire.wire import assembly, spark_core
 
 
 def no_row_checks() -> None:
     """Trust every q row: no finiteness, sign, dyadic, mass or sparse-ID checks."""
-    dyadic.DenseRowValidator.check = lambda self, row, proposed: None  # type: ignore[method-assign]
-    dyadic.check_sparse = lambda *a, **k: None  # type: ignore[assignment]
+    validate.DenseRowValidator.check = lambda self, row, proposed: None  # type: ignore[method-assign]
+    validate.check_sparse = lambda *a, **k: None  # type: ignore[assignment]
 
 
 def no_reply_checksum() -> None:

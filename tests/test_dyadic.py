@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
-from pp1wire.q import dyadic, oracle
+from pp1wire.q import dyadic, oracle, validate
 from pp1wire.q.dyadic import M
 
 V = 1000
@@ -287,21 +287,21 @@ def _code(fn, *args, **kwargs):
 def test_dense_valid_row_round_trips():
     counts, q = _valid_dense()
     token = int(np.flatnonzero(counts)[0])
-    assert np.array_equal(dyadic.validate_dense(q.tobytes(), V, token), counts)
-    assert np.array_equal(dyadic.validate_dense(q, V, token), counts)
+    assert np.array_equal(validate.validate_dense(q.tobytes(), V, token), counts)
+    assert np.array_equal(validate.validate_dense(q, V, token), counts)
 
 
 @dense_paths
 def test_dense_point_mass_validates():
     q = dyadic.counts_to_fp32(dyadic.point_mass(V, 7))
-    assert dyadic.validate_dense(q, V, 7)[7] == M
+    assert validate.validate_dense(q, V, 7)[7] == M
 
 
 @dense_paths
 def test_dense_wrong_length():
     _, q = _valid_dense()
-    assert _code(dyadic.validate_dense, q[:-1], V, 0) is ErrorCode.ROW_LENGTH
-    assert _code(dyadic.validate_dense, q.tobytes()[:-2], V, 0) is ErrorCode.ROW_LENGTH
+    assert _code(validate.validate_dense, q[:-1], V, 0) is ErrorCode.ROW_LENGTH
+    assert _code(validate.validate_dense, q.tobytes()[:-2], V, 0) is ErrorCode.ROW_LENGTH
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -310,7 +310,7 @@ def test_dense_non_finite(bad):
     counts, q = _valid_dense()
     q = q.copy()
     q[5] = bad
-    assert _code(dyadic.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NON_FINITE
+    assert _code(validate.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NON_FINITE
 
 
 @pytest.mark.parametrize("bad", [-0.0, -(2.0**-24)])
@@ -320,7 +320,7 @@ def test_dense_negative_including_negative_zero(bad):
     q = q.copy()
     z = int(np.flatnonzero(counts == 0)[0]) if (counts == 0).any() else 0
     q[z] = bad
-    assert _code(dyadic.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NEGATIVE
+    assert _code(validate.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NEGATIVE
 
 
 @pytest.mark.parametrize("bad", [2.0**-25, 0.1, 1e-40, 1.5])
@@ -329,7 +329,7 @@ def test_dense_non_dyadic(bad):
     counts, q = _valid_dense()
     q = q.copy()
     q[3] = np.float32(bad)
-    assert _code(dyadic.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NON_DYADIC
+    assert _code(validate.validate_dense, q, V, int(np.argmax(counts))) is ErrorCode.NON_DYADIC
 
 
 @dense_paths
@@ -338,30 +338,30 @@ def test_dense_total_mass():
     q = q.copy()
     i = int(np.argmax(counts))
     q[i] = np.float32((counts[i] + 1) / M)
-    assert _code(dyadic.validate_dense, q, V, i) is ErrorCode.MASS_MISMATCH
+    assert _code(validate.validate_dense, q, V, i) is ErrorCode.MASS_MISMATCH
     q[i] = np.float32((counts[i] - 1) / M)
-    assert _code(dyadic.validate_dense, q, V, i) is ErrorCode.MASS_MISMATCH
+    assert _code(validate.validate_dense, q, V, i) is ErrorCode.MASS_MISMATCH
 
 
 @dense_paths
 def test_dense_total_mass_is_exact_with_large_excess():
     # Every entry at 1.0: a float32 sum would saturate, the exact sum does not.
     q = np.ones(V, dtype="<f4")
-    assert _code(dyadic.validate_dense, q, V, 0) is ErrorCode.MASS_MISMATCH
+    assert _code(validate.validate_dense, q, V, 0) is ErrorCode.MASS_MISMATCH
 
 
 @dense_paths
 def test_dense_zero_q_at_proposed():
     _counts, q = _valid_dense()
     q = dyadic.counts_to_fp32(dyadic.point_mass(V, 4))
-    assert _code(dyadic.validate_dense, q, V, 5) is ErrorCode.ZERO_Q_AT_PROPOSED
+    assert _code(validate.validate_dense, q, V, 5) is ErrorCode.ZERO_Q_AT_PROPOSED
 
 
 @pytest.mark.parametrize("token", [-1, V])
 @dense_paths
 def test_dense_proposed_out_of_range(token):
     _, q = _valid_dense()
-    assert _code(dyadic.validate_dense, q, V, token) is ErrorCode.PROPOSED_OUT_OF_RANGE
+    assert _code(validate.validate_dense, q, V, token) is ErrorCode.PROPOSED_OUT_OF_RANGE
 
 
 @dense_paths
@@ -370,11 +370,11 @@ def test_dense_padding_must_be_positive_zero():
     padded = np.zeros(V + 24, dtype="<f4")
     padded[:V] = q
     token = int(np.argmax(counts))
-    dyadic.validate_dense(padded, V, token, row_entries=V + 24)
+    validate.validate_dense(padded, V, token, row_entries=V + 24)
     for bad in (-0.0, 2.0**-24):
         padded[V + 3] = bad
         assert (
-            _code(dyadic.validate_dense, padded, V, token, row_entries=V + 24)
+            _code(validate.validate_dense, padded, V, token, row_entries=V + 24)
             is ErrorCode.DENSE_PADDING_NONZERO
         )
 
@@ -382,7 +382,7 @@ def test_dense_padding_must_be_positive_zero():
 @dense_paths
 def test_dense_validator_rejects_wrong_dtype():
     _counts, q = _valid_dense()
-    assert _code(dyadic.validate_dense, q.astype(np.float64), V, 0) is ErrorCode.ROW_LENGTH
+    assert _code(validate.validate_dense, q.astype(np.float64), V, 0) is ErrorCode.ROW_LENGTH
 
 
 @dense_paths
@@ -390,10 +390,10 @@ def test_dense_full_vocabulary_row():
     vocab = 129_280
     counts, q = _valid_dense(vocab, seed=3)
     token = int(np.argmax(counts))
-    assert np.array_equal(dyadic.validate_dense(q.tobytes(), vocab, token), counts)
+    assert np.array_equal(validate.validate_dense(q.tobytes(), vocab, token), counts)
     q = q.copy()
     q[vocab - 1] = np.float32(q[vocab - 1] + np.float32(2.0**-24))
-    assert _code(dyadic.validate_dense, q, vocab, token) is ErrorCode.MASS_MISMATCH
+    assert _code(validate.validate_dense, q, vocab, token) is ErrorCode.MASS_MISMATCH
 
 
 @settings(max_examples=150, deadline=None)
@@ -419,10 +419,10 @@ def test_dense_validation_agrees_with_exact_definition(data):
     ok = ok and sum(counts) == M
     proposed = int(np.argmax(q)) if ok else 0
     if ok:
-        assert dyadic.validate_dense(q, n, proposed).tolist() == counts
+        assert validate.validate_dense(q, n, proposed).tolist() == counts
     else:
         with pytest.raises(ValidationError):
-            dyadic.validate_dense(q, n, proposed)
+            validate.validate_dense(q, n, proposed)
 
 
 # -- sparse validation: one test per class -----------------------------------
@@ -438,7 +438,7 @@ QUARTER = 0.25
 
 def test_sparse_valid_row():
     ids, q = _sparse([2, 7, 9], [HALF, QUARTER, QUARTER])
-    got_ids, counts = dyadic.validate_sparse(ids, q, V, 32, 7)
+    got_ids, counts = validate.validate_sparse(ids, q, V, 32, 7)
     assert got_ids.tolist() == [2, 7, 9]
     assert counts.tolist() == [M // 2, M // 4, M // 4]
 
@@ -467,12 +467,12 @@ def test_sparse_valid_row():
 )
 def test_sparse_error_classes(ids, values, proposed, max_k, code):
     ids_buf, q_buf = _sparse(ids, values)
-    assert _code(dyadic.validate_sparse, ids_buf, q_buf, V, max_k, proposed) is code
+    assert _code(validate.validate_sparse, ids_buf, q_buf, V, max_k, proposed) is code
 
 
 def test_sparse_odd_byte_lengths():
-    assert _code(dyadic.validate_sparse, b"\0" * 5, b"\0" * 4, V, 4, 0) is ErrorCode.ROW_LENGTH
-    assert _code(dyadic.validate_sparse, b"\0" * 4, b"\0" * 3, V, 4, 0) is ErrorCode.ROW_LENGTH
+    assert _code(validate.validate_sparse, b"\0" * 5, b"\0" * 4, V, 4, 0) is ErrorCode.ROW_LENGTH
+    assert _code(validate.validate_sparse, b"\0" * 4, b"\0" * 3, V, 4, 0) is ErrorCode.ROW_LENGTH
 
 
 def test_sparse_constructed_rows_validate():
@@ -480,7 +480,7 @@ def test_sparse_constructed_rows_validate():
     w = rng.random(V) ** 6
     ids, counts = dyadic.sparse_counts_from_weights(w, 32)
     q = dyadic.counts_to_fp32(counts)
-    got_ids, got = dyadic.validate_sparse(
+    got_ids, got = validate.validate_sparse(
         ids.astype("<i4").tobytes(), q.tobytes(), V, 32, int(ids[0])
     )
     assert np.array_equal(got_ids, ids)

@@ -20,7 +20,7 @@ from pp1wire.testing.builders import (
     completion,
     whole_reply,
 )
-from pp1wire.testing.conformance.spark_cases import REPLY_CLASSES, ok_row, ok_token
+from pp1wire.testing.conformance.reply_classes import REPLY_CLASSES, ok_row, ok_token
 from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 

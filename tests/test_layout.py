@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, validate
 from pp1wire.q.layout import (
     ShardLayout,
     ShardSummary,
@@ -58,7 +58,7 @@ def test_bad_layouts_are_refused(bounds):
 
 def unsharded_dense(q32: np.ndarray, token: int) -> ErrorCode | None:
     try:
-        dyadic.DenseRowValidator(V).check(q32, token)
+        validate.DenseRowValidator(V).check(q32, token)
     except ValidationError as exc:
         return exc.code
     return None
@@ -78,7 +78,7 @@ def sharded_dense(q32: np.ndarray, token: int, layout: ShardLayout) -> ErrorCode
 
 def unsharded_sparse(ids: np.ndarray, q: np.ndarray, token: int) -> ErrorCode | None:
     try:
-        dyadic.check_sparse(ids, q, V, V, token)
+        validate.check_sparse(ids, q, V, V, token)
     except ValidationError as exc:
         return exc.code
     return None

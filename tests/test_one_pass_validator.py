@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, validate
 from pp1wire.testing import golden
 
 fastq = pytest.importorskip("pp1wire.q._fastq")
@@ -40,7 +40,7 @@ def outcome(row: np.ndarray, vocab: int, entries: int, proposed: int, compiled: 
     if not compiled:
         dyadic._fastq = None
     try:
-        dyadic.DenseRowValidator(vocab, entries).check(row, proposed)
+        validate.DenseRowValidator(vocab, entries).check(row, proposed)
     except ValidationError as exc:
         return exc.code
     finally:
@@ -134,7 +134,7 @@ def test_a_valid_full_vocabulary_row_passes_and_its_counts_are_read_back():
     row = np.zeros(vocab + 128, dtype="<f4")
     row[:vocab] = dyadic.counts_to_fp32(counts)
     token = int(np.argmax(counts))
-    validator = dyadic.DenseRowValidator(vocab, vocab + 128)
+    validator = validate.DenseRowValidator(vocab, vocab + 128)
     validator.check(row, token)
     assert np.array_equal(validator.counts(), counts)
     row[vocab + 127] = -0.0

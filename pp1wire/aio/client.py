@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, cast
+from typing import NoReturn
 
 from pp1wire.aio.handles import (
     ConnectionLostError,
@@ -35,7 +35,8 @@ from pp1wire.aio.handles import (
     scored_by_the_engine,
 )
 from pp1wire.aio.pool import BufferPool
-from pp1wire.errors import ErrorCode, LocalStateError, Pp1Error, ProtocolError, UsageError
+from pp1wire.aio.transport import ClientConnection, fail_future, outcome_of, settle
+from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError, UsageError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.stoprules import FIXED, StopRule
 from pp1wire.q.verify import Processor, RequestVerifier, RoundResult, TargetFn
@@ -52,38 +53,6 @@ _LOST = frozenset(
         ErrorCode.REPLY_TIMEOUT,
     }
 )
-
-
-class _Connection(asyncio.BufferedProtocol):
-    def __init__(self, client: AsyncClient) -> None:
-        self.client = client
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the interface without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                import socket  # noqa: PLC0415
-
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.client.core.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        core = self.client.core
-        events = core.buffer_updated(nbytes, time.monotonic())
-        if events or core.has_output or core.closed:
-            self.client._handle(events)
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.client._handle(self.client.core.connection_lost())
-        self.client._lost()
 
 
 class AsyncClient:
@@ -106,7 +75,7 @@ class AsyncClient:
         self.core = SparkProtocol(
             config, time.monotonic(), allocator=self.pool.acquire, release=self.pool.release
         )
-        self._conn: _Connection | None = None
+        self._conn: ClientConnection | None = None
         self._handshake: asyncio.Future[None] = self.loop.create_future()
         self._opened: dict[int, asyncio.Future[None]] = {}
         self._proposals: dict[int, asyncio.Future[Proposal]] = {}
@@ -163,8 +132,8 @@ class AsyncClient:
             raise RefusedError(exc.code, "the handshake was refused") from None
         return client
 
-    def _make_conn(self) -> _Connection:
-        self._conn = _Connection(self)
+    def _make_conn(self) -> ClientConnection:
+        self._conn = ClientConnection(self)
         return self._conn
 
     async def __aenter__(self) -> AsyncClient:
@@ -214,9 +183,9 @@ class AsyncClient:
         if self.observer is not None:
             self.observer(event)
         if isinstance(event, HandshakeDone):
-            _settle(self._handshake, None)
+            settle(self._handshake, None)
         elif isinstance(event, spark_events.SlotOpened):
-            _settle(self._opened.pop(event.slot, None), None)
+            settle(self._opened.pop(event.slot, None), None)
         elif isinstance(event, spark_events.ProposalReady):
             proposal = dataclasses.replace(event.proposal, slot=event.slot, releaser=self.release)
             if proposal.cut is not None:
@@ -230,39 +199,39 @@ class AsyncClient:
         elif isinstance(event, spark_events.ProposalFailed):
             if event.code is not ErrorCode.CANCELLED:  # a local close or reset is not one
                 self.fallbacks[event.code.name.lower()] += 1
-            _fail(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
+            fail_future(self._proposals.pop(event.slot, None), ProposalUnavailableError(event.code))
         elif isinstance(event, spark_events.ResetAcked):
-            _settle(self._resets.pop(event.slot, None), None)
+            settle(self._resets.pop(event.slot, None), None)
         elif isinstance(event, spark_events.CommitAcked):
-            _settle(self._commits.pop((event.slot, event.generation, event.round), None), None)
+            settle(self._commits.pop((event.slot, event.generation, event.round), None), None)
         elif isinstance(event, spark_events.SlotDesynced):
             error = RefusedError(event.code, f"the worker refused a request on slot {event.slot}")
             for table in (self._opened, self._resets):
-                _fail(table.pop(event.slot, None), error)
+                fail_future(table.pop(event.slot, None), error)
             for key in [k for k in self._commits if k[0] == event.slot]:
-                _fail(self._commits.pop(key), error)
+                fail_future(self._commits.pop(key), error)
         elif isinstance(event, spark_events.FrameRejected):
             self.rejected[event.code.name.lower()] += 1
         elif isinstance(event, spark_events.FrameDropped):
             self.dropped[event.code.name.lower()] += 1
         elif isinstance(event, spark_events.PongReceived):
-            _settle(self._pongs.pop(event.nonce, None), None)
+            settle(self._pongs.pop(event.nonce, None), None)
         elif isinstance(event, spark_events.ConnectionFailed):
             self.failed = event.code
             self._fail_all(event.code, "connection failed")
 
     def _fail_all(self, code: ErrorCode, why: str) -> None:
         error = ConnectionLostError(code, why)
-        _fail(self._handshake, error)
+        fail_future(self._handshake, error)
         for fut in self._proposals.values():
-            _fail(fut, ProposalUnavailableError(code, why))
+            fail_future(fut, ProposalUnavailableError(code, why))
         self._proposals.clear()
         for table in (self._opened, self._resets, self._pongs):
             for other in table.values():
-                _fail(other, error)
+                fail_future(other, error)
             table.clear()
         for commit in self._commits.values():
-            _fail(commit, error)
+            fail_future(commit, error)
         self._commits.clear()
         self._held.clear()  # every slot is gone; nothing left to give back
 
@@ -601,7 +570,7 @@ class AsyncClient:
                 for f in waiting:  # the caller left: give back what still arrives
                     f.add_done_callback(self._release_orphan)
                 raise
-        return ProposalBatch(_outcome(f) for f in out)
+        return ProposalBatch(outcome_of(f) for f in out)
 
     def cut(self, slots: Sequence[int], code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> None:
         """Stop waiting for the proposals in flight on ``slots``: each becomes the block
@@ -776,9 +745,10 @@ class AsyncClient:
         await self.close_slot(request.slot)
 
     def _cancel(self, slot: int, why: str) -> None:
-        _fail(self._proposals.pop(slot, None), ProposalUnavailableError(ErrorCode.CANCELLED, why))
+        cancelled = ProposalUnavailableError(ErrorCode.CANCELLED, why)
+        fail_future(self._proposals.pop(slot, None), cancelled)
         for key in [k for k in self._commits if k[0] == slot]:
-            _fail(self._commits.pop(key), RefusedError(ErrorCode.CANCELLED, why))
+            fail_future(self._commits.pop(key), RefusedError(ErrorCode.CANCELLED, why))
 
     async def ping(self) -> float:
         """Round-trip time of one PING, in seconds.
@@ -807,34 +777,6 @@ class AsyncClient:
             self._conn.transport.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._closed.wait(), 5.0)
-
-
-def _outcome(
-    item: Proposal | ProposalUnavailableError | asyncio.Future[Proposal],
-) -> Proposal | ProposalUnavailableError:
-    if not isinstance(item, asyncio.Future):
-        return item
-    if item.cancelled():
-        return ProposalUnavailableError(ErrorCode.CANCELLED, "the wait was cancelled")
-    error = item.exception()
-    if error is None:
-        return item.result()
-    if isinstance(error, ProposalUnavailableError):
-        return error
-    code = error.code if isinstance(error, Pp1Error) else ErrorCode.INTERNAL
-    return ProposalUnavailableError(code, str(error))
-
-
-def _settle(fut: asyncio.Future[Any] | None, value: Any) -> None:
-    if fut is not None and not fut.done():
-        fut.set_result(value)
-
-
-def _fail(fut: asyncio.Future[Any] | None, error: BaseException) -> None:
-    if fut is not None and not fut.done():
-        fut.set_exception(error)
-        # The caller may have stopped waiting (a reset, a shutdown): do not warn.
-        fut.exception()
 
 
 __all__ = [

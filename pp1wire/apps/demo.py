@@ -35,7 +35,7 @@ from pp1wire.apps import ngram, settings
 from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
-from pp1wire.q import dyadic
+from pp1wire.q import dyadic, validate
 from pp1wire.q.proposal import DrafterFn, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams, derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn, proposal_from_rows
@@ -78,9 +78,9 @@ def _receive(row: QRow, vocab_size: int, max_k: int) -> QRow:
     assert row.counts is not None
     q = dyadic.counts_to_fp32(row.counts).tobytes()
     if row.ids is None:
-        counts = dyadic.validate_dense(q, vocab_size, row.token)
+        counts = validate.validate_dense(q, vocab_size, row.token)
         return QRow(token=row.token, counts=counts)
-    ids, counts = dyadic.validate_sparse(
+    ids, counts = validate.validate_sparse(
         row.ids.astype("<i4").tobytes(), q, vocab_size, max_k, row.token
     )
     return QRow(token=row.token, counts=counts, ids=ids)

@@ -25,14 +25,8 @@ import numpy.typing as npt
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q.dyadic import (
-    ONE_BITS,
-    Float32Array,
-    Int32Array,
-    M,
-    check_ascending,
-    diagnose_range,
-)
+from pp1wire.q.dyadic import ONE_BITS, Float32Array, Int32Array, M
+from pp1wire.q.validate import check_ascending, diagnose_range
 
 MAX_SHARDS: Final = 0xFFFF
 _MASK64 = (1 << 64) - 1

@@ -55,28 +55,11 @@ from pp1wire.q.targetrows import (
 )
 
 __all__ = [
-    "TARGET_FAILURES",
-    "BatchTargetFn",
-    "FailedRow",
-    "Outcome",
-    "Processor",
-    "RequestVerifier",
-    "RoundResult",
-    "StepRound",
-    "TargetFn",
-    "accept_exact",
-    "audit_mismatch",
-    "batched",
-    "check_target",
-    "checked_target",
-    "proposal_from_rows",
-    "residual",
-    "residual_sample",
-    "sample_weights",
-    "step_prefixes",
-    "verify_batch",
-    "verify_step",
-]
+    "TARGET_FAILURES", "BatchTargetFn", "FailedRow", "Outcome", "Processor", "RequestVerifier",
+    "RoundResult", "StepRound", "TargetFn", "accept_exact", "audit_mismatch", "batched",
+    "check_target", "checked_target", "proposal_from_rows", "residual", "residual_sample",
+    "sample_weights", "step_prefixes", "verify_batch", "verify_step",
+]  # fmt: skip
 
 Float64Array = npt.NDArray[np.float64]
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]

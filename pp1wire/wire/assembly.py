@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q import dyadic, layout
+from pp1wire.q import layout, validate
 from pp1wire.q.proposal import Lease, Proposal, QRow
 from pp1wire.q.stoprules import StopKind, StopRule, audit, continues, stopped_by_rule
 from pp1wire.wire.messages import Completion, Reply, Representation, Step
@@ -59,7 +59,7 @@ class ReplyAssembly:
         payload: memoryview,
         *,
         eos: int | None,
-        validator: dyadic.DenseRowValidator,
+        validator: validate.DenseRowValidator,
         shard: tuple[int, int] | None = None,
     ) -> QRow | ErrorCode:
         """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it.
@@ -104,7 +104,7 @@ class ReplyAssembly:
             split = 4 * msg.entries
             ids = np.frombuffer(payload[:split], dtype="<i4")
             q = np.frombuffer(payload[split:], dtype="<f4")
-            dyadic.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
+            validate.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
             return QRow(token=msg.token, ids=ids, q32=q, lease=self.lease)
         except ValidationError as exc:
             return exc.code

@@ -20,15 +20,13 @@ from __future__ import annotations
 import hmac
 import secrets
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
 from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError
-from pp1wire.q import dyadic
+from pp1wire.q import validate
 from pp1wire.q.proposal import Lease, PrefixDigest
 from pp1wire.q.rng import Role
 from pp1wire.q.stoprules import FIXED, STOP_RULES, StopKind, StopRule
@@ -38,88 +36,31 @@ from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, SparkSlotFence
 from pp1wire.wire.handshake import (
     ECHOED_LIMITS,
-    PeerConfig,
     build_hello,
     first_failure,
     spark_proof,
     worker_proof,
 )
-from pp1wire.wire.messages import GROUP_NONCE_SIZE, Message, MsgType, Scope, Step
+from pp1wire.wire.messages import Message, MsgType, Scope, Step
 from pp1wire.wire.spark_events import (
     CommitAcked,
     ConnectionFailed,
     FrameDropped,
     FrameRejected,
     PongReceived,
-    ProposalFailed,
-    ProposalReady,
     ResetAcked,
     SlotClosed,
     SlotDesynced,
     SlotOpened,
     SparkEvent,
 )
+from pp1wire.wire.spark_replies import SparkReplies
+from pp1wire.wire.spark_state import OwedAnswers, SparkConfig, SparkSlot
 from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
 
-# The answers a worker owes this side's slot requests (§4.3, §4.7, §4.8), and the
-# requests an ERROR may answer in their place (§4.9).
-_ANSWERS = frozenset({MsgType.OPENED, MsgType.CLOSED, MsgType.COMMITTED, MsgType.RESET_DONE})
-_ANSWERED = frozenset({MsgType.OPEN, MsgType.CLOSE, MsgType.COMMIT, MsgType.RESET})
-
-
-@dataclass(frozen=True)
-class SparkConfig(PeerConfig):
-    """What the Spark side needs from a worker; sent in its HELLO.
-
-    ``draft_identity`` pins a drafter ("" accepts any).
-    """
-
-    draft_identity: str = ""
-    reply_timeout: float = 5.0
-    #: Seconds an OPEN, CLOSE, COMMIT or RESET may go unanswered before the connection
-    #: ends (``ANSWER_TIMEOUT``, §7); None: the reply timeout.
-    answer_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        """Refuse a sharded link without its group's nonce (§6.7), and what
-        :class:`PeerConfig` refuses.
-
-        Raises:
-            ValueError: as :class:`PeerConfig`, or a sharded link whose ``group``
-                is not 16 bytes.
-        """
-        super().__post_init__()
-        if self.sharded and len(self.group) != GROUP_NONCE_SIZE:
-            raise ValueError(
-                f"a sharded Spark link needs its group's {GROUP_NONCE_SIZE}-byte nonce"
-            )
-
-
-# -- state -------------------------------------------------------------------
-
-
-@dataclass
-class SparkSlot:
-    """The Spark side's state for one slot."""
-
-    context: int
-    eos: int | None
-    prefix: array[int]
-    hasher: PrefixDigest  # the prefix's digest, extended as it grows
-    fence: SparkSlotFence
-    desynced: bool = False
-    flight: ReplyAssembly | None = None
-    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    @property
-    def digest(self) -> int:
-        """The committed prefix's digest."""
-        return self.hasher.value
-
-
-class SparkProtocol:
+class SparkProtocol(SparkReplies):
     """The Spark side's connection state machine (one instance per connection)."""
 
     def __init__(
@@ -147,7 +88,7 @@ class SparkProtocol:
         self._hello_header = b""
         self._hello: messages.Hello | None = None
         self.handshake_deadline: float | None = None
-        self._validator = dyadic.DenseRowValidator(config.vocab_size, config.entries)
+        self._validator = validate.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
         # Frame integrity (§5.1): keys once AUTH is sent; tags from the worker's HELLO on.
         self._sealer: integrity.Sealer | None = None
@@ -170,11 +111,7 @@ class SparkProtocol:
         # of a slot (late acks, replies) are ignored until its CLOSED arrives.
         self._closing: dict[int, int] = {}
         self._slot_generations: dict[int, int] = {}
-        # Per slot, the deadlines of requests still owed an answer (OPEN, CLOSE, COMMIT,
-        # RESET), oldest first: a worker answers each slot's messages in order (§4.4),
-        # so every answer settles the oldest. One not answered in time ends the
-        # connection (ANSWER_TIMEOUT): a mute worker never hangs a caller.
-        self._owed: dict[int, deque[float]] = {}
+        self._owed = OwedAnswers()
         # Ready proposals the caller has not released: their rows' lease and buffers.
         self._ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]] = {}
         self._release_buffer = release
@@ -193,19 +130,11 @@ class SparkProtocol:
         return out
 
     def _owe(self, slot: int, now: float | None) -> None:
-        """The message just queued for ``slot`` is owed an answer by ``now`` + the reply
-        timeout (no deadline without a clock reading)."""
+        """The request just queued for ``slot`` is owed an answer within the answer
+        timeout (the reply timeout unless set); no deadline without a clock reading."""
         if now is not None:
             wait = self.config.answer_timeout
-            wait = self.config.reply_timeout if wait is None else wait
-            self._owed.setdefault(slot, deque()).append(now + wait)
-
-    def _answered(self, slot: int) -> None:
-        owed = self._owed.get(slot)
-        if owed:
-            owed.popleft()
-            if not owed:
-                del self._owed[slot]
+            self._owed.owe(slot, now + (self.config.reply_timeout if wait is None else wait))
 
     def _send(self, msg: Message, payload: bytes = b"") -> None:
         frame = framing.encode_frame(msg, payload, tagged=self._sealer is not None)
@@ -220,7 +149,8 @@ class SparkProtocol:
     def next_deadline(self) -> float | None:
         """The earliest handshake, reply or answer deadline, if any."""
         times = [s.flight.deadline for s in self.slots.values() if s.flight is not None]
-        times += [owed[0] for owed in self._owed.values() if owed]
+        if (owed := self._owed.next_deadline()) is not None:
+            times.append(owed)
         if self.handshake_deadline is not None:
             times.append(self.handshake_deadline)
         return min(times) if times and not self.closed else None
@@ -233,7 +163,7 @@ class SparkProtocol:
         if self.handshake_deadline is not None and now >= self.handshake_deadline:
             self._fatal(ErrorCode.HANDSHAKE_TIMEOUT)
             return self._take()
-        if any(owed and now >= owed[0] for owed in self._owed.values()):
+        if self._owed.overdue(now):
             # An OPEN, CLOSE, COMMIT or RESET unanswered for a reply timeout: the worker
             # is not serving this connection; like a lost connection, every slot is
             # reopened on a new one (and rounds decode target-only meanwhile).
@@ -243,27 +173,6 @@ class SparkProtocol:
             if slot.flight is not None and now >= slot.flight.deadline:
                 # The rows that arrived are a block the deadline stopped (§6.5).
                 self._end_block(index, slot, ErrorCode.REPLY_TIMEOUT)
-        return self._take()
-
-    def cut(self, slot: int, code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> list[SparkEvent]:
-        """End ``slot``'s block in flight now, as its reply deadline would (§6.5): the
-        rows that arrived are published as a proposal cut by ``code``
-        (:class:`ProposalReady`), or with none the proposal fails
-        (:class:`ProposalFailed`); later frames of its round are dropped as late.
-        Nothing happens for a slot with nothing in flight. An engine that stops
-        waiting for a proposal calls this rather than dropping it: dropping the
-        rows that arrived would select blocks by how long they took to draw.
-
-        Raises:
-            ProtocolError: ``UNKNOWN_SLOT``.
-            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
-        """
-        self._require_ready()
-        state = self.slots.get(slot)
-        if state is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
-        if state.flight is not None:
-            self._end_block(slot, state, code)
         return self._take()
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
@@ -623,43 +532,6 @@ class SparkProtocol:
         self.closed = True
         self._events.append(ConnectionFailed(code))
 
-    def _end_block(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
-        """A fault at the next row of the block in flight (its deadline, a refused
-        row, the connection): the rows before it are the block, cut by ``code``
-        (docs/adaptive.md §7); with no row, the proposal is discarded."""
-        flight = slot.flight
-        assert flight is not None
-        if flight.rows:
-            self._publish(index, slot, cut=code)
-        else:
-            self._discard(index, slot, code)
-
-    def _publish(self, index: int, slot: SparkSlot, *, cut: ErrorCode | None = None) -> None:
-        """Hand out the flight's validated rows as its proposal (cut by ``cut``, if set)."""
-        flight = slot.flight
-        assert flight is not None
-        step = flight.step
-        slot.flight = None
-        slot.fence.last_round = max(slot.fence.last_round, step.round)
-        rows = tuple(flight.rows)
-        slot.drafts[step.round] = tuple(r.token for r in rows)
-        # A cut reply's later frames are late (LATE_FRAME), a completed one's duplicates.
-        buffers = flight.settle(discarded=cut is not None)
-        self._ready[(index, step.round)] = (flight.lease, buffers)
-        self._events.append(
-            ProposalReady(index, flight.proposal(self.session, rows, self._shard, cut))
-        )
-
-    def _discard(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
-        flight = slot.flight
-        assert flight is not None
-        slot.flight = None
-        slot.fence.last_round = max(slot.fence.last_round, flight.step.round)
-        slot.drafts.pop(flight.step.round, None)
-        for view in flight.settle(discarded=True):
-            self._release(view)
-        self._events.append(ProposalFailed(index, flight.step.generation, flight.step.round, code))
-
     # -- dispatch ------------------------------------------------------------
 
     def _dispatch(self, frame: framing.Frame) -> None:
@@ -672,12 +544,8 @@ class SparkProtocol:
             return
         if rule.act is Act.IGNORE:
             return
+        self._owed.settle(kind, msg)
         slot_of = getattr(msg, "slot", None)
-        if slot_of is not None and (
-            kind in _ANSWERS
-            or (kind is MsgType.ERROR and getattr(msg, "answers", None) in _ANSWERED)
-        ):
-            self._answered(slot_of)  # whichever instance of the slot it answers
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             if kind is MsgType.ERROR and getattr(msg, "answers", None) == MsgType.CLOSE:
                 # The worker held no such slot (its OPEN was refused): the CLOSE is
@@ -847,62 +715,5 @@ class SparkProtocol:
         self._events.append(SlotDesynced(index, ErrorCode.PREFIX_DIGEST_MISMATCH))
         return True
 
-    def _fence(
-        self, msg: messages.Reply | messages.Completion
-    ) -> tuple[SparkSlot, ReplyAssembly] | None:
-        """The slot and its in-flight reply a REPLY or COMPLETION belongs to, or None (§7)."""
-        session, slot, generation, round_id = msg.session, msg.slot, msg.generation, msg.round
-        state = self._known(session, slot)
-        if state is None:
-            return None
-        decision = fencing.spark_reply(state.fence, generation, round_id)
-        if decision.action is Action.ACCEPT:
-            assert state.flight is not None  # accepted frames match the in-flight STEP
-            return state, state.flight
-        assert decision.code is not None
-        if decision.action is Action.DROP:
-            self._events.append(FrameDropped(slot, decision.code))
-        else:
-            self._events.append(FrameRejected(slot, decision.code))
-            if state.flight is not None:
-                self._discard(slot, state, decision.code)
-        return None
 
-    @property
-    def _shard(self) -> tuple[int, int] | None:
-        """The global ID range this link carries (None: unsharded)."""
-        return self.config.shard_range if self.config.sharded else None
-
-    def _fail_row(self, index: int, state: SparkSlot, code: ErrorCode) -> None:
-        # A refused row ends the block before it; the rows before it stand (§4.5).
-        self._events.append(FrameRejected(index, code))
-        self._end_block(index, state, code)
-
-    def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
-        assert isinstance(msg, messages.Reply)
-        if (fenced := self._fence(msg)) is None:
-            return
-        state, flight = fenced
-        row = flight.check_row(
-            msg, frame.payload, eos=state.eos, validator=self._validator, shard=self._shard
-        )
-        if isinstance(row, ErrorCode):
-            self._fail_row(msg.slot, state, row)
-            return
-        flight.add_row(row, frame.raw)
-        self._retained = True
-
-    def _on_completion(self, msg: Message, _frame: framing.Frame) -> None:
-        assert isinstance(msg, messages.Completion)
-        if (fenced := self._fence(msg)) is None:
-            return
-        state, flight = fenced
-        code = flight.check_completion(msg, eos=state.eos, shard=self._shard)
-        if code is not None:
-            if not (msg.status and not flight.rows and code is status_code(msg.status)):
-                self._events.append(FrameRejected(msg.slot, code))  # not a reported failure
-            self._discard(msg.slot, state, code)
-            return
-        # A nonzero status after rows: the worker failed drawing the next row, so
-        # the rows it shipped are the block, cut there (§4.6).
-        self._publish(msg.slot, state, cut=status_code(msg.status) if msg.status else None)
+__all__ = ["SparkConfig", "SparkProtocol", "SparkSlot"]

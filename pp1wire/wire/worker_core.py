@@ -15,7 +15,6 @@ import hmac
 import secrets
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Final, TypeVar
 
 import numpy as np
@@ -23,13 +22,11 @@ import numpy as np
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn, PrefixDigest
 from pp1wire.q.rng import Role
-from pp1wire.q.stoprules import STOP_RULES
 from pp1wire.wire import fencing, framing, integrity, transitions
-from pp1wire.wire.budgets import DRAW_BURST, Account, DrawGate
+from pp1wire.wire.budgets import Account, DrawGate
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
-    PeerConfig,
     build_hello,
     first_failure,
     spark_proof,
@@ -70,6 +67,7 @@ from pp1wire.wire.worker_events import (
     StepServed,
     WorkerEvent,
 )
+from pp1wire.wire.worker_state import WorkerConfig, WorkerSlot
 
 __all__ = [
     "ConnectionClosing",
@@ -88,46 +86,6 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", Step, Commit, Reset)  # the slot messages a fencing rule decides
-
-
-@dataclass(frozen=True)
-class WorkerConfig(PeerConfig):
-    """What this worker serves and the most it allows a peer to ask for."""
-
-    draft_identity: str = "pp1-toy-drafter"
-    draft_native: bool = True
-    idle_timeout: float = 300.0
-    #: Fresh draws per second per slot (None: any), and ahead of it (§4.4, DRAW_RATE_LIMITED).
-    max_draw_rate: float | None = None
-    draw_burst: int = DRAW_BURST
-    #: Draws one principal may leave uncommitted per second (None: any), and at once.
-    abandon_rate: float | None = 1.0
-    abandon_burst: int = 8
-    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
-
-
-# -- state ---------------------------------------------------------------------
-
-
-@dataclass
-class WorkerSlot:
-    """One open session slot: committed prefix, RNG seed and fencing state."""
-
-    open_msg: Open
-    seed: int
-    context: int
-    eos: int | None
-    prefix: array[int]
-    hasher: PrefixDigest  # the prefix's digest, extended as it grows
-    fence: WorkerSlotFence
-    drafts: tuple[int, ...] = ()
-    reply: tuple[FrameParts, ...] | None = None
-    committed_msg: Committed | None = None
-
-    @property
-    def digest(self) -> int:
-        """The committed prefix's digest."""
-        return self.hasher.value
 
 
 _NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from functools import partial
 
 from pp1wire.errors import ErrorCode
-from pp1wire.q import dyadic
+from pp1wire.q import validate
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.testing.conformance import core
 from pp1wire.wire import messages
@@ -221,7 +221,7 @@ async def _rows(s: core.Settings) -> None:
         if r.checksum != xxhash.xxh3_64_intdigest(bytes(f.payload)):
             raise core.CaseFailed(f"row {i} checksum wrong")
         split = 4 * r.entries
-        dyadic.validate_sparse(
+        validate.validate_sparse(
             bytes(f.payload)[:split], bytes(f.payload)[split:], s.vocab, step.support, r.token
         )
 
@@ -240,7 +240,7 @@ async def _dense(s: core.Settings) -> None:
         assert isinstance(r, messages.Reply)
         if r.representation != 0 or r.entries != s.vocab:
             raise core.CaseFailed("dense row with wrong representation or entries")
-        dyadic.validate_dense(bytes(row.payload), s.vocab, r.token)
+        validate.validate_dense(bytes(row.payload), s.vocab, r.token)
 
 
 @case("4.3.1")
