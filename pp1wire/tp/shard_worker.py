@@ -9,7 +9,7 @@ group, and no thread ever waits for a match:
 
 * an accepted STEP is held by its rank under its **match key**: the group
   nonce, then slot, generation, round, position, prefix digest, depth,
-  support, temperature, context and terminal token (nothing of it is copied:
+  support, temperature, context, terminal token and stop rule (nothing of it is copied:
   the slot's prefix cannot change while its draw is outstanding);
 * the ranks exchange the keys they hold, and their live links' nonces (one
   all-gather of fixed size), when any of them has a new STEP, again soon
@@ -56,9 +56,11 @@ from pp1wire.q.proposal import (
     ExtendedPrefix,
     QRow,
     batched_drafter,
+    drafter_kind,
     stopped_by,
 )
 from pp1wire.q.rng import Domain, Role, RoundStreams
+from pp1wire.q.stoprules import StopKind, StopRule, admits_next
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.wire.messages import Step
@@ -75,9 +77,9 @@ Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
 
 # A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
-# then 1 (2 for a row that carries a live link's nonce instead; the first row of an
-# exchange: how many keys follow, and whether the rank is stopping).
-_KEY_WORDS = 13
+# the stop rule, then 1 (2 for a row that carries a live link's nonce instead; the first
+# row of an exchange: how many keys follow, and whether the rank is stopping).
+_KEY_WORDS = 14
 
 
 def nonce_words(group: bytes) -> tuple[int, int]:
@@ -104,6 +106,8 @@ def key_of(group: bytes, step: Step, eos: int | None) -> Key:
         temperature,
         as_int64(step.context),
         -1 if eos is None else eos,
+        # The rule decides the block's length: STEPs under different rules never match.
+        (step.stop << 32) | step.threshold,
     )
 
 
@@ -121,7 +125,7 @@ class _Held:
 class _Chain:
     """One matched STEP while the group draws it."""
 
-    __slots__ = ("context", "held", "index", "rows", "streams")
+    __slots__ = ("context", "drawn", "held", "index", "rows", "rule", "streams")
 
     def __init__(self, index: int, held: _Held, streams: RoundStreams | None) -> None:
         self.index = index
@@ -129,6 +133,9 @@ class _Chain:
         self.streams = streams
         self.context = ExtendedPrefix(held.job.prefix)
         self.rows: list[QRow] = []
+        self.drawn: list[int] = []  # each row's count at its token, known to every rank
+        step = held.job.step
+        self.rule = StopRule(StopKind(step.stop), step.threshold)  # checked on acceptance
 
 
 class ShardedDrafting:
@@ -172,6 +179,7 @@ class ShardedDrafting:
         self.lo, self.hi = coord.layout.range(self.rank)
         self.vocab = coord.layout.vocab_size
         self.draft_batch = batched_drafter(drafter)
+        self.probs = drafter_kind(drafter) == "probs"
         self.match_timeout = match_timeout
         self.beat = beat
         self.tick = tick
@@ -430,7 +438,7 @@ class ShardedDrafting:
                 break
             logits, codes, errors = self._logits([c.context for c in chains])
             specs = [self._spec(c, i, code) for c, code in zip(chains, codes, strict=True)]
-            built = dist_ops.construct_rows(logits, specs, self.coord)
+            built = dist_ops.construct_rows(logits, specs, self.coord, probs=self.probs)
             going: list[_Chain] = []
             for c, got, error in zip(chains, built, errors, strict=True):
                 if isinstance(got, Pp1Error):
@@ -443,11 +451,14 @@ class ShardedDrafting:
                     continue
                 c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
                 c.context.append(got.token)
+                c.drawn.append(got.count)
                 step, eos = c.held.job.step, c.held.job.eos
-                if got.token == eos or len(c.rows) == step.depth:
-                    out[c.index] = tuple(c.rows)
-                else:
+                # Every rank learned each row's count at its token with the token, so
+                # every rank stops each block at the same row (docs/adaptive.md).
+                if admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos):
                     going.append(c)
+                else:
+                    out[c.index] = tuple(c.rows)
             chains = going
         assert all(o is not None for o in out)
         return [o for o in out if o is not None]
@@ -464,11 +475,14 @@ class ShardedDrafting:
 
     def _logits(
         self, contexts: Sequence[Sequence[int]]
-    ) -> tuple[npt.NDArray[np.float64], list[int], list[BaseException | None]]:
-        """This rank's range of the drafter's logits for every context (one call), each
-        row's failure code (0: none) and the exception behind an ``INTERNAL`` one."""
+    ) -> tuple[npt.NDArray[np.floating], list[int], list[BaseException | None]]:
+        """This rank's range of the drafter's rows for every context (one call): logits
+        as binary64, or a probabilities drafter's rows rounded to FP32 as one process
+        rounds them; each row's failure code (0: none) and the exception behind an
+        ``INTERNAL`` one."""
         n = len(contexts)
-        local = np.zeros((n, self.hi - self.lo), dtype=np.float64)
+        dtype = np.float32 if self.probs else np.float64
+        local = np.zeros((n, self.hi - self.lo), dtype=dtype)
         codes = [0] * n
         errors: list[BaseException | None] = [None] * n
         try:
@@ -478,7 +492,8 @@ class ShardedDrafting:
                     raise ConstructionError(
                         ErrorCode.BAD_SHAPE, f"drafter gave logits of shape {got.shape}"
                     )
-                local[:] = got[:, self.lo : self.hi]
+                with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
+                    local[:] = got[:, self.lo : self.hi]
                 return local, codes, errors
             if len(got) != n:
                 raise ConstructionError(
@@ -490,7 +505,8 @@ class ShardedDrafting:
             return local, [int(ErrorCode.INTERNAL)] * n, [exc] * n
         for j, item in enumerate(got):
             try:
-                row = np.asarray(item, dtype=np.float64)
+                with np.errstate(over="ignore"):
+                    row = np.asarray(item, dtype=dtype)
             except Exception as exc:  # a plugin's odd row
                 codes[j], errors[j] = int(ErrorCode.INTERNAL), exc
                 continue

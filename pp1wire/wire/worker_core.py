@@ -105,7 +105,7 @@ class WorkerConfig(PeerConfig):
     #: before a COMMIT), and how many at once (§4.4, ``DRAW_RATE_LIMITED``; None: any).
     abandon_rate: float | None = 1.0
     abandon_burst: int = 8
-    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
+    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md)
 
 
 # -- state ---------------------------------------------------------------------
