@@ -33,7 +33,7 @@ these with one row, raising the row's code.
 
 from __future__ import annotations
 
-import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -67,8 +67,6 @@ _LOW_EXPONENT: Final = 1023 - 128
 _BUCKETS: Final = 1 + (128 << _SUB_BITS)
 # A remainder's top 16 bits (sign, exponent, 4 mantissa bits) less this are its bucket.
 _KEY_LOW: Final = (_LOW_EXPONENT << _SUB_BITS) - 1
-# Where those 16 bits sit among a binary64's four 16-bit words.
-_HIGH: Final = 3 if sys.byteorder == "little" else 0
 # A sparse row's support is taken from the logits the ranks offer when the weight of
 # the largest logit left out, times this, is below the k-th weight chosen (and that
 # weight is above the floor): the bound of pp1wire.q.dyadic.sparse_row_from_logits.
@@ -626,11 +624,33 @@ def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
     return [o for o in out if o is not None]
 
 
-def _histogram(rem: Float64Array) -> Int64Array:
+class _Scratch(threading.local):
+    """Per-thread scratch of the dense rows: their remainders and bucket keys."""
+
+    def __init__(self) -> None:
+        self.rem = np.empty(0, dtype=np.float64)
+        self.keys = np.empty(0, dtype=np.int64)
+
+
+_SCRATCH = _Scratch()
+
+
+def _scratch(count: int, n: int) -> tuple[Float64Array, Int64Array]:
+    """This thread's ``[count, n]`` remainders and ``[n]`` keys (overwritten by its next call)."""
+    own = _SCRATCH
+    if own.rem.size < count * n:
+        own.rem = np.empty(count * n, dtype=np.float64)
+    if own.keys.size < n:
+        own.keys = np.empty(n, dtype=np.int64)
+    return own.rem[: count * n].reshape(count, n), own.keys[:n]
+
+
+def _histogram(rem: Float64Array, keys: Int64Array) -> Int64Array:
     """A row's remainders (in [0, 1)) counted by bucket: their binary64 bits' top 16
     (sign, exponent and 4 mantissa bits: 16 buckets per binade), every bucket below
-    2**-128 in bucket 0."""
-    raw = np.bincount(rem.view(np.uint16)[_HIGH::4], minlength=_KEY_LOW + _BUCKETS)
+    2**-128 in bucket 0 (``keys``: scratch of the row's length)."""
+    np.right_shift(rem.view(np.int64), 52 - _SUB_BITS, out=keys)
+    raw = np.bincount(keys, minlength=_KEY_LOW + _BUCKETS)
     hist: Int64Array = raw[_KEY_LOW : _KEY_LOW + _BUCKETS].astype(np.int64)
     hist[0] += int(raw[:_KEY_LOW].sum())
     return hist
@@ -664,13 +684,14 @@ def _allocate_and_draw(
     lowest ID) and the draw: two collectives for every dense row of the position,
     three when a rank's guess of where the threshold lies was wrong."""
     count, n = w.shape
+    # The counts travel in the rows (fresh); the rest is scratch.
     floors = np.empty((count, n), dtype=np.int32)  # counts never exceed 2**24
-    rem = np.empty((count, n), dtype=np.float64)
+    rem, keys = _scratch(count, n)
     words = np.zeros((count, _WORDS), dtype=np.int64)
     for j in range(count):
         dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
         floor_sum = int(floors[j].sum(dtype=np.int64))
-        hist = _histogram(rem[j])
+        hist = _histogram(rem[j], keys)
         words[j, 0] = floor_sum
         words[j, 1 : 1 + _BUCKETS] = hist
         # This rank's share of the tickets less its floors: about the sum of its
