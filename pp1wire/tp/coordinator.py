@@ -19,6 +19,7 @@ groups that way without starting processes.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -103,7 +104,8 @@ class GroupCoordinator:
         all-reduce whether every one of them has a CUDA device; only then does
         each take ``cuda:LOCAL_RANK`` and a NCCL device group (creating a group
         takes every rank). Otherwise, or without ``device``, the device group is
-        the control group and tensors stay on the CPU.
+        the control group and tensors stay on the CPU. The objects the process
+        holds by then are frozen out of the garbage collector (``gc.freeze``).
 
         Raises:
             RuntimeError: from ``torch.distributed`` if the rendezvous fails.
@@ -123,6 +125,10 @@ class GroupCoordinator:
             torch.cuda.set_device(coord.device)
             coord.device_group = dist.new_group(backend="nccl", timeout=delta)
         coord.collectives = 0  # the group's count of collectives starts with its rounds
+        # A rank process's objects from before its rounds (torch's modules above all,
+        # some 170,000) are never garbage: frozen, no full collection walks them again
+        # (measured: those walks were a sixth of a sharded Spark rank's CPU).
+        gc.freeze()
         return coord
 
     @classmethod
