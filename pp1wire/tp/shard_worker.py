@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -486,7 +487,7 @@ class ShardedDrafting:
         codes = [0] * n
         errors: list[BaseException | None] = [None] * n
         try:
-            got = self.draft_batch(contexts)
+            got: Any = _host(self.draft_batch(contexts))
             if isinstance(got, np.ndarray):
                 if got.shape != (n, self.vocab):
                     raise ConstructionError(
@@ -506,7 +507,7 @@ class ShardedDrafting:
         for j, item in enumerate(got):
             try:
                 with np.errstate(over="ignore"):
-                    row = np.asarray(item, dtype=dtype)
+                    row = np.asarray(_host(item), dtype=dtype)
             except Exception as exc:  # a plugin's odd row
                 codes[j], errors[j] = int(ErrorCode.INTERNAL), exc
                 continue
@@ -515,6 +516,13 @@ class ShardedDrafting:
                 continue
             local[j] = row[self.lo : self.hi]
         return local, codes, errors
+
+
+def _host(rows: object) -> object:
+    """A drafter's torch tensor (on any device) as a host array; anything else as it is."""
+    if isinstance(rows, torch.Tensor):
+        return rows.detach().cpu().numpy()
+    return rows
 
 
 __all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]
