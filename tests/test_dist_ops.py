@@ -518,3 +518,23 @@ def test_a_device_group_is_built_by_every_rank_or_by_none(cudas, device, nccl):
         assert out["built"] == (["nccl"] if nccl else [])
         assert out["device"] == (f"cuda:{rank}" if nccl else "cpu")
         assert out["count"] == 0  # the agreement is not one of the group's collectives
+
+
+def test_a_cuda_tensor_travels_on_the_device_group_and_only_where_every_rank_has_one():
+    # The device group is NCCL only when every rank agreed it has CUDA at join; a host
+    # tensor always travels on the control group (gloo), and a CUDA tensor on a group
+    # without a device is refused before any collective (nothing would carry it).
+    from types import SimpleNamespace
+
+    coord = GroupCoordinator(
+        object(), rank=0, world=1, timeout=1.0, device_group=None, layout=None
+    )
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    assert coord._group_for(torch.zeros(1)) is coord.group
+    with pytest.raises(ValueError, match="no device group"):
+        coord._group_for(on_cuda)  # type: ignore[arg-type]
+    nccl = object()
+    coord.device_group, coord.device = nccl, torch.device("cuda", 0)
+    assert coord._group_for(on_cuda) is nccl  # type: ignore[arg-type]
+    assert coord._group_for(torch.zeros(1)) is coord.group
+    assert coord.collectives == 0

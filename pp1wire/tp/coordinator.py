@@ -191,27 +191,46 @@ class GroupCoordinator:
         self._run("broadcast", lambda: group.broadcast([t], opts).wait())
         return t
 
+    def _group_for(self, t: torch.Tensor) -> Group:
+        """The group ``t`` travels on: a CUDA tensor on the device group, which is NCCL
+        only when every rank agreed it has CUDA (:meth:`join`); a host tensor on the
+        control group (gloo).
+
+        Raises:
+            ValueError: a CUDA tensor on a coordinator without a CUDA device.
+        """
+        if t.device.type != "cuda":
+            return self.group
+        if self.device.type != "cuda":
+            raise ValueError("a CUDA tensor, but this group's ranks have no device group")
+        return self.device_group
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (the same shape everywhere), stacked in rank order.
+        """Every rank's ``t`` (the same shape everywhere), stacked in rank order, on
+        ``t``'s device (:meth:`_group_for` says which group carries it).
 
         Raises:
             GroupFailedError: the collective failed.
+            ValueError: as :meth:`_group_for`.
         """
         t = t.contiguous()
+        group = self._group_for(t)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        self._run("all-gather", lambda: self.group.allgather([out], [t]).wait())
+        self._run("all-gather", lambda: group.allgather([out], [t]).wait())
         return torch.stack(out)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = MAX) -> torch.Tensor:
-        """``t`` reduced over the group (a new tensor; ``t`` is unchanged).
+        """``t`` reduced over the group (a new tensor on ``t``'s device; ``t`` is unchanged).
 
         Raises:
             GroupFailedError: the collective failed.
+            ValueError: as :meth:`_group_for`.
         """
         out = t.clone()
+        group = self._group_for(out)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(op)
-        self._run("all-reduce", lambda: self.group.allreduce([out], opts).wait())
+        self._run("all-reduce", lambda: group.allreduce([out], opts).wait())
         return out
 
     # -- small forms ------------------------------------------------------------------------

@@ -105,10 +105,37 @@ def _check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
         )
 
 
+def _on_device(coord: GroupCoordinator, local: npt.NDArray[Any]) -> torch.Tensor:
+    """``local`` as the tensor a collective takes: on the group's CUDA device when its
+    ranks have one (the words then travel on NCCL), else the array itself (gloo)."""
+    t = torch.from_numpy(np.ascontiguousarray(local))
+    return t.to(coord.device) if coord.device.type == "cuda" else t
+
+
+def gather(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
+    """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``;
+    on NCCL when the group's ranks have CUDA devices, else gloo, the same values.
+
+    Raises:
+        GroupFailedError: the collective failed.
+    """
+    out: npt.NDArray[_S] = coord.all_gather(_on_device(coord, local)).cpu().numpy()
+    return out
+
+
+def reduce_max(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
+    """The element-wise maximum of every rank's ``local`` (one all-reduce, as :func:`gather`).
+
+    Raises:
+        GroupFailedError: the collective failed.
+    """
+    out: npt.NDArray[_S] = coord.all_reduce(_on_device(coord, local), MAX).cpu().numpy()
+    return out
+
+
 def _gather(coord: GroupCoordinator, local: npt.NDArray[_S]) -> npt.NDArray[_S]:
     """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``."""
-    out: npt.NDArray[_S] = coord.all_gather(torch.from_numpy(np.ascontiguousarray(local))).numpy()
-    return out
+    return gather(local, coord)
 
 
 def _pick(
@@ -127,8 +154,7 @@ def _pick(
 
 def _found(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
     """The owners' answers (-1 elsewhere), one all-reduce (MAX); never for an empty batch."""
-    t = torch.tensor(list(local), dtype=torch.int64)
-    return [int(v) for v in coord.all_reduce(t, MAX).tolist()]
+    return [int(v) for v in reduce_max(np.asarray(local, dtype=np.int64), coord).tolist()]
 
 
 # -- the target side: normalization and draws from weights -------------------------------
@@ -733,7 +759,7 @@ def _allocate_and_draw(
         out.append(BuiltRow(-1, floors[j], None, 0))
         # The draw: the rank whose slice of the cumulative counts holds it finds the ID.
         picks[j] = _pick(floors[j], per_rank, draws[j], plan)
-    found = coord.all_reduce(torch.from_numpy(picks), MAX).numpy()
+    found = reduce_max(picks, coord)
     for j, built in enumerate(out):
         if isinstance(built, BuiltRow):
             out[j] = BuiltRow(int(found[j, 0]), built.counts, None, int(found[j, 1]))
@@ -1078,8 +1104,10 @@ __all__ = [
     "TargetRows",
     "construct_rows",
     "counts_from_logits",
+    "gather",
     "normalize_target",
     "normalize_targets",
+    "reduce_max",
     "residual_rows",
     "residual_sample",
     "sample",

@@ -36,7 +36,6 @@ from typing import cast
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q.dyadic import M
@@ -239,7 +238,7 @@ class ShardedVerifyGroup:
                 mine += ShardReport(r.failure).words()
         if not rounds:
             return
-        gathered = self.coord.all_gather(torch.tensor(mine, dtype=torch.int64)).reshape(
+        gathered = dist_ops.gather(np.asarray(mine, dtype=np.int64), self.coord).reshape(
             self.world, len(rounds), _REPORT
         )
         for i, r in enumerate(rounds):
@@ -334,8 +333,8 @@ class ShardedVerifyGroup:
                 tokens = list(d.tokens) + [-1] * (MAX_DEPTH + 1 - len(d.tokens))
                 extra = -1 if d.extra is None else d.extra
                 words += [1, _OUTCOMES.index(d.outcome), d.round_id, d.accepted, extra, *tokens]
-        gathered = self.coord.all_gather(torch.tensor(words, dtype=torch.int64))
-        if not all(torch.equal(g, gathered[0]) for g in gathered):
+        gathered = dist_ops.gather(np.asarray(words, dtype=np.int64), self.coord)
+        if not (gathered == gathered[0]).all():
             raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
 
     # -- the step's verification, every round at once ---------------------------------------
@@ -387,7 +386,8 @@ class ShardedVerifyGroup:
                     u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + k))
                     result = 1 + int(accept_exact(u, self._count_at(row, x), p.at(at, x)))
                 owned.append(result)
-        accepted = iter(self.coord.max_words(owned) if owned else [])
+        tested = np.asarray(owned, dtype=np.int64)
+        accepted = iter(dist_ops.reduce_max(tested, self.coord).tolist() if owned else [])
         # Each round walks its rows as the unsharded verifier does, up to its one draw.
         draws: list[tuple[int, npt.NDArray[np.float64], int]] = []  # (round, weights, u53)
         pending: dict[int, tuple[list[int], Outcome]] = {}
