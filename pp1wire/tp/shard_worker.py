@@ -456,7 +456,12 @@ class ShardedDrafting:
                 step, eos = c.held.job.step, c.held.job.eos
                 # Every rank learned each row's count at its token with the token, so
                 # every rank stops each block at the same row (docs/adaptive.md).
-                if admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos):
+                try:
+                    more = admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos)
+                except ValueError as exc:  # a count outside 0..2**24: never from the kernels
+                    out[c.index] = stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows[:-1])
+                    continue
+                if more:
                     going.append(c)
                 else:
                     out[c.index] = tuple(c.rows)

@@ -609,6 +609,9 @@ def _shard_stop_cases(
          {"discarded": "COMPLETION_EARLY"}, ruled),
         ("shard_stop_flag_at_depth", conf, rows(0, 0, 2, stopped=1),
          {"discarded": "STOP_RULE_VIOLATED"}, ruled),
+        # An empty block is early whatever the counts (row 1 is always drawn).
+        ("shard_stop_empty_block", conf, rows(stopped=1),
+         {"discarded": "STOP_RULE_VIOLATED"}, ruled),
     ]  # fmt: skip
 
 
