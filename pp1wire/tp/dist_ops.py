@@ -83,7 +83,10 @@ _WORDS: Final = _GUESS + 3 + _WINDOW
 
 
 def _rows(values: npt.ArrayLike, plan: TreePlan, dtype: type[_S]) -> npt.NDArray[_S]:
-    x: npt.NDArray[_S] = np.ascontiguousarray(values, dtype=dtype)
+    """Rows of ``dtype``, each contiguous (a slice of wider rows is not copied)."""
+    x: npt.NDArray[_S] = np.asarray(values, dtype=dtype)
+    if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < 0:
+        x = np.ascontiguousarray(x)
     _check_width(x, plan)
     return x
 
@@ -716,7 +719,8 @@ def _allocate_and_draw(
     words = np.zeros((count, _WORDS), dtype=np.int64)
     for j in range(count):
         dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
-        floor_sum = int(floors[j].sum(dtype=np.int64))
+        # A rank's floors sum to at most 2**24 (its shares do, to within rounding): int32.
+        floor_sum = int(floors[j].sum(dtype=np.int32))
         hist = _histogram(rem[j], keys)
         words[j, 0] = floor_sum
         words[j, 1 : 1 + _BUCKETS] = hist

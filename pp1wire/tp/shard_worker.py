@@ -498,6 +498,9 @@ class ShardedDrafting:
                     raise ConstructionError(
                         ErrorCode.BAD_SHAPE, f"drafter gave logits of shape {got.shape}"
                     )
+                if got.dtype == dtype:  # the range of each row, viewed where it lies
+                    view: npt.NDArray[np.floating] = got[:, self.lo : self.hi]
+                    return view, codes, errors
                 with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
                     local[:] = got[:, self.lo : self.hi]
                 return local, codes, errors
