@@ -42,7 +42,7 @@ from pp1wire.q.proposal import QRow
 from pp1wire.testing import tp_faults
 from pp1wire.testing.tp_faults import Fault
 from pp1wire.tp.shard_worker import AfterDraw
-from pp1wire.wire import worker_core
+from pp1wire.wire import replies
 from pp1wire.wire.messages import Step
 
 KINDS = ("mass", "corrupt", "late", "missing", "stale", "die")
@@ -83,7 +83,7 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
             time.sleep(float(os.environ.get("PP1_SHARD_LATE_S", "3")))
         if "missing" in kinds:
             raise Pp1Error(ErrorCode.INTERNAL, "injected: this rank's shard is missing")
-        if "stale" in kinds:
+        if "stale" in kinds and not _stale_spent.is_set():
             _stale.on = True
         for how in ("mass", "corrupt"):
             if how in kinds:
@@ -96,23 +96,29 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
 _stale_spent = threading.Event()
 
 
-def _stale_frames(original: Any) -> Any:
-    def frames(session: int, step: Step, *args: Any, **kwargs: Any) -> Any:
-        armed, _stale.on = getattr(_stale, "on", False), False
-        if armed and step.generation >= 1 and not _stale_spent.is_set():
+def _stale_frames(original: Any, *, closes: bool) -> Any:
+    """``original`` (a frame builder of :mod:`pp1wire.wire.replies`) naming the previous
+    generation while the fault is armed on this thread: every frame of the reply the
+    finishing thread builds next, its COMPLETION (``closes``) last."""
+
+    def frame(session: int, step: Step, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_stale, "on", False) and step.generation >= 1:
             _stale_spent.set()
+            if closes:
+                _stale.on = False
             step = msgspec.structs.replace(step, generation=step.generation - 1)
         return original(session, step, *args, **kwargs)
 
-    return frames
+    return frame
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``--fault``s, install the hooks, run ``pp1-worker`` with the rest."""
     faults, rest = tp_faults.split_faults("pp1wire.testing.shard_faults", argv, parse_fault)
     worker_tp.AFTER_DRAW = after_draw(faults)
-    # The core builds each reply with its module's reply_frames: wrap that one.
-    setattr(worker_core, "reply_frames", _stale_frames(getattr(worker_core, "reply_frames")))  # noqa: B009, B010
+    # A reply's frames are built one at a time by replies' module functions: wrap them.
+    setattr(replies, "reply_frame", _stale_frames(replies.reply_frame, closes=False))  # noqa: B010
+    setattr(replies, "completion_frame", _stale_frames(replies.completion_frame, closes=True))  # noqa: B010
     return worker.main(rest)
 
 
