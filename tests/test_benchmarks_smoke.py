@@ -269,14 +269,21 @@ def sharded_figures(vocab: int, *supports: str) -> dict[str, Any]:
     )
     # sharded.py exits non-zero unless both pipelines committed the same tokens
     # in the same rounds.
-    assert set(result) == {"vocab", *(s.replace(":", "") for s in supports)}
-    for key in result.keys() - {"vocab"}:
+    assert set(result) == {"vocab", "load_average", *(s.replace(":", "") for s in supports)}
+    for key in result.keys() - {"vocab", "load_average"}:
         r = result[key]
         assert r["fallbacks"] == 0
         assert finite_positive(r["sharded_vs_unsharded"])
         assert r["sharded_vs_unsharded"] == pytest.approx(
             r["sharded_round_ms"] / r["unsharded_round_ms"]
         )
+        # CPU per batch round of every process of each side, and its ratio.
+        for side in ("worker", "spark"):
+            for pipeline in ("unsharded", "sharded"):
+                assert finite_positive(r[f"{pipeline}_{side}_cpu_ms"])
+            assert r[f"{side}_cpu"] == pytest.approx(
+                r[f"sharded_{side}_cpu_ms"] / r[f"unsharded_{side}_cpu_ms"]
+            )
         assert len(r["sharded_link_bytes_per_batch_round"]) == 2
     return result
 

@@ -107,16 +107,11 @@ CASES = [
     ("pp1-spark", ["--stop", "joint:1.5"], "--stop: threshold '1.5' outside [0, 1]"),
     ("pp1-spark", ["--depth", "0", "--stop", "confidence:0.5"], "needs proposals: --depth above"),
     ("pp1-spark", ["--depth", "soon"], "--depth: 'soon' is not a depth (0..5) or auto"),
-    # The sharded path refuses adaptive blocks in one line naming the mode (docs/tp.md §11).
+    # The sharded path refuses what no rank can do alone, in one line naming the mode.
     (
         "pp1-spark",
-        ["--tp", "2", "--vocab-shards", "2", "--stop", "confidence:0.5"],
-        "--stop confidence:0.5 is not available with --vocab-shards",
-    ),
-    (
-        "pp1-spark",
-        ["--tp", "2", "--vocab-shards", "2", "--depth", "auto"],
-        "--depth auto is not available with --vocab-shards",
+        ["--tp", "2", "--vocab-shards", "2", "--audit"],
+        "--audit is not available with --vocab-shards",
     ),
 ]
 

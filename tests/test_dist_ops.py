@@ -100,14 +100,16 @@ def _logit_rows(v: int, seed: int) -> list[np.ndarray]:
     ]
 
 
-def _unsharded(logits: np.ndarray, temperature: float, support: int, u24: int):
+def _unsharded(
+    logits: np.ndarray, temperature: float, support: int, u24: int, kind: str = "logits"
+):
     """What one process builds and draws: (token, dense counts over V) or the code."""
     from pp1wire.errors import Pp1Error
     from pp1wire.q.proposal import build_row
 
     try:
         with np.errstate(over="ignore", invalid="ignore"):
-            counts, ids = build_row(logits, temperature, support or None)
+            counts, ids = build_row(logits, temperature, support or None, kind=kind)
         pick = dyadic.sample(counts, u24)
     except Pp1Error as exc:
         return exc.code
@@ -119,14 +121,15 @@ def _unsharded(logits: np.ndarray, temperature: float, support: int, u24: int):
     return int(ids[pick]), whole
 
 
-def _built(coord: GroupCoordinator, logits, specs) -> list:
-    """Each row's (token, this rank's dense piece of q) or its code."""
+def _built(coord: GroupCoordinator, logits, specs, *, probs: bool = False) -> list:
+    """Each row's (token, this rank's dense piece of q) or its code; the count at the
+    token that every rank got must be the owner's."""
     from pp1wire.errors import Pp1Error
 
     assert coord.layout is not None
     lo, hi = coord.layout.range(coord.rank)
     out = []
-    for got in dist_ops.construct_rows(logits, specs, coord):
+    for got in dist_ops.construct_rows(logits, specs, coord, probs=probs):
         if isinstance(got, Pp1Error):
             out.append(got.code)
             continue
@@ -137,7 +140,9 @@ def _built(coord: GroupCoordinator, logits, specs) -> list:
             assert np.all(np.diff(got.ids) > 0)
             assert np.all((got.ids >= lo) & (got.ids < hi))
             piece[got.ids.astype(np.int64) - lo] = got.counts
-        out.append((got.token, piece))
+        if lo <= got.token < hi:
+            assert got.count == piece[got.token - lo] > 0
+        out.append((got.token, piece, got.count))
     return out
 
 
@@ -171,6 +176,8 @@ def _compare_construction(coord: GroupCoordinator, v: int, seed: int) -> list[st
                 failures.append(f"case {n}: {mine} != {want}")
         elif mine[0] != want[0] or not np.array_equal(mine[1], want[1][lo:hi]):
             failures.append(f"case {n} (T={case[1]}, k={case[2]}): token {mine[0]} vs {want[0]}")
+        elif mine[2] != want[1][want[0]]:
+            failures.append(f"case {n}: count {mine[2]} at the token, not {want[1][want[0]]}")
     if got[-1] != ErrorCode.BAD_SHAPE:
         failures.append(f"a rank's drafter failure: {got[-1]}")
     return failures
@@ -330,7 +337,7 @@ def test_the_threshold_comes_from_the_ranks_guesses_or_from_one_more_collective(
             before = coord.collectives
             got = _built(coord, np.ascontiguousarray(rows[:, lo:hi]), specs)
             spent = coord.collectives - before
-            for row, (token, piece), spec in zip(rows, got, specs, strict=True):
+            for row, (token, piece, _), spec in zip(rows, got, specs, strict=True):
                 want_token, want = _unsharded(row, 1.0, 0, spec.u24)
                 assert token == want_token
                 assert np.array_equal(piece, want[lo:hi])
@@ -339,6 +346,109 @@ def test_the_threshold_comes_from_the_ranks_guesses_or_from_one_more_collective(
 
     a, b = run_in_threads(2, body, layout=layout)
     assert a == b == [4, 5, 5]
+
+
+def _prob_rows(v: int, seed: int) -> list[np.ndarray]:
+    """A probabilities drafter's rows: spread, sparse with zeros, tied, beyond FP32's
+    precision (rounded as one process rounds them), and the refused ones."""
+    rng = np.random.default_rng(seed)
+    spread = rng.random(v) ** 6
+    return [
+        spread / spread.sum(),
+        np.where(rng.random(v) < 0.7, 0.0, rng.random(v)),
+        np.round(rng.random(v) * 4.0) / 8.0,  # many equal weights: ties in the top k
+        rng.random(v) * (1.0 + 1e-12),  # not FP32: rounded first
+        np.where(np.arange(v) == v // 2, np.nan, 0.5),  # WEIGHT_NON_FINITE
+        np.where(np.arange(v) == v - 1, -0.25, 0.5),  # WEIGHT_NEGATIVE
+        np.zeros(v),  # ZERO_MASS
+        np.where(np.arange(v) == 0, 1e39, 0.5),  # infinite in FP32: WEIGHT_NON_FINITE
+    ]
+
+
+def _compare_probs_construction(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
+    from pp1wire.errors import ErrorCode
+
+    assert coord.layout is not None
+    lo, hi = coord.layout.range(coord.rank)
+    kinds = [(1.0, 0), (1.0, 5), (0.0, 0), (0.0, 3), (0.7, 0), (1.0, 32), (1.0, 1)]
+    rng = np.random.default_rng(seed + 1)
+    cases = [
+        (row, t, k, int(rng.integers(0, 1 << 24))) for row in _prob_rows(v, seed) for t, k in kinds
+    ]
+    specs = [dist_ops.RowSpec(t, k, u24) for (_, t, k, u24) in cases]
+    got = _built(coord, np.stack([c[0][lo:hi] for c in cases]), specs, probs=True)
+    failures = []
+    for n, (case, mine) in enumerate(zip(cases, got, strict=True)):
+        want = _unsharded(*case, kind="probs")
+        if isinstance(want, ErrorCode) or isinstance(mine, ErrorCode):
+            if want != mine:
+                failures.append(f"case {n} (T={case[1]}, k={case[2]}): {mine} != {want}")
+        elif mine[0] != want[0] or not np.array_equal(mine[1], want[1][lo:hi]):
+            failures.append(f"case {n} (T={case[1]}, k={case[2]}): token {mine[0]} vs {want[0]}")
+        elif mine[2] != want[1][want[0]]:
+            failures.append(f"case {n}: count {mine[2]} at the token, not {want[1][want[0]]}")
+    return failures
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [(0, 20, 37), (0, 10, 10, 37), (0, 0, 37), (0, 999, 1000)],
+    ids=["2 ranks", "3 ranks, middle empty", "first empty", "uneven"],
+)
+def test_a_probabilities_drafters_rows_are_built_and_drawn_as_one_process_does(bounds):
+    layout = ShardLayout(bounds)
+    v = layout.vocab_size
+    results = run_in_threads(
+        layout.shards, lambda c: _compare_probs_construction(c, v, 12), layout=layout
+    )
+    for rank, result in enumerate(results):
+        assert result == [], f"rank {rank}: {result}"
+
+
+def test_each_kind_of_row_costs_only_the_collectives_its_data_need():
+    # Per position, whatever its rows: greedy and sparse rows 1 (their offers ride on
+    # the first collective), dense probabilities 3 (no maximum: their cover totals
+    # ride on the first), dense logits 4. A sparse logits row whose offers cannot show
+    # its support (here every logit equal: the weight left out ties the k-th) takes
+    # one more, and is still numpy's row.
+    v = 1_000
+    layout = ShardLayout.even(v, 2)
+    rng = np.random.default_rng(6)
+    smooth = rng.standard_normal((2, v)) * 2.0
+    probs = rng.random((2, v))
+    cases = [
+        ("greedy", smooth, [dist_ops.RowSpec(0.0, 0, 5), dist_ops.RowSpec(0.0, 4, 6)], False),
+        ("sparse logits", smooth, [dist_ops.RowSpec(1.0, 8, 7)] * 2, False),
+        ("sparse probabilities", probs, [dist_ops.RowSpec(1.0, 8, 7)] * 2, True),
+        ("dense probabilities", probs, [dist_ops.RowSpec(1.0, 0, 8)] * 2, True),
+        ("dense logits", smooth, [dist_ops.RowSpec(0.9, 0, 9)] * 2, False),
+        ("sparse, ties at the k-th", np.zeros((1, v)), [dist_ops.RowSpec(1.0, 8, 3)], False),
+    ]
+
+    def body(coord: GroupCoordinator) -> dict[str, int]:
+        lo, hi = layout.range(coord.rank)
+        spent = {}
+        for name, rows, specs, kind in cases:
+            before = coord.collectives
+            got = _built(coord, np.ascontiguousarray(rows[:, lo:hi]), specs, probs=kind)
+            spent[name] = coord.collectives - before
+            for row, (token, piece, count), spec in zip(rows, got, specs, strict=True):
+                want_token, want = _unsharded(
+                    row, spec.temperature, spec.support, spec.u24, "probs" if kind else "logits"
+                )
+                assert (token, count) == (want_token, want[want_token])
+                assert np.array_equal(piece, want[lo:hi])
+        return spent
+
+    a, b = run_in_threads(2, body, layout=layout)
+    assert a == b == {
+        "greedy": 1,
+        "sparse logits": 1,
+        "sparse probabilities": 1,
+        "dense probabilities": 3,
+        "dense logits": 4,
+        "sparse, ties at the k-th": 2,
+    }
 
 
 # -- joining: a device group only when every rank has a device ------------------------------
@@ -408,3 +518,23 @@ def test_a_device_group_is_built_by_every_rank_or_by_none(cudas, device, nccl):
         assert out["built"] == (["nccl"] if nccl else [])
         assert out["device"] == (f"cuda:{rank}" if nccl else "cpu")
         assert out["count"] == 0  # the agreement is not one of the group's collectives
+
+
+def test_a_cuda_tensor_travels_on_the_device_group_and_only_where_every_rank_has_one():
+    # The device group is NCCL only when every rank agreed it has CUDA at join; a host
+    # tensor always travels on the control group (gloo), and a CUDA tensor on a group
+    # without a device is refused before any collective (nothing would carry it).
+    from types import SimpleNamespace
+
+    coord = GroupCoordinator(
+        object(), rank=0, world=1, timeout=1.0, device_group=None, layout=None
+    )
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    assert coord._group_for(torch.zeros(1)) is coord.group
+    with pytest.raises(ValueError, match="no device group"):
+        coord._group_for(on_cuda)  # type: ignore[arg-type]
+    nccl = object()
+    coord.device_group, coord.device = nccl, torch.device("cuda", 0)
+    assert coord._group_for(on_cuda) is nccl  # type: ignore[arg-type]
+    assert coord._group_for(torch.zeros(1)) is coord.group
+    assert coord.collectives == 0

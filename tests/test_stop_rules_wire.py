@@ -169,26 +169,22 @@ def test_the_spark_side_never_sends_a_rule_it_did_not_negotiate():
     assert pair.spark.slots[0].flight is None
 
 
-@pytest.mark.parametrize(
-    ("worker_kw", "spark_rules"),
-    [
-        ({"stop_rules": ""}, STOP_RULES),  # a worker that implements none
-        (  # a sharded link implements none, whatever its setting
-            {"layout": ShardLayout((0, 16, VOCAB)), "shard": 0},
-            STOP_RULES,
-        ),
-    ],
-    ids=["not-implemented", "sharded-link"],
-)
-def test_a_hello_asking_for_rules_the_link_lacks_is_refused(worker_kw, spark_rules):
-    spark_kw = {"stop_rules": spark_rules}
-    if "layout" in worker_kw:
-        spark_kw |= {"layout": worker_kw["layout"], "shard": 0, "group": bytes(range(16))}
-    pair = make_pair(VOCAB, worker_kw=worker_kw, spark_kw=spark_kw)
+def test_a_hello_asking_for_rules_the_worker_lacks_is_refused():
+    pair = make_pair(VOCAB, worker_kw={"stop_rules": ""}, spark_kw={"stop_rules": STOP_RULES})
     (frame,) = framing.FrameDecoder(1 << 20).feed(b"".join(pair.to_spark))
     assert isinstance(frame.message, Error)
     assert ErrorCode(frame.message.code) is ErrorCode.STOP_RULES_MISMATCH
     assert frame.message.scope == 2
+
+
+def test_a_sharded_link_negotiates_the_stop_rules_as_an_unsharded_one():
+    # Its worker group learns each row's count at its token with the token, and its
+    # Spark group audits the stop from the counts its ranks gather (docs/tp.md §11).
+    layout = ShardLayout((0, 16, VOCAB))
+    worker_kw = {"layout": layout, "shard": 0}
+    spark_kw = {**worker_kw, "stop_rules": STOP_RULES, "group": bytes(range(16))}
+    pair = make_pair(VOCAB, worker_kw=worker_kw, spark_kw=spark_kw)
+    assert pair.spark.stop_rules == STOP_RULES
 
 
 def test_the_spark_side_refuses_an_echo_that_upgrades_it():

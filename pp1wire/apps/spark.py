@@ -351,15 +351,6 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         )
     if sharded and args.audit:
         raise SettingsError("--audit is not available with --vocab-shards (no rank holds all q)")
-    if sharded and stop.kind is not StopKind.FIXED:
-        raise SettingsError(
-            f"--stop {stop} is not available with --vocab-shards (no rank holds the q of "
-            "every draft, so no rank could audit a stop)"
-        )
-    if sharded and auto:
-        raise SettingsError(
-            "--depth auto is not available with --vocab-shards (a fixed --depth only)"
-        )
     tls_context(args.tls_ca)
     read_psk(args.psk_file)
     if args.output:  # on every rank and the launcher: none starts with a bad one

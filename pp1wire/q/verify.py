@@ -227,7 +227,7 @@ class RequestVerifier:
 
     # -- checks before any draw -------------------------------------------
 
-    def check_key(self, proposal: Proposal) -> None:
+    def check_key(self, proposal: Proposal, counts: Sequence[int] | None = None) -> None:
         """Refuse a proposal whose key or shape this request must not consume; draws nothing.
 
         Everything :meth:`check_proposal` checks except the q rows themselves, so
@@ -241,7 +241,9 @@ class RequestVerifier:
         its depth without a terminal token. A block a fault cut
         (:attr:`Proposal.cut`, ``docs/adaptive.md`` §7) may end anywhere
         before its depth, but never after the depth, a terminal token or
-        the rule ended it.
+        the rule ended it. ``counts`` are each row's count at its token when the
+        rows cannot tell (one shard of a sharded proposal: its group gathers them
+        from the ranks that own the tokens).
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
@@ -272,7 +274,10 @@ class RequestVerifier:
                     ErrorCode.MALFORMED_PROPOSAL, "draft continues after a terminal token"
                 )
         if proposal.stop.kind is not StopKind.FIXED:
-            self._audit_stop(proposal)
+            if counts is None:
+                self._audit_stop(proposal)
+            else:
+                self._audit_stop(proposal, counts)
         elif proposal.cut is None and stopped_by_rule(
             proposal.depth, [row.token for row in rows], self.eos
         ):
@@ -281,15 +286,20 @@ class RequestVerifier:
                 "block shorter than its depth without a terminal token",
             )
 
-    def _audit_stop(self, proposal: Proposal) -> None:
-        """The stop audit: every row's count at its own token, through the rule."""
-        if proposal.shard is not None:
-            # One shard holds the drafted token's q on one rank only: no audit here.
-            raise VerifyError(
-                ErrorCode.MALFORMED_PROPOSAL, "a sharded proposal cannot carry a stop rule"
-            )
+    def _audit_stop(self, proposal: Proposal, counts: Sequence[int] | None = None) -> None:
+        """The stop audit: every row's count at its own token (``counts``, or read from
+        the rows), through the rule."""
         rows = proposal.rows
-        counts = [row.count_at(row.token) for row in rows]
+        if counts is None:
+            if proposal.shard is not None:
+                # One shard holds the drafted token's q on one rank only: its group
+                # gathers the counts (docs/tp.md section 11).
+                raise VerifyError(
+                    ErrorCode.MALFORMED_PROPOSAL, "a shard's stop needs its group's counts"
+                )
+            counts = [row.count_at(row.token) for row in rows]
+        elif len(counts) != len(rows):
+            raise VerifyError(ErrorCode.MALFORMED_PROPOSAL, "a count for every row")
         try:
             code = audit(
                 proposal.stop,

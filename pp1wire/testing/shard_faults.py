@@ -82,7 +82,7 @@ def after_draw(faults: Sequence[Fault]) -> AfterDraw:
             time.sleep(float(os.environ.get("PP1_SHARD_LATE_S", "3")))
         if "missing" in kinds:
             raise Pp1Error(ErrorCode.INTERNAL, "injected: this rank's shard is missing")
-        if "stale" in kinds:
+        if "stale" in kinds and not _stale_spent.is_set():
             _stale.on = True
         for how in ("mass", "corrupt"):
             if how in kinds:

@@ -9,7 +9,9 @@ paths included):
 
 1. the check: every rank's report of what its shard showed
    (:class:`ShardReport`) is gathered once for the whole step, so each rank
-   takes the same decision on each round (:func:`pp1wire.q.layout.check_group`);
+   takes the same decision on each round (:func:`pp1wire.q.layout.check_group`)
+   — and, under a stop rule, each row's count at its token from the rank that
+   owns the token, so each rank audits the stop as one rank does;
 2. the scores: one call of the target for every prefix the step needs, each
    rank keeping its range;
 3. the verification, every round of the step at once
@@ -34,13 +36,13 @@ from typing import cast
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q.dyadic import M
 from pp1wire.q.layout import ShardSummary, as_int64, check_group
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
+from pp1wire.q.stoprules import StopKind, stop_after
 from pp1wire.q.verify import (
     BatchTargetFn,
     FailedRow,
@@ -53,7 +55,8 @@ from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
-_REPORT = 4 + _KEY + 2 * MAX_DEPTH  # ok, code, cut, rows, key, tokens, masses
+_REPORT = 4 + _KEY + 3 * MAX_DEPTH  # ok, code, cut, rows, key, tokens, masses, counts
+_COUNTS = 4 + _KEY + 2 * MAX_DEPTH  # where the counts at the tokens start
 _OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
 _OUTCOMES = list(Outcome)
 
@@ -65,10 +68,15 @@ class ShardReport:
     code: ErrorCode | None
     summary: ShardSummary | None = None
 
+    #: Each row's count at its token if this shard holds the token, else 0.
+    counts: tuple[int, ...] = ()
+
     @classmethod
     def of(cls, proposal: Proposal) -> ShardReport:
         """The report of a shard proposal that passed every check of its link."""
         masses = tuple(_mass(row) for row in proposal.rows)
+        span = proposal.shard or (0, 0)
+        counts = tuple(_count_at(row, row.token, span) for row in proposal.rows)
         key = (
             proposal.generation,
             proposal.round_id,
@@ -77,7 +85,7 @@ class ShardReport:
             proposal.depth,
             as_int64(proposal.context),
         )
-        return cls(None, ShardSummary(key, proposal.tokens, masses))
+        return cls(None, ShardSummary(key, proposal.tokens, masses), counts)
 
     def words(self, cut: ErrorCode | None = None) -> list[int]:
         """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
@@ -90,6 +98,7 @@ class ShardReport:
         out += [len(s.tokens), *s.key]
         out += [*s.tokens, *[-1] * (MAX_DEPTH - len(s.tokens))]
         out += [*s.masses, *[-1] * (MAX_DEPTH - len(s.masses))]
+        out += [*self.counts, *[0] * (MAX_DEPTH - len(self.counts))]
         return out
 
 
@@ -98,6 +107,20 @@ def _mass(row: QRow) -> int:
     so their binary64 sum is exact, in any order."""
     assert row.q32 is not None
     return int(row.q32.sum(dtype=np.float64) * M)
+
+
+def _count_at(row: QRow, x: int, span: tuple[int, int]) -> int:
+    """A shard row's count of the global ID ``x``: 0 unless ``x`` is in its range
+    ``span`` and (a sparse row) in its support."""
+    assert row.q32 is not None
+    start, end = span
+    if not start <= x < end:
+        return 0
+    if row.ids is None:
+        return int(float(row.q32[x - start]) * M)
+    at = int(np.searchsorted(row.ids, x))
+    hit = at < row.ids.size and int(row.ids[at]) == x
+    return int(float(row.q32[at]) * M) if hit else 0
 
 
 def _summary(words: Sequence[int], rows: int) -> ShardSummary:
@@ -125,6 +148,19 @@ def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | No
     n = min(rows)
     cut = next((ErrorCode(w[2]) for w in reports if w[2]), None)
     return n, cut
+
+
+def _stop_of(proposal: Proposal, counts: list[int], eos: int | None) -> int | None:
+    """After how many rows the proposal's stop rule (with its depth and ``eos``) ends
+    its block, from every row's count at its token; None if none of them ends it (or
+    the block is malformed: the verifier's key check refuses it)."""
+    if not counts:
+        return None
+    try:
+        tokens = proposal.tokens[: len(counts)]
+        return stop_after(proposal.stop, proposal.depth, counts, tokens, eos)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -202,7 +238,7 @@ class ShardedVerifyGroup:
                 mine += ShardReport(r.failure).words()
         if not rounds:
             return
-        gathered = self.coord.all_gather(torch.tensor(mine, dtype=torch.int64)).reshape(
+        gathered = dist_ops.gather(np.asarray(mine, dtype=np.int64), self.coord).reshape(
             self.world, len(rounds), _REPORT
         )
         for i, r in enumerate(rounds):
@@ -222,13 +258,22 @@ class ShardedVerifyGroup:
             assert r.proposal is not None
             assert block is not None
             rows, cut = block
+            counts: list[int] | None = None
+            if r.proposal.stop.kind is not StopKind.FIXED:
+                # Row j's count at its token: its owner's word (the others sent 0).
+                counts = [max(w[_COUNTS + j] for w in reports) for j in range(rows)]
+                end = _stop_of(r.proposal, counts, r.verifier.eos)
+                if end is not None and end < rows:
+                    # A row past the rule's stop: one rank refuses it on arrival, and
+                    # the rows before it are the block, cut there (docs/adaptive.md §7).
+                    rows, cut, counts = end, ErrorCode.STOP_RULE_VIOLATED, counts[:end]
             if rows < len(r.proposal.rows) or cut is not r.proposal.cut:
                 # Every rank verifies the same block: the rows all of them hold.
                 r.proposal = dataclasses.replace(
                     r.proposal, rows=r.proposal.rows[:rows], cut=cut
                 )
             try:
-                r.verifier.check_key(r.proposal)
+                r.verifier.check_key(r.proposal, counts)
             except VerifyError as exc:  # the same on every rank: same state, same key
                 out[i] = exc
 
@@ -288,8 +333,8 @@ class ShardedVerifyGroup:
                 tokens = list(d.tokens) + [-1] * (MAX_DEPTH + 1 - len(d.tokens))
                 extra = -1 if d.extra is None else d.extra
                 words += [1, _OUTCOMES.index(d.outcome), d.round_id, d.accepted, extra, *tokens]
-        gathered = self.coord.all_gather(torch.tensor(words, dtype=torch.int64))
-        if not all(torch.equal(g, gathered[0]) for g in gathered):
+        gathered = dist_ops.gather(np.asarray(words, dtype=np.int64), self.coord)
+        if not (gathered == gathered[0]).all():
             raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
 
     # -- the step's verification, every round at once ---------------------------------------
@@ -341,7 +386,8 @@ class ShardedVerifyGroup:
                     u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + k))
                     result = 1 + int(accept_exact(u, self._count_at(row, x), p.at(at, x)))
                 owned.append(result)
-        accepted = iter(self.coord.max_words(owned) if owned else [])
+        tested = np.asarray(owned, dtype=np.int64)
+        accepted = iter(dist_ops.reduce_max(tested, self.coord).tolist() if owned else [])
         # Each round walks its rows as the unsharded verifier does, up to its one draw.
         draws: list[tuple[int, npt.NDArray[np.float64], int]] = []  # (round, weights, u53)
         pending: dict[int, tuple[list[int], Outcome]] = {}
@@ -421,12 +467,7 @@ class ShardedVerifyGroup:
 
     def _count_at(self, row: QRow, x: int) -> int:
         """This shard's count of ``x``, which it owns (0 outside a sparse support)."""
-        assert row.q32 is not None
-        if row.ids is None:
-            return int(float(row.q32[x - self.start]) * M)
-        at = int(np.searchsorted(row.ids, x))
-        hit = at < row.ids.size and int(row.ids[at]) == x
-        return int(float(row.q32[at]) * M) if hit else 0
+        return _count_at(row, x, (self.start, self.end))
 
 
 def _as_row(row: object) -> npt.NDArray[np.float64] | None:

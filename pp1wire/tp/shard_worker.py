@@ -9,7 +9,7 @@ group, and no thread ever waits for a match:
 
 * an accepted STEP is held by its rank under its **match key**: the group
   nonce, then slot, generation, round, position, prefix digest, depth,
-  support, temperature, context and terminal token (nothing of it is copied:
+  support, temperature, context, terminal token and stop rule (nothing of it is copied:
   the slot's prefix cannot change while its draw is outstanding);
 * the ranks exchange the keys they hold that can match — those of a group
   session that has a live link on every rank, in a window shared fairly
@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -58,9 +59,11 @@ from pp1wire.q.proposal import (
     ExtendedPrefix,
     QRow,
     batched_drafter,
+    drafter_kind,
     stopped_by,
 )
 from pp1wire.q.rng import Domain, Role, RoundStreams
+from pp1wire.q.stoprules import StopKind, StopRule, admits_next
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.wire.messages import Step
@@ -77,9 +80,9 @@ Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
 
 # A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
-# then 1 (2 for a row that carries a live link's nonce instead; the first row of an
-# exchange: how many keys follow, and whether the rank is stopping).
-_KEY_WORDS = 13
+# the stop rule, then 1 (2 for a row that carries a live link's nonce instead; the first
+# row of an exchange: how many keys follow, and whether the rank is stopping).
+_KEY_WORDS = 14
 
 
 def nonce_words(group: bytes) -> tuple[int, int]:
@@ -106,6 +109,8 @@ def key_of(group: bytes, step: Step, eos: int | None) -> Key:
         temperature,
         as_int64(step.context),
         -1 if eos is None else eos,
+        # The rule decides the block's length: STEPs under different rules never match.
+        (step.stop << 32) | step.threshold,
     )
 
 
@@ -123,7 +128,7 @@ class _Held:
 class _Chain:
     """One matched STEP while the group draws it."""
 
-    __slots__ = ("context", "held", "index", "rows", "streams")
+    __slots__ = ("context", "drawn", "held", "index", "rows", "rule", "streams")
 
     def __init__(self, index: int, held: _Held, streams: RoundStreams | None) -> None:
         self.index = index
@@ -131,6 +136,9 @@ class _Chain:
         self.streams = streams
         self.context = ExtendedPrefix(held.job.prefix)
         self.rows: list[QRow] = []
+        self.drawn: list[int] = []  # each row's count at its token, known to every rank
+        step = held.job.step
+        self.rule = StopRule(StopKind(step.stop), step.threshold)  # checked on acceptance
 
 
 class ShardedDrafting:
@@ -174,6 +182,7 @@ class ShardedDrafting:
         self.lo, self.hi = coord.layout.range(self.rank)
         self.vocab = coord.layout.vocab_size
         self.draft_batch = batched_drafter(drafter)
+        self.probs = drafter_kind(drafter) == "probs"
         self.match_timeout = match_timeout
         self.beat = beat
         self.tick = tick
@@ -489,7 +498,7 @@ class ShardedDrafting:
                 break
             logits, codes, errors = self._logits([c.context for c in chains])
             specs = [self._spec(c, i, code) for c, code in zip(chains, codes, strict=True)]
-            built = dist_ops.construct_rows(logits, specs, self.coord)
+            built = dist_ops.construct_rows(logits, specs, self.coord, probs=self.probs)
             going: list[_Chain] = []
             for c, got, error in zip(chains, built, errors, strict=True):
                 if isinstance(got, Pp1Error):
@@ -502,11 +511,19 @@ class ShardedDrafting:
                     continue
                 c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
                 c.context.append(got.token)
+                c.drawn.append(got.count)
                 step, eos = c.held.job.step, c.held.job.eos
-                if got.token == eos or len(c.rows) == step.depth:
-                    out[c.index] = tuple(c.rows)
-                else:
+                # Every rank learned each row's count at its token with the token, so
+                # every rank stops each block at the same row (docs/adaptive.md).
+                try:
+                    more = admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos)
+                except ValueError as exc:  # a count outside 0..2**24: never from the kernels
+                    out[c.index] = stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows[:-1])
+                    continue
+                if more:
                     going.append(c)
+                else:
+                    out[c.index] = tuple(c.rows)
             chains = going
         assert all(o is not None for o in out)
         return [o for o in out if o is not None]
@@ -523,21 +540,28 @@ class ShardedDrafting:
 
     def _logits(
         self, contexts: Sequence[Sequence[int]]
-    ) -> tuple[npt.NDArray[np.float64], list[int], list[BaseException | None]]:
-        """This rank's range of the drafter's logits for every context (one call), each
-        row's failure code (0: none) and the exception behind an ``INTERNAL`` one."""
+    ) -> tuple[npt.NDArray[np.floating], list[int], list[BaseException | None]]:
+        """This rank's range of the drafter's rows for every context (one call): logits
+        as binary64, or a probabilities drafter's rows rounded to FP32 as one process
+        rounds them; each row's failure code (0: none) and the exception behind an
+        ``INTERNAL`` one."""
         n = len(contexts)
-        local = np.zeros((n, self.hi - self.lo), dtype=np.float64)
+        dtype = np.float32 if self.probs else np.float64
+        local = np.zeros((n, self.hi - self.lo), dtype=dtype)
         codes = [0] * n
         errors: list[BaseException | None] = [None] * n
         try:
-            got = self.draft_batch(contexts)
+            got: Any = _host(self.draft_batch(contexts))
             if isinstance(got, np.ndarray):
                 if got.shape != (n, self.vocab):
                     raise ConstructionError(
                         ErrorCode.BAD_SHAPE, f"drafter gave logits of shape {got.shape}"
                     )
-                local[:] = got[:, self.lo : self.hi]
+                if got.dtype == dtype:  # the range of each row, viewed where it lies
+                    view: npt.NDArray[np.floating] = got[:, self.lo : self.hi]
+                    return view, codes, errors
+                with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
+                    local[:] = got[:, self.lo : self.hi]
                 return local, codes, errors
             if len(got) != n:
                 raise ConstructionError(
@@ -549,7 +573,8 @@ class ShardedDrafting:
             return local, [int(ErrorCode.INTERNAL)] * n, [exc] * n
         for j, item in enumerate(got):
             try:
-                row = np.asarray(item, dtype=np.float64)
+                with np.errstate(over="ignore"):
+                    row = np.asarray(_host(item), dtype=dtype)
             except Exception as exc:  # a plugin's odd row
                 codes[j], errors[j] = int(ErrorCode.INTERNAL), exc
                 continue
@@ -558,6 +583,13 @@ class ShardedDrafting:
                 continue
             local[j] = row[self.lo : self.hi]
         return local, codes, errors
+
+
+def _host(rows: object) -> object:
+    """A drafter's torch tensor (on any device) as a host array; anything else as it is."""
+    if isinstance(rows, torch.Tensor):
+        return rows.detach().cpu().numpy()
+    return rows
 
 
 __all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]

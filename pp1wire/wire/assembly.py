@@ -44,6 +44,10 @@ class ReplyAssembly:
     discarded: bool = False  # discarded or cut: its later frames are LATE_FRAME, not duplicates
     lease: Lease = field(default_factory=Lease)  # rows are readable until it is released
     counts: list[int] = field(default_factory=list)  # each row's count at its own token
+    #: A sharded link's reply (set by :meth:`check_row`): a shard row holds the count at
+    #: its token only on the link whose range has the token, so the stop rule's checks
+    #: are the Spark group's, from the counts its ranks gather (``docs/tp.md`` §11).
+    sharded: bool = False
 
     @property
     def rule(self) -> StopRule:
@@ -65,10 +69,12 @@ class ReplyAssembly:
         """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it.
 
         ``shard`` is a sharded link's global ID range (None: unsharded); its rows
-        must name it and are checked by the shard rules of §6.7.
+        must name it and are checked by the shard rules of §6.7 (a row past the stop
+        rule's end is then the group's to cut, not the link's to refuse).
         """
         step = self.step
         index = len(self.rows)
+        self.sharded = shard is not None
         if msg.index != index or index >= step.depth or self._ended_by_eos(eos):
             return ErrorCode.ROW_OUT_OF_ORDER
         if self.counts and not continues(self.rule, self.counts):
@@ -126,7 +132,7 @@ class ReplyAssembly:
     def add_row(self, row: QRow, raw: memoryview) -> None:
         """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""
         self.rows.append(row)
-        if self.rule.kind is not StopKind.FIXED:
+        if self.rule.kind is not StopKind.FIXED and not self.sharded:
             # Counted once here: the next row's late check and the audit read it.
             self.counts.append(row.count_at(row.token))
         self.hasher.update(raw)
@@ -147,7 +153,8 @@ class ReplyAssembly:
         ``stopped``; a ``stopped`` block needs ``status`` 0, a stop rule other
         than FIXED and fewer rows than the depth without a terminal token
         (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
-        (``docs/adaptive.md`` §2) recomputes where the rule ends the block.
+        (``docs/adaptive.md`` §2) recomputes where the rule ends the block — on an
+        unsharded link: a sharded link's block is audited by its Spark group.
         """
         step = self.step
         got = len(self.rows)
@@ -172,8 +179,11 @@ class ReplyAssembly:
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
         if rule.kind is not StopKind.FIXED and not msg.status:
-            # Late rows were refused on arrival; this finds a block cut early.
-            return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
+            if shard is None:
+                # Late rows were refused on arrival; this finds a block cut early.
+                return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
+            if not got:  # early whatever the counts: row 1 is always drawn
+                return ErrorCode.STOP_RULE_VIOLATED
         return None
 
     def proposal(

@@ -93,9 +93,10 @@ class PeerConfig:
 
     @property
     def stop_rule_set(self) -> str:
-        """The stop-rule set this link can use: none on a sharded link, whose Spark
-        rank cannot audit a stop (it holds q at the drafted token on one rank only)."""
-        return "" if self.sharded else self.stop_rules
+        """The stop-rule set this link can use, sharded or not: a sharded worker group
+        learns each row's count at its token with the token, and a sharded Spark group
+        audits a stop from the counts its ranks gather (``docs/tp.md`` §11)."""
+        return self.stop_rules
 
     @cached_property
     def shard_layout(self) -> ShardLayout:
@@ -346,7 +347,7 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         ("stop_rules",),
         f"the stop-rule set the Spark side's STEPs may name (§4.4): `{STOP_RULES}` "
         '(`docs/adaptive.md`), or `""` for fixed depth only; a sharded link (§6.7) '
-        "implements none",
+        "negotiates them as an unsharded one does",
         'worker: `""` or the set it implements, by exact name; Spark side: equal to what it sent',
         ErrorCode.STOP_RULES_MISMATCH,
     ),

@@ -28,7 +28,7 @@ class WorkerConfig(PeerConfig):
     #: Draws one principal may leave uncommitted per second (None: any), and at once.
     abandon_rate: float | None = 1.0
     abandon_burst: int = 8
-    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md); sharded: none
+    stop_rules: str = STOP_RULES  #: the stop rules applied (docs/adaptive.md)
 
 
 @dataclass

@@ -6,7 +6,8 @@ connect to every link: rank r at the worker's port + r, each link of one group
 session with the same group nonce. Without it they check that an unsharded
 worker refuses a sharded HELLO. The group-session cases (6.7.6 to 6.7.8) wait for
 unmatched STEPs up to ``--match-wait``, which must exceed the worker's match
-timeout.
+timeout. The stop-rule cases (6.7.9, 6.7.10) check that every link's block ends
+where the rule, from the whole rows (the links' shards joined), ends it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
+from pp1wire.q.stoprules import STOP_RULES, StopRule, stop_after
 from pp1wire.testing.conformance import core, handshake
 from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
 from pp1wire.wire import framing
@@ -320,3 +322,120 @@ async def closed_leftovers(s: Settings) -> None:
     finally:
         for peer in peers:
             peer.close()
+
+
+# -- stop rules on a sharded group: every link stops where one worker stops -----------------
+
+
+async def _ruled_group(
+    s: Settings, rule: StopRule, support: int
+) -> list[tuple[list[framing.Frame], Completion]]:
+    """Round 0 of slot 0 (seed 11) under ``rule``, depth 5, on every link of a fresh
+    group session that negotiated the stop rules: each link's rows and COMPLETION.
+
+    Raises:
+        core.NonStrictSkip: the worker refused the stop-rule set (it implements none).
+        CaseFailed: a link did not answer with a complete reply.
+    """
+    layout = _layout(s)
+    group = secrets.token_bytes(GROUP_NONCE_SIZE)
+    peers: list[Peer] = []
+    try:
+        for r in range(layout.shards):
+            link = dataclasses.replace(s, port=s.port + r, shard=r, group=group)
+            peer = await Peer(link).connect()
+            peers.append(peer)
+            try:
+                theirs = await peer.handshake(peer.hello(stop_rules=STOP_RULES))
+            except CaseFailed:
+                refusal = await peer.next(0.1)
+                code = getattr(refusal.message, "code", None) if refusal is not None else None
+                if code == ErrorCode.STOP_RULES_MISMATCH:
+                    raise core.NonStrictSkip("the worker implements no stop rules") from None
+                raise
+            if theirs.stop_rules != STOP_RULES:
+                raise CaseFailed(f"link {r}: stop_rules echoed as {theirs.stop_rules!r}")
+            await peer.open_slot(seed=11)
+        step = {"depth": 5, "support": support, "stop": int(rule.kind)}
+        for peer in peers:  # every STEP out before any reply: the ranks draw together
+            peer.send_msg(peer.step_msg(**step, threshold=rule.threshold))
+        out = []
+        for r, peer in enumerate(peers):
+            frames: list[framing.Frame] = []
+            while not frames or frames[-1].type is not MsgType.COMPLETION:
+                frame = await peer.next(s.match_wait)
+                if frame is None or frame.type is MsgType.ERROR:
+                    raise CaseFailed(f"link {r}: no complete reply ({core.describe(frame)})")
+                frames.append(frame)
+            done = frames[-1].message
+            assert isinstance(done, Completion)
+            if done.status:
+                raise CaseFailed(f"link {r}: COMPLETION status {done.status}")
+            out.append((frames[:-1], done))
+        return out
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def _count_at(frame: framing.Frame, x: int, span: tuple[int, int]) -> int:
+    """A shard row's count of the global ID ``x`` (0 outside its range or support)."""
+    msg = frame.message
+    assert isinstance(msg, Reply)
+    start, end = span
+    payload = bytes(frame.payload)
+    if not start <= x < end:
+        return 0
+    if msg.representation == 0:
+        return int(float(np.frombuffer(payload, dtype="<f4")[x - start]) * dyadic.M)
+    ids = np.frombuffer(payload[: 4 * msg.entries], dtype="<i4")
+    values = np.frombuffer(payload[4 * msg.entries :], dtype="<f4")
+    where = np.flatnonzero(ids == x)
+    return int(float(values[where[0]]) * dyadic.M) if where.size else 0
+
+
+def _ruled_case(case_id: str, text: str, sparse: bool) -> None:
+    rule = StopRule.parse(text)
+
+    async def run(s: Settings) -> None:
+        _needs_group(s)
+        support = min(s.support, s.vocab) if sparse else 0
+        layout = _layout(s)
+        fixed = await _ruled_group(s, StopRule(), support)
+        ruled = await _ruled_group(s, rule, support)
+        rows = fixed[0][0]
+        if len(rows) != 5:
+            raise CaseFailed(f"the fixed depth-5 block has {len(rows)} rows")
+        tokens = [f.message.token for f in rows]  # type: ignore[union-attr]
+        # Row i's count at its token: the link whose range holds the token has it.
+        counts = [
+            sum(_count_at(link[0][i], x, layout.range(r)) for r, link in enumerate(fixed))
+            for i, x in enumerate(tokens)
+        ]
+        end = stop_after(rule, 5, counts, tokens, None)
+        assert end is not None  # the depth ends it at the latest
+        for r, ((got, done), (whole, _)) in enumerate(zip(ruled, fixed, strict=True)):
+            if len(got) != end:
+                raise CaseFailed(
+                    f"{rule}: link {r} carries {len(got)} rows; the rule, from the joined "
+                    f"fixed block's counts, ends the block after {end}"
+                )
+            for i, (a, b) in enumerate(zip(got, whole, strict=False)):
+                if (a.message.token, bytes(a.payload)) != (b.message.token, bytes(b.payload)):  # type: ignore[union-attr]
+                    raise CaseFailed(f"{rule}: link {r} row {i} differs from the fixed block's")
+            if done.stopped != (end < 5):
+                raise CaseFailed(f"{rule}: link {r} COMPLETION stopped={done.stopped} after {end}")
+
+    core.case(
+        case_id,
+        "sharded links",
+        f"{text} ({'sparse' if sparse else 'dense'}): every link's block is the fixed block "
+        "cut where the rule ends it",
+        "each row's count at its token is on the link owning the token; every link ships "
+        "the rows up to where the rule, from those counts, ends the block, and stopped = "
+        "fewer rows than the depth",
+    )(run)
+
+
+_ruled_case("6.7.9", "confidence:0.5", sparse=False)
+_ruled_case("6.7.10", "joint:0.02", sparse=True)

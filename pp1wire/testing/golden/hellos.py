@@ -125,11 +125,11 @@ def hello_vectors() -> list[Vector]:
             {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
         ),
         (
-            # §6.7: a sharded link implements no stop rules, whatever the worker's setting.
+            # §6.7: a sharded link negotiates the stop rules as an unsharded one does.
             "hello_stop_rules_on_a_sharded_link",
-            {**BREAK["shards"], "stop_rules": STOP_RULES},
-            {"layout": list(_OTHER_LAYOUT.bounds), "shard": 1},
-            {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
+            {**_SHARD_0, "group": GROUP, "stop_rules": STOP_RULES},
+            _SHARDED_WORKER,
+            {"answer": "HELLO", "group": GROUP.hex()},
         ),
         (
             # §6.7: a sharded link's HELLO names its group session with 16 bytes.

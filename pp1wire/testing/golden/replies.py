@@ -571,7 +571,48 @@ def _shard_cases(
             {"discarded": "ZERO_Q_AT_PROPOSED"},
             SHARDED,
         ),
+        *_shard_stop_cases(d, dense([0, 0, 0, 0.25]), at),
     ]
+
+
+def _shard_stop_cases(
+    d: Step, payload: bytes, at: dict[str, int]
+) -> list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]]:
+    """A sharded link under confidence:0.5, depth 3 (§6.7, ``docs/tp.md`` §11).
+
+    A shard row holds the count at its token only on the link whose range has the
+    token (here token 7 of 4..7; tokens 0 and 2 are the other shard's), so the
+    link checks what needs no count — the rows announced, ``stopped`` against the
+    block's length — and publishes the rows it got: whether they stop where the
+    rule stops is audited by the Spark group from the counts its ranks gather (a
+    block past the stop is cut there, one short of it refused).
+    """
+    conf = msgspec.structs.replace(
+        d, depth=3, stop=int(StopKind.CONFIDENCE), threshold=threshold_of("0.5")
+    )
+
+    def rows(*tokens: int, **over: int) -> bytes:
+        frames = [reply_row(conf, i, t, payload, **at) for i, t in enumerate(tokens)]
+        return whole_reply(conf, *frames, **at, **over)
+
+    ruled = {**SHARDED, **STOPPING}
+    return [
+        ("shard_stop_rule_ends_early", conf, rows(7, stopped=1), {"proposal": [7]}, ruled),
+        ("shard_stop_runs_to_depth", conf, rows(0, 7, 2), {"proposal": [0, 7, 2]}, ruled),
+        # Past the stop, or short of it: the link cannot tell; its group audits it.
+        ("shard_stop_past_the_rule_is_the_groups", conf, rows(2, 0, stopped=1),
+         {"proposal": [2, 0]}, ruled),
+        ("shard_stop_short_of_the_rule_is_the_groups", conf, rows(0, stopped=1),
+         {"proposal": [0]}, ruled),
+        # The flags need no count: checked on the link as on an unsharded one.
+        ("shard_stop_short_without_flag", conf, rows(2),
+         {"discarded": "COMPLETION_EARLY"}, ruled),
+        ("shard_stop_flag_at_depth", conf, rows(0, 0, 2, stopped=1),
+         {"discarded": "STOP_RULE_VIOLATED"}, ruled),
+        # An empty block is early whatever the counts (row 1 is always drawn).
+        ("shard_stop_empty_block", conf, rows(stopped=1),
+         {"discarded": "STOP_RULE_VIOLATED"}, ruled),
+    ]  # fmt: skip
 
 
 #: The Spark side negotiated the stop rules (§4.1) for these vectors.
