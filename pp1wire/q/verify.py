@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, cast
 
 import numpy as np
@@ -33,6 +32,7 @@ import numpy.typing as npt
 from pp1wire.errors import ErrorCode, UsageError, VerifyError
 from pp1wire.q import targetrows
 from pp1wire.q.draw_audit import audit_mismatch
+from pp1wire.q.outcomes import TARGET_FAILURES, Outcome, RoundResult
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.stoprules import StopKind, audit, stopped_by_rule
@@ -64,44 +64,6 @@ __all__ = [
 Float64Array = npt.NDArray[np.float64]
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
-
-TARGET_FAILURES = frozenset(
-    {
-        ErrorCode.TARGET_FAILED,
-        ErrorCode.TARGET_NON_FINITE,
-        ErrorCode.TARGET_NEGATIVE,
-        ErrorCode.TARGET_ZERO_MASS,
-        ErrorCode.SESSION_POISONED,
-    }
-)
-"""The codes that mean the target (or a processor) failed: the request is poisoned."""
-
-
-class Outcome(Enum):
-    """How a round ended."""
-
-    CORRECTION = "correction"
-    BONUS = "bonus"
-    EOS = "eos"
-    TARGET = "target"
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """What one round committed.
-
-    ``tokens`` are the accepted drafts followed by the correction or bonus (if
-    any); ``accepted`` counts the accepted drafts; ``extra`` is the correction,
-    bonus or target-only token, ``None`` after an accepted terminal draft.
-    """
-
-    round_id: int
-    accepted: int
-    tokens: tuple[int, ...]
-    extra: int | None
-    outcome: Outcome
-    finished: bool
-    new_position: int
 
 
 class RequestVerifier:

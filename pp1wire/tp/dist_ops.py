@@ -28,139 +28,37 @@ Collectives per batch (every one of fixed shape, given the batch):
 * :func:`sample_counts` — 2 (shard totals; the drawn IDs).
 
 The single-row functions (:func:`counts_from_logits`, :func:`sample`, …) are
-these with one row, raising the row's code.
+these with one row, raising the row's code. :func:`construct_rows` and its
+types live in :mod:`pp1wire.tp.dist_construct` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from pp1wire.errors import (
-    ConstructionError,
-    ErrorCode,
-    Pp1Error,
-    ValidationError,
-    VerifyError,
-)
-from pp1wire.q import dyadic, tree
+from pp1wire.errors import ErrorCode, Pp1Error, ValidationError, VerifyError
+from pp1wire.q import dyadic
 from pp1wire.q.dyadic import M
-from pp1wire.tp.coordinator import MAX, GroupCoordinator
-from pp1wire.tp.shard_tree import TreePlan, plan_of
-
-Float64Array = npt.NDArray[np.float64]
-Int64Array = npt.NDArray[np.int64]
-_S = TypeVar("_S", bound=np.generic)
+from pp1wire.tp.coordinator import GroupCoordinator
+from pp1wire.tp.dist_common import (
+    Float64Array,
+    Int64Array,
+    gather,
+    one_draw_each,
+    owners_answer,
+    pick,
+    reduce_max,
+    rows_of,
+)
+from pp1wire.tp.dist_construct import BuiltRow, RowSpec, construct_rows
+from pp1wire.tp.shard_tree import plan_of
 
 _U53 = float(1 << 53)
-# The leftover tickets' threshold is found by bucket: remainders in [0, 1) are
-# bucketed by their binary64 bits (for non-negative floats the bits order as the
-# values do), 16 buckets per binade down to 2**-128, everything below in bucket 0.
-_SUB_BITS: Final = 4
-_LOW_EXPONENT: Final = 1023 - 128
-_BUCKETS: Final = 1 + (128 << _SUB_BITS)
-# A remainder's top 16 bits (sign, exponent, 4 mantissa bits) less this are its bucket.
-_KEY_LOW: Final = (_LOW_EXPONENT << _SUB_BITS) - 1
-# A sparse row's support is taken from the logits the ranks offer when the weight of
-# the largest logit left out, times this, is below the k-th weight chosen (and that
-# weight is above the floor): the bound of pp1wire.q.dyadic.sparse_row_from_logits.
-_EXP_SLACK: Final = dyadic._EXP_SLACK
-_MIN_THETA: Final = dyadic._MIN_THETA
-# With its histogram each rank sends its remainders in the three buckets around its own
-# guess of the threshold (where its count from the top reaches its remainders' sum, as
-# the group's does at the group's sum), or in the guessed bucket alone, if they are at
-# most this many: usually the threshold's bucket is among them on every rank, and no
-# further collective is needed.
-_WINDOW: Final = 4096
-_GUESS: Final = 1 + _BUCKETS  # the guess's words: first bucket, last bucket, how many
-_WORDS: Final = _GUESS + 3 + _WINDOW
-
-
-def _rows(values: npt.ArrayLike, plan: TreePlan, dtype: type[_S]) -> npt.NDArray[_S]:
-    """Rows of ``dtype``, each contiguous (a slice of wider rows is not copied)."""
-    x: npt.NDArray[_S] = np.asarray(values, dtype=dtype)
-    if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < 0:
-        x = np.ascontiguousarray(x)
-    _check_width(x, plan)
-    return x
-
-
-def _one_draw_each(rows: npt.NDArray[Any], draws: Sequence[int]) -> None:
-    """Refuse a batch whose rows and draws do not pair up.
-
-    Raises:
-        ValueError: as the kernels say.
-    """
-    if rows.shape[0] != len(draws):
-        raise ValueError(f"{len(draws)} draws for {rows.shape[0]} rows")
-
-
-def _check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
-    if x.ndim != 2 or x.shape[1] != plan.stop - plan.start:
-        raise ValueError(
-            f"rank {plan.rank} holds {plan.stop - plan.start} entries per row, got shape {x.shape}"
-        )
-
-
-def _on_device(coord: GroupCoordinator, local: npt.NDArray[Any]) -> torch.Tensor:
-    """``local`` as the tensor a collective takes: on the group's CUDA device when its
-    ranks have one (the words then travel on NCCL), else the array itself (gloo)."""
-    t = torch.from_numpy(np.ascontiguousarray(local))
-    return t.to(coord.device) if coord.device.type == "cuda" else t
-
-
-def gather(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
-    """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``;
-    on NCCL when the group's ranks have CUDA devices, else gloo, the same values.
-
-    Raises:
-        GroupFailedError: the collective failed.
-    """
-    out: npt.NDArray[_S] = coord.all_gather(_on_device(coord, local)).cpu().numpy()
-    return out
-
-
-def reduce_max(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
-    """The element-wise maximum of every rank's ``local`` (one all-reduce, as :func:`gather`).
-
-    Raises:
-        GroupFailedError: the collective failed.
-    """
-    out: npt.NDArray[_S] = coord.all_reduce(_on_device(coord, local), MAX).cpu().numpy()
-    return out
-
-
-def _gather(coord: GroupCoordinator, local: npt.NDArray[_S]) -> npt.NDArray[_S]:
-    """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``."""
-    return gather(local, coord)
-
-
-def _pick(
-    counts: npt.NDArray[_S], per_rank: list[int], u: int, plan: TreePlan
-) -> tuple[int, int]:
-    """The global ID a draw ``u`` of 24 bits picks from a row's counts and its count, if
-    it falls in this rank's slice of their cumulative sum (every rank's total in
-    ``per_rank``), else ``(-1, -1)``."""
-    before = sum(per_rank[: plan.rank])
-    if not before <= u < before + per_rank[plan.rank]:
-        return -1, -1
-    cumulative = np.cumsum(counts, dtype=counts.dtype)
-    at = int(np.searchsorted(cumulative, u - before, side="right"))
-    return plan.start + at, int(counts[at])
-
-
-def _found(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
-    """The owners' answers (-1 elsewhere), one all-reduce (MAX); never for an empty batch."""
-    return [int(v) for v in reduce_max(np.asarray(local, dtype=np.int64), coord).tolist()]
-
-
-# -- the target side: normalization and draws from weights -------------------------------
 
 
 @dataclass
@@ -226,7 +124,7 @@ def normalize_targets(
         if not (low >= 0.0 and np.isfinite(covers).all()):
             local[r, 1] = float(not np.isfinite(x).all())
             local[r, 2] = float(bool((x < 0).any()))
-    gathered = _gather(coord, local)
+    gathered = gather(local, coord)
     totals = plan.totals(gathered[:, :, 3:])[plan.root]
     codes: list[ErrorCode | None] = []
     for r in range(rows):
@@ -265,11 +163,11 @@ def sample_weights_rows(
         GroupFailedError: a collective failed.
     """
     plan = plan_of(coord)
-    w = _rows(weights, plan, np.float64)
-    _one_draw_each(w, u53s)
+    w = rows_of(weights, plan, np.float64)
+    one_draw_each(w, u53s)
     if not len(u53s):
         return []
-    upper = plan.totals(_gather(coord, plan.cover_totals(w)))
+    upper = plan.totals(gather(plan.cover_totals(w), coord))
     totals = upper[plan.root]
     local: list[int] = []
     for r, u53 in enumerate(u53s):
@@ -279,683 +177,8 @@ def sample_weights_rows(
             continue
         node, t = plan.descend_upper(upper, r, (u53 / _U53) * total)
         local.append(plan.descend_local(w[r], node, t) if plan.owner[node] == plan.rank else -1)
-    found = _found(coord, local)
+    found = owners_answer(coord, local)
     return [f if float(totals[r]) > 0 else ErrorCode.EMPTY_RESIDUAL for r, f in enumerate(found)]
-
-
-# -- the worker side: q rows from logits, and their draws ----------------------------------
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """How to build one row of a position: the proposal's temperature (0: greedy) and
-    sparse support (0: dense), rank 0's 24-bit PROPOSAL draw and the code its RNG
-    raised instead (other ranks: 0), and this rank's drafter failure for the row."""
-
-    temperature: float
-    support: int = 0
-    u24: int = 0
-    draw_code: int = 0
-    drafter_code: int = 0
-
-
-@dataclass(frozen=True)
-class BuiltRow:
-    """One row built by the group: the drawn global token, this rank's part of q —
-    dense counts over its range (``ids`` None), or the sparse entries in its range —
-    and ``count``, q's count at the token, which every rank knows (a stop rule
-    decides from it, ``docs/adaptive.md``)."""
-
-    token: int
-    counts: Int64Array | npt.NDArray[np.int32]
-    ids: npt.NDArray[np.int32] | None
-    count: int
-
-
-# The first collective's columns: the drafter's code, two flags (logits: NaN, +inf;
-# probabilities: NaN or infinity, a negative value), the maximum, its first global
-# index, rank 0's draw and its RNG code; then each row's offers (a sparse row) or
-# cover totals (a dense row of probabilities).
-_C1: Final = 7
-
-
-def construct_rows(
-    logits: npt.ArrayLike,
-    specs: Sequence[RowSpec],
-    coord: GroupCoordinator,
-    *,
-    probs: bool = False,
-) -> list[BuiltRow | Pp1Error]:
-    """Build and draw a position's rows together: for each global row, exactly what
-    :func:`pp1wire.q.proposal.build_row` then the proposal draw give on one
-    process (greedy: the point mass at the first maximal logit or weight; dense:
-    :func:`pp1wire.q.dyadic.counts_from_logits`, or
-    :func:`~pp1wire.q.dyadic.counts_from_fp32` of a probabilities drafter's
-    row; sparse: :func:`~pp1wire.q.dyadic.sparse_counts_from_logits` or
-    :func:`~pp1wire.q.dyadic.sparse_counts_from_fp32`; the token
-    :func:`pp1wire.q.dyadic.sample` picks with rank 0's draw), or the code the
-    unsharded chain raises, in its order: a drafter failure on any rank (the
-    lowest rank's code), the temperature and support checks, the values (NaN
-    or infinity, negative weights, no mass), the allocation, then rank 0's RNG code.
-
-    ``logits`` are this rank's range of each row: logits, or with ``probs`` a
-    probabilities drafter's FP32 weights (values that are not FP32 are rounded
-    to it, as one process does). Rows whose drafter failed on this rank may hold
-    anything: the group's code decides them.
-
-    Collectives, whatever the number of rows: 1, which also carries every sparse
-    row's offers and a dense probabilities row's cover totals; then, for dense
-    rows, 1 for the cover totals (logits only), 1 for the floor sums and
-    remainder histograms, and 1 for the drawn tokens and their counts (plus 1
-    when a rank's guess of the threshold missed); plus 1 when a sparse row's
-    offers by logit could not be shown to hold its support.
-
-    Raises:
-        ValueError: rows that are not ``[len(specs), this rank's range]``.
-        GroupFailedError: a collective failed.
-    """
-    plan = plan_of(coord)
-    if probs:
-        with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
-            x32: npt.NDArray[np.float32] = np.ascontiguousarray(logits, dtype=np.float32)
-        _check_width(x32, plan)
-        x = x32.astype(np.float64)
-    else:
-        x = _rows(logits, plan, np.float64)
-        x32 = np.empty((0, 0), dtype=np.float32)
-    rows = x.shape[0]
-    if rows != len(specs):
-        raise ValueError(f"{len(specs)} specs for {rows} rows")
-    if not rows:
-        return []
-    k = max((s.support for s in specs if s.temperature != 0), default=0)
-    dense_probs = probs and any(s.temperature != 0 and not s.support for s in specs)
-    extra = max(2 * k + (0 if probs else 1), plan.slots if dense_probs else 0)
-    local = np.zeros((rows, _C1 + extra), dtype=np.float64)
-    for r, spec in enumerate(specs):
-        local[r, 0] = spec.drafter_code
-        local[r, 5] = spec.u24 if coord.rank == 0 else -1.0
-        local[r, 6] = spec.draw_code if coord.rank == 0 else -1.0
-    _first_words(x, x32, specs, probs, plan, local)
-    c1 = _gather(coord, local)
-    out: list[BuiltRow | Pp1Error | None] = [None] * rows
-    draws: list[int] = [0] * rows
-    dense: list[int] = []
-    sparse: list[int] = []
-    tops: dict[int, float] = {}
-    for r, spec in enumerate(specs):
-        failed = next((int(c) for c in c1[:, r, 0] if c), 0)
-        if failed:
-            out[r] = Pp1Error(ErrorCode(failed), "the drafter failed on a rank")
-            continue
-        draws[r] = int(c1[0, r, 5])
-        try:
-            if spec.temperature == 0:
-                out[r] = _greedy(c1[:, r], spec.support, probs, plan)
-                continue
-            if probs:
-                dyadic.check_probs_temperature(spec.temperature)
-                if spec.support:
-                    dyadic.check_k(spec.support)
-                _check_probs(c1[:, r])
-            else:
-                if spec.support:
-                    dyadic.check_k(spec.support)
-                dyadic.check_temperature(spec.temperature)
-                nan = bool(c1[:, r, 1].any())
-                tops[r] = dyadic.check_top(float("nan") if nan else float(c1[:, r, 3].max()))
-        except Pp1Error as exc:
-            out[r] = exc
-            continue
-        (sparse if spec.support else dense).append(r)
-    at = _Position(x, c1, tops, specs, draws, probs, plan, coord)
-    for r, got in zip(dense, _dense_rows(at, dense) if dense else [], strict=True):
-        out[r] = got
-    for r, got in zip(sparse, _sparse_rows(at, sparse) if sparse else [], strict=True):
-        out[r] = got
-    for r, o in enumerate(out):
-        code = int(c1[0, r, 6])
-        if code and isinstance(o, BuiltRow):  # the draw's error counts after the row's own
-            out[r] = Pp1Error(ErrorCode(code), "the proposal draw failed on rank 0")
-    assert all(o is not None for o in out)
-    return [o for o in out if o is not None]
-
-
-def _first_words(
-    x: Float64Array,
-    x32: npt.NDArray[np.float32],
-    specs: Sequence[RowSpec],
-    probs: bool,
-    plan: TreePlan,
-    local: Float64Array,
-) -> None:
-    """This rank's words of a position's first collective (``local``, in place)."""
-    if not x.shape[1]:  # an empty range: no maximum, nothing to offer but "nothing"
-        local[:, 3] = -np.inf
-        local[:, 4] = plan.vocab
-        for r, spec in enumerate(specs):
-            if spec.temperature != 0 and spec.support:
-                _offer(x[r], x32[r] if probs else None, spec, probs, plan, local[r, _C1:])
-        return
-    with np.errstate(invalid="ignore", over="ignore"):
-        highest: Float64Array = x.max(axis=1)  # NaN propagates: one pass finds both
-        if probs:
-            lowest = x.min(axis=1)
-            local[:, 1] = ~(np.isfinite(highest) & np.isfinite(lowest))
-            local[:, 2] = lowest < 0
-        else:
-            for bad in np.flatnonzero(np.isnan(highest)):
-                local[bad, 1] = 1.0
-                highest[bad] = np.where(np.isnan(x[bad]), -np.inf, x[bad]).max()
-            local[:, 2] = highest == np.inf
-    local[:, 3] = highest
-    for r, spec in enumerate(specs):
-        if spec.temperature == 0:  # greedy: the first maximal value (a refused row's is moot)
-            local[r, 4] = plan.start + int(x[r].argmax())
-        elif spec.support:
-            _offer(x[r], x32[r] if probs else None, spec, probs, plan, local[r, _C1:])
-        elif probs and local[r, 1] == 0:
-            local[r, _C1 : _C1 + plan.slots] = plan.cover_totals(x[r : r + 1])[0]
-
-
-def _offer(
-    x: Float64Array,
-    x32: npt.NDArray[np.float32] | None,
-    spec: RowSpec,
-    probs: bool,
-    plan: TreePlan,
-    out: Float64Array,
-) -> None:
-    """A sparse row's offer (``out``: k values, their global IDs, -1 for none, and for
-    logits the largest logit left out): a probabilities row's own top k weights (ties
-    to the lowest ID, zeros left out), a logits row's k largest logits."""
-    k = spec.support
-    out[: 2 * k] = -1.0
-    n = x.size
-    if probs:
-        assert x32 is not None
-        ids = _top_weights(x, x32, k)
-        out[: ids.size] = x[ids]
-        out[k : k + ids.size] = ids + plan.start
-        return
-    out[:k] = -np.inf
-    if n <= k:
-        ids = np.arange(n)
-        x_out = -np.inf
-    else:
-        ids, x_out = _top_logits(x, k, spec.temperature)
-    out[: ids.size] = x[ids]
-    out[k : k + ids.size] = ids + plan.start
-    out[2 * k] = x_out
-
-
-def _top_weights(w: Float64Array, w32: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.intp]:
-    """The indices of a row's k largest positive weights, ties to the lowest index
-    (values checked by the group: garbage in a refused row is moot)."""
-    fast = getattr(dyadic, "_fastq", None)
-    if fast is not None and w32.size:
-        cap = max(64 * k, 4096)
-        found = np.empty(cap, dtype=np.int64)
-        work = np.empty((w32.size + 63) // 64 + 2 * cap, dtype=np.uint32)
-        count, status = fast.topk_f32(np.ascontiguousarray(w32), k, found, work)
-        if not status and count >= 0:
-            return found[:count].astype(np.intp)
-    with np.errstate(invalid="ignore"):
-        ids = dyadic.largest_indices(w, k)
-        return ids[w[ids] > 0]
-
-
-def _top_logits(x: Float64Array, k: int, temperature: float) -> tuple[npt.NDArray[np.intp], float]:
-    """Some k indices of a row's largest logits (ties in any order) and the largest
-    logit left out: from the compiled candidates pass when it finds a small
-    superset, else one partition."""
-    n = x.size
-    fast = getattr(dyadic, "_fastq", None)
-    top = float(x.max())
-    if fast is not None and np.isfinite(top) and np.isfinite(temperature) and temperature > 0:
-        cap = max(64 * k, 4096)
-        cand = np.empty(cap, dtype=np.int64)
-        count, x_out = fast.sparse_candidates(x, top, _SPARSE_BUCKETS / temperature, k, 0, cand)
-        if count >= k:
-            ids = cand[:count]
-            if count > k:
-                part = np.argpartition(x[ids], count - k - 1)
-                x_out = max(float(x_out), float(x[ids[part[count - k - 1]]]))
-                ids = ids[part[count - k :]]
-            return ids.astype(np.intp), float(x_out)
-    part = np.argpartition(x, n - k - 1)
-    return part[n - k :], float(x[part[n - k - 1]])
-
-
-# The compiled candidates pass buckets logits by their distance below the maximum in
-# 1/16 temperature units (pp1wire.q.dyadic.sparse_row_from_logits).
-_SPARSE_BUCKETS: Final = 16.0
-
-
-def _check_probs(words: Float64Array) -> None:
-    """A probabilities row's checks from every rank's flags (``[world, columns]``), in
-    one process's order.
-
-    Raises:
-        ConstructionError: ``WEIGHT_NON_FINITE``, ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``.
-    """
-    if words[:, 1].any():
-        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
-    if words[:, 2].any():
-        raise ConstructionError(ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values")
-    if not float(words[:, 3].max()) > 0:
-        raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
-
-
-def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> BuiltRow:
-    """The greedy row from every rank's first words (``[world, columns]``): all of
-    the mass at the first maximal logit or weight.
-
-    Raises:
-        ConstructionError: as one process's greedy row; Pp1Error: rank 0's RNG code.
-    """
-    top = float(words[:, 3].max())
-    if probs:
-        _check_probs(words)
-    else:
-        if words[:, 1].any() or words[:, 2].any():
-            raise ConstructionError(
-                ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
-            )
-        if top == -np.inf:
-            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
-    token = int(min(w[4] for w in words if w[3] == top))
-    draw_code = int(words[0, 6])
-    if draw_code:
-        raise Pp1Error(ErrorCode(draw_code), "the proposal draw failed on rank 0")
-    return _point(token, support, plan)
-
-
-def _shifted_exp(
-    x: Float64Array, top: float, temperature: float, out: Float64Array | None = None
-) -> Float64Array:
-    # A logit far below the top over a small temperature overflows to -inf, whose
-    # weight is 0 as intended.
-    with np.errstate(over="ignore"):
-        return dyadic.shifted_exp(x, top, temperature, out=out)
-
-
-def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
-    """The greedy row: all of the mass at ``token``, in this rank's range if it owns it."""
-    mine = plan.start <= token < plan.stop
-    if support:
-        ids = np.array([token] if mine else [], dtype=np.int32)
-        return BuiltRow(token, np.array([M] if mine else [], dtype=np.int64), ids, M)
-    counts = np.zeros(plan.stop - plan.start, dtype=np.int64)
-    if mine:
-        counts[token - plan.start] = M
-    return BuiltRow(token, counts, None, M)
-
-
-# -- dense rows -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Position:
-    """A position's rows after its first collective: this rank's values, every rank's
-    first words (``c1``), each row's global maximum (logits rows), specs and draws."""
-
-    x: Float64Array
-    c1: Float64Array
-    tops: dict[int, float]
-    specs: Sequence[RowSpec]
-    draws: list[int]
-    probs: bool
-    plan: TreePlan
-    coord: GroupCoordinator
-
-
-def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The dense rows of a position: their weights and canonical totals (a logits
-    row's from one more collective), then the allocation and the draw."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
-    n = x.shape[1]
-    w = np.empty((len(rows), n), dtype=np.float64)
-    if probs:
-        w[:] = x[rows]
-        covers = c1[:, rows, _C1 : _C1 + plan.slots]
-        mine = covers[plan.rank].sum(axis=1)
-    else:
-        for j, r in enumerate(rows):
-            _shifted_exp(x[r], tops[r], specs[r].temperature, w[j])
-        local = plan.cover_totals(w)
-        mine = local.sum(axis=1)
-        covers = _gather(coord, local)
-    with np.errstate(over="ignore", invalid="ignore"):
-        totals = np.asarray(plan.totals(covers)[plan.root], dtype=np.float64)
-    out: list[BuiltRow | Pp1Error | None] = [None] * len(rows)
-    usable: list[int] = []
-    for j, total in enumerate(totals):
-        # The logits' top maps to exp(0) = 1, so a logits row's total is at least 1;
-        # a probabilities row's has a positive weight (its checks passed).
-        if not np.isfinite(total):
-            out[j] = ConstructionError(
-                ErrorCode.WEIGHT_NON_FINITE, "total weight overflows binary64"
-            )
-        elif not total > 0:
-            out[j] = ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
-        else:
-            usable.append(j)
-    if usable:
-        built = _allocate_and_draw(
-            w[usable], totals[usable], mine[usable], [draws[rows[j]] for j in usable], plan, coord
-        )
-        for j, got in zip(usable, built, strict=True):
-            out[j] = got
-    assert all(o is not None for o in out)
-    return [o for o in out if o is not None]
-
-
-class _Scratch(threading.local):
-    """Per-thread scratch of the dense rows: their remainders and bucket keys."""
-
-    def __init__(self) -> None:
-        self.rem = np.empty(0, dtype=np.float64)
-        self.keys = np.empty(0, dtype=np.int64)
-
-
-_SCRATCH = _Scratch()
-
-
-def _scratch(count: int, n: int) -> tuple[Float64Array, Int64Array]:
-    """This thread's ``[count, n]`` remainders and ``[n]`` keys (overwritten by its next call)."""
-    own = _SCRATCH
-    if own.rem.size < count * n:
-        own.rem = np.empty(count * n, dtype=np.float64)
-    if own.keys.size < n:
-        own.keys = np.empty(n, dtype=np.int64)
-    return own.rem[: count * n].reshape(count, n), own.keys[:n]
-
-
-def _histogram(rem: Float64Array, keys: Int64Array) -> Int64Array:
-    """A row's remainders (in [0, 1)) counted by bucket: their binary64 bits' top 16
-    (sign, exponent and 4 mantissa bits: 16 buckets per binade), every bucket below
-    2**-128 in bucket 0 (``keys``: scratch of the row's length)."""
-    np.right_shift(rem.view(np.int64), 52 - _SUB_BITS, out=keys)
-    raw = np.bincount(keys, minlength=_KEY_LOW + _BUCKETS)
-    hist: Int64Array = raw[_KEY_LOW : _KEY_LOW + _BUCKETS].astype(np.int64)
-    hist[0] += int(raw[:_KEY_LOW].sum())
-    return hist
-
-
-def _bucket_keys(rem: Float64Array) -> npt.NDArray[np.int64]:
-    """Each remainder's bucket (monotone in the value; bucket 0 below 2**-128)."""
-    keys: npt.NDArray[np.int64] = rem.view(np.int64) >> (52 - _SUB_BITS)
-    keys -= _KEY_LOW
-    np.maximum(keys, 0, out=keys)
-    return keys
-
-
-def _bucket_floor(bucket: int) -> float:
-    """The least binary64 value in ``bucket`` (0.0 for bucket 0)."""
-    if bucket <= 0:
-        return 0.0
-    bits = np.array([(bucket + _KEY_LOW) << (52 - _SUB_BITS)], dtype=np.int64)
-    return float(bits.view(np.float64)[0])
-
-
-def _allocate_and_draw(
-    w: Float64Array,
-    totals: Float64Array,
-    mine: Float64Array,
-    draws: list[int],
-    plan: TreePlan,
-    coord: GroupCoordinator,
-) -> list[BuiltRow | Pp1Error]:
-    """Dense counts (floors, then the largest remainders over every rank, ties to the
-    lowest ID) and the draw: two collectives for every dense row of the position,
-    three when a rank's guess of where the threshold lies was wrong."""
-    count, n = w.shape
-    # The counts travel in the rows (fresh); the rest is scratch.
-    floors = np.empty((count, n), dtype=np.int32)  # counts never exceed 2**24
-    rem, keys = _scratch(count, n)
-    words = np.zeros((count, _WORDS), dtype=np.int64)
-    for j in range(count):
-        dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
-        # A rank's floors sum to at most 2**24 (its shares do, to within rounding): int32.
-        floor_sum = int(floors[j].sum(dtype=np.int32))
-        hist = _histogram(rem[j], keys)
-        words[j, 0] = floor_sum
-        words[j, 1 : 1 + _BUCKETS] = hist
-        # This rank's share of the tickets less its floors: about the sum of its
-        # remainders (a guess: the threshold found does not depend on it).
-        tickets = float(mine[j]) / float(totals[j]) * M - floor_sum
-        _guess(words[j], hist, rem[j], tickets)
-    gathered = _gather(coord, words)  # [world, rows, words]
-    remaining = [M - int(gathered[:, j, 0].sum()) for j in range(count)]
-    hists = gathered[:, :, 1 : 1 + _BUCKETS]
-    # Per row: the bucket holding the threshold (above it, fewer tickets than left over),
-    # and every rank's remainders in it, from its guess when the guess covered it.
-    chosen = [-1] * count
-    pools: list[list[Float64Array] | None] = [None] * count
-    for j, left in enumerate(remaining):
-        if not 0 < left < plan.vocab:
-            continue
-        above = np.cumsum(hists[:, j].sum(axis=0)[::-1])  # from the top bucket down
-        b = chosen[j] = _BUCKETS - 1 - int(np.searchsorted(above, left))
-        pools[j] = _guessed(gathered[:, j], b)
-    missed = [j for j, b in enumerate(chosen) if b >= 0 and pools[j] is None]
-    if missed:  # one more collective, the same on every rank: the buckets themselves
-        width = max(int(hists[:, j, chosen[j]].max()) for j in missed)
-        offers = np.full((len(missed), width), -1.0, dtype=np.float64)
-        for m, j in enumerate(missed):
-            mine_b = _in_buckets(rem[j], chosen[j], chosen[j])
-            offers[m, : mine_b.size] = mine_b
-        exact = _gather(coord, offers)
-        for m, j in enumerate(missed):
-            pools[j] = [exact[k, m, : int(hists[k, j, chosen[j]])] for k in range(plan.world)]
-    out: list[BuiltRow | Pp1Error] = []
-    picks = np.full((count, 2), -1, dtype=np.int64)
-    for j, left in enumerate(remaining):
-        try:
-            sums = [int(v) for v in gathered[:, j, 0]]
-            per_rank = _leftovers(j, left, chosen[j], hists, sums, pools[j], floors, rem, plan)
-        except ConstructionError as exc:
-            out.append(exc)
-            continue
-        out.append(BuiltRow(-1, floors[j], None, 0))
-        # The draw: the rank whose slice of the cumulative counts holds it finds the ID.
-        picks[j] = _pick(floors[j], per_rank, draws[j], plan)
-    found = reduce_max(picks, coord)
-    for j, built in enumerate(out):
-        if isinstance(built, BuiltRow):
-            out[j] = BuiltRow(int(found[j, 0]), built.counts, None, int(found[j, 1]))
-    return out
-
-
-def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: float) -> None:
-    """Write this rank's guess of the threshold's bucket into a row's words: the
-    buckets around it and, if they fit, their remainders (as their binary64 bits)."""
-    share = max(1, round(tickets)) if np.isfinite(tickets) else 1
-    above = np.cumsum(hist[::-1])
-    guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
-    lo, hi = max(0, guess - 1), min(_BUCKETS - 1, guess + 1)
-    if int(hist[lo : hi + 1].sum()) > _WINDOW:
-        lo = hi = guess
-    words[_GUESS], words[_GUESS + 1] = lo, hi
-    if int(hist[lo : hi + 1].sum()) > _WINDOW:
-        words[_GUESS + 2] = -1  # too many: the bucket will be asked for
-        return
-    inside = _in_buckets(rem, lo, hi)
-    words[_GUESS + 2] = inside.size
-    words[_GUESS + 3 : _GUESS + 3 + inside.size] = inside.view(np.int64)
-
-
-def _in_buckets(rem: Float64Array, lo: int, hi: int) -> Float64Array:
-    """The remainders in buckets ``lo..hi`` (in index order): the values in
-    ``[floor(lo), floor(hi + 1))``, since non-negative binary64 order as their bits."""
-    low, high = _bucket_floor(lo), _bucket_floor(hi + 1)
-    if hi + 1 >= _BUCKETS:
-        high = 1.0
-    mask = rem >= low
-    mask &= rem < high
-    out: Float64Array = rem[mask]
-    return out
-
-
-def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
-    """Every rank's remainders in ``bucket`` from their guesses (``[world, words]``), or
-    None if a rank's guess did not cover it."""
-    pool: list[Float64Array] = []
-    for words in ranks:
-        lo, hi, size = (int(v) for v in words[_GUESS : _GUESS + 3])
-        if size < 0 or not lo <= bucket <= hi:
-            return None
-        values = np.ascontiguousarray(words[_GUESS + 3 : _GUESS + 3 + size]).view(np.float64)
-        pool.append(values[_bucket_keys(values) == bucket])
-    return pool
-
-
-def _leftovers(
-    j: int,
-    remaining: int,
-    bucket: int,
-    hists: npt.NDArray[np.int64],
-    floor_sums: list[int],
-    pool: list[Float64Array] | None,
-    floors: npt.NDArray[np.int32],
-    rem: Float64Array,
-    plan: TreePlan,
-) -> list[int]:
-    """Give row ``j``'s leftover tickets (in place, to this rank's floors) and return
-    every rank's count total, from every rank's floor sum, histogram (``hists``)
-    and remainders in ``bucket`` (``pool``).
-
-    Raises:
-        ConstructionError: ``ALLOCATION_INCONSISTENT`` as the unsharded allocation.
-    """
-    if not 0 <= remaining < plan.vocab:
-        raise ConstructionError(
-            ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {plan.vocab} entries"
-        )
-    world = plan.world
-    if remaining == 0:
-        return floor_sums
-    assert pool is not None
-    values = pool
-    above_bucket = [int(hists[k, j, bucket + 1 :].sum()) for k in range(world)]
-    wanted = remaining - sum(above_bucket)  # tickets for this bucket, 1..its size
-    merged = np.concatenate(values)
-    threshold = float(np.partition(merged, merged.size - wanted)[merged.size - wanted])
-    if not threshold > 0.0:
-        raise ConstructionError(
-            ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-        )
-    above = [above_bucket[k] + int((values[k] > threshold).sum()) for k in range(world)]
-    ties = [int((values[k] == threshold).sum()) for k in range(world)]
-    left = remaining - sum(above)
-    takes = []
-    for k in range(world):
-        takes.append(max(0, min(left, ties[k])))
-        left -= takes[-1]
-    mine = rem[j]
-    row = floors[j]
-    row += mine > threshold
-    take = takes[plan.rank]
-    if take:
-        row[np.flatnonzero(mine == threshold)[:take]] += 1
-    per_rank = [floor_sums[k] + above[k] + takes[k] for k in range(world)]
-    if sum(per_rank) != M:
-        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
-    return per_rank
-
-
-# -- sparse rows ------------------------------------------------------------------------
-
-
-def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The sparse rows of a position, from the offers of the first collective: a
-    probabilities row's are every rank's own top k weights, which hold the global
-    top k; a logits row's are every rank's k largest logits and the largest left
-    out, which hold it when that one's weight is provably below the k-th chosen
-    (else, for those rows, one more collective of every rank's top k weights)."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
-    out: dict[int, BuiltRow | Pp1Error] = {}
-    retry: list[int] = []
-    for r in rows:
-        k = specs[r].support
-        offers = c1[:, r, _C1 : _C1 + 2 * k]
-        values, ids = offers[:, :k].reshape(-1), offers[:, k:].reshape(-1)
-        keep = ids >= 0
-        ids = ids[keep]
-        # A logit's weight is computed as the whole row's would be: elementwise.
-        w = values[keep] if probs else _shifted_exp(values[keep], tops[r], specs[r].temperature)
-        order = np.lexsort((ids, -w))[:k]  # by weight descending, ties to the lowest ID
-        if not probs:
-            theta = float(w[order[-1]]) if order.size == k else 0.0
-            outside = c1[:, r, _C1 + 2 * k]
-            left_out = outside[outside > -np.inf]
-            if left_out.size:
-                bound = float(_shifted_exp(left_out, tops[r], specs[r].temperature).max())
-                if not (theta >= _MIN_THETA and bound * _EXP_SLACK < theta):
-                    retry.append(r)
-                    continue
-        out[r] = _support_row(w[order], ids[order], draws[r], plan)
-    if retry:
-        weights = {r: _shifted_exp(x[r], tops[r], specs[r].temperature) for r in retry}
-        for r, got in zip(retry, _sparse(weights, retry, specs, draws, plan, coord), strict=True):
-            out[r] = got
-    return [out[r] for r in rows]
-
-
-def _support_row(
-    w: Float64Array, ids: Float64Array, u24: int, plan: TreePlan
-) -> BuiltRow | Pp1Error:
-    """The sparse row over a chosen support (weights and global IDs, any order; zero
-    weights left out): allocated and drawn as one process does, on every rank."""
-    positive = w > 0
-    w, ids = w[positive], ids[positive]
-    by_id = np.argsort(ids, kind="stable")
-    sub = np.ascontiguousarray(w[by_id])
-    chosen = ids[by_id].astype(np.int32)
-    try:
-        counts = dyadic.builder(sub.size).allocate(sub, tree.total(sub)).astype(np.int64)
-        keep = counts > 0
-        support = chosen[keep]
-        counts = counts[keep]
-        at = dyadic.sample(counts, u24)
-    except Pp1Error as exc:
-        return exc
-    mine = (support >= plan.start) & (support < plan.stop)
-    return BuiltRow(int(support[at]), counts[mine], support[mine], int(counts[at]))
-
-
-def _sparse(
-    weights: dict[int, Float64Array],
-    rows: list[int],
-    specs: Sequence[RowSpec],
-    draws: list[int],
-    plan: TreePlan,
-    coord: GroupCoordinator,
-) -> list[BuiltRow | Pp1Error]:
-    """The global top-k support merged from every rank's own top k weights (one
-    all-gather), allocated and drawn on every rank alike."""
-    k = max(specs[r].support for r in rows)
-    offer = np.full((len(rows), k, 2), -1.0, dtype=np.float64)
-    for j, r in enumerate(rows):
-        w = weights[r]
-        ids = dyadic.largest_indices(w, specs[r].support) if w.size else np.zeros(0, np.intp)
-        ids = ids[w[ids] > 0]
-        offer[j, : ids.size, 0] = w[ids]
-        offer[j, : ids.size, 1] = ids + plan.start
-    offers = _gather(coord, offer)
-    out: list[BuiltRow | Pp1Error] = []
-    for j, r in enumerate(rows):
-        pool = offers[:, j].reshape(-1, 2)
-        pool = pool[pool[:, 0] > 0]
-        # By weight descending, ties to the lowest ID; the k chosen.
-        order = np.lexsort((pool[:, 1], -pool[:, 0]))[: specs[r].support]
-        out.append(_support_row(pool[order, 0], pool[order, 1], draws[r], plan))
-    return out
 
 
 def sample_counts(
@@ -969,18 +192,18 @@ def sample_counts(
         GroupFailedError: a collective failed.
     """
     plan = plan_of(coord)
-    c = _rows(counts, plan, np.int64)
-    _one_draw_each(c, u24s)
+    c = rows_of(counts, plan, np.int64)
+    one_draw_each(c, u24s)
     if not len(u24s):
         return []
-    sums = _gather(coord, c.sum(axis=1).astype(np.int64))  # [world, rows]
+    sums = gather(c.sum(axis=1).astype(np.int64), coord)  # [world, rows]
     local: list[int] = []
     for r, u24 in enumerate(u24s):
         per_rank = [int(v) for v in sums[:, r]]
         usable = 0 <= u24 < M and sum(per_rank) == M
-        local.append(_pick(c[r], per_rank, u24, plan)[0] if usable else -1)
+        local.append(pick(c[r], per_rank, u24, plan)[0] if usable else -1)
     out: list[int | ErrorCode] = []
-    for r, token in enumerate(_found(coord, local)):
+    for r, token in enumerate(owners_answer(coord, local)):
         if not 0 <= u24s[r] < M:
             out.append(ErrorCode.BAD_DRAW)
         elif int(sums[:, r].sum()) != M:
@@ -1043,7 +266,7 @@ def sparse_counts_from_logits(
     (got,) = construct_rows(_one(coord, x), [RowSpec(temperature, k)], coord)
     if isinstance(got, Pp1Error):
         raise got
-    pairs = _gather(coord, _padded_support(got, k))  # every rank's part of the support
+    pairs = gather(_padded_support(got, k), coord)  # every rank's part of the support
     ids, counts = pairs[:, 0].reshape(-1), pairs[:, 1].reshape(-1)
     keep = ids >= 0
     return torch.from_numpy(ids[keep].astype(np.int32)), torch.from_numpy(counts[keep])

@@ -1,0 +1,91 @@
+"""What the vocabulary-sharded kernels (:mod:`pp1wire.tp.dist_ops`,
+:mod:`pp1wire.tp.dist_construct`) share: a batch's rows checked against this
+rank's range, and the two collectives every kernel ends with (an all-gather of
+fixed shape, an all-reduce MAX of the owners' answers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pp1wire.tp.coordinator import MAX, GroupCoordinator
+from pp1wire.tp.shard_tree import TreePlan
+
+Float64Array = npt.NDArray[np.float64]
+Int64Array = npt.NDArray[np.int64]
+_S = TypeVar("_S", bound=np.generic)
+
+
+def rows_of(values: npt.ArrayLike, plan: TreePlan, dtype: type[_S]) -> npt.NDArray[_S]:
+    """Rows of ``dtype``, each contiguous (a slice of wider rows is not copied)."""
+    x: npt.NDArray[_S] = np.asarray(values, dtype=dtype)
+    if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < 0:
+        x = np.ascontiguousarray(x)
+    check_width(x, plan)
+    return x
+
+
+def one_draw_each(rows: npt.NDArray[Any], draws: Sequence[int]) -> None:
+    """Refuse a batch whose rows and draws do not pair up.
+
+    Raises:
+        ValueError: as the kernels say.
+    """
+    if rows.shape[0] != len(draws):
+        raise ValueError(f"{len(draws)} draws for {rows.shape[0]} rows")
+
+
+def check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
+    if x.ndim != 2 or x.shape[1] != plan.stop - plan.start:
+        raise ValueError(
+            f"rank {plan.rank} holds {plan.stop - plan.start} entries per row, got shape {x.shape}"
+        )
+
+
+def on_device(coord: GroupCoordinator, local: npt.NDArray[Any]) -> torch.Tensor:
+    """``local`` as the tensor a collective takes: on the group's CUDA device when its
+    ranks have one (the words then travel on NCCL), else the array itself (gloo)."""
+    t = torch.from_numpy(np.ascontiguousarray(local))
+    return t.to(coord.device) if coord.device.type == "cuda" else t
+
+
+def gather(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
+    """Every rank's ``local`` (the same shape everywhere), stacked: ``[world, *shape]``;
+    on NCCL when the group's ranks have CUDA devices, else gloo, the same values.
+
+    Raises:
+        GroupFailedError: the collective failed.
+    """
+    out: npt.NDArray[_S] = coord.all_gather(on_device(coord, local)).cpu().numpy()
+    return out
+
+
+def reduce_max(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_S]:
+    """The element-wise maximum of every rank's ``local`` (one all-reduce, as :func:`gather`).
+
+    Raises:
+        GroupFailedError: the collective failed.
+    """
+    out: npt.NDArray[_S] = coord.all_reduce(on_device(coord, local), MAX).cpu().numpy()
+    return out
+
+
+def pick(counts: npt.NDArray[_S], per_rank: list[int], u: int, plan: TreePlan) -> tuple[int, int]:
+    """The global ID a draw ``u`` of 24 bits picks from a row's counts and its count, if
+    it falls in this rank's slice of their cumulative sum (every rank's total in
+    ``per_rank``), else ``(-1, -1)``."""
+    before = sum(per_rank[: plan.rank])
+    if not before <= u < before + per_rank[plan.rank]:
+        return -1, -1
+    cumulative = np.cumsum(counts, dtype=counts.dtype)
+    at = int(np.searchsorted(cumulative, u - before, side="right"))
+    return plan.start + at, int(counts[at])
+
+
+def owners_answer(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:
+    """The owners' answers (-1 elsewhere), one all-reduce (MAX); never for an empty batch."""
+    return [int(v) for v in reduce_max(np.asarray(local, dtype=np.int64), coord).tolist()]
