@@ -18,8 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pp1wire.apps.models import drafter_factory  # noqa: E402
+from pp1wire.q.batch import propose_batch  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
-from pp1wire.q.proposal import DraftJob, propose_batch  # noqa: E402
+from pp1wire.q.proposal import DraftJob  # noqa: E402
 from pp1wire.q.stoprules import StopRule  # noqa: E402
 from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
 from pp1wire.tp.shard_worker import ShardedDrafting, _Held  # noqa: E402

@@ -122,13 +122,14 @@ def test_sharded_tp2_with_a_stop_rule_or_auto_depth_emits_the_tokens_of_unsharde
     # Every rank of the worker group stops each block where one worker stops it (the
     # count at each token travels with the token); every Spark rank audits it from
     # the counts the group gathers, and --depth auto chooses the same depths on every
-    # rank as on one: the same rounds, drafts, acceptances and tokens.
+    # rank as on one: the same rounds, drafts, acceptances and tokens. (Which rounds
+    # share a step follows the straggler window, so the timing; it changes no token.)
     ref = summary_of(unsharded := run_one(*spark_flags(tp1_worker.address, *flags)))
     done = sharded(group.address, *flags)
     summary = summary_of(done)
     assert (summary["fallbacks"], summary["cuts"]) == (0, 0), summary
     assert tokens(done) == tokens(unsharded)
-    same = ("rounds", "draft_tokens", "accepted_tokens", "steps", "mean_step_depth")
+    same = ("rounds", "draft_tokens", "accepted_tokens", "mean_step_depth")
     assert {k: summary[k] for k in same} == {k: ref[k] for k in same}
     if "--stop" in flags:  # no terminal token: only the rule ended blocks early
         assert summary["stop_rule"] == flags[flags.index("--stop") + 1]
