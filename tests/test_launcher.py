@@ -2,7 +2,7 @@
 
 Any rank that exits ends the group: the others get SIGTERM, then SIGKILL after
 the grace period, and the launcher exits with the code of the first failure
-(in the order the ranks exited). The first half runs stand-in ranks
+(a rank a signal ended, else in the order the ranks exited). The first half runs stand-in ranks
 (``tests/fake_rank.py``: no torch, an interpreter start each); the second kills
 each rank of each real group kind (``pp1-worker --tp 2`` sharded, ``pp1-spark
 --tp 2`` replicated and ``pp1-spark --tp 2 --vocab-shards 2``).
@@ -88,6 +88,23 @@ def test_any_rank_that_exits_ends_the_group(fake_launches, name):
         assert err.count("exited") + err.count("did not stop") == 1, err
     else:
         assert "exited" not in err, err
+
+
+def test_a_rank_a_signal_ended_is_named_before_a_peer_that_failed_after_it(capsys):
+    # A killed rank's peer fails its next collective and exits GROUP_FAILED (3) at
+    # about the same moment; seen first, it used to be named as the group's failure.
+    from pp1wire.apps.ranks import _Group
+
+    group = _Group("pp1wire.spark", grace=1.0)
+    group.exits = [(0, 3), (1, -signal.SIGKILL)]
+    assert group.code() == 128 + signal.SIGKILL
+    assert capsys.readouterr().err == "pp1wire.spark: rank 1 exited with -9\n"
+    # Without a signal's victim, the first failure in the order of the exits.
+    group.exits = [(1, 4), (0, 3)]
+    assert group.code() == 4
+    # A signal the launcher sent is no failure; a rank it had to kill is one (1).
+    group.sent, group.killed, group.exits = {1: {signal.SIGTERM}}, {0}, [(1, -15), (0, -9)]
+    assert group.code() == 1
 
 
 # -- real groups ---------------------------------------------------------------------

@@ -168,20 +168,33 @@ class _Group:
         return not running
 
     def code(self) -> int:
-        """The first failure's exit code (0: none); one line on stderr names it."""
+        """The first failure's exit code (0: none); one line on stderr names it.
+
+        A rank that a signal ended (one this launcher did not send) comes before
+        the ranks that exited with a code of their own: a rank whose peer died
+        fails its next collective and exits ``GROUP_FAILED`` at about the same
+        moment, so the order of the two exits says nothing about the cause.
+        """
+        failures: list[tuple[int, str]] = []  # (exit code, the line naming it)
+        signalled: list[tuple[int, str]] = []
         for rank, code in self.exits:
             if rank in self.killed:
-                print(
-                    f"{self.module}: rank {rank} did not stop within {self.grace:g} s of "
-                    "the group's end: killed",
-                    file=sys.stderr,
+                line = (
+                    f"rank {rank} did not stop within {self.grace:g} s of the group's end: killed"
                 )
-                return 1
-            if code == 0 or -code in self.sent.get(rank, ()):
+                failures.append((1, line))
+            elif code == 0 or -code in self.sent.get(rank, ()):
                 continue  # a clean exit, or the signal this launcher sent it
-            print(f"{self.module}: rank {rank} exited with {code}", file=sys.stderr)
-            return code if code > 0 else 128 - code
-        return 0
+            elif code < 0:
+                signalled.append((128 - code, f"rank {rank} exited with {code}"))
+            else:
+                failures.append((code, f"rank {rank} exited with {code}"))
+        first = [*signalled, *failures]
+        if not first:
+            return 0
+        code, line = first[0]
+        print(f"{self.module}: {line}", file=sys.stderr)
+        return code
 
 
 def join_group(
