@@ -17,7 +17,7 @@ from pp1wire.wire.messages import PAYLOAD_TYPES
 from .strategies import any_message
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(any_message, st.binary(max_size=64))
 def test_every_message_round_trips(msg, payload):
     kind = messages.type_of(msg)
