@@ -208,6 +208,15 @@ def test_speedup_smoke():
                 assert summary["median"] == pytest.approx(
                     (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
                 )
+    # The free-model floor: one per pair (dense, t_t = 0), its spreads ordered.
+    floors = result["floors"]
+    assert sorted(f["models"] for f in floors) == ["ngram", "toy"]
+    for f in floors:
+        assert (f["q"], f["target_ms"]) == ("dense", 0.0)
+        for name in ("tokens_per_second", "target_only_tokens_per_second",
+                     "worker_cpu_ms_per_row", "spark_cpu_ms_per_row", "mean_accepted_length"):
+            spread = f[name]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"], (name, spread)
     # The keys run.py reads: one repetition's, so they follow from each other.
     head = result["headline"]
     assert {c["models"] for c in result["cells"]} == {"toy", "ngram"}  # both pairs by default
