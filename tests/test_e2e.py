@@ -418,3 +418,45 @@ def test_depth_auto_depends_on_earlier_verified_rounds_and_the_flags_alone(worke
             )
     assert steps == done.summary["rounds"] > 6
     assert len({e[2] for e in events if e[0] == "step"}) > 1  # the choice moved
+
+
+def test_depth_auto_gives_the_same_tokens_when_one_request_is_slowed(worker, monkeypatch):
+    # Two runs with the same flags; in the second, every proposal of the request on
+    # slot 0 arrives 0.1 s late, so that request falls steps behind the others, the
+    # straggler window decides its rounds in steps of their own, and the requests
+    # finish in another order. A depth chosen from the live number of running
+    # requests would change with that (the last requests would run alone, at load 1
+    # instead of 4) and with it the blocks and the tokens; a load from the flags
+    # cannot (docs/runner.md section 4.1).
+    import asyncio
+
+    from pp1wire.aio.client import AsyncClient
+    from pp1wire.apps import spark as spark_app
+
+    from .groups import args_of
+
+    def run() -> tuple[list[list[int]], dict]:
+        args = args_of(
+            "--worker", worker.address, "--vocab", str(VOCAB), "--depth", "auto",
+            "--requests", "6", "--concurrency", "4", "--max-tokens", "24", "--seed", "7",
+        )  # fmt: skip
+        plan, mode = spark_app.check_settings(args)
+        done = asyncio.run(spark_app.run_rank(args, plan, mode, None))
+        assert done.records is not None
+        assert done.summary is not None
+        assert (done.summary["fallbacks"], done.summary["cuts"]) == (0, 0), done.summary
+        return [r.tokens for r in done.records], done.summary
+
+    quick, _ = run()
+    propose = AsyncClient.propose
+
+    async def slowed(self, slot, **kw):
+        got = await propose(self, slot, **kw)
+        if slot == 0:
+            await asyncio.sleep(0.1)
+        return got
+
+    monkeypatch.setattr(AsyncClient, "propose", slowed)
+    slow, summary = run()
+    assert summary["rounds"] > 12
+    assert slow == quick
