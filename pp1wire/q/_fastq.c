@@ -134,6 +134,17 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The code of a row holding a bit pattern above 1.0 (its largest as unsigned): a
+ * NaN or infinity outranks a negative value, which outranks a finite value above 1
+ * (not dyadic24). A refused row's path only, so plain loops. */
+static int above_one_code(const uint32_t *bits, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
+    for (size_t i = 0; i < n; i++)
+        if (bits[i] & 0x80000000u) return E_NEGATIVE;
+    return E_NON_DYADIC;
+}
+
 /* The sparse-row checks of dyadic.validate_sparse, in the same order. */
 static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64_t vocab,
                        size_t max_k, int64_t proposed) {
@@ -158,13 +169,7 @@ static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64
     }
     uint32_t mx = 0;
     for (size_t i = 0; i < k; i++) mx = bits[i] > mx ? bits[i] : mx;
-    if (mx > 0x3F800000u) {
-        for (size_t i = 0; i < k; i++)
-            if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
-        for (size_t i = 0; i < k; i++)
-            if (bits[i] & 0x80000000u) return E_NEGATIVE;
-        return E_NON_DYADIC;
-    }
+    if (mx > 0x3F800000u) return above_one_code(bits, k);
     uint64_t sum = 0;
     int zero = 0;
     for (size_t i = 0; i < k; i++) {
@@ -2311,13 +2316,7 @@ static int dense_code(const uint32_t *bits, size_t entries, size_t vocab, int64_
     uint64_t sum = 0;
     uint32_t bad = 0;
     uint32_t mx = scan_loop(bits, vocab, &sum, &bad);
-    if (mx > 0x3F800000u) {
-        for (size_t i = 0; i < vocab; i++)
-            if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
-        for (size_t i = 0; i < vocab; i++)
-            if (bits[i] & 0x80000000u) return E_NEGATIVE;
-        return E_NON_DYADIC;
-    }
+    if (mx > 0x3F800000u) return above_one_code(bits, vocab);
     if (or_bits(bits + vocab, entries - vocab)) return E_DENSE_PADDING_NONZERO;
     if (bad) return E_NON_DYADIC;
     if (sum != 16777216u) return E_MASS_MISMATCH;
