@@ -55,7 +55,6 @@ each with its ``batch`` form; ``paced_drafter_factory`` and
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import hashlib
@@ -67,7 +66,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,13 +75,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.apps import settings
 from pp1wire.apps.models import DEFAULT_VOCAB, ModelFn
 from pp1wire.apps.paced import (
     DEFAULT_DRAFTER_MS,
     DEFAULT_TARGET_MS,
     DRAFTER_MS_ENV,
     TARGET_MS_ENV,
+    pace_seconds,
+    paced_call,
 )
 
 #: The module whose ``topics`` dict holds the text (pydoc's help topics).
@@ -587,38 +586,11 @@ class PacedModelFn:
 
     def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.floating]:
         """One prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        row = self.fn(prefix)
-        _sleep_until(deadline)
-        return row
+        return paced_call(self.seconds, self.fn, prefix)
 
     def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.floating]:
         """Every prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        rows = self.fn.batch(prefixes)
-        _sleep_until(deadline)
-        return rows
-
-
-def _sleep_until(deadline: float) -> None:
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-
-
-def _pace(name: str, default_ms: float) -> float:
-    """``$name`` in seconds (``default_ms`` when unset), as :mod:`pp1wire.apps.paced` reads it.
-
-    Raises:
-        ValueError: unless it is a finite number of milliseconds in 0..60,000.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default_ms / 1e3
-    try:
-        return settings.pace_ms(raw) / 1e3
-    except argparse.ArgumentTypeError as exc:  # a plugin factory's caller expects ValueError
-        raise ValueError(f"{name}={raw!r}: {exc}") from None
+        return paced_call(self.seconds, self.fn.batch, prefixes)
 
 
 def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> PacedModelFn:
@@ -628,7 +600,7 @@ def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pace
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(TARGET_MS_ENV, DEFAULT_TARGET_MS)
+    seconds = pace_seconds(TARGET_MS_ENV, DEFAULT_TARGET_MS)
     return PacedModelFn(target_factory(vocab_size, seed), seconds)
 
 
@@ -639,7 +611,7 @@ def paced_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pac
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     return PacedModelFn(drafter_factory(vocab_size, seed), seconds)
 
 
@@ -652,5 +624,5 @@ def paced_probs_drafter_factory(
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     return PacedModelFn(probs_drafter_factory(vocab_size, seed), seconds)
