@@ -67,7 +67,7 @@ import re
 import tempfile
 import threading
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -453,25 +453,13 @@ class NgramLM:
         return row
 
     def _probs_into(self, prefix: Sequence[int], out: Row) -> None:
-        """Write the row for ``prefix`` into ``out`` (zeroed beyond the model's tokens)."""
+        """Write the row for ``prefix`` into ``out`` (zero beyond the model's tokens)."""
         row = self._model_row(prefix)
         used = min(self.size, self.vocab_size)
         kept = row[:used]
         kept /= kept.sum()
         out[:used] = kept
-
-    def probs(self, prefix: Sequence[int]) -> Row:
-        """Next-token probabilities (binary64, summing to 1) over the global vocabulary."""
-        out = np.zeros(self.vocab_size)
-        self._probs_into(prefix, out)
-        return out
-
-    def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
-        """:meth:`probs` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        out = np.zeros((len(prefixes), self.vocab_size))
-        for i, prefix in enumerate(prefixes):
-            self._probs_into(prefix, out[i])
-        return out
+        out[used:] = 0.0
 
     def _logits_into(self, prefix: Sequence[int], out: Row) -> None:
         used = min(self.size, self.vocab_size)
@@ -480,18 +468,37 @@ class NgramLM:
         np.log(row, out=out[:used])
         out[used:] = -np.inf
 
+    def _row(self, into: Callable[[Sequence[int], Row], None], prefix: Sequence[int]) -> Row:
+        """The row ``into`` writes for ``prefix``, in a new array."""
+        out = np.empty(self.vocab_size)
+        into(prefix, out)
+        return out
+
+    def _rows(
+        self, into: Callable[[Sequence[int], Row], None], prefixes: Sequence[Sequence[int]]
+    ) -> Row:
+        """The rows ``into`` writes for ``prefixes``, in a new ``[B, V]`` array: each as
+        :meth:`_row` makes it, bit for bit (the same writer)."""
+        out = np.empty((len(prefixes), self.vocab_size))
+        for i, prefix in enumerate(prefixes):
+            into(prefix, out[i])
+        return out
+
+    def probs(self, prefix: Sequence[int]) -> Row:
+        """Next-token probabilities (binary64, summing to 1) over the global vocabulary."""
+        return self._row(self._probs_into, prefix)
+
+    def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
+        """:meth:`probs` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
+        return self._rows(self._probs_into, prefixes)
+
     def logits(self, prefix: Sequence[int]) -> Row:
         """Next-token logits: the log of :meth:`probs` (-inf beyond the model's tokens)."""
-        out = np.empty(self.vocab_size)
-        self._logits_into(prefix, out)
-        return out
+        return self._row(self._logits_into, prefix)
 
     def logits_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
         """:meth:`logits` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        out = np.empty((len(prefixes), self.vocab_size))
-        for i, prefix in enumerate(prefixes):
-            self._logits_into(prefix, out[i])
-        return out
+        return self._rows(self._logits_into, prefixes)
 
 
 def _identity(order: int, discount: float, table: Tables) -> str:
