@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from pp1wire.apps import ngram, pairstats, settings
+from pp1wire.apps import ngram, paced, pairstats, settings
 from pp1wire.apps.models import ToyLM
 
 from .test_demo import Clock
@@ -197,7 +197,7 @@ def test_the_plugins_load_by_name_and_serve_both_forms(tables):
 
 def test_the_paced_plugins_cost_their_pace_per_call(tables, monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(ngram, "time", clock)
+    monkeypatch.setattr(paced, "time", clock)  # the pacing is paced.paced_call's
     monkeypatch.setenv("PP1_PACED_TARGET_MS", "20")
     target = ngram.paced_target_factory(300)
     np.testing.assert_array_equal(target([1]), ngram.ngram_target(300).probs([1]))

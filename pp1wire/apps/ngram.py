@@ -55,7 +55,6 @@ each with its ``batch`` form; ``paced_drafter_factory`` and
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import hashlib
@@ -67,9 +66,8 @@ import os
 import re
 import tempfile
 import threading
-import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -77,13 +75,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from pp1wire.apps import settings
 from pp1wire.apps.models import DEFAULT_VOCAB, ModelFn
 from pp1wire.apps.paced import (
     DEFAULT_DRAFTER_MS,
     DEFAULT_TARGET_MS,
     DRAFTER_MS_ENV,
     TARGET_MS_ENV,
+    pace_seconds,
+    paced_call,
 )
 
 #: The module whose ``topics`` dict holds the text (pydoc's help topics).
@@ -454,25 +453,13 @@ class NgramLM:
         return row
 
     def _probs_into(self, prefix: Sequence[int], out: Row) -> None:
-        """Write the row for ``prefix`` into ``out`` (zeroed beyond the model's tokens)."""
+        """Write the row for ``prefix`` into ``out`` (zero beyond the model's tokens)."""
         row = self._model_row(prefix)
         used = min(self.size, self.vocab_size)
         kept = row[:used]
         kept /= kept.sum()
         out[:used] = kept
-
-    def probs(self, prefix: Sequence[int]) -> Row:
-        """Next-token probabilities (binary64, summing to 1) over the global vocabulary."""
-        out = np.zeros(self.vocab_size)
-        self._probs_into(prefix, out)
-        return out
-
-    def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
-        """:meth:`probs` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        out = np.zeros((len(prefixes), self.vocab_size))
-        for i, prefix in enumerate(prefixes):
-            self._probs_into(prefix, out[i])
-        return out
+        out[used:] = 0.0
 
     def _logits_into(self, prefix: Sequence[int], out: Row) -> None:
         used = min(self.size, self.vocab_size)
@@ -481,18 +468,37 @@ class NgramLM:
         np.log(row, out=out[:used])
         out[used:] = -np.inf
 
+    def _row(self, into: Callable[[Sequence[int], Row], None], prefix: Sequence[int]) -> Row:
+        """The row ``into`` writes for ``prefix``, in a new array."""
+        out = np.empty(self.vocab_size)
+        into(prefix, out)
+        return out
+
+    def _rows(
+        self, into: Callable[[Sequence[int], Row], None], prefixes: Sequence[Sequence[int]]
+    ) -> Row:
+        """The rows ``into`` writes for ``prefixes``, in a new ``[B, V]`` array: each as
+        :meth:`_row` makes it, bit for bit (the same writer)."""
+        out = np.empty((len(prefixes), self.vocab_size))
+        for i, prefix in enumerate(prefixes):
+            into(prefix, out[i])
+        return out
+
+    def probs(self, prefix: Sequence[int]) -> Row:
+        """Next-token probabilities (binary64, summing to 1) over the global vocabulary."""
+        return self._row(self._probs_into, prefix)
+
+    def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
+        """:meth:`probs` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
+        return self._rows(self._probs_into, prefixes)
+
     def logits(self, prefix: Sequence[int]) -> Row:
         """Next-token logits: the log of :meth:`probs` (-inf beyond the model's tokens)."""
-        out = np.empty(self.vocab_size)
-        self._logits_into(prefix, out)
-        return out
+        return self._row(self._logits_into, prefix)
 
     def logits_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
         """:meth:`logits` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        out = np.empty((len(prefixes), self.vocab_size))
-        for i, prefix in enumerate(prefixes):
-            self._logits_into(prefix, out[i])
-        return out
+        return self._rows(self._logits_into, prefixes)
 
 
 def _identity(order: int, discount: float, table: Tables) -> str:
@@ -587,38 +593,11 @@ class PacedModelFn:
 
     def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.floating]:
         """One prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        row = self.fn(prefix)
-        _sleep_until(deadline)
-        return row
+        return paced_call(self.seconds, self.fn, prefix)
 
     def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.floating]:
         """Every prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        rows = self.fn.batch(prefixes)
-        _sleep_until(deadline)
-        return rows
-
-
-def _sleep_until(deadline: float) -> None:
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-
-
-def _pace(name: str, default_ms: float) -> float:
-    """``$name`` in seconds (``default_ms`` when unset), as :mod:`pp1wire.apps.paced` reads it.
-
-    Raises:
-        ValueError: unless it is a finite number of milliseconds in 0..60,000.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default_ms / 1e3
-    try:
-        return settings.pace_ms(raw) / 1e3
-    except argparse.ArgumentTypeError as exc:  # a plugin factory's caller expects ValueError
-        raise ValueError(f"{name}={raw!r}: {exc}") from None
+        return paced_call(self.seconds, self.fn.batch, prefixes)
 
 
 def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> PacedModelFn:
@@ -628,7 +607,7 @@ def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pace
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(TARGET_MS_ENV, DEFAULT_TARGET_MS)
+    seconds = pace_seconds(TARGET_MS_ENV, DEFAULT_TARGET_MS)
     return PacedModelFn(target_factory(vocab_size, seed), seconds)
 
 
@@ -639,7 +618,7 @@ def paced_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pac
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     return PacedModelFn(drafter_factory(vocab_size, seed), seconds)
 
 
@@ -652,5 +631,5 @@ def paced_probs_drafter_factory(
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _pace(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     return PacedModelFn(probs_drafter_factory(vocab_size, seed), seconds)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -41,20 +42,40 @@ DEFAULT_DRAFTER_MS = 0.5
 
 Row = npt.NDArray[np.floating]
 
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
-def _milliseconds(name: str, default: float) -> float:
-    """``$name`` in milliseconds (``default`` when unset), as ``pp1-demo --target-ms``.
+
+def pace_seconds(name: str, default_ms: float) -> float:
+    """``$name``, read as milliseconds as ``pp1-demo --target-ms`` reads them
+    (``default_ms`` when unset), in seconds.
 
     Raises:
-        ValueError: unless it is a finite number in 0..60,000.
+        ValueError: unless it is a finite number of milliseconds in 0..60,000.
     """
     raw = os.environ.get(name)
     if raw is None:
-        return default
+        return default_ms / 1e3
     try:
-        return settings.pace_ms(raw)
+        return settings.pace_ms(raw) / 1e3
     except argparse.ArgumentTypeError as exc:  # a plugin factory's caller expects ValueError
         raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def paced_call(seconds: float, fn: Callable[[_A], _R], arg: _A) -> _R:
+    """``fn(arg)``, returned ``seconds`` after the call began (later only if ``fn``
+    takes longer): a paced model's cost, whatever the call computes. The wait is a
+    sleep, which releases the GIL as a call into a GPU runtime does.
+
+    Raises:
+        Exception: whatever ``fn`` raises, at once (a failed call is not paced).
+    """
+    deadline = time.perf_counter() + seconds
+    out = fn(arg)
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+    return out
 
 
 class PacedModel:
@@ -82,25 +103,16 @@ class PacedModel:
         row: Row = self.table[last % self.table.shape[0]]
         return row
 
+    def _rows(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
+        return [self._row(p) for p in prefixes]
+
     def __call__(self, prefix: Sequence[int]) -> Row:
         """One prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        row = self._row(prefix)
-        _sleep_until(deadline)
-        return row
+        return paced_call(self.seconds, self._row, prefix)
 
     def batch(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
         """Every prefix's row, at the cost of one call."""
-        deadline = time.perf_counter() + self.seconds
-        rows = [self._row(p) for p in prefixes]
-        _sleep_until(deadline)
-        return rows
-
-
-def _sleep_until(deadline: float) -> None:
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
+        return paced_call(self.seconds, self._rows, prefixes)
 
 
 def _contexts(vocab_size: int) -> list[list[int]]:
@@ -113,7 +125,7 @@ def target_factory(vocab_size: int, seed: int = 0) -> PacedModel:
     Raises:
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = _milliseconds(TARGET_MS_ENV, DEFAULT_TARGET_MS) / 1e3
+    seconds = pace_seconds(TARGET_MS_ENV, DEFAULT_TARGET_MS)
     return PacedModel(ToyLM(vocab_size, seed).probs_batch(_contexts(vocab_size)), seconds)
 
 
@@ -125,7 +137,7 @@ def drafter_factory(vocab_size: int, seed: int = 0, *, kind: DrafterKind = "logi
         ValueError: for a pace that is not a duration in 0..60,000 ms, or a
             ``kind`` other than ``"logits"`` and ``"probs"``.
     """
-    seconds = _milliseconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS) / 1e3
+    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
     model = ToyLM(vocab_size, seed, draft=True)
     contexts = _contexts(vocab_size)
     if kind == "probs":

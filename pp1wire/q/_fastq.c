@@ -134,6 +134,17 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The code of a row holding a bit pattern above 1.0 (its largest as unsigned): a
+ * NaN or infinity outranks a negative value, which outranks a finite value above 1
+ * (not dyadic24). A refused row's path only, so plain loops. */
+static int above_one_code(const uint32_t *bits, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
+    for (size_t i = 0; i < n; i++)
+        if (bits[i] & 0x80000000u) return E_NEGATIVE;
+    return E_NON_DYADIC;
+}
+
 /* The sparse-row checks of dyadic.validate_sparse, in the same order. */
 static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64_t vocab,
                        size_t max_k, int64_t proposed) {
@@ -158,13 +169,7 @@ static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64
     }
     uint32_t mx = 0;
     for (size_t i = 0; i < k; i++) mx = bits[i] > mx ? bits[i] : mx;
-    if (mx > 0x3F800000u) {
-        for (size_t i = 0; i < k; i++)
-            if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
-        for (size_t i = 0; i < k; i++)
-            if (bits[i] & 0x80000000u) return E_NEGATIVE;
-        return E_NON_DYADIC;
-    }
+    if (mx > 0x3F800000u) return above_one_code(bits, k);
     uint64_t sum = 0;
     int zero = 0;
     for (size_t i = 0; i < k; i++) {
@@ -536,9 +541,12 @@ static int build_counts(const double *w, size_t n, double total, int32_t *out, f
 }
 
 /* The proposal draw from counts whose block sums are known: the first index
- * whose cumulative count exceeds u (dyadic.sample), scanning one block.
+ * whose cumulative count exceeds u (dyadic.sample), scanning one block. The
+ * counts are out's, or with out NULL q's FP32 values c / 2**24 (the test on out
+ * is the same for every i: once inlined, it is taken out of the loop).
  * -1 if the counts do not sum to M. */
-static int64_t draw_from_blocks(const int32_t *out, size_t n, const int64_t *blocks, int64_t u) {
+static inline int64_t draw_from_blocks(const int32_t *out, const float *q, size_t n,
+                                       const int64_t *blocks, int64_t u) {
     size_t nblocks = (n + BLOCK - 1) / BLOCK;
     int64_t total = 0;
     for (size_t b = 0; b < nblocks; b++) total += blocks[b];
@@ -548,10 +556,37 @@ static int64_t draw_from_blocks(const int32_t *out, size_t n, const int64_t *blo
     while (acc + blocks[b] <= u) acc += blocks[b++];
     size_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
     for (size_t i = b * BLOCK; i < end; i++) {
-        acc += out[i];
+        acc += out != NULL ? out[i] : (int64_t)(q[i] * 16777216.0f); /* exact */
         if (acc > u) return (int64_t)i;
     }
     return -1; /* unreachable for counts that sum to M */
+}
+
+/* A built row's status once drawn from with u (st: its status from the build;
+ * 4 for a draw outside [0, M), 3 for counts not summing to M) and its token in
+ * *token (-1 unless drawn). Counts as for draw_from_blocks. */
+static inline int proposal_draw(int st, const int32_t *out, const float *q, size_t n,
+                                const int64_t *blocks, int64_t u, int64_t *token) {
+    *token = -1;
+    if (st != 0) return st;
+    if (u < 0 || u >= (int64_t)M24) return 4;
+    *token = draw_from_blocks(out, q, n, blocks, u);
+    return *token < 0 ? 3 : 0;
+}
+
+/* The block sums of a row of n: `stack` (STACK_BLOCKS entries) where they fit,
+ * else allocated (NULL with MemoryError set if that fails; the GIL is held).
+ * Freed by blocks_free. */
+static int64_t *blocks_for(size_t n, int64_t *stack) {
+    size_t nblocks = (n + BLOCK - 1) / BLOCK;
+    if (nblocks <= STACK_BLOCKS) return stack;
+    int64_t *blocks = (int64_t *)malloc(nblocks * sizeof(int64_t));
+    if (blocks == NULL) PyErr_NoMemory();
+    return blocks;
+}
+
+static void blocks_free(int64_t *blocks, const int64_t *stack) {
+    if (blocks != stack) free(blocks); /* free(NULL) does nothing */
 }
 
 /* Lay out a row's key and idx scratch in `work` (at least 8 bytes per entry);
@@ -573,19 +608,15 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
         || (size_t)kb.len != 8 * n || n == 0 || n > 0xFFFFFFFFu) {
         PyErr_SetString(PyExc_ValueError, "allocate: buffer sizes do not match");
     } else {
-        size_t nblocks = (n + BLOCK - 1) / BLOCK;
         int64_t stack_blocks[STACK_BLOCKS];
-        int64_t *blocks = nblocks <= STACK_BLOCKS ? stack_blocks
-                                                  : (int64_t *)malloc(nblocks * sizeof(int64_t));
-        if (blocks == NULL) {
-            PyErr_NoMemory();
-        } else {
+        int64_t *blocks = blocks_for(n, stack_blocks);
+        if (blocks != NULL) {
             scratch_t s;
             scratch_in(&s, (double *)sb.buf, kb.buf, n, blocks);
             Py_BEGIN_ALLOW_THREADS
             status = build_counts((const double *)wb.buf, n, total, (int32_t *)ob.buf, NULL, &s);
             Py_END_ALLOW_THREADS
-            if (blocks != stack_blocks) free(blocks);
+            blocks_free(blocks, stack_blocks);
         }
     }
     PyBuffer_Release(&wb);
@@ -651,13 +682,8 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
         Py_XDECREF(seq);
     }
     if (ok) {
-        size_t nblocks = (n + BLOCK - 1) / BLOCK;
-        blocks = nblocks <= STACK_BLOCKS ? stack_blocks
-                                         : (int64_t *)malloc(nblocks * sizeof(int64_t));
-        if (blocks == NULL) {
-            ok = 0;
-            PyErr_NoMemory();
-        }
+        blocks = blocks_for(n, stack_blocks);
+        ok = blocks != NULL;
     }
     if (ok) {
         scratch_t s;
@@ -673,22 +699,15 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
             int32_t *outr = shared_out ? out : out + r * n;
             float *q = qb != NULL ? (float *)qb[r].buf : NULL;
             int st = build_counts(wr, n, tree_root(wr, n), outr, q, &s);
-            int64_t token = -1;
-            if (st == 0) {
-                if (draws[r] < 0 || draws[r] >= (int64_t)M24) {
-                    st = 4;
-                } else {
-                    token = draw_from_blocks(outr, n, blocks, draws[r]);
-                    if (token < 0) st = 3;
-                }
-            }
+            int64_t token;
+            st = proposal_draw(st, outr, NULL, n, blocks, draws[r], &token);
             if (st == 0 && q != NULL) memset(q + n, 0, (size_t)qb[r].len - 4 * n); /* +0.0 */
             status[r] = st;
             tokens[r] = token;
         }
         Py_END_ALLOW_THREADS
     }
-    if (blocks != NULL && blocks != stack_blocks) free(blocks);
+    blocks_free(blocks, stack_blocks);
     for (size_t r = 0; r < held; r++) PyBuffer_Release(&qb[r]);
     PyMem_Free(qb);
     PyBuffer_Release(&wb);
@@ -1998,23 +2017,6 @@ static int build_q(const void *w, int f32, size_t n, float *q, const scratch_t *
                          top_hist);
 }
 
-/* draw_from_blocks over counts held as FP32 values c / 2**24. */
-static int64_t draw_from_q(const float *q, size_t n, const int64_t *blocks, int64_t u) {
-    size_t nblocks = (n + BLOCK - 1) / BLOCK;
-    int64_t total = 0;
-    for (size_t b = 0; b < nblocks; b++) total += blocks[b];
-    if (total != (int64_t)M24) return -1;
-    int64_t acc = 0;
-    size_t b = 0;
-    while (acc + blocks[b] <= u) acc += blocks[b++];
-    size_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-    for (size_t i = b * BLOCK; i < end; i++) {
-        acc += (int64_t)(q[i] * 16777216.0f); /* exact */
-        if (acc > u) return (int64_t)i;
-    }
-    return -1; /* unreachable for counts that sum to M */
-}
-
 /* construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
  *     Each row (a C-contiguous buffer of n float32 or float64 weights, all of
  *     one type) is checked, totalled, allocated and drawn from with draws[r]
@@ -2085,13 +2087,8 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
     int64_t stack_blocks[STACK_BLOCKS];
     int64_t *blocks = NULL;
     if (ok) {
-        size_t nblocks = (n + BLOCK - 1) / BLOCK;
-        blocks = nblocks <= STACK_BLOCKS ? stack_blocks
-                                         : (int64_t *)malloc(nblocks * sizeof(int64_t));
-        if (blocks == NULL) {
-            ok = 0;
-            PyErr_NoMemory();
-        }
+        blocks = blocks_for(n, stack_blocks);
+        ok = blocks != NULL;
     }
     if (ok) {
         scratch_t s;
@@ -2104,22 +2101,15 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
         for (size_t r = 0; r < count; r++) {
             float *q = (float *)views[2 * r + 1].buf;
             int st = build_q(views[2 * r].buf, f32, n, q, &s);
-            int64_t token = -1;
-            if (st == 0) {
-                if (draws[r] < 0 || draws[r] >= (int64_t)M24) {
-                    st = 4;
-                } else {
-                    token = draw_from_q(q, n, blocks, draws[r]);
-                    if (token < 0) st = 3;
-                }
-            }
+            int64_t token;
+            st = proposal_draw(st, NULL, q, n, blocks, draws[r], &token);
             if (st == 0) memset(q + n, 0, (size_t)views[2 * r + 1].len - 4 * n); /* +0.0 */
             status[r] = st;
             tokens[r] = token;
         }
         Py_END_ALLOW_THREADS
     }
-    if (blocks != NULL && blocks != stack_blocks) free(blocks);
+    blocks_free(blocks, stack_blocks);
     for (size_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     Py_XDECREF(rseq);
@@ -2311,13 +2301,7 @@ static int dense_code(const uint32_t *bits, size_t entries, size_t vocab, int64_
     uint64_t sum = 0;
     uint32_t bad = 0;
     uint32_t mx = scan_loop(bits, vocab, &sum, &bad);
-    if (mx > 0x3F800000u) {
-        for (size_t i = 0; i < vocab; i++)
-            if ((bits[i] & 0x7F800000u) == 0x7F800000u) return E_NON_FINITE;
-        for (size_t i = 0; i < vocab; i++)
-            if (bits[i] & 0x80000000u) return E_NEGATIVE;
-        return E_NON_DYADIC;
-    }
+    if (mx > 0x3F800000u) return above_one_code(bits, vocab);
     if (or_bits(bits + vocab, entries - vocab)) return E_DENSE_PADDING_NONZERO;
     if (bad) return E_NON_DYADIC;
     if (sum != 16777216u) return E_MASS_MISMATCH;

@@ -482,7 +482,9 @@ def _discarding_round_distribution(
 def _verified_outcomes(
     prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None
 ) -> dict[RoundOutcome, Fraction]:
-    """:func:`verify_block_distribution` with each outcome's marks and verification."""
+    """The law of one round's outcomes (tokens, marks and verification) when the shipped
+    block is ``drafts``: :func:`verify_block_distribution` before the marks are
+    dropped (raises as it does)."""
     out: dict[RoundOutcome, Fraction] = {}
     mass = Fraction(1)
     for i, x in enumerate(drafts):
@@ -555,22 +557,8 @@ def verify_block_distribution(
         VerifyError: ``MALFORMED_PROPOSAL`` for a draft with q(x) = 0.
     """
     out: dict[Prefix, Fraction] = {}
-    mass = Fraction(1)
-    for i, x in enumerate(drafts):
-        ctx = prefix + drafts[:i]
-        p, q = list(p_fn(ctx)), list(q_fn(ctx))
-        a = acceptance(p, q, x)
-        if a != 1:
-            for y, ry in enumerate(residual(p, q)):
-                _add(out, (*drafts[:i], y), mass * (1 - a) * ry)
-        mass *= a
-        if not mass:
-            return out
-    if drafts and drafts[-1] == eos:
-        _add(out, drafts, mass)
-        return out
-    for b, pb in enumerate(p_fn(prefix + drafts)):
-        _add(out, (*drafts, b), mass * pb)
+    for outcome, mass in _verified_outcomes(prefix, drafts, q_fn, p_fn, eos).items():
+        _add(out, outcome.tokens, mass)
     return out
 
 

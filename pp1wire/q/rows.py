@@ -260,23 +260,8 @@ def construct_rows(
         u = scratch.draws[:count]
         u[:] = draws
         fast.construct_rows(weights, n, u, tokens, status, out, scratch.work)
-        results: list[int | ConstructionError | ValidationError] = []
-        for r in range(count):
-            code = int(status[r])
-            if code == 0:
-                results.append(int(tokens[r]))
-            elif code == 4:
-                results.append(
-                    ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
-                )
-            elif code in _CONSTRUCT_STATUS:
-                results.append(ConstructionError(*_CONSTRUCT_STATUS[code]))
-            else:
-                results.append(
-                    ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code])
-                )
-        return out, results
-    results = []
+        return out, _row_results(status, tokens, draws)
+    results: list[int | ConstructionError | ValidationError] = []
     scale = np.float32(1.0 / M)
     for r in range(count):
         try:
@@ -311,8 +296,16 @@ def _build_rows(
     status = np.empty(rows, dtype=np.int32)
     u = np.asarray(draws, dtype=np.int64)
     _compiled().build_rows(w, n, counts, u, tokens, status, scratch.share, scratch.work)
+    return _row_results(status, tokens, draws)
+
+
+def _row_results(
+    status: npt.NDArray[np.int32], tokens: npt.NDArray[np.int64], draws: Sequence[int]
+) -> list[int | ConstructionError | ValidationError]:
+    """Each row's drawn index, or its error, from the compiled pass's statuses (the
+    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them)."""
     results: list[int | ConstructionError | ValidationError] = []
-    for r in range(rows):
+    for r in range(len(draws)):
         code = int(status[r])
         if code == 0:
             results.append(int(tokens[r]))
@@ -320,6 +313,8 @@ def _build_rows(
             results.append(
                 ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
             )
+        elif code in _CONSTRUCT_STATUS:
+            results.append(ConstructionError(*_CONSTRUCT_STATUS[code]))
         else:
             results.append(ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code]))
     return results

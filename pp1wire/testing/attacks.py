@@ -208,6 +208,51 @@ def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> 
     return drawn, limited
 
 
+class _Tally:
+    """STEPs answered with a proposal and STEPs refused, counted by many threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.drawn = 0
+        self.refused = 0
+
+    def add(self, drawn: int, refused: int) -> None:
+        with self._lock:
+            self.drawn += drawn
+            self.refused += refused
+
+
+def _on_links(
+    one: Callable[[socket.socket, int], None],
+    port: int,
+    vocab: int,
+    slots: int,
+    prefix: list[int],
+    *,
+    connections: int,
+    source: str | None,
+    ready: Callable[[], object] | None,
+) -> None:
+    """Open ``connections`` connections (from ``source``), each with ``slots`` slots at
+    ``prefix``, call ``ready``, then run ``one(sock, session)`` for each connection on
+    a thread of its own until every one returns.
+
+    Raises:
+        OSError, ConnectionError: if the worker cannot be reached or drops a connection
+            while it opens.
+    """
+    links = [
+        handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
+    ]
+    if ready is not None:
+        ready()
+    threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def reset_step_loop(
     port: int,
     vocab: int,
@@ -234,8 +279,7 @@ def reset_step_loop(
     """
     prefix = [1, 2, 3]
     digest = prefix_digest(prefix)
-    totals = [0, 0]
-    lock = threading.Lock()
+    tally = _Tally()
 
     def one(sock: socket.socket, session: int) -> None:
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
@@ -274,9 +318,7 @@ def reset_step_loop(
                     return
                 drawn, refused = _answers(sock, decoder, slots)
                 generation += 1
-                with lock:
-                    totals[0] += drawn
-                    totals[1] += refused
+                tally.add(drawn, refused)
                 if refused and reconnect:
                     sock.close()
                     while True:
@@ -293,17 +335,8 @@ def reset_step_loop(
         finally:
             sock.close()
 
-    links = [
-        handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
-    ]
-    if ready is not None:
-        ready()
-    threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return totals[0], totals[1]
+    _on_links(one, port, vocab, slots, prefix, connections=connections, source=source, ready=ready)
+    return tally.drawn, tally.refused
 
 
 def commit_loop(
@@ -331,8 +364,7 @@ def commit_loop(
         OSError, ConnectionError: if the worker cannot be reached.
     """
     start = [1, 2, 3]
-    totals = [0, 0]
-    lock = threading.Lock()
+    tally = _Tally()
 
     def one(sock: socket.socket, session: int) -> None:
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
@@ -353,9 +385,7 @@ def commit_loop(
                 drawn, refused = _answers(sock, decoder, slots)
                 if drawn + refused < slots:
                     return  # the worker closed the connection
-                with lock:
-                    totals[0] += drawn
-                    totals[1] += refused
+                tally.add(drawn, refused)
                 out = []
                 for slot, prefix in enumerate(prefixes):
                     token = 4 + round_id % 50
@@ -379,17 +409,8 @@ def commit_loop(
         finally:
             sock.close()
 
-    links = [
-        handshake_and_open(port, vocab, slots, start, source=source) for _ in range(connections)
-    ]
-    if ready is not None:
-        ready()
-    threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return totals[0], totals[1]
+    _on_links(one, port, vocab, slots, start, connections=connections, source=source, ready=ready)
+    return tally.drawn, tally.refused
 
 
 def squat(

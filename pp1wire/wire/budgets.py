@@ -33,16 +33,15 @@ IDLE_ACCOUNTS: Final = 4096
 _EPSILON = 1e-9
 
 
-class TokenBucket:
-    """At most ``burst`` draws at once and ``rate`` per second on average.
+class _Refilling:
+    """A level that refills at ``rate`` per second up to ``burst``, full at creation:
+    what a :class:`TokenBucket` and an :class:`AbandonBudget` spend from. The clock
+    is the caller's (monotonic seconds)."""
 
-    Full at creation. The clock is the caller's (monotonic seconds).
-    """
-
-    __slots__ = ("_stamp", "_tokens", "burst", "rate")
+    __slots__ = ("_level", "_stamp", "burst", "rate")
 
     def __init__(self, rate: float, burst: int, now: float) -> None:
-        """A full bucket at time ``now``.
+        """A full level at time ``now``.
 
         Raises:
             ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
@@ -51,38 +50,51 @@ class TokenBucket:
             raise ValueError("a draw budget needs a finite rate above 0 and a burst of at least 1")
         self.rate = rate
         self.burst = burst
-        self._tokens = float(burst)
+        self._level = float(burst)
         self._stamp = now
 
     def _refill(self, now: float) -> None:
         if now > self._stamp:
-            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
+            self._level = min(float(self.burst), self._level + (now - self._stamp) * self.rate)
             self._stamp = now
+
+    def full(self, now: float) -> bool:
+        """Whether the level is back at ``burst`` at ``now`` (a new one would be no
+        different)."""
+        self._refill(now)
+        return self._level >= self.burst - _EPSILON
+
+
+class TokenBucket(_Refilling):
+    """At most ``burst`` draws at once and ``rate`` per second on average.
+
+    Full at creation (``TokenBucket(rate, burst, now)``; ``ValueError`` unless
+    ``rate`` is finite and above 0 and ``burst`` >= 1). The clock is the caller's
+    (monotonic seconds).
+    """
+
+    __slots__ = ()
 
     def level(self, now: float) -> float:
         """The draws the bucket holds at ``now`` (fractions included)."""
         self._refill(now)
-        return self._tokens
-
-    def full(self, now: float) -> bool:
-        """Whether the bucket is full at ``now`` (a new one would be no different)."""
-        return self.level(now) >= self.burst - _EPSILON
+        return self._level
 
     def take(self, now: float) -> bool:
         """Spend one draw at ``now`` if the budget has one; False (nothing spent) if not."""
         self._refill(now)
-        if self._tokens >= 1.0 - _EPSILON:
-            self._tokens = max(0.0, self._tokens - 1.0)
+        if self._level >= 1.0 - _EPSILON:
+            self._level = max(0.0, self._level - 1.0)
             return True
         return False
 
     def wait(self, now: float) -> float:
         """Seconds from ``now`` until :meth:`take` would succeed (0 if it would now)."""
         self._refill(now)
-        return 0.0 if self._tokens >= 1.0 - _EPSILON else (1.0 - self._tokens) / self.rate
+        return 0.0 if self._level >= 1.0 - _EPSILON else (1.0 - self._level) / self.rate
 
 
-class AbandonBudget:
+class AbandonBudget(_Refilling):
     """Fresh draws a principal may leave uncommitted, and how fast it earns more.
 
     A draw is *abandoned* when the slot it was drawn for is reset or closed
@@ -92,29 +104,16 @@ class AbandonBudget:
     so it abandons only what a reconnect or a shutdown cuts. At most ``burst``
     abandons are free, then ``rate`` per second; a principal beyond that owes
     them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
-    paid them back. The clock is the caller's.
+    paid them back. Full at creation (``AbandonBudget(rate, burst, now)``, with
+    the limits of :class:`TokenBucket`); full again (:meth:`full`) once nothing is
+    owed and the whole burst is free. The clock is the caller's.
+
+    Its level is the free abandons left, and below 0 what is owed (unlike a
+    :class:`TokenBucket`'s, it goes below 0). Paid back as it accrues, so a debt is
+    never charged twice by a bucket that would have been full meanwhile.
     """
 
-    __slots__ = ("_level", "_stamp", "burst", "rate")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        """A full budget at ``now``.
-
-        Raises:
-            ValueError: as :class:`TokenBucket`.
-        """
-        TokenBucket(rate, burst, now)  # the same limits
-        self.rate = rate
-        self.burst = burst
-        # Free abandons left; below 0, what is owed. Paid back as it accrues, so a
-        # debt is never charged twice by a bucket that would have been full meanwhile.
-        self._level = float(burst)
-        self._stamp = now
-
-    def _refill(self, now: float) -> None:
-        if now > self._stamp:
-            self._level = min(float(self.burst), self._level + (now - self._stamp) * self.rate)
-            self._stamp = now
+    __slots__ = ()
 
     def abandoned(self, now: float) -> None:
         """One more draw left uncommitted at ``now``."""
@@ -129,11 +128,6 @@ class AbandonBudget:
     def wait(self, now: float) -> float:
         """Seconds from ``now`` until :meth:`allows` would be true (0 if it is now)."""
         return 0.0 if self.allows(now) else -self._level / self.rate
-
-    def settled(self, now: float) -> bool:
-        """Whether nothing is owed and the whole burst is free again at ``now``."""
-        self._refill(now)
-        return self._level >= self.burst - _EPSILON
 
 
 class DrawLimits(Protocol):
@@ -305,7 +299,7 @@ class Account:
             self.refs == 0
             and self.bound == 0
             and now >= self._grace_free
-            and (self._abandons is None or self._abandons.settled(now))
+            and (self._abandons is None or self._abandons.full(now))
             and all(lane.full(now) for lane in self._free)
         )
 

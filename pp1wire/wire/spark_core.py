@@ -346,11 +346,22 @@ class SparkProtocol(SparkReplies):
         self._slot_generations[slot] = generation
         return generation
 
-    def _slot(self, slot: int) -> SparkSlot:
+    def _opened(self, slot: int) -> SparkSlot:
+        """Open slot ``slot``'s state, desynced or not: what a reset, a close or a cut
+        acts on (a STEP or a COMMIT needs a slot in sync: :meth:`_slot`).
+
+        Raises:
+            ProtocolError: ``UNKNOWN_SLOT``.
+            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
+        """
         self._require_ready()
         state = self.slots.get(slot)
         if state is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        return state
+
+    def _slot(self, slot: int) -> SparkSlot:
+        state = self._opened(slot)
         if state.desynced:
             raise LocalStateError(ErrorCode.SLOT_DESYNCED, f"slot {slot} must be reopened")
         return state
@@ -474,10 +485,7 @@ class SparkProtocol(SparkReplies):
             ProtocolError: ``UNKNOWN_SLOT``.
             LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
-        self._require_ready()
-        state = self.slots.get(slot)
-        if state is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        state = self._opened(slot)
         if state.flight is not None:
             self._discard(slot, state, ErrorCode.CANCELLED)  # our own reset: not a fallback
         generation = state.fence.generation + 1
@@ -497,10 +505,8 @@ class SparkProtocol(SparkReplies):
             ProtocolError: ``UNKNOWN_SLOT``.
             LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
-        self._require_ready()
-        state = self.slots.pop(slot, None)
-        if state is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        state = self._opened(slot)
+        del self.slots[slot]
         if state.flight is not None:
             self._discard(slot, state, ErrorCode.CANCELLED)  # our own close: not a fallback
         for key in [k for k in self._ready if k[0] == slot]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.errors import ErrorCode
 from pp1wire.q import validate
 from pp1wire.q.proposal import Lease
 from pp1wire.wire import fencing, framing, messages
@@ -39,10 +39,10 @@ class SparkReplies:
     _ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]]
     _validator: validate.DenseRowValidator
     _retained: bool
-    _require_ready: Callable[[], None]
     _take: Callable[[], list[SparkEvent]]
     _release: Callable[[memoryview], None]
     _known: Callable[[int, int], SparkSlot | None]
+    _opened: Callable[[int], SparkSlot]
 
     def cut(self, slot: int, code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> list[SparkEvent]:
         """End ``slot``'s block in flight now, as its reply deadline would (§6.5): the
@@ -57,10 +57,7 @@ class SparkReplies:
             ProtocolError: ``UNKNOWN_SLOT``.
             LocalStateError: ``NOT_READY`` before the handshake ends or after close.
         """
-        self._require_ready()
-        state = self.slots.get(slot)
-        if state is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SLOT, f"slot {slot}")
+        state = self._opened(slot)
         if state.flight is not None:
             self._end_block(slot, state, code)
         return self._take()

@@ -24,6 +24,7 @@ from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
 from pp1wire.q.stoprules import STOP_RULES, StopRule, stop_after
 from pp1wire.testing.conformance import core, handshake
 from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
+from pp1wire.testing.conformance.stoprules import check_cut
 from pp1wire.wire import framing
 from pp1wire.wire.messages import GROUP_NONCE_SIZE, Completion, MsgType, Reply
 
@@ -415,16 +416,7 @@ def _ruled_case(case_id: str, text: str, sparse: bool) -> None:
         end = stop_after(rule, 5, counts, tokens, None)
         assert end is not None  # the depth ends it at the latest
         for r, ((got, done), (whole, _)) in enumerate(zip(ruled, fixed, strict=True)):
-            if len(got) != end:
-                raise CaseFailed(
-                    f"{rule}: link {r} carries {len(got)} rows; the rule, from the joined "
-                    f"fixed block's counts, ends the block after {end}"
-                )
-            for i, (a, b) in enumerate(zip(got, whole, strict=False)):
-                if (a.message.token, bytes(a.payload)) != (b.message.token, bytes(b.payload)):  # type: ignore[union-attr]
-                    raise CaseFailed(f"{rule}: link {r} row {i} differs from the fixed block's")
-            if done.stopped != (end < 5):
-                raise CaseFailed(f"{rule}: link {r} COMPLETION stopped={done.stopped} after {end}")
+            check_cut(rule, f"link {r}", got, done, whole, end)
 
     core.case(
         case_id,

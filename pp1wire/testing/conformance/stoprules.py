@@ -135,6 +135,34 @@ async def _block(s: Settings, rule: StopRule) -> tuple[list[framing.Frame], Comp
     return frames[:-1], done
 
 
+def check_cut(
+    rule: StopRule,
+    who: str,
+    rows: list[framing.Frame],
+    done: Completion,
+    fixed: list[framing.Frame],
+    end: int,
+) -> None:
+    """Check a block drawn under ``rule``: its ``rows`` are the first ``end`` rows of the
+    ``fixed`` depth-5 block with the same key (``end``: where the rule, from the fixed
+    block's counts, ends it), and its COMPLETION ``done`` says stopped exactly when
+    ``end`` is below the depth. ``who`` names what shipped it in a failure.
+
+    Raises:
+        CaseFailed: for a block other than that.
+    """
+    if len(rows) != end:
+        raise CaseFailed(
+            f"{rule}: {who} shipped {len(rows)} rows; the rule, from the fixed block's "
+            f"counts, ends the block after {end}"
+        )
+    for i, (a, b) in enumerate(zip(rows, fixed, strict=False)):
+        if (a.message.token, bytes(a.payload)) != (b.message.token, bytes(b.payload)):  # type: ignore[union-attr]
+            raise CaseFailed(f"{rule}: {who}'s row {i} differs from the fixed block's row {i}")
+    if done.stopped != (end < 5):
+        raise CaseFailed(f"{rule}: {who}'s COMPLETION stopped={done.stopped} after {end} of 5 rows")
+
+
 def _applied(case_id: str, text: str) -> None:
     rule = StopRule.parse(text)
 
@@ -146,16 +174,7 @@ def _applied(case_id: str, text: str) -> None:
         tokens = [f.message.token for f in fixed]  # type: ignore[union-attr]
         end = stop_after(rule, 5, [_row_count(f) for f in fixed], tokens, None)
         assert end is not None  # the depth ends it at the latest
-        if len(ruled) != end:
-            raise CaseFailed(
-                f"{rule}: the worker drew {len(ruled)} rows; the rule, from the fixed block's "
-                f"counts, ends the block after {end}"
-            )
-        for i, (a, b) in enumerate(zip(ruled, fixed, strict=False)):
-            if (a.message.token, bytes(a.payload)) != (b.message.token, bytes(b.payload)):  # type: ignore[union-attr]
-                raise CaseFailed(f"{rule}: row {i} differs from the fixed block's row {i}")
-        if done.stopped != (end < 5):
-            raise CaseFailed(f"{rule}: COMPLETION stopped={done.stopped} after {end} of 5 rows")
+        check_cut(rule, "the worker", ruled, done, fixed, end)
 
     case(
         case_id,
