@@ -34,7 +34,7 @@ from pp1wire.wire.draws import run_each
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
-from .waiting import eventually
+from .waiting import GatedDrafter, eventually
 
 VOCAB = 64
 ATTACKER = "127.0.0.2"
@@ -140,27 +140,6 @@ async def test_a_reset_step_loop_that_reconnects_when_refused_keeps_its_debt():
 # -- the draw threads, shared by principal --------------------------------------------------
 
 
-class GatedDrafter:
-    """The toy drafter; its first call waits for :attr:`gate`; records whose prefix each
-    call drew (the prompt's last token)."""
-
-    def __init__(self) -> None:
-        self.fast = drafter_factory(VOCAB, 0)
-        self.started = threading.Event()
-        self.gate = threading.Event()
-        self.order: list[int] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, prefix):
-        with self.lock:
-            first = not self.order
-            self.order.append(prefix[-1])
-        if first:
-            self.started.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return self.fast(prefix)
-
-
 def _drawing(srv: WorkerServer) -> int:
     return sum(len(c.core._drawing) for c in srv.conns if c.core is not None)
 
@@ -176,7 +155,7 @@ async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batc
     # goes in the batch right after the one already running: each STEP drawn
     # alone, second; drafted together in batches of 4, within the first 4 + 1 calls.
     attacker_token, legit_token = 9, 8
-    drafter = GatedDrafter()
+    drafter = GatedDrafter(VOCAB)
     run = run_each if batch == 1 else None  # None: the default, drafting together
     config = WorkerConfig(vocab_size=VOCAB, max_slots=4)
     async with _worker(config, drafter, draw_threads=1, run_batch=run, max_draw_batch=batch) as (
@@ -246,7 +225,7 @@ async def test_a_held_connection_whose_peer_left_stops_counting_at_once():
 async def test_a_connection_waiting_for_a_draw_whose_peer_left_stops_counting_at_once():
     # A message for a slot being drawn stops reading until the draw is done; the
     # peer's leaving meanwhile went unnoticed, and the connection still counted.
-    drafter = GatedDrafter()
+    drafter = GatedDrafter(VOCAB)
     async with _worker(
         WorkerConfig(vocab_size=VOCAB), drafter, max_connections=1, draw_threads=1
     ) as (srv, port):
