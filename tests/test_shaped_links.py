@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from .cli import alive
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 try:
@@ -61,15 +63,6 @@ def pids_in(ns: str) -> list[int]:
     done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
                           timeout=30, check=False)  # fmt: skip
     return [int(p) for p in done.stdout.split()]
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has finished: its status waits for its parent)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class Running:
