@@ -429,8 +429,15 @@ def new_group(**kwargs):
     return dist.distributed_c10d._get_default_group()
 dist.new_group = new_group
 coord = GroupCoordinator.join(20.0, device=device)
+store = dist.distributed_c10d._get_default_store()
 print(json.dumps({"built": built, "device": str(coord.device), "count": coord.collectives}))
 coord.leave()
+# Rank 0 serves the rendezvous store: it ends last, or a rank still joining (no
+# collective follows the join when no device group is asked for) loses the store.
+if coord.rank == 0:
+    store.wait([f"left {r}" for r in range(1, coord.world)])
+else:
+    store.set(f"left {coord.rank}", "1")
 # As a rank does (pp1wire.apps.ranks.end_process): torch's threads can abort the
 # interpreter's teardown (SIGABRT, docs/tp.md section 8), so it is skipped.
 sys.stdout.flush()
