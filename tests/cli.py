@@ -1,4 +1,5 @@
-"""Running this package's command lines (and other programs) from tests."""
+"""Running this package's command lines (and other programs) from tests, and reading the
+process table (``/proc``) for what they started."""
 
 from __future__ import annotations
 
@@ -43,3 +44,31 @@ def spark(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``pp1-spark`` against ``address`` to completion."""
     return run(*spark_args(address, vocab, *args), **kw)  # type: ignore[arg-type]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/pid/stat`` after the command name (state first, then the
+    parent's pid). Raises OSError if the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int(_stat_fields(int(entry.name))[1])
+            except OSError:
+                continue  # it ended while we looked
+            if parent == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has finished: its status waits for its parent)."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except OSError:
+        return False

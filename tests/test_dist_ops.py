@@ -63,12 +63,19 @@ def _compare(coord: GroupCoordinator) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("cuts", [(50_001,), (70_000, 70_000)], ids=["2 ranks", "3 ranks"])
-def test_gloo_ranks_equal_single_process(cuts):
-    layout = ShardLayout((0, *cuts, V))
-    results = run_in_threads(layout.shards, _compare, layout=layout)
+def _no_rank_fails(bounds: tuple[int, ...], compare) -> None:
+    """Run ``compare(coord, v)`` on every rank of ``ShardLayout(bounds)`` (threads, V = v);
+    each returns what it found different from one process, and must find nothing."""
+    layout = ShardLayout(bounds)
+    v = layout.vocab_size
+    results = run_in_threads(layout.shards, lambda c: compare(c, v), layout=layout)
     for rank, result in enumerate(results):
         assert result == [], f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("cuts", [(50_001,), (70_000, 70_000)], ids=["2 ranks", "3 ranks"])
+def test_gloo_ranks_equal_single_process(cuts):
+    _no_rank_fails((0, *cuts, V), lambda coord, v: _compare(coord))
 
 
 def test_a_kernel_refuses_a_piece_that_is_not_its_range():
@@ -146,34 +153,34 @@ def _built(coord: GroupCoordinator, logits, specs, *, probs: bool = False) -> li
     return out
 
 
-def _construct_case(v: int, seed: int):
-    rows = _logit_rows(v, seed)
-    kinds = [(1.0, 0), (0.7, 0), (1.3, 5), (1.0, 1), (0.0, 0), (0.0, 3), (0.5, 32)]
-    rng = np.random.default_rng(seed + 1)
-    cases = []
-    for logits in rows:
-        for temperature, support in kinds:
-            cases.append((logits, temperature, support, int(rng.integers(0, 1 << 24))))
-    return cases
+# The (temperature, support) of the rows built from each drafter row, by kind of drafter.
+_KINDS = {
+    "logits": [(1.0, 0), (0.7, 0), (1.3, 5), (1.0, 1), (0.0, 0), (0.0, 3), (0.5, 32)],
+    "probs": [(1.0, 0), (1.0, 5), (0.0, 0), (0.0, 3), (0.7, 0), (1.0, 32), (1.0, 1)],
+}
 
 
-def _compare_construction(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
+def _compare_construction(coord: GroupCoordinator, v: int, kind: str, seed: int) -> list[str]:
+    """This rank's build of every (row, temperature, support, draw) of a ``kind`` drafter,
+    against one process's; and a row whose drafter failed on rank 1 only."""
     from pp1wire.errors import ErrorCode
 
     assert coord.layout is not None
     lo, hi = coord.layout.range(coord.rank)
-    cases = _construct_case(v, seed)
+    rows = _logit_rows(v, seed) if kind == "logits" else _prob_rows(v, seed)
+    rng = np.random.default_rng(seed + 1)
+    cases = [(row, t, k, int(rng.integers(0, 1 << 24))) for row in rows for t, k in _KINDS[kind]]
     # The last row's drafter failed on rank 1 only: every rank gets that code for it.
     specs = [dist_ops.RowSpec(t, k, u24) for (_, t, k, u24) in cases]
     specs.append(dist_ops.RowSpec(1.0, 0, 5, drafter_code=84 if coord.rank == 1 else 0))
-    logits = np.stack([c[0][lo:hi] for c in cases] + [np.zeros(hi - lo)])
-    got = _built(coord, logits, specs)
+    pieces = np.stack([c[0][lo:hi] for c in cases] + [np.ones(hi - lo)])
+    got = _built(coord, pieces, specs, probs=kind == "probs")
     failures = []
     for n, (case, mine) in enumerate(zip(cases, got[:-1], strict=True)):
-        want = _unsharded(*case)
+        want = _unsharded(*case, kind=kind)
         if isinstance(want, ErrorCode) or isinstance(mine, ErrorCode):
             if want != mine:
-                failures.append(f"case {n}: {mine} != {want}")
+                failures.append(f"case {n} (T={case[1]}, k={case[2]}): {mine} != {want}")
         elif mine[0] != want[0] or not np.array_equal(mine[1], want[1][lo:hi]):
             failures.append(f"case {n} (T={case[1]}, k={case[2]}): token {mine[0]} vs {want[0]}")
         elif mine[2] != want[1][want[0]]:
@@ -183,19 +190,16 @@ def _compare_construction(coord: GroupCoordinator, v: int, seed: int) -> list[st
     return failures
 
 
+@pytest.mark.parametrize(("kind", "seed"), [("logits", 11), ("probs", 12)], ids=["logits", "probs"])
 @pytest.mark.parametrize(
     "bounds",
     [(0, 20, 37), (0, 10, 10, 37), (0, 5, 37), (0, 0, 37), (0, 999, 1000), (0, 300, 700, 1000)],
     ids=["2 ranks", "3 ranks, middle empty", "ties span ranks", "first empty", "uneven", "3 ranks"],
 )
-def test_a_batch_of_rows_is_built_and_drawn_as_numpy_builds_each(bounds):
-    layout = ShardLayout(bounds)
-    v = layout.vocab_size
-    results = run_in_threads(
-        layout.shards, lambda c: _compare_construction(c, v, 11), layout=layout
-    )
-    for rank, result in enumerate(results):
-        assert result == [], f"rank {rank}: {result}"
+def test_a_batch_of_rows_is_built_and_drawn_as_one_process_builds_each(bounds, kind, seed):
+    # Logits and a probabilities drafter's rows alike: each row is the one process's
+    # row, bit for bit, on every split of the vocabulary.
+    _no_rank_fails(bounds, lambda coord, v: _compare_construction(coord, v, kind, seed))
 
 
 def _targets(v: int, seed: int) -> list[np.ndarray]:
@@ -284,11 +288,7 @@ def _compare_targets(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
     ids=["2 ranks", "3 ranks, middle empty", "first empty", "even"],
 )
 def test_batched_normalization_and_draws_equal_numpys_row_by_row(bounds):
-    layout = ShardLayout(bounds)
-    v = layout.vocab_size
-    results = run_in_threads(layout.shards, lambda c: _compare_targets(c, v, 3), layout=layout)
-    for rank, result in enumerate(results):
-        assert result == [], f"rank {rank}: {result}"
+    _no_rank_fails(bounds, lambda coord, v: _compare_targets(coord, v, 3))
 
 
 def test_the_batched_kernels_run_one_set_of_collectives_whatever_the_batch():
@@ -365,46 +365,6 @@ def _prob_rows(v: int, seed: int) -> list[np.ndarray]:
     ]
 
 
-def _compare_probs_construction(coord: GroupCoordinator, v: int, seed: int) -> list[str]:
-    from pp1wire.errors import ErrorCode
-
-    assert coord.layout is not None
-    lo, hi = coord.layout.range(coord.rank)
-    kinds = [(1.0, 0), (1.0, 5), (0.0, 0), (0.0, 3), (0.7, 0), (1.0, 32), (1.0, 1)]
-    rng = np.random.default_rng(seed + 1)
-    cases = [
-        (row, t, k, int(rng.integers(0, 1 << 24))) for row in _prob_rows(v, seed) for t, k in kinds
-    ]
-    specs = [dist_ops.RowSpec(t, k, u24) for (_, t, k, u24) in cases]
-    got = _built(coord, np.stack([c[0][lo:hi] for c in cases]), specs, probs=True)
-    failures = []
-    for n, (case, mine) in enumerate(zip(cases, got, strict=True)):
-        want = _unsharded(*case, kind="probs")
-        if isinstance(want, ErrorCode) or isinstance(mine, ErrorCode):
-            if want != mine:
-                failures.append(f"case {n} (T={case[1]}, k={case[2]}): {mine} != {want}")
-        elif mine[0] != want[0] or not np.array_equal(mine[1], want[1][lo:hi]):
-            failures.append(f"case {n} (T={case[1]}, k={case[2]}): token {mine[0]} vs {want[0]}")
-        elif mine[2] != want[1][want[0]]:
-            failures.append(f"case {n}: count {mine[2]} at the token, not {want[1][want[0]]}")
-    return failures
-
-
-@pytest.mark.parametrize(
-    "bounds",
-    [(0, 20, 37), (0, 10, 10, 37), (0, 0, 37), (0, 999, 1000)],
-    ids=["2 ranks", "3 ranks, middle empty", "first empty", "uneven"],
-)
-def test_a_probabilities_drafters_rows_are_built_and_drawn_as_one_process_does(bounds):
-    layout = ShardLayout(bounds)
-    v = layout.vocab_size
-    results = run_in_threads(
-        layout.shards, lambda c: _compare_probs_construction(c, v, 12), layout=layout
-    )
-    for rank, result in enumerate(results):
-        assert result == [], f"rank {rank}: {result}"
-
-
 def test_each_kind_of_row_costs_only_the_collectives_its_data_need():
     # Per position, whatever its rows: greedy and sparse rows 1 (their offers ride on
     # the first collective), dense probabilities 3 (no maximum: their cover totals
@@ -469,8 +429,15 @@ def new_group(**kwargs):
     return dist.distributed_c10d._get_default_group()
 dist.new_group = new_group
 coord = GroupCoordinator.join(20.0, device=device)
+store = dist.distributed_c10d._get_default_store()
 print(json.dumps({"built": built, "device": str(coord.device), "count": coord.collectives}))
 coord.leave()
+# Rank 0 serves the rendezvous store: it ends last, or a rank still joining (no
+# collective follows the join when no device group is asked for) loses the store.
+if coord.rank == 0:
+    store.wait([f"left {r}" for r in range(1, coord.world)])
+else:
+    store.set(f"left {coord.rank}", "1")
 # As a rank does (pp1wire.apps.ranks.end_process): torch's threads can abort the
 # interpreter's teardown (SIGABRT, docs/tp.md section 8), so it is skipped.
 sys.stdout.flush()

@@ -69,6 +69,16 @@ def decide(requests, batch):
     return verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
 
 
+async def commit_all(client: AsyncClient, requests, results, worker=None) -> None:
+    """Commit each request's result of a step, which must be a round's result; with
+    ``worker`` (a :class:`FaultyWorker`), its slot then holds what the request committed."""
+    for request, result in zip(requests, results, strict=True):
+        assert isinstance(result, RoundResult)
+        await client.commit_round(request, result)  # the worker applied it
+        if worker is not None:
+            assert worker.slot_prefix(request.slot) == request.verifier.committed
+
+
 @pytest.mark.asyncio
 async def test_propose_many_gives_each_request_its_proposal_and_a_with_block_releases_them(port):
     client = await connect(port)
@@ -84,9 +94,7 @@ async def test_propose_many_gives_each_request_its_proposal_and_a_with_block_rel
             _ = batch[0].rows[0].q32  # released when the block ended
         batch[0].release()  # idempotent
         client.release(batch[1])
-        for request, result in zip(requests, results, strict=True):
-            assert isinstance(result, RoundResult)
-            await client.commit_round(request, result)  # the worker applied it
+        await commit_all(client, requests, results)
     assert all(len(r.tokens) >= 3 for r in requests)
     await client.close()
 
@@ -114,13 +122,9 @@ async def test_a_slot_whose_completion_is_lost_gets_its_rows_cut_at_the_deadline
         assert len(batch[1].rows) == 3
         assert batch[0].cut is None
         assert batch[2].cut is None
-        rounds = [r.round_for(outcome) for r, outcome in zip(requests, batch, strict=True)]
-        results = verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
+        results = decide(requests, batch)
     assert client.cuts == {"reply_timeout": 1}
-    for request, result in zip(requests, results, strict=True):
-        assert isinstance(result, RoundResult)
-        await client.commit_round(request, result)
-        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await commit_all(client, requests, results, worker)
     await client.close()
     await worker.stop()
 
@@ -150,11 +154,8 @@ async def test_the_engines_own_deadline_cuts_late_blocks_at_the_rows_that_arrive
         assert asyncio.get_running_loop().time() - started < 0.4  # the engine's deadline
         assert [p.cut for p in batch] == [None, ErrorCode.REPLY_TIMEOUT, None]
         assert len(batch[1].rows) == 1
-        rounds = [r.round_for(outcome) for r, outcome in zip(requests, batch, strict=True)]
-        results = verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
-    for request, result in zip(requests, results, strict=True):
-        assert isinstance(result, RoundResult)
-        await client.commit_round(request, result)
+        results = decide(requests, batch)
+    await commit_all(client, requests, results)
     await eventually(lambda: client.dropped["late_frame"] + client.dropped["round_reused"] >= 1)
     for request in requests:
         assert worker.slot_prefix(request.slot) == request.verifier.committed
@@ -181,10 +182,7 @@ async def test_one_slots_failure_is_its_own_entry_and_its_round_goes_target_only
         results = verify_step(rounds, toy_target(VOCAB, 3).batch(step_prefixes(rounds)))
     assert isinstance(results[1], RoundResult)
     assert results[1].outcome is Outcome.TARGET
-    for request, result in zip(requests, results, strict=True):
-        assert isinstance(result, RoundResult)
-        await client.commit_round(request, result)
-        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await commit_all(client, requests, results, worker)
     await client.close()
     await worker.stop()
 
@@ -258,9 +256,7 @@ async def test_a_slot_with_a_proposal_in_flight_is_busy():
     with await client.propose_many([a, b], depth=3) as batch:
         assert [p.round_id for p in batch] == [0, 0]  # nothing was sent for a before
         results = decide([a, b], batch)
-    for request, result in zip([a, b], results, strict=True):
-        await client.commit_round(request, result)
-        assert worker.slot_prefix(request.slot) == request.verifier.committed
+    await commit_all(client, [a, b], results, worker)
     await client.close_request(b)
     with pytest.raises(UsageError) as info:
         await client.propose_many([a, b], depth=3)
@@ -332,8 +328,7 @@ async def test_a_lost_connection_is_one_type_and_the_requests_move_to_a_new_one(
         assert request.client is fresh
         assert request.verifier.generation == 1
     batch = await fresh.propose_many(requests, depth=3)
-    for request, result in zip(requests, decide(requests, batch), strict=True):
-        await fresh.commit_round(request, result)
+    await commit_all(fresh, requests, decide(requests, batch))
     batch.release()
     await fresh.close()
 

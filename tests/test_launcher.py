@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from .cli import children
+
 ROOT = Path(__file__).resolve().parent.parent
 GRACE = 1.0  # the stand-in launches' grace period, seconds
 
@@ -118,28 +120,15 @@ GROUP_TIMEOUT = 10.0  # every group's --group-timeout: the most a kill may take 
 def _rank_pids(launcher: int) -> dict[int, int]:
     """RANK -> pid of the launcher's children (from /proc)."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in children(launcher):
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher:
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue  # it ended while we looked
         for var in env:
             if var.startswith(b"RANK="):
-                out[int(var[5:])] = int(entry.name)
+                out[int(var[5:])] = pid
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _group_commands() -> dict[str, tuple[list[str], str, int]]:

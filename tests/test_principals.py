@@ -34,7 +34,7 @@ from pp1wire.wire.draws import run_each
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
-from .waiting import eventually
+from .waiting import GatedDrafter, eventually
 
 VOCAB = 64
 ATTACKER = "127.0.0.2"
@@ -102,63 +102,45 @@ async def test_keep_alive_squatters_cannot_keep_a_full_worker_from_a_drawing_cli
 
 # -- budgets across reconnection -----------------------------------------------------------
 
+# The abandon budget the attack loops below run into: a burst of one, then four draws
+# a second; each loop runs for WINDOW seconds.
+RATE, BURST, WINDOW = 4.0, 1, 1.0
+BUDGETED = WorkerConfig(vocab_size=256, abandon_rate=RATE, abandon_burst=BURST)
+
+
+async def _attack(port: int, loop, **kw) -> tuple[int, int, float]:
+    """Run an attack loop of :mod:`pp1wire.testing.attacks` from :data:`ATTACKER` for
+    :data:`WINDOW` seconds; the draws it got, those refused, and the seconds it ran."""
+    running, stop = threading.Event(), threading.Event()
+    running.set()
+    attack = asyncio.ensure_future(
+        asyncio.to_thread(
+            loop, port, BUDGETED.vocab_size, running=running, stop=stop, source=ATTACKER, **kw
+        )
+    )
+    start = time.monotonic()
+    await asyncio.sleep(WINDOW)
+    stop.set()
+    drawn, refused = await asyncio.wait_for(attack, 10)
+    return drawn, refused, time.monotonic() - start
+
 
 @pytest.mark.asyncio
 async def test_a_reset_step_loop_that_reconnects_when_refused_keeps_its_debt():
     # Before: the abandon budget lived on the connection, so reconnecting at the
     # first DRAW_RATE_LIMITED brought a fresh budget: ~100x the draws the budget
     # allows. Now the debt stays with the principal (the source address).
-    rate, burst, window = 4.0, 1, 1.0
-    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
-    running, stop = threading.Event(), threading.Event()
-    running.set()
-    async with _worker(config) as (_, port):
-        attack = asyncio.ensure_future(
-            asyncio.to_thread(
-                reset_step_loop,
-                port,
-                256,
-                connections=1,
-                slots=1,
-                running=running,
-                stop=stop,
-                source=ATTACKER,
-                reconnect=True,
-            )
+    async with _worker(BUDGETED) as (_, port):
+        drawn, refused, elapsed = await _attack(
+            port, reset_step_loop, connections=1, slots=1, reconnect=True
         )
-        start = time.monotonic()
-        await asyncio.sleep(window)
-        stop.set()
-        drawn, refused = await asyncio.wait_for(attack, 10)
-        elapsed = time.monotonic() - start
     # The budget's arithmetic: the burst, then one draw per payback period, plus
     # the first draw (abandoned only by the RESET after it) and one cut by the end.
-    assert drawn <= burst + rate * elapsed + 2, (drawn, refused, elapsed)
+    assert drawn <= BURST + RATE * elapsed + 2, (drawn, refused, elapsed)
     assert refused >= 1
 
 
 # -- the draw threads, shared by principal --------------------------------------------------
-
-
-class GatedDrafter:
-    """The toy drafter; its first call waits for :attr:`gate`; records whose prefix each
-    call drew (the prompt's last token)."""
-
-    def __init__(self) -> None:
-        self.fast = drafter_factory(VOCAB, 0)
-        self.started = threading.Event()
-        self.gate = threading.Event()
-        self.order: list[int] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, prefix):
-        with self.lock:
-            first = not self.order
-            self.order.append(prefix[-1])
-        if first:
-            self.started.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return self.fast(prefix)
 
 
 def _drawing(srv: WorkerServer) -> int:
@@ -176,7 +158,7 @@ async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batc
     # goes in the batch right after the one already running: each STEP drawn
     # alone, second; drafted together in batches of 4, within the first 4 + 1 calls.
     attacker_token, legit_token = 9, 8
-    drafter = GatedDrafter()
+    drafter = GatedDrafter(VOCAB)
     run = run_each if batch == 1 else None  # None: the default, drafting together
     config = WorkerConfig(vocab_size=VOCAB, max_slots=4)
     async with _worker(config, drafter, draw_threads=1, run_batch=run, max_draw_batch=batch) as (
@@ -246,7 +228,7 @@ async def test_a_held_connection_whose_peer_left_stops_counting_at_once():
 async def test_a_connection_waiting_for_a_draw_whose_peer_left_stops_counting_at_once():
     # A message for a slot being drawn stops reading until the draw is done; the
     # peer's leaving meanwhile went unnoticed, and the connection still counted.
-    drafter = GatedDrafter()
+    drafter = GatedDrafter(VOCAB)
     async with _worker(
         WorkerConfig(vocab_size=VOCAB), drafter, max_connections=1, draw_threads=1
     ) as (srv, port):
@@ -306,35 +288,15 @@ async def test_a_step_then_target_only_commit_loop_is_bounded_by_the_abandon_bud
     # Before: STEP round r, then COMMIT round r + 1 (never stepped) drew without
     # bound and was never refused: ~600 draws a second at this vocabulary, beside
     # a client waiting for the draw threads.
-    rate, burst, window = 4.0, 1, 1.0
-    config = WorkerConfig(vocab_size=256, abandon_rate=rate, abandon_burst=burst)
-    running, stop = threading.Event(), threading.Event()
-    running.set()
-    async with _worker(config) as (_, port):
+    async with _worker(BUDGETED) as (_, port):
         done = asyncio.Event()
-        beside = asyncio.ensure_future(_drawing_beside(port, 256, done))
-        attack = asyncio.ensure_future(
-            asyncio.to_thread(
-                commit_loop,
-                port,
-                256,
-                connections=2,
-                slots=2,
-                running=running,
-                stop=stop,
-                source=ATTACKER,
-            )
-        )
-        start = time.monotonic()
-        await asyncio.sleep(window)
-        stop.set()
-        drawn, refused = await asyncio.wait_for(attack, 10)
-        elapsed = time.monotonic() - start
+        beside = asyncio.ensure_future(_drawing_beside(port, BUDGETED.vocab_size, done))
+        drawn, refused, elapsed = await _attack(port, commit_loop, connections=2, slots=2)
         done.set()
         assert await asyncio.wait_for(beside, 10) >= 1  # never refused: it commits its rounds
     # The burst, one per payback period, and the four first draws (passed over only
     # by the COMMIT after them).
-    assert drawn <= burst + rate * elapsed + 4, (drawn, refused, elapsed)
+    assert drawn <= BURST + RATE * elapsed + 4, (drawn, refused, elapsed)
     assert refused >= 1
 
 

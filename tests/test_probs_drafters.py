@@ -29,14 +29,12 @@ from pp1wire.q.proposal import (
     batched_drafter,
     build_row,
     drafter_kind,
-    propose,
 )
-from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.wire.draws import DraftTogether
 from pp1wire.wire.messages import Step
 
 from .test_draft_together import Slot, assert_same_answer, job_for
-from .test_propose_batch import assert_same
+from .test_propose_batch import assert_same, reference
 
 # -- a probabilities drafter whose rows depend only on the prefix ------------------------
 
@@ -83,26 +81,6 @@ class ProbsDrafter:
             torch = pytest.importorskip("torch")
             return torch.from_numpy(rows.astype(np.float32))
         return rows.astype(np.float32)
-
-
-def reference(job: DraftJob, drafter):
-    """``propose`` for one job on the numpy path: rows, or the error's code."""
-    saved, dyadic._fastq = dyadic._fastq, None
-    try:
-        streams = RoundStreams(Role.WORKER, job.seed, job.generation, job.round_id)
-        return propose(
-            job.prefix,
-            job.depth,
-            drafter,
-            streams,
-            temperature=job.temperature,
-            support=job.support or None,
-            eos=job.eos,
-        )
-    except Pp1Error as exc:
-        return exc.code
-    finally:
-        dyadic._fastq = saved
 
 
 @st.composite

@@ -58,7 +58,8 @@ def make_drafter(vocab: int, style: int, fail: bool):
 
 
 def reference(job: DraftJob, drafter):
-    """``propose`` for one job, as the worker calls it: rows, or the error's code.
+    """``propose`` for one job, as the worker calls it: rows, or the error's code. For a
+    drafter of either kind (``propose`` reads a probabilities drafter's ``kind``).
 
     On the numpy path (the compiled module off), so the batch, compiled or
     not, is checked against the plain construction: full-row top-k included.

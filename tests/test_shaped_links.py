@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from .cli import alive
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 try:
@@ -61,15 +63,6 @@ def pids_in(ns: str) -> list[int]:
     done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
                           timeout=30, check=False)  # fmt: skip
     return [int(p) for p in done.stdout.split()]
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has finished: its status waits for its parent)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class Running:
@@ -133,6 +126,23 @@ def running() -> Iterator[list[Running]]:
                 shaped.delete_namespace(ns)
 
 
+def long_run(running: list[Running]) -> tuple[Running, str, str]:
+    """A :data:`LONG_RUN` (the ``running`` fixture's to clean up) that has reached its
+    timed runs; it and its worker's and Spark side's namespaces, which both exist."""
+    run = Running(*LONG_RUN)
+    running.append(run)
+    worker_ns, spark_ns = run.namespaces()
+    run.until("shaped: run ")
+    assert {worker_ns, spark_ns} <= set(shaped.namespaces())
+    return run, worker_ns, spark_ns
+
+
+def assert_deleted(*names: str) -> None:
+    """None of the namespaces ``names`` exists any more."""
+    left = shaped.namespaces()
+    assert not [ns for ns in names if ns in left], left
+
+
 def test_refuses_without_namespaces() -> None:
     """No ``ip``: one line, exit status 77, nothing created (as any missing requisite)."""
     before = shaped.namespaces() if WHY is None else []
@@ -183,9 +193,7 @@ def test_links_come_shaped_and_go() -> None:
         sent = links.sent()
         assert sent[0][0] < size // 100  # link 0 carried nothing of it
         assert pids_in(links.worker) == pids_in(links.spark) == []
-    left = shaped.namespaces()
-    assert links.worker not in left
-    assert links.spark not in left
+    assert_deleted(links.worker, links.spark)
     assert host_view() == host
 
 
@@ -200,49 +208,33 @@ def test_links_come_shaped_and_go() -> None:
     ],
 )
 def test_a_signal_midway_deletes_everything(running: list[Running], sig: int) -> None:
-    run = Running(*LONG_RUN)
-    running.append(run)
-    worker_ns, spark_ns = run.namespaces()
-    run.until("shaped: run ")
-    assert {worker_ns, spark_ns} <= set(shaped.namespaces())
+    run, worker_ns, spark_ns = long_run(running)
     inside = pids_in(worker_ns)
     assert inside  # the worker runs there
     run.proc.send_signal(sig)
     assert run.wait() == 128 + sig, run.lines
     assert "shaped.py: stopped by a signal; namespaces deleted" in run.lines
-    left = shaped.namespaces()
-    assert worker_ns not in left
-    assert spark_ns not in left
+    assert_deleted(worker_ns, spark_ns)
     assert not any(alive(p) for p in inside)
 
 
 @needs_netns
 def test_a_killed_worker_ends_the_run_and_its_namespaces(running: list[Running]) -> None:
-    run = Running(*LONG_RUN)
-    running.append(run)
-    worker_ns, spark_ns = run.namespaces()
-    run.until("shaped: run ")
-    assert {worker_ns, spark_ns} <= set(shaped.namespaces())
+    run, worker_ns, spark_ns = long_run(running)
     inside = pids_in(worker_ns)
     for pid in inside:
         os.kill(pid, signal.SIGKILL)
     assert run.wait(timeout=60) == 1, run.lines
     assert any("pp1-worker exited" in line for line in run.lines), run.lines
-    left = shaped.namespaces()
-    assert worker_ns not in left
-    assert spark_ns not in left
+    assert_deleted(worker_ns, spark_ns)
 
 
 @needs_netns
 def test_sigkill_leaves_what_cleanup_deletes(running: list[Running]) -> None:
     """SIGKILL runs no cleanup: its namespaces (named with its pid) and its worker stay,
     and ``--cleanup`` deletes them and stops what runs in them."""
-    run = Running(*LONG_RUN)
-    running.append(run)
-    worker_ns, spark_ns = run.namespaces()
+    run, worker_ns, spark_ns = long_run(running)
     assert worker_ns.startswith(f"{shaped.PREFIX}{run.proc.pid}-")
-    run.until("shaped: run ")
-    assert {worker_ns, spark_ns} <= set(shaped.namespaces())
     run.proc.kill()
     run.wait()
     left = shaped.namespaces()
@@ -258,9 +250,7 @@ def test_sigkill_leaves_what_cleanup_deletes(running: list[Running]) -> None:
     assert done.returncode == 0, done.stderr
     assert f"deleted {worker_ns}" in done.stdout.splitlines()
     assert f"deleted {spark_ns}" in done.stdout.splitlines()
-    left = shaped.namespaces()
-    assert worker_ns not in left
-    assert spark_ns not in left
+    assert_deleted(worker_ns, spark_ns)
     deadline = time.monotonic() + 10
     while any(alive(p) for p in inside) and time.monotonic() < deadline:
         time.sleep(0.05)

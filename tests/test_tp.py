@@ -213,28 +213,6 @@ def test_a_dead_rank_process_fails_the_group_closed(worker, tmp_path):
     _failed_closed(worker, out, before)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # it ended while we looked
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
 def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
     # The launcher passes SIGTERM on to its ranks and reaps them (docs/tp.md §8);
@@ -250,15 +228,15 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_rank():
     )
     try:
         wait_until(
-            lambda: len(_children(launcher.pid)) == 2 or launcher.poll() is not None,
+            lambda: len(cli.children(launcher.pid)) == 2 or launcher.poll() is not None,
             30,
             "both ranks started",
         )
-        ranks = _children(launcher.pid)
+        ranks = cli.children(launcher.pid)
         assert len(ranks) == 2, (ranks, launcher.poll())
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=30)
-        assert not [pid for pid in ranks if _alive(pid)]
+        assert not [pid for pid in ranks if cli.alive(pid)]
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -610,23 +610,6 @@ def test_rows_of_another_float_type_are_widened_as_per_request(step_path):
     check_same(300, plans_, np.float16)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_narrow_cpu_tensors_are_widened_exactly(step_path, dtype):
-    # numpy cannot view bf16: the step widens it (and float16) to float32, which
-    # holds every such value, so it decides what each request decides on those values.
-    torch = pytest.importorskip("torch")
-    plans_ = [
-        Plan(d, None, False, q, ["ok"] * 6, False, False, False)
-        for d, q in ((4, "q32"), (0, "counts"), (3, "i32"))
-    ]
-    (mine, ref), matrix, spans = build(300, plans_)
-    rows = torch.from_numpy(matrix).to(getattr(torch, dtype))
-    want = reference(ref, rows.double().numpy(), spans, True)
-    got = verify_step(mine, rows)
-    assert [outcome(g) for g in got] == [outcome(w) for w in want]
-    assert [state(v) for v, _, _ in mine] == [state(v) for v, _, _ in ref]
-
-
 def test_per_prefix_rows_on_a_device_are_decided_there(monkeypatch):
     # A per-prefix target whose rows live on one device: stacked there, not copied out.
     torch = pytest.importorskip("torch")
@@ -679,8 +662,10 @@ def test_a_round_the_compiled_step_could_not_draw_for_is_walked_in_numpy(monkeyp
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_narrow_tensor_rows_decide_alike_in_every_form(step_path, dtype):
-    # One conversion for every form of a step's rows: a bf16 matrix was widened
-    # exactly, while a per-prefix target's bf16 rows (and the per-request
+    # numpy cannot view bf16: the step widens it (and float16) to float32, which
+    # holds every such value, so it decides what each request decides on those
+    # values. One conversion for every form of a step's rows: a bf16 matrix was
+    # widened exactly, while a per-prefix target's bf16 rows (and the per-request
     # verifier's) were unreadable, so every round failed TARGET_FAILED.
     torch = pytest.importorskip("torch")
     plans_ = [
@@ -698,6 +683,7 @@ def test_narrow_tensor_rows_decide_alike_in_every_form(step_path, dtype):
     want = [outcome(w) for w in reference(per_request, rows.double().numpy(), spans, True)]
     assert not any(isinstance(w[0], ErrorCode) for w in want)
     assert [outcome(g) for g in verify_step(as_matrix, rows)] == want
+    assert [state(v) for v, _, _ in as_matrix] == [state(v) for v, _, _ in per_request]
     assert [outcome(g) for g in verify_batch(per_prefix, target)] == want
     (each, _), _, _ = build(300, plans_)
     assert [outcome(g) for g in reference(each, rows, spans, True)] == want

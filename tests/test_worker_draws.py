@@ -8,42 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import pytest
 
 from pp1wire.aio.client import AsyncClient, ProposalUnavailableError
 from pp1wire.aio.server import WorkerServer
-from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
-from .waiting import eventually
+from .waiting import GatedDrafter, eventually
 
 VOCAB = 64
 LEGIT = 8  # the last prompt token tells whose draw the drafter is making
-
-
-class GatedDrafter:
-    """The toy drafter, whose first call waits for :attr:`gate`; records whose prefix each
-    call drew (the prompt's last token, as every draw here is depth 1)."""
-
-    def __init__(self) -> None:
-        self.fast = drafter_factory(VOCAB, 0)
-        self.started = threading.Event()
-        self.gate = threading.Event()
-        self.order: list[int] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, prefix):
-        with self.lock:
-            first = not self.order
-            self.order.append(prefix[-1])
-        if first:
-            self.started.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return self.fast(prefix)
 
 
 class Recorder(logging.Handler):
@@ -103,7 +80,7 @@ async def test_a_failing_drafter_is_logged_with_its_traceback_and_counted(worker
 async def test_stopping_delivers_the_proposal_being_drawn():
     # SIGTERM (WorkerServer.stop) during a draw: the frames already received are
     # answered, so the client gets its whole proposal, not a closed connection.
-    drafter = GatedDrafter()
+    drafter = GatedDrafter(VOCAB)
     srv = WorkerServer(WorkerConfig(vocab_size=VOCAB), drafter, draw_threads=1)
     port = await srv.start("127.0.0.1", 0)
     client = await AsyncClient.connect(
