@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pp1wire.apps.models import ToyLM
+from pp1wire.apps.ranks import rank_environments
 from pp1wire.errors import Pp1Error
 from pp1wire.q.layout import ShardLayout
 from pp1wire.tp import dist_ops
@@ -161,20 +161,8 @@ def main() -> int:
         print("gpu_sharded_check: skipped: no CUDA device (the NCCL path needs one per rank)")
         return 0
     world = min(2, torch.cuda.device_count())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        )
+    for env in rank_environments(world):
         argv = [sys.executable, __file__, "--rank-process", *sys.argv[1:]]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     reports = []

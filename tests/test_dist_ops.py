@@ -9,8 +9,6 @@ middle one owns nothing.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
@@ -20,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pp1wire.apps.models import ToyLM  # noqa: E402
+from pp1wire.apps.ranks import rank_environments  # noqa: E402
 from pp1wire.q import dyadic, verify  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
 from pp1wire.tp import dist_ops  # noqa: E402
@@ -448,19 +447,9 @@ os._exit(0)
 
 def _join(cudas: tuple[bool, bool], device: bool) -> list[dict]:
     """Two real rank processes join over env://, each told whether it has CUDA."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    envs = rank_environments(len(cudas))
     procs = []
-    for rank, cuda in enumerate(cudas):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(len(cudas)),
-        )
+    for env, cuda in zip(envs, cudas, strict=True):
         argv = [sys.executable, "-c", _JOIN, str(int(cuda)), str(int(device))]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     done = []

@@ -204,22 +204,22 @@ def _exit_ranks(folder: Path, *modes: str) -> dict[str, tuple[int, str]]:
     """Rank 0's exit status and stderr for ``tests/exit_rank.py`` in each mode (the
     pairs of ranks run at once)."""
     from pp1wire.apps.launch import free_ports
+    from pp1wire.apps.ranks import rank_environments
 
     procs: dict[str, list[subprocess.Popen[str]]] = {}
     try:
         for mode in modes:
             (folder / mode).mkdir()
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports(1))}
-            env.update(WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+            base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
             procs[mode] = [
                 subprocess.Popen(
                     [sys.executable, "-m", "tests.exit_rank", mode, str(folder / mode)],
                     cwd=ROOT,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    env=env,
                     stderr=subprocess.PIPE,
                     text=True,
                 )
-                for r in range(2)
+                for env in rank_environments(2, free_ports(1), base)
             ]
         out = {}
         for mode, pair in procs.items():

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -71,6 +71,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_environments(
+    world: int, port: int | None = None, base: Mapping[str, str] | None = None
+) -> list[dict[str, str]]:
+    """Each of ``world`` ranks' environment for a rendezvous on loopback: ``base``
+    (default: this process's) with ``MASTER_ADDR``, ``MASTER_PORT`` (``port``, or a
+    free one), ``WORLD_SIZE``, the rank's ``RANK`` and ``LOCAL_RANK``, and
+    ``OMP_NUM_THREADS=1`` unless it is set.
+
+    Raises:
+        OSError: no free port could be bound.
+    """
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    port = _free_port() if port is None else port
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    return [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
+
+
 def launch(world: int, argv: Sequence[str], module: str, *, grace: float = _STOP_GRACE) -> int:
     """Start ``world`` ranks of ``python -m module argv`` on this machine and supervise them.
 
@@ -83,18 +101,17 @@ def launch(world: int, argv: Sequence[str], module: str, *, grace: float = _STOP
     while the others run), ends it — the others get SIGTERM, then SIGKILL
     after ``grace`` seconds — and every rank is reaped before this returns.
 
-    Returns the code of the first failure, in the order the ranks exited (one
-    line on stderr names the rank): a rank's own non-zero exit code, 128 + N for
-    a rank that signal N ended (unless this launcher sent it N), or 1 for a
-    rank that had to be killed after the grace period. 0 when there was none.
+    Returns the code of the first failure (one line on stderr names the rank):
+    128 + N for a rank that signal N ended (unless this launcher sent it N),
+    else, in the order the ranks exited, a rank's own non-zero exit code, or 1
+    for a rank that had to be killed after the grace period. 0 when there was
+    none.
 
     Raises:
         SettingsError: if torch is not installed.
     """
     require_torch("--tp above 1")
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    envs = rank_environments(world)
     group = _Group(module, grace)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -105,9 +122,8 @@ def launch(world: int, argv: Sequence[str], module: str, *, grace: float = _STOP
         for rank in range(world):
             if group.stopping is not None:  # stopped while starting: no rank starts after it
                 break
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             group.procs.append(
-                subprocess.Popen([sys.executable, "-m", module, *argv], env=rank_env)
+                subprocess.Popen([sys.executable, "-m", module, *argv], env=envs[rank])
             )
         while not group.poll():
             time.sleep(_POLL)
@@ -245,6 +261,7 @@ __all__ = [
     "in_launched_rank",
     "join_group",
     "launch",
+    "rank_environments",
     "require_torch",
     "world_size",
 ]
