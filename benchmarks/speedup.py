@@ -67,14 +67,20 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pp1wire.apps.launch import RunningWorker, spark_command, worker_command, worker_process
+from pp1wire.apps.launch import (
+    RunningWorker,
+    pinned,
+    spark_command,
+    split_cores,
+    worker_command,
+    worker_process,
+)
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 
 #: Each model pair's paced plugins (``--models``): the drafter of each kind
@@ -102,22 +108,13 @@ SUPPORTS = ("dense", "sparse:32")
 TARGET_MS = (5.0, 20.0, 50.0)
 DRAFTER_MS = 0.5
 DEPTH = 5
-# Run each process where it is pinned: the affinity is set before the interpreter starts.
-_PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys.argv[1:])"
-
-
 def cores() -> tuple[list[int], list[int]]:
     """The worker's cores and the Spark side's: two halves of this process's (one core: both)."""
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) < 2:
+    halves = split_cores()
+    if halves is None:
+        mine = sorted(os.sched_getaffinity(0))
         return mine, mine
-    half = len(mine) // 2
-    return mine[:half], mine[half:]
-
-
-def pinned(cmd: list[str], on: list[int]) -> list[str]:
-    """``cmd`` run on the cores ``on`` (every thread it starts included)."""
-    return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
+    return halves
 
 
 def process_cpu(pid: int) -> float:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pp1wire.apps import demo, ngram, paced
+from pp1wire.apps.launch import pinned, split_cores
 from pp1wire.apps.models import ToyLM
 
 from . import cli
@@ -74,7 +75,8 @@ def ngram_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.mark.parametrize("pair", ["ngram", "toy"])
 def test_the_demo_shows_target_only_and_speculative_side_by_side(pair, ngram_cache):
-    models = [] if pair == "ngram" else ["--models", "toy"]  # the n-gram pair by default
+    # The n-gram pair by default; the toy run also leaves the daemons unpinned.
+    models = [] if pair == "ngram" else ["--models", "toy", "--no-pin"]
     done = cli.run(
         sys.executable, "-m", "pp1wire.apps.demo", *models,
         "--vocab", "256", "--requests", "2", "--max-tokens", "6",
@@ -83,8 +85,12 @@ def test_the_demo_shows_target_only_and_speculative_side_by_side(pair, ngram_cac
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert "PP1_PACED_TARGET_MS=2 pp1-spark" in out  # the commands, as a user would type them
-    assert "PP1_PACED_DRAFTER_MS=0 pp1-worker" in out
+    # The commands, as a user would type them, each side on its half of the cores.
+    halves = split_cores() if pair == "ngram" else None
+    pins = ("", "") if halves is None else (f"taskset -c {cores(h)} " for h in halves)
+    worker_pin, spark_pin = pins
+    assert f"PP1_PACED_TARGET_MS=2 {spark_pin}pp1-spark" in out
+    assert f"PP1_PACED_DRAFTER_MS=0 {worker_pin}pp1-worker" in out
     # The drafter hands over probabilities by default, as a draft head on a device does.
     drafter = {
         "ngram": "pp1wire.apps.ngram:paced_probs_drafter_factory",
@@ -111,6 +117,18 @@ def test_the_demo_shows_target_only_and_speculative_side_by_side(pair, ngram_cac
         # Each ratio against the target-only run of the same demo (to the digits printed).
         assert ratio == pytest.approx(rate / plain, abs=0.006)
     assert "worker stopped on SIGTERM, exit code 0" in out
+
+
+def cores(on: list[int]) -> str:
+    return ",".join(map(str, on))
+
+
+def test_a_pinned_command_runs_on_the_cores_it_names():
+    mine = sorted(os.sched_getaffinity(0))
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    done = cli.run(*pinned([sys.executable, "-c", code], mine[-1:]), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(mine[-1:])
 
 
 @pytest.mark.parametrize("pair", ["ngram", "toy"])

@@ -14,7 +14,9 @@ drafter hands over its probabilities, as a draft head on a device does
 (``kind = "probs"``: q is built from them with no exponential), or with
 ``--drafter-kind logits`` its logits. It prints each run's summary, the three
 runs' tokens/s side by side, the worker's Prometheus counters, then stops the
-worker with SIGTERM.
+worker with SIGTERM. With two or more cores the worker runs on one half of
+them and ``pp1-spark`` on the other (``--no-pin``: anywhere), as two machines
+would: left to the scheduler, each side's CPU work delays the other's.
 ``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
 one process (no sockets, no pacing), which is handy when debugging numerics.
 """
@@ -32,7 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from pp1wire.apps import ngram, settings
-from pp1wire.apps.launch import WorkerStartError, spark_command, worker_command, worker_process
+from pp1wire.apps.launch import (
+    WorkerStartError,
+    pinned,
+    spark_command,
+    split_cores,
+    worker_command,
+    worker_process,
+)
 from pp1wire.apps.models import DEFAULT_VOCAB, toy_drafter, toy_target
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 from pp1wire.q import dyadic, validate
@@ -167,9 +176,16 @@ RUNS = (
 )
 
 
-def _shown(env: dict[str, str], cmd: Sequence[str], program: str) -> str:
-    """``cmd`` (``python -m module ...``) as the user would type it, with its pace."""
-    return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), program, *cmd[3:]])
+def _shown(
+    env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[int] | None
+) -> str:
+    """``cmd`` (``python -m module ...``) as the user would type it, with its pace and cores."""
+    pin = [] if on is None else ["taskset", "-c", ",".join(map(str, on))]
+    return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *pin, program, *cmd[3:]])
+
+
+def _on(cmd: list[str], on: Sequence[int] | None) -> list[str]:
+    return cmd if on is None else pinned(cmd, on)
 
 
 def _side_by_side(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]]) -> None:
@@ -207,10 +223,13 @@ def run_daemons(args: argparse.Namespace) -> int:
         "--drafter", drafter_plugin, *drafter_flags, "--max-slots", str(args.requests),
         "--metrics-port", "0", vocab=args.vocab, seed=args.seed,
     )  # fmt: skip
-    print(_shown(drafter_env, worker_cmd, "pp1-worker"), flush=True)
+    halves = split_cores() if args.pin else None
+    worker_on, spark_on = (None, None) if halves is None else halves
+    print(_shown(drafter_env, worker_cmd, "pp1-worker", worker_on), flush=True)
     runs: list[tuple[str, dict[str, Any]]] = []
     try:
-        with worker_process(command=worker_cmd, env={**os.environ, **drafter_env}) as worker:
+        env = {**os.environ, **drafter_env}
+        with worker_process(command=_on(worker_cmd, worker_on), env=env) as worker:
             print(
                 f"  worker up at {worker.address} ({title}, drafter hands over "
                 f"{args.drafter_kind}, vocabulary {args.vocab})"
@@ -230,9 +249,9 @@ def run_daemons(args: argparse.Namespace) -> int:
                     "--json",
                     vocab=args.vocab,
                 )  # fmt: skip
-                print(_shown(target_env, spark_cmd, "pp1-spark"), flush=True)
+                print(_shown(target_env, spark_cmd, "pp1-spark", spark_on), flush=True)
                 done = subprocess.run(
-                    spark_cmd,
+                    _on(spark_cmd, spark_on),
                     capture_output=True,
                     text=True,
                     check=False,
@@ -331,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         metavar="MS",
         help="what one drafter call costs (a prefix or a batch), in milliseconds",
+    )
+    p.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave both daemons unpinned (by default, with two or more cores, pp1-worker runs "
+        "on the first half of this process's cores and pp1-spark on the other half, as if "
+        "on machines of their own)",
     )
     p.add_argument(
         "--in-process",

@@ -64,6 +64,32 @@ def worker_command(*extra: str, vocab: int, seed: int = 0, log_level: str = "war
     ]
 
 
+# The affinity is set before the interpreter starts, so every thread it starts inherits it.
+_PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+def split_cores() -> tuple[list[int], list[int]] | None:
+    """Two halves of this process's cores, a worker's and a Spark side's; None with one core.
+
+    A deployment runs the two sides on different machines; on one machine,
+    pinning them apart keeps one side's CPU from stealing the other's.
+    """
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        return None
+    half = len(mine) // 2
+    return mine[:half], mine[half:]
+
+
+def pinned(cmd: Sequence[str], on: Sequence[int]) -> list[str]:
+    """``cmd`` run on the cores ``on`` (every thread it starts included).
+
+    The cores are checked when the command runs: a core this machine lacks
+    fails it with ``OSError`` on its stderr, before ``cmd`` starts.
+    """
+    return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
+
+
 def spark_command(address: str, *extra: str, vocab: int) -> list[str]:
     """The command line of ``pp1-spark`` against the worker at ``address``."""
     return [
