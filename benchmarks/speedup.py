@@ -73,6 +73,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pp1wire.apps.demo import PAIRS as DEMO_PAIRS
 from pp1wire.apps.launch import (
     RunningWorker,
     pinned,
@@ -84,23 +85,8 @@ from pp1wire.apps.launch import (
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
 
 #: Each model pair's paced plugins (``--models``): the drafter of each kind
-#: (``--drafter-kind``), then the target.
-PAIRS = {
-    "toy": (
-        {
-            "logits": "pp1wire.apps.paced:drafter_factory",
-            "probs": "pp1wire.apps.paced:probs_drafter_factory",
-        },
-        "pp1wire.apps.paced:target_factory",
-    ),
-    "ngram": (
-        {
-            "logits": "pp1wire.apps.ngram:paced_drafter_factory",
-            "probs": "pp1wire.apps.ngram:paced_probs_drafter_factory",
-        },
-        "pp1wire.apps.ngram:paced_target_factory",
-    ),
-}
+#: (``--drafter-kind``), then the target; pp1-demo's table, which also names them.
+PAIRS = {name: DEMO_PAIRS[name][1:] for name in ("toy", "ngram")}
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCABS = (32_000, 129_280)
