@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -165,16 +166,43 @@ def worker_process(
                 proc.stdout.close()
 
 
+#: Linux's range of ports the kernel hands out to sockets bound to port 0 (clients).
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: The lowest port chosen below that range.
+_LOWEST = 10_000
+
+
+def _below_ephemeral(count: int) -> range | None:
+    """The bases P for which P .. P + count - 1 lie below the kernel's ephemeral
+    range (Linux), or None where that range is unknown or leaves no room."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    top = low - count
+    return range(_LOWEST, top + 1) if top >= _LOWEST else None
+
+
 def free_ports(count: int) -> int:
     """A port P with P .. P + count - 1 free on loopback (worker rank r listens on P + r).
+
+    On Linux the run is drawn below the kernel's ephemeral range: a port the
+    kernel may hand to any connection made meanwhile (its source port) could
+    be taken between this check and the worker's bind, which fails the start
+    with "address already in use"; below the range only an explicit bind can
+    take it.
 
     Raises:
         RuntimeError: if no such run of ports is found.
     """
+    bases = _below_ephemeral(count)
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
+        if bases is not None:
+            base = random.choice(bases)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = int(s.getsockname()[1])
         held: list[socket.socket] = []
         try:
             for r in range(count):

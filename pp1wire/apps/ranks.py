@@ -15,7 +15,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from pp1wire.apps.launch import free_ports
 from pp1wire.apps.settings import MAX_RANKS, SettingsError
 from pp1wire.q.layout import ShardLayout
 
@@ -65,12 +65,6 @@ def world_size(args: argparse.Namespace) -> int:
     return int(args.tp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rank_environments(
     world: int, port: int | None = None, base: Mapping[str, str] | None = None
 ) -> list[dict[str, str]]:
@@ -80,11 +74,11 @@ def rank_environments(
     ``OMP_NUM_THREADS=1`` unless it is set.
 
     Raises:
-        OSError: no free port could be bound.
+        RuntimeError: no free port was found.
     """
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
-    port = _free_port() if port is None else port
+    port = free_ports(1) if port is None else port
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     return [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
