@@ -23,7 +23,8 @@ from fractions import Fraction
 
 import pytest
 
-from pp1wire.q import oracle
+from pp1wire.apps.models import toy_drafter, toy_target
+from pp1wire.q import dyadic, oracle
 
 from .test_adaptive_exact import (
     HALF,
@@ -116,6 +117,48 @@ def test_two_token_toy_three_quarters_under_discard_one_half_under_the_rule():
     # The same number as the design's selection-bias toy: a discard chosen by a draw.
     biased = oracle.selective_admission_distribution([HALF, HALF], [HALF, HALF], lambda x: x == 0)
     assert biased[0] == first[True]
+
+
+def toy_pair(vocab: int, seed: int):
+    """The daemons' default pair as the oracle sees it: q the worker's dyadic counts
+    from the toy drafter's logits, p the toy target's row (exact binary values,
+    normalized)."""
+    drafter, target = toy_drafter(vocab, seed), toy_target(vocab, seed)
+
+    def q_fn(ctx):
+        counts = dyadic.counts_from_logits(drafter.logits(list(ctx)))
+        return [Fraction(int(c), 1 << 24) for c in counts]
+
+    def p_fn(ctx):
+        row = [Fraction(float(x)) for x in target.probs(list(ctx))]
+        total = sum(row)
+        return [x / total for x in row]
+
+    return q_fn, p_fn
+
+
+def test_the_daemon_tests_faults_move_the_first_token_by_what_they_claim():
+    # tests/test_fault_law.py's models and faults (V = 8, seed 0, prompt [1, 2, 3],
+    # depth 2): the figures its tolerance is sized against, computed exactly. Under
+    # the rule the first token follows p; under the whole-block discard a drafter
+    # failing after a drafted 4 moves P(4) from 0.674 to 0.477, and one failing (or
+    # too slow) after a drafted 0 moves P(0) from 0.173 to 0.059.
+    q_fn, p_fn = toy_pair(8, 0)
+    prompt = (1, 2, 3)
+    want = p_fn(prompt)
+    first = {}
+    for token in (4, 0):
+        for discard in (False, True):
+            plan = drafting("fixed", 2, after_token(token), discard=discard)
+            law = oracle.adaptive_generate_distribution(
+                prompt, 1, planner_for(plan), q_fn, p_fn, None
+            )
+            first[token, discard] = oracle.token_law(law).get((token,), Fraction(0))
+        assert first[token, False] == want[token]
+    assert round(float(want[4]), 3) == 0.674
+    assert round(float(first[4, True]), 3) == 0.477
+    assert round(float(want[0]), 3) == 0.173
+    assert round(float(first[0, True]), 3) == 0.059
 
 
 def test_a_fault_probability_outside_zero_one_is_refused():

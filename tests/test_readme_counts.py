@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -26,9 +25,3 @@ def test_the_worker_suite_count_is_the_number_of_cases():
 def test_the_spark_suite_count_is_the_number_of_cases():
     assert stated(r"runs the other half: ([\d,]+) numbered cases") == len(SPARK_CASES)
 
-
-def test_every_golden_vector_count_in_the_readme_is_the_file_s():
-    vectors = json.loads((ROOT / "golden" / "vectors.json").read_text())
-    total = len(vectors["vectors"]) if isinstance(vectors, dict) else len(vectors)
-    for count in re.findall(r"([\d,]+) golden vectors", README):
-        assert int(count.replace(",", "")) == total
