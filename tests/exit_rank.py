@@ -31,14 +31,21 @@ def main(mode: str, folder: Path) -> int:
         time.sleep(0.05)
         os._exit(0)  # gone without a word: rank 0's all-gather fails now
 
+    calling = threading.Event()
+
     def gather() -> None:
+        calling.set()
         try:
             coord.all_gather(torch.zeros(4))
         except Exception:  # the group failed: what any rank's thread would see
             return
 
     threading.Thread(target=gather, daemon=True).start()
-    time.sleep(0.1)  # the thread is inside the all-gather
+    if not calling.wait(10):
+        return 5  # the thread never started: the test sees another exit than it expects
+    # The all-gather cannot complete (rank 1 never joins it): a moment after the
+    # call begins, the thread is blocked inside it until the group fails.
+    time.sleep(0.05)
     atexit.register((folder / "ending").touch)
     if mode == "end":
         (folder / "ending").touch()  # end_process skips the atexit hooks too

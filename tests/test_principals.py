@@ -34,14 +34,11 @@ from pp1wire.wire.draws import run_each
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
+from .test_hostile_clients import _count
 from .waiting import GatedDrafter, eventually
 
 VOCAB = 64
 ATTACKER = "127.0.0.2"
-
-
-def _count(counter, **labels) -> float:
-    return (counter.labels(**labels) if labels else counter)._value.get()
 
 
 @contextlib.asynccontextmanager

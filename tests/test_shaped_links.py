@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from .cli import alive
+from .waiting import wait_until
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -251,10 +252,7 @@ def test_sigkill_leaves_what_cleanup_deletes(running: list[Running]) -> None:
     assert f"deleted {worker_ns}" in done.stdout.splitlines()
     assert f"deleted {spark_ns}" in done.stdout.splitlines()
     assert_deleted(worker_ns, spark_ns)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in inside) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in inside)
+    wait_until(lambda: not any(alive(p) for p in inside), 10, "the ranks inside ended")
 
 
 @needs_netns

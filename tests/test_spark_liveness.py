@@ -30,6 +30,7 @@ from pp1wire.wire.transitions import State
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 from .groups import args_of
+from .waiting import eventually
 
 VOCAB = 16
 
@@ -78,11 +79,8 @@ async def test_sigterm_ends_a_run_waiting_on_a_mute_worker_at_once_with_results_
     server, port = await mute_worker()
     try:
         proc = await run_spark(port, tmp_path, "--reply-timeout", "30")
-        deadline = time.monotonic() + 30
-        while MuteWorker.opens == 0:  # pp1-spark is now waiting for OPENED
-            assert time.monotonic() < deadline, "pp1-spark never sent OPEN"
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)
+        # pp1-spark is then waiting for OPENED, which never comes.
+        await eventually(lambda: MuteWorker.opens > 0, 30, "pp1-spark sent OPEN")
         asked = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         # Bound for a loaded machine; on a quiet one this is about a tenth of a second.

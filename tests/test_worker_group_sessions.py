@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from .waiting import wait_until
+
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,8 +126,5 @@ def test_a_dropped_links_nonce_is_closed_to_newcomers_while_its_session_lives(ra
     # Once the session is gone from every rank (an exchange says so), the nonce is
     # free: nothing of the session is left to match.
     ranks[0].leave("victim-0")
-    deadline = time.monotonic() + 5
-    while not ranks[1].join("later", nonce):
-        assert time.monotonic() < deadline, "the nonce stayed closed after its session ended"
-        time.sleep(0.05)
+    wait_until(lambda: ranks[1].join("later", nonce), 5, "the nonce freed once its session ended")
     ranks[1].leave("later")
