@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from pp1wire.apps import ngram, pairstats
+from pp1wire.apps import demo, pairstats
 from pp1wire.apps.launch import spark_command, worker_process
 from pp1wire.apps.models import ToyLM
 from pp1wire.q.proposal import build_row
@@ -200,11 +200,7 @@ def diagnostic(probes: int, seed: int = 1, vocab: int = VOCAB) -> dict[str, Any]
 def statistics_of(pair: str, vocab: int, probes: int) -> dict[str, Any]:
     """The pair's statistics (:func:`pp1wire.apps.pairstats.measure`) over about ``probes``
     contexts sampled from its own target (chains of 40 tokens)."""
-    if pair == "ngram":
-        d, t = ngram.ngram_drafter(vocab), ngram.ngram_target(vocab)
-        drafter, target = d.logits, t.probs
-    else:
-        drafter, target = ToyLM(vocab, 0, draft=True).logits, ToyLM(vocab, 0).probs
+    drafter, target = demo.models(pair, vocab, 0)
     length = min(40, probes)
     return pairstats.measure(drafter, target, vocab, chains=max(1, probes // length), length=length)
 
