@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from speedup import summarize
 
 from pp1wire.apps import demo, pairstats
 from pp1wire.apps.launch import spark_command, worker_process
@@ -104,11 +105,6 @@ def spark(
     return summary
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median and min-max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def measure(
     runs: int,
     requests: int,
@@ -154,16 +150,16 @@ def measure(
         table: dict[str, Any] = {}
         for c in configs:
             table[c] = {
-                "tokens_per_second": spread(rate[c]),
-                "rows_per_token": spread(rows[c]),
-                "mean_step_depth": spread([r["mean_step_depth"] for r in raw[skey][c]]),
-                "acceptance_rate": spread([r["acceptance_rate"] for r in raw[skey][c]]),
+                "tokens_per_second": summarize(rate[c]),
+                "rows_per_token": summarize(rows[c]),
+                "mean_step_depth": summarize([r["mean_step_depth"] for r in raw[skey][c]]),
+                "acceptance_rate": summarize([r["acceptance_rate"] for r in raw[skey][c]]),
             }
         for c in ("confidence", "joint", "auto"):
-            table[c]["speed_vs_best_fixed"] = spread(
+            table[c]["speed_vs_best_fixed"] = summarize(
                 [a / b for a, b in zip(rate[c], rate[best], strict=True)]
             )
-            table[c]["rows_vs_best_fixed"] = spread(
+            table[c]["rows_vs_best_fixed"] = summarize(
                 [a / b for a, b in zip(rows[c], rows[best], strict=True)]
             )
         out[skey] = {"best_fixed": best, "configurations": table}
