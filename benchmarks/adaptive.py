@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from speedup import summarize
 
-from pp1wire.apps import ngram, pairstats
+from pp1wire.apps import demo, pairstats
 from pp1wire.apps.launch import spark_command, worker_process
 from pp1wire.apps.models import ToyLM
 from pp1wire.q.proposal import build_row
@@ -104,11 +105,6 @@ def spark(
     return summary
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median and min-max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def measure(
     runs: int,
     requests: int,
@@ -154,16 +150,16 @@ def measure(
         table: dict[str, Any] = {}
         for c in configs:
             table[c] = {
-                "tokens_per_second": spread(rate[c]),
-                "rows_per_token": spread(rows[c]),
-                "mean_step_depth": spread([r["mean_step_depth"] for r in raw[skey][c]]),
-                "acceptance_rate": spread([r["acceptance_rate"] for r in raw[skey][c]]),
+                "tokens_per_second": summarize(rate[c]),
+                "rows_per_token": summarize(rows[c]),
+                "mean_step_depth": summarize([r["mean_step_depth"] for r in raw[skey][c]]),
+                "acceptance_rate": summarize([r["acceptance_rate"] for r in raw[skey][c]]),
             }
         for c in ("confidence", "joint", "auto"):
-            table[c]["speed_vs_best_fixed"] = spread(
+            table[c]["speed_vs_best_fixed"] = summarize(
                 [a / b for a, b in zip(rate[c], rate[best], strict=True)]
             )
-            table[c]["rows_vs_best_fixed"] = spread(
+            table[c]["rows_vs_best_fixed"] = summarize(
                 [a / b for a, b in zip(rows[c], rows[best], strict=True)]
             )
         out[skey] = {"best_fixed": best, "configurations": table}
@@ -200,11 +196,7 @@ def diagnostic(probes: int, seed: int = 1, vocab: int = VOCAB) -> dict[str, Any]
 def statistics_of(pair: str, vocab: int, probes: int) -> dict[str, Any]:
     """The pair's statistics (:func:`pp1wire.apps.pairstats.measure`) over about ``probes``
     contexts sampled from its own target (chains of 40 tokens)."""
-    if pair == "ngram":
-        d, t = ngram.ngram_drafter(vocab), ngram.ngram_target(vocab)
-        drafter, target = d.logits, t.probs
-    else:
-        drafter, target = ToyLM(vocab, 0, draft=True).logits, ToyLM(vocab, 0).probs
+    drafter, target = demo.models(pair, vocab, 0)
     length = min(40, probes)
     return pairstats.measure(drafter, target, vocab, chains=max(1, probes // length), length=length)
 

@@ -9,13 +9,14 @@ would), the toy model's arithmetic done inside that time from rows cached per
 last token (a toy bigram depends on nothing else). ``ngram_target_factory`` and
 ``ngram_drafter_factory``: the n-gram pair (:mod:`pp1wire.apps.ngram`) at the
 same costs, its rows computed inside each call's time. The costs are read from
-the environment when a factory runs, so a benchmark sets them for both daemons.
+the environment when a factory runs, so a benchmark sets them for both daemons;
+one that is not a duration in 0..60,000 ms is refused with ValueError
+(:func:`pp1wire.apps.paced.pace_seconds`), and the pacing is
+:class:`pp1wire.apps.paced.PacedModelFn`'s.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,23 +24,21 @@ import numpy.typing as npt
 
 from pp1wire.apps import ngram
 from pp1wire.apps.models import ToyLM
+from pp1wire.apps.paced import PacedModelFn, pace_seconds
 
 Row = npt.NDArray[np.float64]
+TARGET_MS_ENV = "PP1_BENCH_TARGET_MS"
+DRAFT_MS_ENV = "PP1_BENCH_DRAFT_MS"
 
 
-def _seconds(name: str, default_ms: float) -> float:
-    return float(os.environ.get(name, default_ms)) / 1e3
+class _ByLastToken:
+    """A toy model's rows cached by last token (a toy bigram depends on nothing else)."""
 
-
-class _Paced:
-    """A toy model's rows by last token, each call (or batch) costing ``seconds``."""
-
-    def __init__(self, fn: Callable[[Sequence[int]], Row], seconds: float) -> None:
+    def __init__(self, fn: Callable[[Sequence[int]], Row]) -> None:
         self.fn = fn
-        self.seconds = seconds
         self.rows: dict[int, Row] = {}
 
-    def _row(self, prefix: Sequence[int]) -> Row:
+    def __call__(self, prefix: Sequence[int]) -> Row:
         last = int(prefix[-1]) if len(prefix) else -1
         row = self.rows.get(last)
         if row is None:
@@ -48,43 +47,33 @@ class _Paced:
             self.rows[last] = row
         return row
 
-    def _wait(self, deadline: float) -> None:
-        left = deadline - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
-    def __call__(self, prefix: Sequence[int]) -> Row:
-        """One prefix: one call."""
-        deadline = time.perf_counter() + self.seconds
-        row = self._row(prefix)
-        self._wait(deadline)
-        return row
-
     def batch(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
-        """Many prefixes: one call."""
-        deadline = time.perf_counter() + self.seconds
-        rows = [self._row(p) for p in prefixes]
-        self._wait(deadline)
-        return rows
+        return [self(p) for p in prefixes]
 
 
-def target_factory(vocab_size: int, seed: int = 0) -> _Paced:
+def target_factory(vocab_size: int, seed: int = 0) -> PacedModelFn[list[Row]]:
     """The toy target's probabilities at ``PP1_BENCH_TARGET_MS`` (20) ms per call."""
-    return _Paced(ToyLM(vocab_size, seed).probs, _seconds("PP1_BENCH_TARGET_MS", 20.0))
+    rows = _ByLastToken(ToyLM(vocab_size, seed).probs)
+    return PacedModelFn(rows, pace_seconds(TARGET_MS_ENV, 20.0))
 
 
-def drafter_factory(vocab_size: int, seed: int = 0) -> _Paced:
+def drafter_factory(vocab_size: int, seed: int = 0) -> PacedModelFn[list[Row]]:
     """The toy drafter's logits at ``PP1_BENCH_DRAFT_MS`` (2) ms per call."""
-    return _Paced(ToyLM(vocab_size, seed, draft=True).logits, _seconds("PP1_BENCH_DRAFT_MS", 2.0))
+    rows = _ByLastToken(ToyLM(vocab_size, seed, draft=True).logits)
+    return PacedModelFn(rows, pace_seconds(DRAFT_MS_ENV, 2.0))
 
 
-def ngram_target_factory(vocab_size: int, seed: int = 0) -> ngram.PacedModelFn:
+def ngram_target_factory(
+    vocab_size: int, seed: int = 0
+) -> PacedModelFn[npt.NDArray[np.floating]]:
     """The n-gram target's probabilities at ``PP1_BENCH_TARGET_MS`` (20) ms per call."""
     model = ngram.target_factory(vocab_size, seed)
-    return ngram.PacedModelFn(model, _seconds("PP1_BENCH_TARGET_MS", 20.0))
+    return PacedModelFn(model, pace_seconds(TARGET_MS_ENV, 20.0))
 
 
-def ngram_drafter_factory(vocab_size: int, seed: int = 0) -> ngram.PacedModelFn:
+def ngram_drafter_factory(
+    vocab_size: int, seed: int = 0
+) -> PacedModelFn[npt.NDArray[np.floating]]:
     """The n-gram drafter's logits at ``PP1_BENCH_DRAFT_MS`` (2) ms per call."""
     model = ngram.drafter_factory(vocab_size, seed)
-    return ngram.PacedModelFn(model, _seconds("PP1_BENCH_DRAFT_MS", 2.0))
+    return PacedModelFn(model, pace_seconds(DRAFT_MS_ENV, 2.0))

@@ -10,7 +10,9 @@ only (they can never match) and N STEPs of a session that has a link on both
 ranks but sends only on rank 0 (they could match, and never will); then the
 legitimate session sends one STEP on each rank. Printed, per N: how long,
 from its STEPs' submission, the legitimate STEP took to be answered on both
-ranks (median, min-max over ``--reps``), and its status (0: rows drawn).
+ranks (median, min-max over ``--reps``), its status (0: rows drawn), and how
+many repetitions it was not answered within ``ANSWER_TIMEOUT`` (a failure:
+those are left out of the times).
 Before each exchange's window held only keys that can match, shared fairly
 between sessions, 100 such STEPs delayed it by seconds.
 """
@@ -28,6 +30,8 @@ from typing import Any
 
 VOCAB = 16
 MATCH_TIMEOUT = 5.0  # the worker's default: the unmatched STEPs outlive every measurement
+SETTLE_TIMEOUT = 5.0  # twenty of the group's 0.25 s beats, each of which carries an exchange
+ANSWER_TIMEOUT = MATCH_TIMEOUT + 5  # past it, the legitimate STEP counts as not answered
 
 
 class _Slot:
@@ -90,9 +94,16 @@ def step_job(slot: int, seed: int = 7) -> Any:
     )
 
 
-def legitimate_wait(ranks: list[Any], unmatched: int) -> tuple[float, list[int]]:
+def legitimate_wait(ranks: list[Any], unmatched: int) -> tuple[float | None, list[int]]:
     """Seconds until the legitimate STEP is answered on both ranks, behind ``unmatched``
-    STEPs of each hostile session on rank 0; the statuses it got."""
+    STEPs of each hostile session on rank 0 (None: not within ``ANSWER_TIMEOUT``); the
+    statuses it got.
+
+    Raises:
+        RuntimeError: if no exchange carries the hostile sessions within ``SETTLE_TIMEOUT``.
+    """
+    from pp1wire.tp.shard_worker import nonce_words
+
     tag = time.monotonic_ns().to_bytes(8, "little")
     lone, greedy, legit = (tag + bytes([k]) * 8 for k in (1, 2, 3))
     ranks[0].join(("lone", tag), lone)  # a session with a link on rank 0 only
@@ -102,7 +113,14 @@ def legitimate_wait(ranks: list[Any], unmatched: int) -> tuple[float, list[int]]
     for slot in range(unmatched):
         ranks[0].submit(("lone", tag), step_job(slot), lambda _res: None)
         ranks[0].submit(("greedy", tag, 0), step_job(slot), lambda _res: None)
-    time.sleep(0.3)  # they are held, and older than the legitimate STEP
+    # The hostile STEPs are held (and older) once submit returns; what the legitimate
+    # STEP must meet is the steady state, in which an exchange has carried the
+    # one-link session and found it cannot match (the group's private record of it).
+    settled = time.monotonic() + SETTLE_TIMEOUT
+    while ranks[0]._matchable.get(nonce_words(lone)) is not False:
+        if time.monotonic() >= settled:
+            raise RuntimeError(f"no exchange carried the one-link session in {SETTLE_TIMEOUT} s")
+        time.sleep(0.01)
     answered = threading.Event()
     statuses: list[int] = []
     lock = threading.Lock()
@@ -116,8 +134,7 @@ def legitimate_wait(ranks: list[Any], unmatched: int) -> tuple[float, list[int]]
     started = time.monotonic()
     for r, rank in enumerate(ranks):
         rank.submit(("legit", tag, r), step_job(0, seed=11), done)
-    answered.wait(MATCH_TIMEOUT + 5)
-    took = time.monotonic() - started
+    took = time.monotonic() - started if answered.wait(ANSWER_TIMEOUT) else None
     for r, rank in enumerate(ranks):  # the hostile STEPs go with their links
         for name in ("lone", "greedy", "legit"):
             rank.leave((name, tag) if name == "lone" else (name, tag, r))
@@ -134,23 +151,38 @@ def main() -> None:
     out: dict[str, Any] = {}
     with worker_ranks() as ranks:
         for n in args.unmatched:
-            waits, statuses = [], []
+            waits, statuses, timeouts = [], [], 0
             for _ in range(args.reps):
                 took, got = legitimate_wait(ranks, n)
-                waits.append(took)
+                if took is None:
+                    timeouts += 1
+                else:
+                    waits.append(took)
                 statuses += got
             out[str(n)] = {
-                "median_s": statistics.median(waits),
-                "min_s": min(waits),
-                "max_s": max(waits),
+                "median_s": statistics.median(waits) if waits else None,
+                "min_s": min(waits, default=None),
+                "max_s": max(waits, default=None),
                 "statuses": sorted(set(statuses)),
+                "timeouts": timeouts,
             }
             if not args.json:
                 w = out[str(n)]
+                answered = (
+                    f"answered in {w['median_s'] * 1e3:.1f} ms (min {w['min_s'] * 1e3:.1f}, "
+                    f"max {w['max_s'] * 1e3:.1f})"
+                    if waits
+                    else "never answered"
+                )
+                failed = (
+                    f", FAILED: not answered within {ANSWER_TIMEOUT:g} s in {timeouts} of "
+                    f"{args.reps}"
+                    if timeouts
+                    else ""
+                )
                 print(
-                    f"{n:5d} unmatched STEPs x 2 sessions: legitimate STEP answered in "
-                    f"{w['median_s'] * 1e3:.1f} ms (min {w['min_s'] * 1e3:.1f}, max "
-                    f"{w['max_s'] * 1e3:.1f}), status {w['statuses']}"
+                    f"{n:5d} unmatched STEPs x 2 sessions: legitimate STEP {answered}, "
+                    f"status {w['statuses']}{failed}"
                 )
     if args.json:
         print(json.dumps(out))

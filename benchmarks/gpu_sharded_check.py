@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pp1wire.apps.models import ToyLM
 from pp1wire.apps.ranks import rank_environments
 from pp1wire.errors import Pp1Error
+from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
@@ -103,6 +104,11 @@ def _results(data: dict[str, Any], coord: GroupCoordinator) -> dict[str, Any]:
     weights = np.stack([p.normalized(i) for i in range(rows)])
     draws = [(1 << 52) // (i + 2) for i in range(rows)]
     out["draws from p"] = [str(v) for v in dist_ops.sample_weights_rows(weights, draws, coord)]
+    # Every rank allocates the same global counts from the same rows and takes its piece.
+    counts = np.stack([dyadic.counts_from_weights(row) for row in data["target"]])
+    u24s = [(7_654_321 * (i + 1)) % dyadic.M for i in range(rows)]
+    piece = np.ascontiguousarray(counts[:, lo:hi])
+    out["draws from counts"] = [str(v) for v in dist_ops.sample_counts(piece, u24s, coord)]
     return out
 
 

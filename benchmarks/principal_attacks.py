@@ -205,12 +205,16 @@ def main() -> None:
     p.add_argument(
         "--squat-settle",
         type=float,
-        default=11.0,
-        help="squatting time before the run, s (past the worker's --slot-idle-timeout)",
+        default=None,
+        help="squatting time before the run, s (default: the worker's --slot-idle-timeout "
+        "+ 1, past it)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args, worker_flags = p.parse_known_args()
-    limits = worker_app.config_from(worker_app.build_parser().parse_args(worker_flags))
+    worker_args = worker_app.build_parser().parse_args(worker_flags)
+    limits = worker_app.config_from(worker_args)
+    if args.squat_settle is None:
+        args.squat_settle = worker_args.slot_idle_timeout + 1.0
     ctx = multiprocessing.get_context("spawn")
     results: dict[str, Any] = {}
     for name in args.attack or ["squat", "commit", "reject", "reconnect"]:
@@ -247,7 +251,7 @@ def main() -> None:
         if name == "reconnect" and limits.abandon_rate is not None:
             # Each phase starts with the burst paid back, and each slot's first draw is
             # abandoned only by the RESET after it.
-            bound = len(ratios) * (limits.abandon_burst + args.slots)
+            bound = len(res["beside"]) * (limits.abandon_burst + args.slots)
             bound += limits.abandon_rate * seconds
             print(f"  the abandon budget allows one principal {bound:.0f} in that time")
         elif name == "commit":

@@ -61,7 +61,6 @@ import os
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -71,7 +70,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from speedup import PAIRS, cores, pinned
+from speedup import PAIRS, _cell_text, cores, pinned, summarize
 
 from pp1wire.apps.launch import LISTENING, spark_command, worker_command
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
@@ -560,11 +559,6 @@ def figures(run: dict[str, Any], config: str) -> dict[str, Any]:
     }
 
 
-def summarize(values: Sequence[float]) -> dict[str, float]:
-    """Median and min-max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def progress(text: str) -> None:
     """One line on stderr (what the run is doing; a test waits on these)."""
     print(f"shaped: {text}", file=sys.stderr, flush=True)
@@ -647,10 +641,6 @@ def cell_figures(runs: list[dict[str, Any]], configs: Sequence[str]) -> list[dic
     return cells
 
 
-def _text(f: dict[str, float], digits: int = 2) -> str:
-    return f"{f['median']:.{digits}f} ({f['min']:.{digits}f}-{f['max']:.{digits}f})"
-
-
 def report(result: dict[str, Any]) -> str:
     """The transfers and the table, as text and markdown."""
     s = result["setup"]
@@ -679,14 +669,14 @@ def report(result: dict[str, Any]) -> str:
     ]
     for c in result["cells"]:
         per_link = " / ".join(f"{b['median'] / 1e6:.2f}" for b in c["link_bytes_per_step"])
-        vs_dense = _text(c["vs_dense"]) if "vs_dense" in c else ""
+        vs_dense = _cell_text(c["vs_dense"]) if "vs_dense" in c else ""
         lines.append(
-            f"| {c['rate']} | {c['config']} | {_text(c['tokens_per_second'], 0)} "
-            f"| {_text(c['vs_unshaped'])} | {vs_dense} | {_text(c['step_ms'], 1)} "
+            f"| {c['rate']} | {c['config']} | {_cell_text(c['tokens_per_second'], 0)} "
+            f"| {_cell_text(c['vs_unshaped'])} | {vs_dense} | {_cell_text(c['step_ms'], 1)} "
             f"| {c['fill']['median']:.2f} | {per_link} | {c['fallbacks']['max']:g} |"
         )
     goal = [
-        f"{c['rate']}: sharded-dense / dense tokens/s = {_text(c['vs_dense'])}"
+        f"{c['rate']}: sharded-dense / dense tokens/s = {_cell_text(c['vs_dense'])}"
         for c in result["cells"]
         if c["config"] == "sharded-dense" and "vs_dense" in c
     ]

@@ -49,9 +49,9 @@ over: logits (the default) or FP32 probabilities (``kind = "probs"``); each
 pair and kind has its own worker, and every run and cell says which
 (``models``, ``drafter``). The
 **free-model floor** (``floors``) is, per pair, vocabulary and kind, dense q with
-free models (t_t = 0 and a drafter of 0 ms, its own worker): speculative and
-target-only tokens/s and each side's CPU per row, over the same repetitions
-(``--no-floor`` skips it).
+free models (t_t = 0 and a drafter of 0 ms, its own worker, warmed up as the
+others are): speculative and target-only tokens/s and each side's CPU per row,
+over the same repetitions (``--no-floor`` skips it).
 
 ``--json`` prints one object: ``cells`` (those figures, each ``{"median",
 "min", "max"}``), ``runs`` (every repetition's raw figures, from which each
@@ -185,6 +185,23 @@ def worker_on(
         yield worker
 
 
+def warm_up_run(
+    worker: RunningWorker,
+    vocab: int,
+    support: str,
+    requests: int,
+    tokens: int,
+    on: list[int],
+    models: str,
+) -> None:
+    """A fresh worker's first run, short (at most 8 tokens a request, t_t = 0) and not
+    measured: it pays the first-call costs that no later run pays."""
+    spark_run(
+        worker, vocab=vocab, depth=DEPTH, support=support, target_ms=0.0,
+        requests=requests, tokens=min(tokens, 8), on=on, models=models,
+    )  # fmt: skip
+
+
 def key_of(support: str) -> str:
     """``dense`` / ``sparse32``: a support as a JSON key."""
     return support.replace(":", "")
@@ -260,10 +277,7 @@ def measure(
     for pair, kind, vocab in combos:
         with worker_on(vocab, requests, worker_cores, kind, models=pair) as worker:
             if warm_up:
-                spark_run(
-                    worker, vocab=vocab, depth=DEPTH, support=supports[0], target_ms=0.0,
-                    requests=requests, tokens=min(tokens, 8), on=spark_cores, models=pair,
-                )  # fmt: skip
+                warm_up_run(worker, vocab, supports[0], requests, tokens, spark_cores, pair)
             order = [(t, s) for t in target_ms for s in ("target_only", *supports)]
             for rep in range(reps):
                 turn = order[rep % len(order) :] + order[: rep % len(order)]
@@ -308,7 +322,9 @@ def measure(
                         cell[name] = summarize([r[name] for r in mine])
                 cells.append(cell)
     floors = [
-        free_model_floor(vocab, kind, requests, tokens, reps, worker_cores, spark_cores, pair)
+        free_model_floor(
+            vocab, kind, requests, tokens, reps, worker_cores, spark_cores, pair, warm_up=warm_up
+        )
         for pair, kind, vocab in combos
         if floor
     ]
@@ -343,12 +359,17 @@ def free_model_floor(
     worker_cores: list[int],
     spark_cores: list[int],
     models: str = "toy",
+    *,
+    warm_up: bool = True,
 ) -> dict[str, Any]:
     """Dense q with free models (t_t = 0, a 0 ms drafter of pair ``models`` and ``kind``):
     what pp1wire itself allows, speculative and target-only, over ``reps`` interleaved
-    repetitions."""
+    repetitions. With ``warm_up``, the worker's first run (its warm-up) is not measured,
+    as in :func:`measure`."""
     figures_of: dict[str, list[float]] = {}
     with worker_on(vocab, requests, worker_cores, kind, drafter_ms=0.0, models=models) as worker:
+        if warm_up:
+            warm_up_run(worker, vocab, "dense", requests, tokens, spark_cores, models)
         for _ in range(reps):
             spec, plain = (
                 spark_run(

@@ -81,8 +81,8 @@ from pp1wire.apps.paced import (
     DEFAULT_TARGET_MS,
     DRAFTER_MS_ENV,
     TARGET_MS_ENV,
+    PacedModelFn,
     pace_seconds,
-    paced_call,
 )
 
 #: The module whose ``topics`` dict holds the text (pydoc's help topics).
@@ -579,28 +579,9 @@ def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
     return ModelFn(model.probs, model.probs_batch)
 
 
-class PacedModelFn:
-    """A model function that costs ``seconds`` per call, of one prefix or a batch: the
-    rows are computed inside that time, then the call sleeps to its deadline (more,
-    only if computing them takes longer)."""
-
-    def __init__(self, fn: ModelFn, seconds: float) -> None:
-        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call; its rows
-        are what ``fn``'s are (``kind``)."""
-        self.fn = fn
-        self.seconds = seconds
-        self.kind = fn.kind
-
-    def __call__(self, prefix: Sequence[int]) -> npt.NDArray[np.floating]:
-        """One prefix's row, at the cost of one call."""
-        return paced_call(self.seconds, self.fn, prefix)
-
-    def batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.floating]:
-        """Every prefix's row, at the cost of one call."""
-        return paced_call(self.seconds, self.fn.batch, prefixes)
-
-
-def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> PacedModelFn:
+def paced_target_factory(
+    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
+) -> PacedModelFn[npt.NDArray[np.floating]]:
     """The pair's target at ``PP1_PACED_TARGET_MS`` (default 20) ms per call.
 
     Raises:
@@ -611,7 +592,9 @@ def paced_target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pace
     return PacedModelFn(target_factory(vocab_size, seed), seconds)
 
 
-def paced_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> PacedModelFn:
+def paced_drafter_factory(
+    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
+) -> PacedModelFn[npt.NDArray[np.floating]]:
     """The pair's drafter at ``PP1_PACED_DRAFTER_MS`` (default 0.5) ms per call.
 
     Raises:
@@ -624,7 +607,7 @@ def paced_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Pac
 
 def paced_probs_drafter_factory(
     vocab_size: int = DEFAULT_VOCAB, seed: int = 0
-) -> PacedModelFn:
+) -> PacedModelFn[npt.NDArray[np.floating]]:
     """:func:`paced_drafter_factory` handing over FP32 probabilities (``kind = "probs"``).
 
     Raises:

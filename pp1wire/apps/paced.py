@@ -24,7 +24,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,8 @@ Row = npt.NDArray[np.floating]
 
 _A = TypeVar("_A")
 _R = TypeVar("_R")
+_B = TypeVar("_B")
+_B_co = TypeVar("_B_co", covariant=True)
 
 
 def pace_seconds(name: str, default_ms: float) -> float:
@@ -78,7 +80,61 @@ def paced_call(seconds: float, fn: Callable[[_A], _R], arg: _A) -> _R:
     return out
 
 
-class PacedModel:
+class Batched(Protocol[_B_co]):
+    """A model function with its batched form as ``batch``
+    (:class:`pp1wire.apps.models.ModelFn`'s shape)."""
+
+    def __call__(self, prefix: Sequence[int], /) -> Row:
+        """One prefix's row."""
+        ...
+
+    def batch(self, prefixes: Sequence[Sequence[int]], /) -> _B_co:
+        """Every prefix's row, one call."""
+        ...
+
+
+class PacedModelFn(Generic[_B]):
+    """A model function that costs ``seconds`` per call, of one prefix or a batch: the
+    rows are computed inside that time, then the call sleeps to its deadline (more,
+    only if computing them takes longer)."""
+
+    def __init__(self, fn: Batched[_B], seconds: float) -> None:
+        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call; its rows
+        are what ``fn``'s are (its ``kind``, :func:`pp1wire.q.proposal.drafter_kind`).
+
+        Raises:
+            ValueError: for a ``kind`` of ``fn`` other than ``"logits"`` and ``"probs"``.
+        """
+        self.fn = fn
+        self.seconds = seconds
+        self.kind: DrafterKind = drafter_kind(fn)
+
+    def __call__(self, prefix: Sequence[int]) -> Row:
+        """One prefix's row, at the cost of one call."""
+        return paced_call(self.seconds, self.fn, prefix)
+
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> _B:
+        """Every prefix's row, at the cost of one call."""
+        return paced_call(self.seconds, self.fn.batch, prefixes)
+
+
+class _Table:
+    """The rows of a table by a prefix's last token, modulo the table's length."""
+
+    def __init__(self, table: Row, kind: DrafterKind) -> None:
+        self.table = table
+        self.kind = kind
+
+    def __call__(self, prefix: Sequence[int]) -> Row:
+        last = int(prefix[-1]) if len(prefix) else 0
+        row: Row = self.table[last % self.table.shape[0]]
+        return row
+
+    def batch(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
+        return [self(p) for p in prefixes]
+
+
+class PacedModel(PacedModelFn[list[Row]]):
     """A tabulated toy model that costs ``seconds`` per call (a prefix or a batch).
 
     As a drafter, ``kind`` says what its rows are: ``"logits"``, or ``"probs"``
@@ -94,25 +150,7 @@ class PacedModel:
         """
         table.flags.writeable = False
         self.table = table
-        self.seconds = seconds
-        self.kind: DrafterKind = kind
-        drafter_kind(self)
-
-    def _row(self, prefix: Sequence[int]) -> Row:
-        last = int(prefix[-1]) if len(prefix) else 0
-        row: Row = self.table[last % self.table.shape[0]]
-        return row
-
-    def _rows(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
-        return [self._row(p) for p in prefixes]
-
-    def __call__(self, prefix: Sequence[int]) -> Row:
-        """One prefix's row, at the cost of one call."""
-        return paced_call(self.seconds, self._row, prefix)
-
-    def batch(self, prefixes: Sequence[Sequence[int]]) -> list[Row]:
-        """Every prefix's row, at the cost of one call."""
-        return paced_call(self.seconds, self._rows, prefixes)
+        super().__init__(_Table(table, kind), seconds)
 
 
 def _contexts(vocab_size: int) -> list[list[int]]:

@@ -23,7 +23,7 @@ import msgspec
 
 from pp1wire.aio.client import AsyncClient
 from pp1wire.errors import ErrorCode, ProtocolError
-from pp1wire.q.proposal import PrefixDigest, prefix_digest
+from pp1wire.q.proposal import PrefixDigest
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing
 from pp1wire.wire.events import HandshakeDone
@@ -161,13 +161,19 @@ def handshake_and_open(
 
 
 def step_at(
-    session: int, slot: int, round_id: int, prefix: PrefixDigest, *, depth: int = 5
+    session: int,
+    slot: int,
+    round_id: int,
+    prefix: PrefixDigest,
+    *,
+    depth: int = 5,
+    generation: int = 0,
 ) -> Step:
-    """A dense STEP of ``slot`` (generation 0) for ``round_id`` after ``prefix``."""
+    """A dense STEP of ``slot`` (of ``generation``) for ``round_id`` after ``prefix``."""
     return Step(
         session=session,
         slot=slot,
-        generation=0,
+        generation=generation,
         round=round_id,
         position=prefix.length,
         digest=prefix.value,
@@ -175,6 +181,21 @@ def step_at(
         temperature=1.0,
         support=0,
         context=0,
+    )
+
+
+def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, token: int) -> Commit:
+    """A COMMIT of ``slot`` (generation 0) for ``round_id`` with no draft accepted and
+    ``token`` as its one token of its own, ``prefix`` being the prefix with ``token``."""
+    return Commit(
+        session=session,
+        slot=slot,
+        generation=0,
+        round=round_id,
+        accepted=0,
+        extra=token,
+        position=prefix.length,
+        digest=prefix.value,
     )
 
 
@@ -278,7 +299,7 @@ def reset_step_loop(
         OSError, ConnectionError: if the worker cannot be reached or drops a connection.
     """
     prefix = [1, 2, 3]
-    digest = prefix_digest(prefix)
+    digest = PrefixDigest(prefix)
     tally = _Tally()
 
     def one(sock: socket.socket, session: int) -> None:
@@ -296,22 +317,8 @@ def reset_step_loop(
                                 Reset(session=session, slot=slot, generation=generation)
                             )
                         )
-                    out.append(
-                        framing.encode_frame(
-                            Step(
-                                session=session,
-                                slot=slot,
-                                generation=generation,
-                                round=0,
-                                position=len(prefix),
-                                digest=digest,
-                                depth=depth,
-                                temperature=1.0,
-                                support=0,
-                                context=0,
-                            )
-                        )
-                    )
+                    step = step_at(session, slot, 0, digest, depth=depth, generation=generation)
+                    out.append(framing.encode_frame(step))
                 try:
                     sock.sendall(b"".join(out))
                 except OSError:
@@ -390,15 +397,8 @@ def commit_loop(
                 for slot, prefix in enumerate(prefixes):
                     token = 4 + round_id % 50
                     prefix.extend([token])
-                    commit = Commit(
-                        session=session,
-                        slot=slot,
-                        generation=0,
-                        round=round_id if same_round else round_id + 1,
-                        accepted=0,
-                        extra=token,
-                        position=prefix.length,
-                        digest=prefix.value,
+                    commit = commit_at(
+                        session, slot, round_id if same_round else round_id + 1, prefix, token
                     )
                     out.append(framing.encode_frame(commit))
                 round_id += 1 if same_round else 2
@@ -460,16 +460,7 @@ def squat(
             else:
                 token = 4 + round_id % 50
                 prefix.extend([token])
-                commit = Commit(
-                    session=session,
-                    slot=0,
-                    generation=0,
-                    round=round_id,
-                    accepted=0,
-                    extra=token,
-                    position=prefix.length,
-                    digest=prefix.value,
-                )
+                commit = commit_at(session, 0, round_id, prefix, token)
                 round_id += 1
                 data, answer = framing.encode_frame(commit), MsgType.COMMITTED
             try:
