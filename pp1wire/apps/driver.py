@@ -532,7 +532,11 @@ class RoundDriver:
         """
         moving = [st for st in states if st.round_id >= 0]
         pending = [st.flight for st in moving if st.flight is not None and not st.flight.done()]
-        if pending and not self.stop_requested:
+        # A rank that learned of the stop through the agreement (stopping) cuts as the
+        # rank whose signal requested it does: neither waits for drafts, so the cut
+        # comes at a moment the drafts do not choose (docs/adaptive.md §7).
+        stop = self.stop_requested or self.stopping
+        if pending and not stop:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
                 await self.until_stopped(
                     asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -540,7 +544,7 @@ class RoundDriver:
             sent = [st.sent for st in moving if st.flight is not None]
             first = time.perf_counter() - min(sent) if sent else 0.0
             await self.until_stopped(asyncio.wait(pending, timeout=self.straggler_wait(first)))
-        if self.stop_requested:
+        if stop or self.stop_requested:  # or a signal during the waits
             await self._cut_flights(moving)
         local = [
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1
