@@ -44,7 +44,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pp1wire.aio.client import AsyncClient
 from pp1wire.apps import metrics
@@ -491,7 +491,13 @@ class RoundDriver:
             return _TARGET_ONLY
         if st.fallback is not None:
             return _FALLBACK
-        client = await self.link.live()
+        client = self.link.current()  # up: no wait, and nothing else runs meanwhile
+        if client is None:
+            # A reconnect in progress is abandoned at a stop, as request_stop promises.
+            stopped, reconnected = await self.until_stopped(self.link.live())
+            if stopped:
+                return int(ErrorCode.CANCELLED)
+            client = cast("AsyncClient | None", reconnected)
         if client is None:
             return int(ErrorCode.CONNECTION_LOST)
         if st.opened is client and client.slot_usable(st.slot):
