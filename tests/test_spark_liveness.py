@@ -236,3 +236,47 @@ async def test_a_stop_abandons_a_reconnect_in_progress():
             assert link.bytes_received == lost.core.decoder.bytes_received > 0
         finally:
             driver._thread.shutdown(wait=False)
+
+
+class BusyWorker(asyncio.Protocol):
+    """Refuses its first ``refusals`` handshakes with ``code`` (a fatal ERROR), as a
+    full or stopping worker does, then completes the handshake as a worker does."""
+
+    refusals = 0
+    code = ErrorCode.CONNECTION_LIMIT
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        config, drafter = WorkerConfig(vocab_size=VOCAB), drafter_factory(VOCAB, 3)
+        self.core = WorkerProtocol(config, drafter, session=1, now=time.monotonic())
+
+    def data_received(self, data: bytes) -> None:
+        if BusyWorker.refusals:
+            BusyWorker.refusals -= 1
+            self.core.close_with(BusyWorker.code)
+        else:
+            self.core.receive_data(data, time.monotonic())
+        for chunk in self.core.data_to_send():
+            self.transport.write(chunk)
+        if self.core.closed:
+            self.transport.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", [ErrorCode.CONNECTION_LIMIT, ErrorCode.SHUTTING_DOWN])
+async def test_a_first_connect_retries_a_full_or_stopping_worker(code):
+    # docs/runner.md §3: a later attempt may be admitted, so these refusals are retried
+    # until --connect-timeout (any other refusal ends the run at once: test_e2e).
+    BusyWorker.refusals, BusyWorker.code = 2, code
+    server = await asyncio.get_running_loop().create_server(BusyWorker, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    link = Link("127.0.0.1", port, SparkConfig(vocab_size=VOCAB), SparkMetrics(1))
+    try:
+        await asyncio.wait_for(link.connect(5.0), timeout=10.0)
+        assert BusyWorker.refusals == 0  # both refused, then admitted
+        assert link.current() is not None  # connected, and up
+    finally:
+        await link.close()
+        server.close()
+        await server.wait_closed()

@@ -23,7 +23,8 @@ from pp1wire.wire.spark_core import SparkConfig
 
 log = logging.getLogger("pp1wire.apps.spark")
 
-#: Handshake refusals that a later attempt may overcome (docs/protocol.md §9).
+#: Handshake refusals that a later attempt may overcome (docs/runner.md §3; the codes:
+#: docs/protocol.md §9).
 RETRYABLE_REFUSALS = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.CONNECTION_LIMIT})
 
 
