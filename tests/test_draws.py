@@ -15,7 +15,7 @@ from pp1wire.wire import framing
 from pp1wire.wire.budgets import Account, Accounts, DrawGate, TokenBucket
 from pp1wire.wire.draws import DrawScheduler, FailureLog
 from pp1wire.wire.messages import MsgType, Reset
-from pp1wire.wire.worker_core import WorkerConfig
+from pp1wire.wire.worker_core import DrawRequested, WorkerConfig
 
 from .pairs import make_pair
 from .test_worker_core import (
@@ -625,6 +625,31 @@ def test_a_peer_that_hangs_up_when_refused_owes_what_it_cut():
     polite.pair.worker.connection_lost()
     accounts.release("10.0.0.8", 0.0)
     assert _connection(accounts, "10.0.0.8", 0.0).fresh(0, 0, now=0.0) is MsgType.COMPLETION
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["hung_up", "evicted"])
+def test_a_draw_in_progress_when_a_refused_connection_ends_is_abandoned(evicted):
+    # Before: only a draw already served counted at the end of a connection, so a
+    # peer refused once that hung up with its draws still being drawn (a worker
+    # that draws off its event loop) cut them uncounted.
+    accounts: Accounts[str] = Accounts(WorkerConfig(vocab_size=64, abandon_burst=1))
+    conn = _connection(accounts, "10.0.0.5", 0.0)
+    assert conn.fresh(0, 0, now=0.0) is MsgType.COMPLETION
+    for generation in (1, 2):  # RESET abandons the draw, STEP draws anew
+        reply_bytes(conn.pair, Reset(session=7, slot=0, generation=generation))
+        last = frames_of([reply_bytes(conn.pair, step(generation=generation))])[-1]
+    assert ErrorCode(last.message.code) is ErrorCode.DRAW_RATE_LIMITED  # owes 1 s
+    conn.pair.now = 1.0  # paid back: both slots' STEPs are accepted and being drawn
+    conn.pair.worker.defer_draws = True
+    for fresh in (step(generation=2), conn.step(1, 0)):
+        got = conn.pair.send_raw(fresh)
+        assert [type(e) for e in got] == [DrawRequested], got
+    account = conn.pair.worker.gate.account
+    assert account.owes(1.0) == 0.0
+    if evicted:  # the connection ends on the worker's decision, then the transport goes
+        conn.pair.worker.close_with(ErrorCode.CONNECTION_LIMIT)
+    conn.pair.worker.connection_lost()
+    assert account.owes(1.0) == pytest.approx(2.0)  # two abandons, each one second
 
 
 def test_a_key_at_its_share_holds_no_free_worker_waiting_for_its_announced_jobs():

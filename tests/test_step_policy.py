@@ -10,10 +10,14 @@ step in two and leave the halves out of step.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from pp1wire.apps.driver import LocalStrategy, Plan, RoundDriver, SparkMetrics
 from pp1wire.apps.models import target_factory
+from pp1wire.errors import ErrorCode, Pp1Error
 
 
 @pytest.fixture
@@ -49,3 +53,35 @@ def test_the_window_keeps_rolling_past_the_summarys_first_100000(driver):
         driver.record_trip(0.100)
     assert len(driver.round_trips) == 100_000
     assert driver.straggler_wait(0.5) == pytest.approx(0.050)
+
+
+class _CuttingClient:
+    """A link's client whose cut settles the flights it names, as AsyncClient.cut does."""
+
+    def __init__(self) -> None:
+        self.flights: dict[int, asyncio.Future] = {}
+        self.cuts: list[tuple[list[int], ErrorCode]] = []
+
+    def cut(self, slots: list[int], code: ErrorCode) -> None:
+        self.cuts.append((list(slots), code))
+        for slot in slots:
+            self.flights[slot].set_exception(Pp1Error(code, "cut"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["requested", "agreed"])
+async def test_a_stop_cuts_the_flights_at_once_on_every_rank(driver, how):
+    # Before: only a rank whose own signal requested the stop cut its flights; a rank
+    # that learned of it through the group's agreement (stopping) waited for its
+    # proposals up to the reply timeout, and held the whole group's step with it.
+    client = _CuttingClient()
+    st = driver._new_request(0)
+    st.round_id, st.opened, st.sent = 0, client, time.perf_counter()
+    st.flight = client.flights[st.slot] = asyncio.get_running_loop().create_future()
+    if how == "requested":
+        driver.request_stop()
+    else:
+        driver.stopping = True  # agreed at an earlier step, no signal on this rank
+    ready = await asyncio.wait_for(driver._ready([st]), timeout=2.0)
+    assert ready == [st]  # decided in this step, with the rows that arrived (none here)
+    assert client.cuts == [([st.slot], ErrorCode.SHUTTING_DOWN)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pp1wire.errors import ErrorCode
-from pp1wire.q.proposal import prefix_digest
+from pp1wire.q.proposal import DraftingStoppedError, prefix_digest
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, reply_step
 from pp1wire.wire import framing
@@ -25,9 +25,11 @@ from pp1wire.wire.messages import (
     Reset,
     Scope,
 )
+from pp1wire.wire.spark_events import ProposalReady
 from pp1wire.wire.transitions import State
 from pp1wire.wire.worker_core import (
     ConnectionClosing,
+    DrawRequested,
     Refused,
     StepReplayed,
     StepServed,
@@ -359,6 +361,63 @@ def test_drafter_failure_gives_a_failed_completion_not_a_dead_connection():
     assert frames[0].message.status == ErrorCode.INTERNAL
     assert not pair.worker.closed
     assert [e.status for e in events if isinstance(e, StepServed)] == [ErrorCode.INTERNAL]
+
+
+def test_a_batch_failure_after_streamed_rows_completes_after_those_rows():
+    # A deferred draw streams its rows as they are drawn; when the batch runner
+    # then fails for the whole batch (it raises, or returns the wrong count), the
+    # shell completes the job with that bare failure. The rows already on the wire
+    # stay the block's: the COMPLETION reports the failure after them (protocol
+    # §4.6, adaptive §7), and the cached reply is exactly what went out. It used to
+    # restart from no rows, so the COMPLETION was never sent.
+    pair = ready_pair()
+    pair.worker.defer_draws = True
+    pair.spark.step(0, round_id=0, depth=3, temperature=1.0, support=0, now=0.0)
+    requested = [
+        e
+        for chunk in pair.spark.data_to_send()
+        for e in pair.worker.receive_data(chunk, 0.0)
+        if isinstance(e, DrawRequested)
+    ]
+    (job,) = (e.job for e in requested)
+    calls = []
+    drafter = job.drafter
+
+    def fails_third(prefix):
+        calls.append(len(prefix))
+        if len(calls) == 3:
+            raise RuntimeError("drafter crashed at the third row")
+        return drafter(prefix)
+
+    class Streamer:
+        def send(self, frames):
+            pair.worker.stream_rows(job, [f for _, f in frames])
+
+    job.drafter = fails_third
+    job.streamer = Streamer()
+    with pytest.raises(DraftingStoppedError):
+        job.draw()  # as a batch runner that then fails for the batch
+    streamed = pair.worker.data_to_send()
+    assert [f.type for f in frames_of(streamed)] == [MsgType.REPLY, MsgType.REPLY]
+    batch_failure = RuntimeError("the batch runner returned 0 results for 1 jobs")
+    events = pair.worker.finish_draw(job, job.complete(batch_failure))
+    rest = pair.worker.data_to_send()
+    (completion,) = frames_of(rest)
+    assert completion.type == MsgType.COMPLETION
+    assert ErrorCode(completion.message.status) is ErrorCode.INTERNAL
+    assert completion.message.rows == 2
+    (served,) = (e for e in events if isinstance(e, StepServed))
+    assert (served.rows, served.status, served.failure) == (2, ErrorCode.INTERNAL, batch_failure)
+    sent = b"".join(bytes(c) for c in streamed + rest)
+    slot = pair.worker.slots[0]
+    assert b"".join(bytes(p) for parts in slot.reply for p in parts) == sent
+    tokens = [f.message.token for f in frames_of(streamed)]
+    assert list(slot.drafts) == tokens
+    # The Spark side verifies the two rows as a block cut by the failure.
+    got = [e for c in streamed + rest for e in pair.spark.receive_data(c, 0.0)]
+    (ready,) = (e for e in got if isinstance(e, ProposalReady))
+    assert list(ready.proposal.tokens) == tokens
+    assert ready.proposal.cut is ErrorCode.INTERNAL
 
 
 # -- COMMIT / RESET / CLOSE ---------------------------------------------------------------

@@ -107,22 +107,34 @@ class AsyncClient:
         timeout: float = 10.0,
         busy_poll: bool = False,
     ) -> AsyncClient:
-        """Connect and complete HELLO (and authentication); see :class:`AsyncClient`.
+        """Connect and complete HELLO (and authentication) within ``timeout`` seconds in
+        all; see :class:`AsyncClient`.
 
         Raises:
-            OSError: if the TCP connection fails (``ssl.SSLError`` for TLS).
+            OSError: if the TCP connection fails (``ssl.SSLError`` for TLS), or it (with
+                its TLS handshake) is not made within ``timeout`` (``TimeoutError``).
             RefusedError: the handshake was refused, by either side (``code`` says why).
             ConnectionLostError: the connection ended or the handshake timed out
                 (``HANDSHAKE_TIMEOUT``).
         """
         client = cls(config, busy_poll=busy_poll)
-        await client.loop.create_connection(
-            client._make_conn, host, port, ssl=ssl, server_hostname=host if ssl else None
-        )
+        deadline = time.monotonic() + timeout
+        # A peer whose accept queue is full (or a TLS peer that never answers) leaves
+        # the connection waiting for the kernel's retries: minutes, not the timeout.
+        try:
+            await asyncio.wait_for(
+                client.loop.create_connection(
+                    client._make_conn, host, port, ssl=ssl, server_hostname=host if ssl else None
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            raise TimeoutError(f"no connection to {host}:{port} within {timeout:g} s") from None
         client.core.start(time.monotonic())
         client._flush()
         try:
-            await asyncio.wait_for(asyncio.shield(client._handshake), timeout)
+            remaining = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(client._handshake), remaining)
         except TimeoutError:
             client.abort()
             raise ConnectionLostError(ErrorCode.HANDSHAKE_TIMEOUT, "no HELLO in time") from None

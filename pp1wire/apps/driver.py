@@ -44,7 +44,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pp1wire.aio.client import AsyncClient
 from pp1wire.apps import metrics
@@ -491,7 +491,13 @@ class RoundDriver:
             return _TARGET_ONLY
         if st.fallback is not None:
             return _FALLBACK
-        client = await self.link.live()
+        client = self.link.current()  # up: no wait, and nothing else runs meanwhile
+        if client is None:
+            # A reconnect in progress is abandoned at a stop, as request_stop promises.
+            stopped, reconnected = await self.until_stopped(self.link.live())
+            if stopped:
+                return int(ErrorCode.CANCELLED)
+            client = cast("AsyncClient | None", reconnected)
         if client is None:
             return int(ErrorCode.CONNECTION_LOST)
         if st.opened is client and client.slot_usable(st.slot):
@@ -532,7 +538,11 @@ class RoundDriver:
         """
         moving = [st for st in states if st.round_id >= 0]
         pending = [st.flight for st in moving if st.flight is not None and not st.flight.done()]
-        if pending and not self.stop_requested:
+        # A rank that learned of the stop through the agreement (stopping) cuts as the
+        # rank whose signal requested it does: neither waits for drafts, so the cut
+        # comes at a moment the drafts do not choose (docs/adaptive.md §7).
+        stop = self.stop_requested or self.stopping
+        if pending and not stop:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
                 await self.until_stopped(
                     asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -540,7 +550,7 @@ class RoundDriver:
             sent = [st.sent for st in moving if st.flight is not None]
             first = time.perf_counter() - min(sent) if sent else 0.0
             await self.until_stopped(asyncio.wait(pending, timeout=self.straggler_wait(first)))
-        if self.stop_requested:
+        if stop or self.stop_requested:  # or a signal during the waits
             await self._cut_flights(moving)
         local = [
             0 if st.round_id >= 0 and (st.flight is None or st.flight.done()) else 1

@@ -23,7 +23,8 @@ from pp1wire.wire.spark_core import SparkConfig
 
 log = logging.getLogger("pp1wire.apps.spark")
 
-#: Handshake refusals that a later attempt may overcome (docs/protocol.md §9).
+#: Handshake refusals that a later attempt may overcome (docs/runner.md §3; the codes:
+#: docs/protocol.md §9).
 RETRYABLE_REFUSALS = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.CONNECTION_LIMIT})
 
 
@@ -91,17 +92,23 @@ class Link:
         self.client = client
         client.observer = self.observe
 
+    def current(self) -> AsyncClient | None:
+        """The client while its connection is up, without waiting (None otherwise:
+        :meth:`live` reconnects)."""
+        client = self.client
+        return client if client is not None and not client.closed else None
+
     async def live(self) -> AsyncClient | None:
         """The connected client, reconnecting (with backoff) if it died and this link
-        may; None while it is down."""
+        may; None while it is down. Cancelling it abandons a reconnect in progress."""
         async with self._lock:
             client = self.client
             if client is not None and not client.closed:
                 return client
             if client is not None:
                 self._count(client)
+                self.client = None  # counted once, even if this reconnect is cancelled
             if not self.reconnect:
-                self.client = None
                 return None
             now = time.monotonic()
             if now < self._retry_at:
@@ -111,7 +118,6 @@ class Link:
                     self.host, self.port, self.config, ssl=self.tls, timeout=2.0
                 )
             except (OSError, RefusedError, ConnectionLostError) as exc:
-                self.client = None
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)
                 log.info("reconnect failed", extra={"error": repr(exc)})

@@ -13,7 +13,7 @@ other principals are drawing. No clock is read here: callers pass ``now``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.wire import fencing
@@ -416,20 +416,34 @@ class DrawGate:
         """``slot`` opened at ``now``: it takes a lane of the principal."""
         self._lanes[slot] = self.account.bind(now)
 
-    def closed(self, index: int, slot: DrawnSlot, now: float, *, abandons: bool = True) -> None:
+    def closed(
+        self,
+        index: int,
+        slot: DrawnSlot,
+        now: float,
+        *,
+        abandons: bool = True,
+        drawing: bool = False,
+    ) -> None:
         """Slot ``index`` closed at ``now``: its lane goes back to the principal, still
-        owing what it spent, and (``abandons``) a draw it leaves uncommitted is abandoned."""
-        if abandons and pending(slot):
+        owing what it spent, and (``abandons``) a draw it leaves uncommitted, served or
+        still ``drawing`` (accepted, its reply not yet queued), is abandoned."""
+        if abandons and (drawing or pending(slot)):
             self.account.abandoned(now)
         self.account.unbind(self._lanes.pop(index, None), now)
         self._wait_slot.pop(index, None)
 
-    def lost(self, slots: Mapping[int, DrawnSlot], now: float) -> None:
-        """The connection ended at ``now`` with ``slots`` open: a draw left uncommitted
-        is abandoned only if it was ever refused (a peer hanging up at a refusal owes
-        what it cut; a test suite or a restarting Spark side hangs up mid-round)."""
+    def lost(
+        self, slots: Mapping[int, DrawnSlot], now: float, drawing: Collection[int] = ()
+    ) -> None:
+        """The connection ended at ``now`` with ``slots`` open, those in ``drawing`` with
+        a draw in progress: a draw left uncommitted (served, or still being drawn) is
+        abandoned only if the connection was ever refused (a peer hanging up at a
+        refusal owes what it cut; a test suite or a restarting Spark side hangs up
+        mid-round). A slot abandons one draw at most: a slot holding a served draw
+        not committed is refused a fresh STEP, so none is drawn above it."""
         for index, slot in slots.items():
-            self.closed(index, slot, now, abandons=self.limited)
+            self.closed(index, slot, now, abandons=self.limited, drawing=index in drawing)
 
     def fresh(self, slot: int, now: float) -> bool:
         """Whether ``slot`` may start a fresh draw at ``now`` (spent, and recorded as the

@@ -337,7 +337,8 @@ class WorkerProtocol:
 
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
-        self.gate.lost(self.slots, self._now)
+        # A draw in progress was accepted and spent as one served was (§4.4).
+        self.gate.lost(self.slots, self._now, self._drawing.keys())
         self.slots.clear()
         self._drawing.clear()
         self._streamed.clear()
@@ -402,7 +403,7 @@ class WorkerProtocol:
     def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
         self._refuse(code, answers, scope=Scope.CONNECTION)
         self.closed = True
-        self.gate.lost(self.slots, self._now)
+        self.gate.lost(self.slots, self._now, self._drawing.keys())
         self.slots.clear()
         self._events.append(ConnectionClosing(code))
 
@@ -425,7 +426,7 @@ class WorkerProtocol:
         assert isinstance(msg, Error)
         if msg.scope == Scope.CONNECTION:
             self.closed = True
-            self.gate.lost(self.slots, self._now)
+            self.gate.lost(self.slots, self._now, self._drawing.keys())
             self.slots.clear()
             self._events.append(ConnectionClosing(None))
 

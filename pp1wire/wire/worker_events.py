@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pp1wire.errors import ErrorCode, Pp1Error
-from pp1wire.q.proposal import DrafterFn, DraftingStoppedError, DraftJob, QRow, propose
+from pp1wire.q.proposal import (
+    DrafterFn,
+    DraftingStoppedError,
+    DraftJob,
+    QRow,
+    propose,
+    stopped_by,
+)
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.stoprules import StopKind, StopRule, stopped_by_rule
 from pp1wire.wire.events import Event, HandshakeDone
@@ -85,8 +92,8 @@ class DrawJob:
     """
 
     __slots__ = (
-        "_encoder", "_frames", "drafter", "owner", "proposer", "slot", "step", "streamer",
-        "vocab_size",
+        "_encoder", "_framed", "_frames", "drafter", "owner", "proposer", "slot", "step",
+        "streamer", "vocab_size",
     )  # fmt: skip
 
     def __init__(
@@ -113,6 +120,8 @@ class DrawJob:
         self._encoder = encoder
         self.vocab_size = vocab_size
         self._frames: list[FrameParts] = []
+        # The rows of those frames: once framed, a row may be on the wire already.
+        self._framed: list[QRow] = []
         #: Where the job's rows go as they are drawn (None: with the COMPLETION).
         self.streamer: Streamer | None = None
         #: The shell's handle on the connection the job is for (its streamer's business).
@@ -171,6 +180,7 @@ class DrawJob:
             return None
         frame = self._encoder.row(index, row)
         self._frames.append(frame)
+        self._framed.append(row)
         return frame
 
     def _stream(self, index: int, row: QRow) -> None:
@@ -213,12 +223,19 @@ class DrawJob:
         (a COMPLETION status); anything else answers ``INTERNAL`` and is kept in
         :attr:`DrawResult.failure` for the shell to log. A
         :class:`~pp1wire.q.proposal.DraftingStoppedError` ships the rows drawn
-        before the failure with its status. Never raises.
+        before the failure with its status; so does any other exception after rows
+        were framed (:meth:`row_frame`), as they may have been streamed: a batch
+        runner that fails for the whole batch, or a count it got wrong, ends the
+        block after them instead of taking back rows already sent. Never raises.
 
         ``started`` (a :func:`time.perf_counter` reading) dates the draw; by
         default the encoding alone is timed.
         """
         begun = time.perf_counter() if started is None else started
+        if isinstance(rows, BaseException) and not isinstance(rows, DraftingStoppedError):
+            # Rows framed before it may be on the wire already (streamed): the
+            # failure comes after them, as a drafter's failure after i rows does.
+            rows = stopped_by(rows, self._framed)
         failure: BaseException | None = None
         status = 0
         if isinstance(rows, DraftingStoppedError):
