@@ -322,7 +322,8 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
     the mass at the first maximal logit or weight.
 
     Raises:
-        ConstructionError: as one process's greedy row; Pp1Error: rank 0's RNG code.
+        ConstructionError: as one process's greedy row (rank 0's RNG code is
+            :func:`construct_rows`'s, as for every row).
     """
     top = float(words[:, 3].max())
     if probs:
@@ -335,9 +336,6 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
         if top == -np.inf:
             raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
     token = int(min(w[4] for w in words if w[3] == top))
-    draw_code = int(words[0, 6])
-    if draw_code:
-        raise Pp1Error(ErrorCode(draw_code), "the proposal draw failed on rank 0")
     return _point(token, support, plan)
 
 
