@@ -6,8 +6,10 @@ that token), and ``slow_drafter_factory`` sleeps :data:`SLOW_S` seconds before
 answering (a drafter slower for some contexts, past the Spark side's reply
 timeout). The trigger and the sleep come from the environment
 (``PP1_TEST_TRIGGER``, ``PP1_TEST_SLOW_S``) so that a test sets them for the
-worker process it starts. A batched call sleeps once when any of its prefixes
-triggers, as a device batch takes as long as its slowest row.
+worker process it starts; with ``PP1_TEST_AT_LENGTH`` set, the fault hits a
+context of that many tokens instead (a block's second row after a prompt one
+token shorter, whatever was drafted). A batched call sleeps once when any of
+its prefixes triggers, as a device batch takes as long as its slowest row.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from pp1wire.apps.models import toy_drafter
 
 TRIGGER = int(os.environ.get("PP1_TEST_TRIGGER", "4"))
 SLOW_S = float(os.environ.get("PP1_TEST_SLOW_S", "0.2"))
+AT_LENGTH = int(os.environ.get("PP1_TEST_AT_LENGTH", "0"))
 
 
 def _hits(prefix: Sequence[int]) -> bool:
+    if AT_LENGTH:
+        return len(prefix) == AT_LENGTH
     return len(prefix) > 0 and int(prefix[-1]) == TRIGGER
 
 

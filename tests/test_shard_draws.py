@@ -88,7 +88,8 @@ def group(kind: str) -> dict[str, list]:
                     pieces.append((r.token, piece))
                 blocks.append(pieces)
             out[text] = blocks
-        drafting._finish.shutdown(wait=False)
+        for lane in drafting._lanes:
+            lane.shutdown(wait=False)
         return out
 
     results = run_in_threads(2, body, layout=LAYOUT, timeout=20.0)

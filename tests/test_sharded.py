@@ -15,6 +15,7 @@ Spark ranks as processes too.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -190,6 +191,28 @@ def test_a_shard_from_a_stale_generation_is_dropped_and_the_round_falls_back():
     assert first.fallbacks == 0
     assert second.fallbacks == 1
     assert second.draft_tokens > 0  # the rounds after it used proposals
+
+
+def test_rows_drawn_before_a_slow_one_arrive_in_time_and_are_verified_as_a_cut_block():
+    # The drafter takes SLOW s on a context of 4 tokens: the second row of each
+    # request's first block (the prompt is [1, 2, 3]); both requests' first blocks
+    # are drawn together, so one slow call. Each rank sends a block's first row as
+    # soon as the group drew it, so at the reply timeout every link holds it and the
+    # Spark group verifies it as a block cut there (docs/adaptive.md, section 7).
+    # Before, a rank answered only when the block was done: at the reply timeout its
+    # link had no row and the proposal was discarded whole (a fallback, no cut).
+    slow, reply = 2.0, 0.5
+    env = {"PP1_TEST_AT_LENGTH": "4", "PP1_TEST_SLOW_S": str(slow)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    drafter = ("--drafter", "tests.fault_plugins:slow_drafter_factory")
+    with sharded_workers(env=env, extra=drafter) as workers:
+        extra = ["--requests", "2", "--concurrency", "2", "--max-tokens", "8", "--depth", "3"]
+        done = sharded(workers.address, *extra, "--reply-timeout", str(reply), timeout=30)
+    summary = summary_of(done)
+    assert summary["finished"] == 2
+    assert summary["cuts_by_reason"].get("reply_timeout", 0) >= 1, summary
+    assert done.records is not None
+    assert all(record.draft_tokens > 0 for record in done.records)
 
 
 def test_a_dead_worker_rank_leaves_the_spark_group_decoding_target_only():

@@ -603,13 +603,14 @@ class WorkerServer(Admission[_Conn]):
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
         """Queue ``conn``'s draw (docs/protocol.md §4.4); batches are taken once the
         frames at hand are handled, so that STEPs read together are drafted together."""
+        # The job's rows go to the connection as they are drawn (docs/adaptive.md §7),
+        # by a group's rank as by this server's own draws.
+        job.owner = conn
+        job.streamer = self._streamer
         if self.group is not None:  # its result comes back on a thread of the group's
             loop = asyncio.get_running_loop()
             self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
             return
-        # The job's rows go to the connection as they are drawn (docs/adaptive.md §7).
-        job.owner = conn
-        job.streamer = self._streamer
         self.draws.submit(
             conn.principal, (conn, job), now=time.monotonic(), owner=conn, tag=job.step.slot
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -234,15 +234,6 @@ class GroupCoordinator:
         return out
 
     # -- small forms ------------------------------------------------------------------------
-
-    def max_words(self, local: Sequence[int]) -> list[int]:
-        """The element-wise maximum of every rank's int64 words.
-
-        Raises:
-            GroupFailedError: the collective failed.
-        """
-        out = self.all_reduce(torch.tensor(list(local), dtype=torch.int64), MAX)
-        return [int(v) for v in out.tolist()]
 
     def everyone(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (one all-reduce).

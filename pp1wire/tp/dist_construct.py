@@ -25,7 +25,6 @@ from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.tp.dist_common import (
     Float64Array,
     Int64Array,
-    check_width,
     gather,
     pick,
     reduce_max,
@@ -127,8 +126,9 @@ def construct_rows(
     plan = plan_of(coord)
     if probs:
         with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
-            x32: npt.NDArray[np.float32] = np.ascontiguousarray(logits, dtype=np.float32)
-        check_width(x32, plan)
+            # A slice of wider rows (a drafter's row, viewed at this rank's range) is
+            # not copied; astype copies it once.
+            x32: npt.NDArray[np.float32] = rows_of(logits, plan, np.float32)
         x = x32.astype(np.float64)
     else:
         x = rows_of(logits, plan, np.float64)
@@ -322,7 +322,8 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
     the mass at the first maximal logit or weight.
 
     Raises:
-        ConstructionError: as one process's greedy row; Pp1Error: rank 0's RNG code.
+        ConstructionError: as one process's greedy row (rank 0's RNG code is
+            :func:`construct_rows`'s, as for every row).
     """
     top = float(words[:, 3].max())
     if probs:
@@ -335,9 +336,6 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
         if top == -np.inf:
             raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
     token = int(min(w[4] for w in words if w[3] == top))
-    draw_code = int(words[0, 6])
-    if draw_code:
-        raise Pp1Error(ErrorCode(draw_code), "the proposal draw failed on rank 0")
     return _point(token, support, plan)
 
 
@@ -387,12 +385,13 @@ def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
         at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
     )  # fmt: skip
     n = x.shape[1]
-    w = np.empty((len(rows), n), dtype=np.float64)
+    w: Float64Array
     if probs:
-        w[:] = x[rows]
+        w = x[rows]  # indexing by a list copies once
         covers = c1[:, rows, _C1 : _C1 + plan.slots]
         mine = covers[plan.rank].sum(axis=1)
     else:
+        w = np.empty((len(rows), n), dtype=np.float64)
         for j, r in enumerate(rows):
             _shifted_exp(x[r], tops[r], specs[r].temperature, w[j])
         local = plan.cover_totals(w)

@@ -21,10 +21,8 @@ Collectives per batch (every one of fixed shape, given the batch):
 
 * :func:`normalize_targets` — 1 (an all-gather of flags and cover totals);
 * :func:`sample_weights_rows` — 2 (cover totals; the drawn IDs);
-* :func:`construct_rows` — 1 for the maxima, flags and the proposal draws,
-  then 3 if any row is dense (cover totals; floor sums, remainder histograms
-  and each rank's guess of the leftover tickets' bucket; the drawn IDs), 4 when
-  a guess missed, and 1 if any is sparse (the top-k offers);
+* :func:`construct_rows` — as its own docstring counts them
+  (:mod:`pp1wire.tp.dist_construct`; ``docs/tp.md``);
 * :func:`sample_counts` — 2 (shard totals; the drawn IDs).
 
 The single-row functions (:func:`counts_from_logits`, :func:`sample`, …) are

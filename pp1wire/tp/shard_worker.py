@@ -33,11 +33,16 @@ without it), cannot match them (it does not hold their nonce; under a
 pre-shared key the nonce is authenticated, §5), and leaves nothing behind. A
 broken group (a dead rank, a collective that timed out) answers every STEP
 ``INTERNAL`` from then on: the Spark side decodes target-only, which needs no
-worker. Replies are encoded on a few finishing threads, off the group's.
+worker. Each matched STEP's row of a position is framed and sent on its link as
+soon as the position's collectives produced it, and its COMPLETION after its
+last row (``docs/adaptive.md`` §7: the rows drawn before a slow one arrive
+before the Spark side's deadline), on a few finishing threads off the group's,
+each STEP's reply on one of them, in order.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
@@ -66,6 +71,7 @@ from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.q.stoprules import StopKind, StopRule, admits_next
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
+from pp1wire.wire.draws import stream_position
 from pp1wire.wire.messages import Step
 from pp1wire.wire.worker_events import DrawJob, DrawResult
 
@@ -73,11 +79,15 @@ log = logging.getLogger("pp1wire.worker.group")
 
 Key = tuple[int, ...]
 AfterDraw = Callable[[int, int, tuple[QRow, ...]], tuple[QRow, ...]]
-"""Testing hook ``(rank, draw, rows) -> rows`` run after each STEP's group draw (1-based,
-the same count on every rank), on a finishing thread: it may alter the rows, sleep,
-raise or end the process while the group goes on."""
+"""Testing hook ``(rank, draw, (row,)) -> (row,)`` run on each STEP's first row once the
+group drew it, before it is sent (``draw``: the STEP's count among those the group drew
+a row of, 1-based, the same on every rank), on the STEP's finishing thread: it may
+alter the row, sleep (the replies that share the thread wait), raise (the STEP answers
+with the error, no row sent) or end the process while the group goes on."""
 Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
+_Ended = tuple["_Chain", tuple[QRow, ...] | BaseException]
+"""A matched STEP whose block ended, and its rows (or the failure that ended it)."""
 
 # A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
 # the stop rule, then 1 (2 for a row that carries a live link's nonce instead; the first
@@ -128,12 +138,18 @@ class _Held:
 class _Chain:
     """One matched STEP while the group draws it."""
 
-    __slots__ = ("context", "drawn", "held", "index", "rows", "rule", "streams")
+    __slots__ = (
+        "context", "draw", "drawn", "first", "held", "index", "lane", "rows", "rule", "streams",
+    )  # fmt: skip
 
-    def __init__(self, index: int, held: _Held, streams: RoundStreams | None) -> None:
+    def __init__(self, index: int, held: _Held, streams: RoundStreams | None, lane: int) -> None:
         self.index = index
         self.held = held
         self.streams = streams
+        self.lane = lane  # the finishing thread that sends its reply, in order
+        self.draw = 0  # its count among the STEPs the group drew a row of (0: none yet)
+        # What the fault hook made of its first row (set on its finishing thread).
+        self.first: QRow | BaseException | None = None
         self.context = ExtendedPrefix(held.job.prefix)
         self.rows: list[QRow] = []
         self.drawn: list[int] = []  # each row's count at its token, known to every rank
@@ -165,7 +181,8 @@ class ShardedDrafting:
         interval between exchanges while a STEP is held by only some ranks;
         ``linger`` how long a new STEP waits for more of its burst (at most four
         times that); ``width`` the most keys a rank sends in one exchange (the
-        exchange is one all-gather of fixed size).
+        exchange is one all-gather of fixed size); ``finish_threads`` how many
+        threads frame and send the replies (each STEP's on one).
 
         Raises:
             ValueError: if the coordinator has no vocabulary layout, a time is not
@@ -190,7 +207,7 @@ class ShardedDrafting:
         self.width = width
         self.after_draw = after_draw
         self.broken: str | None = None
-        self.draws = 0  # STEPs drawn by the group (the same count on every rank)
+        self.draws = 0  # STEPs the group drew a row of (the same count on every rank)
         self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
         self._links: dict[Hashable, bytes] = {}
         # Group nonce -> when its link on this rank left: no other link may take its place
@@ -206,7 +223,13 @@ class ShardedDrafting:
         self._stopping = False
         self._ended = False  # the group thread has left
         self._cond = threading.Condition()
-        self._finish = ThreadPoolExecutor(finish_threads, thread_name_prefix="pp1-group-reply")
+        # One thread per lane keeps each STEP's frames in order: its rows as the group
+        # draws them, then its COMPLETION.
+        self._lanes = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"pp1-group-reply-{i}")
+            for i in range(finish_threads)
+        ]
+        self._turns = itertools.count()  # round-robin over the lanes
         self._thread = threading.Thread(target=self._run, name="pp1-worker-group", daemon=True)
 
     def start(self) -> None:
@@ -224,7 +247,8 @@ class ShardedDrafting:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=self.coord.timeout + self.beat + 1.0)
-        self._finish.shutdown(wait=False)
+        for lane in self._lanes:
+            lane.shutdown(wait=False)
 
     # -- the server's hook ---------------------------------------------------------------
 
@@ -278,22 +302,25 @@ class ShardedDrafting:
                 self._arrived = held.since
                 self._cond.notify_all()
                 return
-        self._answer(_Held(link, (), job, done), refusal, 0)
+        self._answer(_Held(link, (), job, done), refusal)
 
     # -- answering (finishing threads) -------------------------------------------------
 
-    def _answer(self, held: _Held, outcome: tuple[QRow, ...] | BaseException, draw: int) -> None:
-        try:
-            self._finish.submit(self._complete, held, outcome, draw)
-        except RuntimeError:  # shut down: answer on this thread
-            self._complete(held, outcome, draw)
+    def _lane(self) -> int:
+        return next(self._turns) % len(self._lanes)
 
-    def _complete(self, held: _Held, outcome: tuple[QRow, ...] | BaseException, draw: int) -> None:
-        if isinstance(outcome, tuple) and self.after_draw is not None:
-            try:
-                outcome = self.after_draw(self.rank, draw, outcome)
-            except Exception as exc:  # a fault hook's failure answers this STEP only
-                outcome = exc
+    def _post(self, lane: int, task: Callable[..., None], *args: Any) -> None:
+        try:
+            self._lanes[lane].submit(task, *args)
+        except RuntimeError:  # shut down: done on this thread
+            task(*args)
+
+    def _answer(self, held: _Held, outcome: BaseException) -> None:
+        """Answer a STEP the group did not draw (unmatched, refused, a broken group)."""
+        self._post(self._lane(), self._complete, held, outcome)
+
+    @staticmethod
+    def _complete(held: _Held, outcome: tuple[QRow, ...] | BaseException) -> None:
         held.done(held.job.complete(outcome))
 
     # -- the group thread -----------------------------------------------------------------
@@ -353,7 +380,6 @@ class ShardedDrafting:
                     ErrorCode.GROUP_UNMATCHED,
                     f"no matching STEP on every link within {self.match_timeout:g} s",
                 ),
-                0,
             )
         return snapshot, stop
 
@@ -458,41 +484,84 @@ class ShardedDrafting:
             held = list(self._held.values())
             self._held.clear()
         for h in held:
-            self._answer(h, Pp1Error(ErrorCode.INTERNAL, f"worker group down: {why}"), 0)
+            self._answer(h, Pp1Error(ErrorCode.INTERNAL, f"worker group down: {why}"))
 
     # -- the matched STEPs, drawn together on every rank -------------------------------------
 
     def _draw(self, matched: list[_Held]) -> None:
-        outcomes = self._chains(matched)
-        for held, outcome in zip(matched, outcomes, strict=True):
-            draw = 0
-            if isinstance(outcome, tuple):
-                self.draws += 1
-                draw = self.draws
-            with self._cond:
-                live = held.link in self._links
-            if live:  # a closed link's STEP was drawn with the group, its reply is dropped
-                self._answer(held, outcome, draw)
+        self._chains(matched, self._sent)
 
-    def _chains(self, matched: list[_Held]) -> list[tuple[QRow, ...] | BaseException]:
+    def _sent(self, position: int, drawn: list[_Chain], ended: list[_Ended]) -> None:
+        """Hand a position's rows (``drawn``: the chains that got one) and the replies
+        that ended there to the chains' finishing threads (group thread)."""
+        lanes: dict[int, tuple[list[tuple[_Chain, QRow]], list[_Ended]]] = {}
+        for c in drawn:
+            if position == 0:
+                self.draws += 1
+                c.draw = self.draws
+            lanes.setdefault(c.lane, ([], []))[0].append((c, c.rows[position]))
+        for c, outcome in ended:
+            with self._cond:
+                live = c.held.link in self._links
+            if live:  # a closed link's STEP was drawn with the group, its reply is dropped
+                lanes.setdefault(c.lane, ([], []))[1].append((c, outcome))
+        for lane, (rows, done) in lanes.items():
+            self._post(lane, self._send, position, rows, done)
+
+    def _send(self, position: int, rows: list[tuple[_Chain, QRow]], ended: list[_Ended]) -> None:
+        """One lane's share of a position (its finishing thread): each chain's row framed
+        and handed to its link's streamer, then the COMPLETIONs of the replies that ended."""
+        jobs: list[DrawJob] = []
+        out: list[tuple[int, QRow]] = []
+        for c, drawn in rows:
+            row = drawn
+            if position == 0 and self.after_draw is not None:
+                try:
+                    row = c.first = self.after_draw(self.rank, c.draw, (drawn,))[0]
+                except Exception as exc:  # a fault hook's failure answers this STEP only
+                    c.first = exc
+                    continue  # its later rows are not framed: the block ends before row 0
+            out.append((len(jobs), row))
+            jobs.append(c.held.job)
+        stream_position(jobs, position, out)
+        for c, outcome in ended:
+            first = c.first
+            reply = outcome
+            if isinstance(first, BaseException):
+                reply = first
+            elif first is not None and isinstance(outcome, tuple):
+                reply = (first, *outcome[1:])
+            self._complete(c.held, reply)
+
+    def _chains(
+        self,
+        matched: list[_Held],
+        on_position: Callable[[int, list[_Chain], list[_Ended]], None] | None = None,
+    ) -> list[tuple[QRow, ...] | BaseException]:
         """Every matched STEP's rows (or failure): the proposal chain of §6.4 on the
-        global q, one position at a time for all of them."""
+        global q, one position at a time for all of them. After each position,
+        ``on_position`` gets it, the chains that drew a row there and the outcomes of
+        those that ended there (those refused before any draw with position 0)."""
         out: list[tuple[QRow, ...] | BaseException | None] = [None] * len(matched)
         chains: list[_Chain] = []
+        ended: list[_Ended] = []
         for index, held in enumerate(matched):
             step = held.job.step
-            if not 1 <= step.depth <= MAX_DEPTH:
-                out[index] = ConstructionError(
-                    ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5"
-                )
-                continue
             # Only rank 0 holds the proposal randomness; the others learn each draw.
             streams = (
                 RoundStreams(Role.WORKER, held.job.seed, step.generation, step.round)
-                if self.rank == 0
+                if self.rank == 0 and 1 <= step.depth <= MAX_DEPTH
                 else None
             )
-            chains.append(_Chain(index, held, streams))
+            chain = _Chain(index, held, streams, self._lane())
+            if not 1 <= step.depth <= MAX_DEPTH:
+                refused = ConstructionError(ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5")
+                out[index] = refused
+                ended.append((chain, refused))
+                continue
+            chains.append(chain)
+        if ended and on_position is not None:
+            on_position(0, [], ended)
         for i in range(MAX_DEPTH):
             if not chains:
                 break
@@ -500,6 +569,8 @@ class ShardedDrafting:
             specs = [self._spec(c, i, code) for c, code in zip(chains, codes, strict=True)]
             built = dist_ops.construct_rows(logits, specs, self.coord, probs=self.probs)
             going: list[_Chain] = []
+            drawn: list[_Chain] = []
+            ended = []
             for c, got, error in zip(chains, built, errors, strict=True):
                 if isinstance(got, Pp1Error):
                     # This rank's own drafter failure keeps its exception, for the log.
@@ -507,7 +578,9 @@ class ShardedDrafting:
                     failure = error if mine and error is not None else got
                     # The rows drawn before the failure are shipped (every rank
                     # learns the failure from the same collective, at the same row).
-                    out[c.index] = stopped_by(failure, c.rows)
+                    outcome = stopped_by(failure, c.rows)
+                    out[c.index] = outcome
+                    ended.append((c, outcome))
                     continue
                 c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
                 c.context.append(got.token)
@@ -518,12 +591,20 @@ class ShardedDrafting:
                 try:
                     more = admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos)
                 except ValueError as exc:  # a count outside 0..2**24: never from the kernels
-                    out[c.index] = stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows[:-1])
+                    c.rows.pop()  # not sent: the block ends before it
+                    outcome = stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows)
+                    out[c.index] = outcome
+                    ended.append((c, outcome))
                     continue
+                drawn.append(c)
                 if more:
                     going.append(c)
                 else:
-                    out[c.index] = tuple(c.rows)
+                    block = tuple(c.rows)
+                    out[c.index] = block
+                    ended.append((c, block))
+            if on_position is not None:
+                on_position(i, drawn, ended)
             chains = going
         assert all(o is not None for o in out)
         return [o for o in out if o is not None]

@@ -148,15 +148,17 @@ class DraftTogether:
                 threads=self.threads,
                 row_entries=self.row_entries,
                 kind=kind,
-                on_position=functools.partial(_stream_position, mine),
+                on_position=functools.partial(stream_position, mine),
             )
             for i, rows in zip(indices, drawn, strict=True):
                 results[i] = jobs[i].complete(rows, started=started)
         return [jobs[i].run() if r is None else r for i, r in enumerate(results)]
 
 
-def _stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:
-    """One position's rows, framed and handed to their jobs' streamers, one call each."""
+def stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:
+    """One position's rows (``(index in jobs, row)``), framed and handed to their jobs'
+    streamers, one call each (a frame that fails is left to the job's completion,
+    which ends the block before it). Never raises for a job's row."""
     out: dict[int, tuple[Streamer, list[tuple[DrawJob, FrameParts]]]] = {}
     for at, row in rows:
         job = jobs[at]

@@ -284,7 +284,9 @@ class DrawResult:
 class GroupDraws(Protocol):
     """A rank of a vocabulary-sharded worker group (``docs/protocol.md`` §6.7): it draws
     every accepted STEP of its server's links with its group, matched per group
-    session, and calls ``done`` with the result from a thread of its own."""
+    session, sends each row to the job's :attr:`~DrawJob.streamer` as soon as the
+    group drew it, and calls ``done`` with the result from a thread of its own, after
+    the job's last row."""
 
     def join(self, link: Hashable, group: bytes) -> bool:
         """A link completed its handshake naming ``group``: False if another live link
