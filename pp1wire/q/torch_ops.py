@@ -376,8 +376,9 @@ def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`allocate` of every row of ``w`` (``[R, n]`` float64, checked) with its total,
-    in one batched pass: (int64 counts ``[R, n]``, int64 status ``[R]``: 0 done; 1
+    """:func:`allocate` of every row of ``w`` (``[R, n]`` FP32 values widened to
+    float64) with its total, in one batched pass: (int64 counts ``[R, n]``, int64
+    status ``[R]``, meaningful for a row that passed its checks: 0 done; 1
     tickets left over outside ``0..n-1``; 2 a ticket on a zero remainder; 3 counts
     not summing to M: the three ``ALLOCATION_INCONSISTENT`` of the compiled path).
 
@@ -386,10 +387,13 @@ def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, 
     lowest index, by a stable descending sort (no host sync).
     """
     n = int(w.shape[1])
-    totals = totals.to(torch.float64)
-    scale = totals / M
-    small = ~(scale >= _MIN_NORMAL)
-    share = torch.where(small[:, None], (w / totals[:, None]) * M, w / scale[:, None])
+    # Only the one-division share: the callers' weights are FP32 values, so a
+    # positive total is at least 2**-149 and W / M is never subnormal (the
+    # (w / W) * M branch of docs/protocol.md §6.1 step 3 cannot happen). A row
+    # whose total is 0, negative or NaN is refused by its checks before its
+    # status here is read.
+    scale = totals.to(torch.float64) / M
+    share = w / scale[:, None]
     floors = share.to(torch.int64)  # share >= 0: truncation is the floor
     # + 0.0: a -0.0 weight's remainder is +0.0, which sorts with the zeros
     rem = (share - floors.to(torch.float64)) + 0.0
