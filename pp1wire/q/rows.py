@@ -180,13 +180,6 @@ class PerSize(Generic[_V]):
 row_buffers: Final = PerSize(RowBuffers)
 
 
-_CONSTRUCT_STATUS: Final = {
-    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity, or overflow binary64"),
-    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
-    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
-}
-
-
 class _ConstructScratch:
     """Per-thread scratch of :func:`construct_rows`: the compiled pass's remainders,
     keys and indices (16 bytes per entry), and the small per-call outputs."""
@@ -303,7 +296,8 @@ def _row_results(
     status: npt.NDArray[np.int32], tokens: npt.NDArray[np.int64], draws: Sequence[int]
 ) -> list[int | ConstructionError | ValidationError]:
     """Each row's drawn index, or its error, from the compiled pass's statuses (the
-    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them)."""
+    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them,
+    :data:`pp1wire.q.dyadic.ROW_STATUS_ERRORS` gives their errors)."""
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(len(draws)):
         code = int(status[r])
@@ -313,15 +307,6 @@ def _row_results(
             results.append(
                 ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
             )
-        elif code in _CONSTRUCT_STATUS:
-            results.append(ConstructionError(*_CONSTRUCT_STATUS[code]))
         else:
-            results.append(ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code]))
+            results.append(ConstructionError(*dyadic.ROW_STATUS_ERRORS[code]))
     return results
-
-
-_ROWS_STATUS: Final = {
-    1: "tickets left over outside the row",
-    2: "tickets left over for zero remainders",
-    3: "allocation does not sum to M",
-}

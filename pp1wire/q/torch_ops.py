@@ -470,16 +470,6 @@ def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
         return pool
 
 
-_ROW_ERRORS = {
-    1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
-    2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
-    3: (ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"),
-    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
-    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
-    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
-}
-
-
 def build_position(
     probs: torch.Tensor,
     specs: list[tuple[float, int]],
@@ -560,7 +550,7 @@ def build_position(
         code = int(refused_h[r])
         token = int(argmax_h[r])
         if code:
-            out[r] = ConstructionError(*_ROW_ERRORS[code])
+            out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
         elif specs[r][1]:
             out[r] = QRow(token, counts=np.array([M], dtype=np.int64),
                           ids=np.array([token], dtype=np.int32))  # fmt: skip
@@ -577,7 +567,7 @@ def build_position(
         for j, r in enumerate(dense):
             code = int(refused_h[r]) or int(status_h[j])
             if code:
-                out[r] = ConstructionError(*_ROW_ERRORS[code])
+                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
             elif not 0 <= draws[r] < M:
                 out[r] = _bad_draw(draws[r])
             elif staged is not None:
@@ -596,7 +586,7 @@ def build_position(
         for j, r in enumerate(group):
             code = int(refused_h[r]) or int(status_h[j])
             if code:
-                out[r] = ConstructionError(*_ROW_ERRORS[code])
+                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
                 continue
             if not 0 <= draws[r] < M:
                 out[r] = _bad_draw(draws[r])
