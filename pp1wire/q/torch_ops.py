@@ -24,7 +24,7 @@ import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import QRow
+from pp1wire.q.proposal import QRow, greedy_counts
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -551,11 +551,9 @@ def build_position(
         token = int(argmax_h[r])
         if code:
             out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
-        elif specs[r][1]:
-            out[r] = QRow(token, counts=np.array([M], dtype=np.int64),
-                          ids=np.array([token], dtype=np.int32))  # fmt: skip
         else:
-            out[r] = QRow(token, counts=dyadic.point_mass(n, token))
+            mass, at_token = greedy_counts(n, token, bool(specs[r][1]))
+            out[r] = QRow(token, counts=mass, ids=at_token)
     if dense:
         d = len(dense)
         status_h, tokens_h = host[pos : pos + d], host[pos + d : pos + 2 * d]
