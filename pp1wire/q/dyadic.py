@@ -367,7 +367,15 @@ def _sparse_from_checked(
 ) -> tuple[Int32Array, Int64Array]:
     ids = largest_indices(w, k, work=work)
     ids = ids[w[ids] > 0]  # zero weights are never in the support
-    sub = w[ids]
+    return _support_counts(w, ids)
+
+
+def _support_counts(
+    w: Float64Array | Float32Array, ids: npt.NDArray[np.intp] | npt.NDArray[np.int64]
+) -> tuple[Int32Array, Int64Array]:
+    """The sparse row of the support ``ids`` (ascending) of ``w``: its weights widened
+    exactly to binary64, allocated over their canonical total, zero counts dropped."""
+    sub = w[ids].astype(np.float64, copy=False)
     counts = _allocate(sub, tree.total(sub))
     keep = counts > 0
     return ids[keep].astype(np.int32), counts[keep]
@@ -438,11 +446,7 @@ def sparse_counts_from_fp32(weights: npt.ArrayLike, k: int) -> tuple[Int32Array,
         if status:
             raise ConstructionError(*ROW_STATUS_ERRORS[status])
         if count >= 0:
-            ids = scratch.ids[:count]  # ascending
-            sub = w[ids].astype(np.float64)
-            counts = _allocate(sub, tree.total(sub))
-            keep = counts > 0
-            return ids[keep].astype(np.int32), counts[keep]
+            return _support_counts(w, scratch.ids[:count])  # ascending
     return sparse_counts_from_weights(w.astype(np.float64), k)
 
 
