@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
@@ -26,6 +26,7 @@ from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import Float32Array, Float64Array, Int32Array, M, builder, sample
 
+_K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
 
@@ -157,17 +158,18 @@ class RowBuffers:
             return fresh
 
 
-class PerSize(Generic[_V]):
-    """One ``make(size)`` per size for the whole process, made on first use (under a
-    lock, so two threads asking at once never make two)."""
+class PerSize(Generic[_K, _V]):
+    """One ``make(size)`` per size (or shape: any hashable key) for the whole
+    process, made on first use (under a lock, so two threads asking at once never
+    make two)."""
 
-    def __init__(self, make: Callable[[int], _V]) -> None:
+    def __init__(self, make: Callable[[_K], _V]) -> None:
         """Make values with ``make``."""
         self._make = make
-        self._made: dict[int, _V] = {}
+        self._made: dict[_K, _V] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, size: int) -> _V:
+    def __call__(self, size: _K) -> _V:
         """The value for ``size``."""
         with self._lock:
             value = self._made.get(size)

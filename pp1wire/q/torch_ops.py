@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import cast
+from typing import Final, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow, greedy_counts
+from pp1wire.q.rows import PerSize
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -420,7 +421,8 @@ class StagingBuffers:
     """Recycled host buffers that a position's rows reach in one copy and are sent from.
 
     A buffer holds ``capacity`` rows of ``entries`` FP32 values (zero padding
-    past ``vocab`` written once, when it is made), page-locked when the rows
+    past the rows written once, when it is made: a pool serves rows of one
+    length, :func:`staging_buffers`), page-locked when the rows
     come from a CUDA device (so the copy is a DMA the socket then reads). A
     row's payload views its buffer, and a reply lives until its slot's next
     COMMIT or RESET: a buffer is handed out again only when nothing but the
@@ -428,9 +430,8 @@ class StagingBuffers:
     as :class:`pp1wire.q.rows.RowBuffers` does for single rows.
     """
 
-    def __init__(self, vocab: int, entries: int, pinned: bool, limit: int = 64) -> None:
-        """A pool of buffers for rows of ``vocab`` values padded to ``entries``."""
-        self.vocab = vocab
+    def __init__(self, entries: int, pinned: bool, limit: int = 64) -> None:
+        """A pool of buffers for rows of one length padded to ``entries``."""
         self.entries = entries
         self.pinned = pinned
         self.limit = limit
@@ -456,18 +457,20 @@ class StagingBuffers:
             return array, tensor
 
 
-_staging: dict[tuple[int, int, bool], StagingBuffers] = {}
-_staging_lock = threading.Lock()
+def _staging_pool(shape: tuple[int, int, bool]) -> StagingBuffers:
+    # The row length is part of the key though no buffer records it: a buffer's
+    # padding past its rows is zeroed only when it is made, and rows of another
+    # length would leave their values there.
+    _, entries, pinned = shape
+    return StagingBuffers(entries, pinned)
+
+
+_staging: Final = PerSize(_staging_pool)
 
 
 def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
     """The process's pool of staging buffers for rows of this shape."""
-    key = (vocab, entries, pinned)
-    with _staging_lock:
-        pool = _staging.get(key)
-        if pool is None:
-            pool = _staging[key] = StagingBuffers(vocab, entries, pinned)
-        return pool
+    return _staging((vocab, entries, pinned))
 
 
 def build_position(
