@@ -563,6 +563,7 @@ def build_position(
         pos += 2 * d
         counts_h = None
         if q32 is None:
+            # astype makes a fresh block: each row's counts view their own part of it.
             counts_h = host[pos : pos + d * n].reshape(d, n).astype(np.int32)
             pos += d * n
         for j, r in enumerate(dense):
@@ -575,7 +576,7 @@ def build_position(
                 out[r] = QRow(int(tokens_h[j]), q32=staged[j])
             else:
                 assert counts_h is not None
-                out[r] = QRow(int(tokens_h[j]), counts=counts_h[j].copy())
+                out[r] = QRow(int(tokens_h[j]), counts=counts_h[j])
     for k, group in sparse.items():
         g = len(group)
         width = min(k, n)
