@@ -54,7 +54,7 @@ class _Draft:
 
 
 # The threads that build q rows, one pool per thread count.
-_pool: Final = rows_.PerSize(
+_pool: Final[rows_.PerSize[int, ThreadPoolExecutor]] = rows_.PerSize(
     lambda workers: ThreadPoolExecutor(workers, thread_name_prefix="pp1-q")
 )
 

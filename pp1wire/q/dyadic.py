@@ -367,7 +367,15 @@ def _sparse_from_checked(
 ) -> tuple[Int32Array, Int64Array]:
     ids = largest_indices(w, k, work=work)
     ids = ids[w[ids] > 0]  # zero weights are never in the support
-    sub = w[ids]
+    return _support_counts(w, ids)
+
+
+def _support_counts(
+    w: Float64Array | Float32Array, ids: npt.NDArray[np.intp] | npt.NDArray[np.int64]
+) -> tuple[Int32Array, Int64Array]:
+    """The sparse row of the support ``ids`` (ascending) of ``w``: its weights widened
+    exactly to binary64, allocated over their canonical total, zero counts dropped."""
+    sub = w[ids].astype(np.float64, copy=False)
     counts = _allocate(sub, tree.total(sub))
     keep = counts > 0
     return ids[keep].astype(np.int32), counts[keep]
@@ -390,8 +398,14 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     return _sparse_from_checked(w, k)
 
 
-_WEIGHT_STATUS: Final = {
-    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
+#: The error of each failure status the compiled passes (``_fastq.c``) and
+#: :func:`pp1wire.q.torch_ops.allocate_rows` return for a row (4, a draw out of
+#: range, is a ``BAD_DRAW`` that names the draw).
+ROW_STATUS_ERRORS: Final[dict[int, tuple[ErrorCode, str]]] = {
+    1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
+    2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
+    3: (ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"),
+    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity, or overflow binary64"),
     6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
     7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
 }
@@ -430,13 +444,9 @@ def sparse_counts_from_fp32(weights: npt.ArrayLike, k: int) -> tuple[Int32Array,
         scratch = _scratch("topk", (n, k), lambda: _TopkScratch(n, k))
         count, status = _fastq.topk_f32(w, k, scratch.ids, scratch.work)
         if status:
-            raise ConstructionError(*_WEIGHT_STATUS[status])
+            raise ConstructionError(*ROW_STATUS_ERRORS[status])
         if count >= 0:
-            ids = scratch.ids[:count]  # ascending
-            sub = w[ids].astype(np.float64)
-            counts = _allocate(sub, tree.total(sub))
-            keep = counts > 0
-            return ids[keep].astype(np.int32), counts[keep]
+            return _support_counts(w, scratch.ids[:count])  # ascending
     return sparse_counts_from_weights(w.astype(np.float64), k)
 
 

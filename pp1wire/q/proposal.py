@@ -364,6 +364,21 @@ class Proposal:
         self.release()
 
 
+def greedy_counts(
+    vocab: int, token: int, sparse: bool
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None]:
+    """A greedy row's q, the point mass ``c = M`` at ``token``: (counts, ids), dense
+    over ``vocab`` entries with ids ``None``, or ``sparse``, the one-entry support.
+
+    Raises:
+        ConstructionError: ``BAD_SHAPE`` for a dense row if ``token`` is not in
+            ``[0, vocab)``.
+    """
+    if not sparse:
+        return dyadic.point_mass(vocab, token), None
+    return np.array([dyadic.M], dtype=np.int64), np.array([token], dtype=np.int32)
+
+
 def _greedy_row(
     logits: npt.ArrayLike, support: int | None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None, int]:
@@ -374,9 +389,7 @@ def _greedy_row(
     top = int(np.argmax(row))
     if row[top] == -np.inf:
         raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
-    if support is None:
-        return dyadic.point_mass(row.size, top), None, top
-    return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32), top
+    return (*greedy_counts(row.size, top, support is not None), top)
 
 
 def _greedy_weights(
@@ -394,9 +407,7 @@ def _greedy_weights(
     top = int(np.argmax(row))
     if not row[top] > 0:
         raise ConstructionError(ErrorCode.ZERO_MASS, "weights have zero total mass")
-    if support is None:
-        return dyadic.point_mass(row.size, top), None, top
-    return np.array([dyadic.M], dtype=np.int64), np.array([top], dtype=np.int32), top
+    return (*greedy_counts(row.size, top, support is not None), top)
 
 
 def probs_row(row: object) -> npt.NDArray[np.float32]:

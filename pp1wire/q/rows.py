@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
@@ -26,6 +26,7 @@ from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import Float32Array, Float64Array, Int32Array, M, builder, sample
 
+_K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
 
@@ -157,17 +158,18 @@ class RowBuffers:
             return fresh
 
 
-class PerSize(Generic[_V]):
-    """One ``make(size)`` per size for the whole process, made on first use (under a
-    lock, so two threads asking at once never make two)."""
+class PerSize(Generic[_K, _V]):
+    """One ``make(size)`` per size (or shape: any hashable key) for the whole
+    process, made on first use (under a lock, so two threads asking at once never
+    make two)."""
 
-    def __init__(self, make: Callable[[int], _V]) -> None:
+    def __init__(self, make: Callable[[_K], _V]) -> None:
         """Make values with ``make``."""
         self._make = make
-        self._made: dict[int, _V] = {}
+        self._made: dict[_K, _V] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, size: int) -> _V:
+    def __call__(self, size: _K) -> _V:
         """The value for ``size``."""
         with self._lock:
             value = self._made.get(size)
@@ -178,13 +180,6 @@ class PerSize(Generic[_V]):
 
 #: The process's pool of FP32 row buffers of a number of entries.
 row_buffers: Final = PerSize(RowBuffers)
-
-
-_CONSTRUCT_STATUS: Final = {
-    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity, or overflow binary64"),
-    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
-    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
-}
 
 
 class _ConstructScratch:
@@ -303,7 +298,8 @@ def _row_results(
     status: npt.NDArray[np.int32], tokens: npt.NDArray[np.int64], draws: Sequence[int]
 ) -> list[int | ConstructionError | ValidationError]:
     """Each row's drawn index, or its error, from the compiled pass's statuses (the
-    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them)."""
+    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them,
+    :data:`pp1wire.q.dyadic.ROW_STATUS_ERRORS` gives their errors)."""
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(len(draws)):
         code = int(status[r])
@@ -313,15 +309,6 @@ def _row_results(
             results.append(
                 ValidationError(ErrorCode.BAD_DRAW, f"draw {draws[r]} outside [0, 2**24)")
             )
-        elif code in _CONSTRUCT_STATUS:
-            results.append(ConstructionError(*_CONSTRUCT_STATUS[code]))
         else:
-            results.append(ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, _ROWS_STATUS[code]))
+            results.append(ConstructionError(*dyadic.ROW_STATUS_ERRORS[code]))
     return results
-
-
-_ROWS_STATUS: Final = {
-    1: "tickets left over outside the row",
-    2: "tickets left over for zero remainders",
-    3: "allocation does not sum to M",
-}

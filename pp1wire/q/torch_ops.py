@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import cast
+from typing import Final, cast
 
 import numpy as np
 import torch
 
 from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationError, VerifyError
 from pp1wire.q import dyadic
-from pp1wire.q.proposal import QRow
+from pp1wire.q.proposal import QRow, greedy_counts
+from pp1wire.q.rows import PerSize
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -376,8 +377,9 @@ def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`allocate` of every row of ``w`` (``[R, n]`` float64, checked) with its total,
-    in one batched pass: (int64 counts ``[R, n]``, int64 status ``[R]``: 0 done; 1
+    """:func:`allocate` of every row of ``w`` (``[R, n]`` FP32 values widened to
+    float64) with its total, in one batched pass: (int64 counts ``[R, n]``, int64
+    status ``[R]``, meaningful for a row that passed its checks: 0 done; 1
     tickets left over outside ``0..n-1``; 2 a ticket on a zero remainder; 3 counts
     not summing to M: the three ``ALLOCATION_INCONSISTENT`` of the compiled path).
 
@@ -386,10 +388,13 @@ def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, 
     lowest index, by a stable descending sort (no host sync).
     """
     n = int(w.shape[1])
-    totals = totals.to(torch.float64)
-    scale = totals / M
-    small = ~(scale >= _MIN_NORMAL)
-    share = torch.where(small[:, None], (w / totals[:, None]) * M, w / scale[:, None])
+    # Only the one-division share: the callers' weights are FP32 values, so a
+    # positive total is at least 2**-149 and W / M is never subnormal (the
+    # (w / W) * M branch of docs/protocol.md §6.1 step 3 cannot happen). A row
+    # whose total is 0, negative or NaN is refused by its checks before its
+    # status here is read.
+    scale = totals.to(torch.float64) / M
+    share = w / scale[:, None]
     floors = share.to(torch.int64)  # share >= 0: truncation is the floor
     # + 0.0: a -0.0 weight's remainder is +0.0, which sorts with the zeros
     rem = (share - floors.to(torch.float64)) + 0.0
@@ -416,7 +421,8 @@ class StagingBuffers:
     """Recycled host buffers that a position's rows reach in one copy and are sent from.
 
     A buffer holds ``capacity`` rows of ``entries`` FP32 values (zero padding
-    past ``vocab`` written once, when it is made), page-locked when the rows
+    past the rows written once, when it is made: a pool serves rows of one
+    length, :func:`staging_buffers`), page-locked when the rows
     come from a CUDA device (so the copy is a DMA the socket then reads). A
     row's payload views its buffer, and a reply lives until its slot's next
     COMMIT or RESET: a buffer is handed out again only when nothing but the
@@ -424,9 +430,8 @@ class StagingBuffers:
     as :class:`pp1wire.q.rows.RowBuffers` does for single rows.
     """
 
-    def __init__(self, vocab: int, entries: int, pinned: bool, limit: int = 64) -> None:
-        """A pool of buffers for rows of ``vocab`` values padded to ``entries``."""
-        self.vocab = vocab
+    def __init__(self, entries: int, pinned: bool, limit: int = 64) -> None:
+        """A pool of buffers for rows of one length padded to ``entries``."""
         self.entries = entries
         self.pinned = pinned
         self.limit = limit
@@ -452,28 +457,20 @@ class StagingBuffers:
             return array, tensor
 
 
-_staging: dict[tuple[int, int, bool], StagingBuffers] = {}
-_staging_lock = threading.Lock()
+def _staging_pool(shape: tuple[int, int, bool]) -> StagingBuffers:
+    # The row length is part of the key though no buffer records it: a buffer's
+    # padding past its rows is zeroed only when it is made, and rows of another
+    # length would leave their values there.
+    _, entries, pinned = shape
+    return StagingBuffers(entries, pinned)
+
+
+_staging: Final = PerSize(_staging_pool)
 
 
 def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
     """The process's pool of staging buffers for rows of this shape."""
-    key = (vocab, entries, pinned)
-    with _staging_lock:
-        pool = _staging.get(key)
-        if pool is None:
-            pool = _staging[key] = StagingBuffers(vocab, entries, pinned)
-        return pool
-
-
-_ROW_ERRORS = {
-    1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
-    2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
-    3: (ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"),
-    5: (ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity"),
-    6: (ErrorCode.WEIGHT_NEGATIVE, "weights contain negative values"),
-    7: (ErrorCode.ZERO_MASS, "weights have zero total mass"),
-}
+    return _staging((vocab, entries, pinned))
 
 
 def build_position(
@@ -556,31 +553,30 @@ def build_position(
         code = int(refused_h[r])
         token = int(argmax_h[r])
         if code:
-            out[r] = ConstructionError(*_ROW_ERRORS[code])
-        elif specs[r][1]:
-            out[r] = QRow(token, counts=np.array([M], dtype=np.int64),
-                          ids=np.array([token], dtype=np.int32))  # fmt: skip
+            out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
         else:
-            out[r] = QRow(token, counts=dyadic.point_mass(n, token))
+            mass, at_token = greedy_counts(n, token, bool(specs[r][1]))
+            out[r] = QRow(token, counts=mass, ids=at_token)
     if dense:
         d = len(dense)
         status_h, tokens_h = host[pos : pos + d], host[pos + d : pos + 2 * d]
         pos += 2 * d
         counts_h = None
         if q32 is None:
+            # astype makes a fresh block: each row's counts view their own part of it.
             counts_h = host[pos : pos + d * n].reshape(d, n).astype(np.int32)
             pos += d * n
         for j, r in enumerate(dense):
             code = int(refused_h[r]) or int(status_h[j])
             if code:
-                out[r] = ConstructionError(*_ROW_ERRORS[code])
+                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
             elif not 0 <= draws[r] < M:
                 out[r] = _bad_draw(draws[r])
             elif staged is not None:
                 out[r] = QRow(int(tokens_h[j]), q32=staged[j])
             else:
                 assert counts_h is not None
-                out[r] = QRow(int(tokens_h[j]), counts=counts_h[j].copy())
+                out[r] = QRow(int(tokens_h[j]), counts=counts_h[j])
     for k, group in sparse.items():
         g = len(group)
         width = min(k, n)
@@ -592,7 +588,7 @@ def build_position(
         for j, r in enumerate(group):
             code = int(refused_h[r]) or int(status_h[j])
             if code:
-                out[r] = ConstructionError(*_ROW_ERRORS[code])
+                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
                 continue
             if not 0 <= draws[r] < M:
                 out[r] = _bad_draw(draws[r])
