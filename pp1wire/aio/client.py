@@ -107,8 +107,7 @@ class AsyncClient:
         timeout: float = 10.0,
         busy_poll: bool = False,
     ) -> AsyncClient:
-        """Connect and complete HELLO (and authentication) within ``timeout`` seconds in
-        all; see :class:`AsyncClient`.
+        """Connect and complete HELLO (and authentication) within ``timeout`` s in all.
 
         Raises:
             OSError: if the TCP connection fails (``ssl.SSLError`` for TLS), or it (with
@@ -119,8 +118,7 @@ class AsyncClient:
         """
         client = cls(config, busy_poll=busy_poll)
         deadline = time.monotonic() + timeout
-        # A peer whose accept queue is full (or a TLS peer that never answers) leaves
-        # the connection waiting for the kernel's retries: minutes, not the timeout.
+        # A full accept queue (or a mute TLS peer) holds a connect for minutes of retries.
         try:
             await asyncio.wait_for(
                 client.loop.create_connection(
@@ -133,8 +131,8 @@ class AsyncClient:
         client.core.start(time.monotonic())
         client._flush()
         try:
-            remaining = max(0.0, deadline - time.monotonic())
-            await asyncio.wait_for(asyncio.shield(client._handshake), remaining)
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(client._handshake), left)
         except TimeoutError:
             client.abort()
             raise ConnectionLostError(ErrorCode.HANDSHAKE_TIMEOUT, "no HELLO in time") from None
