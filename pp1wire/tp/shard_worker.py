@@ -514,6 +514,8 @@ class ShardedDrafting:
         jobs: list[DrawJob] = []
         out: list[tuple[int, QRow]] = []
         for c, drawn in rows:
+            if isinstance(c.first, BaseException):
+                continue  # the hook failed its first row (earlier on this thread): none sent
             row = drawn
             if position == 0 and self.after_draw is not None:
                 try:
