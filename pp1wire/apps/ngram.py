@@ -601,8 +601,7 @@ def paced_drafter_factory(
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
-    return PacedModelFn(drafter_factory(vocab_size, seed), seconds)
+    return _paced_drafter(drafter_factory(vocab_size, seed))
 
 
 def paced_probs_drafter_factory(
@@ -614,5 +613,8 @@ def paced_probs_drafter_factory(
         CorpusMissingError: if this Python install lacks the text.
         ValueError: for a pace that is not a duration in 0..60,000 ms.
     """
-    seconds = pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
-    return PacedModelFn(probs_drafter_factory(vocab_size, seed), seconds)
+    return _paced_drafter(probs_drafter_factory(vocab_size, seed))
+
+
+def _paced_drafter(model: ModelFn) -> PacedModelFn[npt.NDArray[np.floating]]:
+    return PacedModelFn(model, pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS))
