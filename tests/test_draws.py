@@ -564,13 +564,23 @@ def test_a_peer_that_hangs_up_and_reconnects_finds_its_lanes_spent():
     assert drawn == 2  # the burst; 0.5 s is not enough to earn a third
 
 
-def test_the_principal_of_an_address():
-    from pp1wire.aio.admission import principal_of
+def test_the_source_address_a_peer_counts_as():
+    from pp1wire.wire.principals import address_key
 
-    assert principal_of("::ffff:10.1.2.3") == "10.1.2.3"  # one host, either family
-    assert principal_of("2001:db8::1") == principal_of("2001:DB8:0::1")
-    assert principal_of("fe80::1%eth0") == "fe80::1"
-    assert principal_of("/run/pp1.sock") == "/run/pp1.sock"
+    assert address_key("::ffff:10.1.2.3") == "10.1.2.3"  # one host, either family
+    assert address_key("2001:db8::1") == address_key("2001:DB8:0::1")
+    assert address_key("fe80::1%eth0") == "fe80::/64"
+    assert address_key("/run/pp1.sock") == "/run/pp1.sock"
+    # Before: an IPv6 peer was one address, so a host with a /64 (2^64 addresses)
+    # was as many principals. Now its network is one address (--ipv6-prefix).
+    assert address_key("2001:db8:0:7::1") == address_key("2001:db8:0:7:ffff::9") == (
+        "2001:db8:0:7::/64"
+    )
+    assert address_key("2001:db8:0:7::1") != address_key("2001:db8:0:8::1")
+    assert address_key("2001:db8:0:7::1", 128) == "2001:db8:0:7::1/128"
+    assert address_key("2001:db8:1:7::1", 48) == address_key("2001:db8:1:8::1", 48)
+    with pytest.raises(ValueError, match="1..128"):
+        address_key("::1", 0)
 
 
 def test_a_draw_passed_over_by_a_later_target_only_commit_is_abandoned_while_others_draw():
@@ -619,12 +629,30 @@ def test_a_peer_that_hangs_up_when_refused_owes_what_it_cut():
     accounts.release("10.0.0.7", 1.0)
     again = _connection(accounts, "10.0.0.7", 1.0)
     assert again.fresh(0, 0, now=1.0) is ErrorCode.DRAW_RATE_LIMITED  # the two it cut
-    # A connection never refused that hangs up with draws in flight owes nothing.
-    polite = _connection(accounts, "10.0.0.8", 0.0)
-    assert [polite.fresh(s, 0, now=0.0) for s in (0, 1)] == [MsgType.COMPLETION] * 2
-    polite.pair.worker.connection_lost()
+
+
+
+def test_a_peer_that_hangs_up_mid_draw_owes_it_refused_or_not():
+    # Before: a connection never refused that hung up with draws in flight owed
+    # nothing, so a connect -> STEP -> hang-up loop (no RESET, never refused) was
+    # never charged. Now what a hang-up cuts is abandoned, refused before or not.
+    accounts: Accounts[str] = Accounts(WorkerConfig(vocab_size=64, abandon_burst=1))
+    looping = _connection(accounts, "10.0.0.8", 0.0)
+    assert [looping.fresh(s, 0, now=0.0) for s in (0, 1)] == [MsgType.COMPLETION] * 2
+    looping.pair.worker.connection_lost()  # hangs up, two draws uncommitted
     accounts.release("10.0.0.8", 0.0)
-    assert _connection(accounts, "10.0.0.8", 0.0).fresh(0, 0, now=0.0) is MsgType.COMPLETION
+    again = _connection(accounts, "10.0.0.8", 0.5)
+    assert again.fresh(0, 0, now=0.5) is ErrorCode.DRAW_RATE_LIMITED  # one beyond the burst
+    assert again.pair.worker.gate.account.owes(0.5) == pytest.approx(0.5)  # paid from 1.0
+    # A Spark side that commits every round it stepped and then hangs up (or closes
+    # its slots) leaves nothing uncommitted: never charged, however often.
+    honest = _connection(accounts, "10.0.0.9", 0.0)
+    for n in range(5):
+        assert honest.fresh(0, n, now=0.0) is MsgType.COMPLETION  # stepped and committed
+    reply_bytes(honest.pair, honest.commit(0, 4))  # the last round too, then it leaves
+    honest.pair.worker.connection_lost()
+    accounts.release("10.0.0.9", 0.0)
+    assert "10.0.0.9" not in accounts  # owes nothing: forgotten at once
 
 
 @pytest.mark.parametrize("evicted", [False, True], ids=["hung_up", "evicted"])

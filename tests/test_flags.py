@@ -199,7 +199,7 @@ CASES = [
     (
         WORKER,
         ["--metrics-host", "0.0.0.0", "--metrics-port", "0"],
-        "--metrics-host 0.0.0.0 without --psk-file",
+        "--metrics-host 0.0.0.0 without --metrics-token-file",
     ),
     (WORKER, ["--host", "[::1", "--port", "0"], "'[::1' is not a listen address (brackets"),
     (WORKER, ["--host", "[localhost]"], "'[localhost]' is not a listen address (brackets hold"),
@@ -327,8 +327,8 @@ def test_an_exposed_address_is_served_with_a_key_or_when_told_insecure():
     from pp1wire.apps.worker import check_exposure
     from pp1wire.wire.worker_core import WorkerConfig
 
-    def args(host: str, insecure: bool) -> argparse.Namespace:
-        return argparse.Namespace(host=host, insecure=insecure)
+    def args(host: str, insecure: bool, **kw: object) -> argparse.Namespace:
+        return argparse.Namespace(host=host, insecure=insecure, key_id="", check=None, **kw)
 
     plain, keyed = WorkerConfig(vocab_size=8), WorkerConfig(vocab_size=8, psk=b"k" * 16)
     check_exposure(args("0.0.0.0", True), plain)
@@ -336,6 +336,34 @@ def test_an_exposed_address_is_served_with_a_key_or_when_told_insecure():
     check_exposure(args("127.0.0.1", False), plain)
     with pytest.raises(SettingsError, match="pass --insecure"):
         check_exposure(args("0.0.0.0", False), plain)
+    # A key table is a key: the protocol listener is protected by it.
+    table = WorkerConfig(vocab_size=8, keys=(("client", b"c" * 16), ("other", b"o" * 16)))
+    check_exposure(args("0.0.0.0", False), table)
+
+
+def test_a_metrics_listener_beyond_loopback_needs_its_own_token_with_or_without_a_key():
+    # Before: with --psk-file, a metrics listener on 0.0.0.0 was let through, and
+    # served /metrics to anyone (HTTP 200, no credential): the key protects the
+    # protocol listener, not the endpoint. Now it needs --metrics-token-file.
+    from pp1wire.apps.worker import check_exposure
+    from pp1wire.wire.worker_core import WorkerConfig
+
+    keyed = WorkerConfig(vocab_size=8, psk=b"k" * 16)
+
+    def args(token: str | None) -> argparse.Namespace:
+        return argparse.Namespace(
+            host="0.0.0.0",
+            insecure=False,
+            key_id="",
+            check=None,
+            metrics_port=0,
+            metrics_host="0.0.0.0",
+            metrics_token_file=token,
+        )
+
+    with pytest.raises(SettingsError, match="--metrics-host 0.0.0.0 without --metrics-token-file"):
+        check_exposure(args(None), keyed)
+    check_exposure(args("token-file"), keyed)
 
 
 def test_the_health_check_hellos_with_the_workers_row_entries():

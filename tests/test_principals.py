@@ -1,8 +1,8 @@
 """Budgets, draw shares and admission follow the principal, not the connection.
 
-A principal is the peer's source address (docs/protocol.md §2): what one
-connection of it spent, another of it cannot spend again, and k connections of
-it share the draw threads as one. Only a fresh draw keeps a connection from
+A principal is the peer's key ID, or without a key its lineage (docs/protocol.md
+§2, §4.4): what one connection of it spent, another of it cannot spend again, and
+k connections of one source address share the draw threads as one. Only a fresh draw keeps a connection from
 being replaced when the worker is full, and a connection counts against the
 limits only while its peer is there. Over loopback: the attackers connect from
 127.0.0.2, the legitimate client from 127.0.0.1.
@@ -31,6 +31,7 @@ from pp1wire.testing.attacks import (
 )
 from pp1wire.wire import framing
 from pp1wire.wire.draws import run_each
+from pp1wire.wire.principals import LINEAGE_BURST, LINEAGE_RATE
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -123,17 +124,20 @@ async def _attack(port: int, loop, **kw) -> tuple[int, int, float]:
 
 
 @pytest.mark.asyncio
-async def test_a_reset_step_loop_that_reconnects_when_refused_keeps_its_debt():
+async def test_a_reset_step_loop_that_reconnects_when_refused_is_held_to_its_births():
     # Before: the abandon budget lived on the connection, so reconnecting at the
     # first DRAW_RATE_LIMITED brought a fresh budget: ~100x the draws the budget
-    # allows. Now the debt stays with the principal (the source address).
+    # allows. Then it lived on the source address, which made the loop's debt every
+    # client's of that address. Now a reconnection without a lineage token starts a
+    # new lineage, whose abandon budget starts empty, and an address starts new
+    # lineages at most LINEAGE_BURST at once and LINEAGE_RATE a second.
     async with _worker(BUDGETED) as (_, port):
         drawn, refused, elapsed = await _attack(
             port, reset_step_loop, connections=1, slots=1, reconnect=True
         )
-    # The budget's arithmetic: the burst, then one draw per payback period, plus
-    # the first draw (abandoned only by the RESET after it) and one cut by the end.
-    assert drawn <= BURST + RATE * elapsed + 2, (drawn, refused, elapsed)
+    # One draw per lineage (the RESET after it abandons it: the next STEP is refused),
+    # one lineage per birth; and one more cut by the end of the window.
+    assert drawn <= LINEAGE_BURST + LINEAGE_RATE * elapsed + 1, (drawn, refused, elapsed)
     assert refused >= 1
 
 
@@ -291,9 +295,10 @@ async def test_a_step_then_target_only_commit_loop_is_bounded_by_the_abandon_bud
         drawn, refused, elapsed = await _attack(port, commit_loop, connections=2, slots=2)
         done.set()
         assert await asyncio.wait_for(beside, 10) >= 1  # never refused: it commits its rounds
-    # The burst, one per payback period, and the four first draws (passed over only
-    # by the COMMIT after them).
-    assert drawn <= BURST + RATE * elapsed + 4, (drawn, refused, elapsed)
+    # Each connection is a lineage of its own (no token: a new one), whose budget starts
+    # empty: its two first draws (passed over only by the COMMIT after them), then one
+    # per payback period, and one more at the end of the window.
+    assert drawn <= 2 * (2 + RATE * elapsed + 1), (drawn, refused, elapsed)
     assert refused >= 1
 
 

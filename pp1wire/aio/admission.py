@@ -6,12 +6,13 @@ until it closes or its peer is found gone; when a limit is reached, a newcomer
 replaces the oldest connection still in its handshake, or, once it has itself
 authenticated, a peer that is doing no useful work. The only work that protects
 a peer is a fresh draw; a new connection has a short grace to ask for its
-first, once per principal (:func:`principal_of`) per slot idle timeout.
+first, once per principal per slot idle timeout. At the end of its handshake a
+connection is bound to its principal (:meth:`Admission.bind_principal`): its key
+ID, or without a key its lineage (:mod:`pp1wire.wire.principals`).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import select
 import time
 from collections.abc import Hashable
@@ -19,6 +20,9 @@ from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode
+from pp1wire.wire.budgets import IDLE_ACCOUNTS, Account, Accounts, Binder, DrawLimits
+from pp1wire.wire.messages import Hello
+from pp1wire.wire.principals import Births, Principal, PrincipalPolicy, new_lineage
 from pp1wire.wire.worker_core import WorkerProtocol
 from pp1wire.wire.worker_events import GroupDraws
 
@@ -31,23 +35,11 @@ SLOT_IDLE_S: Final = 10.0
 _GONE: Final = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
 
-def principal_of(address: str) -> str:
-    """The principal a peer at source IP ``address`` belongs to (``docs/protocol.md`` §2):
-    the address itself, an IPv4-mapped IPv6 address as its IPv4 address. The draw
-    budgets, the share of the draw threads and the first-draw grace follow it."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return address  # not an IP address (a Unix socket): one principal per name
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
-
-
 class Peer(Hashable, Protocol):
     """What admission reads of, and does to, a connection of the server."""
 
-    address: str  # the source IP address
+    address: str  # the source address it counts as (an IPv6 address's network)
+    principal: Principal | None  # bound at the end of its handshake
     accepted_at: float
     authenticated_at: float
     grace_until: float  # protected from replacement until then, if it has not drawn
@@ -88,6 +80,62 @@ class Admission(Generic[C]):
     stopping: bool
     group: GroupDraws | None
     metrics: WorkerMetrics
+    accounts: Accounts[Principal]
+    births: Births
+    policy: PrincipalPolicy
+
+    def init_principals(self, config: DrawLimits, policy: PrincipalPolicy | None) -> None:
+        """The principals' state: their accounts under ``config``'s budgets and
+        ``policy``'s caps, and their lineages' births (§2, §4.4)."""
+        self.policy = policy or PrincipalPolicy()
+        self.accounts = Accounts(config)
+        self.births = Births(self.policy.lineage_rate, self.policy.lineage_burst)
+
+    def binder(self, conn: C) -> Binder:
+        """What ``conn``'s protocol core asks at the end of its handshake (§2, §4.4)."""
+        return _Binder(self, conn)
+
+    def hello_ready_at(self, conn: C, hello: Hello, now: float) -> float:
+        """When the keyless ``hello`` of ``conn`` may be answered (§4.4): at once if it
+        presents a lineage this worker knows, else at its address's next birth of a
+        lineage, in the order the address's newcomers asked."""
+        if hello.lineage and Principal.of_lineage(hello.lineage) in self.accounts:
+            return now
+        if len(self.births) > IDLE_ACCOUNTS:
+            self.births.trim(now)  # addresses whose births are long earned back
+        return self.births.ready_at(conn.address, conn, now)
+
+    def bind_principal(
+        self, conn: C, hello: Hello, key_id: str | None, now: float
+    ) -> tuple[Account, bytes]:
+        """``conn``'s principal at the end of its handshake (§2), and the lineage token its
+        HELLO answer carries: the key ID it authenticated with (``key_id``), else the
+        lineage it presented if this worker knows it, else a new lineage, whose abandon
+        budget starts empty (§4.4). Its account is held until :meth:`unbind`."""
+        self.births.cancel(conn.address, conn)
+        known = bool(hello.lineage) and Principal.of_lineage(hello.lineage) in self.accounts
+        token = b"" if key_id is not None else hello.lineage if known else new_lineage()
+        principal = (
+            Principal.of_key(key_id)
+            if key_id is not None
+            else Principal.of_lineage(token, conn.address)
+        )
+        conn.principal = principal
+        account = self.accounts.acquire(
+            principal,
+            now,
+            cap=self.policy.cap(principal),
+            new=key_id is None and not known,
+            keep=self.policy.lineage_keep if key_id is None else 0.0,
+        )
+        return account, token
+
+    def unbind(self, conn: C, now: float) -> None:
+        """``conn`` ended: its principal's account is released, its place among the
+        lineages waiting to be born given up."""
+        self.births.cancel(conn.address, conn)
+        if conn.principal is not None:
+            self.accounts.release(conn.principal, now)
 
     def _scopes(self, conn: C) -> list[tuple[list[C], int]]:
         """The connection groups ``conn`` counts in, each with its limit."""
@@ -204,3 +252,16 @@ def _worked_at(conn: Peer) -> float:
     core = conn.core
     drew = core.gate.drew_at if core is not None else None
     return conn.authenticated_at if drew is None else max(drew, conn.authenticated_at)
+
+
+class _Binder(Generic[C]):
+    """A :class:`~pp1wire.wire.budgets.Binder` for one connection of an admission."""
+
+    def __init__(self, admission: Admission[C], conn: C) -> None:
+        self.admission, self.conn = admission, conn
+
+    def ready_at(self, hello: Hello, now: float) -> float:
+        return self.admission.hello_ready_at(self.conn, hello, now)
+
+    def bind(self, hello: Hello, key_id: str | None, now: float) -> tuple[Account, bytes]:
+        return self.admission.bind_principal(self.conn, hello, key_id, now)

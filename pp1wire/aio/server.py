@@ -19,14 +19,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
-from pp1wire.aio.admission import HANDSHAKE_GRACE_S, SLOT_IDLE_S, Admission, principal_of
+from pp1wire.aio.admission import HANDSHAKE_GRACE_S, SLOT_IDLE_S, Admission
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.budgets import Accounts
 from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
 from pp1wire.wire.messages import Error, MsgType, Scope
+from pp1wire.wire.principals import Principal, PrincipalPolicy, address_key, draw_group
 from pp1wire.wire.replies import FrameParts
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 from pp1wire.wire.worker_events import DrawResult, GroupDraws, Proposer
@@ -61,7 +61,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.authenticated_at = 0.0
         self.grace_until = 0.0  # protected from replacement until then, if it has not drawn
         self.address = ""
-        self.principal = ""
+        self.principal: Principal | None = None
         self.lost = False
         # Stopping: no more reading; closed once the frames already received are answered.
         self.draining = False
@@ -146,12 +146,9 @@ class _Conn(asyncio.BufferedProtocol):
     def _admit(self, peer: object) -> ErrorCode | None:
         """Register this connection (from accept), or the code it is refused with."""
         self.accepted_at = time.monotonic()
-        if isinstance(peer, tuple):
-            self.address, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
-        else:
-            self.address = self.peer = str(peer)
-        self.principal = principal_of(self.address)
-        srv = self.server
+        srv, ip = self.server, str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        self.peer = f"{ip}:{peer[1]}" if isinstance(peer, tuple) else ip
+        self.address = address_key(ip, srv.policy.ipv6_prefix)  # an IPv6 address's network
         refusal = srv.admit(self, self.accepted_at)
         if refusal is not None:
             srv.metrics.refusals.labels(code=refusal.name.lower()).inc()
@@ -166,7 +163,7 @@ class _Conn(asyncio.BufferedProtocol):
             now=self.accepted_at,
             defer_draws=srv.draw_pool is not None or srv.group is not None,
             proposer=srv.proposer,
-            account=srv.accounts.acquire(self.principal, self.accepted_at),
+            binder=srv.binder(self),
         )
         srv.conns.add(self)
         srv.connection_opened()
@@ -462,7 +459,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.turn.cancel()
         if self.core is not None:
             self.core.connection_lost()
-            self.server.accounts.release(self.principal, time.monotonic())
+            self.server.unbind(self, time.monotonic())
         self.server.forget_draws(self)
         self.server.conns.discard(self)
         self.server.closing.discard(self)
@@ -517,6 +514,7 @@ class WorkerServer(Admission[_Conn]):
         max_draw_batch: int | None = None,
         draw_gather: float = DRAW_GATHER_S,
         group: GroupDraws | None = None,
+        policy: PrincipalPolicy | None = None,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -535,8 +533,10 @@ class WorkerServer(Admission[_Conn]):
         included) until they close; a peer found gone when they are counted
         stops counting at once, even if its connection was not being read.
 
-        Draw budgets (``config``) are kept per principal (:func:`principal_of`),
-        across its connections (:class:`~pp1wire.wire.budgets.Accounts`).
+        Draw budgets (``config``, and ``policy``'s caps) are kept per principal,
+        across its connections (:class:`~pp1wire.wire.budgets.Accounts`): its key
+        ID, or without a key its lineage, whose births ``policy`` paces
+        (:mod:`pp1wire.wire.principals`).
 
         ``busy_poll`` keeps the event loop spinning while any connection is
         open, trading one busy core for the wake-up latency of an idle one.
@@ -579,13 +579,17 @@ class WorkerServer(Admission[_Conn]):
         self.metrics = WorkerMetrics()
         self.conns: set[_Conn] = set()  # open: counted against the limits
         self.closing: set[_Conn] = set()  # closed, flushing what was queued
-        self.accounts: Accounts[str] = Accounts(config)
+        self.init_principals(config, policy)
         self.sessions = itertools.count(1)
         self.stopping = False
         self.busy_poll = busy_poll
         self.draw_pool = ThreadPoolExecutor(draw_threads, "pp1-draw") if draw_threads > 0 else None
-        self.draws: DrawScheduler[str, tuple[_Conn, worker_core.DrawJob]] = DrawScheduler(
-            max(1, draw_threads), max_batch=max_draw_batch or 1, gather=draw_gather
+        self.draws: DrawScheduler[Principal | None, tuple[_Conn, worker_core.DrawJob]]
+        self.draws = DrawScheduler(
+            max(1, draw_threads),
+            max_batch=max_draw_batch or 1,
+            gather=draw_gather,
+            group_of=draw_group,  # a lineage shares the threads with its address's others
         )
         # Draws are queued and gathered into batches only on the server's own pool
         # (a group draws them itself, and without a pool they are drawn inline).
@@ -650,7 +654,7 @@ class WorkerServer(Admission[_Conn]):
 
     def _batch_done(
         self,
-        batch: list[tuple[str, tuple[_Conn, worker_core.DrawJob]]],
+        batch: list[tuple[Principal | None, tuple[_Conn, worker_core.DrawJob]]],
         done: asyncio.Future[list[worker_core.DrawResult]],
     ) -> None:
         self.draws.finished(batch)

@@ -621,6 +621,7 @@ class RoundDriver:
                     m.audit_failures.inc()
                 # The whole proposal is discarded: the next round is target-only.
                 st.fallback = verdict.code.name.lower() if verdict.code else "discarded"
+                m.faults.labels(row="0", reason=st.fallback).inc()  # no row verified
             return
         rec = st.record
         rec.rounds += 1
@@ -638,6 +639,7 @@ class RoundDriver:
                 rec.cuts += 1
                 rec.cut_reasons[reason] += 1
                 m.cuts.labels(reason=reason).inc()
+                m.faults.labels(row=str(drafted), reason=reason).inc()  # struck row `drafted`
             if self.plan.controller is not None:
                 st.history = self.plan.controller.record(
                     st.history, res.accepted, res.outcome is Outcome.CORRECTION

@@ -10,6 +10,7 @@ while rounds go on target-only (``docs/runner.md`` §3).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import ssl
@@ -91,6 +92,8 @@ class Link:
     def _adopt(self, client: AsyncClient) -> None:
         self.client = client
         client.observer = self.observe
+        if client.core.lineage:  # presented again on a reconnect (docs/protocol.md §4.4)
+            self.config = dataclasses.replace(self.config, lineage=client.core.lineage)
 
     def current(self) -> AsyncClient | None:
         """The client while its connection is up, without waiting (None otherwise:

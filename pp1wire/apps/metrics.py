@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import urllib.request
 
 import prometheus_client as prom
@@ -42,8 +43,24 @@ def by_label(counter: Counter) -> dict[str, float]:
     return out
 
 
-async def serve(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
+def bearer(request: bytes) -> bytes | None:
+    """The token of a request head's ``Authorization: Bearer TOKEN`` header (None if it
+    has none): the header name and the scheme in any case, as HTTP has them."""
+    for line in request.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                return token.strip()
+    return None
+
+
+async def serve(
+    registry: CollectorRegistry, host: str, port: int, *, token: bytes | None = None
+) -> asyncio.Server:
     """Serve ``GET /metrics`` (Prometheus text) on ``host:port``; other paths get 404.
+    With a ``token`` (``--metrics-token-file``), a request without ``Authorization:
+    Bearer TOKEN`` of that token gets 401 and no page.
 
     Port 0 binds any free port: read it from the returned server's sockets.
 
@@ -58,7 +75,12 @@ async def serve(registry: CollectorRegistry, host: str, port: int) -> asyncio.Se
             writer.close()
             return
         line = request.split(b"\r\n", 1)[0].split()
-        if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+        given = bearer(request) if token is not None else None
+        if token is not None and not hmac.compare_digest(given or b"", token):
+            body = b"unauthorized\n"
+            head = b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer\r\n"
+            head += b"Content-Type: text/plain\r\n"
+        elif len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
             body = generate_latest(registry)
             head = f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n".encode()
         else:
@@ -73,13 +95,18 @@ async def serve(registry: CollectorRegistry, host: str, port: int) -> asyncio.Se
     return await asyncio.start_server(handle, host, port)
 
 
-def scrape_page(address: str) -> str:
-    """The Prometheus text page a daemon serves at ``address`` (HOST:PORT).
+def scrape_page(address: str, token: bytes | None = None) -> str:
+    """The Prometheus text page a daemon serves at ``address`` (HOST:PORT), sending
+    ``token`` as a bearer token if given.
 
     Raises:
-        OSError: if it cannot be fetched within 5 s.
+        OSError: if it cannot be fetched within 5 s (``urllib.error.HTTPError``, an
+            ``OSError``, for a 401).
     """
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+    request = urllib.request.Request(f"http://{address}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token.decode()}")
+    with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - http:// only
         return str(response.read().decode())
 
 
@@ -129,6 +156,12 @@ class SparkMetrics:
             "Rounds whose block a fault ended before its next row (the rows before it "
             "were verified), by the fault.",
             ["reason"],
+        )
+        self.faults = counter(
+            "pp1_faults_by_row",
+            "Proposals a fault ended, by the row it struck (0: before any row, a whole-block "
+            "fallback; i: after i valid rows, a cut) and the fault.",
+            ["row", "reason"],
         )
         self.rejected = counter(
             "pp1_frames_rejected", "Frames that failed validation, by code.", ["code"]

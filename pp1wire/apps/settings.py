@@ -21,7 +21,7 @@ import tempfile
 import tomllib
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypedDict, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from pp1wire.apps.models import DEFAULT_VOCAB
 
@@ -152,6 +152,8 @@ draw_batch = _int_type(1, 4096, "a number of STEPs in 1..4096")
 connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
 #: A rate per second.
 rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1e6)
+#: An IPv6 prefix length (``--ipv6-prefix``).
+ipv6_prefix = _int_type(1, 128, "a prefix length in 1..128 bits")
 #: A name carried in HELLO (at most 128 characters).
 name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
 
@@ -449,21 +451,27 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def read_psk(path: str | None) -> bytes | None:
-    """The pre-shared key from a file (surrounding whitespace stripped).
+def principal_rate(raw: object) -> tuple[str | None, float | None]:
+    """Flag type: ``RATE`` (the cap of every principal not named) or ``ID=RATE`` (the cap
+    of key ID ``ID``; ``-`` names the default key), RATE fresh draws a second above 0,
+    or ``off`` (no cap).
 
     Raises:
-        SettingsError: if the file cannot be read or holds fewer than 16 bytes.
+        argparse.ArgumentTypeError: for anything else.
     """
-    if not path:
-        return None
-    try:
-        key = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise SettingsError(f"psk file {path}: {exc}") from None
-    if len(key) < 16:
-        raise SettingsError(f"psk file {path}: a key needs at least 16 bytes")
-    return key
+    if not isinstance(raw, str):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not [ID=]RATE")
+    ident, sep, value = raw.rpartition("=")
+    if sep and ident == "-":
+        ident = ""  # the default key's ID, as a key table writes it
+    if sep and len(ident) > 128:
+        raise argparse.ArgumentTypeError(f"{ident[:20]!r}... is not a key ID (128 characters)")
+    if value.strip().lower() == "off":
+        return (ident if sep else None), None
+    return (ident if sep else None), rate(value)
+
+
+principal_rate.kind = str  # type: ignore[attr-defined]
 
 
 def install_uvloop() -> None:
@@ -548,8 +556,17 @@ def add_link_flags(p: argparse.ArgumentParser) -> None:
         "--psk-file",
         default=None,
         metavar="FILE",
-        help="file holding the pre-shared key, at least 16 bytes (default: none, no "
-        "authentication)",
+        help="file holding the pre-shared key, at least 16 bytes, or a key table (first line "
+        "pp1-keys-v1, then one 'ID KEY' per line; ID - is the default key): a worker "
+        "accepts every key of it, each its own principal (default: none, no authentication)",
+    )
+    p.add_argument(
+        "--key-id",
+        type=name,
+        default="",
+        metavar="ID",
+        help="the ID of this Spark side's key, sent in HELLO: a key table's entry, or the "
+        "ID the worker's table gives this file's one key ('' or -: the default key)",
     )
 
 
@@ -578,8 +595,8 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         type=listen_host,
         default="127.0.0.1",
         metavar="HOST",
-        help="address of the Prometheus endpoint; without --psk-file, an address other than "
-        "loopback needs --insecure",
+        help="address of the Prometheus endpoint; an address other than loopback needs "
+        "--metrics-token-file or --insecure",
     )
     p.add_argument(
         "--metrics-port",
@@ -589,11 +606,20 @@ def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
         help="Prometheus port, GET /metrics (0: any free port; default: unset, no endpoint)",
     )
     p.add_argument(
+        "--metrics-token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding a bearer token of at least 16 printable characters: GET /metrics "
+        "then needs 'Authorization: Bearer TOKEN' (else 401), with or without --psk-file "
+        "(default: none, anyone who reaches the endpoint reads it)",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
-        help="listen on an address other than loopback without --psk-file (the worker's "
-        "--host, either daemon's --metrics-host): anyone who can reach it may use it (open "
-        "sessions and make the worker draw; read /metrics)",
+        help="listen on an address other than loopback without its credential (the worker's "
+        "--host without --psk-file, either daemon's --metrics-host without "
+        "--metrics-token-file): anyone who can reach it may use it (open sessions and make "
+        "the worker draw; read /metrics)",
     )
     p.add_argument(
         "--log-level",
@@ -627,22 +653,25 @@ def exposed(host: str) -> bool:
         return True
 
 
-def check_listeners(listeners: Sequence[tuple[str, str]], *, keyed: bool, insecure: bool) -> None:
-    """Protected mode, for every listener a daemon opens: ``listeners`` are its
-    ``(flag, host)`` pairs; one beyond loopback (:func:`exposed`) needs a key
-    (``keyed``: ``--psk-file``) or ``insecure`` (``--insecure``).
+def check_listeners(
+    listeners: Sequence[tuple[str, str, str, bool]], *, insecure: bool
+) -> None:
+    """Protected mode, for every listener a daemon opens: ``listeners`` are its ``(flag,
+    host, credential flag, credential given)``; one beyond loopback (:func:`exposed`)
+    needs its own credential (the worker's ``--host`` a ``--psk-file``, a
+    ``--metrics-host`` a ``--metrics-token-file``) or ``insecure`` (``--insecure``).
 
     Raises:
-        SettingsError: naming the first listener beyond loopback, without a key or
-            ``--insecure``.
+        SettingsError: naming the first listener beyond loopback without its credential
+            or ``--insecure``.
     """
-    if keyed or insecure:
+    if insecure:
         return
-    for flag, host in listeners:
-        if exposed(host):
+    for flag, host, credential, given in listeners:
+        if exposed(host) and not given:
             raise SettingsError(
-                f"{flag} {host} without --psk-file: anyone who can reach it could use it; "
-                "give a key, listen on 127.0.0.1, or pass --insecure"
+                f"{flag} {host} without {credential}: anyone who can reach it could use it; "
+                f"give {credential}, listen on 127.0.0.1, or pass --insecure"
             )
 
 
@@ -723,33 +752,6 @@ def run_daemon(
     except OSError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-
-
-class LinkFields(TypedDict):
-    """The :class:`~pp1wire.wire.handshake.PeerConfig` fields the :func:`add_link_flags`
-    flags give (``--vocab-shards`` is a layout, made where the ranks are known)."""
-
-    vocab_size: int
-    vocab_hash: int
-    row_entries: int
-    target_identity: str
-    psk: bytes | None
-
-
-def link_fields(args: argparse.Namespace) -> LinkFields:
-    """What both sides of a link must agree on, from the flags: ``--row-entries`` checked,
-    the key read.
-
-    Raises:
-        SettingsError: as :func:`row_entries` and :func:`read_psk`.
-    """
-    return LinkFields(
-        vocab_size=args.vocab,
-        vocab_hash=args.vocab_hash,
-        row_entries=row_entries(args),
-        target_identity=args.target_identity,
-        psk=read_psk(args.psk_file),
-    )
 
 
 def row_entries(args: argparse.Namespace) -> int:

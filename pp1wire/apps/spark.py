@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pp1wire.aio.client import ConnectionLostError, RefusedError
-from pp1wire.apps import metrics, ranks, settings
+from pp1wire.apps import keys, metrics, ranks, settings
 from pp1wire.apps.driver import (
     GROUP_FAILED_EXIT,
     TARGET_FAILED_EXIT,
@@ -57,7 +57,6 @@ from pp1wire.apps.settings import (
     count,
     host_port,
     positive,
-    read_psk,
     run_daemon,
     seconds,
     temperature,
@@ -344,15 +343,17 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         waits = {"--reply-timeout": args.reply_timeout, "--connect-timeout": args.connect_timeout}
         settings.check_group_waits(args.group_timeout, waits)
     if args.metrics_port is not None:
+        token = bool(args.metrics_token_file)
         settings.check_listeners(
-            [("--metrics-host", args.metrics_host)],
-            keyed=bool(args.psk_file),
+            [("--metrics-host", args.metrics_host, "--metrics-token-file", token)],
             insecure=args.insecure,
         )
+        if args.metrics_token_file:
+            keys.read_token(args.metrics_token_file)
     if sharded and args.audit:
         raise SettingsError("--audit is not available with --vocab-shards (no rank holds all q)")
     tls_context(args.tls_ca)
-    read_psk(args.psk_file)
+    keys.link_fields(args)  # the key of --key-id, read
     if args.output:  # on every rank and the launcher: none starts with a bad one
         Output(args.output)
     plan = Plan(
@@ -382,7 +383,7 @@ def spark_config(
 ) -> SparkConfig:
     """This rank's HELLO settings (``group``: a sharded group's nonce)."""
     return SparkConfig(
-        **settings.link_fields(args),
+        **keys.link_fields(args),
         draft_identity=args.draft_identity,
         max_slots=plan.concurrency,
         max_depth=max(plan.depth, 1),
@@ -403,6 +404,7 @@ class RankRun:
     code: int
     summary: dict[str, Any] | None = None
     records: list[RequestRecord] | None = None
+    warning: str | None = None  #: faults the reply timeout does not explain (rank 0)
 
 
 async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -428,6 +430,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             print(json.dumps(done.summary), flush=True)
         else:
             print_summary(done.summary, args)
+    if done.warning is not None:
+        print(f"pp1-spark: warning: {done.warning}", file=sys.stderr, flush=True)
     return done.code
 
 
@@ -498,7 +502,10 @@ async def run_rank(
             loop.add_signal_handler(sig, stop)
     metrics_server = None
     if args.metrics_port is not None and rank == 0:
-        metrics_server = await metrics.serve(m.registry, args.metrics_host, args.metrics_port)
+        token = keys.read_token(args.metrics_token_file) if args.metrics_token_file else None
+        metrics_server = await metrics.serve(
+            m.registry, args.metrics_host, args.metrics_port, token=token
+        )
         bound = metrics_server.sockets[0].getsockname()[1]
         # stderr: stdout carries the summary (--json parses it whole).
         shown = settings.address_text(args.metrics_host, bound)
@@ -545,6 +552,7 @@ async def run_rank(
         if failure is not None:
             summary["tp_failure"] = str(failure)
         done.summary = summary
+        done.warning = fault_warning(faults_by_row(m), driver.stepped)
         done.code = refused_by_configuration(summary, plan.depth)
     if failure is not None:
         print(f"pp1-spark: TP group failed: {failure}", file=sys.stderr, flush=True)
@@ -586,6 +594,49 @@ def refused_by_configuration(summary: dict[str, Any], depth: int) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+#: The reason of a fault this side's own deadline causes (``--reply-timeout``).
+TIMEOUT_REASON = ErrorCode.REPLY_TIMEOUT.name.lower()
+#: Faults the reply timeout does not explain that :func:`fault_warning` lets pass: fewer
+#: than this many, or than this share of the proposals asked for.
+UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE = 3, 0.01
+
+
+def faults_by_row(m: SparkMetrics) -> dict[tuple[int, str], int]:
+    """``pp1_faults_by_row_total`` as ``{(row, reason): count}``."""
+    out: dict[tuple[int, str], int] = {}
+    for key, value in metrics.by_label(m.faults).items():
+        row, _, reason = key.partition(",")
+        out[int(row), reason] = out.get((int(row), reason), 0) + int(value)
+    return out
+
+
+def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | None:
+    """The summary's warning when faults gather beyond what the run's reply timeout
+    explains (``docs/adaptive.md`` §7), else None.
+
+    A fault (a cut after row i, or a whole-block fallback: row 0) is *explained* by the
+    reply timeout when its reason is ``reply_timeout``: this side's own deadline ended
+    the block, at a time the drafts cannot set. Any other fault (a failure the worker
+    reports, a refusal, a lost connection, a row that fails validation) is the
+    worker's or the path's choice, which can depend on the drafts. The warning is due
+    when such faults number at least :data:`UNEXPLAINED_FLOOR` and at least
+    :data:`UNEXPLAINED_SHARE` of the ``proposals`` asked for; it names them by row.
+    """
+    rows: dict[int, int] = {}
+    for (row, reason), n in faults.items():
+        if reason != TIMEOUT_REASON and n:
+            rows[row] = rows.get(row, 0) + n
+    unexplained = sum(rows.values())
+    if unexplained < max(UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE * proposals):
+        return None
+    by_row = ", ".join(f"row {r}: {n}" for r, n in sorted(rows.items()))
+    return (
+        f"{unexplained} of {proposals} proposals ended by a fault the reply timeout does not "
+        f"explain ({by_row}); a worker that fails the rows of drafts it dislikes biases "
+        "the output: compare pp1_faults_by_row_total by row (docs/adaptive.md section 7)"
+    )
 
 
 def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 
 from pp1wire.aio import admission
 from pp1wire.aio.server import FRAMES_PER_TURN, WRITE_BUFFER_CAP, WorkerServer
-from pp1wire.apps import metrics, ranks, settings, worker_tp
+from pp1wire.apps import keys, metrics, ranks, settings, worker_tp
 from pp1wire.q.proposal import DrafterFn
-from pp1wire.wire import budgets, draws, framing
+from pp1wire.wire import budgets, draws, framing, principals
 from pp1wire.wire.messages import WIRE_VERSION
+from pp1wire.wire.principals import PrincipalPolicy
 from pp1wire.wire.worker_core import WorkerConfig
 
 log = logging.getLogger("pp1wire.worker")
@@ -173,9 +174,45 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.rate,
         default=None,
         metavar="DRAWS/S",
-        help="fresh draws per second one slot may ask for, kept per source address across "
+        help="fresh draws per second one slot may ask for, kept per principal across "
         "reconnections; a STEP beyond it is refused with DRAW_RATE_LIMITED: size it as the "
         "most rounds per second one request should run (default: unset, no limit)",
+    )
+    p.add_argument(
+        "--principal-rate",
+        type=settings.principal_rate,
+        nargs="+",
+        default=None,
+        metavar="[ID=]RATE",
+        help="fresh draws per second one principal may ask for over all its slots and "
+        "connections (a second of them at once), beyond which its STEPs are refused with "
+        "DRAW_RATE_LIMITED: RATE for every principal, ID=RATE for key ID (- the default "
+        "key), RATE 'off' for none; size the default as a light client's draws per "
+        "second, and name each key that needs more (default: unset, no cap)",
+    )
+    p.add_argument(
+        "--ipv6-prefix",
+        type=settings.ipv6_prefix,
+        default=principals.IPV6_PREFIX,
+        metavar="BITS",
+        help="an IPv6 source address counts as its network of this prefix length, one "
+        "address for --max-per-address and for the lineages it may start",
+    )
+    p.add_argument(
+        "--lineage-rate",
+        type=settings.rate,
+        default=principals.LINEAGE_RATE,
+        metavar="LINEAGES/S",
+        help="new draw-budget lineages one source address may start per second without a "
+        "key (a connection that presents no lineage it was issued waits its turn for its "
+        "HELLO, in arrival order)",
+    )
+    p.add_argument(
+        "--lineage-burst",
+        type=settings.u16,
+        default=principals.LINEAGE_BURST,
+        metavar="LINEAGES",
+        help="new lineages one source address may start at once",
     )
     p.add_argument(
         "--draw-burst",
@@ -190,17 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.rate,
         default=1.0,
         metavar="DRAWS/S",
-        help="fresh draws per second one source address may leave uncommitted (a slot reset "
-        "or closed before a COMMIT), over all its connections; beyond them and "
-        "--abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until it has "
-        "paid them back",
+        help="fresh draws per second one principal may leave uncommitted (a slot reset or "
+        "closed, or its connection lost, before a COMMIT), over all its connections; beyond "
+        "them and --abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until "
+        "it has paid them back (a new lineage starts with none free)",
     )
     p.add_argument(
         "--abandon-burst",
         type=settings.u16,
         default=None,
         metavar="DRAWS",
-        help="uncommitted draws one source address may leave at once (default: 2 x --max-slots)",
+        help="uncommitted draws one principal may leave at once (default: 2 x --max-slots)",
     )
     p.add_argument(
         "--busy-poll",
@@ -306,7 +343,7 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     if args.draw_burst is not None and args.max_draw_rate is None:
         raise settings.SettingsError("--draw-burst needs --max-draw-rate")
     return WorkerConfig(
-        **settings.link_fields(args),
+        **keys.link_fields(args, worker=True),
         draft_identity=args.draft_identity,
         max_slots=args.max_slots,
         max_depth=args.max_depth,
@@ -321,18 +358,51 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
     )
 
 
-def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
-    """Refuse to listen beyond loopback without a key unless told ``--insecure``: the
-    protocol listener, and the metrics endpoint when there is one.
+def policy_from(args: argparse.Namespace) -> PrincipalPolicy:
+    """The principals' settings (``--principal-rate``, ``--ipv6-prefix``, the lineages).
 
     Raises:
-        settings.SettingsError: for an address other than loopback with neither
-            ``--psk-file`` nor ``--insecure``.
+        settings.SettingsError: for a key ID or the default given twice in
+            ``--principal-rate``.
     """
-    listeners = [("--host", args.host)]
+    default: float | None = None
+    named: dict[str, float | None] = {}
+    seen: set[str | None] = set()
+    for ident, rate in args.principal_rate or ():
+        if ident in seen:
+            shown = "the default" if ident is None else f"key ID {ident or '-'!r}"
+            raise settings.SettingsError(f"--principal-rate gives {shown} twice")
+        seen.add(ident)
+        if ident is None:
+            default = rate
+        else:
+            named[ident] = rate
+    return PrincipalPolicy(
+        rate=default,
+        rates=named,
+        ipv6_prefix=args.ipv6_prefix,
+        lineage_rate=args.lineage_rate,
+        lineage_burst=args.lineage_burst,
+    )
+
+
+def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
+    """Refuse to listen beyond loopback without its credential unless told ``--insecure``:
+    the protocol listener without a key, and the metrics endpoint (when there is one)
+    without a token.
+
+    Raises:
+        settings.SettingsError: for an address other than loopback without its
+            credential (``--psk-file``, ``--metrics-token-file``) nor ``--insecure``;
+            ``--key-id`` without ``--check``.
+    """
+    if args.key_id and not args.check:
+        raise settings.SettingsError("--key-id is a Spark side's setting (here: with --check)")
+    listeners = [("--host", args.host, "--psk-file", config.keyed)]
     if getattr(args, "metrics_port", None) is not None:
-        listeners.append(("--metrics-host", args.metrics_host))
-    settings.check_listeners(listeners, keyed=config.psk is not None, insecure=args.insecure)
+        token = bool(args.metrics_token_file)
+        listeners.append(("--metrics-host", args.metrics_host, "--metrics-token-file", token))
+    settings.check_listeners(listeners, insecure=args.insecure)
 
 
 async def check(args: argparse.Namespace, target: str) -> int:
@@ -347,7 +417,7 @@ async def check(args: argparse.Namespace, target: str) -> int:
     host, port = settings.host_port(target)
     cfg = config_from(args)
     spark_cfg = SparkConfig(
-        **settings.link_fields(args),
+        **keys.link_fields(args),
         max_slots=1,
         max_depth=1,
         max_support=0,
@@ -376,6 +446,8 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """
     config = config_from(args)
     check_exposure(args, config)
+    policy = policy_from(args)
+    token = keys.read_token(args.metrics_token_file) if args.metrics_token_file else None
     world = worker_tp.world_size(args)
     if world > 1 and not ranks.in_launched_rank():
         return worker_tp.launch(world, list(argv))
@@ -411,6 +483,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         draw_threads=args.draw_threads,
         group=group[2] if group is not None else None,
         max_draw_batch=None if group is not None else args.max_draw_batch,
+        policy=policy,
     )
     port = await server.start(args.host, port_wanted)
     out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's
@@ -419,7 +492,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     metrics_server = None
     if args.metrics_port is not None:
         metrics_server = await metrics.serve(
-            server.metrics.registry, args.metrics_host, args.metrics_port
+            server.metrics.registry, args.metrics_host, args.metrics_port, token=token
         )
         bound = metrics_server.sockets[0].getsockname()[1]
         shown = f"pp1-worker metrics on {settings.address_text(args.metrics_host, bound)}"
@@ -431,7 +504,8 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             "port": port,
             "vocab": args.vocab,
             "tls": bool(ctx),
-            "auth": config.psk is not None,
+            "auth": config.keyed,
+            "keys": len(config.key_table),
             "metrics_port": args.metrics_port,
         },
     )

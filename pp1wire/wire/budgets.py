@@ -2,12 +2,15 @@
 
 ``docs/protocol.md`` §4.4: a worker bounds the fresh draws a peer asks for over
 time, and what it may leave uncommitted; the bounds belong to the peer's
-*principal* (§2: its source address), not to its connection, which it could
-open again or open more of. :class:`Account` is one principal's budgets,
+*principal* (§2: its key ID, or without a key its lineage,
+:mod:`pp1wire.wire.principals`), not to its connection, which it could open
+again or open more of. :class:`Account` is one principal's budgets,
 :class:`Accounts` keeps them between its connections (and forgets them once
 paid back), :class:`DrawGate` is one connection's side of them (the lanes of
 its slots, and what waits after a refusal), :class:`Activity` says whether
-other principals are drawing. No clock is read here: callers pass ``now``.
+other principals are drawing, and a :class:`Binder` names a connection's
+principal at the end of its handshake. No clock is read here: callers pass
+``now``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.wire import fencing
 from pp1wire.wire.fencing import Action, WorkerSlotFence
-from pp1wire.wire.messages import Step
+from pp1wire.wire.messages import Hello, Step
 
 #: Seconds a principal counts as drawing after its last draw (the draw threads'
 #: share, and whether others wait for them).
@@ -40,8 +43,8 @@ class _Refilling:
 
     __slots__ = ("_level", "_stamp", "burst", "rate")
 
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        """A full level at time ``now``.
+    def __init__(self, rate: float, burst: int, now: float, *, empty: bool = False) -> None:
+        """A full level at time ``now`` (``empty``: at 0, refilling from there).
 
         Raises:
             ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
@@ -50,7 +53,7 @@ class _Refilling:
             raise ValueError("a draw budget needs a finite rate above 0 and a burst of at least 1")
         self.rate = rate
         self.burst = burst
-        self._level = float(burst)
+        self._level = 0.0 if empty else float(burst)
         self._stamp = now
 
     def _refill(self, now: float) -> None:
@@ -105,8 +108,9 @@ class AbandonBudget(_Refilling):
     abandons are free, then ``rate`` per second; a principal beyond that owes
     them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
     paid them back. Full at creation (``AbandonBudget(rate, burst, now)``, with
-    the limits of :class:`TokenBucket`); full again (:meth:`full`) once nothing is
-    owed and the whole burst is free. The clock is the caller's.
+    the limits of :class:`TokenBucket`), or with ``empty=True`` (a new lineage's,
+    §4.4) at 0: nothing free, nothing owed; full again (:meth:`full`) once
+    nothing is owed and the whole burst is free. The clock is the caller's.
 
     Its level is the free abandons left, and below 0 what is owed (unlike a
     :class:`TokenBucket`'s, it goes below 0). Paid back as it accrues, so a debt is
@@ -185,7 +189,10 @@ class Account:
       reconnecting, refills nothing, and a principal holds at most as many
       lanes as it ever had slots open at once.
     * The abandon budget (:class:`AbandonBudget`, ``abandon_rate``) is one for
-      the principal: what one connection abandoned, the next one owes.
+      the principal: what one connection abandoned, the next one owes. A new
+      lineage's starts empty (``new``): it earns its free abandons.
+    * The principal's cap (``cap`` fresh draws a second over all its slots, a
+      second of them at once; off when None): a :class:`TokenBucket` of its own.
     * The first-draw grace of admission (:meth:`grace`): at most one of its new
       connections per period.
     * Whether other principals are drawing (:meth:`contended`), from the
@@ -198,10 +205,13 @@ class Account:
         "_abandons",
         "_activity",
         "_burst",
+        "_cap",
         "_free",
         "_grace_free",
         "_rate",
         "bound",
+        "keep",
+        "kept_until",
         "principal",
         "refs",
     )
@@ -213,13 +223,19 @@ class Account:
         *,
         principal: object = None,
         activity: Activity | None = None,
+        cap: float | None = None,
+        new: bool = False,
+        keep: float = 0.0,
     ) -> None:
         """Full budgets at ``now`` for ``limits`` (a limit that is None is off), for
         ``principal``, whose draws are recorded in ``activity`` (default: its own,
-        where no other principal ever draws).
+        where no other principal ever draws); ``cap``: its fresh draws a second
+        (None: no cap); ``new``: a new lineage's (its abandon budget starts empty);
+        ``keep``: seconds it is remembered after its last connection, owing nothing.
 
         Raises:
-            ValueError: for a rate that is not finite and above 0, or a burst below 1.
+            ValueError: for a rate or cap that is not finite and above 0, or a burst
+                below 1.
         """
         rate, abandon = limits.max_draw_rate, limits.abandon_rate
         if rate is not None:
@@ -227,14 +243,19 @@ class Account:
         self._rate = rate
         self._burst = limits.draw_burst
         self._abandons = (
-            None if abandon is None else AbandonBudget(abandon, limits.abandon_burst, now)
+            None
+            if abandon is None
+            else AbandonBudget(abandon, limits.abandon_burst, now, empty=new)
         )
+        self._cap = None if cap is None else TokenBucket(cap, max(1, math.ceil(cap)), now)
         self._free: list[TokenBucket] = []  # lanes handed back, still paying back
         self._grace_free = -math.inf
         self._activity = activity if activity is not None else Activity()
         self.principal = principal
         self.bound = 0  #: lanes held by open slots
         self.refs = 0  #: connections of the principal holding this account
+        self.keep = keep
+        self.kept_until = -math.inf  #: remembered until then without a connection
 
     def bind(self, now: float) -> TokenBucket | None:
         """A lane for a slot opened at ``now`` (None without a rate limit)."""
@@ -258,15 +279,20 @@ class Account:
 
     def allows(self, lane: TokenBucket | None, now: float) -> bool:
         """Whether a fresh draw of the slot holding ``lane`` may start at ``now``;
-        spends from its lane if so (nothing is spent if not)."""
+        spends from its lane and the principal's cap if so (nothing is spent if not)."""
         if self._abandons is not None and not self._abandons.allows(now):
             return False
-        return lane is None or lane.take(now)
+        if self._cap is not None and self._cap.wait(now) > 0:
+            return False
+        if lane is not None and not lane.take(now):
+            return False
+        return self._cap is None or self._cap.take(now)
 
     def owes(self, now: float) -> float:
-        """Seconds from ``now`` until the abandon budget allows any fresh draw of the
-        principal (0 if it does now)."""
-        return 0.0 if self._abandons is None else self._abandons.wait(now)
+        """Seconds from ``now`` until the abandon budget and the cap allow any fresh draw
+        of the principal (0 if they do now)."""
+        owed = 0.0 if self._abandons is None else self._abandons.wait(now)
+        return max(owed, 0.0 if self._cap is None else self._cap.wait(now))
 
     def abandoned(self, now: float) -> None:
         """A fresh draw of the principal died uncommitted at ``now``."""
@@ -299,7 +325,9 @@ class Account:
             self.refs == 0
             and self.bound == 0
             and now >= self._grace_free
+            and now >= self.kept_until
             and (self._abandons is None or self._abandons.full(now))
+            and (self._cap is None or self._cap.full(now))
             and all(lane.full(now) for lane in self._free)
         )
 
@@ -338,14 +366,34 @@ class Accounts(Generic[P]):
         """Whether ``principal`` is remembered."""
         return principal in self._accounts
 
-    def acquire(self, principal: P, now: float) -> Account:
-        """The account of ``principal``, for a new connection of it at ``now``."""
+    def acquire(
+        self,
+        principal: P,
+        now: float,
+        *,
+        cap: float | None = None,
+        new: bool = False,
+        keep: float = 0.0,
+    ) -> Account:
+        """The account of ``principal``, for a new connection of it at ``now``; one made
+        now takes ``cap``, ``new`` and ``keep`` (:class:`Account`).
+
+        Raises:
+            ValueError: for a ``cap`` :class:`Account` refuses.
+        """
         self._trim(now)
         account = self._accounts.get(principal)
         if account is None:
-            account = self._accounts[principal] = Account(
-                self.limits, now, principal=principal, activity=self.activity
+            account = Account(
+                self.limits,
+                now,
+                principal=principal,
+                activity=self.activity,
+                cap=cap,
+                new=new,
+                keep=keep,
             )
+            self._accounts[principal] = account
         self._released.pop(principal, None)
         account.refs += 1
         return account
@@ -357,6 +405,7 @@ class Accounts(Generic[P]):
             return
         account.refs -= 1
         if not account.refs:
+            account.kept_until = now + account.keep
             if account.settled(now):
                 del self._accounts[principal]
             else:
@@ -397,7 +446,7 @@ class DrawGate:
     fresh STEP waits (§4.4): any slot's while the principal owes abandons, else only
     the refused slot's. The clock is the caller's."""
 
-    __slots__ = ("_lanes", "_wait_all", "_wait_slot", "account", "drew_at", "hold_until", "limited")
+    __slots__ = ("_lanes", "_wait_all", "_wait_slot", "account", "drew_at", "hold_until")
 
     def __init__(self, account: Account) -> None:
         """The gate of a connection of ``account``'s principal."""
@@ -405,7 +454,6 @@ class DrawGate:
         self._lanes: dict[int, TokenBucket | None] = {}
         self._wait_all = 0.0
         self._wait_slot: dict[int, float] = {}
-        self.limited = False  #: a fresh STEP of this connection was refused
         #: When a fresh STEP of this connection was last let through (None: never): the
         #: only work that keeps a connection from being replaced when a server is full.
         self.drew_at: float | None = None
@@ -438,12 +486,13 @@ class DrawGate:
     ) -> None:
         """The connection ended at ``now`` with ``slots`` open, those in ``drawing`` with
         a draw in progress: a draw left uncommitted (served, or still being drawn) is
-        abandoned only if the connection was ever refused (a peer hanging up at a
-        refusal owes what it cut; a test suite or a restarting Spark side hangs up
-        mid-round). A slot abandons one draw at most: a slot holding a served draw
-        not committed is refused a fresh STEP, so none is drawn above it."""
+        abandoned, whether or not the connection was ever refused (a peer that hangs
+        up mid-draw cut it; a Spark side that closes cleanly has committed every round
+        it stepped, and abandons nothing). A slot abandons one draw at most: a slot
+        holding a served draw not committed is refused a fresh STEP, so none is drawn
+        above it."""
         for index, slot in slots.items():
-            self.closed(index, slot, now, abandons=self.limited, drawing=index in drawing)
+            self.closed(index, slot, now, drawing=index in drawing)
 
     def fresh(self, slot: int, now: float) -> bool:
         """Whether ``slot`` may start a fresh draw at ``now`` (spent, and recorded as the
@@ -453,7 +502,6 @@ class DrawGate:
             self.account.drew(now)
             self.drew_at = now
             return True
-        self.limited = True
         owes = self.account.owes(now)
         if owes > 0:
             self._wait_all = now + owes
@@ -484,3 +532,17 @@ class DrawGate:
         passed = round_id != slot.fence.last_step_round and pending(slot)
         if passed and self.account.contended(now):
             self.account.abandoned(now)
+
+
+class Binder(Protocol):
+    """Names a worker connection's principal at the end of its handshake (§2, §4.4):
+    what :class:`~pp1wire.wire.worker_core.WorkerProtocol` asks its shell."""
+
+    def ready_at(self, hello: Hello, now: float) -> float:
+        """When a keyless Spark side's ``hello`` may be answered (at or before ``now``: at
+        once): a new lineage waits for its address's turn (§4.4)."""
+
+    def bind(self, hello: Hello, key_id: str | None, now: float) -> tuple[Account, bytes]:
+        """The account of the principal of a connection whose handshake ended at ``now``
+        (``key_id``: the key it authenticated with, None without keys), and the lineage
+        token the worker's HELLO carries (empty with a key)."""

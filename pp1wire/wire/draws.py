@@ -44,6 +44,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
 from pp1wire.q.batch import propose_batch
@@ -172,6 +173,13 @@ def stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QR
         streamer.send(frames)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """A group's entry in :class:`DrawScheduler`'s tables, never equal to a key."""
+
+    group: Hashable
+
+
 class DrawScheduler(Generic[K, J]):
     """Per-principal draw queues served fairly by ``workers`` pool workers.
 
@@ -187,6 +195,11 @@ class DrawScheduler(Generic[K, J]):
     at its share waits even if a worker is free: that worker is the share of a
     key between two of its rounds, so its next draw starts at once instead of
     behind another key's batch. With one key active, every worker is its own.
+
+    Groups: with ``group_of``, keys of one group (the keyless lineages of one
+    source address, ``docs/protocol.md`` §4.4) share as one key, and within it
+    each key is served as above: a peer that opens more lineages gets no more
+    of the workers, and a lineage of its address is still served next.
     """
 
     def __init__(
@@ -196,10 +209,12 @@ class DrawScheduler(Generic[K, J]):
         max_batch: int = 1,
         gather: float = 0.0,
         share_window: float = SHARE_WINDOW_S,
+        group_of: Callable[[K], Hashable] | None = None,
     ) -> None:
         """Serve with ``workers`` (>= 1) workers, ``max_batch`` (>= 1) jobs per batch,
         waiting up to ``gather`` (>= 0) seconds for expected jobs (0: never), a key
-        counting as active ``share_window`` (>= 0) seconds after its last batch.
+        counting as active ``share_window`` (>= 0) seconds after its last batch;
+        ``group_of`` names each key's group (default: each key its own).
 
         Raises:
             ValueError: for a count below 1 or a negative or non-finite ``gather``
@@ -215,12 +230,13 @@ class DrawScheduler(Generic[K, J]):
         self.max_batch = max_batch
         self.gather = gather
         self.share_window = share_window
+        self._group: Callable[[K], Hashable] = group_of or (lambda key: key)
         # Per key: (time queued, owner, job), in submission order.
         self._queues: dict[K, deque[tuple[float, Hashable, J]]] = {}
-        self._running: dict[K, int] = {}  # jobs handed out, not finished
-        self._holding: dict[K, int] = {}  # workers holding a batch with a job of the key
-        self._active_until: dict[K, float] = {}  # a batch handed out: counted until then
-        self._served_at: dict[K, int] = {}
+        self._running: dict[Hashable, int] = {}  # jobs handed out, not finished: per key, group
+        self._holding: dict[Hashable, int] = {}  # workers holding a batch with a job of the group
+        self._active_until: dict[Hashable, float] = {}  # a group's batch: counted until then
+        self._served_at: dict[Hashable, int] = {}  # per key, and per group (as a _Group)
         self._expected: dict[K, set[tuple[Hashable, Hashable]]] = {}
         self._turn = 0
         self.busy = 0  # workers holding a batch
@@ -274,7 +290,15 @@ class DrawScheduler(Generic[K, J]):
                 del self._expected[key]
         if key not in self._queues and not self._running.get(key):
             self._served_at.pop(key, None)
+            self._forget_group(self._group(key))
         return dropped
+
+    def _forget_group(self, group: Hashable) -> None:
+        """Forget when ``group`` was served once none of its keys is queued or running."""
+        if not self._running.get(_Group(group)) and not any(
+            self._group(k) == group for k in self._queues
+        ):
+            self._served_at.pop(_Group(group), None)
 
     def hold_until(self, now: float = math.inf) -> float | None:
         """While a free worker waits for expected jobs: the time it stops waiting
@@ -297,13 +321,14 @@ class DrawScheduler(Generic[K, J]):
             for key in [k for k, t in self._active_until.items() if t <= now]:
                 del self._active_until[key]
         recent = {k for k, t in self._active_until.items() if t > now}
-        active = set(self._queues) | set(self._running) | recent
+        running = {k.group for k in self._running if isinstance(k, _Group)}
+        active = {self._group(k) for k in self._queues} | running | recent
         return max(1, -(-self.workers // max(1, len(active))))
 
     def _eligible(self, now: float) -> list[K]:
-        """The keys with jobs queued that hold fewer workers than their share at ``now``."""
+        """The keys with jobs queued whose group holds fewer workers than its share at ``now``."""
         share = self.share(now)
-        return [k for k in self._queues if self._holding.get(k, 0) < share]
+        return [k for k in self._queues if self._holding.get(self._group(k), 0) < share]
 
     def next_batch(self, now: float = math.inf) -> list[tuple[K, J]]:
         """A batch for a free worker, now marked busy, or [] (no free worker, no job
@@ -323,10 +348,7 @@ class DrawScheduler(Generic[K, J]):
         eligible = self._eligible(now)
         batch: list[tuple[K, J]] = []
         while eligible and len(batch) < self.max_batch:
-            key = min(
-                eligible,
-                key=lambda k: (self._running.get(k, 0), self._served_at.get(k, -1)),
-            )
+            key = min(eligible, key=self._turn_of)
             queue = self._queues[key]
             batch.append((key, queue.popleft()[2]))
             self._expected.pop(key, None)
@@ -334,35 +356,49 @@ class DrawScheduler(Generic[K, J]):
                 del self._queues[key]
                 eligible.remove(key)
             self.queued -= 1
-            self._running[key] = self._running.get(key, 0) + 1
             self._turn += 1
-            self._served_at[key] = self._turn
+            for k in (key, _Group(self._group(key))):
+                self._running[k] = self._running.get(k, 0) + 1
+                self._served_at[k] = self._turn
         if not batch:
             return []
-        for key in {k for k, _ in batch}:
-            self._holding[key] = self._holding.get(key, 0) + 1
+        for group in {self._group(k) for k, _ in batch}:
+            self._holding[group] = self._holding.get(group, 0) + 1
             if now != math.inf:
-                self._active_until[key] = now + self.share_window
+                self._active_until[group] = now + self.share_window
         self.busy += 1
         return batch
+
+    def _turn_of(self, key: K) -> tuple[int, int, int, int]:
+        """Which queued key goes next (the least first): its group's jobs running and last
+        turn, then its own."""
+        group = _Group(self._group(key))
+        return (
+            self._running.get(group, 0),
+            self._served_at.get(group, -1),
+            self._running.get(key, 0),
+            self._served_at.get(key, -1),
+        )
 
     def finished(self, batch: Sequence[tuple[K, J]]) -> None:
         """A worker is done with ``batch`` (from :meth:`next_batch`) and free again."""
         self.busy -= 1
-        for key in {k for k, _ in batch}:
-            held = self._holding[key] - 1
+        for group in {self._group(k) for k, _ in batch}:
+            held = self._holding[group] - 1
             if held:
-                self._holding[key] = held
+                self._holding[group] = held
             else:
-                del self._holding[key]
+                del self._holding[group]
         for key, _ in batch:
-            left = self._running[key] - 1
-            if left:
-                self._running[key] = left
-            else:
-                del self._running[key]
-                if key not in self._queues:
-                    self._served_at.pop(key, None)
+            for k in (key, _Group(self._group(key))):
+                left = self._running[k] - 1
+                if left:
+                    self._running[k] = left
+                else:
+                    del self._running[k]
+            if key not in self._running and key not in self._queues:
+                self._served_at.pop(key, None)
+            self._forget_group(self._group(key))
 
 
 #: Each distinct drafter failure is logged with its traceback once, then at most

@@ -23,6 +23,7 @@ from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import (
     GROUP_NONCE_SIZE,
     LABEL_PREFIX,
+    LINEAGE_SIZE,
     PRECISION,
     VERIFIER_ID,
     WIRE_VERSION,
@@ -52,6 +53,12 @@ class PeerConfig:
     layout the link is unsharded (one shard: the whole vocabulary). ``group``
     is a sharded Spark side's group nonce (the same 16 bytes on every link of
     its group); a worker has none (it echoes its peer's).
+
+    Keys (§5): ``psk`` is this side's key, under the ID ``key_id`` (``""``: the
+    default key): a Spark side sends that ID in its HELLO and proves that key; a
+    worker also holds ``keys``, more ``(ID, key)`` pairs, and looks the Spark side's
+    key up by the ID it sends (:meth:`key`). ``lineage`` is a keyless Spark side's
+    draw-budget lineage token (§4.4), presented in its HELLO.
     """
 
     vocab_size: int
@@ -73,16 +80,34 @@ class PeerConfig:
     #: A sharded link's group nonce (§6.7): 16 bytes the Spark group draws once; empty
     #: on an unsharded link.
     group: bytes = b""
+    #: The ID of ``psk`` in a worker's key table (§5), sent in a Spark side's HELLO.
+    key_id: str = ""
+    #: A worker's other keys, ``(ID, key)`` pairs: each ID is a principal of its own (§2).
+    keys: tuple[tuple[str, bytes], ...] = ()
+    #: A Spark side's lineage token (§4.4), presented in its HELLO (empty: none).
+    lineage: bytes = b""
 
     def __post_init__(self) -> None:
-        """Refuse a shard the layout does not have, an unknown stop-rule set, or a bad nonce.
+        """Refuse a shard the layout does not have, an unknown stop-rule set, a bad nonce,
+        or keys that do not make one table.
 
         Raises:
             ValueError: if the layout's vocabulary is not ``vocab_size``,
                 ``shard`` is not one of its ranks (or not 0 without a layout),
                 or ``stop_rules`` is neither ``""`` nor ``pp1-stop-rules-v1``, or a
-                group nonce is given that is not 16 bytes of a sharded link.
+                group nonce is given that is not 16 bytes of a sharded link; a key ID
+                longer than 128 characters, named twice, or other than ``""`` without
+                ``psk``; an empty key; a lineage token longer than 16 bytes.
         """
+        ids = [i for i, _ in self.keys] + ([self.key_id] if self.psk is not None else [])
+        if self.key_id and self.psk is None:
+            raise ValueError("a key ID names a key: give psk with it")
+        if len(set(ids)) != len(ids) or any(len(i) > 128 for i in ids):
+            raise ValueError("key IDs must be distinct and at most 128 characters")
+        if self.psk == b"" or any(not key for _, key in self.keys):
+            raise ValueError("a pre-shared key must not be empty")
+        if len(self.lineage) > LINEAGE_SIZE:
+            raise ValueError(f"a lineage token is at most {LINEAGE_SIZE} bytes")
         self.shard_layout.range(self.shard)
         if self.shard_layout.vocab_size != self.vocab_size:
             raise ValueError("the shard layout does not split this vocabulary")
@@ -118,10 +143,27 @@ class PeerConfig:
         """Dense row length in FP32 entries (vocabulary plus zero padding)."""
         return self.vocab_size if self.row_entries is None else self.row_entries
 
+    @cached_property
+    def key_table(self) -> dict[str, bytes]:
+        """Every key this side holds, by ID (``psk`` under ``key_id``, and ``keys``)."""
+        table = dict(self.keys)
+        if self.psk is not None:
+            table[self.key_id] = self.psk
+        return table
+
+    @property
+    def keyed(self) -> bool:
+        """Whether this side holds a key: it authenticates every peer (§5)."""
+        return bool(self.key_table)
+
+    def key(self, key_id: str) -> bytes | None:
+        """The key a peer that names ``key_id`` must prove (None: this side has none)."""
+        return self.key_table.get(key_id)
+
     @property
     def integrity(self) -> str:
         """The frame-integrity scheme this side requires: §5.1's with a key, none without."""
-        return integrity.SCHEME if self.psk is not None else ""
+        return integrity.SCHEME if self.keyed else ""
 
 
 def worker_proof(psk: bytes, spark_nonce: bytes, worker_nonce: bytes) -> bytes:
@@ -144,9 +186,11 @@ def build_hello(
     limits: Hello | None,
     nonce: bytes,
     session: int = 0,
+    lineage: bytes | None = None,
 ) -> Hello:
-    """A HELLO for ``role``: its own identities, and the limits and group nonce (the
-    peer's, when echoing)."""
+    """A HELLO for ``role``: its own identities, and the limits, group nonce and key ID
+    (the peer's, when echoing); ``lineage``: the token a worker issues (default: the
+    configuration's, a Spark side's own)."""
     src = limits
     return Hello(
         role=int(role),
@@ -176,6 +220,8 @@ def build_hello(
         session=session,
         stop_rules=src.stop_rules if src else cfg.stop_rules,
         group=src.group if src else cfg.group,
+        key_id=src.key_id if src else cfg.key_id,
+        lineage=cfg.lineage if lineage is None else lineage,
     )
 
 
@@ -360,6 +406,20 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "what it sent",
         ErrorCode.SHARD_LAYOUT_MISMATCH,
         _group_nonce_ok,
+    ),
+    HelloRule(
+        ("key_id",),
+        "the pre-shared key the Spark side authenticates with (§5): its ID in the worker's "
+        'key table, `""` for the default key; the worker echoes the Spark side\'s',
+        "not checked here: a worker with keys proves and checks the key of that ID (§5), "
+        "a worker without a key ignores it",
+    ),
+    HelloRule(
+        ("lineage",),
+        "a keyless Spark side's draw-budget lineage (§4.4): the token a worker issued it on "
+        "an earlier connection, presented again (empty: none); the worker's HELLO carries the "
+        "token of this connection's lineage (empty when it has keys)",
+        "not checked: a token the worker does not know starts a new lineage (§4.4)",
     ),
     HelloRule(
         ("session",),

@@ -41,6 +41,9 @@ Proof = Annotated[bytes, Meta(min_length=32, max_length=32)]
 #: The length of a sharded link's group nonce (HELLO ``group``, §4.1 and §6.7).
 GROUP_NONCE_SIZE: Final = 16
 GroupNonce = Annotated[bytes, Meta(max_length=GROUP_NONCE_SIZE)]
+#: The length of the lineage token a worker issues (HELLO ``lineage``, §4.1 and §4.4).
+LINEAGE_SIZE: Final = 16
+Lineage = Annotated[bytes, Meta(max_length=LINEAGE_SIZE)]
 
 
 class MsgType(IntEnum):
@@ -138,6 +141,13 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     #: The Spark group's nonce on a sharded link (§6.7): every link of one group
     #: session carries the same 16 bytes; empty on an unsharded link.
     group: GroupNonce = b""
+    #: The pre-shared key the Spark side authenticates with (§5): its ID in the worker's
+    #: key table, ``""`` (omitted) for the default key; the worker echoes it.
+    key_id: Name = ""
+    #: The draw-budget lineage (§4.4): the token a keyless Spark side was issued on an
+    #: earlier connection, presented again (empty: none); the worker's HELLO carries
+    #: the token of this connection's lineage (empty with a key).
+    lineage: Lineage = b""
 
     def __post_init__(self) -> None:
         """Cross-field rules (protocol §4.1).

@@ -80,6 +80,8 @@ class SparkProtocol(SparkReplies):
         self.config = config
         self.state = State.IDLE
         self.session = 0
+        #: The lineage token the worker's HELLO issued (§4.4), to present on a reconnect.
+        self.lineage = b""
         self.decoder = framing.FrameDecoder(0, allocator=allocator)
         self.slots: dict[int, SparkSlot] = {}
         self._out: list[bytes] = []
@@ -647,7 +649,7 @@ class SparkProtocol(SparkReplies):
         if problem is not None:
             self._reject_fatal(problem, MsgType.HELLO)
             return
-        self.session = peer.session
+        self.session, self.lineage = peer.session, peer.lineage
         self.state = State.READY
         self.handshake_deadline = None
         payload = max(4 * cfg.entries, 8 * peer.max_support)

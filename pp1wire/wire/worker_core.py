@@ -23,7 +23,7 @@ from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn, PrefixDigest
 from pp1wire.q.rng import Role
 from pp1wire.wire import fencing, framing, integrity, transitions
-from pp1wire.wire.budgets import Account, DrawGate
+from pp1wire.wire.budgets import Account, Binder, DrawGate
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.fencing import Action, WorkerSlotFence
 from pp1wire.wire.handshake import (
@@ -104,11 +104,14 @@ class WorkerProtocol:
         defer_draws: bool = False,
         proposer: Proposer | None = None,
         account: Account | None = None,
+        binder: Binder | None = None,
     ) -> None:
         """Start a connection at time ``now``; ``session`` is assigned to the peer.
 
         ``proposer`` draws each STEP's rows instead of the local proposal chain.
-        ``account``: the draw budgets of the peer's principal (default: its own).
+        ``account``: the draw budgets until the handshake ends (default: its own);
+        ``binder`` then names the peer's principal and its account (§2, §4.4), and
+        may hold a keyless HELLO until its lineage may start.
 
         With ``defer_draws``, an accepted STEP is not drawn inline: the core
         emits :class:`DrawRequested` and goes on with the connection's messages
@@ -158,6 +161,9 @@ class WorkerProtocol:
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
         self.gate = DrawGate(account if account is not None else Account(config, now))
+        self.binder = binder
+        self._psk: bytes | None = None  # the key of the ID the peer named (§5), if known
+        self._proof_key = b""  # what the CHALLENGE proved: that key, or a random one
         self.closed = False
 
     # -- I/O surface -----------------------------------------------------
@@ -285,6 +291,10 @@ class WorkerProtocol:
         msg = frame.message
         if self._drawing and _slot_of(frame) in self._drawing:
             return True
+        binder = self.binder if budget and self.state is State.AWAIT_HELLO else None
+        if binder is not None and isinstance(msg, Hello) and not self.config.keyed:
+            self.gate.hold_until = binder.ready_at(msg, now)  # §4.4: a new lineage's turn
+            return self.gate.hold_until > now
         if not budget or not isinstance(msg, Step) or msg.slot not in self.slots:
             return False
         return msg.session == self.session and self.gate.holds(msg, self.slots[msg.slot].fence, now)
@@ -439,10 +449,13 @@ class WorkerProtocol:
         self._peer = hello
         self._spark_nonce = hello.nonce
         self._hello_header = header
-        psk = self.config.psk
-        if psk is not None:
+        if self.config.keyed:
+            # An unknown key ID gets a CHALLENGE proved by a random key and fails at AUTH,
+            # as a wrong proof does: the peer learns nothing of which IDs exist (§5).
+            self._psk = self.config.key(hello.key_id)
+            self._proof_key = self._psk or secrets.token_bytes(32)
             self._worker_nonce = secrets.token_bytes(32)
-            proof = worker_proof(psk, hello.nonce, self._worker_nonce)
+            proof = worker_proof(self._proof_key, hello.nonce, self._worker_nonce)
             challenge = framing.encode_frame(Challenge(nonce=self._worker_nonce, proof=proof))
             self._challenge_header = challenge[framing.PREAMBLE_SIZE :]
             self._queue_frames(((challenge,),))
@@ -452,11 +465,10 @@ class WorkerProtocol:
 
     def _on_auth(self, auth: Message, _frame: framing.Frame) -> None:
         assert isinstance(auth, Auth)
-        psk = self.config.psk
-        assert psk is not None
         assert self._peer is not None
-        want = spark_proof(psk, self._worker_nonce, self._spark_nonce, self._hello_header)
-        if not hmac.compare_digest(want, auth.proof):
+        key, nonces = self._proof_key, (self._worker_nonce, self._spark_nonce)
+        want = spark_proof(key, *nonces, self._hello_header)
+        if not hmac.compare_digest(want, auth.proof) or self._psk is None:
             self._fatal(ErrorCode.AUTH_FAILED, MsgType.AUTH)
             return
         self._finish_handshake(self._peer)
@@ -491,11 +503,16 @@ class WorkerProtocol:
             self._fatal(problem, MsgType.HELLO)
             return
         cfg = self.config
-        if cfg.psk is not None:
+        if self._psk is not None:
             # From here every frame, this HELLO first, is tagged both ways (§5.1).
-            k_sw, k_ws = integrity.frame_keys(cfg.psk, self._hello_header, self._challenge_header)
+            k_sw, k_ws = integrity.frame_keys(self._psk, self._hello_header, self._challenge_header)
             self._sealer = integrity.Sealer(k_ws)
             self._receive_rule.start(k_sw)
+        lineage = b""
+        if self.binder is not None:  # the peer's principal: its key ID, or its lineage
+            key_id = hello.key_id if cfg.keyed else None
+            account, lineage = self.binder.bind(hello, key_id, self._now)
+            self.gate = DrawGate(account)
         # The reply echoes the Spark side's limits: no silent downgrade.
         reply = build_hello(
             Role.WORKER,
@@ -505,6 +522,7 @@ class WorkerProtocol:
             limits=hello,
             nonce=secrets.token_bytes(16),
             session=self.session,
+            lineage=lineage,
         )
         self._peer = hello
         self._send(reply)

@@ -76,6 +76,7 @@ class Settings:
     vocab_hash: int = 0
     target_identity: str = "pp1-toy-target"
     psk: bytes | None = None
+    key_id: str = ""  # the ID of ``psk`` in the worker's key table (§5)
     ssl: ssl_module.SSLContext | None = None
     timeout: float = 3.0
     slots: int = 2
@@ -297,6 +298,7 @@ class Peer:
             max_frame=4 * (s.row_entries or s.vocab) + 8192,
             max_prefix=4096,
             psk=s.psk,
+            key_id=s.key_id if s.psk is not None else "",
             layout=ShardLayout.even(s.vocab, s.shards) if s.shards > 1 else None,
             shard=s.shard,
             group=s.group if s.shards > 1 else b"",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -345,4 +346,26 @@ async def _late_auth(s: core.Settings) -> None:
     async with await core.fresh(s) as peer:
         peer.send_msg(Auth(proof=bytes(32)))
         await peer.expect_error(ErrorCode.UNEXPECTED_MESSAGE, fatal=True, answers=MsgType.AUTH)
+    await core.still_serves(s)
+
+
+@case("5.14")
+async def _unknown_key_id(s: core.Settings) -> None:
+    """AUTH under a key ID the worker does not hold
+
+    an unknown key ID is answered with a CHALLENGE like any other, and its AUTH is fatal
+    (AUTH_FAILED), as a wrong proof is: the peer learns nothing of which IDs exist
+    """
+    if s.psk is None:
+        raise core.NonStrictSkip("needs --psk-file")
+    async with await core.Peer(s).connect() as peer:
+        hello = peer.hello(key_id=f"unknown-{secrets.token_hex(8)}")
+        peer.send_msg(hello)
+        frame = await peer.expect(MsgType.CHALLENGE)
+        ch = frame.message
+        assert isinstance(ch, messages.Challenge)
+        header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]
+        msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
+        proof = hmac.new(s.psk, msg, hashlib.sha256).digest()
+        await peer.expect_fatal(Auth(proof=proof), ErrorCode.AUTH_FAILED)
     await core.still_serves(s)

@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{len(cases)} cases")
             return 0
         host, port = linked_address(args.worker, args.vocab_shards)
-        from pp1wire.apps.settings import read_psk  # noqa: PLC0415
+        from pp1wire.apps.keys import key_id_flag, read_psk  # noqa: PLC0415
 
         ctx = ssl_module.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
         settings = Settings(
@@ -374,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             row_entries=args.row_entries,
             vocab_hash=args.vocab_hash,
             target_identity=args.target_identity,
-            psk=read_psk(args.psk_file),
+            psk=read_psk(args.psk_file, key_id_flag(args.key_id)),
+            key_id=key_id_flag(args.key_id),
             ssl=ctx,
             timeout=args.timeout,
             handshake_wait=args.handshake_wait,

@@ -1,0 +1,213 @@
+"""Who a worker's budgets belong to: principals, lineages and their births (sans-IO).
+
+``docs/protocol.md`` §2 and §4.4. The principal of a connection with a key is
+the key's ID (:func:`Principal.of_key`); without a key it is the connection's
+*lineage* (:func:`Principal.of_lineage`): a token the worker issues in its HELLO,
+which a Spark side presents again when it reconnects. A connection that presents
+none (or one the worker does not know) starts a new lineage, whose abandon
+budget starts empty; new lineages of one source address (an IPv6 address's
+network, :func:`address_key`) are born at most ``lineage_rate`` a second
+(:class:`Births`, in arrival order). :class:`PrincipalPolicy` holds the settings:
+the caps on draws a second (``--principal-rate``), the IPv6 prefix and the
+lineage births. No clock is read here: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import secrets
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from pp1wire.wire.messages import LINEAGE_SIZE
+
+#: The IPv6 prefix length one source address stands for (``--ipv6-prefix``).
+IPV6_PREFIX: Final = 64
+#: New lineages one address may start a second (``--lineage-rate``), and at once.
+LINEAGE_RATE: Final = 2.0
+LINEAGE_BURST: Final = 4
+#: Seconds a lineage owing nothing is remembered after its last connection.
+LINEAGE_KEEP_S: Final = 600.0
+
+
+def address_key(address: str, ipv6_prefix: int = IPV6_PREFIX) -> str:
+    """The source address a peer at IP ``address`` counts as (§2): an IPv4 address
+    itself (an IPv4-mapped IPv6 address as its IPv4 address), an IPv6 address as
+    its ``/ipv6_prefix`` network (``2001:db8::/64``; zone dropped), and anything
+    that is not an IP address (a Unix socket's name) as itself.
+
+    Raises:
+        ValueError: for an ``ipv6_prefix`` outside 1..128.
+    """
+    if not 1 <= ipv6_prefix <= 128:
+        raise ValueError(f"an IPv6 prefix length is 1..128, not {ipv6_prefix}")
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, ipv6_prefix), strict=False))
+    return str(ip)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A principal (§2): ``kind`` ``"key"`` (``name`` the key ID) or ``"lineage"``
+    (``name`` the token, in hex). ``group`` is who it shares the draw threads with
+    (:func:`draw_group`): a lineage, its connection's source address; a key, itself.
+    It is not part of the principal's identity (a lineage may reconnect from
+    elsewhere)."""
+
+    kind: str
+    name: str
+    group: Hashable = field(default=None, compare=False)
+
+    @classmethod
+    def of_key(cls, key_id: str) -> Principal:
+        """The principal of the connections that authenticated with key ``key_id``."""
+        return cls("key", key_id)
+
+    @classmethod
+    def of_lineage(cls, token: bytes, address: str = "") -> Principal:
+        """The principal of the keyless connections of lineage ``token`` (one of them
+        from source ``address``)."""
+        return cls("lineage", token.hex(), address)
+
+    def __str__(self) -> str:
+        """``key:ID`` or ``lineage:TOKEN`` (for logs)."""
+        return f"{self.kind}:{self.name}"
+
+
+def draw_group(principal: Principal | None) -> Hashable:
+    """Who ``principal`` shares the draw threads with as one (§4.4): a key its own; the
+    lineages of one source address together, so that opening more of them gets a
+    peer no more of the threads."""
+    if principal is None or principal.kind == "key":
+        return principal
+    return ("address", principal.group)
+
+
+def new_lineage() -> bytes:
+    """A fresh lineage token: random, so that no other peer can present it."""
+    return secrets.token_bytes(LINEAGE_SIZE)
+
+
+@dataclass(frozen=True)
+class PrincipalPolicy:
+    """The worker's settings of §2 and §4.4 that its configuration does not carry.
+
+    ``rate``: fresh draws a second each principal may ask for over all its slots
+    and connections (None: no cap), and ``rates`` the same for the key IDs it
+    names (None there: no cap for that key); ``ipv6_prefix`` the network one IPv6
+    source address stands for; ``lineage_rate`` and ``lineage_burst`` the new
+    lineages one address may start a second and at once; ``lineage_keep`` how
+    long a lineage owing nothing is remembered after its last connection.
+    """
+
+    rate: float | None = None
+    rates: Mapping[str, float | None] = field(default_factory=dict)
+    ipv6_prefix: int = IPV6_PREFIX
+    lineage_rate: float = LINEAGE_RATE
+    lineage_burst: int = LINEAGE_BURST
+    lineage_keep: float = LINEAGE_KEEP_S
+
+    def __post_init__(self) -> None:
+        """Check every setting.
+
+        Raises:
+            ValueError: for a rate that is not finite and above 0, a prefix outside
+                1..128, a burst below 1 or a negative ``lineage_keep``.
+        """
+        for r in [self.rate, self.lineage_rate, *self.rates.values()]:
+            if r is not None and not (math.isfinite(r) and r > 0):
+                raise ValueError(f"a rate must be finite and above 0, not {r}")
+        if not 1 <= self.ipv6_prefix <= 128:
+            raise ValueError(f"an IPv6 prefix length is 1..128, not {self.ipv6_prefix}")
+        if self.lineage_burst < 1 or not self.lineage_keep >= 0:
+            raise ValueError("a lineage burst is at least 1 and its keep time at least 0")
+
+    def cap(self, principal: Principal) -> float | None:
+        """The fresh draws a second ``principal`` may ask for (None: no cap)."""
+        if principal.kind == "key" and principal.name in self.rates:
+            return self.rates[principal.name]
+        return self.rate
+
+
+class Births:
+    """When new lineages of each address are born (§4.4): at most ``burst`` at once
+    and ``rate`` a second, in the order they asked (:meth:`ready_at`); a ticket that
+    gives up (its connection closed) leaves the queue (:meth:`cancel`). The clock is
+    the caller's.
+    """
+
+    def __init__(self, rate: float = LINEAGE_RATE, burst: int = LINEAGE_BURST) -> None:
+        """``rate`` births a second per address (finite, above 0), ``burst`` (>= 1) at once.
+
+        Raises:
+            ValueError: for a rate or burst out of range.
+        """
+        if not (math.isfinite(rate) and rate > 0) or burst < 1:
+            raise ValueError("births need a finite rate above 0 and a burst of at least 1")
+        self.rate = rate
+        self.burst = burst
+        # Per address: (free births, when counted), and the tickets waiting, in order.
+        self._level: dict[Hashable, tuple[float, float]] = {}
+        self._queue: dict[Hashable, dict[Hashable, None]] = {}
+        self._born: set[tuple[Hashable, Hashable]] = set()
+
+    def __len__(self) -> int:
+        """Addresses remembered (with tickets waiting, or births not yet earned back)."""
+        return len(self._level)
+
+    def ready_at(self, address: Hashable, ticket: Hashable, now: float) -> float:
+        """When ``ticket`` (a connection of ``address`` asking for a new lineage) is born:
+        ``now`` if it is (it leaves the queue), else the time to ask again. The first
+        call queues it; births go to the tickets in the order they were queued."""
+        level, stamp = self._level.get(address, (float(self.burst), now))
+        level = min(float(self.burst), level + max(0.0, now - stamp) * self.rate)
+        queue = self._queue.setdefault(address, {})
+        if (address, ticket) not in self._born:
+            queue.setdefault(ticket, None)
+        while queue and level >= 1.0 - 1e-9:
+            head = next(iter(queue))
+            del queue[head]
+            self._born.add((address, head))
+            level -= 1.0
+        self._level[address] = (level, now)
+        if (address, ticket) in self._born:
+            self._born.discard((address, ticket))
+            self._forget(address)
+            return now
+        ahead = list(queue).index(ticket)
+        return now + (ahead + 1 - level) / self.rate
+
+    def cancel(self, address: Hashable, ticket: Hashable) -> None:
+        """``ticket`` gives up: out of the queue, or its birth unused."""
+        queue = self._queue.get(address)
+        if queue is not None:
+            queue.pop(ticket, None)
+        self._born.discard((address, ticket))
+        self._forget(address)
+
+    def _forget(self, address: Hashable) -> None:
+        """Drop an address with nobody waiting whose births are all earned back (at the
+        last count: a later count could only find more)."""
+        if self._queue.get(address):
+            return
+        self._queue.pop(address, None)
+        level = self._level.get(address)
+        if level is not None and level[0] >= self.burst - 1e-9:
+            del self._level[address]
+
+    def trim(self, now: float) -> None:
+        """Forget every address with nobody waiting whose births are earned back by ``now``."""
+        for address, (level, stamp) in list(self._level.items()):
+            if self._queue.get(address):
+                continue
+            if level + max(0.0, now - stamp) * self.rate >= self.burst - 1e-9:
+                del self._level[address]
+                self._queue.pop(address, None)
