@@ -30,6 +30,15 @@ ran (with, for ``reconnect``, the most the abandon budget lets one principal
 draw in that time; ``commit`` is counted only while another principal draws,
 so it draws freely in the seconds around each legitimate run). ``--json``
 prints all of it as one JSON object instead.
+
+``--acceptance`` runs instead the scenarios of :data:`SCENARIOS`, every one
+from the legitimate client's own address (127.0.0.1): with distinct keys for
+the attacker and the client (a key table on the worker, each side its own key),
+the ``reconnect`` and ``reject`` loops with no setting and with the cap the
+README recommends (:data:`RECOMMENDED_CAP`); and without keys the ``reconnect``
+loop. It prints each scenario's per-pair ratios (median, min-max, goal), and
+the ratio of the legitimate runs' whole wall-clock times (process start,
+connection and handshake included) beside them.
 """
 
 from __future__ import annotations
@@ -38,22 +47,45 @@ import argparse
 import json
 import multiprocessing
 import queue
+import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from pp1wire.apps import worker as worker_app
 from pp1wire.apps.launch import spark_command, worker_process
-from pp1wire.testing.attacks import commit_loop, reset_step_loop, squat
+from pp1wire.testing.attacks import Key, commit_loop, reset_step_loop, squat
 
 ATTACKER = "127.0.0.2"
+LEGIT = "127.0.0.1"
+#: The cap README.md's budgets section recommends: every principal 10 fresh draws a
+#: second, and no cap for the key of the operator's own Spark side.
+RECOMMENDED_CAP = ["--principal-rate", "10", "client=off"]
+#: --acceptance: (attack, keys, cap, goal): each loop from the client's own address.
+SCENARIOS: dict[str, tuple[str, bool, bool, float]] = {
+    "keyed_reconnect": ("reconnect", True, False, 0.45),
+    "keyed_reconnect_capped": ("reconnect", True, True, 0.8),
+    "keyed_reject": ("reject", True, False, 0.45),
+    "keyed_reject_capped": ("reject", True, True, 0.8),
+    "keyless_same_address_reconnect": ("reconnect", False, False, 0.8),
+}
 
 
 def _attack(
-    name: str, port: int, args: argparse.Namespace, running: Any, stop: Any, ready: Any, out: Any
+    name: str,
+    port: int,
+    args: argparse.Namespace,
+    running: Any,
+    stop: Any,
+    ready: Any,
+    out: Any,
+    source: str = ATTACKER,
+    key: Key | None = None,
 ) -> None:
     if name == "squat":
         # One process, one thread per squatter: each holds its own connection.
@@ -91,8 +123,9 @@ def _attack(
             running=running,
             stop=stop,
             ready=ready.set,
-            source=ATTACKER,
+            source=source,
             same_round=name == "reject",
+            key=key,
         )
     else:
         result = reset_step_loop(
@@ -103,13 +136,16 @@ def _attack(
             running=running,
             stop=stop,
             ready=ready.set,
-            source=ATTACKER,
+            source=source,
             reconnect=True,
+            key=key,
         )
     out.put(result)
 
 
-def _spark(address: str, args: argparse.Namespace) -> dict[str, Any]:
+def _spark(
+    address: str, args: argparse.Namespace, extra: list[str] | None = None
+) -> dict[str, Any]:
     cmd = spark_command(
         address,
         "--json",
@@ -117,20 +153,34 @@ def _spark(address: str, args: argparse.Namespace) -> dict[str, Any]:
         str(args.requests),
         "--max-tokens",
         str(args.max_tokens),
+        *(extra or []),
         vocab=args.vocab,
     )
+    started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    wall = time.perf_counter() - started
     line = next((x for x in done.stdout.splitlines() if x.startswith("{")), None)
     summary: dict[str, Any] = json.loads(line) if line else {}
     summary["exit"] = done.returncode
+    summary["wall_seconds"] = wall
     if done.returncode:
         summary["stderr"] = done.stderr[-400:]
     return summary
 
 
-def _measure(name: str, args: argparse.Namespace, flags: list[str], ctx: Any) -> dict[str, Any]:
+def _measure(
+    name: str,
+    args: argparse.Namespace,
+    flags: list[str],
+    ctx: Any,
+    *,
+    source: str = ATTACKER,
+    key: Key | None = None,
+    spark_flags: list[str] | None = None,
+) -> dict[str, Any]:
     """One worker; ``--pairs`` legitimate runs alone and beside the attack, interleaved
-    (the squatters, which hold the worker, beside one run)."""
+    (the squatters, which hold the worker, beside one run). The attack connects from
+    ``source`` (with ``key``); the legitimate runs take ``spark_flags``."""
     alone: list[dict[str, Any]] = []
     beside: list[dict[str, Any]] = []
     attack_s = 0.0
@@ -138,7 +188,7 @@ def _measure(name: str, args: argparse.Namespace, flags: list[str], ctx: Any) ->
         running, stop, ready, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
         attacker = ctx.Process(
             target=_attack,
-            args=(name, worker.port, args, running, stop, ready, out),
+            args=(name, worker.port, args, running, stop, ready, out, source, key),
             daemon=True,
         )
         pairs = 1 if name == "squat" else args.pairs
@@ -148,7 +198,7 @@ def _measure(name: str, args: argparse.Namespace, flags: list[str], ctx: Any) ->
                 if not ready.wait(60):
                     raise SystemExit(f"{name}: the attacker could not connect")
             for _ in range(pairs):
-                alone.append(_spark(worker.address, args))
+                alone.append(_spark(worker.address, args, spark_flags))
                 if name == "squat":
                     attacker.start()
                     if not ready.wait(60):
@@ -158,7 +208,7 @@ def _measure(name: str, args: argparse.Namespace, flags: list[str], ctx: Any) ->
                 running.set()
                 if name != "squat":
                     time.sleep(args.settle)
-                beside.append(_spark(worker.address, args))
+                beside.append(_spark(worker.address, args, spark_flags))
                 running.clear()
                 attack_s += time.perf_counter() - t0
         finally:
@@ -176,15 +226,79 @@ def _measure(name: str, args: argparse.Namespace, flags: list[str], ctx: Any) ->
         for a, b in zip(alone, beside, strict=True)
         if a.get("tokens_per_second")
     ]
+    walls = [
+        a["wall_seconds"] / b["wall_seconds"] for a, b in zip(alone, beside, strict=True)
+    ]
     return {
         "flags": flags,
         "alone": alone,
         "beside": beside,
         "ratios": ratios,
+        "wall_ratios": walls,
         "attack_seconds": attack_s,
         "attacker_draws": drawn,
         "attacker_refused": refused,
     }
+
+
+def _acceptance(args: argparse.Namespace, worker_flags: list[str], ctx: Any) -> dict[str, Any]:
+    """Every scenario of :data:`SCENARIOS`, each on a worker of its own."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        client, attacker = secrets.token_hex(32), secrets.token_hex(32)
+        table = Path(tmp, "keys")
+        table.write_text(f"pp1-keys-v1\nclient {client}\nattacker {attacker}\n")
+        mine = Path(tmp, "client.key")  # the client's one key, sent under its ID
+        mine.write_text(client + "\n")
+        for scenario, (attack, keyed, capped, goal) in SCENARIOS.items():
+            flags = list(worker_flags)
+            key = None
+            spark_flags: list[str] = []
+            if keyed:
+                flags += ["--psk-file", str(table)]
+                key = Key(attacker.encode(), "attacker")
+                spark_flags = ["--psk-file", str(mine), "--key-id", "client"]
+            if capped:
+                flags += RECOMMENDED_CAP
+            res = _measure(
+                attack, args, flags, ctx, source=LEGIT, key=key, spark_flags=spark_flags
+            )
+            res["goal"] = goal
+            results[scenario] = res
+            if not args.json:
+                _print_acceptance(scenario, res)
+    return results
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "no pairs"
+    return f"median {statistics.median(values):.2f} (min-max {min(values):.2f}-{max(values):.2f})"
+
+
+def _print_acceptance(scenario: str, res: dict[str, Any]) -> None:
+    ratios, goal = res["ratios"], res["goal"]
+    met = bool(ratios) and statistics.median(ratios) >= goal
+    print(f"{scenario}: worker flags {' '.join(res['flags']) or '(defaults)'}")
+    for label in ("alone", "beside"):
+        for run in res[label]:
+            print(
+                f"  legitimate run {label}: exit {run['exit']}, "
+                f"{run.get('tokens_per_second', 0.0):.1f} tokens/s, "
+                f"{run['wall_seconds']:.2f} s wall, "
+                f"fallbacks {run.get('fallbacks_by_reason', {})}"
+                + (f"\n    {run['stderr']!r}" if "stderr" in run else "")
+            )
+    verdict = "met" if met else "NOT met"
+    print(f"  tokens/s beside / alone: {_spread(ratios)}, goal >= {goal}: {verdict}")
+    print(f"  wall time alone / beside: {_spread(res['wall_ratios'])}")
+    seconds, drawn = res["attack_seconds"], res["attacker_draws"]
+    print(
+        f"  attacker over {seconds:.1f} s: {drawn} fresh draws "
+        f"({drawn / max(seconds, 1e-9):.1f}/s), "
+        f"{res['attacker_refused']} STEPs refused DRAW_RATE_LIMITED"
+    )
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -210,12 +324,23 @@ def main() -> None:
         "+ 1, past it)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="run the scenarios of SCENARIOS instead (keys, the recommended cap, the same "
+        "address)",
+    )
     args, worker_flags = p.parse_known_args()
     worker_args = worker_app.build_parser().parse_args(worker_flags)
     limits = worker_app.config_from(worker_args)
     if args.squat_settle is None:
         args.squat_settle = worker_args.slot_idle_timeout + 1.0
     ctx = multiprocessing.get_context("spawn")
+    if args.acceptance:
+        accepted = _acceptance(args, worker_flags, ctx)
+        if args.json:
+            print(json.dumps(accepted))
+        return
     results: dict[str, Any] = {}
     for name in args.attack or ["squat", "commit", "reject", "reconnect"]:
         flags = list(worker_flags)

@@ -64,7 +64,7 @@ CASES = [
     (
         "pp1-spark",
         ["--metrics-host", "0.0.0.0", "--metrics-port", "0"],
-        "--metrics-host 0.0.0.0 without --psk-file",
+        "--metrics-host 0.0.0.0 without --metrics-token-file",
     ),
     ("pp1-spark", ["--metrics-host", "[::1"], "'[::1' is not a listen address"),
     # Before: accepted, and the followers' collectives gave up while rank 0 waited.

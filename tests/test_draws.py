@@ -579,7 +579,7 @@ def test_the_source_address_a_peer_counts_as():
     assert address_key("2001:db8:0:7::1") != address_key("2001:db8:0:8::1")
     assert address_key("2001:db8:0:7::1", 128) == "2001:db8:0:7::1/128"
     assert address_key("2001:db8:1:7::1", 48) == address_key("2001:db8:1:8::1", 48)
-    with pytest.raises(ValueError, match="1..128"):
+    with pytest.raises(ValueError, match=r"1\.\.128"):
         address_key("::1", 0)
 
 

@@ -361,7 +361,8 @@ def test_a_metrics_listener_beyond_loopback_needs_its_own_token_with_or_without_
             metrics_token_file=token,
         )
 
-    with pytest.raises(SettingsError, match="--metrics-host 0.0.0.0 without --metrics-token-file"):
+    says = r"--metrics-host 0\.0\.0\.0 without --metrics-token-file"
+    with pytest.raises(SettingsError, match=says):
         check_exposure(args(None), keyed)
     check_exposure(args("token-file"), keyed)
 

@@ -2,10 +2,11 @@
 
 A principal is the peer's key ID, or without a key its lineage (docs/protocol.md
 §2, §4.4): what one connection of it spent, another of it cannot spend again, and
-k connections of one source address share the draw threads as one. Only a fresh draw keeps a connection from
-being replaced when the worker is full, and a connection counts against the
-limits only while its peer is there. Over loopback: the attackers connect from
-127.0.0.2, the legitimate client from 127.0.0.1.
+k connections of one source address share the draw threads as one. Only a fresh
+draw keeps a connection from being replaced when the worker is full, and a
+connection counts against the limits only while its peer is there. Over
+loopback: the attackers connect from 127.0.0.2, the legitimate client from
+127.0.0.1.
 """
 
 from __future__ import annotations

@@ -453,8 +453,8 @@ def host_port(text: str) -> tuple[str, int]:
 
 def principal_rate(raw: object) -> tuple[str | None, float | None]:
     """Flag type: ``RATE`` (the cap of every principal not named) or ``ID=RATE`` (the cap
-    of key ID ``ID``; ``-`` names the default key), RATE fresh draws a second above 0,
-    or ``off`` (no cap).
+    of key ID ``ID``; ``=RATE`` or ``-=RATE`` the default key's), RATE fresh draws a
+    second above 0, or ``off`` (no cap).
 
     Raises:
         argparse.ArgumentTypeError: for anything else.

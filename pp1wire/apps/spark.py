@@ -596,8 +596,11 @@ def refused_by_configuration(summary: dict[str, Any], depth: int) -> int:
     return 1
 
 
-#: The reason of a fault this side's own deadline causes (``--reply-timeout``).
-TIMEOUT_REASON = ErrorCode.REPLY_TIMEOUT.name.lower()
+#: The reasons of the faults this side's own deadlines cause (``--reply-timeout``, which
+#: is also how long an answer may take before the connection ends).
+TIMEOUT_REASONS = frozenset(
+    code.name.lower() for code in (ErrorCode.REPLY_TIMEOUT, ErrorCode.ANSWER_TIMEOUT)
+)
 #: Faults the reply timeout does not explain that :func:`fault_warning` lets pass: fewer
 #: than this many, or than this share of the proposals asked for.
 UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE = 3, 0.01
@@ -617,16 +620,17 @@ def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | N
     explains (``docs/adaptive.md`` §7), else None.
 
     A fault (a cut after row i, or a whole-block fallback: row 0) is *explained* by the
-    reply timeout when its reason is ``reply_timeout``: this side's own deadline ended
-    the block, at a time the drafts cannot set. Any other fault (a failure the worker
-    reports, a refusal, a lost connection, a row that fails validation) is the
-    worker's or the path's choice, which can depend on the drafts. The warning is due
-    when such faults number at least :data:`UNEXPLAINED_FLOOR` and at least
-    :data:`UNEXPLAINED_SHARE` of the ``proposals`` asked for; it names them by row.
+    reply timeout when its reason is ``reply_timeout`` or ``answer_timeout``
+    (:data:`TIMEOUT_REASONS`): this side's own deadline ended the block, at a time
+    the drafts cannot set. Any other fault (a failure the worker reports, a refusal,
+    a lost connection, a row that fails validation) is the worker's or the path's
+    doing, which can depend on the drafts. The warning is due when such faults number
+    at least :data:`UNEXPLAINED_FLOOR` and at least :data:`UNEXPLAINED_SHARE` of the
+    ``proposals`` asked for; it names them by row.
     """
     rows: dict[int, int] = {}
     for (row, reason), n in faults.items():
-        if reason != TIMEOUT_REASON and n:
+        if reason not in TIMEOUT_REASONS and n:
             rows[row] = rows.get(row, 0) + n
     unexplained = sum(rows.values())
     if unexplained < max(UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE * proposals):

@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[ID=]RATE",
         help="fresh draws per second one principal may ask for over all its slots and "
         "connections (a second of them at once), beyond which its STEPs are refused with "
-        "DRAW_RATE_LIMITED: RATE for every principal, ID=RATE for key ID (- the default "
-        "key), RATE 'off' for none; size the default as a light client's draws per "
+        "DRAW_RATE_LIMITED: RATE for every principal, ID=RATE for key ID (=RATE the "
+        "default key), RATE 'off' for none; size the default as a light client's draws per "
         "second, and name each key that needs more (default: unset, no cap)",
     )
     p.add_argument(

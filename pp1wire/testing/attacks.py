@@ -7,7 +7,9 @@ connection busy without drawing, and the probe a legitimate client runs
 meanwhile. Blocking sockets on purpose: the attacker must not be paced by an
 event loop the worker might share. Every attacker may connect from its own
 loopback ``source`` address (any of 127.0.0.0/8), so that the worker counts it
-as a principal apart from a legitimate client on 127.0.0.1.
+as another address than a legitimate client on 127.0.0.1, and the loops may
+authenticate with a :class:`Key` of their own (a principal of its own, however
+it connects).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -27,7 +30,7 @@ from pp1wire.q.proposal import PrefixDigest
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing
 from pp1wire.wire.events import HandshakeDone
-from pp1wire.wire.messages import Close, Commit, Error, MsgType, Reset, Scope, Step
+from pp1wire.wire.messages import Close, Commit, Error, Message, MsgType, Reset, Scope, Step
 from pp1wire.wire.spark_core import SparkConfig, SparkProtocol
 from pp1wire.wire.spark_events import SlotOpened
 
@@ -118,6 +121,23 @@ def _connect(port: int, source: str | None) -> socket.socket:
     )
 
 
+@dataclass
+class Key:
+    """A pre-shared key an attacker holds, and its ID in the worker's table (§5)."""
+
+    psk: bytes
+    key_id: str = ""
+
+
+class AttackLink(NamedTuple):
+    """An attacker's connection: its socket, its session, and how it frames a message
+    (tagged under the connection's key, docs/protocol.md §5.1, when it has one)."""
+
+    sock: socket.socket
+    session: int
+    frame: Callable[[Message], bytes]
+
+
 def handshake_and_open(
     port: int,
     vocab: int,
@@ -126,14 +146,36 @@ def handshake_and_open(
     *,
     source: str | None = None,
 ) -> tuple[socket.socket, int]:
-    """A connection (from ``source``) with ``slots`` slots open at ``prefix``; the
-    socket and its session. No key: the attack loops write untagged frames.
+    """A keyless connection (from ``source``) with ``slots`` slots open at ``prefix``;
+    the socket and its session (:func:`open_link`).
+
+    Raises:
+        OSError, ConnectionError: if the worker cannot be reached or closes the connection.
+    """
+    link = open_link(port, vocab, slots, prefix, source=source)
+    return link.sock, link.session
+
+
+def open_link(
+    port: int,
+    vocab: int,
+    slots: int,
+    prefix: list[int],
+    *,
+    source: str | None = None,
+    key: Key | None = None,
+) -> AttackLink:
+    """A connection (from ``source``, authenticated with ``key`` if given) with
+    ``slots`` slots open at ``prefix``. It presents no lineage token: without a key,
+    each connection is a new lineage (docs/protocol.md §4.4).
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached or closes the connection.
     """
     sock = _connect(port, source)
-    core = SparkProtocol(SparkConfig(vocab_size=vocab, max_slots=slots), now=0.0)
+    psk, key_id = (key.psk, key.key_id) if key is not None else (None, "")
+    config = SparkConfig(vocab_size=vocab, max_slots=slots, psk=psk, key_id=key_id)
+    core = SparkProtocol(config, now=0.0)
     core.start(0.0)
     events: list[object] = []
 
@@ -157,7 +199,13 @@ def handshake_and_open(
         sock.close()
         raise
     sock.settimeout(None)
-    return sock, core.session
+    # The core's own sealer: the frames it sent after AUTH (the OPENs) are numbered.
+    sealer = core._sealer
+    if sealer is None:
+        return AttackLink(sock, core.session, framing.encode_frame)
+    return AttackLink(
+        sock, core.session, lambda msg: sealer.seal(framing.encode_frame(msg, tagged=True))
+    )
 
 
 def step_at(
@@ -244,7 +292,7 @@ class _Tally:
 
 
 def _on_links(
-    one: Callable[[socket.socket, int], None],
+    one: Callable[[AttackLink], None],
     port: int,
     vocab: int,
     slots: int,
@@ -253,21 +301,22 @@ def _on_links(
     connections: int,
     source: str | None,
     ready: Callable[[], object] | None,
+    key: Key | None = None,
 ) -> None:
-    """Open ``connections`` connections (from ``source``), each with ``slots`` slots at
-    ``prefix``, call ``ready``, then run ``one(sock, session)`` for each connection on
-    a thread of its own until every one returns.
+    """Open ``connections`` connections (from ``source``, with ``key``), each with
+    ``slots`` slots at ``prefix``, call ``ready``, then run ``one(link)`` for each
+    connection on a thread of its own until every one returns.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached or drops a connection
             while it opens.
     """
     links = [
-        handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
+        open_link(port, vocab, slots, prefix, source=source, key=key) for _ in range(connections)
     ]
     if ready is not None:
         ready()
-    threads = [threading.Thread(target=one, args=link, daemon=True) for link in links]
+    threads = [threading.Thread(target=one, args=(link,), daemon=True) for link in links]
     for t in threads:
         t.start()
     for t in threads:
@@ -286,14 +335,17 @@ def reset_step_loop(
     ready: Callable[[], object] | None = None,
     source: str | None = None,
     reconnect: bool = False,
+    key: Key | None = None,
 ) -> tuple[int, int]:
     """Keep every slot of ``connections`` connections drawing: STEP, read the reply,
     RESET (a new generation), STEP again, for as long as ``running`` is on and until
     ``stop``. Each STEP is a fresh draw (dense, ``depth`` rows); no COMMIT is ever
     sent, so the one-uncommitted-STEP rule never applies. With ``reconnect``, a
     connection refused ``DRAW_RATE_LIMITED`` is closed and made again at once (a
-    fresh session, as if budgets lived on the connection). ``ready`` is called once
-    every slot is open. Returns the STEPs answered with a proposal and those refused.
+    fresh session, and without a key a new lineage, as if budgets lived on the
+    connection). ``key``: the key every connection authenticates with. ``ready`` is
+    called once every slot is open. Returns the STEPs answered with a proposal and
+    those refused.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached or drops a connection.
@@ -302,7 +354,7 @@ def reset_step_loop(
     digest = PrefixDigest(prefix)
     tally = _Tally()
 
-    def one(sock: socket.socket, session: int) -> None:
+    def one(link: AttackLink) -> None:
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         generation = 0
         try:
@@ -310,29 +362,26 @@ def reset_step_loop(
                 if not running.wait(0.05):
                     continue
                 out = []
+                session = link.session
                 for slot in range(slots):
                     if generation:
                         out.append(
-                            framing.encode_frame(
-                                Reset(session=session, slot=slot, generation=generation)
-                            )
+                            link.frame(Reset(session=session, slot=slot, generation=generation))
                         )
                     step = step_at(session, slot, 0, digest, depth=depth, generation=generation)
-                    out.append(framing.encode_frame(step))
+                    out.append(link.frame(step))
                 try:
-                    sock.sendall(b"".join(out))
+                    link.sock.sendall(b"".join(out))
                 except OSError:
                     return
-                drawn, refused = _answers(sock, decoder, slots)
+                drawn, refused = _answers(link.sock, decoder, slots)
                 generation += 1
                 tally.add(drawn, refused)
                 if refused and reconnect:
-                    sock.close()
+                    link.sock.close()
                     while True:
                         try:
-                            sock, session = handshake_and_open(
-                                port, vocab, slots, prefix, source=source
-                            )
+                            link = open_link(port, vocab, slots, prefix, source=source, key=key)
                             break
                         except (OSError, ConnectionError):
                             if stop.wait(0.01):
@@ -340,9 +389,19 @@ def reset_step_loop(
                     decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
                     generation = 0
         finally:
-            sock.close()
+            link.sock.close()
 
-    _on_links(one, port, vocab, slots, prefix, connections=connections, source=source, ready=ready)
+    _on_links(
+        one,
+        port,
+        vocab,
+        slots,
+        prefix,
+        connections=connections,
+        source=source,
+        ready=ready,
+        key=key,
+    )
     return tally.drawn, tally.refused
 
 
@@ -357,6 +416,7 @@ def commit_loop(
     ready: Callable[[], object] | None = None,
     source: str | None = None,
     same_round: bool = False,
+    key: Key | None = None,
 ) -> tuple[int, int]:
     """Keep every slot of ``connections`` connections drawing and throw every draw away:
     STEP round r (dense, depth 5), read the reply, COMMIT one token of its own for
@@ -364,8 +424,9 @@ def commit_loop(
     STEP round r + 2, for as long as ``running`` is on and until ``stop``; no RESET,
     no CLOSE. With ``same_round``, COMMIT round r itself with no draft accepted (as a
     Spark side whose target rejected the first draft) and STEP round r + 1: every
-    round stepped is committed. ``ready`` is called once every slot is open.
-    Returns the STEPs answered with a proposal and those refused.
+    round stepped is committed. ``key``: the key every connection authenticates
+    with. ``ready`` is called once every slot is open. Returns the STEPs answered
+    with a proposal and those refused.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached.
@@ -373,7 +434,8 @@ def commit_loop(
     start = [1, 2, 3]
     tally = _Tally()
 
-    def one(sock: socket.socket, session: int) -> None:
+    def one(link: AttackLink) -> None:
+        sock, session = link.sock, link.session
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         prefixes = [PrefixDigest(start) for _ in range(slots)]
         round_id = 0
@@ -382,7 +444,7 @@ def commit_loop(
                 if not running.wait(0.05):
                     continue
                 out = [
-                    framing.encode_frame(step_at(session, slot, round_id, prefixes[slot]))
+                    link.frame(step_at(session, slot, round_id, prefixes[slot]))
                     for slot in range(slots)
                 ]
                 try:
@@ -400,7 +462,7 @@ def commit_loop(
                     commit = commit_at(
                         session, slot, round_id if same_round else round_id + 1, prefix, token
                     )
-                    out.append(framing.encode_frame(commit))
+                    out.append(link.frame(commit))
                 round_id += 1 if same_round else 2
                 try:
                     sock.sendall(b"".join(out))
@@ -409,7 +471,17 @@ def commit_loop(
         finally:
             sock.close()
 
-    _on_links(one, port, vocab, slots, start, connections=connections, source=source, ready=ready)
+    _on_links(
+        one,
+        port,
+        vocab,
+        slots,
+        start,
+        connections=connections,
+        source=source,
+        ready=ready,
+        key=key,
+    )
     return tally.drawn, tally.refused
 
 

@@ -43,8 +43,8 @@ class _Refilling:
 
     __slots__ = ("_level", "_stamp", "burst", "rate")
 
-    def __init__(self, rate: float, burst: int, now: float, *, empty: bool = False) -> None:
-        """A full level at time ``now`` (``empty``: at 0, refilling from there).
+    def __init__(self, rate: float, burst: int, now: float, *, start: float | None = None) -> None:
+        """A full level at time ``now`` (or ``start``, at most ``burst``, refilling from there).
 
         Raises:
             ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
@@ -53,7 +53,7 @@ class _Refilling:
             raise ValueError("a draw budget needs a finite rate above 0 and a burst of at least 1")
         self.rate = rate
         self.burst = burst
-        self._level = 0.0 if empty else float(burst)
+        self._level = float(burst) if start is None else min(float(burst), start)
         self._stamp = now
 
     def _refill(self, now: float) -> None:
@@ -108,9 +108,10 @@ class AbandonBudget(_Refilling):
     abandons are free, then ``rate`` per second; a principal beyond that owes
     them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
     paid them back. Full at creation (``AbandonBudget(rate, burst, now)``, with
-    the limits of :class:`TokenBucket`), or with ``empty=True`` (a new lineage's,
-    §4.4) at 0: nothing free, nothing owed; full again (:meth:`full`) once
-    nothing is owed and the whole burst is free. The clock is the caller's.
+    the limits of :class:`TokenBucket`), or at ``start`` (a new lineage's, §4.4: the
+    free abandons its address could spare, 0 at the least: nothing owed); full
+    again (:meth:`full`) once nothing is owed and the whole burst is free. The
+    clock is the caller's.
 
     Its level is the free abandons left, and below 0 what is owed (unlike a
     :class:`TokenBucket`'s, it goes below 0). Paid back as it accrues, so a debt is
@@ -190,7 +191,7 @@ class Account:
       lanes as it ever had slots open at once.
     * The abandon budget (:class:`AbandonBudget`, ``abandon_rate``) is one for
       the principal: what one connection abandoned, the next one owes. A new
-      lineage's starts empty (``new``): it earns its free abandons.
+      lineage's starts at ``start`` (what its address could spare): it earns the rest.
     * The principal's cap (``cap`` fresh draws a second over all its slots, a
       second of them at once; off when None): a :class:`TokenBucket` of its own.
     * The first-draw grace of admission (:meth:`grace`): at most one of its new
@@ -224,13 +225,14 @@ class Account:
         principal: object = None,
         activity: Activity | None = None,
         cap: float | None = None,
-        new: bool = False,
+        start: float | None = None,
         keep: float = 0.0,
     ) -> None:
         """Full budgets at ``now`` for ``limits`` (a limit that is None is off), for
         ``principal``, whose draws are recorded in ``activity`` (default: its own,
         where no other principal ever draws); ``cap``: its fresh draws a second
-        (None: no cap); ``new``: a new lineage's (its abandon budget starts empty);
+        (None: no cap); ``start``: a new lineage's free abandons to start with (None:
+        the whole burst);
         ``keep``: seconds it is remembered after its last connection, owing nothing.
 
         Raises:
@@ -245,7 +247,7 @@ class Account:
         self._abandons = (
             None
             if abandon is None
-            else AbandonBudget(abandon, limits.abandon_burst, now, empty=new)
+            else AbandonBudget(abandon, limits.abandon_burst, now, start=start)
         )
         self._cap = None if cap is None else TokenBucket(cap, max(1, math.ceil(cap)), now)
         self._free: list[TokenBucket] = []  # lanes handed back, still paying back
@@ -372,11 +374,11 @@ class Accounts(Generic[P]):
         now: float,
         *,
         cap: float | None = None,
-        new: bool = False,
+        start: float | None = None,
         keep: float = 0.0,
     ) -> Account:
         """The account of ``principal``, for a new connection of it at ``now``; one made
-        now takes ``cap``, ``new`` and ``keep`` (:class:`Account`).
+        now takes ``cap``, ``start`` and ``keep`` (:class:`Account`).
 
         Raises:
             ValueError: for a ``cap`` :class:`Account` refuses.
@@ -390,7 +392,7 @@ class Accounts(Generic[P]):
                 principal=principal,
                 activity=self.activity,
                 cap=cap,
-                new=new,
+                start=start,
                 keep=keep,
             )
             self._accounts[principal] = account

@@ -211,3 +211,42 @@ class Births:
             if level + max(0.0, now - stamp) * self.rate >= self.burst - 1e-9:
                 del self._level[address]
                 self._queue.pop(address, None)
+
+
+class Spares:
+    """The free abandons each source address may pass on to its new lineages (§4.4):
+    ``burst`` at most, earned back at ``rate`` a second, so that however many lineages
+    an address starts they start with no more between them than one principal's budget
+    would have given. A new lineage takes them all (:meth:`take`). The clock is the
+    caller's.
+    """
+
+    def __init__(self, rate: float, burst: int) -> None:
+        """``rate`` a second (finite, above 0), ``burst`` (>= 1) at most.
+
+        Raises:
+            ValueError: for a rate or burst out of range.
+        """
+        if not (math.isfinite(rate) and rate > 0) or burst < 1:
+            raise ValueError("spares need a finite rate above 0 and a burst of at least 1")
+        self.rate = rate
+        self.burst = burst
+        self._level: dict[Hashable, tuple[float, float]] = {}  # (spare, when counted)
+
+    def __len__(self) -> int:
+        """Addresses whose spares are not all earned back yet."""
+        return len(self._level)
+
+    def take(self, address: Hashable, now: float) -> float:
+        """Every free abandon ``address`` has at ``now`` (``burst`` for one not seen lately),
+        which it has no more of then."""
+        level, stamp = self._level.get(address, (float(self.burst), now))
+        level = min(float(self.burst), level + max(0.0, now - stamp) * self.rate)
+        self._level[address] = (0.0, now)
+        return level
+
+    def trim(self, now: float) -> None:
+        """Forget every address whose spares are all earned back by ``now``."""
+        for address, (level, stamp) in list(self._level.items()):
+            if level + max(0.0, now - stamp) * self.rate >= self.burst:
+                del self._level[address]
