@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from pp1wire.aio.admission import NEW_LINEAGE_FREE
 from pp1wire.aio.client import AsyncClient
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
@@ -136,9 +137,10 @@ async def test_a_reset_step_loop_that_reconnects_when_refused_is_held_to_its_bir
         drawn, refused, elapsed = await _attack(
             port, reset_step_loop, connections=1, slots=1, reconnect=True
         )
-    # One draw per lineage (the RESET after it abandons it: the next STEP is refused),
-    # one lineage per birth; and one more cut by the end of the window.
-    assert drawn <= LINEAGE_BURST + LINEAGE_RATE * elapsed + 1, (drawn, refused, elapsed)
+    # Two draws per lineage (the first RESET abandons its one free abandon, the second
+    # owes: the next STEP is refused), one lineage per birth; one more by the end.
+    births = LINEAGE_BURST + LINEAGE_RATE * elapsed
+    assert drawn <= births * (1 + NEW_LINEAGE_FREE) + 1, (drawn, refused, elapsed)
     assert refused >= 1
 
 
@@ -317,3 +319,13 @@ def test_the_documented_budget_defaults():
     assert budgets.Accounts(config).idle == budgets.IDLE_ACCOUNTS == 4096
     assert admission.HANDSHAKE_GRACE_S == 1.0
     assert budgets.SHARE_WINDOW_S == 1.0
+    # README.md's admission section: a lineage is kept 10 minutes owing nothing, a new
+    # one starts with one free abandon at least, an address starts 4 at once then 2 a
+    # second, and an IPv6 address counts as its /64.
+    from pp1wire.wire import principals
+
+    assert principals.LINEAGE_KEEP_S == 600.0
+    assert admission.NEW_LINEAGE_FREE == 1.0
+    policy = worker.policy_from(args)
+    assert (policy.lineage_burst, policy.lineage_rate, policy.ipv6_prefix) == (4, 2.0, 64)
+    assert policy.lineage_keep == principals.LINEAGE_KEEP_S

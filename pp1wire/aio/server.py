@@ -520,7 +520,7 @@ class WorkerServer(Admission[_Conn]):
 
         Admission (``docs/protocol.md`` §2): at most ``max_connections``
         authenticated connections (HELLO done, and AUTH with a key) are held,
-        and at most ``max_per_address`` from one source IP address. When a
+        and at most ``max_per_address`` from one source address. When a
         limit is reached, a newcomer first replaces the oldest connection still
         in its handshake; failing that, it is admitted *on credit* if a held
         peer is replaceable (:meth:`replaceable`: authenticated, and no fresh

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=settings.connections,
         default=None,
         metavar="N",
-        help="most connections from one source IP address, admitted as --max-connections "
+        help="most connections from one source address (an IPv6 address's --ipv6-prefix "
+        "network), admitted as --max-connections "
         "(a client with several addresses is not limited by it; default: unset, no limit)",
     )
     p.add_argument(
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a connection that had no fresh draw (a STEP drawn) for this long may be replaced "
         "by a newcomer when the worker is full; COMMIT, OPEN, CLOSE and PING do not count "
-        "(one new connection per source address and period is protected for its first 1 s)",
+        "(one new connection per principal and period is protected for its first 1 s)",
     )
     p.add_argument(
         "--max-draw-rate",

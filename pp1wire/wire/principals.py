@@ -5,9 +5,9 @@ the key's ID (:func:`Principal.of_key`); without a key it is the connection's
 *lineage* (:func:`Principal.of_lineage`): a token the worker issues in its HELLO,
 which a Spark side presents again when it reconnects. A connection that presents
 none (or one the worker does not know) starts a new lineage, whose abandon
-budget starts empty; new lineages of one source address (an IPv6 address's
-network, :func:`address_key`) are born at most ``lineage_rate`` a second
-(:class:`Births`, in arrival order). :class:`PrincipalPolicy` holds the settings:
+budget starts small (:class:`Spares`); new lineages of one source address (an
+IPv6 address's network, :func:`address_key`) are born at most ``lineage_rate``
+a second (:class:`Births`, in arrival order). :class:`PrincipalPolicy` holds the settings:
 the caps on draws a second (``--principal-rate``), the IPv6 prefix and the
 lineage births. No clock is read here: callers pass ``now``.
 """
