@@ -22,7 +22,7 @@ from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import Key, commit_loop, open_link, reset_step_loop
 from pp1wire.wire.budgets import Account
-from pp1wire.wire.principals import Births, Principal, PrincipalPolicy, Spares
+from pp1wire.wire.principals import LINEAGE_RATE, Births, Principal, PrincipalPolicy
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -97,7 +97,7 @@ async def test_a_reconnect_loop_from_the_clients_own_address_never_refuses_the_c
     # that reconnected at each refusal spent 127.0.0.1's abandon budget, and the
     # legitimate client on 127.0.0.1 was refused DRAW_RATE_LIMITED with it (0.04x its
     # speed through the daemons). Now each is a lineage: the loop's refusals are its own.
-    async with _worker(BUDGETED) as (srv, port):
+    async with _worker(BUDGETED, policy=PrincipalPolicy(lineage_burst=2)) as (srv, port):
         got, refused, drawn, limited = await _beside_loop(
             port, reset_step_loop, SparkConfig(vocab_size=VOCAB), 1.0,
             connections=1, slots=2, reconnect=True,
@@ -105,10 +105,11 @@ async def test_a_reconnect_loop_from_the_clients_own_address_never_refuses_the_c
         assert _count(srv.metrics.refusals, code="draw_rate_limited") >= limited >= 1
     assert refused == 0, (got, refused)
     assert got >= 10, (got, refused)
-    # And the loop is bounded: one draw per slot per lineage and one more (its one free
-    # abandon), lineages born at most LINEAGE_BURST (4) at once then LINEAGE_RATE (2) a
-    # second, and the two slots' draws cut by the end.
-    assert drawn <= (4 + 2.0 * 1.0) * (2 + 1) + 2, drawn
+    # And the loop is bounded: per lineage one draw per slot and its abandon burst (one),
+    # lineages born at once until one abandons, then 2 at once and LINEAGE_RATE a second,
+    # and the two slots' draws cut by the end.
+    births = 1 + 2 + LINEAGE_RATE * 1.0
+    assert drawn <= births * (2 + 1) + 2, drawn
 
 
 @pytest.mark.asyncio
@@ -155,10 +156,15 @@ async def test_a_new_lineage_waits_its_turn_and_a_known_one_does_not():
     # --lineage-rate a second, in the order they asked; a connection presenting a
     # lineage the worker knows is answered at once.
     policy = PrincipalPolicy(lineage_rate=2.0, lineage_burst=1)
-    async with _worker(WorkerConfig(vocab_size=VOCAB), policy=policy) as (_, port):
+    async with _worker(WorkerConfig(vocab_size=VOCAB), policy=policy) as (srv, port):
         known = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
         token = known.core.lineage
+        await known.open(0, seed=1, prefix=[1, 2])
+        (await known.propose(0, round_id=0, depth=1)).release()
+        await known.close_slot(0)  # abandons its draw: the address's births are paced
         await known.close()
+        await eventually(lambda: not srv.conns, what="closed")
+        await (await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))).close()
         loop = asyncio.get_running_loop()
         start = loop.time()
         newcomer = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
@@ -175,10 +181,12 @@ async def test_a_new_lineage_waits_its_turn_and_a_known_one_does_not():
 
 def test_births_go_in_arrival_order_at_the_rate():
     births = Births(rate=2.0, burst=2)
+    births.spoil("a", 0.0)  # a lineage of "a" abandoned a draw: its births are paced
     assert births.ready_at("a", 1, 0.0) == 0.0  # the burst
     assert births.ready_at("a", 2, 0.0) == 0.0
     assert births.ready_at("a", 3, 0.0) == pytest.approx(0.5)  # first in line
     assert births.ready_at("a", 4, 0.0) == pytest.approx(1.0)  # behind it
+    births.spoil("b", 0.0)
     assert births.ready_at("b", 5, 0.0) == 0.0  # another address has its own
     assert births.ready_at("a", 4, 0.6) == pytest.approx(1.0)  # 3 was born at 0.5 first
     assert births.ready_at("a", 3, 0.7) == 0.7  # ... and learns it when it asks
@@ -191,22 +199,21 @@ def test_births_go_in_arrival_order_at_the_rate():
         Births(rate=0.0)
 
 
-def test_new_lineages_start_with_what_their_address_can_spare():
-    # An address's new lineages share one principal's free abandons between them: the
-    # first takes the burst, the next ones what was earned back since (1/4 s each here).
-    spares = Spares(rate=4.0, burst=1)
-    first = Account(BUDGETED, 0.0, start=spares.take("a", 0.0))
-    first.abandoned(0.0)
-    assert first.allows(None, 0.0)  # its one free abandon
-    assert spares.take("b", 0.0) == 1.0  # another address has its own
-    new = Account(BUDGETED, 0.0, start=spares.take("a", 0.0))
-    assert new.allows(None, 0.0)  # nothing owed: it may draw
-    new.abandoned(0.0)
-    assert not new.allows(None, 0.0)
-    assert new.owes(0.0) == pytest.approx(0.25)
-    assert spares.take("a", 0.125) == pytest.approx(0.5)
-    spares.trim(10.0)
-    assert len(spares) == 0
+def test_an_address_is_paced_only_while_its_lineages_abandon():
+    # A sharded group or a test suite opening many connections at once is not slowed:
+    # births are paced only for a window after a lineage of the address abandoned.
+    births = Births(rate=2.0, burst=1, window=10.0)
+    assert [births.ready_at("a", n, 0.0) for n in range(8)] == [0.0] * 8
+    births.spoil("a", 1.0)
+    assert births.ready_at("a", 8, 1.0) == 1.0  # the burst
+    assert births.ready_at("a", 9, 1.0) == pytest.approx(1.5)
+    assert births.ready_at("b", 10, 1.0) == 1.0  # another address is not paced
+    assert births.ready_at("a", 9, 1.5) == 1.5
+    assert births.ready_at("a", 11, 11.0) == 11.0  # the window has passed
+    births.trim(11.0)
+    assert len(births) == 0
+    with pytest.raises(ValueError, match="window"):
+        Births(window=-1.0)
 
 
 # -- with keys: each key ID its own principal --------------------------------------------------
@@ -320,3 +327,31 @@ async def test_pp1_spark_presents_its_lineage_when_it_reconnects():
         (conn,) = srv.conns
         assert conn.principal == first  # the same lineage: what it spent stays its own
         await link.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lineage_born_while_its_address_is_paced_starts_with_one_free_abandon():
+    # A loop's next lineage gets little: one free abandon, then what it earns; one born
+    # while its address's lineages abandon nothing gets the whole burst, as before.
+    async def abandon_two(client: AsyncClient, srv: WorkerServer):
+        (conn,) = [c for c in srv.conns if c.principal.name == client.core.lineage.hex()]
+        for slot in (0, 1):
+            await client.open(slot, seed=slot + 1, prefix=[1, 2])
+            (await client.propose(slot, round_id=0, depth=1)).release()
+        for slot in (0, 1):
+            await client.close_slot(slot)  # each closes a draw uncommitted
+        await client.ping()  # answered after both CLOSEs: they are counted
+        return conn.core.gate.account
+
+    config = WorkerConfig(vocab_size=VOCAB, abandon_rate=0.01)  # burst 8, 100 s each
+    async with _worker(config) as (srv, port):
+        first = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
+        assert not srv.births.paced("127.0.0.1", time.monotonic())
+        account = await abandon_two(first, srv)
+        assert account.owes(time.monotonic()) == 0.0  # two of its eight
+        assert srv.births.paced("127.0.0.1", time.monotonic())
+        paced = await AsyncClient.connect("127.0.0.1", port, SparkConfig(vocab_size=VOCAB))
+        account = await abandon_two(paced, srv)
+        assert account.owes(time.monotonic()) > 50  # one free, the second owes 100 s
+        await first.close()
+        await paced.close()

@@ -18,7 +18,6 @@ import time
 
 import pytest
 
-from pp1wire.aio.admission import NEW_LINEAGE_FREE
 from pp1wire.aio.client import AsyncClient
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
@@ -33,7 +32,7 @@ from pp1wire.testing.attacks import (
 )
 from pp1wire.wire import framing
 from pp1wire.wire.draws import run_each
-from pp1wire.wire.principals import LINEAGE_BURST, LINEAGE_RATE
+from pp1wire.wire.principals import LINEAGE_RATE, PrincipalPolicy
 from pp1wire.wire.spark_core import SparkConfig
 from pp1wire.wire.worker_core import WorkerConfig
 
@@ -131,16 +130,18 @@ async def test_a_reset_step_loop_that_reconnects_when_refused_is_held_to_its_bir
     # first DRAW_RATE_LIMITED brought a fresh budget: ~100x the draws the budget
     # allows. Then it lived on the source address, which made the loop's debt every
     # client's of that address. Now a reconnection without a lineage token starts a
-    # new lineage, whose abandon budget starts empty, and an address starts new
-    # lineages at most LINEAGE_BURST at once and LINEAGE_RATE a second.
-    async with _worker(BUDGETED) as (_, port):
+    # new lineage, and once one of them abandoned a draw its address starts new ones
+    # at most --lineage-burst at once and LINEAGE_RATE a second, each with one free
+    # abandon.
+    async with _worker(BUDGETED, policy=PrincipalPolicy(lineage_burst=2)) as (_, port):
         drawn, refused, elapsed = await _attack(
             port, reset_step_loop, connections=1, slots=1, reconnect=True
         )
-    # Two draws per lineage (the first RESET abandons its one free abandon, the second
-    # owes: the next STEP is refused), one lineage per birth; one more by the end.
-    births = LINEAGE_BURST + LINEAGE_RATE * elapsed
-    assert drawn <= births * (1 + NEW_LINEAGE_FREE) + 1, (drawn, refused, elapsed)
+    # Per lineage its first draw and its abandon burst (BURST: the RESET after each
+    # abandons it, then the next STEP is refused), one lineage per birth (the first, then
+    # a burst of 2 and the rate once a lineage has abandoned); one more by the end.
+    births = 1 + 2 + LINEAGE_RATE * elapsed
+    assert drawn <= births * (1 + BURST) + 1, (drawn, refused, elapsed)
     assert refused >= 1
 
 
@@ -319,13 +320,14 @@ def test_the_documented_budget_defaults():
     assert budgets.Accounts(config).idle == budgets.IDLE_ACCOUNTS == 4096
     assert admission.HANDSHAKE_GRACE_S == 1.0
     assert budgets.SHARE_WINDOW_S == 1.0
-    # README.md's admission section: a lineage is kept 10 minutes owing nothing, a new
-    # one starts with one free abandon at least, an address starts 4 at once then 2 a
-    # second, and an IPv6 address counts as its /64.
+    # README.md's admission section: a lineage is kept 10 minutes owing nothing; for
+    # 10 s after one of its lineages abandoned a draw, an address starts 16 new ones at
+    # once then 1 a second; an IPv6 address counts as its /64.
     from pp1wire.wire import principals
 
     assert principals.LINEAGE_KEEP_S == 600.0
-    assert admission.NEW_LINEAGE_FREE == 1.0
+    assert principals.Births().window == principals.LINEAGE_WINDOW_S == 10.0
+    assert principals.PACED_LINEAGE_FREE == 1.0  # a paced address's new lineage: one free
     policy = worker.policy_from(args)
-    assert (policy.lineage_burst, policy.lineage_rate, policy.ipv6_prefix) == (4, 2.0, 64)
+    assert (policy.lineage_burst, policy.lineage_rate, policy.ipv6_prefix) == (16, 1.0, 64)
     assert policy.lineage_keep == principals.LINEAGE_KEEP_S

@@ -71,7 +71,10 @@ MATCH_TIMEOUT = 1.0  # the shared group's: its unmatched STEPs are answered this
 
 @pytest.fixture(scope="module")
 def group():
+    # Its tests open tens of links at once after others hung up mid-draw: no new
+    # lineage waits for its turn (docs/protocol.md §4.4).
     extra = ("--match-timeout", str(MATCH_TIMEOUT), "--max-connections", "32")
+    extra += ("--lineage-burst", "64")
     with sharded_workers(extra=extra) as running:
         yield running
 

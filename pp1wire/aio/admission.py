@@ -16,21 +16,26 @@ from __future__ import annotations
 import select
 import time
 from collections.abc import Hashable
+from functools import partial
 from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode
 from pp1wire.wire.budgets import IDLE_ACCOUNTS, Account, Accounts, Binder, DrawLimits
 from pp1wire.wire.messages import Hello
-from pp1wire.wire.principals import Births, Principal, PrincipalPolicy, Spares, new_lineage
+from pp1wire.wire.principals import (
+    PACED_LINEAGE_FREE,
+    Births,
+    Principal,
+    PrincipalPolicy,
+    new_lineage,
+)
 from pp1wire.wire.worker_core import WorkerProtocol
 from pp1wire.wire.worker_events import GroupDraws
 
 #: How long after its handshake a connection that has not drawn yet is protected from
 #: replacement (at most one connection per principal per --slot-idle-timeout).
 HANDSHAKE_GRACE_S: Final = 1.0
-#: The free abandons a new lineage starts with at least (more if its address can spare them).
-NEW_LINEAGE_FREE: Final = 1.0
 #: A connection that had no fresh draw for this long may be replaced by a newcomer.
 SLOT_IDLE_S: Final = 10.0
 # A peer gone (its FIN or an error received) although its connection is not read.
@@ -84,7 +89,6 @@ class Admission(Generic[C]):
     metrics: WorkerMetrics
     accounts: Accounts[Principal]
     births: Births
-    spares: Spares | None
     policy: PrincipalPolicy
 
     def init_principals(self, config: DrawLimits, policy: PrincipalPolicy | None) -> None:
@@ -93,8 +97,6 @@ class Admission(Generic[C]):
         self.policy = policy or PrincipalPolicy()
         self.accounts = Accounts(config)
         self.births = Births(self.policy.lineage_rate, self.policy.lineage_burst)
-        rate, burst = config.abandon_rate, config.abandon_burst
-        self.spares = None if rate is None else Spares(rate, burst)
 
     def binder(self, conn: C) -> Binder:
         """What ``conn``'s protocol core asks at the end of its handshake (§2, §4.4)."""
@@ -108,8 +110,6 @@ class Admission(Generic[C]):
             return now
         if len(self.births) > IDLE_ACCOUNTS:
             self.births.trim(now)  # addresses whose births are long earned back
-        if self.spares is not None and len(self.spares) > IDLE_ACCOUNTS:
-            self.spares.trim(now)
         return self.births.ready_at(conn.address, conn, now)
 
     def bind_principal(
@@ -117,9 +117,9 @@ class Admission(Generic[C]):
     ) -> tuple[Account, bytes]:
         """``conn``'s principal at the end of its handshake (§2), and the lineage token its
         HELLO answer carries: the key ID it authenticated with (``key_id``), else the
-        lineage it presented if this worker knows it, else a new lineage, whose abandon
-        budget starts with the free abandons its address could spare (§4.4). Its account
-        is held until :meth:`unbind`."""
+        lineage it presented if this worker knows it, else a new lineage (§4.4), whose
+        abandons pace its address's births (one born paced starts with one free abandon).
+        Its account is held until :meth:`unbind`."""
         self.births.cancel(conn.address, conn)
         known = bool(hello.lineage) and Principal.of_lineage(hello.lineage) in self.accounts
         token = b"" if key_id is not None else hello.lineage if known else new_lineage()
@@ -129,15 +129,13 @@ class Admission(Generic[C]):
             else Principal.of_lineage(token, conn.address)
         )
         conn.principal = principal
-        new = key_id is None and not known and principal not in self.accounts
-        spare = None
-        if new and self.spares is not None:  # one free abandon at least, for a slip of its own
-            spare = max(NEW_LINEAGE_FREE, self.spares.take(conn.address, now))
+        paced = key_id is None and not known and self.births.paced(conn.address, now)
         account = self.accounts.acquire(
             principal,
             now,
             cap=self.policy.cap(principal),
-            start=spare,
+            on_abandon=None if key_id is not None else partial(self.births.spoil, conn.address),
+            start=PACED_LINEAGE_FREE if paced else None,  # a loop's next lineage: little
             keep=self.policy.lineage_keep if key_id is None else 0.0,
         )
         return account, token

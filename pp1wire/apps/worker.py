@@ -205,15 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=principals.LINEAGE_RATE,
         metavar="LINEAGES/S",
         help="new draw-budget lineages one source address may start per second without a "
-        "key (a connection that presents no lineage it was issued waits its turn for its "
-        "HELLO, in arrival order)",
+        "key, for 10 s after one of its lineages abandoned a draw (a connection that "
+        "presents no lineage it was issued waits its turn for its HELLO, in arrival order)",
     )
     p.add_argument(
         "--lineage-burst",
         type=settings.u16,
         default=principals.LINEAGE_BURST,
         metavar="LINEAGES",
-        help="new lineages one source address may start at once",
+        help="new lineages one source address may start at once while --lineage-rate paces it",
     )
     p.add_argument(
         "--draw-burst",
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fresh draws per second one principal may leave uncommitted (a slot reset or "
         "closed, or its connection lost, before a COMMIT), over all its connections; beyond "
         "them and --abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until "
-        "it has paid them back (a new lineage starts with none free)",
+        "it has paid them back",
     )
     p.add_argument(
         "--abandon-burst",

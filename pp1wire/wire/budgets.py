@@ -16,7 +16,7 @@ principal at the end of its handshake. No clock is read here: callers pass
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Final, Generic, Protocol, TypeVar
 
 from pp1wire.wire import fencing
@@ -108,10 +108,9 @@ class AbandonBudget(_Refilling):
     abandons are free, then ``rate`` per second; a principal beyond that owes
     them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
     paid them back. Full at creation (``AbandonBudget(rate, burst, now)``, with
-    the limits of :class:`TokenBucket`), or at ``start`` (a new lineage's, §4.4: the
-    free abandons its address could spare, 0 at the least: nothing owed); full
-    again (:meth:`full`) once nothing is owed and the whole burst is free. The
-    clock is the caller's.
+    the limits of :class:`TokenBucket`), or at ``start`` (a new lineage's while its
+    address is paced, §4.4); full again (:meth:`full`) once nothing is owed and the
+    whole burst is free. The clock is the caller's.
 
     Its level is the free abandons left, and below 0 what is owed (unlike a
     :class:`TokenBucket`'s, it goes below 0). Paid back as it accrues, so a debt is
@@ -190,8 +189,9 @@ class Account:
       reconnecting, refills nothing, and a principal holds at most as many
       lanes as it ever had slots open at once.
     * The abandon budget (:class:`AbandonBudget`, ``abandon_rate``) is one for
-      the principal: what one connection abandoned, the next one owes. A new
-      lineage's starts at ``start`` (what its address could spare): it earns the rest.
+      the principal: what one connection abandoned, the next one owes; each
+      abandon is also reported to ``on_abandon`` (a lineage's address, §4.4). It
+      starts full, or at ``start`` (a new lineage of a paced address).
     * The principal's cap (``cap`` fresh draws a second over all its slots, a
       second of them at once; off when None): a :class:`TokenBucket` of its own.
     * The first-draw grace of admission (:meth:`grace`): at most one of its new
@@ -209,6 +209,7 @@ class Account:
         "_cap",
         "_free",
         "_grace_free",
+        "_on_abandon",
         "_rate",
         "bound",
         "keep",
@@ -225,14 +226,15 @@ class Account:
         principal: object = None,
         activity: Activity | None = None,
         cap: float | None = None,
+        on_abandon: Callable[[float], object] | None = None,
         start: float | None = None,
         keep: float = 0.0,
     ) -> None:
         """Full budgets at ``now`` for ``limits`` (a limit that is None is off), for
         ``principal``, whose draws are recorded in ``activity`` (default: its own,
         where no other principal ever draws); ``cap``: its fresh draws a second
-        (None: no cap); ``start``: a new lineage's free abandons to start with (None:
-        the whole burst);
+        (None: no cap); ``on_abandon``: called with the time of each abandon;
+        ``start``: the free abandons it starts with (None: the burst);
         ``keep``: seconds it is remembered after its last connection, owing nothing.
 
         Raises:
@@ -253,6 +255,7 @@ class Account:
         self._free: list[TokenBucket] = []  # lanes handed back, still paying back
         self._grace_free = -math.inf
         self._activity = activity if activity is not None else Activity()
+        self._on_abandon = on_abandon
         self.principal = principal
         self.bound = 0  #: lanes held by open slots
         self.refs = 0  #: connections of the principal holding this account
@@ -300,6 +303,8 @@ class Account:
         """A fresh draw of the principal died uncommitted at ``now``."""
         if self._abandons is not None:
             self._abandons.abandoned(now)
+        if self._on_abandon is not None:
+            self._on_abandon(now)
 
     def drew(self, now: float) -> None:
         """A fresh draw of the principal was accepted at ``now``."""
@@ -374,11 +379,12 @@ class Accounts(Generic[P]):
         now: float,
         *,
         cap: float | None = None,
+        on_abandon: Callable[[float], object] | None = None,
         start: float | None = None,
         keep: float = 0.0,
     ) -> Account:
         """The account of ``principal``, for a new connection of it at ``now``; one made
-        now takes ``cap``, ``start`` and ``keep`` (:class:`Account`).
+        now takes ``cap``, ``on_abandon``, ``start`` and ``keep`` (:class:`Account`).
 
         Raises:
             ValueError: for a ``cap`` :class:`Account` refuses.
@@ -392,6 +398,7 @@ class Accounts(Generic[P]):
                 principal=principal,
                 activity=self.activity,
                 cap=cap,
+                on_abandon=on_abandon,
                 start=start,
                 keep=keep,
             )

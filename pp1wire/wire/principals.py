@@ -4,12 +4,13 @@
 the key's ID (:func:`Principal.of_key`); without a key it is the connection's
 *lineage* (:func:`Principal.of_lineage`): a token the worker issues in its HELLO,
 which a Spark side presents again when it reconnects. A connection that presents
-none (or one the worker does not know) starts a new lineage, whose abandon
-budget starts small (:class:`Spares`); new lineages of one source address (an
-IPv6 address's network, :func:`address_key`) are born at most ``lineage_rate``
-a second (:class:`Births`, in arrival order). :class:`PrincipalPolicy` holds the settings:
-the caps on draws a second (``--principal-rate``), the IPv6 prefix and the
-lineage births. No clock is read here: callers pass ``now``.
+none (or one the worker does not know) starts a new lineage; while lineages of
+its source address (an IPv6 address's network, :func:`address_key`) have lately
+abandoned draws, its new lineages are born at most ``lineage_rate`` a second
+(:class:`Births`, in arrival order), each with one free abandon to start with.
+:class:`PrincipalPolicy` holds the settings: the caps on draws a second
+(``--principal-rate``), the IPv6 prefix and the lineage births. No clock is
+read here: callers pass ``now``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ from pp1wire.wire.messages import LINEAGE_SIZE
 
 #: The IPv6 prefix length one source address stands for (``--ipv6-prefix``).
 IPV6_PREFIX: Final = 64
-#: New lineages one address may start a second (``--lineage-rate``), and at once.
-LINEAGE_RATE: Final = 2.0
-LINEAGE_BURST: Final = 4
+#: New lineages one address may start a second (``--lineage-rate``), and at once, while
+#: its lineages abandoned a draw in the last :data:`LINEAGE_WINDOW_S` seconds.
+LINEAGE_RATE: Final = 1.0
+LINEAGE_BURST: Final = 16
+LINEAGE_WINDOW_S: Final = 10.0
+#: The free abandons a lineage born while its address is paced starts with.
+PACED_LINEAGE_FREE: Final = 1.0
 #: Seconds a lineage owing nothing is remembered after its last connection.
 LINEAGE_KEEP_S: Final = 600.0
 
@@ -104,8 +109,9 @@ class PrincipalPolicy:
     and connections (None: no cap), and ``rates`` the same for the key IDs it
     names (None there: no cap for that key); ``ipv6_prefix`` the network one IPv6
     source address stands for; ``lineage_rate`` and ``lineage_burst`` the new
-    lineages one address may start a second and at once; ``lineage_keep`` how
-    long a lineage owing nothing is remembered after its last connection.
+    lineages one address may start a second and at once while paced
+    (:class:`Births`); ``lineage_keep`` how long a lineage owing nothing is
+    remembered after its last connection.
     """
 
     rate: float | None = None
@@ -138,35 +144,59 @@ class PrincipalPolicy:
 
 
 class Births:
-    """When new lineages of each address are born (§4.4): at most ``burst`` at once
-    and ``rate`` a second, in the order they asked (:meth:`ready_at`); a ticket that
-    gives up (its connection closed) leaves the queue (:meth:`cancel`). The clock is
-    the caller's.
+    """When new lineages of each address are born (§4.4): at once while none of the
+    address's lineages abandoned a draw in the last ``window`` seconds
+    (:meth:`spoil`); otherwise at most ``burst`` at once and ``rate`` a second, in
+    the order they asked (:meth:`ready_at`). A ticket that gives up (its connection
+    closed) leaves the queue (:meth:`cancel`). The clock is the caller's.
     """
 
-    def __init__(self, rate: float = LINEAGE_RATE, burst: int = LINEAGE_BURST) -> None:
-        """``rate`` births a second per address (finite, above 0), ``burst`` (>= 1) at once.
+    def __init__(
+        self,
+        rate: float = LINEAGE_RATE,
+        burst: int = LINEAGE_BURST,
+        window: float = LINEAGE_WINDOW_S,
+    ) -> None:
+        """``rate`` births a second per address (finite, above 0), ``burst`` (>= 1) at once,
+        paced for ``window`` (>= 0) seconds after an abandon.
 
         Raises:
-            ValueError: for a rate or burst out of range.
+            ValueError: for a rate, burst or window out of range.
         """
         if not (math.isfinite(rate) and rate > 0) or burst < 1:
             raise ValueError("births need a finite rate above 0 and a burst of at least 1")
+        if not (math.isfinite(window) and window >= 0):
+            raise ValueError("the births' window must be finite and at least 0")
         self.rate = rate
         self.burst = burst
+        self.window = window
+        self._spoiled: dict[Hashable, float] = {}  # address -> pacing ends then
         # Per address: (free births, when counted), and the tickets waiting, in order.
         self._level: dict[Hashable, tuple[float, float]] = {}
         self._queue: dict[Hashable, dict[Hashable, None]] = {}
         self._born: set[tuple[Hashable, Hashable]] = set()
 
     def __len__(self) -> int:
-        """Addresses remembered (with tickets waiting, or births not yet earned back)."""
-        return len(self._level)
+        """Addresses remembered (paced, with tickets waiting, or births not earned back)."""
+        return len(self._level) + len(self._spoiled)
+
+    def paced(self, address: Hashable, now: float) -> bool:
+        """Whether ``address``'s births are paced at ``now``."""
+        return self._spoiled.get(address, -math.inf) > now or bool(self._queue.get(address))
+
+    def spoil(self, address: Hashable, now: float) -> None:
+        """A lineage of ``address`` abandoned a draw at ``now``: its births are paced
+        for the next ``window`` seconds."""
+        self._spoiled[address] = max(self._spoiled.get(address, now), now + self.window)
 
     def ready_at(self, address: Hashable, ticket: Hashable, now: float) -> float:
         """When ``ticket`` (a connection of ``address`` asking for a new lineage) is born:
-        ``now`` if it is (it leaves the queue), else the time to ask again. The first
-        call queues it; births go to the tickets in the order they were queued."""
+        ``now`` if it is (it leaves the queue), else the time to ask again. While the
+        address is paced the first call queues it, and births go to the tickets in the
+        order they were queued."""
+        if not self.paced(address, now):
+            self._spoiled.pop(address, None)
+            return now
         level, stamp = self._level.get(address, (float(self.burst), now))
         level = min(float(self.burst), level + max(0.0, now - stamp) * self.rate)
         queue = self._queue.setdefault(address, {})
@@ -204,7 +234,11 @@ class Births:
             del self._level[address]
 
     def trim(self, now: float) -> None:
-        """Forget every address with nobody waiting whose births are earned back by ``now``."""
+        """Forget every address with nobody waiting whose births are earned back by ``now``,
+        and the pacing that has ended."""
+        for address, until in list(self._spoiled.items()):
+            if until <= now:
+                del self._spoiled[address]
         for address, (level, stamp) in list(self._level.items()):
             if self._queue.get(address):
                 continue
@@ -212,41 +246,3 @@ class Births:
                 del self._level[address]
                 self._queue.pop(address, None)
 
-
-class Spares:
-    """The free abandons each source address may pass on to its new lineages (§4.4):
-    ``burst`` at most, earned back at ``rate`` a second, so that however many lineages
-    an address starts they start with no more between them than one principal's budget
-    would have given. A new lineage takes them all (:meth:`take`). The clock is the
-    caller's.
-    """
-
-    def __init__(self, rate: float, burst: int) -> None:
-        """``rate`` a second (finite, above 0), ``burst`` (>= 1) at most.
-
-        Raises:
-            ValueError: for a rate or burst out of range.
-        """
-        if not (math.isfinite(rate) and rate > 0) or burst < 1:
-            raise ValueError("spares need a finite rate above 0 and a burst of at least 1")
-        self.rate = rate
-        self.burst = burst
-        self._level: dict[Hashable, tuple[float, float]] = {}  # (spare, when counted)
-
-    def __len__(self) -> int:
-        """Addresses whose spares are not all earned back yet."""
-        return len(self._level)
-
-    def take(self, address: Hashable, now: float) -> float:
-        """Every free abandon ``address`` has at ``now`` (``burst`` for one not seen lately),
-        which it has no more of then."""
-        level, stamp = self._level.get(address, (float(self.burst), now))
-        level = min(float(self.burst), level + max(0.0, now - stamp) * self.rate)
-        self._level[address] = (0.0, now)
-        return level
-
-    def trim(self, now: float) -> None:
-        """Forget every address whose spares are all earned back by ``now``."""
-        for address, (level, stamp) in list(self._level.items()):
-            if level + max(0.0, now - stamp) * self.rate >= self.burst:
-                del self._level[address]
