@@ -20,6 +20,7 @@ import pytest
 
 from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import target_factory
+from pp1wire.wire.budgets import SHARE_WINDOW_S
 
 from . import cli
 from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
@@ -144,6 +145,10 @@ def test_every_round_voted_down_still_samples_the_target_law(worker):
     # p(. | prompt). Tolerance declared before the run: Pearson chi-square at the
     # 1 - 1e-6 quantile (tests/test_verify.py), 300 requests.
     n = 300
+    # Each discarded proposal is passed over by the target-only COMMIT after it, an
+    # abandon while another principal drew in the last second (docs/protocol.md §4.4):
+    # the earlier tests' Spark sides, lineages of their own, must be past that window.
+    time.sleep(SHARE_WINDOW_S)
     # One slot: each attempt carries one round, so the corrupt copy hits every proposal.
     args = flags(worker.address, "--requests", str(n), "--max-tokens", "1", "--concurrency", "1")
     done = lead(run_group(2, *args, faults=faults("corrupt:1:*")))
