@@ -118,6 +118,16 @@ def test_principal_rate_flags_make_the_policy():
         settings.principal_rate("client=0")
 
 
+def test_principal_rates_come_from_the_toml_file_too(tmp_path):
+    config = tmp_path / "worker.toml"
+    config.write_text('principal_rate = ["10", "client=off"]\n')
+    args = settings.parse(worker.build_parser(), ["--config", str(config)], environ={})
+    assert worker.policy_from(args) == PrincipalPolicy(rate=10.0, rates={"client": None})
+    config.write_text("principal_rate = 10\n")  # a list of strings, not a number
+    with pytest.raises(SettingsError, match="is not a list of strings"):
+        settings.parse(worker.build_parser(), ["--config", str(config)], environ={})
+
+
 def test_the_metrics_endpoint_with_a_token_answers_only_its_bearer(tmp_path):
     # Before: /metrics had no credential of its own, and with --psk-file a metrics
     # listener beyond loopback was allowed and served anyone. Now a token guards it.
