@@ -1,6 +1,6 @@
 """Attacks that budgets on the connection did not stop: a legitimate ``pp1-spark`` beside them.
 
-Run: ``python benchmarks/principal_attacks.py [--attack NAME ...] [--seconds S] [WORKER FLAG ...]``.
+Run: ``python benchmarks/principal_attacks.py [--attack NAME ...] [--acceptance] [FLAG ...]``.
 
 Starts ``pp1-worker`` (its defaults, plus any flags given after the options)
 and, for each attack, runs a legitimate ``pp1-spark --json`` from 127.0.0.1

@@ -371,6 +371,28 @@ def test_principal_attacks_smoke():
 
 
 @pytest.mark.bench
+def test_principal_attacks_acceptance_smoke():
+    result = run_json(
+        "principal_attacks.py", "--acceptance",
+        *("--vocab", "256", "--pairs", "1", "--requests", "2", "--max-tokens", "8"),
+        *("--settle", "0.2", "--json"),
+        timeout=600,
+    )  # fmt: skip
+    assert set(result) == {
+        "keyed_reconnect", "keyed_reconnect_capped", "keyed_reject", "keyed_reject_capped",
+        "keyless_same_address_reconnect",
+    }  # fmt: skip
+    for name, res in result.items():
+        assert [r["exit"] for r in res["alone"] + res["beside"]] == [0, 0], name
+        alone, beside = res["alone"][0], res["beside"][0]
+        assert res["ratios"] == [beside["tokens_per_second"] / alone["tokens_per_second"]]
+        assert res["attacker_draws"] >= 1, name
+    assert "--psk-file" in result["keyed_reject"]["flags"]
+    assert result["keyed_reject_capped"]["flags"][-3:] == ["--principal-rate", "10", "client=off"]
+    assert "--psk-file" not in result["keyless_same_address_reconnect"]["flags"]
+
+
+@pytest.mark.bench
 def test_tls_flood_smoke():
     done = cli.run(sys.executable, BENCH / "tls_flood.py", "--silent", "8")
     assert done.returncode == 0, done.stderr
