@@ -137,17 +137,18 @@ def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | No
 
     Each rank's link gave its shard of the first rows of one block; a fault on a
     link ends that rank's rows early. Row i is verified only if every rank holds
-    it, so the group's block is the shortest, cut (by the lowest such rank's
-    fault) when any rank's was. Ranks whose blocks ended without a fault must
-    agree on its length, and no rank may hold more rows than that.
+    it, so the group's block is the shortest. Its reason is the fault that ended
+    it: that of a rank holding only those rows (the lowest such rank), not of a
+    rank cut later. Ranks whose blocks ended without a fault must agree on its
+    length, and no rank may hold more rows than that.
     """
     rows = [int(w[3]) for w in reports]
     whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
     if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
         return None
     n = min(rows)
-    cut = next((ErrorCode(w[2]) for w in reports if w[2]), None)
-    return n, cut
+    ended = (ErrorCode(w[2]) for w, k in zip(reports, rows, strict=True) if w[2] and k == n)
+    return n, next(ended, None)
 
 
 def _stop_of(proposal: Proposal, counts: list[int], eos: int | None) -> int | None:
