@@ -151,7 +151,7 @@ class ReplyAssembly:
         is usable cut there (the caller reads the status). Under ``status``
         0, a block shorter than its depth without a terminal token needs
         ``stopped``; a ``stopped`` block needs ``status`` 0, a stop rule other
-        than FIXED and fewer rows than the depth without a terminal token
+        than FIXED and at least one row, fewer than the depth, without a terminal token
         (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
         (``docs/adaptive.md`` §2) recomputes where the rule ends the block — on an
         unsharded link: a sharded link's block is audited by its Spark group.
@@ -166,7 +166,8 @@ class ReplyAssembly:
         short = stopped_by_rule(step.depth, [r.token for r in self.rows], eos)
         if short and not msg.stopped and not msg.status:
             return ErrorCode.COMPLETION_EARLY
-        if msg.stopped and (msg.status or not short or rule.kind is StopKind.FIXED):
+        # A rule decides only after a drawn row: no block of none is stopped.
+        if msg.stopped and (msg.status or not got or not short or rule.kind is StopKind.FIXED):
             return ErrorCode.STOP_RULE_VIOLATED
         if msg.position != step.position:
             return ErrorCode.WRONG_POSITION
@@ -182,8 +183,6 @@ class ReplyAssembly:
             if shard is None:
                 # Late rows were refused on arrival; this finds a block cut early.
                 return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
-            if not got:  # early whatever the counts: row 1 is always drawn
-                return ErrorCode.STOP_RULE_VIOLATED
         return None
 
     def proposal(
