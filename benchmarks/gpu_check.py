@@ -19,7 +19,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from extras import require
+
+try:
+    import torch
+except ImportError:  # the tp extra
+    require("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

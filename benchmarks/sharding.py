@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from extras import require
 from micro import _trial
 
 from pp1wire.apps.models import ToyLM
@@ -94,6 +95,7 @@ def rank_worker(reps: int) -> None:
 
 
 def main() -> int:
+    require("torch")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
