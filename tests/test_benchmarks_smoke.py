@@ -476,14 +476,14 @@ def test_run_py_fresh_rounds_abandon_no_draw():
 # Each script that needs an optional dependency, and the modules it needs.
 NEEDS = {
     "run.py": ("zmq", "grpc"),
-    **{
-        name: ("torch",)
-        for name in (
+    **dict.fromkeys(
+        (
             "exchange_window.py", "group_memory.py", "hostile_group.py", "shaped.py",
             "sharded.py", "sharding.py", "tp.py", "gpu_check.py", "gpu_sharded_check.py",
             "gpu_verify_check.py", "gpu_worker_check.py",
-        )
-    },
+        ),
+        ("torch",),
+    ),
 }  # fmt: skip
 
 _WITHOUT = """

@@ -123,6 +123,7 @@ def test_a_drafter_slow_past_the_reply_timeout_after_a_drafted_token_keeps_the_l
     assert per_record == summary["cuts_by_reason"]["reply_timeout"]
     # What --help says of the flag is what just happened: the block was cut.
     (flag,) = [a for a in build_parser()._actions if "--reply-timeout" in a.option_strings]
-    assert "cut" in flag.help and "rows that arrived" in flag.help, flag.help
+    assert "cut" in flag.help, flag.help
+    assert "rows that arrived" in flag.help, flag.help
     ours = Counter(r["tokens"][0] for r in records)
     assert same_law(ours, target_only, N, N) == []

@@ -179,10 +179,10 @@ class ReplyAssembly:
             return ErrorCode.REPLY_SIZE_MISMATCH
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
-        if rule.kind is not StopKind.FIXED and not msg.status:
-            if shard is None:
-                # Late rows were refused on arrival; this finds a block cut early.
-                return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
+        if rule.kind is not StopKind.FIXED and not msg.status and shard is None:
+            # Late rows were refused on arrival; this finds a block cut early (a
+            # sharded link's block is audited by its group).
+            return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
         return None
 
     def proposal(
