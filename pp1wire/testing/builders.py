@@ -16,7 +16,7 @@ import xxhash
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
-from pp1wire.wire.messages import Completion, Open, Reply, Step
+from pp1wire.wire.messages import Completion, FixedToken, Open, Reply, Step
 
 SESSION = 7
 VOCAB = 8
@@ -103,7 +103,7 @@ def reply_header(
         round=over.get("round", step.round),
         index=over.get("index", index),
         position=over.get("position", step.position + index),
-        token=token,
+        token=FixedToken(token),
         representation=representation if representation is not None else (0 if dense else 1),
         entries=count,
         checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),

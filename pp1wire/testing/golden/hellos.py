@@ -71,6 +71,8 @@ BREAK: dict[str, dict[str, Any]] = {
     },
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
     "group": {"group": GROUP},
+    # The value an older peer's omitted field takes (§4.1, §11).
+    "row_format": {"row_format": ""},
 }
 
 #: Shard 0 of :data:`_OTHER_LAYOUT`, as a Spark HELLO declares it (its group nonce apart).
@@ -151,6 +153,13 @@ def hello_vectors() -> list[Vector]:
             {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
         ),
         (
+            # §4.1: a row format this document does not define.
+            "hello_row_format_other",
+            {"row_format": "pp1-fixed-rows-v2"},
+            {},
+            {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        (
             # §5: with a key, no rule is checked before AUTH, not even the role.
             "hello_keyed_role_after_auth",
             BREAK["role"],
@@ -158,19 +167,32 @@ def hello_vectors() -> list[Vector]:
             {"answer": "CHALLENGE"},
         ),
     ]
-    out = []
-    for name, fields, worker, expect in cases:
-        frame = framing.encode_frame(msgspec.structs.replace(hello(2), **fields))
-        out.append(
-            {
-                "name": name,
-                "kind": "hello",
-                "hex": frame.hex(),
-                "context": {**WORKER, **worker},
-                "expect": expect,
-            }
-        )
-    return out
+    frames = [
+        (name, framing.encode_frame(msgspec.structs.replace(hello(2), **fields)), worker, expect)
+        for name, fields, worker, expect in cases
+    ]
+    refused = {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2}
+    frames.append(
+        # §4.1, §11: the 27-element HELLO of a peer before row_format, field 28 omitted.
+        ("hello_row_format_omitted", older_hello_frame(hello(2)), {}, refused)
+    )
+    return [
+        {
+            "name": name,
+            "kind": "hello",
+            "hex": frame.hex(),
+            "context": {**WORKER, **worker},
+            "expect": expect,
+        }
+        for name, frame, worker, expect in frames
+    ]
+
+
+def older_hello_frame(msg: Hello) -> bytes:
+    """``msg`` as a peer before HELLO field 28 (``row_format``) frames it: the same
+    array without its last element (§11)."""
+    array = msgspec.msgpack.decode(framing.encode_frame(msg)[framing.PREAMBLE_SIZE :])
+    return framing.encode_raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array[:-1]))
 
 
 def run_hello_vector(vector: Vector) -> dict[str, Any]:
