@@ -19,7 +19,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.stoprules import STOP_RULES
-from pp1wire.testing.builders import SESSION, VOCAB
+from pp1wire.testing.builders import SESSION, VOCAB, older_hello_frame
 from pp1wire.testing.golden.common import GROUP, Vector, hello
 from pp1wire.wire import framing, handshake, integrity
 from pp1wire.wire.messages import WIRE_VERSION, Error, Hello, MsgType
@@ -186,13 +186,6 @@ def hello_vectors() -> list[Vector]:
         }
         for name, frame, worker, expect in frames
     ]
-
-
-def older_hello_frame(msg: Hello) -> bytes:
-    """``msg`` as a peer before HELLO field 28 (``row_format``) frames it: the same
-    array without its last element (§11)."""
-    array = msgspec.msgpack.decode(framing.encode_frame(msg)[framing.PREAMBLE_SIZE :])
-    return framing.encode_raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array[:-1]))
 
 
 def run_hello_vector(vector: Vector) -> dict[str, Any]:
