@@ -406,7 +406,7 @@ def test_a_spark_side_refuses_a_worker_hello_without_our_row_format(row_format):
     spark.data_to_send()
     theirs = msgspec.structs.replace(ours, role=1, session=SESSION)
     if row_format is None:
-        frame = older_hello_frame(theirs)  # 27 elements: field 28 omitted
+        frame = older_hello_frame(theirs)  # fields 1..27: field 28 omitted
     else:
         frame = framing.encode_frame(msgspec.structs.replace(theirs, row_format=row_format))
     spark.receive_data(frame, 0.0)
@@ -418,8 +418,8 @@ def test_a_spark_side_refuses_a_worker_hello_without_our_row_format(row_format):
 
 
 def test_an_older_peer_refuses_our_hello_itself():
-    # A decoder of the 27-field HELLO (this one's fields without row_format) refuses the
-    # 28-element array: one element too many, HEADER_INVALID (section 3.2).
+    # A decoder of the 27-field HELLO (this one's fields without row_format) refuses our
+    # 28 fields: one element too many, HEADER_INVALID (section 3.2).
     fields = [
         (name, f.type, f.default)
         for name, f in zip(Hello.__struct_fields__, msgspec.structs.fields(Hello), strict=True)

@@ -194,7 +194,7 @@ _vocab_mismatch("4.1.13", -1)
 
 @case("4.1.23")
 async def _older_row_format(s: core.Settings) -> None:
-    """HELLO of a peer before row_format (27 elements, field 28 omitted)
+    """HELLO of a peer before row_format (fields 1..27, no field 28)
 
     row_format: every peer of this document sends pp1-fixed-rows-v1 and refuses a peer that
     omits it ("") or sends anything else (ROW_FORMAT_MISMATCH)

@@ -173,7 +173,7 @@ def hello_vectors() -> list[Vector]:
     ]
     refused = {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2}
     frames.append(
-        # §4.1, §11: the 27-element HELLO of a peer before row_format, field 28 omitted.
+        # §4.1, §11: the HELLO of a peer before row_format: fields 1..27, no field 28.
         ("hello_row_format_omitted", older_hello_frame(hello(2)), {}, refused)
     )
     return [
