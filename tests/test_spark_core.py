@@ -431,8 +431,7 @@ def test_the_reply_deadline_cuts_at_the_rows_that_arrived_and_later_frames_are_l
     assert isinstance(ready, ProposalReady)
     assert ready.proposal.cut is ErrorCode.REPLY_TIMEOUT
     assert ready.proposal.tokens == tuple(
-        msgspec.msgpack.decode(f[16 : 16 + int.from_bytes(f[6:8], "little")])[7]
-        for f in frames[:2]
+        framing.FrameDecoder(1 << 20).feed(f)[0].message.token for f in frames[:2]
     )
     late = deliver(pair, frames[2:])
     assert [e.code for e in late] == [ErrorCode.LATE_FRAME] * 2

@@ -24,6 +24,7 @@ from pp1wire.wire.messages import (
     GROUP_NONCE_SIZE,
     LABEL_PREFIX,
     PRECISION,
+    ROW_FORMAT,
     VERIFIER_ID,
     WIRE_VERSION,
     Hello,
@@ -176,6 +177,7 @@ def build_hello(
         session=session,
         stop_rules=src.stop_rules if src else cfg.stop_rules,
         group=src.group if src else cfg.group,
+        row_format=ROW_FORMAT,
     )
 
 
@@ -360,6 +362,14 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "what it sent",
         ErrorCode.SHARD_LAYOUT_MISMATCH,
         _group_nonce_ok,
+    ),
+    HelloRule(
+        ("row_format",),
+        f"how REPLY rows are encoded (§4.5): `{ROW_FORMAT}`, a row's token as a 4-byte "
+        'bin; `""` (omitted) from a peer before it',
+        "exact",
+        ErrorCode.ROW_FORMAT_MISMATCH,
+        lambda peer, _cfg, _role: peer.row_format == ROW_FORMAT,
     ),
     HelloRule(
         ("session",),
