@@ -44,8 +44,8 @@ M = 1 << 24
 class Script:
     """Row operations that answer from a script and record every question."""
 
-    def __init__(self, good: set[int], p: dict[int, float], drawn: int = 7) -> None:
-        self.good, self.p, self.drawn = good, p, drawn
+    def __init__(self, good: set[int], p: dict[int, float], eager: bool = False) -> None:
+        self.good, self.p, self.eager_draws = good, p, eager
         self.calls: list[tuple[str, list]] = []
 
     def check(self, rows):
@@ -58,7 +58,7 @@ class Script:
 
     def draw(self, draws):
         self.calls.append(("draw", [(d.row, d.q is not None) for d in draws]))
-        return [-1 if d.row == 99 else self.drawn for d in draws]
+        return [-1 if d.row == 99 else 7 for d in draws]
 
 
 def job(rows: Sequence[int], tokens: Sequence[int], eos: int | None = None) -> walk.RoundRows:
@@ -77,7 +77,8 @@ def job(rows: Sequence[int], tokens: Sequence[int], eos: int | None = None) -> w
     )
 
 
-def test_the_walk_asks_only_for_the_rows_its_rounds_reach_and_draws_once():
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_walk_asks_only_for_the_rows_its_rounds_reach(eager):
     # p = 1 always accepts and p = 0 never does (the exact test, whatever the draw).
     jobs = [
         job([0], []),  # target-only: one row, one draw
@@ -89,16 +90,22 @@ def test_the_walk_asks_only_for_the_rows_its_rounds_reach_and_draws_once():
     ]
     good = {0, 1, 2, 3, 4, 5, 7, 10, 12, 99}
     p = {1: 1.0, 2: 1.0, 4: 1.0, 5: 0.0, 7: 1.0, 10: 1.0, 12: 1.0}
-    ops = Script(good, p)
+    ops = Script(good, p, eager)
     got = walk.walk(jobs, ops)
-    assert ops.calls == [
+    asked = [
         ("check", [0, 1, 4, 7, 10, 12]),
         ("p_at", [(1, 1), (4, 1), (7, 3), (10, 1), (12, 1)]),
+        ("draw", [(0, False)]),
         ("check", [2, 5, 11, 99]),
         ("p_at", [(2, 2), (5, 2)]),
+        ("draw", [(99, False), (5, True)]),
         ("check", [3]),
-        ("draw", [(0, False), (99, False), (5, True), (3, False)]),
+        ("draw", [(3, False)]),
     ]
+    if not eager:  # every draw in one call, at the end
+        asked = [a for a in asked if a[0] != "draw"]
+        asked.append(("draw", [(0, False), (99, False), (5, True), (3, False)]))
+    assert ops.calls == asked
     stop = walk.Stop
     assert got == [
         walk.Decision(stop.TARGET, 0, 0, 7),
@@ -163,9 +170,10 @@ def spec_round(v: RequestVerifier, proposal: Proposal | None, round_id: int, row
         return exc.code
 
 
-def mask_one(prefix, p):
+def mask_last(prefix, p):
+    """A processor that reads its prefix: no token twice in a row."""
     q = np.array(p, dtype=np.float64)
-    q[1] = 0.0
+    q[prefix[-1]] = 0.0
     return q
 
 
@@ -178,7 +186,7 @@ def round_of(k: int, vocab: int, depth: int, support, eos: bool, processors: boo
         prefix=[1, 10 + k],
         target=target.probs,
         eos=3 if eos else None,
-        processors=(mask_one,) if processors else (),
+        processors=(mask_last,) if processors else (),
     )
     if not depth:
         return v, None
@@ -231,11 +239,13 @@ def test_every_path_decides_as_the_rule_reads(monkeypatch_paths, plans, vocab):
         rows = rows_for(v, proposal, scale)
         expected.append(spec_round(v, proposal, 0, rows))
         one, _ = round_of(k, vocab, depth, support, eos, processors)
-        try:
+        scored = None if all(x == 1.0 for x in scale[: len(rows)]) else rows
+        try:  # the target called per prefix where the rows are its own
             if proposal is None:
-                singles.append(result_of(one.decode_target_only(0, score=rows[0])))
+                score = None if scored is None else rows[0]
+                singles.append(result_of(one.decode_target_only(0, score=score)))
             else:
-                singles.append(result_of(one.verify(proposal, scores=rows)))
+                singles.append(result_of(one.verify(proposal, scores=scored)))
         except VerifyError as exc:
             singles.append(exc.code)
         stepped, _ = round_of(k, vocab, depth, support, eos, processors)
@@ -342,10 +352,9 @@ def test_a_sparse_q_the_compiled_draw_does_not_take_is_refused_there():
     row = np.full(8, 0.125)
     total = 1.0
     q = np.array([M // 2, M // 2], dtype=np.int64)
-    out = np.empty(2, dtype=np.int64)
     ids_down, ids_out = np.array([5, 2], dtype=np.int32), np.array([2, 8], dtype=np.int32)
-    targetrows._fastq.draw_rows([(row, total, q, ids_down, 1), (row, total, q, ids_out, 1)], out)
-    assert out.tolist() == [-3, -3]
+    draws = [(row, total, q, ids_down, 1), (row, total, q, ids_out, 1), (row, total, None, None, 1)]
+    assert targetrows._fastq.draw_rows(draws) == [-3, -3, 0]
 
 
 # -- the sharded walk keeps its collectives ----------------------------------------------
@@ -405,3 +414,18 @@ def test_a_sharded_step_runs_six_collectives_on_every_rank_and_decides_as_one_ra
         one.append(result_of(v.decode_target_only(0) if p is None else v.verify(p)))
     assert outs[0] == one
     assert all(isinstance(o, tuple) for o in outs[0] + outs[1])
+
+
+def test_a_key_outside_the_rng_abi_is_refused_on_every_path():
+    # A seed beyond 64 bits has no draws: the ABI's own refusal, per request and in a step.
+    from pp1wire.errors import RngError
+
+    def verifier() -> RequestVerifier:
+        target = ToyLM(40, 3).probs
+        return RequestVerifier(session=1, seed=1 << 64, vocab_size=40, prefix=[1], target=target)
+
+    with pytest.raises(RngError):
+        verifier().decode_target_only(0)
+    rounds = [(verifier(), None, 0)]
+    with pytest.raises(RngError):
+        verify_step(rounds, np.ones((1, 40)))

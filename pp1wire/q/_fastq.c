@@ -909,19 +909,18 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  * §6.5 and §6.6, bit for bit what the numpy row operations give. The walk that
  * decides with them is pp1wire.q.walk's; nothing here decides a round.
  *
- *   row_checks(rows, totals, ok[, threads]) -> None
+ *   row_checks(rows[, threads]) -> list
  *       Each row (float32 or float64, contiguous; None for a row that could
- *       not be read) in one pass: its canonical total into totals (float64)
- *       and into ok (int64) whether it is a distribution: no value below
- *       zero, a finite, positive total.
+ *       not be read) in one pass: its canonical total if it is a
+ *       distribution (no value below zero, a finite, positive total), else None.
  *
- *   draw_rows(draws, out[, threads]) -> None
+ *   draw_rows(draws[, threads]) -> list
  *       Each draw (row, total, q or None, ids or None, u53) of a checked row:
  *       from max(row / total - q, 0) with q (float32 values or int32/int64
  *       counts, dense: at least as long as the row; or sparse: ascending ids),
  *       from row / total without, by descending the canonical tree: one pass
  *       over the row stores the sums of its 64-leaf blocks, the descent
- *       recomputes the one block it ends in. out (int64): the drawn index, -1
+ *       recomputes the one block it ends in. Each entry: the drawn index, -1
  *       if the weights have no mass, -2 out of memory, -3 a sparse q whose ids
  *       are not ascending inside the row (the caller draws those its own way).
  *
@@ -1592,21 +1591,6 @@ static void run_all(void (*run)(void *, Py_ssize_t), void *items, Py_ssize_t k, 
 #endif
 }
 
-/* An int64 or float64 output buffer of k entries, or -1 with an exception set. */
-static int take_out(PyObject *obj, Py_buffer *b, char format, Py_ssize_t k, const char *name) {
-    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
-        return -1;
-    int kind = buffer_kind(b);
-    int want = format == 'd' ? K_F64 : K_I64;
-    if (kind != want || b->ndim != 1 || b->shape[0] != k) {
-        PyBuffer_Release(b);
-        PyErr_Format(PyExc_ValueError, "%s: one %s per row", name,
-                     format == 'd' ? "float64" : "int64");
-        return -1;
-    }
-    return 0;
-}
-
 /* Each call shares its rows out as pieces: with threads > 1 a row of at least two
  * 64-leaf blocks splits into up to `pieces` aligned subtrees of its canonical
  * tree, whose roots are nodes of that tree (a row's total is then their sums, in
@@ -1669,22 +1653,29 @@ static void fill_pieces(const vcheck_t *rows, Py_ssize_t k, vpiece_t *out) {
     }
 }
 
-static PyObject *row_checks(PyObject *self, PyObject *args) {
-    PyObject *rows, *tobj, *oobj;
-    int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!OO|i", &PyList_Type, &rows, &tobj, &oobj, &threads))
-        return NULL;
-    Py_ssize_t k = PyList_GET_SIZE(rows);
-    Py_buffer tb, ob;
-    if (take_out(tobj, &tb, 'd', k, "row_checks") < 0) return NULL;
-    if (take_out(oobj, &ob, 'q', k, "row_checks") < 0) {
-        PyBuffer_Release(&tb);
-        return NULL;
+/* A list of k entries from totals: each a float where ok, else None. */
+static PyObject *totals_list(const double *totals, const int *ok, Py_ssize_t k) {
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = ok[j] ? PyFloat_FromDouble(totals[j]) : Py_NewRef(Py_None);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
     }
-    vcheck_t *items = (vcheck_t *)calloc(k ? (size_t)k : 1, sizeof(vcheck_t));
-    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k : 1, sizeof(Py_buffer));
+    return out;
+}
+
+static PyObject *row_checks(PyObject *self, PyObject *args) {
+    PyObject *rows;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &rows, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(rows);
+    size_t slots = k ? (size_t)k : 1;
+    vcheck_t *items = (vcheck_t *)calloc(slots, sizeof(vcheck_t));
+    Py_buffer *views = (Py_buffer *)calloc(slots, sizeof(Py_buffer));
+    double *totals = (double *)calloc(slots, sizeof(double));
+    int *ok = (int *)calloc(slots, sizeof(int));
     vpiece_t *pieces = NULL;
-    int used = 0, failed = items == NULL || views == NULL;
+    int used = 0, failed = items == NULL || views == NULL || totals == NULL || ok == NULL;
     for (Py_ssize_t j = 0; j < k && !failed; j++) {
         PyObject *r = PyList_GET_ITEM(rows, j);
         if (r == Py_None) continue; /* kind stays K_NONE */
@@ -1697,18 +1688,12 @@ static PyObject *row_checks(PyObject *self, PyObject *args) {
     }
     if (failed && !PyErr_Occurred()) PyErr_NoMemory();
     if (!failed) {
-        double *totals = (double *)tb.buf;
-        int64_t *ok = (int64_t *)ob.buf;
         Py_BEGIN_ALLOW_THREADS
         fill_pieces(items, k, pieces);
         run_all(check_piece, pieces, (Py_ssize_t)count, threads);
         for (Py_ssize_t j = 0; j < k; j++) {
             vcheck_t *c = &items[j];
-            if (c->pieces == 0) {
-                totals[j] = 0.0;
-                ok[j] = 0;
-                continue;
-            }
+            if (c->pieces == 0) continue; /* an unreadable row: not ok */
             vpiece_t *p = &pieces[c->first];
             int bad = 0;
             for (size_t i = 0; i < c->pieces; i++) bad |= p[i].bad;
@@ -1720,13 +1705,13 @@ static PyObject *row_checks(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : totals_list(totals, ok, k);
     free(pieces);
     free(views);
     free(items);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&ob);
-    if (failed) return NULL;
-    Py_RETURN_NONE;
+    free(totals);
+    free(ok);
+    return out;
 }
 
 typedef struct {
@@ -1787,20 +1772,19 @@ static int parse_q(PyObject *qobj, PyObject *idobj, vdraw_t *d, Py_buffer *views
 }
 
 static PyObject *draw_rows(PyObject *self, PyObject *args) {
-    PyObject *draws, *oobj;
+    PyObject *draws;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!O|i", &PyList_Type, &draws, &oobj, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &draws, &threads)) return NULL;
     Py_ssize_t k = PyList_GET_SIZE(draws);
-    Py_buffer ob;
-    if (take_out(oobj, &ob, 'q', k, "draw_rows") < 0) return NULL;
     vdraw_t *items = (vdraw_t *)calloc(k ? (size_t)k : 1, sizeof(vdraw_t));
     Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * 3 : 1, sizeof(Py_buffer));
+    int64_t *drawn = (int64_t *)calloc(k ? (size_t)k : 1, sizeof(int64_t));
     vdpiece_t *pieces = NULL;
-    int used = 0, failed = items == NULL || views == NULL;
+    int used = 0, failed = items == NULL || views == NULL || drawn == NULL;
     if (failed) PyErr_NoMemory();
     for (Py_ssize_t j = 0; j < k && !failed; j++) {
         vdraw_t *d = &items[j];
-        d->out = (int64_t *)ob.buf + j;
+        d->out = drawn + j;
         PyObject *row, *qobj, *idobj;
         unsigned long long u53;
         failed = !PyArg_ParseTuple(PyList_GET_ITEM(draws, j), "OdOOK", &row, &d->total, &qobj,
@@ -1855,12 +1839,17 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t j = 0; items != NULL && j < k; j++) free(items[j].up);
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = PyLong_FromLongLong(drawn[j]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
+    }
+    free(drawn);
     free(pieces);
     free(views);
     free(items);
-    PyBuffer_Release(&ob);
-    if (failed) return NULL;
-    Py_RETURN_NONE;
+    return out;
 }
 
 /* ---------------------------------------------------------------------------
@@ -2623,8 +2612,8 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
 static PyMethodDef methods[] = {
-    METHOD(row_checks, "(rows, totals, ok[, threads]) -> None"),
-    METHOD(draw_rows, "(draws, out[, threads]) -> None"),
+    METHOD(row_checks, "(rows[, threads]) -> each row's total, or None if not a distribution"),
+    METHOD(draw_rows, "(draws[, threads]) -> each drawn index, or -1 / -2 / -3"),
     METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
     METHOD(draw_total,
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),

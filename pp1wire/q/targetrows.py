@@ -1,31 +1,15 @@
-"""The walk's row operations on the host: one target row's checks, p(x) and draws,
-and the backends (per prefix, numpy, compiled, or a torch device's) that batch them
-over an engine step's rounds for :func:`pp1wire.q.walk.walk`.
+"""The walk's row operations: one target row's checks, p(x) and draws, and the
+backends that batch them over a batch of rounds for :func:`pp1wire.q.walk.walk`.
 
-One row: :func:`checked_target` reads a row once for its canonical total and
-its checks, an accepted draft needs ``p(x) = v[x] / total`` alone
-(:class:`CheckedRow`), and :func:`sample_weights` / :func:`residual_sample` draw
-the bonus or the correction by descending the canonical tree
-(``docs/protocol.md`` §6.5, §6.6). A step (:func:`decide`): the rounds of many
-requests, each a :class:`~pp1wire.q.walk.RoundRows` naming its rows in the
-step's flat layout, walked together with one backend; every backend gives the
-same answers bit for bit (tests check it):
-
-* :class:`PrefixRows` (the per-request verifier's): each row the target's (or
-  given) for its prefix, then the request's processors;
-* :class:`CompiledRows` (``pp1wire/q/_fastq.c``, when built): each batch of
-  checks, and the step's draws, in one call with the GIL released, shared out
-  to two threads (one in a pinned process);
-* :class:`HostRows` (no compiler): numpy, row by row (stacking rows only adds
-  copies at a large vocabulary);
-* :class:`pp1wire.q.torch_ops.DeviceStep` (rows on a torch device): they stay
-  there; totals, checks and ``v[x]`` come back in one transfer, the drawn IDs
-  in another.
-
-A row a round reaches that fails its checks stops the round with
-:attr:`~pp1wire.q.walk.Stop.BAD_ROW`; the caller diagnoses it with
-:func:`checked_target` (or :attr:`PrefixRows.failures`), so the error is the
-per-request one exactly.
+One row: :func:`checked_target` reads it once for its canonical total and its
+checks, :class:`CheckedRow` gives ``p(x) = v[x] / total`` without dividing the
+row, and :func:`sample_weights` / :func:`residual_sample` draw by descending
+the canonical tree (``docs/protocol.md`` §6.5, §6.6). The backends, the same
+answers bit for bit (tests check it): :class:`PrefixRows` (the per-request
+verifier's: each row scored and processed on its prefix), :class:`HostRows`
+(numpy), :class:`CompiledRows` (``pp1wire/q/_fastq.c``, the GIL released) and
+:class:`pp1wire.q.torch_ops.DeviceStep` (rows kept on their torch device);
+:func:`decide` picks a step's.
 """
 
 from __future__ import annotations
@@ -41,6 +25,7 @@ from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q import tree
 from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import ExtendedPrefix
 from pp1wire.q.walk import Decision, Draw, RoundRows, walk
 
 try:  # the optional compiled row work (pp1wire/q/_fastq.c), qualified against numpy's
@@ -339,7 +324,8 @@ def _drawn(weights: Float64Array, u53: int) -> int:
 
 
 class PrefixRows:
-    """The per-request backend: row ``i`` is the target's row for ``prefixes[i]``
+    """The per-request backend, for one round: row ``i`` is the target's row for
+    the committed prefix followed by the round's first ``i`` drafted tokens
     (``scores[i]`` when already computed), then each processor's on it, scored
     only when the walk reaches it.
 
@@ -347,16 +333,20 @@ class PrefixRows:
     :attr:`failures` the error its target, a processor or its checks raised.
     """
 
+    eager_draws = True
+
     def __init__(
         self,
-        prefixes: Sequence[Sequence[int]],
+        committed: Sequence[int],
+        tokens: Sequence[int],
         target: TargetFn,
         processors: Sequence[Processor],
         vocab: int,
         scores: Sequence[npt.ArrayLike] | None = None,
     ) -> None:
-        """The rows of one round (or a target-only round's one row)."""
-        self._prefixes = prefixes
+        """The rows of one round (of a target-only round, ``tokens`` empty: one row)."""
+        self._committed = committed
+        self._tokens = tokens
         self._target = target
         self._processors = tuple(processors)
         self._vocab = vocab
@@ -366,10 +356,17 @@ class PrefixRows:
 
     def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
         """Score, process and check each row (see :class:`~pp1wire.q.walk.RowOps`)."""
+        # One round's rows: the walk never comes back to an earlier one, so only
+        # the last checked is kept (a row of binary64 at a large vocabulary).
+        self._rows.clear()
         return [self._score(r) for r, _ in rows]
 
     def _score(self, r: int) -> bool:
-        prefix = self._prefixes[r]
+        prefix: Sequence[int] = self._committed
+        if self._tokens:  # the prefix viewed, not copied
+            prefix = ExtendedPrefix(self._committed)
+            for token in self._tokens[:r]:
+                prefix.append(token)
         try:
             raw = self._target(prefix) if self._scores is None else self._scores[r]
             values, total = checked_target(raw, self._vocab)
@@ -406,6 +403,8 @@ class PrefixRows:
 class HostRows:
     """The numpy backend of a step, row by row: at a large vocabulary, stacking rows
     for numpy only adds copies (measured: ``benchmarks/verify_batch.py``, numpy only)."""
+
+    eager_draws = True
 
     def __init__(self, rows: StepRows) -> None:
         """The step's rows."""
@@ -464,39 +463,24 @@ class CompiledRows(HostRows):
     def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
         """As :meth:`HostRows.check`, each row read once."""
         arrays = [self.rows.host(r, vocab) for r, vocab in rows]
-        totals = np.empty(len(rows), dtype=np.float64)
-        ok = np.empty(len(rows), dtype=np.int64)
-        _fastq.row_checks(arrays, totals, ok, self.threads)
         out = []
-        for (r, _), arr, total, good in zip(
-            rows, arrays, totals.tolist(), ok.tolist(), strict=True
+        for (r, _), arr, total in zip(
+            rows, arrays, _fastq.row_checks(arrays, self.threads), strict=True
         ):
-            if good and arr is not None:  # an unreadable row (None) is never good
+            if total is not None and arr is not None:  # an unreadable row (None) is never one
                 self._checked[r] = (arr, total)
-            out.append(bool(good))
+            out.append(total is not None)
         return out
 
     def draw(self, draws: Sequence[Draw]) -> list[int]:
         """As :meth:`HostRows.draw`, each row read once for its tree, and once more
         for the block the descent ends in."""
-        out = [-1] * len(draws)
-        specs: list[tuple[Any, ...]] = []
-        taken: list[int] = []
-        rest: list[int] = []
-        for k, d in enumerate(draws):
-            spec = self._spec(d)
-            if spec is None:
-                rest.append(k)
-            else:
-                specs.append(spec)
-                taken.append(k)
-        got = np.empty(len(specs), dtype=np.int64)
-        _fastq.draw_rows(specs, got, self.threads)
-        for k, y in zip(taken, got.tolist(), strict=True):
-            if y < -1:  # -2: no memory for the tree; -3: a sparse q it does not take
-                rest.append(k)
-            else:
-                out[k] = y
+        specs = [self._spec(d) for d in draws]
+        taken = [spec for spec in specs if spec is not None]
+        drawn = iter(_fastq.draw_rows(taken, self.threads))
+        out = [-2 if spec is None else next(drawn) for spec in specs]
+        # -2: no memory for the tree, or a q of another form; -3: a sparse q it does not take.
+        rest = [k for k, y in enumerate(out) if y < -1]
         for k, y in zip(rest, super().draw([draws[k] for k in rest]), strict=True):
             out[k] = y
         return out

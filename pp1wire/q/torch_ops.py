@@ -317,6 +317,8 @@ class DeviceStep:
     bit-for-bit the host's.
     """
 
+    eager_draws = False
+
     def __init__(self, probs: torch.Tensor, drafts: list[tuple[int, int]]) -> None:
         """Total and check every row of ``probs`` (rows x V) and read ``v[x]`` at each
         ``(row, x)`` of ``drafts``."""

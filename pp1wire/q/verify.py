@@ -1,26 +1,18 @@
-"""The production verifier (numpy, binary64) that the Spark side runs.
-
-For each draft position in order: evaluate the target and its processors on the
-matching proposed prefix, draw ``u`` from the acceptance domain and accept iff
-``u * q(x) < p(x)`` — decided exactly in integers, so a token with
-``p(x) = 0`` can never pass. At the first rejection draw the correction from
-``max(p - q, 0)`` over the full vocabulary; if every draft survives draw a
-bonus from p. An accepted terminal token stops without a bonus; a terminal
-correction or bonus ends the request.
+"""The Spark side's verifier: a request's state, the checks before any draw, and what
+a round commits; the block itself is decided by the one walk of :mod:`pp1wire.q.walk`.
 
 Everything that is the proposal's fault is refused before the first draw. A
 failure inside the target or a processor leaves the committed prefix as it was
 and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
-commits all of its tokens or none.
+commits all of its tokens or none; a terminal correction or bonus ends the
+request.
 
-Every round is decided by the one walk of :mod:`pp1wire.q.walk`: a request's
-own (:meth:`RequestVerifier.verify`) with its rows scored and processed per
-prefix, an engine's step (:func:`verify_step`: the rounds of many requests from
-one ``(N, V)`` array of target rows for :func:`step_prefixes`) with the row
-work batched (:func:`pp1wire.q.targetrows.decide`: compiled, numpy, or on the
-rows' torch device). :func:`verify_batch` is that step with the rows from one
-target call. This module owns what comes before and after the walk: the
-checks before any draw, and what a decided round commits.
+A request's own round (:meth:`RequestVerifier.verify`) walks with its rows
+scored and processed per prefix; an engine's step (:func:`verify_step`: the
+rounds of many requests from one ``(N, V)`` array of target rows for
+:func:`step_prefixes`) walks them together with the row work batched
+(:func:`pp1wire.q.targetrows.decide`: compiled, numpy, or on the rows' torch
+device). :func:`verify_batch` is that step with the rows from one target call.
 """
 
 from __future__ import annotations
@@ -341,7 +333,7 @@ class RequestVerifier:
             raise VerifyError(ErrorCode.BAD_ARGUMENT, "scores do not match the proposal")
         job = self.round_rows(proposal.round_id, proposal.rows)
         rows = PrefixRows(
-            self.prefixes(proposal), self.target, self.processors, self.vocab_size, scores
+            self.committed, job.tokens, self.target, self.processors, self.vocab_size, scores
         )
         return self._walked(job, rows, commit)
 
@@ -364,13 +356,13 @@ class RequestVerifier:
         """The walk's description of a round of this request after its committed
         prefix: its rows ``first, first + 1, …`` of a layout (one per draft and the
         bonus; one for a target-only round, ``drafts`` empty), and each draft's
-        count at its token (``counts``, or read from the rows)."""
+        count at its token (``counts``, or read from its row when reached)."""
         rows = tuple(drafts)
         return RoundRows(
             rows=tuple(range(first, first + len(rows) + 1)),
             drafts=rows,
             tokens=tuple(r.token for r in rows),
-            counts=tuple(r.count_at(r.token) for r in rows) if counts is None else tuple(counts),
+            counts=None if counts is None else tuple(counts),
             seed=self.seed,
             generation=self.generation,
             round_id=round_id,
@@ -438,7 +430,7 @@ class RequestVerifier:
         self, round_id: int, *, commit: bool, score: npt.ArrayLike | None = None
     ) -> RoundResult:
         scores = None if score is None else [score]
-        rows = PrefixRows([self.committed], self.target, self.processors, self.vocab_size, scores)
+        rows = PrefixRows(self.committed, (), self.target, self.processors, self.vocab_size, scores)
         return self._walked(self.round_rows(round_id), rows, commit)
 
     def apply(self, result: RoundResult) -> None:
@@ -611,9 +603,10 @@ def verify_step(
     decide it (the same tokens for the same seeds), and only the rows it
     reaches are read. With ``commit`` False nothing commits
     (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
-    ``threads``: how many threads the compiled step may share the rounds out
-    to (None: one for a step of fewer than 2**20 row entries, where a second
-    costs more than it saves; else 2, or 1 in a process pinned to one core).
+    ``threads``: how many threads the compiled row operations may share each
+    call's rows out to (None: one for a step of fewer than 2**20 row entries,
+    where a second costs more than it saves; else 2, or 1 in a process pinned
+    to one core).
 
     Returns one entry per round, in order: its :class:`RoundResult`, or the
     :class:`VerifyError` that refused it (nothing drawn, nothing changed), that

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pp1wire.q.proposal import QRow
 from pp1wire.q.rng import Domain, Role, RoundStreams
@@ -57,31 +56,25 @@ class Decision(NamedTuple):
     token: int
 
 
-@dataclass(frozen=True, slots=True)
-class RoundRows:
+class RoundRows(NamedTuple):
     """One round, as the walk needs it.
 
     ``rows``: the indices of its target rows in its backend's layout, one per
     draft and the bonus (one for a target-only round: ``drafts`` empty);
-    ``counts``: each draft's q count at its token; ``start``: the absolute
-    position of the first draft.
+    ``counts``: each draft's q count at its token (None: read from a draft's row
+    when the walk reaches it); ``start``: the absolute position of the first draft.
     """
 
     rows: tuple[int, ...]
     drafts: tuple[QRow, ...]
     tokens: tuple[int, ...]
-    counts: tuple[int, ...]
+    counts: tuple[int, ...] | None
     seed: int
     generation: int
     round_id: int
     start: int
     eos: int | None
     vocab: int
-
-    @property
-    def target_only(self) -> bool:
-        """A round without drafts: one token from the target."""
-        return not self.drafts
 
     def in_rng_range(self) -> bool:
         """Whether every key field of its draws fits the RNG ABI (else its own
@@ -112,6 +105,11 @@ class RowOps(Protocol):
     first call, say) but answers only what it is asked, in order.
     """
 
+    eager_draws: bool
+    """Whether the draws decided at a position are asked for right after it, while
+    their rows are still in cache (host memory), or all at the end in one call
+    (one transfer from a device, one set of a sharded group's collectives)."""
+
     def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
         """Whether each (row, vocabulary size) is a distribution: the right shape,
         finite, non-negative, a positive canonical total (which it keeps)."""
@@ -140,9 +138,11 @@ class RoundDraws:
         Raises:
             RngError: ``RNG_FIELD_RANGE`` for a key outside the RNG ABI.
         """
-        self._streams = RoundStreams(Role.SPARK, job.seed, job.generation, job.round_id)
         philox = getattr(_fastq, "philox_u53", None)
-        self._philox = philox if job.in_rng_range() else None
+        self._philox: Any = philox if philox is not None and job.in_rng_range() else None
+        self._streams: RoundStreams | None = None
+        if self._philox is None:  # it refuses a key out of range here, as the ABI's own
+            self._streams = RoundStreams(Role.SPARK, job.seed, job.generation, job.round_id)
         self._key = (job.seed, job.generation, job.round_id)
 
     def u53(self, domain: Domain, position: int) -> int:
@@ -151,10 +151,13 @@ class RoundDraws:
         Raises:
             RngError: ``RNG_FIELD_RANGE`` for a position outside the RNG ABI.
         """
-        if self._philox is None:
+        if self._streams is not None:
             return self._streams.u53_int(domain, position)
         seed, generation, round_id = self._key
-        return int(self._philox(seed, generation, round_id, position, int(domain)))
+        return int(self._philox(seed, generation, round_id, position, domain))
+
+
+_ACCEPTANCE, _CORRECTION, _TARGET = Domain.ACCEPTANCE, Domain.CORRECTION, Domain.TARGET
 
 
 def walk(jobs: Sequence[RoundRows], ops: RowOps) -> list[Decision]:
@@ -166,8 +169,9 @@ def walk(jobs: Sequence[RoundRows], ops: RowOps) -> list[Decision]:
     correction from ``max(p - q, 0)``, and the row after the last draft gives
     the bonus from ``p`` (the target-only token, in the TARGET domain, for a
     round without drafts). A row that fails its checks stops its round there.
-    Only the rows a round reaches are asked for, and all the draws come last,
-    in one call: none of them decides anything but its own token.
+    Only the rows a round reaches are asked for; the draws come after the
+    position that decided them, or all at the end (:attr:`RowOps.eager_draws`):
+    none of them decides anything but its own token.
 
     Raises:
         RngError: a round's key outside the RNG ABI (only a round the caller
@@ -175,48 +179,51 @@ def walk(jobs: Sequence[RoundRows], ops: RowOps) -> list[Decision]:
     """
     n = len(jobs)
     out: list[Decision | None] = [None] * n
-    keyed = [RoundDraws(j) for j in jobs]
+    keyed = [RoundDraws(j).u53 for j in jobs]
     at, accepted = [0] * n, [0] * n
     draws: list[Draw] = []
     drawing: list[int] = []
     live = list(range(n))
     while live:
-        checked = ops.check([(jobs[k].rows[at[k]], jobs[k].vocab) for k in live])
-        testing = []
-        for k, ok in zip(live, checked, strict=True):
+        asked = [(jobs[k].rows[at[k]], jobs[k].vocab) for k in live]
+        testing: list[int] = []
+        asks: list[tuple[int, int]] = []
+        for k, (row, vocab), ok in zip(live, asked, ops.check(asked), strict=True):
             job, i = jobs[k], at[k]
             if not ok:
                 out[k] = Decision(Stop.BAD_ROW, i, accepted[k], -1)
-            elif i < len(job.drafts):
+            elif i < len(job.tokens):
                 testing.append(k)
+                asks.append((row, job.tokens[i]))
             else:  # the bonus, or the target-only token
-                domain = Domain.TARGET if job.target_only else Domain.CORRECTION
-                draws.append(
-                    Draw(job.rows[i], None, keyed[k].u53(domain, job.start + i), job.vocab)
-                )
+                domain = _CORRECTION if job.tokens else _TARGET
+                draws.append(Draw(row, None, keyed[k](domain, job.start + i), vocab))
                 drawing.append(k)
-        asks = [(jobs[k].rows[at[k]], jobs[k].tokens[at[k]]) for k in testing]
         live = []
-        for k, p_x in zip(testing, ops.p_at(asks) if asks else [], strict=True):
+        for k, (row, x), p_x in zip(testing, asks, ops.p_at(asks) if asks else [], strict=True):
             job, i = jobs[k], at[k]
-            u = keyed[k].u53(Domain.ACCEPTANCE, job.start + i)
-            if accept_exact(u, job.counts[i], p_x):
+            count = job.drafts[i].count_at(x) if job.counts is None else job.counts[i]
+            if accept_exact(keyed[k](_ACCEPTANCE, job.start + i), count, p_x):
                 accepted[k] += 1
-                if job.tokens[i] == job.eos:
+                if x == job.eos:
                     out[k] = Decision(Stop.EOS, i, accepted[k], -1)
                 else:
-                    at[k] += 1
+                    at[k] = i + 1
                     live.append(k)
                 continue
-            u = keyed[k].u53(Domain.CORRECTION, job.start + i)
-            draws.append(Draw(job.rows[i], job.drafts[i], u, job.vocab))
+            u = keyed[k](_CORRECTION, job.start + i)
+            draws.append(Draw(row, job.drafts[i], u, job.vocab))
             drawing.append(k)
-    for k, spec, y in zip(drawing, draws, ops.draw(draws) if draws else [], strict=True):
-        if spec.q is not None:
-            stop = Stop.CORRECTION
-        else:
-            stop = Stop.TARGET if jobs[k].target_only else Stop.BONUS
-        out[k] = Decision(stop if y >= 0 else Stop.EMPTY, at[k], accepted[k], y)
+        if draws and (ops.eager_draws or not live):
+            for k, spec, y in zip(drawing, draws, ops.draw(draws), strict=True):
+                if y < 0:
+                    stop = Stop.EMPTY
+                elif spec.q is not None:
+                    stop = Stop.CORRECTION
+                else:
+                    stop = Stop.BONUS if jobs[k].tokens else Stop.TARGET
+                out[k] = Decision(stop, at[k], accepted[k], y)
+            draws, drawing = [], []
     done = [d for d in out if d is not None]
     assert len(done) == n  # every round ends once: a bad row, an accepted terminal, or a draw
     return done

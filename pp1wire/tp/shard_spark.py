@@ -381,6 +381,8 @@ class ShardRows:
     alike when the walk asks for none.
     """
 
+    eager_draws = False
+
     def __init__(
         self,
         group: ShardedVerifyGroup,
