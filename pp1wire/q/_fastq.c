@@ -905,38 +905,34 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
 }
 
 /* ---------------------------------------------------------------------------
- * Verification of an engine step's rounds (pp1wire.q.targetrows), protocol
- * §6.5 and §6.6, bit for bit what pp1wire.q.verify's per-request path decides:
+ * The row operations of verification (pp1wire.q.targetrows.CompiledRows), protocol
+ * §6.5 and §6.6, bit for bit what the numpy row operations give. The walk that
+ * decides with them is pp1wire.q.walk's; nothing here decides a round.
  *
- *   verify_rounds(jobs, out[, threads]) -> None
- *       Each job is one round: (rows, tokens, counts, qs, seed, generation,
- *       round, start, final_domain, eos, vocab). rows: its target rows (float32
- *       or float64, `vocab` entries each; None for a row that could not be
- *       read), d + 1 for a proposal of d drafts, 1 for a target-only round;
- *       tokens, counts: each draft and its q count; qs: each draft row's q as
- *       (values, ids or None): float32 q values or int32/int64 counts, dense
- *       (at least `vocab` entries) or sparse (ascending ids). out: int64, four
- *       per job: (status, stop row, accepted drafts, drawn token or -1).
- *       With the GIL released, each round walks its positions: the row's
- *       canonical total and its checks in one pass, the exact acceptance test
- *       u * q(x) < p(x) with p(x) = v[x] / total, and at the first rejection
- *       the correction from max(p - q, 0), else the bonus (or the target-only
- *       token) from p, each drawn by descending the canonical tree: one pass
+ *   row_checks(rows[, threads]) -> list
+ *       Each row (float32 or float64, contiguous; None for a row that could
+ *       not be read) in one pass: its canonical total if it is a
+ *       distribution (no value below zero, a finite, positive total), else None.
+ *
+ *   draw_rows(draws[, threads]) -> list
+ *       Each draw (row, total, q or None, ids or None, u53) of a checked row:
+ *       from max(row / total - q, 0) with q (float32 values or int32/int64
+ *       counts, dense: at least as long as the row; or sparse: ascending ids),
+ *       from row / total without, by descending the canonical tree: one pass
  *       over the row stores the sums of its 64-leaf blocks, the descent
- *       recomputes the one block it ends in. The Philox draws are those of
- *       pp1wire.q.rng (ACCEPTANCE, CORRECTION, TARGET domains). With
- *       threads > 1, that many threads take the rounds one by one.
- *       Status: 0 accepted terminal draft, 1 correction, 2 bonus, 3
- *       target-only token, 4 the row `stop` failed its checks (the caller
- *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
- *       are not ascending inside the vocabulary (the caller decides the round
- *       its own way), 7 out of memory in a draw (the caller likewise).
+ *       recomputes the one block it ends in. Each entry: the drawn index, -1
+ *       if the weights have no mass, -2 out of memory, -3 a sparse q whose ids
+ *       are not ascending inside the row (the caller draws those its own way).
+ *
+ *   Both release the GIL; with threads > 1 that many threads take the rows
+ *   one by one.
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
  *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
  *   accept_u53(u53, count, p) -> bool
  *   step_simd(on) -> bool
- *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
+ *       Turn the AVX2 path of row_checks and draw_rows off (the portable path)
+ *       or back on.
  *   row_stats(row) -> (total, negative)
  *   draw_total(row, total, q, ids) -> float
  *       The pieces alone, for qualification: a draw, the acceptance test, a
@@ -944,12 +940,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       a draw descends (max(v / total - q, 0), or v / total without q).
  * ------------------------------------------------------------------------- */
 
-enum { V_EOS = 0, V_CORRECTION = 1, V_BONUS = 2, V_TARGET = 3, V_BAD_ROW = 4, V_EMPTY = 5,
-       V_BAD_Q = 6, V_NOMEM = 7 };
-enum { D_ACCEPTANCE = 2, D_CORRECTION = 3, D_TARGET = 4 };
 enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
-#define V_MAX_ROWS 6 /* MAX_DEPTH drafts and the bonus */
-#define V_BUFFERS (3 * V_MAX_ROWS)
 
 static void philox10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     for (int i = 0; i < 10; i++) {
@@ -1002,22 +993,6 @@ typedef struct {
     const int32_t *ids; /* NULL for a dense row */
     size_t nids;
 } vq_t;
-
-typedef struct {
-    int nrows, ndrafts, final_domain, bad_q;
-    vrow_t rows[V_MAX_ROWS];
-    int64_t tokens[V_MAX_ROWS], counts[V_MAX_ROWS];
-    vq_t qs[V_MAX_ROWS];
-    uint64_t seed;
-    uint32_t gen, round, start;
-    int64_t eos;
-    size_t vocab;
-    int64_t *out;
-} vround_t;
-
-static inline double row_at(const vrow_t *r, size_t i) {
-    return r->kind == K_F32 ? (double)((const float *)r->p)[i] : ((const double *)r->p)[i];
-}
 
 /* Leaves [base, base + 64) of the row as binary64, +0.0 past n; returns how many are real. */
 static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restrict x) {
@@ -1171,6 +1146,8 @@ static size_t tree_size(size_t n, int *depth) {
  * level are independent (and vectorize); a block of padding only is +0.0.
  * Also whether some value is negative: with the total's finiteness, what
  * check_target reads, in one pass. */
+static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad);
+
 static double row_total(const vrow_t *r, size_t n, int *bad) {
     int depth;
     size_t size = tree_size(n, &depth);
@@ -1182,13 +1159,21 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
             for (size_t i = 0; i < width / 2; i++) x[i] = x[2 * i] + x[2 * i + 1];
         return x[0];
     }
+    return blocks_total(r, n, 0, size >> 6, bad);
+}
+
+/* The root of the subtree over the 64-leaf blocks [first, first + count): count a
+ * power of two and first a multiple of it, so the root is a node of the row's
+ * canonical tree (blocks past n are padding, +0.0). */
+static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad) {
+    double x[64];
     double stack[64];
-    int badness = 0;
-    size_t blocks = size >> 6;
+    int badness = 0, top = 0;
+    while (((size_t)1 << top) < count) top++;
 #ifdef HAVE_X86_PATH
     int x86 = have_avx2();
 #endif
-    for (size_t blk = 0; blk < blocks; blk++) {
+    for (size_t blk = first; blk < first + count; blk++) {
         size_t base = blk << 6;
         double carry = 0.0;
 #ifdef HAVE_X86_PATH
@@ -1207,7 +1192,7 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
                 }
             }
             int level = 0;
-            for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+            for (size_t b = blk - first; b & 1; b >>= 1) carry = stack[level++] + carry;
             stack[level] = carry;
             continue;
         }
@@ -1227,11 +1212,11 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
             carry = root64(x);
         }
         int level = 0;
-        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+        for (size_t b = blk - first; b & 1; b >>= 1) carry = stack[level++] + carry;
         stack[level] = carry;
     }
     *bad = badness;
-    return stack[depth - 6];
+    return stack[top];
 }
 
 static double tree_root(const double *restrict v, size_t n) {
@@ -1387,18 +1372,15 @@ static double block_root(const double *x) {
     return root64(x);
 }
 
-/* sample_weights / residual_sample of the row: the drawn index, -1 if the
- * weights have no mass, -2 if out of memory. */
-/* The block roots of the draw's weights into up[0, blocks), then the levels
- * above them (block_levels); the root is up[2 * blocks - 2]. */
-static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
-                         size_t blocks) {
+/* The block roots of the draw's weights for blocks [first, first + count) into up. */
+static void weights_roots(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
+                          size_t first, size_t count) {
     double lv[64];
 #ifdef HAVE_X86_PATH
     int qkind = q == NULL ? K_NONE : q->kind;
     int fused = have_avx2() && (q == NULL || (q->ids == NULL && qkind != K_I64));
 #endif
-    for (size_t blk = 0; blk < blocks; blk++) {
+    for (size_t blk = first; blk < first + count; blk++) {
         size_t base = blk << 6;
         if (base >= n) {
             up[blk] = 0.0;
@@ -1414,7 +1396,6 @@ static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q,
         weights_block(r, n, base, total, q, lv);
         up[blk] = block_root(lv);
     }
-    block_levels(up, blocks);
 }
 
 /* The canonical total of the draw's weights (what the draw descends); -1.0 if
@@ -1431,94 +1412,39 @@ static double weights_total(const vrow_t *r, size_t n, double total, const vq_t 
     size_t blocks = size >> 6;
     double *up = (double *)malloc(2 * blocks * sizeof(double));
     if (up == NULL) return -1.0;
-    weights_tree(r, n, total, q, up, blocks);
+    weights_roots(r, n, total, q, up, 0, blocks);
+    block_levels(up, blocks);
     double root = up[2 * blocks - 2];
     free(up);
     return root;
 }
 
-static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
+/* sample_weights / residual_sample of a row of fewer than 64 leaves: the drawn
+ * index, -1 if the weights have no mass. */
+static int64_t draw_small(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
     int depth;
     size_t size = tree_size(n, &depth);
     double lv[128];
-    if (depth < 6) {
-        weights_block(r, n, 0, total, q, lv);
-        block_levels(lv, size);
-        double root = lv[2 * size - 2];
-        if (!(root > 0.0)) return -1;
-        return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
-    }
-    size_t blocks = size >> 6;
-    double *up = (double *)malloc(2 * blocks * sizeof(double));
-    if (up == NULL) return -2;
-    weights_tree(r, n, total, q, up, blocks);
+    weights_block(r, n, 0, total, q, lv);
+    block_levels(lv, size);
+    double root = lv[2 * size - 2];
+    if (!(root > 0.0)) return -1;
+    return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
+}
+
+/* The same for a row of blocks of 64 leaves once up holds every block's root:
+ * down the blocks' tree to one block, then inside it. */
+static int64_t draw_blocks(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53,
+                           double *up, size_t blocks) {
+    block_levels(up, blocks);
     double root = up[2 * blocks - 2];
-    if (!(root > 0.0)) {
-        free(up);
-        return -1;
-    }
+    if (!(root > 0.0)) return -1;
     double t = ((double)u53 / 9007199254740992.0) * root;
-    /* Down the blocks' tree to one block, then inside it. */
     size_t index = descend(up, blocks, &t);
-    free(up);
+    double lv[128];
     weights_block(r, n, index << 6, total, q, lv);
     block_levels(lv, 64);
     return (int64_t)((index << 6) + block_descend(lv, 64, t));
-}
-
-static void finish(vround_t *job, int64_t status, int64_t stop, int64_t accepted, int64_t token) {
-    job->out[0] = status;
-    job->out[1] = stop;
-    job->out[2] = accepted;
-    job->out[3] = token;
-}
-
-static void run_round(vround_t *job) {
-    size_t n = job->vocab;
-    int64_t accepted = 0;
-    if (job->bad_q) {
-        finish(job, V_BAD_Q, 0, 0, -1);
-        return;
-    }
-    for (int i = 0; i < job->nrows; i++) {
-        const vrow_t *row = &job->rows[i];
-        if (row->kind == K_NONE) {
-            finish(job, V_BAD_ROW, i, accepted, -1);
-            return;
-        }
-        int bad = 0;
-        double total = row_total(row, n, &bad);
-        if (bad || !isfinite(total) || !(total > 0.0)) {
-            finish(job, V_BAD_ROW, i, accepted, -1);
-            return;
-        }
-        uint32_t pos = job->start + (uint32_t)i;
-        if (i == job->ndrafts) { /* the bonus, or the target-only token */
-            uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, job->final_domain);
-            int64_t y = draw_row(row, n, total, NULL, u);
-            int64_t status = job->final_domain == D_TARGET ? V_TARGET : V_BONUS;
-            if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
-            else finish(job, y < 0 ? V_EMPTY : status, i, accepted, y);
-            return;
-        }
-        int64_t x = job->tokens[i];
-        double px = row_at(row, (size_t)x) / total;
-        uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, D_ACCEPTANCE);
-        if (accept_test(u, job->counts[i], px)) {
-            accepted++;
-            if (x == job->eos) {
-                finish(job, V_EOS, i, accepted, -1);
-                return;
-            }
-            continue;
-        }
-        u = draw_u53(job->seed, job->gen, job->round, pos, D_CORRECTION);
-        int64_t y = draw_row(row, n, total, &job->qs[i], u);
-        if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
-        else finish(job, y < 0 ? V_EMPTY : V_CORRECTION, i, accepted, y);
-        return;
-    }
-    finish(job, V_BAD_ROW, job->nrows, accepted, -1); /* unreachable: the last row draws */
 }
 
 /* The buffer's element kind, from its format and item size. */
@@ -1543,7 +1469,7 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     (*used)++;
     int kind = buffer_kind(b);
     if (kind == K_NONE || b->ndim != 1) {
-        PyErr_SetString(PyExc_TypeError, "verify_rounds: unsupported buffer");
+        PyErr_SetString(PyExc_TypeError, "unsupported buffer");
         return -1;
     }
     *ptr = b->buf;
@@ -1551,158 +1477,379 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     return kind;
 }
 
-static int parse_round(PyObject *item, vround_t *job, Py_buffer *views, int *used) {
-    PyObject *rows, *tokens, *counts, *qs;
-    unsigned long long seed;
-    unsigned long gen, round, start;
-    int final_domain;
-    long long eos;
-    Py_ssize_t vocab;
-    if (!PyArg_ParseTuple(item, "O!O!O!O!KkkkiLn", &PyTuple_Type, &rows, &PyTuple_Type, &tokens,
-                          &PyTuple_Type, &counts, &PyTuple_Type, &qs, &seed, &gen, &round,
-                          &start, &final_domain, &eos, &vocab))
-        return -1;
-    Py_ssize_t nrows = PyTuple_GET_SIZE(rows), nd = PyTuple_GET_SIZE(tokens);
-    if (nrows < 1 || nrows > V_MAX_ROWS || nd != nrows - 1 || PyTuple_GET_SIZE(counts) != nd ||
-        PyTuple_GET_SIZE(qs) != nd || vocab < 1 || gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul ||
-        start + (unsigned long)nd > 0xFFFFFFFFul ||
-        (final_domain != D_CORRECTION && final_domain != D_TARGET)) {
-        PyErr_SetString(PyExc_ValueError, "verify_rounds: malformed round");
+/* Items handed out one at a time from a shared counter, so threads that get short
+ * ones take more of them. Each item writes only its own outputs. */
+/* One row's buffer into views[*used]: float32 or float64, not empty. */
+static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
+    Py_ssize_t len;
+    int kind = take_buffer(obj, views, used, &row->p, &len);
+    if (kind < 0) return -1;
+    if ((kind != K_F32 && kind != K_F64) || len < 1) {
+        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
         return -1;
     }
-    memset(job, 0, sizeof *job);
-    job->nrows = (int)nrows;
-    job->ndrafts = (int)nd;
-    job->final_domain = final_domain;
-    job->seed = seed;
-    job->gen = (uint32_t)gen;
-    job->round = (uint32_t)round;
-    job->start = (uint32_t)start;
-    job->eos = eos;
-    job->vocab = (size_t)vocab;
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        PyObject *r = PyTuple_GET_ITEM(rows, i);
-        if (r == Py_None) continue; /* kind stays K_NONE */
-        Py_ssize_t len;
-        int kind = take_buffer(r, views, used, &job->rows[i].p, &len);
-        if (kind < 0) return -1;
-        if ((kind != K_F32 && kind != K_F64) || len != vocab) {
-            PyErr_SetString(PyExc_ValueError, "verify_rounds: a row is not vocab floats");
-            return -1;
-        }
-        job->rows[i].kind = kind;
-    }
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        job->tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tokens, i));
-        job->counts[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
-        if (PyErr_Occurred()) return -1;
-        if (job->tokens[i] < 0 || job->tokens[i] >= vocab) {
-            PyErr_SetString(PyExc_ValueError, "verify_rounds: draft outside the vocabulary");
-            return -1;
-        }
-        PyObject *spec = PyTuple_GET_ITEM(qs, i), *values, *ids;
-        if (!PyArg_ParseTuple(spec, "OO", &values, &ids)) return -1;
-        vq_t *q = &job->qs[i];
-        Py_ssize_t nq;
-        q->kind = take_buffer(values, views, used, &q->q, &nq);
-        if (q->kind < 0) return -1;
-        if (q->kind == K_F64) {
-            PyErr_SetString(PyExc_TypeError, "verify_rounds: q is float32 values or int counts");
-            return -1;
-        }
-        if (ids == Py_None) {
-            if (nq < vocab) {
-                PyErr_SetString(PyExc_ValueError, "verify_rounds: dense q shorter than vocab");
-                return -1;
-            }
-            continue;
-        }
-        Py_ssize_t nid;
-        const void *idp;
-        if (take_buffer(ids, views, used, &idp, &nid) != K_I32 || nid != nq) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "verify_rounds: ids are int32, one per q");
-            return -1;
-        }
-        q->ids = (const int32_t *)idp;
-        q->nids = (size_t)nid;
-        for (Py_ssize_t j = 0; j < nid; j++) {
-            int32_t id = q->ids[j];
-            if (id < 0 || id >= vocab || (j && id <= q->ids[j - 1])) job->bad_q = 1;
-        }
-    }
+    row->kind = kind;
+    *n = (size_t)len;
     return 0;
 }
 
-/* Rounds are handed out one at a time from a shared counter, so threads that
- * draw short rounds take more of them. Each round writes only its own out. */
 typedef struct {
-    vround_t *rounds;
+    void (*run)(void *items, Py_ssize_t j);
+    void *items;
     Py_ssize_t count;
     Py_ssize_t next; /* atomic */
 } vwork_t;
 
-static void *run_rounds(void *arg) {
+static void *run_items(void *arg) {
     vwork_t *work = (vwork_t *)arg;
     for (;;) {
         Py_ssize_t j = __atomic_fetch_add(&work->next, 1, __ATOMIC_RELAXED);
         if (j >= work->count) break;
-        run_round(&work->rounds[j]);
+        work->run(work->items, j);
     }
     return NULL;
 }
 
 #define V_MAX_THREADS 16
 
-static void run_all(vround_t *rounds, Py_ssize_t k, int threads) {
-    vwork_t work = {rounds, k, 0};
-#if defined(_WIN32)
-    (void)threads;
-    run_rounds(&work);
-#else
-    pthread_t helpers[V_MAX_THREADS];
-    int started = 0;
+#if !defined(_WIN32)
+/* Helper threads, started once and kept: a call publishes its items and works on
+ * them itself, and waits only for the helpers that joined it (each busy with an
+ * item), never for one that was not yet scheduled. On a shared machine a call
+ * that waited for every helper to start and end would pay a scheduler slice per
+ * call, and the walk makes several calls a step. */
+static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* guards what follows */
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_idle = PTHREAD_COND_INITIALIZER;
+static vwork_t *pool_job;  /* the open call's items, or NULL */
+static unsigned long pool_gen;
+static int pool_size, pool_active, pool_wanted;
+
+static void *pool_main(void *arg) {
+    (void)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (pool_job == NULL || pool_gen == seen || pool_active >= pool_wanted)
+            pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = pool_gen;
+        vwork_t *work = pool_job;
+        pool_active++;
+        pthread_mutex_unlock(&pool_lock);
+        run_items(work);
+        pthread_mutex_lock(&pool_lock);
+        if (--pool_active == 0) pthread_cond_signal(&pool_idle);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the helpers, and may have copied a lock held. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_use, NULL);
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pthread_cond_init(&pool_idle, NULL);
+    pool_job = NULL;
+    pool_size = pool_active = pool_wanted = 0;
+}
+#endif
+
+static void run_all(void (*run)(void *, Py_ssize_t), void *items, Py_ssize_t k, int threads) {
+    vwork_t work = {run, items, k, 0};
     if (threads > V_MAX_THREADS) threads = V_MAX_THREADS;
     if (threads > k) threads = (int)k;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&helpers[started], NULL, run_rounds, &work) != 0) break;
-        started++; /* a thread that could not start leaves its rounds to the others */
+#if defined(_WIN32)
+    (void)threads;
+    run_items(&work);
+#else
+    /* Another thread's call holds the helpers: this one runs alone. */
+    if (threads <= 1 || pthread_mutex_trylock(&pool_use) != 0) {
+        run_items(&work);
+        return;
     }
-    run_rounds(&work);
-    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+    static int registered = 0;
+    pthread_mutex_lock(&pool_lock);
+    if (!registered) registered = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (registered && pool_size < threads - 1) {
+        pthread_t helper;
+        if (pthread_create(&helper, NULL, pool_main, NULL) != 0) break;
+        pthread_detach(helper);
+        pool_size++; /* a helper that could not start leaves its items to the others */
+    }
+    pool_job = &work;
+    pool_gen++;
+    pool_wanted = threads - 1;
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+    run_items(&work);
+    pthread_mutex_lock(&pool_lock);
+    pool_job = NULL; /* a helper not in by now stays out */
+    while (pool_active > 0) pthread_cond_wait(&pool_idle, &pool_lock);
+    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&pool_use);
 #endif
 }
 
-static PyObject *verify_rounds(PyObject *self, PyObject *args) {
-    PyObject *jobs;
-    Py_buffer ob;
+/* Each call shares its rows out as pieces: with threads > 1 a row of at least two
+ * 64-leaf blocks splits into up to `pieces` aligned subtrees of its canonical
+ * tree, whose roots are nodes of that tree (a row's total is then their sums, in
+ * the tree's order): the threads stay busy however few rows a call has. */
+static size_t pieces_for(int threads) {
+    size_t p = 1;
+    while (threads > 1 && p < (size_t)threads) p <<= 1;
+    return p;
+}
+
+static size_t blocks_of(size_t n) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    return depth < 6 ? 0 : size >> 6;
+}
+
+typedef struct {
+    vrow_t row;
+    size_t n, blocks, pieces, first; /* blocks == 0: a row under 64 leaves, one piece */
+} vcheck_t;
+
+typedef struct {
+    const vcheck_t *row;
+    size_t first, count; /* blocks of this piece */
+    double root;
+    int bad;
+} vpiece_t;
+
+static void check_piece(void *items, Py_ssize_t j) {
+    vpiece_t *p = (vpiece_t *)items + j;
+    p->bad = 0;
+    if (p->row->blocks == 0) p->root = row_total(&p->row->row, p->row->n, &p->bad);
+    else p->root = blocks_total(&p->row->row, p->row->n, p->first, p->count, &p->bad);
+}
+
+/* Lay out each row's pieces; returns how many there are in all. */
+static size_t split_rows(vcheck_t *rows, Py_ssize_t k, size_t pieces) {
+    size_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        vcheck_t *c = &rows[j];
+        c->blocks = c->row.kind == K_NONE ? 0 : blocks_of(c->n);
+        c->pieces = c->row.kind == K_NONE ? 0 : 1;
+        while (c->blocks && c->pieces < pieces && c->pieces < c->blocks) c->pieces <<= 1;
+        c->first = total;
+        total += c->pieces;
+    }
+    return total;
+}
+
+static void fill_pieces(const vcheck_t *rows, Py_ssize_t k, vpiece_t *out) {
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const vcheck_t *c = &rows[j];
+        size_t each = c->blocks && c->pieces ? c->blocks / c->pieces : 0;
+        for (size_t i = 0; i < c->pieces; i++) {
+            vpiece_t *p = &out[c->first + i];
+            p->row = c;
+            p->first = i * each;
+            p->count = each;
+        }
+    }
+}
+
+/* A list of k entries from totals: each a float where ok, else None. */
+static PyObject *totals_list(const double *totals, const int *ok, Py_ssize_t k) {
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = ok[j] ? PyFloat_FromDouble(totals[j]) : Py_NewRef(Py_None);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
+    }
+    return out;
+}
+
+static PyObject *row_checks(PyObject *self, PyObject *args) {
+    PyObject *rows;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!w*|i", &PyList_Type, &jobs, &ob, &threads)) return NULL;
-    Py_ssize_t k = PyList_GET_SIZE(jobs);
-    if (ob.len != k * 4 * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&ob);
-        PyErr_SetString(PyExc_ValueError, "verify_rounds: out holds four int64 per round");
-        return NULL;
-    }
-    vround_t *rounds = (vround_t *)calloc(k ? (size_t)k : 1, sizeof(vround_t));
-    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * V_BUFFERS : 1, sizeof(Py_buffer));
-    int used = 0, failed = rounds == NULL || views == NULL;
-    if (failed) PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &rows, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(rows);
+    size_t slots = k ? (size_t)k : 1;
+    vcheck_t *items = (vcheck_t *)calloc(slots, sizeof(vcheck_t));
+    Py_buffer *views = (Py_buffer *)calloc(slots, sizeof(Py_buffer));
+    double *totals = (double *)calloc(slots, sizeof(double));
+    int *ok = (int *)calloc(slots, sizeof(int));
+    vpiece_t *pieces = NULL;
+    int used = 0, failed = items == NULL || views == NULL || totals == NULL || ok == NULL;
     for (Py_ssize_t j = 0; j < k && !failed; j++) {
-        failed = parse_round(PyList_GET_ITEM(jobs, j), &rounds[j], views, &used) < 0;
-        rounds[j].out = (int64_t *)ob.buf + 4 * j;
+        PyObject *r = PyList_GET_ITEM(rows, j);
+        if (r == Py_None) continue; /* kind stays K_NONE */
+        failed = one_row(r, views, &used, &items[j].row, &items[j].n) < 0;
     }
+    size_t count = failed ? 0 : split_rows(items, k, pieces_for(threads));
+    if (!failed) {
+        pieces = (vpiece_t *)calloc(count ? count : 1, sizeof(vpiece_t));
+        failed = pieces == NULL;
+    }
+    if (failed && !PyErr_Occurred()) PyErr_NoMemory();
     if (!failed) {
         Py_BEGIN_ALLOW_THREADS
-        run_all(rounds, k, threads);
+        fill_pieces(items, k, pieces);
+        run_all(check_piece, pieces, (Py_ssize_t)count, threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vcheck_t *c = &items[j];
+            if (c->pieces == 0) continue; /* an unreadable row: not ok */
+            vpiece_t *p = &pieces[c->first];
+            int bad = 0;
+            for (size_t i = 0; i < c->pieces; i++) bad |= p[i].bad;
+            for (size_t w = c->pieces; w > 1; w >>= 1) /* the tree above the pieces */
+                for (size_t i = 0; i < w / 2; i++) p[i].root = p[2 * i].root + p[2 * i + 1].root;
+            totals[j] = p[0].root;
+            ok[j] = !bad && isfinite(p[0].root) && p[0].root > 0.0;
+        }
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : totals_list(totals, ok, k);
+    free(pieces);
     free(views);
-    free(rounds);
-    PyBuffer_Release(&ob);
-    if (failed) return NULL;
-    Py_RETURN_NONE;
+    free(items);
+    free(totals);
+    free(ok);
+    return out;
+}
+
+typedef struct {
+    vcheck_t shape; /* the row, and its pieces */
+    double total;
+    vq_t q;
+    int has_q, bad_q;
+    uint64_t u53;
+    double *up; /* the block roots, then the levels above them */
+    int64_t *out;
+} vdraw_t;
+
+typedef struct {
+    vdraw_t *draw;
+    size_t first, count;
+} vdpiece_t;
+
+static void draw_piece(void *items, Py_ssize_t j) {
+    vdpiece_t *p = (vdpiece_t *)items + j;
+    vdraw_t *d = p->draw;
+    const vq_t *q = d->has_q ? &d->q : NULL;
+    if (d->shape.blocks == 0) *d->out = draw_small(&d->shape.row, d->shape.n, d->total, q, d->u53);
+    else weights_roots(&d->shape.row, d->shape.n, d->total, q, d->up, p->first, p->count);
+}
+
+/* One draw's q: its buffers into views, and whether its ids are ascending inside the row. */
+static int parse_q(PyObject *qobj, PyObject *idobj, vdraw_t *d, Py_buffer *views, int *used) {
+    Py_ssize_t nq;
+    vq_t *q = &d->q;
+    q->kind = take_buffer(qobj, views, used, &q->q, &nq);
+    if (q->kind < 0) return -1;
+    if (q->kind == K_F64) {
+        PyErr_SetString(PyExc_TypeError, "draw_rows: q is float32 values or int counts");
+        return -1;
+    }
+    d->has_q = 1;
+    if (idobj == Py_None) {
+        if ((size_t)nq < d->shape.n) {
+            PyErr_SetString(PyExc_ValueError, "draw_rows: dense q shorter than its row");
+            return -1;
+        }
+        return 0;
+    }
+    Py_ssize_t nid;
+    const void *idp;
+    if (take_buffer(idobj, views, used, &idp, &nid) != K_I32 || nid != nq) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "draw_rows: ids are int32, one per q");
+        return -1;
+    }
+    q->ids = (const int32_t *)idp;
+    q->nids = (size_t)nid;
+    for (Py_ssize_t j = 0; j < nid; j++) {
+        int32_t id = q->ids[j];
+        if (id < 0 || (size_t)id >= d->shape.n || (j && id <= q->ids[j - 1])) d->bad_q = 1;
+    }
+    return 0;
+}
+
+static PyObject *draw_rows(PyObject *self, PyObject *args) {
+    PyObject *draws;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &draws, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(draws);
+    vdraw_t *items = (vdraw_t *)calloc(k ? (size_t)k : 1, sizeof(vdraw_t));
+    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * 3 : 1, sizeof(Py_buffer));
+    int64_t *drawn = (int64_t *)calloc(k ? (size_t)k : 1, sizeof(int64_t));
+    vdpiece_t *pieces = NULL;
+    int used = 0, failed = items == NULL || views == NULL || drawn == NULL;
+    if (failed) PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < k && !failed; j++) {
+        vdraw_t *d = &items[j];
+        d->out = drawn + j;
+        PyObject *row, *qobj, *idobj;
+        unsigned long long u53;
+        failed = !PyArg_ParseTuple(PyList_GET_ITEM(draws, j), "OdOOK", &row, &d->total, &qobj,
+                                   &idobj, &u53);
+        if (failed) break;
+        d->u53 = (uint64_t)u53;
+        failed = one_row(row, views, &used, &d->shape.row, &d->shape.n) < 0 ||
+                 (qobj != Py_None && parse_q(qobj, idobj, d, views, &used) < 0);
+    }
+    size_t count = 0;
+    if (!failed) {
+        size_t split = pieces_for(threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vdraw_t *d = &items[j];
+            vcheck_t *c = &d->shape;
+            c->blocks = blocks_of(c->n);
+            c->pieces = 1;
+            if (d->bad_q) {
+                *d->out = -3;
+                c->pieces = 0;
+            } else if (c->blocks) {
+                d->up = (double *)malloc(2 * c->blocks * sizeof(double));
+                if (d->up == NULL) {
+                    *d->out = -2;
+                    c->pieces = 0;
+                }
+                while (d->up && c->pieces < split && c->pieces < c->blocks) c->pieces <<= 1;
+            }
+            c->first = count;
+            count += c->pieces;
+        }
+        pieces = (vdpiece_t *)calloc(count ? count : 1, sizeof(vdpiece_t));
+        failed = pieces == NULL;
+        if (failed) PyErr_NoMemory();
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vcheck_t *c = &items[j].shape;
+            size_t each = c->blocks && c->pieces ? c->blocks / c->pieces : 0;
+            for (size_t i = 0; i < c->pieces; i++)
+                pieces[c->first + i] = (vdpiece_t){&items[j], i * each, each};
+        }
+        run_all(draw_piece, pieces, (Py_ssize_t)count, threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vdraw_t *d = &items[j];
+            if (d->up != NULL)
+                *d->out = draw_blocks(&d->shape.row, d->shape.n, d->total,
+                                      d->has_q ? &d->q : NULL, d->u53, d->up, d->shape.blocks);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t j = 0; items != NULL && j < k; j++) free(items[j].up);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = PyLong_FromLongLong(drawn[j]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
+    }
+    free(drawn);
+    free(pieces);
+    free(views);
+    free(items);
+    return out;
 }
 
 /* ---------------------------------------------------------------------------
@@ -2327,20 +2474,6 @@ static PyObject *check_dense(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
-/* One row for the qualification entry points: its buffer into *view. */
-static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
-    Py_ssize_t len;
-    int kind = take_buffer(obj, views, used, &row->p, &len);
-    if (kind < 0) return -1;
-    if ((kind != K_F32 && kind != K_F64) || len < 1) {
-        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
-        return -1;
-    }
-    row->kind = kind;
-    *n = (size_t)len;
-    return 0;
-}
-
 static PyObject *row_stats(PyObject *self, PyObject *args) {
     PyObject *obj;
     if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
@@ -2479,7 +2612,8 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
 static PyMethodDef methods[] = {
-    METHOD(verify_rounds, "(jobs, out[, threads]) -> None"),
+    METHOD(row_checks, "(rows[, threads]) -> each row's total, or None if not a distribution"),
+    METHOD(draw_rows, "(draws[, threads]) -> each drawn index, or -1 / -2 / -3"),
     METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
     METHOD(draw_total,
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),

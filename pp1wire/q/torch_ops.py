@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Final, cast
 
 import numpy as np
@@ -26,6 +27,7 @@ from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ValidationErr
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow, greedy_counts
 from pp1wire.q.rows import PerSize
+from pp1wire.q.walk import Draw
 
 M = 1 << 24
 _U53 = float(1 << 53)
@@ -303,16 +305,19 @@ def descend_rows(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tens
 
 
 class DeviceStep:
-    """The target rows of one verification step, kept on their device.
+    """The walk's row operations on one step's target rows, kept on their device
+    (:class:`pp1wire.q.walk.RowOps`).
 
-    What verification needs from them leaves the device in two transfers:
-    every row's canonical total and check and each draft's ``v[x]`` (one
-    read), then the drawn IDs of the rows that end a round (another). A row
-    leaves whole only to diagnose a refused row, and the caller reads that from
-    its own rows (:meth:`pp1wire.q.targetrows.StepRows.raw`). The arithmetic is
+    What the walk needs from them leaves the device in two transfers: every
+    row's canonical total and check and each draft's ``v[x]`` (one read), then
+    the drawn IDs (another). A row leaves whole only to diagnose a refused row,
+    and the caller reads that from its own rows
+    (:meth:`pp1wire.q.targetrows.StepRows.raw`). The arithmetic is
     :mod:`pp1wire.q.targetrows`'s, operation for operation, so the decisions are
     bit-for-bit the host's.
     """
+
+    eager_draws = False
 
     def __init__(self, probs: torch.Tensor, drafts: list[tuple[int, int]]) -> None:
         """Total and check every row of ``probs`` (rows x V) and read ``v[x]`` at each
@@ -331,28 +336,28 @@ class DeviceStep:
         self._totals, self._ok = host[:n], [bool(o) for o in host[n : 2 * n]]
         self._values = dict(zip(drafts, host[2 * n :], strict=True))
 
-    def stats(self, rows: list[tuple[int, int]]) -> list[tuple[float, bool]]:
-        """(canonical total, passes the checks) of each (row, vocabulary size)."""
-        return [(self._totals[r], self._ok[r] and v == self.width) for r, v in rows]
+    def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
+        """Whether each (row, vocabulary size) passed its checks (read with the totals)."""
+        return [self._ok[r] and v == self.width for r, v in rows]
 
-    def value(self, row: int, vocab: int, x: int) -> float:
-        """``v[x]`` of the row (read with the totals)."""
-        return float(self._values[(row, x)])
+    def p_at(self, asks: Sequence[tuple[int, int]]) -> list[float]:
+        """``v[x] / total`` of each (row, x) (read with the totals)."""
+        return [float(self._values[(r, x)]) / self._totals[r] for r, x in asks]
 
-    def draw(self, jobs: list[tuple[int, float, QRow | None, int, int]]) -> list[int]:
-        """For each (row, total, q row or None, u53, vocab): the draw from
-        ``max(v / total - q, 0)`` (or from ``v / total``), -1 where that has no mass."""
+    def draw(self, draws: Sequence[Draw]) -> list[int]:
+        """Each draw from ``max(v / total - q, 0)`` (or from ``v / total``), batched
+        on the device; -1 where that has no mass."""
         device = self._x.device
-        rows = torch.tensor([j[0] for j in jobs], dtype=torch.int64, device=device)
+        rows = torch.tensor([d.row for d in draws], dtype=torch.int64, device=device)
         p = self._x[rows] / self._totals_dev[rows][:, None]
         q = torch.zeros_like(p)
-        for i, (_, _, qrow, _, vocab) in enumerate(jobs):
-            if qrow is not None:
-                q[i] = _device_q(qrow, vocab, device)
+        for i, d in enumerate(draws):
+            if d.q is not None:
+                q[i] = _device_q(d.q, d.vocab, device)
         w = torch.clamp_min(p - q, 0.0)
         levels = row_levels(w)
         roots = levels[-1][:, 0]
-        u = torch.tensor([j[3] / _U53 for j in jobs], dtype=torch.float64, device=device)
+        u = torch.tensor([d.u53 / _U53 for d in draws], dtype=torch.float64, device=device)
         drawn = descend_rows(levels, u * roots)
         drawn = torch.where(roots > 0, drawn, torch.full_like(drawn, -1))
         return [int(d) for d in drawn.cpu().tolist()]
