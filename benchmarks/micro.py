@@ -6,22 +6,21 @@ Each variant and its baseline are timed round-robin in the same run (the
 machines are shared and noisy), and the report gives the median of the
 per-trial medians with the min-max across trials beside it.
 
-The worker's row, before and after one compiled pass per row (the batch
-path of ``propose_batch`` with rows written as they travel, ``row_entries``):
+The worker's row (the batch path of ``propose_batch``):
 
-* ``row_logits_before``: the row maximum, the binary64 exponential
-  (``weights_rows``), then the compiled allocation, draw and wire values as
-  they were (``_fastq.build_rows`` with a payload);
+* ``row_logits_counts``: the row maximum, the binary64 exponential
+  (``weights_rows``), then the counts and the draw (``rows.allocate_rows``,
+  without ``row_entries``) and their wire values (``counts_to_fp32``);
 * ``row_logits_after``: the same exponential, then ``rows.construct_rows``
-  (checks, total, allocation, draw and wire values in one call);
+  (checks, total, allocation, draw and wire values in one call, the rows
+  written as they travel: ``row_entries``);
 * ``row_probs_after``: ``rows.construct_rows`` on a probabilities drafter's
   FP32 row (no maximum, no exponential);
-* ``sparse32_probs_after`` against ``construct_sparse32`` (from logits).
+* ``sparse32_probs_after`` against ``construct_sparse32`` (from logits);
+* ``sample_dense``: the proposal draw alone from a row's int32 counts
+  (``dyadic.sample``, the whole row whatever the token).
 
-The Spark side's check of a received dense row: ``check_before`` is the
-previous validator (the compiled scan, then the padding and the proposed
-token read by numpy), ``check_after`` ``DenseRowValidator.check`` (one
-compiled pass). Each ``*_before_vs_after`` ratio is the speedup.
+Each ``*_vs_after`` ratio is the speedup of the one-pass row.
 """
 
 from __future__ import annotations
@@ -96,36 +95,18 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
     )
     draw = [12345]
     payload = [np.empty(VOCAB, dtype="<f4")]
-    counts_scratch = np.empty(VOCAB, dtype=np.int32)
-    tokens, status = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.int32)
-    draws = np.array(draw, dtype=np.int64)
-    fast = getattr(dyadic, "_fastq", None)
+    counts32 = counts.astype(np.int32)
 
-    def row_logits_before() -> object:
+    def row_logits_counts() -> object:
         check = dyadic.check_top(float(logits.max()))
         w = rows_.weights_rows([logits], [check], [1.0])
-        if fast is None:
-            return None
-        scratch = dyadic.builder(VOCAB)
-        fast.build_rows(
-            w, VOCAB, counts_scratch, draws, tokens, status, scratch.share, scratch.work, payload
-        )
-        return tokens[0]
+        built, picks = rows_.allocate_rows(w, draw)
+        return dyadic.counts_to_fp32(built[0]), picks
 
     def row_logits_after() -> object:
         check = dyadic.check_top(float(logits.max()))
         w = rows_.weights_rows([logits], [check], [1.0])
         return rows_.construct_rows(list(w), draw, VOCAB, payload)
-
-    def check_before() -> object:
-        # The previous dense check: the compiled scan, then numpy for the rest.
-        body = row[:VOCAB]
-        if fast is None:
-            return None
-        max_bits, total, non_integral = fast.scan_dense(body)
-        if max_bits > dyadic.ONE_BITS or row[VOCAB:].view(np.uint32).any():
-            raise AssertionError("a valid row")
-        return non_integral or total != dyadic.M or body[token] == 0
 
     cases: dict[str, Callable[[], object]] = {
         "max_pass": lambda: bits.max(),
@@ -139,12 +120,11 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
         "construct_dense_api": lambda: dyadic.counts_from_logits(logits, 1.0),
         "construct_sparse32": lambda: dyadic.sparse_counts_from_logits(logits, 1.0, 32),
         "construct_dense_numpy": lambda: numpy_path(builder.from_logits, logits, 1.0),
-        "row_logits_before": row_logits_before,
+        "row_logits_counts": row_logits_counts,
         "row_logits_after": row_logits_after,
         "row_probs_after": lambda: rows_.construct_rows([probs32], draw, VOCAB, payload),
         "sparse32_probs_after": lambda: dyadic.sparse_counts_from_fp32(probs32, 32),
-        "check_before": check_before,
-        "check_after": lambda: validator.check(row, token),
+        "sample_dense": lambda: dyadic.sample(counts32, 12345),
     }
     res = measure(cases, trials, reps)
 
@@ -160,10 +140,9 @@ def run_cases(trials: int, reps: int) -> dict[str, list[float]]:
             "construct_api_vs_softmax": ratio("construct_dense_api", "softmax_f64"),
             "construct_sparse32_vs_softmax": ratio("construct_sparse32", "softmax_f64"),
             "construct_compiled_vs_numpy": ratio("construct_dense", "construct_dense_numpy"),
-            "row_logits_before_vs_after": ratio("row_logits_before", "row_logits_after"),
-            "row_logits_before_vs_probs_after": ratio("row_logits_before", "row_probs_after"),
+            "row_logits_counts_vs_after": ratio("row_logits_counts", "row_logits_after"),
+            "row_logits_counts_vs_probs_after": ratio("row_logits_counts", "row_probs_after"),
             "sparse32_logits_vs_probs": ratio("construct_sparse32", "sparse32_probs_after"),
-            "check_before_vs_after": ratio("check_before", "check_after"),
         }
     )
     return out
