@@ -66,10 +66,10 @@ def measure(cases: dict[str, list[Callable[[], object]]], trials: int, reps: int
                 per[name][place].append(_fastest(fns[place], reps))
     out = {}
     for name, places in per.items():
-        figures = [statistics.median(v) for v in places]
+        figures = [round(statistics.median(v)) for v in places]
         out[name] = {
-            "ns_by_place": [round(f) for f in figures],
-            "spread_ns": round(max(figures) - min(figures)),
+            "ns_by_place": figures,
+            "spread_ns": max(figures) - min(figures),
             "median_ns": round(statistics.median(figures)),
         }
     return out
