@@ -5,9 +5,10 @@ could fall between rows by that token. Timing is not tested (it would only be
 noise); the work is: on the numpy, torch and sharded paths the same calls on the
 same shapes for a token at the start, in the middle and at the end of a row, none
 of them a search that stops where the token is; in the compiled path, the draw
-``u`` is read only by code with no branch (``_fastq.c``: ``draw_chunk``,
-``draw_index``). The draws themselves are checked against the numpy rule at
-every chunk boundary of the compiled pass.
+``u`` is read only by code with no branch (``_fastq.c``: ``draw_mask``,
+``draw_index``), and the mask made from it is used only to mask. The draws
+themselves are checked against the numpy rule at every chunk boundary of the
+compiled pass.
 """
 
 from __future__ import annotations
@@ -140,14 +141,22 @@ def test_only_branch_free_code_reads_the_compiled_draw():
     source = SOURCE.read_text()
     functions = _functions(source)
     readers = {name for name, body in functions.items() if re.search(r"->u\b|\.u\b", body)}
-    assert readers == {"draw_start", "draw_chunk", "draw_index"}, readers
-    for name in ("draw_chunk", "draw_index"):
+    assert readers == {"draw_start", "draw_mask", "draw_index"}, readers
+    for name in ("draw_mask", "draw_index"):
         body = re.sub(r"/\*.*?\*/", "", functions[name], flags=re.S)
-        # Loops only over the fixed chunk; no branch, early exit or conditional value.
-        assert re.findall(r"\bfor \(([^)]*)\)", body) == ["int j = 0; j < CHUNK; j++"], name
+        # No branch, early exit or conditional value; loops only over the fixed chunk.
+        assert set(re.findall(r"\bfor \(([^)]*)\)", body)) <= {"int j = 0; j < CHUNK; j++"}, name
         for word in (r"\bif\b", r"\bwhile\b", r"\bbreak\b", r"\bgoto\b", r"\?", r"\|\|", r"&&"):
             assert not re.search(word, body), (name, word)
         assert len(re.findall(r"\breturn\b", body)) <= 1, name
+    # The mask chooses what is kept by and-masks only, never by a branch.
+    macro = source[source.index("#define DRAW_COUNTS") : source.index("#undef DRAW_COUNTS")]
+    for body in (functions["assign_chunk"], macro):
+        for line in re.sub(r"/\*.*?\*/", "", body, flags=re.S).splitlines():
+            if not re.search(r"\bm\b", line) or re.search(r"int32_t m\b", line):
+                continue  # the mask's own declaration
+            assert len(re.findall(r"\bm\b", line)) == len(re.findall(r"&=?\s*~?m\b", line)), line
+            assert "?" not in line, line
     assert f"#define CHUNK {CHUNK}" in source
 
 

@@ -1218,10 +1218,12 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
  * The draw (dyadic.sample) rides on that last pass, in time that does not
  * depend on the index drawn (docs/adaptive.md §7): the index is the number of
  * cumulative counts at most u; the row is read in chunks of CHUNK counts, and
- * the chunk that holds u is copied aside by a mask computed from the running
- * total, never by a branch or an address that depends on u (draw_chunk), so
- * every chunk costs the same; then that chunk's count (draw_index). The two
- * functions are the only ones that read u.
+ * each chunk's counts are copied aside as they are made, under a mask computed
+ * from the running total (draw_mask: all ones while the total is at most u),
+ * never by a branch or an address that depends on u, so every chunk costs the
+ * same and the copy left is the chunk that holds u; then that chunk's count
+ * (draw_index). These two, and draw_start, are the only functions that read u;
+ * the mask is used only in and-masks.
  * ------------------------------------------------------------------------- */
 
 #define TOP_BITS 12
@@ -1645,38 +1647,42 @@ static int bracket_threshold(const scratch_t *s, size_t n, size_t left, const ui
 
 /* The proposal draw's state over the chunks of a row (see the section's head). */
 typedef struct {
-    int64_t u, acc, base, before;
+    int64_t u, acc, base, starts;
     int32_t sel[CHUNK];
 } draw_t;
 
 static inline void draw_start(draw_t *d, int64_t u) {
     d->u = u;
-    d->acc = d->base = d->before = 0;
+    d->acc = d->base = d->starts = 0;
     memset(d->sel, 0, sizeof d->sel);
 }
 
-/* The next chunk's counts (cnt, zeros past the row's end) and their sum: kept in sel
- * and its running total in base, by mask, when the chunk holds u (the running totals
- * before and after it bracket u); a chunk that ends at or below u counts CHUNK. */
-static inline void draw_chunk(draw_t *restrict d, const int32_t *restrict cnt, int64_t sum) {
-    /* wrapping, as numpy's cumulative sum does for counts no valid row has */
-    int64_t next = (int64_t)((uint64_t)d->acc + (uint64_t)sum);
-    int64_t hit = (int64_t)((d->acc <= d->u) & (d->u < next));
-    int32_t m = -(int32_t)hit;
-    for (int j = 0; j < CHUNK; j++) d->sel[j] = (d->sel[j] & ~m) | (cnt[j] & m);
-    d->base ^= (d->base ^ d->acc) & -hit;
-    d->before += (int64_t)(next <= d->u);
-    d->acc = next;
+/* The next chunk's mask: all ones when the running total before it is at most u, and
+ * then that total kept in base. The last chunk that starts at or below u holds the
+ * draw (the next starts above it), so sel, overwritten under the mask, ends holding
+ * that chunk's counts. */
+static inline int32_t draw_mask(draw_t *d) {
+    int64_t in = (int64_t)(d->acc <= d->u);
+    d->base ^= (d->base ^ d->acc) & -in;
+    d->starts += in;
+    return -(int32_t)in;
 }
 
-/* The drawn index: the number of cumulative counts at most u. */
+/* The drawn index: the number of cumulative counts at most u (every chunk before the
+ * one kept, and those of the kept one). */
 static inline int64_t draw_index(const draw_t *d) {
     int64_t c = d->base, within = 0;
     for (int j = 0; j < CHUNK; j++) {
         c += d->sel[j];
         within += (int64_t)(c <= d->u);
     }
-    return d->before * CHUNK + within;
+    return (d->starts - 1) * CHUNK + within;
+}
+
+/* The running total after a chunk of counts summing to sum (wrapping, as numpy's
+ * cumulative sum does, for counts no valid row has). */
+static inline void draw_add(draw_t *d, int64_t sum) {
+    d->acc = (int64_t)((uint64_t)d->acc + (uint64_t)sum);
 }
 
 /* The FP32 wire value c / 2**24 of a count c (exact for c <= 2**24), as its bits. */
@@ -1687,43 +1693,52 @@ static inline uint32_t wire_bits(int32_t c) {
     return b;
 }
 
-/* assign over one chunk of q (the counts, as int32 bits): a ticket for each key above
- * top, the counts into cnt and, with fp32, their wire values over them in q; their
- * sum, in 32 bits (they vectorize so), exact: the counts of a row whose floors fit (no
- * share beyond int32) sum to M. */
+/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key
+ * above top, and with fp32 the counts' wire values left over them; with sel, each
+ * count kept there under the mask m (zeros past len). Their sum, in 32 bits (they
+ * vectorize so), exact: the counts of a row whose floors fit (no share beyond int32)
+ * sum to M. */
 static inline uint32_t assign_chunk(const uint16_t *restrict key, uint32_t top,
-                                    uint32_t *restrict q, int32_t *restrict cnt, int fp32,
-                                    size_t len) {
+                                    uint32_t *restrict q, int fp32, int32_t *restrict sel,
+                                    int32_t m, size_t len) {
     uint32_t sum = 0;
     for (size_t j = 0; j < len; j++) {
-        int32_t c = (int32_t)q[j] + (key[j] > top);
-        cnt[j] = c;
+        int32_t c = (int32_t)q[j] + (int32_t)(key[j] > top);
         q[j] = fp32 ? wire_bits(c) : (uint32_t)c;
+        if (sel != NULL) sel[j] = (sel[j] & ~m) | (c & m);
         sum += (uint32_t)c;
     }
-    for (size_t j = len; j < CHUNK; j++) cnt[j] = 0;
+    if (sel != NULL)
+        for (size_t j = len; j < CHUNK; j++) sel[j] &= ~m;
     return sum;
 }
 
 /* assign, the keys above the threshold's bucket (top; TOP_MASK: none), over the whole
  * row of counts q: their tickets, and the counts' sum (returned); with fp32 the counts
- * are left as their wire values; with draw, the draw with u into *token. */
+ * are left as their wire values; with draw, the draw with u into *token. Each form of
+ * the chunk loop is written out so that it vectorizes. */
 MULTIVERSION512
 static int64_t assign_and_draw(const uint16_t *restrict key, size_t n, uint32_t top,
                                uint32_t *restrict q, int fp32, int draw, int64_t u,
                                int64_t *token) {
     draw_t d;
     draw_start(&d, u);
-    int32_t cnt[CHUNK];
     for (size_t lo = 0; lo < n; lo += CHUNK) {
+        size_t len = n - lo < CHUNK ? n - lo : CHUNK;
+        const uint16_t *k = key + lo;
+        uint32_t *c = q + lo;
         int64_t sum;
-        if (n - lo >= CHUNK) /* whole chunks, each loop of its own form, vectorized */
-            sum = fp32 ? assign_chunk(key + lo, top, q + lo, cnt, 1, CHUNK)
-                       : assign_chunk(key + lo, top, q + lo, cnt, 0, CHUNK);
-        else
-            sum = assign_chunk(key + lo, top, q + lo, cnt, fp32, n - lo);
-        if (draw) draw_chunk(&d, cnt, sum);
-        else d.acc += sum;
+        if (draw) {
+            int32_t m = draw_mask(&d);
+            if (len < CHUNK) sum = assign_chunk(k, top, c, fp32, d.sel, m, len);
+            else if (fp32) sum = assign_chunk(k, top, c, 1, d.sel, m, CHUNK);
+            else sum = assign_chunk(k, top, c, 0, d.sel, m, CHUNK);
+        } else {
+            if (len < CHUNK) sum = assign_chunk(k, top, c, fp32, NULL, 0, len);
+            else if (fp32) sum = assign_chunk(k, top, c, 1, NULL, 0, CHUNK);
+            else sum = assign_chunk(k, top, c, 0, NULL, 0, CHUNK);
+        }
+        draw_add(&d, sum);
     }
     if (draw) *token = draw_index(&d);
     return d.acc;
@@ -1781,7 +1796,7 @@ static int allocate_row(const void *w, int f32, size_t n, double total, int divi
 }
 
 /* The draw over integer counts (int32 or int64, dyadic.sample): the number of
- * cumulative counts at most u, in chunks as assign_and_draw takes them; the counts'
+ * cumulative counts at most u, chunk by chunk as assign_and_draw draws; the counts'
  * sum, and whether one is negative. */
 #define DRAW_COUNTS(NAME, CT)                                                              \
     MULTIVERSION                                                                           \
@@ -1789,19 +1804,20 @@ static int allocate_row(const void *w, int f32, size_t n, double total, int divi
                         int64_t *token) {                                                  \
         draw_t d;                                                                          \
         draw_start(&d, u);                                                                 \
-        int32_t cnt[CHUNK];                                                                \
         int64_t neg = 0;                                                                   \
         for (size_t lo = 0; lo < n; lo += CHUNK) {                                         \
             size_t len = n - lo < CHUNK ? n - lo : CHUNK;                                  \
+            int32_t m = draw_mask(&d);                                                     \
             uint64_t sum = 0;                                                              \
             for (size_t j = 0; j < len; j++) {                                             \
                 CT v = c[lo + j];                                                          \
                 neg |= (int64_t)(v < 0);                                                   \
                 sum += (uint64_t)v;                                                        \
-                cnt[j] = (int32_t)v; /* exact wherever the result is used */              \
+                /* exact wherever the result is used */                                    \
+                d.sel[j] = (d.sel[j] & ~m) | ((int32_t)v & m);                             \
             }                                                                              \
-            for (size_t j = len; j < CHUNK; j++) cnt[j] = 0;                               \
-            draw_chunk(&d, cnt, (int64_t)sum);                                             \
+            for (size_t j = len; j < CHUNK; j++) d.sel[j] &= ~m;                           \
+            draw_add(&d, (int64_t)sum);                                                    \
         }                                                                                  \
         *token = draw_index(&d);                                                           \
         *negative = neg != 0;                                                              \
