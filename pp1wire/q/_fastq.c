@@ -1235,6 +1235,8 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
 /* Up to this many candidates of the threshold's bucket are ordered by insertion. */
 #define FEW 64
 #define CHUNK 128
+/* Rows at least this long count their keys into two histograms (histogram64). */
+#define TWIN_MIN 4096
 
 static inline uint64_t bits_of(double v) {
     uint64_t u;
@@ -1397,8 +1399,10 @@ static int64_t floors_pass(const void *w, int f32, size_t n, double total, doubl
                            int sampled) {
     double inv = 1.0 / scale;
     int64_t sum = 0;
+    /* The second histogram pays for its zeroing and merging from rows of TWIN_MIN. */
+    int twin = n >= TWIN_MIN;
     uint32_t odd[1 << TOP_BITS];
-    memset(odd, 0, sizeof odd);
+    if (twin) memset(odd, 0, sizeof odd);
     size_t i = 0;
     for (; !small && i + 64 <= n; i += 64) {
         int64_t part;
@@ -1410,9 +1414,12 @@ static int64_t floors_pass(const void *w, int f32, size_t n, double total, doubl
         sum += part;
         /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
          * work. */
-        if (!sampled || (i / 64) % SAMPLE_EVERY == 0) histogram64(key + i, hist, odd);
+        if (sampled && (i / 64) % SAMPLE_EVERY != 0) continue;
+        if (twin) histogram64(key + i, hist, odd);
+        else histogram(key + i, 64, hist);
     }
-    for (size_t k = 0; k <= TOP_MASK; k++) hist[k] += odd[k];
+    if (twin)
+        for (size_t k = 0; k <= TOP_MASK; k++) hist[k] += odd[k];
     if (i < n) {
         sum += floors_exact(w, f32, i, n - i, total, scale, small, q, key);
         if (!sampled) histogram(key + i, n - i, hist);
