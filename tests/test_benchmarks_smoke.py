@@ -337,8 +337,8 @@ def test_micro_smoke():
 
 
 @pytest.mark.bench
-def test_draw_timing_smoke():
-    result = run_json("draw_timing.py", "--quick", "--json")
+def test_micro_places_smoke():
+    result = run_json("micro.py", "--places", "--quick", "--json")
     for case in result.values():
         assert len(case["ns_by_place"]) == 9
         assert all(finite_positive(v) for v in case["ns_by_place"])
