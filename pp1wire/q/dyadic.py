@@ -463,9 +463,9 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     return _sparse_from_checked(w, k)
 
 
-#: The error of each failure status the compiled passes (``_fastq.c``) and
-#: :func:`pp1wire.q.torch_ops.allocate_rows` return for a row (4, a draw out of
-#: range, is a ``BAD_DRAW`` that names the draw).
+#: The error of each failure status a row gets: 1 to 3 from :func:`allocate_with`
+#: (on every backend), the others from the compiled passes' and the torch rows'
+#: checks (4, a draw out of range, is a ``BAD_DRAW`` that names the draw).
 ROW_STATUS_ERRORS: Final[dict[int, tuple[ErrorCode, str]]] = {
     1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
     2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
