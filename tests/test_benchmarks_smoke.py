@@ -339,6 +339,15 @@ def test_micro_smoke():
 
 
 @pytest.mark.bench
+def test_micro_places_smoke():
+    result = run_json("micro.py", "--places", "--quick", "--json")
+    for case in result.values():
+        assert len(case["ns_by_place"]) == 9
+        assert all(finite_positive(v) for v in case["ns_by_place"])
+        assert case["spread_ns"] == max(case["ns_by_place"]) - min(case["ns_by_place"])
+
+
+@pytest.mark.bench
 def test_soak_smoke():
     result = run_json("soak.py", "--minutes", "0.01", "--vocab", "128", "--json")
     assert result["rounds"] > 100  # past the warm-up mark
