@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from extras import require
+
 VOCAB = 16
 MATCH_TIMEOUT = 5.0  # the worker's default: the unmatched STEPs outlive every measurement
 SETTLE_TIMEOUT = 5.0  # twenty of the group's 0.25 s beats, each of which carries an exchange
@@ -143,6 +145,7 @@ def legitimate_wait(ranks: list[Any], unmatched: int) -> tuple[float | None, lis
 
 def main() -> None:
     """Measure and print."""
+    require("torch")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unmatched", type=int, nargs="+", default=[0, 100, 250])
     parser.add_argument("--reps", type=int, default=3)

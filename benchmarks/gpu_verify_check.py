@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+from extras import require
+
+try:
+    import torch
+except ImportError:  # the tp extra
+    require("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from extras import require
 
 from pp1wire.apps.launch import worker_group
 from pp1wire.testing.conformance.core import Peer, Settings
@@ -133,6 +134,7 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     """Measure and print the figures."""
+    require("torch")
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--vocab", type=int, default=129_280)

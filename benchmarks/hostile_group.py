@@ -38,6 +38,8 @@ import sys
 import tempfile
 from typing import Any
 
+from extras import require
+
 from pp1wire.apps.launch import spark_command, worker_group
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.testing.conformance.core import Peer, Settings
@@ -205,6 +207,7 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     """Measure and print the figures."""
+    require("torch")
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--vocab", type=int, default=129_280)
     p.add_argument("--reps", type=int, default=3)

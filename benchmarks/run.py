@@ -63,6 +63,7 @@ sys.path.insert(0, str(HERE))
 import micro  # noqa: E402
 import sizes  # noqa: E402
 import speedup  # noqa: E402
+from extras import require  # noqa: E402
 from soak import rss_mb  # noqa: E402
 
 from pp1wire.aio.client import AsyncClient  # noqa: E402
@@ -472,6 +473,7 @@ GOALS = {
 
 
 def main() -> int:
+    require("zmq", "grpc")
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

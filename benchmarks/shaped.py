@@ -70,6 +70,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from extras import require
 from speedup import PAIRS, _cell_text, cores, pinned, summarize
 
 from pp1wire.apps.launch import LISTENING, spark_command, worker_command
@@ -687,6 +688,7 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure and print (see the module docstring); returns the exit status."""
+    require("torch")
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import spark_runs
+from extras import require
 
 from pp1wire.apps.launch import spark_command, worker_group, worker_process
 from pp1wire.apps.metrics import scrape
@@ -148,6 +149,7 @@ def spark(
 
 def main() -> None:
     """Measure and print the figures."""
+    require("torch")
     p = spark_runs.parser(__doc__)
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request (default 24)")
     args = p.parse_args()

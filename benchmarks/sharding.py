@@ -4,8 +4,9 @@
 
 numpy: the unsharded kernels (``pp1wire.q.dyadic`` / ``verify``) against the
 two-shard emulator (``pp1wire.q.sharding``), interleaved in one process.
-torch (CPU): the unsharded ``pp1wire.q.torch_ops`` kernels in this process
-against ``pp1wire.tp.dist_ops`` on two gloo ranks started with torchrun (the
+torch (CPU): ``pp1wire.tp.dist_ops`` on two gloo ranks started with torchrun
+against the unsharded kernels in this process: numpy's q construction (what
+each rank runs on its range) and ``pp1wire.q.torch_ops``' residual draw (the
 ranks share this machine's cores, so the ratio includes that contention and
 every collective). Medians over ``--reps`` calls; ratios are sharded /
 unsharded measured in this same run.
@@ -24,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from extras import require
 from micro import _trial
 
 from pp1wire.apps.models import ToyLM
@@ -57,10 +59,13 @@ def torch_unsharded(reps: int) -> dict[str, float]:
 
     from pp1wire.q import torch_ops
 
-    z, p, c = (torch.from_numpy(a) for a in inputs())
+    z, p, c = inputs()
+    pt, ct = torch.from_numpy(p), torch.from_numpy(c)
     return {
-        "construct": _trial(lambda: torch_ops.counts_from_logits(z), reps),
-        "resid": _trial(lambda: int(torch_ops.residual_sample(p, c, U53 // 3)), reps),
+        # The ranks build q with numpy (the collectives are gloo's): the unsharded
+        # numpy kernel is the baseline.
+        "construct": _trial(lambda: dyadic.counts_from_logits(z), reps),
+        "resid": _trial(lambda: int(torch_ops.residual_sample(pt, ct, U53 // 3)), reps),
     }
 
 
@@ -94,6 +99,7 @@ def rank_worker(reps: int) -> None:
 
 
 def main() -> int:
+    require("torch")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true")

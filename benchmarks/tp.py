@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 import spark_runs
+from extras import require
 
 from pp1wire.apps.launch import worker_process
 
@@ -42,6 +43,7 @@ def spark(address: str, vocab: int, support: str, tp: int, requests: int) -> dic
 
 def main() -> None:
     """Measure and print the figures."""
+    require("torch")
     p = spark_runs.parser(__doc__)
     p.add_argument("--requests", type=int, default=8)
     args = p.parse_args()

@@ -11,8 +11,8 @@ decided two ways, interleaved and in alternating order in every repetition
   with ``scores=`` (or :meth:`~RequestVerifier.decode_target_only` with
   ``score=``), 8 calls;
 * ``step``: one :func:`pp1wire.q.verify.verify_step` over the 8 rounds with
-  the rows as one ``(N, V)`` array (the compiled step when built, on its
-  default threads: 2, or 1 in a process pinned to one core);
+  the rows as one ``(N, V)`` array (the compiled row operations when built, on
+  their default threads: 2, or 1 in a process pinned to one core);
 * ``step_1thread``: the same on one thread.
 
 Every repetition checks that both commit the same tokens (exit 1 otherwise).
@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pp1wire.errors import VerifyError
-from pp1wire.q import dyadic, targetrows, tree
+from pp1wire.q import dyadic, targetrows, tree, walk
 from pp1wire.q.proposal import Proposal, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams
 from pp1wire.q.verify import RequestVerifier, RoundResult, proposal_from_rows, verify_step
@@ -194,7 +194,7 @@ def run(vocab: int, reps: int) -> dict[str, Any]:
     compiled = targetrows._fastq
     if compiled is not None:
         # Without any compiled code (both ways): the numpy walk against numpy per request.
-        targetrows._fastq = tree._fastq = None
+        targetrows._fastq = tree._fastq = walk._fastq = None
         try:
             cases["verified_f32_numpy_only"] = measure(
                 verified,
@@ -205,7 +205,7 @@ def run(vocab: int, reps: int) -> dict[str, Any]:
                 max(3, reps // 4),
             )
         finally:
-            targetrows._fastq = tree._fastq = compiled
+            targetrows._fastq = tree._fastq = walk._fastq = compiled
     return {
         "vocab": vocab,
         "rounds": ROUNDS,

@@ -133,6 +133,10 @@ class ErrorCode(IntEnum):
     # A sharded link whose group nonce another live link of the worker rank serves
     # (§6.7): fatal at the handshake.
     GROUP_IN_USE = 106
+    # HELLO: the peer's REPLY rows are not in this side's row format (protocol §4.1,
+    # §4.5): a peer before the fixed-width token. Numbered here because the
+    # handshake codes (20..39) are all taken.
+    ROW_FORMAT_MISMATCH = 107
 
     # -- liveness and connection (110..127) ------------------------------------
     IDLE_TIMEOUT = 110

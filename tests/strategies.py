@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import strategies as st
 
 from pp1wire.errors import ProtocolError
-from pp1wire.wire.messages import MESSAGE_TYPES, MsgType
+from pp1wire.wire.messages import MESSAGE_TYPES, TOKEN_MAX, FixedToken, MsgType
 
 
 def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
@@ -29,6 +29,8 @@ def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
         return st.none()
     if isinstance(t, i.UnionType):
         return st.one_of(*[_strategy(x) for x in t.types])
+    if isinstance(t, i.CustomType) and t.cls is FixedToken:
+        return st.integers(0, TOKEN_MAX)
     raise NotImplementedError(t)
 
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp1wire.errors import ConstructionError, ErrorCode, ValidationError
@@ -136,6 +136,44 @@ def test_allocation_refuses_a_total_that_does_not_match_the_weights(monkeypatch,
         assert info.value.code is ErrorCode.ALLOCATION_INCONSISTENT
 
 
+class _Recorded:
+    """A backend that records the pieces allocate_with asks for, around the numpy row's."""
+
+    def __init__(self, w: np.ndarray, total: float) -> None:
+        self.inner = dyadic._NumpyRow(dyadic.QBuilder(w.size), w, total)
+        self.n = w.size
+        self.asked: list[str] = []
+        self.where = self.inner.where
+
+    def __getattr__(self, name):
+        piece = getattr(self.inner, name)
+
+        def asked(*args):
+            self.asked.append(name)
+            return piece(*args)
+
+        return asked
+
+
+@pytest.mark.parametrize(
+    ("weights", "total", "status"),
+    [
+        ([1.0, 1.0, 1.0], 3.0, 0),  # tickets left over, ties to the lowest ID
+        ([1.0, 1.0], 2.0, 0),  # none left over
+        ([1.0, 1.0, 1.0], 1.0, 1),  # more than M in floors alone
+        ([1.0, 1.0, 1.0], 3.0 * 2**30, 1),  # more tickets left than entries
+    ],
+)
+def test_the_allocation_rule_asks_for_every_piece_in_its_order(weights, total, status):
+    # Every piece, once and in the rule's order, whatever the row: a sharded backend's
+    # collectives are then the same on every rank.
+    rows = _Recorded(np.array(weights), total)
+    assert dyadic.allocate_with(rows) == status
+    assert rows.asked == ["floors", "threshold", "above", "assign"]
+    if status == 0:
+        assert rows.inner.b.out.tolist() == oracle.dyadic_counts(weights)
+
+
 def _exact_cut_gap(weights) -> Fraction:
     """Gap between the exact remainders just inside and just outside the ticket cut."""
     q = oracle.normalize(weights)
@@ -151,7 +189,10 @@ def _exact_cut_gap(weights) -> Fraction:
 # within a few ulps of each other (an exact tie broken by rounding). Bound
 # asserted: identical counts when the exact cut gap exceeds 2**-30 (far above
 # binary64 error on shares below 2**24); otherwise at most one ticket per entry.
-@settings(max_examples=300, deadline=None)
+@pytest.mark.usefixtures("dyadic_path")  # each backend against the exact oracle
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.one_of(
         st.lists(st.integers(0, 50), min_size=1, max_size=12).filter(any),

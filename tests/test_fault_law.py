@@ -22,6 +22,7 @@ from math import sqrt
 import pytest
 
 from pp1wire.apps.launch import worker_process
+from pp1wire.apps.spark import build_parser
 
 from . import cli
 
@@ -144,6 +145,10 @@ def test_a_drafter_slow_past_the_reply_timeout_after_a_drafted_token_keeps_the_l
     assert summary["cuts_by_reason"].get("reply_timeout", 0) > 0, summary["cuts_by_reason"]
     per_record = sum(r["cut_reasons"].get("reply_timeout", 0) for r in records)
     assert per_record == summary["cuts_by_reason"]["reply_timeout"]
+    # What --help says of the flag is what just happened: the block was cut.
+    (flag,) = [a for a in build_parser()._actions if "--reply-timeout" in a.option_strings]
+    assert "cut" in flag.help, flag.help
+    assert "rows that arrived" in flag.help, flag.help
     ours = Counter(r["tokens"][0] for r in records)
     assert same_law(ours, target_only, N, N) == []
 

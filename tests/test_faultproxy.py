@@ -137,8 +137,9 @@ async def test_one_byte_writes():
 
 @pytest.mark.asyncio
 async def test_reset_after_n_bytes():
-    # The reset lands inside the first reply (the handshake and OPENED are ~250 bytes).
-    async with Rig(Faults(reset_after=400)) as rig:
+    # The reset lands inside the first reply, after its first row (the handshake and
+    # OPENED are ~240 bytes, a dense row of 32 entries ~180).
+    async with Rig(Faults(reset_after=450)) as rig:
         # The first row arrived whole before the reset: the block is cut there.
         await rig.cut(ErrorCode.CONNECTION_LOST)
         await rig.reconnect()  # reopened with the committed prefix, the cut round included
@@ -148,7 +149,7 @@ async def test_reset_after_n_bytes():
 
 @pytest.mark.asyncio
 async def test_blackhole():
-    async with Rig(Faults(blackhole_after=400), reply_timeout=0.3) as rig:
+    async with Rig(Faults(blackhole_after=450), reply_timeout=0.3) as rig:
         # The rows that got through by the reply timeout are the block.
         await rig.cut(ErrorCode.REPLY_TIMEOUT)
         await rig.reconnect()

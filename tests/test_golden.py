@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,19 @@ def test_integrity_vectors_cover_both_directions_and_a_changed_frame():
     assert len(got["integrity_spark_to_worker"]["frames"]) == 2
     assert got["integrity_payload_changed"]["error"] == "INTEGRITY_FAILED"
     assert got["integrity_payload_changed"]["at"] == 0
+
+
+def test_section_10_names_every_key_the_vectors_use():
+    # A stranger reads the vectors from protocol §10 alone: each context and
+    # expect key of each kind is named there (`key`, "key" or `context.key`).
+    doc = (FILE.parent.parent / "docs" / "protocol.md").read_text()
+    section = doc.split("## 10. Golden vectors and schemas", 1)[1].split("\n## 11.", 1)[0]
+    named = {m.lower() for m in re.findall(r'[`"](?:context\.|expect\.)?([A-Za-z_]+)[`"]', section)}
+    used = {
+        (v["kind"], part, key)
+        for v in VECTORS
+        for part in ("context", "expect")
+        for key in (v.get(part) or {})
+    }
+    missing = sorted(f"{kind} {part}.{key}" for kind, part, key in used if key.lower() not in named)
+    assert missing == []

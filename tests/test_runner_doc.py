@@ -106,4 +106,22 @@ def test_a_depth_0_run_is_reproduced_from_the_document(tmp_path):
     assert set(records[0]) == keys_of(table("### 9.1"))
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(summary) == keys_of(table("### 9.2"))
+    counts = ("requests", "finished", "tokens", "rounds", "fallbacks", "cuts", "steps")
+    assert all(type(summary[k]) is int for k in counts), summary
     assert summary["tokens"] == sum(len(t) for t in want)
+
+
+def test_counts_by_reason_are_integers():
+    # §9.2: "every value of an object keyed by reason or code name is a JSON integer".
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pp1wire.apps import metrics
+
+    c = Counter("pp1_t", "t", ["reason"], registry=CollectorRegistry())
+    c.labels("reply_timeout").inc()
+    c.labels("reply_timeout").inc()
+    c.labels("internal").inc()
+    got = metrics.by_label(c)
+    assert got == {"reply_timeout": 2, "internal": 1}
+    assert all(type(v) is int for v in got.values())
+    assert json.dumps(got) == '{"reply_timeout": 2, "internal": 1}'

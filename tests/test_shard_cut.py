@@ -86,6 +86,10 @@ def shard_of(row: QRow, rank: int) -> QRow:
 # fault that cut them; None for a link that got no row (a fault before row 0).
 SCENARIOS = {
     "one link cut": [(3, None), (1, ErrorCode.ROW_CHECKSUM_MISMATCH)],
+    "two links cut, the later one first": [
+        (2, ErrorCode.REPLY_TIMEOUT),
+        (1, ErrorCode.ROW_CHECKSUM_MISMATCH),
+    ],
     "every link whole": [(3, None), (3, None)],
     "one link empty": [(3, None), None],
     "two lengths, no fault": [(3, None), (2, None)],
@@ -119,6 +123,7 @@ def outcomes():
                 shards = [shard_of(x, coord.rank) for x in rows[:n]]
                 r = ShardRound(verifier(), 0, proposal(shards, shard=span, cut=cut))
             (out[name],) = group.decide([r], target)
+            out[name, "cut"] = None if r.proposal is None else r.proposal.cut
         rules = {"strict": stops_after_row_1(rows), "lenient": lenient()}
         for name, (rule, per_rank) in RULED.items():
             n, cut = per_rank[coord.rank]
@@ -131,7 +136,8 @@ def outcomes():
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return rows, {name: [r[name] for r in results] for name in (*SCENARIOS, *RULED)}
+    names = [*SCENARIOS, *RULED, *((name, "cut") for name in SCENARIOS)]
+    return rows, {name: [r[name] for r in results] for name in names}
 
 
 def test_the_group_verifies_the_rows_every_rank_holds_as_one_rank_verifies_them(outcomes):
@@ -141,6 +147,17 @@ def test_the_group_verifies_the_rows_every_rank_holds_as_one_rank_verifies_them(
     one = verifier().verify(proposal(rows[:1], cut=ErrorCode.ROW_CHECKSUM_MISMATCH))
     assert outs[0] == one
     assert len(one.tokens) <= 2  # the cut block: one draft and its correction or bonus
+
+
+def test_a_block_cut_on_two_links_is_cut_for_the_reason_of_the_shorter_one(outcomes):
+    # Rank 0's link lost row 2 to the deadline, rank 1's refused row 1: the group
+    # verifies row 0 alone, and what ended it there is rank 1's checksum fault.
+    rows, results = outcomes
+    outs = results["two links cut, the later one first"]
+    cuts = results["two links cut, the later one first", "cut"]
+    assert cuts == [ErrorCode.ROW_CHECKSUM_MISMATCH] * 2
+    one = verifier().verify(proposal(rows[:1], cut=ErrorCode.ROW_CHECKSUM_MISMATCH))
+    assert outs == [one, one]
 
 
 def test_every_link_whole_verifies_the_whole_block(outcomes):

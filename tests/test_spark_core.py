@@ -431,8 +431,7 @@ def test_the_reply_deadline_cuts_at_the_rows_that_arrived_and_later_frames_are_l
     assert isinstance(ready, ProposalReady)
     assert ready.proposal.cut is ErrorCode.REPLY_TIMEOUT
     assert ready.proposal.tokens == tuple(
-        msgspec.msgpack.decode(f[16 : 16 + int.from_bytes(f[6:8], "little")])[7]
-        for f in frames[:2]
+        framing.FrameDecoder(1 << 20).feed(f)[0].message.token for f in frames[:2]
     )
     late = deliver(pair, frames[2:])
     assert [e.code for e in late] == [ErrorCode.LATE_FRAME] * 2
@@ -451,6 +450,28 @@ def test_cut_stops_waiting_now_with_the_rows_that_arrived_or_fails_without_any()
     r, _ = held_reply(pair, depth=3)
     (failed,) = pair.spark.cut(0)
     assert failed == ProposalFailed(0, 0, r, ErrorCode.REPLY_TIMEOUT)
+
+
+def test_a_connection_that_ends_after_rows_cuts_the_block_by_the_code_that_ended_it():
+    # §6.5: CONNECTION_LOST when the stream ends; the framing code of a frame this
+    # side refused fatally; the code of the worker's connection-scoped ERROR.
+    ends = {
+        ErrorCode.CONNECTION_LOST: lambda pair: pair.spark.connection_lost(),
+        ErrorCode.BAD_MAGIC: lambda pair: pair.spark.receive_data(b"XX" + b"\0" * 14, pair.now),
+        ErrorCode.GROUP_FAILED: lambda pair: pair.spark.receive_data(
+            framing.encode_frame(
+                messages.Error(code=int(ErrorCode.GROUP_FAILED), answers=0, scope=2)
+            ),
+            pair.now,
+        ),
+    }
+    for code, end in ends.items():
+        pair = opened()
+        _r, frames = held_reply(pair, depth=3)
+        deliver(pair, frames[:1])
+        (ready,) = [e for e in end(pair) if isinstance(e, ProposalReady)]
+        assert ready.proposal.cut is code
+        assert len(ready.proposal.rows) == 1
 
 
 def test_a_failure_reported_after_rows_is_a_block_cut_by_its_status():

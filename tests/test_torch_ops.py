@@ -55,29 +55,6 @@ def same(np_fn: Callable[..., object], torch_fn: Callable[..., object], *args: o
 finite = st.floats(min_value=0.0, max_value=1e300, allow_subnormal=True)
 tiny = st.floats(min_value=0.0, max_value=1e-300, allow_subnormal=True)
 weights = st.lists(st.one_of(finite, tiny, st.just(0.0), st.just(1.0)), min_size=1, max_size=40)
-logits = st.lists(
-    st.one_of(st.floats(-1e4, 1e4), st.just(-np.inf), st.just(0.0)), min_size=1, max_size=40
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(weights, st.integers(1, 8))
-def test_construction_from_weights(values, k):
-    same(dyadic.counts_from_weights, torch_ops.counts_from_weights, values)
-    same(dyadic.sparse_counts_from_weights, torch_ops.sparse_counts_from_weights, values, k)
-
-
-@settings(max_examples=200, deadline=None)
-@given(logits, st.floats(0.05, 20.0), st.integers(1, 8))
-def test_construction_from_logits(values, temperature, k):
-    same(dyadic.counts_from_logits, torch_ops.counts_from_logits, values, temperature)
-    same(
-        dyadic.sparse_counts_from_logits,
-        torch_ops.sparse_counts_from_logits,
-        values,
-        temperature,
-        k,
-    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -88,32 +65,37 @@ def test_draws(values, u53, u24):
     same(verify.sample_weights, torch_ops.sample_weights, values, u53)
     if (w > 0).any() and np.isfinite(w.sum()):
         counts = dyadic.counts_from_weights(w)
-        same(dyadic.sample, torch_ops.sample, counts, u24)
+        drawn = torch_ops.draw_rows(torch.from_numpy(counts)[None], torch.tensor([u24]))
+        assert int(drawn[0]) == dyadic.sample(counts, u24)
         p = verify.check_target(w[::-1].copy(), w.size)
         same(verify.residual_sample, torch_ops.residual_sample, p, counts, u53)
 
 
 def test_full_vocabulary_rows():
-    # One full-size case: the toy drafter's logits at 129,280 tokens.
+    # One full-size case: the toy models' rows at 129,280 tokens.
     from pp1wire.apps.models import ToyLM
+    from pp1wire.q.proposal import build_row
 
     lm = ToyLM(129_280, 1, draft=True)
     for prefix in ([1, 2, 3], [7]):
-        z = lm.logits(prefix)
-        want = dyadic.counts_from_logits(z, 0.8)
-        got = torch_ops.counts_from_logits(torch.from_numpy(z), 0.8)
-        assert torch.equal(got, torch.from_numpy(want))
-        ids, counts = dyadic.sparse_counts_from_logits(z, 1.0, 32)
-        tids, tcounts = torch_ops.sparse_counts_from_logits(torch.from_numpy(z), 1.0, 32)
-        assert tids.tolist() == ids.tolist()
-        assert tcounts.tolist() == counts.tolist()
+        probs = lm.probs(prefix).astype(np.float32)
+        specs, draws = [(1.0, 0), (1.0, 32)], [12_345, (1 << 24) - 1]
+        rows = torch.from_numpy(probs[None].repeat(2, 0))
+        got = torch_ops.build_position(rows, specs, draws, None)
+        for row, (_, support), u in zip(got, specs, draws, strict=True):
+            counts, ids = build_row(probs, 1.0, support or None, kind="probs")
+            assert not isinstance(row, Pp1Error), row
+            assert np.array_equal(row.counts, counts)
+            pick = dyadic.sample(counts, u)
+            assert row.token == (pick if ids is None else int(ids[pick]))
+        want = dyadic.counts_from_logits(lm.logits(prefix), 0.8)
         p = verify.check_target(lm.probs(prefix), 129_280)
         assert torch.equal(
             torch_ops.check_target(torch.from_numpy(lm.probs(prefix))), torch.from_numpy(p)
         )
         for u in (0, 12345, U53 // 2, U53 - 1):
             assert int(
-                torch_ops.residual_sample(torch.from_numpy(p), got, u)
+                torch_ops.residual_sample(torch.from_numpy(p), torch.from_numpy(want), u)
             ) == verify.residual_sample(p, want, u)
 
 

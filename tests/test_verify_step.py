@@ -40,6 +40,7 @@ from pp1wire.q.verify import (
     verify_batch,
     verify_step,
 )
+from pp1wire.q.walk import Draw
 
 M = 1 << 24
 SPOILS = ["ok", "ok", "ok", "hole", "scale", "tiny", "nan", "neg", "zero", "inf", "huge"]
@@ -215,7 +216,7 @@ def step_path(request, monkeypatch):
     fastq = targetrows._fastq
     if request.param == "numpy":
         monkeypatch.setattr(targetrows, "_fastq", None)
-    elif getattr(fastq, "verify_rounds", None) is None:
+    elif getattr(fastq, "row_checks", None) is None:
         pytest.skip("compiled fast path not built")
     threads = 3 if request.param == "compiled-threads" else 1
     decide = targetrows.decide
@@ -384,7 +385,7 @@ def test_verify_batch_with_an_engine_that_returns_one_array_is_one_step():
 
 
 compiled = pytest.mark.skipif(
-    getattr(targetrows._fastq, "verify_rounds", None) is None, reason="compiled path not built"
+    getattr(targetrows._fastq, "row_checks", None) is None, reason="compiled path not built"
 )
 
 
@@ -532,19 +533,28 @@ def test_row_levels_and_descents_are_each_rows_own(values, draws):
             assert int(got[i]) == tree.descend(tree.levels(row), float(t[i]))
 
 
-def test_draws_from_no_mass_are_refused_by_every_path():
-    # q equal to p leaves no residual: -1 (EMPTY_RESIDUAL), on the host and on a device.
+def test_draws_from_no_mass_are_refused_by_every_backend():
+    # q equal to p leaves no residual: -1 (EMPTY_RESIDUAL), on the host, compiled,
+    # on a device and per prefix.
     p = np.array([0.25, 0.75, 0.0])
     q = QRow(token=1, counts=np.array([M // 4, 3 * (M // 4), 0]))
-    host = targetrows._HostRows(targetrows.StepRows.of_matrix(p[None]))
-    assert host.draw([(0, 1.0, q, 123, 3)]) == [-1]
-    assert host.draw([(0, 1.0, None, 123, 3)]) != [-1]
+    empty, full = Draw(0, q, 123, 3), Draw(0, None, 123, 3)
+    step = targetrows.StepRows.of_matrix(p[None])
+    backends: list = [
+        targetrows.HostRows(step),
+        targetrows.PrefixRows([0], (), lambda prefix: p, (), 3),
+    ]
+    if getattr(targetrows._fastq, "row_checks", None) is not None:
+        backends.append(targetrows.CompiledRows(step, 1))
     torch = pytest.importorskip("torch")
     from pp1wire.q import torch_ops
 
-    device = torch_ops.DeviceStep(torch.from_numpy(p[None]), [(0, 1)])
-    assert device.draw([(0, 1.0, q, 123, 3), (0, 1.0, None, 123, 3)])[0] == -1
-    assert device.draw([(0, 1.0, None, 123, 3)]) != [-1]
+    backends.append(torch_ops.DeviceStep(torch.from_numpy(p[None]), [(0, 1)]))
+    for ops in backends:
+        assert ops.check([(0, 3)]) == [True]
+        assert ops.p_at([(0, 1)]) == [0.75]
+        assert ops.draw([empty, full])[0] == -1
+        assert ops.draw([full]) != [-1]
 
 
 # -- torch rows: viewed on the CPU, kept on their device otherwise -----------------------
@@ -639,25 +649,26 @@ def test_a_process_on_one_core_decides_on_one_thread(monkeypatch):
     assert targetrows.step_threads() == 2
 
 
-def test_a_round_the_compiled_step_could_not_draw_for_is_walked_in_numpy(monkeypatch):
-    # Status 7 (out of memory in the compiled draw) hands the round to the numpy walk
-    # like BAD_Q: the step still decides what each request decides.
+@pytest.mark.parametrize("status", [-2, -3])
+def test_a_draw_the_compiled_backend_could_not_make_is_numpys(monkeypatch, status):
+    # -2 (out of memory for the draw's tree) and -3 (a sparse q it does not take)
+    # hand that draw to numpy: the step still decides what each request decides.
     fastq = targetrows._fastq
-    if getattr(fastq, "verify_rounds", None) is None:
+    if getattr(fastq, "row_checks", None) is None:
         pytest.skip("compiled fast path not built")
     failed = []
 
-    def verify_rounds(specs, status, threads):
-        fastq.verify_rounds(specs, status, threads)
-        status[0] = (7, 0, 0, -1)
+    def draw_rows(specs, threads):
+        out = fastq.draw_rows(specs, threads)
+        out[0] = status
         failed.append(len(specs))
+        return out
 
-    monkeypatch.setattr(
-        targetrows, "_fastq", type("Compiled", (), {"verify_rounds": staticmethod(verify_rounds)})
-    )
+    compiled = {"row_checks": staticmethod(fastq.row_checks), "draw_rows": staticmethod(draw_rows)}
+    monkeypatch.setattr(targetrows, "_fastq", type("Compiled", (), compiled))
     plans_ = [Plan(d, None, False, "counts", ["ok"] * 6, False, False, False) for d in (4, 0, 2)]
     check_same(300, plans_)
-    assert failed == [3]
+    assert sum(failed) == 3  # the step's three draws, the first of each call numpy's
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

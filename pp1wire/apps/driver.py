@@ -22,9 +22,13 @@ numbers its rounds with its verifier's counter (every STEP and every
 target-only round takes the next one). Which rounds share a step never changes
 a token.
 
-**Failures, one rule each.** A proposal that is missing, corrupt, refused,
-late or voted down is discarded whole and the request's next round is
-target-only (a *fallback*, counted by reason). A target that fails (raises,
+**Failures, one rule each.** A fault after some valid rows (a late, refused
+or corrupt row, a worker failure, a lost connection) ends the block after
+them: those rows are verified as a block cut there (a *cut*, counted by
+reason, ``docs/adaptive.md`` §7). A proposal refused whole (no valid row, a
+key or COMPLETION that does not check, a group that voted it down) is
+discarded and the request's next round is target-only (a *fallback*,
+counted by reason). A target that fails (raises,
 or gives a row that is not a distribution) stops *that* request — reason
 ``target_failed``, nothing of that round committed — and the others go on; the
 run writes every result and exits :data:`TARGET_FAILED_EXIT`. A group that

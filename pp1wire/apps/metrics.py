@@ -34,12 +34,13 @@ def total(counter: Counter) -> float:
     return sum(value for _, value in _samples(counter))
 
 
-def by_label(counter: Counter) -> dict[str, float]:
-    """A one-label counter as ``{label value: count}`` (label values never seen are absent)."""
-    out: dict[str, float] = {}
+def by_label(counter: Counter) -> dict[str, int]:
+    """A one-label counter of events as ``{label value: count}`` (label values never
+    seen are absent). Counts are integers: such a counter only ever counts by one."""
+    out: dict[str, int] = {}
     for labels, value in _samples(counter):
         key = ",".join(labels.values())
-        out[key] = out.get(key, 0.0) + value
+        out[key] = out.get(key, 0) + int(value)
     return out
 
 

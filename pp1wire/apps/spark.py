@@ -7,8 +7,11 @@ the worker, the group decides); ``--tp N --vocab-shards N`` (every rank talks
 to its worker rank and holds its range of the vocabulary). Every flag means
 the same in every mode, or is refused in one line naming the mode.
 
-A missing, corrupt, refused or timed-out proposal is discarded whole and the
-request's next round is decoded target-only from the committed prefix. If the
+A fault after some valid rows (a late, corrupt or refused row, a worker
+failure, a lost connection) ends the block after them, and those rows are
+verified (``docs/adaptive.md`` §7); a proposal with no valid row, or refused
+whole, is discarded and the request's next round is decoded target-only
+from the committed prefix. If the
 worker goes away, requests continue target-only and the connection is retried
 (one rank and replicated TP); on reconnect each slot is reopened with its
 committed prefix under a new generation. ``--depth 0`` decodes target-only
@@ -270,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=5.0,
         metavar="SECONDS",
-        help="how long a proposal may take before its round decodes target-only",
+        help="how long a proposal may take: at the deadline its block is cut after the rows "
+        "that arrived (verified), or, with none, its round decodes target-only",
     )
     p.add_argument(
         "--connect-timeout",

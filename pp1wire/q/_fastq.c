@@ -7,38 +7,33 @@
  * (and against the rational oracle) by tests/test_fastq.py. When this module
  * is absent, dyadic.py uses numpy and nothing changes but speed.
  *
- *   scan_dense(row) -> (max_bits, count_sum, non_integral)
- *       row: a buffer of little-endian FP32 values (read-only is fine).
- *       max_bits: the largest raw uint32 bit pattern (> 0x3F800000 means some
- *       value is negative, non-finite or above 1: the caller then diagnoses
- *       and ignores the other two results). count_sum: exact sum of
- *       trunc(v * 2**24). non_integral: 1 if some v * 2**24 is not an integer.
- *
  *   check_sparse(ids, q, vocab, max_k, proposed) -> code
  *       ids: int32 buffer, q: FP32 buffer. 0 if the row is valid, else the
  *       ErrorCode value of the first failing check, in validate_sparse's order.
  *
  *   allocate(w, total, out, share, work) -> status
- *       QBuilder.allocate in one compiled pass: w float64 weights (checked by
+ *       QBuilder.allocate in one compiled pass (allocate_row, which follows
+ *       dyadic.allocate_with piece by piece): w float64 weights (checked by
  *       the caller), total their canonical total; writes the dyadic24 counts
  *       into out (int32) using share and work (float64, len(w) each) as
- *       scratch. The leftover tickets go to the largest remainders, ties to
- *       the lowest index, chosen by a radix select over the remainders' bit
- *       patterns: linear, and independent of the data's order and of the CPU.
- *       status 0: done; 1: leftover tickets outside 0..n-1; 2: a ticket
- *       would land on a zero remainder (both ALLOCATION_INCONSISTENT).
+ *       scratch. The threshold remainder is found
+ *       by its key bucket and a radix select over the bucket's bit patterns:
+ *       linear, and independent of the data's order and of the CPU. Status 0
+ *       done, or 1 to 3 (ALLOCATION_INCONSISTENT, dyadic.ROW_STATUS_ERRORS).
  *
- *   build_rows(w, n, out, draws, tokens, status, share, work[, payloads]) -> None
+ *   build_rows(w, n, out, draws, tokens, status, share, work) -> None
  *       A batch of rows (rows x n float64 weights) in one call with the GIL
  *       released: each row's canonical total, allocate, and the proposal draw
- *       (dyadic.sample) with its 24-bit draw, found from per-block count sums
- *       by scanning one block; optionally each row's FP32 wire values written
- *       straight into its outgoing buffer. See the function for the details.
+ *       (dyadic.sample) with its 24-bit draw. See the function.
  *
  *   construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
  *       build_rows for rows that travel, from float32 weights (a probabilities
  *       drafter's) or float64 ones, checks included, each row's counts held
  *       only as its FP32 wire values: three passes over a row. See the function.
+ *
+ *   sample_counts(counts, u) -> (index, status)
+ *       dyadic.sample over int32 or int64 counts, in time that does not depend
+ *       on the index drawn.
  *
  *   construct_simd(on) -> bool
  *       Turn the AVX-512 path of construct_rows off (the other floors form and
@@ -102,23 +97,6 @@ static uint32_t scan_loop(const uint32_t *restrict bits, size_t n, uint64_t *res
     *sum_out = sum;
     *bad_out = bad;
     return mx;
-}
-
-static PyObject *scan_dense(PyObject *self, PyObject *args) {
-    Py_buffer row;
-    if (!PyArg_ParseTuple(args, "y*", &row)) return NULL;
-    if (row.len % 4 != 0) {
-        PyBuffer_Release(&row);
-        PyErr_SetString(PyExc_ValueError, "row length is not a multiple of 4 bytes");
-        return NULL;
-    }
-    uint64_t sum = 0;
-    uint32_t bad = 0, mx;
-    Py_BEGIN_ALLOW_THREADS
-    mx = scan_loop((const uint32_t *)row.buf, (size_t)row.len / 4, &sum, &bad);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&row);
-    return Py_BuildValue("(kKi)", (unsigned long)mx, (unsigned long long)sum, (int)(bad != 0));
 }
 
 /* Error codes shared with pp1wire.errors.ErrorCode (protocol §9). */
@@ -246,480 +224,6 @@ static PyObject *tree_total(PyObject *self, PyObject *args) {
 
 #define M24 16777216.0
 #define MIN_NORMAL 2.2250738585072014e-308 /* 2**-1022 */
-
-#define TOP_BITS 12
-#define TOP_SCALE 4096.0 /* 2**TOP_BITS */
-#define TOP_MASK 4095u
-/* Counts are summed per block of this many entries: the draw then scans one block. */
-#define BLOCK 4096
-#define STACK_BLOCKS 1024
-
-static inline uint64_t bits_of(double v) {
-    uint64_t u;
-    memcpy(&u, &v, sizeof u);
-    return u;
-}
-
-/* The share of a weight (dyadic.floors_and_remainders): w / scale, or
- * (w / total) * M when total / M is subnormal. */
-static inline double share_of(double w, double total, double scale, int small) {
-    return small ? (w / total) * M24 : w / scale;
-}
-
-/* Floors into out and key: the remainders' first 12 binary digits,
- * floor(r * 2**12), a coarse key that orders like the remainders (r < s
- * implies key(r) <= key(s)) and spreads them evenly, unlike their exponent
- * bits. The remainders themselves are not stored: the few the ticket choice
- * needs are computed again, by the same operations. Returns the sum of the
- * floors. No histogram here, so the loop vectorizes (the division dominates).
- * floor_key does one value; floors_scaled and floors_small differ in the share. */
-static inline int32_t floor_key(double v, int32_t *restrict out, uint16_t *restrict key) {
-    /* v >= 0: truncation is the floor. A share beyond int32 (only from a
-     * total that does not match the weights) converts as numpy's cast
-     * does, and the ticket count then refuses the row. */
-    int32_t f = (int32_t)v;
-    double r = v - (double)f;
-    *out = f;
-    /* exact: r in [0, 1), a power-of-two scale; the mask guards memory
-     * against such an inconsistent total */
-    *key = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
-    return f;
-}
-
-MULTIVERSION
-static int64_t floors_scaled(const double *restrict w, size_t n, double scale,
-                             int32_t *restrict out, uint16_t *restrict key) {
-    int64_t sum = 0;
-    for (size_t i = 0; i < n; i++) sum += floor_key(w[i] / scale, &out[i], &key[i]);
-    return sum;
-}
-
-/* The same when total / M is subnormal: (w / total) * M, two roundings. */
-MULTIVERSION
-static int64_t floors_small(const double *restrict w, size_t n, double total,
-                            int32_t *restrict out, uint16_t *restrict key) {
-    int64_t sum = 0;
-    for (size_t i = 0; i < n; i++) sum += floor_key((w[i] / total) * M24, &out[i], &key[i]);
-    return sum;
-}
-
-static void histogram(const uint16_t *restrict key, size_t n, uint32_t *restrict hist) {
-    for (size_t i = 0; i < n; i++) hist[key[i]]++;
-}
-
-/* One ticket more for every key above top; returns how many. */
-MULTIVERSION
-static int64_t add_above(const uint16_t *restrict key, size_t n, uint32_t top,
-                         int32_t *restrict out) {
-    int64_t added = 0;
-    for (size_t i = 0; i < n; i++) {
-        int32_t a = key[i] > top;
-        out[i] += a;
-        added += a;
-    }
-    return added;
-}
-
-/* add_above, also writing each count's FP32 wire value c / 2**24 (exact). */
-MULTIVERSION
-static int64_t add_above_fp32(const uint16_t *restrict key, size_t n, uint32_t top,
-                              int32_t *restrict out, float *restrict q) {
-    int64_t added = 0;
-    for (size_t i = 0; i < n; i++) {
-        int32_t a = key[i] > top;
-        int32_t c = out[i] + a;
-        out[i] = c;
-        q[i] = (float)c * 0x1p-24f;
-        added += a;
-    }
-    return added;
-}
-
-/* The FP32 wire values of counts: c / 2**24, exact (c <= 2**24). */
-MULTIVERSION
-static void counts_to_fp32(const int32_t *restrict c, size_t n, float *restrict q) {
-    for (size_t i = 0; i < n; i++) q[i] = (float)c[i] * 0x1p-24f;
-}
-
-/* Whether any of 64 keys equals top (vectorized: the scan below skips most chunks). */
-MULTIVERSION
-static int any_equal(const uint16_t *restrict key, uint32_t top) {
-    int any = 0;
-    for (int j = 0; j < 64; j++) any |= key[j] == top;
-    return any;
-}
-
-/* The indices of the keys equal to top, ascending, into idx; returns how many. */
-static size_t gather_equal(const uint16_t *restrict key, size_t n, uint32_t top,
-                           uint32_t *restrict idx) {
-    size_t count = 0, i = 0;
-    for (; i + 64 <= n; i += 64) {
-        if (!any_equal(key + i, top)) continue;
-        for (size_t j = i; j < i + 64; j++) {
-            idx[count] = (uint32_t)j;
-            count += key[j] == top;
-        }
-    }
-    for (; i < n; i++) {
-        idx[count] = (uint32_t)i;
-        count += key[i] == top;
-    }
-    return count;
-}
-
-/* Scratch of one row: candidate remainders, keys, candidate indices, block sums. */
-typedef struct {
-    double *rem;
-    uint16_t *key;
-    uint32_t *idx;
-    int64_t *blocks;
-} scratch_t;
-
-/* Non-negative doubles order as their bit patterns: within one coarse bucket,
- * six digits of those patterns find the threshold exactly. */
-static const int SHIFTS[6] = {52, 40, 28, 16, 4, 0};
-static const int WIDTHS[6] = {12, 12, 12, 12, 12, 4};
-/* Up to this many candidates are ordered by insertion instead. */
-#define FEW 64
-
-/* One ticket more for entry i (after the bulk pass), keeping blocks and q; without
- * out, the counts live in q alone: (c + 1) / 2**24 = c / 2**24 + 2**-24, exact in
- * FP32 for c < 2**24. */
-static inline void ticket(int32_t *out, int64_t *blocks, float *q, uint32_t i) {
-    blocks[i / BLOCK] += 1;
-    if (out == NULL) {
-        q[i] += 0x1p-24f;
-        return;
-    }
-    out[i] += 1;
-    if (q != NULL) q[i] = (float)out[i] * 0x1p-24f;
-}
-
-/* add_above for counts held only as FP32 values in q. */
-MULTIVERSION
-static int64_t add_above_q(const uint16_t *restrict key, size_t n, uint32_t top,
-                           float *restrict q) {
-    int64_t added = 0;
-    for (size_t i = 0; i < n; i++) {
-        int32_t a = key[i] > top;
-        q[i] += a ? 0x1p-24f : 0.0f;
-        added += a;
-    }
-    return added;
-}
-
-/* A weight of a row of float64 or float32 values, as binary64 (exact). */
-static inline double weight_at(const void *w, int f32, size_t i) {
-    return f32 ? (double)((const float *)w)[i] : ((const double *)w)[i];
-}
-
-/* One ticket more for the k largest remainders, ties to the lowest index,
- * keeping the block sums (and the FP32 values, when q is given). Returns 0, or
- * 2 if a ticket lands on a zero. */
-static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
-                             const scratch_t *s, size_t count, size_t need,
-                             int32_t *restrict out, float *q);
-
-static int leftover_pass(const void *w, int f32, double total, double scale, int small,
-                         const scratch_t *s, size_t n, size_t k, int32_t *restrict out,
-                         float *q, const uint32_t *restrict top_hist) {
-    uint32_t *idx = s->idx;
-    double *rem = s->rem;
-    int64_t *blocks = s->blocks;
-    /* The top digit: its bucket holds the k-th largest remainder. */
-    size_t acc = 0, need = k;
-    uint32_t top = TOP_MASK;
-    for (;; top--) {
-        if (acc + top_hist[top] >= need) break;
-        acc += top_hist[top];
-    }
-    need -= acc;
-    /* A ticket for every remainder in a higher bucket (vectorized), then the
-     * target bucket's indices, in index order: about n / 4096 of them. */
-    for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
-        size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        blocks[b] += out == NULL ? add_above_q(s->key + lo, len, top, q + lo)
-                     : q != NULL ? add_above_fp32(s->key + lo, len, top, out + lo, q + lo)
-                                 : add_above(s->key + lo, len, top, out + lo);
-    }
-    size_t count = gather_equal(s->key, n, top, idx);
-    return tickets_in_bucket(w, f32, total, scale, small, s, count, need, out, q);
-}
-
-/* The need largest remainders among the count entries of one key bucket, whose
- * indices s->idx holds in ascending order, get one ticket each (ties to the lowest
- * index). Returns 0, or 2 if a ticket would land on a zero remainder. */
-static int tickets_in_bucket(const void *w, int f32, double total, double scale, int small,
-                             const scratch_t *s, size_t count, size_t need,
-                             int32_t *restrict out, float *q) {
-    uint32_t *idx = s->idx;
-    double *rem = s->rem;
-    int64_t *blocks = s->blocks;
-    for (size_t c = 0; c < count; c++) {
-        double v = share_of(weight_at(w, f32, idx[c]), total, scale, small);
-        /* as the floors pass had it; + 0.0 makes the remainder of a -0.0 weight
-         * +0.0, which orders below every positive one (its bits would not) */
-        rem[c] = (v - (double)(int32_t)v) + 0.0;
-    }
-    uint64_t threshold = 0;
-    if (count <= FEW) {
-        /* Order by remainder, descending, ties by index (insertion is stable). */
-        for (size_t c = 1; c < count; c++) {
-            uint32_t i = idx[c];
-            double r = rem[c];
-            uint64_t rb = bits_of(r);
-            size_t j = c;
-            for (; j > 0 && bits_of(rem[j - 1]) < rb; j--) {
-                idx[j] = idx[j - 1];
-                rem[j] = rem[j - 1];
-            }
-            idx[j] = i;
-            rem[j] = r;
-        }
-        threshold = bits_of(rem[need - 1]);
-        if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
-        for (size_t c = 0; c < need; c++) ticket(out, blocks, q, idx[c]);
-        return 0;
-    }
-    /* Within the bucket, narrow to the threshold digit by digit. */
-    uint32_t hist[4096];
-    for (int pass = 0; pass < 6; pass++) {
-        int shift = SHIFTS[pass];
-        uint64_t mask = ((uint64_t)1 << WIDTHS[pass]) - 1;
-        memset(hist, 0, sizeof hist);
-        for (size_t c = 0; c < count; c++) hist[(bits_of(rem[c]) >> shift) & mask]++;
-        size_t above = 0;
-        uint64_t b = mask;
-        for (;; b--) {
-            if (above + hist[b] >= need) break;
-            above += hist[b];
-        }
-        need -= above;
-        threshold |= b << shift;
-        size_t kept = 0;
-        for (size_t c = 0; c < count; c++) {
-            uint64_t d = (bits_of(rem[c]) >> shift) & mask;
-            if (d > b) ticket(out, blocks, q, idx[c]); /* above the threshold */
-            idx[kept] = idx[c];
-            rem[kept] = rem[c];
-            kept += d == b;
-        }
-        count = kept;
-    }
-    if (threshold == 0) return 2; /* the k-th largest remainder is +0.0 */
-    /* idx[0 ..) holds every remainder equal to the threshold, in index order. */
-    for (size_t c = 0; c < need; c++) ticket(out, blocks, q, idx[c]);
-    return 0;
-}
-
-/* QBuilder.allocate for checked weights w and their canonical total: counts
- * into out, and blocks[b] = the sum of block b's counts; with q, the FP32
- * wire values too. Status 0: done; 1: tickets left over outside 0..n-1;
- * 2: a ticket would land on a zero remainder (both ALLOCATION_INCONSISTENT). */
-static int build_counts(const double *w, size_t n, double total, int32_t *out, float *q,
-                        const scratch_t *s) {
-    double scale = total / M24;
-    int small = !(scale >= MIN_NORMAL);
-    uint32_t top_hist[1 << TOP_BITS];
-    memset(top_hist, 0, sizeof top_hist);
-    int64_t sum = 0;
-    for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
-        size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        int64_t part = small ? floors_small(w + lo, len, total, out + lo, s->key + lo)
-                             : floors_scaled(w + lo, len, scale, out + lo, s->key + lo);
-        histogram(s->key + lo, len, top_hist); /* while the block's keys are in L1 */
-        s->blocks[b] = part;
-        sum += part;
-    }
-    int64_t remaining = (int64_t)M24 - sum;
-    if (remaining < 0 || remaining >= (int64_t)n) return 1;
-    if (remaining == 0) {
-        if (q != NULL) counts_to_fp32(out, n, q);
-        return 0;
-    }
-    return leftover_pass(w, 0, total, scale, small, s, n, (size_t)remaining, out, q, top_hist);
-}
-
-/* The proposal draw from counts whose block sums are known: the first index
- * whose cumulative count exceeds u (dyadic.sample), scanning one block. The
- * counts are out's, or with out NULL q's FP32 values c / 2**24 (the test on out
- * is the same for every i: once inlined, it is taken out of the loop).
- * -1 if the counts do not sum to M. */
-static inline int64_t draw_from_blocks(const int32_t *out, const float *q, size_t n,
-                                       const int64_t *blocks, int64_t u) {
-    size_t nblocks = (n + BLOCK - 1) / BLOCK;
-    int64_t total = 0;
-    for (size_t b = 0; b < nblocks; b++) total += blocks[b];
-    if (total != (int64_t)M24) return -1;
-    int64_t acc = 0;
-    size_t b = 0;
-    while (acc + blocks[b] <= u) acc += blocks[b++];
-    size_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-    for (size_t i = b * BLOCK; i < end; i++) {
-        acc += out != NULL ? out[i] : (int64_t)(q[i] * 16777216.0f); /* exact */
-        if (acc > u) return (int64_t)i;
-    }
-    return -1; /* unreachable for counts that sum to M */
-}
-
-/* A built row's status once drawn from with u (st: its status from the build;
- * 4 for a draw outside [0, M), 3 for counts not summing to M) and its token in
- * *token (-1 unless drawn). Counts as for draw_from_blocks. */
-static inline int proposal_draw(int st, const int32_t *out, const float *q, size_t n,
-                                const int64_t *blocks, int64_t u, int64_t *token) {
-    *token = -1;
-    if (st != 0) return st;
-    if (u < 0 || u >= (int64_t)M24) return 4;
-    *token = draw_from_blocks(out, q, n, blocks, u);
-    return *token < 0 ? 3 : 0;
-}
-
-/* The block sums of a row of n: `stack` (STACK_BLOCKS entries) where they fit,
- * else allocated (NULL with MemoryError set if that fails; the GIL is held).
- * Freed by blocks_free. */
-static int64_t *blocks_for(size_t n, int64_t *stack) {
-    size_t nblocks = (n + BLOCK - 1) / BLOCK;
-    if (nblocks <= STACK_BLOCKS) return stack;
-    int64_t *blocks = (int64_t *)malloc(nblocks * sizeof(int64_t));
-    if (blocks == NULL) PyErr_NoMemory();
-    return blocks;
-}
-
-static void blocks_free(int64_t *blocks, const int64_t *stack) {
-    if (blocks != stack) free(blocks); /* free(NULL) does nothing */
-}
-
-/* Lay out a row's key and idx scratch in `work` (at least 8 bytes per entry);
- * share (8 bytes per entry) holds the candidates' remainders. */
-static void scratch_in(scratch_t *s, double *share, void *work, size_t n, int64_t *blocks) {
-    s->rem = share;
-    s->key = (uint16_t *)work;
-    s->idx = (uint32_t *)((char *)work + ((2 * n + 3) & ~(size_t)3));
-    s->blocks = blocks;
-}
-
-static PyObject *allocate(PyObject *self, PyObject *args) {
-    Py_buffer wb, ob, sb, kb;
-    double total;
-    if (!PyArg_ParseTuple(args, "y*dw*w*w*", &wb, &total, &ob, &sb, &kb)) return NULL;
-    size_t n = (size_t)wb.len / 8;
-    int status = -1;
-    if (wb.len % 8 || (size_t)ob.len != 4 * n || (size_t)sb.len != 8 * n
-        || (size_t)kb.len != 8 * n || n == 0 || n > 0xFFFFFFFFu) {
-        PyErr_SetString(PyExc_ValueError, "allocate: buffer sizes do not match");
-    } else {
-        int64_t stack_blocks[STACK_BLOCKS];
-        int64_t *blocks = blocks_for(n, stack_blocks);
-        if (blocks != NULL) {
-            scratch_t s;
-            scratch_in(&s, (double *)sb.buf, kb.buf, n, blocks);
-            Py_BEGIN_ALLOW_THREADS
-            status = build_counts((const double *)wb.buf, n, total, (int32_t *)ob.buf, NULL, &s);
-            Py_END_ALLOW_THREADS
-            blocks_free(blocks, stack_blocks);
-        }
-    }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
-    if (status < 0) return NULL;
-    return PyLong_FromLong(status);
-}
-
-/* build_rows(w, n, out, draws, tokens, status, share, work[, payloads])
- *     Every row of w (rows x n float64 weights, checked) gets its canonical
- *     total, its counts (allocate) and its proposal draw with draws[r]
- *     (int64): tokens[r] (int64) and status[r] (int32: 0 done, 1 or 2 as
- *     allocate, 3 counts not summing to M, 4 a draw outside [0, M)). share and
- *     work: float64 scratch of n entries each. out (int32) holds the counts:
- *     rows x n, or n reused by every row when payloads is given: a sequence
- *     of one writable buffer per row, of m >= n FP32 values each, that gets
- *     the row's wire values c / 2**24 followed by +0.0 (written for a row of
- *     status 0). The GIL is released for the whole batch. */
-static PyObject *build_rows(PyObject *self, PyObject *args) {
-    Py_buffer wb, ob, db, tb, stb, sb, kb;
-    Py_ssize_t nn;
-    PyObject *payloads = Py_None;
-    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*|O", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb,
-                          &payloads))
-        return NULL;
-    size_t n = (size_t)(nn > 0 ? nn : 0);
-    size_t rows = (size_t)db.len / 8;
-    int shared_out = payloads != Py_None && (size_t)ob.len == 4 * n;
-    int ok = nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)wb.len == 8 * n * rows
-             && (shared_out || (size_t)ob.len == 4 * n * rows) && (size_t)tb.len == 8 * rows
-             && (size_t)stb.len == 4 * rows && (size_t)sb.len == 8 * n && (size_t)kb.len == 8 * n;
-    int64_t stack_blocks[STACK_BLOCKS];
-    int64_t *blocks = NULL;
-    Py_buffer *qb = NULL;
-    size_t held = 0; /* payload buffers acquired */
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "build_rows: buffer sizes do not match");
-    } else if (payloads != Py_None) {
-        PyObject *seq = PySequence_Fast(payloads, "build_rows: payloads must be a sequence");
-        ok = seq != NULL && (size_t)PySequence_Fast_GET_SIZE(seq) == rows;
-        if (seq != NULL && !ok)
-            PyErr_SetString(PyExc_ValueError, "build_rows: one payload per row");
-        if (ok) {
-            qb = (Py_buffer *)PyMem_Calloc(rows ? rows : 1, sizeof(Py_buffer));
-            ok = qb != NULL;
-            if (!ok) PyErr_NoMemory();
-        }
-        for (; ok && held < rows; held++) {
-            PyObject *item = PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)held);
-            if (PyObject_GetBuffer(item, &qb[held], PyBUF_WRITABLE) < 0) {
-                ok = 0;
-                break;
-            }
-            if (qb[held].len % 4 || (size_t)qb[held].len < 4 * n) {
-                PyErr_SetString(PyExc_ValueError, "build_rows: a payload holds fewer than n FP32");
-                PyBuffer_Release(&qb[held]);
-                ok = 0;
-                break;
-            }
-        }
-        Py_XDECREF(seq);
-    }
-    if (ok) {
-        blocks = blocks_for(n, stack_blocks);
-        ok = blocks != NULL;
-    }
-    if (ok) {
-        scratch_t s;
-        scratch_in(&s, (double *)sb.buf, kb.buf, n, blocks);
-        const double *w = (const double *)wb.buf;
-        int32_t *out = (int32_t *)ob.buf;
-        const int64_t *draws = (const int64_t *)db.buf;
-        int64_t *tokens = (int64_t *)tb.buf;
-        int32_t *status = (int32_t *)stb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (size_t r = 0; r < rows; r++) {
-            const double *wr = w + r * n;
-            int32_t *outr = shared_out ? out : out + r * n;
-            float *q = qb != NULL ? (float *)qb[r].buf : NULL;
-            int st = build_counts(wr, n, tree_root(wr, n), outr, q, &s);
-            int64_t token;
-            st = proposal_draw(st, outr, NULL, n, blocks, draws[r], &token);
-            if (st == 0 && q != NULL) memset(q + n, 0, (size_t)qb[r].len - 4 * n); /* +0.0 */
-            status[r] = st;
-            tokens[r] = token;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    blocks_free(blocks, stack_blocks);
-    for (size_t r = 0; r < held; r++) PyBuffer_Release(&qb[r]);
-    PyMem_Free(qb);
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&stb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
-    if (!ok) return NULL;
-    Py_RETURN_NONE;
-}
 
 #define DIST_BUCKETS 1024
 #define DIST_LAST 1023.0
@@ -871,72 +375,35 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nd)", count, out_max);
 }
 
-/* The proposal draw over integer counts: the first index whose cumulative count
- * exceeds u, with the checks dyadic.sample makes (no negative count, total M).
- * Returns (index, 0), or (-1, 1) for a negative count, (-1, 2) for a wrong total. */
-static PyObject *sample_counts(PyObject *self, PyObject *args) {
-    Py_buffer cb;
-    long long u;
-    if (!PyArg_ParseTuple(args, "y*L", &cb, &u)) return NULL;
-    if (cb.len % 4) {
-        PyBuffer_Release(&cb);
-        PyErr_SetString(PyExc_ValueError, "sample_counts: not an int32 buffer");
-        return NULL;
-    }
-    size_t n = (size_t)cb.len / 4;
-    const int32_t *c = (const int32_t *)cb.buf;
-    int64_t sum = 0, found = -1;
-    int negative = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i < n; i++) {
-        int32_t v = c[i];
-        if (v < 0) {
-            negative = 1;
-            break;
-        }
-        sum += v;
-        if (found < 0 && sum > u) found = (int64_t)i;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&cb);
-    if (negative) return Py_BuildValue("(Li)", -1LL, 1);
-    if (sum != (int64_t)M24) return Py_BuildValue("(Li)", -1LL, 2);
-    return Py_BuildValue("(Li)", (long long)found, 0);
-}
-
 /* ---------------------------------------------------------------------------
- * Verification of an engine step's rounds (pp1wire.q.targetrows), protocol
- * §6.5 and §6.6, bit for bit what pp1wire.q.verify's per-request path decides:
+ * The row operations of verification (pp1wire.q.targetrows.CompiledRows), protocol
+ * §6.5 and §6.6, bit for bit what the numpy row operations give. The walk that
+ * decides with them is pp1wire.q.walk's; nothing here decides a round.
  *
- *   verify_rounds(jobs, out[, threads]) -> None
- *       Each job is one round: (rows, tokens, counts, qs, seed, generation,
- *       round, start, final_domain, eos, vocab). rows: its target rows (float32
- *       or float64, `vocab` entries each; None for a row that could not be
- *       read), d + 1 for a proposal of d drafts, 1 for a target-only round;
- *       tokens, counts: each draft and its q count; qs: each draft row's q as
- *       (values, ids or None): float32 q values or int32/int64 counts, dense
- *       (at least `vocab` entries) or sparse (ascending ids). out: int64, four
- *       per job: (status, stop row, accepted drafts, drawn token or -1).
- *       With the GIL released, each round walks its positions: the row's
- *       canonical total and its checks in one pass, the exact acceptance test
- *       u * q(x) < p(x) with p(x) = v[x] / total, and at the first rejection
- *       the correction from max(p - q, 0), else the bonus (or the target-only
- *       token) from p, each drawn by descending the canonical tree: one pass
+ *   row_checks(rows[, threads]) -> list
+ *       Each row (float32 or float64, contiguous; None for a row that could
+ *       not be read) in one pass: its canonical total if it is a
+ *       distribution (no value below zero, a finite, positive total), else None.
+ *
+ *   draw_rows(draws[, threads]) -> list
+ *       Each draw (row, total, q or None, ids or None, u53) of a checked row:
+ *       from max(row / total - q, 0) with q (float32 values or int32/int64
+ *       counts, dense: at least as long as the row; or sparse: ascending ids),
+ *       from row / total without, by descending the canonical tree: one pass
  *       over the row stores the sums of its 64-leaf blocks, the descent
- *       recomputes the one block it ends in. The Philox draws are those of
- *       pp1wire.q.rng (ACCEPTANCE, CORRECTION, TARGET domains). With
- *       threads > 1, that many threads take the rounds one by one.
- *       Status: 0 accepted terminal draft, 1 correction, 2 bonus, 3
- *       target-only token, 4 the row `stop` failed its checks (the caller
- *       diagnoses it), 5 empty residual at row `stop`, 6 a sparse q whose ids
- *       are not ascending inside the vocabulary (the caller decides the round
- *       its own way), 7 out of memory in a draw (the caller likewise).
+ *       recomputes the one block it ends in. Each entry: the drawn index, -1
+ *       if the weights have no mass, -2 out of memory, -3 a sparse q whose ids
+ *       are not ascending inside the row (the caller draws those its own way).
+ *
+ *   Both release the GIL; with threads > 1 that many threads take the rows
+ *   one by one.
  *
  *   philox_u53(seed, generation, round, position, domain) -> int
  *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
  *   accept_u53(u53, count, p) -> bool
  *   step_simd(on) -> bool
- *       Turn the AVX2 path of verify_rounds off (the portable path) or back on.
+ *       Turn the AVX2 path of row_checks and draw_rows off (the portable path)
+ *       or back on.
  *   row_stats(row) -> (total, negative)
  *   draw_total(row, total, q, ids) -> float
  *       The pieces alone, for qualification: a draw, the acceptance test, a
@@ -944,12 +411,7 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
  *       a draw descends (max(v / total - q, 0), or v / total without q).
  * ------------------------------------------------------------------------- */
 
-enum { V_EOS = 0, V_CORRECTION = 1, V_BONUS = 2, V_TARGET = 3, V_BAD_ROW = 4, V_EMPTY = 5,
-       V_BAD_Q = 6, V_NOMEM = 7 };
-enum { D_ACCEPTANCE = 2, D_CORRECTION = 3, D_TARGET = 4 };
 enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
-#define V_MAX_ROWS 6 /* MAX_DEPTH drafts and the bonus */
-#define V_BUFFERS (3 * V_MAX_ROWS)
 
 static void philox10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     for (int i = 0; i < 10; i++) {
@@ -1002,22 +464,6 @@ typedef struct {
     const int32_t *ids; /* NULL for a dense row */
     size_t nids;
 } vq_t;
-
-typedef struct {
-    int nrows, ndrafts, final_domain, bad_q;
-    vrow_t rows[V_MAX_ROWS];
-    int64_t tokens[V_MAX_ROWS], counts[V_MAX_ROWS];
-    vq_t qs[V_MAX_ROWS];
-    uint64_t seed;
-    uint32_t gen, round, start;
-    int64_t eos;
-    size_t vocab;
-    int64_t *out;
-} vround_t;
-
-static inline double row_at(const vrow_t *r, size_t i) {
-    return r->kind == K_F32 ? (double)((const float *)r->p)[i] : ((const double *)r->p)[i];
-}
 
 /* Leaves [base, base + 64) of the row as binary64, +0.0 past n; returns how many are real. */
 static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restrict x) {
@@ -1171,6 +617,8 @@ static size_t tree_size(size_t n, int *depth) {
  * level are independent (and vectorize); a block of padding only is +0.0.
  * Also whether some value is negative: with the total's finiteness, what
  * check_target reads, in one pass. */
+static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad);
+
 static double row_total(const vrow_t *r, size_t n, int *bad) {
     int depth;
     size_t size = tree_size(n, &depth);
@@ -1182,13 +630,21 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
             for (size_t i = 0; i < width / 2; i++) x[i] = x[2 * i] + x[2 * i + 1];
         return x[0];
     }
+    return blocks_total(r, n, 0, size >> 6, bad);
+}
+
+/* The root of the subtree over the 64-leaf blocks [first, first + count): count a
+ * power of two and first a multiple of it, so the root is a node of the row's
+ * canonical tree (blocks past n are padding, +0.0). */
+static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad) {
+    double x[64];
     double stack[64];
-    int badness = 0;
-    size_t blocks = size >> 6;
+    int badness = 0, top = 0;
+    while (((size_t)1 << top) < count) top++;
 #ifdef HAVE_X86_PATH
     int x86 = have_avx2();
 #endif
-    for (size_t blk = 0; blk < blocks; blk++) {
+    for (size_t blk = first; blk < first + count; blk++) {
         size_t base = blk << 6;
         double carry = 0.0;
 #ifdef HAVE_X86_PATH
@@ -1207,7 +663,7 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
                 }
             }
             int level = 0;
-            for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+            for (size_t b = blk - first; b & 1; b >>= 1) carry = stack[level++] + carry;
             stack[level] = carry;
             continue;
         }
@@ -1227,11 +683,11 @@ static double row_total(const vrow_t *r, size_t n, int *bad) {
             carry = root64(x);
         }
         int level = 0;
-        for (size_t b = blk; b & 1; b >>= 1) carry = stack[level++] + carry;
+        for (size_t b = blk - first; b & 1; b >>= 1) carry = stack[level++] + carry;
         stack[level] = carry;
     }
     *bad = badness;
-    return stack[depth - 6];
+    return stack[top];
 }
 
 static double tree_root(const double *restrict v, size_t n) {
@@ -1387,18 +843,15 @@ static double block_root(const double *x) {
     return root64(x);
 }
 
-/* sample_weights / residual_sample of the row: the drawn index, -1 if the
- * weights have no mass, -2 if out of memory. */
-/* The block roots of the draw's weights into up[0, blocks), then the levels
- * above them (block_levels); the root is up[2 * blocks - 2]. */
-static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
-                         size_t blocks) {
+/* The block roots of the draw's weights for blocks [first, first + count) into up. */
+static void weights_roots(const vrow_t *r, size_t n, double total, const vq_t *q, double *up,
+                          size_t first, size_t count) {
     double lv[64];
 #ifdef HAVE_X86_PATH
     int qkind = q == NULL ? K_NONE : q->kind;
     int fused = have_avx2() && (q == NULL || (q->ids == NULL && qkind != K_I64));
 #endif
-    for (size_t blk = 0; blk < blocks; blk++) {
+    for (size_t blk = first; blk < first + count; blk++) {
         size_t base = blk << 6;
         if (base >= n) {
             up[blk] = 0.0;
@@ -1414,7 +867,6 @@ static void weights_tree(const vrow_t *r, size_t n, double total, const vq_t *q,
         weights_block(r, n, base, total, q, lv);
         up[blk] = block_root(lv);
     }
-    block_levels(up, blocks);
 }
 
 /* The canonical total of the draw's weights (what the draw descends); -1.0 if
@@ -1431,94 +883,39 @@ static double weights_total(const vrow_t *r, size_t n, double total, const vq_t 
     size_t blocks = size >> 6;
     double *up = (double *)malloc(2 * blocks * sizeof(double));
     if (up == NULL) return -1.0;
-    weights_tree(r, n, total, q, up, blocks);
+    weights_roots(r, n, total, q, up, 0, blocks);
+    block_levels(up, blocks);
     double root = up[2 * blocks - 2];
     free(up);
     return root;
 }
 
-static int64_t draw_row(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
+/* sample_weights / residual_sample of a row of fewer than 64 leaves: the drawn
+ * index, -1 if the weights have no mass. */
+static int64_t draw_small(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53) {
     int depth;
     size_t size = tree_size(n, &depth);
     double lv[128];
-    if (depth < 6) {
-        weights_block(r, n, 0, total, q, lv);
-        block_levels(lv, size);
-        double root = lv[2 * size - 2];
-        if (!(root > 0.0)) return -1;
-        return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
-    }
-    size_t blocks = size >> 6;
-    double *up = (double *)malloc(2 * blocks * sizeof(double));
-    if (up == NULL) return -2;
-    weights_tree(r, n, total, q, up, blocks);
+    weights_block(r, n, 0, total, q, lv);
+    block_levels(lv, size);
+    double root = lv[2 * size - 2];
+    if (!(root > 0.0)) return -1;
+    return (int64_t)block_descend(lv, size, ((double)u53 / 9007199254740992.0) * root);
+}
+
+/* The same for a row of blocks of 64 leaves once up holds every block's root:
+ * down the blocks' tree to one block, then inside it. */
+static int64_t draw_blocks(const vrow_t *r, size_t n, double total, const vq_t *q, uint64_t u53,
+                           double *up, size_t blocks) {
+    block_levels(up, blocks);
     double root = up[2 * blocks - 2];
-    if (!(root > 0.0)) {
-        free(up);
-        return -1;
-    }
+    if (!(root > 0.0)) return -1;
     double t = ((double)u53 / 9007199254740992.0) * root;
-    /* Down the blocks' tree to one block, then inside it. */
     size_t index = descend(up, blocks, &t);
-    free(up);
+    double lv[128];
     weights_block(r, n, index << 6, total, q, lv);
     block_levels(lv, 64);
     return (int64_t)((index << 6) + block_descend(lv, 64, t));
-}
-
-static void finish(vround_t *job, int64_t status, int64_t stop, int64_t accepted, int64_t token) {
-    job->out[0] = status;
-    job->out[1] = stop;
-    job->out[2] = accepted;
-    job->out[3] = token;
-}
-
-static void run_round(vround_t *job) {
-    size_t n = job->vocab;
-    int64_t accepted = 0;
-    if (job->bad_q) {
-        finish(job, V_BAD_Q, 0, 0, -1);
-        return;
-    }
-    for (int i = 0; i < job->nrows; i++) {
-        const vrow_t *row = &job->rows[i];
-        if (row->kind == K_NONE) {
-            finish(job, V_BAD_ROW, i, accepted, -1);
-            return;
-        }
-        int bad = 0;
-        double total = row_total(row, n, &bad);
-        if (bad || !isfinite(total) || !(total > 0.0)) {
-            finish(job, V_BAD_ROW, i, accepted, -1);
-            return;
-        }
-        uint32_t pos = job->start + (uint32_t)i;
-        if (i == job->ndrafts) { /* the bonus, or the target-only token */
-            uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, job->final_domain);
-            int64_t y = draw_row(row, n, total, NULL, u);
-            int64_t status = job->final_domain == D_TARGET ? V_TARGET : V_BONUS;
-            if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
-            else finish(job, y < 0 ? V_EMPTY : status, i, accepted, y);
-            return;
-        }
-        int64_t x = job->tokens[i];
-        double px = row_at(row, (size_t)x) / total;
-        uint64_t u = draw_u53(job->seed, job->gen, job->round, pos, D_ACCEPTANCE);
-        if (accept_test(u, job->counts[i], px)) {
-            accepted++;
-            if (x == job->eos) {
-                finish(job, V_EOS, i, accepted, -1);
-                return;
-            }
-            continue;
-        }
-        u = draw_u53(job->seed, job->gen, job->round, pos, D_CORRECTION);
-        int64_t y = draw_row(row, n, total, &job->qs[i], u);
-        if (y == -2) finish(job, V_NOMEM, i, accepted, -1);
-        else finish(job, y < 0 ? V_EMPTY : V_CORRECTION, i, accepted, y);
-        return;
-    }
-    finish(job, V_BAD_ROW, job->nrows, accepted, -1); /* unreachable: the last row draws */
 }
 
 /* The buffer's element kind, from its format and item size. */
@@ -1543,7 +940,7 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     (*used)++;
     int kind = buffer_kind(b);
     if (kind == K_NONE || b->ndim != 1) {
-        PyErr_SetString(PyExc_TypeError, "verify_rounds: unsupported buffer");
+        PyErr_SetString(PyExc_TypeError, "unsupported buffer");
         return -1;
     }
     *ptr = b->buf;
@@ -1551,194 +948,494 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     return kind;
 }
 
-static int parse_round(PyObject *item, vround_t *job, Py_buffer *views, int *used) {
-    PyObject *rows, *tokens, *counts, *qs;
-    unsigned long long seed;
-    unsigned long gen, round, start;
-    int final_domain;
-    long long eos;
-    Py_ssize_t vocab;
-    if (!PyArg_ParseTuple(item, "O!O!O!O!KkkkiLn", &PyTuple_Type, &rows, &PyTuple_Type, &tokens,
-                          &PyTuple_Type, &counts, &PyTuple_Type, &qs, &seed, &gen, &round,
-                          &start, &final_domain, &eos, &vocab))
-        return -1;
-    Py_ssize_t nrows = PyTuple_GET_SIZE(rows), nd = PyTuple_GET_SIZE(tokens);
-    if (nrows < 1 || nrows > V_MAX_ROWS || nd != nrows - 1 || PyTuple_GET_SIZE(counts) != nd ||
-        PyTuple_GET_SIZE(qs) != nd || vocab < 1 || gen > 0xFFFFFFFFul || round > 0xFFFFFFFFul ||
-        start + (unsigned long)nd > 0xFFFFFFFFul ||
-        (final_domain != D_CORRECTION && final_domain != D_TARGET)) {
-        PyErr_SetString(PyExc_ValueError, "verify_rounds: malformed round");
+/* Items handed out one at a time from a shared counter, so threads that get short
+ * ones take more of them. Each item writes only its own outputs. */
+/* One row's buffer into views[*used]: float32 or float64, not empty. */
+static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
+    Py_ssize_t len;
+    int kind = take_buffer(obj, views, used, &row->p, &len);
+    if (kind < 0) return -1;
+    if ((kind != K_F32 && kind != K_F64) || len < 1) {
+        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
         return -1;
     }
-    memset(job, 0, sizeof *job);
-    job->nrows = (int)nrows;
-    job->ndrafts = (int)nd;
-    job->final_domain = final_domain;
-    job->seed = seed;
-    job->gen = (uint32_t)gen;
-    job->round = (uint32_t)round;
-    job->start = (uint32_t)start;
-    job->eos = eos;
-    job->vocab = (size_t)vocab;
-    for (Py_ssize_t i = 0; i < nrows; i++) {
-        PyObject *r = PyTuple_GET_ITEM(rows, i);
-        if (r == Py_None) continue; /* kind stays K_NONE */
-        Py_ssize_t len;
-        int kind = take_buffer(r, views, used, &job->rows[i].p, &len);
-        if (kind < 0) return -1;
-        if ((kind != K_F32 && kind != K_F64) || len != vocab) {
-            PyErr_SetString(PyExc_ValueError, "verify_rounds: a row is not vocab floats");
-            return -1;
-        }
-        job->rows[i].kind = kind;
-    }
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        job->tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tokens, i));
-        job->counts[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i));
-        if (PyErr_Occurred()) return -1;
-        if (job->tokens[i] < 0 || job->tokens[i] >= vocab) {
-            PyErr_SetString(PyExc_ValueError, "verify_rounds: draft outside the vocabulary");
-            return -1;
-        }
-        PyObject *spec = PyTuple_GET_ITEM(qs, i), *values, *ids;
-        if (!PyArg_ParseTuple(spec, "OO", &values, &ids)) return -1;
-        vq_t *q = &job->qs[i];
-        Py_ssize_t nq;
-        q->kind = take_buffer(values, views, used, &q->q, &nq);
-        if (q->kind < 0) return -1;
-        if (q->kind == K_F64) {
-            PyErr_SetString(PyExc_TypeError, "verify_rounds: q is float32 values or int counts");
-            return -1;
-        }
-        if (ids == Py_None) {
-            if (nq < vocab) {
-                PyErr_SetString(PyExc_ValueError, "verify_rounds: dense q shorter than vocab");
-                return -1;
-            }
-            continue;
-        }
-        Py_ssize_t nid;
-        const void *idp;
-        if (take_buffer(ids, views, used, &idp, &nid) != K_I32 || nid != nq) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "verify_rounds: ids are int32, one per q");
-            return -1;
-        }
-        q->ids = (const int32_t *)idp;
-        q->nids = (size_t)nid;
-        for (Py_ssize_t j = 0; j < nid; j++) {
-            int32_t id = q->ids[j];
-            if (id < 0 || id >= vocab || (j && id <= q->ids[j - 1])) job->bad_q = 1;
-        }
-    }
+    row->kind = kind;
+    *n = (size_t)len;
     return 0;
 }
 
-/* Rounds are handed out one at a time from a shared counter, so threads that
- * draw short rounds take more of them. Each round writes only its own out. */
 typedef struct {
-    vround_t *rounds;
+    void (*run)(void *items, Py_ssize_t j);
+    void *items;
     Py_ssize_t count;
     Py_ssize_t next; /* atomic */
 } vwork_t;
 
-static void *run_rounds(void *arg) {
+static void *run_items(void *arg) {
     vwork_t *work = (vwork_t *)arg;
     for (;;) {
         Py_ssize_t j = __atomic_fetch_add(&work->next, 1, __ATOMIC_RELAXED);
         if (j >= work->count) break;
-        run_round(&work->rounds[j]);
+        work->run(work->items, j);
     }
     return NULL;
 }
 
 #define V_MAX_THREADS 16
 
-static void run_all(vround_t *rounds, Py_ssize_t k, int threads) {
-    vwork_t work = {rounds, k, 0};
-#if defined(_WIN32)
-    (void)threads;
-    run_rounds(&work);
-#else
-    pthread_t helpers[V_MAX_THREADS];
-    int started = 0;
+#if !defined(_WIN32)
+/* Helper threads, started once and kept: a call publishes its items and works on
+ * them itself, and waits only for the helpers that joined it (each busy with an
+ * item), never for one that was not yet scheduled. On a shared machine a call
+ * that waited for every helper to start and end would pay a scheduler slice per
+ * call, and the walk makes several calls a step. */
+static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* guards what follows */
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_idle = PTHREAD_COND_INITIALIZER;
+static vwork_t *pool_job;  /* the open call's items, or NULL */
+static unsigned long pool_gen;
+static int pool_size, pool_active, pool_wanted;
+
+static void *pool_main(void *arg) {
+    (void)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (pool_job == NULL || pool_gen == seen || pool_active >= pool_wanted)
+            pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = pool_gen;
+        vwork_t *work = pool_job;
+        pool_active++;
+        pthread_mutex_unlock(&pool_lock);
+        run_items(work);
+        pthread_mutex_lock(&pool_lock);
+        if (--pool_active == 0) pthread_cond_signal(&pool_idle);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the helpers, and may have copied a lock held. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool_use, NULL);
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pthread_cond_init(&pool_idle, NULL);
+    pool_job = NULL;
+    pool_size = pool_active = pool_wanted = 0;
+}
+#endif
+
+static void run_all(void (*run)(void *, Py_ssize_t), void *items, Py_ssize_t k, int threads) {
+    vwork_t work = {run, items, k, 0};
     if (threads > V_MAX_THREADS) threads = V_MAX_THREADS;
     if (threads > k) threads = (int)k;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&helpers[started], NULL, run_rounds, &work) != 0) break;
-        started++; /* a thread that could not start leaves its rounds to the others */
+#if defined(_WIN32)
+    (void)threads;
+    run_items(&work);
+#else
+    /* Another thread's call holds the helpers: this one runs alone. */
+    if (threads <= 1 || pthread_mutex_trylock(&pool_use) != 0) {
+        run_items(&work);
+        return;
     }
-    run_rounds(&work);
-    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+    static int registered = 0;
+    pthread_mutex_lock(&pool_lock);
+    if (!registered) registered = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
+    while (registered && pool_size < threads - 1) {
+        pthread_t helper;
+        if (pthread_create(&helper, NULL, pool_main, NULL) != 0) break;
+        pthread_detach(helper);
+        pool_size++; /* a helper that could not start leaves its items to the others */
+    }
+    pool_job = &work;
+    pool_gen++;
+    pool_wanted = threads - 1;
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+    run_items(&work);
+    pthread_mutex_lock(&pool_lock);
+    pool_job = NULL; /* a helper not in by now stays out */
+    while (pool_active > 0) pthread_cond_wait(&pool_idle, &pool_lock);
+    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&pool_use);
 #endif
 }
 
-static PyObject *verify_rounds(PyObject *self, PyObject *args) {
-    PyObject *jobs;
-    Py_buffer ob;
+/* Each call shares its rows out as pieces: with threads > 1 a row of at least two
+ * 64-leaf blocks splits into up to `pieces` aligned subtrees of its canonical
+ * tree, whose roots are nodes of that tree (a row's total is then their sums, in
+ * the tree's order): the threads stay busy however few rows a call has. */
+static size_t pieces_for(int threads) {
+    size_t p = 1;
+    while (threads > 1 && p < (size_t)threads) p <<= 1;
+    return p;
+}
+
+static size_t blocks_of(size_t n) {
+    int depth;
+    size_t size = tree_size(n, &depth);
+    return depth < 6 ? 0 : size >> 6;
+}
+
+typedef struct {
+    vrow_t row;
+    size_t n, blocks, pieces, first; /* blocks == 0: a row under 64 leaves, one piece */
+} vcheck_t;
+
+typedef struct {
+    const vcheck_t *row;
+    size_t first, count; /* blocks of this piece */
+    double root;
+    int bad;
+} vpiece_t;
+
+static void check_piece(void *items, Py_ssize_t j) {
+    vpiece_t *p = (vpiece_t *)items + j;
+    p->bad = 0;
+    if (p->row->blocks == 0) p->root = row_total(&p->row->row, p->row->n, &p->bad);
+    else p->root = blocks_total(&p->row->row, p->row->n, p->first, p->count, &p->bad);
+}
+
+/* Lay out each row's pieces; returns how many there are in all. */
+static size_t split_rows(vcheck_t *rows, Py_ssize_t k, size_t pieces) {
+    size_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        vcheck_t *c = &rows[j];
+        c->blocks = c->row.kind == K_NONE ? 0 : blocks_of(c->n);
+        c->pieces = c->row.kind == K_NONE ? 0 : 1;
+        while (c->blocks && c->pieces < pieces && c->pieces < c->blocks) c->pieces <<= 1;
+        c->first = total;
+        total += c->pieces;
+    }
+    return total;
+}
+
+static void fill_pieces(const vcheck_t *rows, Py_ssize_t k, vpiece_t *out) {
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const vcheck_t *c = &rows[j];
+        size_t each = c->blocks && c->pieces ? c->blocks / c->pieces : 0;
+        for (size_t i = 0; i < c->pieces; i++) {
+            vpiece_t *p = &out[c->first + i];
+            p->row = c;
+            p->first = i * each;
+            p->count = each;
+        }
+    }
+}
+
+/* A list of k entries from totals: each a float where ok, else None. */
+static PyObject *totals_list(const double *totals, const int *ok, Py_ssize_t k) {
+    PyObject *out = PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = ok[j] ? PyFloat_FromDouble(totals[j]) : Py_NewRef(Py_None);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
+    }
+    return out;
+}
+
+static PyObject *row_checks(PyObject *self, PyObject *args) {
+    PyObject *rows;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!w*|i", &PyList_Type, &jobs, &ob, &threads)) return NULL;
-    Py_ssize_t k = PyList_GET_SIZE(jobs);
-    if (ob.len != k * 4 * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&ob);
-        PyErr_SetString(PyExc_ValueError, "verify_rounds: out holds four int64 per round");
-        return NULL;
-    }
-    vround_t *rounds = (vround_t *)calloc(k ? (size_t)k : 1, sizeof(vround_t));
-    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * V_BUFFERS : 1, sizeof(Py_buffer));
-    int used = 0, failed = rounds == NULL || views == NULL;
-    if (failed) PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &rows, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(rows);
+    size_t slots = k ? (size_t)k : 1;
+    vcheck_t *items = (vcheck_t *)calloc(slots, sizeof(vcheck_t));
+    Py_buffer *views = (Py_buffer *)calloc(slots, sizeof(Py_buffer));
+    double *totals = (double *)calloc(slots, sizeof(double));
+    int *ok = (int *)calloc(slots, sizeof(int));
+    vpiece_t *pieces = NULL;
+    int used = 0, failed = items == NULL || views == NULL || totals == NULL || ok == NULL;
     for (Py_ssize_t j = 0; j < k && !failed; j++) {
-        failed = parse_round(PyList_GET_ITEM(jobs, j), &rounds[j], views, &used) < 0;
-        rounds[j].out = (int64_t *)ob.buf + 4 * j;
+        PyObject *r = PyList_GET_ITEM(rows, j);
+        if (r == Py_None) continue; /* kind stays K_NONE */
+        failed = one_row(r, views, &used, &items[j].row, &items[j].n) < 0;
     }
+    size_t count = failed ? 0 : split_rows(items, k, pieces_for(threads));
+    if (!failed) {
+        pieces = (vpiece_t *)calloc(count ? count : 1, sizeof(vpiece_t));
+        failed = pieces == NULL;
+    }
+    if (failed && !PyErr_Occurred()) PyErr_NoMemory();
     if (!failed) {
         Py_BEGIN_ALLOW_THREADS
-        run_all(rounds, k, threads);
+        fill_pieces(items, k, pieces);
+        run_all(check_piece, pieces, (Py_ssize_t)count, threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vcheck_t *c = &items[j];
+            if (c->pieces == 0) continue; /* an unreadable row: not ok */
+            vpiece_t *p = &pieces[c->first];
+            int bad = 0;
+            for (size_t i = 0; i < c->pieces; i++) bad |= p[i].bad;
+            for (size_t w = c->pieces; w > 1; w >>= 1) /* the tree above the pieces */
+                for (size_t i = 0; i < w / 2; i++) p[i].root = p[2 * i].root + p[2 * i + 1].root;
+            totals[j] = p[0].root;
+            ok[j] = !bad && isfinite(p[0].root) && p[0].root > 0.0;
+        }
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : totals_list(totals, ok, k);
+    free(pieces);
     free(views);
-    free(rounds);
-    PyBuffer_Release(&ob);
-    if (failed) return NULL;
-    Py_RETURN_NONE;
+    free(items);
+    free(totals);
+    free(ok);
+    return out;
+}
+
+typedef struct {
+    vcheck_t shape; /* the row, and its pieces */
+    double total;
+    vq_t q;
+    int has_q, bad_q;
+    uint64_t u53;
+    double *up; /* the block roots, then the levels above them */
+    int64_t *out;
+} vdraw_t;
+
+typedef struct {
+    vdraw_t *draw;
+    size_t first, count;
+} vdpiece_t;
+
+static void draw_piece(void *items, Py_ssize_t j) {
+    vdpiece_t *p = (vdpiece_t *)items + j;
+    vdraw_t *d = p->draw;
+    const vq_t *q = d->has_q ? &d->q : NULL;
+    if (d->shape.blocks == 0) *d->out = draw_small(&d->shape.row, d->shape.n, d->total, q, d->u53);
+    else weights_roots(&d->shape.row, d->shape.n, d->total, q, d->up, p->first, p->count);
+}
+
+/* One draw's q: its buffers into views, and whether its ids are ascending inside the row. */
+static int parse_q(PyObject *qobj, PyObject *idobj, vdraw_t *d, Py_buffer *views, int *used) {
+    Py_ssize_t nq;
+    vq_t *q = &d->q;
+    q->kind = take_buffer(qobj, views, used, &q->q, &nq);
+    if (q->kind < 0) return -1;
+    if (q->kind == K_F64) {
+        PyErr_SetString(PyExc_TypeError, "draw_rows: q is float32 values or int counts");
+        return -1;
+    }
+    d->has_q = 1;
+    if (idobj == Py_None) {
+        if ((size_t)nq < d->shape.n) {
+            PyErr_SetString(PyExc_ValueError, "draw_rows: dense q shorter than its row");
+            return -1;
+        }
+        return 0;
+    }
+    Py_ssize_t nid;
+    const void *idp;
+    if (take_buffer(idobj, views, used, &idp, &nid) != K_I32 || nid != nq) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "draw_rows: ids are int32, one per q");
+        return -1;
+    }
+    q->ids = (const int32_t *)idp;
+    q->nids = (size_t)nid;
+    for (Py_ssize_t j = 0; j < nid; j++) {
+        int32_t id = q->ids[j];
+        if (id < 0 || (size_t)id >= d->shape.n || (j && id <= q->ids[j - 1])) d->bad_q = 1;
+    }
+    return 0;
+}
+
+static PyObject *draw_rows(PyObject *self, PyObject *args) {
+    PyObject *draws;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &draws, &threads)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(draws);
+    vdraw_t *items = (vdraw_t *)calloc(k ? (size_t)k : 1, sizeof(vdraw_t));
+    Py_buffer *views = (Py_buffer *)calloc(k ? (size_t)k * 3 : 1, sizeof(Py_buffer));
+    int64_t *drawn = (int64_t *)calloc(k ? (size_t)k : 1, sizeof(int64_t));
+    vdpiece_t *pieces = NULL;
+    int used = 0, failed = items == NULL || views == NULL || drawn == NULL;
+    if (failed) PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < k && !failed; j++) {
+        vdraw_t *d = &items[j];
+        d->out = drawn + j;
+        PyObject *row, *qobj, *idobj;
+        unsigned long long u53;
+        failed = !PyArg_ParseTuple(PyList_GET_ITEM(draws, j), "OdOOK", &row, &d->total, &qobj,
+                                   &idobj, &u53);
+        if (failed) break;
+        d->u53 = (uint64_t)u53;
+        failed = one_row(row, views, &used, &d->shape.row, &d->shape.n) < 0 ||
+                 (qobj != Py_None && parse_q(qobj, idobj, d, views, &used) < 0);
+    }
+    size_t count = 0;
+    if (!failed) {
+        size_t split = pieces_for(threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vdraw_t *d = &items[j];
+            vcheck_t *c = &d->shape;
+            c->blocks = blocks_of(c->n);
+            c->pieces = 1;
+            if (d->bad_q) {
+                *d->out = -3;
+                c->pieces = 0;
+            } else if (c->blocks) {
+                d->up = (double *)malloc(2 * c->blocks * sizeof(double));
+                if (d->up == NULL) {
+                    *d->out = -2;
+                    c->pieces = 0;
+                }
+                while (d->up && c->pieces < split && c->pieces < c->blocks) c->pieces <<= 1;
+            }
+            c->first = count;
+            count += c->pieces;
+        }
+        pieces = (vdpiece_t *)calloc(count ? count : 1, sizeof(vdpiece_t));
+        failed = pieces == NULL;
+        if (failed) PyErr_NoMemory();
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vcheck_t *c = &items[j].shape;
+            size_t each = c->blocks && c->pieces ? c->blocks / c->pieces : 0;
+            for (size_t i = 0; i < c->pieces; i++)
+                pieces[c->first + i] = (vdpiece_t){&items[j], i * each, each};
+        }
+        run_all(draw_piece, pieces, (Py_ssize_t)count, threads);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vdraw_t *d = &items[j];
+            if (d->up != NULL)
+                *d->out = draw_blocks(&d->shape.row, d->shape.n, d->total,
+                                      d->has_q ? &d->q : NULL, d->u53, d->up, d->shape.blocks);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t j = 0; items != NULL && j < k; j++) free(items[j].up);
+    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
+    PyObject *out = failed ? NULL : PyList_New(k);
+    for (Py_ssize_t j = 0; out != NULL && j < k; j++) {
+        PyObject *v = PyLong_FromLongLong(drawn[j]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, j, v);
+    }
+    free(drawn);
+    free(pieces);
+    free(views);
+    free(items);
+    return out;
 }
 
 /* ---------------------------------------------------------------------------
- * Rows built to travel: weights (float32, as a probabilities drafter hands
- * them over, or float64) to their FP32 wire values, in three passes over the
- * row and without an int32 count array (a count c is held as c / 2**24 in the
- * outgoing buffer itself: exact in FP32 for c <= 2**24).
+ * q construction: weights (float32, as a probabilities drafter hands them over,
+ * or float64) to dyadic24 counts in q, n 32-bit words: int32 counts, which for a
+ * row that travels become their FP32 wire values c / 2**24 (exact for c <= 2**24)
+ * in the last pass, q being the outgoing buffer itself; and the proposal draw.
  *
- *   1. The checks and the canonical total (row_total: the tree of §6.6).
- *   2. The floors and the remainders' coarse keys (floor_key), each share
- *      w / (W / M) found by one multiplication by (W / M)'s reciprocal: the
- *      product is within 3 units in the last place of the correctly rounded
- *      quotient (two roundings, and the quotient's own), i.e. within 2**-27.4
- *      of it for shares up to M, 2**-15.4 in key units; so a product farther
- *      than 2**-14 key units from every key boundary has the quotient's floor
- *      and key, and a block of 64 where some product is nearer is done again
- *      by division. (Exact remainders are needed only for the candidates of
- *      the ticket bucket, and leftover_pass computes those by division.)
- *   3. The tickets (leftover_pass), then the proposal draw from block sums.
- *      Where the CPU has AVX-512, the floors pass counts the keys of one chunk
- *      in SAMPLE_EVERY only (a scalar histogram of every key costs as much as
- *      the floors themselves), and bracket_tickets finds the ticket bucket
- *      from that sample and one vector pass, or goes back to the full count.
+ * allocate_row is dyadic.allocate_with for one row: the same pieces, in the
+ * same order, fused where a piece can ride on a pass the row needs anyway.
+ *
+ *   floors     floors_pass: each share w / (W / M) (or (w / W) * M when W / M
+ *              is subnormal), its floor into q and its remainder's coarse key,
+ *              the first 12 binary digits floor(r * 2**12), which order like the
+ *              remainders (r < s gives key(r) <= key(s)); the keys' histogram
+ *              and the floors' sum. The share is one multiplication by
+ *              (W / M)'s reciprocal: within 3 units in the last place of the
+ *              correctly rounded quotient, i.e. within 2**-27.4 of it for
+ *              shares up to M, 2**-15.4 in key units; so a product farther than
+ *              2**-14 key units from every key boundary has the quotient's
+ *              floor and key, and a chunk of 64 where some product is nearer is
+ *              done again by division.
+ *   left       M - the floors' sum: status 1 unless 0 <= left < n.
+ *   threshold  the left-th largest remainder: the key bucket that holds it,
+ *              from the histogram (bucket_threshold), then exactly, among that
+ *              bucket's remainders computed again by division, as the floors
+ *              pass had them (kth_remainder): status 2 unless it is positive.
+ *              Where the CPU has AVX-512, the floors pass counts the keys of one
+ *              chunk in SAMPLE_EVERY only (a scalar histogram of every key costs
+ *              as much as the floors themselves), and bracket_threshold finds
+ *              the bucket from that sample and one vector pass, or the full
+ *              count is taken after all: the bucket, and so the threshold, is
+ *              the same either way.
+ *   above      the remainders above the threshold: every key above its bucket,
+ *              and the bucket's remainders above it.
+ *   assign     one ticket for each of those, and for the first left - above
+ *              remainders equal to the threshold, in index order: the bucket's
+ *              at once (bucket_tickets), the keys above the bucket in the last
+ *              pass over the row (assign_and_draw), which also sums the counts:
+ *              status 3 unless they sum to M.
+ *
+ * The draw (dyadic.sample) rides on that last pass, in time that does not
+ * depend on the index drawn (docs/adaptive.md §7): the index is the number of
+ * cumulative counts at most u; the row is read in chunks of CHUNK counts, and
+ * each chunk's counts are copied aside as they are made, under a mask computed
+ * from the running total (draw_mask: all ones while the total is at most u),
+ * never by a branch or an address that depends on u, so every chunk costs the
+ * same and the copy left is the chunk that holds u; then that chunk's count
+ * (draw_index). These two, and draw_start, are the only functions that read u;
+ * the mask is used only in and-masks.
  * ------------------------------------------------------------------------- */
 
+#define TOP_BITS 12
+#define TOP_SCALE 4096.0 /* 2**TOP_BITS */
+#define TOP_MASK 4095u
 #define NEAR_KEY 0x1p-14
-/* The sampled key histogram of bracket_tickets: one 64-weight chunk in this many. */
+/* The sampled key histogram of bracket_threshold: one 64-weight chunk in this many. */
 #define SAMPLE_EVERY 8
+/* Up to this many candidates of the threshold's bucket are ordered by insertion. */
+#define FEW 64
+#define CHUNK 128
+/* Rows at least this long count their keys into two histograms (histogram64). */
+#define TWIN_MIN 4096
 
-/* Pass 2 over 64 weights by multiplication: the floors as FP32 values into q,
- * the keys, the floors' sum into *sum; nonzero if some product lies within
- * NEAR_KEY of a key boundary (other than the boundary at 0, which no share
- * crosses). */
+static inline uint64_t bits_of(double v) {
+    uint64_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+/* The share of a weight (dyadic.floors_and_remainders): w / scale, or
+ * (w / total) * M when total / M is subnormal. */
+static inline double share_of(double w, double total, double scale, int small) {
+    return small ? (w / total) * M24 : w / scale;
+}
+
+/* A weight of a row of float64 or float32 values, as binary64 (exact). */
+static inline double weight_at(const void *w, int f32, size_t i) {
+    return f32 ? (double)((const float *)w)[i] : ((const double *)w)[i];
+}
+
+/* The floor of a share v into *out and its remainder's key into *key. */
+static inline int32_t floor_key(double v, int32_t *restrict out, uint16_t *restrict key) {
+    /* v >= 0: truncation is the floor. A share beyond int32 (only from a
+     * total that does not match the weights) converts as numpy's cast
+     * does, and the ticket count then refuses the row. */
+    int32_t f = (int32_t)v;
+    double r = v - (double)f;
+    *out = f;
+    /* exact: r in [0, 1), a power-of-two scale; the mask guards memory
+     * against such an inconsistent total */
+    *key = (uint16_t)((uint32_t)(int32_t)(r * TOP_SCALE) & TOP_MASK);
+    return f;
+}
+
+static void histogram(const uint16_t *restrict key, size_t n, uint32_t *restrict hist) {
+    for (size_t i = 0; i < n; i++) hist[key[i]]++;
+}
+
+/* The keys of a chunk of 64 counted into two histograms, even and odd entries: runs of
+ * equal keys (remainders cluster) then wait on half as many increments of one count. */
+static inline void histogram64(const uint16_t *restrict key, uint32_t *restrict even,
+                               uint32_t *restrict odd) {
+    for (int i = 0; i < 64; i += 2) {
+        even[key[i]]++;
+        odd[key[i + 1]]++;
+    }
+}
+
+/* The floors pass over 64 weights by multiplication: the floors into q,
+ * the keys, the floors' sum into *sum; nonzero if some product lies within NEAR_KEY of
+ * a key boundary (other than the boundary at 0, which no share crosses). */
 #define FAST64(NAME, WT)                                                                   \
     MULTIVERSION512                                                                        \
-    static int NAME(const WT *restrict w, double inv, float *restrict q,                   \
+    static int NAME(const WT *restrict w, double inv, int32_t *restrict q,                 \
                     uint16_t *restrict key, int64_t *restrict sum) {                       \
         int64_t acc = 0;                                                                   \
         int near = 0;                                                                      \
@@ -1749,7 +1446,7 @@ static PyObject *verify_rounds(PyObject *self, PyObject *args) {
             int32_t k = (int32_t)t;                                                        \
             double f = t - (double)k;                                                      \
             near |= (f > 1.0 - NEAR_KEY) | ((f < NEAR_KEY) & ((c | k) != 0));             \
-            q[i] = (float)c * 0x1p-24f;                                                    \
+            q[i] = c;                                                                      \
             key[i] = (uint16_t)((uint32_t)k & TOP_MASK);                                   \
             acc += c;                                                                      \
         }                                                                                  \
@@ -1767,7 +1464,7 @@ FAST64(fast64_f32, float)
  * above (T - floor(T) is exact, Sterbenz). Chosen at run time. */
 #define FAST64_Q(NAME, WT)                                                                 \
     __attribute__((target("arch=x86-64-v4"))) static int NAME(                             \
-        const WT *restrict w, double inv, float *restrict q, uint16_t *restrict key,       \
+        const WT *restrict w, double inv, int32_t *restrict q, uint16_t *restrict key,     \
         int64_t *restrict sum) {                                                           \
         int64_t acc = 0, near = 0;                                                         \
         for (int i = 0; i < 64; i++) {                                                     \
@@ -1776,7 +1473,7 @@ FAST64(fast64_f32, float)
             double f = t - (double)whole;                                                  \
             int64_t c = whole >> TOP_BITS;                                                 \
             near |= (int64_t)((f > 1.0 - NEAR_KEY) | ((f < NEAR_KEY) & (whole != 0)));     \
-            q[i] = (float)c * 0x1p-24f;                                                    \
+            q[i] = (int32_t)c;                                                             \
             key[i] = (uint16_t)(whole & TOP_MASK);                                         \
             acc += c;                                                                      \
         }                                                                                  \
@@ -1802,47 +1499,596 @@ static int use_fast64_q(void) {
 }
 #endif
 
-/* Pass 2 by division (floor_key, as build_counts does) over [lo, lo + len). */
-static int64_t floors_exact_q(const void *w, int f32, size_t lo, size_t len, double total,
-                              double scale, int small, float *restrict q,
-                              uint16_t *restrict key) {
+/* The floors pass by division (floor_key) over [lo, lo + len). */
+static int64_t floors_exact(const void *w, int f32, size_t lo, size_t len, double total,
+                            double scale, int small, int32_t *restrict q,
+                            uint16_t *restrict key) {
     int64_t sum = 0;
-    for (size_t i = lo; i < lo + len; i++) {
-        int32_t c;
-        sum += floor_key(share_of(weight_at(w, f32, i), total, scale, small), &c, &key[i]);
-        q[i] = (float)c * 0x1p-24f;
+    for (size_t i = lo; i < lo + len; i++)
+        sum += floor_key(share_of(weight_at(w, f32, i), total, scale, small), &q[i], &key[i]);
+    return sum;
+}
+
+/* The floors pass over the 64 weights from i by multiplication (FAST64, FAST64_Q
+ * where the CPU has AVX-512): nonzero if they must be done again by division. */
+static inline int multiply64(const void *w, int f32, size_t i, double inv, int32_t *q,
+                             uint16_t *key, int64_t *part) {
+#ifdef HAVE_FAST64_Q
+    if (use_fast64_q())
+        return f32 ? fast64q_f32((const float *)w + i, inv, q + i, key + i, part)
+                   : fast64q_f64((const double *)w + i, inv, q + i, key + i, part);
+#endif
+    return f32 ? fast64_f32((const float *)w + i, inv, q + i, key + i, part)
+               : fast64_f64((const double *)w + i, inv, q + i, key + i, part);
+}
+
+/* The floors pass over 64 float64 weights by division (as floor_key), vectorized:
+ * where division is fast, it beats the multiplication and its check. */
+MULTIVERSION
+static int64_t divide64(const double *restrict w, double scale, int32_t *restrict q,
+                        uint16_t *restrict key) {
+    int64_t sum = 0;
+    for (int i = 0; i < 64; i++) {
+        double v = w[i] / scale;
+        int32_t c = (int32_t)v;
+        q[i] = c;
+        key[i] = (uint16_t)((uint32_t)(int32_t)((v - (double)c) * TOP_SCALE) & TOP_MASK);
+        sum += c;
     }
     return sum;
 }
 
-/* Pass 2 over a block of at most BLOCK weights starting at lo; the floors' sum. */
-static int64_t floors_block_q(const void *w, int f32, size_t lo, size_t len, double total,
-                              double scale, int small, double inv, float *q, uint16_t *key,
-                              uint32_t *hist, int sampled) {
+/* floors: the pass over the row (see above), by division for float64 weights with
+ * divide; the floors' sum. With sampled, the histogram counts one chunk in
+ * SAMPLE_EVERY (bracket_threshold). */
+static int64_t floors_pass(const void *w, int f32, size_t n, double total, double scale,
+                           int small, int divide, int32_t *q, uint16_t *key, uint32_t *hist,
+                           int sampled) {
+    double inv = 1.0 / scale;
     int64_t sum = 0;
-    size_t i = lo, end = lo + len;
-    for (; !small && i + 64 <= end; i += 64) {
+    /* The second histogram pays for its zeroing and merging from rows of TWIN_MIN. */
+    int twin = n >= TWIN_MIN;
+    uint32_t odd[1 << TOP_BITS];
+    if (twin) memset(odd, 0, sizeof odd);
+    size_t i = 0;
+    for (; !small && i + 64 <= n; i += 64) {
         int64_t part;
-        int near;
-#ifdef HAVE_FAST64_Q
-        if (use_fast64_q())
-            near = f32 ? fast64q_f32((const float *)w + i, inv, q + i, key + i, &part)
-                       : fast64q_f64((const double *)w + i, inv, q + i, key + i, &part);
-        else
-#endif
-            near = f32 ? fast64_f32((const float *)w + i, inv, q + i, key + i, &part)
-                       : fast64_f64((const double *)w + i, inv, q + i, key + i, &part);
-        if (near) part = floors_exact_q(w, f32, i, 64, total, scale, small, q, key);
+        if (divide && !f32) {
+            part = divide64((const double *)w + i, scale, q + i, key + i);
+        } else if (multiply64(w, f32, i, inv, q, key, &part)) {
+            part = floors_exact(w, f32, i, 64, total, scale, small, q, key);
+        }
         sum += part;
         /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
-         * work. With sampled, one chunk in SAMPLE_EVERY only (bracket_tickets). */
-        if (!sampled || (i / 64) % SAMPLE_EVERY == 0) histogram(key + i, 64, hist);
+         * work. */
+        if (sampled && (i / 64) % SAMPLE_EVERY != 0) continue;
+        if (twin) histogram64(key + i, hist, odd);
+        else histogram(key + i, 64, hist);
     }
-    if (i < end) {
-        sum += floors_exact_q(w, f32, i, end - i, total, scale, small, q, key);
-        if (!sampled) histogram(key + i, end - i, hist);
+    if (twin)
+        for (size_t k = 0; k <= TOP_MASK; k++) hist[k] += odd[k];
+    if (i < n) {
+        sum += floors_exact(w, f32, i, n - i, total, scale, small, q, key);
+        if (!sampled) histogram(key + i, n - i, hist);
     }
     return sum;
+}
+
+/* Scratch of one row: the threshold bucket's remainders, the keys, the bucket's indices. */
+typedef struct {
+    double *rem;
+    uint16_t *key;
+    uint32_t *idx;
+} scratch_t;
+
+/* Lay out a row's key and idx scratch in `work` (at least 6 n + 4 bytes, n + 16
+ * indices); rem (8 bytes per entry) holds the bucket's remainders. */
+static void scratch_in(scratch_t *s, double *rem, void *work, size_t n) {
+    s->rem = rem;
+    s->key = (uint16_t *)work;
+    s->idx = (uint32_t *)((char *)work + ((2 * n + 3) & ~(size_t)3));
+}
+
+/* The threshold's bucket: `top`, every key above it (`above_keys` of them), the
+ * bucket's `count` entries in s->idx (ascending), and `need`, the rank of the
+ * threshold among them (1-based, from the largest). */
+typedef struct {
+    uint32_t top;
+    size_t above_keys, count, need;
+} bucket_t;
+
+/* Whether any of 64 keys equals top (vectorized: the scan below skips most chunks). */
+MULTIVERSION
+static int any_equal(const uint16_t *restrict key, uint32_t top) {
+    int any = 0;
+    for (int j = 0; j < 64; j++) any |= key[j] == top;
+    return any;
+}
+
+/* The indices of the keys equal to top, ascending, into idx; returns how many. */
+static size_t gather_equal(const uint16_t *restrict key, size_t n, uint32_t top,
+                           uint32_t *restrict idx) {
+    size_t count = 0, i = 0;
+    for (; i + 64 <= n; i += 64) {
+        if (!any_equal(key + i, top)) continue;
+        for (size_t j = i; j < i + 64; j++) {
+            idx[count] = (uint32_t)j;
+            count += key[j] == top;
+        }
+    }
+    for (; i < n; i++) {
+        idx[count] = (uint32_t)i;
+        count += key[i] == top;
+    }
+    return count;
+}
+
+/* threshold, its bucket from the full histogram of the n keys. */
+static void bucket_threshold(const scratch_t *s, size_t n, size_t left, const uint32_t *hist,
+                             bucket_t *b) {
+    size_t acc = 0;
+    uint32_t top = TOP_MASK;
+    for (;; top--) {
+        if (acc + hist[top] >= left) break;
+        acc += hist[top];
+    }
+    b->top = top;
+    b->above_keys = acc;
+    b->need = left - acc;
+    b->count = gather_equal(s->key, n, top, s->idx);
+}
+
+/* Non-negative doubles order as their bit patterns: six digits of those patterns
+ * find a rank exactly. */
+static const int SHIFTS[6] = {52, 40, 28, 16, 4, 0};
+static const int WIDTHS[6] = {12, 12, 12, 12, 12, 4};
+
+/* threshold, exactly: the need-th largest (1-based) of rem[0 .. count), by insertion
+ * for a few, else by a radix select over their bit patterns (rem is left as it is). */
+__attribute__((noinline)) static double kth_remainder(const double *rem, size_t count,
+                                                     size_t need) {
+    uint64_t prefix = 0;
+    if (count <= FEW) {
+        uint64_t sorted[FEW];
+        for (size_t c = 0; c < count; c++) {
+            uint64_t b = bits_of(rem[c]);
+            size_t j = c;
+            for (; j > 0 && sorted[j - 1] < b; j--) sorted[j] = sorted[j - 1];
+            sorted[j] = b;
+        }
+        prefix = sorted[need - 1];
+    } else {
+        uint64_t decided = 0; /* the bits of prefix fixed so far */
+        uint32_t hist[4096];
+        for (int pass = 0; pass < 6; pass++) {
+            int shift = SHIFTS[pass];
+            uint64_t mask = ((uint64_t)1 << WIDTHS[pass]) - 1;
+            memset(hist, 0, (size_t)(mask + 1) * sizeof(uint32_t));
+            for (size_t c = 0; c < count; c++) {
+                uint64_t b = bits_of(rem[c]);
+                if ((b & decided) == prefix) hist[(b >> shift) & mask]++;
+            }
+            size_t above = 0;
+            uint64_t d = mask;
+            for (;; d--) {
+                if (above + hist[d] >= need) break;
+                above += hist[d];
+            }
+            need -= above;
+            prefix |= d << shift;
+            decided |= mask << shift;
+        }
+    }
+    double v;
+    memcpy(&v, &prefix, sizeof v);
+    return v;
+}
+
+/* The bucket's remainders into s->rem, as the floors pass had them; + 0.0 makes the
+ * remainder of a -0.0 weight +0.0, which orders below every positive one (its bits
+ * would not). */
+static void bucket_remainders(const void *w, int f32, double total, double scale, int small,
+                              const scratch_t *s, size_t count) {
+    for (size_t c = 0; c < count; c++) {
+        double v = share_of(weight_at(w, f32, s->idx[c]), total, scale, small);
+        s->rem[c] = (v - (double)(int32_t)v) + 0.0;
+    }
+}
+
+/* assign, in the threshold's bucket: a ticket for each remainder above the threshold,
+ * and for the first `ties` equal to it (the indices ascend). */
+static void bucket_tickets(const scratch_t *s, size_t count, double threshold, size_t ties,
+                           int32_t *q) {
+    for (size_t c = 0; c < count; c++) {
+        double r = s->rem[c];
+        if (r > threshold) {
+            q[s->idx[c]]++;
+        } else if (r == threshold && ties > 0) {
+            q[s->idx[c]]++;
+            ties--;
+        }
+    }
+}
+
+#ifdef HAVE_FAST64_Q
+#include <immintrin.h>
+
+/* Rows at least this long take the sampled bracket (bracket_threshold). */
+#define BRACKET_MIN 4096
+
+/* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
+ * that the bracket misses, and qualify the way back. */
+static double bracket_bias = 1.0;
+
+/* Over every key: how many are above hi (into *given), and the indices of those in
+ * [lo, hi] appended to idx in ascending order (idx holds n + 16); returns how many. */
+__attribute__((target("arch=x86-64-v4"))) static size_t bracket_pass(
+    const uint16_t *key, size_t n, uint32_t lo, uint32_t hi, uint32_t *idx, size_t *given) {
+    const __m512i vlo = _mm512_set1_epi32((int)lo), vhi = _mm512_set1_epi32((int)hi);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    size_t count = 0, above = 0, i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i k = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(key + i)));
+        __mmask16 gt = _mm512_cmpgt_epu32_mask(k, vhi);
+        __mmask16 in = _mm512_mask_cmpge_epu32_mask((__mmask16)~gt, k, vlo);
+        above += (size_t)__builtin_popcount(gt);
+        __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), iota);
+        _mm512_storeu_si512((void *)(idx + count), _mm512_maskz_compress_epi32(in, ids));
+        count += (size_t)__builtin_popcount(in);
+    }
+    for (; i < n; i++) {
+        uint32_t k = key[i];
+        if (k > hi) above++;
+        else if (k >= lo) idx[count++] = (uint32_t)i;
+    }
+    *given = above;
+    return count;
+}
+
+/* threshold, its bucket from a sampled histogram (one chunk in SAMPLE_EVERY): the
+ * sample brackets the bucket of the left-th largest remainder, [lo, hi], six
+ * standard deviations of its rank and some either side; one vector pass counts the
+ * keys above the bracket and gathers those inside it, which are counted exactly.
+ * Returns 0 with *b as bucket_threshold gives it, or -1 if the bracket missed. */
+static int bracket_threshold(const scratch_t *s, size_t n, size_t left, const uint32_t *sample,
+                             bucket_t *b) {
+    size_t sampled = 0;
+    for (size_t k = 0; k <= TOP_MASK; k++) sampled += sample[k];
+    if (sampled == 0) return -1;
+    /* left's rank in the sample (times bracket_bias: 1 but in tests) */
+    double rank = bracket_bias * (double)left * (double)sampled / (double)n;
+    double margin = 6.0 * sqrt(rank) + 16.0;
+    double want_hi = rank - margin, want_lo = rank + margin;
+    uint32_t hi = TOP_MASK, lo = 0;
+    double acc = 0.0;
+    int found_hi = 0;
+    for (int k = (int)TOP_MASK; k >= 0; k--) {
+        acc += sample[k];
+        if (!found_hi && acc > want_hi) {
+            hi = (uint32_t)k;
+            found_hi = 1;
+        }
+        if (acc >= want_lo) {
+            lo = (uint32_t)k;
+            break;
+        }
+    }
+    size_t given = 0;
+    size_t count = bracket_pass(s->key, n, lo, hi, s->idx, &given);
+    if (!(given < left && left <= given + count)) return -1;
+    uint32_t hist[1 << TOP_BITS];
+    memset(hist + lo, 0, (hi - lo + 1) * sizeof(uint32_t));
+    for (size_t c = 0; c < count; c++) hist[s->key[s->idx[c]]]++;
+    size_t above = given;
+    uint32_t top = hi;
+    for (;; top--) {
+        if (above + hist[top] >= left) break;
+        above += hist[top];
+    }
+    size_t kept = 0;
+    for (size_t c = 0; c < count; c++) { /* the bucket's own, in index order */
+        uint32_t i = s->idx[c];
+        s->idx[kept] = i;
+        kept += s->key[i] == top;
+    }
+    b->top = top;
+    b->above_keys = above;
+    b->need = left - above;
+    b->count = kept;
+    return 0;
+}
+#endif
+
+/* The proposal draw's state over the chunks of a row (see the section's head). */
+typedef struct {
+    int64_t u, acc, base, starts;
+    int32_t sel[CHUNK];
+} draw_t;
+
+static inline void draw_start(draw_t *d, int64_t u) {
+    d->u = u;
+    d->acc = d->base = d->starts = 0;
+    memset(d->sel, 0, sizeof d->sel);
+}
+
+/* The next chunk's mask: all ones when the running total before it is at most u, and
+ * then that total kept in base. The last chunk that starts at or below u holds the
+ * draw (the next starts above it), so sel, overwritten under the mask, ends holding
+ * that chunk's counts. */
+static inline int32_t draw_mask(draw_t *d) {
+    int64_t in = (int64_t)(d->acc <= d->u);
+    d->base ^= (d->base ^ d->acc) & -in;
+    d->starts += in;
+    return -(int32_t)in;
+}
+
+/* The drawn index: the number of cumulative counts at most u (every chunk before the
+ * one kept, and those of the kept one). */
+static inline int64_t draw_index(const draw_t *d) {
+    int64_t c = d->base, within = 0;
+    for (int j = 0; j < CHUNK; j++) {
+        c += d->sel[j];
+        within += (int64_t)(c <= d->u);
+    }
+    return (d->starts - 1) * CHUNK + within;
+}
+
+/* The running total after a chunk of counts summing to sum (wrapping, as numpy's
+ * cumulative sum does, for counts no valid row has). */
+static inline void draw_add(draw_t *d, int64_t sum) {
+    d->acc = (int64_t)((uint64_t)d->acc + (uint64_t)sum);
+}
+
+/* The FP32 wire value c / 2**24 of a count c (exact for c <= 2**24), as its bits. */
+static inline uint32_t wire_bits(int32_t c) {
+    float v = (float)c * 0x1p-24f;
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key
+ * above top, and with fp32 the counts' wire values left over them; with sel, each
+ * count kept there under the mask m (zeros past len). Their sum, in 32 bits (they
+ * vectorize so), exact: the counts of a row whose floors fit (no share beyond int32)
+ * sum to M. */
+static inline uint32_t assign_chunk(const uint16_t *restrict key, uint32_t top,
+                                    uint32_t *restrict q, int fp32, int32_t *restrict sel,
+                                    int32_t m, size_t len) {
+    uint32_t sum = 0;
+    for (size_t j = 0; j < len; j++) {
+        int32_t c = (int32_t)q[j] + (int32_t)(key[j] > top);
+        q[j] = fp32 ? wire_bits(c) : (uint32_t)c;
+        if (sel != NULL) sel[j] = (sel[j] & ~m) | (c & m);
+        sum += (uint32_t)c;
+    }
+    if (sel != NULL)
+        for (size_t j = len; j < CHUNK; j++) sel[j] &= ~m;
+    return sum;
+}
+
+/* assign, the keys above the threshold's bucket (top; TOP_MASK: none), over the whole
+ * row of counts q: their tickets, and the counts' sum (returned); with fp32 the counts
+ * are left as their wire values; with draw, the draw with u into *token. Each form of
+ * the chunk loop is written out so that it vectorizes. */
+MULTIVERSION512
+static int64_t assign_and_draw(const uint16_t *restrict key, size_t n, uint32_t top,
+                               uint32_t *restrict q, int fp32, int draw, int64_t u,
+                               int64_t *token) {
+    draw_t d;
+    draw_start(&d, u);
+    for (size_t lo = 0; lo < n; lo += CHUNK) {
+        size_t len = n - lo < CHUNK ? n - lo : CHUNK;
+        const uint16_t *k = key + lo;
+        uint32_t *c = q + lo;
+        int64_t sum;
+        if (draw) {
+            int32_t m = draw_mask(&d);
+            if (len < CHUNK) sum = assign_chunk(k, top, c, fp32, d.sel, m, len);
+            else if (fp32) sum = assign_chunk(k, top, c, 1, d.sel, m, CHUNK);
+            else sum = assign_chunk(k, top, c, 0, d.sel, m, CHUNK);
+        } else {
+            if (len < CHUNK) sum = assign_chunk(k, top, c, fp32, NULL, 0, len);
+            else if (fp32) sum = assign_chunk(k, top, c, 1, NULL, 0, CHUNK);
+            else sum = assign_chunk(k, top, c, 0, NULL, 0, CHUNK);
+        }
+        draw_add(&d, sum);
+    }
+    if (draw) *token = draw_index(&d);
+    return d.acc;
+}
+
+/* dyadic.allocate_with for one row of n weights (float32 if f32) normalized by
+ * total: the counts into q (n 32-bit words: int32 counts, or with fp32 their FP32
+ * wire values), drawn from with u (< 0: no draw) into *token; divide takes the
+ * floors by division, else by multiplication. Returns allocate_with's status: 0 done;
+ * 1 tickets left over outside 0..n-1; 2 the left-th largest remainder is 0; 3 the
+ * counts do not sum to M. The pieces are named as in allocate_with. */
+static int allocate_row(const void *w, int f32, size_t n, double total, int divide,
+                        uint32_t *q, int fp32, const scratch_t *s, int64_t u, int64_t *token) {
+    int32_t *counts = (int32_t *)q;
+    double scale = total / M24;
+    int small = !(scale >= MIN_NORMAL);
+    uint32_t hist[1 << TOP_BITS] __attribute__((aligned(64)));
+    memset(hist, 0, sizeof hist);
+    int sampled = 0;
+#ifdef HAVE_FAST64_Q
+    sampled = !small && !divide && n >= BRACKET_MIN && use_fast64_q();
+#endif
+    /* floors, then left */
+    int64_t left = (int64_t)M24 - floors_pass(w, f32, n, total, scale, small, divide,
+                                              counts, s->key, hist, sampled);
+    *token = -1;
+    if (left < 0 || left >= (int64_t)n) return 1;
+    uint32_t top = TOP_MASK; /* no ticket left: no key is above it */
+    if (left > 0) {
+        /* threshold: its bucket, then its value among the bucket's remainders */
+        bucket_t b;
+        int found = -1;
+#ifdef HAVE_FAST64_Q
+        if (sampled) {
+            found = bracket_threshold(s, n, (size_t)left, hist, &b);
+            if (found < 0) { /* the bracket missed: count every key after all */
+                memset(hist, 0, sizeof hist);
+                histogram(s->key, n, hist);
+            }
+        }
+#endif
+        if (found < 0) bucket_threshold(s, n, (size_t)left, hist, &b);
+        bucket_remainders(w, f32, total, scale, small, s, b.count);
+        double threshold = kth_remainder(s->rem, b.count, b.need);
+        if (!(threshold > 0.0)) return 2;
+        /* above */
+        size_t above = b.above_keys;
+        for (size_t c = 0; c < b.count; c++) above += s->rem[c] > threshold;
+        /* assign: the bucket's tickets now, the keys above it in the last pass */
+        bucket_tickets(s, b.count, threshold, (size_t)left - above, counts);
+        top = b.top;
+    }
+    int64_t sum = assign_and_draw(s->key, n, top, q, fp32, u >= 0, u, token);
+    return sum == (int64_t)M24 ? 0 : 3;
+}
+
+/* The draw over integer counts (int32 or int64, dyadic.sample): the number of
+ * cumulative counts at most u, chunk by chunk as assign_and_draw draws; the counts'
+ * sum, and whether one is negative. */
+#define DRAW_COUNTS(NAME, CT)                                                              \
+    MULTIVERSION                                                                           \
+    static int64_t NAME(const CT *restrict c, size_t n, int64_t u, int *negative,         \
+                        int64_t *token) {                                                  \
+        draw_t d;                                                                          \
+        draw_start(&d, u);                                                                 \
+        int64_t neg = 0;                                                                   \
+        for (size_t lo = 0; lo < n; lo += CHUNK) {                                         \
+            size_t len = n - lo < CHUNK ? n - lo : CHUNK;                                  \
+            int32_t m = draw_mask(&d);                                                     \
+            uint64_t sum = 0;                                                              \
+            for (size_t j = 0; j < len; j++) {                                             \
+                CT v = c[lo + j];                                                          \
+                neg |= (int64_t)(v < 0);                                                   \
+                sum += (uint64_t)v;                                                        \
+                /* exact wherever the result is used */                                    \
+                d.sel[j] = (d.sel[j] & ~m) | ((int32_t)v & m);                             \
+            }                                                                              \
+            for (size_t j = len; j < CHUNK; j++) d.sel[j] &= ~m;                           \
+            draw_add(&d, (int64_t)sum);                                                    \
+        }                                                                                  \
+        *token = draw_index(&d);                                                           \
+        *negative = neg != 0;                                                              \
+        return d.acc;                                                                      \
+    }
+DRAW_COUNTS(draw_counts32, int32_t)
+DRAW_COUNTS(draw_counts64, int64_t)
+#undef DRAW_COUNTS
+
+/* sample_counts(counts, u) -> (index, status)
+ *     dyadic.sample over int32 or int64 counts: (index, 0), or (-1, 1) for a
+ *     negative count, (-1, 2) for counts that do not sum to M. */
+static PyObject *sample_counts(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    long long u;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &u)) return NULL;
+    Py_buffer cb;
+    if (PyObject_GetBuffer(obj, &cb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    int kind = buffer_kind(&cb);
+    if ((kind != K_I32 && kind != K_I64) || cb.ndim != 1) {
+        PyBuffer_Release(&cb);
+        PyErr_SetString(PyExc_ValueError, "sample_counts: not a 1-D int32 or int64 buffer");
+        return NULL;
+    }
+    size_t n = (size_t)cb.shape[0];
+    int64_t sum, found;
+    int negative;
+    Py_BEGIN_ALLOW_THREADS
+    sum = kind == K_I32 ? draw_counts32((const int32_t *)cb.buf, n, u, &negative, &found)
+                        : draw_counts64((const int64_t *)cb.buf, n, u, &negative, &found);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&cb);
+    if (negative) return Py_BuildValue("(Li)", -1LL, 1);
+    if (sum != (int64_t)M24) return Py_BuildValue("(Li)", -1LL, 2);
+    return Py_BuildValue("(Li)", (long long)found, 0);
+}
+
+/* allocate(w, total, out, share, work) -> status
+ *     QBuilder.allocate: w float64 weights (checked by the caller), total their
+ *     canonical total; the counts into out (int32), with share and work
+ *     (float64, len(w) each) as scratch. Status as allocate_row. */
+static PyObject *allocate(PyObject *self, PyObject *args) {
+    Py_buffer wb, ob, sb, kb;
+    double total;
+    if (!PyArg_ParseTuple(args, "y*dw*w*w*", &wb, &total, &ob, &sb, &kb)) return NULL;
+    size_t n = (size_t)wb.len / 8;
+    int status = -1;
+    if (wb.len % 8 || (size_t)ob.len != 4 * n || (size_t)sb.len != 8 * n
+        || (size_t)kb.len != 8 * n || n == 0 || n > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_ValueError, "allocate: buffer sizes do not match");
+    } else {
+        scratch_t s;
+        scratch_in(&s, (double *)sb.buf, kb.buf, n);
+        int64_t token;
+        Py_BEGIN_ALLOW_THREADS
+        status = allocate_row(wb.buf, 0, n, total, 1, (uint32_t *)ob.buf, 0, &s, -1, &token);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&kb);
+    if (status < 0) return NULL;
+    return PyLong_FromLong(status);
+}
+
+/* A built row's status once drawn from with u: its allocation's, else 4 for a draw
+ * outside [0, M) (dyadic.sample refuses it after the row's own checks). */
+static inline int drawn_status(int st, int64_t u) {
+    return st == 0 && (u < 0 || u >= (int64_t)M24) ? 4 : st;
+}
+
+/* build_rows(w, n, out, draws, tokens, status, share, work) -> None
+ *     Every row of w (rows x n float64 weights, checked) gets its canonical
+ *     total, its counts into out (rows x n int32) and its proposal draw with
+ *     draws[r] (int64): tokens[r] (int64) and status[r] (int32: 0 done, 1 to 3
+ *     as allocate_row, 4 a draw outside [0, M)). share and work (float64):
+ *     scratch of n entries each. The GIL is released for the batch. */
+static PyObject *build_rows(PyObject *self, PyObject *args) {
+    Py_buffer wb, ob, db, tb, stb, sb, kb;
+    Py_ssize_t nn;
+    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb))
+        return NULL;
+    size_t n = (size_t)(nn > 0 ? nn : 0);
+    size_t rows = (size_t)db.len / 8;
+    int ok = nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)wb.len == 8 * n * rows
+             && (size_t)ob.len == 4 * n * rows && (size_t)tb.len == 8 * rows
+             && (size_t)stb.len == 4 * rows && (size_t)sb.len == 8 * n
+             && (size_t)kb.len == 8 * n;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "build_rows: buffer sizes do not match");
+    } else {
+        scratch_t s;
+        scratch_in(&s, (double *)sb.buf, kb.buf, n);
+        const double *w = (const double *)wb.buf;
+        const int64_t *draws = (const int64_t *)db.buf;
+        int64_t *tokens = (int64_t *)tb.buf;
+        int32_t *status = (int32_t *)stb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (size_t r = 0; r < rows; r++) {
+            const double *wr = w + r * n;
+            int st = allocate_row(wr, 0, n, tree_root(wr, n), 1, (uint32_t *)ob.buf + r * n, 0,
+                                  &s, draws[r], &tokens[r]);
+            status[r] = drawn_status(st, draws[r]);
+            if (status[r]) tokens[r] = -1;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&kb);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* Construction statuses beyond build_rows' 0..4 (protocol §6.1's refusals). */
@@ -1855,166 +2101,20 @@ static int any_non_finite(const void *w, int f32, size_t n) {
     return 0;
 }
 
-#ifdef HAVE_FAST64_Q
-#include <immintrin.h>
-
-/* Rows at least this long take the sampled bracket (bracket_tickets). */
-#define BRACKET_MIN 4096
-
-/* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
- * that the bracket misses, and qualify the way back. */
-static double bracket_bias = 1.0;
-
-/* Over every key: a ticket (q += 2**-24, block sums kept) for each key above hi, and
- * the indices of the keys in [lo, hi] appended to idx in ascending order (idx holds
- * n + 16). Returns how many were appended; *given gets the tickets. */
-__attribute__((target("arch=x86-64-v4"))) static size_t bracket_pass(
-    const uint16_t *key, size_t n, uint32_t lo, uint32_t hi, float *q, int64_t *blocks,
-    uint32_t *idx, size_t *given) {
-    const __m512i vlo = _mm512_set1_epi32((int)lo), vhi = _mm512_set1_epi32((int)hi);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 step = _mm512_set1_ps(0x1p-24f);
-    size_t count = 0, total = 0, i = 0;
-    for (size_t b = 0; i < n; b++) {
-        size_t end = i + BLOCK < n ? i + BLOCK : n;
-        size_t inblock = 0;
-        for (; i + 16 <= end; i += 16) {
-            __m512i k = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(key + i)));
-            __mmask16 gt = _mm512_cmpgt_epu32_mask(k, vhi);
-            __mmask16 in = _mm512_mask_cmpge_epu32_mask((__mmask16)~gt, k, vlo);
-            __m512 qv = _mm512_loadu_ps(q + i);
-            _mm512_storeu_ps(q + i, _mm512_mask_add_ps(qv, gt, qv, step));
-            inblock += (size_t)__builtin_popcount(gt);
-            __m512i ids = _mm512_add_epi32(_mm512_set1_epi32((int)i), iota);
-            _mm512_storeu_si512((void *)(idx + count), _mm512_maskz_compress_epi32(in, ids));
-            count += (size_t)__builtin_popcount(in);
-        }
-        for (; i < end; i++) {
-            uint32_t k = key[i];
-            if (k > hi) {
-                q[i] += 0x1p-24f;
-                inblock++;
-            } else if (k >= lo) {
-                idx[count++] = (uint32_t)i;
-            }
-        }
-        blocks[b] += (int64_t)inblock;
-        total += inblock;
-    }
-    *given = total;
-    return count;
-}
-
-/* The leftover tickets from a sampled histogram (one chunk in SAMPLE_EVERY):
- * the sample brackets the key bucket of the k-th largest remainder, [lo, hi],
- * six standard deviations of its rank and some either side; one vector pass
- * gives a ticket to every key above the bracket and gathers the keys inside
- * it; those are counted exactly, and the bucket's remainders decided as
- * leftover_pass does (the same tickets: the choice does not depend on how the
- * bucket was found). Returns 0 or 2 as leftover_pass, or -1 if the bracket
- * missed the bucket (the tickets given are taken back: q as before). */
-static int bracket_tickets(const void *w, int f32, double total, double scale,
-                           const scratch_t *s, size_t n, size_t k, float *q,
-                           const uint32_t *sample) {
-    size_t sampled = 0;
-    for (size_t b = 0; b <= TOP_MASK; b++) sampled += sample[b];
-    if (sampled == 0) return -1;
-    /* k's rank in the sample (times bracket_bias: 1 but in tests) */
-    double rank = bracket_bias * (double)k * (double)sampled / (double)n;
-    double margin = 6.0 * sqrt(rank) + 16.0;
-    double want_hi = rank - margin, want_lo = rank + margin;
-    uint32_t hi = TOP_MASK, lo = 0;
-    double acc = 0.0;
-    int found_hi = 0;
-    for (int b = (int)TOP_MASK; b >= 0; b--) {
-        acc += sample[b];
-        if (!found_hi && acc > want_hi) {
-            hi = (uint32_t)b;
-            found_hi = 1;
-        }
-        if (acc >= want_lo) {
-            lo = (uint32_t)b;
-            break;
-        }
-    }
-    size_t given = 0;
-    size_t count = bracket_pass(s->key, n, lo, hi, q, s->blocks, s->idx, &given);
-    if (!(given < k && k <= given + count)) {
-        for (size_t i = 0; i < n; i++) { /* undo: exact, (c + 1) / 2**24 - 2**-24 */
-            if (s->key[i] > hi) {
-                q[i] -= 0x1p-24f;
-                s->blocks[i / BLOCK] -= 1;
-            }
-        }
-        return -1;
-    }
-    size_t need = k - given;
-    uint32_t hist[1 << TOP_BITS];
-    memset(hist + lo, 0, (hi - lo + 1) * sizeof(uint32_t));
-    for (size_t c = 0; c < count; c++) hist[s->key[s->idx[c]]]++;
-    uint32_t top = hi;
-    size_t above = 0;
-    for (;; top--) {
-        if (above + hist[top] >= need) break;
-        above += hist[top];
-    }
-    need -= above;
-    size_t kept = 0;
-    for (size_t c = 0; c < count; c++) { /* tickets above top; top's own, in index order */
-        uint32_t i = s->idx[c], kk = s->key[i];
-        if (kk > top) ticket(NULL, s->blocks, q, i);
-        s->idx[kept] = i;
-        kept += kk == top;
-    }
-    return tickets_in_bucket(w, f32, total, scale, 0, s, kept, need, NULL, q);
-}
-#endif
-
-/* The counts of one row of n weights into q (FP32 values c / 2**24), and the
- * block sums; 0, or a status: 1 or 2 as build_counts, C_* for a refused row
- * (dyadic._check_weights' order: a non-finite weight, a negative one, zero mass,
- * a total beyond binary64). */
-static int build_q(const void *w, int f32, size_t n, float *q, const scratch_t *s) {
+/* The checks of a row of n weights and its canonical total (row_total: the tree of
+ * §6.6): 0, or a C_* status in dyadic._check_weights' order (a non-finite weight, a
+ * negative one, zero mass, a total beyond binary64). */
+static int check_row(const void *w, int f32, size_t n, double *total) {
     int negative = 0;
     const vrow_t row = {w, f32 ? K_F32 : K_F64};
-    double total = row_total(&row, n, &negative);
-    if (!isfinite(total)) {
+    *total = row_total(&row, n, &negative);
+    if (!isfinite(*total)) {
         if (any_non_finite(w, f32, n)) return C_NON_FINITE;
         return negative ? C_NEGATIVE : C_NON_FINITE;
     }
     if (negative) return C_NEGATIVE;
-    if (!(total > 0.0)) return C_ZERO_MASS;
-    double scale = total / M24;
-    int small = !(scale >= MIN_NORMAL);
-    double inv = 1.0 / scale;
-    uint32_t top_hist[1 << TOP_BITS];
-    memset(top_hist, 0, sizeof top_hist);
-    int sampled = 0;
-#ifdef HAVE_FAST64_Q
-    sampled = !small && n >= BRACKET_MIN && use_fast64_q();
-#endif
-    int64_t sum = 0;
-    for (size_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
-        size_t len = n - lo < BLOCK ? n - lo : BLOCK;
-        int64_t part = floors_block_q(w, f32, lo, len, total, scale, small, inv, q, s->key,
-                                      top_hist, sampled);
-        s->blocks[b] = part;
-        sum += part;
-    }
-    int64_t remaining = (int64_t)M24 - sum;
-    if (remaining < 0 || remaining >= (int64_t)n) return 1;
-    if (remaining == 0) return 0;
-#ifdef HAVE_FAST64_Q
-    if (sampled) {
-        int st = bracket_tickets(w, f32, total, scale, s, n, (size_t)remaining, q, top_hist);
-        if (st >= 0) return st;
-        /* The bracket missed (undone): count every key, and go on as below. */
-        memset(top_hist, 0, sizeof top_hist);
-        histogram(s->key, n, top_hist);
-    }
-#endif
-    return leftover_pass(w, f32, total, scale, small, s, n, (size_t)remaining, NULL, q,
-                         top_hist);
+    if (!(*total > 0.0)) return C_ZERO_MASS;
+    return 0;
 }
 
 /* construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
@@ -2023,10 +2123,10 @@ static int build_q(const void *w, int f32, size_t n, float *q, const scratch_t *
  *     (int64), its FP32 wire values c / 2**24 written into payloads[r] (a
  *     writable buffer of m >= n FP32 values) followed by +0.0: tokens[r]
  *     (int64, -1 unless drawn) and status[r] (int32: 0 done; 1, 2, 3 as
- *     build_rows, allocation inconsistent; 4 a draw outside [0, M); 5 a NaN or
- *     infinite weight or a total beyond binary64, 6 a negative weight, 7 zero
- *     mass). A refused row's payload is unspecified. scratch: a writable
- *     buffer of at least 16 n bytes. The GIL is released for the batch. */
+ *     allocate_row; 4 a draw outside [0, M); 5 a NaN or infinite weight or a
+ *     total beyond binary64, 6 a negative weight, 7 zero mass). A refused
+ *     row's payload is unspecified. scratch: a writable buffer of at least 16 n
+ *     bytes. The GIL is released for the batch. */
 static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *payloads;
     Py_ssize_t nn;
@@ -2084,32 +2184,28 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
             ok = 0;
         }
     }
-    int64_t stack_blocks[STACK_BLOCKS];
-    int64_t *blocks = NULL;
-    if (ok) {
-        blocks = blocks_for(n, stack_blocks);
-        ok = blocks != NULL;
-    }
     if (ok) {
         scratch_t s;
         /* rem: 8 n bytes; then the keys (2 n, rounded) and the indices (4 n). */
-        scratch_in(&s, (double *)sb.buf, (char *)sb.buf + 8 * n, n, blocks);
+        scratch_in(&s, (double *)sb.buf, (char *)sb.buf + 8 * n, n);
         const int64_t *draws = (const int64_t *)db.buf;
         int64_t *tokens = (int64_t *)tb.buf;
         int32_t *status = (int32_t *)stb.buf;
         Py_BEGIN_ALLOW_THREADS
         for (size_t r = 0; r < count; r++) {
-            float *q = (float *)views[2 * r + 1].buf;
-            int st = build_q(views[2 * r].buf, f32, n, q, &s);
-            int64_t token;
-            st = proposal_draw(st, NULL, q, n, blocks, draws[r], &token);
+            const void *w = views[2 * r].buf;
+            uint32_t *q = (uint32_t *)views[2 * r + 1].buf; /* counts, then their wire values */
+            double total;
+            int st = check_row(w, f32, n, &total);
+            tokens[r] = -1;
+            if (st == 0) st = allocate_row(w, f32, n, total, 0, q, 1, &s, draws[r], &tokens[r]);
+            st = drawn_status(st, draws[r]);
             if (st == 0) memset(q + n, 0, (size_t)views[2 * r + 1].len - 4 * n); /* +0.0 */
+            else tokens[r] = -1;
             status[r] = st;
-            tokens[r] = token;
         }
         Py_END_ALLOW_THREADS
     }
-    blocks_free(blocks, stack_blocks);
     for (size_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     Py_XDECREF(rseq);
@@ -2327,20 +2423,6 @@ static PyObject *check_dense(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
-/* One row for the qualification entry points: its buffer into *view. */
-static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
-    Py_ssize_t len;
-    int kind = take_buffer(obj, views, used, &row->p, &len);
-    if (kind < 0) return -1;
-    if ((kind != K_F32 && kind != K_F64) || len < 1) {
-        PyErr_SetString(PyExc_TypeError, "a row is float32 or float64, not empty");
-        return -1;
-    }
-    row->kind = kind;
-    *n = (size_t)len;
-    return 0;
-}
-
 static PyObject *row_stats(PyObject *self, PyObject *args) {
     PyObject *obj;
     if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
@@ -2479,7 +2561,8 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
 static PyMethodDef methods[] = {
-    METHOD(verify_rounds, "(jobs, out[, threads]) -> None"),
+    METHOD(row_checks, "(rows[, threads]) -> each row's total, or None if not a distribution"),
+    METHOD(draw_rows, "(draws[, threads]) -> each drawn index, or -1 / -2 / -3"),
     METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
     METHOD(draw_total,
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
@@ -2491,16 +2574,15 @@ static PyMethodDef methods[] = {
     {"bracket_bias", bracket_bias_set, METH_VARARGS,
      "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
     METHOD(sample_counts,
-           "(counts_int32, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
+           "(int32 or int64 counts, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
-    METHOD(allocate, "(w, total, out, share, work) -> 0, or 1/2 for an inconsistent allocation"),
-    METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work[, payloads]) -> None"),
+    METHOD(allocate, "(w, total, out, share, work) -> 0, or 1 to 3 for an inconsistent allocation"),
+    METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work) -> None"),
     METHOD(sparse_candidates, "(x, top, scale, k, margin, idx) -> (count, x_out_max)"),
     METHOD(construct_rows,
            "(rows, n, draws, tokens, status, payloads, scratch) -> None"),
     METHOD(topk_f32, "(row, k, ids, scratch) -> (count, status)"),
     METHOD(check_dense, "(row, vocab, proposed) -> 0 or the first failing error code"),
-    METHOD(scan_dense, "(row) -> (max_bits, count_sum, non_integral)"),
     METHOD(check_sparse, "(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"),
     {NULL, NULL, 0, NULL},
 };

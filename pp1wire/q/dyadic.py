@@ -13,16 +13,19 @@ Construction (sender side) from globally normalized weights, in binary64:
 the lowest global token ID. ``0 <= remaining < support size`` and the exact
 final sum are checked and a violation is refused, never clipped. Tiny weights
 may get zero counts; that changes the proposal only, never the target law.
+:func:`allocate_with` states this rule once; the numpy, compiled, torch and
+sharded paths compute its pieces.
 
-Sampling: draw ``u`` uniform on ``[0, M)``; the token is the first whose
-cumulative count is strictly greater than ``u``. Integer arithmetic only.
+Sampling (:func:`sample`): draw ``u`` uniform on ``[0, M)``; the token is the
+first whose cumulative count is strictly greater than ``u``. Integer
+arithmetic only, over the whole row whatever the token.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -150,7 +153,8 @@ class QBuilder:
         return _sparse_from_checked(w, k, self.work)
 
     def allocate(self, w: Float64Array, total: float) -> Int32Array:
-        """Counts for checked weights ``w`` normalized by ``total`` (a scratch view).
+        """Counts for checked weights ``w`` normalized by ``total`` (a scratch view):
+        :func:`allocate_with` over this row, or the compiled pass that follows it.
 
         Raises:
             ConstructionError: ``BAD_SHAPE`` for a length other than this
@@ -159,47 +163,108 @@ class QBuilder:
         """
         if w.shape != (self.n,):
             raise ConstructionError(ErrorCode.BAD_SHAPE, f"row of {w.size}, builder for {self.n}")
-        n = w.size
-        share = self.share
-        out = self.out
         if _fastq is not None and w.flags.c_contiguous and w.dtype == np.float64:
-            status = _fastq.allocate(w, total, out, share, self.work)
-            if status == 1:
-                raise ConstructionError(
-                    ErrorCode.ALLOCATION_INCONSISTENT, f"tickets left over outside 0..{n - 1}"
-                )
-            if status == 2:
-                raise ConstructionError(
-                    ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-                )
-            return out
-        floors_and_remainders(w, total, out, share)
-        remaining = M - int(out.sum(dtype=np.int64))
-        if not 0 <= remaining < n:
-            raise ConstructionError(
-                ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
-            )
-        if remaining:
-            work = self.work
-            np.copyto(work, share)
-            work.partition(n - remaining)
-            threshold = float(work[n - remaining])
-            # A ticket on a zero remainder would give mass to a zero weight (or
-            # contradict the exact sum): the allocation is inconsistent.
-            if not threshold > 0.0:
-                raise ConstructionError(
-                    ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-                )
-            above = np.greater(share, threshold, out=self.above)
-            taken = int(np.count_nonzero(above))
-            out += above
-            if taken < remaining:
-                out[np.flatnonzero(share == threshold)[: remaining - taken]] += 1
-        if int(out.sum(dtype=np.int64)) != M:
-            raise ConstructionError(
-                ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M"
-            )
-        return out
+            status = _fastq.allocate(w, total, self.out, self.share, self.work)
+        else:
+            status = allocate_with(_NumpyRow(self, w, total))
+        if status:
+            raise ConstructionError(*ROW_STATUS_ERRORS[status])
+        return self.out
+
+
+# --------------------------------------------------------------------------
+# the allocation rule
+# --------------------------------------------------------------------------
+
+
+class AllocationPieces(Protocol):
+    """What a backend of :func:`allocate_with` computes over its rows of ``n`` weights.
+
+    One row's values are Python numbers; a batch's are arrays (numpy or torch)
+    of one value per row, and ``live`` marks the rows a piece applies to.
+    """
+
+    n: int
+
+    def floors(self) -> Any:
+        """Each weight's share of M (``docs/protocol.md`` §6.1 step 3): its floor
+        kept as its count, its remainder kept aside; each row's sum of floors."""
+
+    def threshold(self, left: Any, live: Any) -> Any:
+        """The ``left``-th largest remainder of each live row (anything elsewhere)."""
+
+    def above(self, threshold: Any, live: Any) -> Any:
+        """How many remainders of each live row exceed its threshold (0 elsewhere)."""
+
+    def assign(self, threshold: Any, ties: Any, live: Any) -> Any:
+        """One more count, in each live row, for every remainder above the threshold
+        and for the first ``ties`` remainders equal to it in ID order; each row's
+        sum of counts."""
+
+    def where(self, cond: Any, yes: Any, no: Any) -> Any:
+        """``yes`` where ``cond``, else ``no`` (elementwise for a batch)."""
+
+
+def allocate_with(rows: AllocationPieces) -> Any:
+    """The allocation of M tickets (``docs/protocol.md`` §6.1 steps 3-5): the one
+    statement of the rule, for rows whose backend computes its pieces.
+
+    Floors first; ``left = M - sum(floors)`` tickets are left over, refused
+    unless ``0 <= left < n``; the threshold is the ``left``-th largest
+    remainder, refused unless positive; every remainder above it gets one
+    ticket and the rest go to the remainders equal to it, lowest ID first;
+    the counts must then sum to M. Every piece is called whatever the data
+    (a sharded backend's collectives are the same on every rank).
+
+    Returns each row's status (0: its counts are in the backend; 1, 2, 3:
+    the ``ALLOCATION_INCONSISTENT`` refusals of :data:`ROW_STATUS_ERRORS`).
+    """
+    left = M - rows.floors()
+    fits = (left >= 0) & (left < rows.n)
+    status = rows.where(fits, 0, 1)
+    live = fits & (left > 0)
+    threshold = rows.threshold(left, live)
+    status = rows.where(live, rows.where(threshold > 0, status, 2), status)
+    live = live & (status == 0)
+    above = rows.above(threshold, live)
+    total = rows.assign(threshold, left - above, live)
+    return rows.where((status == 0) & (total != M), 3, status)
+
+
+class _NumpyRow:
+    """:func:`allocate_with`'s pieces for one row of a :class:`QBuilder`, in its scratch."""
+
+    def __init__(self, b: QBuilder, w: Float64Array, total: float) -> None:
+        self.n, self.b, self.w, self.total = b.n, b, w, total
+
+    @staticmethod
+    def where(cond: bool, yes: int, no: int) -> int:
+        return yes if cond else no
+
+    def floors(self) -> int:
+        floors_and_remainders(self.w, self.total, self.b.out, self.b.share)
+        return int(self.b.out.sum(dtype=np.int64))
+
+    def threshold(self, left: int, live: bool) -> float:
+        if not live:
+            return 0.0
+        work = self.b.work
+        np.copyto(work, self.b.share)
+        work.partition(self.n - left)
+        return float(work[self.n - left])
+
+    def above(self, threshold: float, live: bool) -> int:
+        if not live:
+            return 0
+        return int(np.count_nonzero(np.greater(self.b.share, threshold, out=self.b.above)))
+
+    def assign(self, threshold: float, ties: int, live: bool) -> int:
+        out = self.b.out
+        if live:
+            out += self.b.above
+            if ties:
+                out[np.flatnonzero(self.b.share == threshold)[:ties]] += 1
+        return int(out.sum(dtype=np.int64))
 
 
 def floors_and_remainders(
@@ -398,9 +463,9 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     return _sparse_from_checked(w, k)
 
 
-#: The error of each failure status the compiled passes (``_fastq.c``) and
-#: :func:`pp1wire.q.torch_ops.allocate_rows` return for a row (4, a draw out of
-#: range, is a ``BAD_DRAW`` that names the draw).
+#: The error of each failure status a row gets: 1 to 3 from :func:`allocate_with`
+#: (on every backend), the others from the compiled passes' and the torch rows'
+#: checks (4, a draw out of range, is a ``BAD_DRAW`` that names the draw).
 ROW_STATUS_ERRORS: Final[dict[int, tuple[ErrorCode, str]]] = {
     1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
     2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
@@ -554,6 +619,11 @@ def counts_to_fp32(counts: npt.ArrayLike) -> Float32Array:
 def sample(counts: npt.ArrayLike, u24: int) -> int:
     """Index of the first entry whose cumulative count is strictly greater than ``u24``.
 
+    That index is the number of cumulative counts at most ``u24`` (they never
+    decrease), and every path counts them over the whole row: the same
+    operations whatever the index drawn, so the time to draw a row tells
+    nothing of its token (``docs/adaptive.md`` §7).
+
     Raises:
         ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``;
             ``MASS_MISMATCH`` if the counts are not integers summing to M;
@@ -564,7 +634,7 @@ def sample(counts: npt.ArrayLike, u24: int) -> int:
     c = np.asarray(counts)
     if c.dtype.kind not in "iu" or c.ndim != 1:
         raise ValidationError(ErrorCode.MASS_MISMATCH, "counts must be a 1-D integer array")
-    if _fastq is not None and c.dtype == np.int32 and c.flags.c_contiguous:
+    if _fastq is not None and c.dtype in _DRAWN_DTYPES and c.flags.c_contiguous:
         # One pass, no cumulative array: the worker draws from every row it builds.
         index, status = _fastq.sample_counts(c, u24)
         if status == 1:
@@ -577,4 +647,7 @@ def sample(counts: npt.ArrayLike, u24: int) -> int:
     cumulative = np.cumsum(c, dtype=np.int64)
     if cumulative.size == 0 or int(cumulative[-1]) != M:
         raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
-    return int(np.searchsorted(cumulative, u24, side="right"))
+    return int(np.count_nonzero(cumulative <= u24))
+
+
+_DRAWN_DTYPES: Final = (np.dtype(np.int32), np.dtype(np.int64))

@@ -11,14 +11,16 @@ why they do not depend on the split.
 What a rank computes alone and what crosses ranks (the collectives a real
 group runs, in this order, with fixed shapes):
 
-* counts: the global max of the logits (max all-reduce); the cover-node
-  values of the canonical tree (all-gather); the global remaining tickets
-  (integer sum); each rank's ``remaining`` largest remainders (all-gather,
-  padded with -1); each rank's count of ties at the threshold (all-gather).
+* counts (:func:`pp1wire.q.dyadic.allocate_with`'s pieces): the global max
+  of the logits (max all-reduce); the cover-node values of the canonical
+  tree (all-gather); the global remaining tickets (integer sum); each
+  rank's ``remaining`` largest remainders (all-gather, padded with -1); each
+  rank's count of ties at the threshold (all-gather).
 * sparse top-k: each rank's top-k candidates ``(weight, global ID)``
   (all-gather), merged to the global top-k, ties to the lowest ID.
-* proposal draw: each rank's count total (all-gather), then the owner
-  shard's local search.
+* proposal draw: each rank's count total (all-gather), then every shard's
+  count of its cumulative counts at most what is left of the draw, the
+  owner's kept.
 * residual draw: the cover-node values of the residual's tree (all-gather),
   then the descent, finished by the rank that owns the node reached.
 """
@@ -71,38 +73,61 @@ def _check_weights(shards: list[Float64Array]) -> float:
     return total
 
 
+class _ShardRow:
+    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for one row split into shards, each
+    piece what a rank computes and the group exchanges."""
+
+    def __init__(self, shards: list[Float64Array], total: float) -> None:
+        self.n = sum(s.size for s in shards)
+        self.shards, self.total = shards, total
+        self.rems = [np.empty(s.size, dtype=np.float64) for s in shards]
+        self.out: list[Int64Array] = []
+
+    @staticmethod
+    def where(cond: bool, yes: int, no: int) -> int:
+        return yes if cond else no
+
+    def floors(self) -> int:
+        floors = [np.empty(s.size, dtype=np.int32) for s in self.shards]
+        for s, f, r in zip(self.shards, floors, self.rems, strict=True):
+            dyadic.floors_and_remainders(s, self.total, f, r)
+        self.out = [f.astype(np.int64) for f in floors]
+        return sum(int(f.sum(dtype=np.int64)) for f in floors)  # the integer sum
+
+    def threshold(self, left: int, live: bool) -> float:
+        if not live:
+            return 0.0
+        # Each rank offers its `left` largest remainders; the threshold is the
+        # left-th largest of all offers.
+        offers = np.concatenate([r[dyadic.largest_indices(r, left)] for r in self.rems])
+        return float(np.partition(offers, offers.size - left)[offers.size - left])
+
+    def above(self, threshold: float, live: bool) -> int:
+        return sum(int((r > threshold).sum()) for r in self.rems) if live else 0
+
+    def assign(self, threshold: float, ties: int, live: bool) -> int:
+        for o, r in zip(self.out, self.rems, strict=True):
+            if not live:
+                break
+            np.add(o, r > threshold, out=o)
+            taken = np.flatnonzero(r == threshold)[:ties]  # lowest global IDs first
+            o[taken] += 1
+            ties -= taken.size
+        return sum(int(o.sum()) for o in self.out)
+
+
 def _allocate(shards: list[Float64Array], total: float) -> list[Int64Array]:
-    """Floor plus the globally largest remainders, ties to the lowest global ID."""
-    floors = [np.empty(s.size, dtype=np.int32) for s in shards]
-    rems = [np.empty(s.size, dtype=np.float64) for s in shards]
-    for s, f, r in zip(shards, floors, rems, strict=True):
-        dyadic.floors_and_remainders(s, total, f, r)
-    n = sum(s.size for s in shards)
-    remaining = M - sum(int(f.sum(dtype=np.int64)) for f in floors)
-    if not 0 <= remaining < n:
-        raise ConstructionError(
-            ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {n} entries"
-        )
-    out = [f.astype(np.int64) for f in floors]
-    if remaining:
-        # Each rank offers its `remaining` largest remainders; the global
-        # threshold is the remaining-th largest of all offers.
-        offers = np.concatenate([r[dyadic.largest_indices(r, remaining)] for r in rems])
-        threshold = float(np.partition(offers, offers.size - remaining)[offers.size - remaining])
-        if not threshold > 0.0:
-            raise ConstructionError(
-                ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-            )
-        above = [r > threshold for r in rems]
-        ties_left = remaining - sum(int(a.sum()) for a in above)
-        for o, a, r in zip(out, above, rems, strict=True):
-            np.add(o, a, out=o)
-            ties = np.flatnonzero(r == threshold)[:ties_left]  # lowest global IDs first
-            o[ties] += 1
-            ties_left -= ties.size
-    if sum(int(o.sum()) for o in out) != M:
-        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
-    return out
+    """Floor plus the globally largest remainders, ties to the lowest global ID
+    (:func:`pp1wire.q.dyadic.allocate_with` over the shards).
+
+    Raises:
+        ConstructionError: ``ALLOCATION_INCONSISTENT``.
+    """
+    row = _ShardRow(shards, total)
+    status = dyadic.allocate_with(row)
+    if status:
+        raise ConstructionError(*dyadic.ROW_STATUS_ERRORS[status])
+    return row.out
 
 
 def counts_from_weights(shards: Sequence[npt.ArrayLike]) -> list[Int64Array]:
@@ -182,7 +207,7 @@ def sparse_counts_from_logits(
 def sample(count_shards: Sequence[npt.ArrayLike], u24: int) -> int:
     """:func:`pp1wire.q.dyadic.sample` of the concatenation: the global ID drawn by ``u24``.
 
-    The shard is the first whose cumulative count total exceeds ``u24`` (an
+    The shard is the one whose slice of the cumulative counts holds ``u24`` (an
     empty or zero shard never does), the token the first in it whose local
     cumulative count exceeds what is left of ``u24``.
 
@@ -199,14 +224,17 @@ def sample(count_shards: Sequence[npt.ArrayLike], u24: int) -> int:
     totals = [int(c.sum(dtype=np.int64)) for c in pieces]
     if sum(totals) != M:
         raise ValidationError(ErrorCode.MASS_MISMATCH, "counts do not sum to M")
+    # Every shard counts its cumulative counts at most what is left of the draw, owner
+    # or not (dyadic.sample's count, the same work whatever the index drawn).
     start = before = 0
+    found = -1
     for c, t in zip(pieces, totals, strict=True):
-        if before + t > u24:
-            local = np.cumsum(c, dtype=np.int64)
-            return start + int(np.searchsorted(local, u24 - before, side="right"))
+        at = int(np.count_nonzero(np.cumsum(c, dtype=np.int64) <= u24 - before))
+        if before <= u24 < before + t:
+            found = start + at
         before += t
         start += c.size
-    raise AssertionError("counts summing to M always contain the draw")  # pragma: no cover
+    return found
 
 
 def normalize_target(p_shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:

@@ -1,45 +1,22 @@
-"""Target rows: their checks, totals and draws, for one row or for a whole engine step.
+"""The walk's row operations: one target row's checks, p(x) and draws, and the
+backends that batch them over a batch of rounds for :func:`pp1wire.q.walk.walk`.
 
-One row (what :class:`pp1wire.q.verify.RequestVerifier` does per position):
-:func:`checked_target` reads a row once for its canonical total and its checks,
-an accepted draft needs ``p(x) = v[x] / total`` alone (:class:`CheckedRow`),
-:func:`accept_exact` decides ``u * q(x) < p(x)`` in integers, and
-:func:`sample_weights` / :func:`residual_sample` draw the bonus or the
-correction by descending the canonical tree (``docs/protocol.md`` §6.5, §6.6).
-
-A step (:func:`decide`): the rounds of many requests, each a :class:`RoundRows`
-that names its rows in the step's flat layout, decided together. Every round
-walks its positions as the per-request verifier does, and only the rows a round
-reaches are read. Three ways, the same decisions bit for bit (tests check it):
-
-* compiled (``pp1wire/q/_fastq.c`` ``verify_rounds``, when built): the whole
-  step in one call with the GIL released (its rounds shared out to two
-  threads, one in a pinned process), each reached row read once for its total
-  and checks and, where the round ends, once more for the draw;
-* numpy (no compiler): the same walk, position by position over every live
-  round, with numpy row by row (stacking rows only adds copies at a large
-  vocabulary);
-* torch on a device (:class:`pp1wire.q.torch_ops.DeviceStep`): the rows stay
-  where the engine computed them; totals, checks and ``v[x]`` of every row come
-  back in one transfer, the draws run batched over rows there, and the drawn IDs
-  come back in another.
-
-Where a step's rows come from: one call of a batched target (:func:`batched`
-gives a per-prefix plugin that form, a :class:`FailedRow` in place of each
-call that raised).
-
-A row a round reaches that fails its checks stops the round with
-:attr:`Stop.BAD_ROW`; the caller diagnoses it with :func:`checked_target`, so
-the error is the per-request one exactly.
+One row: :func:`checked_target` reads it once for its canonical total and its
+checks, :class:`CheckedRow` gives ``p(x) = v[x] / total`` without dividing the
+row, and :func:`sample_weights` / :func:`residual_sample` draw by descending
+the canonical tree (``docs/protocol.md`` §6.5, §6.6). The backends, the same
+answers bit for bit (tests check it): :class:`PrefixRows` (the per-request
+verifier's: each row scored and processed on its prefix), :class:`HostRows`
+(numpy), :class:`CompiledRows` (``pp1wire/q/_fastq.c``, the GIL released) and
+:class:`pp1wire.q.torch_ops.DeviceStep` (rows kept on their torch device);
+:func:`decide` picks a step's.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -48,22 +25,19 @@ from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q import tree
 from pp1wire.q.arrays import host_array
 from pp1wire.q.dyadic import M
-from pp1wire.q.proposal import QRow
-from pp1wire.q.rng import Domain, Role, RoundStreams
+from pp1wire.q.proposal import ExtendedPrefix
+from pp1wire.q.walk import Decision, Draw, RoundRows, walk
 
-try:  # the optional compiled step (pp1wire/q/_fastq.c), qualified against the numpy walk
+try:  # the optional compiled row work (pp1wire/q/_fastq.c), qualified against numpy's
     from pp1wire.q import _fastq  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - exercised by tests that disable it
     _fastq = None
 
 Float64Array = npt.NDArray[np.float64]
 
-_U53_SHIFT = 53
-_Q_SHIFT = 24
-_U53 = float(1 << _U53_SHIFT)
+_U53 = float(1 << 53)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _Q_KINDS = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64))
-_U32 = 0xFFFFFFFF
 
 
 # -- one row -----------------------------------------------------------------------------
@@ -157,12 +131,6 @@ class CheckedRow:
         return self._p
 
 
-def accept_exact(u53_int: int, count: int, p_x: float) -> bool:
-    """Exact test of ``(u53_int / 2**53) * (count / 2**24) < p_x`` in integers."""
-    num, den = float(p_x).as_integer_ratio()
-    return u53_int * count * den < num << (_U53_SHIFT + _Q_SHIFT)
-
-
 def sample_weights(weights: Float64Array, u53: int) -> int:
     """The draw ``u53`` (in ``[0, 2**53)``) from non-negative binary64 weights; never a zero weight.
 
@@ -241,72 +209,7 @@ def batched(target: TargetFn) -> BatchTargetFn:
     return each
 
 
-# -- a step ------------------------------------------------------------------------------
-
-
-class Stop(enum.IntEnum):
-    """Where a round of a step stopped (the compiled step's status codes)."""
-
-    EOS = 0
-    """An accepted terminal draft: no bonus."""
-    CORRECTION = 1
-    BONUS = 2
-    TARGET = 3
-    """The token of a target-only round."""
-    BAD_ROW = 4
-    """The row the round reached failed its checks (or could not be read)."""
-    EMPTY = 5
-    """The correction or bonus had no mass to draw from."""
-    BAD_Q = 6
-    """Compiled only: a sparse q it does not take. This status, and any above it (7:
-    out of memory in a draw), leaves the round to the numpy walk."""
-
-
-class Decision(NamedTuple):
-    """How one round of a step ended: ``accepted`` drafts, then ``token`` (-1: none)
-    drawn from the round's row ``row`` (an offset into :attr:`RoundRows.rows`)."""
-
-    stop: Stop
-    row: int
-    accepted: int
-    token: int
-
-
-@dataclass(frozen=True, slots=True)
-class RoundRows:
-    """One round of a step, as the row work needs it.
-
-    ``rows``: the indices of its rows in the step's layout, one per draft and
-    the bonus (or one, for a target-only round: ``drafts`` empty); ``counts``:
-    each draft's q count; ``start``: the absolute position of the first draft.
-    """
-
-    rows: tuple[int, ...]
-    drafts: tuple[QRow, ...]
-    tokens: tuple[int, ...]
-    counts: tuple[int, ...]
-    seed: int
-    generation: int
-    round_id: int
-    start: int
-    eos: int | None
-    vocab: int
-
-    @property
-    def target_only(self) -> bool:
-        """A round without drafts: one token from the target."""
-        return not self.drafts
-
-    def in_rng_range(self) -> bool:
-        """Whether every key field of its draws fits the RNG ABI (else its own
-        :class:`~pp1wire.q.rng.RoundStreams` refuses them)."""
-        return (
-            0 <= self.seed < 1 << 64
-            and 0 <= self.generation <= _U32
-            and 0 <= self.round_id <= _U32
-            and self.start >= 0
-            and self.start + len(self.drafts) <= _U32
-        )
+# -- a step's rows, as the caller hands them over ---------------------------------------
 
 
 class StepRows:
@@ -406,14 +309,205 @@ def step_threads() -> int:
 _PARALLEL_ENTRIES = 1 << 20  # below this many row entries a second thread costs more than it saves
 
 
-def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None) -> list[Decision]:
-    """Decide every round of a step (see the module docstring); one per job, in order.
+# -- the backends ------------------------------------------------------------------------
 
-    ``threads``: how many threads the compiled step uses, taking the rounds
-    one by one (None: :func:`step_threads`, or one for a small step).
+Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
+"""A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
+
+
+def _drawn(weights: Float64Array, u53: int) -> int:
+    """:func:`sample_weights`, -1 for weights without mass (the walk's empty residual)."""
+    try:
+        return sample_weights(weights, u53)
+    except VerifyError:
+        return -1
+
+
+class PrefixRows:
+    """The per-request backend, for one round: row ``i`` is the target's row for
+    the committed prefix followed by the round's first ``i`` drafted tokens
+    (``scores[i]`` when already computed), then each processor's on it, scored
+    only when the walk reaches it.
+
+    A row that fails is refused (its round stops there) and keeps in
+    :attr:`failures` the error its target, a processor or its checks raised.
+    """
+
+    eager_draws = True
+
+    def __init__(
+        self,
+        committed: Sequence[int],
+        tokens: Sequence[int],
+        target: TargetFn,
+        processors: Sequence[Processor],
+        vocab: int,
+        scores: Sequence[npt.ArrayLike] | None = None,
+    ) -> None:
+        """The rows of one round (of a target-only round, ``tokens`` empty: one row)."""
+        self._committed = committed
+        self._tokens = tokens
+        self._target = target
+        self._processors = tuple(processors)
+        self._vocab = vocab
+        self._scores = scores
+        self._rows: dict[int, CheckedRow] = {}
+        self.failures: dict[int, VerifyError] = {}
+
+    def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
+        """Score, process and check each row (see :class:`~pp1wire.q.walk.RowOps`)."""
+        # One round's rows: the walk never comes back to an earlier one, so only
+        # the last checked is kept (a row of binary64 at a large vocabulary).
+        self._rows.clear()
+        return [self._score(r) for r, _ in rows]
+
+    def _score(self, r: int) -> bool:
+        prefix: Sequence[int] = self._committed
+        if self._tokens:  # the prefix viewed, not copied
+            prefix = ExtendedPrefix(self._committed)
+            for token in self._tokens[:r]:
+                prefix.append(token)
+        try:
+            raw = self._target(prefix) if self._scores is None else self._scores[r]
+            values, total = checked_target(raw, self._vocab)
+            row = CheckedRow(values, total)
+            if self._processors:
+                p = row.full()
+                for proc in self._processors:
+                    p = check_target(proc(prefix, p), self._vocab)
+                row = CheckedRow(p, None)
+        except VerifyError as exc:
+            self.failures[r] = exc
+            return False
+        except Exception as exc:  # a plugin failure must not leave a half round
+            error = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
+            error.__cause__ = exc
+            self.failures[r] = error
+            return False
+        self._rows[r] = row
+        return True
+
+    def p_at(self, asks: Sequence[tuple[int, int]]) -> list[float]:
+        """p(x) of each checked row (one division)."""
+        return [self._rows[r].at(x) for r, x in asks]
+
+    def draw(self, draws: Sequence[Draw]) -> list[int]:
+        """Each draw from the row's p, or its residual against q."""
+        out = []
+        for d in draws:
+            p = self._rows[d.row].full()
+            out.append(_drawn(p if d.q is None else residual(p, d.q.dense_counts(d.vocab)), d.u53))
+        return out
+
+
+class HostRows:
+    """The numpy backend of a step, row by row: at a large vocabulary, stacking rows
+    for numpy only adds copies (measured: ``benchmarks/verify_batch.py``, numpy only)."""
+
+    eager_draws = True
+
+    def __init__(self, rows: StepRows) -> None:
+        """The step's rows."""
+        self.rows = rows
+        self._checked: dict[int, tuple[npt.NDArray[Any], float]] = {}
+
+    def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
+        """Each row's canonical total and :func:`check_target`'s test, kept for what follows."""
+        out = []
+        for r, vocab in rows:
+            arr = self.rows.host(r, vocab)
+            if arr is None:
+                out.append(False)
+                continue
+            x = arr.astype(np.float64, copy=False)
+            with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN totals are refusals
+                total = tree.total(x)
+            # check_target's test: min >= 0 (false for NaN), a finite, positive total.
+            good = bool(float(x.min()) >= 0.0 and np.isfinite(total) and total > 0.0)
+            if good:
+                self._checked[r] = (arr, total)
+            out.append(good)
+        return out
+
+    def p_at(self, asks: Sequence[tuple[int, int]]) -> list[float]:
+        """``v[x] / total`` of each checked row."""
+        out = []
+        for r, x in asks:
+            arr, total = self._checked[r]
+            out.append(float(arr[x]) / total)
+        return out
+
+    def draw(self, draws: Sequence[Draw]) -> list[int]:
+        """Each draw, in numpy."""
+        out = []
+        for d in draws:
+            arr, total = self._checked[d.row]
+            w = arr.astype(np.float64, copy=False) / total  # p
+            if d.q is not None:
+                w = residual(w, d.q.dense_counts(d.vocab))
+            out.append(_drawn(w, d.u53))
+        return out
+
+
+class CompiledRows(HostRows):
+    """The compiled backend of a step (``_fastq.row_checks``, ``_fastq.draw_rows``):
+    each call's rows in one pass each with the GIL released, on ``threads`` threads
+    taking the rows one by one. A draw it does not take (a q of another form, no
+    memory for its tree) is numpy's."""
+
+    def __init__(self, rows: StepRows, threads: int) -> None:
+        """The step's rows, and the threads each call may use."""
+        super().__init__(rows)
+        self.threads = threads
+
+    def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
+        """As :meth:`HostRows.check`, each row read once."""
+        arrays = [self.rows.host(r, vocab) for r, vocab in rows]
+        out = []
+        for (r, _), arr, total in zip(
+            rows, arrays, _fastq.row_checks(arrays, self.threads), strict=True
+        ):
+            if total is not None and arr is not None:  # an unreadable row (None) is never one
+                self._checked[r] = (arr, total)
+            out.append(total is not None)
+        return out
+
+    def draw(self, draws: Sequence[Draw]) -> list[int]:
+        """As :meth:`HostRows.draw`, each row read once for its tree, and once more
+        for the block the descent ends in."""
+        specs = [self._spec(d) for d in draws]
+        taken = [spec for spec in specs if spec is not None]
+        drawn = iter(_fastq.draw_rows(taken, self.threads))
+        out = [-2 if spec is None else next(drawn) for spec in specs]
+        # -2: no memory for the tree, or a q of another form; -3: a sparse q it does not take.
+        rest = [k for k, y in enumerate(out) if y < -1]
+        for k, y in zip(rest, super().draw([draws[k] for k in rest]), strict=True):
+            out[k] = y
+        return out
+
+    def _spec(self, d: Draw) -> tuple[Any, ...] | None:
+        """The compiled draw's description of ``d``; None if numpy must draw it."""
+        arr, total = self._checked[d.row]
+        if d.q is None:
+            return (arr, total, None, None, d.u53)
+        q = d.q.counts if d.q.counts is not None else d.q.q32
+        ids = d.q.ids
+        if q is None or q.ndim != 1 or q.dtype not in _Q_KINDS or not q.flags.c_contiguous:
+            return None
+        if ids is not None and (ids.dtype != np.int32 or not ids.flags.c_contiguous):
+            return None
+        return (arr, total, q, ids, d.u53)
+
+
+def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None) -> list[Decision]:
+    """Walk every round of a step with the backend its rows call for (see the module
+    docstring); one :class:`~pp1wire.q.walk.Decision` per job, in order.
+
+    ``threads``: how many threads the compiled backend's calls use (None:
+    :func:`step_threads`, or one for a step of fewer than 2**20 row entries).
 
     Never raises for a row's values: a round that reaches a bad row stops with
-    :attr:`Stop.BAD_ROW`, one whose correction has no mass with :attr:`Stop.EMPTY`.
+    ``BAD_ROW``, one whose correction has no mass with ``EMPTY``.
     """
     if not jobs:
         return []
@@ -421,168 +515,10 @@ def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None
         from pp1wire.q import torch_ops  # noqa: PLC0415 - the rows are tensors
 
         drafts = [(job.rows[i], x) for job in jobs for i, x in enumerate(job.tokens)]
-        return _walk(jobs, torch_ops.DeviceStep(rows.device, drafts))
-    out: list[Decision | None] = [None] * len(jobs)
-    compiled = getattr(_fastq, "verify_rounds", None)
-    if compiled is not None:
-        work = [(k, _compiled_job(job, rows)) for k, job in enumerate(jobs)]
-        ready = [(k, spec) for k, spec in work if spec is not None]
-        status = np.empty((len(ready), 4), dtype=np.int64)
-        if threads is None:
-            entries = sum(len(job.rows) * job.vocab for job in jobs)
-            threads = step_threads() if entries >= _PARALLEL_ENTRIES else 1
-        compiled([spec for _, spec in ready], status, threads)
-        for (k, _), (stop, row, accepted, token) in zip(ready, status.tolist(), strict=True):
-            # BAD_Q, and an allocation that failed in the compiled draw: the numpy walk decides.
-            if stop < Stop.BAD_Q:
-                out[k] = Decision(Stop(stop), row, accepted, token)
-    rest = [k for k, d in enumerate(out) if d is None]
-    if rest:
-        walked = _walk([jobs[k] for k in rest], _HostRows(rows))
-        for k, d in zip(rest, walked, strict=True):
-            out[k] = d
-    return [d for d in out if d is not None]
-
-
-def _compiled_job(job: RoundRows, rows: StepRows) -> tuple[Any, ...] | None:
-    """The compiled step's description of a round; None if it must be walked in numpy."""
-    qs = []
-    for row in job.drafts:
-        q = row.counts if row.counts is not None else row.q32
-        ids = row.ids
-        if q is None or q.ndim != 1 or q.dtype not in _Q_KINDS or not q.flags.c_contiguous:
-            return None
-        if ids is not None and (ids.dtype != np.int32 or not ids.flags.c_contiguous):
-            return None
-        qs.append((q, ids))
-    return (
-        tuple(rows.host(i, job.vocab) for i in job.rows),
-        job.tokens,
-        job.counts,
-        tuple(qs),
-        job.seed,
-        job.generation,
-        job.round_id,
-        job.start,
-        int(Domain.TARGET if job.target_only else Domain.CORRECTION),
-        -1 if job.eos is None else job.eos,
-        job.vocab,
-    )
-
-
-class _Rows(Protocol):
-    def stats(self, rows: list[tuple[int, int]]) -> list[tuple[float, bool]]: ...
-    def value(self, row: int, vocab: int, x: int) -> float: ...
-    def draw(self, jobs: list[tuple[int, float, QRow | None, int, int]]) -> list[int]: ...
-
-
-class _HostRows:
-    """The numpy row work, row by row: at a large vocabulary, stacking rows for numpy
-    only adds copies (measured: ``benchmarks/verify_batch.py``, numpy only)."""
-
-    def __init__(self, rows: StepRows) -> None:
-        self.rows = rows
-
-    def stats(self, wanted: list[tuple[int, int]]) -> list[tuple[float, bool]]:
-        out = []
-        for r, vocab in wanted:
-            arr = self.rows.host(r, vocab)
-            if arr is None:
-                out.append((0.0, False))
-                continue
-            x = arr.astype(np.float64, copy=False)
-            with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN totals are refusals
-                total = tree.total(x)
-            # check_target's test: min >= 0 (false for NaN), a finite, positive total.
-            good = float(x.min()) >= 0.0 and np.isfinite(total) and total > 0.0
-            out.append((total, bool(good)))
-        return out
-
-    def _row(self, row: int, vocab: int) -> npt.NDArray[Any]:
-        arr = self.rows.host(row, vocab)
-        assert arr is not None  # only rows that passed their checks get here
-        return arr
-
-    def value(self, row: int, vocab: int, x: int) -> float:
-        return float(self._row(row, vocab)[x])
-
-    def draw(self, jobs: list[tuple[int, float, QRow | None, int, int]]) -> list[int]:
-        out = []
-        for row, total, qrow, u53, vocab in jobs:
-            w = self._row(row, vocab).astype(np.float64, copy=False) / total  # p
-            if qrow is not None:
-                w = residual(w, qrow.dense_counts(vocab))
-            try:
-                out.append(sample_weights(w, u53))
-            except VerifyError:  # no mass
-                out.append(-1)
-        return out
-
-
-class _Draws:
-    """A round's Spark-side draws: the compiled Philox when built (qualified against
-    :mod:`pp1wire.q.rng` by the tests), else :class:`RoundStreams` itself."""
-
-    __slots__ = ("_job", "_streams")
-
-    def __init__(self, job: RoundRows) -> None:
-        self._job = job
-        self._streams = RoundStreams(Role.SPARK, job.seed, job.generation, job.round_id)
-
-    def u53_int(self, domain: Domain, position: int) -> int:
-        philox = getattr(_fastq, "philox_u53", None)
-        if philox is None:
-            return self._streams.u53_int(domain, position)
-        job = self._job
-        return int(philox(job.seed, job.generation, job.round_id, position, int(domain)))
-
-
-def _walk(jobs: Sequence[RoundRows], ops: _Rows) -> list[Decision]:
-    """Every live round one position further at a time: the reached rows' totals
-    and checks together, each acceptance test, then every draw together."""
-    n = len(jobs)
-    out: list[Decision | None] = [None] * n
-    streams = [_Draws(j) for j in jobs]
-    at, accepted = [0] * n, [0] * n
-    draws: list[tuple[int, float, QRow | None, int, int]] = []
-    drawing: list[int] = []
-    live = list(range(n))
-    while live:
-        stats = ops.stats([(jobs[k].rows[at[k]], jobs[k].vocab) for k in live])
-        still = []
-        for k, (total, ok) in zip(live, stats, strict=True):
-            job, i = jobs[k], at[k]
-            row, position = job.rows[i], job.start + i
-            if not ok:
-                out[k] = Decision(Stop.BAD_ROW, i, accepted[k], -1)
-                continue
-            if i == len(job.drafts):  # the bonus, or the target-only token
-                domain = Domain.TARGET if job.target_only else Domain.CORRECTION
-                draws.append((row, total, None, streams[k].u53_int(domain, position), job.vocab))
-                drawing.append(k)
-                continue
-            x = job.tokens[i]
-            u = streams[k].u53_int(Domain.ACCEPTANCE, position)
-            if accept_exact(u, job.counts[i], ops.value(row, job.vocab, x) / total):
-                accepted[k] += 1
-                if x == job.eos:
-                    out[k] = Decision(Stop.EOS, i, accepted[k], -1)
-                else:
-                    at[k] += 1
-                    still.append(k)
-                continue
-            u = streams[k].u53_int(Domain.CORRECTION, position)
-            draws.append((row, total, job.drafts[i], u, job.vocab))
-            drawing.append(k)
-        live = still
-    if draws:
-        for k, spec, y in zip(drawing, draws, ops.draw(draws), strict=True):
-            job = jobs[k]
-            if spec[2] is not None:
-                stop = Stop.CORRECTION
-            else:
-                stop = Stop.TARGET if job.target_only else Stop.BONUS
-            out[k] = Decision(stop if y >= 0 else Stop.EMPTY, at[k], accepted[k], y)
-    done = [d for d in out if d is not None]
-    assert len(done) == n  # every round ends once: a bad row, an accepted terminal, or a draw
-    return done
+        return walk(jobs, torch_ops.DeviceStep(rows.device, drafts))
+    if getattr(_fastq, "row_checks", None) is None:
+        return walk(jobs, HostRows(rows))
+    if threads is None:
+        entries = sum(len(job.rows) * job.vocab for job in jobs)
+        threads = step_threads() if entries >= _PARALLEL_ENTRIES else 1
+    return walk(jobs, CompiledRows(rows, threads))

@@ -1,27 +1,23 @@
-"""The production verifier (numpy, binary64) that the Spark side runs.
-
-For each draft position in order: evaluate the target and its processors on the
-matching proposed prefix, draw ``u`` from the acceptance domain and accept iff
-``u * q(x) < p(x)`` — decided exactly in integers, so a token with
-``p(x) = 0`` can never pass. At the first rejection draw the correction from
-``max(p - q, 0)`` over the full vocabulary; if every draft survives draw a
-bonus from p. An accepted terminal token stops without a bonus; a terminal
-correction or bonus ends the request.
+"""The Spark side's verifier: a request's state, the checks before any draw, and what
+a round commits; the block itself is decided by the one walk of :mod:`pp1wire.q.walk`.
 
 Everything that is the proposal's fault is refused before the first draw. A
 failure inside the target or a processor leaves the committed prefix as it was
 and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
-commits all of its tokens or none.
+commits all of its tokens or none; a terminal correction or bonus ends the
+request.
 
-An engine's step (:func:`verify_step`): the rounds of many requests decided
-from one ``(N, V)`` array of target rows for :func:`step_prefixes`, exactly as
-the per-request methods decide each of them, with the row work batched
-(:mod:`pp1wire.q.targetrows`: compiled, numpy, or on the rows' torch device).
-:func:`verify_batch` is that step with the rows from one target call.
+A request's own round (:meth:`RequestVerifier.verify`) walks with its rows
+scored and processed per prefix; an engine's step (:func:`verify_step`: the
+rounds of many requests from one ``(N, V)`` array of target rows for
+:func:`step_prefixes`) walks them together with the row work batched
+(:func:`pp1wire.q.targetrows.decide`: compiled, numpy, or on the rows' torch
+device). :func:`verify_batch` is that step with the rows from one target call.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -34,18 +30,14 @@ from pp1wire.q import targetrows
 from pp1wire.q.draw_audit import audit_mismatch
 from pp1wire.q.outcomes import TARGET_FAILURES, Outcome, RoundResult
 from pp1wire.q.proposal import MAX_DEPTH, ExtendedPrefix, PrefixDigest, Proposal, QRow
-from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.stoprules import StopKind, audit, stopped_by_rule
 from pp1wire.q.targetrows import (
     BatchTargetFn,
-    CheckedRow,
-    Decision,
     FailedRow,
-    RoundRows,
+    PrefixRows,
+    Processor,
     StepRows,
-    Stop,
     TargetFn,
-    accept_exact,
     batched,
     check_target,
     checked_target,
@@ -53,6 +45,7 @@ from pp1wire.q.targetrows import (
     residual_sample,
     sample_weights,
 )
+from pp1wire.q.walk import Decision, RoundRows, Stop, accept_exact, walk
 
 __all__ = [
     "TARGET_FAILURES", "BatchTargetFn", "FailedRow", "Outcome", "Processor", "RequestVerifier",
@@ -62,8 +55,6 @@ __all__ = [
 ]  # fmt: skip
 
 Float64Array = npt.NDArray[np.float64]
-Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
-"""A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
 
 
 class RequestVerifier:
@@ -163,29 +154,6 @@ class RequestVerifier:
             raise VerifyError(
                 ErrorCode.ROUND_REUSED, f"round {round_id} is not after {self.last_round}"
             )
-
-    def _p(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> Float64Array:
-        return self._row(prefix, scored).full()
-
-    def _row(self, prefix: Sequence[int], scored: npt.ArrayLike | None = None) -> CheckedRow:
-        try:
-            raw = self.target(prefix) if scored is None else scored
-            values, total = checked_target(raw, self.vocab_size)
-            row = CheckedRow(values, total)
-            if self.processors:
-                p = row.full()
-                for proc in self.processors:
-                    p = check_target(proc(prefix, p), self.vocab_size)
-                row = CheckedRow(p, None)
-        except VerifyError:
-            self.poisoned = True
-            raise
-        except Exception as exc:  # a plugin failure must not leave a half round
-            self.poisoned = True
-            raise VerifyError(
-                ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}"
-            ) from exc
-        return row
 
     # -- checks before any draw -------------------------------------------
 
@@ -361,33 +329,76 @@ class RequestVerifier:
     ) -> RoundResult:
         if self.audit:
             self._audit(proposal)
-        streams = RoundStreams(Role.SPARK, self.seed, self.generation, proposal.round_id)
-        context = ExtendedPrefix(self.committed)
-        start = len(self.committed)
-        new: list[int] = []
         if scores is not None and len(scores) != len(proposal.rows) + 1:
             raise VerifyError(ErrorCode.BAD_ARGUMENT, "scores do not match the proposal")
-        for i, row in enumerate(proposal.rows):
-            target = self._row(context, None if scores is None else scores[i])
-            x = row.token
-            block = streams.block(Domain.ACCEPTANCE, start + i)
-            if accept_exact(u53_int_from_block(block), row.count_at(x), target.at(x)):
-                new.append(x)
-                context.append(x)
-                if x == self.eos:
-                    return self._commit(proposal.round_id, new, len(new), None, Outcome.EOS, commit)
-                continue
-            counts = row.dense_counts(self.vocab_size)
-            y = residual_sample(
-                target.full(), counts, streams.u53_int(Domain.CORRECTION, start + i)
-            )
-            return self._commit(
-                proposal.round_id, [*new, y], len(new), y, Outcome.CORRECTION, commit
-            )
-        p = self._p(context, None if scores is None else scores[len(proposal.rows)])
-        position = start + len(proposal.rows)
-        b = sample_weights(p, streams.u53_int(Domain.CORRECTION, position))
-        return self._commit(proposal.round_id, [*new, b], len(new), b, Outcome.BONUS, commit)
+        job = self.round_rows(proposal.round_id, proposal.rows)
+        rows = PrefixRows(
+            self.committed, job.tokens, self.target, self.processors, self.vocab_size, scores
+        )
+        return self._walked(job, rows, commit)
+
+    def _walked(self, job: RoundRows, rows: PrefixRows, commit: bool) -> RoundResult:
+        """One round through the walk with its rows scored per prefix; raises its error."""
+        (decision,) = walk([job], rows)
+        result = self.settle(job, decision, rows.failures.__getitem__, commit=commit)
+        if isinstance(result, VerifyError):
+            raise result
+        return result
+
+    def round_rows(
+        self,
+        round_id: int,
+        drafts: Sequence[QRow] = (),
+        *,
+        first: int = 0,
+        counts: Sequence[int] | None = None,
+    ) -> RoundRows:
+        """The walk's description of a round of this request after its committed
+        prefix: its rows ``first, first + 1, …`` of a layout (one per draft and the
+        bonus; one for a target-only round, ``drafts`` empty), and each draft's
+        count at its token (``counts``, or read from its row when reached)."""
+        rows = tuple(drafts)
+        return RoundRows(
+            rows=tuple(range(first, first + len(rows) + 1)),
+            drafts=rows,
+            tokens=tuple(r.token for r in rows),
+            counts=None if counts is None else tuple(counts),
+            seed=self.seed,
+            generation=self.generation,
+            round_id=round_id,
+            start=self.position,
+            eos=self.eos,
+            vocab=self.vocab_size,
+        )
+
+    def settle(
+        self,
+        job: RoundRows,
+        decision: Decision,
+        failure: Callable[[int], VerifyError],
+        *,
+        commit: bool,
+    ) -> RoundResult | VerifyError:
+        """What the walk's ``decision`` on ``job`` commits (with ``commit``), or its error.
+
+        A row the round reached that failed its checks poisons the request, and
+        its error is ``failure(row)`` (the row's index in the job's layout); a
+        draw without mass is ``EMPTY_RESIDUAL`` (the round is spent, nothing
+        committed).
+        """
+        if decision.stop is Stop.BAD_ROW:
+            self.poisoned = True
+            return failure(job.rows[decision.row])
+        if decision.stop is Stop.EMPTY:
+            return VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
+        tokens = list(job.tokens[: decision.accepted])
+        if decision.stop is Stop.EOS:
+            return self._commit(job.round_id, tokens, decision.accepted, None, Outcome.EOS, commit)
+        token = decision.token
+        outcome = _OUTCOMES[decision.stop]
+        return self._commit(
+            job.round_id, [*tokens, token], decision.accepted, token, outcome, commit
+        )
 
     def decode_target_only(self, round_id: int, score: npt.ArrayLike | None = None) -> RoundResult:
         """Sample one token from the target alone (fallback and depth 0).
@@ -418,10 +429,9 @@ class RequestVerifier:
     def _target_only(
         self, round_id: int, *, commit: bool, score: npt.ArrayLike | None = None
     ) -> RoundResult:
-        p = self._p(self.committed, score)
-        streams = RoundStreams(Role.SPARK, self.seed, self.generation, round_id)
-        token = sample_weights(p, streams.u53_int(Domain.TARGET, self.position))
-        return self._commit(round_id, [token], 0, token, Outcome.TARGET, commit)
+        scores = None if score is None else [score]
+        rows = PrefixRows(self.committed, (), self.target, self.processors, self.vocab_size, scores)
+        return self._walked(self.round_rows(round_id), rows, commit)
 
     def apply(self, result: RoundResult) -> None:
         """Commit a result that :meth:`evaluate` or :meth:`evaluate_target_only`
@@ -593,9 +603,10 @@ def verify_step(
     decide it (the same tokens for the same seeds), and only the rows it
     reaches are read. With ``commit`` False nothing commits
     (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
-    ``threads``: how many threads the compiled step may share the rounds out
-    to (None: one for a step of fewer than 2**20 row entries, where a second
-    costs more than it saves; else 2, or 1 in a process pinned to one core).
+    ``threads``: how many threads the compiled row operations may share each
+    call's rows out to (None: one for a step of fewer than 2**20 row entries,
+    where a second costs more than it saves; else 2, or 1 in a process pinned
+    to one core).
 
     Returns one entry per round, in order: its :class:`RoundResult`, or the
     :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
@@ -688,9 +699,10 @@ def _decide(
         v = pl.verifier
         if commit:
             v.last_round = pl.round_id
-        job = _round_rows(pl)
+        drafts = () if pl.proposal is None else pl.proposal.rows
+        job = v.round_rows(pl.round_id, drafts, first=pl.first)
         if v.processors or not job.in_rng_range():
-            # A processor sees all of p at each position: the per-round path.
+            # A processor sees all of p at each position: the request's own rows.
             out[pl.index] = _per_round(pl, rows, commit)
             continue
         if pl.proposal is not None and v.audit:
@@ -702,24 +714,9 @@ def _decide(
         fast.append((pl, job))
     decided = targetrows.decide([job for _, job in fast], rows, threads)
     for (pl, job), d in zip(fast, decided, strict=True):
-        out[pl.index] = _outcome(pl, job, d, rows, commit)
-
-
-def _round_rows(pl: _Planned) -> RoundRows:
-    v = pl.verifier
-    drafts = () if pl.proposal is None else pl.proposal.rows
-    return RoundRows(
-        rows=tuple(range(pl.first, pl.first + pl.count)),
-        drafts=drafts,
-        tokens=tuple(r.token for r in drafts),
-        counts=tuple(r.count_at(r.token) for r in drafts),
-        seed=v.seed,
-        generation=v.generation,
-        round_id=pl.round_id,
-        start=v.position,
-        eos=v.eos,
-        vocab=v.vocab_size,
-    )
+        v = pl.verifier
+        failure = functools.partial(_row_failure, rows, v.vocab_size)
+        out[pl.index] = v.settle(job, d, failure, commit=commit)
 
 
 def _per_round(pl: _Planned, rows: StepRows, commit: bool) -> RoundResult | VerifyError:
@@ -733,33 +730,19 @@ def _per_round(pl: _Planned, rows: StepRows, commit: bool) -> RoundResult | Veri
         return exc
 
 
-_OUTCOMES = {Stop.CORRECTION: Outcome.CORRECTION, Stop.BONUS: Outcome.BONUS}
+_OUTCOMES = {
+    Stop.CORRECTION: Outcome.CORRECTION,
+    Stop.BONUS: Outcome.BONUS,
+    Stop.TARGET: Outcome.TARGET,
+}
 
 
-def _outcome(
-    pl: _Planned, job: RoundRows, d: Decision, rows: StepRows, commit: bool
-) -> RoundResult | VerifyError:
-    v = pl.verifier
-    if d.stop is Stop.BAD_ROW:
-        return _row_failure(v, rows.raw(job.rows[d.row]))
-    if d.stop is Stop.EMPTY:
-        return VerifyError(ErrorCode.EMPTY_RESIDUAL, "distribution has no mass")
-    tokens = list(job.tokens[: d.accepted])
-    if d.stop is Stop.EOS:
-        return v._commit(pl.round_id, tokens, d.accepted, None, Outcome.EOS, commit)
-    outcome = _OUTCOMES.get(d.stop, Outcome.TARGET)
-    return v._commit(pl.round_id, [*tokens, d.token], d.accepted, d.token, outcome, commit)
-
-
-def _row_failure(v: RequestVerifier, raw: Any) -> VerifyError:
-    """The error the per-request verifier raises for a row the step refused (it poisons)."""
+def _row_failure(rows: StepRows, vocab: int, row: int) -> VerifyError:
+    """The error the per-request verifier raises for a row the step refused."""
     try:
-        checked_target(raw, v.vocab_size)
+        checked_target(rows.raw(row), vocab)
     except VerifyError as exc:
-        error = exc
-    except Exception as exc:  # as RequestVerifier._row reports a failing row
-        error = VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
-    else:
-        return VerifyError(ErrorCode.INTERNAL, "a row the step refused passes its checks")
-    v.poisoned = True
-    return error
+        return exc
+    except Exception as exc:  # as PrefixRows reports a failing row
+        return VerifyError(ErrorCode.TARGET_FAILED, f"target evaluation failed: {exc!r}")
+    return VerifyError(ErrorCode.INTERNAL, "a row the step refused passes its checks")

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
-from pp1wire.wire.messages import Completion, Open, Reply, Step
+from pp1wire.wire.messages import Completion, FixedToken, Hello, MsgType, Open, Reply, Step
 
 SESSION = 7
 VOCAB = 8
@@ -103,7 +104,7 @@ def reply_header(
         round=over.get("round", step.round),
         index=over.get("index", index),
         position=over.get("position", step.position + index),
-        token=token,
+        token=FixedToken(token),
         representation=representation if representation is not None else (0 if dense else 1),
         entries=count,
         checksum=checksum if checksum is not None else xxhash.xxh3_64_intdigest(payload),
@@ -115,6 +116,30 @@ def reply_header(
 def reply_row(step: Step, index: int, token: int, payload: bytes, **over: Any) -> bytes:
     """One REPLY frame answering ``step``; ``over`` as for :func:`reply_header`."""
     return framing.encode_frame(reply_header(step, index, token, payload, **over), payload)
+
+
+def uint_token_frame(frame: bytes) -> bytes:
+    """An untagged REPLY frame as peers before the fixed row format wrote it
+    (``docs/protocol.md`` §11): the same header with its token as a shortest-form
+    msgpack uint, the frame checksum recomputed, the payload as it was.
+
+    Raises:
+        ValueError: for a frame that is not an untagged REPLY.
+    """
+    if frame[3] != MsgType.REPLY or frame[4] & framing.FLAG_TAGGED:
+        raise ValueError("an untagged REPLY frame is needed")
+    end = framing.PREAMBLE_SIZE + int.from_bytes(frame[6:8], "little")
+    array = msgspec.msgpack.decode(frame[framing.PREAMBLE_SIZE : end])
+    array[7] = int.from_bytes(array[7], "little")
+    return framing.encode_raw_frame(int(MsgType.REPLY), msgspec.msgpack.encode(array), frame[end:])
+
+
+def older_hello_frame(msg: Hello) -> bytes:
+    """``msg`` as a peer before HELLO field 28 (``row_format``) frames it
+    (``docs/protocol.md`` §11): the same array ending at field 27."""
+    array = msgspec.msgpack.decode(framing.encode_frame(msg)[framing.PREAMBLE_SIZE :])
+    end = 1 + Hello.__struct_fields__.index("row_format")  # element 0 is the type code
+    return framing.encode_raw_frame(int(MsgType.HELLO), msgspec.msgpack.encode(array[:end]))
 
 
 def completion_header(step: Step, body: bytes, nrows: int, **over: int) -> Completion:

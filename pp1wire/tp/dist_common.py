@@ -77,13 +77,18 @@ def reduce_max(local: npt.NDArray[_S], coord: GroupCoordinator) -> npt.NDArray[_
 def pick(counts: npt.NDArray[_S], per_rank: list[int], u: int, plan: TreePlan) -> tuple[int, int]:
     """The global ID a draw ``u`` of 24 bits picks from a row's counts and its count, if
     it falls in this rank's slice of their cumulative sum (every rank's total in
-    ``per_rank``), else ``(-1, -1)``."""
+    ``per_rank``), else ``(-1, -1)``.
+
+    Every rank counts its whole slice, owner or not (:func:`pp1wire.q.dyadic.sample`'s
+    count of cumulative counts at most the draw), so that no rank's time depends on
+    the index drawn."""
     before = sum(per_rank[: plan.rank])
+    cumulative = np.cumsum(counts, dtype=np.int64)
+    at = int(np.count_nonzero(cumulative <= u - before))
+    count = int(counts[min(at, counts.size - 1)]) if counts.size else 0
     if not before <= u < before + per_rank[plan.rank]:
         return -1, -1
-    cumulative = np.cumsum(counts, dtype=counts.dtype)
-    at = int(np.searchsorted(cumulative, u - before, side="right"))
-    return plan.start + at, int(counts[at])
+    return plan.start + at, count
 
 
 def owners_answer(coord: GroupCoordinator, local: Sequence[int]) -> list[int]:

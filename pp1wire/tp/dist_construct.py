@@ -470,6 +470,115 @@ def _bucket_floor(bucket: int) -> float:
     return float(bits.view(np.float64)[0])
 
 
+class _ShardedRows:
+    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows, each
+    rank holding its range: floors and histograms here, the threshold and the ticket
+    counts from what every rank sent (the same on every rank), the tickets in this
+    rank's range. One collective for the floors, one more when a rank's guess of where
+    a threshold lies was wrong; the pieces run the same collectives on every rank."""
+
+    where = staticmethod(np.where)
+
+    def __init__(
+        self, w: Float64Array, totals: Float64Array, mine: Float64Array, plan: TreePlan,
+        coord: GroupCoordinator,
+    ) -> None:  # fmt: skip
+        self.w, self.totals, self.mine, self.plan, self.coord = w, totals, mine, plan, coord
+        self.n = plan.vocab
+        rows, width = w.shape
+        # The counts travel in the rows (fresh); the rest is scratch.
+        self.counts = np.empty((rows, width), dtype=np.int32)  # counts never exceed 2**24
+        self.rem, self.keys = _scratch(rows, width)
+
+    def floors(self) -> Int64Array:
+        """This rank's floors and remainder histograms, with its guess of each
+        threshold's bucket, sent to every rank: the rows' sums of floors."""
+        count = len(self.w)
+        words = np.zeros((count, _WORDS), dtype=np.int64)
+        for j in range(count):
+            dyadic.floors_and_remainders(self.w[j], float(self.totals[j]), self.counts[j],
+                                         self.rem[j])  # fmt: skip
+            # A rank's floors sum to at most 2**24 (its shares do, to within rounding): int32.
+            floor_sum = int(self.counts[j].sum(dtype=np.int32))
+            hist = _histogram(self.rem[j], self.keys)
+            words[j, 0] = floor_sum
+            words[j, 1 : 1 + _BUCKETS] = hist
+            # This rank's share of the tickets less its floors: about the sum of its
+            # remainders (a guess: the threshold found does not depend on it).
+            tickets = float(self.mine[j]) / float(self.totals[j]) * M - floor_sum
+            _guess(words[j], hist, self.rem[j], tickets)
+        self.gathered = gather(words, self.coord)  # [world, rows, words]
+        self.floor_sums: Int64Array = self.gathered[:, :, 0]
+        sums: Int64Array = self.floor_sums.sum(axis=0)
+        return sums
+
+    def threshold(self, left: Int64Array, live: npt.NDArray[np.bool_]) -> Float64Array:
+        """Each live row's bucket holding its threshold (above it, fewer tickets than
+        left over), every rank's remainders in it (from the guesses, or from one more
+        collective when a guess missed it), and the threshold among them."""
+        hists = self.gathered[:, :, 1 : 1 + _BUCKETS]
+        count = len(left)
+        self.bucket = np.full(count, -1, dtype=np.int64)
+        self.pools: list[list[Float64Array]] = [[] for _ in range(count)]
+        missed = []
+        for j in np.flatnonzero(live):
+            above = np.cumsum(hists[:, j].sum(axis=0)[::-1])  # from the top bucket down
+            b = self.bucket[j] = _BUCKETS - 1 - int(np.searchsorted(above, left[j]))
+            pool = _guessed(self.gathered[:, j], b)
+            if pool is None:
+                missed.append(j)
+            else:
+                self.pools[j] = pool
+        if missed:  # one more collective, the same on every rank: the buckets themselves
+            width = max(int(hists[:, j, self.bucket[j]].max()) for j in missed)
+            offers = np.full((len(missed), width), -1.0, dtype=np.float64)
+            for m, j in enumerate(missed):
+                ours = _in_buckets(self.rem[j], int(self.bucket[j]), int(self.bucket[j]))
+                offers[m, : ours.size] = ours
+            exact = gather(offers, self.coord)
+            for m, j in enumerate(missed):
+                sizes = hists[:, j, self.bucket[j]]
+                self.pools[j] = [exact[k, m, : int(sizes[k])] for k in range(self.plan.world)]
+        threshold = np.zeros(count, dtype=np.float64)
+        self.above_bucket = np.zeros((self.plan.world, count), dtype=np.int64)
+        for j in np.flatnonzero(live):
+            self.above_bucket[:, j] = hists[:, j, self.bucket[j] + 1 :].sum(axis=1)
+            wanted = int(left[j]) - int(self.above_bucket[:, j].sum())  # 1..the bucket's size
+            merged = np.concatenate(self.pools[j])
+            threshold[j] = np.partition(merged, merged.size - wanted)[merged.size - wanted]
+        return threshold
+
+    def above(self, threshold: Float64Array, live: npt.NDArray[np.bool_]) -> Int64Array:
+        """Every rank's remainders above each live row's threshold: the buckets above
+        its bucket, and the bucket's values above it."""
+        self.above_k: Int64Array = np.zeros_like(self.above_bucket)
+        for j in np.flatnonzero(live):
+            self.above_k[:, j] = self.above_bucket[:, j] + [
+                int((values > threshold[j]).sum()) for values in self.pools[j]
+            ]
+        above: Int64Array = self.above_k.sum(axis=0)
+        return above
+
+    def assign(
+        self, threshold: Float64Array, ties: Int64Array, live: npt.NDArray[np.bool_]
+    ) -> Int64Array:
+        """This rank's tickets (its remainders above the threshold, and its part of the
+        ties, lower ranks' first: lower IDs); every rank's count total (``per_rank``)."""
+        takes = np.zeros_like(self.above_bucket)
+        for j in np.flatnonzero(live):
+            equal = [int((values == threshold[j]).sum()) for values in self.pools[j]]
+            before = np.cumsum([0, *equal[:-1]])
+            takes[:, j] = np.clip(int(ties[j]) - before, 0, equal)
+            mine, row = self.rem[j], self.counts[j]
+            row += mine > threshold[j]
+            take = int(takes[self.plan.rank, j])
+            if take:
+                row[np.flatnonzero(mine == threshold[j])[:take]] += 1
+        self.per_rank: Int64Array = self.floor_sums + np.where(live, self.above_k + takes, 0)
+        totals: Int64Array = self.per_rank.sum(axis=0)
+        return totals
+
+
 def _allocate_and_draw(
     w: Float64Array,
     totals: Float64Array,
@@ -478,60 +587,20 @@ def _allocate_and_draw(
     plan: TreePlan,
     coord: GroupCoordinator,
 ) -> list[BuiltRow | Pp1Error]:
-    """Dense counts (floors, then the largest remainders over every rank, ties to the
-    lowest ID) and the draw: two collectives for every dense row of the position,
-    three when a rank's guess of where the threshold lies was wrong."""
-    count, n = w.shape
-    # The counts travel in the rows (fresh); the rest is scratch.
-    floors = np.empty((count, n), dtype=np.int32)  # counts never exceed 2**24
-    rem, keys = _scratch(count, n)
-    words = np.zeros((count, _WORDS), dtype=np.int64)
-    for j in range(count):
-        dyadic.floors_and_remainders(w[j], float(totals[j]), floors[j], rem[j])
-        # A rank's floors sum to at most 2**24 (its shares do, to within rounding): int32.
-        floor_sum = int(floors[j].sum(dtype=np.int32))
-        hist = _histogram(rem[j], keys)
-        words[j, 0] = floor_sum
-        words[j, 1 : 1 + _BUCKETS] = hist
-        # This rank's share of the tickets less its floors: about the sum of its
-        # remainders (a guess: the threshold found does not depend on it).
-        tickets = float(mine[j]) / float(totals[j]) * M - floor_sum
-        _guess(words[j], hist, rem[j], tickets)
-    gathered = gather(words, coord)  # [world, rows, words]
-    remaining = [M - int(gathered[:, j, 0].sum()) for j in range(count)]
-    hists = gathered[:, :, 1 : 1 + _BUCKETS]
-    # Per row: the bucket holding the threshold (above it, fewer tickets than left over),
-    # and every rank's remainders in it, from its guess when the guess covered it.
-    chosen = [-1] * count
-    pools: list[list[Float64Array] | None] = [None] * count
-    for j, left in enumerate(remaining):
-        if not 0 < left < plan.vocab:
-            continue
-        above = np.cumsum(hists[:, j].sum(axis=0)[::-1])  # from the top bucket down
-        b = chosen[j] = _BUCKETS - 1 - int(np.searchsorted(above, left))
-        pools[j] = _guessed(gathered[:, j], b)
-    missed = [j for j, b in enumerate(chosen) if b >= 0 and pools[j] is None]
-    if missed:  # one more collective, the same on every rank: the buckets themselves
-        width = max(int(hists[:, j, chosen[j]].max()) for j in missed)
-        offers = np.full((len(missed), width), -1.0, dtype=np.float64)
-        for m, j in enumerate(missed):
-            mine_b = _in_buckets(rem[j], chosen[j], chosen[j])
-            offers[m, : mine_b.size] = mine_b
-        exact = gather(offers, coord)
-        for m, j in enumerate(missed):
-            pools[j] = [exact[k, m, : int(hists[k, j, chosen[j]])] for k in range(plan.world)]
+    """Dense counts (:func:`pp1wire.q.dyadic.allocate_with` over every rank) and the draw:
+    two collectives for every dense row of the position, three when a rank's guess of
+    where a threshold lies was wrong."""
+    rows = _ShardedRows(w, totals, mine, plan, coord)
+    status = dyadic.allocate_with(rows)
     out: list[BuiltRow | Pp1Error] = []
-    picks = np.full((count, 2), -1, dtype=np.int64)
-    for j, left in enumerate(remaining):
-        try:
-            sums = [int(v) for v in gathered[:, j, 0]]
-            per_rank = _leftovers(j, left, chosen[j], hists, sums, pools[j], floors, rem, plan)
-        except ConstructionError as exc:
-            out.append(exc)
+    picks = np.full((len(w), 2), -1, dtype=np.int64)
+    for j, code in enumerate(status):
+        if code:
+            out.append(ConstructionError(*dyadic.ROW_STATUS_ERRORS[int(code)]))
             continue
-        out.append(BuiltRow(-1, floors[j], None, 0))
+        out.append(BuiltRow(-1, rows.counts[j], None, 0))
         # The draw: the rank whose slice of the cumulative counts holds it finds the ID.
-        picks[j] = pick(floors[j], per_rank, draws[j], plan)
+        picks[j] = pick(rows.counts[j], [int(v) for v in rows.per_rank[:, j]], draws[j], plan)
     found = reduce_max(picks, coord)
     for j, built in enumerate(out):
         if isinstance(built, BuiltRow):
@@ -580,60 +649,6 @@ def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
         values = np.ascontiguousarray(words[_GUESS + 3 : _GUESS + 3 + size]).view(np.float64)
         pool.append(values[_bucket_keys(values) == bucket])
     return pool
-
-
-def _leftovers(
-    j: int,
-    remaining: int,
-    bucket: int,
-    hists: npt.NDArray[np.int64],
-    floor_sums: list[int],
-    pool: list[Float64Array] | None,
-    floors: npt.NDArray[np.int32],
-    rem: Float64Array,
-    plan: TreePlan,
-) -> list[int]:
-    """Give row ``j``'s leftover tickets (in place, to this rank's floors) and return
-    every rank's count total, from every rank's floor sum, histogram (``hists``)
-    and remainders in ``bucket`` (``pool``).
-
-    Raises:
-        ConstructionError: ``ALLOCATION_INCONSISTENT`` as the unsharded allocation.
-    """
-    if not 0 <= remaining < plan.vocab:
-        raise ConstructionError(
-            ErrorCode.ALLOCATION_INCONSISTENT, f"{remaining} tickets left over {plan.vocab} entries"
-        )
-    world = plan.world
-    if remaining == 0:
-        return floor_sums
-    assert pool is not None
-    values = pool
-    above_bucket = [int(hists[k, j, bucket + 1 :].sum()) for k in range(world)]
-    wanted = remaining - sum(above_bucket)  # tickets for this bucket, 1..its size
-    merged = np.concatenate(values)
-    threshold = float(np.partition(merged, merged.size - wanted)[merged.size - wanted])
-    if not threshold > 0.0:
-        raise ConstructionError(
-            ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"
-        )
-    above = [above_bucket[k] + int((values[k] > threshold).sum()) for k in range(world)]
-    ties = [int((values[k] == threshold).sum()) for k in range(world)]
-    left = remaining - sum(above)
-    takes = []
-    for k in range(world):
-        takes.append(max(0, min(left, ties[k])))
-        left -= takes[-1]
-    mine = rem[j]
-    row = floors[j]
-    row += mine > threshold
-    take = takes[plan.rank]
-    if take:
-        row[np.flatnonzero(mine == threshold)[:take]] += 1
-    per_rank = [floor_sums[k] + above[k] + takes[k] for k in range(world)]
-    if sum(per_rank) != M:
-        raise ConstructionError(ErrorCode.ALLOCATION_INCONSISTENT, "allocation does not sum to M")
-    return per_rank
 
 
 # -- sparse rows ------------------------------------------------------------------------

@@ -14,14 +14,16 @@ paths included):
    owns the token, so each rank audits the stop as one rank does;
 2. the scores: one call of the target for every prefix the step needs, each
    rank keeping its range;
-3. the verification, every round of the step at once
-   (:mod:`pp1wire.tp.dist_ops`): every target row normalized in one
-   all-gather, which also tells every rank whose target failed on any rank
-   (those rounds stop on every rank, ``TARGET_FAILED``); every drafted
-   token's acceptance test, by the rank that owns it, in one all-reduce; then
-   every round's one sharded descent of §6.6 — the correction, the bonus or
-   the target-only token — together (two collectives): exactly the tokens of
-   the unsharded verifier for the same p, q and seed;
+3. the verification, every round of the step at once: the one walk of
+   :mod:`pp1wire.q.walk` on every rank, with :class:`ShardRows` as its row
+   operations (:mod:`pp1wire.tp.dist_ops`): every target row normalized in one
+   all-gather the first time the walk checks a row (which also tells every
+   rank whose target failed on any rank: those rounds stop on every rank,
+   ``TARGET_FAILED``); every drafted token's p(x), from the rank that owns it,
+   in one all-reduce the first time the walk asks for one; then every round's
+   one sharded descent of §6.6 — the correction, the bonus or the target-only
+   token — together (two collectives): exactly the tokens of the unsharded
+   verifier for the same p, q and seed;
 4. the vote: every rank's outcomes are gathered once; if any rank decided
    otherwise the group fails closed, nothing of the step committed anywhere.
    Otherwise each rank applies the results to its verifiers.
@@ -41,7 +43,6 @@ from pp1wire.errors import ErrorCode, VerifyError
 from pp1wire.q.dyadic import M
 from pp1wire.q.layout import ShardSummary, as_int64, check_group
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
-from pp1wire.q.rng import Domain, Role, RoundStreams, u53_int_from_block
 from pp1wire.q.stoprules import StopKind, stop_after
 from pp1wire.q.verify import (
     BatchTargetFn,
@@ -49,8 +50,8 @@ from pp1wire.q.verify import (
     Outcome,
     RequestVerifier,
     RoundResult,
-    accept_exact,
 )
+from pp1wire.q.walk import Draw, RoundRows, walk
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
 
@@ -137,17 +138,18 @@ def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | No
 
     Each rank's link gave its shard of the first rows of one block; a fault on a
     link ends that rank's rows early. Row i is verified only if every rank holds
-    it, so the group's block is the shortest, cut (by the lowest such rank's
-    fault) when any rank's was. Ranks whose blocks ended without a fault must
-    agree on its length, and no rank may hold more rows than that.
+    it, so the group's block is the shortest. Its reason is the fault that ended
+    it: that of a rank holding only those rows (the lowest such rank), not of a
+    rank cut later. Ranks whose blocks ended without a fault must agree on its
+    length, and no rank may hold more rows than that.
     """
     rows = [int(w[3]) for w in reports]
     whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
     if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
         return None
     n = min(rows)
-    cut = next((ErrorCode(w[2]) for w in reports if w[2]), None)
-    return n, cut
+    ended = (ErrorCode(w[2]) for w, k in zip(reports, rows, strict=True) if w[2] and k == n)
+    return n, next(ended, None)
 
 
 def _stop_of(proposal: Proposal, counts: list[int], eos: int | None) -> int | None:
@@ -172,6 +174,8 @@ class ShardRound:
     round_id: int
     proposal: Proposal | None = None
     failure: ErrorCode | None = None
+    #: Each row's count at its token, from the rank that owns it (set by the group check).
+    counts: tuple[int, ...] = ()
 
     @property
     def target_only(self) -> bool:
@@ -258,10 +262,9 @@ class ShardedVerifyGroup:
             assert r.proposal is not None
             assert block is not None
             rows, cut = block
-            counts: list[int] | None = None
+            # Row j's count at its token: its owner's word (the others sent 0).
+            counts = [max(w[_COUNTS + j] for w in reports) for j in range(rows)]
             if r.proposal.stop.kind is not StopKind.FIXED:
-                # Row j's count at its token: its owner's word (the others sent 0).
-                counts = [max(w[_COUNTS + j] for w in reports) for j in range(rows)]
                 end = _stop_of(r.proposal, counts, r.verifier.eos)
                 if end is not None and end < rows:
                     # A row past the rule's stop: one rank refuses it on arrival, and
@@ -269,9 +272,8 @@ class ShardedVerifyGroup:
                     rows, cut, counts = end, ErrorCode.STOP_RULE_VIOLATED, counts[:end]
             if rows < len(r.proposal.rows) or cut is not r.proposal.cut:
                 # Every rank verifies the same block: the rows all of them hold.
-                r.proposal = dataclasses.replace(
-                    r.proposal, rows=r.proposal.rows[:rows], cut=cut
-                )
+                r.proposal = dataclasses.replace(r.proposal, rows=r.proposal.rows[:rows], cut=cut)
+            r.counts = tuple(counts)
             try:
                 r.verifier.check_key(r.proposal, counts)
             except VerifyError as exc:  # the same on every rank: same state, same key
@@ -346,128 +348,113 @@ class ShardedVerifyGroup:
         lost: list[bool],
         out: list[RoundResult | VerifyError | None],
     ) -> None:
-        """Step 3 for every round still open, with one set of collectives: every target
-        row normalized together (which also tells every rank whose target failed on
-        any rank), every drafted token's acceptance test in one all-reduce, then every
-        round's one descent (correction, bonus or target-only) together. Each round's
-        tokens are those of the unsharded verifier."""
+        """Step 3 for every round still open: the walk, on every rank alike, over this
+        rank's range of the step's rows (:class:`ShardRows`). Each round's tokens are
+        those of the unsharded verifier."""
         todo = [i for i, o in enumerate(out) if o is None]
-        first: dict[int, int] = {}  # round -> its first row in the batch
+        jobs: list[RoundRows] = []
         rows: list[npt.NDArray[np.float64]] = []
         failed: list[bool] = []
         for i in todo:
-            first[i] = len(rows)
-            rows.extend(scores[i])
-            failed += [lost[i]] * len(scores[i])
-        if not rows:
-            return
-        p = dist_ops.normalize_targets(rows, self.coord, failed)
-        for i in todo:  # a target that failed on any rank stops its request (as on one rank)
-            span = p.codes[first[i] : first[i] + len(scores[i])]
-            if ErrorCode.TARGET_FAILED in span:
-                rounds[i].verifier.poisoned = True
-                out[i] = VerifyError(ErrorCode.TARGET_FAILED, "the target failed on a rank")
-        todo = [i for i in todo if out[i] is None]
-        # The acceptance test of every drafted token, by the rank that owns it.
-        owned: list[int] = []
-        streams_of: dict[int, RoundStreams] = {}  # a proposal round's, for its draw below too
-        for i in todo:
-            r = rounds[i]
-            if r.proposal is None:
-                continue
-            v, proposal = r.verifier, r.proposal
-            streams = RoundStreams(Role.SPARK, v.seed, proposal.generation, proposal.round_id)
-            streams_of[i] = streams
-            start = len(v.committed)
-            for k, row in enumerate(proposal.rows):
-                at, x = first[i] + k, row.token
-                result = 0  # 1 + the test's result on the owner, 0 elsewhere
-                if p.codes[at] is None and self.start <= x < self.end:
-                    u = u53_int_from_block(streams.block(Domain.ACCEPTANCE, start + k))
-                    result = 1 + int(accept_exact(u, self._count_at(row, x), p.at(at, x)))
-                owned.append(result)
-        tested = np.asarray(owned, dtype=np.int64)
-        accepted = iter(dist_ops.reduce_max(tested, self.coord).tolist() if owned else [])
-        # Each round walks its rows as the unsharded verifier does, up to its one draw.
-        draws: list[tuple[int, npt.NDArray[np.float64], int]] = []  # (round, weights, u53)
-        pending: dict[int, tuple[list[int], Outcome]] = {}
-        for i in todo:
             r = rounds[i]
             v = r.verifier
-            base = first[i]
             if r.proposal is None:
-                streams = RoundStreams(Role.SPARK, v.seed, v.generation, r.round_id)
-                if self._refused(i, p.codes[base], rounds, out):
-                    continue
-                u53 = streams.u53_int(Domain.TARGET, len(v.committed))
-                draws.append((i, p.normalized(base), u53))
-                pending[i] = ([], Outcome.TARGET)
-                continue
-            proposal, streams = r.proposal, streams_of[i]
-            start = len(v.committed)
-            tests = [next(accepted) for _ in proposal.rows]
-            new: list[int] = []
-            for k, row in enumerate(proposal.rows):
-                if self._refused(i, p.codes[base + k], rounds, out):
-                    break
-                if tests[k] == 2:
-                    new.append(row.token)
-                    if row.token == v.eos:
-                        out[i] = v.result(r.round_id, new, len(new), None, Outcome.EOS)
-                        break
-                    continue
-                weights = dist_ops.residual_rows(p.normalized(base + k), self._q(row))
-                draws.append((i, weights, streams.u53_int(Domain.CORRECTION, start + k)))
-                pending[i] = (new, Outcome.CORRECTION)
-                break
+                jobs.append(v.round_rows(r.round_id, first=len(rows)))
             else:
-                d = len(proposal.rows)
-                if self._refused(i, p.codes[base + d], rounds, out):
-                    continue
-                draws.append(
-                    (i, p.normalized(base + d), streams.u53_int(Domain.CORRECTION, start + d))
-                )
-                pending[i] = (new, Outcome.BONUS)
-        if not draws:
+                p = r.proposal
+                jobs.append(v.round_rows(p.round_id, p.rows, first=len(rows), counts=r.counts))
+            rows.extend(scores[i])
+            failed += [lost[i]] * len(scores[i])
+        if not jobs:
             return
-        weights = np.stack([w for _, w, _ in draws])
-        picks = dist_ops.sample_weights_rows(weights, [u for _, _, u in draws], self.coord)
-        for (i, _, _), pick in zip(draws, picks, strict=True):
-            new, outcome = pending[i]
-            if isinstance(pick, ErrorCode):  # EMPTY_RESIDUAL: the round is spent, not poisoned
-                out[i] = VerifyError(pick, "distribution has no mass")
-                continue
-            accepted_count = len(new) if outcome is not Outcome.TARGET else 0
-            out[i] = rounds[i].verifier.result(
-                rounds[i].round_id, [*new, pick], accepted_count, pick, outcome
-            )
+        ops = ShardRows(self, jobs, rows, failed)
+        for i, job, decision in zip(todo, jobs, walk(jobs, ops), strict=True):
+            out[i] = rounds[i].verifier.settle(job, decision, ops.failure, commit=False)
 
-    @staticmethod
-    def _refused(
-        i: int,
-        code: ErrorCode | None,
-        rounds: Sequence[ShardRound],
-        out: list[RoundResult | VerifyError | None],
-    ) -> bool:
-        """A target row that is not a distribution stops its request (as on one rank)."""
-        if code is None:
-            return False
-        rounds[i].verifier.poisoned = True
-        out[i] = VerifyError(code, "the target is not a distribution")
-        return True
+
+class ShardRows:
+    """The walk's row operations on a vocabulary-sharded group's step
+    (:class:`pp1wire.q.walk.RowOps`): this rank holds its range of every row, and
+    every rank runs the same walk, so each call below runs the same collectives on
+    every rank in the same order. Each kind of call batches the whole step into
+    its first one: every row normalized (one all-gather), every draft's p(x) (one
+    all-reduce), and the step's draws (two collectives), each skipped on every rank
+    alike when the walk asks for none.
+    """
+
+    eager_draws = False
+
+    def __init__(
+        self,
+        group: ShardedVerifyGroup,
+        jobs: Sequence[RoundRows],
+        rows: list[npt.NDArray[np.float64]],
+        failed: list[bool],
+    ) -> None:
+        """The step's rounds over ``rows`` (this rank's range of each; ``failed``: the
+        rows this rank could not score)."""
+        self._group = group
+        self._jobs = jobs
+        self._rows = rows
+        self._failed = failed
+        self._p: dist_ops.TargetRows | None = None
+        self._values: dict[tuple[int, int], float] | None = None
+
+    def _normalized(self) -> dist_ops.TargetRows:
+        if self._p is None:
+            self._p = dist_ops.normalize_targets(self._rows, self._group.coord, self._failed)
+        return self._p
+
+    def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
+        """Whether each row is a distribution on every rank (the same answer everywhere)."""
+        p = self._normalized()
+        return [p.codes[r] is None for r, _ in rows]
+
+    def failure(self, row: int) -> VerifyError:
+        """The error of a row the walk refused: its target failed on a rank, or the
+        row is not a distribution."""
+        code = self._normalized().codes[row]
+        assert code is not None
+        if code is ErrorCode.TARGET_FAILED:
+            return VerifyError(code, "the target failed on a rank")
+        return VerifyError(code, "the target is not a distribution")
+
+    def p_at(self, asks: Sequence[tuple[int, int]]) -> list[float]:
+        """p(x) of each (row, x), from the rank whose range holds x."""
+        if self._values is None:
+            p, g = self._normalized(), self._group
+            keys = [(job.rows[i], x) for job in self._jobs for i, x in enumerate(job.tokens)]
+            # The owner's p(x) where its row is a distribution; -1 elsewhere (MAX).
+            local = [
+                p.at(r, x) if p.codes[r] is None and g.start <= x < g.end else -1.0 for r, x in keys
+            ]
+            found = dist_ops.reduce_max(np.asarray(local, dtype=np.float64), g.coord)
+            self._values = dict(zip(keys, found.tolist(), strict=True))
+        return [self._values[a] for a in asks]
+
+    def draw(self, draws: Sequence[Draw]) -> list[int]:
+        """Every draw of the step in one sharded descent (two collectives)."""
+        p, g = self._normalized(), self._group
+        weights = np.stack(
+            [
+                p.normalized(d.row)
+                if d.q is None
+                else dist_ops.residual_rows(p.normalized(d.row), self._q(d.q))
+                for d in draws
+            ]
+        )
+        picks = dist_ops.sample_weights_rows(weights, [d.u53 for d in draws], g.coord)
+        return [-1 if isinstance(pick, ErrorCode) else pick for pick in picks]
 
     def _q(self, row: QRow) -> npt.NDArray[np.float64]:
         """This shard's q of a row as binary64 (exact), one per ID of the range."""
         assert row.q32 is not None
         if row.ids is None:
             return row.q32.astype(np.float64)
-        dense = np.zeros(self.end - self.start, dtype=np.float64)
-        dense[row.ids.astype(np.int64) - self.start] = row.q32
+        start, end = self._group.start, self._group.end
+        dense = np.zeros(end - start, dtype=np.float64)
+        dense[row.ids.astype(np.int64) - start] = row.q32
         return dense
-
-    def _count_at(self, row: QRow, x: int) -> int:
-        """This shard's count of ``x``, which it owns (0 outside a sparse support)."""
-        return _count_at(row, x, (self.start, self.end))
 
 
 def _as_row(row: object) -> npt.NDArray[np.float64] | None:
@@ -478,4 +465,4 @@ def _as_row(row: object) -> npt.NDArray[np.float64] | None:
         return None
 
 
-__all__ = ["ShardReport", "ShardRound", "ShardedVerifyGroup"]
+__all__ = ["ShardReport", "ShardRound", "ShardRows", "ShardedVerifyGroup"]

@@ -100,18 +100,20 @@ class ReplyAssembly:
             return ErrorCode.ROW_LENGTH
         if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
             return ErrorCode.ROW_CHECKSUM_MISMATCH
+        # The rows hold the token as a plain int: its fixed width is REPLY's wire form only.
         try:
             if shard is not None:
                 return self._shard_row(msg, payload, validator.vocab_size, shard)
             if dense:
                 q32 = np.frombuffer(payload, dtype="<f4")
                 validator.check(q32, msg.token)
-                return QRow(token=msg.token, q32=q32[: validator.vocab_size], lease=self.lease)
+                q32 = q32[: validator.vocab_size]
+                return QRow(token=int(msg.token), q32=q32, lease=self.lease)
             split = 4 * msg.entries
             ids = np.frombuffer(payload[:split], dtype="<i4")
             q = np.frombuffer(payload[split:], dtype="<f4")
             validate.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
-            return QRow(token=msg.token, ids=ids, q32=q, lease=self.lease)
+            return QRow(token=int(msg.token), ids=ids, q32=q, lease=self.lease)
         except ValidationError as exc:
             return exc.code
 
@@ -122,12 +124,12 @@ class ReplyAssembly:
         if self.step.support == 0:
             q32 = np.frombuffer(payload, dtype="<f4")
             layout.check_dense_shard(q32, start, end, vocab_size, msg.token)
-            return QRow(token=msg.token, q32=q32, lease=self.lease)
+            return QRow(token=int(msg.token), q32=q32, lease=self.lease)
         split = 4 * msg.entries
         ids = np.frombuffer(payload[:split], dtype="<i4")
         q = np.frombuffer(payload[split:], dtype="<f4")
         layout.check_sparse_shard(ids, q, start, end, vocab_size, self.step.support, msg.token)
-        return QRow(token=msg.token, ids=ids, q32=q, lease=self.lease)
+        return QRow(token=int(msg.token), ids=ids, q32=q, lease=self.lease)
 
     def add_row(self, row: QRow, raw: memoryview) -> None:
         """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""
@@ -151,7 +153,7 @@ class ReplyAssembly:
         is usable cut there (the caller reads the status). Under ``status``
         0, a block shorter than its depth without a terminal token needs
         ``stopped``; a ``stopped`` block needs ``status`` 0, a stop rule other
-        than FIXED and fewer rows than the depth without a terminal token
+        than FIXED and at least one row, fewer than the depth, without a terminal token
         (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
         (``docs/adaptive.md`` §2) recomputes where the rule ends the block — on an
         unsharded link: a sharded link's block is audited by its Spark group.
@@ -166,7 +168,8 @@ class ReplyAssembly:
         short = stopped_by_rule(step.depth, [r.token for r in self.rows], eos)
         if short and not msg.stopped and not msg.status:
             return ErrorCode.COMPLETION_EARLY
-        if msg.stopped and (msg.status or not short or rule.kind is StopKind.FIXED):
+        # A rule decides only after a drawn row: no block of none is stopped.
+        if msg.stopped and (msg.status or not got or not short or rule.kind is StopKind.FIXED):
             return ErrorCode.STOP_RULE_VIOLATED
         if msg.position != step.position:
             return ErrorCode.WRONG_POSITION
@@ -178,12 +181,10 @@ class ReplyAssembly:
             return ErrorCode.REPLY_SIZE_MISMATCH
         if msg.reply_checksum != self.hasher.intdigest():
             return ErrorCode.REPLY_CHECKSUM_MISMATCH
-        if rule.kind is not StopKind.FIXED and not msg.status:
-            if shard is None:
-                # Late rows were refused on arrival; this finds a block cut early.
-                return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
-            if not got:  # early whatever the counts: row 1 is always drawn
-                return ErrorCode.STOP_RULE_VIOLATED
+        if rule.kind is not StopKind.FIXED and not msg.status and shard is None:
+            # Late rows were refused on arrival; this finds a block cut early (a
+            # sharded link's block is audited by its group).
+            return audit(rule, step.depth, self.counts, [r.token for r in self.rows], eos)
         return None
 
     def proposal(

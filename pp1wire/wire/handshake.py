@@ -25,6 +25,7 @@ from pp1wire.wire.messages import (
     LABEL_PREFIX,
     LINEAGE_SIZE,
     PRECISION,
+    ROW_FORMAT,
     VERIFIER_ID,
     WIRE_VERSION,
     Hello,
@@ -220,6 +221,7 @@ def build_hello(
         session=session,
         stop_rules=src.stop_rules if src else cfg.stop_rules,
         group=src.group if src else cfg.group,
+        row_format=ROW_FORMAT,
         key_id=src.key_id if src else cfg.key_id,
         lineage=cfg.lineage if lineage is None else lineage,
     )
@@ -406,6 +408,14 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "what it sent",
         ErrorCode.SHARD_LAYOUT_MISMATCH,
         _group_nonce_ok,
+    ),
+    HelloRule(
+        ("row_format",),
+        f"how REPLY rows are encoded (§4.5): `{ROW_FORMAT}`, a row's token as a 4-byte "
+        'bin; `""` (omitted) from a peer before it',
+        "exact",
+        ErrorCode.ROW_FORMAT_MISMATCH,
+        lambda peer, _cfg, _role: peer.row_format == ROW_FORMAT,
     ),
     HelloRule(
         ("key_id",),

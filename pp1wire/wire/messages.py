@@ -11,6 +11,7 @@ field evolution.
 
 from __future__ import annotations
 
+import operator
 from enum import IntEnum
 from typing import Annotated, Final
 
@@ -27,13 +28,20 @@ WIRE_VERSION: Final = 2
 LABEL_PREFIX: Final = f"pp1w-v{WIRE_VERSION}"
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
 PRECISION: Final = "fp32-dyadic24"
+#: HELLO's ``row_format`` (§4.1, §4.5): a REPLY's ``token`` is a msgpack ``bin`` of
+#: exactly :data:`TOKEN_WIDTH` bytes, so a row's frame length never depends on its draw.
+ROW_FORMAT: Final = "pp1-fixed-rows-v1"
+#: The width of a REPLY's ``token`` on the wire: a little-endian uint32.
+TOKEN_WIDTH: Final = 4
+#: The largest token ID any message carries (a global int32 token ID).
+TOKEN_MAX: Final = 0x7FFFFFFF
 
 U8 = Annotated[int, Meta(ge=0, le=0xFF)]
 U16 = Annotated[int, Meta(ge=0, le=0xFFFF)]
 U32 = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 # msgpack integers cannot exceed 2**64 - 1, so the upper bound is implicit.
 U64 = Annotated[int, Meta(ge=0, extra_json_schema={"maximum": 2**64 - 1})]
-Token = Annotated[int, Meta(ge=0, le=0x7FFFFFFF)]
+Token = Annotated[int, Meta(ge=0, le=TOKEN_MAX)]
 Depth = Annotated[int, Meta(ge=0, le=0xFF)]
 Name = Annotated[str, Meta(max_length=128)]
 Nonce = Annotated[bytes, Meta(min_length=16, max_length=64)]
@@ -44,6 +52,79 @@ GroupNonce = Annotated[bytes, Meta(max_length=GROUP_NONCE_SIZE)]
 #: The length of the lineage token a worker issues (HELLO ``lineage``, §4.1 and §4.4).
 LINEAGE_SIZE: Final = 16
 Lineage = Annotated[bytes, Meta(max_length=LINEAGE_SIZE)]
+
+
+def _invalid(detail: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.HEADER_INVALID, detail)
+
+
+class FixedToken(int):
+    """A REPLY's sampled token: an ``int`` here, on the wire a msgpack ``bin`` of exactly
+    :data:`TOKEN_WIDTH` bytes holding it as a little-endian uint32 (§4.5).
+
+    A shortest-form integer would make the row's frame one to four bytes longer for
+    larger tokens, so a fault placed by bytes would depend on the row's own draw
+    (``docs/adaptive.md`` §7). :class:`Reply` turns a plain ``int`` into one.
+    """
+
+    __slots__ = ()
+
+
+def _token_bytes(token: FixedToken) -> bytes:
+    """The wire form of a REPLY token (values up to 2**32 - 1 are written, so a
+    test can send one the receiver must refuse).
+
+    Raises:
+        ProtocolError: ``HEADER_INVALID`` for a value four bytes cannot hold.
+    """
+    try:
+        return int(token).to_bytes(TOKEN_WIDTH, "little")
+    except OverflowError:
+        raise _invalid(f"token {int(token)} does not fit {TOKEN_WIDTH} bytes") from None
+
+
+def _reply_hook(obj: object) -> object:
+    """REPLY's encoder: its ``token`` (the one :class:`FixedToken` it holds) as 4 bytes."""
+    if type(obj) is FixedToken:
+        return _token_bytes(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _plain_hook(obj: object) -> object:
+    """Every other message's encoder: a token read from a REPLY and sent on (an OPEN's
+    ``eos``, a COMMIT's ``extra``) is an integer there, in its shortest form."""
+    if type(obj) is FixedToken:
+        return int(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    """A REPLY token from its wire form (msgspec reports a ``ValueError`` here as a
+    ValidationError, which :func:`decode` turns into ``HEADER_INVALID``)."""
+    if kind is not FixedToken:
+        raise NotImplementedError(f"cannot decode {kind.__name__}")
+    if type(obj) is not bytes or len(obj) != TOKEN_WIDTH:
+        raise ValueError(f"a REPLY token is a bin of exactly {TOKEN_WIDTH} bytes")
+    value = int.from_bytes(obj, "little")
+    if value > TOKEN_MAX:
+        raise ValueError(f"token {value} above {TOKEN_MAX}")
+    return FixedToken(value)
+
+
+#: A REPLY's ``token`` field: its JSON Schema is that of a base64 string of 4 bytes.
+WireToken = Annotated[
+    FixedToken,
+    Meta(
+        extra_json_schema={
+            "type": "string",
+            "contentEncoding": "base64",
+            "minLength": 8,
+            "maxLength": 8,
+            "description": f"{TOKEN_WIDTH} bytes: the token as a little-endian uint32, "
+            f"at most {TOKEN_MAX}",
+        }
+    ),
+]
 
 
 class MsgType(IntEnum):
@@ -81,10 +162,6 @@ class Scope(IntEnum):
     MESSAGE = 0
     SLOT = 1
     CONNECTION = 2
-
-
-def _invalid(detail: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.HEADER_INVALID, detail)
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -141,6 +218,9 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     #: The Spark group's nonce on a sharded link (§6.7): every link of one group
     #: session carries the same 16 bytes; empty on an unsharded link.
     group: GroupNonce = b""
+    #: How REPLY rows are encoded (§4.1, §4.5): :data:`ROW_FORMAT` from every peer of
+    #: this document; ``""`` (omitted) from a peer before it, which is refused.
+    row_format: Name = ""
     #: The pre-shared key the Spark side authenticates with (§5): its ID in the worker's
     #: key table, ``""`` (omitted) for the default key; the worker echoes it.
     key_id: Name = ""
@@ -245,8 +325,10 @@ class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
 class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     """One proposal position; q travels in the frame payload (protocol §4.5).
 
-    ``start`` and ``end`` (the row's global ID range) are present only on a link of
-    a vocabulary-sharded group (§6.7); an unsharded link omits them.
+    ``token`` travels at a fixed width, a msgpack bin of 4 bytes holding it as a
+    little-endian uint32 (§4.5), and reads as an int. ``start`` and ``end`` (the
+    row's global ID range) are present only on a link of a vocabulary-sharded
+    group (§6.7); an unsharded link omits them.
     """
 
     session: U64
@@ -255,7 +337,7 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     round: U32
     index: U8
     position: U32
-    token: Token
+    token: WireToken
     representation: U8
     entries: U32
     checksum: U64
@@ -263,12 +345,18 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     end: Token | None = None
 
     def __post_init__(self) -> None:
-        """Cross-field rule (protocol §4.5).
+        """Cross-field rule (protocol §4.5); a plain ``int`` token becomes a :class:`FixedToken`.
 
         Raises:
             ProtocolError: ``HEADER_INVALID`` unless ``start`` and ``end`` are both
-                absent, or both present with ``start ≤ end``.
+                absent, or both present with ``start ≤ end``; or for a token that
+                four bytes cannot hold.
         """
+        if type(self.token) is not FixedToken:
+            token = operator.index(self.token)
+            if not 0 <= token <= 0xFFFFFFFF:
+                raise _invalid(f"token {token} does not fit {TOKEN_WIDTH} bytes")
+            msgspec.structs.force_setattr(self, "token", FixedToken(token))
         _check_range(self.start, self.end)
 
 
@@ -407,8 +495,10 @@ MESSAGE_TYPES: Final[dict[MsgType, type[_Msg]]] = {
 #: Message types that carry a payload; every other type must have payload length 0.
 PAYLOAD_TYPES: Final = frozenset({MsgType.OPEN, MsgType.REPLY})
 
-ENCODER: Final = msgspec.msgpack.Encoder()
-DECODER: Final = msgspec.msgpack.Decoder(Message)
+ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_plain_hook)
+#: REPLY's own encoder: the only message whose token travels at a fixed width.
+REPLY_ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=_reply_hook)
+DECODER: Final = msgspec.msgpack.Decoder(Message, dec_hook=_dec_hook)
 
 
 _TYPE_OF: Final[dict[type, MsgType]] = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
@@ -425,7 +515,7 @@ def type_of(msg: Message) -> MsgType:
 
 def encode(msg: Message) -> bytes:
     """msgpack bytes of a message header."""
-    return ENCODER.encode(msg)
+    return (REPLY_ENCODER if type(msg) is Reply else ENCODER).encode(msg)
 
 
 def decode(data: bytes | memoryview, expected: MsgType) -> Message:

@@ -23,7 +23,7 @@ import xxhash
 from pp1wire.q import dyadic
 from pp1wire.q.proposal import QRow
 from pp1wire.wire import framing
-from pp1wire.wire.messages import Completion, Reply, Representation, Step
+from pp1wire.wire.messages import Completion, FixedToken, Reply, Representation, Step
 
 #: One frame as the pieces written to the transport, in order.
 FrameParts = tuple[bytes | memoryview, ...]
@@ -127,6 +127,8 @@ def reply_frame(
     """One REPLY frame, as (preamble and header, payload), with its row checksum.
 
     ``shard`` is the global ID range of a sharded link (None: unsharded, no range).
+    The token travels at a fixed width (§4.5), so the frame's length is the same
+    whatever the row's draw: only q (fixed before the draw) sets it.
     """
     header = Reply(
         session=session,
@@ -135,7 +137,7 @@ def reply_frame(
         round=step.round,
         index=index,
         position=step.position + index,
-        token=token,
+        token=FixedToken(token),
         representation=int(Representation.DENSE if dense else Representation.SPARSE),
         entries=entries,
         checksum=xxhash.xxh3_64_intdigest(payload),

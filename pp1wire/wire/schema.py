@@ -23,7 +23,14 @@ from typing import Any
 import msgspec
 
 from pp1wire.wire import handshake, transitions
-from pp1wire.wire.messages import MESSAGE_TYPES, WIRE_VERSION, MsgType
+from pp1wire.wire.messages import (
+    MESSAGE_TYPES,
+    TOKEN_MAX,
+    TOKEN_WIDTH,
+    WIRE_VERSION,
+    FixedToken,
+    MsgType,
+)
 
 DRAFT: str = "https://json-schema.org/draft/2020-12/schema"
 
@@ -54,6 +61,10 @@ def _describe(t: msgspec.inspect.Type) -> tuple[str, str]:
     i = msgspec.inspect
     if isinstance(t, i.Metadata):
         return _describe(t.type)
+    if isinstance(t, i.CustomType) and t.cls is FixedToken:
+        return "bin", (
+            f"exactly {TOKEN_WIDTH} bytes: the token as a little-endian uint32, 0 ≤ v ≤ {TOKEN_MAX}"
+        )
     if isinstance(t, i.IntType):
         lo = 0 if t.ge is None else t.ge
         hi = 2**64 - 1 if t.le is None else t.le

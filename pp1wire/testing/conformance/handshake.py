@@ -12,7 +12,7 @@ import msgspec
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q.rng import Role
-from pp1wire.testing.builders import open_message
+from pp1wire.testing.builders import older_hello_frame, open_message
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, ECHOED_LIMITS
@@ -104,13 +104,14 @@ def _mismatch(
     case(case_id, title, rule)(run)
 
 
-async def _auth_reply(peer: core.Peer, hello: Hello) -> None:
+async def _auth_reply(peer: core.Peer, hello: Hello, sent: bytes | None = None) -> None:
+    """Answer the worker's CHALLENGE to ``hello`` (framed as ``sent``, when not as usual)."""
     frame = await peer.expect(MsgType.CHALLENGE)
     ch = frame.message
     assert isinstance(ch, messages.Challenge)
     if peer.s.psk is None:
         raise core.CaseFailed("the worker wants a key; run with --psk-file")
-    header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]
+    header = (sent or framing.encode_frame(hello))[framing.PREAMBLE_SIZE :]
     msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
     peer.send_msg(Auth(proof=hmac.new(peer.s.psk, msg, hashlib.sha256).digest()))
 
@@ -169,14 +170,19 @@ def _vocab_mismatch(case_id: str, delta: int) -> None:
     )(run)
 
 
-async def _mismatch_run(s: core.Settings, overrides: dict[str, Any], code: ErrorCode) -> None:
+async def _mismatch_run(
+    s: core.Settings, overrides: dict[str, Any], code: ErrorCode, *, older: bool = False
+) -> None:
+    """Our HELLO with ``overrides`` (``older``: framed ending at field 27, as a peer before
+    ``row_format`` frames it) must be refused with a fatal ERROR ``code``."""
     async with await core.Peer(s).connect() as peer:
         hello = peer.hello(**overrides)
-        peer.send_msg(hello)
+        sent = older_hello_frame(hello) if older else framing.encode_frame(hello)
+        peer.send(sent)
         reply = await peer.next()
         if reply is not None and reply.type is MsgType.CHALLENGE:
             peer.unread(reply)
-            await _auth_reply(peer, hello)
+            await _auth_reply(peer, hello, sent)
         elif reply is not None:
             peer.unread(reply)
         await peer.expect_error(code, fatal=True, answers=MsgType.HELLO)
@@ -185,6 +191,25 @@ async def _mismatch_run(s: core.Settings, overrides: dict[str, Any], code: Error
 
 _vocab_mismatch("4.1.12", +1)
 _vocab_mismatch("4.1.13", -1)
+
+
+@case("4.1.23")
+async def _older_row_format(s: core.Settings) -> None:
+    """HELLO of a peer before row_format (fields 1..27, no field 28)
+
+    row_format: every peer of this document sends pp1-fixed-rows-v1 and refuses a peer that
+    omits it ("") or sends anything else (ROW_FORMAT_MISMATCH)
+    """
+    await _mismatch_run(s, {}, ErrorCode.ROW_FORMAT_MISMATCH, older=True)
+
+
+_mismatch(
+    "4.1.24",
+    "HELLO with row_format = 'pp1-fixed-rows-v0'",
+    {"row_format": "pp1-fixed-rows-v0"},
+    ErrorCode.ROW_FORMAT_MISMATCH,
+    "row_format: exact, else ROW_FORMAT_MISMATCH",
+)
 
 
 def _limit(case_id: str, title: str, overrides: Callable[[core.Settings], dict[str, Any]]) -> None:

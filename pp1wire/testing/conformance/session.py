@@ -6,11 +6,13 @@ import math
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
+
 from pp1wire.errors import ErrorCode
 from pp1wire.q import validate
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.testing.conformance import core
-from pp1wire.wire import messages
+from pp1wire.wire import framing, messages
 from pp1wire.wire.messages import (
     MsgType,
     Open,
@@ -241,6 +243,32 @@ async def _dense(s: core.Settings) -> None:
         if r.representation != 0 or r.entries != s.vocab:
             raise core.CaseFailed("dense row with wrong representation or entries")
         validate.validate_dense(bytes(row.payload), s.vocab, r.token)
+
+
+@case("4.5.3")
+async def _token_width(s: core.Settings) -> None:
+    """every REPLY carries its token as a 4-byte bin
+
+    token: a msgpack bin of exactly 4 bytes, the ID as a little-endian uint32, so a row's
+    frame length never depends on its own draw (docs/adaptive.md §7)
+    """
+    async with await core.fresh(s) as peer:
+        await peer.open_slot()
+        _, frames = await peer.reply(peer.step_msg())
+    for f in frames:
+        if f.type is not MsgType.REPLY:
+            continue
+        r = f.message
+        assert isinstance(r, messages.Reply)
+        end = framing.PREAMBLE_SIZE + int.from_bytes(f.raw[6:8], "little")
+        header = bytes(f.raw[framing.PREAMBLE_SIZE : end])
+        token = msgspec.msgpack.decode(header)[7]
+        if not isinstance(token, bytes) or len(token) != messages.TOKEN_WIDTH:
+            raise core.CaseFailed(f"row {r.index}: token sent as {token!r}, not 4 bytes")
+        if int.from_bytes(token, "little") != r.token:
+            raise core.CaseFailed(f"row {r.index}: token bytes {token.hex()} are not {r.token}")
+        if header != messages.encode(r):
+            raise core.CaseFailed(f"row {r.index}: header not in its shortest form (§3.2)")
 
 
 @case("4.3.1")

@@ -12,7 +12,14 @@ from typing import Any
 import msgspec
 
 from pp1wire.errors import ErrorCode
-from pp1wire.testing.builders import completion, dense_payload, reply_row, whole_reply
+from pp1wire.testing.builders import (
+    completion,
+    dense_payload,
+    older_hello_frame,
+    reply_row,
+    uint_token_frame,
+    whole_reply,
+)
 from pp1wire.testing.conformance.reply_classes import (
     GOOD,
     PSK,
@@ -364,6 +371,15 @@ def _cases() -> list[SparkCase]:
             kept=1,
             also_dropped=ErrorCode.LATE_FRAME,
         ),
+        SparkCase(
+            "S3.12",
+            "a row whose token is a shortest-form uint (the older encoding): fatal, nothing used",
+            "§3.2, §4.5: REPLY's token is a bin of exactly 4 bytes; any other encoding is "
+            "HEADER_INVALID, and the in-flight proposal is discarded",
+            Expect.DISCARD,
+            ErrorCode.HEADER_INVALID,
+            reply=send(lambda st: uint_token_frame(ok_row(st, 0))),
+        ),
     ]
     out += _stop_cases()
     hello_cases: list[tuple[str, dict[str, Any], ErrorCode]] = [
@@ -410,6 +426,15 @@ def _cases() -> list[SparkCase]:
                 b"",
                 0,
             ),
+        ),
+        SparkCase(
+            "S4.10",
+            "the HELLO of a worker before row_format (ending at field 27) is refused",
+            "§4.1, §11: a peer whose row_format is not pp1-fixed-rows-v1 (an older one omits "
+            "it) is refused before any OPEN (ROW_FORMAT_MISMATCH)",
+            Expect.REFUSE,
+            ErrorCode.ROW_FORMAT_MISMATCH,
+            edits={MsgType.HELLO: older_hello_frame},
         ),
         SparkCase(
             "S5.1",

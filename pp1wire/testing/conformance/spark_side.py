@@ -145,7 +145,12 @@ class Conn(asyncio.Protocol):
             raw = bytes(f.raw) if f.tag is None else bytes(f.raw) + bytes(f.tag)
             edit = case.edits.get(f.type)
             if edit is not None:
-                raw = framing.encode_frame(edit(f.message), bytes(f.payload))
+                edited = edit(f.message)
+                raw = (
+                    edited
+                    if isinstance(edited, bytes)
+                    else framing.encode_frame(edited, bytes(f.payload))
+                )
             (reply if f.type in (MsgType.REPLY, MsgType.COMPLETION) else plain).append(raw)
         if plain:
             self.write(b"".join(plain))
@@ -235,7 +240,8 @@ class SparkCase:
     support: int = 0
     reply: ReplyHook | None = None
     on_reply: int = 0  # which reply of the first connection the hook gets (0 = first)
-    edits: dict[MsgType, Callable[[Any], Message]] = field(default_factory=dict)
+    #: Per frame type, what the worker sends instead: a message, or a whole frame's bytes.
+    edits: dict[MsgType, Callable[[Any], Message | bytes]] = field(default_factory=dict)
     greeting: bytes | None = None
     worker_psk: bytes | None = None
     spark_psk: bytes | None = None

@@ -71,9 +71,17 @@ def message_from_json(obj: dict[str, Any]) -> tuple[Message, bytes]:
     kind = MsgType[obj["type"]]
     struct_type = messages.MESSAGE_TYPES[kind]
     fields = dict(obj["fields"])
-    for name, ftype in zip(
-        struct_type.__struct_fields__, msgspec.structs.fields(struct_type), strict=True
-    ):
-        if ftype.type is bytes or "bytes" in str(ftype.type):
-            fields[name] = bytes.fromhex(fields[name])
+    info = msgspec.inspect.type_info(struct_type)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
+        if _is_bytes(field.type):
+            fields[field.name] = bytes.fromhex(fields[field.name])
     return struct_type(**fields), bytes.fromhex(obj["payload"])  # type: ignore[return-value]
+
+
+def _is_bytes(t: msgspec.inspect.Type) -> bool:
+    """Whether a field holds bytes (shown in hex); REPLY's token is an int here."""
+    i = msgspec.inspect
+    if isinstance(t, i.Metadata):
+        return _is_bytes(t.type)
+    return isinstance(t, i.BytesType)

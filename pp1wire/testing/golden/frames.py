@@ -221,6 +221,15 @@ def frame_vectors() -> list[Vector]:
         ("completion_end_without_start", raw_frame(10, _ranged(10, None, 8)), E.HEADER_INVALID),
         ("completion_start_above_end", raw_frame(10, _ranged(10, 8, 4)), E.HEADER_INVALID),
         ("step_header_in_reply_frame", raw_frame(9, step_header), E.HEADER_INVALID),
+        # §4.5: a REPLY's token is a bin of exactly 4 bytes, at most 2**31 - 1; the
+        # shortest-form uint of a peer before the fixed row format is invalid.
+        ("reply_token_uint", raw_frame(9, _reply_with_token(7)), E.HEADER_INVALID),
+        ("reply_token_bin_3", raw_frame(9, _reply_with_token(b"\x07\x00\x00")), E.HEADER_INVALID),
+        (
+            "reply_token_above_range",
+            raw_frame(9, _reply_with_token((2**31).to_bytes(4, "little"))),
+            E.HEADER_INVALID,
+        ),
     ]
     for name, frame, code in errors:
         out.append(
@@ -240,10 +249,20 @@ def _ranged(kind: int, start: int | None, end: int | None) -> bytes:
     (written by hand: the Structs refuse to build such a message)."""
     if kind == 9:  # session, slot, generation, round, index, position, token,
         # representation, entries, checksum
-        fields: list[int | None] = [SESSION, 0, 0, 0, 0, 3, 7, 0, 0, 0]
+        fields: list[int | bytes | None] = [SESSION, 0, 0, 0, 0, 3, _TOKEN_7, 0, 0, 0]
     else:  # session, slot, generation, round, position, context, rows, bytes, checksum, status
         fields = [SESSION, 0, 0, 0, 3, 0, 0, 0, 0, 0]
     return msgspec.msgpack.encode([kind, *fields, start, end])
+
+
+#: Token 7 as a REPLY carries it (§4.5): 4 bytes, little-endian.
+_TOKEN_7 = (7).to_bytes(4, "little")
+
+
+def _reply_with_token(token: int | bytes) -> bytes:
+    """An unsharded REPLY header array whose element 7 (the token) is ``token`` as
+    msgpack writes it (an int in its shortest form, bytes as a bin)."""
+    return msgspec.msgpack.encode([9, SESSION, 0, 0, 0, 0, 3, token, 0, 0, 0])
 
 
 def decode_frame_vector(vector: Vector) -> dict[str, Any]:

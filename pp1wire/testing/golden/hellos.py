@@ -19,7 +19,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.stoprules import STOP_RULES
-from pp1wire.testing.builders import SESSION, VOCAB
+from pp1wire.testing.builders import SESSION, VOCAB, older_hello_frame
 from pp1wire.testing.golden.common import GROUP, Vector, hello
 from pp1wire.wire import framing, handshake, integrity
 from pp1wire.wire.messages import WIRE_VERSION, Error, Hello, MsgType
@@ -71,6 +71,8 @@ BREAK: dict[str, dict[str, Any]] = {
     },
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
     "group": {"group": GROUP},
+    # The value an older peer's omitted field takes (§4.1, §11).
+    "row_format": {"row_format": ""},
 }
 
 #: Shard 0 of :data:`_OTHER_LAYOUT`, as a Spark HELLO declares it (its group nonce apart).
@@ -151,6 +153,13 @@ def hello_vectors() -> list[Vector]:
             {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
         ),
         (
+            # §4.1: a row format this document does not define.
+            "hello_row_format_other",
+            {"row_format": "pp1-fixed-rows-v2"},
+            {},
+            {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2},
+        ),
+        (
             # §5: with a key, no rule is checked before AUTH, not even the role.
             "hello_keyed_role_after_auth",
             BREAK["role"],
@@ -158,19 +167,25 @@ def hello_vectors() -> list[Vector]:
             {"answer": "CHALLENGE"},
         ),
     ]
-    out = []
-    for name, fields, worker, expect in cases:
-        frame = framing.encode_frame(msgspec.structs.replace(hello(2), **fields))
-        out.append(
-            {
-                "name": name,
-                "kind": "hello",
-                "hex": frame.hex(),
-                "context": {**WORKER, **worker},
-                "expect": expect,
-            }
-        )
-    return out
+    frames = [
+        (name, framing.encode_frame(msgspec.structs.replace(hello(2), **fields)), worker, expect)
+        for name, fields, worker, expect in cases
+    ]
+    refused = {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2}
+    frames.append(
+        # §4.1, §11: the HELLO of a peer before row_format: fields 1..27, no field 28.
+        ("hello_row_format_omitted", older_hello_frame(hello(2)), {}, refused)
+    )
+    return [
+        {
+            "name": name,
+            "kind": "hello",
+            "hex": frame.hex(),
+            "context": {**WORKER, **worker},
+            "expect": expect,
+        }
+        for name, frame, worker, expect in frames
+    ]
 
 
 def run_hello_vector(vector: Vector) -> dict[str, Any]:

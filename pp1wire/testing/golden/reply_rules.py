@@ -194,6 +194,8 @@ def stop_cases() -> list[Case]:
             STOPPING,
         ),
         ("stop_early_row_dropped", conf, rows(conf, 0, stopped=1), violated, STOPPING),
+        # A block of no rows is early whatever the rule: it decides after a drawn row.
+        ("stop_empty_block", conf, rows(conf, stopped=1), violated, STOPPING),
         # A row after the rule stopped is refused on arrival: the block is the rows up
         # to the stop (docs/adaptive.md §2), later frames late.
         ("stop_late_row_after_stop", conf, rows(conf, 2, 0, stopped=1), late, STOPPING),
