@@ -4,8 +4,9 @@ Run: ``python benchmarks/principal_attacks.py [--attack NAME ...] [--acceptance]
 
 Starts ``pp1-worker`` (its defaults, plus any flags given after the options)
 and, for each attack, runs a legitimate ``pp1-spark --json`` from 127.0.0.1
-alone (the baseline) and while the attack runs from 127.0.0.2 (another
-principal: the worker keys budgets and draw shares by source address),
+alone (the baseline) and while the attack runs from 127.0.0.2 (other
+principals, lineages of another source address, which share the draw threads
+apart from the client's),
 ``--pairs`` times interleaved, in the same invocation (the attack pauses
 during a baseline run). The attacks (``pp1wire.testing.attacks``):
 
