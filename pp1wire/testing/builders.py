@@ -1,9 +1,6 @@
-"""Builders of exact REPLY and COMPLETION bytes, valid or deliberately broken.
-
-The golden reply vectors, the hostile-worker tests and the conformance suites
-build the frames a worker sends from these, so a broken row differs from a
-valid one only in the field a case names.
-"""
+"""Builders of exact REPLY and COMPLETION bytes, valid or deliberately broken, for the golden
+vectors, the hostile-worker tests and the conformance suites: a broken row differs from a valid
+one only in the field a case names."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""A small asyncio TCP proxy that injects transport faults between a Spark side and a worker.
-
-Byte-level faults (both directions unless noted): added latency, a bandwidth
-limit, slicing into 1-byte writes, a reset after N bytes from the worker, a
-blackhole (the worker's bytes stop, the connection stays open), a slow close.
-Frame-level faults on the worker's replies: delay or duplicate a whole reply,
-and ``chaos``: each reply, with probability p, suffers one of drop-completion,
-corrupt-a-row, delay-past-timeout or reset, chosen by a seeded RNG.
-
-Used by the test suite and the soak script; also runnable:
-``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target 127.0.0.1:7070 --chaos 0.1``
-(prints ``faultproxy listening on HOST:PORT``, runs until SIGTERM).
-"""
+"""A small asyncio TCP proxy that injects byte- and frame-level faults (:class:`Faults`) between a
+Spark side and a worker, for the tests and the soak script; also runnable until SIGTERM as
+``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target HOST:PORT --chaos 0.1``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Every reply-side rejection class of the Spark-side suite, once (``REPLY_CLASSES``):
-the S1 cases (:mod:`pp1wire.testing.conformance.spark_cases`) and the library-level
-hostile-worker tests both run it. Stimuli written for a vocabulary of 8. A class
-whose bad row comes after valid ones cuts the block to them
-(``docs/adaptive.md`` §7) instead of discarding it.
-"""
+"""Every reply-side rejection class, once (``REPLY_CLASSES``, for a vocabulary of 8): the S1 cases
+and the hostile-worker tests both run it. A class whose bad row follows valid ones cuts the block
+to them (``docs/adaptive.md`` §7) instead of discarding it."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Cases of ``docs/protocol.md`` §6.7: the links of a vocabulary-sharded worker group.
-
-With ``--vocab-shards N`` the suite's HELLO declares shard 0 of the even
-layout on ``--worker`` (rank 0's link), and the cases that need the whole group
-connect to every link: rank r at the worker's port + r, each link of one group
-session with the same group nonce. Without it they check that an unsharded
-worker refuses a sharded HELLO. The group-session cases (6.7.6 to 6.7.8) wait for
-unmatched STEPs up to ``--match-wait``, which must exceed the worker's match
-timeout. The stop-rule cases (6.7.9, 6.7.10) check that every link's block ends
-where the rule, from the whole rows (the links' shards joined), ends it.
-"""
+"""Cases of ``docs/protocol.md`` §6.7, the links of a vocabulary-sharded worker group: with
+``--vocab-shards N`` link r is at the worker's port + r, one group nonce per session; without
+it, an unsharded worker must refuse a sharded HELLO."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The Spark-side cases (``pp1-conformance --spark``): stimuli written for a vocabulary of 8.
-
-The S1 cases run every reply-side rejection class of
-:mod:`pp1wire.testing.conformance.reply_classes`.
-"""
+"""The Spark-side cases (``pp1-conformance --spark``), stimuli written for a vocabulary of 8;
+the S1 cases run every class of :mod:`pp1wire.testing.conformance.reply_classes`."""
 
 from __future__ import annotations
 

@@ -1,34 +1,6 @@
-"""Spark-side conformance: a hostile worker runs numbered cases against any Spark implementation.
-
-``pp1-conformance --spark [--spark-cmd TEMPLATE]`` listens on loopback as a worker (a real
-worker core whose frames a case may corrupt, reorder, delay, duplicate or cut)
-and starts the Spark implementation once per case from ``TEMPLATE``;
-:data:`TEMPLATE_CONTRACT` is what the command must do (it is also in
-``pp1-conformance --help`` and the README). Everything the command sends on the
-first connection is recorded and graded against ``docs/protocol.md``:
-
-- **discard** cases: the corrupted proposal must never be consumed. No COMMIT
-  may name the corrupted round (its generation and round); the next COMMIT of
-  that generation must be a target-only one (``accepted = 0``, a fresh round
-  ID, §6.5).
-- **cut** cases: a fault ends the block after some valid rows (a refused row,
-  a failure status after rows, rows missing at the reply deadline): those rows
-  must be verified as a block that stopped there (``docs/adaptive.md`` §7), so
-  a COMMIT names the round with ``accepted`` at most the rows before the
-  fault, and nothing falls back. When the fault is the connection itself, no
-  COMMIT can name the round on it; only the reasons are graded.
-- **drop** and **reject** cases: the stray frames are extra; the honest
-  proposal must still be used (a COMMIT names its generation and round) and
-  nothing falls back.
-- **use** cases: an honest reply delivered oddly (1-byte or slow writes) must
-  be used, with no fallback.
-- **refuse** cases (handshake, authentication): the Spark side must send its
-  fatal ERROR with the expected code and never OPEN or STEP there.
-
-Timing cases pace the reply against the reply timeout the command is given
-(``{reply_timeout}``, ``--reply-timeout``), measure the gap they produced,
-and grade only if it is the gap they claim.
-"""
+"""Spark-side conformance: a hostile worker (a worker core whose frames a case may corrupt,
+reorder, delay, duplicate or cut) grades what a Spark implementation, started once per case from
+``--spark-cmd`` (:data:`TEMPLATE_CONTRACT`), sends on its first connection."""
 
 from __future__ import annotations
 
@@ -94,7 +66,6 @@ with one line saying so (exit status 2)."""
 
 Build = Callable[[Step], bytes]
 
-# Every reply-side rejection class: name, sparse support (0 = dense), builder, code.
 # -- the hostile worker ---------------------------------------------------------------------
 
 

@@ -1,16 +1,6 @@
-"""Stop rules (``docs/protocol.md`` §4.1, §4.4, §4.6, §6.4; ``docs/adaptive.md``): worker role.
-
-The HELLO negotiates the rule set by exact name; a STEP naming a rule the
-worker cannot apply is refused (``BAD_STOP_RULE``) and changes nothing; under
-each rule the worker draws row i + 1 only if the rule, from the counts of rows
-1..i, continues, and ships every row it draws. The last is checked without
-knowing the worker's drafter: the draws are keyed by position (§6.3), so the
-block under a rule must be the first L rows of the ``fixed`` block with the
-same key (another connection), with L where the rule, recomputed from those
-rows, ends it; COMPLETION's ``stopped`` must say whether L is below the depth.
-A worker that implements no stop rules passes the refusals and skips the rest
-(informational).
-"""
+"""Stop-rule cases, worker role (``docs/protocol.md`` §4.1, §4.4, §4.6, §6.4). Draws are keyed by
+position (§6.3), so a block under a rule must be the first L rows of the fixed block of the same
+key, L where the rule, from those rows' counts, ends it; a worker without stop rules skips them."""
 
 from __future__ import annotations
 

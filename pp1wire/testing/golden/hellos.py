@@ -1,12 +1,6 @@
-"""HELLO vectors: a worker receives a Spark side's HELLO and answers (``docs/protocol.md`` §4.1).
-
-The order of the HELLO rules is part of the protocol (the first failing row
-names the code), so for every pair of adjacent checked rows of
-:data:`~pp1wire.wire.handshake.HELLO_RULES` one vector breaks both and expects
-the first row's code. A few more fix what the drafts left to guessing: the
-worker's ``max_frame`` limit exactly, and that a worker with a key checks the
-rules (role included) only after AUTH.
-"""
+"""HELLO vectors (``docs/protocol.md`` §4.1): for each pair of adjacent checked rows of
+:data:`~pp1wire.wire.handshake.HELLO_RULES` one HELLO breaks both and expects the first row's
+code; a few more fix the worker's ``max_frame`` limit and that a keyed worker checks after AUTH."""
 
 from __future__ import annotations
 
