@@ -38,31 +38,37 @@ async def _echoed(s: Settings) -> None:
     await _negotiated(s)
 
 
-async def _negotiated(s: Settings) -> Peer:
-    """A connection whose HELLO negotiated ``pp1-stop-rules-v1`` with slot 0 open.
+async def negotiate(peer: Peer, who: str = "the worker") -> None:
+    """The handshake of a HELLO asking for ``pp1-stop-rules-v1`` (``who`` names the worker).
 
     Raises:
         core.NonStrictSkip: the worker refused the set (it implements none).
         CaseFailed: any other answer, or an echo of another set.
     """
-    peer = await Peer(s).connect()
-    ours = peer.hello(stop_rules=STOP_RULES)
     try:
-        theirs = await peer.handshake(ours)
+        theirs = await peer.handshake(peer.hello(stop_rules=STOP_RULES))
     except CaseFailed:
         refusal = await peer.next(0.1)
-        peer.close()
-        if refusal is None and peer.eof:
-            raise
         code = getattr(refusal.message, "code", None) if refusal is not None else None
         if code == ErrorCode.STOP_RULES_MISMATCH:
             raise core.NonStrictSkip("the worker implements no stop rules") from None
         raise
     if theirs.stop_rules != STOP_RULES:
+        raise CaseFailed(f"stop_rules: sent {STOP_RULES!r}, {who} echoed {theirs.stop_rules!r}")
+
+
+async def _negotiated(s: Settings) -> Peer:
+    """A connection that negotiated the stop rules (:func:`negotiate`), slot 0 open.
+
+    Raises:
+        core.NonStrictSkip, CaseFailed: as :func:`negotiate`.
+    """
+    peer = await Peer(s).connect()
+    try:
+        await negotiate(peer)
+    except BaseException:
         peer.close()
-        raise CaseFailed(
-            f"stop_rules: sent {STOP_RULES!r}, the worker echoed {theirs.stop_rules!r}"
-        )
+        raise
     await peer.open_slot()
     return peer
 
