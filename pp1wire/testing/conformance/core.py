@@ -102,7 +102,6 @@ class Peer:
         self.writer: asyncio.StreamWriter | None = None
         self.decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         self.pending: list[framing.Frame] = []
-        self.raw_log = bytearray()
         self.session = 0
         self.hello_msg: Hello = self.hello()
         self.eof = False
@@ -163,7 +162,6 @@ class Peer:
         if not data:
             self.eof = True
             return False
-        self.raw_log += data
         try:
             self.pending += self.decoder.feed(data)
         except ProtocolError as exc:
@@ -438,27 +436,6 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(
-    case_id: str, category: str, title: str, rule: str, *, informational: bool = False
-) -> Callable[[CaseFn], CaseFn]:
-    """Register a case under its fixed ID (the protocol section, then a number within it).
-
-    IDs are written out at each case and never reused, so a report stays
-    comparable across versions of the suite.
-
-    Raises:
-        ValueError: if the ID is already taken.
-    """
-
-    def register(fn: CaseFn) -> CaseFn:
-        if any(c.id == case_id for c in CASES):
-            raise ValueError(f"conformance case {case_id} defined twice")
-        CASES.append(Case(case_id, category, title, rule, fn, informational))
-        return fn
-
-    return register
-
-
 @dataclass(frozen=True)
 class Section:
     """The cases of one section of the suite: ``case = Section(name).case`` registers
@@ -474,8 +451,9 @@ class Section:
         *,
         informational: bool = False,
     ) -> Callable[[CaseFn], CaseFn]:
-        """:func:`case` in this section. Without ``title`` and ``rule``, the case's
-        docstring gives them: its first paragraph is the title, its second the rule.
+        """Register a case under its fixed ID (the protocol section, then a number within
+        it; never reused, so a report stays comparable across versions). Without ``title``
+        and ``rule``, the case's docstring gives them: its first paragraph, then its second.
 
         Raises:
             ValueError: if the ID is already taken, or the docstring lacks either.
@@ -490,7 +468,10 @@ class Section:
                 ]
                 if len(told) != 2:
                     raise ValueError(f"case {case_id}: the docstring is not title, then rule")
-            return case(case_id, self.name, *told, informational=informational)(fn)
+            if any(c.id == case_id for c in CASES):
+                raise ValueError(f"conformance case {case_id} defined twice")
+            CASES.append(Case(case_id, self.name, *told, fn, informational))
+            return fn
 
         return register
 

@@ -22,6 +22,8 @@ from pp1wire.testing.conformance.stoprules import check_cut, negotiate
 from pp1wire.wire import framing
 from pp1wire.wire.messages import GROUP_NONCE_SIZE, Completion, MsgType, Reply
 
+case = core.Section("sharded links").case
+
 
 def _layout(s: Settings) -> ShardLayout:
     return ShardLayout.even(s.vocab, max(s.shards, 1))
@@ -44,9 +46,8 @@ async def _refused_with_layout(s: Settings, fields: dict[str, int]) -> None:
     await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
-@core.case(
+@case(
     "6.7.1",
-    "sharded links",
     "a HELLO declaring another vocabulary split is refused",
     "shards, shard, range and layout digest: all exact, else SHARD_LAYOUT_MISMATCH (fatal)",
 )
@@ -58,9 +59,8 @@ async def other_split(s: Settings) -> None:
     await _refused_with_layout(s, fields)
 
 
-@core.case(
+@case(
     "6.7.2",
-    "sharded links",
     "a HELLO with the right ranges but another layout digest is refused",
     "the layout digest is matched exactly, so a split that differs on another link is refused",
 )
@@ -70,9 +70,8 @@ async def other_digest(s: Settings) -> None:
     await _refused_with_layout(s, fields)
 
 
-@core.case(
+@case(
     "6.7.3",
-    "sharded links",
     "rank 0's link refuses a HELLO that names another link's shard",
     "each link serves one shard: shard and range exact, else SHARD_LAYOUT_MISMATCH",
 )
@@ -184,9 +183,8 @@ async def _group_reply(s: Settings, support: int) -> None:
                 raise CaseFailed(f"row {i}: q of the drafted token {token} is zero on its shard")
 
 
-@core.case(
+@case(
     "6.7.4",
-    "sharded links",
     "dense: each link carries its range, the same tokens, counts adding up to 2**24",
     "row i on every link: token x_i, start/end the link's range, entries end - start; "
     "the shards' counts sum to 2**24 and q(x_i) > 0 on the shard that owns x_i",
@@ -195,9 +193,8 @@ async def dense_group(s: Settings) -> None:
     await _group_reply(s, 0)
 
 
-@core.case(
+@case(
     "6.7.5",
-    "sharded links",
     "sparse: each link carries the global support's entries in its range",
     "sparse rows hold the entries of the global top-k whose IDs lie in the link's range "
     "(possibly none); the same tokens on every link; counts sum to 2**24",
@@ -219,9 +216,8 @@ async def _answer(peer: Peer, timeout: float) -> tuple[int, tuple[int, ...]]:
     return done.status, tuple(f.message.token for f in frames if isinstance(f.message, Reply))
 
 
-@core.case(
+@case(
     "6.7.6",
-    "sharded links",
     "a STEP with another group session's key is never matched with it",
     "a link of another group nonce that sends a session's exact STEP (slot, round, prefix "
     "digest: all predictable) first gets GROUP_UNMATCHED, never that session's proposal; "
@@ -252,9 +248,8 @@ async def foreign_key(s: Settings) -> None:
             )
 
 
-@core.case(
+@case(
     "6.7.7",
-    "sharded links",
     "a half-sent STEP is answered GROUP_UNMATCHED and stalls no other session",
     "a STEP sent on one link of a session only is answered alone after the match timeout "
     "with GROUP_UNMATCHED; another session's STEPs, sent after it, are answered before",
@@ -289,9 +284,8 @@ async def half_sent(s: Settings) -> None:
             )
 
 
-@core.case(
+@case(
     "6.7.8",
-    "sharded links",
     "a closed link's STEP is dropped with it, and matches nothing later",
     "a link that sends a STEP and closes leaves nothing behind: a later session's identical "
     "STEPs on every link are matched with each other and drawn at once",
@@ -382,9 +376,8 @@ def _ruled_case(case_id: str, text: str, sparse: bool) -> None:
         for r, ((got, done), (whole, _)) in enumerate(zip(ruled, fixed, strict=True)):
             check_cut(rule, f"link {r}", got, done, whole, end)
 
-    core.case(
+    case(
         case_id,
-        "sharded links",
         f"{text} ({'sparse' if sparse else 'dense'}): every link's block is the fixed block "
         "cut where the rule ends it",
         "each row's count at its token is on the link owning the token; every link ships "
