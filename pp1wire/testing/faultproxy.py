@@ -1,5 +1,5 @@
 """A small asyncio TCP proxy that injects byte- and frame-level faults (:class:`Faults`) between a
-Spark side and a worker, for the tests and the soak script; also runnable until SIGTERM as
+Spark side and a worker, for the tests; also runnable until SIGTERM as
 ``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target HOST:PORT --chaos 0.1``."""
 
 from __future__ import annotations

@@ -470,7 +470,7 @@ class Section:
                     raise ValueError(f"case {case_id}: the docstring is not title, then rule")
             if any(c.id == case_id for c in CASES):
                 raise ValueError(f"conformance case {case_id} defined twice")
-            CASES.append(Case(case_id, self.name, *told, fn, informational))
+            CASES.append(Case(case_id, self.name, told[0], told[1], fn, informational))
             return fn
 
         return register
