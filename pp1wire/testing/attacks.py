@@ -35,12 +35,9 @@ def rss_mib(pid: int) -> float:
 def never_reads(
     port: int, vocab: int, steps: int, *, same_round: bool = False, recv_buffer: int = 4096
 ) -> socket.socket:
-    """Open slot 0, then write ``steps`` dense depth-5 STEPs and never read again.
-
-    Distinct rounds by default (each would need a fresh draw); ``same_round``
-    repeats round 0 (each is a retry, answered from the replay cache). The
-    receive buffer is shrunk first so the replies back up at the worker, not
-    in this process's kernel buffers. The caller closes the socket.
+    """Open slot 0, then write ``steps`` dense depth-5 STEPs (distinct rounds, or with
+    ``same_round`` retries of round 0) and never read again; the caller closes the socket.
+    The receive buffer is shrunk first so the replies back up at the worker, not here.
 
     Raises:
         OSError: if the worker cannot be reached.
@@ -93,8 +90,7 @@ async def probe(port: int, vocab: int, config: SparkConfig | None = None) -> flo
 
 
 class _Switch(Protocol):
-    """What :func:`reset_step_loop` reads of its pause and stop switches
-    (``threading.Event`` and ``multiprocessing.Event`` both fit)."""
+    """A pause or stop switch (``threading.Event`` and ``multiprocessing.Event`` both fit)."""
 
     def is_set(self) -> bool:
         """Whether the switch is on."""
@@ -118,8 +114,8 @@ def handshake_and_open(
     *,
     source: str | None = None,
 ) -> tuple[socket.socket, int]:
-    """A connection (from ``source``) with ``slots`` slots open at ``prefix``; the
-    socket and its session. No key: the attack loops write untagged frames.
+    """A connection (from ``source``, no key) with ``slots`` slots open at ``prefix``: the
+    socket and its session.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached or closes the connection.
@@ -191,9 +187,18 @@ def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, toke
     )
 
 
+def _send(sock: socket.socket, frames: list[bytes]) -> bool:
+    """Write ``frames`` at once; False if the connection is gone."""
+    try:
+        sock.sendall(b"".join(frames))
+    except OSError:
+        return False
+    return True
+
+
 def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> tuple[int, int]:
-    """Read until ``steps`` STEPs are answered: (drawn, refused DRAW_RATE_LIMITED); a
-    closed connection answers the rest as neither.
+    """Read until ``steps`` STEPs are answered: (drawn, refused DRAW_RATE_LIMITED); a closed
+    connection answers the rest as neither.
 
     Raises:
         ProtocolError: if the worker answers another ERROR to a STEP (the loop is broken).
@@ -246,13 +251,11 @@ def _on_links(
     source: str | None,
     ready: Callable[[], object] | None,
 ) -> None:
-    """Open ``connections`` connections (from ``source``), each with ``slots`` slots at
-    ``prefix``, call ``ready``, then run ``one(sock, session)`` for each connection on
-    a thread of its own until every one returns.
+    """Open ``connections`` connections as :func:`handshake_and_open` does, call ``ready``,
+    then run ``one(sock, session)`` for each on a thread of its own until every one returns.
 
     Raises:
-        OSError, ConnectionError: if the worker cannot be reached or drops a connection
-            while it opens.
+        OSError, ConnectionError: if the worker cannot be reached or drops a connection.
     """
     links = [
         handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
@@ -279,13 +282,11 @@ def reset_step_loop(
     source: str | None = None,
     reconnect: bool = False,
 ) -> tuple[int, int]:
-    """Keep every slot of ``connections`` connections drawing: STEP, read the reply,
-    RESET (a new generation), STEP again, for as long as ``running`` is on and until
-    ``stop``. Each STEP is a fresh draw (dense, ``depth`` rows); no COMMIT is ever
-    sent, so the one-uncommitted-STEP rule never applies. With ``reconnect``, a
-    connection refused ``DRAW_RATE_LIMITED`` is closed and made again at once (a
-    fresh session, as if budgets lived on the connection). ``ready`` is called once
-    every slot is open. Returns the STEPs answered with a proposal and those refused.
+    """Keep every slot of ``connections`` connections drawing while ``running`` is on, until
+    ``stop``: STEP (a fresh dense draw of ``depth`` rows), read the reply, RESET, STEP again;
+    never a COMMIT, so the one-uncommitted-STEP rule never applies. With ``reconnect``, a
+    connection refused ``DRAW_RATE_LIMITED`` is made again at once (a fresh session).
+    ``ready`` is called once every slot is open. Returns (STEPs drawn, STEPs refused).
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached or drops a connection.
@@ -311,9 +312,7 @@ def reset_step_loop(
                         )
                     step = step_at(session, slot, 0, digest, depth=depth, generation=generation)
                     out.append(framing.encode_frame(step))
-                try:
-                    sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(sock, out):
                     return
                 drawn, refused = _answers(sock, decoder, slots)
                 generation += 1
@@ -350,14 +349,11 @@ def commit_loop(
     source: str | None = None,
     same_round: bool = False,
 ) -> tuple[int, int]:
-    """Keep every slot of ``connections`` connections drawing and throw every draw away:
-    STEP round r (dense, depth 5), read the reply, COMMIT one token of its own for
-    round r + 1, never stepped (a target-only COMMIT, passing round r's draw over),
-    STEP round r + 2, for as long as ``running`` is on and until ``stop``; no RESET,
-    no CLOSE. With ``same_round``, COMMIT round r itself with no draft accepted (as a
-    Spark side whose target rejected the first draft) and STEP round r + 1: every
-    round stepped is committed. ``ready`` is called once every slot is open.
-    Returns the STEPs answered with a proposal and those refused.
+    """Keep every slot drawing and throw every draw away while ``running`` is on, until
+    ``stop``: STEP round r (dense, depth 5), read the reply, COMMIT a token of its own for
+    round r + 1, never stepped (target-only), STEP round r + 2; with ``same_round``, COMMIT
+    round r with no draft accepted and STEP round r + 1. Connections, ``ready`` and the
+    result as for :func:`reset_step_loop`.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached.
@@ -377,9 +373,7 @@ def commit_loop(
                     framing.encode_frame(step_at(session, slot, round_id, prefixes[slot]))
                     for slot in range(slots)
                 ]
-                try:
-                    sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(sock, out):
                     return
                 drawn, refused = _answers(sock, decoder, slots)
                 if drawn + refused < slots:
@@ -394,9 +388,7 @@ def commit_loop(
                     )
                     out.append(framing.encode_frame(commit))
                 round_id += 1 if same_round else 2
-                try:
-                    sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(sock, out):
                     return
         finally:
             sock.close()
@@ -415,11 +407,10 @@ def squat(
     ready: Callable[[], object] | None = None,
     reopen: bool = False,
 ) -> int:
-    """Hold a connection without drawing: open slot 0, then every ``period`` seconds
-    COMMIT one token of a round never stepped (a target-only COMMIT), or with
-    ``reopen`` CLOSE slot 0 and OPEN it again, until ``stop``. A connection the
-    worker closes is made again at once. ``ready`` is called once the first
-    connection holds its slot. Returns how often the worker closed it.
+    """Hold a connection without drawing until ``stop``: slot 0 open, every ``period`` s a
+    target-only COMMIT of a round never stepped (with ``reopen``: CLOSE and OPEN slot 0). A
+    closed connection is made again at once; ``ready`` is called once the first holds its
+    slot. Returns how often the worker closed it.
 
     Raises:
         OSError, ConnectionError: if the worker cannot be reached at the start.
