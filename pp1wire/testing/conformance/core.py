@@ -24,16 +24,7 @@ from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.wire import framing, integrity, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
-from pp1wire.wire.messages import (
-    Auth,
-    Error,
-    Hello,
-    Message,
-    MsgType,
-    Open,
-    Ping,
-    Step,
-)
+from pp1wire.wire.messages import Auth, Error, Hello, Message, MsgType, Open, Ping, Step
 
 
 class Grade(Enum):

@@ -9,12 +9,7 @@ import msgspec
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing
-from pp1wire.wire.messages import (
-    Error,
-    MsgType,
-    Ping,
-    Pong,
-)
+from pp1wire.wire.messages import Error, MsgType, Ping, Pong
 
 case = core.Section("liveness and close").case
 

@@ -14,13 +14,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from pp1wire.apps import settings
-from pp1wire.apps.settings import (
-    SettingsError,
-    check_writable,
-    host_port,
-    linked_address,
-    parse,
-)
+from pp1wire.apps.settings import SettingsError, check_writable, host_port, linked_address, parse
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import spark_cases, spark_side
 from pp1wire.testing.conformance.core import (

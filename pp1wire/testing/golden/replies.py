@@ -23,18 +23,9 @@ from pp1wire.testing.builders import (
     whole_reply,
 )
 from pp1wire.testing.golden.common import GROUP, Vector, message_from_json, message_json
-from pp1wire.testing.golden.reply_rules import (
-    GOOD_DENSE,
-    Case,
-    bad,
-    shard_cases,
-    stop_cases,
-)
+from pp1wire.testing.golden.reply_rules import GOOD_DENSE, Case, bad, shard_cases, stop_cases
 from pp1wire.wire import framing, spark_events
-from pp1wire.wire.messages import (
-    Opened,
-    Step,
-)
+from pp1wire.wire.messages import Opened, Step
 
 H, Q = 0.5, 0.25  # half and a quarter of the mass, as FP32 q values
 
