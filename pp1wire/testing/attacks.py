@@ -16,7 +16,7 @@ import msgspec
 from pp1wire.aio.client import AsyncClient
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import PrefixDigest
-from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.messages import Close, Commit, Error, MsgType, Reset, Scope, Step
@@ -158,18 +158,8 @@ def step_at(
     generation: int = 0,
 ) -> Step:
     """A dense STEP of ``slot`` (of ``generation``) for ``round_id`` after ``prefix``."""
-    return Step(
-        session=session,
-        slot=slot,
-        generation=generation,
-        round=round_id,
-        position=prefix.length,
-        digest=prefix.value,
-        depth=depth,
-        temperature=1.0,
-        support=0,
-        context=0,
-    )
+    at = {"session": session, "slot": slot, "generation": generation, "round": round_id}
+    return reply_step(0, depth, **at, position=prefix.length, digest=prefix.value)
 
 
 def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, token: int) -> Commit:

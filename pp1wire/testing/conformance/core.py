@@ -19,9 +19,8 @@ import msgspec
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.layout import ShardLayout
-from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing, integrity, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
 from pp1wire.wire.messages import Auth, Error, Hello, Message, MsgType, Open, Ping, Step
@@ -148,8 +147,7 @@ class Peer:
         except TimeoutError:
             return False
         except (ConnectionError, OSError):
-            self.eof = True
-            return False
+            data = b""
         if not data:
             self.eof = True
             return False
@@ -357,21 +355,9 @@ class Peer:
         await self.expect(MsgType.OPENED)
 
     def step_msg(self, slot: int = 0, **over: Any) -> Step:
-        """A valid sparse STEP for a slot opened at the default prefix."""
-        fields: dict[str, Any] = {
-            "session": self.session,
-            "slot": slot,
-            "generation": 0,
-            "round": 0,
-            "position": 3,
-            "digest": prefix_digest([1, 2, 3]),
-            "depth": 2,
-            "temperature": 1.0,
-            "support": min(self.s.support, self.s.vocab),
-            "context": 0,
-        }
-        fields.update(over)
-        return Step(**fields)
+        """A valid sparse STEP for a slot opened at the default prefix (fields overridden)."""
+        over = {"support": min(self.s.support, self.s.vocab), **over}
+        return reply_step(over.pop("support"), session=self.session, slot=slot, **over)
 
     async def reply(self, step: Step) -> tuple[bytes, list[framing.Frame]]:
         """Send STEP and collect its reply (REPLY frames and COMPLETION); returns (bytes, frames).
