@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -138,7 +139,8 @@ class FaultProxy:
                     await self._send(writer, data[:keep])
                 passed = f.blackhole_after
                 f.counts["blackhole"] += 1
-                await self._swallow(reader)
+                while await reader.read(1 << 16):
+                    pass  # the worker's bytes stop here; the connection stays open
                 return
             if f.reset_after and not f.counts["reset"] and passed + len(data) >= f.reset_after:
                 keep = f.reset_after - passed
@@ -165,10 +167,6 @@ class FaultProxy:
                             return
                 else:
                     await self._send(writer, raw)
-
-    async def _swallow(self, reader: asyncio.StreamReader) -> None:
-        while await reader.read(1 << 16):
-            pass
 
     def _reset(self, writer: asyncio.StreamWriter, up_writer: asyncio.StreamWriter) -> None:
         for w in (writer, up_writer):
@@ -242,17 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await proxy.stop()
-        print(json_counts(faults.counts), flush=True)
+        print(json.dumps({"faults": dict(faults.counts)}), flush=True)
 
     asyncio.run(run())
     return 0
-
-
-def json_counts(counts: Counter[str]) -> str:
-    """The injected-fault counts as one JSON line."""
-    import json  # noqa: PLC0415
-
-    return json.dumps({"faults": dict(counts)})
 
 
 if __name__ == "__main__":
