@@ -125,12 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_connect_flags(p)
     p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument(
-        "--junit",
-        default=None,
-        metavar="FILE",
-        help="write a JUnit XML report (default: none)",
-    )
+    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (default: none)")
     p.add_argument(
         "--case",
         nargs="*",
@@ -391,18 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c, o, secs in results:
         counts[o.grade.value] += 1
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "id": c.id,
-                        "category": c.category,
-                        "title": c.title,
-                        "grade": o.grade.value,
-                        "detail": o.detail,
-                        "seconds": secs,
-                    }
-                )
-            )
+            row = {"id": c.id, "category": c.category, "title": c.title, "grade": o.grade.value}
+            print(json.dumps(row | {"detail": o.detail, "seconds": secs}))
         else:
             mark = {"pass": "PASS", "non-strict": "NSTR", "fail": "FAIL", "informational": "INFO"}[
                 o.grade.value

@@ -272,7 +272,6 @@ class SparkRun:
     """What one case's Spark process did."""
 
     returncode: int | None
-    stdout: str
     stderr: str
     summary: dict[str, Any] | None
 
@@ -313,7 +312,7 @@ async def _spark(cmd: str, timeout: float) -> SparkRun:
         with contextlib.suppress(ValueError):
             loaded = json.loads(lines[-1])
             summary = loaded if isinstance(loaded, dict) else None
-    return SparkRun(proc.returncode, text, err.decode(errors="replace"), summary)
+    return SparkRun(proc.returncode, err.decode(errors="replace"), summary)
 
 
 def _count(summary: dict[str, Any], key: str, code: ErrorCode) -> int:
@@ -396,9 +395,7 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
             raise CaseFailedError(f"a COMMIT of round {round_id} after the connection closed")
     elif not used:
         what = "the rows before the fault" if case.expect is Expect.CUT else "the honest proposal"
-        raise CaseFailedError(
-            f"{what} of round {round_id} (generation {generation}) was not used"
-        )
+        raise CaseFailedError(f"{what} of round {round_id} (generation {generation}) was not used")
     elif case.expect is Expect.CUT and case.kept is not None and used[0].accepted > case.kept:
         raise CaseFailedError(
             f"round {round_id} committed {used[0].accepted} drafts; at most {case.kept} "
@@ -440,11 +437,9 @@ async def run_spark_case(
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> SparkResult:
-    """Run one case: what the Spark side did wrong, if anything.
-
-    ``host:port`` is where the hostile worker listens (a Spark side whose worker
-    address is fixed is tested there; the command then only has to start it).
-    The command is stopped after 20 s plus three reply timeouts.
+    """Run one case: what the Spark side did wrong, if anything. The hostile worker listens
+    on ``host:port`` (where a Spark side with a fixed worker address expects it); the
+    command is stopped after 20 s plus three reply timeouts.
 
     Raises:
         OSError: the address cannot be listened on.
