@@ -187,12 +187,8 @@ def _send(sock: socket.socket, frames: list[bytes]) -> bool:
 
 
 def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> tuple[int, int]:
-    """Read until ``steps`` STEPs are answered: (drawn, refused DRAW_RATE_LIMITED); a closed
-    connection answers the rest as neither.
-
-    Raises:
-        ProtocolError: if the worker answers another ERROR to a STEP (the loop is broken).
-    """
+    """(drawn, refused DRAW_RATE_LIMITED) of the next ``steps`` STEPs' answers; any other
+    refusal raises ProtocolError; a closed connection answers the rest as neither."""
     answered = drawn = limited = 0
     while answered < steps:
         try:
@@ -241,12 +237,8 @@ def _on_links(
     source: str | None,
     ready: Callable[[], object] | None,
 ) -> None:
-    """Open ``connections`` connections as :func:`handshake_and_open` does, call ``ready``,
-    then run ``one(sock, session)`` for each on a thread of its own until every one returns.
-
-    Raises:
-        OSError, ConnectionError: if the worker cannot be reached or drops a connection.
-    """
+    """Open ``connections`` links (:func:`handshake_and_open`), call ``ready``, then run
+    ``one(sock, session)`` for each on a thread of its own until every one returns."""
     links = [
         handshake_and_open(port, vocab, slots, prefix, source=source) for _ in range(connections)
     ]

@@ -25,11 +25,7 @@ R_TAGS = (
 
 
 async def _keyed(s: core.Settings) -> core.Peer:
-    """A handshaken peer on a keyed connection.
-
-    Raises:
-        core.NonStrictSkip: without ``--psk-file``.
-    """
+    """A handshaken peer on a keyed connection (skipped without ``--psk-file``)."""
     if s.psk is None:
         raise core.NonStrictSkip("needs --psk-file")
     return await core.fresh(s)

@@ -164,11 +164,7 @@ async def _flood_unread(s: core.Settings) -> None:
 
 
 def _plain(s: core.Settings) -> core.Settings:
-    """The same worker reached over plain TCP (for TLS-only cases).
-
-    Raises:
-        core.NonStrictSkip: when the worker is not serving TLS (no ``--tls-ca``).
-    """
+    """The same worker over plain TCP (for TLS-only cases; skipped without ``--tls-ca``)."""
     if s.ssl is None:
         raise core.NonStrictSkip("needs a TLS worker (--tls-ca)")
     return dataclasses.replace(s, ssl=None)

@@ -99,12 +99,8 @@ def _closing() -> Iterator[list[Peer]]:
 async def _link(
     s: Settings, rank: int, group: bytes, *, seed: int = 11, rules: bool = False
 ) -> Peer:
-    """A handshaken link of group session ``group`` on rank ``rank``, slot 0 open; with
-    ``rules``, a HELLO that negotiated the stop rules (:func:`negotiate`).
-
-    Raises:
-        CaseFailed: the handshake or the OPEN failed; core.NonStrictSkip: as :func:`negotiate`.
-    """
+    """A link of group session ``group`` to rank ``rank``, slot 0 open (``rules``: its HELLO
+    negotiated the stop rules, :func:`negotiate`)."""
     link = dataclasses.replace(s, port=s.port + rank, shard=rank, group=group)
     peer = await Peer(link).connect()
     try:
@@ -117,11 +113,7 @@ async def _link(
 
 
 async def _reply(peer: Peer, timeout: float | None) -> tuple[list[framing.Frame], Completion]:
-    """The next whole reply on ``peer``: its frames before the COMPLETION, and that.
-
-    Raises:
-        CaseFailed: on an ERROR, EOF or nothing within ``timeout`` (None: the peer's).
-    """
+    """The next whole reply on ``peer`` (its frames, then its COMPLETION), else CaseFailed."""
     frames: list[framing.Frame] = []
     while True:
         frame = await peer.next(timeout)
@@ -207,11 +199,7 @@ async def sparse_group(s: Settings) -> None:
 
 
 async def _answer(peer: Peer, timeout: float) -> tuple[int, tuple[int, ...]]:
-    """The next reply on ``peer``: its COMPLETION status and its tokens.
-
-    Raises:
-        CaseFailed: as :func:`_reply`.
-    """
+    """The next reply on ``peer``: its COMPLETION status and its tokens."""
     frames, done = await _reply(peer, timeout)
     return done.status, tuple(f.message.token for f in frames if isinstance(f.message, Reply))
 

@@ -326,11 +326,7 @@ def _last_line(text: str) -> str:
 
 
 def _check_timing(case: SparkCase, worker: HostileWorker) -> None:
-    """A timing case grades only the gap it claims.
-
-    Raises:
-        CaseFailedError: the suite did not produce the claimed gap.
-    """
+    """A timing case grades only the gap it claims: CaseFailedError if it did not make it."""
     if case.timing is None:
         return
     timeout, gap = worker.reply_timeout, worker.gap

@@ -58,11 +58,7 @@ async def negotiate(peer: Peer, who: str = "the worker") -> None:
 
 
 async def _negotiated(s: Settings) -> Peer:
-    """A connection that negotiated the stop rules (:func:`negotiate`), slot 0 open.
-
-    Raises:
-        core.NonStrictSkip, CaseFailed: as :func:`negotiate`.
-    """
+    """A connection that negotiated the stop rules (:func:`negotiate`), slot 0 open."""
     peer = await Peer(s).connect()
     try:
         await negotiate(peer)
