@@ -55,6 +55,16 @@ def sparse_payload(ids: list[int], counts: list[int]) -> bytes:
     )
 
 
+def fp32(values: list[float]) -> bytes:
+    """A dense row payload of exactly these FP32 values (NaN, -0.0 and the like included)."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def fp32s(ids: list[int], values: list[float]) -> bytes:
+    """A sparse row payload of exactly these int32 IDs and FP32 values."""
+    return np.asarray(ids, dtype="<i4").tobytes() + fp32(values)
+
+
 def open_message(session: int, slot: int, tokens: Sequence[int], **over: Any) -> Open:
     """A valid OPEN of ``slot`` at prefix ``tokens`` (any field overridden, for broken ones)."""
     fields: dict[str, Any] = {

@@ -11,7 +11,7 @@ import numpy as np
 from pp1wire.errors import ErrorCode
 from pp1wire.errors import ErrorCode as E
 from pp1wire.q.dyadic import M
-from pp1wire.testing.builders import completion, dense_payload, reply_row, whole_reply
+from pp1wire.testing.builders import completion, dense_payload, fp32, fp32s, reply_row, whole_reply
 from pp1wire.testing.conformance.spark_side import VOCAB, Build
 from pp1wire.wire.messages import Step
 
@@ -22,18 +22,10 @@ PSK = b"pp1-conformance-spark-side-key-0"
 Drafts = Callable[[Step], list[int]]
 
 
-def _dense(values: list[float]) -> bytes:
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def _sparse(ids: list[int], values: list[float]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
-
-
 def ok_row(st: Step, i: int) -> bytes:
     """A valid row ``i`` answering ``st`` (dense: GOOD with token 0; sparse: a point mass on 7)."""
     if st.support:
-        return reply_row(st, i, 7, _sparse([7], [1.0]))
+        return reply_row(st, i, 7, fp32s([7], [1.0]))
     return reply_row(st, i, 0, dense_payload(GOOD))
 
 
@@ -73,10 +65,10 @@ def _row0(token: int, payload: bytes, **over: int) -> Build:
 ReplyClass = tuple[str, int, Build, ErrorCode, int]
 
 REPLY_CLASSES: list[ReplyClass] = [
-    ("non_finite", 0, _row0(0, _dense([H, 0, Q, np.nan, 0, 0, 0, Q])), E.NON_FINITE, 0),
-    ("negative", 0, _row0(0, _dense([H, 0, Q, -0.0, 0, 0, 0, Q])), E.NEGATIVE, 0),
-    ("non_dyadic", 0, _row0(0, _dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q])), E.NON_DYADIC, 0),
-    ("wrong_total_mass", 0, _row0(0, _dense([H, 0, Q, 0, 0, 0, 0, 0])), E.MASS_MISMATCH, 0),
+    ("non_finite", 0, _row0(0, fp32([H, 0, Q, np.nan, 0, 0, 0, Q])), E.NON_FINITE, 0),
+    ("negative", 0, _row0(0, fp32([H, 0, Q, -0.0, 0, 0, 0, Q])), E.NEGATIVE, 0),
+    ("non_dyadic", 0, _row0(0, fp32([H, 0, Q, 2.0**-30, 0, 0, 0, Q])), E.NON_DYADIC, 0),
+    ("wrong_total_mass", 0, _row0(0, fp32([H, 0, Q, 0, 0, 0, 0, 0])), E.MASS_MISMATCH, 0),
     ("zero_q_at_proposed", 0, _row0(1, dense_payload(GOOD)), E.ZERO_Q_AT_PROPOSED, 0),
     ("proposed_out_of_range", 0, _row0(VOCAB, dense_payload(GOOD)), E.PROPOSED_OUT_OF_RANGE, 0),
     ("unexpected_size", 0, _row0(0, dense_payload(GOOD, VOCAB - 1)), E.ROW_LENGTH, 0),
@@ -116,22 +108,22 @@ REPLY_CLASSES: list[ReplyClass] = [
         E.ROW_OUT_OF_ORDER,
         0,
     ),
-    ("sparse_duplicate_ids", 3, _row0(0, _sparse([0, 0, 7], [Q, Q, H])), E.SPARSE_DUPLICATE_ID, 0),
+    ("sparse_duplicate_ids", 3, _row0(0, fp32s([0, 0, 7], [Q, Q, H])), E.SPARSE_DUPLICATE_ID, 0),
     (
         "sparse_duplicate_zeros",
         3,
-        _row0(0, _sparse([0, 5, 5], [1.0, 0.0, 0.0])),
+        _row0(0, fp32s([0, 5, 5], [1.0, 0.0, 0.0])),
         E.SPARSE_DUPLICATE_ID,
         0,
     ),
-    ("sparse_unsorted", 3, _row0(0, _sparse([7, 0], [H, H])), E.SPARSE_UNSORTED, 0),
-    ("sparse_padded_support", 3, _row0(0, _sparse([0, -1], [H, H])), E.SPARSE_ID_OUT_OF_RANGE, 0),
-    ("sparse_out_of_range", 3, _row0(0, _sparse([0, VOCAB], [H, H])), E.SPARSE_ID_OUT_OF_RANGE, 0),
-    ("sparse_zero_entry", 3, _row0(0, _sparse([0, 7], [1.0, 0.0])), E.SPARSE_ZERO_ENTRY, 0),
+    ("sparse_unsorted", 3, _row0(0, fp32s([7, 0], [H, H])), E.SPARSE_UNSORTED, 0),
+    ("sparse_padded_support", 3, _row0(0, fp32s([0, -1], [H, H])), E.SPARSE_ID_OUT_OF_RANGE, 0),
+    ("sparse_out_of_range", 3, _row0(0, fp32s([0, VOCAB], [H, H])), E.SPARSE_ID_OUT_OF_RANGE, 0),
+    ("sparse_zero_entry", 3, _row0(0, fp32s([0, 7], [1.0, 0.0])), E.SPARSE_ZERO_ENTRY, 0),
     (
         "sparse_support_too_large",
         3,
-        _row0(0, _sparse([0, 2, 5, 7], [Q, Q, Q, Q])),
+        _row0(0, fp32s([0, 2, 5, 7], [Q, Q, Q, Q])),
         E.SUPPORT_TOO_LARGE,
         0,
     ),
@@ -153,7 +145,7 @@ REPLY_CLASSES: list[ReplyClass] = [
     (
         "non_dyadic_after_a_valid_row",
         0,
-        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, _dense([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
+        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, fp32([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
         E.NON_DYADIC,
         1,
     ),

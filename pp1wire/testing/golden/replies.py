@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
@@ -17,6 +16,8 @@ from pp1wire.testing.builders import (
     VOCAB,
     completion,
     dense_payload,
+    fp32,
+    fp32s,
     reply_row,
     reply_step,
     sparse_payload,
@@ -54,11 +55,10 @@ def reply_vectors() -> list[Vector]:
         return whole_reply(d, row0, good1)
 
     def dense_bad(values: list[float]) -> bytes:
-        return first(reply_row(d, 0, 0, np.asarray(values, dtype="<f4").tobytes()))
+        return first(reply_row(d, 0, 0, fp32(values)))
 
     def sparse_bad(ids: list[int], values: list[float], token: int = 0) -> bytes:
-        payload = np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
-        return whole_reply(s, reply_row(s, 0, token, payload), sp1)
+        return whole_reply(s, reply_row(s, 0, token, fp32s(ids, values)), sp1)
 
     def whole(**over: int) -> bytes:
         """``d``'s valid rows, then a COMPLETION with ``over``."""

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.stoprules import STOP_RULES, StopKind, threshold_of
-from pp1wire.testing.builders import dense_payload, reply_row, reply_step, whole_reply
+from pp1wire.testing.builders import dense_payload, fp32, fp32s, reply_row, reply_step, whole_reply
 from pp1wire.wire.messages import Step
 
 #: q over V = 8 with counts 2**23, 2**22, 2**22 at tokens 0, 2 and 7.
@@ -32,17 +31,11 @@ def shard_cases(d: Step, s: Step) -> list[Case]:
     """Rows of shard 1 of the layout (0, 4, 8): q over IDs 4..7 only (§6.7)."""
     at = {"start": 4, "end": 8}
 
-    def dense(values: list[float]) -> bytes:
-        return np.asarray(values, dtype="<f4").tobytes()
-
-    def sparse(ids: list[int], values: list[float]) -> bytes:
-        return np.asarray(ids, dtype="<i4").tobytes() + dense(values)
-
     # GOOD_DENSE's shard 1: q(7) = 1/4; token 0 lies in the other shard.
-    d0 = reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), **at)
-    d1 = reply_row(d, 1, 7, dense([0, 0, 0, 0.25]), **at)
-    s0 = reply_row(s, 0, 2, sparse([7], [0.5]), **at)
-    s1 = reply_row(s, 1, 7, sparse([7], [1.0]), **at)
+    d0 = reply_row(d, 0, 0, fp32([0, 0, 0, 0.25]), **at)
+    d1 = reply_row(d, 1, 7, fp32([0, 0, 0, 0.25]), **at)
+    s0 = reply_row(s, 0, 2, fp32s([7], [0.5]), **at)
+    s1 = reply_row(s, 1, 7, fp32s([7], [1.0]), **at)
     late = {**SHARDED, "late": 0}
     return [
         ("shard_valid_dense", d, whole_reply(d, d0, d1, **at), {"proposal": [0, 7]}, SHARDED),
@@ -57,7 +50,7 @@ def shard_cases(d: Step, s: Step) -> list[Case]:
         bad(
             "shard_reply_range_mismatch",
             d,
-            whole_reply(d, reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), start=0, end=4), d1, **at),
+            whole_reply(d, reply_row(d, 0, 0, fp32([0, 0, 0, 0.25]), start=0, end=4), d1, **at),
             "SHARD_RANGE_MISMATCH",
             **SHARDED,
         ),
@@ -85,25 +78,25 @@ def shard_cases(d: Step, s: Step) -> list[Case]:
         bad(
             "shard_sparse_id_outside_range",
             s,
-            whole_reply(s, reply_row(s, 0, 2, sparse([2], [0.5]), **at), s1, **at),
+            whole_reply(s, reply_row(s, 0, 2, fp32s([2], [0.5]), **at), s1, **at),
             "SPARSE_ID_OUT_OF_RANGE",
             **SHARDED,
         ),
         bad(
             "shard_mass_above_whole",
             d,
-            whole_reply(d, reply_row(d, 0, 7, dense([0, 0.5, 0, 0.75]), **at), d1, **at),
+            whole_reply(d, reply_row(d, 0, 7, fp32([0, 0.5, 0, 0.75]), **at), d1, **at),
             "MASS_MISMATCH",
             **SHARDED,
         ),
         bad(
             "shard_zero_q_at_owned_token",
             d,
-            whole_reply(d, reply_row(d, 0, 5, dense([0, 0, 0, 0.25]), **at), d1, **at),
+            whole_reply(d, reply_row(d, 0, 5, fp32([0, 0, 0, 0.25]), **at), d1, **at),
             "ZERO_Q_AT_PROPOSED",
             **SHARDED,
         ),
-        *shard_stop_cases(d, dense([0, 0, 0, 0.25]), at),
+        *shard_stop_cases(d, fp32([0, 0, 0, 0.25]), at),
     ]
 
 
