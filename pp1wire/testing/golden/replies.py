@@ -47,6 +47,7 @@ def reply_vectors() -> list[Vector]:
         return reply_row(d, i, token, dense_payload(GOOD_DENSE), **over)
 
     good0, good1 = row(0, 0), row(1, 2)
+    later = msgspec.structs.replace(d, round=1)
     sp0 = reply_row(s, 0, 2, sparse_payload([0, 2, 7], [dyadic.M // 4] * 2 + [dyadic.M // 2]))
     sp1 = reply_row(s, 1, 7, sparse_payload([7], [dyadic.M]))
 
@@ -227,14 +228,14 @@ def reply_vectors() -> list[Vector]:
         (
             "stale_generation_dropped",
             d,
-            good0 + good(_gen(d, 1)),
+            good0 + good(msgspec.structs.replace(d, generation=1)),
             {"proposal": [0, 2], "dropped": ["STALE_GENERATION"]},
             {"generation": 1},
         ),
         (
             "stale_round_dropped",
-            _round(d, 1),
-            good0 + good(_round(d, 1)),
+            later,
+            good0 + good(later),
             {"proposal": [0, 2], "dropped": ["ROUND_REUSED"]},
             {"round": 1},
         ),
@@ -328,23 +329,12 @@ def reply_vectors() -> list[Vector]:
     return out
 
 
-def _gen(step: Step, generation: int) -> Step:
-    return msgspec.structs.replace(step, generation=generation)
-
-
-def _round(step: Step, round_id: int) -> Step:
-    return msgspec.structs.replace(step, round=round_id)
-
-
 def _frame_ends(data: bytes) -> list[int]:
-    """The offset after each whole frame of ``data`` (tags included), from the preambles."""
+    """The offset after each frame of ``data`` (tags included)."""
     ends, at = [], 0
-    while at + framing.PREAMBLE_SIZE <= len(data):
-        header_len = int.from_bytes(data[at + 6 : at + 8], "little")
-        payload_len = int.from_bytes(data[at + 8 : at + 12], "little")
-        tag = framing.TAG_SIZE if data[at + 4] & framing.FLAG_TAGGED else 0
-        at += framing.PREAMBLE_SIZE + header_len + payload_len + tag
-        ends.append(min(at, len(data)))
+    for frame in framing.FrameDecoder(1 << 20).feed(data):
+        at += len(frame.raw) + (0 if frame.tag is None else len(frame.tag))
+        ends.append(at)
     return ends
 
 
@@ -377,19 +367,10 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         ours, role=1, session=ctx["session"], draft_identity="pp1-toy-drafter"
     )
     spark.receive_data(framing.encode_frame(worker_hello), 0.0)
-    spark.open_slot(slot, seed=1, prefix=ctx["prefix"], eos=ctx["eos"])
-    spark.receive_data(
-        framing.encode_frame(
-            Opened(
-                session=ctx["session"],
-                slot=slot,
-                generation=0,
-                position=len(ctx["prefix"]),
-                digest=prefix_digest(ctx["prefix"]),
-            )
-        ),
-        0.0,
-    )
+    prefix = ctx["prefix"]
+    spark.open_slot(slot, seed=1, prefix=prefix, eos=ctx["eos"])
+    at = {"session": ctx["session"], "slot": slot, "generation": 0, "position": len(prefix)}
+    spark.receive_data(framing.encode_frame(Opened(**at, digest=prefix_digest(prefix))), 0.0)
     for _ in range(ctx["generation"]):
         spark.reset(slot)
     if step is not None:
