@@ -13,8 +13,6 @@ from pp1wire.wire.messages import Close, Commit, Message, MsgType, Reset, Step
 
 case = core.Section("COMMIT and RESET").case
 
-# -- COMMIT, RESET, CLOSE ------------------------------------------------------------------
-
 
 async def _drafts(peer: core.Peer, step: Step) -> list[int]:
     _data, frames = await peer.reply(step)

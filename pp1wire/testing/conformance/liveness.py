@@ -13,8 +13,6 @@ from pp1wire.wire.messages import Error, MsgType, Ping, Pong
 
 case = core.Section("liveness and close").case
 
-# -- liveness and close --------------------------------------------------------------------
-
 
 @case("4.10.2")
 async def _ping(s: core.Settings) -> None:

@@ -30,8 +30,6 @@ from pp1wire.testing.conformance.core import (
 )
 from pp1wire.wire.messages import Challenge, Error
 
-# -- running ------------------------------------------------------------------------------
-
 
 async def run_case(c: Case, s: Settings) -> Outcome:
     """Run one case with an overall time limit, as a group session of its own on a
