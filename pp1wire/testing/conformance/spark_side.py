@@ -344,6 +344,14 @@ def _check_timing(case: SparkCase, worker: HostileWorker) -> None:
         )
 
 
+#: Where the command's summary must count the case's code, by what the case expects.
+_COUNTED = {
+    Expect.CUT: "cuts_by_reason",
+    Expect.DROP: "frames_dropped",
+    Expect.REJECT: "frames_rejected",
+}
+
+
 def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) -> None:
     """Check what the Spark side did against the case's rule.
 
@@ -411,15 +419,9 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
         return
     if fallbacks:
         raise CaseFailedError(f"fell back ({fallbacks}) where nothing was wrong with the proposal")
-    if case.expect is Expect.CUT:
+    key = _COUNTED.get(case.expect)
+    if key is not None:
         assert case.code is not None
-        if _count(run.summary, "cuts_by_reason", case.code) < 1:
-            cuts = run.summary.get("cuts_by_reason")
-            raise CaseFailedError(f"cuts_by_reason {cuts}, expected {case.code.name}")
-        return
-    if case.expect in (Expect.DROP, Expect.REJECT):
-        assert case.code is not None
-        key = "frames_dropped" if case.expect is Expect.DROP else "frames_rejected"
         if _count(run.summary, key, case.code) < 1:
             raise CaseFailedError(f"{key} {run.summary.get(key)}, expected {case.code.name}")
 
