@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -105,10 +106,8 @@ async def probe(s: Settings) -> str | None:
                 return _FLAG_FOR[ErrorCode.AUTH_REQUIRED]
             code = None
             if isinstance(err, Error):
-                try:
+                with contextlib.suppress(ValueError):  # a code this version does not know
                     code = ErrorCode(err.code)
-                except ValueError:
-                    code = None
             if code is None:
                 return "no HELLO came back (is it a pp1 worker, and is TLS needed: --tls-ca?)"
             hint = _FLAG_FOR.get(code, "see docs/protocol.md section 9 for the code")
@@ -241,6 +240,9 @@ def check_spark_cmd(template: str) -> None:
         raise SettingsError("--spark-cmd is empty")
 
 
+_SparkRow = tuple[spark_side.SparkCase, spark_side.SparkResult, float]
+
+
 def spark_main(args: argparse.Namespace) -> int:
     """The Spark-side suite: list or run its cases against ``args.spark_cmd``."""
     cases = [
@@ -267,9 +269,7 @@ def spark_main(args: argparse.Namespace) -> int:
         print("pp1-conformance: --jobs above 1 needs --listen with port 0", file=sys.stderr)
         return 2
 
-    async def one(
-        c: spark_side.SparkCase,
-    ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+    async def one(c: spark_side.SparkCase) -> _SparkRow:
         started = time.perf_counter()
         result = await spark_side.run_spark_case(
             c,
@@ -281,16 +281,14 @@ def spark_main(args: argparse.Namespace) -> int:
         )
         return c, result, time.perf_counter() - started
 
-    async def run() -> list[tuple[spark_side.SparkCase, spark_side.SparkResult, float]]:
+    async def run() -> list[_SparkRow]:
         # The first case alone: a command that cannot run stops the suite at once.
         out = [await one(cases[0])]
         if out[0][1].command_failed:
             return out
         gate = asyncio.Semaphore(args.jobs)
 
-        async def gated(
-            c: spark_side.SparkCase,
-        ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+        async def gated(c: spark_side.SparkCase) -> _SparkRow:
             async with gate:
                 return await one(c)
 
