@@ -1,9 +1,6 @@
-"""Builders of exact REPLY and COMPLETION bytes, valid or deliberately broken.
-
-The golden reply vectors, the hostile-worker tests and the conformance suites
-build the frames a worker sends from these, so a broken row differs from a
-valid one only in the field a case names.
-"""
+"""Builders of exact REPLY and COMPLETION bytes, valid or deliberately broken, for the golden
+vectors, the hostile-worker tests and the conformance suites: a broken row differs from a valid
+one only in the field a case names."""
 
 from __future__ import annotations
 
@@ -56,6 +53,16 @@ def sparse_payload(ids: list[int], counts: list[int]) -> bytes:
         np.asarray(ids, dtype="<i4").tobytes()
         + (np.asarray(counts, dtype=np.float64) / dyadic.M).astype("<f4").tobytes()
     )
+
+
+def fp32(values: list[float]) -> bytes:
+    """A dense row payload of exactly these FP32 values (NaN, -0.0 and the like included)."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def fp32s(ids: list[int], values: list[float]) -> bytes:
+    """A sparse row payload of exactly these int32 IDs and FP32 values."""
+    return np.asarray(ids, dtype="<i4").tobytes() + fp32(values)
 
 
 def open_message(session: int, slot: int, tokens: Sequence[int], **over: Any) -> Open:

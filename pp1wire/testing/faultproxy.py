@@ -1,22 +1,13 @@
-"""A small asyncio TCP proxy that injects transport faults between a Spark side and a worker.
-
-Byte-level faults (both directions unless noted): added latency, a bandwidth
-limit, slicing into 1-byte writes, a reset after N bytes from the worker, a
-blackhole (the worker's bytes stop, the connection stays open), a slow close.
-Frame-level faults on the worker's replies: delay or duplicate a whole reply,
-and ``chaos``: each reply, with probability p, suffers one of drop-completion,
-corrupt-a-row, delay-past-timeout or reset, chosen by a seeded RNG.
-
-Used by the test suite and the soak script; also runnable:
-``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target 127.0.0.1:7070 --chaos 0.1``
-(prints ``faultproxy listening on HOST:PORT``, runs until SIGTERM).
-"""
+"""A small asyncio TCP proxy that injects byte- and frame-level faults (:class:`Faults`) between a
+Spark side and a worker, for the tests; also runnable until SIGTERM as
+``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target HOST:PORT --chaos 0.1``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -148,7 +139,8 @@ class FaultProxy:
                     await self._send(writer, data[:keep])
                 passed = f.blackhole_after
                 f.counts["blackhole"] += 1
-                await self._swallow(reader)
+                while await reader.read(1 << 16):
+                    pass  # the worker's bytes stop here; the connection stays open
                 return
             if f.reset_after and not f.counts["reset"] and passed + len(data) >= f.reset_after:
                 keep = f.reset_after - passed
@@ -175,10 +167,6 @@ class FaultProxy:
                             return
                 else:
                     await self._send(writer, raw)
-
-    async def _swallow(self, reader: asyncio.StreamReader) -> None:
-        while await reader.read(1 << 16):
-            pass
 
     def _reset(self, writer: asyncio.StreamWriter, up_writer: asyncio.StreamWriter) -> None:
         for w in (writer, up_writer):
@@ -252,17 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await proxy.stop()
-        print(json_counts(faults.counts), flush=True)
+        print(json.dumps({"faults": dict(faults.counts)}), flush=True)
 
     asyncio.run(run())
     return 0
-
-
-def json_counts(counts: Counter[str]) -> str:
-    """The injected-fault counts as one JSON line."""
-    import json  # noqa: PLC0415
-
-    return json.dumps({"faults": dict(counts)})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,6 @@
-"""A hostile worker: a real worker core whose outgoing replies a test can hold, delay,
-corrupt, duplicate or cut before they reach the Spark side.
-
-``mutate(conn, data)`` receives the bytes of each reply (REPLY and COMPLETION
-frames) instead of the socket and writes whatever it likes with
-``conn.write``; every other frame passes unchanged.
-"""
+"""A hostile worker: a real worker core whose replies (REPLY and COMPLETION frames) go to a test's
+``mutate(conn, data)`` instead of the socket, to be held, delayed, corrupted, duplicated or cut
+and written with ``conn.write``; every other frame passes unchanged."""
 
 from __future__ import annotations
 

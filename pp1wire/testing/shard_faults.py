@@ -1,26 +1,6 @@
-"""TESTING ONLY: ``pp1-worker`` ranks of a sharded group with injected faults.
-
-Run under torchrun (never reachable from ``pp1-worker``'s own flags)::
-
-    torchrun --standalone --nproc-per-node 2 -m pp1wire.testing.shard_faults \\
-        --fault mass:1:3 -- <pp1-worker flags>
-
-``--fault KIND:RANK:DRAW`` (repeatable) fires on rank ``RANK`` for the group's
-draw ``DRAW`` (1-based, counted the same on every rank; ``*`` = every draw).
-Each spoils only that rank's link (its shard of that one reply):
-
-- ``mass``: one count moved into this shard (added, or taken away when the
-  shard already holds all 2**24): every entry stays valid, the total over the
-  shards is wrong — only the Spark group's check can see it;
-- ``corrupt``: one q value of this shard made negative (the shard's own
-  checks refuse it: ``NEGATIVE``);
-- ``late``: the shard is sent ``PP1_SHARD_LATE_S`` seconds late (default 3);
-- ``missing``: no shard: the reply's COMPLETION has status ``INTERNAL``;
-- ``stale``: the shard's frames name the slot's previous generation — once,
-  for the first of the fault's draws whose slot is at generation ≥ 1 (a slot
-  reopened for a later request);
-- ``die``: SIGKILL this rank before it sends the shard.
-"""
+"""TESTING ONLY: ``pp1-worker`` ranks of a sharded group with injected faults, run under torchrun
+as ``-m pp1wire.testing.shard_faults --fault KIND:RANK:DRAW ... -- <pp1-worker flags>``; a fault
+spoils that rank's shard of group draw DRAW (from 1, counted alike on every rank; ``*``: every)."""
 
 from __future__ import annotations
 
@@ -44,6 +24,10 @@ from pp1wire.tp.shard_worker import AfterDraw
 from pp1wire.wire import worker_core
 from pp1wire.wire.replies import FrameParts, ReplyEncoder
 
+# mass: one count moved into the shard (every entry valid, the total over the shards wrong:
+# only the Spark group's check sees it); corrupt: one q value made negative (NEGATIVE); late:
+# sent PP1_SHARD_LATE_S (default 3) s late; missing: COMPLETION status INTERNAL; stale: once,
+# the previous generation, for a slot at generation >= 1; die: SIGKILL before sending.
 KINDS = ("mass", "corrupt", "late", "missing", "stale", "die")
 _stale = threading.local()
 

@@ -1,21 +1,6 @@
-"""TESTING ONLY: ``pp1-spark`` ranks with injected faults, for the TP group's fault tests.
-
-Run under torchrun (never reachable from ``pp1-spark``'s own flags)::
-
-    torchrun --standalone --nproc-per-node 2 -m pp1wire.testing.tp_faults \\
-        --fault corrupt:1:3 -- <pp1-spark flags>
-
-``--fault KIND:RANK:ATTEMPT`` (repeatable) fires on rank ``RANK`` at group
-attempt ``ATTEMPT`` (1-based, counted the same on every rank; ``*`` = every
-attempt). Kinds:
-
-- ``corrupt``: flip one byte of this rank's received payload (attempts with rows);
-- ``target``: this rank's target evaluations fail, once, in the first attempt
-  from ``ATTEMPT`` on in which it owns a round (``*``: every such attempt);
-- ``late``: sleep ``PP1_TP_LATE_S`` seconds (default 3) before the vote;
-- ``die``: SIGKILL this rank before the vote (in a group run as threads of one
-  process, :class:`RankVanished` ends the rank's thread instead: it never votes).
-"""
+"""TESTING ONLY: ``pp1-spark`` ranks with injected faults, run under torchrun as ``-m
+pp1wire.testing.tp_faults --fault KIND:RANK:ATTEMPT ... -- <pp1-spark flags>``; a fault fires on
+rank RANK at group attempt ATTEMPT (from 1, counted alike on every rank; ``*``: every attempt)."""
 
 from __future__ import annotations
 
@@ -29,6 +14,10 @@ from dataclasses import dataclass
 
 from pp1wire.apps import spark, spark_tp
 
+# corrupt: flip a byte of this rank's received payload (attempts with rows); target: its
+# target evaluations fail once, in the first attempt from ATTEMPT on in which it owns a round;
+# late: sleep PP1_TP_LATE_S (default 3) s before the vote; die: SIGKILL before the vote (a
+# rank run as a thread raises RankVanished instead: it never votes).
 KINDS = ("corrupt", "target", "late", "die")
 
 

@@ -1,18 +1,6 @@
-"""``pp1-conformance``: numbered protocol cases run against any worker endpoint.
-
-In the manner of h2spec and Autobahn|Testsuite: every case is numbered by the
-section of ``docs/protocol.md`` it checks, quotes the rule, sends one exact
-stimulus and expects one exact reaction (an ERROR code, a reply, a closed
-connection). Cases that the worker should survive then check that nothing
-changed: the slot's last STEP, retried, must still get the byte-identical
-reply, and fatal cases check that a fresh connection still works.
-
-Grades: ``pass``; ``non-strict`` (the reaction is safe but not the one the
-document prefers, e.g. a fatal error closed the connection without an ERROR
-frame; counted as a failure with ``--strict``); ``fail``; ``informational``
-(reported, never fails the run). The exit code is 0 only when every
-non-informational case passes.
-"""
+"""``pp1-conformance``: numbered cases, each quoting a rule of ``docs/protocol.md``, sent as one
+exact stimulus to any worker endpoint and graded on its one exact reaction; the grades and the
+exit code are those of README.md (Conformance)."""
 
 from pp1wire.testing.conformance import (
     commit,

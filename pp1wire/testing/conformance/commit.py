@@ -9,18 +9,9 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.testing.builders import token_bytes
 from pp1wire.testing.conformance import core
-from pp1wire.wire.messages import (
-    Close,
-    Commit,
-    Message,
-    MsgType,
-    Reset,
-    Step,
-)
+from pp1wire.wire.messages import Close, Commit, Message, MsgType, Reset, Step
 
 case = core.Section("COMMIT and RESET").case
-
-# -- COMMIT, RESET, CLOSE ------------------------------------------------------------------
 
 
 async def _drafts(peer: core.Peer, step: Step) -> list[int]:

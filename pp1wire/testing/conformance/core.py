@@ -19,21 +19,11 @@ import msgspec
 
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.layout import ShardLayout
-from pp1wire.q.proposal import prefix_digest
 from pp1wire.q.rng import Role
-from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing, integrity, messages
 from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
-from pp1wire.wire.messages import (
-    Auth,
-    Error,
-    Hello,
-    Message,
-    MsgType,
-    Open,
-    Ping,
-    Step,
-)
+from pp1wire.wire.messages import Auth, Error, Hello, Message, MsgType, Open, Ping, Step
 
 
 class Grade(Enum):
@@ -103,7 +93,6 @@ class Peer:
         self.writer: asyncio.StreamWriter | None = None
         self.decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         self.pending: list[framing.Frame] = []
-        self.raw_log = bytearray()
         self.session = 0
         self.hello_msg: Hello = self.hello()
         self.eof = False
@@ -159,12 +148,10 @@ class Peer:
         except TimeoutError:
             return False
         except (ConnectionError, OSError):
-            self.eof = True
-            return False
+            data = b""
         if not data:
             self.eof = True
             return False
-        self.raw_log += data
         try:
             self.pending += self.decoder.feed(data)
         except ProtocolError as exc:
@@ -370,21 +357,9 @@ class Peer:
         await self.expect(MsgType.OPENED)
 
     def step_msg(self, slot: int = 0, **over: Any) -> Step:
-        """A valid sparse STEP for a slot opened at the default prefix."""
-        fields: dict[str, Any] = {
-            "session": self.session,
-            "slot": slot,
-            "generation": 0,
-            "round": 0,
-            "position": 3,
-            "digest": prefix_digest([1, 2, 3]),
-            "depth": 2,
-            "temperature": 1.0,
-            "support": min(self.s.support, self.s.vocab),
-            "context": 0,
-        }
-        fields.update(over)
-        return Step(**fields)
+        """A valid sparse STEP for a slot opened at the default prefix (fields overridden)."""
+        over = {"support": min(self.s.support, self.s.vocab), **over}
+        return reply_step(over.pop("support"), session=self.session, slot=slot, **over)
 
     async def reply(self, step: Step) -> tuple[bytes, list[framing.Frame]]:
         """Send STEP and collect its reply (REPLY frames and COMPLETION); returns (bytes, frames).
@@ -440,27 +415,6 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(
-    case_id: str, category: str, title: str, rule: str, *, informational: bool = False
-) -> Callable[[CaseFn], CaseFn]:
-    """Register a case under its fixed ID (the protocol section, then a number within it).
-
-    IDs are written out at each case and never reused, so a report stays
-    comparable across versions of the suite.
-
-    Raises:
-        ValueError: if the ID is already taken.
-    """
-
-    def register(fn: CaseFn) -> CaseFn:
-        if any(c.id == case_id for c in CASES):
-            raise ValueError(f"conformance case {case_id} defined twice")
-        CASES.append(Case(case_id, category, title, rule, fn, informational))
-        return fn
-
-    return register
-
-
 @dataclass(frozen=True)
 class Section:
     """The cases of one section of the suite: ``case = Section(name).case`` registers
@@ -476,8 +430,9 @@ class Section:
         *,
         informational: bool = False,
     ) -> Callable[[CaseFn], CaseFn]:
-        """:func:`case` in this section. Without ``title`` and ``rule``, the case's
-        docstring gives them: its first paragraph is the title, its second the rule.
+        """Register a case under its fixed ID (the protocol section, then a number within
+        it; never reused, so a report stays comparable across versions). Without ``title``
+        and ``rule``, the case's docstring gives them: its first paragraph, then its second.
 
         Raises:
             ValueError: if the ID is already taken, or the docstring lacks either.
@@ -492,7 +447,10 @@ class Section:
                 ]
                 if len(told) != 2:
                     raise ValueError(f"case {case_id}: the docstring is not title, then rule")
-            return case(case_id, self.name, *told, informational=informational)(fn)
+            if any(c.id == case_id for c in CASES):
+                raise ValueError(f"conformance case {case_id} defined twice")
+            CASES.append(Case(case_id, self.name, told[0], told[1], fn, informational))
+            return fn
 
         return register
 

@@ -12,10 +12,7 @@ from pp1wire.errors import ErrorCode
 from pp1wire.errors import ErrorCode as E
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
-from pp1wire.wire.messages import (
-    MsgType,
-    Ping,
-)
+from pp1wire.wire.messages import MsgType, Ping
 
 case = core.Section("framing").case
 

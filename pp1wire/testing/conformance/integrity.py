@@ -25,11 +25,7 @@ R_TAGS = (
 
 
 async def _keyed(s: core.Settings) -> core.Peer:
-    """A handshaken peer on a keyed connection.
-
-    Raises:
-        core.NonStrictSkip: without ``--psk-file``.
-    """
+    """A handshaken peer on a keyed connection (skipped without ``--psk-file``)."""
     if s.psk is None:
         raise core.NonStrictSkip("needs --psk-file")
     return await core.fresh(s)
@@ -63,19 +59,16 @@ async def _tagged_round(s: core.Settings) -> None:
                 raise core.CaseFailed("reply_checksum does not cover the untagged REPLY frames")
 
 
-async def _refused(s: core.Settings, build: Callable[[core.Peer], Awaitable[bytes]]) -> None:
-    """On a keyed connection, the bytes ``build`` makes are refused: INTEGRITY_FAILED, fatal."""
-    async with await _keyed(s) as peer:
-        peer.send(await build(peer))
-        await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
-    await core.still_serves(s)
-
-
 def _refusal_case(
     case_id: str, title: str, rule: str, build: Callable[[core.Peer], Awaitable[bytes]]
 ) -> None:
+    """A case: on a keyed connection, the bytes ``build`` makes are INTEGRITY_FAILED, fatal."""
+
     async def run(s: core.Settings) -> None:
-        await _refused(s, build)
+        async with await _keyed(s) as peer:
+            peer.send(await build(peer))
+            await peer.expect_error(ErrorCode.INTEGRITY_FAILED, fatal=True)
+        await core.still_serves(s)
 
     case(case_id, title, rule)(run)
 

@@ -9,16 +9,9 @@ import msgspec
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing
-from pp1wire.wire.messages import (
-    Error,
-    MsgType,
-    Ping,
-    Pong,
-)
+from pp1wire.wire.messages import Error, MsgType, Ping, Pong
 
 case = core.Section("liveness and close").case
-
-# -- liveness and close --------------------------------------------------------------------
 
 
 @case("4.10.2")
@@ -169,11 +162,7 @@ async def _flood_unread(s: core.Settings) -> None:
 
 
 def _plain(s: core.Settings) -> core.Settings:
-    """The same worker reached over plain TCP (for TLS-only cases).
-
-    Raises:
-        core.NonStrictSkip: when the worker is not serving TLS (no ``--tls-ca``).
-    """
+    """The same worker over plain TCP (for TLS-only cases; skipped without ``--tls-ca``)."""
     if s.ssl is None:
         raise core.NonStrictSkip("needs a TLS worker (--tls-ca)")
     return dataclasses.replace(s, ssl=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -14,13 +15,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
 from pp1wire.apps import settings
-from pp1wire.apps.settings import (
-    SettingsError,
-    check_writable,
-    host_port,
-    linked_address,
-    parse,
-)
+from pp1wire.apps.settings import SettingsError, check_writable, host_port, linked_address, parse
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.conformance import spark_cases, spark_side
 from pp1wire.testing.conformance.core import (
@@ -35,8 +30,6 @@ from pp1wire.testing.conformance.core import (
     Settings,
 )
 from pp1wire.wire.messages import Challenge, Error
-
-# -- running ------------------------------------------------------------------------------
 
 
 async def run_case(c: Case, s: Settings) -> Outcome:
@@ -113,10 +106,8 @@ async def probe(s: Settings) -> str | None:
                 return _FLAG_FOR[ErrorCode.AUTH_REQUIRED]
             code = None
             if isinstance(err, Error):
-                try:
+                with contextlib.suppress(ValueError):  # a code this version does not know
                     code = ErrorCode(err.code)
-                except ValueError:
-                    code = None
             if code is None:
                 return "no HELLO came back (is it a pp1 worker, and is TLS needed: --tls-ca?)"
             hint = _FLAG_FOR.get(code, "see docs/protocol.md section 9 for the code")
@@ -131,12 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_connect_flags(p)
     p.add_argument("--strict", action="store_true", help="non-strict reactions fail")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument(
-        "--junit",
-        default=None,
-        metavar="FILE",
-        help="write a JUnit XML report (default: none)",
-    )
+    p.add_argument("--junit", metavar="FILE", help="write a JUnit XML report (default: none)")
     p.add_argument(
         "--case",
         nargs="*",
@@ -254,6 +240,9 @@ def check_spark_cmd(template: str) -> None:
         raise SettingsError("--spark-cmd is empty")
 
 
+_SparkRow = tuple[spark_side.SparkCase, spark_side.SparkResult, float]
+
+
 def spark_main(args: argparse.Namespace) -> int:
     """The Spark-side suite: list or run its cases against ``args.spark_cmd``."""
     cases = [
@@ -280,9 +269,7 @@ def spark_main(args: argparse.Namespace) -> int:
         print("pp1-conformance: --jobs above 1 needs --listen with port 0", file=sys.stderr)
         return 2
 
-    async def one(
-        c: spark_side.SparkCase,
-    ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+    async def one(c: spark_side.SparkCase) -> _SparkRow:
         started = time.perf_counter()
         result = await spark_side.run_spark_case(
             c,
@@ -294,16 +281,14 @@ def spark_main(args: argparse.Namespace) -> int:
         )
         return c, result, time.perf_counter() - started
 
-    async def run() -> list[tuple[spark_side.SparkCase, spark_side.SparkResult, float]]:
+    async def run() -> list[_SparkRow]:
         # The first case alone: a command that cannot run stops the suite at once.
         out = [await one(cases[0])]
         if out[0][1].command_failed:
             return out
         gate = asyncio.Semaphore(args.jobs)
 
-        async def gated(
-            c: spark_side.SparkCase,
-        ) -> tuple[spark_side.SparkCase, spark_side.SparkResult, float]:
+        async def gated(c: spark_side.SparkCase) -> _SparkRow:
             async with gate:
                 return await one(c)
 
@@ -398,18 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c, o, secs in results:
         counts[o.grade.value] += 1
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "id": c.id,
-                        "category": c.category,
-                        "title": c.title,
-                        "grade": o.grade.value,
-                        "detail": o.detail,
-                        "seconds": secs,
-                    }
-                )
-            )
+            row = {"id": c.id, "category": c.category, "title": c.title, "grade": o.grade.value}
+            print(json.dumps(row | {"detail": o.detail, "seconds": secs}))
         else:
             mark = {"pass": "PASS", "non-strict": "NSTR", "fail": "FAIL", "informational": "INFO"}[
                 o.grade.value

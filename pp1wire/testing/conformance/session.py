@@ -4,138 +4,95 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
+from typing import Any
 
 import msgspec
 
 from pp1wire.errors import ErrorCode
+from pp1wire.errors import ErrorCode as E
 from pp1wire.q import validate
 from pp1wire.testing.builders import open_message, token_bytes
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
-from pp1wire.wire.messages import (
-    MsgType,
-    Open,
-    Step,
-)
+from pp1wire.wire.messages import MsgType, Open, Step
 
 case = core.Section("session and STEP").case
 
-# -- slots and STEP ------------------------------------------------------------------
+R_SESSION = "session and slot first for every message: "
+R_DEPTH = "depth (1..max_depth) else DEPTH_OUT_OF_RANGE"
+R_REUSED = "round = last STEP round, any field different: ROUND_REUSED"
+R_POSITION = "position (WRONG_POSITION)"
+R_DIGEST = "digest (PREFIX_DIGEST_MISMATCH)"
 
 
 def _step_refusal(
-    case_id: str, title: str, rule: str, code: ErrorCode, build: Callable[[core.Peer, Step], Step]
+    case_id: str,
+    title: str,
+    rule: str,
+    code: ErrorCode,
+    build: Callable[[core.Peer, Step], Step] | None = None,
+    **fields: Any,
 ) -> None:
+    """A case: after a STEP answered, ``build``'s STEP (or the STEP with ``fields``) is
+    refused with ``code`` and changes nothing."""
+
     async def run(s: core.Settings) -> None:
         async with core.ready(s) as (peer, step, data):
-            await peer.expect_refusal(build(peer, step), code)
+            bad = build(peer, step) if build else core.with_fields(step, **fields)
+            await peer.expect_refusal(bad, code)
             await core.unchanged(peer, step, data)
 
     case(case_id, title, rule)(run)
 
 
-def _with_temperature(_peer: core.Peer, step: Step, *, value: float) -> Step:
-    return core.with_fields(step, round=1, temperature=value)
-
-
-_step_refusal(
-    "7.1",
-    "STEP on an unknown slot",
-    "session and slot first for every message: UNKNOWN_SLOT",
-    ErrorCode.UNKNOWN_SLOT,
-    lambda p, st: core.with_fields(st, slot=1),
-)
-_step_refusal(
-    "7.2",
-    "STEP on slot 65535",
-    "UNKNOWN_SLOT",
-    ErrorCode.UNKNOWN_SLOT,
-    lambda p, st: core.with_fields(st, slot=65535),
-)
+_step_refusal("7.1", "STEP on an unknown slot", R_SESSION + "UNKNOWN_SLOT", E.UNKNOWN_SLOT, slot=1)
+_step_refusal("7.2", "STEP on slot 65535", "UNKNOWN_SLOT", E.UNKNOWN_SLOT, slot=65535)
 _step_refusal(
     "7.3",
     "STEP with another session",
-    "session and slot first for every message: WRONG_SESSION",
-    ErrorCode.WRONG_SESSION,
+    R_SESSION + "WRONG_SESSION",
+    E.WRONG_SESSION,
     lambda p, st: core.with_fields(st, session=st.session + 1000),
 )
-_step_refusal(
-    "4.4.1",
-    "depth 0",
-    "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
-    ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: core.with_fields(st, round=1, depth=0),
-)
-_step_refusal(
-    "4.4.2",
-    "depth 6",
-    "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
-    ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: core.with_fields(st, round=1, depth=6),
-)
-_step_refusal(
-    "4.4.3",
-    "depth 255",
-    "depth (1..max_depth) else DEPTH_OUT_OF_RANGE",
-    ErrorCode.DEPTH_OUT_OF_RANGE,
-    lambda p, st: core.with_fields(st, round=1, depth=255),
-)
+for case_id, depth in (("4.4.1", 0), ("4.4.2", 6), ("4.4.3", 255)):
+    _step_refusal(case_id, f"depth {depth}", R_DEPTH, E.DEPTH_OUT_OF_RANGE, round=1, depth=depth)
 _step_refusal(
     "4.4.4",
     "support above the negotiated limit",
     "support ≤ max_support ... else SUPPORT_OUT_OF_RANGE",
-    ErrorCode.SUPPORT_OUT_OF_RANGE,
+    E.SUPPORT_OUT_OF_RANGE,
     lambda p, st: core.with_fields(st, round=1, support=p.hello_msg.max_support + 1),
 )
 _step_refusal(
     "7.4",
     "future generation",
     "STEP generation > slot generation: FUTURE_GENERATION",
-    ErrorCode.FUTURE_GENERATION,
-    lambda p, st: core.with_fields(st, round=1, generation=1),
+    E.FUTURE_GENERATION,
+    round=1,
+    generation=1,
+)
+_step_refusal("7.5", "reused round with other content", R_REUSED, E.ROUND_REUSED, depth=1)
+_step_refusal("7.6", "reused round, other temperature", R_REUSED, E.ROUND_REUSED, temperature=0.5)
+_step_refusal(
+    "4.4.5", "wrong first-draft position", R_POSITION, E.WRONG_POSITION, round=1, position=4
 )
 _step_refusal(
-    "7.5",
-    "reused round with other content",
-    "round = last STEP round, any field different: ROUND_REUSED",
-    ErrorCode.ROUND_REUSED,
-    lambda p, st: core.with_fields(st, depth=1),
-)
-_step_refusal(
-    "7.6",
-    "reused round, other temperature",
-    "round = last STEP round, any field different: ROUND_REUSED",
-    ErrorCode.ROUND_REUSED,
-    lambda p, st: core.with_fields(st, temperature=0.5),
-)
-_step_refusal(
-    "4.4.5",
-    "wrong first-draft position",
-    "position (WRONG_POSITION)",
-    ErrorCode.WRONG_POSITION,
-    lambda p, st: core.with_fields(st, round=1, position=4),
-)
-_step_refusal(
-    "4.4.6",
-    "position 0 after a 3-token prefix",
-    "position (WRONG_POSITION)",
-    ErrorCode.WRONG_POSITION,
-    lambda p, st: core.with_fields(st, round=1, position=0),
+    "4.4.6", "position 0 after a 3-token prefix", R_POSITION, E.WRONG_POSITION, round=1, position=0
 )
 _step_refusal(
     "4.4.7",
     "wrong prefix digest",
-    "digest (PREFIX_DIGEST_MISMATCH)",
-    ErrorCode.PREFIX_DIGEST_MISMATCH,
+    R_DIGEST,
+    E.PREFIX_DIGEST_MISMATCH,
     lambda p, st: core.with_fields(st, round=1, digest=st.digest ^ 1),
 )
 _step_refusal(
     "4.4.8",
     "wrong context version",
     "context (CONTEXT_MISMATCH)",
-    ErrorCode.CONTEXT_MISMATCH,
-    lambda p, st: core.with_fields(st, round=1, context=5),
+    E.CONTEXT_MISMATCH,
+    round=1,
+    context=5,
 )
 for case_id, (label, value) in zip(
     ("4.4.9", "4.4.10", "4.4.11"),
@@ -146,8 +103,9 @@ for case_id, (label, value) in zip(
         case_id,
         f"temperature {label}",
         "temperature finite and ≥ 0 (BAD_TEMPERATURE)",
-        ErrorCode.BAD_TEMPERATURE,
-        partial(_with_temperature, value=value),
+        E.BAD_TEMPERATURE,
+        round=1,
+        temperature=value,
     )
 
 
@@ -309,7 +267,7 @@ _open_refusal(
 _open_refusal(
     "4.3.3",
     "OPEN with a wrong digest",
-    "digest (PREFIX_DIGEST_MISMATCH)",
+    R_DIGEST,
     ErrorCode.PREFIX_DIGEST_MISMATCH,
     lambda p: (core.open_msg(p, digest=5), token_bytes((1, 2))),
 )

@@ -1,32 +1,28 @@
-"""Cases of ``docs/protocol.md`` §6.7: the links of a vocabulary-sharded worker group.
-
-With ``--vocab-shards N`` the suite's HELLO declares shard 0 of the even
-layout on ``--worker`` (rank 0's link), and the cases that need the whole group
-connect to every link: rank r at the worker's port + r, each link of one group
-session with the same group nonce. Without it they check that an unsharded
-worker refuses a sharded HELLO. The group-session cases (6.7.6 to 6.7.8) wait for
-unmatched STEPs up to ``--match-wait``, which must exceed the worker's match
-timeout. The stop-rule cases (6.7.9, 6.7.10) check that every link's block ends
-where the rule, from the whole rows (the links' shards joined), ends it.
-"""
+"""Cases of ``docs/protocol.md`` §6.7, the links of a vocabulary-sharded worker group: with
+``--vocab-shards N`` link r is at the worker's port + r, one group nonce per session; without
+it, an unsharded worker must refuse a sharded HELLO."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
-from pp1wire.q.stoprules import STOP_RULES, StopRule, stop_after
+from pp1wire.q.stoprules import StopRule, stop_after
 from pp1wire.testing.conformance import core, handshake
 from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
-from pp1wire.testing.conformance.stoprules import check_cut
+from pp1wire.testing.conformance.stoprules import check_cut, negotiate
 from pp1wire.wire import framing
 from pp1wire.wire.messages import GROUP_NONCE_SIZE, Completion, MsgType, Reply
+
+case = core.Section("sharded links").case
 
 
 def _layout(s: Settings) -> ShardLayout:
@@ -50,9 +46,8 @@ async def _refused_with_layout(s: Settings, fields: dict[str, int]) -> None:
     await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
-@core.case(
+@case(
     "6.7.1",
-    "sharded links",
     "a HELLO declaring another vocabulary split is refused",
     "shards, shard, range and layout digest: all exact, else SHARD_LAYOUT_MISMATCH (fatal)",
 )
@@ -64,9 +59,8 @@ async def other_split(s: Settings) -> None:
     await _refused_with_layout(s, fields)
 
 
-@core.case(
+@case(
     "6.7.2",
-    "sharded links",
     "a HELLO with the right ranges but another layout digest is refused",
     "the layout digest is matched exactly, so a split that differs on another link is refused",
 )
@@ -76,47 +70,76 @@ async def other_digest(s: Settings) -> None:
     await _refused_with_layout(s, fields)
 
 
-@core.case(
+@case(
     "6.7.3",
-    "sharded links",
     "rank 0's link refuses a HELLO that names another link's shard",
     "each link serves one shard: shard and range exact, else SHARD_LAYOUT_MISMATCH",
 )
 async def other_shard(s: Settings) -> None:
-    if s.shards < 2:
-        raise core.NonStrictSkip("needs --vocab-shards N (a sharded worker group)")
+    _needs_group(s)
     await _refused_with_layout(s, _declared(_layout(s), 1))
 
 
-async def _group_reply(s: Settings, support: int) -> None:
+def _needs_group(s: Settings) -> None:
     if s.shards < 2:
         raise core.NonStrictSkip("needs --vocab-shards N (a sharded worker group)")
-    layout = _layout(s)
-    peers = []
+
+
+@contextlib.contextmanager
+def _closing() -> Iterator[list[Peer]]:
+    """A list for the block's peers, each closed when the block ends, however it ends."""
+    peers: list[Peer] = []
     try:
+        yield peers
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+async def _link(
+    s: Settings, rank: int, group: bytes, *, seed: int = 11, rules: bool = False
+) -> Peer:
+    """A link of group session ``group`` to rank ``rank``, slot 0 open (``rules``: its HELLO
+    negotiated the stop rules, :func:`negotiate`)."""
+    link = dataclasses.replace(s, port=s.port + rank, shard=rank, group=group)
+    peer = await Peer(link).connect()
+    try:
+        await (negotiate(peer, f"link {rank}") if rules else peer.handshake())
+        await peer.open_slot(seed=seed)
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
+async def _reply(peer: Peer, timeout: float | None) -> tuple[list[framing.Frame], Completion]:
+    """The next whole reply on ``peer`` (its frames, then its COMPLETION), else CaseFailed."""
+    frames: list[framing.Frame] = []
+    while True:
+        frame = await peer.next(timeout)
+        if frame is None or frame.type is MsgType.ERROR:
+            raise CaseFailed(f"link {peer.s.shard}: no complete reply ({core.describe(frame)})")
+        if isinstance(frame.message, Completion):
+            return frames, frame.message
+        frames.append(frame)
+
+
+async def _group_reply(s: Settings, support: int) -> None:
+    _needs_group(s)
+    layout = _layout(s)
+    with _closing() as peers:
         for r in range(layout.shards):
-            link = dataclasses.replace(s, port=s.port + r, shard=r)
-            peer = await Peer(link).connect()
-            peers.append(peer)
-            await peer.handshake()
-            await peer.open_slot(seed=11)
+            peers.append(await _link(s, r, s.group))
         for peer in peers:  # every STEP out before any reply: the ranks draw together
             peer.send_msg(peer.step_msg(depth=5, support=support))
         summaries, rows = [], []
         for r, peer in enumerate(peers):
             start, end = layout.range(r)
-            frames: list[framing.Frame] = []
-            while not frames or frames[-1].type is not MsgType.COMPLETION:
-                frame = await peer.next()
-                if frame is None or frame.type is MsgType.ERROR:
-                    raise CaseFailed(f"link {r}: no complete reply ({core.describe(frame)})")
-                frames.append(frame)
-            done = frames[-1].message
-            assert isinstance(done, Completion)
+            frames, done = await _reply(peer, None)
             if done.status or (done.start, done.end) != (start, end):
                 raise CaseFailed(f"link {r}: COMPLETION status {done.status}, range wrong")
             tokens, masses, shard_rows = [], [], []
-            for f in frames[:-1]:
+            for f in frames:
                 msg = f.message
                 assert isinstance(msg, Reply)
                 if (msg.start, msg.end) != (start, end):
@@ -150,14 +173,10 @@ async def _group_reply(s: Settings, support: int) -> None:
                 whole[ids] = counts
             if whole[token] <= 0:
                 raise CaseFailed(f"row {i}: q of the drafted token {token} is zero on its shard")
-    finally:
-        for peer in peers:
-            peer.close()
 
 
-@core.case(
+@case(
     "6.7.4",
-    "sharded links",
     "dense: each link carries its range, the same tokens, counts adding up to 2**24",
     "row i on every link: token x_i, start/end the link's range, entries end - start; "
     "the shards' counts sum to 2**24 and q(x_i) > 0 on the shard that owns x_i",
@@ -166,9 +185,8 @@ async def dense_group(s: Settings) -> None:
     await _group_reply(s, 0)
 
 
-@core.case(
+@case(
     "6.7.5",
-    "sharded links",
     "sparse: each link carries the global support's entries in its range",
     "sparse rows hold the entries of the global top-k whose IDs lie in the link's range "
     "(possibly none); the same tokens on every link; counts sum to 2**24",
@@ -180,46 +198,14 @@ async def sparse_group(s: Settings) -> None:
 # -- group sessions: a STEP matches only its own session's, on every link ----------------
 
 
-async def _link(s: Settings, rank: int, group: bytes, *, seed: int = 11) -> Peer:
-    """A handshaken link of group session ``group`` on rank ``rank``, slot 0 open."""
-    link = dataclasses.replace(s, port=s.port + rank, shard=rank, group=group)
-    peer = await Peer(link).connect()
-    try:
-        await peer.handshake()
-        await peer.open_slot(seed=seed)
-    except BaseException:
-        peer.close()
-        raise
-    return peer
-
-
 async def _answer(peer: Peer, timeout: float) -> tuple[int, tuple[int, ...]]:
-    """The next reply on ``peer``: its COMPLETION status and its tokens.
-
-    Raises:
-        CaseFailed: on an ERROR, EOF or nothing within ``timeout``.
-    """
-    tokens: list[int] = []
-    while True:
-        frame = await peer.next(timeout)
-        if frame is None or frame.type is MsgType.ERROR:
-            raise CaseFailed(f"no complete reply ({core.describe(frame)})")
-        if frame.type is MsgType.REPLY:
-            assert isinstance(frame.message, Reply)
-            tokens.append(frame.message.token)
-        elif frame.type is MsgType.COMPLETION:
-            assert isinstance(frame.message, Completion)
-            return frame.message.status, tuple(tokens)
+    """The next reply on ``peer``: its COMPLETION status and its tokens."""
+    frames, done = await _reply(peer, timeout)
+    return done.status, tuple(f.message.token for f in frames if isinstance(f.message, Reply))
 
 
-def _needs_group(s: Settings) -> None:
-    if s.shards < 2:
-        raise core.NonStrictSkip("needs --vocab-shards N (a sharded worker group)")
-
-
-@core.case(
+@case(
     "6.7.6",
-    "sharded links",
     "a STEP with another group session's key is never matched with it",
     "a link of another group nonce that sends a session's exact STEP (slot, round, prefix "
     "digest: all predictable) first gets GROUP_UNMATCHED, never that session's proposal; "
@@ -229,8 +215,7 @@ async def foreign_key(s: Settings) -> None:
     _needs_group(s)
     world = s.shards
     ours = secrets.token_bytes(GROUP_NONCE_SIZE)
-    peers: list[Peer] = []
-    try:
+    with _closing() as peers:
         foreign = await _link(s, world - 1, secrets.token_bytes(GROUP_NONCE_SIZE))
         peers.append(foreign)
         for r in range(world):
@@ -249,14 +234,10 @@ async def foreign_key(s: Settings) -> None:
             raise CaseFailed(
                 f"the foreign STEP got status {status} and tokens {tokens}, not GROUP_UNMATCHED"
             )
-    finally:
-        for peer in peers:
-            peer.close()
 
 
-@core.case(
+@case(
     "6.7.7",
-    "sharded links",
     "a half-sent STEP is answered GROUP_UNMATCHED and stalls no other session",
     "a STEP sent on one link of a session only is answered alone after the match timeout "
     "with GROUP_UNMATCHED; another session's STEPs, sent after it, are answered before",
@@ -265,14 +246,12 @@ async def half_sent(s: Settings) -> None:
     _needs_group(s)
     world = s.shards
     half, whole = secrets.token_bytes(GROUP_NONCE_SIZE), secrets.token_bytes(GROUP_NONCE_SIZE)
-    peers: list[Peer] = []
-    try:
+    with _closing() as peers:
         lone = await _link(s, 0, half)
         peers.append(lone)
-        others = []
         for r in range(world):
-            others.append(await _link(s, r, whole, seed=12))
-        peers += others
+            peers.append(await _link(s, r, whole, seed=12))
+        others = peers[1:]
         lone.send_msg(lone.step_msg(depth=2))
         sent = time.monotonic()
         for peer in others:
@@ -291,14 +270,10 @@ async def half_sent(s: Settings) -> None:
                 f"the other session waited for the half-sent STEP: served after {served:.2f} s, "
                 f"the half-sent one answered after {unmatched:.2f} s"
             )
-    finally:
-        for peer in peers:
-            peer.close()
 
 
-@core.case(
+@case(
     "6.7.8",
-    "sharded links",
     "a closed link's STEP is dropped with it, and matches nothing later",
     "a link that sends a STEP and closes leaves nothing behind: a later session's identical "
     "STEPs on every link are matched with each other and drawn at once",
@@ -306,8 +281,7 @@ async def half_sent(s: Settings) -> None:
 async def closed_leftovers(s: Settings) -> None:
     _needs_group(s)
     world = s.shards
-    peers: list[Peer] = []
-    try:
+    with _closing() as peers:
         gone = await _link(s, world - 1, secrets.token_bytes(GROUP_NONCE_SIZE))
         gone.send_msg(gone.step_msg(depth=2))
         await gone.quiet(0.05)
@@ -320,9 +294,6 @@ async def closed_leftovers(s: Settings) -> None:
         answers = [await _answer(peer, s.match_wait) for peer in peers]
         if any(status for status, _ in answers) or len({t for _, t in answers}) != 1:
             raise CaseFailed(f"the later session's STEPs were not drawn together: {answers}")
-    finally:
-        for peer in peers:
-            peer.close()
 
 
 # -- stop rules on a sharded group: every link stops where one worker stops -----------------
@@ -338,45 +309,20 @@ async def _ruled_group(
         core.NonStrictSkip: the worker refused the stop-rule set (it implements none).
         CaseFailed: a link did not answer with a complete reply.
     """
-    layout = _layout(s)
     group = secrets.token_bytes(GROUP_NONCE_SIZE)
-    peers: list[Peer] = []
-    try:
-        for r in range(layout.shards):
-            link = dataclasses.replace(s, port=s.port + r, shard=r, group=group)
-            peer = await Peer(link).connect()
-            peers.append(peer)
-            try:
-                theirs = await peer.handshake(peer.hello(stop_rules=STOP_RULES))
-            except CaseFailed:
-                refusal = await peer.next(0.1)
-                code = getattr(refusal.message, "code", None) if refusal is not None else None
-                if code == ErrorCode.STOP_RULES_MISMATCH:
-                    raise core.NonStrictSkip("the worker implements no stop rules") from None
-                raise
-            if theirs.stop_rules != STOP_RULES:
-                raise CaseFailed(f"link {r}: stop_rules echoed as {theirs.stop_rules!r}")
-            await peer.open_slot(seed=11)
+    with _closing() as peers:
+        for r in range(_layout(s).shards):
+            peers.append(await _link(s, r, group, rules=True))
         step = {"depth": 5, "support": support, "stop": int(rule.kind)}
         for peer in peers:  # every STEP out before any reply: the ranks draw together
             peer.send_msg(peer.step_msg(**step, threshold=rule.threshold))
         out = []
         for r, peer in enumerate(peers):
-            frames: list[framing.Frame] = []
-            while not frames or frames[-1].type is not MsgType.COMPLETION:
-                frame = await peer.next(s.match_wait)
-                if frame is None or frame.type is MsgType.ERROR:
-                    raise CaseFailed(f"link {r}: no complete reply ({core.describe(frame)})")
-                frames.append(frame)
-            done = frames[-1].message
-            assert isinstance(done, Completion)
+            frames, done = await _reply(peer, s.match_wait)
             if done.status:
                 raise CaseFailed(f"link {r}: COMPLETION status {done.status}")
-            out.append((frames[:-1], done))
+            out.append((frames, done))
         return out
-    finally:
-        for peer in peers:
-            peer.close()
 
 
 def _count_at(frame: framing.Frame, x: int, span: tuple[int, int]) -> int:
@@ -418,9 +364,8 @@ def _ruled_case(case_id: str, text: str, sparse: bool) -> None:
         for r, ((got, done), (whole, _)) in enumerate(zip(ruled, fixed, strict=True)):
             check_cut(rule, f"link {r}", got, done, whole, end)
 
-    core.case(
+    case(
         case_id,
-        "sharded links",
         f"{text} ({'sparse' if sparse else 'dense'}): every link's block is the fixed block "
         "cut where the rule ends it",
         "each row's count at its token is on the link owning the token; every link ships "

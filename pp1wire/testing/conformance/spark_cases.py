@@ -1,8 +1,5 @@
-"""The Spark-side cases (``pp1-conformance --spark``): stimuli written for a vocabulary of 8.
-
-The S1 cases run every reply-side rejection class of
-:mod:`pp1wire.testing.conformance.reply_classes`.
-"""
+"""The Spark-side cases (``pp1-conformance --spark``), stimuli written for a vocabulary of 8;
+the S1 cases run every class of :mod:`pp1wire.testing.conformance.reply_classes`."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from pp1wire.testing.builders import (
     dense_payload,
     older_hello_frame,
     reply_row,
+    reply_step,
     uint_token_frame,
     whole_reply,
 )
@@ -38,6 +36,7 @@ from pp1wire.testing.conformance.spark_side import (
     SparkCase,
     Timing,
 )
+from pp1wire.testing.hostile import split_frames
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Scope, Step
 
@@ -46,39 +45,23 @@ from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Sco
 
 def send(build: Build) -> ReplyHook:
     """Answer the STEP with ``build(step)`` instead of the honest reply."""
-
-    def hook(conn: Conn, st: Step, _honest: bytes) -> None:
-        conn.write(build(st))
-
-    return hook
+    return lambda conn, st, _honest: conn.write(build(st))
 
 
 def before(build: Build) -> ReplyHook:
     """Send ``build(step)`` and then the honest reply."""
-
-    def hook(conn: Conn, st: Step, honest: bytes) -> None:
-        conn.write(build(st) + honest)
-
-    return hook
+    return lambda conn, st, honest: conn.write(build(st) + honest)
 
 
 def after(build: Callable[[Step, bytes], bytes]) -> ReplyHook:
     """Send the honest reply and then ``build(step, honest)``."""
-
-    def hook(conn: Conn, st: Step, honest: bytes) -> None:
-        conn.write(honest + build(st, honest))
-
-    return hook
+    return lambda conn, st, honest: conn.write(honest + build(st, honest))
 
 
 def paced(chunk: int, seconds: Callable[[float], float]) -> ReplyHook:
     """Send the honest reply ``chunk`` bytes at a time, its last byte ``seconds(T)``
     after the STEP arrived, T being the Spark side's reply timeout."""
-
-    def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
-        return conn.pace(honest, chunk, seconds(conn.worker.reply_timeout))
-
-    return hook
+    return lambda conn, _st, honest: conn.pace(honest, chunk, seconds(conn.worker.reply_timeout))
 
 
 def cut(keep: Callable[[bytes], int]) -> ReplyHook:
@@ -96,7 +79,7 @@ def stalls_after(rows: int, seconds: Callable[[float], float]) -> ReplyHook:
     after the STEP arrived, T being the Spark side's reply timeout."""
 
     def hook(conn: Conn, _st: Step, honest: bytes) -> Awaitable[None]:
-        frames = _frames(honest)
+        frames = split_frames(honest)
         conn.write_now(b"".join(frames[:rows]))
         rest = b"".join(frames[rows:])
         return conn.pace(rest, len(rest), seconds(conn.worker.reply_timeout))
@@ -124,23 +107,6 @@ def _ruled(tokens: Drafts, stopped: bool | None = None) -> Build:
     return build
 
 
-def used(tokens: Drafts) -> ReplyHook:
-    """Answer with a legal block of ``tokens(step)`` (not the honest one) and hold the
-    worker core to it, so the COMMIT of the block's drafts is accepted."""
-    build = _ruled(tokens)
-
-    def hook(conn: Conn, st: Step, _honest: bytes) -> None:
-        conn.write(build(st))
-        conn.core.slots[st.slot].drafts = tuple(tokens(st))
-
-    return hook
-
-
-def _ok_tokens(rows: int) -> Drafts:
-    """The drafts of ``rows`` :func:`ok_row` rows."""
-    return lambda st: [ok_token(st)] * rows
-
-
 def kept_rows(build: Build, tokens: Drafts) -> ReplyHook:
     """Answer with ``build(step)``, a reply a fault cuts after the rows drafting
     ``tokens(step)``, and hold the worker core to those drafts (the COMMIT of
@@ -153,8 +119,15 @@ def kept_rows(build: Build, tokens: Drafts) -> ReplyHook:
     return hook
 
 
-def _frames(data: bytes) -> list[bytes]:
-    return [bytes(f.raw) for f in framing.FrameDecoder(1 << 26).feed(data)]
+def used(tokens: Drafts) -> ReplyHook:
+    """Answer with a legal block of ``tokens(step)`` (not the honest one) and hold the
+    worker core to it, so the COMMIT of the block's drafts is accepted."""
+    return kept_rows(_ruled(tokens), tokens)
+
+
+def _ok_tokens(rows: int) -> Drafts:
+    """The drafts of ``rows`` :func:`ok_row` rows."""
+    return lambda st: [ok_token(st)] * rows
 
 
 def _hello(**over: Any) -> Callable[[Any], Message]:
@@ -192,30 +165,18 @@ def _cases() -> list[SparkCase]:
     out: list[SparkCase] = []
     for n, (name, support, build, code, kept) in enumerate(REPLY_CLASSES, 1):
         if not kept:
-            out.append(
-                SparkCase(
-                    f"S1.{n}",
-                    f"reply class {name} discards the proposal",
-                    "§4.5, §4.6, §6.2: a row or reply that breaks the contract before any "
-                    "valid row is discarded whole",
-                    Expect.DISCARD,
-                    code,
-                    support=support,
-                    reply=send(build),
-                )
-            )
-            continue
+            title = f"reply class {name} discards the proposal"
+            rule = "§4.5, §4.6, §6.2: a row or reply that breaks the contract before any valid row "
+            rule += "is discarded whole"
+            hook, expect = send(build), Expect.DISCARD
+        else:
+            title = f"reply class {name} cuts the block to the {kept} valid row(s) before it"
+            rule = "§4.5, §4.6, docs/adaptive.md §7: a fault ends the block before its row; the "
+            rule += "rows before it are verified"
+            hook, expect = kept_rows(build, _ok_tokens(kept)), Expect.CUT
         out.append(
             SparkCase(
-                f"S1.{n}",
-                f"reply class {name} cuts the block to the {kept} valid row(s) before it",
-                "§4.5, §4.6, docs/adaptive.md §7: a fault ends the block before its row; "
-                "the rows before it are verified",
-                Expect.CUT,
-                code,
-                support=support,
-                reply=kept_rows(build, _ok_tokens(kept)),
-                kept=kept,
+                f"S1.{n}", title, rule, expect, code, support=support, reply=hook, kept=kept or None
             )
         )
     stale_round: Build = lambda st: ok_row(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
@@ -253,7 +214,7 @@ def _cases() -> list[SparkCase]:
             "§7: in-flight proposal already completed: drop (COMPLETION_DUPLICATE)",
             Expect.DROP,
             ErrorCode.COMPLETION_DUPLICATE,
-            reply=after(lambda _st, honest: _frames(honest)[-1]),
+            reply=after(lambda _st, honest: split_frames(honest)[-1]),
         ),
         SparkCase(
             "S2.5",
@@ -341,7 +302,7 @@ def _cases() -> list[SparkCase]:
             "§6.5, docs/adaptive.md §7: a lost connection ends the block after its rows",
             Expect.CUT,
             ErrorCode.CONNECTION_LOST,
-            reply=cut(lambda honest: len(honest) - len(_frames(honest)[-1])),
+            reply=cut(lambda honest: len(honest) - len(split_frames(honest)[-1])),
         ),
         SparkCase(
             "S3.9",
@@ -410,22 +371,7 @@ def _cases() -> list[SparkCase]:
             "§5: before HELLO only HELLO, CHALLENGE, ERROR, PING, PONG may arrive",
             Expect.REFUSE,
             ErrorCode.HANDSHAKE_REQUIRED,
-            greeting=completion(
-                Step(
-                    session=1,
-                    slot=0,
-                    generation=0,
-                    round=0,
-                    position=0,
-                    digest=0,
-                    depth=1,
-                    temperature=1.0,
-                    support=0,
-                    context=0,
-                ),
-                b"",
-                0,
-            ),
+            greeting=completion(reply_step(0, depth=1, session=1, position=0, digest=0), b"", 0),
         ),
         SparkCase(
             "S4.10",
@@ -499,9 +445,7 @@ def _stop_cases() -> list[SparkCase]:
         the rows up to the stop are the block."""
         violated = ErrorCode.STOP_RULE_VIOLATED
         hook = kept_rows(block, lambda _st: [2])
-        return SparkCase(
-            case_id, title, why, Expect.CUT, violated, reply=hook, stop=stop, kept=1
-        )
+        return SparkCase(case_id, title, why, Expect.CUT, violated, reply=hook, stop=stop, kept=1)
 
     return [
         kept(

@@ -1,34 +1,6 @@
-"""Spark-side conformance: a hostile worker runs numbered cases against any Spark implementation.
-
-``pp1-conformance --spark [--spark-cmd TEMPLATE]`` listens on loopback as a worker (a real
-worker core whose frames a case may corrupt, reorder, delay, duplicate or cut)
-and starts the Spark implementation once per case from ``TEMPLATE``;
-:data:`TEMPLATE_CONTRACT` is what the command must do (it is also in
-``pp1-conformance --help`` and the README). Everything the command sends on the
-first connection is recorded and graded against ``docs/protocol.md``:
-
-- **discard** cases: the corrupted proposal must never be consumed. No COMMIT
-  may name the corrupted round (its generation and round); the next COMMIT of
-  that generation must be a target-only one (``accepted = 0``, a fresh round
-  ID, §6.5).
-- **cut** cases: a fault ends the block after some valid rows (a refused row,
-  a failure status after rows, rows missing at the reply deadline): those rows
-  must be verified as a block that stopped there (``docs/adaptive.md`` §7), so
-  a COMMIT names the round with ``accepted`` at most the rows before the
-  fault, and nothing falls back. When the fault is the connection itself, no
-  COMMIT can name the round on it; only the reasons are graded.
-- **drop** and **reject** cases: the stray frames are extra; the honest
-  proposal must still be used (a COMMIT names its generation and round) and
-  nothing falls back.
-- **use** cases: an honest reply delivered oddly (1-byte or slow writes) must
-  be used, with no fallback.
-- **refuse** cases (handshake, authentication): the Spark side must send its
-  fatal ERROR with the expected code and never OPEN or STEP there.
-
-Timing cases pace the reply against the reply timeout the command is given
-(``{reply_timeout}``, ``--reply-timeout``), measure the gap they produced,
-and grade only if it is the gap they claim.
-"""
+"""Spark-side conformance: a hostile worker (a worker core whose frames a case may corrupt,
+reorder, delay, duplicate or cut) grades what a Spark implementation, started once per case from
+``--spark-cmd`` (:data:`TEMPLATE_CONTRACT`), sends on its first connection."""
 
 from __future__ import annotations
 
@@ -94,7 +66,6 @@ with one line saying so (exit status 2)."""
 
 Build = Callable[[Step], bytes]
 
-# Every reply-side rejection class: name, sparse support (0 = dense), builder, code.
 # -- the hostile worker ---------------------------------------------------------------------
 
 
@@ -301,7 +272,6 @@ class SparkRun:
     """What one case's Spark process did."""
 
     returncode: int | None
-    stdout: str
     stderr: str
     summary: dict[str, Any] | None
 
@@ -342,7 +312,7 @@ async def _spark(cmd: str, timeout: float) -> SparkRun:
         with contextlib.suppress(ValueError):
             loaded = json.loads(lines[-1])
             summary = loaded if isinstance(loaded, dict) else None
-    return SparkRun(proc.returncode, text, err.decode(errors="replace"), summary)
+    return SparkRun(proc.returncode, err.decode(errors="replace"), summary)
 
 
 def _count(summary: dict[str, Any], key: str, code: ErrorCode) -> int:
@@ -356,11 +326,7 @@ def _last_line(text: str) -> str:
 
 
 def _check_timing(case: SparkCase, worker: HostileWorker) -> None:
-    """A timing case grades only the gap it claims.
-
-    Raises:
-        CaseFailedError: the suite did not produce the claimed gap.
-    """
+    """A timing case grades only the gap it claims: CaseFailedError if it did not make it."""
     if case.timing is None:
         return
     timeout, gap = worker.reply_timeout, worker.gap
@@ -376,6 +342,14 @@ def _check_timing(case: SparkCase, worker: HostileWorker) -> None:
             f"(suite) the reply took {gap:.2f} s, not under half the {timeout:g} s reply "
             "timeout: a loaded machine; nothing graded"
         )
+
+
+#: Where the command's summary must count the case's code, by what the case expects.
+_COUNTED = {
+    Expect.CUT: "cuts_by_reason",
+    Expect.DROP: "frames_dropped",
+    Expect.REJECT: "frames_rejected",
+}
 
 
 def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) -> None:
@@ -425,9 +399,7 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
             raise CaseFailedError(f"a COMMIT of round {round_id} after the connection closed")
     elif not used:
         what = "the rows before the fault" if case.expect is Expect.CUT else "the honest proposal"
-        raise CaseFailedError(
-            f"{what} of round {round_id} (generation {generation}) was not used"
-        )
+        raise CaseFailedError(f"{what} of round {round_id} (generation {generation}) was not used")
     elif case.expect is Expect.CUT and case.kept is not None and used[0].accepted > case.kept:
         raise CaseFailedError(
             f"round {round_id} committed {used[0].accepted} drafts; at most {case.kept} "
@@ -447,15 +419,9 @@ def grade(case: SparkCase, worker: HostileWorker, run: SparkRun, reasons: bool) 
         return
     if fallbacks:
         raise CaseFailedError(f"fell back ({fallbacks}) where nothing was wrong with the proposal")
-    if case.expect is Expect.CUT:
+    key = _COUNTED.get(case.expect)
+    if key is not None:
         assert case.code is not None
-        if _count(run.summary, "cuts_by_reason", case.code) < 1:
-            cuts = run.summary.get("cuts_by_reason")
-            raise CaseFailedError(f"cuts_by_reason {cuts}, expected {case.code.name}")
-        return
-    if case.expect in (Expect.DROP, Expect.REJECT):
-        assert case.code is not None
-        key = "frames_dropped" if case.expect is Expect.DROP else "frames_rejected"
         if _count(run.summary, key, case.code) < 1:
             raise CaseFailedError(f"{key} {run.summary.get(key)}, expected {case.code.name}")
 
@@ -469,11 +435,9 @@ async def run_spark_case(
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> SparkResult:
-    """Run one case: what the Spark side did wrong, if anything.
-
-    ``host:port`` is where the hostile worker listens (a Spark side whose worker
-    address is fixed is tested there; the command then only has to start it).
-    The command is stopped after 20 s plus three reply timeouts.
+    """Run one case: what the Spark side did wrong, if anything. The hostile worker listens
+    on ``host:port`` (where a Spark side with a fixed worker address expects it); the
+    command is stopped after 20 s plus three reply timeouts.
 
     Raises:
         OSError: the address cannot be listened on.

@@ -1,16 +1,6 @@
-"""Stop rules (``docs/protocol.md`` §4.1, §4.4, §4.6, §6.4; ``docs/adaptive.md``): worker role.
-
-The HELLO negotiates the rule set by exact name; a STEP naming a rule the
-worker cannot apply is refused (``BAD_STOP_RULE``) and changes nothing; under
-each rule the worker draws row i + 1 only if the rule, from the counts of rows
-1..i, continues, and ships every row it draws. The last is checked without
-knowing the worker's drafter: the draws are keyed by position (§6.3), so the
-block under a rule must be the first L rows of the ``fixed`` block with the
-same key (another connection), with L where the rule, recomputed from those
-rows, ends it; COMPLETION's ``stopped`` must say whether L is below the depth.
-A worker that implements no stop rules passes the refusals and skips the rest
-(informational).
-"""
+"""Stop-rule cases, worker role (``docs/protocol.md`` §4.1, §4.4, §4.6, §6.4). Draws are keyed by
+position (§6.3), so a block under a rule must be the first L rows of the fixed block of the same
+key, L where the rule, from those rows' counts, ends it; a worker without stop rules skips them."""
 
 from __future__ import annotations
 
@@ -48,31 +38,33 @@ async def _echoed(s: Settings) -> None:
     await _negotiated(s)
 
 
-async def _negotiated(s: Settings) -> Peer:
-    """A connection whose HELLO negotiated ``pp1-stop-rules-v1`` with slot 0 open.
+async def negotiate(peer: Peer, who: str = "the worker") -> None:
+    """The handshake of a HELLO asking for ``pp1-stop-rules-v1`` (``who`` names the worker).
 
     Raises:
         core.NonStrictSkip: the worker refused the set (it implements none).
         CaseFailed: any other answer, or an echo of another set.
     """
-    peer = await Peer(s).connect()
-    ours = peer.hello(stop_rules=STOP_RULES)
     try:
-        theirs = await peer.handshake(ours)
+        theirs = await peer.handshake(peer.hello(stop_rules=STOP_RULES))
     except CaseFailed:
         refusal = await peer.next(0.1)
-        peer.close()
-        if refusal is None and peer.eof:
-            raise
         code = getattr(refusal.message, "code", None) if refusal is not None else None
         if code == ErrorCode.STOP_RULES_MISMATCH:
             raise core.NonStrictSkip("the worker implements no stop rules") from None
         raise
     if theirs.stop_rules != STOP_RULES:
+        raise CaseFailed(f"stop_rules: sent {STOP_RULES!r}, {who} echoed {theirs.stop_rules!r}")
+
+
+async def _negotiated(s: Settings) -> Peer:
+    """A connection that negotiated the stop rules (:func:`negotiate`), slot 0 open."""
+    peer = await Peer(s).connect()
+    try:
+        await negotiate(peer)
+    except BaseException:
         peer.close()
-        raise CaseFailed(
-            f"stop_rules: sent {STOP_RULES!r}, the worker echoed {theirs.stop_rules!r}"
-        )
+        raise
     await peer.open_slot()
     return peer
 

@@ -1,34 +1,6 @@
-"""Golden byte vectors of the PP1 wire protocol (``golden/vectors.json``).
-
-Usage: ``python -m pp1wire.testing.golden [--check] [FILE]`` (default
-``golden/vectors.json``); ``--check`` writes nothing and exits 1 if the file
-differs from what the code generates.
-
-Four kinds of vector, each ``{"name", "kind", "hex", "context", "expect"}``
-(``docs/protocol.md`` §10 is their normative description):
-
-* ``frame``: ``hex`` is fed to a frame decoder whose payload limit is
-  ``context.max_payload``. ``expect`` is ``{"messages": [{"type", "fields",
-  "payload"}...]}`` (bytes as hex) or ``{"error": CODE_NAME}``; a vector that
-  ends mid-frame expects ``{"messages": [], "incomplete": true}``.
-* ``reply``: a Spark side in the state ``context`` describes (negotiated
-  vocabulary and row length, one open slot, one STEP in flight or
-  ``"step": null``, optionally a COMMIT after the first frames) receives
-  ``hex`` (REPLY and COMPLETION frames). ``expect`` is ``{"proposal":
-  [tokens]}``, ``{"discarded": CODE_NAME}`` (the whole proposal is refused with
-  that code) or neither, plus ``"dropped"`` and ``"rejected"``: the codes of
-  frames that must be ignored and counted.
-* ``integrity``: ``context`` holds a PSK and the HELLO and CHALLENGE header
-  bytes of a handshake, and the ``direction`` of ``hex`` (tagged frames from
-  n = 0). ``expect`` is ``{"k_sw", "k_ws", "frames": [{"type", "n", "tag"}]}``,
-  with ``"error": "INTEGRITY_FAILED", "at": n`` where a tag is wrong (§5.1).
-* ``hello``: a worker configured as ``context`` says receives ``hex``, a Spark
-  side's HELLO; ``expect`` is what it sends first: ``{"answer": TYPE}`` or
-  ``{"error", "answers", "scope"}`` (§4.1, the order of the HELLO rules).
-
-Another implementation qualifies by reproducing every ``expect``; ours also
-re-encodes each valid message and compares the bytes.
-"""
+"""Golden byte vectors of the PP1 wire protocol: ``python -m pp1wire.testing.golden [--check]
+[FILE]`` writes ``golden/vectors.json`` (with ``--check``, nothing: exit 1 if the file differs).
+``docs/protocol.md`` §10 is the normative description of the four kinds of vector."""
 
 from __future__ import annotations
 

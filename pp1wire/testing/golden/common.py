@@ -10,11 +10,7 @@ from pp1wire.q.rng import Role
 from pp1wire.testing.builders import VOCAB
 from pp1wire.wire import messages
 from pp1wire.wire.handshake import build_hello
-from pp1wire.wire.messages import (
-    Hello,
-    Message,
-    MsgType,
-)
+from pp1wire.wire.messages import Hello, Message, MsgType
 from pp1wire.wire.spark_core import SparkConfig
 
 NONCE = bytes(range(16))

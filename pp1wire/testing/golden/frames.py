@@ -34,18 +34,11 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
     sparse = sparse_ids + sparse_q.tobytes()
     dense = q.tobytes()
 
+    at = {"session": SESSION, "slot": 0, "generation": 0, "round": 0}
+
     def commit(*, accepted: int, extra: int | None, position: int) -> messages.Commit:
         """A COMMIT of round 0 on slot 0 (its digest a placeholder)."""
-        return messages.Commit(
-            session=SESSION,
-            slot=0,
-            generation=0,
-            round=0,
-            accepted=accepted,
-            extra=extra,
-            position=position,
-            digest=9,
-        )
+        return messages.Commit(**at, accepted=accepted, extra=extra, position=position, digest=9)
 
     return [
         ("hello_spark", hello(2), b""),
@@ -65,11 +58,7 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
         ),
         ("challenge", messages.Challenge(nonce=NONCE * 2, proof=bytes(32)), b""),
         ("auth", messages.Auth(proof=bytes(range(32))), b""),
-        (
-            "open",
-            open_message(SESSION, 0, [1, 2, 3], seed=0x0123456789ABCDEF),
-            tokens.tobytes(),
-        ),
+        ("open", open_message(SESSION, 0, [1, 2, 3], seed=0x0123456789ABCDEF), tokens.tobytes()),
         (
             "opened",
             messages.Opened(session=SESSION, slot=0, generation=0, position=3, digest=1),
@@ -77,26 +66,14 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
         ),
         ("close", messages.Close(session=SESSION, slot=1), b""),
         ("closed", messages.Closed(session=SESSION, slot=1), b""),
-        (
-            "step",
-            reply_step(0, depth=5),
-            b"",
-        ),
-        (
-            "reply_dense",
-            reply_header(reply_step(0), 0, 7, dense),
-            dense,
-        ),
+        ("step", reply_step(0, depth=5), b""),
+        ("reply_dense", reply_header(reply_step(0), 0, 7, dense), dense),
         (
             "reply_dense_shard",
             reply_header(reply_step(0), 0, 7, dense[16:], start=4, end=8),
             dense[16:],
         ),
-        (
-            "reply_sparse",
-            reply_header(reply_step(3), 0, 2, sparse),
-            sparse,
-        ),
+        ("reply_sparse", reply_header(reply_step(3), 0, 2, sparse), sparse),
         (
             "completion",
             completion_header(reply_step(0), b"", 5, reply_bytes=1000, reply_checksum=2**64 - 1),
@@ -104,13 +81,7 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
         ),
         ("commit", commit(accepted=2, extra=5, position=6), b""),
         ("commit_eos", commit(accepted=1, extra=None, position=4), b""),
-        (
-            "committed",
-            messages.Committed(
-                session=SESSION, slot=0, generation=0, round=0, position=6, digest=9
-            ),
-            b"",
-        ),
+        ("committed", messages.Committed(**at, position=6, digest=9), b""),
         ("reset", messages.Reset(session=SESSION, slot=0, generation=1), b""),
         (
             "reset_done",
@@ -129,46 +100,40 @@ def valid_messages() -> list[tuple[str, messages.Message, bytes]]:
     ]
 
 
+def _vector(name: str, data: bytes, expect: dict[str, Any], max_payload: int) -> Vector:
+    return {
+        "name": name,
+        "kind": "frame",
+        "hex": data.hex(),
+        "context": {"max_payload": max_payload},
+        "expect": expect,
+    }
+
+
 def frame_vectors() -> list[Vector]:
     """Every valid message type once, then one vector per framing error class."""
-    out: list[Vector] = []
     limit = 1 << 20
-    for name, msg, payload in valid_messages():
-        frame = framing.encode_frame(msg, payload)
-        out.append(
-            {
-                "name": f"valid_{name}",
-                "kind": "frame",
-                "hex": frame.hex(),
-                "context": {"max_payload": limit},
-                "expect": {"messages": [message_json(msg, payload)]},
-            }
+    out = [
+        _vector(
+            f"valid_{name}",
+            framing.encode_frame(msg, payload),
+            {"messages": [message_json(msg, payload)]},
+            limit,
         )
+        for name, msg, payload in valid_messages()
+    ]
     ping = messages.encode(messages.Ping(nonce=1))
     pong_frame = framing.encode_frame(messages.Pong(nonce=1))
     two = framing.encode_frame(messages.Ping(nonce=1)) + pong_frame
+    both = [message_json(messages.Ping(nonce=1)), message_json(messages.Pong(nonce=1))]
+    out.append(_vector("valid_two_frames_in_one_read", two, {"messages": both}, limit))
     out.append(
-        {
-            "name": "valid_two_frames_in_one_read",
-            "kind": "frame",
-            "hex": two.hex(),
-            "context": {"max_payload": limit},
-            "expect": {
-                "messages": [
-                    message_json(messages.Ping(nonce=1)),
-                    message_json(messages.Pong(nonce=1)),
-                ]
-            },
-        }
-    )
-    out.append(
-        {
-            "name": "incomplete_truncated_preamble",
-            "kind": "frame",
-            "hex": pong_frame[:10].hex(),
-            "context": {"max_payload": limit},
-            "expect": {"messages": [], "incomplete": True},
-        }
+        _vector(
+            "incomplete_truncated_preamble",
+            pong_frame[:10],
+            {"messages": [], "incomplete": True},
+            limit,
+        )
     )
     step_header = messages.encode(valid_messages()[8][1])
     # Each error vector is read with max_payload = limit, but those named here.
@@ -232,15 +197,8 @@ def frame_vectors() -> list[Vector]:
         ),
     ]
     for name, frame, code in errors:
-        out.append(
-            {
-                "name": f"error_{name}",
-                "kind": "frame",
-                "hex": frame.hex(),
-                "context": {"max_payload": max_payload.get(name, limit)},
-                "expect": {"error": code.name},
-            }
-        )
+        expect = {"error": code.name}
+        out.append(_vector(f"error_{name}", frame, expect, max_payload.get(name, limit)))
     return out
 
 

@@ -1,12 +1,6 @@
-"""HELLO vectors: a worker receives a Spark side's HELLO and answers (``docs/protocol.md`` §4.1).
-
-The order of the HELLO rules is part of the protocol (the first failing row
-names the code), so for every pair of adjacent checked rows of
-:data:`~pp1wire.wire.handshake.HELLO_RULES` one vector breaks both and expects
-the first row's code. A few more fix what the drafts left to guessing: the
-worker's ``max_frame`` limit exactly, and that a worker with a key checks the
-rules (role included) only after AUTH.
-"""
+"""HELLO vectors (``docs/protocol.md`` §4.1): for each pair of adjacent checked rows of
+:data:`~pp1wire.wire.handshake.HELLO_RULES` one HELLO breaks both and expects the first row's
+code; a few more fix the worker's ``max_frame`` limit and that a keyed worker checks after AUTH."""
 
 from __future__ import annotations
 
@@ -45,6 +39,24 @@ WORKER: dict[str, Any] = {
 
 _OTHER_LAYOUT = ShardLayout((0, 4, VOCAB))
 
+
+def _shard(n: int) -> dict[str, Any]:
+    """Shard ``n`` of :data:`_OTHER_LAYOUT` as a Spark HELLO declares it (group nonce apart)."""
+    start, end = _OTHER_LAYOUT.range(n)
+    return {
+        "shards": 2,
+        "shard": n,
+        "shard_start": start,
+        "shard_end": end,
+        "layout": _OTHER_LAYOUT.digest,
+    }
+
+
+def _refused(code: str) -> dict[str, Any]:
+    """What a worker that refuses the HELLO with ``code`` sends first."""
+    return {"error": code, "answers": "HELLO", "scope": 2}
+
+
 #: For each checked row (by its first field), HELLO fields that break only that row.
 BREAK: dict[str, dict[str, Any]] = {
     "role": {"role": 1},
@@ -62,27 +74,14 @@ BREAK: dict[str, dict[str, Any]] = {
     "row_entries": {"row_entries": VOCAB + 1},
     "max_frame": {"max_frame": (1 << 20) + 1},
     "max_prefix": {"max_prefix": 1025},
-    "shards": {
-        "shards": 2,
-        "shard": 1,
-        "shard_start": 4,
-        "shard_end": VOCAB,
-        "layout": _OTHER_LAYOUT.digest,
-    },
+    "shards": _shard(1),
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
     "group": {"group": GROUP},
     # The value an older peer's omitted field takes (§4.1, §11).
     "row_format": {"row_format": ""},
 }
 
-#: Shard 0 of :data:`_OTHER_LAYOUT`, as a Spark HELLO declares it (its group nonce apart).
-_SHARD_0 = {
-    "shards": 2,
-    "shard": 0,
-    "shard_start": 0,
-    "shard_end": 4,
-    "layout": _OTHER_LAYOUT.digest,
-}
+_SHARD_0 = _shard(0)
 _SHARDED_WORKER = {"layout": list(_OTHER_LAYOUT.bounds), "shard": 0}
 
 
@@ -94,12 +93,7 @@ def hello_vectors() -> list[Vector]:
         a, b = first.fields[0], second.fields[0]
         assert first.code is not None
         cases.append(
-            (
-                f"hello_order_{a}_{b}",
-                {**BREAK[a], **BREAK[b]},
-                {},
-                {"error": first.code.name, "answers": "HELLO", "scope": 2},
-            )
+            (f"hello_order_{a}_{b}", {**BREAK[a], **BREAK[b]}, {}, _refused(first.code.name))
         )
     hard = framing.HARD_MAX_PAYLOAD
     cases += [
@@ -108,7 +102,7 @@ def hello_vectors() -> list[Vector]:
             "hello_order_draft_identity_integrity",
             {**BREAK["draft_identity"], **BREAK["integrity"]},
             {},
-            {"error": "IDENTITY_MISMATCH", "answers": "HELLO", "scope": 2},
+            _refused("IDENTITY_MISMATCH"),
         ),
         ("hello_accepted", {}, {}, {"answer": "HELLO"}),
         ("hello_max_frame_at_limit", {"max_frame": hard}, {"max_frame": hard}, {"answer": "HELLO"}),
@@ -116,7 +110,7 @@ def hello_vectors() -> list[Vector]:
             "hello_max_frame_above_limit",
             {"max_frame": hard + 1},
             {"max_frame": hard},
-            {"error": "LIMIT_EXCEEDED", "answers": "HELLO", "scope": 2},
+            _refused("LIMIT_EXCEEDED"),
         ),
         ("hello_stop_rules_accepted", {"stop_rules": STOP_RULES}, {}, {"answer": "HELLO"}),
         (
@@ -124,7 +118,7 @@ def hello_vectors() -> list[Vector]:
             "hello_stop_rules_not_implemented",
             {"stop_rules": STOP_RULES},
             {"stop_rules": ""},
-            {"error": "STOP_RULES_MISMATCH", "answers": "HELLO", "scope": 2},
+            _refused("STOP_RULES_MISMATCH"),
         ),
         (
             # §6.7: a sharded link negotiates the stop rules as an unsharded one does.
@@ -140,24 +134,19 @@ def hello_vectors() -> list[Vector]:
             _SHARDED_WORKER,
             {"answer": "HELLO", "group": GROUP.hex()},
         ),
-        (
-            "hello_shard_group_missing",
-            _SHARD_0,
-            _SHARDED_WORKER,
-            {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
-        ),
+        ("hello_shard_group_missing", _SHARD_0, _SHARDED_WORKER, _refused("SHARD_LAYOUT_MISMATCH")),
         (
             "hello_shard_group_short",
             {**_SHARD_0, "group": GROUP[:8]},
             _SHARDED_WORKER,
-            {"error": "SHARD_LAYOUT_MISMATCH", "answers": "HELLO", "scope": 2},
+            _refused("SHARD_LAYOUT_MISMATCH"),
         ),
         (
             # §4.1: a row format this document does not define.
             "hello_row_format_other",
             {"row_format": "pp1-fixed-rows-v2"},
             {},
-            {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2},
+            _refused("ROW_FORMAT_MISMATCH"),
         ),
         (
             # §5: with a key, no rule is checked before AUTH, not even the role.
@@ -171,11 +160,9 @@ def hello_vectors() -> list[Vector]:
         (name, framing.encode_frame(msgspec.structs.replace(hello(2), **fields)), worker, expect)
         for name, fields, worker, expect in cases
     ]
-    refused = {"error": "ROW_FORMAT_MISMATCH", "answers": "HELLO", "scope": 2}
-    frames.append(
-        # §4.1, §11: the HELLO of a peer before row_format: fields 1..27, no field 28.
-        ("hello_row_format_omitted", older_hello_frame(hello(2)), {}, refused)
-    )
+    # §4.1, §11: the HELLO of a peer before row_format: fields 1..27, no field 28.
+    omitted = older_hello_frame(hello(2))
+    frames.append(("hello_row_format_omitted", omitted, {}, _refused("ROW_FORMAT_MISMATCH")))
     return [
         {
             "name": name,

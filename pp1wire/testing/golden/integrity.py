@@ -69,31 +69,24 @@ def integrity_vectors() -> list[Vector]:
         "challenge_header": challenge_header.hex(),
     }
     keys = _keys(context)
+
+    def vector(name: str, stream: bytes, direction: str) -> Vector:
+        out: Vector = {"name": name, "kind": "integrity", "hex": stream.hex()}
+        out["context"] = {**context, "direction": direction}
+        out["expect"] = run_integrity_vector(out)
+        return out
+
     out: list[Vector] = []
     for direction, msgs in _directions().items():
         sealer = integrity.Sealer(keys[direction])
         stream = b"".join(sealer.seal(framing.encode_frame(m, p, tagged=True)) for m, p in msgs)
-        vector = {
-            "name": f"integrity_{direction}",
-            "kind": "integrity",
-            "hex": stream.hex(),
-            "context": {**context, "direction": direction},
-        }
-        vector["expect"] = run_integrity_vector(vector)
-        out.append(vector)
+        out.append(vector(f"integrity_{direction}", stream, direction))
     # The OPEN's tokens changed by a relay: the header and its checksum still hold.
     good = bytes.fromhex(out[0]["hex"])
     first = framing.FrameDecoder(1 << 20).feed(good)[0]
     flipped = bytearray(good)
     flipped[len(first.raw) - 1] ^= 0x01  # last payload byte of the OPEN
-    vector = {
-        "name": "integrity_payload_changed",
-        "kind": "integrity",
-        "hex": bytes(flipped).hex(),
-        "context": {**context, "direction": "spark_to_worker"},
-    }
-    vector["expect"] = run_integrity_vector(vector)
-    out.append(vector)
+    out.append(vector("integrity_payload_changed", bytes(flipped), "spark_to_worker"))
     return out
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
@@ -17,18 +16,19 @@ from pp1wire.testing.builders import (
     VOCAB,
     completion,
     dense_payload,
+    fp32,
+    fp32s,
     reply_row,
     reply_step,
     sparse_payload,
     whole_reply,
 )
 from pp1wire.testing.golden.common import GROUP, Vector, message_from_json, message_json
-from pp1wire.testing.golden.reply_rules import GOOD_DENSE, shard_cases, stop_cases
+from pp1wire.testing.golden.reply_rules import GOOD_DENSE, Case, bad, shard_cases, stop_cases
 from pp1wire.wire import framing, spark_events
-from pp1wire.wire.messages import (
-    Opened,
-    Step,
-)
+from pp1wire.wire.messages import Opened, Step
+
+H, Q = 0.5, 0.25  # half and a quarter of the mass, as FP32 q values
 
 
 def reply_vectors() -> list[Vector]:
@@ -42,118 +42,68 @@ def reply_vectors() -> list[Vector]:
             st, *(reply_row(st, i, t, dense_payload(GOOD_DENSE)) for i, t in ((0, 0), (1, 2)))
         )
 
-    good0 = reply_row(d, 0, 0, dense_payload(GOOD_DENSE))
-    good1 = reply_row(d, 1, 2, dense_payload(GOOD_DENSE))
+    def row(i: int, token: int, **over: Any) -> bytes:
+        """Row ``i`` of ``d``'s reply drafting ``token`` under GOOD_DENSE (fields overridden)."""
+        return reply_row(d, i, token, dense_payload(GOOD_DENSE), **over)
+
+    good0, good1 = row(0, 0), row(1, 2)
+    later = msgspec.structs.replace(d, round=1)
     sp0 = reply_row(s, 0, 2, sparse_payload([0, 2, 7], [dyadic.M // 4] * 2 + [dyadic.M // 2]))
     sp1 = reply_row(s, 1, 7, sparse_payload([7], [dyadic.M]))
 
+    def first(row0: bytes) -> bytes:
+        """``d``'s reply with ``row0`` for row 0 and a valid row 1."""
+        return whole_reply(d, row0, good1)
+
     def dense_bad(values: list[float]) -> bytes:
-        payload = np.asarray(values, dtype="<f4").tobytes()
-        return whole_reply(d, reply_row(d, 0, 0, payload), good1)
+        return first(reply_row(d, 0, 0, fp32(values)))
 
     def sparse_bad(ids: list[int], values: list[float], token: int = 0) -> bytes:
-        payload = np.asarray(ids, dtype="<i4").tobytes() + np.asarray(values, dtype="<f4").tobytes()
-        return whole_reply(s, reply_row(s, 0, token, payload), sp1)
+        return whole_reply(s, reply_row(s, 0, token, fp32s(ids, values)), sp1)
 
-    half, quarter = 0.5, 0.25
-    base = [half, 0.0, quarter, 0.0, 0.0, 0.0, 0.0, quarter]
-    cases: list[tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]] = [
+    def whole(**over: int) -> bytes:
+        """``d``'s valid rows, then a COMPLETION with ``over``."""
+        return whole_reply(d, good0, good1, **over)
+
+    base = [H, 0.0, Q, 0.0, 0.0, 0.0, 0.0, Q]
+    cases: list[Case] = [
         ("valid_dense", d, good(d), {"proposal": [0, 2]}, {}),
         ("valid_sparse", s, whole_reply(s, sp0, sp1), {"proposal": [2, 7]}, {}),
         (
             "valid_terminal_shortens_block",
             d,
-            whole_reply(d, reply_row(d, 0, 7, dense_payload(GOOD_DENSE))),
+            whole_reply(d, row(0, 7)),
             {"proposal": [7]},
             {"eos": 7},
         ),
-        (
-            "dense_nan",
-            d,
-            dense_bad([*base[:3], float("nan"), *base[4:]]),
-            {"discarded": "NON_FINITE"},
-            {},
-        ),
-        (
-            "dense_inf",
-            d,
-            dense_bad([*base[:3], float("inf"), *base[4:]]),
-            {"discarded": "NON_FINITE"},
-            {},
-        ),
-        (
-            "dense_negative_zero",
-            d,
-            dense_bad([*base[:3], -0.0, *base[4:]]),
-            {"discarded": "NEGATIVE"},
-            {},
-        ),
-        (
-            "dense_negative",
-            d,
-            dense_bad([half + quarter, 0.0, quarter, -quarter, 0, 0, 0, quarter]),
-            {"discarded": "NEGATIVE"},
-            {},
-        ),
-        (
-            "dense_non_dyadic",
-            d,
-            dense_bad([half, 0.0, quarter, 2.0**-26, 0, 0, 0, quarter]),
-            {"discarded": "NON_DYADIC"},
-            {},
-        ),
-        (
-            "dense_above_one",
-            d,
-            dense_bad([2.0, 0, 0, 0, 0, 0, 0, 0]),
-            {"discarded": "NON_DYADIC"},
-            {},
-        ),
-        (
-            "dense_mass_low",
-            d,
-            dense_bad([half, 0.0, quarter, 0, 0, 0, 0, 0]),
-            {"discarded": "MASS_MISMATCH"},
-            {},
-        ),
-        (
+        bad("dense_nan", d, dense_bad([*base[:3], float("nan"), *base[4:]]), "NON_FINITE"),
+        bad("dense_inf", d, dense_bad([*base[:3], float("inf"), *base[4:]]), "NON_FINITE"),
+        bad("dense_negative_zero", d, dense_bad([*base[:3], -0.0, *base[4:]]), "NEGATIVE"),
+        bad("dense_negative", d, dense_bad([H + Q, 0.0, Q, -Q, 0, 0, 0, Q]), "NEGATIVE"),
+        bad("dense_non_dyadic", d, dense_bad([H, 0.0, Q, 2.0**-26, 0, 0, 0, Q]), "NON_DYADIC"),
+        bad("dense_above_one", d, dense_bad([2.0, 0, 0, 0, 0, 0, 0, 0]), "NON_DYADIC"),
+        bad("dense_mass_low", d, dense_bad([H, 0.0, Q, 0, 0, 0, 0, 0]), "MASS_MISMATCH"),
+        bad(
             "dense_mass_high_by_one_count",
             d,
-            dense_bad([half, 2.0**-24, quarter, 0, 0, 0, 0, quarter]),
-            {"discarded": "MASS_MISMATCH"},
-            {},
+            dense_bad([H, 2.0**-24, Q, 0, 0, 0, 0, Q]),
+            "MASS_MISMATCH",
         ),
-        (
-            "dense_zero_q_at_token",
-            d,
-            whole_reply(d, reply_row(d, 0, 1, dense_payload(GOOD_DENSE)), good1),
-            {"discarded": "ZERO_Q_AT_PROPOSED"},
-            {},
-        ),
-        (
-            "dense_token_out_of_range",
-            d,
-            whole_reply(d, reply_row(d, 0, VOCAB, dense_payload(GOOD_DENSE)), good1),
-            {"discarded": "PROPOSED_OUT_OF_RANGE"},
-            {},
-        ),
-        (
+        bad("dense_zero_q_at_token", d, first(row(0, 1)), "ZERO_Q_AT_PROPOSED"),
+        bad("dense_token_out_of_range", d, first(row(0, VOCAB)), "PROPOSED_OUT_OF_RANGE"),
+        bad(
             "dense_wrong_entries",
             d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE, VOCAB - 1)), good1),
-            {"discarded": "ROW_LENGTH"},
-            {},
+            first(reply_row(d, 0, 0, dense_payload(GOOD_DENSE, VOCAB - 1))),
+            "ROW_LENGTH",
         ),
-        (
+        bad(
             "dense_payload_shorter_than_entries",
             d,
-            whole_reply(
-                d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE)[:-4], entries=VOCAB), good1
-            ),
-            {"discarded": "ROW_LENGTH"},
-            {},
+            first(reply_row(d, 0, 0, dense_payload(GOOD_DENSE)[:-4], entries=VOCAB)),
+            "ROW_LENGTH",
         ),
-        (
+        bad(
             "dense_padding_nonzero",
             d,
             whole_reply(
@@ -161,115 +111,53 @@ def reply_vectors() -> list[Vector]:
                 reply_row(d, 0, 0, dense_payload(GOOD_DENSE, VOCAB + 2)[:-4] + b"\x00\x00\x00\x80"),
                 reply_row(d, 1, 2, dense_payload(GOOD_DENSE, VOCAB + 2)),
             ),
-            {"discarded": "DENSE_PADDING_NONZERO"},
-            {"row_entries": VOCAB + 2},
+            "DENSE_PADDING_NONZERO",
+            row_entries=VOCAB + 2,
         ),
-        (
-            "missing_q",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, b"", entries=0), good1),
-            {"discarded": "MISSING_Q"},
-            {},
-        ),
-        (
+        bad("missing_q", d, first(reply_row(d, 0, 0, b"", entries=0)), "MISSING_Q"),
+        bad(
             "dense_row_for_sparse_step",
             s,
             whole_reply(
                 s, reply_row(s, 0, 0, dense_payload(GOOD_DENSE), representation=0, entries=VOCAB)
             ),
-            {"discarded": "BAD_REPRESENTATION"},
-            {"late": 1},
+            "BAD_REPRESENTATION",
+            late=1,
         ),
-        (
-            "sparse_duplicate_ids",
-            s,
-            sparse_bad([0, 0, 7], [quarter, quarter, half]),
-            {"discarded": "SPARSE_DUPLICATE_ID"},
-            {},
-        ),
-        (
+        bad("sparse_duplicate_ids", s, sparse_bad([0, 0, 7], [Q, Q, H]), "SPARSE_DUPLICATE_ID"),
+        bad(
             "sparse_duplicate_zeros",
             s,
             sparse_bad([0, 5, 5], [1.0, 0.0, 0.0]),
-            {"discarded": "SPARSE_DUPLICATE_ID"},
-            {},
+            "SPARSE_DUPLICATE_ID",
         ),
-        (
-            "sparse_unsorted",
-            s,
-            sparse_bad([7, 0], [half, half]),
-            {"discarded": "SPARSE_UNSORTED"},
-            {},
-        ),
-        (
-            "sparse_id_out_of_range",
-            s,
-            sparse_bad([0, VOCAB], [half, half]),
-            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
-            {},
-        ),
-        (
-            "sparse_padded_id",
-            s,
-            sparse_bad([0, -1], [half, half]),
-            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
-            {},
-        ),
-        (
-            "sparse_zero_entry",
-            s,
-            sparse_bad([0, 7], [1.0, 0.0]),
-            {"discarded": "SPARSE_ZERO_ENTRY"},
-            {},
-        ),
-        (
+        bad("sparse_unsorted", s, sparse_bad([7, 0], [H, H]), "SPARSE_UNSORTED"),
+        bad("sparse_id_out_of_range", s, sparse_bad([0, VOCAB], [H, H]), "SPARSE_ID_OUT_OF_RANGE"),
+        bad("sparse_padded_id", s, sparse_bad([0, -1], [H, H]), "SPARSE_ID_OUT_OF_RANGE"),
+        bad("sparse_zero_entry", s, sparse_bad([0, 7], [1.0, 0.0]), "SPARSE_ZERO_ENTRY"),
+        bad(
             "sparse_support_too_large",
             s,
-            sparse_bad([0, 1, 2, 3], [quarter, quarter, quarter, quarter]),
-            {"discarded": "SUPPORT_TOO_LARGE"},
-            {},
+            sparse_bad([0, 1, 2, 3], [Q, Q, Q, Q]),
+            "SUPPORT_TOO_LARGE",
         ),
         (
             "sparse_frame_over_negotiated_limit",
             s,
-            sparse_bad([0, 1, 2, 3, 4], [quarter, quarter, quarter, 0.125, 0.125]),
+            sparse_bad([0, 1, 2, 3, 4], [Q, Q, Q, 0.125, 0.125]),
             {"discarded": "FRAME_TOO_LARGE", "connection_failed": "FRAME_TOO_LARGE"},
             {"late": 0},
         ),
-        ("sparse_mass", s, sparse_bad([0, 7], [half, quarter]), {"discarded": "MASS_MISMATCH"}, {}),
-        (
-            "sparse_zero_q_at_token",
-            s,
-            sparse_bad([0, 7], [half, half], token=3),
-            {"discarded": "ZERO_Q_AT_PROPOSED"},
-            {},
-        ),
-        (
-            "sparse_non_finite",
-            s,
-            sparse_bad([0, 7], [half, float("nan")]),
-            {"discarded": "NON_FINITE"},
-            {},
-        ),
-        (
-            "row_checksum_mismatch",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), checksum=1), good1),
-            {"discarded": "ROW_CHECKSUM_MISMATCH"},
-            {},
-        ),
-        (
-            "rows_out_of_order",
-            d,
-            whole_reply(d, good1, good0),
-            {"discarded": "ROW_OUT_OF_ORDER"},
-            {},
-        ),
+        bad("sparse_mass", s, sparse_bad([0, 7], [H, Q]), "MASS_MISMATCH"),
+        bad("sparse_zero_q_at_token", s, sparse_bad([0, 7], [H, H], token=3), "ZERO_Q_AT_PROPOSED"),
+        bad("sparse_non_finite", s, sparse_bad([0, 7], [H, float("nan")]), "NON_FINITE"),
+        bad("row_checksum_mismatch", d, first(row(0, 0, checksum=1)), "ROW_CHECKSUM_MISMATCH"),
+        bad("rows_out_of_order", d, whole_reply(d, good1, good0), "ROW_OUT_OF_ORDER"),
         (
             # §4.5: a refused row ends the block before it; the rows before it stand.
             "row_beyond_depth",
             d,
-            whole_reply(d, good0, good1, reply_row(d, 2, 0, dense_payload(GOOD_DENSE))),
+            whole_reply(d, good0, good1, row(2, 0)),
             {"proposal": [0, 2], "cut": "ROW_OUT_OF_ORDER", "dropped": ["LATE_FRAME"]},
             {},
         ),
@@ -277,7 +165,7 @@ def reply_vectors() -> list[Vector]:
             # §4.5, docs/adaptive.md §7: a corrupt row 1 cuts the block to row 0.
             "row_checksum_mismatch_mid_block",
             d,
-            whole_reply(d, good0, reply_row(d, 1, 2, dense_payload(GOOD_DENSE), checksum=1)),
+            whole_reply(d, good0, row(1, 2, checksum=1)),
             {"proposal": [0], "cut": "ROW_CHECKSUM_MISMATCH", "dropped": ["LATE_FRAME"]},
             {},
         ),
@@ -289,19 +177,19 @@ def reply_vectors() -> list[Vector]:
             {"proposal": [0], "cut": "INTERNAL"},
             {},
         ),
-        (
+        bad(
             "completion_status_after_rows_count_differs",
             d,
             whole_reply(d, good0, status=int(ErrorCode.INTERNAL), rows=2),
-            {"discarded": "COMPLETION_EARLY"},
-            {"late": 0},
+            "COMPLETION_EARLY",
+            late=0,
         ),
-        (
+        bad(
             "completion_status_after_rows_wrong_checksum",
             d,
             whole_reply(d, good0, status=int(ErrorCode.INTERNAL), reply_checksum=1),
-            {"discarded": "REPLY_CHECKSUM_MISMATCH"},
-            {"late": 0},
+            "REPLY_CHECKSUM_MISMATCH",
+            late=0,
         ),
         (
             # §6.5: the rows that arrived by the reply deadline are the block.
@@ -311,54 +199,24 @@ def reply_vectors() -> list[Vector]:
             {"proposal": [0], "cut": "REPLY_TIMEOUT"},
             {"deadline": True},
         ),
-        (
-            "reply_timeout_before_any_row",
-            d,
-            b"",
-            {"discarded": "REPLY_TIMEOUT"},
-            {"deadline": True, "late": 0},
-        ),
-        (
-            "row_wrong_position",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), position=9), good1),
-            {"discarded": "WRONG_POSITION"},
-            {},
-        ),
-        (
-            "completion_early",
-            d,
-            good0 + completion(d, good0, 1),
-            {"discarded": "COMPLETION_EARLY"},
-            {"late": 0},
-        ),
-        (
-            "completion_claims_more_rows",
-            d,
-            whole_reply(d, good0, good1, rows=3),
-            {"discarded": "COMPLETION_EARLY"},
-            {"late": 0},
-        ),
-        (
-            "completion_wrong_size",
-            d,
-            whole_reply(d, good0, good1, reply_bytes=1),
-            {"discarded": "REPLY_SIZE_MISMATCH"},
-            {"late": 0},
-        ),
-        (
+        bad("reply_timeout_before_any_row", d, b"", "REPLY_TIMEOUT", deadline=True, late=0),
+        bad("row_wrong_position", d, first(row(0, 0, position=9)), "WRONG_POSITION"),
+        bad("completion_early", d, good0 + completion(d, good0, 1), "COMPLETION_EARLY", late=0),
+        bad("completion_claims_more_rows", d, whole(rows=3), "COMPLETION_EARLY", late=0),
+        bad("completion_wrong_size", d, whole(reply_bytes=1), "REPLY_SIZE_MISMATCH", late=0),
+        bad(
             "completion_wrong_checksum",
             d,
-            whole_reply(d, good0, good1, reply_checksum=1),
-            {"discarded": "REPLY_CHECKSUM_MISMATCH"},
-            {"late": 0},
+            whole(reply_checksum=1),
+            "REPLY_CHECKSUM_MISMATCH",
+            late=0,
         ),
-        (
+        bad(
             "completion_status_failure",
             d,
             whole_reply(d, status=int(ErrorCode.INTERNAL)),
-            {"discarded": "INTERNAL"},
-            {"late": 0},
+            "INTERNAL",
+            late=0,
         ),
         (
             "completion_twice",
@@ -370,45 +228,27 @@ def reply_vectors() -> list[Vector]:
         (
             "stale_generation_dropped",
             d,
-            good0 + good(_gen(d, 1)),
+            good0 + good(msgspec.structs.replace(d, generation=1)),
             {"proposal": [0, 2], "dropped": ["STALE_GENERATION"]},
             {"generation": 1},
         ),
         (
             "stale_round_dropped",
-            _round(d, 1),
-            good0 + good(_round(d, 1)),
+            later,
+            good0 + good(later),
             {"proposal": [0, 2], "dropped": ["ROUND_REUSED"]},
             {"round": 1},
         ),
-        (
-            "future_generation",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1), good1),
-            {"discarded": "FUTURE_GENERATION"},
-            {},
-        ),
-        (
-            "future_round",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), round=1), good1),
-            {"discarded": "ROW_OUT_OF_ORDER"},
-            {},
-        ),
-        (
-            "range_on_unsharded_link",
-            d,
-            whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), start=0, end=8), good1),
-            {"discarded": "SHARD_RANGE_MISMATCH"},
-            {},
-        ),
-        (
+        bad("future_generation", d, first(row(0, 0, generation=1)), "FUTURE_GENERATION"),
+        bad("future_round", d, first(row(0, 0, round=1)), "ROW_OUT_OF_ORDER"),
+        bad("range_on_unsharded_link", d, first(row(0, 0, start=0, end=8)), "SHARD_RANGE_MISMATCH"),
+        bad(
             # §4.6: COMPLETION's start and end follow REPLY's rule: absent on an unsharded link.
             "completion_range_on_unsharded_link",
             d,
-            whole_reply(d, good0, good1, start=0, end=8),
-            {"discarded": "SHARD_RANGE_MISMATCH"},
-            {"late": 0},
+            whole(start=0, end=8),
+            "SHARD_RANGE_MISMATCH",
+            late=0,
         ),
         (
             # §7: a COMMIT does not end the last STEP; its COMPLETION is still a duplicate.
@@ -423,16 +263,14 @@ def reply_vectors() -> list[Vector]:
             # second finds nothing pending and is rejected.
             "future_generation_twice",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1)
-            + reply_row(d, 1, 2, dense_payload(GOOD_DENSE), generation=1)
-            + good(d),
+            row(0, 0, generation=1) + row(1, 2, generation=1) + good(d),
             {"discarded": "FUTURE_GENERATION", "rejected": ["FUTURE_GENERATION"]},
             {"late": 3},
         ),
         (
             "future_generation_nothing_pending",
             None,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), generation=1),
+            row(0, 0, generation=1),
             {"rejected": ["FUTURE_GENERATION"]},
             {"round": 1},
         ),
@@ -440,14 +278,14 @@ def reply_vectors() -> list[Vector]:
             # §7: the slot is checked before the generation.
             "future_generation_slot_not_open",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), slot=1, generation=5) + good(d),
+            row(0, 0, slot=1, generation=5) + good(d),
             {"proposal": [0, 2], "dropped": ["UNKNOWN_SLOT"]},
             {},
         ),
         (
             "wrong_session",
             d,
-            reply_row(d, 0, 0, dense_payload(GOOD_DENSE), session=8) + good(d),
+            row(0, 0, session=8) + good(d),
             {"proposal": [0, 2], "rejected": ["WRONG_SESSION"]},
             {},
         ),
@@ -491,23 +329,12 @@ def reply_vectors() -> list[Vector]:
     return out
 
 
-def _gen(step: Step, generation: int) -> Step:
-    return msgspec.structs.replace(step, generation=generation)
-
-
-def _round(step: Step, round_id: int) -> Step:
-    return msgspec.structs.replace(step, round=round_id)
-
-
 def _frame_ends(data: bytes) -> list[int]:
-    """The offset after each whole frame of ``data`` (tags included), from the preambles."""
+    """The offset after each frame of ``data`` (tags included)."""
     ends, at = [], 0
-    while at + framing.PREAMBLE_SIZE <= len(data):
-        header_len = int.from_bytes(data[at + 6 : at + 8], "little")
-        payload_len = int.from_bytes(data[at + 8 : at + 12], "little")
-        tag = framing.TAG_SIZE if data[at + 4] & framing.FLAG_TAGGED else 0
-        at += framing.PREAMBLE_SIZE + header_len + payload_len + tag
-        ends.append(min(at, len(data)))
+    for frame in framing.FrameDecoder(1 << 20).feed(data):
+        at += len(frame.raw) + (0 if frame.tag is None else len(frame.tag))
+        ends.append(at)
     return ends
 
 
@@ -540,19 +367,10 @@ def run_reply_vector(vector: Vector) -> dict[str, Any]:
         ours, role=1, session=ctx["session"], draft_identity="pp1-toy-drafter"
     )
     spark.receive_data(framing.encode_frame(worker_hello), 0.0)
-    spark.open_slot(slot, seed=1, prefix=ctx["prefix"], eos=ctx["eos"])
-    spark.receive_data(
-        framing.encode_frame(
-            Opened(
-                session=ctx["session"],
-                slot=slot,
-                generation=0,
-                position=len(ctx["prefix"]),
-                digest=prefix_digest(ctx["prefix"]),
-            )
-        ),
-        0.0,
-    )
+    prefix = ctx["prefix"]
+    spark.open_slot(slot, seed=1, prefix=prefix, eos=ctx["eos"])
+    at = {"session": ctx["session"], "slot": slot, "generation": 0, "position": len(prefix)}
+    spark.receive_data(framing.encode_frame(Opened(**at, digest=prefix_digest(prefix))), 0.0)
     for _ in range(ctx["generation"]):
         spark.reset(slot)
     if step is not None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.stoprules import STOP_RULES, StopKind, threshold_of
-from pp1wire.testing.builders import dense_payload, reply_row, reply_step, whole_reply
+from pp1wire.testing.builders import dense_payload, fp32, fp32s, reply_row, reply_step, whole_reply
 from pp1wire.wire.messages import Step
 
 #: q over V = 8 with counts 2**23, 2**22, 2**22 at tokens 0, 2 and 7.
@@ -23,21 +22,21 @@ Case = tuple[str, Step | None, bytes, dict[str, Any], dict[str, Any]]
 SHARDED: dict[str, Any] = {"layout": [0, 4, 8], "shard": 1}  # the link carries IDs 4..7
 
 
+def bad(name: str, step: Step, data: bytes, code: str, **extra: Any) -> Case:
+    """A vector whose proposal is discarded with ``code``."""
+    return (name, step, data, {"discarded": code}, extra)
+
+
 def shard_cases(d: Step, s: Step) -> list[Case]:
     """Rows of shard 1 of the layout (0, 4, 8): q over IDs 4..7 only (§6.7)."""
     at = {"start": 4, "end": 8}
 
-    def dense(values: list[float]) -> bytes:
-        return np.asarray(values, dtype="<f4").tobytes()
-
-    def sparse(ids: list[int], values: list[float]) -> bytes:
-        return np.asarray(ids, dtype="<i4").tobytes() + dense(values)
-
     # GOOD_DENSE's shard 1: q(7) = 1/4; token 0 lies in the other shard.
-    d0 = reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), **at)
-    d1 = reply_row(d, 1, 7, dense([0, 0, 0, 0.25]), **at)
-    s0 = reply_row(s, 0, 2, sparse([7], [0.5]), **at)
-    s1 = reply_row(s, 1, 7, sparse([7], [1.0]), **at)
+    d0 = reply_row(d, 0, 0, fp32([0, 0, 0, 0.25]), **at)
+    d1 = reply_row(d, 1, 7, fp32([0, 0, 0, 0.25]), **at)
+    s0 = reply_row(s, 0, 2, fp32s([7], [0.5]), **at)
+    s1 = reply_row(s, 1, 7, fp32s([7], [1.0]), **at)
+    late = {**SHARDED, "late": 0}
     return [
         ("shard_valid_dense", d, whole_reply(d, d0, d1, **at), {"proposal": [0, 7]}, SHARDED),
         ("shard_valid_sparse", s, whole_reply(s, s0, s1, **at), {"proposal": [2, 7]}, SHARDED),
@@ -48,56 +47,56 @@ def shard_cases(d: Step, s: Step) -> list[Case]:
             {"proposal": [2, 7]},
             SHARDED,
         ),
-        (
+        bad(
             "shard_reply_range_mismatch",
             d,
-            whole_reply(d, reply_row(d, 0, 0, dense([0, 0, 0, 0.25]), start=0, end=4), d1, **at),
-            {"discarded": "SHARD_RANGE_MISMATCH"},
-            SHARDED,
+            whole_reply(d, reply_row(d, 0, 0, fp32([0, 0, 0, 0.25]), start=0, end=4), d1, **at),
+            "SHARD_RANGE_MISMATCH",
+            **SHARDED,
         ),
-        (
+        bad(
             "shard_completion_range_mismatch",
             d,
             whole_reply(d, d0, d1, start=0, end=8),
-            {"discarded": "SHARD_RANGE_MISMATCH"},
-            {**SHARDED, "late": 0},
+            "SHARD_RANGE_MISMATCH",
+            **late,
         ),
-        (
+        bad(
             "shard_completion_range_missing",
             d,
             whole_reply(d, d0, d1),
-            {"discarded": "SHARD_RANGE_MISMATCH"},
-            {**SHARDED, "late": 0},
+            "SHARD_RANGE_MISMATCH",
+            **late,
         ),
-        (
+        bad(
             "shard_dense_whole_row",
             d,
             whole_reply(d, reply_row(d, 0, 0, dense_payload(GOOD_DENSE), **at), d1, **at),
-            {"discarded": "ROW_LENGTH"},
-            SHARDED,
+            "ROW_LENGTH",
+            **SHARDED,
         ),
-        (
+        bad(
             "shard_sparse_id_outside_range",
             s,
-            whole_reply(s, reply_row(s, 0, 2, sparse([2], [0.5]), **at), s1, **at),
-            {"discarded": "SPARSE_ID_OUT_OF_RANGE"},
-            SHARDED,
+            whole_reply(s, reply_row(s, 0, 2, fp32s([2], [0.5]), **at), s1, **at),
+            "SPARSE_ID_OUT_OF_RANGE",
+            **SHARDED,
         ),
-        (
+        bad(
             "shard_mass_above_whole",
             d,
-            whole_reply(d, reply_row(d, 0, 7, dense([0, 0.5, 0, 0.75]), **at), d1, **at),
-            {"discarded": "MASS_MISMATCH"},
-            SHARDED,
+            whole_reply(d, reply_row(d, 0, 7, fp32([0, 0.5, 0, 0.75]), **at), d1, **at),
+            "MASS_MISMATCH",
+            **SHARDED,
         ),
-        (
+        bad(
             "shard_zero_q_at_owned_token",
             d,
-            whole_reply(d, reply_row(d, 0, 5, dense([0, 0, 0, 0.25]), **at), d1, **at),
-            {"discarded": "ZERO_Q_AT_PROPOSED"},
-            SHARDED,
+            whole_reply(d, reply_row(d, 0, 5, fp32([0, 0, 0, 0.25]), **at), d1, **at),
+            "ZERO_Q_AT_PROPOSED",
+            **SHARDED,
         ),
-        *shard_stop_cases(d, dense([0, 0, 0, 0.25]), at),
+        *shard_stop_cases(d, fp32([0, 0, 0, 0.25]), at),
     ]
 
 
@@ -161,8 +160,8 @@ def stop_cases() -> list[Case]:
         frames = [reply_row(st, i, t, dense_payload(GOOD_DENSE)) for i, t in enumerate(tokens)]
         return whole_reply(st, *frames, **over)
 
-    violated = {"discarded": "STOP_RULE_VIOLATED"}
-    late = {"proposal": [2], "cut": "STOP_RULE_VIOLATED", "dropped": ["LATE_FRAME"]}
+    violated = "STOP_RULE_VIOLATED"
+    late = {"proposal": [2], "cut": violated, "dropped": ["LATE_FRAME"]}
     return [
         ("stop_confidence_ends_early", conf, rows(conf, 2, stopped=1), {"proposal": [2]}, STOPPING),
         (
@@ -186,16 +185,10 @@ def stop_cases() -> list[Case]:
             {"proposal": [0]},
             {**STOPPING, "eos": 0},
         ),
-        (
-            "stop_short_without_flag",
-            conf,
-            rows(conf, 2),
-            {"discarded": "COMPLETION_EARLY"},
-            STOPPING,
-        ),
-        ("stop_early_row_dropped", conf, rows(conf, 0, stopped=1), violated, STOPPING),
+        bad("stop_short_without_flag", conf, rows(conf, 2), "COMPLETION_EARLY", **STOPPING),
+        bad("stop_early_row_dropped", conf, rows(conf, 0, stopped=1), violated, **STOPPING),
         # A block of no rows is early whatever the rule: it decides after a drawn row.
-        ("stop_empty_block", conf, rows(conf, stopped=1), violated, STOPPING),
+        bad("stop_empty_block", conf, rows(conf, stopped=1), violated, **STOPPING),
         # A row after the rule stopped is refused on arrival: the block is the rows up
         # to the stop (docs/adaptive.md §2), later frames late.
         ("stop_late_row_after_stop", conf, rows(conf, 2, 0, stopped=1), late, STOPPING),
@@ -215,20 +208,21 @@ def stop_cases() -> list[Case]:
             {"proposal": [0], "cut": "INTERNAL"},
             STOPPING,
         ),
-        (
+        bad(
             "stop_flag_with_a_failure_status",
             conf,
             rows(conf, 2, stopped=1, status=int(ErrorCode.INTERNAL)),
             violated,
-            STOPPING,
+            **STOPPING,
         ),
-        ("stop_flag_at_depth", conf, rows(conf, 0, 0, 2, stopped=1), violated, STOPPING),
-        (
+        bad("stop_flag_at_depth", conf, rows(conf, 0, 0, 2, stopped=1), violated, **STOPPING),
+        bad(
             "stop_flag_after_terminal_token",
             conf,
             rows(conf, 0, stopped=1),
             violated,
-            {**STOPPING, "eos": 0},
+            **STOPPING,
+            eos=0,
         ),
-        ("stop_flag_under_fixed_rule", fixed, rows(fixed, 0, stopped=1), violated, STOPPING),
+        bad("stop_flag_under_fixed_rule", fixed, rows(fixed, 0, stopped=1), violated, **STOPPING),
     ]
