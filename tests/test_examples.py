@@ -71,18 +71,33 @@ def _embedding_block(path: Path) -> str:
     return blocks[0]
 
 
-def test_the_readme_embedding_example_runs_and_is_the_documents():
-    code = _embedding_block(ROOT / "README.md")
-    assert code == _embedding_block(ROOT / "docs" / "embedding.md")
-    with worker_process(vocab=512) as running:
+def _front_page_example() -> str:
+    """README's one-request example, for a worker at ``PP1_WORKER`` and ``PP1_VOCAB``."""
+    [code] = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    # Verbatim but for the worker it reaches: README's is `pp1-worker --port 7070`'s.
+    assert code.count('"127.0.0.1", 7070') == 1
+    assert code.count("129280") == 2
+    prelude = 'import os\nHOST, PORT = os.environ["PP1_WORKER"].rsplit(":", 1)\n'
+    prelude += 'VOCAB = int(os.environ["PP1_VOCAB"])\n'
+    return prelude + code.replace('"127.0.0.1", 7070', "HOST, int(PORT)").replace("129280", "VOCAB")
+
+
+def test_the_embedding_examples_run():
+    # docs/embedding.md's batched loop, and README's one request, against one worker.
+    loop = _embedding_block(ROOT / "docs" / "embedding.md")
+    with worker_process(vocab=512, seed=0) as running:
         env = {**os.environ, "PP1_WORKER": running.address, "PP1_VOCAB": "512"}
-        out = run(sys.executable, "-c", code, env=env)
+        out = run(sys.executable, "-c", loop, env=env)
+        front = run(sys.executable, "-c", _front_page_example(), env=env)
     lines = out.splitlines()
     assert sorted(int(line.split(" ", 1)[0]) for line in lines) == [0, 1, 2, 3]  # every slot
     for line in lines:
         tokens = json.loads(line.split(" ", 1)[1])
         assert len(tokens) >= 32
         assert all(0 <= t < 512 for t in tokens)
+    tokens = json.loads(front)
+    assert len(tokens) >= 32
+    assert all(0 <= t < 512 for t in tokens)
 
 
 def test_plugins_example():

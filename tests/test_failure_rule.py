@@ -3,8 +3,8 @@
 A target that fails (raises, or gives a row that is not a distribution) stops
 the request whose round it was scoring — ``"stopped": "target_failed"``,
 nothing of that round committed — the other requests go on, every result is
-written, and ``pp1-spark`` exits 4 (README, docs/tp.md §6). One rank and the
-vocabulary-sharded group are checked here, the replicated group in
+written, and ``pp1-spark`` exits 4 (docs/operators.md §5, docs/tp.md §6). One
+rank and the vocabulary-sharded group are checked here, the replicated group in
 tests/test_tp.py. A group that fails (its ranks decide differently, a rank
 vanishes) stops every request, writes every result and exits 3.
 """

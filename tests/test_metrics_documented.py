@@ -1,4 +1,4 @@
-"""README's metrics table lists every metric the daemons export, under its exported name."""
+"""docs/operators.md's metrics table lists every metric the daemons export, by its exported name."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+OPERATORS = (Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text()
 
 
 def _worker() -> CollectorRegistry:
@@ -37,7 +37,7 @@ def exported(registry: CollectorRegistry) -> list[str]:
         pytest.param(_spark, id="pp1-spark"),
     ],
 )
-def test_every_exported_metric_is_in_the_readme_table(registry):
-    table = README[README.index("### Metrics") : README.index("### Failure semantics")]
+def test_every_exported_metric_is_in_the_operators_table(registry):
+    table = OPERATORS[OPERATORS.index("## 4. Metrics") : OPERATORS.index("## 5. Failure semantics")]
     missing = [name for name in exported(registry()) if f"`{name}`" not in table]
     assert not missing, missing

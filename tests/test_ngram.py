@@ -59,7 +59,8 @@ def test_the_text_ships_with_python_and_the_tables_are_pinned(tables):
         pytest.skip(
             f"this Python ({sys.version.split()[0]}) ships another {ngram.TEXT_MODULE} text "
             f"(sha256 {digest}, tables {tables.digest}): the pair differs from the one whose "
-            "statistics the README gives; check it with benchmarks/pair_stats.py and pin it here"
+            "statistics docs/benchmarks.md gives; check it with benchmarks/pair_stats.py and "
+            "pin it here"
         )
     assert tables.digest == PINNED[digest]
 

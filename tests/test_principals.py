@@ -320,7 +320,7 @@ def test_the_documented_budget_defaults():
     assert budgets.Accounts(config).idle == budgets.IDLE_ACCOUNTS == 4096
     assert admission.HANDSHAKE_GRACE_S == 1.0
     assert budgets.SHARE_WINDOW_S == 1.0
-    # README.md's admission section: a lineage is kept 10 minutes owing nothing; for
+    # docs/operators.md §3: a lineage is kept 10 minutes owing nothing; for
     # 10 s after one of its lineages abandoned a draw, an address starts 16 new ones at
     # once then 1 a second; an IPv6 address counts as its /64.
     from pp1wire.wire import principals

@@ -128,6 +128,8 @@ def test_section_11_lists_the_drafts_and_the_rule_for_later_versions():
     assert "makes a **new version**" in body
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/tp.md", "docs/runner.md"])
+@pytest.mark.parametrize(
+    "path", ["README.md", "docs/tp.md", "docs/runner.md", "docs/operators.md", "docs/benchmarks.md"]
+)
 def test_documents_exist_to_be_checked(path):
     assert (ROOT / path).is_file()
