@@ -36,7 +36,7 @@ prints all of it as one JSON object instead.
 from the legitimate client's own address (127.0.0.1): with distinct keys for
 the attacker and the client (a key table on the worker, each side its own key),
 the ``reconnect`` and ``reject`` loops with no setting and with the cap the
-README recommends (:data:`RECOMMENDED_CAP`); and without keys the ``reconnect``
+docs/operators.md §3 recommends (:data:`RECOMMENDED_CAP`); and without keys the ``reconnect``
 loop. It prints each scenario's per-pair ratios (median, min-max, goal), and
 the ratio of the legitimate runs' whole wall-clock times (process start,
 connection and handshake included) beside them.
@@ -64,7 +64,7 @@ from pp1wire.testing.attacks import Key, commit_loop, reset_step_loop, squat
 
 ATTACKER = "127.0.0.2"
 LEGIT = "127.0.0.1"
-#: The cap README.md's budgets section recommends: every principal 10 fresh draws a
+#: The cap docs/operators.md §3 recommends: every principal 10 fresh draws a
 #: second, and no cap for the key of the operator's own Spark side.
 RECOMMENDED_CAP = ["--principal-rate", "10", "client=off"]
 #: --acceptance: (attack, keys, cap, goal): each loop from the client's own address.

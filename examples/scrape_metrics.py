@@ -2,7 +2,7 @@
 
 Starts ``pp1-worker`` and ``pp1-spark`` (both with ``--metrics-port``) on
 loopback, scrapes the Spark side's ``/metrics`` while it runs, and computes
-what the PromQL in README.md computes from a Prometheus server:
+what the PromQL in docs/operators.md §4 computes from a Prometheus server:
 
     rate(pp1_spec_decode_accepted_tokens_total[5m]) / rate(pp1_spec_decode_draft_tokens_total[5m])
     rate(pp1_spec_decode_accepted_tokens_total[5m]) / rate(pp1_spec_decode_num_drafts_total[5m])
