@@ -1,9 +1,7 @@
 """What rank 0 publishes to a Spark TP group each attempt, as fixed-size words and bytes.
 
-Pure numpy (no torch): the header and the outcome are ``int64[16]`` vectors so
-that every rank runs collectives of the same shape whatever the path; the rows
-travel as one byte payload whose length the header gives. ``docs/tp.md`` is the
-normative description of every word.
+Pure numpy: headers and outcomes are ``int64[16]`` vectors, the rows one byte payload;
+``docs/tp.md`` §2 is the normative description of every word.
 """
 
 from __future__ import annotations
@@ -56,11 +54,8 @@ def digest(data: bytes | npt.NDArray[np.generic]) -> int:
 
 
 def owner_of(request: int, world: int) -> int:
-    """The rank that evaluates ``request``: requests are dealt round-robin by index.
-
-    This is the mapping a batch-sharded runner uses when it deals request ``i``
-    of a batch to rank ``i mod world``; it is the only place the choice is made.
-    """
+    """The rank that evaluates ``request`` (round-robin by index): the one place the
+    choice is made."""
     return request % world
 
 
@@ -152,10 +147,8 @@ class Header:
 
 
 def batch_words(attempt: int, entries: Sequence[Header], max_batch: int) -> Words:
-    """One attempt's header: ``[1, attempt, count, total bytes, 0…]`` then one row per entry.
-
-    ``int64[(1 + max_batch) * WORDS]``; an attempt with no entries (``count`` 0,
-    word 0 = 0) stops the group.
+    """One attempt's header, ``int64[(1 + max_batch) * WORDS]``: ``[1, attempt, count,
+    total bytes, 0…]`` then one row per entry (no entries: all 0, the group stops).
 
     Raises:
         ValueError: for more than ``max_batch`` entries.
@@ -207,12 +200,8 @@ def rows_nbytes(rows: Sequence[QRow]) -> int:
 def pack_rows(
     rows: Sequence[QRow], out: npt.NDArray[np.uint8] | None = None
 ) -> tuple[npt.NDArray[np.uint8], bool]:
-    """The rows as one payload: tokens, lengths, then per row (ids if sparse) and q32.
-
-    Written into ``out`` (exactly :func:`rows_nbytes` bytes; a new array if None),
-    each value copied once from the row (a received row's FP32 view, or counts
-    times 2**-24 computed in FP32, which is exact). Returns the payload and
-    whether the rows are sparse.
+    """The rows as one payload (tokens, lengths, then per row ids if sparse and q32) in
+    ``out`` (exactly :func:`rows_nbytes` bytes; None: a new array), and whether sparse.
 
     Raises:
         ValueError: if dense and sparse rows are mixed, or ``out`` has the wrong size.
@@ -273,7 +262,6 @@ def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tupl
 
 
 # The fields a PROPOSAL header carries of its proposal: (header field, proposal field).
-# Both directions read this one list, so they cannot drift apart.
 _CARRIED = (
     ("session", "session"),
     ("generation", "generation"),
@@ -323,10 +311,8 @@ def target_only_header(request: int, verifier: RequestVerifier, round_id: int) -
 
 
 def encode_outcome(result: RoundResult | None, reason: ErrorCode | None) -> Words:
-    """The owner's outcome words.
-
-    ``[ok, reason, round, accepted, n, outcome, finished, extra, tokens…]``, -1 padded.
-    """
+    """The owner's outcome words: ``[ok, reason, round, accepted, n, outcome, finished,
+    extra, tokens…]``, -1 padded."""
     out = np.full(WORDS, -1, dtype=np.int64)
     out[0] = int(result is not None)
     out[1] = int(reason) if reason is not None else 0
