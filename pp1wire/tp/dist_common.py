@@ -11,7 +11,7 @@ import numpy.typing as npt
 import torch
 
 from pp1wire.tp.coordinator import MAX, GroupCoordinator
-from pp1wire.tp.shard_tree import TreePlan
+from pp1wire.tp.shard_tree import TreePlan, plan_of
 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
@@ -19,13 +19,19 @@ _S = TypeVar("_S", bound=np.generic)
 
 
 def rows_of(
-    values: npt.ArrayLike, plan: TreePlan, dtype: type[_S], draws: Sequence[int] | None = None
-) -> npt.NDArray[_S]:
-    """Rows of ``dtype``, each contiguous (a slice of wider rows is not copied).
+    values: npt.ArrayLike,
+    coord: GroupCoordinator,
+    dtype: type[_S],
+    draws: Sequence[int] | None = None,
+) -> tuple[TreePlan, npt.NDArray[_S]]:
+    """The coordinator's tree plan, and rows of ``dtype`` in its rank's range, each
+    contiguous (a slice of wider rows is not copied).
 
     Raises:
-        ValueError: rows that are not this rank's range, or not one per draw in ``draws``.
+        ValueError: rows that are not this rank's range, or not one per draw in ``draws``,
+            or a coordinator without a layout.
     """
+    plan = plan_of(coord)
     x: npt.NDArray[_S] = np.asarray(values, dtype=dtype)
     if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < 0:
         x = np.ascontiguousarray(x)
@@ -35,7 +41,7 @@ def rows_of(
         )
     if draws is not None and x.shape[0] != len(draws):
         raise ValueError(f"{len(draws)} draws for {x.shape[0]} rows")
-    return x
+    return plan, x
 
 
 def on_device(coord: GroupCoordinator, local: npt.NDArray[Any]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +25,7 @@ from pp1wire.tp.dist_common import (
     reduce_max,
     rows_of,
 )
-from pp1wire.tp.shard_tree import TreePlan, plan_of
+from pp1wire.tp.shard_tree import TreePlan
 
 # The leftover tickets' threshold is found by bucket: a remainder in [0, 1) by its
 # binary64 bits (ordered as the values), 16 per binade down to 2**-128, below in bucket 0.
@@ -94,13 +94,12 @@ def construct_rows(
         ValueError: rows that are not ``[len(specs), this rank's range]``.
         GroupFailedError: a collective failed.
     """
-    plan = plan_of(coord)
     if probs:
         with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
-            x32: npt.NDArray[np.float32] = rows_of(logits, plan, np.float32)
+            plan, x32 = rows_of(logits, coord, np.float32)
         x = x32.astype(np.float64)
     else:
-        x = rows_of(logits, plan, np.float64)
+        plan, x = rows_of(logits, coord, np.float64)
         x32 = np.empty((0, 0), dtype=np.float32)
     rows = x.shape[0]
     if rows != len(specs):
@@ -209,22 +208,14 @@ def _offer(
     logits the largest logit left out; weights: the top k (ties to the lowest ID)."""
     k = spec.support
     out[: 2 * k] = -1.0
-    n = x.size
     if probs:
         assert x32 is not None
         ids = _top_weights(x, x32, k)
-        out[: ids.size] = x[ids]
-        out[k : k + ids.size] = ids + plan.start
-        return
-    out[:k] = -np.inf
-    if n <= k:
-        ids = np.arange(n)
-        x_out = -np.inf
     else:
-        ids, x_out = _top_logits(x, k, spec.temperature)
+        out[:k] = -np.inf
+        ids, out[2 * k] = _top_logits(x, k, spec.temperature)
     out[: ids.size] = x[ids]
     out[k : k + ids.size] = ids + plan.start
-    out[2 * k] = x_out
 
 
 def _top_weights(w: Float64Array, w32: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.intp]:
@@ -245,6 +236,8 @@ def _top_weights(w: Float64Array, w32: npt.NDArray[np.float32], k: int) -> npt.N
 def _top_logits(x: Float64Array, k: int, temperature: float) -> tuple[npt.NDArray[np.intp], float]:
     """Some k indices of a row's largest logits and the largest logit left out."""
     n = x.size
+    if n <= k:
+        return np.arange(n), -np.inf
     fast = getattr(dyadic, "_fastq", None)
     top = float(x.max())
     if fast is not None and np.isfinite(top) and np.isfinite(temperature) and temperature > 0:
@@ -291,13 +284,10 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
     top = float(words[:, 3].max())
     if probs:
         _check_probs(words)
-    else:
-        if words[:, 1].any() or words[:, 2].any():
-            raise ConstructionError(
-                ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
-            )
-        if top == -np.inf:
-            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+    elif words[:, 1].any() or words[:, 2].any():
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf")
+    elif top == -np.inf:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
     token = int(min(w[4] for w in words if w[3] == top))
     return _point(token, support, plan)
 
@@ -325,8 +315,7 @@ def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
 # -- dense rows -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Position:
+class _Position(NamedTuple):
     """A position's rows after its first collective (``c1``: every rank's first words;
     ``tops``: each logits row's global maximum)."""
 
@@ -342,9 +331,7 @@ class _Position:
 
 def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
     """The dense rows of a position: weights and canonical totals, allocation, draw."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
+    x, c1, tops, specs, draws, probs, plan, coord = at
     n = x.shape[1]
     w: Float64Array
     if probs:
@@ -605,9 +592,7 @@ def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
 def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
     """The sparse rows of a position, from the offers of the first collective (for a
     logits row they cannot be shown to hold, one more of every rank's top k weights)."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
+    x, c1, tops, specs, draws, probs, plan, coord = at
     out: dict[int, BuiltRow | Pp1Error] = {}
     retry: list[int] = []
     for r in rows:

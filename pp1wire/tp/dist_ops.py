@@ -126,8 +126,7 @@ def sample_weights_rows(
         ValueError: rows that are not ``[len(u53s), this rank's range]``.
         GroupFailedError: a collective failed.
     """
-    plan = plan_of(coord)
-    w = rows_of(weights, plan, np.float64, u53s)
+    plan, w = rows_of(weights, coord, np.float64, u53s)
     if not len(u53s):
         return []
     upper = plan.totals(gather(plan.cover_totals(w), coord))
@@ -151,11 +150,9 @@ def sample_counts(
     or ``BAD_DRAW`` / ``MASS_MISMATCH``. Two collectives (none for no rows).
 
     Raises:
-        ValueError: rows that are not ``[len(u24s), this rank's range]``.
-        GroupFailedError: a collective failed.
+        ValueError, GroupFailedError: as :func:`sample_weights_rows` (``u24s`` its draws).
     """
-    plan = plan_of(coord)
-    c = rows_of(counts, plan, np.int64, u24s)
+    plan, c = rows_of(counts, coord, np.int64, u24s)
     if not len(u24s):
         return []
     sums = gather(c.sum(axis=1).astype(np.int64), coord)  # [world, rows]

@@ -7,8 +7,9 @@ Pure numpy: headers and outcomes are ``int64[16]`` vectors, the rows one byte pa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -82,23 +83,11 @@ class Header:
     def words(self) -> Words:
         """The header as ``int64[WORDS]``."""
         out = np.zeros(WORDS, dtype=np.int64)
-        out[:15] = [
-            int(self.kind),
-            (int(self.stop.kind) << 32) | self.stop.threshold,
-            self.request,
-            as_int64(self.session),
-            self.generation,
-            self.round_id,
-            self.position,
-            as_int64(self.prefix_digest),
-            self.depth,
-            self.rows,
-            int(self.sparse),
-            self.nbytes,
-            self.payload_digest,
-            as_int64(self.context),
-            int(self.cut or 0),
-        ]
+        out[0], out[1] = int(self.kind), (int(self.stop.kind) << 32) | self.stop.threshold
+        for i, name in enumerate(_MIDDLE, start=2):
+            value = int(getattr(self, name))
+            out[i] = as_int64(value) if name in _UNSIGNED else value
+        out[14] = int(self.cut or 0)
         return out
 
     @classmethod
@@ -127,23 +116,17 @@ class Header:
             raise ValidationError(
                 ErrorCode.GROUP_HEADER_INVALID, f"no error code is the word {w[14]}"
             ) from None
-        return cls(
-            kind=Kind(w[0]),
-            request=w[2],
-            session=as_uint64(w[3]),
-            generation=w[4],
-            round_id=w[5],
-            position=w[6],
-            prefix_digest=as_uint64(w[7]),
-            depth=w[8],
-            rows=w[9],
-            sparse=bool(w[10]),
-            nbytes=w[11],
-            payload_digest=w[12],
-            context=as_uint64(w[13]),
-            stop=stop,
-            cut=cut,
-        )
+        middle: dict[str, Any] = {
+            name: as_uint64(v) if name in _UNSIGNED else v
+            for name, v in zip(_MIDDLE, w[2:14], strict=True)
+        }
+        middle["sparse"] = bool(middle["sparse"])
+        return cls(kind=Kind(w[0]), stop=stop, cut=cut, **middle)
+
+
+# Words 2..13 are these fields in order; the uint64 ones travel as int64 of the same bits.
+_MIDDLE = [f.name for f in fields(Header)][1:13]
+_UNSIGNED = frozenset({"session", "prefix_digest", "context"})
 
 
 def batch_words(attempt: int, entries: Sequence[Header], max_batch: int) -> Words:
