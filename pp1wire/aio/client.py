@@ -299,10 +299,8 @@ class AsyncClient:
         generation: int | None = None,
         at_least: int = 0,
     ) -> int:
-        """Open ``slot`` with the committed ``prefix`` and ``seed``; wait for OPENED.
-
-        Returns the slot's generation (``None`` picks the next unused one, no lower
-        than ``at_least``). :meth:`open_request` also builds the request's verifier.
+        """Open ``slot`` with the committed ``prefix`` and ``seed``; wait for OPENED and
+        return the slot's generation (``None``: the next unused one, at least ``at_least``).
 
         Raises:
             UsageError: a bad slot, prefix or generation, or a slot in use (nothing sent).
@@ -336,11 +334,9 @@ class AsyncClient:
         target: TargetFn | None = None,
         audit: bool = False,
     ) -> Request:
-        """Open ``slot`` for a new request and build its verifier (at the slot's next generation).
-
-        ``seed`` keys every draw of the request; ``processors`` are pure ``(prefix,
-        p) -> p`` functions on the target's rows; ``target`` is only for verifying
-        without the engine's rows; ``audit`` recomputes the worker's draws.
+        """Open ``slot`` for a new request and build its verifier: ``processors`` are pure
+        ``(prefix, p) -> p`` functions on the target's rows; ``target`` is only for
+        verifying without the engine's rows; ``audit`` recomputes the worker's draws.
 
         Raises:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
@@ -464,14 +460,11 @@ class AsyncClient:
         stop: StopRule = FIXED,
         timeout: float | None = None,
     ) -> ProposalBatch:
-        """Send a STEP for every request at once (each takes its next round ID); return
-        when each proposal is whole, cut or failed.
-
-        Per request in order: its :class:`~pp1wire.q.proposal.Proposal` (maybe cut
-        by a fault: verify it like any other, ``docs/adaptive.md`` §7) or the
-        :class:`ProposalUnavailableError` saying why (no STEP sent for a refused
-        slot, ``SLOT_DESYNCED``, nor on a closed connection). When ``timeout``
-        seconds pass, what is in flight is cut at the rows that arrived (:meth:`cut`).
+        """Send a STEP for every request at once (each takes its next round ID); return,
+        per request in order, its :class:`~pp1wire.q.proposal.Proposal` (maybe cut by a
+        fault: verify it like any other) or the :class:`ProposalUnavailableError` saying
+        why (no STEP sent for a refused slot, ``SLOT_DESYNCED``, nor on a closed
+        connection). After ``timeout`` s what is in flight is cut (:meth:`cut`).
 
         Raises:
             UsageError: nothing sent, no round taken: a depth, support or stop rule

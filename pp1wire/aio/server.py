@@ -239,10 +239,6 @@ class _Conn(asyncio.BufferedProtocol):
             self.core.decoder.account(nbytes)
         self._pump()
 
-    def _draw(self, job: worker_core.DrawJob) -> None:
-        """Queue a draw for the server's pool; the loop keeps serving."""
-        self.server.submit_draw(self, job)
-
     def stream(self, job: worker_core.DrawJob, frames: list[FrameParts]) -> None:
         """REPLY frames of ``job`` drawn so far (on the loop): queued and sent at once."""
         core = self.core
@@ -344,7 +340,7 @@ class _Conn(asyncio.BufferedProtocol):
         m = self.server.metrics
         for e in events:
             if isinstance(e, worker_core.DrawRequested):
-                self._draw(e.job)
+                self.server.submit_draw(self, e.job)
             elif isinstance(e, worker_core.StepServed):
                 if e.failure is not None:
                     self.server.draw_failed(self, e, e.failure)

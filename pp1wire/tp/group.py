@@ -150,20 +150,19 @@ class SparkGroup:
             local[len(local) // 2] ^= 0x01
 
         n, w = len(entries), fanout.WORDS
-        verifiers = [self._verifier(h, verifier_for) for h in entries]
+        verifiers = [verifier_for(h) for h in entries]
+        self.held.update((h.request, v) for h, v in zip(entries, verifiers, strict=True))
         offsets = np.cumsum([0] + [h.nbytes for h in entries])
+        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
         copies: list[ErrorCode | None] = [
-            None
-            if fanout.digest(local[offsets[i] : offsets[i + 1]]) == h.payload_digest
-            else ErrorCode.GROUP_COPY_MISMATCH
-            for i, h in enumerate(entries)
+            None if fanout.digest(c) == h.payload_digest else ErrorCode.GROUP_COPY_MISMATCH
+            for c, h in zip(chunks, entries, strict=True)
         ]
         mine = np.full((self.max_batch, w), -1, dtype=np.int64)
         owned = [fanout.owner_of(h.request, self.world) == self.rank for h in entries]
         fail = (
             any(owned) and self.faults is not None and self.faults.fail_target(self.rank, attempt)
         )
-        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
         for i, outcome in self._evaluate(entries, chunks, verifiers, owned, copies, fail).items():
             mine[i] = outcome
         outcomes = self.coord.all_gather(torch.from_numpy(mine))
@@ -232,11 +231,6 @@ class SparkGroup:
     def _account(self, total: int, started: float) -> None:
         self.stats.fanout_seconds += time.perf_counter() - started
         self.stats.fanout_bytes += total * (self.world - 1 if self.rank == 0 else 1)
-
-    def _verifier(self, header: Header, verifier_for: VerifierFor) -> RequestVerifier:
-        verifier = verifier_for(header)
-        self.held[header.request] = verifier
-        return verifier
 
     def _evaluate(
         self,

@@ -49,18 +49,12 @@ class ShardReport:
     @classmethod
     def of(cls, proposal: Proposal) -> ShardReport:
         """The report of a shard proposal that passed every check of its link."""
-        masses = tuple(_mass(row) for row in proposal.rows)
-        span = proposal.shard or (0, 0)
-        counts = tuple(_count_at(row, row.token, span) for row in proposal.rows)
-        key = (
-            proposal.generation,
-            proposal.round_id,
-            proposal.position,
-            as_int64(proposal.digest),
-            proposal.depth,
-            as_int64(proposal.context),
-        )
-        return cls(None, ShardSummary(key, proposal.tokens, masses), counts)
+        p = proposal
+        masses = tuple(_mass(row) for row in p.rows)
+        counts = tuple(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows)
+        digest, context = as_int64(p.digest), as_int64(p.context)
+        key = (p.generation, p.round_id, p.position, digest, p.depth, context)
+        return cls(None, ShardSummary(key, p.tokens, masses), counts)
 
     def words(self, cut: ErrorCode | None = None) -> list[int]:
         """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
