@@ -520,8 +520,11 @@ class AsyncClient:
             self._spin_if_asked()
             try:
                 await asyncio.wait(waiting, timeout=timeout)
-                late = [r.slot for r, f in zip(requests, out, strict=True)
-                        if isinstance(f, asyncio.Future) and not f.done()]
+                late = [
+                    r.slot
+                    for r, f in zip(requests, out, strict=True)
+                    if isinstance(f, asyncio.Future) and not f.done()
+                ]
                 if late:
                     self.cut(late)
                     await asyncio.wait(waiting)  # settled by the cut, on this loop

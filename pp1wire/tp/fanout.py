@@ -96,8 +96,9 @@ class Header:
 
         Raises:
             ValidationError: ``GROUP_HEADER_INVALID`` for an unknown kind, a row count
-                outside ``0..MAX_DEPTH`` or a payload over ``max_payload`` bytes
-                (checked before any payload buffer is allocated).
+                outside ``0..MAX_DEPTH``, a payload over ``max_payload`` bytes (checked
+                before any payload buffer is allocated), a sparse flag other than 0 or 1,
+                or a stop-rule or cut word that names none.
         """
         w = [int(v) for v in words.tolist()]
         if w[0] not in (k.value for k in Kind):
