@@ -1,16 +1,7 @@
 """The embeddable Spark-side client (asyncio); :mod:`pp1wire.aio.sync` is its blocking facade.
 
-A thin asyncio shell around :class:`pp1wire.wire.spark_core.SparkProtocol`: a
-``BufferedProtocol`` lets the socket write every large frame straight into a
-recycled receive buffer, the core validates each row as it arrives, and a
-:class:`~pp1wire.q.proposal.Proposal` is handed out only after its COMPLETION
-validated. An engine's sampler opens a :class:`Request` per slot, asks for a
-whole step's proposals with :meth:`AsyncClient.propose_many`, verifies them with
-``pp1wire.verify_step`` and commits with :meth:`AsyncClient.commit_round`
-(``docs/embedding.md``). Errors: :class:`~pp1wire.errors.UsageError` (local
-misuse, nothing sent), :class:`RefusedError` (the worker refused: reopen the
-slot), :class:`ConnectionLostError` (reconnect, reopen) and, for one round,
-:class:`ProposalUnavailableError` (decode it target-only).
+An asyncio shell around :class:`~pp1wire.wire.spark_core.SparkProtocol` that hands out a
+proposal only once its COMPLETION validated (``docs/embedding.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ from pp1wire.aio.handles import (
     scored_by_the_engine,
 )
 from pp1wire.aio.pool import BufferPool
-from pp1wire.aio.transport import ClientConnection, fail_future, outcome_of, settle
+from pp1wire.aio.transport import ClientConnection, fail_future, outcome_of, settle, write
 from pp1wire.errors import ErrorCode, LocalStateError, ProtocolError, UsageError
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.stoprules import FIXED, StopRule
@@ -59,11 +50,7 @@ class AsyncClient:
     """One connection to a worker, serving any number of concurrent slots."""
 
     def __init__(self, config: SparkConfig, *, busy_poll: bool = False) -> None:
-        """Prefer :meth:`connect`.
-
-        ``busy_poll`` keeps the event loop spinning while a proposal is awaited,
-        trading a busy core for the wake-up latency of an idle one.
-        """
+        """Prefer :meth:`connect`; ``busy_poll`` spins the loop while a proposal is awaited."""
         self.config = config
         self.busy_poll = busy_poll
         self._spinner: asyncio.Task[None] | None = None
@@ -156,15 +143,17 @@ class AsyncClient:
 
     # -- plumbing -----------------------------------------------------------
 
+    @property
+    def _transport(self) -> asyncio.Transport | None:
+        return None if self._conn is None else self._conn.transport
+
     def _flush(self) -> None:
         chunks = self.core.data_to_send()
-        if chunks and self._conn is not None and self._conn.transport is not None:
-            if len(chunks) == 1:
-                self._conn.transport.write(chunks[0])
-            else:
-                self._conn.transport.writelines(chunks)
-        if self.core.closed and self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.close()
+        transport = self._transport
+        if transport is not None:
+            write(transport, chunks)
+            if self.core.closed:
+                transport.close()
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -236,13 +225,10 @@ class AsyncClient:
         for fut in self._proposals.values():
             fail_future(fut, ProposalUnavailableError(code, why))
         self._proposals.clear()
-        for table in (self._opened, self._resets, self._pongs):
+        for table in (self._opened, self._resets, self._pongs, self._commits):
             for other in table.values():
                 fail_future(other, error)
             table.clear()
-        for commit in self._commits.values():
-            fail_future(commit, error)
-        self._commits.clear()
         self._held.clear()  # every slot is gone; nothing left to give back
 
     def _lost(self) -> None:
@@ -273,12 +259,8 @@ class AsyncClient:
     async def _answered(
         self, waiting: dict[int, asyncio.Future[None]], slot: int, send: Callable[[], int]
     ) -> int:
-        """Queue a slot message with ``send`` (a core call; its result is returned) and
-        wait until the worker answers it (``waiting`` holds the slot's future).
-
-        Raises:
-            UsageError, RefusedError, ConnectionLostError: as the caller documents.
-        """
+        """Queue a slot message with ``send`` (its result is returned) and wait for the
+        worker's answer (``waiting`` holds the slot's future)."""
         fut: asyncio.Future[None] = self.loop.create_future()
         try:
             sent = send()
@@ -302,8 +284,7 @@ class AsyncClient:
         return self.core.closed
 
     def slot_usable(self, slot: int) -> bool:
-        """Whether ``slot`` is open on this live connection and in sync with the worker
-        (not refused: a refused slot must be reopened, :meth:`reopen_slot`)."""
+        """Whether ``slot`` is open on this live connection and not refused."""
         state = None if self.core.closed else self.core.slots.get(slot)
         return state is not None and not state.desynced
 
@@ -318,11 +299,8 @@ class AsyncClient:
         generation: int | None = None,
         at_least: int = 0,
     ) -> int:
-        """Open ``slot`` with the committed ``prefix`` and request ``seed``; wait for OPENED.
-
-        Returns the slot's generation (``None`` picks the next unused one, no
-        lower than ``at_least``: a reopened slot always moves to a higher one).
-        :meth:`open_request` also builds the request's verifier.
+        """Open ``slot`` with the committed ``prefix`` and ``seed``; wait for OPENED and
+        return the slot's generation (``None``: the next unused one, at least ``at_least``).
 
         Raises:
             UsageError: a bad slot, prefix or generation, or a slot in use (nothing sent).
@@ -356,12 +334,9 @@ class AsyncClient:
         target: TargetFn | None = None,
         audit: bool = False,
     ) -> Request:
-        """Open ``slot`` for a new request and build its verifier (at the slot's next generation).
-
-        ``seed`` keys every draw of the request (both sides'); ``processors``
-        are pure ``(prefix, p) -> p`` functions applied to the target's rows;
-        ``target`` is only for verifying without the engine's rows (the
-        verifier calls it per prefix); ``audit`` recomputes the worker's draws.
+        """Open ``slot`` for a new request and build its verifier: ``processors`` are pure
+        ``(prefix, p) -> p`` functions on the target's rows; ``target`` is only for
+        verifying without the engine's rows; ``audit`` recomputes the worker's draws.
 
         Raises:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
@@ -385,11 +360,8 @@ class AsyncClient:
         return Request(self, slot, verifier, len(verifier.committed))
 
     async def reopen(self, request: Request) -> None:
-        """Open ``request``'s slot again on this client, with its committed prefix, at a
-        generation above its last (its rounds restart at 0, no key is reused).
-
-        After a :class:`RefusedError` on the slot, or on a new connection after
-        :class:`ConnectionLostError`; the request is then on this client.
+        """Open ``request``'s slot again on this client (after a refusal, or a lost
+        connection), with its committed prefix, at a generation above its last.
 
         Raises:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
@@ -414,13 +386,10 @@ class AsyncClient:
         at_least: int = 0,
         close_first: bool = True,
     ) -> int:
-        """The one way a slot is (re)opened for a running request: whatever instance of
-        ``slot`` this client holds (refused, desynced, or the request's own) is closed
-        first (unless ``close_first`` is False), then OPEN carries ``verifier``'s
-        seed, committed prefix, terminal token and context, at ``generation``
-        (None: the slot's next, no lower than ``at_least``). Returns the
-        generation; ``verifier`` is not changed (the caller moves it:
-        :meth:`reopen`, or a group once its ranks agree).
+        """The one way a slot is (re)opened for a running request: this client's instance
+        of ``slot`` is closed first (unless not ``close_first``), then OPEN carries
+        ``verifier``'s state, at ``generation`` (as :meth:`open`). Returns the
+        generation; ``verifier`` is not changed (the caller moves it).
 
         Raises:
             UsageError, RefusedError, ConnectionLostError: as :meth:`open`.
@@ -447,15 +416,9 @@ class AsyncClient:
         support: int = 0,
         stop: StopRule = FIXED,
     ) -> Proposal:
-        """Ask for one block under ``round_id`` and wait until it is validated whole.
-
-        ``depth`` is the block's maximum; ``stop`` its stop rule
-        (``docs/adaptive.md``; a rule other than FIXED needs
-        ``SparkConfig.stop_rules``), audited on arrival.
-
-        ``round_id`` comes from the request's own counter
-        (:meth:`pp1wire.q.verify.RequestVerifier.take_round`), which also numbers
-        its target-only rounds. :meth:`propose_many` does this for a batch.
+        """Ask for one block of up to ``depth`` rows under ``round_id`` (from
+        :meth:`~pp1wire.q.verify.RequestVerifier.take_round`) and ``stop`` (a rule other
+        than FIXED needs ``SparkConfig.stop_rules``); wait until it validated whole.
 
         Raises:
             ProposalUnavailableError: the proposal was refused, corrupt, late or lost;
@@ -497,31 +460,17 @@ class AsyncClient:
         stop: StopRule = FIXED,
         timeout: float | None = None,
     ) -> ProposalBatch:
-        """Send a STEP for every request at once; return when each proposal is whole or failed.
-
-        Each request takes its next round ID for its STEP. The result holds, per
-        request in order, its :class:`~pp1wire.q.proposal.Proposal` or the
-        :class:`ProposalUnavailableError` saying why it has none (no STEP is
-        sent, and no round taken, for a slot the worker refused earlier:
-        ``SLOT_DESYNCED``, reopen it; nor on a closed connection:
-        ``CONNECTION_LOST``). One slot's failure never raises.
-
-        A proposal may be **cut** (:attr:`Proposal.cut`): a fault ended its block
-        before its next row, and it holds the rows before the fault. Verify it
-        like any other: its rows are exactly as legitimate (``docs/adaptive.md``
-        §7). ``timeout`` (seconds) is the engine's own deadline: when it passes,
-        each proposal still in flight is cut at the rows that arrived
-        (``REPLY_TIMEOUT``; with none, that error) — never drop a late
-        proposal's rows instead, which would choose blocks by how long they took
-        to draw (:meth:`cut`).
+        """Send a STEP for every request at once (each takes its next round ID); return,
+        per request in order, its :class:`~pp1wire.q.proposal.Proposal` (maybe cut by a
+        fault: verify it like any other) or the :class:`ProposalUnavailableError` saying
+        why (no STEP sent for a refused slot, ``SLOT_DESYNCED``, nor on a closed
+        connection). After ``timeout`` s what is in flight is cut (:meth:`cut`).
 
         Raises:
-            UsageError: nothing sent, no round taken: a depth or support out of
-                range, a stop rule other than FIXED with no stop-rule set
-                negotiated (``BAD_STOP_RULE``), two requests on one slot, a request not open on this
-                client (another client, or closed), one that already ended
-                (``REQUEST_FINISHED``, ``SESSION_POISONED``), or a proposal
-                already in flight on a slot (``SLOT_BUSY``).
+            UsageError: nothing sent, no round taken: a depth, support or stop rule
+                refused (``BAD_STOP_RULE``), two requests on one slot, a request not
+                open on this client, one that ended (``REQUEST_FINISHED``,
+                ``SESSION_POISONED``), or a proposal in flight on a slot (``SLOT_BUSY``).
         """
         try:
             self.core.check_step(depth=depth, support=support, stop=stop)
@@ -571,8 +520,11 @@ class AsyncClient:
             self._spin_if_asked()
             try:
                 await asyncio.wait(waiting, timeout=timeout)
-                late = [r.slot for r, f in zip(requests, out, strict=True)
-                        if isinstance(f, asyncio.Future) and not f.done()]
+                late = [
+                    r.slot
+                    for r, f in zip(requests, out, strict=True)
+                    if isinstance(f, asyncio.Future) and not f.done()
+                ]
                 if late:
                     self.cut(late)
                     await asyncio.wait(waiting)  # settled by the cut, on this loop
@@ -584,11 +536,8 @@ class AsyncClient:
 
     def cut(self, slots: Sequence[int], code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> None:
         """Stop waiting for the proposals in flight on ``slots``: each becomes the block
-        of the rows that arrived, cut by ``code`` (its waiter gets that proposal), or
-        fails with ``code`` if no row arrived (``docs/adaptive.md`` §7). Later frames
-        of those rounds are dropped as late. A slot with nothing in flight, or
-        not open, is left alone; on a closed connection this does nothing.
-        """
+        of the rows that arrived, cut by ``code``, or fails with ``code`` if none did
+        (``docs/adaptive.md`` §7); later frames of those rounds are dropped as late."""
         if self.core.closed:
             return
         events: list[spark_events.SparkEvent] = []
@@ -613,11 +562,8 @@ class AsyncClient:
             self._spinner = None
 
     def release(self, proposal: Proposal) -> None:
-        """Done with ``proposal``'s rows (after verifying): recycle their receive buffers.
-
-        Idempotent (:meth:`Proposal.release` and leaving a ``with proposal:``
-        block call this); from another thread it returns once the client's loop
-        took the buffers back. A proposal built in this process has nothing to release.
+        """Done with ``proposal``'s rows: recycle their receive buffers (idempotent; from
+        another thread it returns once the client's loop took them back).
 
         Raises:
             UsageError: a proposal another client received.
@@ -664,11 +610,8 @@ class AsyncClient:
     def commit(
         self, slot: int, *, round_id: int, tokens: Sequence[int], accepted: int
     ) -> asyncio.Future[None]:
-        """Queue COMMIT; the returned future resolves on COMMITTED (awaiting it is optional).
-
-        The future fails with :class:`RefusedError` if the worker refuses the
-        COMMIT (or ``CANCELLED``: the slot was reset or closed first) and with
-        :class:`ConnectionLostError` if the connection dies first.
+        """Queue COMMIT; the returned future resolves on COMMITTED (awaiting it is optional),
+        or fails with :class:`RefusedError` (or ``CANCELLED``) or :class:`ConnectionLostError`.
 
         Raises:
             UsageError: ``UNKNOWN_SLOT``, or ``COMMIT_INVALID`` if the accepted
@@ -701,10 +644,8 @@ class AsyncClient:
         )
 
     async def reset(self, slot: int) -> int:
-        """Move ``slot`` to a new generation; returns it once the worker confirms.
-
-        A proposal or COMMITTED still awaited on the slot fails at once with
-        ``CANCELLED``: nothing of the old generation can answer any more.
+        """Move ``slot`` to a new generation; returns it once the worker confirms (what
+        is still awaited on the slot fails at once, ``CANCELLED``).
 
         Raises:
             UsageError: ``UNKNOWN_SLOT``.
@@ -719,8 +660,7 @@ class AsyncClient:
         )
 
     async def reset_request(self, request: Request) -> None:
-        """:meth:`reset` ``request``'s slot and move its verifier to the new generation
-        (same prefix; its rounds restart at 0). Whatever was in flight is discarded.
+        """:meth:`reset` ``request``'s slot and move its verifier to the new generation.
 
         Raises:
             UsageError: a request on another client; otherwise as :meth:`reset`.
@@ -731,12 +671,8 @@ class AsyncClient:
         request.verifier.rebuild(request.verifier.committed, generation)
 
     async def close_slot(self, slot: int) -> None:
-        """Close ``slot`` (fire and forget: the slot is free locally at once).
-
-        A proposal or COMMITTED still awaited on the slot fails at once with
-        ``CANCELLED``; its proposals not yet released are released. Closing a
-        slot that is not open, or on a closed connection, does nothing.
-        """
+        """Close ``slot`` (fire and forget: free locally at once; what is awaited on it
+        fails, ``CANCELLED``, and its proposals are released). Not open: nothing."""
         if self.core.closed or slot not in self.core.slots:
             return
         self._cancel(slot, "the slot was closed")
@@ -746,7 +682,7 @@ class AsyncClient:
         self._flush()
 
     async def close_request(self, request: Request) -> None:
-        """:meth:`close_slot` ``request``'s slot (the request is done with this client).
+        """:meth:`close_slot` ``request``'s slot.
 
         Raises:
             UsageError: a request on another client.
@@ -778,13 +714,13 @@ class AsyncClient:
 
     def abort(self) -> None:
         """Drop the connection at once."""
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.abort()
+        if self._transport is not None:
+            self._transport.abort()
 
     async def close(self) -> None:
         """Close the connection after queued frames are written."""
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.close()
+        if self._transport is not None:
+            self._transport.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._closed.wait(), 5.0)
 

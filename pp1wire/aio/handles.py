@@ -1,6 +1,5 @@
 """What an engine's sampler holds and converts: a request open on a slot, a step's
-proposals, the client's error types, and the flat batch layout serving engines use
-(the round counter itself is the request's verifier's)."""
+proposals, the client's error types, and the flat batch layout serving engines use."""
 
 from __future__ import annotations
 
@@ -25,24 +24,13 @@ class _Client(Protocol):
 
 
 class ProposalUnavailableError(Pp1Error):
-    """No usable proposal this round (``code`` says why); decode it target-only.
-
-    Refused, corrupt, late or lost; ``CANCELLED`` when this side closed or reset
-    the slot meanwhile, ``SLOT_DESYNCED`` when the slot must be reopened first
-    (``AsyncClient.reopen``), ``CONNECTION_LOST`` when the connection is gone.
-    """
+    """No usable proposal this round (``code`` says why: ``docs/embedding.md`` §3);
+    decode it target-only."""
 
 
 class RefusedError(Pp1Error):
-    """The worker refused a request (``code`` says why), or this side cancelled it.
-
-    A refused OPEN, RESET or COMMIT leaves the slot out of step with the worker:
-    reopen it (``AsyncClient.reopen``) before its next proposal. A refused
-    handshake (from ``AsyncClient.connect``) means the two sides' settings
-    or keys differ: retrying cannot help, except after ``SHUTTING_DOWN`` or
-    ``CONNECTION_LIMIT``. ``CANCELLED``: this side closed or reset the slot
-    before the worker answered.
-    """
+    """The worker refused a request (``code`` says why), or this side cancelled it
+    (``CANCELLED``): reopen the slot (``AsyncClient.reopen``; ``docs/embedding.md`` §3)."""
 
 
 class ConnectionLostError(Pp1Error):
@@ -64,11 +52,8 @@ def scored_by_the_engine(prefix: Sequence[int]) -> npt.NDArray[np.float64]:
 class Request:
     """A request open on one slot of a client: what an engine's sampler holds per request.
 
-    ``verifier`` is the request's :class:`~pp1wire.q.verify.RequestVerifier`: its
-    committed prefix, generation, seed and round counter (the only place round
-    IDs come from: ``AsyncClient.propose_many`` takes one for each STEP,
-    :meth:`round_for` one for each target-only round). ``client`` is the
-    ``AsyncClient`` the slot is open on (``AsyncClient.reopen`` moves it).
+    ``verifier`` (:class:`~pp1wire.q.verify.RequestVerifier`) holds its state and the
+    round counter, the only source of round IDs; ``client`` is the ``AsyncClient``.
     """
 
     __slots__ = ("client", "prompt_length", "slot", "verifier")
@@ -93,18 +78,10 @@ class Request:
         return self.verifier.finished
 
     def round_for(self, outcome: Proposal | Exception | None) -> StepRound:
-        """This request's round of a step, for :func:`~pp1wire.verify_step`.
-
-        ``outcome`` is this request's entry of ``AsyncClient.propose_many``:
-        a proposal — whole, or cut by a fault (:attr:`Proposal.cut`) — is
-        verified under its own round; anything else (the
-        :class:`ProposalUnavailableError`, or None for a round planned
-        target-only *before* its STEP was sent) makes the round target-only
-        under the request's next round ID. Never pass None for a proposal that
-        arrived, even late: stop waiting with ``propose_many(timeout=…)`` or
-        ``AsyncClient.cut``, which hand back the rows that arrived. Dropping a
-        late proposal keeps only the blocks that were quick to draw and biases
-        the output (``docs/adaptive.md`` §7).
+        """This request's round of a step, for :func:`~pp1wire.verify_step`: a proposal
+        (whole or cut) under its own round; anything else (the error, or None for a
+        round planned target-only before its STEP) target-only under the next round
+        ID. Never pass None for a proposal that arrived late (``docs/adaptive.md`` §7).
 
         Raises:
             UsageError: a proposal of another request.
@@ -123,12 +100,8 @@ class Request:
 
 
 class ProposalBatch(list[Proposal | ProposalUnavailableError]):
-    """``AsyncClient.propose_many``'s outcome per request, in the requests' order.
-
-    Each entry is the request's :class:`~pp1wire.q.proposal.Proposal` or the
-    :class:`ProposalUnavailableError` that says why it has none. As a context
-    manager, every proposal is released when the block ends.
-    """
+    """``AsyncClient.propose_many``'s outcome per request, in order: a proposal or the
+    error that says why there is none; as a context manager, released at the end."""
 
     def release(self) -> None:
         """Release every proposal (idempotent)."""
@@ -151,10 +124,7 @@ class ProposalBatch(list[Proposal | ProposalUnavailableError]):
 def flatten_drafts(
     proposals: Sequence[Proposal | None],
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-    """Draft token IDs ``[num_tokens]`` and draft counts ``[batch]`` for a batch.
-
-    ``None`` (no proposal this round) contributes a count of 0.
-    """
+    """Draft token IDs ``[num_tokens]`` and draft counts ``[batch]`` (None: 0 drafts)."""
     counts = np.array([0 if p is None else len(p.rows) for p in proposals], dtype=np.int32)
     ids = [t for p in proposals if p is not None for t in p.tokens]
     return np.asarray(ids, dtype=np.int32), counts
@@ -176,14 +146,9 @@ def pack_outputs(outputs: Sequence[Sequence[int]], max_depth: int) -> npt.NDArra
 
 
 def target_rows(target_probs: _Rows, draft_counts: npt.ArrayLike) -> list[_Rows]:
-    """Split engine-layout target probabilities into per-request blocks (views, no copy).
-
-    ``target_probs`` is ``[num_tokens + batch, V]``: for request i, its
-    ``draft_counts[i]`` draft positions followed by one bonus position, in
-    request order. Row j of block i is p for the prefix extended by the
-    request's first j drafts. ``target_probs`` may be a numpy array or an
-    engine's tensor (torch, any device): the blocks are slices of it, of the
-    same type, and each row can go to the verifier as it is.
+    """Split engine-layout target probabilities ``[num_tokens + batch, V]`` (each
+    request's draft positions then its bonus one) into per-request blocks: slices of
+    the same type (numpy, or an engine's tensor on any device), no copy.
 
     Raises:
         ValueError: if the row count does not match ``sum(draft_counts) + batch``.

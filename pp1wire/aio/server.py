@@ -1,9 +1,7 @@
 """The worker's asyncio server: one sans-IO ``WorkerProtocol`` per connection.
 
-A thin uvloop shell: one ``BufferedProtocol`` per connection pumps bytes into
-the core and writes what it queues; timers come from the core's deadlines.
-:meth:`WorkerServer.stop` stops accepting, lets every connection finish the
-frames it already received, flushes the replies and closes.
+Each connection's ``BufferedProtocol`` pumps bytes into its core and writes what it
+queues; timers come from the core's deadlines.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
 from pp1wire.aio.admission import HANDSHAKE_GRACE_S, SLOT_IDLE_S, Admission
+from pp1wire.aio.transport import nodelay, write
 from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
@@ -44,6 +43,8 @@ ACCEPT_BACKLOG: Final = 1024
 ACCEPT_BURST: Final = 64
 #: A closing connection whose peer does not read is cut after this many seconds.
 CLOSE_GRACE_S: Final = 2.0
+
+
 class _Conn(asyncio.BufferedProtocol):
     def __init__(self, server: WorkerServer) -> None:
         self.server = server
@@ -55,7 +56,7 @@ class _Conn(asyncio.BufferedProtocol):
         # Reading stops while replies back up or frames wait for the next turn.
         self.writing_paused = False
         self.turn: asyncio.Handle | None = None
-        self.held = False  # a STEP held for its budget after a DRAW_RATE_LIMITED refusal (_pump)
+        self.held = False  # a STEP held for its budget after a DRAW_RATE_LIMITED refusal
         self.reading = True
         self.accepted_at = 0.0
         self.authenticated_at = 0.0
@@ -63,9 +64,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.address = ""
         self.principal: Principal | None = None
         self.lost = False
-        # Stopping: no more reading; closed once the frames already received are answered.
-        self.draining = False
-        # While TLS is negotiated: the accepted socket (shut down to evict it).
+        self.draining = False  # stopping: closed once the frames received are answered
         self.sock: socket.socket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -77,12 +76,8 @@ class _Conn(asyncio.BufferedProtocol):
             else:
                 self._ready(tr)
             return
-        peer = tr.get_extra_info("peername")
-        sock = tr.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        refusal = self._admit(peer)
+        nodelay(tr.get_extra_info("socket"))
+        refusal = self._admit(tr.get_extra_info("peername"))
         if refusal is None:
             self._ready(tr)
         else:
@@ -95,14 +90,12 @@ class _Conn(asyncio.BufferedProtocol):
 
     def accept_tls(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
         """Admit a connection accepted by the TLS listener, then negotiate TLS on it."""
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nodelay(sock)
         if self._admit(sock.getpeername()) is not None:
             sock.close()  # a TLS client could not read a plaintext ERROR
             return
         self.sock = sock
-        # TLS clients speak first (ClientHello); a pp1 frame's magic instead means a
-        # plaintext peer, told so in plaintext rather than left to retry a silent close.
+        # A pp1 frame's magic instead of a ClientHello: a plaintext peer, told so in plaintext.
         asyncio.get_running_loop().add_reader(sock.fileno(), self._first_bytes, sock, ctx)
 
     def _first_bytes(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
@@ -127,8 +120,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.connection_lost(None)
             return
         remaining = self.accepted_at + self.server.config.handshake_timeout - time.monotonic()
-        # The transport takes the socket (and closes it); the handshake is bounded
-        # by what is left of the handshake timeout, which runs from accept.
+        # The handshake timeout runs from accept, TLS included.
         task = asyncio.ensure_future(
             loop.connect_accepted_socket(
                 lambda: self, sock, ssl=ctx, ssl_handshake_timeout=max(0.001, remaining)
@@ -154,8 +146,7 @@ class _Conn(asyncio.BufferedProtocol):
             srv.metrics.refusals.labels(code=refusal.name.lower()).inc()
             log.warning("connection refused", extra={"peer": self.peer, "code": refusal.name})
             return refusal
-        # Counted from accept, TLS or not: a pending handshake holds a slot and a
-        # descriptor, so it is bounded by --max-connections and the handshake timeout.
+        # Counted from accept: a pending handshake holds a slot and a descriptor.
         self.core = WorkerProtocol(
             srv.config,
             srv.drafter,
@@ -178,7 +169,7 @@ class _Conn(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=WRITE_BUFFER_CAP)
 
     def _cut_handshake(self) -> None:
-        """End a connection still negotiating TLS: its handshake fails and the transport closes."""
+        """End a connection still negotiating TLS: its handshake fails, the transport closes."""
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -193,9 +184,8 @@ class _Conn(asyncio.BufferedProtocol):
         return None if sock is None else int(sock.fileno())
 
     def peer_left(self) -> None:
-        """The peer is gone although its connection was not being read (held for its
-        budget, a draw, or replies it does not read): end it now, so that it stops
-        counting against the limits (docs/protocol.md §2)."""
+        """The peer is gone although its connection was not being read: end it now, so
+        that it stops counting against the limits (docs/protocol.md §2)."""
         log.info("peer left", extra={"peer": self.peer})
         self.server.closed_conn(self)
         if self.transport is not None:
@@ -224,8 +214,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._flush()
 
     def refuse(self, code: ErrorCode) -> None:
-        """Close this authenticated connection with a fatal ERROR ``code``
-        (``GROUP_IN_USE``, or ``CONNECTION_LIMIT`` with no room left for it)."""
+        """Close this authenticated connection with a fatal ERROR ``code``."""
         core = self.core
         if core is None or core.closed:
             return
@@ -247,10 +236,6 @@ class _Conn(asyncio.BufferedProtocol):
             self.core.decoder.account(nbytes)
         self._pump()
 
-    def _draw(self, job: worker_core.DrawJob) -> None:
-        """Queue a draw for the server's pool; the loop keeps serving this and other connections."""
-        self.server.submit_draw(self, job)
-
     def stream(self, job: worker_core.DrawJob, frames: list[FrameParts]) -> None:
         """REPLY frames of ``job`` drawn so far (on the loop): queued and sent at once."""
         core = self.core
@@ -269,9 +254,7 @@ class _Conn(asyncio.BufferedProtocol):
             self._pump()  # messages held for the slot go on
 
     def _end_hold(self) -> None:
-        # A timer that fires early (uvloop rounds delays to whole milliseconds) is
-        # harmless: the core keeps the STEP held until its time, and _pump holds
-        # the connection again for the remainder.
+        # A timer firing early (uvloop rounds to milliseconds) is harmless: _pump holds again.
         self.held = False
         self._pump()
 
@@ -283,11 +266,9 @@ class _Conn(asyncio.BufferedProtocol):
         if self.writing_paused:
             self._set_reading(False)  # resume_writing pumps again
             return
-        # The transport pauses us above the cap (its high-water mark); below it,
-        # this turn may queue up to the cap (at least one frame's reply).
+        # The transport pauses us above the cap; this turn may queue up to it (one reply at least).
         budget = max(1, WRITE_BUFFER_CAP - transport.get_write_buffer_size())
-        # After a refusal the next STEP it applies to is held (unless draining, which
-        # answers all at once), with the frames the peer pipelined after it.
+        # After a refusal the next STEP is held with what follows it (draining: answered at once).
         now = time.monotonic()
         events = core.pump(
             now,
@@ -301,9 +282,8 @@ class _Conn(asyncio.BufferedProtocol):
             return
         hold = core.gate.hold_until - now
         if core.waiting and hold > 0 and not self.draining:
-            # A STEP waits for its budget after a DRAW_RATE_LIMITED refusal: read and
-            # answer nothing more from this peer until then, so a loop of refused STEPs
-            # costs the worker one refusal per budget period, not one per frame.
+            # Nothing more from this peer until its STEP's budget: a loop of refused STEPs
+            # costs one refusal per budget period, not one per frame.
             self._set_reading(False)
             self.held = True
             self.turn = asyncio.get_running_loop().call_later(hold, self._end_hold)
@@ -311,8 +291,7 @@ class _Conn(asyncio.BufferedProtocol):
         if core.waiting:
             self._set_reading(False)  # a message waits for its slot's draw: _drawn pumps again
         elif core.more:
-            # Frames are left: serve other connections first, then continue
-            # without reading more from this one.
+            # Frames are left: serve other connections first, not reading this one.
             self._set_reading(False)
             self.turn = asyncio.get_running_loop().call_soon(self._pump)
         elif self.draining:
@@ -358,7 +337,7 @@ class _Conn(asyncio.BufferedProtocol):
         m = self.server.metrics
         for e in events:
             if isinstance(e, worker_core.DrawRequested):
-                self._draw(e.job)
+                self.server.submit_draw(self, e.job)
             elif isinstance(e, worker_core.StepServed):
                 if e.failure is not None:
                     self.server.draw_failed(self, e, e.failure)
@@ -405,17 +384,11 @@ class _Conn(asyncio.BufferedProtocol):
                 self._cut_handshake()
                 self.connection_lost(None)
             return
-        chunks = core.data_to_send()
-        if len(chunks) == 1:
-            transport.write(chunks[0])
-        elif chunks:
-            transport.writelines(chunks)
+        write(transport, core.data_to_send())
         if core.closed:
-            # Closing, it no longer counts against the limits (nor is it evicted again).
-            self.server.closed_conn(self)
+            self.server.closed_conn(self)  # no longer counted (nor evicted again)
             transport.close()
-            # close() waits to flush; a peer that never reads must not keep the
-            # descriptor, so the connection is cut after a grace period.
+            # close() waits to flush: a peer that never reads is cut after a grace period.
             asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._abort)
         else:
             self._arm()
@@ -427,9 +400,8 @@ class _Conn(asyncio.BufferedProtocol):
     def _arm(self) -> None:
         core = self.core
         deadline = None if core is None else core.next_deadline()
-        # The idle deadline moves with every message; a timer set for an earlier
-        # time simply fires, finds nothing expired and re-arms, which is much
-        # cheaper than cancelling and re-creating a timer per message.
+        # The idle deadline moves with every message: an earlier timer simply fires and
+        # re-arms, much cheaper than re-creating a timer per message.
         if self.timer is not None:
             if deadline is not None and self.timer.when() <= _loop_time(deadline):
                 return
@@ -468,7 +440,6 @@ class _Conn(asyncio.BufferedProtocol):
         self.closed.set()
 
     def pause_writing(self) -> None:
-        # Backpressure: stop reading requests while replies cannot be written.
         self.writing_paused = True
         self._set_reading(False)
 
@@ -519,38 +490,19 @@ class WorkerServer(Admission[_Conn]):
         """Prepare a server (call :meth:`start`).
 
         Admission (``docs/protocol.md`` §2): at most ``max_connections``
-        authenticated connections (HELLO done, and AUTH with a key) are held,
-        and at most ``max_per_address`` from one source address. When a
-        limit is reached, a newcomer first replaces the oldest connection still
-        in its handshake; failing that, it is admitted *on credit* if a held
-        peer is replaceable (:meth:`replaceable`: authenticated, and no fresh
-        draw in the last ``slot_idle_timeout`` s, nor, if it never drew, in the
-        ``handshake_grace`` s after its handshake that one connection of its
-        principal gets per ``slot_idle_timeout``), and that peer is evicted
-        only once the newcomer has itself authenticated, so a peer without the
-        key never evicts one with it. Otherwise the newcomer is refused
-        (``CONNECTION_LIMIT``). Connections count from accept (a TLS handshake
-        included) until they close; a peer found gone when they are counted
-        stops counting at once, even if its connection was not being read.
+        authenticated connections, ``max_per_address`` from one address; a newcomer
+        replaces a pending handshake, or on credit a peer with no fresh draw in
+        ``slot_idle_timeout`` s (``handshake_grace`` s after a first handshake).
+        Draw budgets (``config``, ``policy``'s caps) are kept per principal: its key
+        ID, or without a key its lineage (:mod:`pp1wire.wire.principals`).
 
-        Draw budgets (``config``, and ``policy``'s caps) are kept per principal,
-        across its connections (:class:`~pp1wire.wire.budgets.Accounts`): its key
-        ID, or without a key its lineage, whose births ``policy`` paces
-        (:mod:`pp1wire.wire.principals`).
-
-        ``busy_poll`` keeps the event loop spinning while any connection is
-        open, trading one busy core for the wake-up latency of an idle one.
-        ``draw_threads`` > 0 draws proposals on a pool of that many threads
-        (slots draw in parallel, the loop keeps answering), shared fairly
-        between principals (:class:`~pp1wire.wire.draws.DrawScheduler`);
-        ``run_batch`` draws each batch of up to ``max_draw_batch`` jobs on a
-        pool thread (default: :func:`~pp1wire.wire.draws.default_runner`), a
-        free thread waiting up to ``draw_gather`` seconds for the STEPs a
-        connection's COMMITs announced. 0 draws on the event loop.
-        ``proposer`` replaces the local proposal chain; ``group`` draws every
-        STEP instead (a rank of a vocabulary-sharded worker group: a link joins
-        it at its handshake, and one whose group nonce the rank already serves
-        is closed, ``GROUP_IN_USE``).
+        ``busy_poll`` spins the loop while a connection is open. ``draw_threads``
+        > 0 draws on that many threads, shared fairly between principals, each
+        batch of up to ``max_draw_batch`` jobs by ``run_batch`` (default:
+        :func:`~pp1wire.wire.draws.default_runner`) after up to ``draw_gather`` s
+        for the STEPs COMMITs announced; 0 draws on the loop. ``proposer``
+        replaces the local chain; ``group`` (a rank of a vocabulary-sharded
+        group) draws every STEP instead.
 
         Raises:
             ValueError: for a limit below 1, a timeout that is not above 0, or a
@@ -591,8 +543,7 @@ class WorkerServer(Admission[_Conn]):
             gather=draw_gather,
             group_of=draw_group,  # a lineage shares the threads with its address's others
         )
-        # Draws are queued and gathered into batches only on the server's own pool
-        # (a group draws them itself, and without a pool they are drawn inline).
+        # Only the server's own pool gathers draws (a group draws them itself).
         self.gathers = self.draw_pool is not None and group is None
         self.run_batch = run_batch
         self._scheduling = False  # a _schedule is due on the loop
@@ -605,10 +556,9 @@ class WorkerServer(Admission[_Conn]):
     # -- draws ----------------------------------------------------------------------
 
     def submit_draw(self, conn: _Conn, job: worker_core.DrawJob) -> None:
-        """Queue ``conn``'s draw (docs/protocol.md §4.4); batches are taken once the
-        frames at hand are handled, so that STEPs read together are drafted together."""
-        # The job's rows go to the connection as they are drawn (docs/adaptive.md §7),
-        # by a group's rank as by this server's own draws.
+        """Queue ``conn``'s draw; batches are taken once the frames at hand are handled,
+        so that STEPs read together are drafted together."""
+        # Its rows go to the connection as they are drawn (docs/adaptive.md §7).
         job.owner = conn
         job.streamer = self._streamer
         if self.group is not None:  # its result comes back on a thread of the group's
@@ -715,11 +665,8 @@ class WorkerServer(Admission[_Conn]):
                 lambda: _Conn(self), host, port, reuse_address=True, backlog=ACCEPT_BACKLOG
             )
             return int(self.server.sockets[0].getsockname()[1])
-        # TLS: this server accepts itself, so that a connection counts from accept
-        # and its handshake is bounded by the handshake timeout; the event loop's
-        # TLS server would hold any number of pending handshakes, each a descriptor.
-        # A deep accept queue keeps arrivals in order under a flood (a short one
-        # parks the overflow in the kernel and admits it later, behind others).
+        # TLS: accepted here, so that a connection counts from accept (the loop's TLS
+        # server would hold any number of pending handshakes, each a descriptor).
         listener = socket.create_server((host, port), backlog=ACCEPT_BACKLOG)
         listener.setblocking(False)
         loop.add_reader(listener.fileno(), self._accept_tls)
@@ -741,9 +688,8 @@ class WorkerServer(Admission[_Conn]):
             _Conn(self).accept_tls(sock, self.ssl_context)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting; let every connection finish the frames it already received
-        (draws in progress and queued included), flush the replies and close; whatever
-        is left after ``grace`` seconds is cut."""
+        """Stop accepting; let every connection answer the frames it already received,
+        flush and close; whatever is left after ``grace`` seconds is cut."""
         self.stopping = True
         if self.server is not None:
             self.server.close()
@@ -772,8 +718,7 @@ class WorkerServer(Admission[_Conn]):
 
 
 class _RowStreamer:
-    """Hands REPLY frames drawn on a pool thread to their connections, on the loop: one
-    hop per hand-over, each connection flushed once."""
+    """Hands REPLY frames drawn on a pool thread to their connections, on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop

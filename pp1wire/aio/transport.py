@@ -1,11 +1,13 @@
-"""The Spark-side client's socket plumbing: its buffered transport protocol, and how its
-futures are settled (split from :mod:`pp1wire.aio.client`)."""
+"""The asyncio shells' socket plumbing: the client's buffered transport protocol, how its
+futures are settled, and what the worker's server shares with it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from pp1wire.aio.handles import ProposalUnavailableError
@@ -36,12 +38,7 @@ class ClientConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                import socket  # noqa: PLC0415
-
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nodelay(transport.get_extra_info("socket"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.client.core.get_buffer()
@@ -58,6 +55,21 @@ class ClientConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.client._handle(self.client.core.connection_lost())
         self.client._lost()
+
+
+def nodelay(sock: socket.socket | None) -> None:
+    """Set TCP_NODELAY on ``sock`` if it has one (an error is ignored)."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def write(transport: asyncio.Transport, chunks: Sequence[bytes | memoryview]) -> None:
+    """Queue ``chunks`` on ``transport`` (one write for one chunk)."""
+    if len(chunks) == 1:
+        transport.write(chunks[0])
+    elif chunks:
+        transport.writelines(chunks)
 
 
 def outcome_of(
@@ -91,4 +103,4 @@ def fail_future(fut: asyncio.Future[Any] | None, error: BaseException) -> None:
         fut.exception()
 
 
-__all__ = ["ClientConnection", "fail_future", "outcome_of", "settle"]
+__all__ = ["ClientConnection", "fail_future", "nodelay", "outcome_of", "settle", "write"]

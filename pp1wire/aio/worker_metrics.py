@@ -1,4 +1,4 @@
-"""Every metric the worker exposes, in a registry of its own (README: Metrics)."""
+"""Every metric the worker exposes, in a registry of its own (docs/operators.md §4)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Round trips and draws on loopback span 50 us to seconds.
 SECONDS_BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-)
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
 
 
 class WorkerMetrics:

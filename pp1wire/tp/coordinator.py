@@ -1,20 +1,7 @@
 """One rank's view of its process group: every collective of every Spark and worker group.
 
-In the manner of vLLM's ``GroupCoordinator``: the rank, the world size, the
-control group (gloo: small words and flags), the device group (NCCL when the
-group asked for one and every rank has a CUDA device, else the control group),
-the static vocabulary layout and the collective timeout live in one object, and
-every collective any group of this package runs goes through
-:meth:`GroupCoordinator._run`. There a failure — a peer that died, a collective
-that timed out, a broken backend — becomes :class:`GroupFailedError`, the one
-group failure ``docs/tp.md`` defines, and the coordinator stays dead: a gloo
-group cannot be used after a timeout, so every later collective fails at once
-instead of hanging.
-
-Collectives are called on the process-group objects themselves, not through
-``torch.distributed``'s default-group registry, so several ranks can share one
-process (threads, each with its own group over one store): the tests run whole
-groups that way without starting processes.
+A failed collective becomes :class:`GroupFailedError` and the coordinator stays dead
+(``docs/tp.md`` §6); collectives run on the group objects, so ranks may share a process.
 """
 
 from __future__ import annotations
@@ -45,9 +32,7 @@ MIN = dist.ReduceOp.MIN
 class GroupFailedError(Pp1Error):
     """The group cannot continue: a collective failed, or the ranks disagreed in a vote.
 
-    Nothing of the round in progress was committed on any rank. The group is
-    unusable afterwards; the process stops (or the embedding engine rebuilds
-    its group).
+    Nothing of the round in progress was committed on any rank; the group is unusable.
     """
 
     def __init__(self, detail: str) -> None:
@@ -97,15 +82,11 @@ class GroupCoordinator:
     def join(
         cls, timeout: float, layout: ShardLayout | None = None, *, device: bool = False
     ) -> GroupCoordinator:
-        """Initialize the default group from the launcher's environment (``torchrun``,
-        or ``--tp N``'s elastic launcher) and wrap it.
+        """Initialize the default group from the launcher's environment and wrap it.
 
-        With ``device`` (every rank must pass the same), the ranks agree in one
-        all-reduce whether every one of them has a CUDA device; only then does
-        each take ``cuda:LOCAL_RANK`` and a NCCL device group (creating a group
-        takes every rank). Otherwise, or without ``device``, the device group is
-        the control group and tensors stay on the CPU. The objects the process
-        holds by then are frozen out of the garbage collector (``gc.freeze``).
+        With ``device`` (the same on every rank) and a CUDA device on every rank
+        (agreed in one all-reduce), each rank takes ``cuda:LOCAL_RANK`` and a NCCL
+        device group; otherwise the device group is the control group.
 
         Raises:
             RuntimeError: from ``torch.distributed`` if the rendezvous fails.
@@ -125,9 +106,8 @@ class GroupCoordinator:
             torch.cuda.set_device(coord.device)
             coord.device_group = nccl_group(delta)
         coord.collectives = 0  # the group's count of collectives starts with its rounds
-        # A rank process's objects from before its rounds (torch's modules above all,
-        # some 170,000) are never garbage: frozen, no full collection walks them again
-        # (measured: those walks were a sixth of a sharded Spark rank's CPU).
+        # The objects from before the rounds (torch's modules, some 170,000) are never
+        # garbage; full collections walking them were a sixth of a Spark rank's CPU.
         gc.freeze()
         return coord
 
@@ -140,10 +120,8 @@ class GroupCoordinator:
         timeout: float,
         layout: ShardLayout | None = None,
     ) -> GroupCoordinator:
-        """A gloo group of its own over ``store`` (blocks until every rank has joined).
-
-        Several of these in one process, one per thread, form a whole group: what
-        the tests use, and what an engine with its own store can use.
+        """A gloo group of its own over ``store`` (blocks until every rank has joined);
+        several in one process, one per thread, form a whole group.
 
         Raises:
             RuntimeError: from gloo if the ranks do not meet within ``timeout``.
@@ -192,9 +170,7 @@ class GroupCoordinator:
         return t
 
     def _group_for(self, t: torch.Tensor) -> Group:
-        """The group ``t`` travels on: a CUDA tensor on the device group, which is NCCL
-        only when every rank agreed it has CUDA (:meth:`join`); a host tensor on the
-        control group (gloo).
+        """The device group for a CUDA tensor, else the control group.
 
         Raises:
             ValueError: a CUDA tensor on a coordinator without a CUDA device.
@@ -251,18 +227,9 @@ at its timeout; read when the group is made."""
 
 
 def nccl_group(timeout: timedelta) -> Group:
-    """A NCCL group of every rank whose collectives fail the way gloo's do.
-
-    By default a NCCL collective's ``wait()`` only orders the current CUDA
-    stream: the host blocks later, in the copy that reads the result, and a
-    collective a dead rank never joins is found by NCCL's watchdog thread,
-    which at the timeout ends the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-    defaults to tearing it down: SIGABRT, no result written). In blocking-wait
-    mode there is no watchdog; ``wait()`` blocks until the collective completes
-    or ``timeout`` passes, then aborts the communicator and raises
-    ``DistBackendError`` (a ``RuntimeError``), which :meth:`GroupCoordinator._run`
-    turns into :class:`GroupFailedError`: the group fails closed. The mode is
-    set unless the environment already chose (``TORCH_NCCL_BLOCKING_WAIT``).
+    """A NCCL group of every rank whose collectives fail the way gloo's do: in
+    blocking-wait mode (unless the environment chose), a timeout raises instead of
+    NCCL's watchdog ending the process (``docs/tp.md`` §6).
 
     Raises:
         RuntimeError: from ``torch.distributed`` if the group cannot be made.

@@ -1,7 +1,5 @@
-"""What the vocabulary-sharded kernels (:mod:`pp1wire.tp.dist_ops`,
-:mod:`pp1wire.tp.dist_construct`) share: a batch's rows checked against this
-rank's range, and the two collectives every kernel ends with (an all-gather of
-fixed shape, an all-reduce MAX of the owners' answers)."""
+"""What the vocabulary-sharded kernels share: a batch's rows checked against this rank's
+range, and the collectives every kernel ends with (an all-gather, an all-reduce MAX)."""
 
 from __future__ import annotations
 
@@ -13,37 +11,37 @@ import numpy.typing as npt
 import torch
 
 from pp1wire.tp.coordinator import MAX, GroupCoordinator
-from pp1wire.tp.shard_tree import TreePlan
+from pp1wire.tp.shard_tree import TreePlan, plan_of
 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 _S = TypeVar("_S", bound=np.generic)
 
 
-def rows_of(values: npt.ArrayLike, plan: TreePlan, dtype: type[_S]) -> npt.NDArray[_S]:
-    """Rows of ``dtype``, each contiguous (a slice of wider rows is not copied)."""
+def rows_of(
+    values: npt.ArrayLike,
+    coord: GroupCoordinator,
+    dtype: type[_S],
+    draws: Sequence[int] | None = None,
+) -> tuple[TreePlan, npt.NDArray[_S]]:
+    """The coordinator's tree plan, and rows of ``dtype`` in its rank's range, each
+    contiguous (a slice of wider rows is not copied).
+
+    Raises:
+        ValueError: rows that are not this rank's range, or not one per draw in ``draws``,
+            or a coordinator without a layout.
+    """
+    plan = plan_of(coord)
     x: npt.NDArray[_S] = np.asarray(values, dtype=dtype)
     if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] < 0:
         x = np.ascontiguousarray(x)
-    check_width(x, plan)
-    return x
-
-
-def one_draw_each(rows: npt.NDArray[Any], draws: Sequence[int]) -> None:
-    """Refuse a batch whose rows and draws do not pair up.
-
-    Raises:
-        ValueError: as the kernels say.
-    """
-    if rows.shape[0] != len(draws):
-        raise ValueError(f"{len(draws)} draws for {rows.shape[0]} rows")
-
-
-def check_width(x: npt.NDArray[np.generic], plan: TreePlan) -> None:
     if x.ndim != 2 or x.shape[1] != plan.stop - plan.start:
         raise ValueError(
             f"rank {plan.rank} holds {plan.stop - plan.start} entries per row, got shape {x.shape}"
         )
+    if draws is not None and x.shape[0] != len(draws):
+        raise ValueError(f"{len(draws)} draws for {x.shape[0]} rows")
+    return plan, x
 
 
 def on_device(coord: GroupCoordinator, local: npt.NDArray[Any]) -> torch.Tensor:

@@ -1,11 +1,6 @@
-"""The worker side of the vocabulary-sharded kernels: a position's q rows built from
-the ranks' slices of the logits (or probabilities) and drawn, one fixed set of
-collectives for the batch (:func:`construct_rows`; the rules are
-:mod:`pp1wire.tp.dist_ops`'s, which re-exports what is public here).
-
-Each row equals what :func:`pp1wire.q.proposal.build_row` and the proposal
-draw give on the unsharded row, bit for bit (``docs/protocol.md`` §6.6;
-``tests/test_dist_ops.py``).
+"""The worker side of the vocabulary-sharded kernels: a position's q rows built from the
+ranks' slices of the logits (or probabilities) and drawn, one fixed set of collectives
+for the batch, bit for bit the unsharded rows (``docs/protocol.md`` §6.6).
 """
 
 from __future__ import annotations
@@ -13,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -30,26 +25,22 @@ from pp1wire.tp.dist_common import (
     reduce_max,
     rows_of,
 )
-from pp1wire.tp.shard_tree import TreePlan, plan_of
+from pp1wire.tp.shard_tree import TreePlan
 
-# The leftover tickets' threshold is found by bucket: remainders in [0, 1) are
-# bucketed by their binary64 bits (for non-negative floats the bits order as the
-# values do), 16 buckets per binade down to 2**-128, everything below in bucket 0.
+# The leftover tickets' threshold is found by bucket: a remainder in [0, 1) by its
+# binary64 bits (ordered as the values), 16 per binade down to 2**-128, below in bucket 0.
 _SUB_BITS: Final = 4
 _LOW_EXPONENT: Final = 1023 - 128
 _BUCKETS: Final = 1 + (128 << _SUB_BITS)
 # A remainder's top 16 bits (sign, exponent, 4 mantissa bits) less this are its bucket.
 _KEY_LOW: Final = (_LOW_EXPONENT << _SUB_BITS) - 1
-# A sparse row's support is taken from the logits the ranks offer when the weight of
-# the largest logit left out, times this, is below the k-th weight chosen (and that
-# weight is above the floor): the bound of pp1wire.q.dyadic.sparse_row_from_logits.
+# The bound of pp1wire.q.dyadic.sparse_row_from_logits: the offers hold a sparse row's
+# support when the largest logit left out weighs, times this, below the k-th chosen.
 _EXP_SLACK: Final = dyadic._EXP_SLACK
 _MIN_THETA: Final = dyadic._MIN_THETA
-# With its histogram each rank sends its remainders in the three buckets around its own
-# guess of the threshold (where its count from the top reaches its remainders' sum, as
-# the group's does at the group's sum), or in the guessed bucket alone, if they are at
-# most this many: usually the threshold's bucket is among them on every rank, and no
-# further collective is needed.
+# With its histogram each rank sends its remainders in the three buckets around its guess
+# of the threshold (or the guessed one alone) if they are at most this many: usually the
+# threshold's bucket is among them on every rank, and no further collective is needed.
 _WINDOW: Final = 4096
 _GUESS: Final = 1 + _BUCKETS  # the guess's words: first bucket, last bucket, how many
 _WORDS: Final = _GUESS + 3 + _WINDOW
@@ -57,9 +48,8 @@ _WORDS: Final = _GUESS + 3 + _WINDOW
 
 @dataclass(frozen=True)
 class RowSpec:
-    """How to build one row of a position: the proposal's temperature (0: greedy) and
-    sparse support (0: dense), rank 0's 24-bit PROPOSAL draw and the code its RNG
-    raised instead (other ranks: 0), and this rank's drafter failure for the row."""
+    """One row of a position: temperature (0: greedy), support (0: dense), rank 0's
+    24-bit draw or its RNG's code (other ranks: 0), and this rank's drafter failure."""
 
     temperature: float
     support: int = 0
@@ -70,10 +60,8 @@ class RowSpec:
 
 @dataclass(frozen=True)
 class BuiltRow:
-    """One row built by the group: the drawn global token, this rank's part of q —
-    dense counts over its range (``ids`` None), or the sparse entries in its range —
-    and ``count``, q's count at the token, which every rank knows (a stop rule
-    decides from it, ``docs/adaptive.md``)."""
+    """One row built by the group: the drawn token, this rank's part of q (dense counts,
+    ``ids`` None, or its sparse entries) and q's count at the token (known to every rank)."""
 
     token: int
     counts: Int64Array | npt.NDArray[np.int32]
@@ -81,10 +69,9 @@ class BuiltRow:
     count: int
 
 
-# The first collective's columns: the drafter's code, two flags (logits: NaN, +inf;
-# probabilities: NaN or infinity, a negative value), the maximum, its first global
-# index, rank 0's draw and its RNG code; then each row's offers (a sparse row) or
-# cover totals (a dense row of probabilities).
+# The first collective's columns: drafter code, two flags (logits: NaN, +inf; probabilities:
+# non-finite, negative), the maximum, its first global index, rank 0's draw and RNG code;
+# then a sparse row's offers or a dense probabilities row's cover totals.
 _C1: Final = 7
 
 
@@ -95,43 +82,24 @@ def construct_rows(
     *,
     probs: bool = False,
 ) -> list[BuiltRow | Pp1Error]:
-    """Build and draw a position's rows together: for each global row, exactly what
-    :func:`pp1wire.q.proposal.build_row` then the proposal draw give on one
-    process (greedy: the point mass at the first maximal logit or weight; dense:
-    :func:`pp1wire.q.dyadic.counts_from_logits`, or
-    :func:`~pp1wire.q.dyadic.counts_from_fp32` of a probabilities drafter's
-    row; sparse: :func:`~pp1wire.q.dyadic.sparse_counts_from_logits` or
-    :func:`~pp1wire.q.dyadic.sparse_counts_from_fp32`; the token
-    :func:`pp1wire.q.dyadic.sample` picks with rank 0's draw), or the code the
-    unsharded chain raises, in its order: a drafter failure on any rank (the
-    lowest rank's code), the temperature and support checks, the values (NaN
-    or infinity, negative weights, no mass), the allocation, then rank 0's RNG code.
+    """Build and draw a position's rows together: each exactly what
+    :func:`pp1wire.q.proposal.build_row` and the proposal draw (rank 0's) give on one
+    process, or the code the unsharded chain raises, in its order (a drafter failure
+    on any rank: the lowest rank's code).
 
-    ``logits`` are this rank's range of each row: logits, or with ``probs`` a
-    probabilities drafter's FP32 weights (values that are not FP32 are rounded
-    to it, as one process does). Rows whose drafter failed on this rank may hold
-    anything: the group's code decides them.
-
-    Collectives, whatever the number of rows: 1, which also carries every sparse
-    row's offers and a dense probabilities row's cover totals; then, for dense
-    rows, 1 for the cover totals (logits only), 1 for the floor sums and
-    remainder histograms, and 1 for the drawn tokens and their counts (plus 1
-    when a rank's guess of the threshold missed); plus 1 when a sparse row's
-    offers by logit could not be shown to hold its support.
+    ``logits`` are this rank's range of each row (with ``probs``, FP32 weights; other
+    values rounded to FP32). The collectives per batch are ``docs/tp.md`` §11's.
 
     Raises:
         ValueError: rows that are not ``[len(specs), this rank's range]``.
         GroupFailedError: a collective failed.
     """
-    plan = plan_of(coord)
     if probs:
         with np.errstate(over="ignore"):  # beyond FP32: infinite, and refused
-            # A slice of wider rows (a drafter's row, viewed at this rank's range) is
-            # not copied; astype copies it once.
-            x32: npt.NDArray[np.float32] = rows_of(logits, plan, np.float32)
+            plan, x32 = rows_of(logits, coord, np.float32)
         x = x32.astype(np.float64)
     else:
-        x = rows_of(logits, plan, np.float64)
+        plan, x = rows_of(logits, coord, np.float64)
         x32 = np.empty((0, 0), dtype=np.float32)
     rows = x.shape[0]
     if rows != len(specs):
@@ -236,32 +204,22 @@ def _offer(
     plan: TreePlan,
     out: Float64Array,
 ) -> None:
-    """A sparse row's offer (``out``: k values, their global IDs, -1 for none, and for
-    logits the largest logit left out): a probabilities row's own top k weights (ties
-    to the lowest ID, zeros left out), a logits row's k largest logits."""
+    """A sparse row's offer into ``out``: k values, their global IDs (-1: none) and for
+    logits the largest logit left out; weights: the top k (ties to the lowest ID)."""
     k = spec.support
     out[: 2 * k] = -1.0
-    n = x.size
     if probs:
         assert x32 is not None
         ids = _top_weights(x, x32, k)
-        out[: ids.size] = x[ids]
-        out[k : k + ids.size] = ids + plan.start
-        return
-    out[:k] = -np.inf
-    if n <= k:
-        ids = np.arange(n)
-        x_out = -np.inf
     else:
-        ids, x_out = _top_logits(x, k, spec.temperature)
+        out[:k] = -np.inf
+        ids, out[2 * k] = _top_logits(x, k, spec.temperature)
     out[: ids.size] = x[ids]
     out[k : k + ids.size] = ids + plan.start
-    out[2 * k] = x_out
 
 
 def _top_weights(w: Float64Array, w32: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.intp]:
-    """The indices of a row's k largest positive weights, ties to the lowest index
-    (values checked by the group: garbage in a refused row is moot)."""
+    """The indices of a row's k largest positive weights, ties to the lowest index."""
     fast = getattr(dyadic, "_fastq", None)
     if fast is not None and w32.size:
         cap = max(64 * k, 4096)
@@ -276,10 +234,10 @@ def _top_weights(w: Float64Array, w32: npt.NDArray[np.float32], k: int) -> npt.N
 
 
 def _top_logits(x: Float64Array, k: int, temperature: float) -> tuple[npt.NDArray[np.intp], float]:
-    """Some k indices of a row's largest logits (ties in any order) and the largest
-    logit left out: from the compiled candidates pass when it finds a small
-    superset, else one partition."""
+    """Some k indices of a row's largest logits and the largest logit left out."""
     n = x.size
+    if n <= k:
+        return np.arange(n), -np.inf
     fast = getattr(dyadic, "_fastq", None)
     top = float(x.max())
     if fast is not None and np.isfinite(top) and np.isfinite(temperature) and temperature > 0:
@@ -303,8 +261,7 @@ _SPARSE_BUCKETS: Final = 16.0
 
 
 def _check_probs(words: Float64Array) -> None:
-    """A probabilities row's checks from every rank's flags (``[world, columns]``), in
-    one process's order.
+    """A probabilities row's checks from every rank's flags, in one process's order.
 
     Raises:
         ConstructionError: ``WEIGHT_NON_FINITE``, ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``.
@@ -318,23 +275,19 @@ def _check_probs(words: Float64Array) -> None:
 
 
 def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> BuiltRow:
-    """The greedy row from every rank's first words (``[world, columns]``): all of
-    the mass at the first maximal logit or weight.
+    """The greedy row from every rank's first words: all of the mass at the first
+    maximal logit or weight.
 
     Raises:
-        ConstructionError: as one process's greedy row (rank 0's RNG code is
-            :func:`construct_rows`'s, as for every row).
+        ConstructionError: as one process's greedy row.
     """
     top = float(words[:, 3].max())
     if probs:
         _check_probs(words)
-    else:
-        if words[:, 1].any() or words[:, 2].any():
-            raise ConstructionError(
-                ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf"
-            )
-        if top == -np.inf:
-            raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
+    elif words[:, 1].any() or words[:, 2].any():
+        raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "greedy logits must be finite or -inf")
+    elif top == -np.inf:
+        raise ConstructionError(ErrorCode.ZERO_MASS, "every logit is -inf")
     token = int(min(w[4] for w in words if w[3] == top))
     return _point(token, support, plan)
 
@@ -342,8 +295,7 @@ def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> B
 def _shifted_exp(
     x: Float64Array, top: float, temperature: float, out: Float64Array | None = None
 ) -> Float64Array:
-    # A logit far below the top over a small temperature overflows to -inf, whose
-    # weight is 0 as intended.
+    # A logit far below the top over a small temperature overflows to -inf: weight 0.
     with np.errstate(over="ignore"):
         return dyadic.shifted_exp(x, top, temperature, out=out)
 
@@ -363,10 +315,9 @@ def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
 # -- dense rows -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Position:
-    """A position's rows after its first collective: this rank's values, every rank's
-    first words (``c1``), each row's global maximum (logits rows), specs and draws."""
+class _Position(NamedTuple):
+    """A position's rows after its first collective (``c1``: every rank's first words;
+    ``tops``: each logits row's global maximum)."""
 
     x: Float64Array
     c1: Float64Array
@@ -379,11 +330,8 @@ class _Position:
 
 
 def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The dense rows of a position: their weights and canonical totals (a logits
-    row's from one more collective), then the allocation and the draw."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
+    """The dense rows of a position: weights and canonical totals, allocation, draw."""
+    x, c1, tops, specs, draws, probs, plan, coord = at
     n = x.shape[1]
     w: Float64Array
     if probs:
@@ -402,8 +350,7 @@ def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
     out: list[BuiltRow | Pp1Error | None] = [None] * len(rows)
     usable: list[int] = []
     for j, total in enumerate(totals):
-        # The logits' top maps to exp(0) = 1, so a logits row's total is at least 1;
-        # a probabilities row's has a positive weight (its checks passed).
+        # Overflow is the only failure of a logits row's total (its top weighs exp(0) = 1).
         if not np.isfinite(total):
             out[j] = ConstructionError(
                 ErrorCode.WEIGHT_NON_FINITE, "total weight overflows binary64"
@@ -423,7 +370,7 @@ def _dense_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
 
 
 class _Scratch(threading.local):
-    """Per-thread scratch of the dense rows: their remainders and bucket keys."""
+    """Per-thread scratch of the dense rows' remainders and bucket keys."""
 
     def __init__(self) -> None:
         self.rem = np.empty(0, dtype=np.float64)
@@ -444,9 +391,7 @@ def _scratch(count: int, n: int) -> tuple[Float64Array, Int64Array]:
 
 
 def _histogram(rem: Float64Array, keys: Int64Array) -> Int64Array:
-    """A row's remainders (in [0, 1)) counted by bucket: their binary64 bits' top 16
-    (sign, exponent and 4 mantissa bits: 16 buckets per binade), every bucket below
-    2**-128 in bucket 0 (``keys``: scratch of the row's length)."""
+    """A row's remainders counted by bucket (``keys``: scratch of the row's length)."""
     np.right_shift(rem.view(np.int64), 52 - _SUB_BITS, out=keys)
     raw = np.bincount(keys, minlength=_KEY_LOW + _BUCKETS)
     hist: Int64Array = raw[_KEY_LOW : _KEY_LOW + _BUCKETS].astype(np.int64)
@@ -471,11 +416,9 @@ def _bucket_floor(bucket: int) -> float:
 
 
 class _ShardedRows:
-    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows, each
-    rank holding its range: floors and histograms here, the threshold and the ticket
-    counts from what every rank sent (the same on every rank), the tickets in this
-    rank's range. One collective for the floors, one more when a rank's guess of where
-    a threshold lies was wrong; the pieces run the same collectives on every rank."""
+    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows over
+    the ranks' ranges: one collective for the floors, one more when a rank's guess of a
+    threshold's bucket missed, the same on every rank."""
 
     where = staticmethod(np.where)
 
@@ -491,8 +434,7 @@ class _ShardedRows:
         self.rem, self.keys = _scratch(rows, width)
 
     def floors(self) -> Int64Array:
-        """This rank's floors and remainder histograms, with its guess of each
-        threshold's bucket, sent to every rank: the rows' sums of floors."""
+        """Every rank's floors, histograms and guesses gathered: the rows' floor sums."""
         count = len(self.w)
         words = np.zeros((count, _WORDS), dtype=np.int64)
         for j in range(count):
@@ -503,8 +445,7 @@ class _ShardedRows:
             hist = _histogram(self.rem[j], self.keys)
             words[j, 0] = floor_sum
             words[j, 1 : 1 + _BUCKETS] = hist
-            # This rank's share of the tickets less its floors: about the sum of its
-            # remainders (a guess: the threshold found does not depend on it).
+            # About the sum of its remainders: a guess, the threshold does not depend on it.
             tickets = float(self.mine[j]) / float(self.totals[j]) * M - floor_sum
             _guess(words[j], hist, self.rem[j], tickets)
         self.gathered = gather(words, self.coord)  # [world, rows, words]
@@ -513,9 +454,8 @@ class _ShardedRows:
         return sums
 
     def threshold(self, left: Int64Array, live: npt.NDArray[np.bool_]) -> Float64Array:
-        """Each live row's bucket holding its threshold (above it, fewer tickets than
-        left over), every rank's remainders in it (from the guesses, or from one more
-        collective when a guess missed it), and the threshold among them."""
+        """Each live row's threshold: found in its bucket, among every rank's remainders
+        there (from the guesses, or one more collective when a guess missed)."""
         hists = self.gathered[:, :, 1 : 1 + _BUCKETS]
         count = len(left)
         self.bucket = np.full(count, -1, dtype=np.int64)
@@ -549,8 +489,7 @@ class _ShardedRows:
         return threshold
 
     def above(self, threshold: Float64Array, live: npt.NDArray[np.bool_]) -> Int64Array:
-        """Every rank's remainders above each live row's threshold: the buckets above
-        its bucket, and the bucket's values above it."""
+        """Every rank's remainders above each live row's threshold."""
         self.above_k: Int64Array = np.zeros_like(self.above_bucket)
         for j in np.flatnonzero(live):
             self.above_k[:, j] = self.above_bucket[:, j] + [
@@ -562,8 +501,8 @@ class _ShardedRows:
     def assign(
         self, threshold: Float64Array, ties: Int64Array, live: npt.NDArray[np.bool_]
     ) -> Int64Array:
-        """This rank's tickets (its remainders above the threshold, and its part of the
-        ties, lower ranks' first: lower IDs); every rank's count total (``per_rank``)."""
+        """This rank's tickets (the ties to lower ranks first: lower IDs), and every
+        rank's count total (``per_rank``)."""
         takes = np.zeros_like(self.above_bucket)
         for j in np.flatnonzero(live):
             equal = [int((values == threshold[j]).sum()) for values in self.pools[j]]
@@ -587,9 +526,7 @@ def _allocate_and_draw(
     plan: TreePlan,
     coord: GroupCoordinator,
 ) -> list[BuiltRow | Pp1Error]:
-    """Dense counts (:func:`pp1wire.q.dyadic.allocate_with` over every rank) and the draw:
-    two collectives for every dense row of the position, three when a rank's guess of
-    where a threshold lies was wrong."""
+    """Dense counts (:func:`pp1wire.q.dyadic.allocate_with` over every rank) and the draw."""
     rows = _ShardedRows(w, totals, mine, plan, coord)
     status = dyadic.allocate_with(rows)
     out: list[BuiltRow | Pp1Error] = []
@@ -609,8 +546,8 @@ def _allocate_and_draw(
 
 
 def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: float) -> None:
-    """Write this rank's guess of the threshold's bucket into a row's words: the
-    buckets around it and, if they fit, their remainders (as their binary64 bits)."""
+    """This rank's guess of the threshold's bucket into a row's words: the buckets
+    around it and, if they fit, their remainders (as their binary64 bits)."""
     share = max(1, round(tickets)) if np.isfinite(tickets) else 1
     above = np.cumsum(hist[::-1])
     guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
@@ -627,8 +564,7 @@ def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: floa
 
 
 def _in_buckets(rem: Float64Array, lo: int, hi: int) -> Float64Array:
-    """The remainders in buckets ``lo..hi`` (in index order): the values in
-    ``[floor(lo), floor(hi + 1))``, since non-negative binary64 order as their bits."""
+    """The remainders in buckets ``lo..hi``, in index order."""
     low, high = _bucket_floor(lo), _bucket_floor(hi + 1)
     if hi + 1 >= _BUCKETS:
         high = 1.0
@@ -639,8 +575,7 @@ def _in_buckets(rem: Float64Array, lo: int, hi: int) -> Float64Array:
 
 
 def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
-    """Every rank's remainders in ``bucket`` from their guesses (``[world, words]``), or
-    None if a rank's guess did not cover it."""
+    """Every rank's remainders in ``bucket`` from their guesses (None: one missed it)."""
     pool: list[Float64Array] = []
     for words in ranks:
         lo, hi, size = (int(v) for v in words[_GUESS : _GUESS + 3])
@@ -655,14 +590,9 @@ def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
 
 
 def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The sparse rows of a position, from the offers of the first collective: a
-    probabilities row's are every rank's own top k weights, which hold the global
-    top k; a logits row's are every rank's k largest logits and the largest left
-    out, which hold it when that one's weight is provably below the k-th chosen
-    (else, for those rows, one more collective of every rank's top k weights)."""
-    x, c1, tops, specs, draws, probs, plan, coord = (
-        at.x, at.c1, at.tops, at.specs, at.draws, at.probs, at.plan, at.coord
-    )  # fmt: skip
+    """The sparse rows of a position, from the offers of the first collective (for a
+    logits row they cannot be shown to hold, one more of every rank's top k weights)."""
+    x, c1, tops, specs, draws, probs, plan, coord = at
     out: dict[int, BuiltRow | Pp1Error] = {}
     retry: list[int] = []
     for r in rows:
@@ -694,8 +624,8 @@ def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
 def _support_row(
     w: Float64Array, ids: Float64Array, u24: int, plan: TreePlan
 ) -> BuiltRow | Pp1Error:
-    """The sparse row over a chosen support (weights and global IDs, any order; zero
-    weights left out): allocated and drawn as one process does, on every rank."""
+    """The sparse row over a chosen support (weights and global IDs, any order),
+    allocated and drawn as one process does."""
     positive = w > 0
     w, ids = w[positive], ids[positive]
     by_id = np.argsort(ids, kind="stable")
@@ -721,8 +651,7 @@ def _sparse(
     plan: TreePlan,
     coord: GroupCoordinator,
 ) -> list[BuiltRow | Pp1Error]:
-    """The global top-k support merged from every rank's own top k weights (one
-    all-gather), allocated and drawn on every rank alike."""
+    """The global top-k support merged from every rank's own top k (one all-gather)."""
     k = max(specs[r].support for r in rows)
     offer = np.full((len(rows), k, 2), -1.0, dtype=np.float64)
     for j, r in enumerate(rows):

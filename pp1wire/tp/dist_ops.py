@@ -1,33 +1,6 @@
-"""The vocabulary-sharded kernels across the ranks of a ``torch.distributed`` group, by batch.
-
-Rank ``r`` holds the contiguous slice of the global vocabulary that its
-coordinator's layout gives it (any sizes, empty ones included). Every kernel
-takes a batch of rows (``rows x shard``: row i of every rank is one global
-row) and runs **one** fixed set of collectives for the whole batch, the same
-on every rank and in the same order whatever the data: the number and kinds
-of rows are the caller's, identical on every rank; a row's refusal is decided
-from flags every rank sees, so each row gets the same code on every rank
-(returned, never raised, so that the other rows go on). The results equal the
-unsharded numpy functions of :mod:`pp1wire.q.dyadic` and :mod:`pp1wire.q.verify`
-row for row, bit for bit (``docs/protocol.md`` §6.6; ``tests/test_dist_ops.py``).
-
-The rank-local work is numpy on the host (the collectives are the control
-group's, gloo); every collective goes through the rank's
-:class:`~pp1wire.tp.coordinator.GroupCoordinator` (a failure is the group's
-``GROUP_FAILED``, raised). The layout is static, so every rank knows every
-rank's part of the canonical tree of §6.6 without a collective.
-
-Collectives per batch (every one of fixed shape, given the batch):
-
-* :func:`normalize_targets` — 1 (an all-gather of flags and cover totals);
-* :func:`sample_weights_rows` — 2 (cover totals; the drawn IDs);
-* :func:`construct_rows` — as its own docstring counts them
-  (:mod:`pp1wire.tp.dist_construct`; ``docs/tp.md``);
-* :func:`sample_counts` — 2 (shard totals; the drawn IDs).
-
-The single-row functions (:func:`counts_from_logits`, :func:`sample`, …) are
-these with one row, raising the row's code. :func:`construct_rows` and its
-types live in :mod:`pp1wire.tp.dist_construct` and are re-exported here.
+"""The vocabulary-sharded kernels over a group's ranks, by batch: one fixed set of
+collectives per batch, each row's code returned, results bit for bit the unsharded
+functions' (``docs/tp.md`` §11); :func:`construct_rows` is re-exported from its module.
 """
 
 from __future__ import annotations
@@ -47,7 +20,6 @@ from pp1wire.tp.dist_common import (
     Float64Array,
     Int64Array,
     gather,
-    one_draw_each,
     owners_answer,
     pick,
     reduce_max,
@@ -61,8 +33,8 @@ _U53 = float(1 << 53)
 
 @dataclass
 class TargetRows:
-    """A batch of target rows after :func:`normalize_targets`: this rank's values, each
-    row's canonical total and code (None: a distribution)."""
+    """Target rows after :func:`normalize_targets`: this rank's values, each row's
+    canonical total and code (None: a distribution)."""
 
     values: list[Float64Array]
     totals: Float64Array
@@ -86,12 +58,9 @@ def normalize_targets(
 ) -> TargetRows:
     """:func:`pp1wire.q.verify.check_target` of each global row: one all-gather.
 
-    ``p`` is ``[rows, this rank's range]``, or a sequence of such rows (views of
-    the target's output: nothing is copied). ``failed`` marks the rows this
-    rank could not score (their values are ignored): such a row gets
-    ``TARGET_FAILED`` on every rank. Otherwise each row's code is the unsharded
-    function's (``TARGET_NON_FINITE``, then ``TARGET_NEGATIVE``, then
-    ``TARGET_ZERO_MASS``), the same on every rank.
+    ``p`` is ``[rows, this rank's range]`` or a sequence of such rows (not copied);
+    a row ``failed`` marks (this rank could not score it) gets ``TARGET_FAILED``
+    on every rank, any other the unsharded function's code.
 
     Raises:
         ValueError: rows that are not this rank's range, or ``failed`` of another length.
@@ -150,19 +119,14 @@ def residual_rows(p: npt.ArrayLike, q: npt.ArrayLike) -> Float64Array:
 def sample_weights_rows(
     weights: npt.ArrayLike, u53s: Sequence[int], coord: GroupCoordinator
 ) -> list[int | ErrorCode]:
-    """:func:`pp1wire.q.verify.sample_weights` of each global row with its draw: the
-    drawn ID, or ``EMPTY_RESIDUAL`` for a row without mass. Two collectives
-    (none for an empty batch).
-
-    The weights must be non-negative and finite (normalized targets, residuals).
+    """:func:`pp1wire.q.verify.sample_weights` of each global row (non-negative, finite)
+    with its draw: the ID, or ``EMPTY_RESIDUAL``. Two collectives (none for no rows).
 
     Raises:
         ValueError: rows that are not ``[len(u53s), this rank's range]``.
         GroupFailedError: a collective failed.
     """
-    plan = plan_of(coord)
-    w = rows_of(weights, plan, np.float64)
-    one_draw_each(w, u53s)
+    plan, w = rows_of(weights, coord, np.float64, u53s)
     if not len(u53s):
         return []
     upper = plan.totals(gather(plan.cover_totals(w), coord))
@@ -183,15 +147,12 @@ def sample_counts(
     counts: npt.ArrayLike, u24s: Sequence[int], coord: GroupCoordinator
 ) -> list[int | ErrorCode]:
     """:func:`pp1wire.q.dyadic.sample` of each global count row with its draw: the ID,
-    or ``BAD_DRAW`` / ``MASS_MISMATCH``. Two collectives (none for an empty batch).
+    or ``BAD_DRAW`` / ``MASS_MISMATCH``. Two collectives (none for no rows).
 
     Raises:
-        ValueError: rows that are not ``[len(u24s), this rank's range]``.
-        GroupFailedError: a collective failed.
+        ValueError, GroupFailedError: as :func:`sample_weights_rows` (``u24s`` its draws).
     """
-    plan = plan_of(coord)
-    c = rows_of(counts, plan, np.int64)
-    one_draw_each(c, u24s)
+    plan, c = rows_of(counts, coord, np.int64, u24s)
     if not len(u24s):
         return []
     sums = gather(c.sum(axis=1).astype(np.int64), coord)  # [world, rows]
@@ -211,15 +172,12 @@ def sample_counts(
     return out
 
 
-# -- one row: the batched kernels with a batch of one, the code raised --------------------
+# -- one row: the batched kernels with a batch of one, the code raised ------------------
 
 
 def _one(coord: GroupCoordinator, t: torch.Tensor | npt.ArrayLike) -> Float64Array:
-    """One rank's piece of one global row, as a batch of one row.
-
-    Raises:
-        ValueError: a piece that is not this rank's range.
-    """
+    """One rank's piece of one global row, as a batch of one row (``ValueError`` if
+    it is not this rank's range)."""
     if isinstance(t, torch.Tensor):
         t = t.detach().cpu().numpy()
     x: Float64Array = np.asarray(t, dtype=np.float64)

@@ -1,16 +1,15 @@
 """What rank 0 publishes to a Spark TP group each attempt, as fixed-size words and bytes.
 
-Pure numpy (no torch): the header and the outcome are ``int64[16]`` vectors so
-that every rank runs collectives of the same shape whatever the path; the rows
-travel as one byte payload whose length the header gives. ``docs/tp.md`` is the
-normative description of every word.
+Pure numpy: headers and outcomes are ``int64[16]`` vectors, the rows one byte payload;
+``docs/tp.md`` §2 is the normative description of every word.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -56,11 +55,8 @@ def digest(data: bytes | npt.NDArray[np.generic]) -> int:
 
 
 def owner_of(request: int, world: int) -> int:
-    """The rank that evaluates ``request``: requests are dealt round-robin by index.
-
-    This is the mapping a batch-sharded runner uses when it deals request ``i``
-    of a batch to rank ``i mod world``; it is the only place the choice is made.
-    """
+    """The rank that evaluates ``request`` (round-robin by index): the one place the
+    choice is made."""
     return request % world
 
 
@@ -87,23 +83,11 @@ class Header:
     def words(self) -> Words:
         """The header as ``int64[WORDS]``."""
         out = np.zeros(WORDS, dtype=np.int64)
-        out[:15] = [
-            int(self.kind),
-            (int(self.stop.kind) << 32) | self.stop.threshold,
-            self.request,
-            as_int64(self.session),
-            self.generation,
-            self.round_id,
-            self.position,
-            as_int64(self.prefix_digest),
-            self.depth,
-            self.rows,
-            int(self.sparse),
-            self.nbytes,
-            self.payload_digest,
-            as_int64(self.context),
-            int(self.cut or 0),
-        ]
+        out[0], out[1] = int(self.kind), (int(self.stop.kind) << 32) | self.stop.threshold
+        for i, name in enumerate(_MIDDLE, start=2):
+            value = int(getattr(self, name))
+            out[i] = as_int64(value) if name in _UNSIGNED else value
+        out[14] = int(self.cut or 0)
         return out
 
     @classmethod
@@ -112,8 +96,9 @@ class Header:
 
         Raises:
             ValidationError: ``GROUP_HEADER_INVALID`` for an unknown kind, a row count
-                outside ``0..MAX_DEPTH`` or a payload over ``max_payload`` bytes
-                (checked before any payload buffer is allocated).
+                outside ``0..MAX_DEPTH``, a payload over ``max_payload`` bytes (checked
+                before any payload buffer is allocated), a sparse flag other than 0 or 1,
+                or a stop-rule or cut word that names none.
         """
         w = [int(v) for v in words.tolist()]
         if w[0] not in (k.value for k in Kind):
@@ -132,30 +117,22 @@ class Header:
             raise ValidationError(
                 ErrorCode.GROUP_HEADER_INVALID, f"no error code is the word {w[14]}"
             ) from None
-        return cls(
-            kind=Kind(w[0]),
-            request=w[2],
-            session=as_uint64(w[3]),
-            generation=w[4],
-            round_id=w[5],
-            position=w[6],
-            prefix_digest=as_uint64(w[7]),
-            depth=w[8],
-            rows=w[9],
-            sparse=bool(w[10]),
-            nbytes=w[11],
-            payload_digest=w[12],
-            context=as_uint64(w[13]),
-            stop=stop,
-            cut=cut,
-        )
+        middle: dict[str, Any] = {
+            name: as_uint64(v) if name in _UNSIGNED else v
+            for name, v in zip(_MIDDLE, w[2:14], strict=True)
+        }
+        middle["sparse"] = bool(middle["sparse"])
+        return cls(kind=Kind(w[0]), stop=stop, cut=cut, **middle)
+
+
+# Words 2..13 are these fields in order; the uint64 ones travel as int64 of the same bits.
+_MIDDLE = [f.name for f in fields(Header)][1:13]
+_UNSIGNED = frozenset({"session", "prefix_digest", "context"})
 
 
 def batch_words(attempt: int, entries: Sequence[Header], max_batch: int) -> Words:
-    """One attempt's header: ``[1, attempt, count, total bytes, 0…]`` then one row per entry.
-
-    ``int64[(1 + max_batch) * WORDS]``; an attempt with no entries (``count`` 0,
-    word 0 = 0) stops the group.
+    """One attempt's header, ``int64[(1 + max_batch) * WORDS]``: ``[1, attempt, count,
+    total bytes, 0…]`` then one row per entry (no entries: all 0, the group stops).
 
     Raises:
         ValueError: for more than ``max_batch`` entries.
@@ -207,12 +184,8 @@ def rows_nbytes(rows: Sequence[QRow]) -> int:
 def pack_rows(
     rows: Sequence[QRow], out: npt.NDArray[np.uint8] | None = None
 ) -> tuple[npt.NDArray[np.uint8], bool]:
-    """The rows as one payload: tokens, lengths, then per row (ids if sparse) and q32.
-
-    Written into ``out`` (exactly :func:`rows_nbytes` bytes; a new array if None),
-    each value copied once from the row (a received row's FP32 view, or counts
-    times 2**-24 computed in FP32, which is exact). Returns the payload and
-    whether the rows are sparse.
+    """The rows as one payload (tokens, lengths, then per row ids if sparse and q32) in
+    ``out`` (exactly :func:`rows_nbytes` bytes; None: a new array), and whether sparse.
 
     Raises:
         ValueError: if dense and sparse rows are mixed, or ``out`` has the wrong size.
@@ -273,7 +246,6 @@ def unpack_rows(payload: npt.NDArray[np.uint8], rows: int, sparse: bool) -> tupl
 
 
 # The fields a PROPOSAL header carries of its proposal: (header field, proposal field).
-# Both directions read this one list, so they cannot drift apart.
 _CARRIED = (
     ("session", "session"),
     ("generation", "generation"),
@@ -323,10 +295,8 @@ def target_only_header(request: int, verifier: RequestVerifier, round_id: int) -
 
 
 def encode_outcome(result: RoundResult | None, reason: ErrorCode | None) -> Words:
-    """The owner's outcome words.
-
-    ``[ok, reason, round, accepted, n, outcome, finished, extra, tokens…]``, -1 padded.
-    """
+    """The owner's outcome words: ``[ok, reason, round, accepted, n, outcome, finished,
+    extra, tokens…]``, -1 padded."""
     out = np.full(WORDS, -1, dtype=np.int64)
     out[0] = int(result is not None)
     out[1] = int(reason) if reason is not None else 0

@@ -1,27 +1,7 @@
-"""The Spark side as a tensor-parallel group on ``torch.distributed`` (``docs/tp.md``).
+"""The Spark side as a tensor-parallel group on ``torch.distributed`` (``docs/tp.md`` §2).
 
-Rank 0 owns the worker connection and validates every proposal as a single
-rank does; only a proposal that validated whole is published. An *attempt*
-decides up to ``max_batch`` rounds of distinct requests with the same
-collectives on every rank, in this order:
-
-1. broadcast the attempt header (entries' keys and sizes, from rank 0, control
-   group), with the entries' rows inline when they fit in ``fanout.INLINE`` bytes;
-2. broadcast the rows (from rank 0, device group), only when they did not fit
-   inline: every rank reads the same sizes, so every rank runs it or none does;
-3. all-gather the outcomes (each rank evaluates the entries it owns);
-4. all-gather the votes (per entry: ok, reason, outcome digest).
-
-An entry commits on every rank only if every rank voted ok with the same
-outcome digest; otherwise every rank discards it (its verifier is left as it
-was, poisoning cleared), and rank 0 follows with a target-only round for that
-request, unless every no-vote was a target failure
-(:attr:`Decision.target_failed`): then the request stops. A target-only round
-voted down for any other reason, and any collective that raises (timeout, dead
-peer), ends the group: :class:`~pp1wire.tp.coordinator.GroupFailedError` on
-every rank that can still run, nothing of that attempt committed. Every
-collective goes through the rank's
-:class:`~pp1wire.tp.coordinator.GroupCoordinator`.
+Rank 0 publishes validated proposals in attempts; every rank evaluates what it owns and
+votes, and a round commits on every rank or on none (the group fails closed, §6).
 """
 
 from __future__ import annotations
@@ -65,12 +45,8 @@ class Faults(Protocol):
 
 @dataclass
 class Decision:
-    """How one attempt ended, the same on every rank.
-
-    ``result`` is the committed round (applied to the request's verifier on
-    every rank), None when the group voted it away; ``failures`` lists
-    ``(rank, reason)`` for every rank that voted no.
-    """
+    """How one entry of an attempt ended, the same on every rank: the committed round
+    (applied on every rank), or None and ``(rank, reason)`` for every no-vote."""
 
     header: Header
     result: RoundResult | None
@@ -78,8 +54,7 @@ class Decision:
 
     @property
     def target_failed(self) -> bool:
-        """Whether the round was voted down and every no-vote was a target failure
-        (``TARGET_FAILURES``): the request stops instead of falling back."""
+        """Whether every no-vote was a target failure: the request stops, no fallback."""
         return bool(self.failures) and all(code in TARGET_FAILURES for _, code in self.failures)
 
     @property
@@ -117,12 +92,8 @@ VerifierFor = Callable[[Header], RequestVerifier]
 
 
 class SparkGroup:
-    """One rank's side of the Spark TP group, over its :class:`GroupCoordinator`.
-
-    The coordinator's control group carries the headers and votes; its device
-    group (NCCL on a CUDA rank) the rows. An engine that already has process
-    groups wraps them in a coordinator; ``pp1-spark --tp N`` joins the default one.
-    """
+    """One rank's side of the Spark TP group, over its :class:`GroupCoordinator` (headers
+    and votes on its control group, rows on its device group)."""
 
     def __init__(
         self,
@@ -179,20 +150,19 @@ class SparkGroup:
             local[len(local) // 2] ^= 0x01
 
         n, w = len(entries), fanout.WORDS
-        verifiers = [self._verifier(h, verifier_for) for h in entries]
+        verifiers = [verifier_for(h) for h in entries]
+        self.held.update((h.request, v) for h, v in zip(entries, verifiers, strict=True))
         offsets = np.cumsum([0] + [h.nbytes for h in entries])
+        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
         copies: list[ErrorCode | None] = [
-            None
-            if fanout.digest(local[offsets[i] : offsets[i + 1]]) == h.payload_digest
-            else ErrorCode.GROUP_COPY_MISMATCH
-            for i, h in enumerate(entries)
+            None if fanout.digest(c) == h.payload_digest else ErrorCode.GROUP_COPY_MISMATCH
+            for c, h in zip(chunks, entries, strict=True)
         ]
         mine = np.full((self.max_batch, w), -1, dtype=np.int64)
         owned = [fanout.owner_of(h.request, self.world) == self.rank for h in entries]
         fail = (
             any(owned) and self.faults is not None and self.faults.fail_target(self.rank, attempt)
         )
-        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
         for i, outcome in self._evaluate(entries, chunks, verifiers, owned, copies, fail).items():
             mine[i] = outcome
         outcomes = self.coord.all_gather(torch.from_numpy(mine))
@@ -262,11 +232,6 @@ class SparkGroup:
         self.stats.fanout_seconds += time.perf_counter() - started
         self.stats.fanout_bytes += total * (self.world - 1 if self.rank == 0 else 1)
 
-    def _verifier(self, header: Header, verifier_for: VerifierFor) -> RequestVerifier:
-        verifier = verifier_for(header)
-        self.held[header.request] = verifier
-        return verifier
-
     def _evaluate(
         self,
         entries: list[Header],
@@ -276,8 +241,8 @@ class SparkGroup:
         copies: list[ErrorCode | None],
         fail: bool,
     ) -> dict[int, fanout.Words]:
-        """This rank's outcomes for the entries it owns: one batched target call per
-        target plugin (an engine's forward over all of them), committing nothing."""
+        """This rank's outcomes for the entries it owns (one batched target call per
+        target plugin), committing nothing."""
         out: dict[int, fanout.Words] = {}
         batches: dict[int, list[tuple[int, Proposal | None]]] = {}
         for i, h in enumerate(entries):
@@ -312,10 +277,8 @@ class SparkGroup:
     # -- rank 0 --------------------------------------------------------------------
 
     def lead(self, items: Sequence[Item]) -> list[Decision]:
-        """Publish up to ``max_batch`` rounds of distinct requests as one attempt.
-
-        Returns one decision per item, in order. A committed round is already
-        applied to the item's verifier (and on every rank).
+        """Publish up to ``max_batch`` rounds of distinct requests as one attempt: one
+        decision per item, in order (a committed round already applied on every rank).
 
         Raises:
             GroupFailedError: a collective failed or a target-only round was
@@ -323,8 +286,7 @@ class SparkGroup:
             ValueError: no items or more than ``max_batch``, a request twice, or rows
                 mixing dense and sparse.
         """
-        # Refused here, before the attempt is counted or anything is sent: every
-        # rank must count the same attempts.
+        # Refused before the attempt is counted: every rank must count the same attempts.
         if not 1 <= len(items) <= self.max_batch:
             raise ValueError(f"{len(items)} rounds: an attempt takes 1..{self.max_batch}")
         if len({i.request for i in items}) != len(items):
@@ -358,10 +320,8 @@ class SparkGroup:
     # -- ranks 1.. -----------------------------------------------------------------
 
     def follow(self, verifier_for: VerifierFor) -> list[RankReport]:
-        """Run attempts as rank 0 publishes them until it stops the group.
-
-        ``verifier_for(header)`` returns this rank's verifier for the entry's
-        request, created or rebuilt to the entry's session and generation.
+        """Run rank 0's attempts until it stops the group; ``verifier_for(header)`` gives
+        this rank's verifier for the entry, rebuilt to its session and generation.
 
         Raises:
             GroupFailedError: a collective failed or a target-only round was voted down.
@@ -391,18 +351,9 @@ class SparkGroup:
             ],
             dtype=torch.int64,
         )
-        gathered = self.coord.all_gather(mine)
+        gathered = self.coord.all_gather(mine).tolist()
         return [
-            RankReport(
-                rank=r,
-                collectives=int(g[0]),
-                attempts=int(g[1]),
-                fanout_bytes=int(g[2]),
-                fanout_seconds=int(g[3]) / 1e9,
-                prefixes_digest=int(g[4]),
-                bulk=int(g[5]),
-            )
-            for r, g in enumerate(gathered)
+            RankReport(r, g[0], g[1], g[2], g[3] / 1e9, g[4], g[5]) for r, g in enumerate(gathered)
         ]
 
 

@@ -1,32 +1,7 @@
 """A rank of a vocabulary-sharded Spark group: group checks, sharded verification, the vote.
 
-Spark rank r holds only its link's shard of each proposal and only its range
-of the target's probabilities (``docs/protocol.md`` §6.7). Every rank runs the
-same program on the same requests (SPMD) and decides each engine step's rounds
-together with :meth:`ShardedVerifyGroup.decide`, which runs the same
-collectives on every rank, in the same order, for the same inputs (failure
-paths included):
-
-1. the check: every rank's report of what its shard showed
-   (:class:`ShardReport`) is gathered once for the whole step, so each rank
-   takes the same decision on each round (:func:`pp1wire.q.layout.check_group`)
-   — and, under a stop rule, each row's count at its token from the rank that
-   owns the token, so each rank audits the stop as one rank does;
-2. the scores: one call of the target for every prefix the step needs, each
-   rank keeping its range;
-3. the verification, every round of the step at once: the one walk of
-   :mod:`pp1wire.q.walk` on every rank, with :class:`ShardRows` as its row
-   operations (:mod:`pp1wire.tp.dist_ops`): every target row normalized in one
-   all-gather the first time the walk checks a row (which also tells every
-   rank whose target failed on any rank: those rounds stop on every rank,
-   ``TARGET_FAILED``); every drafted token's p(x), from the rank that owns it,
-   in one all-reduce the first time the walk asks for one; then every round's
-   one sharded descent of §6.6 — the correction, the bonus or the target-only
-   token — together (two collectives): exactly the tokens of the unsharded
-   verifier for the same p, q and seed;
-4. the vote: every rank's outcomes are gathered once; if any rank decided
-   otherwise the group fails closed, nothing of the step committed anywhere.
-   Otherwise each rank applies the results to its verifiers.
+Every rank decides each step with :meth:`ShardedVerifyGroup.decide`: the same collectives
+in the same order on every rank, failure paths included (``docs/tp.md`` §11).
 """
 
 from __future__ import annotations
@@ -68,29 +43,22 @@ class ShardReport:
 
     code: ErrorCode | None
     summary: ShardSummary | None = None
-
     #: Each row's count at its token if this shard holds the token, else 0.
     counts: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, proposal: Proposal) -> ShardReport:
         """The report of a shard proposal that passed every check of its link."""
-        masses = tuple(_mass(row) for row in proposal.rows)
-        span = proposal.shard or (0, 0)
-        counts = tuple(_count_at(row, row.token, span) for row in proposal.rows)
-        key = (
-            proposal.generation,
-            proposal.round_id,
-            proposal.position,
-            as_int64(proposal.digest),
-            proposal.depth,
-            as_int64(proposal.context),
-        )
-        return cls(None, ShardSummary(key, proposal.tokens, masses), counts)
+        p = proposal
+        masses = tuple(_mass(row) for row in p.rows)
+        counts = tuple(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows)
+        digest, context = as_int64(p.digest), as_int64(p.context)
+        key = (p.generation, p.round_id, p.position, digest, p.depth, context)
+        return cls(None, ShardSummary(key, p.tokens, masses), counts)
 
     def words(self, cut: ErrorCode | None = None) -> list[int]:
         """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
-        this rank's block, if one did)."""
+        this rank's block)."""
         out = [int(self.code is None), 0 if self.code is None else int(self.code)]
         out.append(0 if cut is None else int(cut))
         if self.summary is None:
@@ -104,15 +72,13 @@ class ShardReport:
 
 
 def _mass(row: QRow) -> int:
-    """The shard's count sum: its q values are multiples of 2**-24 summing to at most 1,
-    so their binary64 sum is exact, in any order."""
+    """The shard's count sum (exact in binary64: multiples of 2**-24 summing to at most 1)."""
     assert row.q32 is not None
     return int(row.q32.sum(dtype=np.float64) * M)
 
 
 def _count_at(row: QRow, x: int, span: tuple[int, int]) -> int:
-    """A shard row's count of the global ID ``x``: 0 unless ``x`` is in its range
-    ``span`` and (a sparse row) in its support."""
+    """A shard row's count of the global ID ``x`` (0 outside ``span`` and its support)."""
     assert row.q32 is not None
     start, end = span
     if not start <= x < end:
@@ -133,16 +99,9 @@ def _summary(words: Sequence[int], rows: int) -> ShardSummary:
 
 
 def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | None] | None:
-    """The block every rank can verify: its rows and the fault that cut it, or None if
-    the ranks' blocks cannot be one block (``docs/adaptive.md`` §7).
-
-    Each rank's link gave its shard of the first rows of one block; a fault on a
-    link ends that rank's rows early. Row i is verified only if every rank holds
-    it, so the group's block is the shortest. Its reason is the fault that ended
-    it: that of a rank holding only those rows (the lowest such rank), not of a
-    rank cut later. Ranks whose blocks ended without a fault must agree on its
-    length, and no rank may hold more rows than that.
-    """
+    """The block every rank can verify: the rows every rank holds and the fault that cut
+    it (the lowest rank's holding only those), or None if the ranks' blocks cannot be
+    one block (ranks not cut disagree on its length, or one holds more rows)."""
     rows = [int(w[3]) for w in reports]
     whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
     if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
@@ -153,9 +112,8 @@ def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | No
 
 
 def _stop_of(proposal: Proposal, counts: list[int], eos: int | None) -> int | None:
-    """After how many rows the proposal's stop rule (with its depth and ``eos``) ends
-    its block, from every row's count at its token; None if none of them ends it (or
-    the block is malformed: the verifier's key check refuses it)."""
+    """After how many rows the proposal's stop rule ends its block, from the counts at
+    its tokens; None if none does, or the block is malformed (the key check refuses it)."""
     if not counts:
         return None
     try:
@@ -167,8 +125,8 @@ def _stop_of(proposal: Proposal, counts: list[int], eos: int | None) -> int | No
 
 @dataclass
 class ShardRound:
-    """One round of a step on this rank: its shard of a proposal (or the code this
-    rank's link gave instead), or a target-only round (``proposal`` and ``failure`` None)."""
+    """One round of a step on this rank: its shard of a proposal, the code its link gave
+    instead, or a target-only round (``proposal`` and ``failure`` None)."""
 
     verifier: RequestVerifier
     round_id: int
@@ -205,14 +163,9 @@ class ShardedVerifyGroup:
     def decide(
         self, rounds: Sequence[ShardRound], target: BatchTargetFn
     ) -> list[RoundResult | VerifyError]:
-        """Decide and apply a step's rounds on every rank (distinct requests, the same
-        rounds in the same order on every rank); one outcome per round, in order.
-
-        A round that cannot use its proposal gets the reason (the lowest rank's
-        own refusal, or the group check's code); a round whose target failed on
-        any rank gets ``TARGET_FAILED`` (its verifier is poisoned); the others
-        are committed on every rank. Six collectives for the whole step,
-        whatever its rounds (``docs/tp.md`` §11).
+        """Decide and apply a step's rounds (distinct requests, the same on every rank):
+        one outcome per round, in order: the lowest rank's refusal or the group check's
+        code, ``TARGET_FAILED`` (the verifier poisoned), or the round committed.
 
         Raises:
             GroupFailedError: a collective failed, or the ranks' outcomes differ
@@ -233,7 +186,7 @@ class ShardedVerifyGroup:
     def _check(
         self, rounds: Sequence[ShardRound], out: list[RoundResult | VerifyError | None]
     ) -> None:
-        """Step 1: one gather of every rank's reports; a round that fails anywhere falls back."""
+        """Step 1: one gather of every rank's reports; a round failing anywhere falls back."""
         mine: list[int] = []
         for r in rounds:
             if r.proposal is not None:
@@ -267,11 +220,9 @@ class ShardedVerifyGroup:
             if r.proposal.stop.kind is not StopKind.FIXED:
                 end = _stop_of(r.proposal, counts, r.verifier.eos)
                 if end is not None and end < rows:
-                    # A row past the rule's stop: one rank refuses it on arrival, and
-                    # the rows before it are the block, cut there (docs/adaptive.md §7).
+                    # One rank refuses a row past the rule's stop on arrival: cut there.
                     rows, cut, counts = end, ErrorCode.STOP_RULE_VIOLATED, counts[:end]
             if rows < len(r.proposal.rows) or cut is not r.proposal.cut:
-                # Every rank verifies the same block: the rows all of them hold.
                 r.proposal = dataclasses.replace(r.proposal, rows=r.proposal.rows[:rows], cut=cut)
             r.counts = tuple(counts)
             try:
@@ -285,9 +236,8 @@ class ShardedVerifyGroup:
         out: list[RoundResult | VerifyError | None],
         target: BatchTargetFn,
     ) -> tuple[list[list[npt.NDArray[np.float64]]], list[bool]]:
-        """Step 2: this rank's range of the target for every prefix of the step (one call),
-        and whether each round's scoring failed here (its rows then hold nothing; the
-        normalization tells every rank)."""
+        """Step 2: this rank's range of the target for every prefix (one call), and whether
+        each round's scoring failed here (the normalization tells every rank)."""
         wanted: list[tuple[int, int]] = []  # (round, prefixes)
         prefixes: list[Sequence[int]] = []
         for i, r in enumerate(rounds):
@@ -348,9 +298,7 @@ class ShardedVerifyGroup:
         lost: list[bool],
         out: list[RoundResult | VerifyError | None],
     ) -> None:
-        """Step 3 for every round still open: the walk, on every rank alike, over this
-        rank's range of the step's rows (:class:`ShardRows`). Each round's tokens are
-        those of the unsharded verifier."""
+        """Step 3 for every round still open: the walk over this rank's range of the rows."""
         todo = [i for i, o in enumerate(out) if o is None]
         jobs: list[RoundRows] = []
         rows: list[npt.NDArray[np.float64]] = []
@@ -373,14 +321,8 @@ class ShardedVerifyGroup:
 
 
 class ShardRows:
-    """The walk's row operations on a vocabulary-sharded group's step
-    (:class:`pp1wire.q.walk.RowOps`): this rank holds its range of every row, and
-    every rank runs the same walk, so each call below runs the same collectives on
-    every rank in the same order. Each kind of call batches the whole step into
-    its first one: every row normalized (one all-gather), every draft's p(x) (one
-    all-reduce), and the step's draws (two collectives), each skipped on every rank
-    alike when the walk asks for none.
-    """
+    """The walk's row operations (:class:`pp1wire.q.walk.RowOps`) over this rank's range:
+    each kind batches the whole step into its first call, the same on every rank."""
 
     eager_draws = False
 
@@ -391,8 +333,7 @@ class ShardRows:
         rows: list[npt.NDArray[np.float64]],
         failed: list[bool],
     ) -> None:
-        """The step's rounds over ``rows`` (this rank's range of each; ``failed``: the
-        rows this rank could not score)."""
+        """The step's rounds over ``rows`` (``failed``: those this rank could not score)."""
         self._group = group
         self._jobs = jobs
         self._rows = rows
@@ -411,8 +352,7 @@ class ShardRows:
         return [p.codes[r] is None for r, _ in rows]
 
     def failure(self, row: int) -> VerifyError:
-        """The error of a row the walk refused: its target failed on a rank, or the
-        row is not a distribution."""
+        """The error of a row the walk refused."""
         code = self._normalized().codes[row]
         assert code is not None
         if code is ErrorCode.TARGET_FAILED:

@@ -1,12 +1,7 @@
 """The canonical tree of ``docs/protocol.md`` §6.6 over a vocabulary split into ranks.
 
-Every total and every draw from weights is defined on one fixed binary tree
-over the global vocabulary positions (:mod:`pp1wire.q.tree`). A rank owns the
-maximal aligned nodes inside its range (its *cover*); the nodes above them
-are the same additions whoever performs them. The layout is static, so every
-rank knows every rank's cover and the order of those additions without a
-collective: :class:`TreePlan` holds them, and the sharded kernels
-(:mod:`pp1wire.tp.dist_ops`) gather only the cover totals.
+Each rank owns the maximal aligned nodes inside its range (its cover); the layout is
+static, so :class:`TreePlan` knows every rank's cover and the additions above them.
 """
 
 from __future__ import annotations

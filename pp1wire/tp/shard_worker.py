@@ -1,43 +1,7 @@
 """A rank of a vocabulary-sharded worker group: STEPs matched per group session, drawn together.
 
-Worker rank r serves its own links (Spark rank r's connections) and holds only
-the q of its range (``docs/protocol.md`` §6.7). The Spark group binds its links
-together at the handshake: every link's HELLO carries the same random 16-byte
-**group nonce**, so a STEP names its group session as well as its round. A rank
-serves at most one live link per group nonce. One thread per rank runs the
-group, and no thread ever waits for a match:
-
-* an accepted STEP is held by its rank under its **match key**: the group
-  nonce, then slot, generation, round, position, prefix digest, depth,
-  support, temperature, context, terminal token and stop rule (nothing of it is copied:
-  the slot's prefix cannot change while its draw is outstanding);
-* the ranks exchange the keys they hold that can match — those of a group
-  session that has a live link on every rank, in a window shared fairly
-  between sessions — and their live links' nonces (one all-gather of fixed
-  size), when any of them has a new STEP, again soon
-  while one holds a STEP that only some ranks hold yet but every rank could
-  (its session has a live link on each), and at least every ``beat``
-  seconds; a key that every rank holds is **matched**, the same set on every
-  rank, in rank 0's order;
-* the matched STEPs are drawn together, position by position: one drafter
-  call for every row of the position, the sharded construction and draw of
-  §6.6 for all of them (:func:`pp1wire.tp.dist_ops.construct_rows`, rank 0's
-  24-bit draws riding on its first collective), so the collectives per
-  position do not depend on how many STEPs are drawn;
-* a STEP its rank holds for ``match_timeout`` seconds without a match is
-  answered alone with a COMPLETION of status ``GROUP_UNMATCHED``; nothing of
-  it touched the group. A STEP of a link that closes is dropped with the link.
-
-A foreign connection therefore cannot stall another group's STEPs (they match
-without it), cannot match them (it does not hold their nonce; under a
-pre-shared key the nonce is authenticated, §5), and leaves nothing behind. A
-broken group (a dead rank, a collective that timed out) answers every STEP
-``INTERNAL`` from then on: the Spark side decodes target-only, which needs no
-worker. Each matched STEP's row of a position is framed and sent on its link as
-soon as the position's collectives produced it, and its COMPLETION after its
-last row (``docs/adaptive.md`` §7: the rows drawn before a slow one arrive
-before the Spark side's deadline), on a few finishing threads off the group's,
-each STEP's reply on one of them, in order.
+Held STEPs are matched by key across the ranks in fixed-size exchanges, drawn position by
+position with the sharded kernels and answered on finishing threads (``docs/tp.md`` §11).
 """
 
 from __future__ import annotations
@@ -79,19 +43,16 @@ log = logging.getLogger("pp1wire.worker.group")
 
 Key = tuple[int, ...]
 AfterDraw = Callable[[int, int, tuple[QRow, ...]], tuple[QRow, ...]]
-"""Testing hook ``(rank, draw, (row,)) -> (row,)`` run on each STEP's first row once the
-group drew it, before it is sent (``draw``: the STEP's count among those the group drew
-a row of, 1-based, the same on every rank), on the STEP's finishing thread: it may
-alter the row, sleep (the replies that share the thread wait), raise (the STEP answers
-with the error, no row sent) or end the process while the group goes on."""
+"""Testing hook ``(rank, draw, (row,)) -> (row,)`` on each STEP's first row before it is
+sent (``draw``: the STEP's 1-based count among those drawn), on its finishing thread: it
+may alter the row, sleep, raise (the STEP answers with the error) or end the process."""
 Done = Callable[[DrawResult], None]
 """Where a STEP's result goes (called on a finishing thread)."""
 _Ended = tuple["_Chain", tuple[QRow, ...] | BaseException]
 """A matched STEP whose block ended, and its rows (or the failure that ended it)."""
 
 # A key's row in an exchange: the nonce's two words, the STEP's nine, the terminal token,
-# the stop rule, then 1 (2 for a row that carries a live link's nonce instead; the first
-# row of an exchange: how many keys follow, and whether the rank is stopping).
+# the stop rule, then 1 (2: a live link's nonce instead; row 0: key count, stopping).
 _KEY_WORDS = 14
 
 
@@ -173,16 +134,11 @@ class ShardedDrafting:
         after_draw: AfterDraw | None = None,
         finish_threads: int = 4,
     ) -> None:
-        """This rank's drafting over ``coord`` (its layout: one range per rank); call
-        :meth:`start` once the server is listening.
-
-        ``beat`` bounds how long the ranks go without an exchange (and how long a
-        rank waits in one for the others while idle); ``tick`` is the shortest
-        interval between exchanges while a STEP is held by only some ranks;
-        ``linger`` how long a new STEP waits for more of its burst (at most four
-        times that); ``width`` the most keys a rank sends in one exchange (the
-        exchange is one all-gather of fixed size); ``finish_threads`` how many
-        threads frame and send the replies (each STEP's on one).
+        """This rank's drafting over ``coord`` (with a layout); :meth:`start` it once the
+        server listens. ``beat``: the longest time without an exchange; ``tick``: the
+        shortest between exchanges while a STEP is held by only some ranks; ``linger``:
+        how long a new STEP waits for its burst (at most four times that); ``width``:
+        the keys per exchange; ``finish_threads``: the threads that send the replies.
 
         Raises:
             ValueError: if the coordinator has no vocabulary layout, a time is not
@@ -210,12 +166,11 @@ class ShardedDrafting:
         self.draws = 0  # STEPs the group drew a row of (the same count on every rank)
         self._groups: dict[bytes, Hashable] = {}  # group nonce -> this rank's live link
         self._links: dict[Hashable, bytes] = {}
-        # Group nonce -> when its link on this rank left: no other link may take its place
-        # while the session lives on (docs/protocol.md §6.7, "Group sessions").
+        # Group nonce -> when its link here left: no other link takes its place while the
+        # session lives on (docs/protocol.md §6.7).
         self._closed: dict[bytes, float] = {}
         self._held: dict[Key, _Held] = {}  # in arrival order
-        # Per group session (nonce words): whether every rank had a live link for it
-        # at the last exchange that carried it (absent: none has yet).
+        # Nonce words -> whether every rank had a live link for it at the last exchange.
         self._matchable: dict[tuple[int, int], bool] = {}
         self._fresh = False  # a STEP arrived since the last exchange
         self._burst = 0.0  # when the first of them arrived
@@ -223,8 +178,7 @@ class ShardedDrafting:
         self._stopping = False
         self._ended = False  # the group thread has left
         self._cond = threading.Condition()
-        # One thread per lane keeps each STEP's frames in order: its rows as the group
-        # draws them, then its COMPLETION.
+        # One thread per lane keeps each STEP's frames in order: its rows, then COMPLETION.
         self._lanes = [
             ThreadPoolExecutor(1, thread_name_prefix=f"pp1-group-reply-{i}")
             for i in range(finish_threads)
@@ -253,16 +207,10 @@ class ShardedDrafting:
     # -- the server's hook ---------------------------------------------------------------
 
     def join(self, link: Hashable, group: bytes) -> bool:
-        """``link`` completed its handshake with ``group``'s nonce: False if another
-        live link of this rank already serves that group session, or served it and
-        left while the session lives on (the newcomer is refused, ``GROUP_IN_USE``).
-
-        Without a key the nonce is a bearer secret: a peer that read it off the wire
-        could otherwise take a dropped link's place and be matched with the STEPs
-        its session's other links still send (and get that round's drafted tokens).
-        A session whose link dropped here stays closed to newcomers until no rank
-        has a live link of it and ``match_timeout`` has passed (nothing of it can be
-        matched any more); its Spark group re-forms under a new nonce."""
+        """``link`` completed its handshake with ``group``'s nonce: False (refuse it,
+        ``GROUP_IN_USE``) if another live link here serves that session, or one left
+        while it lives on (until no rank has a live link of it and ``match_timeout``
+        passed): without a key the nonce is a bearer secret."""
         with self._cond:
             holder = self._groups.get(group)
             if (holder is not None and holder is not link) or group in self._closed:
@@ -284,8 +232,8 @@ class ShardedDrafting:
 
     def submit(self, link: Hashable, job: DrawJob, done: Done) -> None:
         """Hold ``job`` (an accepted STEP of ``link``) until its group matches it; ``done``
-        gets its result (its rows, ``GROUP_UNMATCHED`` after the match timeout, or
-        ``INTERNAL`` from a broken group), on a finishing thread."""
+        gets its result on a finishing thread (``GROUP_UNMATCHED`` after the match
+        timeout, ``INTERNAL`` from a broken group)."""
         with self._cond:
             group = self._links.get(link)
             key = None if group is None else key_of(group, job.step, job.eos)
@@ -337,7 +285,7 @@ class ShardedDrafting:
                     return
                 wait = self._backoff(snapshot, matched, everywhere, last)
                 if matched:
-                    self._draw(matched)
+                    self._chains(matched, self._sent)
         except Exception as exc:  # a dead rank or a timed-out collective: fail closed
             self.broken = repr(exc)
             log.error("worker group broken", extra={"error": self.broken})
@@ -347,9 +295,8 @@ class ShardedDrafting:
             self._fail_all(self.broken or "stopped")
 
     def _next_turn(self, last: float, wait: float) -> tuple[list[_Held], bool]:
-        """Wait for a new STEP (and the others of its burst), a stop or the next
-        exchange's time, answering the STEPs that waited too long; then this rank's
-        held STEPs (arrival order) and its stop."""
+        """Wait for a new STEP's burst, a stop or the next exchange, answering the STEPs
+        that waited too long; then this rank's held STEPs (arrival order) and its stop."""
         expired: list[_Held] = []
         with self._cond:
             while True:
@@ -384,16 +331,9 @@ class ShardedDrafting:
         return snapshot, stop
 
     def _window(self, snapshot: list[_Held]) -> tuple[list[_Held], list[tuple[int, int]]]:
-        """The keys this rank sends in the next exchange, and the nonces.
-
-        Only a key that can match enters the window: one whose group session had a
-        live link on every rank at the last exchange that carried its nonce, or that
-        no exchange has carried yet. The window is shared fairly: one key of each such
-        session in turn (sessions by their oldest held key, each session's keys
-        oldest first), so that no session's keys, matchable or not, delay another's.
-        The nonces sent are those of the sessions holding keys first, then this
-        rank's other live links.
-        """
+        """The keys this rank sends in the next exchange (those that can match, one of
+        each session in turn, oldest first) and the nonces (of the sessions holding keys
+        first, then this rank's other live links): ``docs/tp.md`` §11."""
         sessions: dict[tuple[int, int], list[_Held]] = {}
         for held in snapshot:  # arrival order: each session's list is oldest first
             sessions.setdefault((held.key[0], held.key[1]), []).append(held)
@@ -412,10 +352,9 @@ class ShardedDrafting:
     def _exchange(
         self, snapshot: list[_Held], stop: bool
     ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
-        """One all-gather of every rank's window of held keys (:meth:`_window`, at most
-        ``width``), its nonces (as many) and its stop flag: the STEPs every rank sent,
-        in rank 0's order (this rank's own, now taken), whether any rank is stopping,
-        and the nonces every rank has a live link for."""
+        """One all-gather of every rank's window, nonces and stop flag: the STEPs every
+        rank sent (in rank 0's order, now taken), whether any rank is stopping, and the
+        nonces every rank has a live link for."""
         width = self.width
         words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
         with self._cond:
@@ -468,11 +407,9 @@ class ShardedDrafting:
         everywhere: set[tuple[int, ...]],
         now: float,
     ) -> float:
-        """How long until the next exchange: soon while this rank holds a young STEP
-        the others lack but could send (their link of its group session is live: their
-        copy is on its way, and will not wake this rank), backing off as it ages; a
-        beat otherwise (a STEP of a session that has no link on some rank waits for
-        its match timeout without costing the group an exchange)."""
+        """How long until the next exchange: soon while this rank holds a young STEP the
+        others lack but could send (their copy will not wake this rank), backing off as
+        it ages; else a beat."""
         taken = {id(h) for h in matched}
         ages = [now - h.since for h in snapshot if id(h) not in taken and h.key[:2] in everywhere]
         if not ages:
@@ -488,12 +425,8 @@ class ShardedDrafting:
 
     # -- the matched STEPs, drawn together on every rank -------------------------------------
 
-    def _draw(self, matched: list[_Held]) -> None:
-        self._chains(matched, self._sent)
-
     def _sent(self, position: int, drawn: list[_Chain], ended: list[_Ended]) -> None:
-        """Hand a position's rows (``drawn``: the chains that got one) and the replies
-        that ended there to the chains' finishing threads (group thread)."""
+        """Hand a position's rows and the replies that ended there to the finishing threads."""
         lanes: dict[int, tuple[list[tuple[_Chain, QRow]], list[_Ended]]] = {}
         for c in drawn:
             if position == 0:
@@ -509,8 +442,7 @@ class ShardedDrafting:
             self._post(lane, self._send, position, rows, done)
 
     def _send(self, position: int, rows: list[tuple[_Chain, QRow]], ended: list[_Ended]) -> None:
-        """One lane's share of a position (its finishing thread): each chain's row framed
-        and handed to its link's streamer, then the COMPLETIONs of the replies that ended."""
+        """One lane's share of a position: its rows streamed, then the COMPLETIONs."""
         jobs: list[DrawJob] = []
         out: list[tuple[int, QRow]] = []
         for c, drawn in rows:
@@ -541,29 +473,24 @@ class ShardedDrafting:
         on_position: Callable[[int, list[_Chain], list[_Ended]], None] | None = None,
     ) -> list[tuple[QRow, ...] | BaseException]:
         """Every matched STEP's rows (or failure): the proposal chain of §6.4 on the
-        global q, one position at a time for all of them. After each position,
-        ``on_position`` gets it, the chains that drew a row there and the outcomes of
-        those that ended there (those refused before any draw with position 0)."""
-        out: list[tuple[QRow, ...] | BaseException | None] = [None] * len(matched)
+        global q, a position at a time for all. ``on_position`` gets each position, the
+        chains that drew a row there and those that ended there (refused ones at 0)."""
         chains: list[_Chain] = []
         ended: list[_Ended] = []
         for index, held in enumerate(matched):
             step = held.job.step
-            # Only rank 0 holds the proposal randomness; the others learn each draw.
-            streams = (
-                RoundStreams(Role.WORKER, held.job.seed, step.generation, step.round)
-                if self.rank == 0 and 1 <= step.depth <= MAX_DEPTH
-                else None
-            )
-            chain = _Chain(index, held, streams, self._lane())
+            chain = _Chain(index, held, None, self._lane())
             if not 1 <= step.depth <= MAX_DEPTH:
                 refused = ConstructionError(ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5")
-                out[index] = refused
                 ended.append((chain, refused))
                 continue
+            if self.rank == 0:  # only rank 0 holds the proposal randomness; the others learn it
+                job = held.job
+                chain.streams = RoundStreams(Role.WORKER, job.seed, step.generation, step.round)
             chains.append(chain)
         if ended and on_position is not None:
             on_position(0, [], ended)
+        finished = ended
         for i in range(MAX_DEPTH):
             if not chains:
                 break
@@ -580,9 +507,7 @@ class ShardedDrafting:
                     failure = error if mine and error is not None else got
                     # The rows drawn before the failure are shipped (every rank
                     # learns the failure from the same collective, at the same row).
-                    outcome = stopped_by(failure, c.rows)
-                    out[c.index] = outcome
-                    ended.append((c, outcome))
+                    ended.append((c, stopped_by(failure, c.rows)))
                     continue
                 c.rows.append(QRow(token=got.token, counts=got.counts, ids=got.ids))
                 c.context.append(got.token)
@@ -594,22 +519,19 @@ class ShardedDrafting:
                     more = admits_next(c.rule, step.depth, c.drawn, c.context.tail, eos)
                 except ValueError as exc:  # a count outside 0..2**24: never from the kernels
                     c.rows.pop()  # not sent: the block ends before it
-                    outcome = stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows)
-                    out[c.index] = outcome
-                    ended.append((c, outcome))
+                    ended.append((c, stopped_by(Pp1Error(ErrorCode.INTERNAL, str(exc)), c.rows)))
                     continue
                 drawn.append(c)
                 if more:
                     going.append(c)
                 else:
-                    block = tuple(c.rows)
-                    out[c.index] = block
-                    ended.append((c, block))
+                    ended.append((c, tuple(c.rows)))
             if on_position is not None:
                 on_position(i, drawn, ended)
+            finished = finished + ended
             chains = going
-        assert all(o is not None for o in out)
-        return [o for o in out if o is not None]
+        by_index = {c.index: outcome for c, outcome in finished}
+        return [by_index[j] for j in range(len(matched))]
 
     def _spec(self, chain: _Chain, i: int, drafter_code: int) -> dist_ops.RowSpec:
         step = chain.held.job.step
@@ -624,10 +546,8 @@ class ShardedDrafting:
     def _logits(
         self, contexts: Sequence[Sequence[int]]
     ) -> tuple[npt.NDArray[np.floating], list[int], list[BaseException | None]]:
-        """This rank's range of the drafter's rows for every context (one call): logits
-        as binary64, or a probabilities drafter's rows rounded to FP32 as one process
-        rounds them; each row's failure code (0: none) and the exception behind an
-        ``INTERNAL`` one."""
+        """This rank's range of the drafter's rows for every context (one call; weights
+        rounded to FP32), each row's failure code (0: none) and its exception."""
         n = len(contexts)
         dtype = np.float32 if self.probs else np.float64
         local = np.zeros((n, self.hi - self.lo), dtype=dtype)
