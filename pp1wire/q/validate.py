@@ -1,9 +1,6 @@
 """Validation of a received q row against the ``dyadic24-standard-v1`` contract
-(``docs/protocol.md`` §6.2): every value c / 2**24 with integer c, the counts
-summing to exactly 2**24, the proposed token's count positive, padding zero,
-sparse IDs in range and strictly ascending. A row either passes or is refused
-with one specific :class:`~pp1wire.errors.ErrorCode`; nothing is renormalized.
-The construction side is :mod:`pp1wire.q.dyadic`.
+(``docs/protocol.md`` §6.2): a row passes or is refused with one specific error code,
+never renormalized.
 """
 
 from __future__ import annotations
@@ -61,15 +58,9 @@ def _i32_view(buf: object, what: str) -> Int32Array:
 
 
 class DenseRowValidator:
-    """Validates dense dyadic24 rows of one negotiated shape with preallocated scratch.
-
-    Order of checks (the first failing one names the error): row length,
-    proposed token range, value range (non-finite, then negative including
-    ``-0.0``, then above 1), padding, integrality (non-dyadic), exact total,
-    zero q at the proposed token. Nothing is allocated per row; with the compiled
-    module every check is one pass over the row (``_fastq.check_dense``).
-
-    Not thread-safe: one validator per receiving thread.
+    """Validates dense dyadic24 rows of one negotiated shape in preallocated scratch (compiled:
+    one pass, ``_fastq.check_dense``): the row length, then §6.2's checks in order, first
+    failure wins. Not thread-safe: one per receiving thread.
     """
 
     def __init__(self, vocab_size: int, row_entries: int | None = None) -> None:
@@ -157,11 +148,8 @@ _DENSE_REFUSALS: Final = {
 
 
 def _exact_count_sum(counts: Int32Array, body: int) -> int:
-    """Exact integer sum of counts in ``[0, 2**24]`` without widening every entry.
-
-    Blocks of 128 rows are summed column-wise in int32 (at most 2**31 - never
-    overflows), then the column sums in int64.
-    """
+    """Exact integer sum of counts in ``[0, 2**24]``: 128-row blocks column-wise in int32 (never
+    overflows), then the column sums in int64."""
     head = counts[:body].reshape(_SUM_BLOCK, -1).sum(axis=0, dtype=np.int32)
     return int(head.sum(dtype=np.int64)) + int(counts[body:].sum(dtype=np.int64))
 
@@ -169,11 +157,8 @@ def _exact_count_sum(counts: Int32Array, body: int) -> int:
 def validate_dense(
     buf: object, vocab_size: int, proposed: int, *, row_entries: int | None = None
 ) -> Int64Array:
-    """Validate a received dense row and return its counts (int64, length ``vocab_size``).
-
-    ``buf`` is a float32 array or any buffer of little-endian FP32 values with
-    ``row_entries`` (default ``vocab_size``) entries; entries beyond the
-    vocabulary are padding and must be +0.0.
+    """Validate a received dense row (float32 array or buffer of little-endian FP32 values, the
+    entries past ``vocab_size`` padding) and return its counts (int64, ``vocab_size``).
 
     Raises:
         ValidationError: with the code of the first failing class (see
@@ -189,12 +174,8 @@ def validate_dense(
 def validate_sparse(
     ids_buf: object, q_buf: object, vocab_size: int, max_k: int, proposed: int
 ) -> tuple[Int32Array, Int64Array]:
-    """Validate a received sparse row and return ``(ids, counts)``.
-
-    Order of checks: lengths, missing q, support size, proposed range, IDs out of
-    range, duplicate IDs (even with zero q), unsorted IDs, value range
-    (non-finite, negative including ``-0.0``, above 1), integrality, zero-count
-    entries, exact total, zero q at the proposed token.
+    """Validate a received sparse row and return ``(ids, counts)``: a standalone validator's
+    checks of §6.2 in order, first failure wins.
 
     Raises:
         ValidationError: ``ROW_LENGTH``, ``MISSING_Q``, ``SUPPORT_TOO_LARGE``,
@@ -225,9 +206,7 @@ def check_ascending(ids: Int32Array) -> None:
 def check_sparse(
     ids: Int32Array, q: Float32Array, vocab_size: int, max_k: int, proposed: int
 ) -> None:
-    """Validate a sparse row given as int32 and float32 views; raise on the first failing class.
-
-    The checks and their order are :func:`validate_sparse`'s; nothing is copied.
+    """:func:`validate_sparse`'s checks on int32 and float32 views, nothing copied.
 
     Raises:
         ValidationError: see :func:`validate_sparse`.
@@ -265,6 +244,6 @@ def check_sparse(
 
 
 def _fast() -> Any:
-    """The compiled fast paths, or None: read where :mod:`pp1wire.q.dyadic` keeps them,
-    so switching them off there (as the tests do) switches these off too."""
+    """The compiled fast paths where :mod:`pp1wire.q.dyadic` keeps them (None: numpy), so
+    switching them off there switches these off too."""
     return dyadic._fastq  # type: ignore[attr-defined]
