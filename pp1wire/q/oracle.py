@@ -174,12 +174,7 @@ def round_distribution(
 
 
 def generate_distribution(
-    prefix: Prefix,
-    length: int,
-    depth: int,
-    q_fn: DistFn,
-    p_fn: DistFn,
-    eos: int | None = None,
+    prefix: Prefix, length: int, depth: int, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
 ) -> dict[Prefix, Fraction]:
     """Exact law of the first ``length`` tokens under repeated rounds (one ending in
     ``eos`` earlier is kept as is)."""

@@ -15,13 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire.errors import (
-    ConstructionError,
-    ErrorCode,
-    Pp1Error,
-    ProposalReleasedError,
-    RngError,
-)
+from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ProposalReleasedError, RngError
 from pp1wire.q import dyadic, stoprules
 from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.q.stoprules import FIXED, StopRule, admits_next
@@ -395,11 +389,7 @@ def _is_tensor(x: object) -> bool:
 
 
 def build_row(
-    logits: npt.ArrayLike,
-    temperature: float,
-    support: int | None,
-    *,
-    kind: DrafterKind = "logits",
+    logits: npt.ArrayLike, temperature: float, support: int | None, *, kind: DrafterKind = "logits"
 ) -> tuple[npt.NDArray[np.int64] | npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
     """q counts for one position: dense (``support=None``) or sparse top-k; temperature 0
     is greedy. With ``kind="probs"`` the FP32 values (:func:`probs_row`) are the weights,

@@ -243,9 +243,7 @@ def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Arr
 
 
 def _build_rows(
-    w: Float64Array,
-    draws: Sequence[int],
-    counts: Int32Array,
+    w: Float64Array, draws: Sequence[int], counts: Int32Array
 ) -> list[int | ConstructionError | ValidationError]:
     rows, n = w.shape
     scratch = builder(n)

@@ -301,10 +301,7 @@ def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
 
 
 def build_position(
-    probs: torch.Tensor,
-    specs: list[tuple[float, int]],
-    draws: list[int],
-    row_entries: int | None,
+    probs: torch.Tensor, specs: list[tuple[float, int]], draws: list[int], row_entries: int | None
 ) -> list[QRow | Pp1Error]:
     """One position of a worker's step from a probabilities drafter's ``[N, V]`` tensor, built
     and drawn on its device: per row, what :func:`pp1wire.q.proposal.build_row`

@@ -280,11 +280,7 @@ class RequestVerifier:
             )
 
     def _verify(
-        self,
-        proposal: Proposal,
-        *,
-        commit: bool,
-        scores: Sequence[npt.ArrayLike] | None = None,
+        self, proposal: Proposal, *, commit: bool, scores: Sequence[npt.ArrayLike] | None = None
     ) -> RoundResult:
         if self.audit:
             self._audit(proposal)
@@ -559,10 +555,7 @@ def verify_step(
 
 
 def verify_batch(
-    rounds: Sequence[StepRound],
-    target: BatchTargetFn,
-    *,
-    commit: bool = True,
+    rounds: Sequence[StepRound], target: BatchTargetFn, *, commit: bool = True
 ) -> list[RoundResult | VerifyError]:
     """:func:`verify_step` with the rows of the rounds that pass their checks scored by
     **one** call of ``target``: a failing call fails (and poisons) every scored round
