@@ -15,8 +15,8 @@ import numpy.typing as npt
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q.dyadic import ONE_BITS, Float32Array, Int32Array, M
-from pp1wire.q.validate import check_ascending, diagnose_range
+from pp1wire.q.dyadic import Float32Array, Int32Array, M
+from pp1wire.q.validate import check_ascending, checked_counts
 
 MAX_SHARDS: Final = 0xFFFF
 _MASK64 = (1 << 64) - 1
@@ -80,19 +80,6 @@ class ShardLayout:
         return xxhash.xxh3_64_intdigest(np.asarray(self.bounds, dtype="<u4").tobytes())
 
 
-def _counts(q: Float32Array) -> npt.NDArray[np.int64]:
-    """The counts of shard values already known to be in [0, 1].
-
-    Raises:
-        ValidationError: ``NON_DYADIC`` if a value is not c / 2**24.
-    """
-    scaled = q * np.float32(M)  # exact: a power-of-two scaling
-    counts = scaled.astype(np.int64)
-    if not np.array_equal(counts.astype(np.float32), scaled):
-        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
-    return counts
-
-
 def _mass(counts: npt.NDArray[np.int64]) -> int:
     """The shard's exact count sum.
 
@@ -118,10 +105,7 @@ def check_dense_shard(q: Float32Array, start: int, end: int, vocab_size: int, pr
         raise ValidationError(ErrorCode.ROW_LENGTH, f"shard row has {q.size} entries")
     if not 0 <= proposed < vocab_size:
         raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
-    bits = q.view(np.uint32)
-    if bits.size and int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    total = _mass(_counts(q))
+    total = _mass(checked_counts(q))
     if start <= proposed < end and q[proposed - start] == 0:
         raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
     return total
@@ -159,10 +143,7 @@ def check_sparse_shard(
     if int(ids.min()) < start or int(ids.max()) >= end:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the shard")
     check_ascending(ids)
-    bits = q.view(np.uint32)
-    if int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    counts = _counts(q)
+    counts = checked_counts(q)
     if (counts == 0).any():
         raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
     total = _mass(counts)

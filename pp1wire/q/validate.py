@@ -34,6 +34,22 @@ def diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
     return ValidationError(ErrorCode.NON_DYADIC, "q value above 1")
 
 
+def checked_counts(q: Float32Array) -> Int64Array:
+    """The counts of FP32 q values, each c / 2**24 in [0, 1] (§6.2's value checks, in order).
+
+    Raises:
+        ValidationError: ``NON_FINITE``, ``NEGATIVE`` or ``NON_DYADIC``.
+    """
+    bits = q.view(np.uint32)
+    if bits.size and int(bits.max()) > ONE_BITS:
+        raise diagnose_range(bits)
+    scaled = q * np.float32(M)  # exact: a power-of-two scaling
+    counts = scaled.astype(np.int64)
+    if not np.array_equal(counts.astype(np.float32), scaled):
+        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    return counts
+
+
 def _le_view(buf: object, what: str, dtype: str, kind: str) -> npt.NDArray[Any]:
     if isinstance(buf, np.ndarray):
         if buf.dtype != np.dtype(dtype) or buf.ndim != 1:
@@ -227,13 +243,7 @@ def check_sparse(
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the vocabulary")
     check_ascending(ids)
-    bits = q.view(np.uint32)
-    if int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    scaled = q * np.float32(M)
-    counts = scaled.astype(np.int64)
-    if not np.array_equal(counts.astype(np.float32), scaled):
-        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    counts = checked_counts(q)
     if (counts == 0).any():
         raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
     if int(counts.sum()) != M:

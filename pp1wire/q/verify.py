@@ -46,12 +46,9 @@ Float64Array = npt.NDArray[np.float64]
 
 
 class RequestVerifier:
-    """Verification state of one request (one session slot) on the Spark side.
-
-    Holds the committed prefix, generation, round counter (:meth:`take_round`, the
-    one place round IDs are allocated), the last consumed round and the request seed.
-    A target or processor failure poisons the request until :meth:`rebuild`.
-    """
+    """Verification state of one request (one session slot) on the Spark side: its committed
+    prefix, generation, round IDs (:meth:`take_round`) and seed. A target or processor
+    failure poisons it until :meth:`rebuild`."""
 
     def __init__(
         self,
@@ -138,12 +135,9 @@ class RequestVerifier:
             )
 
     def check_key(self, proposal: Proposal, counts: Sequence[int] | None = None) -> None:
-        """Refuse a proposal whose key or shape this request must not consume; draws nothing.
-
-        :meth:`check_proposal` without the q rows (one shard's proposal, for its group).
-        A block must end where its stop rule, recomputed from its rows, ends it
-        (``docs/adaptive.md`` §2), or before that if a fault cut it (§7). ``counts``:
-        each row's count at its token, when the rows cannot tell (one shard).
+        """:meth:`check_proposal` without the q rows (one shard's, for its group): the block
+        must end where its stop rule ends it, or earlier if a fault cut it
+        (``docs/adaptive.md`` §2, §7); ``counts``: each row's count at its token, if given.
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
@@ -214,9 +208,8 @@ class RequestVerifier:
         """Refuse a proposal that this request must not consume; draws nothing.
 
         Raises:
-            VerifyError: anything :meth:`check_key` raises; ``MALFORMED_PROPOSAL``
-                for one shard of a sharded proposal, a draft with zero q, or a
-                dense row shorter than the vocabulary.
+            VerifyError: as :meth:`check_key`; ``MALFORMED_PROPOSAL`` for one shard, a draft
+                with zero q, or a dense row shorter than the vocabulary.
         """
         if proposal.shard is not None:
             raise VerifyError(
@@ -238,10 +231,8 @@ class RequestVerifier:
         target's rows for :meth:`prefixes`, if already computed).
 
         Raises:
-            VerifyError: anything :meth:`check_proposal` raises (nothing drawn,
-                nothing changed); ``TARGET_*`` (request poisoned, nothing
-                committed); ``EMPTY_RESIDUAL`` (nothing committed, the round
-                is spent; decode target-only with a new round).
+            VerifyError: as :meth:`check_proposal` (nothing changed); ``TARGET_*`` (poisoned)
+                or ``EMPTY_RESIDUAL`` (the round is spent), nothing committed.
         """
         self.check_proposal(proposal)
         self.last_round = proposal.round_id
@@ -254,15 +245,13 @@ class RequestVerifier:
         a group votes on it before every rank :meth:`apply`-s it.
 
         Raises:
-            VerifyError: as :meth:`verify`; a ``TARGET_*`` failure poisons the
-                request (see :meth:`discard`).
+            VerifyError: as :meth:`verify` (a ``TARGET_*`` failure poisons: :meth:`discard`).
         """
         self.check_proposal(proposal)
         return self._verify(proposal, commit=False, scores=scores)
 
     def prefixes(self, proposal: Proposal) -> list[Sequence[int]]:
-        """The prefixes :meth:`verify` scores: the committed prefix followed by
-        the first 0, 1, …, d drafts (d positions and the bonus), sharing memory."""
+        """The prefixes :meth:`verify` scores: the committed prefix then the first 0..d drafts."""
         out: list[Sequence[int]] = []
         for i in range(len(proposal.rows) + 1):
             context = ExtendedPrefix(self.committed)
@@ -386,10 +375,8 @@ class RequestVerifier:
         this state (here or on another rank).
 
         Raises:
-            VerifyError: ``SESSION_POISONED`` / ``REQUEST_FINISHED`` (nothing
-                changed), ``ROUND_REUSED`` if the round is not after the last
-                one, ``MALFORMED_PROPOSAL`` if the result is not a round that
-                could follow this prefix (empty, or a token outside the vocabulary).
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``, ``ROUND_REUSED``, or
+                ``MALFORMED_PROPOSAL`` for a result that cannot follow this prefix.
         """
         self._require_live()
         self._claim_round(result.round_id)
@@ -477,11 +464,7 @@ def _plan(
     rounds: Sequence[StepRound], *, every: bool
 ) -> tuple[_Out, list[_Planned], list[Sequence[int]]]:
     """Every check before any row is read: refusals in place, the others' row spans (with
-    ``every`` a refused round keeps its rows in the layout, an engine's layout).
-
-    Raises:
-        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
-    """
+    ``every`` a refused round keeps its rows in the layout); raises as :func:`step_prefixes`."""
     if len({id(v) for v, _, _ in rounds}) != len(rounds):
         raise UsageError(ErrorCode.BAD_ARGUMENT, "a step takes one round per request")
     out: _Out = [None] * len(rounds)
