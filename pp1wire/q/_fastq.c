@@ -1,63 +1,8 @@
 /*
- * Optional compiled fast paths for pp1wire.q.dyadic and pp1wire.q.rows.
- *
- * Each function computes exactly what the numpy path in dyadic.py computes
- * (in one pass instead of six, or without numpy's per-call overhead for a
- * 32-entry sparse row), and is qualified against it
- * (and against the rational oracle) by tests/test_fastq.py. When this module
- * is absent, dyadic.py uses numpy and nothing changes but speed.
- *
- *   check_sparse(ids, q, vocab, max_k, proposed) -> code
- *       ids: int32 buffer, q: FP32 buffer. 0 if the row is valid, else the
- *       ErrorCode value of the first failing check, in validate_sparse's order.
- *
- *   allocate(w, total, out, share, work) -> status
- *       QBuilder.allocate in one compiled pass (allocate_row, which follows
- *       dyadic.allocate_with piece by piece): w float64 weights (checked by
- *       the caller), total their canonical total; writes the dyadic24 counts
- *       into out (int32) using share and work (float64, len(w) each) as
- *       scratch. The threshold remainder is found
- *       by its key bucket and a radix select over the bucket's bit patterns:
- *       linear, and independent of the data's order and of the CPU. Status 0
- *       done, or 1 to 3 (ALLOCATION_INCONSISTENT, dyadic.ROW_STATUS_ERRORS).
- *
- *   build_rows(w, n, out, draws, tokens, status, share, work) -> None
- *       A batch of rows (rows x n float64 weights) in one call with the GIL
- *       released: each row's canonical total, allocate, and the proposal draw
- *       (dyadic.sample) with its 24-bit draw. See the function.
- *
- *   construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
- *       build_rows for rows that travel, from float32 weights (a probabilities
- *       drafter's) or float64 ones, checks included, each row's counts held
- *       only as its FP32 wire values: three passes over a row. See the function.
- *
- *   sample_counts(counts, u) -> (index, status)
- *       dyadic.sample over int32 or int64 counts, in time that does not depend
- *       on the index drawn.
- *
- *   construct_simd(on) -> bool
- *       Turn the AVX-512 path of construct_rows off (the other floors form and
- *       the full key count, as on any CPU) or back on where the CPU has it.
- *
- *   bracket_bias(x) -> previous
- *       A factor on the rank the sampled bracket of construct_rows (AVX-512
- *       machines) is centred on: 1, but tests make it miss to qualify the way back.
- *
- *   topk_f32(row, k, ids, scratch) -> (count, status)
- *       The checks and the sparse top-k support of a row of FP32 weights.
- *
- *   check_dense(row, vocab, proposed) -> code
- *       DenseRowValidator.check in one pass: 0 or the first failing ErrorCode.
- *
- *   sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
- *       A small superset of a sparse top-k support, from the logits without
- *       the exponential; the caller proves it holds the top k or falls back.
- *
- *   tree_total(values) -> float
- *       The canonical total of pp1wire.q.tree (protocol §6.6): the root of the
- *       pairwise tree over the values padded with +0.0 to a power of two, each
- *       node one binary64 addition of its children, bit for bit.
- *
+ * Optional compiled fast paths of pp1wire.q (dyadic, rows, tree, validate, targetrows, rng):
+ * each computes exactly what its numpy path computes, bit for bit, and is qualified
+ * against it by the tests. Without this module numpy runs and only speed changes. The
+ * method table at the end gives each function's signature.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -69,6 +14,14 @@
 #include <pthread.h>
 #endif
 
+static void release_all(Py_buffer *const *views, size_t n) {
+    for (size_t i = 0; i < n; i++) PyBuffer_Release(views[i]);
+}
+
+/* PyBuffer_Release of each buffer named. */
+#define RELEASE(...)                                                                       \
+    release_all((Py_buffer *const[]){__VA_ARGS__},                                         \
+                sizeof((Py_buffer *const[]){__VA_ARGS__}) / sizeof(Py_buffer *))
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
@@ -182,8 +135,7 @@ static PyObject *check_sparse(PyObject *self, PyObject *args) {
         code = sparse_code((const int32_t *)idb.buf, (const uint32_t *)qb.buf,
                            (size_t)idb.len / 4, (int64_t)vocab, (size_t)max_k, (int64_t)proposed);
     }
-    PyBuffer_Release(&idb);
-    PyBuffer_Release(&qb);
+    RELEASE(&idb, &qb);
     if (code < 0) return PyErr_NoMemory();
     return PyLong_FromLong(code);
 }
@@ -309,24 +261,18 @@ static int chunk_candidates(const double *restrict x, double top, double scale, 
     return any != 0;
 }
 
-/* sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
- *     Candidates for a sparse top-k support from one logits row x (finite or
- *     -inf; top its maximum): every index whose distance bucket is at most
- *     margin buckets past the bucket holding the k-th largest logit, ascending,
- *     into idx (int64); x_out_max is the largest logit not taken (-inf if
- *     none). The caller proves the top-k weights lie among the candidates
- *     (x_out_max's weight below the k-th candidate weight) or falls back.
- *     count -1: no useful cut (a scale that is not finite and positive, the
- *     k-th logit in the last bucket, fewer than k entries, or more candidates
- *     than idx holds). */
+/* Candidates for a sparse top-k support from one logits row x (top its maximum): every
+ * index at most margin distance buckets past the k-th largest logit's, ascending, into idx
+ * (int64), and the largest logit not taken, from which the caller proves the support lies
+ * among them or falls back. Count -1: no useful cut (a scale not finite and positive, the
+ * k-th logit in the last bucket, fewer than k entries, more candidates than idx holds). */
 static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
     Py_buffer xb, ib;
     double top, scale;
     Py_ssize_t k, margin;
     if (!PyArg_ParseTuple(args, "y*ddnnw*", &xb, &top, &scale, &k, &margin, &ib)) return NULL;
     if (xb.len % 8 || ib.len % 8 || k < 1 || margin < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ib);
+        RELEASE(&xb, &ib);
         PyErr_SetString(PyExc_ValueError, "sparse_candidates: bad arguments");
         return NULL;
     }
@@ -370,45 +316,18 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
         if (!full) count = (Py_ssize_t)c;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&ib);
+    RELEASE(&xb, &ib);
     return Py_BuildValue("(nd)", count, out_max);
 }
 
 /* ---------------------------------------------------------------------------
  * The row operations of verification (pp1wire.q.targetrows.CompiledRows), protocol
- * §6.5 and §6.6, bit for bit what the numpy row operations give. The walk that
- * decides with them is pp1wire.q.walk's; nothing here decides a round.
- *
- *   row_checks(rows[, threads]) -> list
- *       Each row (float32 or float64, contiguous; None for a row that could
- *       not be read) in one pass: its canonical total if it is a
- *       distribution (no value below zero, a finite, positive total), else None.
- *
- *   draw_rows(draws[, threads]) -> list
- *       Each draw (row, total, q or None, ids or None, u53) of a checked row:
- *       from max(row / total - q, 0) with q (float32 values or int32/int64
- *       counts, dense: at least as long as the row; or sparse: ascending ids),
- *       from row / total without, by descending the canonical tree: one pass
- *       over the row stores the sums of its 64-leaf blocks, the descent
- *       recomputes the one block it ends in. Each entry: the drawn index, -1
- *       if the weights have no mass, -2 out of memory, -3 a sparse q whose ids
- *       are not ascending inside the row (the caller draws those its own way).
- *
- *   Both release the GIL; with threads > 1 that many threads take the rows
- *   one by one.
- *
- *   philox_u53(seed, generation, round, position, domain) -> int
- *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
- *   accept_u53(u53, count, p) -> bool
- *   step_simd(on) -> bool
- *       Turn the AVX2 path of row_checks and draw_rows off (the portable path)
- *       or back on.
- *   row_stats(row) -> (total, negative)
- *   draw_total(row, total, q, ids) -> float
- *       The pieces alone, for qualification: a draw, the acceptance test, a
- *       row's canonical total and check, the canonical total of the weights
- *       a draw descends (max(v / total - q, 0), or v / total without q).
+ * §6.5 and §6.6: row_checks (each row's canonical total, or None if it is not a
+ * distribution) and draw_rows (each draw by the tree descent: one pass stores the
+ * sums of the row's 64-leaf blocks, the descent recomputes the block it ends in),
+ * both with the GIL released and the rows shared out to threads; the walk that
+ * decides with them is pp1wire.q.walk's. philox_u53, accept_u53, step_simd,
+ * row_stats and draw_total expose the pieces to the tests that qualify them.
  * ------------------------------------------------------------------------- */
 
 enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
@@ -1135,6 +1054,8 @@ static PyObject *totals_list(const double *totals, const int *ok, Py_ssize_t k) 
     return out;
 }
 
+/* Each row (float32 or float64, contiguous; None: unreadable) in one pass: its canonical
+ * total if it is a distribution (nothing below zero, a finite positive total), else None. */
 static PyObject *row_checks(PyObject *self, PyObject *args) {
     PyObject *rows;
     int threads = 1;
@@ -1242,6 +1163,10 @@ static int parse_q(PyObject *qobj, PyObject *idobj, vdraw_t *d, Py_buffer *views
     return 0;
 }
 
+/* Each draw (row, total, q or None, ids or None, u53) of a checked row, from
+ * max(row / total - q, 0) with q (float32 values or int counts, dense or sparse), from
+ * row / total without: the index, -1 without mass, -2 out of memory, -3 sparse ids that
+ * do not ascend inside the row (the caller draws those its own way). */
 static PyObject *draw_rows(PyObject *self, PyObject *args) {
     PyObject *draws;
     int threads = 1;
@@ -1324,53 +1249,30 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
 }
 
 /* ---------------------------------------------------------------------------
- * q construction: weights (float32, as a probabilities drafter hands them over,
- * or float64) to dyadic24 counts in q, n 32-bit words: int32 counts, which for a
- * row that travels become their FP32 wire values c / 2**24 (exact for c <= 2**24)
- * in the last pass, q being the outgoing buffer itself; and the proposal draw.
+ * q construction: weights (float32 or float64) to dyadic24 counts in q, n 32-bit words
+ * (int32 counts, or for a row that travels their FP32 wire values, q being the outgoing
+ * buffer), and the proposal draw. allocate_row is dyadic.allocate_with for one row, its
+ * pieces fused into the passes the row needs anyway:
  *
- * allocate_row is dyadic.allocate_with for one row: the same pieces, in the
- * same order, fused where a piece can ride on a pass the row needs anyway.
+ *   floors     floors_pass: each share's floor into q and its remainder's 12-bit key
+ *              floor(r * 2**12) (keys order like the remainders), the keys' histogram
+ *              and the floors' sum. The share is one multiplication by (W / M)'s
+ *              reciprocal, within 2**-15.4 key units of the quotient for shares up to
+ *              M; a chunk of 64 with a product within 2**-14 of a key boundary is done
+ *              again by division, so every floor and key is the quotient's.
+ *   threshold  the key bucket holding the left-th largest remainder, from the
+ *              histogram (bucket_threshold; with AVX-512 from a sampled histogram and
+ *              one vector pass, bracket_threshold, the same bucket either way), then
+ *              the exact remainder among that bucket's (kth_remainder).
+ *   above      every key above the bucket, and the bucket's remainders above it.
+ *   assign     the bucket's tickets at once (bucket_tickets), the keys above it in the
+ *              last pass (assign_and_draw), which also sums the counts.
  *
- *   floors     floors_pass: each share w / (W / M) (or (w / W) * M when W / M
- *              is subnormal), its floor into q and its remainder's coarse key,
- *              the first 12 binary digits floor(r * 2**12), which order like the
- *              remainders (r < s gives key(r) <= key(s)); the keys' histogram
- *              and the floors' sum. The share is one multiplication by
- *              (W / M)'s reciprocal: within 3 units in the last place of the
- *              correctly rounded quotient, i.e. within 2**-27.4 of it for
- *              shares up to M, 2**-15.4 in key units; so a product farther than
- *              2**-14 key units from every key boundary has the quotient's
- *              floor and key, and a chunk of 64 where some product is nearer is
- *              done again by division.
- *   left       M - the floors' sum: status 1 unless 0 <= left < n.
- *   threshold  the left-th largest remainder: the key bucket that holds it,
- *              from the histogram (bucket_threshold), then exactly, among that
- *              bucket's remainders computed again by division, as the floors
- *              pass had them (kth_remainder): status 2 unless it is positive.
- *              Where the CPU has AVX-512, the floors pass counts the keys of one
- *              chunk in SAMPLE_EVERY only (a scalar histogram of every key costs
- *              as much as the floors themselves), and bracket_threshold finds
- *              the bucket from that sample and one vector pass, or the full
- *              count is taken after all: the bucket, and so the threshold, is
- *              the same either way.
- *   above      the remainders above the threshold: every key above its bucket,
- *              and the bucket's remainders above it.
- *   assign     one ticket for each of those, and for the first left - above
- *              remainders equal to the threshold, in index order: the bucket's
- *              at once (bucket_tickets), the keys above the bucket in the last
- *              pass over the row (assign_and_draw), which also sums the counts:
- *              status 3 unless they sum to M.
- *
- * The draw (dyadic.sample) rides on that last pass, in time that does not
- * depend on the index drawn (docs/adaptive.md §7): the index is the number of
- * cumulative counts at most u; the row is read in chunks of CHUNK counts, and
- * each chunk's counts are copied aside as they are made, under a mask computed
- * from the running total (draw_mask: all ones while the total is at most u),
- * never by a branch or an address that depends on u, so every chunk costs the
- * same and the copy left is the chunk that holds u; then that chunk's count
- * (draw_index). These two, and draw_start, are the only functions that read u;
- * the mask is used only in and-masks.
+ * The draw (dyadic.sample) rides on that last pass in time that does not depend on the
+ * index drawn (docs/adaptive.md §7): each chunk of CHUNK counts is copied aside under a
+ * mask made from the running total (draw_mask), never by a branch or an address that
+ * depends on u, so the copy left is the chunk that holds u (draw_index). Only draw_start,
+ * draw_mask and draw_index read u; the mask is used only in and-masks.
  * ------------------------------------------------------------------------- */
 
 #define TOP_BITS 12
@@ -1718,7 +1620,7 @@ static void bucket_tickets(const scratch_t *s, size_t count, double threshold, s
 
 /* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
  * that the bracket misses, and qualify the way back. */
-static double bracket_bias = 1.0;
+static double bracket_factor = 1.0;
 
 /* Over every key: how many are above hi (into *given), and the indices of those in
  * [lo, hi] appended to idx in ascending order (idx holds n + 16); returns how many. */
@@ -1755,8 +1657,8 @@ static int bracket_threshold(const scratch_t *s, size_t n, size_t left, const ui
     size_t sampled = 0;
     for (size_t k = 0; k <= TOP_MASK; k++) sampled += sample[k];
     if (sampled == 0) return -1;
-    /* left's rank in the sample (times bracket_bias: 1 but in tests) */
-    double rank = bracket_bias * (double)left * (double)sampled / (double)n;
+    /* left's rank in the sample (times bracket_factor: 1 but in tests) */
+    double rank = bracket_factor * (double)left * (double)sampled / (double)n;
     double margin = 6.0 * sqrt(rank) + 16.0;
     double want_hi = rank - margin, want_lo = rank + margin;
     uint32_t hi = TOP_MASK, lo = 0;
@@ -1981,9 +1883,7 @@ DRAW_COUNTS(draw_counts32, int32_t)
 DRAW_COUNTS(draw_counts64, int64_t)
 #undef DRAW_COUNTS
 
-/* sample_counts(counts, u) -> (index, status)
- *     dyadic.sample over int32 or int64 counts: (index, 0), or (-1, 1) for a
- *     negative count, (-1, 2) for counts that do not sum to M. */
+/* dyadic.sample over int32 or int64 counts. */
 static PyObject *sample_counts(PyObject *self, PyObject *args) {
     PyObject *obj;
     long long u;
@@ -2009,10 +1909,8 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Li)", (long long)found, 0);
 }
 
-/* allocate(w, total, out, share, work) -> status
- *     QBuilder.allocate: w float64 weights (checked by the caller), total their
- *     canonical total; the counts into out (int32), with share and work
- *     (float64, len(w) each) as scratch. Status as allocate_row. */
+/* QBuilder.allocate: checked float64 weights w over their canonical total, the counts
+ * into out (int32), share and work (float64, len(w) each) scratch; allocate_row's status. */
 static PyObject *allocate(PyObject *self, PyObject *args) {
     Py_buffer wb, ob, sb, kb;
     double total;
@@ -2030,10 +1928,7 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
         status = allocate_row(wb.buf, 0, n, total, 1, (uint32_t *)ob.buf, 0, &s, -1, &token);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
+    RELEASE(&wb, &ob, &sb, &kb);
     if (status < 0) return NULL;
     return PyLong_FromLong(status);
 }
@@ -2044,12 +1939,9 @@ static inline int drawn_status(int st, int64_t u) {
     return st == 0 && (u < 0 || u >= (int64_t)M24) ? 4 : st;
 }
 
-/* build_rows(w, n, out, draws, tokens, status, share, work) -> None
- *     Every row of w (rows x n float64 weights, checked) gets its canonical
- *     total, its counts into out (rows x n int32) and its proposal draw with
- *     draws[r] (int64): tokens[r] (int64) and status[r] (int32: 0 done, 1 to 3
- *     as allocate_row, 4 a draw outside [0, M)). share and work (float64):
- *     scratch of n entries each. The GIL is released for the batch. */
+/* Every row of w (rows x n checked float64 weights): its canonical total, its counts into
+ * out (rows x n int32) and its draw with draws[r] into tokens[r], its status (0, 1 to 3 as
+ * allocate_row, 4 a draw outside [0, M)) into status[r]; share and work: n-entry scratch. */
 static PyObject *build_rows(PyObject *self, PyObject *args) {
     Py_buffer wb, ob, db, tb, stb, sb, kb;
     Py_ssize_t nn;
@@ -2080,13 +1972,7 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&stb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
+    RELEASE(&wb, &ob, &db, &tb, &stb, &sb, &kb);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
@@ -2117,16 +2003,10 @@ static int check_row(const void *w, int f32, size_t n, double *total) {
     return 0;
 }
 
-/* construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
- *     Each row (a C-contiguous buffer of n float32 or float64 weights, all of
- *     one type) is checked, totalled, allocated and drawn from with draws[r]
- *     (int64), its FP32 wire values c / 2**24 written into payloads[r] (a
- *     writable buffer of m >= n FP32 values) followed by +0.0: tokens[r]
- *     (int64, -1 unless drawn) and status[r] (int32: 0 done; 1, 2, 3 as
- *     allocate_row; 4 a draw outside [0, M); 5 a NaN or infinite weight or a
- *     total beyond binary64, 6 a negative weight, 7 zero mass). A refused
- *     row's payload is unspecified. scratch: a writable buffer of at least 16 n
- *     bytes. The GIL is released for the batch. */
+/* build_rows for rows that travel: each row (n float32 or float64 weights, one type for
+ * all) checked, totalled, allocated and drawn from, its FP32 wire values then +0.0 written
+ * into payloads[r] (m >= n FP32 values); status 5 to 7 as check_row, a refused row's token
+ * -1 and its payload unspecified. scratch: at least 16 n bytes. */
 static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *payloads;
     Py_ssize_t nn;
@@ -2210,22 +2090,15 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyMem_Free(views);
     Py_XDECREF(rseq);
     Py_XDECREF(pseq);
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&stb);
-    PyBuffer_Release(&sb);
+    RELEASE(&db, &tb, &stb, &sb);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
 
 /* ---------------------------------------------------------------------------
- * Sparse top-k support from FP32 weights: the k largest positive weights,
- * ties to the lowest ID (dyadic.largest_indices on the positive weights).
- * Non-negative FP32 values order as their bit patterns, so the selection is
- * on integers: the maxima of 64-weight chunks give a lower bound for the k-th
- * largest weight (k chunks hold a weight at least that large), every weight
- * at or above it in the chunks that reach it is a candidate, and the k-th
- * largest candidate is found by a radix select.
+ * Sparse top-k support from FP32 weights (the k largest positive, ties to the lowest ID),
+ * on their bit patterns, which order as the values: the maxima of 64-weight chunks bound
+ * the k-th largest from below, and a radix select orders the few candidates at or above.
  * ------------------------------------------------------------------------- */
 
 /* A weight's order key: its bits, 0 for -0.0 (a zero weight). */
@@ -2278,14 +2151,9 @@ static uint32_t kth_largest_u32(const uint32_t *vals, size_t m, size_t k, uint32
     return prefix;
 }
 
-/* topk_f32(row, k, ids, scratch) -> (count, status)
- *     row: FP32 weights; ids: int64 output of capacity cap >= k; scratch: a
- *     writable buffer of at least 4 (ceil(n / 64) + 2 cap) bytes. status 5: a
- *     NaN or infinite weight; 6: a negative one; 7: none positive (count 0);
- *     else 0 and the IDs of the min(k, positive weights) largest positive
- *     weights, ties to the lowest ID, ascending, in ids[0 .. count). count -1:
- *     more than cap candidates (equal weights over many chunks): the caller
- *     selects another way. */
+/* The checks (status 5 to 7 as check_row) and the support's IDs, ascending, into ids
+ * (int64, capacity cap >= k; scratch: 4 (ceil(n / 64) + 2 cap) bytes); count -1: more than
+ * cap candidates (equal weights over many chunks), for the caller to select another way. */
 static PyObject *topk_f32(PyObject *self, PyObject *args) {
     Py_buffer rb, ib, sb;
     Py_ssize_t k;
@@ -2293,9 +2161,7 @@ static PyObject *topk_f32(PyObject *self, PyObject *args) {
     size_t n = (size_t)rb.len / 4, cap = (size_t)ib.len / 8, chunks = (n + 63) / 64;
     if (rb.len % 4 || ib.len % 8 || k < 1 || (size_t)k > cap || n == 0
         || (size_t)sb.len < 4 * (chunks + 2 * cap)) {
-        PyBuffer_Release(&rb);
-        PyBuffer_Release(&ib);
-        PyBuffer_Release(&sb);
+        RELEASE(&rb, &ib, &sb);
         PyErr_SetString(PyExc_ValueError, "topk_f32: bad arguments");
         return NULL;
     }
@@ -2363,22 +2229,13 @@ static PyObject *topk_f32(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&sb);
+    RELEASE(&rb, &ib, &sb);
     return Py_BuildValue("(ni)", count, status);
 }
 
 /* ---------------------------------------------------------------------------
- * check_dense(row, vocab, proposed) -> code
- *     DenseRowValidator.check in one pass over the row (protocol §6.2, dense,
- *     in its order): 0 if the row is valid, else the ErrorCode value of the
- *     first failing check: ROW_LENGTH (not whole FP32 values, or fewer than
- *     vocab), PROPOSED_OUT_OF_RANGE, NON_FINITE / NEGATIVE / NON_DYADIC (a
- *     value above 1) over the first vocab values, DENSE_PADDING_NONZERO,
- *     NON_DYADIC (not c / 2**24), MASS_MISMATCH, ZERO_Q_AT_PROPOSED. The
- *     diagnosis of a value out of range reads the row again; a valid row is
- *     read once.
+ * DenseRowValidator.check in one pass over a valid row (protocol §6.2, in its order): 0,
+ * or the ErrorCode of the first failing check; only a refused row is read again.
  * ------------------------------------------------------------------------- */
 
 enum { E_DENSE_PADDING_NONZERO = 72 };
@@ -2473,19 +2330,24 @@ static PyObject *draw_total(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(root);
 }
 
-/* step_simd(on) -> whether the AVX2 path was on: off runs the portable path on
- * any CPU (tests qualify both); on takes it only where the CPU has AVX2. */
-static PyObject *step_simd(PyObject *self, PyObject *args) {
+/* A CPU path's switch, for the tests that qualify both sides: off runs the other path on
+ * any CPU, on takes this one where probe finds the CPU has it; whether it was on. */
+static PyObject *simd_switch(PyObject *args, int *state, int (*probe)(void)) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_X86_PATH
-    int was = have_avx2();
-    avx2_state = -1;
-    if (!on || !have_avx2()) avx2_state = 0;
+    if (state == NULL) Py_RETURN_FALSE;
+    int was = probe();
+    *state = -1;
+    if (!on || !probe()) *state = 0;
     return PyBool_FromLong(was);
+}
+
+/* The AVX2 path of row_checks and draw_rows. */
+static PyObject *step_simd(PyObject *self, PyObject *args) {
+#ifdef HAVE_X86_PATH
+    return simd_switch(args, &avx2_state, have_avx2);
 #else
-    (void)on;
-    Py_RETURN_FALSE;
+    return simd_switch(args, NULL, NULL);
 #endif
 }
 
@@ -2503,31 +2365,22 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
-/* construct_simd(on) -> whether the AVX-512 path of construct_rows was on: off runs
- * the floors pass's other form and the full key count on any CPU (tests qualify
- * both); on takes the AVX-512 path only where the CPU has it. */
+/* The AVX-512 path of construct_rows (the floors pass's other form, the full key count). */
 static PyObject *construct_simd(PyObject *self, PyObject *args) {
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
 #ifdef HAVE_FAST64_Q
-    int was = use_fast64_q();
-    have_dq = -1;
-    if (!on || !use_fast64_q()) have_dq = 0;
-    return PyBool_FromLong(was);
+    return simd_switch(args, &have_dq, use_fast64_q);
 #else
-    (void)on;
-    Py_RETURN_FALSE;
+    return simd_switch(args, NULL, NULL);
 #endif
 }
 
-/* bracket_bias(x) -> the previous value: a factor on the rank the sampled bracket is
- * centred on (1; far from 1 the bracket misses, for qualification). */
-static PyObject *bracket_bias_set(PyObject *self, PyObject *args) {
+/* Set bracket_factor (far from 1 the bracket misses, for qualification); the previous. */
+static PyObject *bracket_bias(PyObject *self, PyObject *args) {
     double x;
     if (!PyArg_ParseTuple(args, "d", &x)) return NULL;
 #ifdef HAVE_FAST64_Q
-    double was = bracket_bias;
-    bracket_bias = x;
+    double was = bracket_factor;
+    bracket_factor = x;
     return PyFloat_FromDouble(was);
 #else
     (void)x;
@@ -2556,7 +2409,6 @@ static PyObject *accept_u53(PyObject *self, PyObject *args) {
     return PyBool_FromLong(accept_test(u, count, p));
 }
 
-
 /* One entry: the function under its own name, documented as that name followed by sig. */
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
@@ -2571,8 +2423,7 @@ static PyMethodDef methods[] = {
     METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
     METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
     METHOD(construct_simd, "(on) -> whether the AVX-512 path of construct_rows was on"),
-    {"bracket_bias", bracket_bias_set, METH_VARARGS,
-     "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
+    METHOD(bracket_bias, "(x) -> the previous factor on the sampled bracket's centre rank"),
     METHOD(sample_counts,
            "(int32 or int64 counts, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
