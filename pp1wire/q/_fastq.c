@@ -326,8 +326,8 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
  * distribution) and draw_rows (each draw by the tree descent: one pass stores the
  * sums of the row's 64-leaf blocks, the descent recomputes the block it ends in),
  * both with the GIL released and the rows shared out to threads; the walk that
- * decides with them is pp1wire.q.walk's. philox_u53, accept_u53, step_simd,
- * row_stats and draw_total expose the pieces to the tests that qualify them.
+ * decides with them is pp1wire.q.walk's. step_simd, row_stats and draw_total expose the
+ * pieces to the tests that qualify them.
  * ------------------------------------------------------------------------- */
 
 enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
@@ -353,23 +353,6 @@ static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t p
     uint32_t c[4] = {pos, round, gen, (uint32_t)domain << 24};
     philox10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
     return ((uint64_t)(c[0] >> 5) << 26) | (uint64_t)(c[1] >> 6);
-}
-
-/* (u / 2**53) * (count / 2**24) < p, exactly: u * count < p * 2**77. p * 2**77
- * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
- * a < ceil(b). Both sides are below 2**78: compared as 32-bit high and low
- * halves (u = uh * 2**32 + ul with uh < 2**21, count <= 2**24), so no 128-bit
- * integer type is needed. */
-static int accept_test(uint64_t u, int64_t count, double p) {
-    if (!(p > 0.0)) return 0;
-    if (count <= 0) return 1; /* 0 < p; a count is never negative (checked on arrival) */
-    double b = ceil(ldexp(p, 77));
-    double b_hi = floor(ldexp(b, -32));
-    uint64_t bh = (uint64_t)b_hi, bl = (uint64_t)(b - ldexp(b_hi, 32));
-    uint64_t c = (uint64_t)count;
-    uint64_t low = (u & 0xFFFFFFFFu) * c; /* < 2**56 */
-    uint64_t ah = (u >> 32) * c + (low >> 32), al = low & 0xFFFFFFFFu;
-    return ah < bh || (ah == bh && al < bl);
 }
 
 typedef struct {
@@ -2401,14 +2384,6 @@ static PyObject *philox_block(PyObject *self, PyObject *args) {
                          (unsigned long)c[3]);
 }
 
-static PyObject *accept_u53(PyObject *self, PyObject *args) {
-    unsigned long long u;
-    long long count;
-    double p;
-    if (!PyArg_ParseTuple(args, "KLd", &u, &count, &p)) return NULL;
-    return PyBool_FromLong(accept_test(u, count, p));
-}
-
 /* One entry: the function under its own name, documented as that name followed by sig. */
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
@@ -2420,7 +2395,6 @@ static PyMethodDef methods[] = {
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
-    METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
     METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
     METHOD(construct_simd, "(on) -> whether the AVX-512 path of construct_rows was on"),
     METHOD(bracket_bias, "(x) -> the previous factor on the sampled bracket's centre rank"),
