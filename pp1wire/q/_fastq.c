@@ -76,7 +76,7 @@ static int above_one_code(const uint32_t *bits, size_t n) {
     return E_NON_DYADIC;
 }
 
-/* The sparse-row checks of dyadic.validate_sparse, in the same order. */
+/* The sparse-row checks of validate.validate_sparse, in the same order. */
 static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64_t vocab,
                        size_t max_k, int64_t proposed) {
     if (k == 0) return E_MISSING_Q;
@@ -380,12 +380,10 @@ static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restric
     return m;
 }
 
-/* The root of a 64-leaf block with AVX2, every node the same one addition of
- * its two children as in root64 (only independent additions are reordered),
- * with in-lane shuffles: level 1 adds unpacklo/unpackhi of two loads, giving
- * nodes in the order (0, 2, 1, 3); the next level adds the two 128-bit halves,
- * which puts four consecutive nodes back in order; and so on. sign_acc ORs in
- * the raw bits of every leaf (its sign bit says whether one may be negative). */
+/* The root of a 64-leaf block with AVX2, every node the same one addition of its two
+ * children as in root64 (only independent additions reordered): level 1 adds
+ * unpacklo/unpackhi of two loads, nodes (0, 2, 1, 3); the next adds the two 128-bit
+ * halves, back in order; and so on. *sign gets the OR of every leaf's sign bit. */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define HAVE_X86_PATH 1
@@ -850,8 +848,6 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     return kind;
 }
 
-/* Items handed out one at a time from a shared counter, so threads that get short
- * ones take more of them. Each item writes only its own outputs. */
 /* One row's buffer into views[*used]: float32 or float64, not empty. */
 static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
     Py_ssize_t len;
@@ -866,6 +862,8 @@ static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size
     return 0;
 }
 
+/* Items handed out one at a time from a shared counter, so threads that get short
+ * ones take more of them. Each item writes only its own outputs. */
 typedef struct {
     void (*run)(void *items, Py_ssize_t j);
     void *items;
