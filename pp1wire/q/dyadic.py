@@ -23,12 +23,6 @@ except ImportError:  # pragma: no cover - exercised by tests that disable it
 M: Final = 1 << 24
 SEMANTIC_ID: Final = "dyadic24-standard-v1"
 
-ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
-_EXP_MASK: Final = 0x7F800000
-_SIGN_BIT: Final = 0x80000000
-# 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
-# 128-row blocks are exact; see _exact_count_sum.
-_SUM_BLOCK: Final = 128
 _MIN_NORMAL: Final = 2.0**-1022
 
 _T = TypeVar("_T")

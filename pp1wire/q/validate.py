@@ -12,17 +12,14 @@ import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
-from pp1wire.q.dyadic import (
-    _EXP_MASK,
-    _SIGN_BIT,
-    _SUM_BLOCK,
-    ONE_BITS,
-    Float32Array,
-    Int32Array,
-    Int64Array,
-    M,
-    _scratch,
-)
+from pp1wire.q.dyadic import Float32Array, Int32Array, Int64Array, M, _scratch
+
+ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
+_EXP_MASK: Final = 0x7F800000
+_SIGN_BIT: Final = 0x80000000
+# 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
+# 128-row blocks are exact (_exact_count_sum).
+_SUM_BLOCK: Final = 128
 
 
 def diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:

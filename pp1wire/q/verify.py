@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, UsageError, VerifyError
@@ -41,8 +40,6 @@ __all__ = [
     "check_target", "checked_target", "proposal_from_rows", "residual", "residual_sample",
     "sample_weights", "step_prefixes", "verify_batch", "verify_step",
 ]  # fmt: skip
-
-Float64Array = npt.NDArray[np.float64]
 
 
 class RequestVerifier:
