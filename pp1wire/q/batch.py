@@ -80,9 +80,8 @@ def propose_batch(
     rows as ``(job index, row)`` as soon as they are drawn (``docs/adaptive.md`` §7).
 
     Raises:
-        ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries``
-            below ``vocab_size``, or an unknown ``kind`` (a job's failure is
-            returned, never raised).
+        ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries`` below ``vocab_size``,
+            or an unknown ``kind`` (a job's failure is returned, never raised).
     """
     if vocab_size < 1 or threads < 1:
         raise ValueError("vocab_size and threads must be at least 1")

@@ -122,9 +122,8 @@ class QBuilder:
         :func:`allocate_with` or the compiled pass that follows it.
 
         Raises:
-            ConstructionError: ``BAD_SHAPE`` for a length other than this
-                builder's; ``ALLOCATION_INCONSISTENT`` when the binary64
-                allocation does not close exactly.
+            ConstructionError: ``BAD_SHAPE`` for a length other than this builder's;
+                ``ALLOCATION_INCONSISTENT`` when the binary64 allocation does not close exactly.
         """
         if w.shape != (self.n,):
             raise ConstructionError(ErrorCode.BAD_SHAPE, f"row of {w.size}, builder for {self.n}")
@@ -260,9 +259,8 @@ def counts_from_weights(weights: npt.ArrayLike) -> Int64Array:
     """Dense dyadic24 counts (same length as ``weights``) from non-negative weights.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` (not a non-empty 1-D array),
-            ``WEIGHT_NON_FINITE`` (NaN or infinity), ``WEIGHT_NEGATIVE``,
-            ``ZERO_MASS`` or ``ALLOCATION_INCONSISTENT``.
+        ConstructionError: ``BAD_SHAPE`` (not a non-empty 1-D array), ``WEIGHT_NON_FINITE`` (NaN or
+            infinity), ``WEIGHT_NEGATIVE``, ``ZERO_MASS`` or ``ALLOCATION_INCONSISTENT``.
     """
     w = _as_weights(weights)
     return _allocate(w, _check_weights(w))
@@ -537,9 +535,8 @@ def sample(counts: npt.ArrayLike, u24: int) -> int:
     counted over the whole row: its time tells nothing of the token (``docs/adaptive.md`` §7).
 
     Raises:
-        ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``;
-            ``MASS_MISMATCH`` if the counts are not integers summing to M;
-            ``NEGATIVE`` if a count is negative.
+        ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``; ``MASS_MISMATCH`` if the
+            counts are not integers summing to M; ``NEGATIVE`` if a count is negative.
     """
     if not 0 <= u24 < M:
         raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")

@@ -97,9 +97,8 @@ def check_dense_shard(q: Float32Array, start: int, end: int, vocab_size: int, pr
     its count sum.
 
     Raises:
-        ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
-            ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``, ``MASS_MISMATCH`` or
-            ``ZERO_Q_AT_PROPOSED``.
+        ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``, ``NON_FINITE``, ``NEGATIVE``,
+            ``NON_DYADIC``, ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
     """
     if q.shape != (end - start,):
         raise ValidationError(ErrorCode.ROW_LENGTH, f"shard row has {q.size} entries")
@@ -124,11 +123,10 @@ def check_sparse_shard(
     failure wins; return its count sum.
 
     Raises:
-        ValidationError: ``ROW_LENGTH``, ``SUPPORT_TOO_LARGE``,
-            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
-            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
-            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
-            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+        ValidationError: ``ROW_LENGTH``, ``SUPPORT_TOO_LARGE``, ``PROPOSED_OUT_OF_RANGE``,
+            ``SPARSE_ID_OUT_OF_RANGE``, ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``,
+            ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``, ``MASS_MISMATCH``
+            or ``ZERO_Q_AT_PROPOSED``.
     """
     if ids.size != q.size:
         raise ValidationError(ErrorCode.ROW_LENGTH, f"{ids.size} ids but {q.size} q values")

@@ -330,10 +330,9 @@ def adaptive_round_distribution(
 ) -> dict[RoundOutcome, Fraction]:
     """Exact law of one round's outcome under ``drafting``.
 
-    After an accepted-so-far draw x_i ``admit`` gives the chance of drawing i+1; a block
-    with every draft kept gets a bonus, one with none a target-only token. Drafting and
-    verifying interleaved give the law of drafting first: no decision uses the
-    verifier's draws.
+    After an accepted-so-far draw x_i ``admit`` gives the chance of drawing i+1; a block with every
+    draft kept gets a bonus, one with none a target-only token. Drafting and verifying interleaved
+    give the law of drafting first: no decision uses the verifier's draws.
 
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` for a depth outside 0..5 or an

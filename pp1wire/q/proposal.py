@@ -320,8 +320,7 @@ def greedy_counts(
     entries (ids ``None``) or ``sparse``, the one-entry support.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` for a dense row if ``token`` is not in
-            ``[0, vocab)``.
+        ConstructionError: ``BAD_SHAPE`` for a dense row if ``token`` is not in ``[0, vocab)``.
     """
     if not sparse:
         return dyadic.point_mass(vocab, token), None

@@ -105,9 +105,8 @@ def counter_for(
     """The Philox counter for one draw: (position, round, generation, domain << 24 | draw).
 
     Raises:
-        RngError: ``RNG_FIELD_RANGE`` if generation, round or position is outside
-            ``[0, 2**32)``, the draw counter outside ``[0, 2**24)``, or the domain
-            is not a :class:`Domain`.
+        RngError: ``RNG_FIELD_RANGE`` if generation, round or position is outside ``[0, 2**32)``,
+            the draw counter outside ``[0, 2**24)``, or the domain is not a :class:`Domain`.
     """
     for name, value in (("generation", generation), ("round", round_id), ("position", position)):
         if not 0 <= value <= _MASK32:
@@ -143,9 +142,8 @@ def proposal_u24(seed: int, generation: int, round_id: int, position: int) -> in
 
 
 class RoundStreams:
-    """The draws one role may make in one (seed, generation, round): only in its own
-    domains, and never a key (domain, position, draw) twice, so a retry cannot pair
-    fresh noise with an old q."""
+    """The draws one role may make in one (seed, generation, round): only in its own domains, and
+    never a key (domain, position, draw) twice, so a retry cannot pair fresh noise with an old q."""
 
     def __init__(self, role: Role, seed: int, generation: int, round_id: int) -> None:
         """Bind the streams; raises :class:`RngError` for out-of-range fields."""
@@ -161,9 +159,8 @@ class RoundStreams:
         """Return the Philox block for one key, marking it used.
 
         Raises:
-            RngError: ``WRONG_OWNER`` if this role does not own ``domain``;
-                ``KEY_REUSED`` if this key was drawn before; ``RNG_FIELD_RANGE``
-                for out-of-range fields.
+            RngError: ``WRONG_OWNER`` if this role does not own ``domain``; ``KEY_REUSED`` if this
+                key was drawn before; ``RNG_FIELD_RANGE`` for out-of-range fields.
         """
         if domain not in OWNED_DOMAINS[self.role]:
             raise RngError(ErrorCode.WRONG_OWNER, f"{self.role.name} does not own {domain.name}")

@@ -184,10 +184,9 @@ def construct_rows(
     (``payloads``, else :func:`row_buffers`); per row the drawn index or its error.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` for rows that are not 1-D of one
-            length and one floating dtype, for a draw count other than the
-            rows', or for ``entries`` below the row length (a row's own
-            failure is returned, not raised).
+        ConstructionError: ``BAD_SHAPE`` for rows that are not 1-D of one length and one floating
+            dtype, for a draw count other than the rows', or for ``entries`` below the row length (a
+            row's own failure is returned, not raised).
     """
     count = len(weights)
     if count != len(draws):

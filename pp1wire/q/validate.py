@@ -80,8 +80,7 @@ class DenseRowValidator:
         """Prepare scratch for rows of ``row_entries`` (default ``vocab_size``) FP32 values.
 
         Raises:
-            ValidationError: ``ROW_LENGTH`` if ``row_entries < vocab_size`` or
-                ``vocab_size < 1``.
+            ValidationError: ``ROW_LENGTH`` if ``row_entries < vocab_size`` or ``vocab_size < 1``.
         """
         entries = vocab_size if row_entries is None else row_entries
         if vocab_size < 1 or entries < vocab_size:
@@ -99,9 +98,8 @@ class DenseRowValidator:
         """Validate one row given as a float32 view; raise on the first failing class.
 
         Raises:
-            ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
-                ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``,
-                ``DENSE_PADDING_NONZERO``, ``MASS_MISMATCH`` or
+            ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``, ``NON_FINITE``,
+                ``NEGATIVE``, ``NON_DYADIC``, ``DENSE_PADDING_NONZERO``, ``MASS_MISMATCH`` or
                 ``ZERO_Q_AT_PROPOSED``.
         """
         if row.shape != (self.row_entries,):
@@ -174,8 +172,7 @@ def validate_dense(
     entries past ``vocab_size`` padding) and return its counts (int64, ``vocab_size``).
 
     Raises:
-        ValidationError: with the code of the first failing class (see
-            :class:`DenseRowValidator`).
+        ValidationError: with the code of the first failing class (see :class:`DenseRowValidator`).
     """
     row = _f32_view(buf, "dense row")
     key = (vocab_size, vocab_size if row_entries is None else row_entries)
@@ -192,10 +189,9 @@ def validate_sparse(
 
     Raises:
         ValidationError: ``ROW_LENGTH``, ``MISSING_Q``, ``SUPPORT_TOO_LARGE``,
-            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
-            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
-            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
-            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``, ``SPARSE_DUPLICATE_ID``,
+            ``SPARSE_UNSORTED``, ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``,
+            ``SPARSE_ZERO_ENTRY``, ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
     """
     ids = _i32_view(ids_buf, "sparse ids")
     q = _f32_view(q_buf, "sparse q")
@@ -207,8 +203,7 @@ def check_ascending(ids: Int32Array) -> None:
     """Sparse IDs strictly ascending (§6.2 step 3).
 
     Raises:
-        ValidationError: ``SPARSE_DUPLICATE_ID`` for a repeated ID, else
-            ``SPARSE_UNSORTED``.
+        ValidationError: ``SPARSE_DUPLICATE_ID`` for a repeated ID, else ``SPARSE_UNSORTED``.
     """
     if ids.size > 1 and (np.diff(ids) <= 0).any():
         if np.unique(ids).size != ids.size:

@@ -137,10 +137,9 @@ class RequestVerifier:
         (``docs/adaptive.md`` §2, §7); ``counts``: each row's count at its token, if given.
 
         Raises:
-            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
-                ``WRONG_SESSION``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
-                ``STALE_PREFIX``, ``ROUND_REUSED``, ``MALFORMED_PROPOSAL`` or
-                ``STOP_RULE_VIOLATED``.
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``, ``WRONG_SESSION``,
+                ``STALE_GENERATION``, ``CONTEXT_MISMATCH``, ``STALE_PREFIX``, ``ROUND_REUSED``,
+                ``MALFORMED_PROPOSAL`` or ``STOP_RULE_VIOLATED``.
         """
         self._require_live()
         if proposal.session != self.session:
@@ -517,9 +516,8 @@ def verify_step(
     or the :class:`VerifyError` that refused it, poisoned it or found no mass.
 
     Raises:
-        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if
-            ``probs`` is not 2-D with one row per prefix, or for two rounds of
-            one request.
+        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if ``probs`` is not 2-D with
+            one row per prefix, or for two rounds of one request.
     """
     out, planned, prefixes = _plan(rounds, every=True)
     shape = tuple(getattr(probs, "shape", ()))
