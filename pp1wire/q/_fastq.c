@@ -470,10 +470,9 @@ static int have_avx2(void) {
 }
 #endif
 
-/* Whether some value is below zero: the OR of the raw bit patterns has its sign
- * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
- * the exact test decides. NaN and infinities need no test of their own: they
- * make the total non-finite. */
+/* Whether some value is below zero: the OR of the raw bit patterns has its sign bit set only if
+ * some value has (a negative, or -0.0, or a negative NaN); then the exact test decides. NaN and
+ * infinities need no test of their own: they make the total non-finite. */
 #define SIGN_OR(name, value_t, bits_t)                    \
     MULTIVERSION                                           \
     static bits_t name(const value_t *restrict x) {        \
@@ -510,13 +509,12 @@ static size_t tree_size(size_t n, int *depth) {
     return size;
 }
 
-/* The canonical tree's root. Leaves arrive in order; a binary counter keeps
- * the pending left children (stack[l] is a complete left subtree of level l),
- * so every addition is exactly one node of the tree: left child + right child.
- * Blocks of 64 leaves are summed first, level by level, so the additions of a
- * level are independent (and vectorize); a block of padding only is +0.0.
- * Also whether some value is negative: with the total's finiteness, what
- * check_target reads, in one pass. */
+/* The canonical tree's root. Leaves arrive in order; a binary counter keeps the pending left
+ * children (stack[l] is a complete left subtree of level l), so every addition is exactly one node
+ * of the tree: left child + right child. Blocks of 64 leaves are summed first, level by level, so
+ * the additions of a level are independent (and vectorize); a block of padding only is +0.0. Also
+ * whether some value is negative: with the total's finiteness, what check_target reads, in one
+ * pass. */
 static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad);
 
 static double row_total(const vrow_t *r, size_t n, int *bad) {
@@ -708,9 +706,8 @@ static void block_levels(double *lv, size_t size) {
     }
 }
 
-/* Descend levels laid out as block_levels builds them (width leaves first, then
- * each level above) from the root, carrying *t down; the leaf index, with *t
- * left where it falls inside that leaf. */
+/* Descend levels laid out as block_levels builds them (width leaves first, then each level above)
+ * from the root, carrying *t down; the leaf index, with *t left where it falls inside that leaf. */
 static size_t descend(const double *lv, size_t width, double *t) {
     const double *level[64];
     size_t off = 0;
@@ -884,11 +881,10 @@ static void *run_items(void *arg) {
 #define V_MAX_THREADS 16
 
 #if !defined(_WIN32)
-/* Helper threads, started once and kept: a call publishes its items and works on
- * them itself, and waits only for the helpers that joined it (each busy with an
- * item), never for one that was not yet scheduled. On a shared machine a call
- * that waited for every helper to start and end would pay a scheduler slice per
- * call, and the walk makes several calls a step. */
+/* Helper threads, started once and kept: a call publishes its items and works on them itself, and
+ * waits only for the helpers that joined it (each busy with an item), never for one that was not
+ * yet scheduled. On a shared machine a call that waited for every helper to start and end would pay
+ * a scheduler slice per call, and the walk makes several calls a step. */
 static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* guards what follows */
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
@@ -1287,9 +1283,8 @@ static inline double weight_at(const void *w, int f32, size_t i) {
 
 /* The floor of a share v into *out and its remainder's key into *key. */
 static inline int32_t floor_key(double v, int32_t *restrict out, uint16_t *restrict key) {
-    /* v >= 0: truncation is the floor. A share beyond int32 (only from a
-     * total that does not match the weights) converts as numpy's cast
-     * does, and the ticket count then refuses the row. */
+    /* v >= 0: truncation is the floor. A share beyond int32 (only from a total that does not match
+     * the weights) converts as numpy's cast does, and the ticket count then refuses the row. */
     int32_t f = (int32_t)v;
     double r = v - (double)f;
     *out = f;
@@ -1421,9 +1416,8 @@ static int64_t divide64(const double *restrict w, double scale, int32_t *restric
     return sum;
 }
 
-/* floors: the pass over the row (see above), by division for float64 weights with
- * divide; the floors' sum. With sampled, the histogram counts one chunk in
- * SAMPLE_EVERY (bracket_threshold). */
+/* floors: the pass over the row (see above), by division for float64 weights with divide; the
+ * floors' sum. With sampled, the histogram counts one chunk in SAMPLE_EVERY (bracket_threshold). */
 static int64_t floors_pass(const void *w, int f32, size_t n, double total, double scale,
                            int small, int divide, int32_t *q, uint16_t *key, uint32_t *hist,
                            int sampled) {
@@ -1442,8 +1436,7 @@ static int64_t floors_pass(const void *w, int f32, size_t n, double total, doubl
             part = floors_exact(w, f32, i, 64, total, scale, small, q, key);
         }
         sum += part;
-        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
-         * work. */
+        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector work. */
         if (sampled && (i / 64) % SAMPLE_EVERY != 0) continue;
         if (twin) histogram64(key + i, hist, odd);
         else histogram(key + i, 64, hist);
@@ -1567,9 +1560,8 @@ __attribute__((noinline)) static double kth_remainder(const double *rem, size_t 
     return v;
 }
 
-/* The bucket's remainders into s->rem, as the floors pass had them; + 0.0 makes the
- * remainder of a -0.0 weight +0.0, which orders below every positive one (its bits
- * would not). */
+/* The bucket's remainders into s->rem, as the floors pass had them; + 0.0 makes the remainder of a
+ * -0.0 weight +0.0, which orders below every positive one (its bits would not). */
 static void bucket_remainders(const void *w, int f32, double total, double scale, int small,
                               const scratch_t *s, size_t count) {
     for (size_t c = 0; c < count; c++) {
@@ -1694,10 +1686,9 @@ static inline void draw_start(draw_t *d, int64_t u) {
     memset(d->sel, 0, sizeof d->sel);
 }
 
-/* The next chunk's mask: all ones when the running total before it is at most u, and
- * then that total kept in base. The last chunk that starts at or below u holds the
- * draw (the next starts above it), so sel, overwritten under the mask, ends holding
- * that chunk's counts. */
+/* The next chunk's mask: all ones when the running total before it is at most u, and then that
+ * total kept in base. The last chunk that starts at or below u holds the draw (the next starts
+ * above it), so sel, overwritten under the mask, ends holding that chunk's counts. */
 static inline int32_t draw_mask(draw_t *d) {
     int64_t in = (int64_t)(d->acc <= d->u);
     d->base ^= (d->base ^ d->acc) & -in;
@@ -1730,11 +1721,10 @@ static inline uint32_t wire_bits(int32_t c) {
     return b;
 }
 
-/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key
- * above top, and with fp32 the counts' wire values left over them; with sel, each
- * count kept there under the mask m (zeros past len). Their sum, in 32 bits (they
- * vectorize so), exact: the counts of a row whose floors fit (no share beyond int32)
- * sum to M. */
+/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key above top, and
+ * with fp32 the counts' wire values left over them; with sel, each count kept there under the mask
+ * m (zeros past len). Their sum, in 32 bits (they vectorize so), exact: the counts of a row whose
+ * floors fit (no share beyond int32) sum to M. */
 static inline uint32_t assign_chunk(const uint16_t *restrict key, uint32_t top,
                                     uint32_t *restrict q, int fp32, int32_t *restrict sel,
                                     int32_t m, size_t len) {
@@ -1781,12 +1771,11 @@ static int64_t assign_and_draw(const uint16_t *restrict key, size_t n, uint32_t 
     return d.acc;
 }
 
-/* dyadic.allocate_with for one row of n weights (float32 if f32) normalized by
- * total: the counts into q (n 32-bit words: int32 counts, or with fp32 their FP32
- * wire values), drawn from with u (< 0: no draw) into *token; divide takes the
- * floors by division, else by multiplication. Returns allocate_with's status: 0 done;
- * 1 tickets left over outside 0..n-1; 2 the left-th largest remainder is 0; 3 the
- * counts do not sum to M. The pieces are named as in allocate_with. */
+/* dyadic.allocate_with for one row of n weights (float32 if f32) normalized by total: the counts
+ * into q (n 32-bit words: int32 counts, or with fp32 their FP32 wire values), drawn from with u (<
+ * 0: no draw) into *token; divide takes the floors by division, else by multiplication. Returns
+ * allocate_with's status: 0 done; 1 tickets left over outside 0..n-1; 2 the left-th largest
+ * remainder is 0; 3 the counts do not sum to M. The pieces are named as in allocate_with. */
 static int allocate_row(const void *w, int f32, size_t n, double total, int divide,
                         uint32_t *q, int fp32, const scratch_t *s, int64_t u, int64_t *token) {
     int32_t *counts = (int32_t *)q;
@@ -1832,9 +1821,8 @@ static int allocate_row(const void *w, int f32, size_t n, double total, int divi
     return sum == (int64_t)M24 ? 0 : 3;
 }
 
-/* The draw over integer counts (int32 or int64, dyadic.sample): the number of
- * cumulative counts at most u, chunk by chunk as assign_and_draw draws; the counts'
- * sum, and whether one is negative. */
+/* The draw over integer counts (int32 or int64, dyadic.sample): the number of cumulative counts at
+ * most u, chunk by chunk as assign_and_draw draws; the counts' sum, and whether one is negative. */
 #define DRAW_COUNTS(NAME, CT)                                                              \
     MULTIVERSION                                                                           \
     static int64_t NAME(const CT *restrict c, size_t n, int64_t u, int *negative,         \
@@ -2085,10 +2073,9 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
 /* A weight's order key: its bits, 0 for -0.0 (a zero weight). */
 static inline uint32_t order_bits(uint32_t b) { return b == 0x80000000u ? 0u : b; }
 
-/* The largest order key of 64 weights (vectorized), OR-ing into *flags bit 0 for a
- * NaN or infinity and bit 1 for a negative weight (-0.0 is a zero weight). The
- * keys of a row with a negative weight are never used (it is refused), so the
- * sign bit is dropped rather than tested. */
+/* The largest order key of 64 weights (vectorized), OR-ing into *flags bit 0 for a NaN or infinity
+ * and bit 1 for a negative weight (-0.0 is a zero weight). The keys of a row with a negative weight
+ * are never used (it is refused), so the sign bit is dropped rather than tested. */
 MULTIVERSION
 static uint32_t chunk_max_bits(const uint32_t *restrict bits, uint32_t *restrict flags) {
     uint32_t mx = 0;
