@@ -468,6 +468,9 @@ static int have_avx2(void) {
     }
     return avx2_state;
 }
+#else
+static int avx2_state = 0; /* no AVX2 path in this build */
+static int have_avx2(void) { return 0; }
 #endif
 
 /* Whether some value is below zero: the OR of the raw bit patterns has its sign bit set only if
@@ -1375,6 +1378,9 @@ static int use_fast64_q(void) {
     }
     return have_dq;
 }
+#else
+static int have_dq = 0; /* no AVX-512 path in this build */
+static int use_fast64_q(void) { return 0; }
 #endif
 
 /* The floors pass by division (floor_key) over [lo, lo + len). */
@@ -2303,7 +2309,6 @@ static PyObject *draw_total(PyObject *self, PyObject *args) {
 static PyObject *simd_switch(PyObject *args, int *state, int (*probe)(void)) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-    if (state == NULL) Py_RETURN_FALSE;
     int was = probe();
     *state = -1;
     if (!on || !probe()) *state = 0;
@@ -2312,11 +2317,7 @@ static PyObject *simd_switch(PyObject *args, int *state, int (*probe)(void)) {
 
 /* The AVX2 path of row_checks and draw_rows. */
 static PyObject *step_simd(PyObject *self, PyObject *args) {
-#ifdef HAVE_X86_PATH
     return simd_switch(args, &avx2_state, have_avx2);
-#else
-    return simd_switch(args, NULL, NULL);
-#endif
 }
 
 static PyObject *philox_u53(PyObject *self, PyObject *args) {
@@ -2335,11 +2336,7 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
 
 /* The AVX-512 path of construct_rows (the floors pass's other form, the full key count). */
 static PyObject *construct_simd(PyObject *self, PyObject *args) {
-#ifdef HAVE_FAST64_Q
     return simd_switch(args, &have_dq, use_fast64_q);
-#else
-    return simd_switch(args, NULL, NULL);
-#endif
 }
 
 /* Set bracket_factor (far from 1 the bracket misses, for qualification); the previous. */
