@@ -1,63 +1,8 @@
 /*
- * Optional compiled fast paths for pp1wire.q.dyadic and pp1wire.q.rows.
- *
- * Each function computes exactly what the numpy path in dyadic.py computes
- * (in one pass instead of six, or without numpy's per-call overhead for a
- * 32-entry sparse row), and is qualified against it
- * (and against the rational oracle) by tests/test_fastq.py. When this module
- * is absent, dyadic.py uses numpy and nothing changes but speed.
- *
- *   check_sparse(ids, q, vocab, max_k, proposed) -> code
- *       ids: int32 buffer, q: FP32 buffer. 0 if the row is valid, else the
- *       ErrorCode value of the first failing check, in validate_sparse's order.
- *
- *   allocate(w, total, out, share, work) -> status
- *       QBuilder.allocate in one compiled pass (allocate_row, which follows
- *       dyadic.allocate_with piece by piece): w float64 weights (checked by
- *       the caller), total their canonical total; writes the dyadic24 counts
- *       into out (int32) using share and work (float64, len(w) each) as
- *       scratch. The threshold remainder is found
- *       by its key bucket and a radix select over the bucket's bit patterns:
- *       linear, and independent of the data's order and of the CPU. Status 0
- *       done, or 1 to 3 (ALLOCATION_INCONSISTENT, dyadic.ROW_STATUS_ERRORS).
- *
- *   build_rows(w, n, out, draws, tokens, status, share, work) -> None
- *       A batch of rows (rows x n float64 weights) in one call with the GIL
- *       released: each row's canonical total, allocate, and the proposal draw
- *       (dyadic.sample) with its 24-bit draw. See the function.
- *
- *   construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
- *       build_rows for rows that travel, from float32 weights (a probabilities
- *       drafter's) or float64 ones, checks included, each row's counts held
- *       only as its FP32 wire values: three passes over a row. See the function.
- *
- *   sample_counts(counts, u) -> (index, status)
- *       dyadic.sample over int32 or int64 counts, in time that does not depend
- *       on the index drawn.
- *
- *   construct_simd(on) -> bool
- *       Turn the AVX-512 path of construct_rows off (the other floors form and
- *       the full key count, as on any CPU) or back on where the CPU has it.
- *
- *   bracket_bias(x) -> previous
- *       A factor on the rank the sampled bracket of construct_rows (AVX-512
- *       machines) is centred on: 1, but tests make it miss to qualify the way back.
- *
- *   topk_f32(row, k, ids, scratch) -> (count, status)
- *       The checks and the sparse top-k support of a row of FP32 weights.
- *
- *   check_dense(row, vocab, proposed) -> code
- *       DenseRowValidator.check in one pass: 0 or the first failing ErrorCode.
- *
- *   sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
- *       A small superset of a sparse top-k support, from the logits without
- *       the exponential; the caller proves it holds the top k or falls back.
- *
- *   tree_total(values) -> float
- *       The canonical total of pp1wire.q.tree (protocol §6.6): the root of the
- *       pairwise tree over the values padded with +0.0 to a power of two, each
- *       node one binary64 addition of its children, bit for bit.
- *
+ * Optional compiled fast paths of pp1wire.q (dyadic, rows, tree, validate, targetrows, rng):
+ * each computes exactly what its numpy path computes, bit for bit, and is qualified
+ * against it by the tests. Without this module numpy runs and only speed changes. The
+ * method table at the end gives each function's signature.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -69,6 +14,14 @@
 #include <pthread.h>
 #endif
 
+static void release_all(Py_buffer *const *views, size_t n) {
+    for (size_t i = 0; i < n; i++) PyBuffer_Release(views[i]);
+}
+
+/* PyBuffer_Release of each buffer named. */
+#define RELEASE(...)                                                                       \
+    release_all((Py_buffer *const[]){__VA_ARGS__},                                         \
+                sizeof((Py_buffer *const[]){__VA_ARGS__}) / sizeof(Py_buffer *))
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
@@ -123,7 +76,7 @@ static int above_one_code(const uint32_t *bits, size_t n) {
     return E_NON_DYADIC;
 }
 
-/* The sparse-row checks of dyadic.validate_sparse, in the same order. */
+/* The sparse-row checks of validate.validate_sparse, in the same order. */
 static int sparse_code(const int32_t *ids, const uint32_t *bits, size_t k, int64_t vocab,
                        size_t max_k, int64_t proposed) {
     if (k == 0) return E_MISSING_Q;
@@ -182,8 +135,7 @@ static PyObject *check_sparse(PyObject *self, PyObject *args) {
         code = sparse_code((const int32_t *)idb.buf, (const uint32_t *)qb.buf,
                            (size_t)idb.len / 4, (int64_t)vocab, (size_t)max_k, (int64_t)proposed);
     }
-    PyBuffer_Release(&idb);
-    PyBuffer_Release(&qb);
+    RELEASE(&idb, &qb);
     if (code < 0) return PyErr_NoMemory();
     return PyLong_FromLong(code);
 }
@@ -309,24 +261,18 @@ static int chunk_candidates(const double *restrict x, double top, double scale, 
     return any != 0;
 }
 
-/* sparse_candidates(x, top, scale, k, margin, idx) -> (count, x_out_max)
- *     Candidates for a sparse top-k support from one logits row x (finite or
- *     -inf; top its maximum): every index whose distance bucket is at most
- *     margin buckets past the bucket holding the k-th largest logit, ascending,
- *     into idx (int64); x_out_max is the largest logit not taken (-inf if
- *     none). The caller proves the top-k weights lie among the candidates
- *     (x_out_max's weight below the k-th candidate weight) or falls back.
- *     count -1: no useful cut (a scale that is not finite and positive, the
- *     k-th logit in the last bucket, fewer than k entries, or more candidates
- *     than idx holds). */
+/* Candidates for a sparse top-k support from one logits row x (top its maximum): every
+ * index at most margin distance buckets past the k-th largest logit's, ascending, into idx
+ * (int64), and the largest logit not taken, from which the caller proves the support lies
+ * among them or falls back. Count -1: no useful cut (a scale not finite and positive, the
+ * k-th logit in the last bucket, fewer than k entries, more candidates than idx holds). */
 static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
     Py_buffer xb, ib;
     double top, scale;
     Py_ssize_t k, margin;
     if (!PyArg_ParseTuple(args, "y*ddnnw*", &xb, &top, &scale, &k, &margin, &ib)) return NULL;
     if (xb.len % 8 || ib.len % 8 || k < 1 || margin < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ib);
+        RELEASE(&xb, &ib);
         PyErr_SetString(PyExc_ValueError, "sparse_candidates: bad arguments");
         return NULL;
     }
@@ -370,45 +316,18 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
         if (!full) count = (Py_ssize_t)c;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&ib);
+    RELEASE(&xb, &ib);
     return Py_BuildValue("(nd)", count, out_max);
 }
 
 /* ---------------------------------------------------------------------------
  * The row operations of verification (pp1wire.q.targetrows.CompiledRows), protocol
- * §6.5 and §6.6, bit for bit what the numpy row operations give. The walk that
- * decides with them is pp1wire.q.walk's; nothing here decides a round.
- *
- *   row_checks(rows[, threads]) -> list
- *       Each row (float32 or float64, contiguous; None for a row that could
- *       not be read) in one pass: its canonical total if it is a
- *       distribution (no value below zero, a finite, positive total), else None.
- *
- *   draw_rows(draws[, threads]) -> list
- *       Each draw (row, total, q or None, ids or None, u53) of a checked row:
- *       from max(row / total - q, 0) with q (float32 values or int32/int64
- *       counts, dense: at least as long as the row; or sparse: ascending ids),
- *       from row / total without, by descending the canonical tree: one pass
- *       over the row stores the sums of its 64-leaf blocks, the descent
- *       recomputes the one block it ends in. Each entry: the drawn index, -1
- *       if the weights have no mass, -2 out of memory, -3 a sparse q whose ids
- *       are not ascending inside the row (the caller draws those its own way).
- *
- *   Both release the GIL; with threads > 1 that many threads take the rows
- *   one by one.
- *
- *   philox_u53(seed, generation, round, position, domain) -> int
- *   philox_block(c0, c1, c2, c3, k0, k1) -> (w0, w1, w2, w3)
- *   accept_u53(u53, count, p) -> bool
- *   step_simd(on) -> bool
- *       Turn the AVX2 path of row_checks and draw_rows off (the portable path)
- *       or back on.
- *   row_stats(row) -> (total, negative)
- *   draw_total(row, total, q, ids) -> float
- *       The pieces alone, for qualification: a draw, the acceptance test, a
- *       row's canonical total and check, the canonical total of the weights
- *       a draw descends (max(v / total - q, 0), or v / total without q).
+ * §6.5 and §6.6: row_checks (each row's canonical total, or None if it is not a
+ * distribution) and draw_rows (each draw by the tree descent: one pass stores the
+ * sums of the row's 64-leaf blocks, the descent recomputes the block it ends in),
+ * both with the GIL released and the rows shared out to threads; the walk that
+ * decides with them is pp1wire.q.walk's. step_simd, row_stats and draw_total expose the
+ * pieces to the tests that qualify them.
  * ------------------------------------------------------------------------- */
 
 enum { K_NONE = 0, K_F32 = 1, K_F64 = 2, K_I32 = 3, K_I64 = 4 };
@@ -436,23 +355,6 @@ static uint64_t draw_u53(uint64_t seed, uint32_t gen, uint32_t round, uint32_t p
     return ((uint64_t)(c[0] >> 5) << 26) | (uint64_t)(c[1] >> 6);
 }
 
-/* (u / 2**53) * (count / 2**24) < p, exactly: u * count < p * 2**77. p * 2**77
- * is exact (a power-of-two scaling of p <= 1), and for an integer a, a < b iff
- * a < ceil(b). Both sides are below 2**78: compared as 32-bit high and low
- * halves (u = uh * 2**32 + ul with uh < 2**21, count <= 2**24), so no 128-bit
- * integer type is needed. */
-static int accept_test(uint64_t u, int64_t count, double p) {
-    if (!(p > 0.0)) return 0;
-    if (count <= 0) return 1; /* 0 < p; a count is never negative (checked on arrival) */
-    double b = ceil(ldexp(p, 77));
-    double b_hi = floor(ldexp(b, -32));
-    uint64_t bh = (uint64_t)b_hi, bl = (uint64_t)(b - ldexp(b_hi, 32));
-    uint64_t c = (uint64_t)count;
-    uint64_t low = (u & 0xFFFFFFFFu) * c; /* < 2**56 */
-    uint64_t ah = (u >> 32) * c + (low >> 32), al = low & 0xFFFFFFFFu;
-    return ah < bh || (ah == bh && al < bl);
-}
-
 typedef struct {
     const void *p;
     int kind; /* K_F32 or K_F64; K_NONE: the row could not be read */
@@ -478,12 +380,10 @@ static size_t load_block(const vrow_t *r, size_t n, size_t base, double *restric
     return m;
 }
 
-/* The root of a 64-leaf block with AVX2, every node the same one addition of
- * its two children as in root64 (only independent additions are reordered),
- * with in-lane shuffles: level 1 adds unpacklo/unpackhi of two loads, giving
- * nodes in the order (0, 2, 1, 3); the next level adds the two 128-bit halves,
- * which puts four consecutive nodes back in order; and so on. sign_acc ORs in
- * the raw bits of every leaf (its sign bit says whether one may be negative). */
+/* The root of a 64-leaf block with AVX2, every node the same one addition of its two
+ * children as in root64 (only independent additions reordered): level 1 adds
+ * unpacklo/unpackhi of two loads, nodes (0, 2, 1, 3); the next adds the two 128-bit
+ * halves, back in order; and so on. *sign gets the OR of every leaf's sign bit. */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
 #define HAVE_X86_PATH 1
@@ -568,12 +468,14 @@ static int have_avx2(void) {
     }
     return avx2_state;
 }
+#else
+static int avx2_state = 0; /* no AVX2 path in this build */
+static int have_avx2(void) { return 0; }
 #endif
 
-/* Whether some value is below zero: the OR of the raw bit patterns has its sign
- * bit set only if some value has (a negative, or -0.0, or a negative NaN); then
- * the exact test decides. NaN and infinities need no test of their own: they
- * make the total non-finite. */
+/* Whether some value is below zero: the OR of the raw bit patterns has its sign bit set only if
+ * some value has (a negative, or -0.0, or a negative NaN); then the exact test decides. NaN and
+ * infinities need no test of their own: they make the total non-finite. */
 #define SIGN_OR(name, value_t, bits_t)                    \
     MULTIVERSION                                           \
     static bits_t name(const value_t *restrict x) {        \
@@ -610,13 +512,12 @@ static size_t tree_size(size_t n, int *depth) {
     return size;
 }
 
-/* The canonical tree's root. Leaves arrive in order; a binary counter keeps
- * the pending left children (stack[l] is a complete left subtree of level l),
- * so every addition is exactly one node of the tree: left child + right child.
- * Blocks of 64 leaves are summed first, level by level, so the additions of a
- * level are independent (and vectorize); a block of padding only is +0.0.
- * Also whether some value is negative: with the total's finiteness, what
- * check_target reads, in one pass. */
+/* The canonical tree's root. Leaves arrive in order; a binary counter keeps the pending left
+ * children (stack[l] is a complete left subtree of level l), so every addition is exactly one node
+ * of the tree: left child + right child. Blocks of 64 leaves are summed first, level by level, so
+ * the additions of a level are independent (and vectorize); a block of padding only is +0.0. Also
+ * whether some value is negative: with the total's finiteness, what check_target reads, in one
+ * pass. */
 static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count, int *bad);
 
 static double row_total(const vrow_t *r, size_t n, int *bad) {
@@ -808,9 +709,8 @@ static void block_levels(double *lv, size_t size) {
     }
 }
 
-/* Descend levels laid out as block_levels builds them (width leaves first, then
- * each level above) from the root, carrying *t down; the leaf index, with *t
- * left where it falls inside that leaf. */
+/* Descend levels laid out as block_levels builds them (width leaves first, then each level above)
+ * from the root, carrying *t down; the leaf index, with *t left where it falls inside that leaf. */
 static size_t descend(const double *lv, size_t width, double *t) {
     const double *level[64];
     size_t off = 0;
@@ -948,8 +848,6 @@ static int take_buffer(PyObject *obj, Py_buffer *views, int *used, const void **
     return kind;
 }
 
-/* Items handed out one at a time from a shared counter, so threads that get short
- * ones take more of them. Each item writes only its own outputs. */
 /* One row's buffer into views[*used]: float32 or float64, not empty. */
 static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size_t *n) {
     Py_ssize_t len;
@@ -964,6 +862,8 @@ static int one_row(PyObject *obj, Py_buffer *views, int *used, vrow_t *row, size
     return 0;
 }
 
+/* Items handed out one at a time from a shared counter, so threads that get short
+ * ones take more of them. Each item writes only its own outputs. */
 typedef struct {
     void (*run)(void *items, Py_ssize_t j);
     void *items;
@@ -984,11 +884,10 @@ static void *run_items(void *arg) {
 #define V_MAX_THREADS 16
 
 #if !defined(_WIN32)
-/* Helper threads, started once and kept: a call publishes its items and works on
- * them itself, and waits only for the helpers that joined it (each busy with an
- * item), never for one that was not yet scheduled. On a shared machine a call
- * that waited for every helper to start and end would pay a scheduler slice per
- * call, and the walk makes several calls a step. */
+/* Helper threads, started once and kept: a call publishes its items and works on them itself, and
+ * waits only for the helpers that joined it (each busy with an item), never for one that was not
+ * yet scheduled. On a shared machine a call that waited for every helper to start and end would pay
+ * a scheduler slice per call, and the walk makes several calls a step. */
 static pthread_mutex_t pool_use = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* guards what follows */
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
@@ -1135,6 +1034,8 @@ static PyObject *totals_list(const double *totals, const int *ok, Py_ssize_t k) 
     return out;
 }
 
+/* Each row (float32 or float64, contiguous; None: unreadable) in one pass: its canonical
+ * total if it is a distribution (nothing below zero, a finite positive total), else None. */
 static PyObject *row_checks(PyObject *self, PyObject *args) {
     PyObject *rows;
     int threads = 1;
@@ -1242,6 +1143,10 @@ static int parse_q(PyObject *qobj, PyObject *idobj, vdraw_t *d, Py_buffer *views
     return 0;
 }
 
+/* Each draw (row, total, q or None, ids or None, u53) of a checked row, from
+ * max(row / total - q, 0) with q (float32 values or int counts, dense or sparse), from
+ * row / total without: the index, -1 without mass, -2 out of memory, -3 sparse ids that
+ * do not ascend inside the row (the caller draws those its own way). */
 static PyObject *draw_rows(PyObject *self, PyObject *args) {
     PyObject *draws;
     int threads = 1;
@@ -1324,53 +1229,30 @@ static PyObject *draw_rows(PyObject *self, PyObject *args) {
 }
 
 /* ---------------------------------------------------------------------------
- * q construction: weights (float32, as a probabilities drafter hands them over,
- * or float64) to dyadic24 counts in q, n 32-bit words: int32 counts, which for a
- * row that travels become their FP32 wire values c / 2**24 (exact for c <= 2**24)
- * in the last pass, q being the outgoing buffer itself; and the proposal draw.
+ * q construction: weights (float32 or float64) to dyadic24 counts in q, n 32-bit words
+ * (int32 counts, or for a row that travels their FP32 wire values, q being the outgoing
+ * buffer), and the proposal draw. allocate_row is dyadic.allocate_with for one row, its
+ * pieces fused into the passes the row needs anyway:
  *
- * allocate_row is dyadic.allocate_with for one row: the same pieces, in the
- * same order, fused where a piece can ride on a pass the row needs anyway.
+ *   floors     floors_pass: each share's floor into q and its remainder's 12-bit key
+ *              floor(r * 2**12) (keys order like the remainders), the keys' histogram
+ *              and the floors' sum. The share is one multiplication by (W / M)'s
+ *              reciprocal, within 2**-15.4 key units of the quotient for shares up to
+ *              M; a chunk of 64 with a product within 2**-14 of a key boundary is done
+ *              again by division, so every floor and key is the quotient's.
+ *   threshold  the key bucket holding the left-th largest remainder, from the
+ *              histogram (bucket_threshold; with AVX-512 from a sampled histogram and
+ *              one vector pass, bracket_threshold, the same bucket either way), then
+ *              the exact remainder among that bucket's (kth_remainder).
+ *   above      every key above the bucket, and the bucket's remainders above it.
+ *   assign     the bucket's tickets at once (bucket_tickets), the keys above it in the
+ *              last pass (assign_and_draw), which also sums the counts.
  *
- *   floors     floors_pass: each share w / (W / M) (or (w / W) * M when W / M
- *              is subnormal), its floor into q and its remainder's coarse key,
- *              the first 12 binary digits floor(r * 2**12), which order like the
- *              remainders (r < s gives key(r) <= key(s)); the keys' histogram
- *              and the floors' sum. The share is one multiplication by
- *              (W / M)'s reciprocal: within 3 units in the last place of the
- *              correctly rounded quotient, i.e. within 2**-27.4 of it for
- *              shares up to M, 2**-15.4 in key units; so a product farther than
- *              2**-14 key units from every key boundary has the quotient's
- *              floor and key, and a chunk of 64 where some product is nearer is
- *              done again by division.
- *   left       M - the floors' sum: status 1 unless 0 <= left < n.
- *   threshold  the left-th largest remainder: the key bucket that holds it,
- *              from the histogram (bucket_threshold), then exactly, among that
- *              bucket's remainders computed again by division, as the floors
- *              pass had them (kth_remainder): status 2 unless it is positive.
- *              Where the CPU has AVX-512, the floors pass counts the keys of one
- *              chunk in SAMPLE_EVERY only (a scalar histogram of every key costs
- *              as much as the floors themselves), and bracket_threshold finds
- *              the bucket from that sample and one vector pass, or the full
- *              count is taken after all: the bucket, and so the threshold, is
- *              the same either way.
- *   above      the remainders above the threshold: every key above its bucket,
- *              and the bucket's remainders above it.
- *   assign     one ticket for each of those, and for the first left - above
- *              remainders equal to the threshold, in index order: the bucket's
- *              at once (bucket_tickets), the keys above the bucket in the last
- *              pass over the row (assign_and_draw), which also sums the counts:
- *              status 3 unless they sum to M.
- *
- * The draw (dyadic.sample) rides on that last pass, in time that does not
- * depend on the index drawn (docs/adaptive.md §7): the index is the number of
- * cumulative counts at most u; the row is read in chunks of CHUNK counts, and
- * each chunk's counts are copied aside as they are made, under a mask computed
- * from the running total (draw_mask: all ones while the total is at most u),
- * never by a branch or an address that depends on u, so every chunk costs the
- * same and the copy left is the chunk that holds u; then that chunk's count
- * (draw_index). These two, and draw_start, are the only functions that read u;
- * the mask is used only in and-masks.
+ * The draw (dyadic.sample) rides on that last pass in time that does not depend on the
+ * index drawn (docs/adaptive.md §7): each chunk of CHUNK counts is copied aside under a
+ * mask made from the running total (draw_mask), never by a branch or an address that
+ * depends on u, so the copy left is the chunk that holds u (draw_index). Only draw_start,
+ * draw_mask and draw_index read u; the mask is used only in and-masks.
  * ------------------------------------------------------------------------- */
 
 #define TOP_BITS 12
@@ -1404,9 +1286,8 @@ static inline double weight_at(const void *w, int f32, size_t i) {
 
 /* The floor of a share v into *out and its remainder's key into *key. */
 static inline int32_t floor_key(double v, int32_t *restrict out, uint16_t *restrict key) {
-    /* v >= 0: truncation is the floor. A share beyond int32 (only from a
-     * total that does not match the weights) converts as numpy's cast
-     * does, and the ticket count then refuses the row. */
+    /* v >= 0: truncation is the floor. A share beyond int32 (only from a total that does not match
+     * the weights) converts as numpy's cast does, and the ticket count then refuses the row. */
     int32_t f = (int32_t)v;
     double r = v - (double)f;
     *out = f;
@@ -1497,6 +1378,9 @@ static int use_fast64_q(void) {
     }
     return have_dq;
 }
+#else
+static int have_dq = 0; /* no AVX-512 path in this build */
+static int use_fast64_q(void) { return 0; }
 #endif
 
 /* The floors pass by division (floor_key) over [lo, lo + len). */
@@ -1538,9 +1422,8 @@ static int64_t divide64(const double *restrict w, double scale, int32_t *restric
     return sum;
 }
 
-/* floors: the pass over the row (see above), by division for float64 weights with
- * divide; the floors' sum. With sampled, the histogram counts one chunk in
- * SAMPLE_EVERY (bracket_threshold). */
+/* floors: the pass over the row (see above), by division for float64 weights with divide; the
+ * floors' sum. With sampled, the histogram counts one chunk in SAMPLE_EVERY (bracket_threshold). */
 static int64_t floors_pass(const void *w, int f32, size_t n, double total, double scale,
                            int small, int divide, int32_t *q, uint16_t *key, uint32_t *hist,
                            int sampled) {
@@ -1559,8 +1442,7 @@ static int64_t floors_pass(const void *w, int f32, size_t n, double total, doubl
             part = floors_exact(w, f32, i, 64, total, scale, small, q, key);
         }
         sum += part;
-        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector
-         * work. */
+        /* Counted chunk by chunk: the scalar counting overlaps the next chunk's vector work. */
         if (sampled && (i / 64) % SAMPLE_EVERY != 0) continue;
         if (twin) histogram64(key + i, hist, odd);
         else histogram(key + i, 64, hist);
@@ -1684,9 +1566,8 @@ __attribute__((noinline)) static double kth_remainder(const double *rem, size_t 
     return v;
 }
 
-/* The bucket's remainders into s->rem, as the floors pass had them; + 0.0 makes the
- * remainder of a -0.0 weight +0.0, which orders below every positive one (its bits
- * would not). */
+/* The bucket's remainders into s->rem, as the floors pass had them; + 0.0 makes the remainder of a
+ * -0.0 weight +0.0, which orders below every positive one (its bits would not). */
 static void bucket_remainders(const void *w, int f32, double total, double scale, int small,
                               const scratch_t *s, size_t count) {
     for (size_t c = 0; c < count; c++) {
@@ -1718,7 +1599,7 @@ static void bucket_tickets(const scratch_t *s, size_t count, double threshold, s
 
 /* A factor on the sampled rank the bracket is centred on: 1, but tests move it so
  * that the bracket misses, and qualify the way back. */
-static double bracket_bias = 1.0;
+static double bracket_factor = 1.0;
 
 /* Over every key: how many are above hi (into *given), and the indices of those in
  * [lo, hi] appended to idx in ascending order (idx holds n + 16); returns how many. */
@@ -1755,8 +1636,8 @@ static int bracket_threshold(const scratch_t *s, size_t n, size_t left, const ui
     size_t sampled = 0;
     for (size_t k = 0; k <= TOP_MASK; k++) sampled += sample[k];
     if (sampled == 0) return -1;
-    /* left's rank in the sample (times bracket_bias: 1 but in tests) */
-    double rank = bracket_bias * (double)left * (double)sampled / (double)n;
+    /* left's rank in the sample (times bracket_factor: 1 but in tests) */
+    double rank = bracket_factor * (double)left * (double)sampled / (double)n;
     double margin = 6.0 * sqrt(rank) + 16.0;
     double want_hi = rank - margin, want_lo = rank + margin;
     uint32_t hi = TOP_MASK, lo = 0;
@@ -1811,10 +1692,9 @@ static inline void draw_start(draw_t *d, int64_t u) {
     memset(d->sel, 0, sizeof d->sel);
 }
 
-/* The next chunk's mask: all ones when the running total before it is at most u, and
- * then that total kept in base. The last chunk that starts at or below u holds the
- * draw (the next starts above it), so sel, overwritten under the mask, ends holding
- * that chunk's counts. */
+/* The next chunk's mask: all ones when the running total before it is at most u, and then that
+ * total kept in base. The last chunk that starts at or below u holds the draw (the next starts
+ * above it), so sel, overwritten under the mask, ends holding that chunk's counts. */
 static inline int32_t draw_mask(draw_t *d) {
     int64_t in = (int64_t)(d->acc <= d->u);
     d->base ^= (d->base ^ d->acc) & -in;
@@ -1847,11 +1727,10 @@ static inline uint32_t wire_bits(int32_t c) {
     return b;
 }
 
-/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key
- * above top, and with fp32 the counts' wire values left over them; with sel, each
- * count kept there under the mask m (zeros past len). Their sum, in 32 bits (they
- * vectorize so), exact: the counts of a row whose floors fit (no share beyond int32)
- * sum to M. */
+/* assign over one chunk of len <= CHUNK counts q (int32 bits): a ticket for each key above top, and
+ * with fp32 the counts' wire values left over them; with sel, each count kept there under the mask
+ * m (zeros past len). Their sum, in 32 bits (they vectorize so), exact: the counts of a row whose
+ * floors fit (no share beyond int32) sum to M. */
 static inline uint32_t assign_chunk(const uint16_t *restrict key, uint32_t top,
                                     uint32_t *restrict q, int fp32, int32_t *restrict sel,
                                     int32_t m, size_t len) {
@@ -1898,12 +1777,11 @@ static int64_t assign_and_draw(const uint16_t *restrict key, size_t n, uint32_t 
     return d.acc;
 }
 
-/* dyadic.allocate_with for one row of n weights (float32 if f32) normalized by
- * total: the counts into q (n 32-bit words: int32 counts, or with fp32 their FP32
- * wire values), drawn from with u (< 0: no draw) into *token; divide takes the
- * floors by division, else by multiplication. Returns allocate_with's status: 0 done;
- * 1 tickets left over outside 0..n-1; 2 the left-th largest remainder is 0; 3 the
- * counts do not sum to M. The pieces are named as in allocate_with. */
+/* dyadic.allocate_with for one row of n weights (float32 if f32) normalized by total: the counts
+ * into q (n 32-bit words: int32 counts, or with fp32 their FP32 wire values), drawn from with u (<
+ * 0: no draw) into *token; divide takes the floors by division, else by multiplication. Returns
+ * allocate_with's status: 0 done; 1 tickets left over outside 0..n-1; 2 the left-th largest
+ * remainder is 0; 3 the counts do not sum to M. The pieces are named as in allocate_with. */
 static int allocate_row(const void *w, int f32, size_t n, double total, int divide,
                         uint32_t *q, int fp32, const scratch_t *s, int64_t u, int64_t *token) {
     int32_t *counts = (int32_t *)q;
@@ -1949,9 +1827,8 @@ static int allocate_row(const void *w, int f32, size_t n, double total, int divi
     return sum == (int64_t)M24 ? 0 : 3;
 }
 
-/* The draw over integer counts (int32 or int64, dyadic.sample): the number of
- * cumulative counts at most u, chunk by chunk as assign_and_draw draws; the counts'
- * sum, and whether one is negative. */
+/* The draw over integer counts (int32 or int64, dyadic.sample): the number of cumulative counts at
+ * most u, chunk by chunk as assign_and_draw draws; the counts' sum, and whether one is negative. */
 #define DRAW_COUNTS(NAME, CT)                                                              \
     MULTIVERSION                                                                           \
     static int64_t NAME(const CT *restrict c, size_t n, int64_t u, int *negative,         \
@@ -1981,9 +1858,7 @@ DRAW_COUNTS(draw_counts32, int32_t)
 DRAW_COUNTS(draw_counts64, int64_t)
 #undef DRAW_COUNTS
 
-/* sample_counts(counts, u) -> (index, status)
- *     dyadic.sample over int32 or int64 counts: (index, 0), or (-1, 1) for a
- *     negative count, (-1, 2) for counts that do not sum to M. */
+/* dyadic.sample over int32 or int64 counts. */
 static PyObject *sample_counts(PyObject *self, PyObject *args) {
     PyObject *obj;
     long long u;
@@ -2009,10 +1884,8 @@ static PyObject *sample_counts(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Li)", (long long)found, 0);
 }
 
-/* allocate(w, total, out, share, work) -> status
- *     QBuilder.allocate: w float64 weights (checked by the caller), total their
- *     canonical total; the counts into out (int32), with share and work
- *     (float64, len(w) each) as scratch. Status as allocate_row. */
+/* QBuilder.allocate: checked float64 weights w over their canonical total, the counts
+ * into out (int32), share and work (float64, len(w) each) scratch; allocate_row's status. */
 static PyObject *allocate(PyObject *self, PyObject *args) {
     Py_buffer wb, ob, sb, kb;
     double total;
@@ -2030,10 +1903,7 @@ static PyObject *allocate(PyObject *self, PyObject *args) {
         status = allocate_row(wb.buf, 0, n, total, 1, (uint32_t *)ob.buf, 0, &s, -1, &token);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
+    RELEASE(&wb, &ob, &sb, &kb);
     if (status < 0) return NULL;
     return PyLong_FromLong(status);
 }
@@ -2044,12 +1914,9 @@ static inline int drawn_status(int st, int64_t u) {
     return st == 0 && (u < 0 || u >= (int64_t)M24) ? 4 : st;
 }
 
-/* build_rows(w, n, out, draws, tokens, status, share, work) -> None
- *     Every row of w (rows x n float64 weights, checked) gets its canonical
- *     total, its counts into out (rows x n int32) and its proposal draw with
- *     draws[r] (int64): tokens[r] (int64) and status[r] (int32: 0 done, 1 to 3
- *     as allocate_row, 4 a draw outside [0, M)). share and work (float64):
- *     scratch of n entries each. The GIL is released for the batch. */
+/* Every row of w (rows x n checked float64 weights): its canonical total, its counts into
+ * out (rows x n int32) and its draw with draws[r] into tokens[r], its status (0, 1 to 3 as
+ * allocate_row, 4 a draw outside [0, M)) into status[r]; share and work: n-entry scratch. */
 static PyObject *build_rows(PyObject *self, PyObject *args) {
     Py_buffer wb, ob, db, tb, stb, sb, kb;
     Py_ssize_t nn;
@@ -2080,13 +1947,7 @@ static PyObject *build_rows(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&wb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&stb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&kb);
+    RELEASE(&wb, &ob, &db, &tb, &stb, &sb, &kb);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
@@ -2117,16 +1978,10 @@ static int check_row(const void *w, int f32, size_t n, double *total) {
     return 0;
 }
 
-/* construct_rows(rows, n, draws, tokens, status, payloads, scratch) -> None
- *     Each row (a C-contiguous buffer of n float32 or float64 weights, all of
- *     one type) is checked, totalled, allocated and drawn from with draws[r]
- *     (int64), its FP32 wire values c / 2**24 written into payloads[r] (a
- *     writable buffer of m >= n FP32 values) followed by +0.0: tokens[r]
- *     (int64, -1 unless drawn) and status[r] (int32: 0 done; 1, 2, 3 as
- *     allocate_row; 4 a draw outside [0, M); 5 a NaN or infinite weight or a
- *     total beyond binary64, 6 a negative weight, 7 zero mass). A refused
- *     row's payload is unspecified. scratch: a writable buffer of at least 16 n
- *     bytes. The GIL is released for the batch. */
+/* build_rows for rows that travel: each row (n float32 or float64 weights, one type for
+ * all) checked, totalled, allocated and drawn from, its FP32 wire values then +0.0 written
+ * into payloads[r] (m >= n FP32 values); status 5 to 7 as check_row, a refused row's token
+ * -1 and its payload unspecified. scratch: at least 16 n bytes. */
 static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *payloads;
     Py_ssize_t nn;
@@ -2210,31 +2065,23 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyMem_Free(views);
     Py_XDECREF(rseq);
     Py_XDECREF(pseq);
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&stb);
-    PyBuffer_Release(&sb);
+    RELEASE(&db, &tb, &stb, &sb);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
 
 /* ---------------------------------------------------------------------------
- * Sparse top-k support from FP32 weights: the k largest positive weights,
- * ties to the lowest ID (dyadic.largest_indices on the positive weights).
- * Non-negative FP32 values order as their bit patterns, so the selection is
- * on integers: the maxima of 64-weight chunks give a lower bound for the k-th
- * largest weight (k chunks hold a weight at least that large), every weight
- * at or above it in the chunks that reach it is a candidate, and the k-th
- * largest candidate is found by a radix select.
+ * Sparse top-k support from FP32 weights (the k largest positive, ties to the lowest ID),
+ * on their bit patterns, which order as the values: the maxima of 64-weight chunks bound
+ * the k-th largest from below, and a radix select orders the few candidates at or above.
  * ------------------------------------------------------------------------- */
 
 /* A weight's order key: its bits, 0 for -0.0 (a zero weight). */
 static inline uint32_t order_bits(uint32_t b) { return b == 0x80000000u ? 0u : b; }
 
-/* The largest order key of 64 weights (vectorized), OR-ing into *flags bit 0 for a
- * NaN or infinity and bit 1 for a negative weight (-0.0 is a zero weight). The
- * keys of a row with a negative weight are never used (it is refused), so the
- * sign bit is dropped rather than tested. */
+/* The largest order key of 64 weights (vectorized), OR-ing into *flags bit 0 for a NaN or infinity
+ * and bit 1 for a negative weight (-0.0 is a zero weight). The keys of a row with a negative weight
+ * are never used (it is refused), so the sign bit is dropped rather than tested. */
 MULTIVERSION
 static uint32_t chunk_max_bits(const uint32_t *restrict bits, uint32_t *restrict flags) {
     uint32_t mx = 0;
@@ -2278,14 +2125,9 @@ static uint32_t kth_largest_u32(const uint32_t *vals, size_t m, size_t k, uint32
     return prefix;
 }
 
-/* topk_f32(row, k, ids, scratch) -> (count, status)
- *     row: FP32 weights; ids: int64 output of capacity cap >= k; scratch: a
- *     writable buffer of at least 4 (ceil(n / 64) + 2 cap) bytes. status 5: a
- *     NaN or infinite weight; 6: a negative one; 7: none positive (count 0);
- *     else 0 and the IDs of the min(k, positive weights) largest positive
- *     weights, ties to the lowest ID, ascending, in ids[0 .. count). count -1:
- *     more than cap candidates (equal weights over many chunks): the caller
- *     selects another way. */
+/* The checks (status 5 to 7 as check_row) and the support's IDs, ascending, into ids
+ * (int64, capacity cap >= k; scratch: 4 (ceil(n / 64) + 2 cap) bytes); count -1: more than
+ * cap candidates (equal weights over many chunks), for the caller to select another way. */
 static PyObject *topk_f32(PyObject *self, PyObject *args) {
     Py_buffer rb, ib, sb;
     Py_ssize_t k;
@@ -2293,9 +2135,7 @@ static PyObject *topk_f32(PyObject *self, PyObject *args) {
     size_t n = (size_t)rb.len / 4, cap = (size_t)ib.len / 8, chunks = (n + 63) / 64;
     if (rb.len % 4 || ib.len % 8 || k < 1 || (size_t)k > cap || n == 0
         || (size_t)sb.len < 4 * (chunks + 2 * cap)) {
-        PyBuffer_Release(&rb);
-        PyBuffer_Release(&ib);
-        PyBuffer_Release(&sb);
+        RELEASE(&rb, &ib, &sb);
         PyErr_SetString(PyExc_ValueError, "topk_f32: bad arguments");
         return NULL;
     }
@@ -2363,22 +2203,13 @@ static PyObject *topk_f32(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&sb);
+    RELEASE(&rb, &ib, &sb);
     return Py_BuildValue("(ni)", count, status);
 }
 
 /* ---------------------------------------------------------------------------
- * check_dense(row, vocab, proposed) -> code
- *     DenseRowValidator.check in one pass over the row (protocol §6.2, dense,
- *     in its order): 0 if the row is valid, else the ErrorCode value of the
- *     first failing check: ROW_LENGTH (not whole FP32 values, or fewer than
- *     vocab), PROPOSED_OUT_OF_RANGE, NON_FINITE / NEGATIVE / NON_DYADIC (a
- *     value above 1) over the first vocab values, DENSE_PADDING_NONZERO,
- *     NON_DYADIC (not c / 2**24), MASS_MISMATCH, ZERO_Q_AT_PROPOSED. The
- *     diagnosis of a value out of range reads the row again; a valid row is
- *     read once.
+ * DenseRowValidator.check in one pass over a valid row (protocol §6.2, in its order): 0,
+ * or the ErrorCode of the first failing check; only a refused row is read again.
  * ------------------------------------------------------------------------- */
 
 enum { E_DENSE_PADDING_NONZERO = 72 };
@@ -2473,20 +2304,20 @@ static PyObject *draw_total(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(root);
 }
 
-/* step_simd(on) -> whether the AVX2 path was on: off runs the portable path on
- * any CPU (tests qualify both); on takes it only where the CPU has AVX2. */
-static PyObject *step_simd(PyObject *self, PyObject *args) {
+/* A CPU path's switch, for the tests that qualify both sides: off runs the other path on
+ * any CPU, on takes this one where probe finds the CPU has it; whether it was on. */
+static PyObject *simd_switch(PyObject *args, int *state, int (*probe)(void)) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_X86_PATH
-    int was = have_avx2();
-    avx2_state = -1;
-    if (!on || !have_avx2()) avx2_state = 0;
+    int was = probe();
+    *state = -1;
+    if (!on || !probe()) *state = 0;
     return PyBool_FromLong(was);
-#else
-    (void)on;
-    Py_RETURN_FALSE;
-#endif
+}
+
+/* The AVX2 path of row_checks and draw_rows. */
+static PyObject *step_simd(PyObject *self, PyObject *args) {
+    return simd_switch(args, &avx2_state, have_avx2);
 }
 
 static PyObject *philox_u53(PyObject *self, PyObject *args) {
@@ -2503,31 +2334,18 @@ static PyObject *philox_u53(PyObject *self, PyObject *args) {
         draw_u53(seed, (uint32_t)gen, (uint32_t)round, (uint32_t)pos, domain));
 }
 
-/* construct_simd(on) -> whether the AVX-512 path of construct_rows was on: off runs
- * the floors pass's other form and the full key count on any CPU (tests qualify
- * both); on takes the AVX-512 path only where the CPU has it. */
+/* The AVX-512 path of construct_rows (the floors pass's other form, the full key count). */
 static PyObject *construct_simd(PyObject *self, PyObject *args) {
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_FAST64_Q
-    int was = use_fast64_q();
-    have_dq = -1;
-    if (!on || !use_fast64_q()) have_dq = 0;
-    return PyBool_FromLong(was);
-#else
-    (void)on;
-    Py_RETURN_FALSE;
-#endif
+    return simd_switch(args, &have_dq, use_fast64_q);
 }
 
-/* bracket_bias(x) -> the previous value: a factor on the rank the sampled bracket is
- * centred on (1; far from 1 the bracket misses, for qualification). */
-static PyObject *bracket_bias_set(PyObject *self, PyObject *args) {
+/* Set bracket_factor (far from 1 the bracket misses, for qualification); the previous. */
+static PyObject *bracket_bias(PyObject *self, PyObject *args) {
     double x;
     if (!PyArg_ParseTuple(args, "d", &x)) return NULL;
 #ifdef HAVE_FAST64_Q
-    double was = bracket_bias;
-    bracket_bias = x;
+    double was = bracket_factor;
+    bracket_factor = x;
     return PyFloat_FromDouble(was);
 #else
     (void)x;
@@ -2548,15 +2366,6 @@ static PyObject *philox_block(PyObject *self, PyObject *args) {
                          (unsigned long)c[3]);
 }
 
-static PyObject *accept_u53(PyObject *self, PyObject *args) {
-    unsigned long long u;
-    long long count;
-    double p;
-    if (!PyArg_ParseTuple(args, "KLd", &u, &count, &p)) return NULL;
-    return PyBool_FromLong(accept_test(u, count, p));
-}
-
-
 /* One entry: the function under its own name, documented as that name followed by sig. */
 #define METHOD(name, sig) {#name, name, METH_VARARGS, #name sig}
 
@@ -2568,11 +2377,9 @@ static PyMethodDef methods[] = {
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
     METHOD(philox_u53, "(seed, generation, round, position, domain) -> the 53-bit draw"),
-    METHOD(accept_u53, "(u53, count, p) -> u * q < p, exactly"),
     METHOD(philox_block, "(c0, c1, c2, c3, k0, k1) -> the Philox4x32-10 block"),
     METHOD(construct_simd, "(on) -> whether the AVX-512 path of construct_rows was on"),
-    {"bracket_bias", bracket_bias_set, METH_VARARGS,
-     "bracket_bias(x) -> the previous factor on the rank the sampled bracket is centred on"},
+    METHOD(bracket_bias, "(x) -> the previous factor on the sampled bracket's centre rank"),
     METHOD(sample_counts,
            "(int32 or int64 counts, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),

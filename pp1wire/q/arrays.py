@@ -1,9 +1,5 @@
-"""Engine tensors in, numpy out: a host view of any array-like, without a copy when possible.
-
-An engine hands the verifier its target rows as whatever it holds: a numpy
-array, a torch tensor on the CPU or on a GPU, or anything else exporting
-DLPack. :func:`host_array` views CPU memory in place (DLPack) and copies only
-what lives on a device.
+"""Engine tensors in, numpy out: a host view of any array-like (numpy, a torch tensor, anything
+exporting DLPack), copying only what lives on a device.
 """
 
 from __future__ import annotations
@@ -15,11 +11,8 @@ import numpy.typing as npt
 
 
 def host_array(x: Any, dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
-    """``x`` as a numpy array: a zero-copy view of CPU memory when the dtype already matches.
-
-    Device tensors (anything with a ``cpu()`` method whose DLPack export
-    refuses the host) are copied to the host once.
-    """
+    """``x`` as a numpy array: a zero-copy view of CPU memory when the dtype already matches,
+    a device tensor copied to the host once."""
     if isinstance(x, np.ndarray):
         return x if dtype is None else np.asarray(x, dtype=dtype)
     if hasattr(x, "__dlpack__"):

@@ -1,11 +1,6 @@
-"""Many requests' blocks drawn together: the worker's engine step (:func:`propose_batch`).
-
-Per position, one drafter call over every job still drafting; the q rows of
-all of them built and sampled together (dense rows in one compiled pass, on
-threads with the GIL released, or on the device of a probabilities tensor),
-each job's rows exactly :func:`pp1wire.q.proposal.propose`'s for it alone, and
-each position's rows handed out as soon as they are drawn (a worker sends them
-then: ``docs/adaptive.md`` §7).
+"""Many requests' blocks drawn together, the worker's engine step (:func:`propose_batch`): one
+drafter call per position, the rows built together (compiled, threaded, or on a tensor's
+device), each job's rows exactly :func:`pp1wire.q.proposal.propose`'s for it alone.
 """
 
 from __future__ import annotations
@@ -71,49 +66,22 @@ def propose_batch(
 ) -> list[tuple[QRow, ...] | Pp1Error]:
     """Draw many requests' blocks together, as an engine's step does.
 
-    Per position, **one** call of ``drafter`` over every job still drafting;
-    then the q rows of all of them are built and sampled together (dense rows
-    in one compiled pass over rows x V, on ``threads`` threads with the GIL
-    released). Each job's result is exactly :func:`propose`'s for that job
-    alone: the same rows (tokens, counts, IDs, dtypes), the same proposal
-    draws, or a :class:`~pp1wire.errors.Pp1Error` with the code ``propose``
-    raises (a :class:`DraftingStoppedError` carrying the rows drawn before a
-    failure after the first row). One job's failure leaves the others going:
-    when a ``drafter`` call over several prefixes fails (raises, or returns
-    another number of rows, or a 2-D array whose width is not
-    ``vocab_size``), each prefix of it is asked for alone, so a failure is
-    the job's own (with its code if it raised a ``Pp1Error``, else
-    ``INTERNAL``, the exception being the error's ``__cause__``, for the
-    log) and the others' rows are those they get alone. A returned row that is
-    not a 1-D row of ``vocab_size`` values fails its own job with
-    ``BAD_SHAPE`` (``propose``, which knows no vocabulary size, would build a
-    row of another length).
+    Per position, **one** call of ``drafter`` over every job still drafting, then every
+    row built and sampled together on ``threads`` threads. Each job gets exactly
+    :func:`propose`'s result for it alone, or the :class:`~pp1wire.errors.Pp1Error` it
+    raises (``INTERNAL`` for another exception, its ``__cause__``); a call that fails for
+    several prefixes is asked again per prefix, so a failure is its own job's. A row that
+    is not 1-D of ``vocab_size`` values is its job's ``BAD_SHAPE``.
 
-    ``kind`` is what the drafter returns (:func:`drafter_kind`): logits, or
-    (``"probs"``) probabilities or non-negative weights, an ``[N, V]`` float32
-    array (anything else is rounded to FP32, :func:`probs_row`), used as the
-    weights of §6.1 with no exponential. A probabilities drafter that returns
-    a torch tensor (on any device) has its rows built and drawn where the
-    tensor lives, in one batched call per position
-    (:func:`pp1wire.q.torch_ops.build_position`), the same rows bit for bit;
-    a logits tensor is read on the host.
-
-    With ``row_entries`` (the negotiated dense row length, at least
-    ``vocab_size``), each dense row of a positive temperature is written
-    once, as it travels: its :attr:`QRow.q32` holds the FP32 values ``c /
-    2**24`` then ``+0.0`` padding, ``row_entries`` of them, which
-    :func:`pp1wire.wire.replies.row_payload` sends without a copy (the same
-    bytes as from counts); its ``counts`` is None. Greedy and sparse rows
-    keep their counts.
-
-    ``on_position(i, rows)`` is called after position ``i`` with every row it
-    drew, as ``(index of the job in jobs, row)``: a worker sends each row as
-    soon as it is drawn (``docs/adaptive.md`` §7).
+    ``kind``: logits or probabilities (:func:`drafter_kind`); a probabilities tensor is
+    built where it lives (:func:`pp1wire.q.torch_ops.build_position`). With
+    ``row_entries`` each dense row of a positive temperature is its wire payload
+    (:attr:`QRow.q32`, ``counts`` None). ``on_position(i, rows)`` gets each position's
+    rows as ``(job index, row)`` as soon as they are drawn (``docs/adaptive.md`` §7).
 
     Raises:
-        ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries``
-            below ``vocab_size``, or an unknown ``kind`` (a job's failure is
-            returned, never raised).
+        ValueError: for ``vocab_size`` or ``threads`` below 1, ``row_entries`` below ``vocab_size``,
+            or an unknown ``kind`` (a job's failure is returned, never raised).
     """
     if vocab_size < 1 or threads < 1:
         raise ValueError("vocab_size and threads must be at least 1")
@@ -277,10 +245,8 @@ class _Row:
 
 
 def _position_draws(drafts: list[_Draft], i: int) -> list[tuple[int, Pp1Error | None]]:
-    """Each draft's proposal draw at position ``i``, or the error drawing it raised.
-
-    The draw comes first here (the compiled pass takes it); an error in it counts
-    only after the row's own, in propose's order."""
+    """Each draft's proposal draw at position ``i``, or the error drawing it raised (which
+    counts only after the row's own, in propose's order)."""
     out: list[tuple[int, Pp1Error | None]] = []
     for d in drafts:
         try:
@@ -370,20 +336,16 @@ def _construct_rows(
     if dense:
         draws = [r.draw for r in dense]
         built: list[QRow | Pp1Error] = []
+        weights: Any = [r.values for r in dense]
+        if not probs:
+            weights = rows_.weights_rows(
+                [cast("npt.NDArray[np.float64]", r.values) for r in dense],
+                [r.top for r in dense],
+                [r.temperature for r in dense],
+            )
         if row_entries is not None:
             # One compiled pass per row: checks, total, allocation, draw, wire values.
-            weights: list[Any] = (
-                [r.values for r in dense]
-                if probs
-                else list(
-                    rows_.weights_rows(
-                        [cast("npt.NDArray[np.float64]", r.values) for r in dense],
-                        [r.top for r in dense],
-                        [r.temperature for r in dense],
-                    )
-                )
-            )
-            payloads, picks = rows_.construct_rows(weights, draws, row_entries)
+            payloads, picks = rows_.construct_rows(list(weights), draws, row_entries)
             for payload, pick in zip(payloads, picks, strict=True):
                 built.append(pick if isinstance(pick, Pp1Error) else QRow(pick, q32=payload))
         elif probs:
@@ -394,12 +356,7 @@ def _construct_rows(
                 except Pp1Error as exc:
                     built.append(exc)
         else:
-            w = rows_.weights_rows(
-                [cast("npt.NDArray[np.float64]", r.values) for r in dense],
-                [r.top for r in dense],
-                [r.temperature for r in dense],
-            )
-            counts, picks = rows_.allocate_rows(w, draws)
+            counts, picks = rows_.allocate_rows(weights, draws)
             for j, pick in enumerate(picks):
                 built.append(pick if isinstance(pick, Pp1Error) else QRow(pick, counts=counts[j]))
         for r, row in zip(dense, built, strict=True):

@@ -1,10 +1,6 @@
-"""The audit of a shipped proposal against the worker's own draw (``docs/protocol.md`` §6.5).
-
-With ``--audit`` the Spark side recomputes, for every row, the 24-bit PROPOSAL
-draw the worker owns (§6.3) and samples the row's shipped q with it (§6.4): a
-worker that sampled from another q than it shipped, or with other noise, is
-caught wherever the two disagree. Nothing here draws in the Spark side's own
-domains.
+"""The audit of a shipped proposal against the worker's own draw (``docs/protocol.md`` §6.5):
+a worker that sampled from another q than it shipped, or with other noise, is caught wherever
+the two disagree. Nothing here draws in the Spark side's domains.
 """
 
 from __future__ import annotations
@@ -18,12 +14,8 @@ from pp1wire.q.rng import proposal_u24
 
 
 def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None:
-    """The first draft that is not what the PROPOSAL draw selects from its own q, else None.
-
-    Recomputes the worker's 24-bit draw for each row (§6.3) and samples the
-    row's q with it (§6.4): a worker that sampled from another q than it
-    shipped, or with other noise, is caught wherever the two disagree.
-    """
+    """The first draft that is not what the recomputed PROPOSAL draw (§6.3) selects from its
+    row's q (§6.4), else None."""
     for i, row in enumerate(proposal.rows):
         u24 = proposal_u24(seed, proposal.generation, proposal.round_id, proposal.position + i)
         if row.ids is None:

@@ -1,24 +1,6 @@
-"""The ``dyadic24-standard-v1`` proposal distribution.
-
-A proposal q is a vector of integer counts ``c_v >= 0`` that sum to exactly
-``M = 2**24``; ``q(v) = c_v / M``. Every such value, and every partial sum of
-them, is exact in IEEE binary32, so q travels as little-endian FP32 and the
-receiver recovers the counts by multiplying by M and requiring an integer.
-There is no receiver-side renormalization: a row either is a valid dyadic24
-distribution or it is refused with one specific :class:`ErrorCode`.
-
-Construction (sender side) from globally normalized weights, in binary64:
-``share_v = w_v / sum(w) * M``; ``c_v = floor(share_v)``; the
-``remaining = M - sum(c)`` tickets go to the largest fractional parts, ties to
-the lowest global token ID. ``0 <= remaining < support size`` and the exact
-final sum are checked and a violation is refused, never clipped. Tiny weights
-may get zero counts; that changes the proposal only, never the target law.
-:func:`allocate_with` states this rule once; the numpy, compiled, torch and
-sharded paths compute its pieces.
-
-Sampling (:func:`sample`): draw ``u`` uniform on ``[0, M)``; the token is the
-first whose cumulative count is strictly greater than ``u``. Integer
-arithmetic only, over the whole row whatever the token.
+"""The ``dyadic24-standard-v1`` proposal distribution (``docs/protocol.md`` §6.1): integer
+counts summing to ``M = 2**24``, built from weights by the one allocation rule
+(:func:`allocate_with`), and sampled in integers over the whole row (:func:`sample`).
 """
 
 from __future__ import annotations
@@ -41,12 +23,6 @@ except ImportError:  # pragma: no cover - exercised by tests that disable it
 M: Final = 1 << 24
 SEMANTIC_ID: Final = "dyadic24-standard-v1"
 
-ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
-_EXP_MASK: Final = 0x7F800000
-_SIGN_BIT: Final = 0x80000000
-# 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
-# 128-row blocks are exact; see _exact_count_sum.
-_SUM_BLOCK: Final = 128
 _MIN_NORMAL: Final = 2.0**-1022
 
 _T = TypeVar("_T")
@@ -56,11 +32,6 @@ Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
-
-
-# --------------------------------------------------------------------------
-# construction
-# --------------------------------------------------------------------------
 
 
 def _as_weights(weights: npt.ArrayLike) -> Float64Array:
@@ -90,11 +61,8 @@ def _check_weights(w: Float64Array) -> float:
 def largest_indices(
     values: Float64Array, count: int, *, work: Float64Array | None = None
 ) -> npt.NDArray[np.intp]:
-    """Indices of the ``count`` largest values, ties to the lowest index, ascending.
-
-    Linear time (one partition); used to choose sparse top-k supports.
-    ``work``, if given, is scratch of the same shape for the partition.
-    """
+    """Indices of the ``count`` largest values, ties to the lowest index, ascending, in one
+    partition (``work``: scratch of the same shape)."""
     n = values.size
     if count <= 0:
         return np.empty(0, dtype=np.intp)
@@ -112,12 +80,9 @@ def largest_indices(
 
 
 class QBuilder:
-    """Builds dense dyadic24 counts for one vocabulary size with reusable scratch.
-
-    Fresh megabyte-sized temporaries per row cost more in page faults than the
-    arithmetic itself, so the hot path (the worker) keeps one builder per
-    thread. Results are views of the builder's scratch, overwritten by the
-    next call: copy them to keep them. Not thread-safe.
+    """Builds dense dyadic24 counts for one vocabulary size in reusable scratch (fresh
+    temporaries per row cost more in page faults than the arithmetic). Results are views
+    of the scratch, overwritten by the next call. Not thread-safe: one per thread.
     """
 
     def __init__(self, n: int) -> None:
@@ -153,13 +118,12 @@ class QBuilder:
         return _sparse_from_checked(w, k, self.work)
 
     def allocate(self, w: Float64Array, total: float) -> Int32Array:
-        """Counts for checked weights ``w`` normalized by ``total`` (a scratch view):
-        :func:`allocate_with` over this row, or the compiled pass that follows it.
+        """Counts for checked weights ``w`` normalized by ``total`` (a scratch view), by
+        :func:`allocate_with` or the compiled pass that follows it.
 
         Raises:
-            ConstructionError: ``BAD_SHAPE`` for a length other than this
-                builder's; ``ALLOCATION_INCONSISTENT`` when the binary64
-                allocation does not close exactly.
+            ConstructionError: ``BAD_SHAPE`` for a length other than this builder's;
+                ``ALLOCATION_INCONSISTENT`` when the binary64 allocation does not close exactly.
         """
         if w.shape != (self.n,):
             raise ConstructionError(ErrorCode.BAD_SHAPE, f"row of {w.size}, builder for {self.n}")
@@ -172,23 +136,15 @@ class QBuilder:
         return self.out
 
 
-# --------------------------------------------------------------------------
-# the allocation rule
-# --------------------------------------------------------------------------
-
-
 class AllocationPieces(Protocol):
-    """What a backend of :func:`allocate_with` computes over its rows of ``n`` weights.
-
-    One row's values are Python numbers; a batch's are arrays (numpy or torch)
-    of one value per row, and ``live`` marks the rows a piece applies to.
-    """
+    """What a backend of :func:`allocate_with` computes over its rows of ``n`` weights: a
+    row's values as numbers, a batch's as arrays (``live``: the rows a piece applies to)."""
 
     n: int
 
     def floors(self) -> Any:
-        """Each weight's share of M (``docs/protocol.md`` §6.1 step 3): its floor
-        kept as its count, its remainder kept aside; each row's sum of floors."""
+        """Each weight's share of M (§6.1 step 3), floor kept as its count, remainder aside;
+        each row's sum of floors."""
 
     def threshold(self, left: Any, live: Any) -> Any:
         """The ``left``-th largest remainder of each live row (anything elsewhere)."""
@@ -197,27 +153,21 @@ class AllocationPieces(Protocol):
         """How many remainders of each live row exceed its threshold (0 elsewhere)."""
 
     def assign(self, threshold: Any, ties: Any, live: Any) -> Any:
-        """One more count, in each live row, for every remainder above the threshold
-        and for the first ``ties`` remainders equal to it in ID order; each row's
-        sum of counts."""
+        """One more count in each live row for every remainder above the threshold and the
+        first ``ties`` equal to it in ID order; each row's sum of counts."""
 
     def where(self, cond: Any, yes: Any, no: Any) -> Any:
         """``yes`` where ``cond``, else ``no`` (elementwise for a batch)."""
 
 
 def allocate_with(rows: AllocationPieces) -> Any:
-    """The allocation of M tickets (``docs/protocol.md`` §6.1 steps 3-5): the one
-    statement of the rule, for rows whose backend computes its pieces.
+    """The allocation of M tickets (``docs/protocol.md`` §6.1 steps 3-5), the one statement
+    of the rule for every backend: floors, ``left`` refused unless ``0 <= left < n``, the
+    ``left``-th largest remainder refused unless positive, one ticket above it and the rest
+    to its ties in ID order, the sum refused unless M. Every piece is called whatever the
+    data (a sharded backend's collectives run on every rank).
 
-    Floors first; ``left = M - sum(floors)`` tickets are left over, refused
-    unless ``0 <= left < n``; the threshold is the ``left``-th largest
-    remainder, refused unless positive; every remainder above it gets one
-    ticket and the rest go to the remainders equal to it, lowest ID first;
-    the counts must then sum to M. Every piece is called whatever the data
-    (a sharded backend's collectives are the same on every rank).
-
-    Returns each row's status (0: its counts are in the backend; 1, 2, 3:
-    the ``ALLOCATION_INCONSISTENT`` refusals of :data:`ROW_STATUS_ERRORS`).
+    Returns each row's status: 0, or 1 to 3 of :data:`ROW_STATUS_ERRORS`.
     """
     left = M - rows.floors()
     fits = (left >= 0) & (left < rows.n)
@@ -270,11 +220,8 @@ class _NumpyRow:
 def floors_and_remainders(
     w: Float64Array, total: float, floors: Int32Array, remainders: Float64Array
 ) -> None:
-    """Each weight's share of M tickets: its floor into ``floors``, the rest into ``remainders``.
-
-    ``share = (w / total) * M`` with one rounding, elementwise, so any split of
-    ``w`` gives the same values (``docs/protocol.md`` §6.1).
-    """
+    """Each weight's share of M tickets (§6.1 step 3, elementwise): its floor into ``floors``,
+    the rest into ``remainders``."""
     # Dividing by total / M is the same correctly rounded division, because M
     # is a power of two (barring a subnormal total / M, where the two steps are kept).
     scale = total / M
@@ -312,9 +259,8 @@ def counts_from_weights(weights: npt.ArrayLike) -> Int64Array:
     """Dense dyadic24 counts (same length as ``weights``) from non-negative weights.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` (not a non-empty 1-D array),
-            ``WEIGHT_NON_FINITE`` (NaN or infinity), ``WEIGHT_NEGATIVE``,
-            ``ZERO_MASS`` or ``ALLOCATION_INCONSISTENT``.
+        ConstructionError: ``BAD_SHAPE`` (not a non-empty 1-D array), ``WEIGHT_NON_FINITE`` (NaN or
+            infinity), ``WEIGHT_NEGATIVE``, ``ZERO_MASS`` or ``ALLOCATION_INCONSISTENT``.
     """
     w = _as_weights(weights)
     return _allocate(w, _check_weights(w))
@@ -447,12 +393,8 @@ def _support_counts(
 
 
 def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Array, Int64Array]:
-    """Sparse top-k dyadic24 q: ``(ids ascending int32, counts int64)``.
-
-    The support is chosen first over the global vocabulary (largest weights,
-    ties to the lowest ID, zero weights never chosen), normalized within
-    itself, allocated M counts, and zero-count entries are dropped. Every ID
-    not returned has q = 0 exactly.
+    """Sparse top-k dyadic24 q, ``(ids ascending int32, counts int64)``: the support chosen
+    first (largest positive weights, ties to the lowest ID), allocated, zero counts dropped.
 
     Raises:
         ConstructionError: as :func:`counts_from_weights`, or ``BAD_SHAPE`` for k < 1.
@@ -463,9 +405,8 @@ def sparse_counts_from_weights(weights: npt.ArrayLike, k: int) -> tuple[Int32Arr
     return _sparse_from_checked(w, k)
 
 
-#: The error of each failure status a row gets: 1 to 3 from :func:`allocate_with`
-#: (on every backend), the others from the compiled passes' and the torch rows'
-#: checks (4, a draw out of range, is a ``BAD_DRAW`` that names the draw).
+#: The error of each failure status a row gets: 1 to 3 from :func:`allocate_with`, the
+#: others from the compiled and torch checks (4, a draw out of range, names its draw).
 ROW_STATUS_ERRORS: Final[dict[int, tuple[ErrorCode, str]]] = {
     1: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over outside the row"),
     2: (ErrorCode.ALLOCATION_INCONSISTENT, "tickets left over for zero remainders"),
@@ -486,14 +427,8 @@ class _TopkScratch:
 
 
 def sparse_counts_from_fp32(weights: npt.ArrayLike, k: int) -> tuple[Int32Array, Int64Array]:
-    """:func:`sparse_counts_from_weights` of FP32 weights (widened exactly to binary64),
-    a probabilities drafter's row: the same result, bit for bit.
-
-    The compiled pass checks the row and chooses its support without sorting
-    it: non-negative FP32 values order as their bit patterns, the maxima of
-    64-weight chunks bound the k-th largest weight from below, and the
-    weights at or above that bound are few (the numpy path runs when they
-    are not: equal weights over many chunks).
+    """:func:`sparse_counts_from_weights` of FP32 weights widened exactly, bit for bit; the
+    compiled pass chooses the support on the bit patterns (numpy where it cannot).
 
     Raises:
         ConstructionError: as :func:`sparse_counts_from_weights`.
@@ -529,9 +464,8 @@ def sparse_counts_from_logits(
     return sparse_row_from_logits(x, check_top(float(x.max())), temperature, k)
 
 
-# Sparse candidates: logits are bucketed by their distance below the top in
-# 1/16 temperature units, and taken up to one unit (a factor e in weight)
-# past the bucket of the k-th largest.
+# Sparse candidates: logits bucketed by their distance below the top in 1/16
+# temperature units, taken up to one unit (a factor e) past the k-th's bucket.
 _BUCKETS_PER_UNIT: Final = 16.0
 _CANDIDATE_MARGIN = 16
 # A weight computed by exp is within a relative 2**-32 of the exact value (a
@@ -544,21 +478,9 @@ _MIN_THETA: Final = 2.0**-1000
 def sparse_row_from_logits(
     logits: Float64Array, top: float, temperature: float, k: int
 ) -> tuple[Int32Array, Int64Array]:
-    """:func:`sparse_counts_from_logits` for a row whose checks are done, without
-    the exponential over the whole vocabulary when it can be proved unneeded.
-
-    The compiled pass takes every logit within about one temperature unit of
-    the k-th largest (a small superset of the support, chosen on the logits);
-    their weights are computed exactly as the full row's would be, and the
-    top k of them are the row's support when the largest weight left out is
-    provably below the k-th: the exponential is monotone and computed to
-    within a relative ``2**-32``, so a logit below ``x_out`` has a weight at
-    most ``exp(x_out)`` times ``1 + 2**-20``. Otherwise (or without the
-    compiled module) the whole row is used. Either way the result is
-    :func:`sparse_counts_from_logits`'s, bit for bit.
-
-    ``top`` is the row's maximum (checked by :func:`check_top`), ``temperature``
-    checked by :func:`check_temperature`, ``k`` by :func:`check_k`.
+    """:func:`sparse_counts_from_logits` bit for bit for a checked row (``top`` its maximum),
+    without the exponential over the whole row where the compiled candidates provably hold
+    the support: the largest weight left out, times ``1 + 2**-20``, is below the k-th.
 
     Raises:
         ConstructionError: ``ALLOCATION_INCONSISTENT`` (as the full path).
@@ -578,11 +500,8 @@ def sparse_row_from_logits(
             theta = float(w[order[-1]])
             outside = float(shifted_exp(np.array([x_out]), top, temperature)[0])
             if theta >= _MIN_THETA and outside * _EXP_SLACK < theta:
-                chosen = np.sort(order)
-                sub = w[chosen]
-                counts = _allocate(sub, tree.total(sub))
-                keep = counts > 0
-                return ids[chosen][keep].astype(np.int32), counts[keep]
+                at, counts = _support_counts(w, np.sort(order))
+                return ids[at].astype(np.int32), counts
     return builder(n).sparse_from_logits(x, temperature, k)
 
 
@@ -611,23 +530,13 @@ def counts_to_fp32(counts: npt.ArrayLike) -> Float32Array:
     return (c.astype(np.float32) * np.float32(1.0 / M)).astype("<f4", copy=False)
 
 
-# --------------------------------------------------------------------------
-# sampling
-# --------------------------------------------------------------------------
-
-
 def sample(counts: npt.ArrayLike, u24: int) -> int:
-    """Index of the first entry whose cumulative count is strictly greater than ``u24``.
-
-    That index is the number of cumulative counts at most ``u24`` (they never
-    decrease), and every path counts them over the whole row: the same
-    operations whatever the index drawn, so the time to draw a row tells
-    nothing of its token (``docs/adaptive.md`` §7).
+    """Index of the first entry whose cumulative count is strictly greater than ``u24``,
+    counted over the whole row: its time tells nothing of the token (``docs/adaptive.md`` §7).
 
     Raises:
-        ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``;
-            ``MASS_MISMATCH`` if the counts are not integers summing to M;
-            ``NEGATIVE`` if a count is negative.
+        ValidationError: ``BAD_DRAW`` if ``u24`` is outside ``[0, M)``; ``MASS_MISMATCH`` if the
+            counts are not integers summing to M; ``NEGATIVE`` if a count is negative.
     """
     if not 0 <= u24 < M:
         raise ValidationError(ErrorCode.BAD_DRAW, f"draw {u24} outside [0, 2**24)")

@@ -1,16 +1,6 @@
-"""Vocabulary shard layouts and the checks of one shard's q row (``docs/protocol.md`` §6.7).
-
-A layout splits the global vocabulary ``[0, V)`` into contiguous ranges in
-rank order: rank r owns ``[bounds[r], bounds[r + 1])`` (a range may be empty).
-Its digest, which both ends of every link exchange in HELLO, is xxh3-64
-(seed 0) of the bounds as little-endian uint32, so two sides that split the
-vocabulary differently never complete a handshake, whichever link they share.
-
-A shard row carries q only over its own range. What a shard can check alone is
-here (:func:`check_dense_shard`, :func:`check_sparse_shard`); what needs every
-shard of a row (the total mass, that every shard names the same round and
-tokens) is :func:`check_group` — run by a group over the values each rank
-reports (:class:`ShardSummary`), never over the gathered rows.
+"""Vocabulary shard layouts and the checks of one shard's q row (``docs/protocol.md`` §6.7):
+contiguous ranges in rank order, digested for HELLO; what a shard checks alone, and what a
+group checks over the values each rank reports (:func:`check_group`).
 """
 
 from __future__ import annotations
@@ -25,8 +15,8 @@ import numpy.typing as npt
 import xxhash
 
 from pp1wire.errors import ErrorCode, ValidationError
-from pp1wire.q.dyadic import ONE_BITS, Float32Array, Int32Array, M
-from pp1wire.q.validate import check_ascending, diagnose_range
+from pp1wire.q.dyadic import Float32Array, Int32Array, M
+from pp1wire.q.validate import check_ascending, checked_counts
 
 MAX_SHARDS: Final = 0xFFFF
 _MASK64 = (1 << 64) - 1
@@ -90,19 +80,6 @@ class ShardLayout:
         return xxhash.xxh3_64_intdigest(np.asarray(self.bounds, dtype="<u4").tobytes())
 
 
-def _counts(q: Float32Array) -> npt.NDArray[np.int64]:
-    """The counts of shard values already known to be in [0, 1].
-
-    Raises:
-        ValidationError: ``NON_DYADIC`` if a value is not c / 2**24.
-    """
-    scaled = q * np.float32(M)  # exact: a power-of-two scaling
-    counts = scaled.astype(np.int64)
-    if not np.array_equal(counts.astype(np.float32), scaled):
-        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
-    return counts
-
-
 def _mass(counts: npt.NDArray[np.int64]) -> int:
     """The shard's exact count sum.
 
@@ -116,26 +93,18 @@ def _mass(counts: npt.NDArray[np.int64]) -> int:
 
 
 def check_dense_shard(q: Float32Array, start: int, end: int, vocab_size: int, proposed: int) -> int:
-    """Validate a dense shard row (q over ``[start, end)``); return its count sum.
-
-    The checks of §6.7, first failure wins: proposed token range, the values
-    (non-finite, then sign bit including ``-0.0``, then above 1), integrality,
-    the shard's counts at most 2**24, and q > 0 at the proposed token if this
-    shard owns it.
+    """Validate a dense shard row (q over ``[start, end)``) by §6.7, first failure wins; return
+    its count sum.
 
     Raises:
-        ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
-            ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``, ``MASS_MISMATCH`` or
-            ``ZERO_Q_AT_PROPOSED``.
+        ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``, ``NON_FINITE``, ``NEGATIVE``,
+            ``NON_DYADIC``, ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
     """
     if q.shape != (end - start,):
         raise ValidationError(ErrorCode.ROW_LENGTH, f"shard row has {q.size} entries")
     if not 0 <= proposed < vocab_size:
         raise ValidationError(ErrorCode.PROPOSED_OUT_OF_RANGE, f"token {proposed} out of range")
-    bits = q.view(np.uint32)
-    if bits.size and int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    total = _mass(_counts(q))
+    total = _mass(checked_counts(q))
     if start <= proposed < end and q[proposed - start] == 0:
         raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
     return total
@@ -150,19 +119,14 @@ def check_sparse_shard(
     max_k: int,
     proposed: int,
 ) -> int:
-    """Validate a sparse shard row (IDs in ``[start, end)``); return its count sum.
-
-    A shard may hold no entry (the support lies elsewhere). Checks in order:
-    lengths, support size, proposed range, IDs inside the shard's range,
-    duplicates then order, the values, integrality, zero entries, the shard's
-    counts at most 2**24, and the proposed token present if this shard owns it.
+    """Validate a sparse shard row (IDs in ``[start, end)``, possibly none) by §6.7, first
+    failure wins; return its count sum.
 
     Raises:
-        ValidationError: ``ROW_LENGTH``, ``SUPPORT_TOO_LARGE``,
-            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
-            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
-            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
-            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+        ValidationError: ``ROW_LENGTH``, ``SUPPORT_TOO_LARGE``, ``PROPOSED_OUT_OF_RANGE``,
+            ``SPARSE_ID_OUT_OF_RANGE``, ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``,
+            ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``, ``MASS_MISMATCH``
+            or ``ZERO_Q_AT_PROPOSED``.
     """
     if ids.size != q.size:
         raise ValidationError(ErrorCode.ROW_LENGTH, f"{ids.size} ids but {q.size} q values")
@@ -177,10 +141,7 @@ def check_sparse_shard(
     if int(ids.min()) < start or int(ids.max()) >= end:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the shard")
     check_ascending(ids)
-    bits = q.view(np.uint32)
-    if int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    counts = _counts(q)
+    counts = checked_counts(q)
     if (counts == 0).any():
         raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
     total = _mass(counts)
@@ -201,8 +162,8 @@ class ShardSummary:
 
 
 def as_int64(value: int) -> int:
-    """A uint64 (a session, a prefix digest, a context) as the int64 with the same bits:
-    a tensor word. The one conversion every group word uses (:func:`as_uint64` inverts it)."""
+    """A uint64 (a session, a prefix digest, a context) as the int64 with the same bits, a
+    tensor word: the one conversion every group word uses."""
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -213,13 +174,9 @@ def as_uint64(word: int) -> int:
 
 
 def check_group(shards: Sequence[ShardSummary]) -> ErrorCode | None:
-    """The checks no shard can make alone (§6.7): None if the shards form one proposal.
-
-    Every shard names the same round (key) and the same tokens, row for row
-    (``GROUP_SHARD_MISMATCH``), and each row's counts add up to exactly 2**24
-    over the shards (``GROUP_MASS_MISMATCH``). That the proposed token has
-    q > 0 is checked by the shard that owns it (:func:`check_dense_shard`).
-    """
+    """The checks no shard can make alone (§6.7): None if the shards form one proposal, else
+    ``GROUP_SHARD_MISMATCH`` (key or tokens differ) or ``GROUP_MASS_MISMATCH`` (a row's
+    counts do not add up to 2**24)."""
     first = shards[0]
     if any(s.key != first.key or s.tokens != first.tokens for s in shards[1:]):
         return ErrorCode.GROUP_SHARD_MISMATCH

@@ -1,21 +1,6 @@
-"""Exact reference for q, acceptance, residual and the fixed-depth block verifier.
-
-Everything here is rational arithmetic (:class:`fractions.Fraction`) and
-integers, for small vocabularies. Float inputs mean their exact binary64
-values. It exists to qualify the numpy paths in :mod:`pp1wire.q.dyadic`,
-:mod:`pp1wire.q.proposal` and :mod:`pp1wire.q.verify`, never to serve traffic.
-
-The verifier is the standard tokenwise algorithm (Leviathan et al. 2023,
-algorithm 1 and appendix A.1): accept a draft x with probability
-``min(1, p(x)/q(x))``; at the first rejection draw a correction from the
-normalized ``max(p - q, 0)`` over every target ID; if every draft survives,
-draw a bonus token from p. An accepted terminal token stops without a bonus.
-
-The adaptive part (:class:`Drafting`, :func:`adaptive_round_distribution`,
-:func:`adaptive_generate_distribution`) enumerates blocks whose length a stop
-rule decides while drafting, rounds whose depth is planned from the history,
-and, to show the bias, a worker that revokes a position after seeing its draw
-(``docs/adaptive.md``).
+"""Exact rational reference (:class:`fractions.Fraction`) for q, acceptance, the residual,
+the fixed-depth and adaptive verifiers and their output laws, for small vocabularies: it
+qualifies the numpy paths in tests, never serves traffic (``docs/adaptive.md``).
 """
 
 from __future__ import annotations
@@ -151,10 +136,8 @@ def _add(dist: dict[_K, Fraction], key: _K, mass: Fraction) -> None:
 def round_distribution(
     prefix: Prefix, depth: int, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
 ) -> dict[Prefix, Fraction]:
-    """Exact law of the tokens one fixed-depth round commits after ``prefix``.
-
-    Depth is fixed before any draw; each q is conditioned on the earlier drafts;
-    only a drafted terminal token shortens the block.
+    """Exact law of the tokens one fixed-depth round commits after ``prefix`` (each q
+    conditioned on the earlier drafts; only a drafted terminal token shortens the block).
 
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` unless ``1 <= depth``.
@@ -191,17 +174,10 @@ def round_distribution(
 
 
 def generate_distribution(
-    prefix: Prefix,
-    length: int,
-    depth: int,
-    q_fn: DistFn,
-    p_fn: DistFn,
-    eos: int | None = None,
+    prefix: Prefix, length: int, depth: int, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
 ) -> dict[Prefix, Fraction]:
-    """Exact law of the first ``length`` generated tokens under repeated rounds.
-
-    A sequence that ends in ``eos`` before ``length`` tokens is kept as is.
-    """
+    """Exact law of the first ``length`` tokens under repeated rounds (one ending in
+    ``eos`` earlier is kept as is)."""
     out: dict[Prefix, Fraction] = {}
 
     def walk(generated: Prefix, mass: Fraction) -> None:
@@ -236,12 +212,8 @@ def target_only_distribution(
 def selective_admission_distribution(
     p: Sequence[Fraction], q: Sequence[Fraction], admit: Callable[[int], bool]
 ) -> Dist:
-    """Law of one token under an *anticipating* admission rule (the known bias).
-
-    Draw x from q; if ``admit(x)`` verify it as usual, else discard it and draw
-    target-only from p. This inspects its own draw before deciding to verify,
-    which the fixed-depth design forbids; it is kept to show the bias.
-    """
+    """Law of one token when a draw x from q is verified only if ``admit(x)``, else
+    discarded for a target-only token: an anticipating rule, kept to show its bias."""
     out = [Fraction(0)] * len(p)
     for x, qx in enumerate(q):
         if not qx:
@@ -261,24 +233,19 @@ def selective_admission_distribution(
 # -- adaptive blocks (docs/adaptive.md) ------------------------------------------
 
 Admit = Callable[[Prefix, Prefix, tuple[Fraction, ...]], Fraction | bool]
-"""A legal stop rule: ``(context, drafts x_1..x_i, (q_1(x_1), ..., q_i(x_i)))`` →
-the probability of drawing position i+1 (a bool for a deterministic rule).
-It sees only draws already made; its randomness is independent of later draws."""
+"""A legal stop rule: ``(context, drafts x_1..x_i, (q_1(x_1), ..., q_i(x_i)))`` → the
+probability of drawing position i+1, from draws already made only."""
 
 Revoke = Callable[[Prefix, Prefix, tuple[Fraction, ...]], bool]
-"""An *anticipating* worker: after drawing x_i, whether to drop it and end the
-block at i - 1. Forbidden by the design; kept to show the bias it causes."""
+"""An anticipating worker (forbidden; kept to show its bias): after drawing x_i,
+whether to drop it and end the block at i - 1."""
 
 Fault = Callable[[Prefix, Prefix], Fraction | bool]
-"""A fault: ``(context, drafts x_1..x_i)`` → the probability that row i+1 is lost
-(not drawn because drafting failed, missing at the reply deadline, refused on
-arrival). It may depend on every draft before row i+1 — a drafter that fails
-for some contexts, a block whose length sets its time on the wire — but not
-on row i+1's own draw (``docs/adaptive.md`` §7)."""
+"""A fault: ``(context, drafts x_1..x_i)`` → the probability that row i+1 is lost, a
+function of the drafts before it, never of its own draw (``docs/adaptive.md`` §7)."""
 
 DRAFT, BONUS, TARGET = "d", "b", "t"
-"""How a committed token was produced: at a drafted position (an accepted draft
-or its correction), as the bonus after the last kept draft, or target-only."""
+"""How a committed token was produced: at a drafted position, as the bonus, or target-only."""
 
 
 class RoundOutcome(NamedTuple):
@@ -292,15 +259,9 @@ class RoundOutcome(NamedTuple):
 
 @dataclass(frozen=True)
 class Drafting:
-    """How one round drafts: a maximum depth, a stop rule, (forbidden) a revocation,
-    and faults.
-
-    ``depth`` 0 is a target-only round. ``admit`` ``None`` is the fixed rule.
-    ``fault`` says how likely each row is lost; the Spark side then verifies
-    the rows before it as a block that stopped there (``docs/adaptive.md``
-    §7), or, with ``discard_on_fault`` (the rule pp1wire no longer follows,
-    kept to show its bias), discards the whole block and decodes the round
-    target-only.
+    """How one round drafts: a maximum depth (0: target-only), a stop rule (``None``:
+    fixed), a (forbidden) revocation, and faults; a fault's block is verified as stopped
+    there, or with ``discard_on_fault`` (kept to show its bias) discarded whole.
     """
 
     depth: int
@@ -311,9 +272,7 @@ class Drafting:
 
 
 Planner = Callable[[Prefix, tuple[RoundOutcome, ...]], Sequence[tuple[Fraction, Drafting]]]
-"""Plans a round from the committed context and the earlier rounds' outcomes:
-a law over :class:`Drafting` (its randomness, e.g. the load, independent of
-the round's draws)."""
+"""A law over :class:`Drafting` from the committed context and the earlier outcomes."""
 
 Marks = tuple[tuple[int, str], ...]
 """Per committed token: its index within its round and its kind (DRAFT, BONUS, TARGET)."""
@@ -369,22 +328,11 @@ def _check_depth(depth: int) -> None:
 def adaptive_round_distribution(
     prefix: Prefix, drafting: Drafting, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
 ) -> dict[RoundOutcome, Fraction]:
-    """Exact law of one round's outcome under a stop rule (and, if given, a revocation).
+    """Exact law of one round's outcome under ``drafting``.
 
-    Position 1 is drawn if ``depth >= 1``; after an accepted-so-far draw x_i
-    (not terminal, i < depth) ``admit`` gives the chance of drawing i+1. A block
-    that ends with every draft kept gets a bonus from p; a round with no kept
-    draft (depth 0, or position 1 revoked) commits one target-only token. The
-    verifier is the standard one. Drafting and verification are interleaved
-    here, which gives the same law as drafting the whole block first: a
-    rejection at k commits nothing drawn after k, and no decision uses the
-    verifier's draws.
-
-    A ``fault`` loses row i+1 with its probability before it is drawn; the
-    round then verifies the rows before it as a block that ended there (a
-    bonus after them, or target-only if none) — or, with
-    ``discard_on_fault``, the whole block is discarded and the round is
-    target-only (:func:`_discarding_round_distribution`).
+    After an accepted-so-far draw x_i ``admit`` gives the chance of drawing i+1; a block with every
+    draft kept gets a bonus, one with none a target-only token. Drafting and verifying interleaved
+    give the law of drafting first: no decision uses the verifier's draws.
 
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` for a depth outside 0..5 or an
@@ -448,10 +396,8 @@ def adaptive_round_distribution(
 def _discarding_round_distribution(
     prefix: Prefix, drafting: Drafting, q_fn: DistFn, p_fn: DistFn, eos: int | None
 ) -> dict[RoundOutcome, Fraction]:
-    """One round under the whole-block discard: the worker drafts the block (a fault
-    at any row loses the whole block), then the Spark side verifies what arrived
-    whole, or decodes one token target-only. Drafted first, verified second: the
-    discard depends on drafts that a rejection would otherwise never reach."""
+    """One round under the whole-block discard: a fault at any row loses the block, then
+    the round is target-only (the discard depends on drafts a rejection never reaches)."""
     out: dict[RoundOutcome, Fraction] = {}
     blocks: dict[Prefix | None, Fraction] = {}  # None: the block was lost
 
@@ -482,9 +428,7 @@ def _discarding_round_distribution(
 def _verified_outcomes(
     prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None
 ) -> dict[RoundOutcome, Fraction]:
-    """The law of one round's outcomes (tokens, marks and verification) when the shipped
-    block is ``drafts``: :func:`verify_block_distribution` before the marks are
-    dropped (raises as it does)."""
+    """:func:`verify_block_distribution` with the outcomes' marks kept (raises as it does)."""
     out: dict[RoundOutcome, Fraction] = {}
     mass = Fraction(1)
     for i, x in enumerate(drafts):
@@ -510,10 +454,8 @@ def _verified_outcomes(
 def proposal_distribution(
     prefix: Prefix, drafting: Drafting, q_fn: DistFn, eos: int | None = None
 ) -> dict[tuple[Prefix, tuple[int, ...]], Fraction]:
-    """Exact law of the rows a worker ships: ``(tokens, counts at the tokens)``.
-
-    Nothing is verified here; a revoked position is not shipped (a revocation
-    at position 1 ships an empty block).
+    """Exact law of the rows a worker ships, ``(tokens, counts at the tokens)`` (a revoked
+    position is not shipped).
 
     Raises:
         VerifyError: as :func:`adaptive_round_distribution`, or
@@ -547,11 +489,8 @@ def proposal_distribution(
 def verify_block_distribution(
     prefix: Prefix, drafts: Prefix, q_fn: DistFn, p_fn: DistFn, eos: int | None = None
 ) -> dict[Prefix, Fraction]:
-    """Exact law of the tokens one round commits when the shipped block is ``drafts``.
-
-    The verifier's part alone: accept each draft with ``min(1, p/q)`` in order,
-    correct at the first rejection, bonus after the last draft unless it is
-    terminal; an empty block commits one target-only token.
+    """Exact law of the tokens the verifier commits for the shipped block ``drafts`` (an
+    empty block commits one target-only token).
 
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` for a draft with q(x) = 0.
@@ -570,10 +509,8 @@ def adaptive_generate_distribution(
     p_fn: DistFn,
     eos: int | None = None,
 ) -> dict[tuple[Prefix, Marks], Fraction]:
-    """Exact joint law of the first ``length`` committed tokens and their :data:`Marks`.
-
-    Each round is planned by ``planner`` from the committed context and the
-    earlier outcomes. A sequence that ends in ``eos`` early is kept as is.
+    """Exact joint law of the first ``length`` committed tokens and their :data:`Marks`,
+    each round planned by ``planner``.
 
     Raises:
         VerifyError: ``MALFORMED_PROPOSAL`` for a plan whose weights are not a
@@ -622,13 +559,8 @@ def token_law(law: dict[tuple[Prefix, Marks], Fraction]) -> dict[Prefix, Fractio
 def conditional_laws(
     law: dict[tuple[Prefix, Marks], Fraction], with_marks: bool = True
 ) -> dict[tuple[Prefix, Marks], dict[int, Fraction]]:
-    """Law of token k+1 given tokens 1..k (and, with marks, the marks of tokens 1..k+1).
-
-    The mark of token k+1 (its index in its round and its kind) is fixed
-    before that token is drawn, so a correct scheme gives p(. | tokens 1..k)
-    under either conditioning. Keys are ``(tokens 1..k, marks)``; each value
-    is a normalized law over token IDs.
-    """
+    """Law of token k+1 given tokens 1..k (with marks: and the marks of tokens 1..k+1), keyed
+    ``(tokens 1..k, marks)``; a correct scheme gives p(. | tokens 1..k) either way."""
     joint: dict[tuple[Prefix, Marks], dict[int, Fraction]] = {}
     for (tokens, marks), mass in law.items():
         for k in range(len(tokens)):
@@ -642,9 +574,7 @@ def conditional_laws(
     return out
 
 
-# --------------------------------------------------------------------------
-# FP32 weights: what a probabilities drafter hands over (docs/protocol.md §6.1)
-# --------------------------------------------------------------------------
+# -- FP32 weights: what a probabilities drafter hands over (docs/protocol.md §6.1) --
 
 _FP32_MANTISSA = 24  # significand bits, the implicit one included
 _FP32_MIN_EXP = -126  # exponent of the smallest normal
@@ -652,8 +582,8 @@ _FP32_LIMIT = Fraction(2**128)  # the first power of two beyond the largest fini
 
 
 def round_fp32(value: float | int | Fraction) -> Fraction | float:
-    """``value`` rounded to IEEE binary32 (to nearest, ties to even), as an exact
-    rational; ``inf`` or ``-inf`` when it rounds beyond the largest finite value.
+    """``value`` rounded to binary32 (ties to even) as an exact rational; ``±inf`` beyond
+    the largest finite value.
 
     Raises:
         ConstructionError: ``WEIGHT_NON_FINITE`` for NaN or infinities.
@@ -679,10 +609,8 @@ def round_fp32(value: float | int | Fraction) -> Fraction | float:
 
 
 def fp32_weights(weights: Sequence[float | int | Fraction]) -> Dist:
-    """The exact normalization q* = w / Σw of the weights rounded to FP32 (Σ exact).
-
-    Weights are rounded first (:func:`round_fp32`): one beyond the FP32 range
-    is infinite, and refused; one that underflows is zero, a zero weight.
+    """The exact normalization w / Σw of the weights rounded to FP32 (:func:`round_fp32`:
+    beyond the range is refused, an underflow is a zero weight).
 
     Raises:
         ConstructionError: ``WEIGHT_NON_FINITE`` (NaN, infinity, or beyond the
@@ -698,8 +626,7 @@ def fp32_weights(weights: Sequence[float | int | Fraction]) -> Dist:
 
 
 def fp32_dyadic_counts(weights: Sequence[float | int | Fraction]) -> list[int]:
-    """The exact floor-plus-largest-remainder allocation (ties to the lowest ID) of
-    :func:`fp32_weights`: what the binary64 rule of §6.1 approximates.
+    """:func:`dyadic_counts` of :func:`fp32_weights`: what the binary64 rule of §6.1 approximates.
 
     Raises:
         ConstructionError: as :func:`fp32_weights`.

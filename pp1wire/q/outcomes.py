@@ -31,12 +31,8 @@ class Outcome(Enum):
 
 @dataclass(frozen=True)
 class RoundResult:
-    """What one round committed.
-
-    ``tokens`` are the accepted drafts followed by the correction or bonus (if
-    any); ``accepted`` counts the accepted drafts; ``extra`` is the correction,
-    bonus or target-only token, ``None`` after an accepted terminal draft.
-    """
+    """What one round committed: the accepted drafts then ``extra`` (the correction, bonus or
+    target-only token; ``None`` after an accepted terminal draft) as ``tokens``."""
 
     round_id: int
     accepted: int

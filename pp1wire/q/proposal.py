@@ -1,12 +1,6 @@
-"""Proposal chains: the worker's side of a round.
-
-The maximum depth (1..:data:`MAX_DEPTH`) is fixed before the first draw. Each
-position's q is built from the drafter's logits for the committed prefix plus
-the *actual* earlier draws, and the token is sampled from that exact q with the
-proposal RNG domain. A drafted terminal token ends the block early, and so may
-the block's stop rule (:mod:`pp1wire.q.stoprules`), which decides after each
-row, from the rows already drawn, whether the next one is drawn. Nothing here
-looks at a draw to decide whether to verify it (``docs/adaptive.md``).
+"""Proposal chains, the worker's side of a round: each position's q built from the drafter's
+row after the actual earlier draws and sampled with the PROPOSAL draw, the block ended by its
+depth, a terminal token or its stop rule, never by a look at a draw (``docs/adaptive.md``).
 """
 
 from __future__ import annotations
@@ -21,13 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from pp1wire.errors import (
-    ConstructionError,
-    ErrorCode,
-    Pp1Error,
-    ProposalReleasedError,
-    RngError,
-)
+from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error, ProposalReleasedError, RngError
 from pp1wire.q import dyadic, stoprules
 from pp1wire.q.rng import Domain, Role, RoundStreams
 from pp1wire.q.stoprules import FIXED, StopRule, admits_next
@@ -36,8 +24,8 @@ MAX_DEPTH = stoprules.MAX_DEPTH
 _LITTLE = sys.byteorder == "little"
 
 DrafterFn = Callable[[Sequence[int]], npt.NDArray[np.floating]]
-"""A drafter: token prefix → one row over the global vocabulary: logits, or (a drafter
-whose ``kind`` is ``"probs"``) probabilities or non-negative weights."""
+"""A drafter: token prefix → one row over the vocabulary: logits, or (``kind`` ``"probs"``)
+probabilities or non-negative weights."""
 
 DrafterKind = Literal["logits", "probs"]
 DRAFTER_KINDS: Final = ("logits", "probs")
@@ -45,7 +33,7 @@ DRAFTER_KINDS: Final = ("logits", "probs")
 
 def drafter_kind(drafter: object) -> DrafterKind:
     """What a drafter's rows are: its ``kind`` attribute, ``"logits"`` (the default) or
-    ``"probs"`` (FP32 probabilities or non-negative weights, ``docs/protocol.md`` §6.1).
+    ``"probs"`` (``docs/protocol.md`` §6.1).
 
     Raises:
         ValueError: for any other ``kind``.
@@ -75,12 +63,8 @@ def prefix_digest(tokens: Sequence[int]) -> int:
 
 
 class PrefixDigest:
-    """:func:`prefix_digest` of a growing prefix, in O(new tokens) per extension.
-
-    xxh3 streamed over the same bytes gives the one-shot digest, so
-    :attr:`value` equals ``prefix_digest`` of everything extended so far; a
-    commit hashes its new tokens, not the whole (possibly million-token) prefix.
-    """
+    """:func:`prefix_digest` of a growing prefix, streamed: a commit hashes its new tokens
+    only, and :attr:`value` equals the one-shot digest."""
 
     __slots__ = ("_hash", "length")
 
@@ -118,12 +102,8 @@ class PrefixDigest:
 
 
 class ExtendedPrefix(Sequence[int]):
-    """A committed prefix followed by tokens drawn after it, without copying the prefix.
-
-    What drafters and targets are called with while a block is drawn or
-    verified: indexing, negative indices, slices and iteration work as on a
-    list, and ``len`` is the whole length, but nothing is copied per round.
-    """
+    """A committed prefix followed by tokens drawn after it, the prefix viewed, not copied:
+    what drafters and targets are called with while a block is drawn or verified."""
 
     __slots__ = ("_base", "_tail")
 
@@ -189,17 +169,10 @@ class Lease:
 class QRow:
     """One proposal position: the sampled token and the exact q it was drawn from.
 
-    q is given either as integer ``counts`` or, for a row received from the
-    wire, as its validated FP32 values ``q32`` (a view of the receive buffer;
-    exact, since every value is c / 2**24). ``ids`` is ``None`` for a dense row
-    (one entry per vocabulary ID, possibly followed by zero padding) and the
-    ascending support for a sparse row.
-
-    A row that views a receive buffer carries that buffer's ``lease``: once the
-    proposal is released (the buffer goes back to be overwritten by a later
-    reply), reading its q raises :class:`~pp1wire.errors.ProposalReleasedError`
-    instead of silently returning another round's values. The token stays
-    readable (it is a copy).
+    q is integer ``counts`` or a received row's validated FP32 values ``q32`` (a view of
+    the receive buffer); ``ids`` is ``None`` for a dense row, else the ascending support.
+    A row under a receive buffer's ``lease`` refuses to read q once the proposal is
+    released (:class:`~pp1wire.errors.ProposalReleasedError`); the token stays readable.
     """
 
     __slots__ = ("_counts", "_ids", "_lease", "_q32", "token")
@@ -233,31 +206,19 @@ class QRow:
 
     @property
     def counts(self) -> npt.NDArray[np.int64] | npt.NDArray[np.int32] | None:
-        """Integer counts (rows built locally), else None.
-
-        Raises:
-            ProposalReleasedError: after the proposal was released.
-        """
+        """Integer counts (rows built locally), else None; released: ProposalReleasedError."""
         self._live()
         return self._counts
 
     @property
     def ids(self) -> npt.NDArray[np.int32] | None:
-        """Ascending sparse support, or None for a dense row.
-
-        Raises:
-            ProposalReleasedError: after the proposal was released.
-        """
+        """Ascending sparse support, None for a dense row; released: ProposalReleasedError."""
         self._live()
         return self._ids
 
     @property
     def q32(self) -> npt.NDArray[np.float32] | None:
-        """The validated FP32 q values (rows received from the wire), else None.
-
-        Raises:
-            ProposalReleasedError: after the proposal was released.
-        """
+        """The FP32 q values of a received row, else None; released: ProposalReleasedError."""
         self._live()
         return self._q32
 
@@ -310,19 +271,10 @@ class QRow:
 class Proposal:
     """A whole validated proposal block, keyed to exactly one round.
 
-    ``position`` is the absolute position of the first draft, i.e. the length
-    of the committed prefix it was drawn after; ``digest`` is that prefix's
-    :func:`prefix_digest`. ``shard`` is ``(start, end)`` for one link's shard of
-    a vocabulary-sharded proposal (protocol §6.7): its rows hold q over that
-    range only, and only its group can verify it. ``stop`` is the stop rule
-    the STEP asked for (``depth`` is then the block's maximum length).
-
-    ``cut`` is the code of the fault that ended the block before its next row
-    (``docs/adaptive.md`` §7: a row missing at the reply deadline, refused on
-    arrival, not drawn because drafting failed, or lost with the connection):
-    its rows are the rows before the fault, verified as a block stopped there.
-    ``None`` for a block that ended by its depth, its terminal token or its
-    stop rule.
+    ``position`` is the committed prefix's length and ``digest`` its :func:`prefix_digest`;
+    ``shard`` is ``(start, end)`` for one link's shard of a sharded proposal (§6.7), which
+    only its group verifies; ``stop`` the STEP's stop rule (``depth`` its maximum); ``cut``
+    the code of a fault that ended the block before its next row (``docs/adaptive.md`` §7).
     """
 
     session: int
@@ -347,11 +299,8 @@ class Proposal:
         return tuple(r.token for r in self.rows)
 
     def release(self) -> None:
-        """Done with the rows: their receive buffers may be reused (idempotent).
-
-        Reading q afterwards raises :class:`~pp1wire.errors.ProposalReleasedError`;
-        the tokens stay readable. A proposal built in this process has nothing to release.
-        """
+        """Done with the rows: their receive buffers may be reused (idempotent; reading q
+        afterwards raises :class:`~pp1wire.errors.ProposalReleasedError`)."""
         if self.releaser is not None:
             self.releaser(self)
 
@@ -367,12 +316,11 @@ class Proposal:
 def greedy_counts(
     vocab: int, token: int, sparse: bool
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None]:
-    """A greedy row's q, the point mass ``c = M`` at ``token``: (counts, ids), dense
-    over ``vocab`` entries with ids ``None``, or ``sparse``, the one-entry support.
+    """A greedy row's q, the point mass at ``token``: (counts, ids), dense over ``vocab``
+    entries (ids ``None``) or ``sparse``, the one-entry support.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` for a dense row if ``token`` is not in
-            ``[0, vocab)``.
+        ConstructionError: ``BAD_SHAPE`` for a dense row if ``token`` is not in ``[0, vocab)``.
     """
     if not sparse:
         return dyadic.point_mass(vocab, token), None
@@ -395,8 +343,8 @@ def _greedy_row(
 def _greedy_weights(
     weights: npt.NDArray[np.float32], support: int | None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32] | None, int]:
-    """The greedy row of a probabilities drafter: the point mass at the first maximal
-    weight, after the checks of §6.1 (NaN or infinity, a negative weight, zero mass)."""
+    """The greedy row of a probabilities drafter, after the checks of §6.1: the point mass
+    at the first maximal weight."""
     row = weights
     if row.ndim != 1 or row.size == 0:
         raise ConstructionError(ErrorCode.BAD_SHAPE, "weights must be a non-empty 1-D row")
@@ -411,9 +359,8 @@ def _greedy_weights(
 
 
 def probs_row(row: object) -> npt.NDArray[np.float32]:
-    """A probabilities drafter's row as the FP32 values q is built from: float32 as it
-    is, anything else (a torch tensor on any device included) rounded to FP32 (to
-    nearest, ties to even; beyond the FP32 range it is infinite, and refused).
+    """A probabilities drafter's row as the FP32 values q is built from: float32 as it is,
+    anything else (a tensor on any device too) rounded to FP32 (beyond its range: infinite).
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` unless it is a non-empty 1-D row.
@@ -441,18 +388,11 @@ def _is_tensor(x: object) -> bool:
 
 
 def build_row(
-    logits: npt.ArrayLike,
-    temperature: float,
-    support: int | None,
-    *,
-    kind: DrafterKind = "logits",
+    logits: npt.ArrayLike, temperature: float, support: int | None, *, kind: DrafterKind = "logits"
 ) -> tuple[npt.NDArray[np.int64] | npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
-    """q counts for one position: dense (``support=None``) or sparse top-k.
-
-    A temperature of 0 means greedy: the point mass at the first maximal logit
-    (or weight). With ``kind="probs"`` the row is a probabilities drafter's:
-    its FP32 values (:func:`probs_row`) are the weights of §6.1, with no
-    exponential, and the temperature must be 1 (or 0).
+    """q counts for one position: dense (``support=None``) or sparse top-k; temperature 0
+    is greedy. With ``kind="probs"`` the FP32 values (:func:`probs_row`) are the weights,
+    at temperature 1 (or 0).
 
     Raises:
         ConstructionError: see :mod:`pp1wire.q.dyadic`; ``BAD_TEMPERATURE`` for
@@ -482,14 +422,9 @@ def build_row(
 
 
 class DraftingStoppedError(Pp1Error):
-    """Drafting failed at row ``len(rows)`` of a block after ``rows`` were drawn.
-
-    A fault is a stopping time (``docs/adaptive.md`` §7): the rows drawn before
-    it are shipped and verified as a block that ended there, so a failure that
-    depends on the drafted tokens cannot select which blocks are verified.
-    ``code`` is the COMPLETION status the failure answers with (``INTERNAL``
-    for an unexpected exception, which is ``__cause__``); ``rows`` is never
-    empty (a failure at the first row is raised as itself).
+    """Drafting failed after ``rows`` (never none) were drawn: they ship as a block that
+    ended there (``docs/adaptive.md`` §7). ``code`` is the failure's COMPLETION status
+    (``INTERNAL`` for an unexpected exception, its ``__cause__``).
     """
 
     def __init__(self, failure: BaseException, rows: Sequence[QRow]) -> None:
@@ -528,16 +463,10 @@ def propose(
 ) -> tuple[QRow, ...]:
     """Draw one block of at most ``depth`` rows after ``prefix``.
 
-    Position i (absolute ``len(prefix) + i``) uses the proposal draw keyed by
-    that position; its q is built from ``drafter(prefix + drafts[:i])``. After
-    each row, the next is drawn only if the depth, ``eos`` and the stop rule
-    admit it (:func:`pp1wire.q.stoprules.admits_next`), so the rows of a
-    stopped block are the first rows of the fixed block with the same key.
-    The drafter's rows are logits, or probabilities if its ``kind`` is
-    ``"probs"`` (:func:`drafter_kind`, :func:`build_row`). ``on_row(i, row)``
-    is called with each row as soon as it is drawn (a worker sends it then).
-    With ``vocab_size``, a 1-D row of another length is refused (``BAD_SHAPE``),
-    as :func:`pp1wire.q.batch.propose_batch` refuses it.
+    Row i's q is built from ``drafter(prefix + drafts[:i])`` (:func:`build_row`) and drawn
+    with the proposal draw at position ``len(prefix) + i``; the next row is drawn only if
+    :func:`pp1wire.q.stoprules.admits_next` admits it. ``on_row(i, row)`` gets each row as
+    it is drawn; with ``vocab_size`` a 1-D row of another length is ``BAD_SHAPE``.
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` for a depth outside 1..5, or whatever
@@ -582,20 +511,10 @@ def propose(
     return tuple(rows)
 
 
-# --------------------------------------------------------------------------
-# many requests at once: the worker's engine step
-# --------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class DraftJob:
-    """One STEP to draft: the :func:`propose` arguments of one request's round.
-
-    The proposal draws are those of ``RoundStreams(Role.WORKER, seed,
-    generation, round_id)``; the first draft is at position ``len(prefix)``.
-    ``support`` 0 means dense, else a sparse top-``support`` q; ``temperature``
-    0 means greedy; ``depth`` is the maximum and ``stop`` the block's stop rule.
-    """
+    """One STEP to draft: the :func:`propose` arguments of one request's round (``support``
+    0: dense), drawn with ``RoundStreams(Role.WORKER, seed, generation, round_id)``."""
 
     seed: int
     generation: int
@@ -615,8 +534,7 @@ BatchDrafterFn = Callable[
 
 
 def batched_drafter(drafter: DrafterFn) -> BatchDrafterFn:
-    """``drafter``'s batched form: its own ``batch`` attribute if it has one, else
-    one call per prefix (the per-prefix plugin form, unchanged)."""
+    """``drafter``'s batched form: its own ``batch`` attribute, else one call per prefix."""
     batch = getattr(drafter, "batch", None)
     if callable(batch):
         return cast(BatchDrafterFn, batch)
@@ -624,12 +542,8 @@ def batched_drafter(drafter: DrafterFn) -> BatchDrafterFn:
 
 
 def _check_width(raw: object, vocab_size: int) -> None:
-    """Refuse a 1-D row whose length is not ``vocab_size`` (other shapes are
-    :func:`build_row`'s to refuse).
-
-    Raises:
-        ConstructionError: ``BAD_SHAPE``.
-    """
+    """Refuse a 1-D row whose length is not ``vocab_size`` (``BAD_SHAPE``); other shapes
+    are :func:`build_row`'s to refuse."""
     shape: tuple[int, ...] = tuple(getattr(raw, "shape", None) or np.shape(cast(Any, raw)))
     if len(shape) == 1 and shape[0] not in (0, vocab_size):
         raise ConstructionError(

@@ -1,34 +1,6 @@
-"""The pp1wire RNG ABI: Philox4x32-10 keyed by request, generation, round and position.
-
-ABI name: :data:`ABI_NAME` (``"pp1-philox4x32-10-v1"``). Two peers that agree on
-this string produce bit-identical draws for the same key fields.
-
-Key and counter layout (all words are unsigned 32-bit)::
-
-    key     = (seed & 0xFFFFFFFF, seed >> 32)             # 64-bit request seed
-    counter = (position,                                   # absolute token position
-               round,                                      # round ID within the generation
-               generation,                                 # session generation
-               (domain << 24) | draw)                      # 8-bit domain, 24-bit draw counter
-
-The map from (seed, generation, round, position, domain, draw) to (key, counter)
-is injective over the documented field ranges, and Philox is a bijection of the
-counter for a fixed key, so two draws that differ in any field never share a
-Philox block: proposal noise can never be reused for acceptance or correction,
-and no two positions share noise. Each draw consumes one whole block.
-
-Domains and their single owners:
-
-* ``PROPOSAL`` (1): the worker leader's proposal draws.
-* ``ACCEPTANCE`` (2): the Spark side's accept/reject uniforms.
-* ``CORRECTION`` (3): the Spark side's correction and bonus draws.
-* ``TARGET`` (4): the Spark side's target-only decoding (fallback and depth 0).
-
-Derived uniforms from a block ``(w0, w1, w2, w3)``:
-
-* 24-bit draw: ``w0 >> 8``, uniform on ``[0, 2**24)``;
-* 53-bit uniform: ``((w0 >> 5) * 2**26 + (w1 >> 6)) / 2**53``, uniform on the
-  multiples of ``2**-53`` in ``[0, 1)``.
+"""The pp1wire RNG ABI ``pp1-philox4x32-10-v1`` (``docs/protocol.md`` §6.3): one Philox4x32-10
+block per draw, keyed by the request seed, the counter (position, round, generation,
+domain << 24 | draw); each domain has one owning role.
 """
 
 from __future__ import annotations
@@ -37,9 +9,6 @@ import functools
 from collections.abc import Iterable
 from enum import IntEnum
 from typing import Final, cast
-
-import numpy as np
-import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, RngError
 
@@ -57,13 +26,12 @@ _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32: Final = 0xFFFFFFFF
 _ROUNDS: Final = 10
 
-U32_MAX: Final = _MASK32
 DRAW_LIMIT: Final = 1 << 24
 SEED_LIMIT: Final = 1 << 64
 
 
 class Domain(IntEnum):
-    """RNG domains; each has exactly one owning role (see the module docstring)."""
+    """RNG domains; each has exactly one owning role (:data:`OWNED_DOMAINS`)."""
 
     PROPOSAL = 1
     ACCEPTANCE = 2
@@ -72,10 +40,7 @@ class Domain(IntEnum):
 
 
 class Role(IntEnum):
-    """A protocol role: the ``role`` of a HELLO, and who may draw in which domain.
-
-    The worker leader owns proposal draws, the Spark side the rest.
-    """
+    """A protocol role: the ``role`` of a HELLO, and who may draw in which domain."""
 
     WORKER = 1
     SPARK = 2
@@ -123,41 +88,6 @@ def philox4x32_10(counter: Iterable[int], key: Iterable[int]) -> tuple[int, int,
     return c0, c1, c2, c3
 
 
-def philox4x32_10_array(counters: npt.ArrayLike, key: tuple[int, int]) -> npt.NDArray[np.uint32]:
-    """Vectorized Philox4x32-10: ``counters`` of shape ``(n, 4)`` → blocks ``(n, 4)``.
-
-    Bit-identical to :func:`philox4x32_10` row by row.
-
-    Raises:
-        RngError: ``RNG_FIELD_RANGE`` if the shape is not ``(n, 4)``, a counter
-            word is outside ``[0, 2**32)`` or the key is not two uint32 words.
-    """
-    raw = np.asarray(counters)
-    if raw.ndim != 2 or raw.shape[1] != 4:
-        raise RngError(ErrorCode.RNG_FIELD_RANGE, f"counters must be (n, 4), got {raw.shape}")
-    if raw.size and (raw.min() < 0 or raw.max() > _MASK32):
-        raise RngError(ErrorCode.RNG_FIELD_RANGE, "counter word outside uint32")
-    if len(key) != 2 or any(not 0 <= int(v) <= _MASK32 for v in key):
-        raise RngError(ErrorCode.RNG_FIELD_RANGE, "key needs 2 uint32 words")
-    c = raw.astype(np.uint64)
-    c0, c1, c2, c3 = (c[:, i].copy() for i in range(4))
-    mask = np.uint64(_MASK32)
-    shift = np.uint64(32)
-    m0 = np.uint64(_M0)
-    m1 = np.uint64(_M1)
-    for k0, k1 in _round_keys(int(key[0]), int(key[1])):
-        # Both factors are below 2**32, so the uint64 product is exact.
-        p0 = m0 * c0
-        p1 = m1 * c2
-        c0, c1, c2, c3 = (
-            (p1 >> shift) ^ c1 ^ np.uint64(k0),
-            p1 & mask,
-            (p0 >> shift) ^ c3 ^ np.uint64(k1),
-            p0 & mask,
-        )
-    return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32)
-
-
 def key_for_seed(seed: int) -> tuple[int, int]:
     """Split a 64-bit request seed into the Philox key words.
 
@@ -172,12 +102,11 @@ def key_for_seed(seed: int) -> tuple[int, int]:
 def counter_for(
     generation: int, round_id: int, position: int, domain: Domain, draw: int = 0
 ) -> tuple[int, int, int, int]:
-    """Build the Philox counter for one draw (layout in the module docstring).
+    """The Philox counter for one draw: (position, round, generation, domain << 24 | draw).
 
     Raises:
-        RngError: ``RNG_FIELD_RANGE`` if generation, round or position is outside
-            ``[0, 2**32)``, the draw counter outside ``[0, 2**24)``, or the domain
-            is not a :class:`Domain`.
+        RngError: ``RNG_FIELD_RANGE`` if generation, round or position is outside ``[0, 2**32)``,
+            the draw counter outside ``[0, 2**24)``, or the domain is not a :class:`Domain`.
     """
     for name, value in (("generation", generation), ("round", round_id), ("position", position)):
         if not 0 <= value <= _MASK32:
@@ -201,17 +130,9 @@ def u53_int_from_block(block: tuple[int, int, int, int]) -> int:
     return ((block[0] >> 5) << 26) | (block[1] >> 6)
 
 
-def u53_from_block(block: tuple[int, int, int, int]) -> float:
-    """The 53-bit uniform ``U / 2**53`` in ``[0, 1)`` of a block (exact in binary64)."""
-    return u53_int_from_block(block) / float(1 << 53)
-
-
 def proposal_u24(seed: int, generation: int, round_id: int, position: int) -> int:
-    """The worker's 24-bit PROPOSAL draw at ``position``, recomputed (draws nothing).
-
-    For audits on the Spark side: the value is a pure function of the public
-    key and counter, so recomputing it neither consumes a key nor breaks the
-    one-owner rule (only drawing under it would).
+    """The worker's 24-bit PROPOSAL draw at ``position``, recomputed for an audit: a pure
+    function of the key, so it consumes no key and breaks no ownership rule.
 
     Raises:
         RngError: ``RNG_FIELD_RANGE`` for out-of-range fields.
@@ -221,12 +142,8 @@ def proposal_u24(seed: int, generation: int, round_id: int, position: int) -> in
 
 
 class RoundStreams:
-    """The draws one role may make in one (seed, generation, round).
-
-    Enforces the ABI's ownership rules: a role draws only in its own domains,
-    and a key (domain, position, draw counter) is never drawn twice, so a retry
-    can never silently redraw and pair fresh noise with an old q.
-    """
+    """The draws one role may make in one (seed, generation, round): only in its own domains, and
+    never a key (domain, position, draw) twice, so a retry cannot pair fresh noise with an old q."""
 
     def __init__(self, role: Role, seed: int, generation: int, round_id: int) -> None:
         """Bind the streams; raises :class:`RngError` for out-of-range fields."""
@@ -242,9 +159,8 @@ class RoundStreams:
         """Return the Philox block for one key, marking it used.
 
         Raises:
-            RngError: ``WRONG_OWNER`` if this role does not own ``domain``;
-                ``KEY_REUSED`` if this key was drawn before; ``RNG_FIELD_RANGE``
-                for out-of-range fields.
+            RngError: ``WRONG_OWNER`` if this role does not own ``domain``; ``KEY_REUSED`` if this
+                key was drawn before; ``RNG_FIELD_RANGE`` for out-of-range fields.
         """
         if domain not in OWNED_DOMAINS[self.role]:
             raise RngError(ErrorCode.WRONG_OWNER, f"{self.role.name} does not own {domain.name}")
@@ -268,16 +184,9 @@ class RoundStreams:
         """A fresh 53-bit draw as an integer in ``[0, 2**53)`` (see :meth:`block`)."""
         return u53_int_from_block(self.block(domain, position, draw))
 
-    def u53(self, domain: Domain, position: int, draw: int = 0) -> float:
-        """A fresh 53-bit uniform in ``[0, 1)`` (see :meth:`block` for what it raises)."""
-        return u53_from_block(self.block(domain, position, draw))
-
 
 def derive_seed(base_seed: int, index: int) -> int:
-    """Derive a 64-bit per-request seed from a base seed and a request index.
-
-    SplitMix64 finalizer over ``base_seed + (index + 1) * golden``, so nearby
-    indices get unrelated seeds. Deterministic across platforms.
+    """A 64-bit per-request seed: output ``index`` of SplitMix64 started at ``base_seed``.
 
     Raises:
         RngError: ``RNG_FIELD_RANGE`` if either input is negative.

@@ -1,15 +1,6 @@
-"""Batches of rows: q construction and the proposal draw for many requests at once.
-
-What the worker does when it drafts a step of several requests together
-(:func:`pp1wire.q.batch.propose_batch`): from logits, the weights of every
-row in one exponential call (:func:`weights_rows`); then, for rows that
-travel, every row's checks, canonical total, allocation, draw and FP32 wire
-values in one compiled call with the GIL released, written straight into a
-buffer of its own that is sent as it is (:func:`construct_rows`,
-``pp1wire/q/_fastq.c``: ``construct_rows``; a probabilities drafter's FP32
-rows go there as they are), or the counts alone (:func:`allocate_rows`).
-Each row gets exactly what :mod:`pp1wire.q.dyadic` gives it alone; without
-the compiled module, numpy gives the same results.
+"""Batches of rows: q construction and the proposal draw for many requests at once (the worker's
+step), each row exactly what :mod:`pp1wire.q.dyadic` gives it alone: one compiled call with the
+GIL released where built, numpy otherwise; and the recycled buffers rows travel in.
 """
 
 from __future__ import annotations
@@ -51,14 +42,8 @@ class _RowsScratch:
 def weights_rows(
     logits: Sequence[Float64Array], tops: Sequence[float], temperatures: Sequence[float]
 ) -> Float64Array:
-    """:func:`~pp1wire.q.dyadic.shifted_exp` of each logits row, as the rows of one
-    array (this thread's scratch).
-
-    Row ``r`` is ``exp((logits[r] - tops[r]) / temperatures[r])`` by exactly
-    the operations of :func:`~pp1wire.q.dyadic.weights_from_logits` (the checks are the caller's:
-    :func:`~pp1wire.q.dyadic.check_temperature` and
-    :func:`~pp1wire.q.dyadic.check_top`), with one exponential call
-    over the whole block. The result is overwritten by this thread's next call.
+    """:func:`~pp1wire.q.dyadic.shifted_exp` of each (checked) logits row, with one exponential
+    call, as the rows of one array (this thread's scratch, overwritten by its next call).
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` unless the rows are 1-D of one length.
@@ -81,16 +66,9 @@ def weights_rows(
 def allocate_rows(
     weights: Float64Array, draws: Sequence[int]
 ) -> tuple[Int32Array, list[int | ConstructionError | ValidationError]]:
-    """Counts and proposal draws for rows of weights: per row what
-    ``sample(builder(n).from_logits(...), draw)`` gives after the weights.
-
-    ``weights`` is ``[rows, n]`` float64, each row finite, non-negative and not
-    all zero (as :func:`weights_rows` makes them). Each row is normalized by
-    its canonical total, allocated (:meth:`~pp1wire.q.dyadic.QBuilder.allocate`) and sampled with
-    its 24-bit draw (:func:`~pp1wire.q.dyadic.sample`). Returns the counts (a fresh ``[rows, n]``
-    int32 array) and, per row, the drawn index or the error that row gets. The
-    compiled path does every row in one call with the GIL released; without it
-    numpy gives the same results.
+    """Counts (a fresh ``[rows, n]`` int32 array) and, per row, the drawn index or its error:
+    :meth:`~pp1wire.q.dyadic.QBuilder.allocate` over the canonical total, then
+    :func:`~pp1wire.q.dyadic.sample`, of each row of checked float64 ``weights``.
 
     Raises:
         ConstructionError: ``BAD_SHAPE`` unless ``weights`` is 2-D with one
@@ -111,16 +89,9 @@ def allocate_rows(
 
 
 class RowBuffers:
-    """Recycled FP32 row buffers of one length, for rows written as they travel.
-
-    A row's payload lives until its reply is no longer needed (the next
-    COMMIT or RESET of its slot), far beyond the call that wrote it; fresh
-    half-megabyte arrays would cost a page fault per 4 KiB on every write
-    (the allocator returns them to the system when freed). A buffer is handed
-    out again only when nothing but the pool refers to it: not the row, not a
-    view, not a memoryview a transport still holds (each of those holds a
-    reference to the array). At most ``limit`` buffers are kept; beyond them
-    fresh arrays are used.
+    """Recycled FP32 row buffers of one length (fresh ones cost a page fault per 4 KiB written):
+    one is handed out again only when nothing but the pool refers to it (no row, view or
+    memoryview a transport holds). At most ``limit`` are kept.
     """
 
     def __init__(self, entries: int, limit: int = 256) -> None:
@@ -159,9 +130,8 @@ class RowBuffers:
 
 
 class PerSize(Generic[_K, _V]):
-    """One ``make(size)`` per size (or shape: any hashable key) for the whole
-    process, made on first use (under a lock, so two threads asking at once never
-    make two)."""
+    """One ``make(size)`` per size (any hashable key) for the process, made on first use under
+    a lock."""
 
     def __init__(self, make: Callable[[_K], _V]) -> None:
         """Make values with ``make``."""
@@ -208,24 +178,15 @@ def construct_rows(
 ) -> tuple[list[Float32Array], list[int | ConstructionError | ValidationError]]:
     """Rows of weights to their wire values and proposal draws, written once, as they travel.
 
-    Each row of ``weights`` (1-D, all of one length n and one dtype: FP32 as a
-    probabilities drafter hands them over, or binary64 such as
-    :func:`weights_rows` makes) gets exactly what
-    ``counts_from_weights(row)`` and ``sample(counts, draw)`` give it alone
-    (``docs/protocol.md`` §6.1 steps 2-5 on the row's values, widened exactly
-    to binary64): its checks (NaN or infinity, a negative weight, zero mass,
-    in that order), canonical total, allocation and draw, its FP32 values ``c
-    / 2**24`` followed by ``+0.0`` up to ``entries`` written into a buffer of
-    its own (``payloads``, else from :func:`row_buffers`; valid for the rows
-    whose result is a drawn index). The compiled path does the batch in one
-    call with the GIL released (three passes over a row, nothing allocated
-    per row); without it, numpy gives the same results.
+    Each row (FP32 or float64, all of one length and dtype) gets what
+    ``counts_from_weights(row)`` and ``sample(counts, draw)`` give it, its FP32 values
+    ``c / 2**24`` then ``+0.0`` up to ``entries`` written into its own buffer
+    (``payloads``, else :func:`row_buffers`); per row the drawn index or its error.
 
     Raises:
-        ConstructionError: ``BAD_SHAPE`` for rows that are not 1-D of one
-            length and one floating dtype, for a draw count other than the
-            rows', or for ``entries`` below the row length (a row's own
-            failure is returned, not raised).
+        ConstructionError: ``BAD_SHAPE`` for rows that are not 1-D of one length and one floating
+            dtype, for a draw count other than the rows', or for ``entries`` below the row length (a
+            row's own failure is returned, not raised).
     """
     count = len(weights)
     if count != len(draws):
@@ -281,9 +242,7 @@ def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Arr
 
 
 def _build_rows(
-    w: Float64Array,
-    draws: Sequence[int],
-    counts: Int32Array,
+    w: Float64Array, draws: Sequence[int], counts: Int32Array
 ) -> list[int | ConstructionError | ValidationError]:
     rows, n = w.shape
     scratch = builder(n)
@@ -297,9 +256,8 @@ def _build_rows(
 def _row_results(
     status: npt.NDArray[np.int32], tokens: npt.NDArray[np.int64], draws: Sequence[int]
 ) -> list[int | ConstructionError | ValidationError]:
-    """Each row's drawn index, or its error, from the compiled pass's statuses (the
-    codes ``build_rows`` and ``construct_rows`` share; ``_fastq.c`` lists them,
-    :data:`pp1wire.q.dyadic.ROW_STATUS_ERRORS` gives their errors)."""
+    """Each row's drawn index, or its error, from the compiled pass's statuses
+    (:data:`pp1wire.q.dyadic.ROW_STATUS_ERRORS`, 4 a draw out of range)."""
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(len(draws)):
         code = int(status[r])

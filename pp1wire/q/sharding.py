@@ -1,28 +1,6 @@
-"""The dyadic24 kernels on a vocabulary split into contiguous shards (numpy emulator).
-
-Shards are the pieces of the global vocabulary in rank order: their lengths
-define each rank's range of global IDs (a shard may be empty or all-zero).
-Every function here returns exactly what its unsharded counterpart returns on
-the concatenated vector, for **every** split, because each step is either
-elementwise, an exact integer reduction, a max, or a node of the canonical
-tree (:mod:`pp1wire.q.tree`): ``docs/protocol.md`` §6.6 gives the rules and
-why they do not depend on the split.
-
-What a rank computes alone and what crosses ranks (the collectives a real
-group runs, in this order, with fixed shapes):
-
-* counts (:func:`pp1wire.q.dyadic.allocate_with`'s pieces): the global max
-  of the logits (max all-reduce); the cover-node values of the canonical
-  tree (all-gather); the global remaining tickets (integer sum); each
-  rank's ``remaining`` largest remainders (all-gather, padded with -1); each
-  rank's count of ties at the threshold (all-gather).
-* sparse top-k: each rank's top-k candidates ``(weight, global ID)``
-  (all-gather), merged to the global top-k, ties to the lowest ID.
-* proposal draw: each rank's count total (all-gather), then every shard's
-  count of its cumulative counts at most what is left of the draw, the
-  owner's kept.
-* residual draw: the cover-node values of the residual's tree (all-gather),
-  then the descent, finished by the rank that owns the node reached.
+"""The dyadic24 kernels on a vocabulary split into contiguous shards (a numpy emulator of a
+rank group's collectives, ``docs/protocol.md`` §6.6): each returns exactly what its unsharded
+counterpart returns on the concatenation, for every split.
 """
 
 from __future__ import annotations
@@ -47,10 +25,8 @@ def _floats(shards: Sequence[npt.ArrayLike]) -> list[Float64Array]:
 
 
 def _refuse_bad_values(shards: list[Float64Array], nonfinite: Pp1Error, negative: Pp1Error) -> None:
-    """Raise ``nonfinite`` for any NaN or infinity, else ``negative`` for any value below 0.
-
-    These are the two flags a rank group all-reduces before anything else.
-    """
+    """Raise ``nonfinite`` for any NaN or infinity, else ``negative`` for any value below 0
+    (the two flags a group all-reduces first)."""
     if not all(np.isfinite(s).all() for s in shards):
         raise nonfinite
     if any((s < 0).any() for s in shards):
@@ -205,11 +181,8 @@ def sparse_counts_from_logits(
 
 
 def sample(count_shards: Sequence[npt.ArrayLike], u24: int) -> int:
-    """:func:`pp1wire.q.dyadic.sample` of the concatenation: the global ID drawn by ``u24``.
-
-    The shard is the one whose slice of the cumulative counts holds ``u24`` (an
-    empty or zero shard never does), the token the first in it whose local
-    cumulative count exceeds what is left of ``u24``.
+    """:func:`pp1wire.q.dyadic.sample` of the concatenation: the global ID drawn by ``u24``, in
+    the shard whose slice of the cumulative counts holds it.
 
     Raises:
         ValidationError: as the unsharded function.
@@ -271,11 +244,8 @@ def sample_weights(weight_shards: Sequence[npt.ArrayLike], u53: int) -> int:
 def residual_sample(
     p_shards: Sequence[npt.ArrayLike], count_shards: Sequence[npt.ArrayLike], u53: int
 ) -> int:
-    """:func:`pp1wire.q.verify.residual_sample` of the concatenations: a global ID.
-
-    Every shard forms ``max(p - q, 0)`` over **every** ID it owns (IDs outside a
-    sparse q's support have q = 0 there), then the draw descends the canonical
-    tree of the whole residual.
+    """:func:`pp1wire.q.verify.residual_sample` of the concatenations: a global ID (each shard
+    forms ``max(p - q, 0)`` over every ID it owns).
 
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.

@@ -1,28 +1,6 @@
-"""Stop rules for adaptive blocks, and a depth controller that cannot see its round.
-
-A STEP's ``depth`` is the *maximum* block length. A stop rule decides, after
-each drawn row, whether the next position may be drawn; it is computed in
-integers from the data the Spark side receives (each row's shipped count at
-its drafted token), so the Spark side can recompute every decision and refuse
-a block that stopped anywhere else (:func:`audit`). ``docs/adaptive.md`` is
-normative: it defines the rules exactly as below and proves that any rule of
-this kind (a function of the past, the drawn rows and independent randomness,
-never of a draw it has not yet admitted) leaves the committed tokens with
-exactly the target's law.
-
-Integer definitions, with ``M = 2**24`` and ``c_j = counts[j - 1]`` the count
-of row j at its drafted token (``q_j(x_j) = c_j / M``):
-
-- ``FIXED``: always continue (only the depth or a terminal token ends a block).
-- ``CONFIDENCE`` with threshold ``T``: after row i, continue iff ``c_i >= T``.
-- ``JOINT`` with threshold ``T``: after row i, continue iff
-  ``c_1 * ... * c_i >= T * M**(i - 1)``, i.e. ``prod q_j(x_j) >= T / M``.
-
-``T = ceil(tau * M)`` for a rational ``tau`` in [0, 1], so ``T`` is in 0..M.
-
-The :class:`DepthController` picks a request's maximum depth for the next STEP
-from that request's earlier, verified rounds and the load measured before the
-STEP; nothing about the round it is choosing for exists when it is called.
+"""Stop rules for adaptive blocks (``pp1-stop-rules-v1``, defined in ``docs/adaptive.md`` §1):
+integer decisions from each row's shipped count at its token, so the Spark side recomputes
+and audits them; and a depth controller that sees only a request's earlier rounds.
 """
 
 from __future__ import annotations
@@ -38,13 +16,11 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q.dyadic import M
 
 MAX_DEPTH = 5
-"""The longest block (PP1 v2's ``max_depth`` bound); :mod:`pp1wire.q.proposal` re-exports it."""
+"""The longest block (PP1 v2's ``max_depth`` bound)."""
 
 STOP_RULES = "pp1-stop-rules-v1"
-"""Name of this rule set (kinds, integer definitions, threshold encoding).
-
-Negotiated at HELLO by exact match: a change to any definition here gets a new
-name, never a silent reinterpretation of the old one."""
+"""Name of this rule set, negotiated at HELLO by exact match: a changed definition gets a
+new name."""
 
 _SHIFT = 24
 
@@ -86,10 +62,8 @@ _TINY_EXPONENT = -30
 
 
 def threshold_of(tau: Fraction | Decimal | int | float | str) -> int:
-    """``ceil(tau * 2**24)`` for a rational ``tau`` in [0, 1], computed exactly.
-
-    A float means its exact binary64 value; a string (at most 64 characters)
-    is read as a decimal (``"0.3"`` is three tenths) or a fraction (``"3/10"``).
+    """``ceil(tau * 2**24)`` for a rational ``tau`` in [0, 1], computed exactly: a float is
+    its binary64 value, a string (at most 64 characters) a decimal or a fraction (``"3/10"``).
 
     Raises:
         ValueError: if ``tau`` is not a finite number in [0, 1].
@@ -141,10 +115,7 @@ def _shortest_decimal(threshold: int) -> str:
 
 @dataclass(frozen=True)
 class StopRule:
-    """One stop rule: a kind and its integer threshold ``T`` in 0..2**24.
-
-    ``FIXED`` carries ``T = 0``. Build one with :meth:`parse`,
-    :meth:`confidence`, :meth:`joint` or directly from wire fields.
+    """One stop rule: a kind and its integer threshold ``T`` in 0..2**24 (0 for ``FIXED``).
 
     Raises:
         ValueError: for an unknown kind, a threshold outside 0..2**24, or a
@@ -188,8 +159,7 @@ class StopRule:
         """Read ``fixed``, ``confidence:TAU`` or ``joint:TAU`` (TAU a decimal or a fraction).
 
         Raises:
-            ValueError: naming what is wrong (unknown kind, missing or extra
-                threshold, a threshold that is not a number in [0, 1]).
+            ValueError: naming what is wrong (kind, threshold).
         """
         name, sep, arg = text.strip().partition(":")
         kind = _KINDS.get(name.strip().lower())
@@ -217,19 +187,13 @@ class StopRule:
 
 
 FIXED = StopRule()
-"""Today's rule, the default: only the depth or a terminal token ends a block."""
+"""The default rule: only the depth or a terminal token ends a block."""
 
 
 def step_rule(kind: int, threshold: int, negotiated: str) -> StopRule | ErrorCode:
-    """The rule a STEP's ``stop`` and ``threshold`` fields name, or why a worker refuses it.
-
-    ``negotiated`` is the rule set the connection's HELLO agreed on
-    (:data:`STOP_RULES`, or ``""``: the fixed rule only).
-
-    Returns ``BAD_STOP_RULE`` for an unknown kind, a threshold outside
-    0..2**24, a FIXED rule with a threshold, or a rule other than FIXED on a
-    connection that did not negotiate :data:`STOP_RULES`.
-    """
+    """The rule a STEP's ``stop`` and ``threshold`` fields name, or ``BAD_STOP_RULE``: an
+    invalid rule, or one other than FIXED where HELLO did not negotiate it (``negotiated``:
+    :data:`STOP_RULES` or ``""``)."""
     try:
         rule = StopRule(StopKind(kind), threshold)
     except ValueError:
@@ -254,10 +218,8 @@ def _check_counts(counts: Sequence[int]) -> None:
 
 
 def continues(rule: StopRule, counts: Sequence[int]) -> bool:
-    """Whether the rule lets position i+1 be drawn after rows 1..i.
-
-    ``counts[j - 1]`` is row j's shipped count at its drafted token. The depth
-    limit and a terminal token are not the rule's business (:func:`admits_next`).
+    """Whether the rule lets position i+1 be drawn after rows 1..i (``counts[j - 1]``: row j's
+    count at its token); depth and terminal tokens are :func:`admits_next`'s business.
 
     Raises:
         ValueError: for no rows or a count outside 0..2**24.
@@ -274,9 +236,8 @@ def continues(rule: StopRule, counts: Sequence[int]) -> bool:
 def admits_next(
     rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
 ) -> bool:
-    """Whether a worker that has drawn these rows draws another (the worker's one call per row).
-
-    False at the maximum depth, after a terminal token, or when the rule stops.
+    """Whether a worker that has drawn these rows draws another: not at the maximum depth,
+    after a terminal token, or when the rule stops.
 
     Raises:
         ValueError: for a depth outside 1..5, rows and tokens of different
@@ -297,10 +258,8 @@ def admits_next(
 def stop_after(
     rule: StopRule, depth: int, counts: Sequence[int], tokens: Sequence[int], eos: int | None
 ) -> int | None:
-    """After how many of these rows the rule ends the block; ``None`` if none of them ends it.
-
-    ``None`` means the worker owed at least one more row. Rows past the depth
-    are judged too (the block then ended at the depth).
+    """After how many of these rows the rule ends the block (rows past the depth too); ``None``
+    if the worker owed another row.
 
     Raises:
         ValueError: for a depth outside 1..5, no rows, rows and tokens of
@@ -328,15 +287,9 @@ def audit(
     *,
     cut: bool = False,
 ) -> ErrorCode | None:
-    """The Spark side's check of one received block: ``None`` if it stopped where the rule says.
-
-    ``STOP_RULE_VIOLATED`` when a row was drawn after the rule, the depth or a
-    terminal token had ended the block (late), or the block ends before the
-    depth, without a terminal token, at a row after which the rule continues
-    (early: the worker drew a row and dropped it, or never drew it). An empty
-    block is early: position 1 is always drawn. A block ``cut`` by a fault
-    (``docs/adaptive.md`` §7) may end anywhere the rule continues; it may
-    still not run late.
+    """The Spark side's check of one received block: ``None`` if it stopped where the rule
+    says, else ``STOP_RULE_VIOLATED`` (a row after the end, or an end where the rule
+    continues; an empty block is early). A block ``cut`` by a fault may end early, never late.
 
     Raises:
         ValueError: for a depth outside 1..5, rows and tokens of different
@@ -354,17 +307,10 @@ def audit(
     return None
 
 
-# -- depth controller ----------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AcceptanceHistory:
-    """One request's last verified rounds: ``(accepted drafts, whether a draft was rejected)``.
-
-    Immutable; :meth:`DepthController.record` returns the next history. Rounds
-    decoded target-only (a discarded proposal) verify no draft and are not
-    recorded.
-    """
+    """One request's last verified rounds, ``(accepted drafts, whether a draft was rejected)``;
+    target-only rounds are not recorded."""
 
     rounds: tuple[tuple[int, bool], ...] = ()
 
@@ -388,15 +334,9 @@ def _nonneg_fraction(value: Fraction | int | str, what: str) -> Fraction:
 
 @dataclass(frozen=True)
 class DepthPolicy:
-    """The controller's constants (all exact; costs in units of one target batch call).
-
-    - ``max_depth``: the largest depth chosen (1..5; the HELLO limit).
-    - ``window``: verified rounds remembered per request.
-    - ``prior_accepted``, ``prior_rejected``: pseudo-counts of the acceptance
-      estimate (a request with no history starts at their ratio).
-    - ``draft_cost``: one drafted row (the worker's drafter step), per round.
-    - ``row_cost``: one verified row of one active slot in the target's batch
-      call; a STEP for n active slots at depth d verifies about n * (d + 1) rows.
+    """The controller's exact constants: ``max_depth`` (1..5), ``window`` (rounds remembered),
+    the acceptance estimate's pseudo-counts, and the costs of a drafted row and of one
+    slot's verified row, in units of one target batch call.
 
     Raises:
         ValueError: for a max depth outside 1..5, a window below 1, negative
@@ -425,22 +365,12 @@ class DepthPolicy:
 
 @dataclass(frozen=True)
 class DepthController:
-    """Chooses a request's maximum depth for its next STEP; non-anticipating by construction.
+    """Chooses a request's maximum depth for its next STEP from its :class:`AcceptanceHistory`
+    and the load measured before the STEP, so no draw of the round can influence it.
 
-    Inputs, and nothing else: the request's :class:`AcceptanceHistory` (its
-    earlier rounds, already verified and committed) and ``active_slots``, the
-    load: the requests running (``pp1-spark``), counted before this STEP is sent.
-    The round being drafted has no rows when :meth:`choose` runs, so no draw
-    of it can influence the depth (``docs/adaptive.md``, "Depth controller").
-
-    Policy: with alpha the acceptance estimate (:meth:`estimate`), a round of
-    depth d commits on average ``E(d) = 1 + alpha + ... + alpha**d`` tokens
-    (accepted drafts plus the correction or bonus; each draft accepted with
-    probability alpha once reached). Its cost for one slot is
-    ``1 + d * draft_cost + active_slots * (d + 1) * row_cost``. The chosen d
-    in 1..max_depth maximizes ``E(d) / cost(d)``, exactly in rationals, the
-    smallest d on ties. Deterministic: every rank given the same inputs
-    chooses the same depth.
+    The chosen d in 1..max_depth maximizes ``E(d) / cost(d)`` exactly (smallest d on ties),
+    with ``E(d) = 1 + alpha + ... + alpha**d`` for the :meth:`estimate` alpha and
+    ``cost(d) = 1 + d * draft_cost + active_slots * (d + 1) * row_cost``.
     """
 
     policy: DepthPolicy = field(default_factory=DepthPolicy)
@@ -448,11 +378,8 @@ class DepthController:
     def record(
         self, history: AcceptanceHistory, accepted: int, rejected: bool
     ) -> AcceptanceHistory:
-        """The history after one more verified round (only the last ``window`` kept).
-
-        ``accepted`` is the round's accepted drafts; ``rejected`` whether it
-        ended in a correction (a bonus or an accepted terminal token is not a
-        rejection).
+        """The history after one more verified round (the last ``window`` kept); ``rejected``:
+        whether it ended in a correction.
 
         Raises:
             ValueError: for ``accepted`` outside 0..5.
@@ -463,12 +390,8 @@ class DepthController:
         return AcceptanceHistory(rounds[-self.policy.window :])
 
     def estimate(self, history: AcceptanceHistory) -> Fraction:
-        """Per-draft acceptance estimate: (accepted + a0) / (accepted + rejected + a0 + r0).
-
-        A round that stopped without a rejection (bonus, terminal token, a stop
-        rule) contributes its accepted drafts only: its further positions were
-        never drawn, so they are censored, not failures.
-        """
+        """Per-draft acceptance estimate (accepted + a0) / (accepted + rejected + a0 + r0): a
+        round that stopped without a rejection counts its undrawn positions as censored."""
         pol = self.policy
         a = history.accepted + pol.prior_accepted
         return Fraction(a, a + history.rejected + pol.prior_rejected)

@@ -1,21 +1,13 @@
-"""The walk's row operations: one target row's checks, p(x) and draws, and the
-backends that batch them over a batch of rounds for :func:`pp1wire.q.walk.walk`.
-
-One row: :func:`checked_target` reads it once for its canonical total and its
-checks, :class:`CheckedRow` gives ``p(x) = v[x] / total`` without dividing the
-row, and :func:`sample_weights` / :func:`residual_sample` draw by descending
-the canonical tree (``docs/protocol.md`` §6.5, §6.6). The backends, the same
-answers bit for bit (tests check it): :class:`PrefixRows` (the per-request
-verifier's: each row scored and processed on its prefix), :class:`HostRows`
-(numpy), :class:`CompiledRows` (``pp1wire/q/_fastq.c``, the GIL released) and
-:class:`pp1wire.q.torch_ops.DeviceStep` (rows kept on their torch device);
-:func:`decide` picks a step's.
+"""The walk's row operations: one target row's checks, p(x) and draws (``docs/protocol.md``
+§6.5, §6.6), and the backends that do them for a batch of rounds, the same answers bit for
+bit (:class:`PrefixRows`, :class:`HostRows`, :class:`CompiledRows`; :func:`decide` picks one).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -40,9 +32,6 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _Q_KINDS = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64))
 
 
-# -- one row -----------------------------------------------------------------------------
-
-
 def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
     """Check a target vector (finite, non-negative, positive mass) and normalize it.
 
@@ -55,10 +44,8 @@ def check_target(p: npt.ArrayLike, vocab_size: int) -> Float64Array:
 
 
 def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, float]:
-    """:func:`check_target` without the division: the values and their canonical total.
-
-    ``values[x] / total`` is bit-for-bit ``check_target(p)[x]`` (one IEEE division
-    either way), so a caller that needs one entry need not divide the whole row.
+    """:func:`check_target` without the division: the values and their canonical total
+    (``values[x] / total`` is ``check_target(p)[x]`` bit for bit).
 
     Raises:
         VerifyError: as :func:`check_target`.
@@ -83,13 +70,9 @@ def checked_target(p: npt.ArrayLike, vocab_size: int) -> tuple[Float64Array, flo
 
 
 def host_rows(x: Any, dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
-    """Target rows on the host, the one conversion of every form they come in: one row
-    (the per-request verifier's, or a per-prefix target's) or a step's matrix.
-
-    As :func:`~pp1wire.q.arrays.host_array` (CPU memory viewed, a device's copied
-    once), and a tensor numpy cannot view (bf16) is first widened exactly on its
-    side: a narrower float to float32, which holds every such value, anything
-    else to float64. So a bf16 row means the same number in every form.
+    """Target rows on the host, the one conversion of every form they come in: as
+    :func:`~pp1wire.q.arrays.host_array`, a tensor numpy cannot view (bf16) first widened
+    exactly (a narrower float to float32, anything else to float64).
 
     Raises:
         BufferError, RuntimeError, TypeError: ``x`` is not readable as an array.
@@ -104,10 +87,7 @@ def host_rows(x: Any, dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
 
 
 class CheckedRow:
-    """A checked target row, divided by its total only when the whole row is needed.
-
-    An accepted draft needs p(x) alone; only a correction or a bonus needs all of p.
-    """
+    """A checked target row, divided by its total only when a draw needs all of p."""
 
     __slots__ = ("_p", "_total", "_values")
 
@@ -132,11 +112,8 @@ class CheckedRow:
 
 
 def sample_weights(weights: Float64Array, u53: int) -> int:
-    """The draw ``u53`` (in ``[0, 2**53)``) from non-negative binary64 weights; never a zero weight.
-
-    The canonical tree over the weights is descended with the target
-    ``(u53 / 2**53) * total`` (``docs/protocol.md`` §6.6), so any split of the
-    weights into shards draws the same ID.
+    """The draw ``u53`` (in ``[0, 2**53)``) from non-negative binary64 weights: the canonical
+    tree descended with ``(u53 / 2**53) * total`` (§6.6); never a zero weight.
 
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` if the weights have no mass.
@@ -156,18 +133,14 @@ def residual(p: Float64Array, counts: npt.ArrayLike) -> Float64Array:
 
 
 def residual_sample(p: Float64Array, counts: npt.ArrayLike, u53: int) -> int:
-    """The correction for the draw ``u53``: :func:`sample_weights` of :func:`residual`.
-
-    ``p`` is the normalized target (:func:`check_target`), ``counts`` the dense
-    integer counts of q (zero outside a sparse support).
+    """The correction for the draw ``u53``: :func:`sample_weights` of :func:`residual` (``p``
+    normalized, ``counts`` dense).
 
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
     """
     return sample_weights(residual(p, counts), u53)
 
-
-# -- where a step's rows come from ------------------------------------------------------
 
 TargetFn = Callable[[Sequence[int]], npt.ArrayLike]
 """The target: token prefix → probabilities (or non-negative weights) over the vocabulary."""
@@ -176,11 +149,7 @@ BatchTargetFn = Callable[[Sequence[Sequence[int]]], Sequence[npt.ArrayLike] | np
 
 
 class FailedRow:
-    """The row a per-prefix target could not give: its call raised ``error``.
-
-    :func:`batched` puts one in place of each failed call, so a failure of a
-    per-prefix plugin fails only the rounds that needed that prefix.
-    """
+    """The row a per-prefix target could not give (:func:`batched`): its call raised ``error``."""
 
     __slots__ = ("error",)
 
@@ -209,19 +178,10 @@ def batched(target: TargetFn) -> BatchTargetFn:
     return each
 
 
-# -- a step's rows, as the caller hands them over ---------------------------------------
-
-
 class StepRows:
-    """The target rows of one step, as the caller handed them over.
-
-    Either one ``rows x V`` array (numpy, anything DLPack exports, or a torch
-    tensor on any device) or a sequence of rows (a per-prefix target's
-    results). Rows on the host are viewed, not copied, when they are float32
-    or float64 (other dtypes are widened once, exactly: a narrower float such
-    as bf16 to float32, anything else to float64), the same way in either form
-    and for the per-request verifier (:func:`host_rows`); a 2-D torch tensor on
-    another device stays there (:attr:`device`).
+    """The target rows of one step as the caller handed them over: one ``rows x V`` array
+    or a sequence of rows, read on the host as :func:`host_rows` reads them (float32 and
+    float64 viewed); a 2-D tensor on another device stays there (:attr:`device`).
     """
 
     def __init__(self, raw: Any, device: Any = None) -> None:
@@ -283,22 +243,20 @@ class StepRows:
 
 
 def _widened(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
-    """What rows of ``dtype`` become on the host: a narrow float widens to float32
-    (exact, half the copy of float64); anything else (integers too) to float64."""
+    """What rows of ``dtype`` become on the host: a narrow float float32, else float64."""
     return np.float32 if dtype.kind == "f" and dtype.itemsize < 4 else np.float64
 
 
 def _on_device(x: Any) -> bool:
-    """A tensor whose device can do the step's binary64 arithmetic itself (not the
-    CPU, where it is viewed; not MPS, which has no float64: copied to the host)."""
+    """A tensor whose device does the step's binary64 arithmetic (not the CPU, where it is
+    viewed; not MPS, which has no float64)."""
     device = getattr(x, "device", None)
     kind = getattr(device, "type", "cpu")
     return device is not None and kind not in ("cpu", "mps") and hasattr(x, "cpu")
 
 
 def step_threads() -> int:
-    """Threads the compiled step uses by default: 2, or 1 where this process may
-    run on one core only (pinned)."""
+    """Threads the compiled step uses by default: 2, or 1 in a process pinned to one core."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - platforms without affinity
@@ -308,8 +266,6 @@ def step_threads() -> int:
 
 _PARALLEL_ENTRIES = 1 << 20  # below this many row entries a second thread costs more than it saves
 
-
-# -- the backends ------------------------------------------------------------------------
 
 Processor = Callable[[Sequence[int], Float64Array], npt.ArrayLike]
 """A pure target processor ``(prefix, p) -> p`` (grammar, penalties, stop rules)."""
@@ -323,36 +279,24 @@ def _drawn(weights: Float64Array, u53: int) -> int:
         return -1
 
 
+@dataclass(eq=False)
 class PrefixRows:
-    """The per-request backend, for one round: row ``i`` is the target's row for
-    the committed prefix followed by the round's first ``i`` drafted tokens
-    (``scores[i]`` when already computed), then each processor's on it, scored
-    only when the walk reaches it.
-
-    A row that fails is refused (its round stops there) and keeps in
-    :attr:`failures` the error its target, a processor or its checks raised.
+    """The per-request backend, for one round: row ``i`` is the target's row for the
+    committed prefix and the round's first ``i`` ``tokens`` (``scores[i]`` when already
+    computed), then each processor's, scored when the walk reaches it; a row that fails
+    keeps in :attr:`failures` the error its target, a processor or its checks raised.
     """
 
     eager_draws = True
 
-    def __init__(
-        self,
-        committed: Sequence[int],
-        tokens: Sequence[int],
-        target: TargetFn,
-        processors: Sequence[Processor],
-        vocab: int,
-        scores: Sequence[npt.ArrayLike] | None = None,
-    ) -> None:
-        """The rows of one round (of a target-only round, ``tokens`` empty: one row)."""
-        self._committed = committed
-        self._tokens = tokens
-        self._target = target
-        self._processors = tuple(processors)
-        self._vocab = vocab
-        self._scores = scores
-        self._rows: dict[int, CheckedRow] = {}
-        self.failures: dict[int, VerifyError] = {}
+    committed: Sequence[int]
+    tokens: Sequence[int]
+    target: TargetFn
+    processors: Sequence[Processor]
+    vocab: int
+    scores: Sequence[npt.ArrayLike] | None = None
+    failures: dict[int, VerifyError] = field(default_factory=dict, init=False)
+    _rows: dict[int, CheckedRow] = field(default_factory=dict, init=False, repr=False)
 
     def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
         """Score, process and check each row (see :class:`~pp1wire.q.walk.RowOps`)."""
@@ -362,19 +306,19 @@ class PrefixRows:
         return [self._score(r) for r, _ in rows]
 
     def _score(self, r: int) -> bool:
-        prefix: Sequence[int] = self._committed
-        if self._tokens:  # the prefix viewed, not copied
-            prefix = ExtendedPrefix(self._committed)
-            for token in self._tokens[:r]:
+        prefix: Sequence[int] = self.committed
+        if self.tokens:  # the prefix viewed, not copied
+            prefix = ExtendedPrefix(self.committed)
+            for token in self.tokens[:r]:
                 prefix.append(token)
         try:
-            raw = self._target(prefix) if self._scores is None else self._scores[r]
-            values, total = checked_target(raw, self._vocab)
+            raw = self.target(prefix) if self.scores is None else self.scores[r]
+            values, total = checked_target(raw, self.vocab)
             row = CheckedRow(values, total)
-            if self._processors:
+            if self.processors:
                 p = row.full()
-                for proc in self._processors:
-                    p = check_target(proc(prefix, p), self._vocab)
+                for proc in self.processors:
+                    p = check_target(proc(prefix, p), self.vocab)
                 row = CheckedRow(p, None)
         except VerifyError as exc:
             self.failures[r] = exc
@@ -401,8 +345,8 @@ class PrefixRows:
 
 
 class HostRows:
-    """The numpy backend of a step, row by row: at a large vocabulary, stacking rows
-    for numpy only adds copies (measured: ``benchmarks/verify_batch.py``, numpy only)."""
+    """The numpy backend of a step, row by row (at a large vocabulary, stacking rows only
+    adds copies: ``benchmarks/verify_batch.py``)."""
 
     eager_draws = True
 
@@ -450,10 +394,9 @@ class HostRows:
 
 
 class CompiledRows(HostRows):
-    """The compiled backend of a step (``_fastq.row_checks``, ``_fastq.draw_rows``):
-    each call's rows in one pass each with the GIL released, on ``threads`` threads
-    taking the rows one by one. A draw it does not take (a q of another form, no
-    memory for its tree) is numpy's."""
+    """The compiled backend of a step (``_fastq.row_checks``, ``_fastq.draw_rows``): each
+    row in one pass, the GIL released, on ``threads`` threads; a draw it does not take
+    (a q of another form, no memory for its tree) is numpy's."""
 
     def __init__(self, rows: StepRows, threads: int) -> None:
         """The step's rows, and the threads each call may use."""
@@ -473,8 +416,7 @@ class CompiledRows(HostRows):
         return out
 
     def draw(self, draws: Sequence[Draw]) -> list[int]:
-        """As :meth:`HostRows.draw`, each row read once for its tree, and once more
-        for the block the descent ends in."""
+        """As :meth:`HostRows.draw`, each row read once, and its last block once more."""
         specs = [self._spec(d) for d in draws]
         taken = [spec for spec in specs if spec is not None]
         drawn = iter(_fastq.draw_rows(taken, self.threads))
@@ -500,14 +442,11 @@ class CompiledRows(HostRows):
 
 
 def decide(jobs: Sequence[RoundRows], rows: StepRows, threads: int | None = None) -> list[Decision]:
-    """Walk every round of a step with the backend its rows call for (see the module
-    docstring); one :class:`~pp1wire.q.walk.Decision` per job, in order.
+    """Walk every round of a step with the backend its rows call for (a device's rows:
+    :class:`pp1wire.q.torch_ops.DeviceStep`); one :class:`~pp1wire.q.walk.Decision` per job.
 
-    ``threads``: how many threads the compiled backend's calls use (None:
-    :func:`step_threads`, or one for a step of fewer than 2**20 row entries).
-
-    Never raises for a row's values: a round that reaches a bad row stops with
-    ``BAD_ROW``, one whose correction has no mass with ``EMPTY``.
+    ``threads``: the compiled backend's (None: :func:`step_threads`, or one for a step of
+    fewer than 2**20 row entries). Never raises for a row's values (``BAD_ROW``, ``EMPTY``).
     """
     if not jobs:
         return []

@@ -1,16 +1,6 @@
-"""The dyadic24 kernels on torch tensors, on any device (requires the ``tp`` extra).
-
-Each function computes exactly what its numpy counterpart in
-:mod:`pp1wire.q.dyadic`, :mod:`pp1wire.q.verify` or :mod:`pp1wire.q.tree`
-computes: the same IEEE operations in the same order (elementwise work, the
-canonical pairwise tree of ``docs/protocol.md`` §6.6, integer sums, and sorts
-where numpy partitions), so the results are bit-equal (tests check it). A
-worker's position of rows (:func:`build_position`) is built by the pieces of
-:func:`pp1wire.q.dyadic.allocate_with` on the device, and reaches the host in
-one copy.
-
-Errors are the same :class:`~pp1wire.errors.ConstructionError` /
-:class:`~pp1wire.errors.VerifyError` codes as the numpy kernels raise.
+"""The dyadic24 kernels on torch tensors, on any device (the ``tp`` extra): each the same IEEE
+operations in the same order as its numpy counterpart, so the results are bit-equal (tests
+check it), with the same error codes.
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ _U53 = float(1 << 53)
 
 
 def tree_levels(values: torch.Tensor) -> list[torch.Tensor]:
-    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded):
-    :func:`row_levels` of the one row."""
+    """Every level of the canonical tree over a 1-D float64 tensor (level 0 padded)."""
     return [level[0] for level in row_levels(values.reshape(1, -1))]
 
 
@@ -47,8 +36,7 @@ def tree_total(values: torch.Tensor) -> torch.Tensor:
 
 
 def descend(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync):
-    :func:`descend_rows` of the one row."""
+    """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync)."""
     rows = [level[None] for level in levels]
     return descend_rows(rows, target.to(levels[0].device).reshape(1))[0]
 
@@ -108,9 +96,6 @@ def residual_sample(p: torch.Tensor, counts: torch.Tensor, u53: int) -> torch.Te
     return sample_weights(residual(p, counts), u53)
 
 
-# -- a verification step's rows, on their device ---------------------------------------
-
-
 def row_levels(rows: torch.Tensor) -> list[torch.Tensor]:
     """Every row's canonical tree at once: level ``l`` of row ``i`` is, bit for bit,
     level ``l`` of :func:`pp1wire.q.tree.levels` of that row."""
@@ -147,16 +132,9 @@ def descend_rows(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tens
 
 
 class DeviceStep:
-    """The walk's row operations on one step's target rows, kept on their device
-    (:class:`pp1wire.q.walk.RowOps`).
-
-    What the walk needs from them leaves the device in two transfers: every
-    row's canonical total and check and each draft's ``v[x]`` (one read), then
-    the drawn IDs (another). A row leaves whole only to diagnose a refused row,
-    and the caller reads that from its own rows
-    (:meth:`pp1wire.q.targetrows.StepRows.raw`). The arithmetic is
-    :mod:`pp1wire.q.targetrows`'s, operation for operation, so the decisions are
-    bit-for-bit the host's.
+    """The walk's row operations (:class:`pp1wire.q.walk.RowOps`) on one step's target rows,
+    kept on their device: the totals, checks and each draft's ``v[x]`` leave it in one
+    transfer, the drawn IDs in another; the decisions are bit for bit the host's.
     """
 
     eager_draws = False
@@ -206,11 +184,8 @@ class DeviceStep:
 
 
 def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
-    """q of a proposal row over the vocabulary as float64 on ``device`` (exact: c / 2**24).
-
-    A dense row travels as it is (FP32 values or integer counts) and widens on
-    the device; a sparse one is spread on the host first (a few entries).
-    """
+    """q of a proposal row over the vocabulary as float64 on ``device`` (a dense row widened
+    there, a sparse one spread on the host first)."""
     if row.ids is not None:
         return torch.from_numpy(row.dense_q(vocab)).to(device)
     if row.counts is not None:
@@ -220,19 +195,11 @@ def _device_q(row: QRow, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(row.q32[:vocab])).to(device).to(torch.float64)
 
 
-# -- a worker's position, built where a probabilities drafter's tensor lives -----------
-
-
 class _DeviceRows:
     """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for ``[R, n]`` FP32 weights widened to
-    float64, on their device with no host sync: the same IEEE operations as
-    :func:`pp1wire.q.dyadic.floors_and_remainders` elementwise, the threshold read off
-    each row's remainders sorted descending, the ties taken in ID order by a running count.
-
-    Only the one-division share: the weights are FP32 values, so a positive total is at
-    least 2**-149 and W / M is never subnormal (the (w / W) * M branch of
-    ``docs/protocol.md`` §6.1 step 3 cannot happen). A row whose total is 0, negative or
-    NaN is refused by its checks before its status is read.
+    float64, on their device with no host sync: the threshold off a descending sort, ties in
+    ID order by a running count. Only the one-division share: an FP32 total is never
+    subnormal over M (a row without a positive total is refused before its status is read).
     """
 
     @staticmethod
@@ -270,10 +237,8 @@ class _DeviceRows:
 
 
 def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pp1wire.q.dyadic.allocate_with` of every row of ``w`` (``[R, n]`` FP32 values
-    widened to float64) with its total, in one batched pass on the rows' device: (int64
-    counts ``[R, n]``, int64 status ``[R]``, meaningful for a row that passed its checks:
-    0 done, or the ``ALLOCATION_INCONSISTENT`` statuses 1 to 3 of
+    """:func:`pp1wire.q.dyadic.allocate_with` of every row of ``w`` with its total, batched on
+    the rows' device: (int64 counts ``[R, n]``, int64 status ``[R]``: 0, or 1 to 3 of
     :data:`pp1wire.q.dyadic.ROW_STATUS_ERRORS`)."""
     rows = _DeviceRows(w, totals)
     status = dyadic.allocate_with(rows)
@@ -282,23 +247,15 @@ def allocate_rows(w: torch.Tensor, totals: torch.Tensor) -> tuple[torch.Tensor, 
 
 def draw_rows(counts: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """:func:`pp1wire.q.dyadic.sample` of each row of counts with its 24-bit draw (int64
-    indices; no host sync): the number of cumulative counts at most the draw, counted
-    over the whole row, whatever the index drawn."""
+    indices; no host sync), counted over the whole row."""
     cumulative = torch.cumsum(counts, dim=1)
     return (cumulative <= draws[:, None].to(torch.int64)).sum(dim=1)
 
 
 class StagingBuffers:
-    """Recycled host buffers that a position's rows reach in one copy and are sent from.
-
-    A buffer holds ``capacity`` rows of ``entries`` FP32 values (zero padding
-    past the rows written once, when it is made: a pool serves rows of one
-    length, :func:`staging_buffers`), page-locked when the rows
-    come from a CUDA device (so the copy is a DMA the socket then reads). A
-    row's payload views its buffer, and a reply lives until its slot's next
-    COMMIT or RESET: a buffer is handed out again only when nothing but the
-    pool refers to it (no row, view or memoryview a transport still holds),
-    as :class:`pp1wire.q.rows.RowBuffers` does for single rows.
+    """Recycled host buffers (page-locked for CUDA) of rows of ``entries`` FP32 values that a
+    position's rows reach in one copy and are sent from; as
+    :class:`pp1wire.q.rows.RowBuffers`, one is reused only when nothing else refers to it.
     """
 
     def __init__(self, entries: int, pinned: bool, limit: int = 64) -> None:
@@ -311,8 +268,7 @@ class StagingBuffers:
         self._probe = np.empty(0, dtype="<f4")
 
     def take(self, rows: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A buffer of at least ``rows`` rows that nothing else refers to: its array
-        and its tensor (one memory)."""
+        """A buffer of at least ``rows`` rows nothing else refers to: its array and tensor."""
         capacity = 1 << max(0, (rows - 1).bit_length())
         with self._lock:
             probes = [self._probe]
@@ -345,28 +301,17 @@ def staging_buffers(vocab: int, entries: int, pinned: bool) -> StagingBuffers:
 
 
 def build_position(
-    probs: torch.Tensor,
-    specs: list[tuple[float, int]],
-    draws: list[int],
-    row_entries: int | None,
+    probs: torch.Tensor, specs: list[tuple[float, int]], draws: list[int], row_entries: int | None
 ) -> list[QRow | Pp1Error]:
-    """One position of a worker's step from a probabilities drafter's ``[N, V]`` tensor,
-    built and drawn on the tensor's device in one batched pass: per row, what
-    :func:`pp1wire.q.proposal.build_row` (``kind="probs"``) and
-    :func:`pp1wire.q.dyadic.sample` give on the host, bit for bit (no
-    exponential: only exact operations, the canonical tree and a stable sort).
+    """One position of a worker's step from a probabilities drafter's ``[N, V]`` tensor, built
+    and drawn on its device: per row, what :func:`pp1wire.q.proposal.build_row`
+    (``kind="probs"``) and :func:`pp1wire.q.dyadic.sample` give on the host, bit for bit.
 
-    ``specs`` holds each row's (temperature, support: 0 dense) and ``draws``
-    its 24-bit proposal draw. The values are rounded to FP32 first. Dense rows
-    of temperature 1 reach a staging buffer (:func:`staging_buffers`) in one
-    copy: with ``row_entries``, each row's :attr:`QRow.q32` is its wire
-    payload there (FP32 ``c / 2**24``, then ``+0.0``); without, its counts. The
-    rows' status, tokens and sparse supports come back in one more. Greedy
-    rows (temperature 0) are the point mass at the first maximal weight.
-
-    Refusals, per row, in the host's order: ``BAD_TEMPERATURE`` (other than 0
-    and 1), ``BAD_SHAPE`` (support below 0), ``WEIGHT_NON_FINITE``,
-    ``WEIGHT_NEGATIVE``, ``ZERO_MASS``, ``ALLOCATION_INCONSISTENT``, ``BAD_DRAW``.
+    ``specs``: each row's (temperature, support: 0 dense); ``draws``: its 24-bit draw. With
+    ``row_entries`` a dense row's :attr:`QRow.q32` is its wire payload in a staging buffer
+    (:func:`staging_buffers`). Refusals, per row, in the host's order: ``BAD_TEMPERATURE``,
+    ``BAD_SHAPE``, ``WEIGHT_NON_FINITE``, ``WEIGHT_NEGATIVE``, ``ZERO_MASS``,
+    ``ALLOCATION_INCONSISTENT``, ``BAD_DRAW``.
     """
     x = probs.detach().to(torch.float32)
     n = int(x.shape[1])
@@ -477,11 +422,9 @@ def _bad_draw(u: int) -> ValidationError:
 
 
 def _sparse_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse top-k rows of FP32 weights ``[R, V]``: (ids, counts, status), ``[R, k']``
-    with ``k' = min(k, V)``: the support (the k largest positive weights, ties to the
-    lowest ID) in ascending ID order, then any non-positive picks at the end with
-    count 0, as :func:`pp1wire.q.dyadic.sparse_counts_from_weights` builds them
-    (zero weights at the end of a tree change no node of it, §6.6)."""
+    """Sparse top-k rows of FP32 weights ``[R, V]``: (ids, counts, status), ``[R, min(k, V)]``,
+    the support ascending then any non-positive picks with count 0 (zero weights at the end
+    of a tree change no node of it, §6.6)."""
     n = int(x.shape[1])
     width = min(k, n)
     top = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :width]

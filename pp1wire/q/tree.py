@@ -1,24 +1,6 @@
-"""Canonical pairwise sums over global token positions, and draws that descend them.
-
-Every total and every draw from real-valued weights in pp1wire is defined on
-one fixed binary tree over the *global* vocabulary positions, so that the
-result does not depend on how the vocabulary is split into shards or on the
-order in which a machine adds (``docs/protocol.md`` §6.6):
-
-* Pad the weights ``w[0..V)`` with ``+0.0`` to ``N = 2**L`` entries, the least
-  power of two ``>= V`` (``L = 0`` for ``V = 1``).
-* Level 0 is the padded vector; node ``i`` of level ``l + 1`` is
-  ``level_l[2i] + level_l[2i + 1]``, one IEEE binary64 addition rounded to
-  nearest-even. The root (level ``L``) is the **canonical total**.
-* A **descent** with a target ``t`` starts at the root: at a node with
-  children ``a`` (left) and ``b`` (right), go right with ``t - a`` (rounded)
-  if ``b > 0`` and (``a == 0`` or ``t >= a``); otherwise go left with ``t``.
-  The leaf reached is the drawn index. A child of value 0 is never entered
-  while its sibling is positive, so a zero weight is never drawn.
-
-A shard that owns positions ``[start, stop)`` computes the values of the
-maximal aligned nodes inside its range on its own (:func:`cover`); the nodes
-above them are then the same additions whoever performs them.
+"""The canonical pairwise tree over global token positions (``docs/protocol.md`` §6.6): its
+total and the descent that draws from it, the same for any split of the vocabulary into
+shards (each computes its maximal aligned nodes alone, :func:`cover`).
 """
 
 from __future__ import annotations
@@ -116,12 +98,9 @@ def cover(start: int, stop: int, depth: int) -> list[Node]:
 
 @dataclass
 class ShardedTree:
-    """The canonical tree over a vocabulary split into contiguous shards.
-
-    ``local`` holds each shard's own subtrees (one per cover node, built from
-    its values only); ``upper`` the nodes above them, each one addition of two
-    known children. :attr:`total` and :meth:`descend` equal :func:`total` and
-    :func:`descend` on the concatenated vector, for every split.
+    """The canonical tree over a vocabulary split into contiguous shards: ``local`` each
+    shard's subtrees (one per cover node), ``upper`` the nodes above them; :attr:`total`
+    and :meth:`descend` equal :func:`total` and :func:`descend` of the concatenation.
     """
 
     depth: int
@@ -131,10 +110,8 @@ class ShardedTree:
 
     @classmethod
     def build(cls, shards: Sequence[npt.ArrayLike]) -> ShardedTree:
-        """Each shard's cover-node subtrees, then the shared nodes above them.
-
-        The last shard is taken to own the zero padding up to ``2**depth``.
-        """
+        """Each shard's cover-node subtrees (the last owns the zero padding), then the nodes
+        above them."""
         pieces = [np.asarray(s, dtype=np.float64) for s in shards]
         size = sum(p.size for p in pieces)
         depth = depth_for(size)

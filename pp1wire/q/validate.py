@@ -1,9 +1,6 @@
 """Validation of a received q row against the ``dyadic24-standard-v1`` contract
-(``docs/protocol.md`` §6.2): every value c / 2**24 with integer c, the counts
-summing to exactly 2**24, the proposed token's count positive, padding zero,
-sparse IDs in range and strictly ascending. A row either passes or is refused
-with one specific :class:`~pp1wire.errors.ErrorCode`; nothing is renormalized.
-The construction side is :mod:`pp1wire.q.dyadic`.
+(``docs/protocol.md`` §6.2): a row passes or is refused with one specific error code,
+never renormalized.
 """
 
 from __future__ import annotations
@@ -15,17 +12,14 @@ import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic
-from pp1wire.q.dyadic import (
-    _EXP_MASK,
-    _SIGN_BIT,
-    _SUM_BLOCK,
-    ONE_BITS,
-    Float32Array,
-    Int32Array,
-    Int64Array,
-    M,
-    _scratch,
-)
+from pp1wire.q.dyadic import Float32Array, Int32Array, Int64Array, M, _scratch
+
+ONE_BITS: Final = 0x3F800000  # binary32 bits of 1.0
+_EXP_MASK: Final = 0x7F800000
+_SIGN_BIT: Final = 0x80000000
+# 128 counts of at most 2**24 each stay below 2**31, so int32 partial sums of
+# 128-row blocks are exact (_exact_count_sum).
+_SUM_BLOCK: Final = 128
 
 
 def diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
@@ -35,6 +29,22 @@ def diagnose_range(bits: npt.NDArray[np.uint32]) -> ValidationError:
     if (bits >= _SIGN_BIT).any():
         return ValidationError(ErrorCode.NEGATIVE, "q contains a negative value or -0.0")
     return ValidationError(ErrorCode.NON_DYADIC, "q value above 1")
+
+
+def checked_counts(q: Float32Array) -> Int64Array:
+    """The counts of FP32 q values, each c / 2**24 in [0, 1] (§6.2's value checks, in order).
+
+    Raises:
+        ValidationError: ``NON_FINITE``, ``NEGATIVE`` or ``NON_DYADIC``.
+    """
+    bits = q.view(np.uint32)
+    if bits.size and int(bits.max()) > ONE_BITS:
+        raise diagnose_range(bits)
+    scaled = q * np.float32(M)  # exact: a power-of-two scaling
+    counts = scaled.astype(np.int64)
+    if not np.array_equal(counts.astype(np.float32), scaled):
+        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    return counts
 
 
 def _le_view(buf: object, what: str, dtype: str, kind: str) -> npt.NDArray[Any]:
@@ -61,23 +71,16 @@ def _i32_view(buf: object, what: str) -> Int32Array:
 
 
 class DenseRowValidator:
-    """Validates dense dyadic24 rows of one negotiated shape with preallocated scratch.
-
-    Order of checks (the first failing one names the error): row length,
-    proposed token range, value range (non-finite, then negative including
-    ``-0.0``, then above 1), padding, integrality (non-dyadic), exact total,
-    zero q at the proposed token. Nothing is allocated per row; with the compiled
-    module every check is one pass over the row (``_fastq.check_dense``).
-
-    Not thread-safe: one validator per receiving thread.
+    """Validates dense dyadic24 rows of one negotiated shape in preallocated scratch (compiled:
+    one pass, ``_fastq.check_dense``): the row length, then §6.2's checks in order, first
+    failure wins. Not thread-safe: one per receiving thread.
     """
 
     def __init__(self, vocab_size: int, row_entries: int | None = None) -> None:
         """Prepare scratch for rows of ``row_entries`` (default ``vocab_size``) FP32 values.
 
         Raises:
-            ValidationError: ``ROW_LENGTH`` if ``row_entries < vocab_size`` or
-                ``vocab_size < 1``.
+            ValidationError: ``ROW_LENGTH`` if ``row_entries < vocab_size`` or ``vocab_size < 1``.
         """
         entries = vocab_size if row_entries is None else row_entries
         if vocab_size < 1 or entries < vocab_size:
@@ -95,9 +98,8 @@ class DenseRowValidator:
         """Validate one row given as a float32 view; raise on the first failing class.
 
         Raises:
-            ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``,
-                ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``,
-                ``DENSE_PADDING_NONZERO``, ``MASS_MISMATCH`` or
+            ValidationError: ``ROW_LENGTH``, ``PROPOSED_OUT_OF_RANGE``, ``NON_FINITE``,
+                ``NEGATIVE``, ``NON_DYADIC``, ``DENSE_PADDING_NONZERO``, ``MASS_MISMATCH`` or
                 ``ZERO_Q_AT_PROPOSED``.
         """
         if row.shape != (self.row_entries,):
@@ -157,11 +159,8 @@ _DENSE_REFUSALS: Final = {
 
 
 def _exact_count_sum(counts: Int32Array, body: int) -> int:
-    """Exact integer sum of counts in ``[0, 2**24]`` without widening every entry.
-
-    Blocks of 128 rows are summed column-wise in int32 (at most 2**31 - never
-    overflows), then the column sums in int64.
-    """
+    """Exact integer sum of counts in ``[0, 2**24]``: 128-row blocks column-wise in int32 (never
+    overflows), then the column sums in int64."""
     head = counts[:body].reshape(_SUM_BLOCK, -1).sum(axis=0, dtype=np.int32)
     return int(head.sum(dtype=np.int64)) + int(counts[body:].sum(dtype=np.int64))
 
@@ -169,15 +168,11 @@ def _exact_count_sum(counts: Int32Array, body: int) -> int:
 def validate_dense(
     buf: object, vocab_size: int, proposed: int, *, row_entries: int | None = None
 ) -> Int64Array:
-    """Validate a received dense row and return its counts (int64, length ``vocab_size``).
-
-    ``buf`` is a float32 array or any buffer of little-endian FP32 values with
-    ``row_entries`` (default ``vocab_size``) entries; entries beyond the
-    vocabulary are padding and must be +0.0.
+    """Validate a received dense row (float32 array or buffer of little-endian FP32 values, the
+    entries past ``vocab_size`` padding) and return its counts (int64, ``vocab_size``).
 
     Raises:
-        ValidationError: with the code of the first failing class (see
-            :class:`DenseRowValidator`).
+        ValidationError: with the code of the first failing class (see :class:`DenseRowValidator`).
     """
     row = _f32_view(buf, "dense row")
     key = (vocab_size, vocab_size if row_entries is None else row_entries)
@@ -189,19 +184,14 @@ def validate_dense(
 def validate_sparse(
     ids_buf: object, q_buf: object, vocab_size: int, max_k: int, proposed: int
 ) -> tuple[Int32Array, Int64Array]:
-    """Validate a received sparse row and return ``(ids, counts)``.
-
-    Order of checks: lengths, missing q, support size, proposed range, IDs out of
-    range, duplicate IDs (even with zero q), unsorted IDs, value range
-    (non-finite, negative including ``-0.0``, above 1), integrality, zero-count
-    entries, exact total, zero q at the proposed token.
+    """Validate a received sparse row and return ``(ids, counts)``: a standalone validator's
+    checks of §6.2 in order, first failure wins.
 
     Raises:
         ValidationError: ``ROW_LENGTH``, ``MISSING_Q``, ``SUPPORT_TOO_LARGE``,
-            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``,
-            ``SPARSE_DUPLICATE_ID``, ``SPARSE_UNSORTED``, ``NON_FINITE``,
-            ``NEGATIVE``, ``NON_DYADIC``, ``SPARSE_ZERO_ENTRY``,
-            ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
+            ``PROPOSED_OUT_OF_RANGE``, ``SPARSE_ID_OUT_OF_RANGE``, ``SPARSE_DUPLICATE_ID``,
+            ``SPARSE_UNSORTED``, ``NON_FINITE``, ``NEGATIVE``, ``NON_DYADIC``,
+            ``SPARSE_ZERO_ENTRY``, ``MASS_MISMATCH`` or ``ZERO_Q_AT_PROPOSED``.
     """
     ids = _i32_view(ids_buf, "sparse ids")
     q = _f32_view(q_buf, "sparse q")
@@ -213,8 +203,7 @@ def check_ascending(ids: Int32Array) -> None:
     """Sparse IDs strictly ascending (§6.2 step 3).
 
     Raises:
-        ValidationError: ``SPARSE_DUPLICATE_ID`` for a repeated ID, else
-            ``SPARSE_UNSORTED``.
+        ValidationError: ``SPARSE_DUPLICATE_ID`` for a repeated ID, else ``SPARSE_UNSORTED``.
     """
     if ids.size > 1 and (np.diff(ids) <= 0).any():
         if np.unique(ids).size != ids.size:
@@ -225,9 +214,7 @@ def check_ascending(ids: Int32Array) -> None:
 def check_sparse(
     ids: Int32Array, q: Float32Array, vocab_size: int, max_k: int, proposed: int
 ) -> None:
-    """Validate a sparse row given as int32 and float32 views; raise on the first failing class.
-
-    The checks and their order are :func:`validate_sparse`'s; nothing is copied.
+    """:func:`validate_sparse`'s checks on int32 and float32 views, nothing copied.
 
     Raises:
         ValidationError: see :func:`validate_sparse`.
@@ -248,13 +235,7 @@ def check_sparse(
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValidationError(ErrorCode.SPARSE_ID_OUT_OF_RANGE, "sparse id outside the vocabulary")
     check_ascending(ids)
-    bits = q.view(np.uint32)
-    if int(bits.max()) > ONE_BITS:
-        raise diagnose_range(bits)
-    scaled = q * np.float32(M)
-    counts = scaled.astype(np.int64)
-    if not np.array_equal(counts.astype(np.float32), scaled):
-        raise ValidationError(ErrorCode.NON_DYADIC, "q value is not a multiple of 2**-24")
+    counts = checked_counts(q)
     if (counts == 0).any():
         raise ValidationError(ErrorCode.SPARSE_ZERO_ENTRY, "sparse row carries a zero q")
     if int(counts.sum()) != M:
@@ -265,6 +246,6 @@ def check_sparse(
 
 
 def _fast() -> Any:
-    """The compiled fast paths, or None: read where :mod:`pp1wire.q.dyadic` keeps them,
-    so switching them off there (as the tests do) switches these off too."""
+    """The compiled fast paths where :mod:`pp1wire.q.dyadic` keeps them (None: numpy), so
+    switching them off there switches these off too."""
     return dyadic._fastq  # type: ignore[attr-defined]

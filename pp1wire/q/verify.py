@@ -1,18 +1,6 @@
-"""The Spark side's verifier: a request's state, the checks before any draw, and what
-a round commits; the block itself is decided by the one walk of :mod:`pp1wire.q.walk`.
-
-Everything that is the proposal's fault is refused before the first draw. A
-failure inside the target or a processor leaves the committed prefix as it was
-and poisons the request until :meth:`RequestVerifier.rebuild`. A round either
-commits all of its tokens or none; a terminal correction or bonus ends the
-request.
-
-A request's own round (:meth:`RequestVerifier.verify`) walks with its rows
-scored and processed per prefix; an engine's step (:func:`verify_step`: the
-rounds of many requests from one ``(N, V)`` array of target rows for
-:func:`step_prefixes`) walks them together with the row work batched
-(:func:`pp1wire.q.targetrows.decide`: compiled, numpy, or on the rows' torch
-device). :func:`verify_batch` is that step with the rows from one target call.
+"""The Spark side's verifier: a request's state, the checks before any draw, and what a
+round commits, one request at a time or an engine's step of many (:func:`verify_step`); the
+block itself is decided by the one walk of :mod:`pp1wire.q.walk`.
 """
 
 from __future__ import annotations
@@ -22,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
 import numpy.typing as npt
 
 from pp1wire.errors import ErrorCode, UsageError, VerifyError
@@ -54,17 +41,11 @@ __all__ = [
     "sample_weights", "step_prefixes", "verify_batch", "verify_step",
 ]  # fmt: skip
 
-Float64Array = npt.NDArray[np.float64]
-
 
 class RequestVerifier:
-    """Verification state of one request (one session slot) on the Spark side.
-
-    Holds the committed prefix, generation, the request's round counter (the
-    one place round IDs are allocated: every STEP and every target-only round
-    takes the next one, :meth:`take_round`), the last consumed round and the
-    request seed that keys the acceptance, correction and target domains.
-    """
+    """Verification state of one request (one session slot) on the Spark side: its committed
+    prefix, generation, round IDs (:meth:`take_round`) and seed. A target or processor
+    failure poisons it until :meth:`rebuild`."""
 
     def __init__(
         self,
@@ -80,11 +61,8 @@ class RequestVerifier:
         context: int = 0,
         audit: bool = False,
     ) -> None:
-        """Start a request after ``prefix``.
-
-        With ``audit``, every proposal is checked before any draw: each drafted
-        token must be the one the worker's own PROPOSAL draw selects from the q
-        it shipped (``docs/protocol.md`` §6.5).
+        """Start a request after ``prefix``; with ``audit``, each drafted token must be the
+        one the worker's PROPOSAL draw selects from its shipped q (``docs/protocol.md`` §6.5).
 
         Raises:
             VerifyError: ``MALFORMED_PROPOSAL`` if a prefix token is outside the vocabulary.
@@ -105,8 +83,6 @@ class RequestVerifier:
         self.committed: list[int] = []
         self.rebuild(prefix, generation)
 
-    # -- state ------------------------------------------------------------
-
     @property
     def position(self) -> int:
         """Absolute position of the next token (length of the committed prefix)."""
@@ -114,7 +90,7 @@ class RequestVerifier:
 
     @property
     def digest(self) -> int:
-        """:func:`prefix_digest` of the committed prefix (kept up to date, not recomputed)."""
+        """:func:`prefix_digest` of the committed prefix (kept up to date)."""
         return self._digest.value
 
     def rebuild(self, prefix: Sequence[int], generation: int) -> None:
@@ -135,8 +111,8 @@ class RequestVerifier:
         self.finished = bool(tokens) and self.eos is not None and tokens[-1] == self.eos
 
     def take_round(self) -> int:
-        """The next round ID of this generation (0, 1, 2, …): for a STEP, or for a
-        target-only round. Never one at or below a round already consumed."""
+        """The next round ID of this generation for a STEP or a target-only round, never
+        one at or below a round already consumed."""
         round_id = max(self._next_round, self.last_round + 1)
         self._next_round = round_id + 1
         return round_id
@@ -155,31 +131,15 @@ class RequestVerifier:
                 ErrorCode.ROUND_REUSED, f"round {round_id} is not after {self.last_round}"
             )
 
-    # -- checks before any draw -------------------------------------------
-
     def check_key(self, proposal: Proposal, counts: Sequence[int] | None = None) -> None:
-        """Refuse a proposal whose key or shape this request must not consume; draws nothing.
-
-        Everything :meth:`check_proposal` checks except the q rows themselves, so
-        a vocabulary-sharded group can check one shard's proposal against the
-        request (each rank's rows were checked on arrival, the group's sums by
-        :func:`pp1wire.q.layout.check_group`).
-
-        A proposal under a stop rule other than FIXED is audited here
-        (``docs/adaptive.md`` §2): its block must end exactly where the rule,
-        recomputed from its rows, ends it; only then may it be shorter than
-        its depth without a terminal token. A block a fault cut
-        (:attr:`Proposal.cut`, ``docs/adaptive.md`` §7) may end anywhere
-        before its depth, but never after the depth, a terminal token or
-        the rule ended it. ``counts`` are each row's count at its token when the
-        rows cannot tell (one shard of a sharded proposal: its group gathers them
-        from the ranks that own the tokens).
+        """:meth:`check_proposal` without the q rows (one shard's, for its group): the block
+        must end where its stop rule ends it, or earlier if a fault cut it
+        (``docs/adaptive.md`` §2, §7); ``counts``: each row's count at its token, if given.
 
         Raises:
-            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
-                ``WRONG_SESSION``, ``STALE_GENERATION``, ``CONTEXT_MISMATCH``,
-                ``STALE_PREFIX``, ``ROUND_REUSED``, ``MALFORMED_PROPOSAL`` or
-                ``STOP_RULE_VIOLATED``.
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``, ``WRONG_SESSION``,
+                ``STALE_GENERATION``, ``CONTEXT_MISMATCH``, ``STALE_PREFIX``, ``ROUND_REUSED``,
+                ``MALFORMED_PROPOSAL`` or ``STOP_RULE_VIOLATED``.
         """
         self._require_live()
         if proposal.session != self.session:
@@ -204,10 +164,7 @@ class RequestVerifier:
                     ErrorCode.MALFORMED_PROPOSAL, "draft continues after a terminal token"
                 )
         if proposal.stop.kind is not StopKind.FIXED:
-            if counts is None:
-                self._audit_stop(proposal)
-            else:
-                self._audit_stop(proposal, counts)
+            self._audit_stop(proposal, counts)
         elif proposal.cut is None and stopped_by_rule(
             proposal.depth, [row.token for row in rows], self.eos
         ):
@@ -217,8 +174,7 @@ class RequestVerifier:
             )
 
     def _audit_stop(self, proposal: Proposal, counts: Sequence[int] | None = None) -> None:
-        """The stop audit: every row's count at its own token (``counts``, or read from
-        the rows), through the rule."""
+        """Each row's count at its token (``counts``, or its row's) through the stop rule."""
         rows = proposal.rows
         if counts is None:
             if proposal.shard is not None:
@@ -248,9 +204,8 @@ class RequestVerifier:
         """Refuse a proposal that this request must not consume; draws nothing.
 
         Raises:
-            VerifyError: anything :meth:`check_key` raises; ``MALFORMED_PROPOSAL``
-                for one shard of a sharded proposal, a draft with zero q, or a
-                dense row shorter than the vocabulary.
+            VerifyError: as :meth:`check_key`; ``MALFORMED_PROPOSAL`` for one shard, a draft
+                with zero q, or a dense row shorter than the vocabulary.
         """
         if proposal.shard is not None:
             raise VerifyError(
@@ -265,22 +220,15 @@ class RequestVerifier:
                     ErrorCode.MALFORMED_PROPOSAL, "dense q shorter than the vocabulary"
                 )
 
-    # -- rounds -----------------------------------------------------------
-
     def verify(
         self, proposal: Proposal, scores: Sequence[npt.ArrayLike] | None = None
     ) -> RoundResult:
-        """Verify one proposal block and commit its outcome atomically.
-
-        ``scores``: the target's rows for :meth:`prefixes` of this proposal,
-        already computed (one batched call for many requests); without them
-        the target is called per position.
+        """Verify one proposal block and commit its outcome atomically (``scores``: the
+        target's rows for :meth:`prefixes`, if already computed).
 
         Raises:
-            VerifyError: anything :meth:`check_proposal` raises (nothing drawn,
-                nothing changed); ``TARGET_*`` (request poisoned, nothing
-                committed); ``EMPTY_RESIDUAL`` (nothing committed, the round
-                is spent; decode target-only with a new round).
+            VerifyError: as :meth:`check_proposal` (nothing changed); ``TARGET_*`` (poisoned)
+                or ``EMPTY_RESIDUAL`` (the round is spent), nothing committed.
         """
         self.check_proposal(proposal)
         self.last_round = proposal.round_id
@@ -289,21 +237,17 @@ class RequestVerifier:
     def evaluate(
         self, proposal: Proposal, scores: Sequence[npt.ArrayLike] | None = None
     ) -> RoundResult:
-        """What :meth:`verify` would commit, committing nothing (the round is not spent).
-
-        A tensor-parallel group evaluates on the owning rank, votes, and only
-        then lets every rank :meth:`apply` the result.
+        """What :meth:`verify` would commit, committing nothing (the round is not spent):
+        a group votes on it before every rank :meth:`apply`-s it.
 
         Raises:
-            VerifyError: as :meth:`verify`; a ``TARGET_*`` failure poisons the
-                request (see :meth:`discard`).
+            VerifyError: as :meth:`verify` (a ``TARGET_*`` failure poisons: :meth:`discard`).
         """
         self.check_proposal(proposal)
         return self._verify(proposal, commit=False, scores=scores)
 
     def prefixes(self, proposal: Proposal) -> list[Sequence[int]]:
-        """The prefixes :meth:`verify` scores: the committed prefix followed by
-        the first 0, 1, …, d drafts (d positions and the bonus), sharing memory."""
+        """The prefixes :meth:`verify` scores: the committed prefix then the first 0..d drafts."""
         out: list[Sequence[int]] = []
         for i in range(len(proposal.rows) + 1):
             context = ExtendedPrefix(self.committed)
@@ -321,11 +265,7 @@ class RequestVerifier:
             )
 
     def _verify(
-        self,
-        proposal: Proposal,
-        *,
-        commit: bool,
-        scores: Sequence[npt.ArrayLike] | None = None,
+        self, proposal: Proposal, *, commit: bool, scores: Sequence[npt.ArrayLike] | None = None
     ) -> RoundResult:
         if self.audit:
             self._audit(proposal)
@@ -353,10 +293,9 @@ class RequestVerifier:
         first: int = 0,
         counts: Sequence[int] | None = None,
     ) -> RoundRows:
-        """The walk's description of a round of this request after its committed
-        prefix: its rows ``first, first + 1, …`` of a layout (one per draft and the
-        bonus; one for a target-only round, ``drafts`` empty), and each draft's
-        count at its token (``counts``, or read from its row when reached)."""
+        """The walk's description of a round of this request: its rows ``first, first + 1,
+        …`` of a layout (one per draft and the bonus), each draft's count at its token
+        (``counts``, or read from its row when reached)."""
         rows = tuple(drafts)
         return RoundRows(
             rows=tuple(range(first, first + len(rows) + 1)),
@@ -379,13 +318,9 @@ class RequestVerifier:
         *,
         commit: bool,
     ) -> RoundResult | VerifyError:
-        """What the walk's ``decision`` on ``job`` commits (with ``commit``), or its error.
-
-        A row the round reached that failed its checks poisons the request, and
-        its error is ``failure(row)`` (the row's index in the job's layout); a
-        draw without mass is ``EMPTY_RESIDUAL`` (the round is spent, nothing
-        committed).
-        """
+        """What the walk's ``decision`` on ``job`` commits (with ``commit``), or its error: a
+        bad row poisons the request (its error ``failure(row)``), a draw without mass is
+        ``EMPTY_RESIDUAL``."""
         if decision.stop is Stop.BAD_ROW:
             self.poisoned = True
             return failure(job.rows[decision.row])
@@ -401,9 +336,7 @@ class RequestVerifier:
         )
 
     def decode_target_only(self, round_id: int, score: npt.ArrayLike | None = None) -> RoundResult:
-        """Sample one token from the target alone (fallback and depth 0).
-
-        ``score``: the target's row for the committed prefix, already computed.
+        """Sample one token from the target alone (``score``: its row, if already computed).
 
         Raises:
             VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``,
@@ -434,14 +367,12 @@ class RequestVerifier:
         return self._walked(self.round_rows(round_id), rows, commit)
 
     def apply(self, result: RoundResult) -> None:
-        """Commit a result that :meth:`evaluate` or :meth:`evaluate_target_only`
-        produced for this state (here or on another rank holding the same state).
+        """Commit a result :meth:`evaluate` or :meth:`evaluate_target_only` produced for
+        this state (here or on another rank).
 
         Raises:
-            VerifyError: ``SESSION_POISONED`` / ``REQUEST_FINISHED`` (nothing
-                changed), ``ROUND_REUSED`` if the round is not after the last
-                one, ``MALFORMED_PROPOSAL`` if the result is not a round that
-                could follow this prefix (empty, or a token outside the vocabulary).
+            VerifyError: ``SESSION_POISONED``, ``REQUEST_FINISHED``, ``ROUND_REUSED``, or
+                ``MALFORMED_PROPOSAL`` for a result that cannot follow this prefix.
         """
         self._require_live()
         self._claim_round(result.round_id)
@@ -462,11 +393,7 @@ class RequestVerifier:
         return self._commit(round_id, tokens, accepted, extra, outcome, commit=False)
 
     def discard(self) -> None:
-        """Forget a failed evaluation: clear poisoning, keep prefix, generation and rounds.
-
-        For a group that voted the round away: the next attempt (target-only,
-        from the same committed prefix) may evaluate the target again.
-        """
+        """Forget a failed evaluation a group voted away: clear poisoning, keep the rest."""
         self.poisoned = False
 
     def _commit(
@@ -510,12 +437,8 @@ def proposal_from_rows(
     )
 
 
-# -- a step: many requests' rounds at once ----------------------------------------------
-
 StepRound = tuple[RequestVerifier, Proposal | None, int]
-"""One request's round in a step: (verifier, the proposal to verify or None, round ID).
-
-The round ID is used for a target-only round (None); a proposal carries its own."""
+"""(verifier, proposal or None, round ID): the ID is a target-only round's (None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,15 +459,8 @@ _Out = list[RoundResult | VerifyError | None]
 def _plan(
     rounds: Sequence[StepRound], *, every: bool
 ) -> tuple[_Out, list[_Planned], list[Sequence[int]]]:
-    """Every check before any row is read: refusals in place, the others' row spans.
-
-    With ``every``, each round has rows in the layout whether it is refused or
-    not (an engine's layout, fixed by the rounds alone); else only the rounds
-    that pass their checks (what one target call needs to score).
-
-    Raises:
-        UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
-    """
+    """Every check before any row is read: refusals in place, the others' row spans (with
+    ``every`` a refused round keeps its rows in the layout); raises as :func:`step_prefixes`."""
     if len({id(v) for v, _, _ in rounds}) != len(rounds):
         raise UsageError(ErrorCode.BAD_ARGUMENT, "a step takes one round per request")
     out: _Out = [None] * len(rounds)
@@ -577,12 +493,9 @@ def _plan(
 def step_prefixes(rounds: Sequence[StepRound]) -> list[Sequence[int]]:
     """The prefixes whose target rows :func:`verify_step` takes, in its flat layout.
 
-    For each round in order: a proposal of d drafts needs d + 1 rows (its
-    request's committed prefix followed by the first 0, 1, ..., d drafts: each
-    draft's row and the bonus row), a target-only round one (the committed
-    prefix). The layout depends on the rounds alone: a round its checks will
-    refuse has its rows too (never read). The prefixes view the committed
-    tokens: score them before anything commits.
+    Per round in order: d + 1 for d drafts (the committed prefix then the first 0..d
+    drafts), one for a target-only round; a round its checks refuse keeps its rows.
+    They view the committed tokens: score them before anything commits.
 
     Raises:
         UsageError: ``BAD_ARGUMENT`` for two rounds of one request.
@@ -595,28 +508,16 @@ def verify_step(
 ) -> list[RoundResult | VerifyError]:
     """Decide a step's rounds from the target's rows for :func:`step_prefixes`, as an engine does.
 
-    ``probs``: those rows as one ``(N, V)`` array: numpy, anything exporting
-    DLPack, or a torch tensor on any device (a CPU one is viewed, not copied;
-    on another device only each row's total and check, each draft's ``p(x)``
-    and the drawn IDs leave it). Each round is decided exactly as
-    :meth:`RequestVerifier.verify` / :meth:`~RequestVerifier.decode_target_only`
-    decide it (the same tokens for the same seeds), and only the rows it
-    reaches are read. With ``commit`` False nothing commits
-    (:meth:`RequestVerifier.evaluate` semantics, for a group that votes first).
-    ``threads``: how many threads the compiled row operations may share each
-    call's rows out to (None: one for a step of fewer than 2**20 row entries,
-    where a second costs more than it saves; else 2, or 1 in a process pinned
-    to one core).
-
-    Returns one entry per round, in order: its :class:`RoundResult`, or the
-    :class:`VerifyError` that refused it (nothing drawn, nothing changed), that
-    its target row raised (``TARGET_*``: the request is poisoned, nothing
-    committed) or ``EMPTY_RESIDUAL`` (the round is spent).
+    ``probs``: those rows as one ``(N, V)`` array (numpy, DLPack, or a torch tensor on
+    any device, where only totals, ``p(x)`` and drawn IDs leave it). Each round gets
+    the tokens :meth:`RequestVerifier.verify` would give it; with ``commit`` False
+    nothing commits. ``threads``: the compiled row operations' threads
+    (:func:`pp1wire.q.targetrows.decide`). Returns per round its :class:`RoundResult`
+    or the :class:`VerifyError` that refused it, poisoned it or found no mass.
 
     Raises:
-        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if
-            ``probs`` is not 2-D with one row per prefix, or for two rounds of
-            one request.
+        UsageError: ``BAD_ARGUMENT`` (nothing decided, nothing changed) if ``probs`` is not 2-D with
+            one row per prefix, or for two rounds of one request.
     """
     out, planned, prefixes = _plan(rounds, every=True)
     shape = tuple(getattr(probs, "shape", ()))
@@ -632,23 +533,11 @@ def verify_step(
 
 
 def verify_batch(
-    rounds: Sequence[StepRound],
-    target: BatchTargetFn,
-    *,
-    commit: bool = True,
+    rounds: Sequence[StepRound], target: BatchTargetFn, *, commit: bool = True
 ) -> list[RoundResult | VerifyError]:
-    """Decide many requests' rounds with **one** target call, as an engine's step does.
-
-    Each round is ``(verifier, proposal, round_id)``: a proposal to verify, or
-    None to decode ``round_id`` target-only. Every prefix of
-    :func:`step_prefixes` is scored in a single call of ``target``, then the
-    step is decided by :func:`verify_step` (its results; with ``commit``
-    False nothing commits). Rounds must be of distinct requests.
-
-    Never raises for a round's failure: a failing ``target`` call fails every
-    scored round with ``TARGET_FAILED`` (and poisons their requests); a
-    :class:`FailedRow` in its result fails only the rounds that needed that row.
-    Only the rounds that pass their checks are scored.
+    """:func:`verify_step` with the rows of the rounds that pass their checks scored by
+    **one** call of ``target``: a failing call fails (and poisons) every scored round
+    with ``TARGET_FAILED``, a :class:`FailedRow` only the rounds that needed it.
 
     Raises:
         UsageError: ``BAD_ARGUMENT`` for two rounds of one request (nothing changed).
@@ -692,8 +581,8 @@ def _finished(out: _Out) -> list[RoundResult | VerifyError]:
 def _decide(
     planned: list[_Planned], rows: StepRows, out: _Out, *, commit: bool, threads: int | None = None
 ) -> None:
-    """The checked rounds' outcomes into ``out``: the round is spent (when
-    committing) before anything is drawn, as :meth:`RequestVerifier.verify` spends it."""
+    """The checked rounds' outcomes into ``out``, each round spent (when committing)
+    before anything is drawn."""
     fast: list[tuple[_Planned, RoundRows]] = []
     for pl in planned:
         v = pl.verifier

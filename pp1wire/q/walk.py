@@ -1,8 +1,6 @@
-"""The accept/resample walk of a block, written once (``docs/protocol.md`` §6.5).
-
-Every verifying path decides its rounds here: the per-request verifier, an
-engine's step (numpy, compiled or on a torch device) and a vocabulary-sharded
-group differ only in the row operations (:class:`RowOps`) they hand :func:`walk`.
+"""The accept/resample walk of a block, written once (``docs/protocol.md`` §6.5): every
+verifying path (per request, an engine's step on numpy, compiled or torch rows, a sharded
+group) differs only in the row operations (:class:`RowOps`) it hands :func:`walk`.
 """
 
 from __future__ import annotations
@@ -57,12 +55,9 @@ class Decision(NamedTuple):
 
 
 class RoundRows(NamedTuple):
-    """One round, as the walk needs it.
-
-    ``rows``: the indices of its target rows in its backend's layout, one per
-    draft and the bonus (one for a target-only round: ``drafts`` empty);
-    ``counts``: each draft's q count at its token (None: read from a draft's row
-    when the walk reaches it); ``start``: the absolute position of the first draft.
+    """One round, as the walk needs it: ``rows``, its target rows in the backend's layout
+    (one per draft and the bonus); ``counts``, each draft's count at its token (None: read
+    when reached); ``start``, the absolute position of the first draft.
     """
 
     rows: tuple[int, ...]
@@ -77,8 +72,7 @@ class RoundRows(NamedTuple):
     vocab: int
 
     def in_rng_range(self) -> bool:
-        """Whether every key field of its draws fits the RNG ABI (else its own
-        :class:`~pp1wire.q.rng.RoundStreams` refuses them)."""
+        """Whether every key field of its draws fits the RNG ABI."""
         return (
             0 <= self.seed < 1 << 64
             and 0 <= self.generation <= _U32
@@ -99,20 +93,16 @@ class Draw(NamedTuple):
 
 
 class RowOps(Protocol):
-    """The row operations of one batch of rounds: each call covers every live round.
-
-    A backend may compute more than it is asked (every ``p(x)`` of a step at the
-    first call, say) but answers only what it is asked, in order.
-    """
+    """The row operations of one batch of rounds: each call covers every live round, and
+    answers what it is asked, in order (it may compute more)."""
 
     eager_draws: bool
-    """Whether the draws decided at a position are asked for right after it, while
-    their rows are still in cache (host memory), or all at the end in one call
-    (one transfer from a device, one set of a sharded group's collectives)."""
+    """Whether draws are asked for right after their position (rows still in cache), or
+    all at the end in one call (one transfer, one set of a group's collectives)."""
 
     def check(self, rows: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether each (row, vocabulary size) is a distribution: the right shape,
-        finite, non-negative, a positive canonical total (which it keeps)."""
+        """Whether each (row, vocabulary size) is a distribution: the right shape, finite,
+        non-negative, a positive canonical total (kept)."""
         ...
 
     def p_at(self, asks: Sequence[tuple[int, int]]) -> list[float]:
@@ -121,14 +111,13 @@ class RowOps(Protocol):
         ...
 
     def draw(self, draws: Sequence[Draw]) -> list[int]:
-        """Each :class:`Draw` on a checked row, by descending the canonical tree of
-        ``docs/protocol.md`` §6.6; -1 where the weights have no mass."""
+        """Each :class:`Draw` on a checked row by the tree descent of §6.6; -1 without mass."""
         ...
 
 
 class RoundDraws:
-    """A round's Spark-side draws: the compiled Philox when built, else
-    :class:`~pp1wire.q.rng.RoundStreams` itself (which refuses fields out of range)."""
+    """A round's Spark-side draws: the compiled Philox, else
+    :class:`~pp1wire.q.rng.RoundStreams` (which refuses fields out of range)."""
 
     __slots__ = ("_key", "_philox", "_streams")
 
@@ -163,15 +152,11 @@ _ACCEPTANCE, _CORRECTION, _TARGET = Domain.ACCEPTANCE, Domain.CORRECTION, Domain
 def walk(jobs: Sequence[RoundRows], ops: RowOps) -> list[Decision]:
     """Decide every round of ``jobs``: one :class:`Decision` each, in order.
 
-    Every live round goes one position further at a time: its row checked,
-    then (a draft) the exact test ``u * q(x) < p(x)``; an accepted terminal
-    draft stops the round without a bonus, a rejection ends it with the
-    correction from ``max(p - q, 0)``, and the row after the last draft gives
-    the bonus from ``p`` (the target-only token, in the TARGET domain, for a
-    round without drafts). A row that fails its checks stops its round there.
-    Only the rows a round reaches are asked for; the draws come after the
-    position that decided them, or all at the end (:attr:`RowOps.eager_draws`):
-    none of them decides anything but its own token.
+    Every live round goes one position at a time: its row checked, then the exact test
+    ``u * q(x) < p(x)``; an accepted terminal draft stops without a bonus, a rejection
+    draws the correction from ``max(p - q, 0)``, the row after the last draft the bonus
+    (a round without drafts: the target-only token). Only rows a round reaches are
+    asked for; a draw decides nothing but its own token.
 
     Raises:
         RngError: a round's key outside the RNG ABI (only a round the caller
