@@ -61,7 +61,8 @@ def texts() -> list[Path]:
 
 def section_11(text: str) -> tuple[int, int]:
     start = text.index("## 11. Versioning")
-    return start, text.index("\n## ", start + 1)
+    end = text.find("\n## ", start + 1)  # §11 (with §11.1) may end the document
+    return start, len(text) if end < 0 else end
 
 
 def namings(text: str) -> list[tuple[int, int, str]]:

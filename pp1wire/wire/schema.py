@@ -2,9 +2,10 @@
 
 Usage: ``python -m pp1wire.wire.schema [--check] [--doc FILE] [DIR]`` (default
 ``schemas`` and ``docs/protocol.md``). The same run refreshes the tables the
-protocol document prints from the code: the field tables (between
-``<!-- fields:NAME -->`` markers), the HELLO rules of §4.1 (``<!-- hello-rules -->``)
-and the transition tables of §5 (``<!-- transitions:worker -->``, ``…:spark``).
+protocol document prints from the code: the field lists (between
+``<!-- fields:NAME -->`` markers, one line per message), the HELLO rules of §4.1
+(``<!-- hello-rules -->``) and the transition tables of §5
+(``<!-- transitions:worker -->``, ``…:spark``; a cell naming a code is fatal).
 
 Each file describes one message header as the positional array it is on the
 wire: element 0 is the tag (the frame type code), then the fields in order.
@@ -56,48 +57,66 @@ def schema_for(kind: MsgType) -> dict[str, Any]:
     return doc
 
 
-def _describe(t: msgspec.inspect.Type) -> tuple[str, str]:
-    """(wire type, constraint) of one field for the protocol document."""
+#: Full-width unsigned ranges, printed by their width in the field lists.
+_WIDTHS: dict[int, str] = {2**n - 1: f"uint{n}" for n in (8, 16, 32, 64)}
+
+
+def _describe(t: msgspec.inspect.Type) -> str:
+    """The wire type and bound of one field, as the protocol document prints it.
+
+    The legend is §4 of the document: ``uintN`` is 0..2^N-1, ``uint a..b`` any other
+    range, ``str ≤ n`` counts code points, ``bin a-b`` counts bytes.
+    """
     i = msgspec.inspect
     if isinstance(t, i.Metadata):
         return _describe(t.type)
     if isinstance(t, i.CustomType) and t.cls is FixedToken:
-        return "bin", (
-            f"exactly {TOKEN_WIDTH} bytes: the token as a little-endian uint32, 0 ≤ v ≤ {TOKEN_MAX}"
-        )
+        return f"bin {TOKEN_WIDTH}: uint32 LE ≤ {TOKEN_MAX}"
     if isinstance(t, i.IntType):
         lo = 0 if t.ge is None else t.ge
         hi = 2**64 - 1 if t.le is None else t.le
-        return "uint", f"{lo} ≤ v ≤ {hi}"
+        return _WIDTHS[hi] if lo == 0 and hi in _WIDTHS else f"uint {lo}..{hi}"
     if isinstance(t, i.FloatType):
-        return "float64", "finite, ≥ 0 (checked by the receiver)"
+        return "float64, finite, ≥ 0"
     if isinstance(t, i.BoolType):
-        return "bool", ""
+        return "bool"
     if isinstance(t, i.StrType):
-        return "str", f"UTF-8, ≤ {t.max_length} chars"
+        return f"str ≤ {t.max_length}"
     if isinstance(t, i.BytesType):
-        return "bin", f"{t.min_length or 0}–{t.max_length} bytes"  # noqa: RUF001 - a range in prose
+        least, most = t.min_length or 0, t.max_length
+        return f"bin {most}" if least == most else f"bin {least}–{most}"  # noqa: RUF001 - a range in prose
     if isinstance(t, i.UnionType):
         parts = [_describe(x) for x in t.types if not isinstance(x, i.NoneType)]
-        return f"{parts[0][0]} or nil", parts[0][1]
+        return f"{parts[0]} or nil"
     raise TypeError(t)
 
 
+def _shown(default: Any) -> str:
+    """A field's default as the document writes it (msgpack terms)."""
+    if default is None:
+        return "nil"
+    if isinstance(default, bool):
+        return "false" if default is False else "true"
+    if default == b"":
+        return "empty"
+    if default == "":
+        return '""'
+    return repr(default)
+
+
 def field_table(kind: MsgType) -> str:
-    """Markdown table of a message's header array, element by element."""
+    """A message's header array, element by element, as the document prints it.
+
+    One line of ``n `name` type`` for each field n (element 0 is the tag, the type
+    code), with ``= d`` after a trailing field that may be omitted (read as d).
+    """
     info = msgspec.inspect.type_info(MESSAGE_TYPES[kind])
     assert isinstance(info, msgspec.inspect.StructType)
-    lines = [
-        "| # | field | msgpack type | constraint |",
-        "|---|---|---|---|",
-        f"| 0 | tag | uint | = {int(kind)} |",
-    ]
+    items = []
     for n, f in enumerate(info.fields, start=1):
-        wire, rule = _describe(f.type)
-        shown = "empty" if f.default == b"" else repr(f.default)
-        default = "" if f.required else f" (may be omitted: default {shown})"
-        lines.append(f"| {n} | `{f.name}` | {wire} | {rule}{default} |")
-    return "\n".join(lines)
+        omitted = "" if f.required else f" = {_shown(f.default)}"
+        items.append(f"{n} `{f.name}` {_describe(f.type)}{omitted}")
+    return " · ".join(items)
 
 
 def _replace_block(text: str, start: str, end: str, body: str) -> str:
@@ -115,15 +134,17 @@ def generated_blocks() -> dict[str, tuple[str, str]]:
     }
     blocks["<!-- hello-rules -->"] = ("<!-- /hello-rules -->", handshake.rules_markdown())
     for name, table in (("worker", transitions.WORKER), ("spark", transitions.SPARK)):
-        blocks[f"<!-- transitions:{name} -->"] = (
-            "<!-- /transitions -->",
-            transitions.markdown(table),
-        )
+        blocks[f"<!-- transitions:{name} -->"] = ("<!-- /transitions -->", transition_table(table))
     return blocks
 
 
+def transition_table(table: dict[tuple[transitions.State, MsgType], transitions.Rule]) -> str:
+    """§5's table of one side: a cell that names a code means fatal with that code."""
+    return transitions.markdown(table).replace("fatal `", "`")
+
+
 def update_doc(text: str) -> str:
-    """Replace every generated block (field tables, HELLO rules, transitions) with its table."""
+    """Replace every generated block (field lists, HELLO rules, transitions) with its text."""
     out = text
     for start, (end, body) in generated_blocks().items():
         out = _replace_block(out, start, end, body)
@@ -144,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pp1wire.wire.schema", description=__doc__)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("dir", nargs="?", default="schemas")
-    parser.add_argument("--doc", default="docs/protocol.md", help="document with field tables")
+    parser.add_argument("--doc", default="docs/protocol.md", help="document to refresh")
     args = parser.parse_args(argv)
     doc = Path(args.doc)
     root = Path(args.dir)
