@@ -1,12 +1,6 @@
-"""What each role does with each message in each connection state: one table per role.
-
-In the manner of h11's ``_state.py``: a connection is in one of a few states,
-and for every (state, message type) pair the table names exactly one action —
-handle it, ignore it, or end the connection with a given code. There is no
-default: a pair missing from a table is a bug, and a test walks every pair of
-both tables against the cores. ``docs/protocol.md`` §5 prints the same tables
-(a test checks they agree).
-"""
+"""What each role does with each message in each connection state: one table per role, with
+an entry for every (state, message type) pair and no default (h11's ``_state.py``); printed in
+``docs/protocol.md`` §5."""
 
 from __future__ import annotations
 

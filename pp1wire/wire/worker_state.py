@@ -1,5 +1,5 @@
-"""The worker's configuration and per-slot state (split from :mod:`pp1wire.wire.worker_core`,
-which re-exports both)."""
+"""The worker's configuration and per-slot state (re-exported by
+:mod:`pp1wire.wire.worker_core`)."""
 
 from __future__ import annotations
 
