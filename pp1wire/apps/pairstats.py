@@ -1,32 +1,6 @@
-"""What a draft/target pair looks like to speculative decoding, measured on its own text.
-
-:func:`measure` samples contexts from the target itself (``chains`` chains of
-``length`` tokens, each grown from ``prompt`` by drawing every next token from
-the target's p; every prefix of a chain after the prompt is one context) and
-reports, over those contexts, with the drafter's q built exactly as
-``pp1-worker`` builds it (:func:`pp1wire.q.proposal.build_row`, temperature 1;
-q(v) = c_v / 2^24 exactly):
-
-- **acceptance**: Σ_v min(p(v), q(v)), the chance that one draft is accepted,
-  for dense q and for sparse top-K q (the drafter's K largest entries,
-  renormalized); its mean, spread and quantiles;
-- **mean accepted length** at depth d: the expected number of accepted drafts
-  of a block of d, estimated without sampling the accept test: along a path
-  of accepted drafts (each drawn from min(p, q) / Σ min(p, q), the law of an
-  accepted draft), the chance that drafts 1..i are all accepted is the
-  product of the per-position acceptances, and the length is their sum over
-  i = 1..d (an unbiased estimate with less variance than counting accepts);
-- **top-K mass**: the sum of the drafter's K largest q entries;
-- **confidence against acceptance**: the drafter's draw x ~ q (one per
-  context, from the exact counts), its q(x), and the exact chance
-  min(1, p(x) / q(x)) that the verifier accepts it; their Spearman rank
-  correlation, and the acceptance of draws with q(x) above and below 0.3;
-- **the target's entropy** in bits, its mean and quantiles.
-
-Arithmetic is float64 over exact dyadic q; the estimates are Monte Carlo over
-the sampled contexts, from a seeded generator (the same seed gives the same
-figures on the same numpy).
-"""
+"""What a draft/target pair looks like to speculative decoding, measured on contexts sampled from
+its own target, with the drafter's q built exactly as the worker builds it: Monte Carlo figures in
+float64 over exact dyadic q, from a seeded generator."""
 
 from __future__ import annotations
 
@@ -133,8 +107,12 @@ def measure(
     support: int = 32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The pair's statistics over ``chains * length`` contexts sampled from ``target``
-    (see the module docstring). ``drafter`` maps a prefix to logits, ``target`` to p."""
+    """The pair's statistics over ``chains * length`` contexts sampled from ``target`` (each
+    chain grown from ``prompt``), ``drafter`` mapping a prefix to logits and ``target`` to p,
+    q built as ``pp1-worker`` builds it: acceptance Σ min(p, q) (dense and top-K), the mean
+    accepted length at ``depth`` (per-position acceptances along an accepted path, summed),
+    top-K mass, q at a draw against its chance of acceptance, and the target's entropy.
+    """
     rng = np.random.default_rng(seed)
     acc_dense: list[float] = []
     acc_sparse: list[float] = []

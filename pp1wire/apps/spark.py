@@ -1,28 +1,6 @@
-"""``pp1-spark``: the verifier side. Asks a worker for proposals, verifies, commits, falls back.
-
-Runs ``--requests`` requests over ``--concurrency`` slots with the round driver
-(:mod:`pp1wire.apps.driver`), in one of three modes that differ only in how a
-step is decided: one rank; ``--tp N`` (a replicated TP group: rank 0 talks to
-the worker, the group decides); ``--tp N --vocab-shards N`` (every rank talks
-to its worker rank and holds its range of the vocabulary). Every flag means
-the same in every mode, or is refused in one line naming the mode.
-
-A fault after some valid rows (a late, corrupt or refused row, a worker
-failure, a lost connection) ends the block after them, and those rows are
-verified (``docs/adaptive.md`` §7); a proposal with no valid row, or refused
-whole, is discarded and the request's next round is decoded target-only
-from the committed prefix. If the
-worker goes away, requests continue target-only and the connection is retried
-(one rank and replicated TP); on reconnect each slot is reopened with its
-committed prefix under a new generation. ``--depth 0`` decodes target-only
-throughout with the same per-request seeds (``docs/runner.md``).
-
-A target that fails stops that request (``stopped: "target_failed"``), the
-others go on, and the run exits 4; a group that fails stops every request and
-the run exits 3; both write every result first. SIGTERM or SIGINT: every
-request finishes its current round, the results so far (``finished: false``
-for cut ones) are written, and the process exits 0.
-"""
+"""``pp1-spark``: the verifier side, one rank, a replicated ``--tp`` group or a vocabulary-sharded
+one: asks a worker for proposals, verifies, commits, and decodes target-only when it must
+(``docs/runner.md``); a target that fails exits 4, a group that fails 3, results written first."""
 
 from __future__ import annotations
 
@@ -76,8 +54,7 @@ if TYPE_CHECKING:
     from pp1wire.tp.coordinator import GroupCoordinator
     from pp1wire.tp.group import Faults
 
-MAX_CONCURRENCY = 0xFFFF
-"""The most slots a HELLO can ask for (``max_slots`` is a 16-bit field)."""
+MAX_CONCURRENCY = 0xFFFF  # the most slots a HELLO can ask for (a 16-bit field)
 
 
 def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
@@ -128,21 +105,14 @@ def tls_context(cafile: str | None) -> ssl.SSLContext | None:
 
 
 class Output:
-    """``--output``: checked writable before any work, replaced whole at the end.
-
-    The check neither creates the file nor truncates an existing one; the
-    results go to a temporary file beside it that replaces it in one rename,
-    so a run that fails (or a bad flag) leaves an earlier output byte for byte
-    as it was, and no output where there was none.
-    """
+    """``--output``: checked writable before any work (nothing created or truncated), then
+    replaced in one rename at the end, so a run that fails leaves an earlier output as it was."""
 
     def __init__(self, path: str) -> None:
         """Check that ``path`` can be written, creating and changing nothing.
 
         Raises:
-            SettingsError: if an existing ``path`` cannot be opened for writing (a
-                folder, a file without write permission), or its folder is missing
-                or cannot be written.
+            SettingsError: as :func:`pp1wire.apps.settings.check_writable`.
         """
         self.path = Path(path)
         settings.check_writable("--output", path)
@@ -412,9 +382,7 @@ class RankRun:
 
 
 async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    """Run the requests; returns the exit code.
-
-    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
+    """Run the requests; returns the exit code (``argv``: what ``--tp N`` hands its ranks).
 
     Raises:
         SettingsError: a bad setting (before anything runs).
@@ -433,7 +401,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if args.json:
             print(json.dumps(done.summary), flush=True)
         else:
-            print_summary(done.summary, args)
+            title = f"pp1-spark: {done.summary['requests']} requests, vocab {args.vocab}, "
+            metrics.print_summary(f"{title}depth {args.depth}, q {args.support}", done.summary, 22)
     if done.warning is not None:
         print(f"pp1-spark: warning: {done.warning}", file=sys.stderr, flush=True)
     return done.code
@@ -448,11 +417,9 @@ async def run_rank(
     faults: Faults | None = None,
 ) -> RankRun:
     """This process's part of the run: rank 0 (or the only rank) drives the requests and
-    writes ``--output``; a replicated follower follows; every sharded rank drives.
-
-    ``coord`` is this rank's group (None for one rank); ``faults`` are test hooks
-    for a replicated group. Signal handlers are installed only on the main thread,
-    so a test can run a whole group as threads of one process.
+    writes ``--output``, a replicated follower follows, every sharded rank drives
+    (``coord``: its group; ``faults``: a replicated group's test hooks). Signal handlers
+    go only on the main thread, so a test can run a group as threads of one process.
     """
     target = settings.make_plugin(args.target, vocab_size=args.vocab, seed=args.seed)
     m = SparkMetrics(max(plan.depth, 1))
@@ -476,8 +443,7 @@ async def run_rank(
             coord, args.vocab, max_batch=plan.concurrency, faults=faults or spark_tp.FAULTS
         )
         if coord.rank != 0:
-            # Blocking on purpose: a follower has nothing else to serve, and in a rank
-            # process this keeps it on the main thread, where its signal handlers live.
+            # Blocking on purpose: it keeps a follower on the main thread, with its handlers.
             return RankRun(spark_tp.follow(args, group, target, plan))
         replicated = spark_tp.ReplicatedStrategy(group, m)
         strategy, finish = replicated, replicated.finish
@@ -524,8 +490,7 @@ async def run_rank(
                 where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
                 print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
                 unreachable = 1
-            # Every rank of a sharded group needs its link: they start (or not) together,
-            # and a stop asked for while connecting stops them all before any round.
+            # The ranks start (or not, or stop) together: each needs its link.
             agreed = await asyncio.to_thread(strategy.agree, [unreachable, int(stopped)])
             if agreed[0] or agreed[1]:
                 if finish is not None:
@@ -600,13 +565,11 @@ def refused_by_configuration(summary: dict[str, Any], depth: int) -> int:
     return 1
 
 
-#: The reasons of the faults this side's own deadlines cause (``--reply-timeout``, which
-#: is also how long an answer may take before the connection ends).
+#: The reasons of the faults this side's own deadlines cause (``--reply-timeout``).
 TIMEOUT_REASONS = frozenset(
     code.name.lower() for code in (ErrorCode.REPLY_TIMEOUT, ErrorCode.ANSWER_TIMEOUT)
 )
-#: Faults the reply timeout does not explain that :func:`fault_warning` lets pass: fewer
-#: than this many, or than this share of the proposals asked for.
+#: Unexplained faults :func:`fault_warning` lets pass: fewer than this many, or this share.
 UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE = 3, 0.01
 
 
@@ -620,17 +583,10 @@ def faults_by_row(m: SparkMetrics) -> dict[tuple[int, str], int]:
 
 
 def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | None:
-    """The summary's warning when faults gather beyond what the run's reply timeout
-    explains (``docs/adaptive.md`` §7), else None.
-
-    A fault (a cut after row i, or a whole-block fallback: row 0) is *explained* by the
-    reply timeout when its reason is ``reply_timeout`` or ``answer_timeout``
-    (:data:`TIMEOUT_REASONS`): this side's own deadline ended the block, at a time
-    the drafts cannot set. Any other fault (a failure the worker reports, a refusal,
-    a lost connection, a row that fails validation) is the worker's or the path's
-    doing, which can depend on the drafts. The warning is due when such faults number
-    at least :data:`UNEXPLAINED_FLOOR` and at least :data:`UNEXPLAINED_SHARE` of the
-    ``proposals`` asked for; it names them by row.
+    """The summary's warning, naming them by row, when the faults the reply timeout does not
+    explain (any but :data:`TIMEOUT_REASONS`: the worker's or the path's doing, which can
+    depend on the drafts, ``docs/adaptive.md`` §7) reach :data:`UNEXPLAINED_FLOOR` and
+    :data:`UNEXPLAINED_SHARE` of the ``proposals``; else None.
     """
     rows: dict[int, int] = {}
     for (row, reason), n in faults.items():
@@ -645,17 +601,6 @@ def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | N
         f"explain ({by_row}); a worker that fails the rows of drafts it dislikes biases "
         "the output: compare pp1_faults_by_row_total by row (docs/adaptive.md section 7)"
     )
-
-
-def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    """Human-readable summary."""
-    print(
-        f"pp1-spark: {summary['requests']} requests, vocab {args.vocab}, depth {args.depth}, "
-        f"q {args.support}"
-    )
-    for key, value in summary.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else value
-        print(f"  {key:22s} {shown}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,15 +1,6 @@
-"""``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner).
-
-Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
-stop accepting, let every connection finish the frames it already received
-(the draws they asked for included, within a grace period), flush the replies,
-then exit 0.
-
-``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
-with this worker's settings against a running worker, exits 0 on success and
-prints the limits those settings give (:func:`limits`), the most a Spark side's
-HELLO may ask for.
-"""
+"""``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner),
+serving until SIGTERM or SIGINT, which drain what was received and exit 0; ``--check HOST:PORT``
+HELLOs a running worker and prints the limits these settings give."""
 
 from __future__ import annotations
 
@@ -36,9 +27,8 @@ log = logging.getLogger("pp1wire.worker")
 
 
 def limits(cfg: WorkerConfig, *, max_connections: int = 16) -> list[tuple[str, str]]:
-    """This worker's limits as (name, what it allows): what a Spark HELLO may ask for
-    (``docs/protocol.md`` §4.1; above any of them it is refused with ``LIMIT_EXCEEDED``)
-    and the bounds it holds every connection to (§8)."""
+    """This worker's limits as (name, what it allows): the most a Spark HELLO may ask for
+    (§4.1, else ``LIMIT_EXCEEDED``) and the bounds of every connection (§8)."""
     return [
         ("max_slots", f"{cfg.max_slots} (--max-slots)"),
         ("max_depth", f"{cfg.max_depth} (--max-depth, 1..5)"),
@@ -388,9 +378,8 @@ def policy_from(args: argparse.Namespace) -> PrincipalPolicy:
 
 
 def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
-    """Refuse to listen beyond loopback without its credential unless told ``--insecure``:
-    the protocol listener without a key, and the metrics endpoint (when there is one)
-    without a token.
+    """Refuse to listen beyond loopback without its credential (the protocol listener a key,
+    the metrics endpoint a token) unless told ``--insecure``.
 
     Raises:
         settings.SettingsError: for an address other than loopback without its
@@ -441,10 +430,8 @@ async def check(args: argparse.Namespace, target: str) -> int:
 
 
 async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    """Run the worker until SIGTERM/SIGINT; returns the exit code.
-
-    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
-    """
+    """Run the worker until SIGTERM/SIGINT; returns the exit code (``argv``: the command
+    line ``--tp N`` hands to the ranks it starts)."""
     config = config_from(args)
     check_exposure(args, config)
     policy = policy_from(args)
@@ -525,7 +512,6 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-worker`` entry point."""
-
     line = list(sys.argv[1:] if argv is None else argv)
 
     async def body(args: argparse.Namespace) -> int:
