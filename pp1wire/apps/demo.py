@@ -148,9 +148,7 @@ RUNS = (
 )
 
 
-def _shown(
-    env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[int] | None
-) -> str:
+def _shown(env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[int] | None) -> str:
     """``cmd`` (``python -m module ...``) as the user would type it, with its pace and cores."""
     pin = [] if on is None else ["taskset", "-c", ",".join(map(str, on))]
     return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *pin, program, *cmd[3:]])
@@ -256,98 +254,47 @@ def run_daemons(args: argparse.Namespace) -> int:
     return 0 if worker.returncode == 0 else 1
 
 
+_HELP: dict[str, str] = {
+    "--models": "the model pair: ngram (learned from the English text that ships with Python: the "
+    "statistics of real language) or toy (the exactness tests' pair)",
+    "--drafter-kind": "what the paced drafter hands over (daemons only): its FP32 probabilities, "
+    "as a draft head on a device does (q built with no exponential), or its logits",
+    "--vocab": "vocabulary size, in token IDs (the n-gram pair has about 3,700 tokens: IDs beyond "
+    "them have probability zero; a smaller vocabulary keeps its most frequent)",
+    "--seed": "toy model family seed",
+    "--requests": "requests per run, all in one step (the daemons run target-only, dense q, then "
+    "sparse top-32 q)",
+    "--max-tokens": "tokens generated per request",
+    "--depth": "draft tokens per proposal, 1..5",
+    "--target-ms": "what one target call costs (a prefix or a whole step's batch), in milliseconds",
+    "--drafter-ms": "what one drafter call costs (a prefix or a batch), in milliseconds",
+    "--no-pin": "leave both daemons unpinned (by default, with two or more cores, pp1-worker runs "
+    "on the first half of this process's cores and pp1-spark on the other half, as if on machines "
+    "of their own)",
+    "--in-process": "no daemons, no sockets: the proposal chain and the verifier in one process",
+    "--support": "with --in-process: dense or sparse top-K q (default: dense; the daemons run "
+    "both)",
+    "--temperature": "proposal temperature (0: greedy)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-demo`` argument parser."""
     p = settings.parser("pp1-demo", __doc__)
-    p.add_argument(
-        "--models",
-        choices=tuple(PAIRS),
-        default="ngram",
-        metavar="ngram|toy",
-        help="the model pair: ngram (learned from the English text that ships with Python: "
-        "the statistics of real language) or toy (the exactness tests' pair)",
-    )
-    p.add_argument(
-        "--drafter-kind",
-        choices=("probs", "logits"),
-        default="probs",
-        metavar="probs|logits",
-        help="what the paced drafter hands over (daemons only): its FP32 probabilities, as a "
-        "draft head on a device does (q built with no exponential), or its logits",
-    )
-    p.add_argument(
-        "--vocab",
-        type=settings.vocabulary,
-        default=DEFAULT_VOCAB,
-        metavar="TOKENS",
-        help="vocabulary size, in token IDs (the n-gram pair has about 3,700 tokens: IDs "
-        "beyond them have probability zero; a smaller vocabulary keeps its most frequent)",
-    )
-    p.add_argument(
-        "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
-    )
-    p.add_argument(
-        "--requests",
-        type=settings.positive,
-        default=8,
-        metavar="N",
-        help="requests per run, all in one step (the daemons run target-only, dense q, then "
-        "sparse top-32 q)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=settings.positive,
-        default=64,
-        metavar="TOKENS",
-        help="tokens generated per request",
-    )
-    p.add_argument(
-        "--depth",
-        type=settings.depth,
-        default=5,
-        metavar="N",
-        help="draft tokens per proposal, 1..5",
-    )
-    p.add_argument(
-        "--target-ms",
-        type=settings.pace_ms,
-        default=20.0,
-        metavar="MS",
-        help="what one target call costs (a prefix or a whole step's batch), in milliseconds",
-    )
-    p.add_argument(
-        "--drafter-ms",
-        type=settings.pace_ms,
-        default=0.5,
-        metavar="MS",
-        help="what one drafter call costs (a prefix or a batch), in milliseconds",
-    )
-    p.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="leave both daemons unpinned (by default, with two or more cores, pp1-worker runs "
-        "on the first half of this process's cores and pp1-spark on the other half, as if "
-        "on machines of their own)",
-    )
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="no daemons, no sockets: the proposal chain and the verifier in one process",
-    )
-    p.add_argument(
-        "--support",
-        default=None,
-        metavar="dense|sparse:K",
-        help="with --in-process: dense or sparse top-K q (default: dense; the daemons run both)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=settings.temperature,
-        default=1.0,
-        metavar="T",
-        help="proposal temperature (0: greedy)",
-    )
+    add = settings.adder(p, _HELP)
+    add("--models", None, "ngram", "ngram|toy", choices=tuple(PAIRS))
+    add("--drafter-kind", None, "probs", "probs|logits", choices=("probs", "logits"))
+    add("--vocab", settings.vocabulary, DEFAULT_VOCAB, "TOKENS")
+    add("--seed", settings.count, 0, "N")
+    add("--requests", settings.positive, 8, "N")
+    add("--max-tokens", settings.positive, 64, "TOKENS")
+    add("--depth", settings.depth, 5, "N")
+    add("--target-ms", settings.pace_ms, 20.0, "MS")
+    add("--drafter-ms", settings.pace_ms, 0.5, "MS")
+    add("--no-pin", dest="pin", action="store_false")
+    add("--in-process", action="store_true")
+    add("--support", None, None, "dense|sparse:K")
+    add("--temperature", settings.temperature, 1.0, "T")
     return p
 
 

@@ -494,135 +494,90 @@ def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     )
 
 
+def adder(p: argparse.ArgumentParser, helps: Mapping[str, str]) -> Callable[..., None]:
+    """``add(flag, kind, default, metavar, **more)``, adding ``flag`` to ``p`` with the help
+    ``helps[flag]``: one line a flag, the help texts in a table of their own (a ``None``
+    type, default or metavar is argparse's own)."""
+
+    def add(
+        flag: str, kind: Any = None, default: Any = None, metavar: str | None = None, **more: Any
+    ) -> None:
+        given = {"type": kind, "default": default, "metavar": metavar}
+        chosen = {k: v for k, v in given.items() if v is not None}
+        p.add_argument(flag, help=helps[flag], **chosen, **more)
+
+    return add
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+_HELP: dict[str, str] = {
+    "--vocab": "vocabulary size in token IDs",
+    "--vocab-hash": "hash of the global token-ID map (an unsigned 64-bit integer)",
+    "--row-entries": "dense row length in FP32 entries, padding included (default: --vocab); both "
+    "sides must use the same value",
+    "--vocab-shards": "split the vocabulary evenly over N ranks, one link per rank pair (the "
+    "daemons: with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
+    "connects to the worker address's port + r; each link carries only its range of q",
+    "--target-identity": "the target model's identity, declared in HELLO (at most 128 characters)",
+    "--psk-file": "file holding the pre-shared key, at least 16 bytes, or a key table (first line "
+    "pp1-keys-v1, then one 'ID KEY' per line; ID - is the default key): a worker accepts every key "
+    "of it, each its own principal (default: none, no authentication)",
+    "--key-id": "the ID of this Spark side's key, sent in HELLO: a key table's entry, or the ID "
+    "the worker's table gives this file's one key ('' or -: the default key)",
+    "--worker": "the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
+    "--tls-ca": "CA / certificate file: connect with TLS, trusting it (default: plaintext)",
+    "--metrics-host": "address of the Prometheus endpoint; an address other than loopback needs "
+    "--metrics-token-file or --insecure",
+    "--metrics-port": "Prometheus port, GET /metrics (0: any free port; default: unset, no "
+    "endpoint)",
+    "--metrics-token-file": "file holding a bearer token of at least 16 printable characters: GET "
+    "/metrics then needs 'Authorization: Bearer TOKEN' (else 401), with or without --psk-file "
+    "(default: none, anyone who reaches the endpoint reads it)",
+    "--insecure": "listen on an address other than loopback without its credential (the worker's "
+    "--host without --psk-file, either daemon's --metrics-host without --metrics-token-file): "
+    "anyone who can reach it may use it (open sessions and make the worker draw; read /metrics)",
+    "--log-level": "JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
+    "--config": "TOML file with any of these settings, keys named like the flags (default: none)",
+}
 
 
 def add_link_flags(p: argparse.ArgumentParser) -> None:
     """The flags of what both sides of a link must agree on: vocabulary, split, target, key."""
-    p.add_argument(
-        "--vocab",
-        type=vocabulary,
-        default=DEFAULT_VOCAB,
-        metavar="TOKENS",
-        help="vocabulary size in token IDs",
-    )
-    p.add_argument(
-        "--vocab-hash",
-        type=count,
-        default=0,
-        metavar="HASH",
-        help="hash of the global token-ID map (an unsigned 64-bit integer)",
-    )
-    p.add_argument(
-        "--row-entries",
-        type=entries,
-        default=None,
-        metavar="ENTRIES",
-        help="dense row length in FP32 entries, padding included (default: --vocab); "
-        "both sides must use the same value",
-    )
-    p.add_argument(
-        "--vocab-shards",
-        type=ranks,
-        default=1,
-        metavar="N",
-        help="split the vocabulary evenly over N ranks, one link per rank pair (the daemons: "
-        "with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
-        "connects to the worker address's port + r; each link carries only its range of q",
-    )
-    p.add_argument(
-        "--target-identity",
-        type=name,
-        default="pp1-toy-target",
-        metavar="NAME",
-        help="the target model's identity, declared in HELLO (at most 128 characters)",
-    )
-    p.add_argument(
-        "--psk-file",
-        default=None,
-        metavar="FILE",
-        help="file holding the pre-shared key, at least 16 bytes, or a key table (first line "
-        "pp1-keys-v1, then one 'ID KEY' per line; ID - is the default key): a worker "
-        "accepts every key of it, each its own principal (default: none, no authentication)",
-    )
-    p.add_argument(
-        "--key-id",
-        type=name,
-        default="",
-        metavar="ID",
-        help="the ID of this Spark side's key, sent in HELLO: a key table's entry, or the "
-        "ID the worker's table gives this file's one key ('' or -: the default key)",
-    )
+    add = adder(p, _HELP)
+    add("--vocab", vocabulary, DEFAULT_VOCAB, "TOKENS")
+    add("--vocab-hash", count, 0, "HASH")
+    add("--row-entries", entries, None, "ENTRIES")
+    add("--vocab-shards", ranks, 1, "N")
+    add("--target-identity", name, "pp1-toy-target", "NAME")
+    add("--psk-file", None, None, "FILE")
+    add("--key-id", name, "", "ID")
 
 
 def add_connect_flags(p: argparse.ArgumentParser) -> None:
     """How a Spark side (``pp1-spark``, ``pp1-conformance``) reaches its worker."""
-    p.add_argument(
-        "--worker",
-        default="127.0.0.1:7070",
-        metavar="HOST:PORT",
-        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="CA / certificate file: connect with TLS, trusting it (default: plaintext)",
-    )
+    add = adder(p, _HELP)
+    add("--worker", None, "127.0.0.1:7070", "HOST:PORT")
+    add("--tls-ca", None, None, "FILE")
 
 
 def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
     """The flags both daemons take with the same meaning: the link's, metrics, logging, config."""
     add_link_flags(p)
-    p.add_argument(
-        "--metrics-host",
-        type=listen_host,
-        default="127.0.0.1",
-        metavar="HOST",
-        help="address of the Prometheus endpoint; an address other than loopback needs "
-        "--metrics-token-file or --insecure",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=port,
-        default=None,
-        metavar="PORT",
-        help="Prometheus port, GET /metrics (0: any free port; default: unset, no endpoint)",
-    )
-    p.add_argument(
-        "--metrics-token-file",
-        default=None,
-        metavar="FILE",
-        help="file holding a bearer token of at least 16 printable characters: GET /metrics "
-        "then needs 'Authorization: Bearer TOKEN' (else 401), with or without --psk-file "
-        "(default: none, anyone who reaches the endpoint reads it)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="listen on an address other than loopback without its credential (the worker's "
-        "--host without --psk-file, either daemon's --metrics-host without "
-        "--metrics-token-file): anyone who can reach it may use it (open sessions and make "
-        "the worker draw; read /metrics)",
-    )
-    p.add_argument(
-        "--log-level",
-        default=log_level,
-        choices=LOG_LEVELS,
-        metavar="LEVEL",
-        help="JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
-    )
+    add = adder(p, _HELP)
+    add("--metrics-host", listen_host, "127.0.0.1", "HOST")
+    add("--metrics-port", port, None, "PORT")
+    add("--metrics-token-file", None, None, "FILE")
+    add("--insecure", action="store_true")
+    add("--log-level", None, log_level, "LEVEL", choices=LOG_LEVELS)
     add_config(p)
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
     """``--config``: a TOML file of settings (see :func:`parse`)."""
-    p.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="TOML file with any of these settings, keys named like the flags (default: none)",
-    )
+    add = adder(p, _HELP)
+    add("--config", None, None, "FILE")
 
 
 def exposed(host: str) -> bool:

@@ -134,141 +134,69 @@ class Output:
             raise
 
 
+_HELP: dict[str, str] = {
+    "--seed": "base seed: request i uses derive_seed(SEED, i)",
+    "--requests": "requests to run",
+    "--max-tokens": "new tokens per request (the last round is kept whole)",
+    "--depth": f"drafts per proposal at most, 1..{MAX_DEPTH}; 0 decodes target-only (no worker); "
+    "auto: each STEP's depth chosen per request from its verified rounds and the load "
+    "(docs/runner.md)",
+    "--stop": "the stop rule of every block (docs/adaptive.md): fixed (the depth, or a terminal "
+    "token, ends it), confidence:TAU (draw the next draft only while the last one's q is at least "
+    "TAU) or joint:TAU (only while the product of the drafts' q is at least TAU); audited on "
+    "arrival",
+    "--support": "the q of each row: dense or sparse:K",
+    "--temperature": "proposal temperature (0: greedy)",
+    "--concurrency": f"requests running at once, 1..{MAX_CONCURRENCY}: request i runs on slot "
+    "i mod SLOTS",
+    "--eos": "terminal token ID (default: none, requests end at --max-tokens)",
+    "--audit": "recompute the worker's proposal draw and refuse drafts its q does not select",
+    "--prompts": "JSONL, one JSON list of token IDs per line; request i takes line i mod lines "
+    "(default: every request's prompt is [1, 2, 3])",
+    "--output": "write one JSON object per request here, replacing the file at the end (default: "
+    "none)",
+    "--json": "print one JSON summary on stdout",
+    "--target": "target plugin: factory(vocab_size=, seed=) returns prefix -> probabilities (a "
+    ".batch(prefixes) method, if it has one, scores a whole step in one call)",
+    "--draft-identity": "pin the drafter identity the worker must declare ('' = any)",
+    "--max-prefix": "longest committed prefix this side asks the worker to hold",
+    "--reply-timeout": "how long a proposal may take: at the deadline its block is cut after the "
+    "rows that arrived (verified), or, with none, its round decodes target-only",
+    "--connect-timeout": "how long to keep trying to reach the worker at the start",
+    "--tp": f"tensor-parallel ranks, 1..{MAX_RANKS} (needs torch); above 1 this starts "
+    "them on this machine; under torchrun the launcher's world size is used",
+    "--group-timeout": "how long any collective of a TP group may wait for a rank before the group "
+    "fails closed",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-spark`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
     p = settings.parser(
         "pp1-spark", f"PP1 v{WIRE_VERSION} verifier side (the Spark rank): docs/runner.md."
     )
     settings.add_connect_flags(p)
-    p.add_argument(
-        "--seed",
-        type=count,
-        default=0,
-        metavar="SEED",
-        help="base seed: request i uses derive_seed(SEED, i)",
-    )
-    p.add_argument("--requests", type=count, default=8, metavar="N", help="requests to run")
-    p.add_argument(
-        "--max-tokens",
-        type=count,
-        default=64,
-        metavar="TOKENS",
-        help="new tokens per request (the last round is kept whole)",
-    )
-    p.add_argument(
-        "--depth",
-        type=settings.depth_or_auto,
-        default=5,
-        metavar="TOKENS",
-        help=f"drafts per proposal at most, 1..{MAX_DEPTH}; 0 decodes target-only (no worker); "
-        "auto: each STEP's depth chosen per request from its verified rounds and the load "
-        "(docs/runner.md)",
-    )
-    p.add_argument(
-        "--stop",
-        default="fixed",
-        metavar="RULE",
-        help="the stop rule of every block (docs/adaptive.md): fixed (the depth, or a "
-        "terminal token, ends it), confidence:TAU (draw the next draft only while the last "
-        "one's q is at least TAU) or joint:TAU (only while the product of the drafts' q is "
-        "at least TAU); audited on arrival",
-    )
-    p.add_argument(
-        "--support", default="dense", metavar="Q", help="the q of each row: dense or sparse:K"
-    )
-    p.add_argument(
-        "--temperature",
-        type=temperature,
-        default=1.0,
-        metavar="T",
-        help="proposal temperature (0: greedy)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=positive,
-        default=4,
-        metavar="SLOTS",
-        help=f"requests running at once, 1..{MAX_CONCURRENCY}: request i runs on slot i mod SLOTS",
-    )
-    p.add_argument(
-        "--eos",
-        type=count,
-        default=None,
-        metavar="TOKEN",
-        help="terminal token ID (default: none, requests end at --max-tokens)",
-    )
-    p.add_argument(
-        "--audit",
-        action="store_true",
-        help="recompute the worker's proposal draw and refuse drafts its q does not select",
-    )
-    p.add_argument(
-        "--prompts",
-        default=None,
-        metavar="FILE",
-        help="JSONL, one JSON list of token IDs per line; request i takes line i mod lines "
-        "(default: every request's prompt is [1, 2, 3])",
-    )
-    p.add_argument(
-        "--output",
-        default=None,
-        metavar="FILE",
-        help="write one JSON object per request here, replacing the file at the end "
-        "(default: none)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
-    p.add_argument(
-        "--target",
-        default="pp1wire.apps.models:target_factory",
-        metavar="MODULE:FACTORY",
-        help="target plugin: factory(vocab_size=, seed=) returns prefix -> probabilities "
-        "(a .batch(prefixes) method, if it has one, scores a whole step in one call)",
-    )
-    p.add_argument(
-        "--draft-identity",
-        type=settings.name,
-        default="",
-        metavar="NAME",
-        help="pin the drafter identity the worker must declare ('' = any)",
-    )
-    p.add_argument(
-        "--max-prefix",
-        type=positive,
-        default=1 << 16,
-        metavar="TOKENS",
-        help="longest committed prefix this side asks the worker to hold",
-    )
-    p.add_argument(
-        "--reply-timeout",
-        type=seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="how long a proposal may take: at the deadline its block is cut after the rows "
-        "that arrived (verified), or, with none, its round decodes target-only",
-    )
-    p.add_argument(
-        "--connect-timeout",
-        type=seconds,
-        default=10.0,
-        metavar="SECONDS",
-        help="how long to keep trying to reach the worker at the start",
-    )
-    p.add_argument(
-        "--tp",
-        type=settings.ranks,
-        default=1,
-        metavar="RANKS",
-        help=f"tensor-parallel ranks, 1..{MAX_RANKS} (needs torch); above 1 this starts "
-        "them on this machine; under torchrun the launcher's world size is used",
-    )
-    p.add_argument(
-        "--group-timeout",
-        type=seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long any collective of a TP group may wait for a rank before the group "
-        "fails closed",
-    )
+    add = settings.adder(p, _HELP)
+    add("--seed", count, 0, "SEED")
+    add("--requests", count, 8, "N")
+    add("--max-tokens", count, 64, "TOKENS")
+    add("--depth", settings.depth_or_auto, 5, "TOKENS")
+    add("--stop", None, "fixed", "RULE")
+    add("--support", None, "dense", "Q")
+    add("--temperature", temperature, 1.0, "T")
+    add("--concurrency", positive, 4, "SLOTS")
+    add("--eos", count, None, "TOKEN")
+    add("--audit", action="store_true")
+    add("--prompts", None, None, "FILE")
+    add("--output", None, None, "FILE")
+    add("--json", action="store_true")
+    add("--target", None, "pp1wire.apps.models:target_factory", "MODULE:FACTORY")
+    add("--draft-identity", settings.name, "", "NAME")
+    add("--max-prefix", positive, 1 << 16, "TOKENS")
+    add("--reply-timeout", seconds, 5.0, "SECONDS")
+    add("--connect-timeout", seconds, 10.0, "SECONDS")
+    add("--tp", settings.ranks, 1, "RANKS")
+    add("--group-timeout", seconds, 30.0, "SECONDS")
     add_common_flags(p, log_level="warning")
     return p
 
