@@ -93,70 +93,6 @@ def _fp32_payload(
     return _sparse_payload(ids, q32, shard, None)
 
 
-def reply_frame(
-    session: int,
-    step: Step,
-    index: int,
-    token: int,
-    dense: bool,
-    entries: int,
-    payload: bytes | memoryview,
-    *,
-    shard: tuple[int, int] | None = None,
-    tagged: bool = False,
-) -> FrameParts:
-    """One REPLY frame, as (preamble and header, payload), with its row checksum
-    (``shard``: a sharded link's global ID range)."""
-    header = Reply(
-        session=session,
-        slot=step.slot,
-        generation=step.generation,
-        round=step.round,
-        index=index,
-        position=step.position + index,
-        token=FixedToken(token),
-        representation=int(Representation.DENSE if dense else Representation.SPARSE),
-        entries=entries,
-        checksum=xxhash.xxh3_64_intdigest(payload),
-        start=None if shard is None else shard[0],
-        end=None if shard is None else shard[1],
-    )
-    return framing.encode_head(header, memoryview(payload).nbytes, tagged=tagged), payload
-
-
-def completion_frame(
-    session: int,
-    step: Step,
-    rows: int,
-    reply_bytes: int,
-    reply_checksum: int,
-    status: int,
-    *,
-    shard: tuple[int, int] | None = None,
-    tagged: bool = False,
-    stopped: bool = False,
-) -> bytes:
-    """The COMPLETION frame that closes a reply (``stopped``: by the STEP's stop rule)."""
-    return framing.encode_frame(
-        Completion(
-            session=session,
-            slot=step.slot,
-            generation=step.generation,
-            round=step.round,
-            position=step.position,
-            context=step.context,
-            rows=rows,
-            reply_bytes=reply_bytes,
-            reply_checksum=reply_checksum,
-            status=status,
-            start=None if shard is None else shard[0],
-            end=None if shard is None else shard[1],
-            stopped=stopped,
-        ),
-        tagged=tagged,
-    )
-
-
 def reply_frames(
     session: int,
     step: Step,
@@ -177,9 +113,10 @@ def reply_frames(
 
 class ReplyEncoder:
     """A STEP's reply framed a row at a time, as each row is drawn (``docs/adaptive.md`` §7),
-    then the COMPLETION: the same bytes as :func:`reply_frames`."""
+    then the COMPLETION: the same bytes as :func:`reply_frames` (``shard``: a sharded link's
+    global ID range, named by every frame)."""
 
-    __slots__ = ("row_entries", "session", "shard", "step", "tagged")
+    __slots__ = ("_head", "row_entries", "shard", "step", "tagged")
 
     def __init__(
         self,
@@ -191,49 +128,60 @@ class ReplyEncoder:
         tagged: bool = False,
     ) -> None:
         """Frame the reply to ``step``."""
-        self.session = session
         self.step = step
         self.row_entries = row_entries
         self.shard = shard
         self.tagged = tagged
+        # The fields every frame of the reply names: its round, and the link's range.
+        self._head = {
+            "session": session,
+            "slot": step.slot,
+            "generation": step.generation,
+            "round": step.round,
+        }
 
     def row(self, index: int, row: QRow) -> FrameParts:
-        """The REPLY frame of row ``index``."""
+        """The REPLY frame of row ``index``, as (preamble and header, payload)."""
         payload, entries = row_payload(row, self.row_entries, self.shard)
-        return reply_frame(
-            self.session,
-            self.step,
-            index,
-            row.token,
-            row.ids is None,
-            entries,
-            payload,
-            shard=self.shard,
-            tagged=self.tagged,
+        start, end = self.shard or (None, None)
+        header = Reply(
+            **self._head,
+            index=index,
+            position=self.step.position + index,
+            token=FixedToken(row.token),
+            representation=int(Representation.DENSE if row.ids is None else Representation.SPARSE),
+            entries=entries,
+            checksum=xxhash.xxh3_64_intdigest(payload),
+            start=start,
+            end=end,
         )
+        return framing.encode_head(header, payload.nbytes, tagged=self.tagged), payload
 
     def completion(
         self, frames: tuple[FrameParts, ...], status: int = 0, *, stopped: bool = False
     ) -> FrameParts:
-        """The COMPLETION closing a reply whose REPLY frames are ``frames``."""
+        """The COMPLETION closing a reply whose REPLY frames are ``frames`` (``stopped``: by
+        the STEP's stop rule)."""
         checksum = xxhash.xxh3_64()
         body = 0
         for parts in frames:
             for part in parts:
                 checksum.update(part)
                 body += memoryview(part).nbytes
-        done = completion_frame(
-            self.session,
-            self.step,
-            len(frames),
-            body,
-            checksum.intdigest(),
-            status,
-            shard=self.shard,
-            tagged=self.tagged,
+        start, end = self.shard or (None, None)
+        done = Completion(
+            **self._head,
+            position=self.step.position,
+            context=self.step.context,
+            rows=len(frames),
+            reply_bytes=body,
+            reply_checksum=checksum.intdigest(),
+            status=status,
+            start=start,
+            end=end,
             stopped=stopped,
         )
-        return (done,)
+        return (framing.encode_frame(done, tagged=self.tagged),)
 
 
 def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: int) -> bytes:
@@ -246,8 +194,6 @@ __all__ = [
     "FrameParts",
     "ReplyEncoder",
     "build_reply",
-    "completion_frame",
-    "reply_frame",
     "reply_frames",
     "row_payload",
 ]
