@@ -78,19 +78,7 @@ class SparkProtocol(SparkReplies):
         # Frame integrity (§5.1): keys once AUTH is sent, tags from the worker's HELLO on.
         self._sealer: integrity.Sealer | None = None
         self._receive_rule = integrity.ReceiveRule(integrity.SPARK_UNTAGGED_BEFORE_HELLO)
-        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
-            MsgType.PING: self._on_ping,
-            MsgType.PONG: self._on_pong,
-            MsgType.ERROR: self._on_error,
-            MsgType.HELLO: self._on_hello,
-            MsgType.CHALLENGE: self._on_challenge,
-            MsgType.OPENED: self._on_opened,
-            MsgType.CLOSED: self._on_closed,
-            MsgType.REPLY: self._on_reply,
-            MsgType.COMPLETION: self._on_completion,
-            MsgType.COMMITTED: self._on_committed,
-            MsgType.RESET_DONE: self._on_reset_done,
-        }
+        self._handlers = transitions.handlers(transitions.SPARK, self)
         self._retained = False
         # Per slot, CLOSEs not yet acknowledged: frames of the closed instance are ignored.
         self._closing: dict[int, int] = {}

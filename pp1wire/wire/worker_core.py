@@ -130,17 +130,10 @@ class WorkerProtocol:
         self._sealer: integrity.Sealer | None = None  # once a keyed handshake ends (§5.1)
         self._receive_rule = integrity.ReceiveRule()
         self._peer: Hello | None = None
-        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
-            MsgType.PING: self._on_ping,
-            MsgType.ERROR: self._on_error,
-            MsgType.HELLO: self._on_hello,
-            MsgType.AUTH: self._on_auth,
-            MsgType.OPEN: self._on_open,
-            MsgType.CLOSE: self._on_close,
-            MsgType.STEP: self._fenced(Step, fencing.worker_step, self._on_step),
-            MsgType.COMMIT: self._fenced(Commit, fencing.worker_commit, self._on_commit),
-            MsgType.RESET: self._fenced(Reset, fencing.worker_reset, self._on_reset),
-        }
+        handle = self._handlers = transitions.handlers(transitions.WORKER, self)
+        handle[MsgType.STEP] = self._fenced(Step, fencing.worker_step, self._on_step)
+        handle[MsgType.COMMIT] = self._fenced(Commit, fencing.worker_commit, self._on_commit)
+        handle[MsgType.RESET] = self._fenced(Reset, fencing.worker_reset, self._on_reset)
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
