@@ -90,9 +90,11 @@ def _accepted_length(
     return length
 
 
-def _quantiles(x: Sequence[float], at: Sequence[float]) -> dict[str, float]:
+def _spread(x: Sequence[float], at: Sequence[float], *, std: bool = False) -> dict[str, float]:
+    """The mean of ``x`` (its standard deviation), and its quantiles ``at``."""
+    out = {"mean": float(np.mean(x))} | ({"std": float(np.std(x))} if std else {})
     values = np.quantile(np.asarray(x, dtype=np.float64), at)
-    return {f"p{round(100 * a)}": float(v) for a, v in zip(at, values, strict=True)}
+    return out | {f"p{round(100 * a)}": float(v) for a, v in zip(at, values, strict=True)}
 
 
 def measure(
@@ -154,22 +156,14 @@ def measure(
         "depth": depth,
         "support": support,
         "acceptance": {
-            "dense": {
-                "mean": float(np.mean(acc_dense)),
-                "std": float(np.std(acc_dense)),
-                **_quantiles(acc_dense, at),
-            },
-            f"sparse{support}": {
-                "mean": float(np.mean(acc_sparse)),
-                "std": float(np.std(acc_sparse)),
-                **_quantiles(acc_sparse, at),
-            },
+            "dense": _spread(acc_dense, at, std=True),
+            f"sparse{support}": _spread(acc_sparse, at, std=True),
         },
         "mean_accepted_length": {
             "dense": float(np.mean(len_dense)),
             f"sparse{support}": float(np.mean(len_sparse)),
         },
-        f"top{support}_mass": {"mean": float(np.mean(top)), **_quantiles(top, at)},
+        f"top{support}_mass": _spread(top, at),
         "confidence": {
             "spearman_dense": spearman(conf, chance),
             f"spearman_sparse{support}": spearman(conf_sparse, chance_sparse),
@@ -180,7 +174,7 @@ def measure(
             "acceptance_q_at_least_tau": float(ch_arr[above].mean()) if above.any() else None,
             "acceptance_q_below_tau": float(ch_arr[~above].mean()) if (~above).any() else None,
         },
-        "target_entropy_bits": {"mean": float(np.mean(entropy)), **_quantiles(entropy, at)},
+        "target_entropy_bits": _spread(entropy, at),
         "seconds": time.perf_counter() - started,
     }
 

@@ -105,48 +105,32 @@ _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
 MAX_ENTRIES = 1 << 24
 #: The most ranks a group (``--tp``, ``--vocab-shards``) may have.
 MAX_RANKS = 16
-#: The longest duration any flag takes: one week, in seconds.
 MAX_SECONDS = 7 * 86400.0
-#: The most draw threads (``--draw-threads``).
 MAX_THREADS = 1024
 count = _int_type(0, _U64_MAX, "an integer >= 0")
 positive = _int_type(1, _U64_MAX, "an integer >= 1")
 port = _int_type(0, 65535, "a port (0..65535; 0: any free port)")
 seconds = _real_type(0.0, False, "a duration above 0 seconds, at most a week (604800)", MAX_SECONDS)
 temperature = _real_type(0.0, True, "a temperature (finite, >= 0; 0: greedy)")
-#: A count that travels in a 16-bit wire field (``--max-slots``).
 u16 = _int_type(1, 0xFFFF, "an integer in 1..65535 (it travels in a 16-bit field)")
-#: A vocabulary size: a dense row of it must fit one frame.
 vocabulary = _int_type(
     2, MAX_ENTRIES, f"a vocabulary size in 2..{MAX_ENTRIES} (a dense row must fit a 64 MiB frame)"
 )
-#: A row length in FP32 entries, with the same bound.
 entries = _int_type(
     1, MAX_ENTRIES, f"a row length in 1..{MAX_ENTRIES} entries (a row must fit a 64 MiB frame)"
 )
-#: A prefix length in tokens: an OPEN's prefix must fit one frame.
 prefix_tokens = _int_type(
     1, MAX_ENTRIES, f"a prefix length in 1..{MAX_ENTRIES} tokens (it must fit a 64 MiB frame)"
 )
-#: A proposal depth.
 depth = _int_type(1, 5, "a depth in 1..5")
-#: A support size (0: dense), within a 32-bit wire field.
 support = _int_type(0, 0xFFFFFFFF, "a support in 0..4294967295 (0: dense)")
-#: A group size.
 ranks = _int_type(1, MAX_RANKS, f"a number of ranks in 1..{MAX_RANKS}")
-#: A pool size (0 allowed).
 threads = _int_type(0, MAX_THREADS, f"a number of threads in 0..{MAX_THREADS}")
-#: A plugin's cost per call in milliseconds (``pp1-demo --target-ms``).
 pace_ms = _real_type(0.0, True, "a duration in 0..60000 ms", 60_000.0)
-#: STEPs drafted together (``--max-draw-batch``).
 draw_batch = _int_type(1, 4096, "a number of STEPs in 1..4096")
-#: A connection count.
 connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
-#: A rate per second.
 rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1e6)
-#: An IPv6 prefix length (``--ipv6-prefix``).
 ipv6_prefix = _int_type(1, 128, "a prefix length in 1..128 bits")
-#: A name carried in HELLO (at most 128 characters).
 name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
 
 

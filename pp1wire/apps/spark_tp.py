@@ -90,18 +90,12 @@ class ReplicatedStrategy:
             "tp_prefixes_agree": (
                 len({r.prefixes_digest for r in reports}) == 1 if reports else None
             ),
-            "tp_ranks": [
-                {
-                    "rank": r.rank,
-                    "collectives": r.collectives,
-                    "attempts": r.attempts,
-                    "fanout_bytes": r.fanout_bytes,
-                    "fanout_seconds": r.fanout_seconds,
-                    "bulk": r.bulk,
-                }
-                for r in reports
-            ],
+            "tp_ranks": [{k: getattr(r, k) for k in _RANK_KEYS} for r in reports],
         }
+
+
+#: What rank 0's summary says of each rank's report.
+_RANK_KEYS = ("rank", "collectives", "attempts", "fanout_bytes", "fanout_seconds", "bulk")
 
 
 def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
