@@ -633,16 +633,3 @@ class RoundDriver:
 # discarded proposal (the reason is already the request's).
 _TARGET_ONLY = 1_000
 _FALLBACK = 1_001
-
-__all__ = [
-    "GROUP_FAILED_EXIT",
-    "TARGET_FAILED_EXIT",
-    "LocalStrategy",
-    "Plan",
-    "RequestRecord",
-    "Round",
-    "RoundDriver",
-    "SparkMetrics",
-    "Strategy",
-    "Verdict",
-]

@@ -139,6 +139,3 @@ class Link:
             self._count(self.client)
             await self.client.close()
             self.client = None
-
-
-__all__ = ["RETRYABLE_REFUSALS", "Link"]

@@ -216,14 +216,3 @@ def end_process(code: int) -> int:
             stream.flush()
     logging.shutdown()
     os._exit(code)
-
-
-__all__ = [
-    "end_process",
-    "in_launched_rank",
-    "join_group",
-    "launch",
-    "rank_environments",
-    "require_torch",
-    "world_size",
-]

@@ -27,10 +27,10 @@ from pp1wire.apps.driver import (
     Plan,
     RequestRecord,
     RoundDriver,
-    SparkMetrics,
     Strategy,
 )
 from pp1wire.apps.link import Link
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.apps.settings import (
     MAX_RANKS,
     SettingsError,

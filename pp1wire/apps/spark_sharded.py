@@ -87,6 +87,3 @@ class ShardedStrategy:
             "shard_ranges": [list(layout.range(i)) for i in range(layout.shards)],
             "tp_collectives": self.coord.collectives,
         }
-
-
-__all__ = ["ShardedStrategy"]

@@ -11,7 +11,8 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, SparkMetrics, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import Pp1Error
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn
@@ -141,6 +142,3 @@ def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: 
         return GROUP_FAILED_EXIT
     group.coord.leave()
     return 0
-
-
-__all__ = ["FAULTS", "ReplicatedStrategy", "follow"]

@@ -73,6 +73,3 @@ def leave(drafting: ShardedDrafting) -> None:
     # A group thread still in a collective (a peer gone) would hang it: left to the exit.
     if drafting.broken is None and not drafting.running:
         drafting.coord.leave()
-
-
-__all__ = ["join", "launch", "leave", "world_size"]

@@ -188,12 +188,3 @@ def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: i
     """:func:`reply_frames` of an unsharded untagged reply of status 0, joined."""
     frames = reply_frames(session, step, rows, row_entries)
     return b"".join(part for parts in frames for part in parts)
-
-
-__all__ = [
-    "FrameParts",
-    "ReplyEncoder",
-    "build_reply",
-    "reply_frames",
-    "row_payload",
-]

@@ -144,6 +144,3 @@ class SparkReplies:
         # A nonzero status after rows: the worker failed drawing the next row, so
         # the rows it shipped are the block, cut there (§4.6).
         self._publish(msg.slot, state, cut=status_code(msg.status) if msg.status else None)
-
-
-__all__ = ["SparkReplies"]

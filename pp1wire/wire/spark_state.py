@@ -94,6 +94,3 @@ class OwedAnswers:
         """Whether an answer is owed past its deadline at ``now``."""
         deadline = self.next_deadline()
         return deadline is not None and now >= deadline
-
-
-__all__ = ["OwedAnswers", "SparkConfig", "SparkSlot"]

@@ -50,6 +50,3 @@ class WorkerSlot:
     def digest(self) -> int:
         """The committed prefix's digest."""
         return self.hasher.value
-
-
-__all__ = ["WorkerConfig", "WorkerSlot"]
