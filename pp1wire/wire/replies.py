@@ -116,7 +116,7 @@ class ReplyEncoder:
     then the COMPLETION: the same bytes as :func:`reply_frames` (``shard``: a sharded link's
     global ID range, named by every frame)."""
 
-    __slots__ = ("_head", "row_entries", "shard", "step", "tagged")
+    __slots__ = ("row_entries", "session", "shard", "step", "tagged")
 
     def __init__(
         self,
@@ -128,24 +128,24 @@ class ReplyEncoder:
         tagged: bool = False,
     ) -> None:
         """Frame the reply to ``step``."""
+        self.session = session
         self.step = step
         self.row_entries = row_entries
         self.shard = shard
         self.tagged = tagged
-        # The fields every frame of the reply names: its round, and the link's range.
-        self._head = {
-            "session": session,
-            "slot": step.slot,
-            "generation": step.generation,
-            "round": step.round,
-        }
+
+    def _head(self) -> dict[str, int]:
+        """The fields every frame of the reply names: its session and round."""
+        st = self.step
+        head = {"session": self.session, "slot": st.slot, "generation": st.generation}
+        return head | {"round": st.round}
 
     def row(self, index: int, row: QRow) -> FrameParts:
         """The REPLY frame of row ``index``, as (preamble and header, payload)."""
         payload, entries = row_payload(row, self.row_entries, self.shard)
         start, end = self.shard or (None, None)
         header = Reply(
-            **self._head,
+            **self._head(),
             index=index,
             position=self.step.position + index,
             token=FixedToken(row.token),
@@ -170,7 +170,7 @@ class ReplyEncoder:
                 body += memoryview(part).nbytes
         start, end = self.shard or (None, None)
         done = Completion(
-            **self._head,
+            **self._head(),
             position=self.step.position,
             context=self.step.context,
             rows=len(frames),

@@ -79,6 +79,7 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", Step, Commit, Reset)  # the slot messages a fencing rule decides
+_A = TypeVar("_A", Opened, ResetDone)
 
 
 _NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)
@@ -541,7 +542,7 @@ class WorkerProtocol:
         existing = self.slots.get(msg.slot)
         if existing is not None:
             if existing.open_msg == msg and existing.fence.committed_round < 0:
-                self._send(self._opened(msg.slot, existing))
+                self._send(self._state(Opened, msg.slot, existing))
                 return
             self._refuse_msg(ErrorCode.SLOT_IN_USE, kind, msg)
             return
@@ -577,17 +578,13 @@ class WorkerProtocol:
         self.gate.opened(msg.slot, self._now)
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
-        self._send(self._opened(msg.slot, slot))
+        self._send(self._state(Opened, msg.slot, slot))
         self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(prefix)))
 
-    def _opened(self, index: int, slot: WorkerSlot) -> Opened:
-        return Opened(
-            session=self.session,
-            slot=index,
-            generation=slot.fence.generation,
-            position=len(slot.prefix),
-            digest=slot.digest,
-        )
+    def _state(self, kind: type[_A], index: int, slot: WorkerSlot) -> _A:
+        """An OPENED or RESET_DONE: the slot's generation and prefix state."""
+        generation, position = slot.fence.generation, len(slot.prefix)
+        return kind(self.session, index, generation, position=position, digest=slot.digest)
 
     def _on_close(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Close)
@@ -730,15 +727,7 @@ class WorkerProtocol:
             slot.drafts = ()
             slot.committed_msg = None
             self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(slot.prefix)))
-        self._send(
-            ResetDone(
-                session=self.session,
-                slot=msg.slot,
-                generation=slot.fence.generation,
-                position=len(slot.prefix),
-                digest=slot.digest,
-            )
-        )
+        self._send(self._state(ResetDone, msg.slot, slot))
 
 
 def _slot_of(frame: framing.Frame) -> int | None:
