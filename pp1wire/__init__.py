@@ -1,40 +1,12 @@
 """pp1wire: transport, validation and exact verification for sampled speculative decoding.
 
-The public API is what this package exports; everything else is internal
-(its modules may change without notice). An engine's sampler needs only::
-
-    from pp1wire import SparkConfig, SyncClient, derive_seed, step_prefixes, verify_step
-
-* **Clients**: :class:`AsyncClient` (asyncio) and :class:`SyncClient` (blocking)
-  connect to a ``pp1-worker``; :class:`Request` is a request open on one slot
-  (its slot and its :class:`RequestVerifier`); ``propose_many`` returns a
-  :class:`ProposalBatch` of :class:`Proposal` or :class:`ProposalUnavailableError`
-  per request. :class:`SparkConfig` is what the client asks of the worker.
-* **Verification**: :func:`step_prefixes` lists what the engine scores for a
-  step's rounds (each a :data:`StepRound`, ``(verifier, proposal, round_id)``),
-  :func:`verify_step` decides them from the engine's ``[N, V]`` array or
-  tensor; :class:`RequestVerifier` holds one request's state (prefix,
-  generation, seed, round counter); :class:`RoundResult` and :class:`Outcome`
-  say what a round committed. :data:`TARGET_FAILURES` are the codes that stop
-  a request. :func:`derive_seed` gives request i its seed as ``pp1-spark`` does.
-* **Errors**: every exception is a :class:`Pp1Error` with an :class:`ErrorCode`
-  in ``.code``: :class:`UsageError` (local misuse, nothing sent),
-  :class:`RefusedError` (the worker refused: reopen the slot),
-  :class:`ConnectionLostError` (reconnect and reopen),
-  :class:`ProposalUnavailableError` (this round has no proposal: decode it
-  target-only), :class:`VerifyError` (a round could not be verified).
-* **Flat layout** of serving engines: :func:`flatten_drafts`,
-  :func:`target_rows`, :func:`pack_outputs`.
-* :func:`toy_target`: the built-in toy target (``pp1-spark``'s default
-  ``--target``), a stand-in for an engine's model in examples and tests.
-
-Tensor-parallel groups (``docs/tp.md``) are exported too, but need the ``tp``
-extra (torch): :class:`GroupCoordinator`, :class:`SparkGroup`,
-:class:`GroupItem` and :class:`GroupFailedError` are loaded on first use and
-are not in ``__all__``, so ``from pp1wire import *`` never imports torch.
-
-Importing the package is cheap: each name loads its module on first use.
-See ``docs/embedding.md``.
+The public API (``docs/embedding.md``), each name loaded on first use. Clients: AsyncClient,
+SyncClient, Request, ProposalBatch, SparkConfig. Verification: step_prefixes, verify_step,
+StepRound, RequestVerifier, RoundResult, Outcome, TARGET_FAILURES, derive_seed, Proposal.
+Errors: Pp1Error (its ErrorCode in ``.code``), UsageError, RefusedError, ConnectionLostError,
+ProposalUnavailableError, VerifyError. Flat layout: flatten_drafts, target_rows, pack_outputs.
+toy_target: the built-in toy target. With the ``tp`` extra (torch, so not in ``__all__``):
+GroupCoordinator, SparkGroup, GroupItem, GroupFailedError.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Error codes and exception types shared by every layer of pp1wire.
-
-Every failure that pp1wire can report has exactly one code in :class:`ErrorCode`.
-The wire protocol sends these numbers in ERROR messages (``docs/protocol.md``
-section "Errors"), counters are labelled by their names, and each exception
-carries its code in ``.code``. The numeric values are part of the protocol and
-never change meaning; new codes get new numbers.
-
-Internal exception text is for logs only; it never goes on the wire.
-"""
+"""Every error code pp1wire can report, one :class:`ErrorCode` (its numbers are the wire's, never
+reused: ``docs/protocol.md`` §9), and the exceptions that carry one in ``.code``."""
 
 from __future__ import annotations
 
@@ -49,8 +41,7 @@ class ErrorCode(IntEnum):
     INTEGRITY_MISMATCH = 36
     INTEGRITY_FAILED = 37
     SHARD_LAYOUT_MISMATCH = 38
-    # HELLO: the stop-rule sets differ (docs/adaptive.md), never upgraded silently.
-    STOP_RULES_MISMATCH = 39
+    STOP_RULES_MISMATCH = 39  # HELLO: the stop-rule sets differ (docs/adaptive.md)
 
     # -- sessions, fencing and replies (40..59) --------------------------------
     UNKNOWN_SLOT = 40
@@ -92,11 +83,8 @@ class ErrorCode(IntEnum):
     BAD_REPRESENTATION = 74
     TOKEN_OUT_OF_RANGE = 75
     SHARD_RANGE_MISMATCH = 76
-    # A block that stopped where its stop rule does not (docs/adaptive.md).
-    STOP_RULE_VIOLATED = 77
-    # A STEP naming a stop rule the worker cannot apply: an unknown kind, a
-    # threshold outside 0..2**24, or a rule the HELLO did not negotiate.
-    BAD_STOP_RULE = 78
+    STOP_RULE_VIOLATED = 77  # a block stopped where its stop rule does not
+    BAD_STOP_RULE = 78  # a STEP's rule unknown, out of range, or not negotiated
 
     # -- proposal construction and RNG on the sender (80..89) --------------------------
     WEIGHT_NON_FINITE = 80
@@ -124,18 +112,10 @@ class ErrorCode(IntEnum):
     # A vocabulary-sharded round across the links of a group (protocol §6.7).
     GROUP_SHARD_MISMATCH = 102
     GROUP_MASS_MISMATCH = 103
-    # A Spark TP group's attempt header or row table that no rank 0 could have
-    # written (docs/tp.md): rank-local, never on the wire.
-    GROUP_HEADER_INVALID = 104
-    # A sharded worker rank's STEP that the group's other links did not send within
-    # the match timeout (protocol §6.7): a COMPLETION status.
-    GROUP_UNMATCHED = 105
-    # A sharded link whose group nonce another live link of the worker rank serves
-    # (§6.7): fatal at the handshake.
-    GROUP_IN_USE = 106
-    # HELLO: the peer's REPLY rows are not in this side's row format (protocol §4.1,
-    # §4.5): a peer before the fixed-width token. Numbered here because the
-    # handshake codes (20..39) are all taken.
+    GROUP_HEADER_INVALID = 104  # a TP attempt no rank 0 could have written (rank-local)
+    GROUP_UNMATCHED = 105  # a sharded rank's STEP its group's other links did not send
+    GROUP_IN_USE = 106  # a sharded link's group nonce is another live link's (fatal)
+    # HELLO: a peer's REPLY rows not in this row format (§4.1); here, as 20..39 are taken.
     ROW_FORMAT_MISMATCH = 107
 
     # -- liveness and connection (110..127) ------------------------------------
@@ -145,37 +125,26 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 113
     CONNECTION_LIMIT = 114
     LATE_FRAME = 115
-    # A fresh STEP beyond the connection's draw budget (--max-draw-rate): refused,
-    # nothing changed; a later round may ask again (protocol §4.4).
-    DRAW_RATE_LIMITED = 116
-    # Local, never on the wire: what was pending on a slot ended because this
-    # side closed or reset the slot (or the client) itself.
-    CANCELLED = 117
-    # An OPEN, CLOSE, COMMIT or RESET the worker did not answer within the reply
-    # timeout: the Spark side ends the connection (fatal; protocol §7).
-    ANSWER_TIMEOUT = 118
+    DRAW_RATE_LIMITED = 116  # a fresh STEP beyond its draw budget (§4.4), nothing changed
+    CANCELLED = 117  # local: this side closed or reset the slot itself
+    ANSWER_TIMEOUT = 118  # an OPEN, CLOSE, COMMIT or RESET unanswered in time (§7, fatal)
 
     # -- local API state (120..126): never on the wire -------------------------
     NOT_READY = 120
     SLOT_BUSY = 121
     SLOT_DESYNCED = 122
-    # Spark tensor-parallel group (docs/tp.md): rank-local, never on the wire.
+    # Spark TP group (docs/tp.md): rank-local.
     GROUP_COPY_MISMATCH = 123
     GROUP_OUTCOME_MISMATCH = 124
     GROUP_FAILED = 125
-    # The caller passed what the API cannot take (a score count that does not
-    # match the proposal, …): local misuse, nothing sent and nothing changed.
-    BAD_ARGUMENT = 126
+    BAD_ARGUMENT = 126  # local misuse: nothing sent, nothing changed
 
     INTERNAL = 127
 
 
 class Pp1Error(Exception):
-    """Base class of every error pp1wire raises on purpose.
-
-    ``code`` is the :class:`ErrorCode`; ``str(exc)`` is a human explanation
-    meant for logs, not for the wire.
-    """
+    """Base class of every error pp1wire raises on purpose: ``code`` is its :class:`ErrorCode`,
+    ``str(exc)`` an explanation for logs, never for the wire."""
 
     code: ErrorCode
 
@@ -198,11 +167,7 @@ class RngError(Pp1Error, ValueError):
 
 
 class VerifyError(Pp1Error):
-    """The verifier refused a proposal or could not complete a round.
-
-    Raised before any random draw is consumed when the proposal itself is at
-    fault; see :mod:`pp1wire.q.verify` for which failures poison the session.
-    """
+    """The verifier refused a proposal (before any draw) or could not complete a round."""
 
 
 class ProtocolError(Pp1Error):
@@ -210,23 +175,13 @@ class ProtocolError(Pp1Error):
 
 
 class LocalStateError(Pp1Error):
-    """A local call arrived in a state that cannot take it; nothing was sent.
-
-    ``code`` is one of the local-only codes: ``NOT_READY`` (the connection has
-    not finished its handshake, or is closed), ``SLOT_BUSY`` (a proposal is
-    already in flight on the slot) or ``SLOT_DESYNCED`` (the worker refused a
-    slot-level request; the slot must be closed and reopened).
-    """
+    """A local call arrived in a state that cannot take it (``NOT_READY``, ``SLOT_BUSY``,
+    ``SLOT_DESYNCED``: the slot must be reopened); nothing was sent."""
 
 
 class UsageError(Pp1Error):
-    """Local misuse: the call cannot be taken with these arguments in this state.
-
-    Nothing was sent and nothing changed; the fix is in the calling code.
-    ``code`` says what was wrong (``BAD_ARGUMENT`` unless a more specific code
-    fits: ``UNKNOWN_SLOT``, ``SLOT_BUSY``, ``SLOT_IN_USE``, ``ROUND_REUSED``,
-    ``COMMIT_INVALID``, ``DEPTH_OUT_OF_RANGE``, …).
-    """
+    """Local misuse: nothing was sent and nothing changed; ``code`` says what was wrong
+    (``BAD_ARGUMENT`` unless a more specific code fits, such as ``SLOT_BUSY``)."""
 
     def __init__(self, code: ErrorCode = ErrorCode.BAD_ARGUMENT, detail: str = "") -> None:
         """A misuse with ``code`` and a human ``detail``."""

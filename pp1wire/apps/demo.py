@@ -1,25 +1,6 @@
-"""The main job: both daemons on loopback with a built-in model pair, and what speculation buys.
-
-``pp1-demo`` starts ``pp1-worker`` on a free loopback port and runs
-``pp1-spark`` against it three times: target-only (``--depth 0``), then
-speculative with dense q, then with sparse top-32 q, every request of a run
-in one step (concurrency = requests). The models are, by default, the n-gram
-pair learned from the English text that ships with Python
-(:mod:`pp1wire.apps.ngram`: a 5-gram target and a 4-gram drafter whose
-statistics are those of real language), or with ``--models toy`` the toy
-pair (:mod:`pp1wire.apps.models`). Both are paced: the target costs
-``--target-ms`` per call, whether it scores one prefix or a whole step's
-batch, as a forward pass does, and the drafter ``--drafter-ms`` per call. The
-drafter hands over its probabilities, as a draft head on a device does
-(``kind = "probs"``: q is built from them with no exponential), or with
-``--drafter-kind logits`` its logits. It prints each run's summary, the three
-runs' tokens/s side by side, the worker's Prometheus counters, then stops the
-worker with SIGTERM. With two or more cores the worker runs on one half of
-them and ``pp1-spark`` on the other (``--no-pin``: anywhere), as two machines
-would: left to the scheduler, each side's CPU work delays the other's.
-``pp1-demo --in-process`` instead runs the proposal chain and the verifier in
-one process (no sockets, no pacing), which is handy when debugging numerics.
-"""
+"""The main job: ``pp1-worker`` on loopback and ``pp1-spark`` against it, target-only, then dense q,
+then sparse top-32 q, with a paced model pair (the n-gram pair, or the toy pair), printing what
+speculation buys; ``--in-process``: the chain and verifier in one process, no sockets."""
 
 from __future__ import annotations
 
@@ -33,7 +14,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from pp1wire.apps import ngram, settings
+from pp1wire.apps import metrics, ngram, settings
 from pp1wire.apps.launch import (
     WorkerStartError,
     pinned,
@@ -49,8 +30,7 @@ from pp1wire.q.proposal import DrafterFn, QRow, propose
 from pp1wire.q.rng import Role, RoundStreams, derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn, proposal_from_rows
 
-#: The model pairs: name -> (what pp1-demo calls it, its paced drafter plugin of each
-#: kind, its paced target plugin).
+#: The model pairs: name -> (its title, its paced drafter plugin of each kind, its target's).
 PAIRS = {
     "ngram": (
         "n-gram pair",
@@ -72,7 +52,7 @@ PAIRS = {
 
 
 def models(name: str, vocab_size: int, seed: int) -> tuple[DrafterFn, TargetFn]:
-    """The drafter (prefix -> logits) and target (prefix -> p) of the pair ``name``, unpaced.
+    """The pair ``name``'s drafter (prefix -> logits) and target (prefix -> p), unpaced.
 
     Raises:
         ngram.CorpusMissingError: for the n-gram pair on a Python without its text.
@@ -107,8 +87,7 @@ def run_in_process(
     temperature: float,
     prompt: Sequence[int],
 ) -> dict[str, Any]:
-    """Generate ``requests`` sequences in one process with the pair ``pair``; return the
-    summary statistics.
+    """Generate ``requests`` sequences in one process with the pair ``pair``; their summary.
 
     Raises:
         ngram.CorpusMissingError: for the n-gram pair on a Python without its text.
@@ -161,13 +140,6 @@ def run_in_process(
     }
 
 
-def _print(title: str, stats: dict[str, Any]) -> None:
-    print(title)
-    for key, value in stats.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else value
-        print(f"  {key:24s} {shown}")
-
-
 #: The runs of the daemon demo: (title, --depth, --support); depth None: the demo's --depth.
 RUNS = (
     ("target-only", 0, "dense"),
@@ -176,9 +148,7 @@ RUNS = (
 )
 
 
-def _shown(
-    env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[int] | None
-) -> str:
+def _shown(env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[int] | None) -> str:
     """``cmd`` (``python -m module ...``) as the user would type it, with its pace and cores."""
     pin = [] if on is None else ["taskset", "-c", ",".join(map(str, on))]
     return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *pin, program, *cmd[3:]])
@@ -210,8 +180,7 @@ def run_daemons(args: argparse.Namespace) -> int:
     drafter_flags: list[str] = []
     target_flags: list[str] = []
     if args.models == "ngram":
-        # The tables are built (or read from the cache) here, once, so both daemons
-        # only load them; their identities name the tables (ngram.identities).
+        # The tables are built (or read from the cache) here, once: the daemons only load them.
         try:
             drafter_id, target_id = ngram.identities()
         except ngram.CorpusMissingError as exc:
@@ -262,7 +231,7 @@ def run_daemons(args: argparse.Namespace) -> int:
                     return done.returncode
                 summary = json.loads(done.stdout)
                 runs.append((title, summary))
-                _print(f"  {title}:", summary)
+                metrics.print_summary(f"  {title}:", summary, 24)
             _side_by_side(args, runs)
             url = f"http://{worker.metrics}/metrics"
             with urllib.request.urlopen(url, timeout=5) as response:
@@ -285,98 +254,47 @@ def run_daemons(args: argparse.Namespace) -> int:
     return 0 if worker.returncode == 0 else 1
 
 
+_HELP: dict[str, str] = {
+    "--models": "the model pair: ngram (learned from the English text that ships with Python: the "
+    "statistics of real language) or toy (the exactness tests' pair)",
+    "--drafter-kind": "what the paced drafter hands over (daemons only): its FP32 probabilities, "
+    "as a draft head on a device does (q built with no exponential), or its logits",
+    "--vocab": "vocabulary size, in token IDs (the n-gram pair has about 3,700 tokens: IDs beyond "
+    "them have probability zero; a smaller vocabulary keeps its most frequent)",
+    "--seed": "toy model family seed",
+    "--requests": "requests per run, all in one step (the daemons run target-only, dense q, then "
+    "sparse top-32 q)",
+    "--max-tokens": "tokens generated per request",
+    "--depth": "draft tokens per proposal, 1..5",
+    "--target-ms": "what one target call costs (a prefix or a whole step's batch), in milliseconds",
+    "--drafter-ms": "what one drafter call costs (a prefix or a batch), in milliseconds",
+    "--no-pin": "leave both daemons unpinned (by default, with two or more cores, pp1-worker runs "
+    "on the first half of this process's cores and pp1-spark on the other half, as if on machines "
+    "of their own)",
+    "--in-process": "no daemons, no sockets: the proposal chain and the verifier in one process",
+    "--support": "with --in-process: dense or sparse top-K q (default: dense; the daemons run "
+    "both)",
+    "--temperature": "proposal temperature (0: greedy)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-demo`` argument parser."""
     p = settings.parser("pp1-demo", __doc__)
-    p.add_argument(
-        "--models",
-        choices=tuple(PAIRS),
-        default="ngram",
-        metavar="ngram|toy",
-        help="the model pair: ngram (learned from the English text that ships with Python: "
-        "the statistics of real language) or toy (the exactness tests' pair)",
-    )
-    p.add_argument(
-        "--drafter-kind",
-        choices=("probs", "logits"),
-        default="probs",
-        metavar="probs|logits",
-        help="what the paced drafter hands over (daemons only): its FP32 probabilities, as a "
-        "draft head on a device does (q built with no exponential), or its logits",
-    )
-    p.add_argument(
-        "--vocab",
-        type=settings.vocabulary,
-        default=DEFAULT_VOCAB,
-        metavar="TOKENS",
-        help="vocabulary size, in token IDs (the n-gram pair has about 3,700 tokens: IDs "
-        "beyond them have probability zero; a smaller vocabulary keeps its most frequent)",
-    )
-    p.add_argument(
-        "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
-    )
-    p.add_argument(
-        "--requests",
-        type=settings.positive,
-        default=8,
-        metavar="N",
-        help="requests per run, all in one step (the daemons run target-only, dense q, then "
-        "sparse top-32 q)",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=settings.positive,
-        default=64,
-        metavar="TOKENS",
-        help="tokens generated per request",
-    )
-    p.add_argument(
-        "--depth",
-        type=settings.depth,
-        default=5,
-        metavar="N",
-        help="draft tokens per proposal, 1..5",
-    )
-    p.add_argument(
-        "--target-ms",
-        type=settings.pace_ms,
-        default=20.0,
-        metavar="MS",
-        help="what one target call costs (a prefix or a whole step's batch), in milliseconds",
-    )
-    p.add_argument(
-        "--drafter-ms",
-        type=settings.pace_ms,
-        default=0.5,
-        metavar="MS",
-        help="what one drafter call costs (a prefix or a batch), in milliseconds",
-    )
-    p.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="leave both daemons unpinned (by default, with two or more cores, pp1-worker runs "
-        "on the first half of this process's cores and pp1-spark on the other half, as if "
-        "on machines of their own)",
-    )
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="no daemons, no sockets: the proposal chain and the verifier in one process",
-    )
-    p.add_argument(
-        "--support",
-        default=None,
-        metavar="dense|sparse:K",
-        help="with --in-process: dense or sparse top-K q (default: dense; the daemons run both)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=settings.temperature,
-        default=1.0,
-        metavar="T",
-        help="proposal temperature (0: greedy)",
-    )
+    add = settings.adder(p, _HELP)
+    add("--models", None, "ngram", "ngram|toy", choices=tuple(PAIRS))
+    add("--drafter-kind", None, "probs", "probs|logits", choices=("probs", "logits"))
+    add("--vocab", settings.vocabulary, DEFAULT_VOCAB, "TOKENS")
+    add("--seed", settings.count, 0, "N")
+    add("--requests", settings.positive, 8, "N")
+    add("--max-tokens", settings.positive, 64, "TOKENS")
+    add("--depth", settings.depth, 5, "N")
+    add("--target-ms", settings.pace_ms, 20.0, "MS")
+    add("--drafter-ms", settings.pace_ms, 0.5, "MS")
+    add("--no-pin", dest="pin", action="store_false")
+    add("--in-process", action="store_true")
+    add("--support", None, None, "dense|sparse:K")
+    add("--temperature", settings.temperature, 1.0, "T")
     return p
 
 
@@ -384,7 +302,7 @@ def _support(text: str | None, vocab: int) -> int | None:
     """``--support`` as a sparse K, or None for dense.
 
     Raises:
-        settings.SettingsError: for anything but ``dense`` or ``sparse:K`` with K in 1..vocab.
+        settings.SettingsError: for anything but ``dense`` or ``sparse:K``, K in 1..vocab.
     """
     if text is None:
         return None
@@ -401,11 +319,7 @@ def _support(text: str | None, vocab: int) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the process exit code.
-
-    Every flag is checked before anything starts: a bad one prints one line and
-    returns 2.
-    """
+    """Command-line entry point; returns the exit code (2, with one line, for a bad flag)."""
     parser = build_parser()
     settings.one_line_errors(parser)
     try:
@@ -435,11 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ngram.CorpusMissingError as exc:
         print(f"pp1-demo: {exc} (or pp1-demo --models toy)", file=sys.stderr)
         return 1
-    _print(
-        f"pp1wire in-process round trip ({PAIRS[args.models][0]}): vocab {args.vocab}, "
-        f"depth {args.depth}",
-        stats,
-    )
+    title = f"pp1wire in-process round trip ({PAIRS[args.models][0]}): vocab {args.vocab}, "
+    metrics.print_summary(f"{title}depth {args.depth}", stats, 24)
     return 0
 
 

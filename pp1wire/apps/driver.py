@@ -1,46 +1,12 @@
-"""The Spark side's one round driver: every mode of ``pp1-spark`` runs its requests here.
-
-The driver steps like an engine's scheduler. Each step takes the round of
-every running request — proposals that arrived, target-only rounds, rounds
-whose proposal failed — hands them to a :class:`Strategy` that decides them
-together (one target call for the whole step), applies the verdicts (records,
-COMMITs, finished requests) and sends every next STEP at once. How a step is
-decided is the only thing a mode changes:
-
-* one rank (:class:`LocalStrategy`): :func:`pp1wire.q.verify.verify_batch` here;
-* a replicated TP group (:mod:`pp1wire.apps.spark_tp`): rank 0 runs the driver,
-  the group decides each step as one attempt;
-* a vocabulary-sharded group (:mod:`pp1wire.apps.spark_sharded`): every rank runs
-  the driver on its own link, and the strategy's :meth:`Strategy.agree` makes
-  every choice that depends on a link (can this request STEP? did its
-  proposal arrive? stop?) the same on every rank.
-
-What a request does is the same in every mode (``docs/runner.md``): request i
-has seed ``derive_seed(seed, i)``, runs on slot ``i mod C`` after the earlier
-requests of that slot, opens it at one generation above the slot's last, and
-numbers its rounds with its verifier's counter (every STEP and every
-target-only round takes the next one). Which rounds share a step never changes
-a token.
-
-**Failures, one rule each.** A fault after some valid rows (a late, refused
-or corrupt row, a worker failure, a lost connection) ends the block after
-them: those rows are verified as a block cut there (a *cut*, counted by
-reason, ``docs/adaptive.md`` §7). A proposal refused whole (no valid row, a
-key or COMPLETION that does not check, a group that voted it down) is
-discarded and the request's next round is target-only (a *fallback*,
-counted by reason). A target that fails (raises,
-or gives a row that is not a distribution) stops *that* request — reason
-``target_failed``, nothing of that round committed — and the others go on; the
-run writes every result and exits :data:`TARGET_FAILED_EXIT`. A group that
-fails (a collective timed out, a rank died, the ranks disagreed) stops every
-request — reason ``group_failed`` — and the run writes every result and exits
-:data:`GROUP_FAILED_EXIT`. A local close or reset is never a fallback.
-"""
+"""The Spark side's round driver, for every mode of ``pp1-spark``: like an engine's scheduler it
+hands each step's rounds to a :class:`Strategy` that decides them together, applies the
+verdicts and sends the next STEPs; a fault cuts a block, a failed proposal is a fallback."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -71,16 +37,14 @@ from pp1wire.q.verify import (
 log = logging.getLogger("pp1wire.apps.spark")
 
 GROUP_FAILED_EXIT = 3
-"""Exit status when the group failed: every request stopped, results written."""
+"""Exit status when the group failed (every request stopped, results written)."""
 TARGET_FAILED_EXIT = 4
 """Exit status when a target failure stopped at least one request (results written)."""
 
-# A proposal that arrives more than this fraction of a typical STEP→proposal time
-# after the first of its step is a straggler: it joins the next step instead.
+# A proposal later than this share of a typical STEP→proposal time after the first of its
+# step joins the next step; under the floor (seconds), waiting costs less than a step.
 _STRAGGLER_FRACTION = 0.5
-_STRAGGLER_FLOOR = 0.002  # seconds: under this, waiting costs less than a step
-
-# -- metrics and records ------------------------------------------------------------
+_STRAGGLER_FLOOR = 0.002
 
 
 @dataclass
@@ -96,42 +60,21 @@ class RequestRecord:
     accepted_tokens: int = 0
     fallbacks: int = 0
     fallback_reasons: Counter[str] = field(default_factory=Counter)
-    cuts: int = 0  # rounds whose block a fault ended early (its rows before were verified)
+    cuts: int = 0  # rounds whose block a fault ended early (the rows before it verified)
     cut_reasons: Counter[str] = field(default_factory=Counter)
     finished: bool = False
     stopped: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        """The JSONL record."""
-        return {
-            "request": self.request,
-            "seed": self.seed,
-            "prompt": self.prompt,
-            "tokens": self.tokens,
-            "rounds": self.rounds,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "fallbacks": self.fallbacks,
-            "fallback_reasons": dict(self.fallback_reasons),
-            "cuts": self.cuts,
-            "cut_reasons": dict(self.cut_reasons),
-            "finished": self.finished,
-            "stopped": self.stopped,
-        }
-
-
-# -- what the driver hands a strategy -------------------------------------------------
+        """The JSONL record: every field, in order (the reasons as plain dicts)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: dict(v) if isinstance(v, Counter) else v for k, v in out.items()}
 
 
 @dataclass
 class Plan:
-    """What a run does, from the settings (the same on every rank).
-
-    ``depth`` is every STEP's maximum depth, or with ``controller`` the most
-    the controller may choose (``--depth auto``: it picks each STEP's depth
-    from the request's verified rounds and the load, ``docs/runner.md`` §4);
-    ``stop`` is every STEP's stop rule (``--stop``).
-    """
+    """What a run does, from the settings (the same on every rank): ``depth`` is every STEP's
+    maximum, or with ``controller`` the most it may choose (``--depth auto``, runner §4)."""
 
     requests: int
     concurrency: int
@@ -161,8 +104,7 @@ class RequestState:
     flight: asyncio.Task[Proposal] | None = None
     round_id: int = -1  # the round in motion (a STEP's, or a target-only one)
     sent: float = 0.0
-    # A generation this rank just opened the slot at, taken up only if the group
-    # agrees the request STEPs: a rank never moves its verifier alone.
+    # Where this rank just opened the slot, taken up only once the group agrees to STEP.
     opening: int | None = None
     #: The request's verified rounds, the depth controller's only history.
     history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
@@ -190,14 +132,9 @@ class Round:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How a strategy decided one round.
-
-    ``result``: committed (already applied to the request's verifier).
-    Otherwise ``code`` says why: with ``stop`` the target failed and the
-    request stops; without, the proposal was discarded and the request's next
-    round is target-only. ``block`` is the proposal the round verified when a
-    strategy verified a shorter block than the round's own (a group whose
-    links got different rows: ``docs/adaptive.md`` §7); None otherwise.
+    """How a strategy decided one round: ``result`` committed (applied to the verifier), or
+    ``code`` says why not (``stop``: the target failed, the request stops; else the next
+    round is target-only); ``block``: a shorter block than the round's, if one was verified.
     """
 
     result: RoundResult | None = None
@@ -216,22 +153,17 @@ def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
 class Strategy(Protocol):
     """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
 
-    #: Whether :meth:`agree` runs a collective (then the driver calls it off the
-    #: event loop); False when it returns at once.
-    collective: bool
+    collective: bool  # whether agree runs a collective (then off the event loop)
 
     def agree(self, local: list[int]) -> list[int]:
-        """Per entry, the first nonzero value over the group's ranks (0 if every rank
-        gave 0); a single driver returns ``local``. Runs off the event loop unless
-        the strategy's ``collective`` is False.
+        """Per entry, the first nonzero value over the group's ranks (0 if none).
 
         Raises:
             GroupFailedError: the group failed.
         """
 
     def decide(self, rounds: list[Round]) -> list[Verdict]:
-        """Decide a step's rounds (distinct requests), one verdict each, in order.
-        Runs off the event loop.
+        """Decide a step's rounds (distinct requests), one verdict each, off the event loop.
 
         Raises:
             GroupFailedError: the group failed (nothing of the step committed).
@@ -271,28 +203,21 @@ class LocalStrategy:
         return {}
 
 
-# -- the driver ---------------------------------------------------------------------------
-
-
 @dataclass(eq=False)
 class RoundDriver:
-    """Runs every request of a :class:`Plan` through steps decided by a :class:`Strategy`.
-
-    ``link`` is None when no worker is used (``--depth 0``).
-    """
+    """Runs every request of a :class:`Plan` through steps decided by a :class:`Strategy`
+    (``link``: None when no worker is used, ``--depth 0``)."""
 
     plan: Plan
     strategy: Strategy
     target: TargetFn
     link: Link | None
     metrics: SparkMetrics
-    # A signal calls request_stop(); the step's agreement turns it into stopping,
-    # which every rank of a group then acts on at the same step.
+    # A signal requests a stop; the step's agreement makes it every rank's, at one step.
     stop_requested: bool = field(default=False, init=False)
     stopping: bool = field(default=False, init=False)
     group_failure: Pp1Error | None = field(default=None, init=False)
     round_trips: list[float] = field(default_factory=list, init=False)  # the first 100,000
-    # The last STEP→proposal times: the straggler wait follows the recent ones.
     recent_trips: deque[float] = field(default_factory=lambda: deque(maxlen=64), init=False)
     _stopped: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     records: dict[int, RequestRecord] = field(default_factory=dict, init=False)
@@ -305,24 +230,17 @@ class RoundDriver:
         default_factory=lambda: ThreadPoolExecutor(1, "pp1-step"), init=False
     )
 
-    # -- helpers -----------------------------------------------------------------------
-
     def request_stop(self) -> None:
-        """Stop as soon as possible (a signal handler's call; on the loop's thread).
-
-        Every wait of the run ends at once: an OPEN or a connect in progress is
-        abandoned, the proposals in flight are cut at the rows that arrived
-        (``docs/adaptive.md`` §7; with none, the round is not run), the step
-        under way is decided and committed, and :meth:`run` returns every
-        record. A group stops at the step where its ranks agree on it.
+        """Stop as soon as possible (a signal handler's call, on the loop's thread): every wait
+        ends, the proposals in flight are cut at the rows that arrived (``docs/adaptive.md``
+        §7), the step under way is decided, and :meth:`run` returns every record.
         """
         self.stop_requested = True
         self._stopped.set()
 
     async def until_stopped(self, waiting: Any) -> tuple[bool, Any]:
-        """``(True, None)`` if a stop was requested before the awaitable ``waiting``
-        finished (it is cancelled), else ``(False, its result)``; its exception
-        propagates."""
+        """``(True, None)`` if a stop came before ``waiting`` finished (it is cancelled), else
+        ``(False, its result)``; its exception propagates."""
         if self._stopped.is_set():
             if asyncio.iscoroutine(waiting):
                 waiting.close()
@@ -372,14 +290,9 @@ class RoundDriver:
         v = st.verifier
         return v.finished or v.poisoned or st.new_tokens >= self.plan.max_tokens
 
-    # -- the run ---------------------------------------------------------------------------
-
     async def run(self) -> list[RequestRecord]:
-        """Run every request (or until stopped); returns the records in request order.
-
-        A group failure ends the run early: every running request stops with
-        ``group_failed`` (see :attr:`group_failure`).
-        """
+        """Run every request (or until stopped); returns the records in request order (a group
+        failure stops every running request: ``group_failed``, :attr:`group_failure`)."""
         p = self.plan
         queues = [deque(range(s, p.requests, p.concurrency)) for s in range(p.concurrency)]
         active: dict[int, RequestState] = {}
@@ -421,22 +334,14 @@ class RoundDriver:
             self._thread.shutdown(wait=False)
         return [self.records[i] for i in sorted(self.records)]
 
-    # -- launching rounds ----------------------------------------------------------------
-
     async def _launch(self, states: list[RequestState]) -> None:
-        """Put every request without a round in motion into motion: a STEP, or target-only.
-
-        Whether a request can STEP depends on this rank's link; the strategy
-        makes that choice the same on every rank of a group (the first rank's
-        reason wins), so every rank takes the same round of the same kind.
-        """
+        """Set every request without a round in motion going: a STEP, or target-only (whether
+        it can STEP depends on this rank's link, so the group agrees on it)."""
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
-        # The load the depth controller sees is a function of the run's flags, not
-        # of how many requests happen to be running: that number depends on when
-        # other requests finished, i.e. on timing, and tokens must not
-        # (docs/runner.md section 4).
+        # A function of the flags, not of the requests running: that is timing, and
+        # tokens must not depend on it (docs/runner.md section 4).
         load = self.load
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._agree(local)
@@ -452,8 +357,7 @@ class RoundDriver:
                 if code != _FALLBACK:
                     st.fallback = ErrorCode(code).name.lower()
                 if not mine and st.opened is not None:
-                    # Another rank cannot STEP this request: close the slot here too,
-                    # so the group reopens it together at one generation.
+                    # Another rank cannot STEP it: close here too, to reopen together.
                     await self._close(st)
                 continue
             client = st.opened
@@ -475,14 +379,12 @@ class RoundDriver:
 
     @property
     def load(self) -> int:
-        """The load ``--depth auto`` assumes for every STEP: the requests that can
-        run at once, ``min(--concurrency, --requests)`` (``docs/runner.md`` §4.1)."""
+        """The load ``--depth auto`` assumes: ``min(--concurrency, --requests)`` (runner §4.1)."""
         return max(1, min(self.plan.concurrency, self.plan.requests))
 
     def _depth(self, st: RequestState, load: int) -> int:
-        """The STEP's maximum depth: ``--depth``, or the controller's choice from the
-        request's verified rounds and the load alone; the round it is for has no
-        row yet, so nothing of that round can enter the choice."""
+        """The STEP's maximum depth: ``--depth``, or the controller's choice from the request's
+        verified rounds and the load alone (nothing of the round it is for)."""
         controller = self.plan.controller
         if controller is None:
             return self.plan.depth
@@ -506,9 +408,7 @@ class RoundDriver:
             return int(ErrorCode.CONNECTION_LOST)
         if st.opened is client and client.slot_usable(st.slot):
             return 0
-        # Out of sync (a refused COMMIT or OPEN), on another connection, or new: the
-        # slot is closed if this connection holds it, then opened at a generation
-        # above every one it had (AsyncClient.reopen_slot, the one way to reopen).
+        # Out of sync, on another connection, or new: (re)opened above every generation.
         st.opened = None
         generation = self._generations.get(st.slot, -1) + 1
         self._generations[st.slot] = generation  # used, even if refused
@@ -525,8 +425,6 @@ class RoundDriver:
         st.opened = client
         return 0
 
-    # -- waiting for a step ------------------------------------------------------------------
-
     def straggler_wait(self, first: float) -> float:
         """How long a step waits for its other proposals once one arrived (docs/runner.md §8);
         ``first`` is the STEP→proposal time of its first, used until one was measured."""
@@ -534,17 +432,12 @@ class RoundDriver:
         return max(_STRAGGLER_FLOOR, _STRAGGLER_FRACTION * (statistics.median(recent or [first])))
 
     async def _ready(self, states: list[RequestState]) -> list[RequestState]:
-        """The requests whose round can be decided in this step (the same on every rank).
-
-        Waits for every proposal in flight, but not more than a straggler's
-        allowance after the first of them arrived: a later one joins the next
-        step. Also agrees on stopping (a signal on any rank stops every rank).
-        """
+        """The requests whose round can be decided in this step (the same on every rank): it
+        waits for the proposals in flight, up to a straggler's allowance after the first,
+        and agrees on stopping."""
         moving = [st for st in states if st.round_id >= 0]
         pending = [st.flight for st in moving if st.flight is not None and not st.flight.done()]
-        # A rank that learned of the stop through the agreement (stopping) cuts as the
-        # rank whose signal requested it does: neither waits for drafts, so the cut
-        # comes at a moment the drafts do not choose (docs/adaptive.md §7).
+        # No rank waits for drafts once stopping: the drafts do not choose the cut (§7).
         stop = self.stop_requested or self.stopping
         if pending and not stop:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
@@ -565,8 +458,7 @@ class RoundDriver:
         return [st for st, flag in zip(states, agreed, strict=False) if not flag]
 
     async def _cut_flights(self, moving: list[RequestState]) -> None:
-        """A stop was requested: each proposal in flight becomes the rows that arrived
-        (a block cut by SHUTTING_DOWN, verified in this step) or, with none, fails."""
+        """A stop was requested: each proposal in flight is cut (``SHUTTING_DOWN``) at its rows."""
         cut: dict[AsyncClient, list[int]] = {}
         waiting = []
         for st in moving:
@@ -577,8 +469,6 @@ class RoundDriver:
             client.cut(slots, ErrorCode.SHUTTING_DOWN)
         if waiting:  # settled by the cut on this loop; a dead link's already are
             await asyncio.wait(waiting, timeout=1.0)
-
-    # -- one step ---------------------------------------------------------------------------
 
     async def _step(self, ready: list[RequestState], running: int) -> None:
         rounds = [self._round(st) for st in ready]
@@ -602,8 +492,7 @@ class RoundDriver:
         return Round(st, st.round_id, proposal)
 
     def record_trip(self, rtt: float) -> None:
-        """One STEP→proposal time: the metric, the summary's first 100,000, and the
-        rolling window the straggler wait follows for the whole run."""
+        """One STEP→proposal time: the metric, the summary's, the straggler wait's window."""
         self.metrics.rtt.observe(rtt)
         if len(self.round_trips) < 100_000:
             self.round_trips.append(rtt)
@@ -623,7 +512,7 @@ class RoundDriver:
             else:
                 if verdict.code is ErrorCode.AUDIT_MISMATCH:
                     m.audit_failures.inc()
-                # The whole proposal is discarded: the next round is target-only.
+                # No row verified: the next round is target-only.
                 st.fallback = verdict.code.name.lower() if verdict.code else "discarded"
                 m.faults.labels(row="0", reason=st.fallback).inc()  # no row verified
             return
@@ -662,7 +551,7 @@ class RoundDriver:
                     st.slot, round_id=res.round_id, tokens=res.tokens, accepted=res.accepted
                 )
             except Pp1Error as exc:
-                # The worker side is out of step (or gone): reopen before the next STEP.
+                # The worker is out of step (or gone): reopen before the next STEP.
                 log.info("commit not sent", extra={"slot": st.slot, "error": repr(exc)})
                 st.opened = None
 
@@ -698,8 +587,6 @@ class RoundDriver:
         if client is not None and not client.closed:
             with contextlib.suppress(Pp1Error):
                 await client.close_slot(st.slot)
-
-    # -- the summary --------------------------------------------------------------------------
 
     def summary(self, records: Sequence[RequestRecord]) -> dict[str, Any]:
         """The run's summary object (``--json``)."""
@@ -742,21 +629,7 @@ class RoundDriver:
         return out
 
 
-# Codes of :meth:`RoundDriver._prepare` beside the ErrorCodes (never on the wire):
-# the round is target-only by the plan (no worker), or because the request's
-# last proposal was discarded (the reason is already the request's).
+# Codes of RoundDriver._prepare beside the ErrorCodes: target-only by the plan, or after a
+# discarded proposal (the reason is already the request's).
 _TARGET_ONLY = 1_000
 _FALLBACK = 1_001
-
-__all__ = [
-    "GROUP_FAILED_EXIT",
-    "TARGET_FAILED_EXIT",
-    "LocalStrategy",
-    "Plan",
-    "RequestRecord",
-    "Round",
-    "RoundDriver",
-    "SparkMetrics",
-    "Strategy",
-    "Verdict",
-]

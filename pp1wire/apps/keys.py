@@ -1,11 +1,5 @@
-"""Pre-shared keys and tokens read from files, and the link fields they make.
-
-A worker's ``--psk-file`` holds one key (the default, ID ``""``) or a key table
-(``docs/protocol.md`` §5, :func:`read_keys`); a Spark side takes one key of it,
-the one its ``--key-id`` names (:func:`read_psk`). ``--metrics-token-file``
-holds a bearer token (:func:`read_token`). :func:`link_fields` is what both
-sides of a link must agree on, from their flags.
-"""
+"""Pre-shared keys and bearer tokens read from files (a key table, ``docs/protocol.md`` §5),
+and the link fields both sides must agree on, from their flags."""
 
 from __future__ import annotations
 
@@ -23,9 +17,8 @@ _KEY_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0
 
 
 def key_id(raw: str) -> str:
-    """A key ID as a key table writes it (``docs/protocol.md`` §5): 1 to 128 of the
-    characters ``A-Z a-z 0-9 . _ : @ + -``, or ``-`` (also ``""``) for the default
-    key ``""``.
+    """A key ID as a key table writes it (§5): 1 to 128 of ``A-Z a-z 0-9 . _ : @ + -``, or
+    ``-`` (also ``""``) for the default key ``""``.
 
     Raises:
         ValueError: for anything else.
@@ -38,13 +31,9 @@ def key_id(raw: str) -> str:
 
 
 def read_keys(path: str) -> dict[str, bytes]:
-    """The pre-shared keys of a key file, by ID (``docs/protocol.md`` §5).
-
-    A file whose first line is ``pp1-keys-v1`` is a key table: each later line is
-    ``ID KEY`` (whitespace between; ``-`` as the ID names the default key ``""``),
-    blank lines and lines starting with ``#`` are skipped. Any other file is one
-    key, the default (ID ``""``): its bytes with surrounding ASCII whitespace
-    removed. Every key has at least 16 bytes.
+    """The pre-shared keys of a key file, by ID (§5): after a first line ``pp1-keys-v1``, one
+    ``ID KEY`` per line (``#`` comments and blank lines skipped); any other file is the
+    default key (ID ``""``), stripped. Every key has at least 16 bytes.
 
     Raises:
         SettingsError: if the file cannot be read, a key is shorter than 16 bytes, or
@@ -89,9 +78,8 @@ def _key_file(path: str) -> tuple[dict[str, bytes], bool]:
 
 
 def read_psk(path: str | None, key_id: str = "") -> bytes | None:
-    """A Spark side's pre-shared key: the one key of a single-key file (whatever
-    ``key_id`` it is sent under), or the key of ``key_id`` in a key table
-    (:func:`read_keys`); None without a file.
+    """A Spark side's pre-shared key: a single-key file's (under any ``key_id``), or the key of
+    ``key_id`` in a key table; None without a file.
 
     Raises:
         SettingsError: as :func:`read_keys`, or a table without ``key_id``.
@@ -108,9 +96,8 @@ def read_psk(path: str | None, key_id: str = "") -> bytes | None:
 
 
 def read_token(path: str) -> bytes:
-    """A bearer token from a file (``--metrics-token-file``): its bytes with surrounding
-    ASCII whitespace removed, at least 16 of them, printable ASCII without spaces
-    (what an HTTP ``Authorization`` header can carry).
+    """A bearer token from a file (``--metrics-token-file``), stripped: at least 16 printable
+    ASCII characters without spaces (what an ``Authorization`` header can carry).
 
     Raises:
         SettingsError: if the file cannot be read or the token is not such.
@@ -127,8 +114,7 @@ def read_token(path: str) -> bytes:
 
 
 class LinkFields(TypedDict):
-    """The :class:`~pp1wire.wire.handshake.PeerConfig` fields the :func:`add_link_flags`
-    flags give (``--vocab-shards`` is a layout, made where the ranks are known)."""
+    """The ``PeerConfig`` fields the link flags give (``--vocab-shards``: where ranks are known)."""
 
     vocab_size: int
     vocab_hash: int
@@ -140,9 +126,8 @@ class LinkFields(TypedDict):
 
 
 def link_fields(args: argparse.Namespace, *, worker: bool = False) -> LinkFields:
-    """What both sides of a link must agree on, from the flags: ``--row-entries`` checked,
-    the keys read: a Spark side's one key under ``--key-id`` (:func:`read_psk`), or
-    (``worker``) every key of the file, by ID (:func:`read_keys`).
+    """What both sides of a link must agree on, from the flags, the keys read: a Spark side's
+    one key under ``--key-id``, or (``worker``) every key of the file, by ID.
 
     Raises:
         SettingsError: as :func:`row_entries`, :func:`read_psk` and :func:`read_keys`.
@@ -162,9 +147,6 @@ def link_fields(args: argparse.Namespace, *, worker: bool = False) -> LinkFields
     )
 
 
-
-
 def key_id_flag(raw: str) -> str:
-    """``--key-id``: ``-`` (or ``""``) is the default key ``""``, anything else as given
-    (a HELLO field of at most 128 characters: the flag type checks that)."""
+    """``--key-id``: ``-`` (or ``""``) is the default key ``""``, anything else as given."""
     return "" if raw == DEFAULT_KEY_ID else raw

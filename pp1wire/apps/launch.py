@@ -1,10 +1,6 @@
-"""Start a ``pp1-worker`` process on loopback and wait until it serves.
-
-One helper for everything that needs a real worker process: the demo, the
-benchmarks, the examples and the tests. The worker binds port 0 (any free
-port) and reports the address it got on stdout, so nothing races another
-process for a port.
-"""
+"""Start a ``pp1-worker`` process (or a sharded group) on loopback and wait until it serves,
+for the demo, the benchmarks, the examples and the tests: the worker binds a free port and
+reports the address it got, so nothing races for a port."""
 
 from __future__ import annotations
 
@@ -47,22 +43,8 @@ class RunningWorker:
 
 def worker_command(*extra: str, vocab: int, seed: int = 0, log_level: str = "warning") -> list[str]:
     """The command line of a worker on any free loopback port."""
-    return [
-        sys.executable,
-        "-m",
-        "pp1wire.apps.worker",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--vocab",
-        str(vocab),
-        "--seed",
-        str(seed),
-        "--log-level",
-        log_level,
-        *extra,
-    ]
+    cmd = [sys.executable, "-m", "pp1wire.apps.worker", "--host", "127.0.0.1", "--port", "0"]
+    return [*cmd, "--vocab", str(vocab), "--seed", str(seed), "--log-level", log_level, *extra]
 
 
 # The affinity is set before the interpreter starts, so every thread it starts inherits it.
@@ -70,11 +52,8 @@ _PIN = "import os, sys; os.sched_setaffinity(0, {%s}); os.execv(sys.argv[1], sys
 
 
 def split_cores() -> tuple[list[int], list[int]] | None:
-    """Two halves of this process's cores, a worker's and a Spark side's; None with one core.
-
-    A deployment runs the two sides on different machines; on one machine,
-    pinning them apart keeps one side's CPU from stealing the other's.
-    """
+    """Two halves of this process's cores, a worker's and a Spark side's (pinned apart, as on
+    two machines, neither steals the other's CPU); None with one core."""
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) < 2:
         return None
@@ -83,26 +62,15 @@ def split_cores() -> tuple[list[int], list[int]] | None:
 
 
 def pinned(cmd: Sequence[str], on: Sequence[int]) -> list[str]:
-    """``cmd`` run on the cores ``on`` (every thread it starts included).
-
-    The cores are checked when the command runs: a core this machine lacks
-    fails it with ``OSError`` on its stderr, before ``cmd`` starts.
-    """
+    """``cmd`` run on the cores ``on``, every thread included (a core this machine lacks
+    fails it with ``OSError`` on its stderr, before ``cmd`` starts)."""
     return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
 
 
 def spark_command(address: str, *extra: str, vocab: int) -> list[str]:
     """The command line of ``pp1-spark`` against the worker at ``address``."""
-    return [
-        sys.executable,
-        "-m",
-        "pp1wire.apps.spark",
-        "--worker",
-        address,
-        "--vocab",
-        str(vocab),
-        *extra,
-    ]
+    cmd = [sys.executable, "-m", "pp1wire.apps.spark", "--worker", address]
+    return [*cmd, "--vocab", str(vocab), *extra]
 
 
 @contextlib.contextmanager
@@ -115,10 +83,8 @@ def worker_process(
     command: Sequence[str] | None = None,
     stop_timeout: float = 10.0,
 ) -> Iterator[RunningWorker]:
-    """Run a worker (``command``, or :func:`worker_command` with ``extra``) until the block ends.
-
-    The process is stopped with SIGTERM (then killed after ``stop_timeout`` s);
-    its exit code is left in :attr:`RunningWorker.returncode`.
+    """Run a worker (``command``, or :func:`worker_command` with ``extra``) until the block ends,
+    then SIGTERM it (killed after ``stop_timeout`` s), its exit code left in ``returncode``.
 
     Raises:
         WorkerStartError: if it exits or prints anything else before listening
@@ -173,8 +139,7 @@ _LOWEST = 10_000
 
 
 def _below_ephemeral(count: int) -> range | None:
-    """The bases P for which P .. P + count - 1 lie below the kernel's ephemeral
-    range (Linux), or None where that range is unknown or leaves no room."""
+    """The bases P with P .. P + count - 1 below the kernel's ephemeral range (None: unknown)."""
     try:
         low = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -184,13 +149,9 @@ def _below_ephemeral(count: int) -> range | None:
 
 
 def free_ports(count: int) -> int:
-    """A port P with P .. P + count - 1 free on loopback (worker rank r listens on P + r).
-
-    On Linux the run is drawn below the kernel's ephemeral range: a port the
-    kernel may hand to any connection made meanwhile (its source port) could
-    be taken between this check and the worker's bind, which fails the start
-    with "address already in use"; below the range only an explicit bind can
-    take it.
+    """A port P with P .. P + count - 1 free on loopback (worker rank r listens on P + r),
+    drawn below the kernel's ephemeral range where known: there no connection made
+    meanwhile can take it as its source port before the worker binds it.
 
     Raises:
         RuntimeError: if no such run of ports is found.
@@ -259,12 +220,9 @@ def worker_group(
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
 ) -> Iterator[RunningGroup]:
-    """Run ``pp1-worker --tp ranks --vocab-shards ranks`` (metrics on) until the block ends.
-
-    With ``faults``, the ranks run under torchrun with
-    :mod:`pp1wire.testing.shard_faults` (``--fault`` each). The launcher starts
-    each rank in a session of its own, so the ranks are stopped by their
-    command line (``--port``) as well as through the launcher.
+    """Run ``pp1-worker --tp ranks --vocab-shards ranks`` (metrics on) until the block ends
+    (``faults``: under torchrun with :mod:`pp1wire.testing.shard_faults`); each rank is in a
+    session of its own, so it is stopped by its command line (``--port``) too.
 
     Raises:
         WorkerStartError: if the group exits or does not listen within ``timeout``.

@@ -1,11 +1,6 @@
-"""This rank's connection to its worker (``pp1-spark``): connects, reconnects with backoff,
-counts what it received and what the client rejected or dropped.
-
-A first connection retries what a later attempt may cure (a refused or reset
-connection, a worker that is full or shutting down) until ``--connect-timeout``;
-once the run is going, a lost connection is retried with exponential backoff
-while rounds go on target-only (``docs/runner.md`` §3).
-"""
+"""This rank's connection to its worker (``pp1-spark``): the first connect retries what a later
+attempt may cure until ``--connect-timeout``; a lost connection is retried with backoff while
+rounds go on target-only (``docs/runner.md`` §3); it counts what was received and refused."""
 
 from __future__ import annotations
 
@@ -55,9 +50,8 @@ class Link:
         self._lock = asyncio.Lock()
 
     async def connect(self, timeout: float) -> None:
-        """Connect, retrying transient failures until ``timeout`` seconds have passed:
-        a refused or reset connection, and the worker's retryable refusals
-        (:data:`RETRYABLE_REFUSALS`: full, or shutting down), with backoff.
+        """Connect, retrying with backoff until ``timeout`` a refused or reset connection, or a
+        worker's refusal in :data:`RETRYABLE_REFUSALS` (full, or shutting down).
 
         Raises:
             RefusedError, ConnectionLostError, OSError: the last failure; at once for a
@@ -84,8 +78,7 @@ class Link:
                     raise
                 if time.monotonic() >= deadline:
                     raise
-                # Backoff with jitter: a full worker frees a connection when a peer
-                # leaves or idles out, and every waiting client should not arrive at once.
+                # Jitter: waiting clients should not all arrive at once when a worker frees up.
                 await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, 1.0) * (0.75 + random.random() / 2)
 
@@ -96,14 +89,13 @@ class Link:
             self.config = dataclasses.replace(self.config, lineage=client.core.lineage)
 
     def current(self) -> AsyncClient | None:
-        """The client while its connection is up, without waiting (None otherwise:
-        :meth:`live` reconnects)."""
+        """The client while its connection is up, without waiting (None otherwise)."""
         client = self.client
         return client if client is not None and not client.closed else None
 
     async def live(self) -> AsyncClient | None:
-        """The connected client, reconnecting (with backoff) if it died and this link
-        may; None while it is down. Cancelling it abandons a reconnect in progress."""
+        """The connected client, reconnecting (with backoff) if it died and this link may; None
+        while it is down. Cancelling it abandons a reconnect."""
         async with self._lock:
             client = self.client
             if client is not None and not client.closed:
@@ -147,6 +139,3 @@ class Link:
             self._count(self.client)
             await self.client.close()
             self.client = None
-
-
-__all__ = ["RETRYABLE_REFUSALS", "Link"]

@@ -1,11 +1,6 @@
-"""Prometheus metrics for both daemons, on ``prometheus_client``.
-
-Each daemon keeps its own :class:`prometheus_client.CollectorRegistry` (so two
-servers in one process never share counters) and serves it at ``GET /metrics``
-from the daemon's own event loop. :func:`by_label` and :func:`total` read a
-counter back for the daemons' JSON summaries; :class:`SparkMetrics` is every
-metric ``pp1-spark`` exports (the worker's are in :mod:`pp1wire.aio.server`).
-"""
+"""Prometheus metrics for both daemons on ``prometheus_client``, each daemon's registry its own
+and served at ``GET /metrics`` from its event loop; reading them back for the JSON summaries,
+and every metric ``pp1-spark`` exports (:class:`SparkMetrics`)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,8 @@ import asyncio
 import functools
 import hmac
 import urllib.request
+from collections.abc import Mapping
+from typing import Any
 
 import prometheus_client as prom
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -35,8 +32,7 @@ def total(counter: Counter) -> float:
 
 
 def by_label(counter: Counter) -> dict[str, int]:
-    """A one-label counter of events as ``{label value: count}`` (label values never
-    seen are absent). Counts are integers: such a counter only ever counts by one."""
+    """A counter of events as ``{label values: count}`` (whole counts: it counts by one)."""
     out: dict[str, int] = {}
     for labels, value in _samples(counter):
         key = ",".join(labels.values())
@@ -44,9 +40,16 @@ def by_label(counter: Counter) -> dict[str, int]:
     return out
 
 
+def print_summary(title: str, summary: Mapping[str, Any], width: int) -> None:
+    """Print ``title``, then each entry of ``summary`` indented (floats to 4 places)."""
+    print(title)
+    for key, value in summary.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"  {key:{width}s} {shown}")
+
+
 def bearer(request: bytes) -> bytes | None:
-    """The token of a request head's ``Authorization: Bearer TOKEN`` header (None if it
-    has none): the header name and the scheme in any case, as HTTP has them."""
+    """The token of a request head's ``Authorization: Bearer TOKEN`` header (any case), or None."""
     for line in request.split(b"\r\n")[1:]:
         name, sep, value = line.partition(b":")
         if sep and name.strip().lower() == b"authorization":
@@ -59,11 +62,8 @@ def bearer(request: bytes) -> bytes | None:
 async def serve(
     registry: CollectorRegistry, host: str, port: int, *, token: bytes | None = None
 ) -> asyncio.Server:
-    """Serve ``GET /metrics`` (Prometheus text) on ``host:port``; other paths get 404.
-    With a ``token`` (``--metrics-token-file``), a request without ``Authorization:
-    Bearer TOKEN`` of that token gets 401 and no page.
-
-    Port 0 binds any free port: read it from the returned server's sockets.
+    """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` (0: any free port), other paths
+    404; with a ``token``, a request without it as its bearer token gets 401.
 
     Raises:
         OSError: if the address cannot be bound.
@@ -97,8 +97,7 @@ async def serve(
 
 
 def scrape_page(address: str, token: bytes | None = None) -> str:
-    """The Prometheus text page a daemon serves at ``address`` (HOST:PORT), sending
-    ``token`` as a bearer token if given.
+    """The Prometheus text page a daemon serves at ``address`` (``token``: as bearer token).
 
     Raises:
         OSError: if it cannot be fetched within 5 s (``urllib.error.HTTPError``, an
@@ -139,8 +138,7 @@ class SparkMetrics:
             "Accepted draft tokens by position in the block (0-based).",
             ["position"],
         )
-        # Children made once: every position is exported from the start, and the
-        # per-round path skips the label lookup.
+        # Made once: every position is exported from the start, with no lookup per round.
         self.per_position = [per_position.labels(position=str(i)) for i in range(max_depth)]
         self.tokens = counter("pp1_tokens", "Tokens committed.")
         self.requests = counter("pp1_requests", "Requests completed.")

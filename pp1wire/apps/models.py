@@ -1,14 +1,6 @@
-"""Built-in toy language models: a target and a drafter that share structure.
-
-Both are low-rank bigram models, deterministic from ``(vocab_size, seed)``:
-``logits(prefix) = scale * E[last] @ W + bias`` with a Zipf-like unigram bias.
-The drafter is a perturbed copy of the target (noise on E and W), so its q
-overlaps the target's p the way a real draft model's does: acceptance is high
-but not one. They work at any vocabulary size; the default is DeepSeek's 129,280.
-
-:meth:`ToyLM.probs` is the exact target law the verifier must reproduce, so
-tests can compute target-only distributions for any prefix.
-"""
+"""Built-in toy models: a low-rank bigram target and a perturbed copy as its drafter, exact and
+deterministic from ``(vocab_size, seed)``, so that tests can compute the target's law for any
+prefix (acceptance is high but not one); the default vocabulary is DeepSeek's 129,280."""
 
 from __future__ import annotations
 
@@ -70,13 +62,9 @@ class ToyLM:
         return row
 
     def logits_batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
-        """:meth:`logits` of every prefix, as the rows of one ``[B, V]`` array.
-
-        Row ``i`` equals ``logits(prefixes[i])`` bit for bit: the float32
-        product of each distinct last token is the per-prefix one (a BLAS
-        matrix product may add in another order than its vector product), and
-        the binary64 steps, elementwise, run once over the whole batch.
-        """
+        """:meth:`logits` of every prefix, as the rows of one ``[B, V]`` array, bit for bit (each
+        distinct last token's product is the per-prefix one: a BLAS matrix product may add in
+        another order)."""
         lasts = [int(p[-1]) if len(p) else _BOS for p in prefixes]
         distinct = sorted(set(lasts))
         products = np.empty((len(distinct), self.vocab_size), dtype=np.float32)
@@ -111,8 +99,7 @@ class ToyLM:
         return self.probs(prefix).astype(np.float32)
 
     def probs32_batch(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
-        """:meth:`probs32` of every prefix, as the rows of one ``[B, V]`` float32 array
-        (bit for bit)."""
+        """:meth:`probs32` of every prefix, as one ``[B, V]`` float32 array (bit for bit)."""
         return self.probs_batch(prefixes).astype(np.float32)
 
     __call__ = probs
@@ -120,10 +107,8 @@ class ToyLM:
 
 
 class ModelFn:
-    """A per-prefix model function with its vectorized form as ``batch``, the
-    shape :func:`pp1wire.q.proposal.batched_drafter` and
-    :func:`pp1wire.q.verify.batched` look for. As a drafter, ``kind`` says what
-    its rows are (:func:`pp1wire.q.proposal.drafter_kind`)."""
+    """A per-prefix model function with its vectorized form as ``batch`` (what
+    ``batched_drafter`` and ``batched`` look for); as a drafter, its rows are ``kind``."""
 
     __slots__ = ("_many", "_one", "kind")
 
@@ -134,8 +119,7 @@ class ModelFn:
         *,
         kind: DrafterKind = "logits",
     ) -> None:
-        """Pair ``one`` (prefix → row) with ``many`` (prefixes → ``[B, V]``); ``kind``:
-        ``"logits"``, or ``"probs"`` for FP32 probabilities.
+        """Pair ``one`` (prefix → row) with ``many`` (prefixes → ``[B, V]``).
 
         Raises:
             ValueError: for another ``kind``.
@@ -167,9 +151,8 @@ def toy_drafter(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ToyLM:
 def drafter_factory(
     vocab_size: int = DEFAULT_VOCAB, seed: int = 0, *, kind: DrafterKind = "logits"
 ) -> DrafterFn:
-    """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits
-    (with ``batch``: prefixes → ``[B, V]`` logits); with ``kind="probs"``, the same
-    model's probabilities as FP32 (:func:`probs_drafter_factory`).
+    """Plugin factory for ``--drafter pp1wire.apps.models:drafter_factory``: prefix → logits,
+    with ``batch`` (``kind="probs"``: FP32 probabilities).
 
     Raises:
         ValueError: for a ``kind`` other than ``"logits"`` and ``"probs"``.
@@ -182,13 +165,12 @@ def drafter_factory(
 
 def probs_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> DrafterFn:
     """Plugin factory for ``--drafter pp1wire.apps.models:probs_drafter_factory``: the toy
-    drafter handing over probabilities (``kind = "probs"``): prefix → FP32 row, with
-    ``batch``: prefixes → ``[B, V]`` float32."""
+    drafter handing over FP32 probabilities (``kind = "probs"``), with ``batch``."""
     return drafter_factory(vocab_size, seed, kind="probs")
 
 
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> TargetFn:
-    """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p
-    (with ``batch``: prefixes → ``[B, V]`` p)."""
+    """Plugin factory for ``--target pp1wire.apps.models:target_factory``: prefix → p, with
+    ``batch``."""
     model = toy_target(vocab_size, seed)
     return ModelFn(model.probs, model.probs_batch)

@@ -1,57 +1,6 @@
-"""A draft/target pair with the statistics of real language: n-gram models of English text.
-
-The toy models (:mod:`pp1wire.apps.models`) are exact and cheap but do not
-behave like a draft model and its target: their mass is not in a few tokens
-and the drafter's confidence says nothing about acceptance. This pair does,
-and it needs nothing that is not on every machine with Python: it is learned
-at first use from the English prose that ships with the interpreter itself,
-the help topics of the standard library's ``pydoc_data.topics`` (pydoc's
-language reference, about 460,000 characters). A Python install without that
-module (a stripped "minimal" package) cannot build the pair and says so in one
-line (:class:`CorpusMissingError`); nothing is ever downloaded.
-
-How it is built, deterministically (integer work only; the same text gives
-the same tables on every machine, and ``tables().digest`` names them):
-
-- **Tokens**: byte-pair encoding learned from the same text: the text is cut
-  into pieces (a word with its leading space, a run of digits, of punctuation,
-  of white space), each piece spelled in characters, then the most frequent
-  adjacent pair merged :data:`MERGES` times (ties to the lowest pair of
-  symbol numbers). Token ID i is the i-th most frequent token in the encoded
-  text (ties by the token's text), so ID 0 is the most frequent; the encoded
-  text has about 111,000 tokens of about 3,700 kinds on Python 3.11.
-- **Counts**: the raw counts of every 4- and 5-token sequence of the encoded
-  text, cached on disk (:func:`cache_dir`), written to a temporary file and
-  renamed into place, so processes that start together never read a torn file.
-- **Models**: interpolated Kneser-Ney (one absolute discount at every order;
-  lower orders from continuation counts; the unigram level interpolated with
-  the uniform law over the tokens), a 5-gram **target** (discount
-  :data:`TARGET_DISCOUNT`) and a 4-gram **drafter** (:data:`DRAFT_DISCOUNT`)
-  over the same tokens. Every token of the text has nonzero probability in
-  every context. ``benchmarks/pair_stats.py`` measures what the pair looks
-  like to speculative decoding.
-
-The global vocabulary V may be any size from 2 up. V at least the number of
-tokens K: IDs K..V-1 (beyond the text's tokens) get probability **zero** (logit
--inf) under both models, never a smoothing floor, so they are never drawn. V
-below K: the pair serves the V most frequent tokens, IDs 0..V-1, each row the
-model's row over them renormalized (a context holding an ID the model does not
-know backs off to the orders that do not see it).
-
-A row is the model's interpolation over K tokens (one copy of the unigram row,
-then per order one scale and one scatter of the context's followers) copied
-into a row of V, so it costs less than a toy row at V = 129,280
-(``benchmarks/pair_stats.py`` measures both). Rows are computed
-afresh on every call from read-only tables: the models are thread-safe.
-
-Plugins: ``--drafter pp1wire.apps.ngram:drafter_factory`` (prefix -> logits)
-and ``--target pp1wire.apps.ngram:target_factory`` (prefix -> probabilities),
-each with its ``batch`` form; ``paced_drafter_factory`` and
-``paced_target_factory`` cost a fixed time per call as
-:mod:`pp1wire.apps.paced` does (``pp1-demo`` runs them). The same
-:class:`NgramLM` hands over probabilities or logits (:meth:`NgramLM.probs`,
-:meth:`NgramLM.logits` and their batch forms).
-"""
+"""A draft/target pair with the statistics of real language: a 4-gram drafter and a 5-gram
+target (interpolated Kneser-Ney) over byte-pair tokens learned, deterministically, from the English
+text that ships with Python (``pydoc_data.topics``), counted once and cached on disk."""
 
 from __future__ import annotations
 
@@ -96,7 +45,7 @@ DRAFT_ORDER: Final = 4
 #: (smoothed more: a small model is less sure of itself than a large one).
 TARGET_DISCOUNT: Final = 0.4
 DRAFT_DISCOUNT: Final = 0.5
-#: Overrides the cache directory (default ``$XDG_CACHE_HOME/pp1wire`` or ``~/.cache/pp1wire``).
+#: Overrides the cache directory (:func:`cache_dir`).
 CACHE_ENV: Final = "PP1_NGRAM_CACHE"
 #: The layout of the tables (bump when the build changes: old cache files are then ignored).
 FORMAT: Final = "pp1-ngram-tables-v1"
@@ -140,11 +89,9 @@ def text_digest(text: str) -> str:
 
 
 def learn_tokens(text: str, merges: int = MERGES) -> tuple[list[str], IntArray]:
-    """Byte-pair encoding learned from ``text``: the tokens (by ID) and ``text`` encoded.
-
-    Token ID i is the i-th most frequent token of the encoded text (ties by the
-    token's text); the encoding concatenated back is ``text``.
-    """
+    """Byte-pair encoding learned from ``text`` (pieces spelled in characters, the most
+    frequent adjacent pair merged ``merges`` times, ties to the lowest symbols): the tokens,
+    ID i the i-th most frequent (ties by text), and ``text`` encoded."""
     pieces = _PIECES.findall(text)
     counted = collections.Counter(pieces)
     words = sorted(counted)
@@ -216,12 +163,9 @@ def _ngram_keys(stream: IntArray, order: int, base: int) -> IntArray:
 
 @dataclass(frozen=True)
 class Tables:
-    """What the pair is built from: the tokens and the raw n-gram counts of the text.
-
-    ``counts[n]`` is ``(keys, counts)``: every distinct n-token window of the
-    encoded text as one integer (token IDs as digits in base K, the first most
-    significant), ascending, and how often it occurs.
-    """
+    """What the pair is built from: the tokens, and ``counts[n]``, each distinct n-token window
+    of the encoded text as one integer (IDs as base-K digits, first most significant),
+    ascending, with how often it occurs."""
 
     tokens: tuple[str, ...]
     counts: dict[int, tuple[IntArray, IntArray]]
@@ -234,8 +178,7 @@ class Tables:
 
     @property
     def digest(self) -> str:
-        """SHA-256 (hex) of the tables in a canonical byte form: equal on every machine
-        that built them from the same text."""
+        """SHA-256 (hex) of the tables in a canonical form: the same text gives the same one."""
         h = hashlib.sha256()
         h.update(json.dumps([FORMAT, MERGES, list(_ORDERS), self.text_digest]).encode())
         for token in self.tokens:
@@ -270,8 +213,8 @@ def build_tables(text: str) -> Tables:
 
 
 def cache_dir() -> Path | None:
-    """Where the tables are cached: ``$PP1_NGRAM_CACHE``, else ``$XDG_CACHE_HOME/pp1wire``,
-    else ``~/.cache/pp1wire``; None when there is no home directory to put it in."""
+    """Where the tables are cached: ``$PP1_NGRAM_CACHE``, ``$XDG_CACHE_HOME/pp1wire`` or
+    ``~/.cache/pp1wire``; None without a home directory."""
     chosen = os.environ.get(CACHE_ENV)
     if chosen:
         return Path(chosen)
@@ -316,8 +259,8 @@ def _save(tables: Tables, path: Path) -> None:
 
 
 def _load(path: Path, digest: str) -> Tables | None:
-    """The tables cached at ``path`` for the text ``digest``; None if absent, unreadable,
-    of another format or text, or not what their recorded digest says."""
+    """The tables cached at ``path`` for the text ``digest``; None unless they are readable,
+    of this format and text, and what their recorded digest says."""
     try:
         with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
@@ -342,8 +285,8 @@ _memo: dict[str, Tables] = {}
 
 
 def tables() -> Tables:
-    """The pair's tables for this Python's text: from memory, the disk cache, or built
-    (and then cached, when the cache directory can be written).
+    """The pair's tables for this Python's text: from memory, the disk cache, or built (and
+    cached, where the cache can be written).
 
     Raises:
         CorpusMissingError: if this Python install lacks the text.
@@ -393,14 +336,15 @@ def _level(keys: IntArray, counts: IntArray, base: int, discount: float) -> _Lev
 
 
 class NgramLM:
-    """An interpolated Kneser-Ney model of ``order`` over the tables' tokens, served
-    over a global vocabulary of ``vocab_size`` IDs (see the module docstring)."""
+    """An interpolated Kneser-Ney model of ``order`` (one absolute discount at every order,
+    lower orders from continuation counts, then the uniform law) over the tables' K tokens,
+    served over ``vocab_size`` IDs: IDs at or above K have probability zero, and below K
+    a smaller vocabulary keeps the most frequent, renormalized. Thread-safe."""
 
     def __init__(
         self, table: Tables, order: int, discount: float, vocab_size: int = DEFAULT_VOCAB
     ) -> None:
-        """Build the model's levels from ``table``'s raw ``order``-gram counts, with
-        Kneser-Ney's absolute ``discount`` at every order.
+        """Build the model's levels from ``table``'s raw ``order``-gram counts.
 
         Raises:
             ValueError: if ``vocab_size < 2``, the tables have no ``order``-gram
@@ -477,8 +421,7 @@ class NgramLM:
     def _rows(
         self, into: Callable[[Sequence[int], Row], None], prefixes: Sequence[Sequence[int]]
     ) -> Row:
-        """The rows ``into`` writes for ``prefixes``, in a new ``[B, V]`` array: each as
-        :meth:`_row` makes it, bit for bit (the same writer)."""
+        """The rows ``into`` writes for ``prefixes``, in a new ``[B, V]`` array."""
         out = np.empty((len(prefixes), self.vocab_size))
         for i, prefix in enumerate(prefixes):
             into(prefix, out[i])
@@ -506,9 +449,8 @@ def _identity(order: int, discount: float, table: Tables) -> str:
 
 
 def identities() -> tuple[str, str]:
-    """The drafter's and the target's identities (for HELLO's ``--draft-identity`` and
-    ``--target-identity``): they name the tables, so sides whose Python texts differ
-    (and so whose models differ) do not pair.
+    """The drafter's and the target's identities for HELLO: they name the tables, so that
+    sides whose texts (and so models) differ do not pair.
 
     Raises:
         CorpusMissingError: if this Python install lacks the text.
@@ -541,9 +483,8 @@ def ngram_drafter(vocab_size: int = DEFAULT_VOCAB) -> NgramLM:
 
 
 def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
-    """Plugin factory for ``--drafter pp1wire.apps.ngram:drafter_factory``: prefix -> logits
-    (with ``batch``: prefixes -> ``[B, V]`` logits). The pair has no random parameters:
-    ``seed`` is accepted for the plugin interface and changes nothing.
+    """Plugin factory for ``--drafter pp1wire.apps.ngram:drafter_factory``: prefix -> logits,
+    with ``batch`` (``seed``, for the plugin interface, changes nothing).
 
     Raises:
         CorpusMissingError: if this Python install lacks the text.
@@ -553,9 +494,8 @@ def drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
 
 
 def probs_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
-    """Plugin factory for ``--drafter pp1wire.apps.ngram:probs_drafter_factory``: the
-    pair's drafter handing over FP32 probabilities (``kind = "probs"``; with ``batch``:
-    ``[B, V]`` float32), as a draft head on a device does; ``seed`` changes nothing.
+    """Plugin factory for ``--drafter pp1wire.apps.ngram:probs_drafter_factory``: the drafter
+    handing over FP32 probabilities (``kind = "probs"``), as a draft head does.
 
     Raises:
         CorpusMissingError: if this Python install lacks the text.
@@ -569,8 +509,8 @@ def probs_drafter_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> Mod
 
 
 def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
-    """Plugin factory for ``--target pp1wire.apps.ngram:target_factory``: prefix -> p
-    (with ``batch``: prefixes -> ``[B, V]`` p); ``seed`` changes nothing.
+    """Plugin factory for ``--target pp1wire.apps.ngram:target_factory``: prefix -> p, with
+    ``batch``.
 
     Raises:
         CorpusMissingError: if this Python install lacks the text.
@@ -579,42 +519,27 @@ def target_factory(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> ModelFn:
     return ModelFn(model.probs, model.probs_batch)
 
 
-def paced_target_factory(
-    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
-) -> PacedModelFn[npt.NDArray[np.floating]]:
-    """The pair's target at ``PP1_PACED_TARGET_MS`` (default 20) ms per call.
+def _paced(
+    make: Callable[[int, int], ModelFn], env: str, default_ms: float
+) -> Callable[[int, int], PacedModelFn[npt.NDArray[np.floating]]]:
+    """The plugin factory ``make`` at ``$env`` (default ``default_ms``) ms per call."""
 
-    Raises:
-        CorpusMissingError: if this Python install lacks the text.
-        ValueError: for a pace that is not a duration in 0..60,000 ms.
-    """
-    seconds = pace_seconds(TARGET_MS_ENV, DEFAULT_TARGET_MS)
-    return PacedModelFn(target_factory(vocab_size, seed), seconds)
+    def factory(
+        vocab_size: int = DEFAULT_VOCAB, seed: int = 0
+    ) -> PacedModelFn[npt.NDArray[np.floating]]:
+        """The pair's model at a fixed cost per call (:mod:`pp1wire.apps.paced`).
 
+        Raises:
+            CorpusMissingError: if this Python install lacks the text.
+            ValueError: for a pace that is not a duration in 0..60,000 ms.
+        """
+        return PacedModelFn(make(vocab_size, seed), pace_seconds(env, default_ms))
 
-def paced_drafter_factory(
-    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
-) -> PacedModelFn[npt.NDArray[np.floating]]:
-    """The pair's drafter at ``PP1_PACED_DRAFTER_MS`` (default 0.5) ms per call.
-
-    Raises:
-        CorpusMissingError: if this Python install lacks the text.
-        ValueError: for a pace that is not a duration in 0..60,000 ms.
-    """
-    return _paced_drafter(drafter_factory(vocab_size, seed))
+    return factory
 
 
-def paced_probs_drafter_factory(
-    vocab_size: int = DEFAULT_VOCAB, seed: int = 0
-) -> PacedModelFn[npt.NDArray[np.floating]]:
-    """:func:`paced_drafter_factory` handing over FP32 probabilities (``kind = "probs"``).
-
-    Raises:
-        CorpusMissingError: if this Python install lacks the text.
-        ValueError: for a pace that is not a duration in 0..60,000 ms.
-    """
-    return _paced_drafter(probs_drafter_factory(vocab_size, seed))
-
-
-def _paced_drafter(model: ModelFn) -> PacedModelFn[npt.NDArray[np.floating]]:
-    return PacedModelFn(model, pace_seconds(DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS))
+#: The pair's target at ``PP1_PACED_TARGET_MS`` (default 20) ms per call, and its drafter
+#: (logits, or FP32 probabilities) at ``PP1_PACED_DRAFTER_MS`` (default 0.5).
+paced_target_factory = _paced(target_factory, TARGET_MS_ENV, DEFAULT_TARGET_MS)
+paced_drafter_factory = _paced(drafter_factory, DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)
+paced_probs_drafter_factory = _paced(probs_drafter_factory, DRAFTER_MS_ENV, DEFAULT_DRAFTER_MS)

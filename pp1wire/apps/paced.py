@@ -1,22 +1,6 @@
-"""Toy plugins with a fixed cost per call: what speculative decoding buys, made visible.
-
-A real target (or drafter) is a forward pass whose cost hardly depends on how
-many prefixes it scores at once. These plugins cost exactly that: every call,
-of one prefix or of a whole batch (``batch``), sleeps to a fixed deadline
-(which releases the GIL, as a call into a GPU runtime does), whatever the
-batch size. The rows themselves are nearly free: the toy models of
-:mod:`pp1wire.apps.models` are tabulated for :data:`CONTEXTS` contexts (a
-prefix's row is the toy model's row after its last token modulo
-:data:`CONTEXTS`), so neither side spends CPU computing them.
-
-``target_factory`` costs ``PP1_PACED_TARGET_MS`` (default 20 ms) per call and
-``drafter_factory`` ``PP1_PACED_DRAFTER_MS`` (default 0.5 ms), read from the
-environment when the factory runs; both sides with the same ``--vocab`` and
-``--seed`` make a matching pair (the drafter is the perturbed toy drafter).
-``drafter_factory`` hands over logits; ``probs_drafter_factory`` the same
-drafter's probabilities as FP32 (``kind = "probs"``), as a draft head does.
-``pp1-demo`` runs them; ``benchmarks/speedup.py`` measures with them.
-"""
+"""Toy plugins with a fixed cost per call, of one prefix or a whole batch, as a forward pass costs:
+tabulated toy models, paced by ``PP1_PACED_TARGET_MS`` (default 20) and ``PP1_PACED_DRAFTER_MS``
+(default 0.5), so that what speculative decoding buys is visible (``pp1-demo`` runs them)."""
 
 from __future__ import annotations
 
@@ -33,8 +17,7 @@ from pp1wire.apps import settings
 from pp1wire.apps.models import ToyLM
 from pp1wire.q.proposal import DrafterKind, drafter_kind
 
-#: Contexts tabulated: a prefix's row is the toy model's row after ``last % CONTEXTS``.
-CONTEXTS = 64
+CONTEXTS = 64  # a prefix's row is the toy model's after its last token mod CONTEXTS
 TARGET_MS_ENV = "PP1_PACED_TARGET_MS"
 DRAFTER_MS_ENV = "PP1_PACED_DRAFTER_MS"
 DEFAULT_TARGET_MS = 20.0
@@ -49,8 +32,7 @@ _B_co = TypeVar("_B_co", covariant=True)
 
 
 def pace_seconds(name: str, default_ms: float) -> float:
-    """``$name``, read as milliseconds as ``pp1-demo --target-ms`` reads them
-    (``default_ms`` when unset), in seconds.
+    """``$name`` in milliseconds (``default_ms`` when unset), as seconds.
 
     Raises:
         ValueError: unless it is a finite number of milliseconds in 0..60,000.
@@ -65,9 +47,8 @@ def pace_seconds(name: str, default_ms: float) -> float:
 
 
 def paced_call(seconds: float, fn: Callable[[_A], _R], arg: _A) -> _R:
-    """``fn(arg)``, returned ``seconds`` after the call began (later only if ``fn``
-    takes longer): a paced model's cost, whatever the call computes. The wait is a
-    sleep, which releases the GIL as a call into a GPU runtime does.
+    """``fn(arg)``, returned ``seconds`` after the call began (later only if ``fn`` takes
+    longer); the wait is a sleep, which releases the GIL as a GPU runtime's call does.
 
     Raises:
         Exception: whatever ``fn`` raises, at once (a failed call is not paced).
@@ -81,8 +62,7 @@ def paced_call(seconds: float, fn: Callable[[_A], _R], arg: _A) -> _R:
 
 
 class Batched(Protocol[_B_co]):
-    """A model function with its batched form as ``batch``
-    (:class:`pp1wire.apps.models.ModelFn`'s shape)."""
+    """A model function with its batched form as ``batch`` (a ``ModelFn``'s shape)."""
 
     def __call__(self, prefix: Sequence[int], /) -> Row:
         """One prefix's row."""
@@ -94,13 +74,10 @@ class Batched(Protocol[_B_co]):
 
 
 class PacedModelFn(Generic[_B]):
-    """A model function that costs ``seconds`` per call, of one prefix or a batch: the
-    rows are computed inside that time, then the call sleeps to its deadline (more,
-    only if computing them takes longer)."""
+    """A model function that costs ``seconds`` per call, of one prefix or a batch."""
 
     def __init__(self, fn: Batched[_B], seconds: float) -> None:
-        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call; its rows
-        are what ``fn``'s are (its ``kind``, :func:`pp1wire.q.proposal.drafter_kind`).
+        """Serve ``fn`` (per prefix, and its ``batch``) at ``seconds`` per call, its ``kind``.
 
         Raises:
             ValueError: for a ``kind`` of ``fn`` other than ``"logits"`` and ``"probs"``.
@@ -135,12 +112,8 @@ class _Table:
 
 
 class PacedModel(PacedModelFn[list[Row]]):
-    """A tabulated toy model that costs ``seconds`` per call (a prefix or a batch).
-
-    As a drafter, ``kind`` says what its rows are: ``"logits"``, or ``"probs"``
-    (:func:`pp1wire.q.proposal.drafter_kind`). A batch is the list of the
-    table's rows (not copied into one array: the rows are meant to be free).
-    """
+    """A tabulated toy model that costs ``seconds`` per call; its rows are ``kind`` (as a
+    drafter's), and a batch is the list of the table's rows (not copied: they are free)."""
 
     def __init__(self, table: Row, seconds: float, *, kind: DrafterKind = "logits") -> None:
         """Serve the rows of ``table`` (one per context, read-only) at ``seconds`` per call.
@@ -168,8 +141,8 @@ def target_factory(vocab_size: int, seed: int = 0) -> PacedModel:
 
 
 def drafter_factory(vocab_size: int, seed: int = 0, *, kind: DrafterKind = "logits") -> PacedModel:
-    """The toy drafter's logits at ``PP1_PACED_DRAFTER_MS`` per call; with
-    ``kind="probs"``, its probabilities as FP32 (:func:`probs_drafter_factory`).
+    """The toy drafter's logits at ``PP1_PACED_DRAFTER_MS`` per call (``kind="probs"``: its
+    FP32 probabilities).
 
     Raises:
         ValueError: for a pace that is not a duration in 0..60,000 ms, or a
@@ -184,8 +157,7 @@ def drafter_factory(vocab_size: int, seed: int = 0, *, kind: DrafterKind = "logi
 
 
 def probs_drafter_factory(vocab_size: int, seed: int = 0) -> PacedModel:
-    """The toy drafter's FP32 probabilities (``kind = "probs"``) at
-    ``PP1_PACED_DRAFTER_MS`` per call: ``--drafter pp1wire.apps.paced:probs_drafter_factory``.
+    """The toy drafter's FP32 probabilities (``kind = "probs"``) at ``PP1_PACED_DRAFTER_MS``.
 
     Raises:
         ValueError: for a pace that is not a duration in 0..60,000 ms.

@@ -1,32 +1,6 @@
-"""What a draft/target pair looks like to speculative decoding, measured on its own text.
-
-:func:`measure` samples contexts from the target itself (``chains`` chains of
-``length`` tokens, each grown from ``prompt`` by drawing every next token from
-the target's p; every prefix of a chain after the prompt is one context) and
-reports, over those contexts, with the drafter's q built exactly as
-``pp1-worker`` builds it (:func:`pp1wire.q.proposal.build_row`, temperature 1;
-q(v) = c_v / 2^24 exactly):
-
-- **acceptance**: Σ_v min(p(v), q(v)), the chance that one draft is accepted,
-  for dense q and for sparse top-K q (the drafter's K largest entries,
-  renormalized); its mean, spread and quantiles;
-- **mean accepted length** at depth d: the expected number of accepted drafts
-  of a block of d, estimated without sampling the accept test: along a path
-  of accepted drafts (each drawn from min(p, q) / Σ min(p, q), the law of an
-  accepted draft), the chance that drafts 1..i are all accepted is the
-  product of the per-position acceptances, and the length is their sum over
-  i = 1..d (an unbiased estimate with less variance than counting accepts);
-- **top-K mass**: the sum of the drafter's K largest q entries;
-- **confidence against acceptance**: the drafter's draw x ~ q (one per
-  context, from the exact counts), its q(x), and the exact chance
-  min(1, p(x) / q(x)) that the verifier accepts it; their Spearman rank
-  correlation, and the acceptance of draws with q(x) above and below 0.3;
-- **the target's entropy** in bits, its mean and quantiles.
-
-Arithmetic is float64 over exact dyadic q; the estimates are Monte Carlo over
-the sampled contexts, from a seeded generator (the same seed gives the same
-figures on the same numpy).
-"""
+"""What a draft/target pair looks like to speculative decoding, measured on contexts sampled from
+its own target, with the drafter's q built exactly as the worker builds it: Monte Carlo figures in
+float64 over exact dyadic q, from a seeded generator."""
 
 from __future__ import annotations
 
@@ -116,9 +90,11 @@ def _accepted_length(
     return length
 
 
-def _quantiles(x: Sequence[float], at: Sequence[float]) -> dict[str, float]:
+def _spread(x: Sequence[float], at: Sequence[float], *, std: bool = False) -> dict[str, float]:
+    """The mean of ``x`` (its standard deviation), and its quantiles ``at``."""
+    out = {"mean": float(np.mean(x))} | ({"std": float(np.std(x))} if std else {})
     values = np.quantile(np.asarray(x, dtype=np.float64), at)
-    return {f"p{round(100 * a)}": float(v) for a, v in zip(at, values, strict=True)}
+    return out | {f"p{round(100 * a)}": float(v) for a, v in zip(at, values, strict=True)}
 
 
 def measure(
@@ -133,8 +109,12 @@ def measure(
     support: int = 32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The pair's statistics over ``chains * length`` contexts sampled from ``target``
-    (see the module docstring). ``drafter`` maps a prefix to logits, ``target`` to p."""
+    """The pair's statistics over ``chains * length`` contexts sampled from ``target`` (each
+    chain grown from ``prompt``), ``drafter`` mapping a prefix to logits and ``target`` to p,
+    q built as ``pp1-worker`` builds it: acceptance Σ min(p, q) (dense and top-K), the mean
+    accepted length at ``depth`` (per-position acceptances along an accepted path, summed),
+    top-K mass, q at a draw against its chance of acceptance, and the target's entropy.
+    """
     rng = np.random.default_rng(seed)
     acc_dense: list[float] = []
     acc_sparse: list[float] = []
@@ -176,22 +156,14 @@ def measure(
         "depth": depth,
         "support": support,
         "acceptance": {
-            "dense": {
-                "mean": float(np.mean(acc_dense)),
-                "std": float(np.std(acc_dense)),
-                **_quantiles(acc_dense, at),
-            },
-            f"sparse{support}": {
-                "mean": float(np.mean(acc_sparse)),
-                "std": float(np.std(acc_sparse)),
-                **_quantiles(acc_sparse, at),
-            },
+            "dense": _spread(acc_dense, at, std=True),
+            f"sparse{support}": _spread(acc_sparse, at, std=True),
         },
         "mean_accepted_length": {
             "dense": float(np.mean(len_dense)),
             f"sparse{support}": float(np.mean(len_sparse)),
         },
-        f"top{support}_mass": {"mean": float(np.mean(top)), **_quantiles(top, at)},
+        f"top{support}_mass": _spread(top, at),
         "confidence": {
             "spearman_dense": spearman(conf, chance),
             f"spearman_sparse{support}": spearman(conf_sparse, chance_sparse),
@@ -202,7 +174,7 @@ def measure(
             "acceptance_q_at_least_tau": float(ch_arr[above].mean()) if above.any() else None,
             "acceptance_q_below_tau": float(ch_arr[~above].mean()) if (~above).any() else None,
         },
-        "target_entropy_bits": {"mean": float(np.mean(entropy)), **_quantiles(entropy, at)},
+        "target_entropy_bits": _spread(entropy, at),
         "seconds": time.perf_counter() - started,
     }
 

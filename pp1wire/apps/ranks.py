@@ -1,11 +1,6 @@
-"""Ranks of a daemon group: how many, starting them on this machine, joining their group.
-
-``pp1-spark --tp N`` and ``pp1-worker --tp N`` start N copies of themselves as
-ranks (:func:`launch`); ``torchrun --nproc-per-node N -m …`` starts them the
-way engines do. Either way each rank then joins the group
-(:func:`join_group`). torch is an optional extra: it is imported only here and
-in :mod:`pp1wire.tp`, after :func:`require_torch` said it is there.
-"""
+"""Ranks of a daemon group: how many, starting them on this machine (``--tp N``, as torchrun
+would), and joining their group; torch is imported only here and in :mod:`pp1wire.tp`, after
+:func:`require_torch`."""
 
 from __future__ import annotations
 
@@ -33,11 +28,8 @@ _STOP_GRACE = 10.0  # seconds a rank has to exit after the others stopped or fai
 
 
 def require_torch(flag: str) -> None:
-    """Raises SettingsError (one line) when torch is not installed: ``flag`` needs it.
-
-    Looks for the package without importing it (seconds saved in a launcher that
-    never runs a collective itself).
-    """
+    """Raises SettingsError when torch is not installed: ``flag`` needs it (looked for, not
+    imported: seconds saved in a launcher)."""
     if importlib.util.find_spec("torch") is None:
         raise SettingsError(f"{flag} needs torch: pip install 'pp1wire[tp]'")
 
@@ -68,10 +60,9 @@ def world_size(args: argparse.Namespace) -> int:
 def rank_environments(
     world: int, port: int | None = None, base: Mapping[str, str] | None = None
 ) -> list[dict[str, str]]:
-    """Each of ``world`` ranks' environment for a rendezvous on loopback: ``base``
-    (default: this process's) with ``MASTER_ADDR``, ``MASTER_PORT`` (``port``, or a
-    free one), ``WORLD_SIZE``, the rank's ``RANK`` and ``LOCAL_RANK``, and
-    ``OMP_NUM_THREADS=1`` unless it is set.
+    """Each of ``world`` ranks' environment for a rendezvous on loopback: ``base`` (default:
+    this process's) with ``MASTER_*`` (``port``: default a free one), ``WORLD_SIZE``, its
+    ``RANK`` and ``LOCAL_RANK``, and ``OMP_NUM_THREADS=1`` unless set.
 
     Raises:
         RuntimeError: no free port was found.
@@ -84,22 +75,10 @@ def rank_environments(
 
 
 def launch(world: int, argv: Sequence[str], module: str, *, grace: float = _STOP_GRACE) -> int:
-    """Start ``world`` ranks of ``python -m module argv`` on this machine and supervise them.
-
-    Every rank gets the rendezvous environment ``torch.distributed`` reads
-    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) and
-    one OpenMP thread unless the caller chose (as torchrun does: N ranks that
-    each spin a thread per core were measured 2.1x slower). SIGTERM and SIGINT
-    are passed on to every rank. The group lives only while all its ranks do:
-    the first rank that exits, for any reason (a failure, a signal, or exit 0
-    while the others run), ends it — the others get SIGTERM, then SIGKILL
-    after ``grace`` seconds — and every rank is reaped before this returns.
-
-    Returns the code of the first failure (one line on stderr names the rank):
-    128 + N for a rank that signal N ended (unless this launcher sent it N),
-    else, in the order the ranks exited, a rank's own non-zero exit code, or 1
-    for a rank that had to be killed after the grace period. 0 when there was
-    none.
+    """Start ``world`` ranks of ``python -m module argv`` here (:func:`rank_environments`;
+    one OpenMP thread each, as torchrun: a thread per core was measured 2.1x slower), pass
+    SIGTERM and SIGINT on, and end the group at its first exit (SIGTERM, then SIGKILL after
+    ``grace`` seconds). Returns the first failure's code (:meth:`_Group.code`), else 0.
 
     Raises:
         SettingsError: if torch is not installed.
@@ -147,8 +126,7 @@ class _Group:
         self.exits: list[tuple[int, int]] = []  # (rank, returncode), in exit order
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Send ``signum`` to every rank still running (a forwarded signal, or the end of
-        the group); the grace period starts with the first stop."""
+        """Send ``signum`` to every rank still running; the grace period starts at the first."""
         if self.stopping is None:
             self.stopping = time.monotonic()
         for rank, p in enumerate(self.procs):
@@ -158,8 +136,8 @@ class _Group:
                     p.send_signal(signum)
 
     def poll(self) -> bool:
-        """Look at every rank once (not only up to the first live one); stop the group
-        at its first exit, kill what outlives the grace. Whether every rank has exited."""
+        """Look at every rank; stop the group at its first exit, kill what outlives the grace.
+        Whether every rank has exited."""
         seen = {rank for rank, _ in self.exits}
         for rank, p in enumerate(self.procs):
             code = p.poll()
@@ -178,12 +156,9 @@ class _Group:
         return not running
 
     def code(self) -> int:
-        """The first failure's exit code (0: none); one line on stderr names it.
-
-        A rank that a signal ended (one this launcher did not send) comes before
-        the ranks that exited with a code of their own: a rank whose peer died
-        fails its next collective and exits ``GROUP_FAILED`` at about the same
-        moment, so the order of the two exits says nothing about the cause.
+        """The first failure's exit code (0: none), named on stderr: 128 + N for a rank signal
+        N ended (not sent here), before any rank's own code (a rank whose peer died exits
+        ``GROUP_FAILED`` at about the same moment), or 1 for a rank killed after the grace.
         """
         failures: list[tuple[int, str]] = []  # (exit code, the line naming it)
         signalled: list[tuple[int, str]] = []
@@ -210,8 +185,8 @@ class _Group:
 def join_group(
     timeout: float, layout: ShardLayout | None = None, *, device: bool = False
 ) -> GroupCoordinator:
-    """Join the group this process is a rank of (``timeout`` for every collective);
-    ``device``: a NCCL device group if every rank has CUDA (``GroupCoordinator.join``).
+    """Join this process's group (``timeout`` for every collective; ``device``: a NCCL device
+    group if every rank has CUDA).
 
     Raises:
         SettingsError: if torch is not installed.
@@ -230,16 +205,9 @@ _JOINED: set[int] = set()  # the process that joined its group (a fork of it has
 
 
 def end_process(code: int) -> int:
-    """Return ``code``, unless this process joined a group: then end it now with ``code``.
-
-    A rank process ends without the interpreter's teardown (``os._exit``, after
-    flushing stdout, stderr and the log handlers; its results are written by
-    then). torch's threads outlive the Python code of a rank: a thread that
-    returns from a collective, or a C++ thread that takes the GIL, once the
-    interpreter has begun to finalize is ended by it with ``pthread_exit``, whose
-    unwinding through a ``noexcept`` frame calls ``std::terminate``: SIGABRT,
-    "terminate called without an active exception" (``docs/tp.md`` §8). The
-    teardown has nothing left to do for a rank, so it is skipped.
+    """Return ``code``, unless this process joined a group: then end it now with ``code``,
+    flushed but without the interpreter's teardown, which torch's threads would make abort
+    ("terminate called without an active exception", ``docs/tp.md`` §8).
     """
     if os.getpid() not in _JOINED:
         return code
@@ -248,14 +216,3 @@ def end_process(code: int) -> int:
             stream.flush()
     logging.shutdown()
     os._exit(code)
-
-
-__all__ = [
-    "end_process",
-    "in_launched_rank",
-    "join_group",
-    "launch",
-    "rank_environments",
-    "require_torch",
-    "world_size",
-]

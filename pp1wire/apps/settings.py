@@ -1,10 +1,6 @@
-"""Command-line settings shared by the daemons: flags, environment, TOML file, defaults.
-
-Precedence, highest first: command-line flags, ``PP1_*`` environment variables
-(the flag's long name upper-cased, dashes as underscores: ``--max-slots`` is
-``PP1_MAX_SLOTS``), the ``--config`` TOML file (keys are the flag names with
-underscores, at top level), then the defaults. Log lines are JSON objects.
-"""
+"""Command-line settings shared by the daemons: flag types, and flags filled, highest first, from
+the command line, ``PP1_<FLAG>`` environment variables, the ``--config`` TOML file and the
+defaults; JSON log lines."""
 
 from __future__ import annotations
 
@@ -57,8 +53,7 @@ def _real(raw: object) -> float:
 
 
 def _described(check: Callable[[object], _V], meaning: str, kind: type) -> Callable[[object], _V]:
-    """``check`` as a flag type: its docstring names ``meaning``, and ``kind`` is what a
-    TOML value for it must be."""
+    """``check`` as a flag type meaning ``meaning``, whose TOML values must be ``kind``."""
     check.__doc__ = (
         f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
     )
@@ -81,8 +76,7 @@ def _int_type(lo: int, hi: int, meaning: str) -> Callable[[object], int]:
 def _real_type(
     lo: float, inclusive: bool, meaning: str, hi: float = math.inf
 ) -> Callable[[object], float]:
-    """A flag type accepting finite numbers above ``lo`` (or equal, if ``inclusive``)
-    and at most ``hi``."""
+    """A flag type accepting finite numbers above ``lo`` (or equal: ``inclusive``) to ``hi``."""
 
     def check(raw: object) -> float:
         value = _real(raw)
@@ -111,50 +105,32 @@ _U64_MAX = (1 << 64) - 1  # the widest integer field on the wire
 MAX_ENTRIES = 1 << 24
 #: The most ranks a group (``--tp``, ``--vocab-shards``) may have.
 MAX_RANKS = 16
-"""The most ranks a group may have (``--tp``, ``--vocab-shards``); the ranks a launcher
-starts run on one machine."""
-#: The longest duration any flag takes: one week, in seconds.
 MAX_SECONDS = 7 * 86400.0
-#: The most draw threads (``--draw-threads``).
 MAX_THREADS = 1024
 count = _int_type(0, _U64_MAX, "an integer >= 0")
 positive = _int_type(1, _U64_MAX, "an integer >= 1")
 port = _int_type(0, 65535, "a port (0..65535; 0: any free port)")
 seconds = _real_type(0.0, False, "a duration above 0 seconds, at most a week (604800)", MAX_SECONDS)
 temperature = _real_type(0.0, True, "a temperature (finite, >= 0; 0: greedy)")
-#: A count that travels in a 16-bit wire field (``--max-slots``).
 u16 = _int_type(1, 0xFFFF, "an integer in 1..65535 (it travels in a 16-bit field)")
-#: A vocabulary size: a dense row of it must fit one frame.
 vocabulary = _int_type(
     2, MAX_ENTRIES, f"a vocabulary size in 2..{MAX_ENTRIES} (a dense row must fit a 64 MiB frame)"
 )
-#: A row length in FP32 entries, with the same bound.
 entries = _int_type(
     1, MAX_ENTRIES, f"a row length in 1..{MAX_ENTRIES} entries (a row must fit a 64 MiB frame)"
 )
-#: A prefix length in tokens: an OPEN's prefix must fit one frame.
 prefix_tokens = _int_type(
     1, MAX_ENTRIES, f"a prefix length in 1..{MAX_ENTRIES} tokens (it must fit a 64 MiB frame)"
 )
-#: A proposal depth.
 depth = _int_type(1, 5, "a depth in 1..5")
-#: A support size (0: dense), within a 32-bit wire field.
 support = _int_type(0, 0xFFFFFFFF, "a support in 0..4294967295 (0: dense)")
-#: A group size.
 ranks = _int_type(1, MAX_RANKS, f"a number of ranks in 1..{MAX_RANKS}")
-#: A pool size (0 allowed).
 threads = _int_type(0, MAX_THREADS, f"a number of threads in 0..{MAX_THREADS}")
-#: A plugin's cost per call in milliseconds (``pp1-demo --target-ms``).
 pace_ms = _real_type(0.0, True, "a duration in 0..60000 ms", 60_000.0)
-#: STEPs drafted together (``--max-draw-batch``).
 draw_batch = _int_type(1, 4096, "a number of STEPs in 1..4096")
-#: A connection count.
 connections = _int_type(1, 0xFFFF, "a number of connections in 1..65535")
-#: A rate per second.
 rate = _real_type(0.0, False, "a rate above 0 and at most 1000000 per second", 1e6)
-#: An IPv6 prefix length (``--ipv6-prefix``).
 ipv6_prefix = _int_type(1, 128, "a prefix length in 1..128 bits")
-#: A name carried in HELLO (at most 128 characters).
 name = _text_type(128, "a name of at most 128 characters (a HELLO field)")
 
 
@@ -188,7 +164,7 @@ def address_text(host: str, port: int) -> str:
 
 
 def depth_or_auto(raw: object) -> int | str:
-    """Flag type: ``auto``, or an integer >= 0 (a depth; its range is the command's check).
+    """Flag type: ``auto``, or an integer >= 0 (a depth, range-checked by the command).
 
     Raises:
         argparse.ArgumentTypeError: for anything else.
@@ -205,8 +181,8 @@ depth_or_auto.kind = (int, str)  # type: ignore[attr-defined]  # TOML: depth = 3
 
 
 def parse_support(text: str) -> int:
-    """``--support``: ``dense`` → 0, ``sparse:K`` → K (ASCII digits, K >= 1); the bound by
-    the vocabulary is the command's check.
+    """``--support``: ``dense`` → 0, ``sparse:K`` → K (ASCII digits, K >= 1; the vocabulary's
+    bound is the command's check).
 
     Raises:
         SettingsError: for anything else.
@@ -220,8 +196,8 @@ def parse_support(text: str) -> int:
 
 
 def _exact(action: argparse.Action, raw: object) -> str | None:
-    """Why a TOML value has the wrong type for ``action`` (None if it is right):
-    a TOML file types its values, so a string is not a port and 2 is not a path."""
+    """Why a TOML value has the wrong type for ``action``, or None (TOML types its values:
+    a string is not a port, 2 is not a path)."""
     if isinstance(action, argparse._StoreTrueAction):
         return None if isinstance(raw, bool) else f"{raw!r} is not a boolean (true or false)"
     if action.nargs in ("*", "+"):
@@ -281,8 +257,7 @@ def _convert_one(action: argparse.Action, raw: object, source: str) -> object:
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Make ``parser`` report a bad flag as a :class:`SettingsError` (one line) instead
-    of printing its usage text and exiting."""
+    """Make ``parser`` raise a bad flag as a :class:`SettingsError` (one line), not exit."""
 
     def one_line(message: str) -> NoReturn:
         raise SettingsError(message)
@@ -295,16 +270,13 @@ def parse(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Namespace:
-    """Parse ``argv`` and fill every option the flags left unset from env, file, defaults.
-
-    The parser must have a ``--config`` option. A bad flag is reported as a
-    :class:`SettingsError` (one line), not argparse's usage text.
+    """Parse ``argv``, filling every option the flags left unset from, in order, ``PP1_<FLAG>``
+    in the environment, the ``--config`` TOML file (keys named like the flags), the defaults.
 
     Raises:
         SettingsError: for a bad flag, an unreadable or invalid TOML file (not
             UTF-8 included), an unknown key in it, or a value that does not convert.
     """
-
     one_line_errors(parser)
     env = os.environ if environ is None else environ
     defaults: dict[str, Any] = {}
@@ -408,7 +380,7 @@ def load_factory(spec: str) -> Any:
 
 
 def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
-    """Call the factory ``module:attribute`` with ``kwargs``; what it makes must be callable.
+    """Call the factory ``module:attribute`` with ``kwargs``, for a callable.
 
     Raises:
         SettingsError: if the spec is malformed, the import fails, the factory is
@@ -427,8 +399,7 @@ def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
 
 
 def host_port(text: str) -> tuple[str, int]:
-    """Parse ``HOST:PORT``, an IPv6 host in brackets (``[::1]:7070``); the port is
-    0..65535 (0: a listener's "any free port").
+    """Parse ``HOST:PORT``, an IPv6 host in brackets (``[::1]:7070``), the port 0..65535.
 
     Raises:
         SettingsError: if it does not parse (a bare IPv6 address such as ``::1``
@@ -452,9 +423,8 @@ def host_port(text: str) -> tuple[str, int]:
 
 
 def principal_rate(raw: object) -> tuple[str | None, float | None]:
-    """Flag type: ``RATE`` (the cap of every principal not named) or ``ID=RATE`` (the cap
-    of key ID ``ID``; ``=RATE`` or ``-=RATE`` the default key's), RATE fresh draws a
-    second above 0, or ``off`` (no cap).
+    """Flag type: ``RATE`` (every principal's cap) or ``ID=RATE`` (key ID ``ID``'s; ``=`` or
+    ``-=`` the default key's), a number of fresh draws a second above 0, or ``off``.
 
     Raises:
         argparse.ArgumentTypeError: for anything else.
@@ -508,143 +478,95 @@ def parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     )
 
 
+def adder(p: argparse.ArgumentParser, helps: Mapping[str, str]) -> Callable[..., None]:
+    """``add(flag, kind, default, metavar, **more)``, adding ``flag`` to ``p`` with the help
+    ``helps[flag]``: one line a flag, the help texts in a table of their own (a ``None``
+    type, default or metavar is argparse's own)."""
+
+    def add(
+        flag: str, kind: Any = None, default: Any = None, metavar: str | None = None, **more: Any
+    ) -> None:
+        given = {"type": kind, "default": default, "metavar": metavar}
+        chosen = {k: v for k, v in given.items() if v is not None}
+        p.add_argument(flag, help=helps[flag], **chosen, **more)
+
+    return add
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+_HELP: dict[str, str] = {
+    "--vocab": "vocabulary size in token IDs",
+    "--vocab-hash": "hash of the global token-ID map (an unsigned 64-bit integer)",
+    "--row-entries": "dense row length in FP32 entries, padding included (default: --vocab); both "
+    "sides must use the same value",
+    "--vocab-shards": "split the vocabulary evenly over N ranks, one link per rank pair (the "
+    "daemons: with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
+    "connects to the worker address's port + r; each link carries only its range of q",
+    "--target-identity": "the target model's identity, declared in HELLO (at most 128 characters)",
+    "--psk-file": "file holding the pre-shared key, at least 16 bytes, or a key table (first line "
+    "pp1-keys-v1, then one 'ID KEY' per line; ID - is the default key): a worker accepts every key "
+    "of it, each its own principal (default: none, no authentication)",
+    "--key-id": "the ID of this Spark side's key, sent in HELLO: a key table's entry, or the ID "
+    "the worker's table gives this file's one key ('' or -: the default key)",
+    "--worker": "the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
+    "--tls-ca": "CA / certificate file: connect with TLS, trusting it (default: plaintext)",
+    "--metrics-host": "address of the Prometheus endpoint; an address other than loopback needs "
+    "--metrics-token-file or --insecure",
+    "--metrics-port": "Prometheus port, GET /metrics (0: any free port; default: unset, no "
+    "endpoint)",
+    "--metrics-token-file": "file holding a bearer token of at least 16 printable characters: GET "
+    "/metrics then needs 'Authorization: Bearer TOKEN' (else 401), with or without --psk-file "
+    "(default: none, anyone who reaches the endpoint reads it)",
+    "--insecure": "listen on an address other than loopback without its credential (the worker's "
+    "--host without --psk-file, either daemon's --metrics-host without --metrics-token-file): "
+    "anyone who can reach it may use it (open sessions and make the worker draw; read /metrics)",
+    "--log-level": "JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
+    "--config": "TOML file with any of these settings, keys named like the flags (default: none)",
+}
+
+
 def add_link_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of what both sides of a link must agree on (the daemons, and the
-    conformance suite as a Spark side): vocabulary, its split, the target and the key."""
-    p.add_argument(
-        "--vocab",
-        type=vocabulary,
-        default=DEFAULT_VOCAB,
-        metavar="TOKENS",
-        help="vocabulary size in token IDs",
-    )
-    p.add_argument(
-        "--vocab-hash",
-        type=count,
-        default=0,
-        metavar="HASH",
-        help="hash of the global token-ID map (an unsigned 64-bit integer)",
-    )
-    p.add_argument(
-        "--row-entries",
-        type=entries,
-        default=None,
-        metavar="ENTRIES",
-        help="dense row length in FP32 entries, padding included (default: --vocab); "
-        "both sides must use the same value",
-    )
-    p.add_argument(
-        "--vocab-shards",
-        type=ranks,
-        default=1,
-        metavar="N",
-        help="split the vocabulary evenly over N ranks, one link per rank pair (the daemons: "
-        "with --tp N, needs torch): worker rank r listens on its port + r and Spark rank r "
-        "connects to the worker address's port + r; each link carries only its range of q",
-    )
-    p.add_argument(
-        "--target-identity",
-        type=name,
-        default="pp1-toy-target",
-        metavar="NAME",
-        help="the target model's identity, declared in HELLO (at most 128 characters)",
-    )
-    p.add_argument(
-        "--psk-file",
-        default=None,
-        metavar="FILE",
-        help="file holding the pre-shared key, at least 16 bytes, or a key table (first line "
-        "pp1-keys-v1, then one 'ID KEY' per line; ID - is the default key): a worker "
-        "accepts every key of it, each its own principal (default: none, no authentication)",
-    )
-    p.add_argument(
-        "--key-id",
-        type=name,
-        default="",
-        metavar="ID",
-        help="the ID of this Spark side's key, sent in HELLO: a key table's entry, or the "
-        "ID the worker's table gives this file's one key ('' or -: the default key)",
-    )
+    """The flags of what both sides of a link must agree on: vocabulary, split, target, key."""
+    add = adder(p, _HELP)
+    add("--vocab", vocabulary, DEFAULT_VOCAB, "TOKENS")
+    add("--vocab-hash", count, 0, "HASH")
+    add("--row-entries", entries, None, "ENTRIES")
+    add("--vocab-shards", ranks, 1, "N")
+    add("--target-identity", name, "pp1-toy-target", "NAME")
+    add("--psk-file", None, None, "FILE")
+    add("--key-id", name, "", "ID")
 
 
 def add_connect_flags(p: argparse.ArgumentParser) -> None:
     """How a Spark side (``pp1-spark``, ``pp1-conformance``) reaches its worker."""
-    p.add_argument(
-        "--worker",
-        default="127.0.0.1:7070",
-        metavar="HOST:PORT",
-        help="the worker's address ([IPV6]:PORT for IPv6); a sharded rank r uses PORT + r",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="CA / certificate file: connect with TLS, trusting it (default: plaintext)",
-    )
+    add = adder(p, _HELP)
+    add("--worker", None, "127.0.0.1:7070", "HOST:PORT")
+    add("--tls-ca", None, None, "FILE")
 
 
 def add_common_flags(p: argparse.ArgumentParser, *, log_level: str) -> None:
-    """The flags both daemons take with the same meaning: :func:`add_link_flags`, then
-    metrics, logging and :func:`add_config`."""
+    """The flags both daemons take with the same meaning: the link's, metrics, logging, config."""
     add_link_flags(p)
-    p.add_argument(
-        "--metrics-host",
-        type=listen_host,
-        default="127.0.0.1",
-        metavar="HOST",
-        help="address of the Prometheus endpoint; an address other than loopback needs "
-        "--metrics-token-file or --insecure",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=port,
-        default=None,
-        metavar="PORT",
-        help="Prometheus port, GET /metrics (0: any free port; default: unset, no endpoint)",
-    )
-    p.add_argument(
-        "--metrics-token-file",
-        default=None,
-        metavar="FILE",
-        help="file holding a bearer token of at least 16 printable characters: GET /metrics "
-        "then needs 'Authorization: Bearer TOKEN' (else 401), with or without --psk-file "
-        "(default: none, anyone who reaches the endpoint reads it)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="listen on an address other than loopback without its credential (the worker's "
-        "--host without --psk-file, either daemon's --metrics-host without "
-        "--metrics-token-file): anyone who can reach it may use it (open sessions and make "
-        "the worker draw; read /metrics)",
-    )
-    p.add_argument(
-        "--log-level",
-        default=log_level,
-        choices=LOG_LEVELS,
-        metavar="LEVEL",
-        help="JSON log lines on stderr at this level: " + ", ".join(LOG_LEVELS),
-    )
+    add = adder(p, _HELP)
+    add("--metrics-host", listen_host, "127.0.0.1", "HOST")
+    add("--metrics-port", port, None, "PORT")
+    add("--metrics-token-file", None, None, "FILE")
+    add("--insecure", action="store_true")
+    add("--log-level", None, log_level, "LEVEL", choices=LOG_LEVELS)
     add_config(p)
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
     """``--config``: a TOML file of settings (see :func:`parse`)."""
-    p.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="TOML file with any of these settings, keys named like the flags (default: none)",
-    )
+    add = adder(p, _HELP)
+    add("--config", None, None, "FILE")
 
 
 def exposed(host: str) -> bool:
-    """Whether listening on ``host`` may be reachable from other machines: anything
-    but ``localhost`` and loopback IP literals (a name is not resolved: it counts
-    as exposed)."""
+    """Whether listening on ``host`` may be reachable from other machines: anything but
+    ``localhost`` and loopback addresses (a name is not resolved)."""
     if host == "localhost":
         return False
     try:
@@ -656,10 +578,8 @@ def exposed(host: str) -> bool:
 def check_listeners(
     listeners: Sequence[tuple[str, str, str, bool]], *, insecure: bool
 ) -> None:
-    """Protected mode, for every listener a daemon opens: ``listeners`` are its ``(flag,
-    host, credential flag, credential given)``; one beyond loopback (:func:`exposed`)
-    needs its own credential (the worker's ``--host`` a ``--psk-file``, a
-    ``--metrics-host`` a ``--metrics-token-file``) or ``insecure`` (``--insecure``).
+    """Protected mode: each of ``listeners``, ``(flag, host, credential flag, credential
+    given)``, beyond loopback (:func:`exposed`) needs its credential or ``insecure``.
 
     Raises:
         SettingsError: naming the first listener beyond loopback without its credential
@@ -676,10 +596,8 @@ def check_listeners(
 
 
 def check_group_waits(group_timeout: float, waits: Mapping[str, float]) -> None:
-    """A rank of a group waits for its link (``waits``: flag -> seconds, e.g. the reply
-    and connect timeouts) while the other ranks wait for it in a collective, which
-    gives up after ``group_timeout``: each such wait must end before that one, or
-    a legitimate wait (a slow reply, a worker still starting) fails the group.
+    """Each of a rank's waits for its link (``waits``: flag -> seconds) must end before the
+    others' collective gives up (``group_timeout``), or a legitimate wait fails the group.
 
     Raises:
         SettingsError: naming the first wait that is not below ``group_timeout``.
@@ -693,8 +611,7 @@ def check_group_waits(group_timeout: float, waits: Mapping[str, float]) -> None:
 
 
 def linked_address(text: str, shards: int) -> tuple[str, int]:
-    """``--worker HOST:PORT`` of a Spark side with ``shards`` links (rank r connects to
-    PORT + r).
+    """``--worker HOST:PORT`` of a Spark side with ``shards`` links (rank r: PORT + r).
 
     Raises:
         SettingsError: as :func:`host_port`, or a last rank's port above 65535.
@@ -709,8 +626,7 @@ def linked_address(text: str, shards: int) -> tuple[str, int]:
 
 
 def check_writable(flag: str, path: str) -> None:
-    """Check that a run could write ``path`` at its end, creating and changing nothing:
-    an existing file must open for writing, and its folder must take a new file.
+    """Check that a run could write ``path`` at its end, creating and changing nothing.
 
     Raises:
         SettingsError: if an existing ``path`` cannot be opened for writing (a folder,
@@ -719,9 +635,8 @@ def check_writable(flag: str, path: str) -> None:
     """
     target = Path(path)
     try:
-        # Without O_CREAT a missing file stays missing (made at the end: its folder is
-        # what must be writable); O_NONBLOCK: a FIFO without a reader is refused
-        # instead of blocking the check.
+        # No O_CREAT: a missing file stays missing (its folder must take it); O_NONBLOCK:
+        # a FIFO without a reader is refused, not waited on.
         with contextlib.suppress(FileNotFoundError):
             os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
         with tempfile.TemporaryFile(dir=target.parent):
@@ -736,11 +651,8 @@ def run_daemon(
     argv: Sequence[str] | None,
     body: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
 ) -> int:
-    """A daemon's ``main``: parse settings, set up logging and uvloop, run ``body``.
-
-    Returns ``body``'s exit code; 2 with one line on stderr for a bad setting,
-    1 for an operating-system error (an address in use, an unreadable file).
-    """
+    """A daemon's ``main``: parse settings, set up logging and uvloop, run ``body``; its exit
+    code, or with one line on stderr 2 for a bad setting, 1 for an operating-system error."""
     try:
         args = parse(parser, argv)
         setup_logging(args.log_level)

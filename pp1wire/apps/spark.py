@@ -1,28 +1,6 @@
-"""``pp1-spark``: the verifier side. Asks a worker for proposals, verifies, commits, falls back.
-
-Runs ``--requests`` requests over ``--concurrency`` slots with the round driver
-(:mod:`pp1wire.apps.driver`), in one of three modes that differ only in how a
-step is decided: one rank; ``--tp N`` (a replicated TP group: rank 0 talks to
-the worker, the group decides); ``--tp N --vocab-shards N`` (every rank talks
-to its worker rank and holds its range of the vocabulary). Every flag means
-the same in every mode, or is refused in one line naming the mode.
-
-A fault after some valid rows (a late, corrupt or refused row, a worker
-failure, a lost connection) ends the block after them, and those rows are
-verified (``docs/adaptive.md`` §7); a proposal with no valid row, or refused
-whole, is discarded and the request's next round is decoded target-only
-from the committed prefix. If the
-worker goes away, requests continue target-only and the connection is retried
-(one rank and replicated TP); on reconnect each slot is reopened with its
-committed prefix under a new generation. ``--depth 0`` decodes target-only
-throughout with the same per-request seeds (``docs/runner.md``).
-
-A target that fails stops that request (``stopped: "target_failed"``), the
-others go on, and the run exits 4; a group that fails stops every request and
-the run exits 3; both write every result first. SIGTERM or SIGINT: every
-request finishes its current round, the results so far (``finished: false``
-for cut ones) are written, and the process exits 0.
-"""
+"""``pp1-spark``: the verifier side, one rank, a replicated ``--tp`` group or a vocabulary-sharded
+one: asks a worker for proposals, verifies, commits, and decodes target-only when it must
+(``docs/runner.md``); a target that fails exits 4, a group that fails 3, results written first."""
 
 from __future__ import annotations
 
@@ -49,10 +27,10 @@ from pp1wire.apps.driver import (
     Plan,
     RequestRecord,
     RoundDriver,
-    SparkMetrics,
     Strategy,
 )
 from pp1wire.apps.link import Link
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.apps.settings import (
     MAX_RANKS,
     SettingsError,
@@ -76,8 +54,7 @@ if TYPE_CHECKING:
     from pp1wire.tp.coordinator import GroupCoordinator
     from pp1wire.tp.group import Faults
 
-MAX_CONCURRENCY = 0xFFFF
-"""The most slots a HELLO can ask for (``max_slots`` is a 16-bit field)."""
+MAX_CONCURRENCY = 0xFFFF  # the most slots a HELLO can ask for (a 16-bit field)
 
 
 def read_prompts(path: str | None, vocab: int) -> list[list[int]]:
@@ -128,21 +105,14 @@ def tls_context(cafile: str | None) -> ssl.SSLContext | None:
 
 
 class Output:
-    """``--output``: checked writable before any work, replaced whole at the end.
-
-    The check neither creates the file nor truncates an existing one; the
-    results go to a temporary file beside it that replaces it in one rename,
-    so a run that fails (or a bad flag) leaves an earlier output byte for byte
-    as it was, and no output where there was none.
-    """
+    """``--output``: checked writable before any work (nothing created or truncated), then
+    replaced in one rename at the end, so a run that fails leaves an earlier output as it was."""
 
     def __init__(self, path: str) -> None:
         """Check that ``path`` can be written, creating and changing nothing.
 
         Raises:
-            SettingsError: if an existing ``path`` cannot be opened for writing (a
-                folder, a file without write permission), or its folder is missing
-                or cannot be written.
+            SettingsError: as :func:`pp1wire.apps.settings.check_writable`.
         """
         self.path = Path(path)
         settings.check_writable("--output", path)
@@ -164,141 +134,69 @@ class Output:
             raise
 
 
+_HELP: dict[str, str] = {
+    "--seed": "base seed: request i uses derive_seed(SEED, i)",
+    "--requests": "requests to run",
+    "--max-tokens": "new tokens per request (the last round is kept whole)",
+    "--depth": f"drafts per proposal at most, 1..{MAX_DEPTH}; 0 decodes target-only (no worker); "
+    "auto: each STEP's depth chosen per request from its verified rounds and the load "
+    "(docs/runner.md)",
+    "--stop": "the stop rule of every block (docs/adaptive.md): fixed (the depth, or a terminal "
+    "token, ends it), confidence:TAU (draw the next draft only while the last one's q is at least "
+    "TAU) or joint:TAU (only while the product of the drafts' q is at least TAU); audited on "
+    "arrival",
+    "--support": "the q of each row: dense or sparse:K",
+    "--temperature": "proposal temperature (0: greedy)",
+    "--concurrency": f"requests running at once, 1..{MAX_CONCURRENCY}: request i runs on slot "
+    "i mod SLOTS",
+    "--eos": "terminal token ID (default: none, requests end at --max-tokens)",
+    "--audit": "recompute the worker's proposal draw and refuse drafts its q does not select",
+    "--prompts": "JSONL, one JSON list of token IDs per line; request i takes line i mod lines "
+    "(default: every request's prompt is [1, 2, 3])",
+    "--output": "write one JSON object per request here, replacing the file at the end (default: "
+    "none)",
+    "--json": "print one JSON summary on stdout",
+    "--target": "target plugin: factory(vocab_size=, seed=) returns prefix -> probabilities (a "
+    ".batch(prefixes) method, if it has one, scores a whole step in one call)",
+    "--draft-identity": "pin the drafter identity the worker must declare ('' = any)",
+    "--max-prefix": "longest committed prefix this side asks the worker to hold",
+    "--reply-timeout": "how long a proposal may take: at the deadline its block is cut after the "
+    "rows that arrived (verified), or, with none, its round decodes target-only",
+    "--connect-timeout": "how long to keep trying to reach the worker at the start",
+    "--tp": f"tensor-parallel ranks, 1..{MAX_RANKS} (needs torch); above 1 this starts "
+    "them on this machine; under torchrun the launcher's world size is used",
+    "--group-timeout": "how long any collective of a TP group may wait for a rank before the group "
+    "fails closed",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-spark`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
     p = settings.parser(
         "pp1-spark", f"PP1 v{WIRE_VERSION} verifier side (the Spark rank): docs/runner.md."
     )
     settings.add_connect_flags(p)
-    p.add_argument(
-        "--seed",
-        type=count,
-        default=0,
-        metavar="SEED",
-        help="base seed: request i uses derive_seed(SEED, i)",
-    )
-    p.add_argument("--requests", type=count, default=8, metavar="N", help="requests to run")
-    p.add_argument(
-        "--max-tokens",
-        type=count,
-        default=64,
-        metavar="TOKENS",
-        help="new tokens per request (the last round is kept whole)",
-    )
-    p.add_argument(
-        "--depth",
-        type=settings.depth_or_auto,
-        default=5,
-        metavar="TOKENS",
-        help=f"drafts per proposal at most, 1..{MAX_DEPTH}; 0 decodes target-only (no worker); "
-        "auto: each STEP's depth chosen per request from its verified rounds and the load "
-        "(docs/runner.md)",
-    )
-    p.add_argument(
-        "--stop",
-        default="fixed",
-        metavar="RULE",
-        help="the stop rule of every block (docs/adaptive.md): fixed (the depth, or a "
-        "terminal token, ends it), confidence:TAU (draw the next draft only while the last "
-        "one's q is at least TAU) or joint:TAU (only while the product of the drafts' q is "
-        "at least TAU); audited on arrival",
-    )
-    p.add_argument(
-        "--support", default="dense", metavar="Q", help="the q of each row: dense or sparse:K"
-    )
-    p.add_argument(
-        "--temperature",
-        type=temperature,
-        default=1.0,
-        metavar="T",
-        help="proposal temperature (0: greedy)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=positive,
-        default=4,
-        metavar="SLOTS",
-        help=f"requests running at once, 1..{MAX_CONCURRENCY}: request i runs on slot i mod SLOTS",
-    )
-    p.add_argument(
-        "--eos",
-        type=count,
-        default=None,
-        metavar="TOKEN",
-        help="terminal token ID (default: none, requests end at --max-tokens)",
-    )
-    p.add_argument(
-        "--audit",
-        action="store_true",
-        help="recompute the worker's proposal draw and refuse drafts its q does not select",
-    )
-    p.add_argument(
-        "--prompts",
-        default=None,
-        metavar="FILE",
-        help="JSONL, one JSON list of token IDs per line; request i takes line i mod lines "
-        "(default: every request's prompt is [1, 2, 3])",
-    )
-    p.add_argument(
-        "--output",
-        default=None,
-        metavar="FILE",
-        help="write one JSON object per request here, replacing the file at the end "
-        "(default: none)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
-    p.add_argument(
-        "--target",
-        default="pp1wire.apps.models:target_factory",
-        metavar="MODULE:FACTORY",
-        help="target plugin: factory(vocab_size=, seed=) returns prefix -> probabilities "
-        "(a .batch(prefixes) method, if it has one, scores a whole step in one call)",
-    )
-    p.add_argument(
-        "--draft-identity",
-        type=settings.name,
-        default="",
-        metavar="NAME",
-        help="pin the drafter identity the worker must declare ('' = any)",
-    )
-    p.add_argument(
-        "--max-prefix",
-        type=positive,
-        default=1 << 16,
-        metavar="TOKENS",
-        help="longest committed prefix this side asks the worker to hold",
-    )
-    p.add_argument(
-        "--reply-timeout",
-        type=seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="how long a proposal may take: at the deadline its block is cut after the rows "
-        "that arrived (verified), or, with none, its round decodes target-only",
-    )
-    p.add_argument(
-        "--connect-timeout",
-        type=seconds,
-        default=10.0,
-        metavar="SECONDS",
-        help="how long to keep trying to reach the worker at the start",
-    )
-    p.add_argument(
-        "--tp",
-        type=settings.ranks,
-        default=1,
-        metavar="RANKS",
-        help=f"tensor-parallel ranks, 1..{MAX_RANKS} (needs torch); above 1 this starts "
-        "them on this machine; under torchrun the launcher's world size is used",
-    )
-    p.add_argument(
-        "--group-timeout",
-        type=seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long any collective of a TP group may wait for a rank before the group "
-        "fails closed",
-    )
+    add = settings.adder(p, _HELP)
+    add("--seed", count, 0, "SEED")
+    add("--requests", count, 8, "N")
+    add("--max-tokens", count, 64, "TOKENS")
+    add("--depth", settings.depth_or_auto, 5, "TOKENS")
+    add("--stop", None, "fixed", "RULE")
+    add("--support", None, "dense", "Q")
+    add("--temperature", temperature, 1.0, "T")
+    add("--concurrency", positive, 4, "SLOTS")
+    add("--eos", count, None, "TOKEN")
+    add("--audit", action="store_true")
+    add("--prompts", None, None, "FILE")
+    add("--output", None, None, "FILE")
+    add("--json", action="store_true")
+    add("--target", None, "pp1wire.apps.models:target_factory", "MODULE:FACTORY")
+    add("--draft-identity", settings.name, "", "NAME")
+    add("--max-prefix", positive, 1 << 16, "TOKENS")
+    add("--reply-timeout", seconds, 5.0, "SECONDS")
+    add("--connect-timeout", seconds, 10.0, "SECONDS")
+    add("--tp", settings.ranks, 1, "RANKS")
+    add("--group-timeout", seconds, 30.0, "SECONDS")
     add_common_flags(p, log_level="warning")
     return p
 
@@ -412,9 +310,7 @@ class RankRun:
 
 
 async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    """Run the requests; returns the exit code.
-
-    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
+    """Run the requests; returns the exit code (``argv``: what ``--tp N`` hands its ranks).
 
     Raises:
         SettingsError: a bad setting (before anything runs).
@@ -433,7 +329,8 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if args.json:
             print(json.dumps(done.summary), flush=True)
         else:
-            print_summary(done.summary, args)
+            title = f"pp1-spark: {done.summary['requests']} requests, vocab {args.vocab}, "
+            metrics.print_summary(f"{title}depth {args.depth}, q {args.support}", done.summary, 22)
     if done.warning is not None:
         print(f"pp1-spark: warning: {done.warning}", file=sys.stderr, flush=True)
     return done.code
@@ -448,11 +345,9 @@ async def run_rank(
     faults: Faults | None = None,
 ) -> RankRun:
     """This process's part of the run: rank 0 (or the only rank) drives the requests and
-    writes ``--output``; a replicated follower follows; every sharded rank drives.
-
-    ``coord`` is this rank's group (None for one rank); ``faults`` are test hooks
-    for a replicated group. Signal handlers are installed only on the main thread,
-    so a test can run a whole group as threads of one process.
+    writes ``--output``, a replicated follower follows, every sharded rank drives
+    (``coord``: its group; ``faults``: a replicated group's test hooks). Signal handlers
+    go only on the main thread, so a test can run a group as threads of one process.
     """
     target = settings.make_plugin(args.target, vocab_size=args.vocab, seed=args.seed)
     m = SparkMetrics(max(plan.depth, 1))
@@ -476,8 +371,7 @@ async def run_rank(
             coord, args.vocab, max_batch=plan.concurrency, faults=faults or spark_tp.FAULTS
         )
         if coord.rank != 0:
-            # Blocking on purpose: a follower has nothing else to serve, and in a rank
-            # process this keeps it on the main thread, where its signal handlers live.
+            # Blocking on purpose: it keeps a follower on the main thread, with its handlers.
             return RankRun(spark_tp.follow(args, group, target, plan))
         replicated = spark_tp.ReplicatedStrategy(group, m)
         strategy, finish = replicated, replicated.finish
@@ -524,8 +418,7 @@ async def run_rank(
                 where = f"{link.host}:{link.port}" + (f" (rank {rank})" if coord else "")
                 print(f"pp1-spark: cannot reach the worker at {where}: {exc}", file=sys.stderr)
                 unreachable = 1
-            # Every rank of a sharded group needs its link: they start (or not) together,
-            # and a stop asked for while connecting stops them all before any round.
+            # The ranks start (or not, or stop) together: each needs its link.
             agreed = await asyncio.to_thread(strategy.agree, [unreachable, int(stopped)])
             if agreed[0] or agreed[1]:
                 if finish is not None:
@@ -600,13 +493,11 @@ def refused_by_configuration(summary: dict[str, Any], depth: int) -> int:
     return 1
 
 
-#: The reasons of the faults this side's own deadlines cause (``--reply-timeout``, which
-#: is also how long an answer may take before the connection ends).
+#: The reasons of the faults this side's own deadlines cause (``--reply-timeout``).
 TIMEOUT_REASONS = frozenset(
     code.name.lower() for code in (ErrorCode.REPLY_TIMEOUT, ErrorCode.ANSWER_TIMEOUT)
 )
-#: Faults the reply timeout does not explain that :func:`fault_warning` lets pass: fewer
-#: than this many, or than this share of the proposals asked for.
+#: Unexplained faults :func:`fault_warning` lets pass: fewer than this many, or this share.
 UNEXPLAINED_FLOOR, UNEXPLAINED_SHARE = 3, 0.01
 
 
@@ -620,17 +511,10 @@ def faults_by_row(m: SparkMetrics) -> dict[tuple[int, str], int]:
 
 
 def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | None:
-    """The summary's warning when faults gather beyond what the run's reply timeout
-    explains (``docs/adaptive.md`` §7), else None.
-
-    A fault (a cut after row i, or a whole-block fallback: row 0) is *explained* by the
-    reply timeout when its reason is ``reply_timeout`` or ``answer_timeout``
-    (:data:`TIMEOUT_REASONS`): this side's own deadline ended the block, at a time
-    the drafts cannot set. Any other fault (a failure the worker reports, a refusal,
-    a lost connection, a row that fails validation) is the worker's or the path's
-    doing, which can depend on the drafts. The warning is due when such faults number
-    at least :data:`UNEXPLAINED_FLOOR` and at least :data:`UNEXPLAINED_SHARE` of the
-    ``proposals`` asked for; it names them by row.
+    """The summary's warning, naming them by row, when the faults the reply timeout does not
+    explain (any but :data:`TIMEOUT_REASONS`: the worker's or the path's doing, which can
+    depend on the drafts, ``docs/adaptive.md`` §7) reach :data:`UNEXPLAINED_FLOOR` and
+    :data:`UNEXPLAINED_SHARE` of the ``proposals``; else None.
     """
     rows: dict[int, int] = {}
     for (row, reason), n in faults.items():
@@ -645,17 +529,6 @@ def fault_warning(faults: dict[tuple[int, str], int], proposals: int) -> str | N
         f"explain ({by_row}); a worker that fails the rows of drafts it dislikes biases "
         "the output: compare pp1_faults_by_row_total by row (docs/adaptive.md section 7)"
     )
-
-
-def print_summary(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    """Human-readable summary."""
-    print(
-        f"pp1-spark: {summary['requests']} requests, vocab {args.vocab}, depth {args.depth}, "
-        f"q {args.support}"
-    )
-    for key, value in summary.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else value
-        print(f"  {key:22s} {shown}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,19 +1,6 @@
-"""``pp1-spark --tp N --vocab-shards N``: the strategy of a vocabulary-sharded Spark group.
-
-Every rank runs the same round driver (:class:`pp1wire.apps.driver.RoundDriver`)
-on the same requests (``docs/protocol.md`` §6.7): rank r connects to the worker
-address's port + r, declares shard r of the even layout and the group's nonce
-(:meth:`ShardedStrategy.group_nonce`) in HELLO, and sends the same OPEN, STEP
-and COMMIT on its link as every other rank. What a link alone
-decides — can this request STEP, did its proposal arrive, stop — the ranks
-agree on (:meth:`ShardedStrategy.agree`: the first rank's reason wins), and
-each step is decided by the group together
-(:meth:`pp1wire.tp.shard_spark.ShardedVerifyGroup.decide`).
-
-A link that is lost stays lost (its rank reports every later round as
-``CONNECTION_LOST``, so the group decodes target-only; no reconnection in this
-mode: the ranks' links could come back at different generations).
-"""
+"""``pp1-spark --tp N --vocab-shards N``: every rank drives the same requests on its own link to
+its worker rank (``docs/protocol.md`` §6.7), the ranks agree on what a link alone decides, and the
+group decides each step; a lost link stays lost (its rounds ``CONNECTION_LOST``)."""
 
 from __future__ import annotations
 
@@ -47,10 +34,8 @@ class ShardedStrategy:
         self.target = target
 
     def group_nonce(self) -> bytes:
-        """The group session's nonce, the same on every rank: rank 0 draws 16 random
-        bytes and broadcasts them (one collective). Every link of the group carries it
-        in HELLO, so that the worker ranks match its STEPs only with each other's
-        (``docs/protocol.md`` §6.7).
+        """The group session's nonce, drawn by rank 0 and broadcast: every link carries it in
+        HELLO, so that the worker ranks match its STEPs only with each other's (§6.7).
 
         Raises:
             GroupFailedError: the collective failed.
@@ -102,6 +87,3 @@ class ShardedStrategy:
             "shard_ranges": [list(layout.range(i)) for i in range(layout.shards)],
             "tp_collectives": self.coord.collectives,
         }
-
-
-__all__ = ["ShardedStrategy"]

@@ -1,12 +1,6 @@
-"""``pp1-spark --tp N``: the strategy of a replicated Spark TP group, and its followers.
-
-``pp1-spark --tp N`` starts N ranks (:func:`pp1wire.apps.ranks.launch`);
-``torchrun --nproc-per-node N -m pp1wire.spark`` starts them directly. Each
-rank runs ``pp1-spark`` with the same flags: rank 0 runs the round driver over
-the worker connection, deciding each engine step as one attempt of the group
-(:class:`ReplicatedStrategy`); the other ranks follow its attempts
-(:func:`follow`). torch is imported by the caller only when ``--tp`` asks for ranks.
-"""
+"""``pp1-spark --tp N``: a replicated Spark TP group's strategy, run by rank 0 over the worker
+connection (each step one attempt of the group, ``docs/tp.md``), and the followers of the other
+ranks; torch is imported by the caller only when ``--tp`` asks for ranks."""
 
 from __future__ import annotations
 
@@ -17,15 +11,15 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, SparkMetrics, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
+from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import Pp1Error
 from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn
 from pp1wire.tp.fanout import Header, Item
 from pp1wire.tp.group import Faults, RankReport, SparkGroup
 
-FAULTS: Faults | None = None
-"""Fault hooks for tests only: set by :mod:`pp1wire.testing.tp_faults`, never by a flag."""
+FAULTS: Faults | None = None  # test hooks, set by pp1wire.testing.tp_faults (never a flag)
 
 
 class ReplicatedStrategy:
@@ -97,26 +91,17 @@ class ReplicatedStrategy:
             "tp_prefixes_agree": (
                 len({r.prefixes_digest for r in reports}) == 1 if reports else None
             ),
-            "tp_ranks": [
-                {
-                    "rank": r.rank,
-                    "collectives": r.collectives,
-                    "attempts": r.attempts,
-                    "fanout_bytes": r.fanout_bytes,
-                    "fanout_seconds": r.fanout_seconds,
-                    "bulk": r.bulk,
-                }
-                for r in reports
-            ],
+            "tp_ranks": [{k: getattr(r, k) for k in _RANK_KEYS} for r in reports],
         }
 
 
-def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
-    """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code.
+#: What rank 0's summary says of each rank's report.
+_RANK_KEYS = ("rank", "collectives", "attempts", "fanout_bytes", "fanout_seconds", "bulk")
 
-    Signal handlers are installed only on the main thread (a rank process), not
-    when a test runs the group as threads of one process.
-    """
+
+def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
+    """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code
+    (signal handlers only on the main thread, not in a group of threads under test)."""
     prompts = plan.prompts
 
     def verifier_for(header: Header) -> RequestVerifier:
@@ -138,9 +123,8 @@ def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: 
             verifier.session = header.session
         return verifier
 
-    # Rank 0 drives shutdown (it finishes its rounds and stops the group), so a
-    # signal only starts a grace period: a follower that left at once would turn
-    # a clean stop into a group failure, one that never left could outlive a dead rank 0.
+    # Rank 0 drives shutdown, so a signal only starts a grace period: leaving at once would
+    # fail the group's clean stop, never leaving could outlive a dead rank 0.
     grace = args.group_timeout + 1.0
 
     def stop_later(signum: int, _frame: object) -> None:
@@ -158,6 +142,3 @@ def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: 
         return GROUP_FAILED_EXIT
     group.coord.leave()
     return 0
-
-
-__all__ = ["FAULTS", "ReplicatedStrategy", "follow"]

@@ -1,15 +1,6 @@
-"""``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner).
-
-Serves :class:`pp1wire.aio.server.WorkerServer` until SIGTERM or SIGINT, which
-stop accepting, let every connection finish the frames it already received
-(the draws they asked for included, within a grace period), flush the replies,
-then exit 0.
-
-``pp1-worker --check HOST:PORT`` is the health command: it performs a HELLO
-with this worker's settings against a running worker, exits 0 on success and
-prints the limits those settings give (:func:`limits`), the most a Spark side's
-HELLO may ask for.
-"""
+"""``pp1-worker``: the proposer daemon (drafter plugin, sessions, the only proposal RNG owner),
+serving until SIGTERM or SIGINT, which drain what was received and exit 0; ``--check HOST:PORT``
+HELLOs a running worker and prints the limits these settings give."""
 
 from __future__ import annotations
 
@@ -36,9 +27,8 @@ log = logging.getLogger("pp1wire.worker")
 
 
 def limits(cfg: WorkerConfig, *, max_connections: int = 16) -> list[tuple[str, str]]:
-    """This worker's limits as (name, what it allows): what a Spark HELLO may ask for
-    (``docs/protocol.md`` §4.1; above any of them it is refused with ``LIMIT_EXCEEDED``)
-    and the bounds it holds every connection to (§8)."""
+    """This worker's limits as (name, what it allows): the most a Spark HELLO may ask for
+    (§4.1, else ``LIMIT_EXCEEDED``) and the bounds of every connection (§8)."""
     return [
         ("max_slots", f"{cfg.max_slots} (--max-slots)"),
         ("max_depth", f"{cfg.max_depth} (--max-depth, 1..5)"),
@@ -84,237 +74,105 @@ def default_limits_markdown() -> str:
     return limits_markdown(config_from(defaults), max_connections=defaults.max_connections)
 
 
+_HELP: dict[str, str] = {
+    "--host": "listen address; without --psk-file, an address other than loopback needs --insecure",
+    "--port": "listen port (0: any free)",
+    "--seed": "toy model family seed",
+    "--drafter": "drafter plugin; factory(vocab_size=, seed=) -> callable prefix -> logits",
+    "--draft-identity": "the drafter's identity, declared in HELLO (at most 128 characters)",
+    "--max-slots": "most slots (concurrent requests) one connection may open, 1..65535",
+    "--max-depth": "most draft tokens per proposal, 1..5",
+    "--max-support": "largest sparse support a STEP may ask for, in entries (capped at --vocab)",
+    "--max-prefix": "longest prompt an OPEN may carry, in tokens",
+    "--max-connections": "most authenticated connections; when full, a newcomer replaces the "
+    "oldest peer still in its handshake, or (once it has itself authenticated) a peer that had no "
+    "fresh draw for --slot-idle-timeout",
+    "--max-per-address": "most connections from one source address (an IPv6 address's "
+    "--ipv6-prefix network), admitted as --max-connections (a client with several addresses is not "
+    "limited by it; default: unset, no limit)",
+    "--slot-idle-timeout": "a connection that had no fresh draw (a STEP drawn) for this long may "
+    "be replaced by a newcomer when the worker is full; COMMIT, OPEN, CLOSE and PING do not count "
+    "(one new connection per principal and period is protected for its first 1 s)",
+    "--max-draw-rate": "fresh draws per second one slot may ask for, kept per principal across "
+    "reconnections; a STEP beyond it is refused with DRAW_RATE_LIMITED: size it as the most rounds "
+    "per second one request should run (default: unset, no limit)",
+    "--principal-rate": "fresh draws per second one principal may ask for over all its slots and "
+    "connections (a second of them at once), beyond which its STEPs are refused with "
+    "DRAW_RATE_LIMITED: RATE for every principal, ID=RATE for key ID (=RATE the default key), RATE "
+    "'off' for none; size the default as a light client's draws per second, and name each key that "
+    "needs more (default: unset, no cap)",
+    "--ipv6-prefix": "an IPv6 source address counts as its network of this prefix length, one "
+    "address for --max-per-address and for the lineages it may start",
+    "--lineage-rate": "new draw-budget lineages one source address may start per second without a "
+    "key, for 10 s after one of its lineages abandoned a draw (a connection that presents no "
+    "lineage it was issued waits its turn for its HELLO, in arrival order)",
+    "--lineage-burst": "new lineages one source address may start at once while --lineage-rate "
+    "paces it",
+    "--draw-burst": "fresh draws one slot may ask for ahead of --max-draw-rate "
+    f"(default: {budgets.DRAW_BURST})",
+    "--abandon-rate": "fresh draws per second one principal may leave uncommitted (a slot reset or "
+    "closed, or its connection lost, before a COMMIT), over all its connections; beyond them and "
+    "--abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until it has paid them "
+    "back",
+    "--abandon-burst": "uncommitted draws one principal may leave at once (default: 2 x "
+    "--max-slots)",
+    "--busy-poll": "spin the event loop while connections are open (lower latency, one busy core)",
+    "--draw-threads": "threads that run the drafter and q construction (default: one per core), "
+    "shared fairly between connections; the drafter must be thread-safe; 0 draws on the event loop",
+    "--max-draw-batch": "most STEPs drafted together on one draw thread: one drafter call per "
+    "position over all of them, their q rows built in one pass (1: each STEP alone); a "
+    "vocabulary-sharded group draws each STEP alone",
+    "--tp": "worker ranks of a vocabulary-sharded group (with --vocab-shards, needs torch): "
+    "started with torch's elastic launcher; rank r listens on --port + r",
+    "--group-timeout": "how long any collective of the worker group may wait before the group "
+    "fails",
+    "--match-timeout": "how long a rank of a sharded group holds a STEP that the group's other "
+    "links have not sent (then it answers GROUP_UNMATCHED)",
+    "--handshake-timeout": "a connection must complete HELLO (and AUTH) within this, from accept",
+    "--idle-timeout": "a connection with no message but PING or PONG for this long is closed",
+    "--tls-cert": "PEM certificate (default: none, no TLS)",
+    "--tls-key": "PEM private key for --tls-cert (default: in the certificate file)",
+    "--check": "health check: HELLO a running worker, exit 0 if it answers (default: serve)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-worker`` argument parser (every flag also reads ``PP1_<FLAG>``)."""
     p = settings.parser(
         "pp1-worker", f"PP1 wire v{WIRE_VERSION} proposer server (the draft worker)."
     )
-    p.add_argument(
-        "--host",
-        type=settings.listen_host,
-        default="127.0.0.1",
-        metavar="HOST",
-        help="listen address; without --psk-file, an address other than loopback needs --insecure",
-    )
-    p.add_argument(
-        "--port", type=settings.port, default=7070, metavar="PORT", help="listen port (0: any free)"
-    )
-    p.add_argument(
-        "--seed", type=settings.count, default=0, metavar="N", help="toy model family seed"
-    )
-    p.add_argument(
-        "--drafter",
-        default="pp1wire.apps.models:drafter_factory",
-        metavar="MODULE:FACTORY",
-        help="drafter plugin; factory(vocab_size=, seed=) -> callable prefix -> logits",
-    )
-    p.add_argument(
-        "--draft-identity",
-        type=settings.name,
-        default="pp1-toy-drafter",
-        metavar="NAME",
-        help="the drafter's identity, declared in HELLO (at most 128 characters)",
-    )
-    p.add_argument(
-        "--max-slots",
-        type=settings.u16,
-        default=4,
-        metavar="N",
-        help="most slots (concurrent requests) one connection may open, 1..65535",
-    )
-    p.add_argument(
-        "--max-depth",
-        type=settings.depth,
-        default=5,
-        metavar="N",
-        help="most draft tokens per proposal, 1..5",
-    )
-    p.add_argument(
-        "--max-support",
-        type=settings.support,
-        default=256,
-        metavar="ENTRIES",
-        help="largest sparse support a STEP may ask for, in entries (capped at --vocab)",
-    )
-    p.add_argument(
-        "--max-prefix",
-        type=settings.prefix_tokens,
-        default=1 << 20,
-        metavar="TOKENS",
-        help="longest prompt an OPEN may carry, in tokens",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=settings.connections,
-        default=16,
-        metavar="N",
-        help="most authenticated connections; when full, a newcomer replaces the oldest "
-        "peer still in its handshake, or (once it has itself authenticated) a peer that "
-        "had no fresh draw for --slot-idle-timeout",
-    )
-    p.add_argument(
-        "--max-per-address",
-        type=settings.connections,
-        default=None,
-        metavar="N",
-        help="most connections from one source address (an IPv6 address's --ipv6-prefix "
-        "network), admitted as --max-connections "
-        "(a client with several addresses is not limited by it; default: unset, no limit)",
-    )
-    p.add_argument(
-        "--slot-idle-timeout",
-        type=settings.seconds,
-        default=admission.SLOT_IDLE_S,
-        metavar="SECONDS",
-        help="a connection that had no fresh draw (a STEP drawn) for this long may be replaced "
-        "by a newcomer when the worker is full; COMMIT, OPEN, CLOSE and PING do not count "
-        "(one new connection per principal and period is protected for its first 1 s)",
-    )
-    p.add_argument(
-        "--max-draw-rate",
-        type=settings.rate,
-        default=None,
-        metavar="DRAWS/S",
-        help="fresh draws per second one slot may ask for, kept per principal across "
-        "reconnections; a STEP beyond it is refused with DRAW_RATE_LIMITED: size it as the "
-        "most rounds per second one request should run (default: unset, no limit)",
-    )
-    p.add_argument(
-        "--principal-rate",
-        type=settings.principal_rate,
-        nargs="+",
-        default=None,
-        metavar="[ID=]RATE",
-        help="fresh draws per second one principal may ask for over all its slots and "
-        "connections (a second of them at once), beyond which its STEPs are refused with "
-        "DRAW_RATE_LIMITED: RATE for every principal, ID=RATE for key ID (=RATE the "
-        "default key), RATE 'off' for none; size the default as a light client's draws per "
-        "second, and name each key that needs more (default: unset, no cap)",
-    )
-    p.add_argument(
-        "--ipv6-prefix",
-        type=settings.ipv6_prefix,
-        default=principals.IPV6_PREFIX,
-        metavar="BITS",
-        help="an IPv6 source address counts as its network of this prefix length, one "
-        "address for --max-per-address and for the lineages it may start",
-    )
-    p.add_argument(
-        "--lineage-rate",
-        type=settings.rate,
-        default=principals.LINEAGE_RATE,
-        metavar="LINEAGES/S",
-        help="new draw-budget lineages one source address may start per second without a "
-        "key, for 10 s after one of its lineages abandoned a draw (a connection that "
-        "presents no lineage it was issued waits its turn for its HELLO, in arrival order)",
-    )
-    p.add_argument(
-        "--lineage-burst",
-        type=settings.u16,
-        default=principals.LINEAGE_BURST,
-        metavar="LINEAGES",
-        help="new lineages one source address may start at once while --lineage-rate paces it",
-    )
-    p.add_argument(
-        "--draw-burst",
-        type=settings.u16,
-        default=None,
-        metavar="DRAWS",
-        help="fresh draws one slot may ask for ahead of --max-draw-rate "
-        f"(default: {budgets.DRAW_BURST})",
-    )
-    p.add_argument(
-        "--abandon-rate",
-        type=settings.rate,
-        default=1.0,
-        metavar="DRAWS/S",
-        help="fresh draws per second one principal may leave uncommitted (a slot reset or "
-        "closed, or its connection lost, before a COMMIT), over all its connections; beyond "
-        "them and --abandon-burst its fresh STEPs are refused with DRAW_RATE_LIMITED until "
-        "it has paid them back",
-    )
-    p.add_argument(
-        "--abandon-burst",
-        type=settings.u16,
-        default=None,
-        metavar="DRAWS",
-        help="uncommitted draws one principal may leave at once (default: 2 x --max-slots)",
-    )
-    p.add_argument(
-        "--busy-poll",
-        action="store_true",
-        help="spin the event loop while connections are open (lower latency, one busy core)",
-    )
-    p.add_argument(
-        "--draw-threads",
-        type=settings.threads,
-        default=os.cpu_count() or 1,
-        metavar="N",
-        help="threads that run the drafter and q construction (default: one per core), "
-        "shared fairly between connections; the drafter must be thread-safe; 0 draws on "
-        "the event loop",
-    )
-    p.add_argument(
-        "--max-draw-batch",
-        type=settings.draw_batch,
-        default=draws.MAX_DRAW_BATCH,
-        metavar="STEPS",
-        help="most STEPs drafted together on one draw thread: one drafter call per position "
-        "over all of them, their q rows built in one pass (1: each STEP alone); a vocabulary-"
-        "sharded group draws each STEP alone",
-    )
-    p.add_argument(
-        "--tp",
-        type=settings.ranks,
-        default=1,
-        metavar="N",
-        help="worker ranks of a vocabulary-sharded group (with --vocab-shards, needs torch): "
-        "started with torch's elastic launcher; rank r listens on --port + r",
-    )
-    p.add_argument(
-        "--group-timeout",
-        type=settings.seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long any collective of the worker group may wait before the group fails",
-    )
-    p.add_argument(
-        "--match-timeout",
-        type=settings.seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="how long a rank of a sharded group holds a STEP that the group's other links "
-        "have not sent (then it answers GROUP_UNMATCHED)",
-    )
-    p.add_argument(
-        "--handshake-timeout",
-        type=settings.seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="a connection must complete HELLO (and AUTH) within this, from accept",
-    )
-    p.add_argument(
-        "--idle-timeout",
-        type=settings.seconds,
-        default=300.0,
-        metavar="SECONDS",
-        help="a connection with no message but PING or PONG for this long is closed",
-    )
-    p.add_argument(
-        "--tls-cert", default=None, metavar="FILE", help="PEM certificate (default: none, no TLS)"
-    )
-    p.add_argument(
-        "--tls-key",
-        default=None,
-        metavar="FILE",
-        help="PEM private key for --tls-cert (default: in the certificate file)",
-    )
-    p.add_argument(
-        "--check",
-        default=None,
-        metavar="HOST:PORT",
-        help="health check: HELLO a running worker, exit 0 if it answers (default: serve)",
-    )
+    add = settings.adder(p, _HELP)
+    add("--host", settings.listen_host, "127.0.0.1", "HOST")
+    add("--port", settings.port, 7070, "PORT")
+    add("--seed", settings.count, 0, "N")
+    add("--drafter", None, "pp1wire.apps.models:drafter_factory", "MODULE:FACTORY")
+    add("--draft-identity", settings.name, "pp1-toy-drafter", "NAME")
+    add("--max-slots", settings.u16, 4, "N")
+    add("--max-depth", settings.depth, 5, "N")
+    add("--max-support", settings.support, 256, "ENTRIES")
+    add("--max-prefix", settings.prefix_tokens, 1 << 20, "TOKENS")
+    add("--max-connections", settings.connections, 16, "N")
+    add("--max-per-address", settings.connections, None, "N")
+    add("--slot-idle-timeout", settings.seconds, admission.SLOT_IDLE_S, "SECONDS")
+    add("--max-draw-rate", settings.rate, None, "DRAWS/S")
+    add("--principal-rate", settings.principal_rate, None, "[ID=]RATE", nargs="+")
+    add("--ipv6-prefix", settings.ipv6_prefix, principals.IPV6_PREFIX, "BITS")
+    add("--lineage-rate", settings.rate, principals.LINEAGE_RATE, "LINEAGES/S")
+    add("--lineage-burst", settings.u16, principals.LINEAGE_BURST, "LINEAGES")
+    add("--draw-burst", settings.u16, None, "DRAWS")
+    add("--abandon-rate", settings.rate, 1.0, "DRAWS/S")
+    add("--abandon-burst", settings.u16, None, "DRAWS")
+    add("--busy-poll", action="store_true")
+    add("--draw-threads", settings.threads, os.cpu_count() or 1, "N")
+    add("--max-draw-batch", settings.draw_batch, draws.MAX_DRAW_BATCH, "STEPS")
+    add("--tp", settings.ranks, 1, "N")
+    add("--group-timeout", settings.seconds, 30.0, "SECONDS")
+    add("--match-timeout", settings.seconds, 5.0, "SECONDS")
+    add("--handshake-timeout", settings.seconds, 5.0, "SECONDS")
+    add("--idle-timeout", settings.seconds, 300.0, "SECONDS")
+    add("--tls-cert", None, None, "FILE")
+    add("--tls-key", None, None, "FILE")
+    add("--check", None, None, "HOST:PORT")
     settings.add_common_flags(p, log_level="info")
     defaults = p.parse_args([])
     p.epilog = (
@@ -388,9 +246,8 @@ def policy_from(args: argparse.Namespace) -> PrincipalPolicy:
 
 
 def check_exposure(args: argparse.Namespace, config: WorkerConfig) -> None:
-    """Refuse to listen beyond loopback without its credential unless told ``--insecure``:
-    the protocol listener without a key, and the metrics endpoint (when there is one)
-    without a token.
+    """Refuse to listen beyond loopback without its credential (the protocol listener a key,
+    the metrics endpoint a token) unless told ``--insecure``.
 
     Raises:
         settings.SettingsError: for an address other than loopback without its
@@ -441,10 +298,8 @@ async def check(args: argparse.Namespace, target: str) -> int:
 
 
 async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    """Run the worker until SIGTERM/SIGINT; returns the exit code.
-
-    ``argv`` (the command line) is what ``--tp N`` hands to the ranks it starts.
-    """
+    """Run the worker until SIGTERM/SIGINT; returns the exit code (``argv``: the command
+    line ``--tp N`` hands to the ranks it starts)."""
     config = config_from(args)
     check_exposure(args, config)
     policy = policy_from(args)
@@ -525,7 +380,6 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-worker`` entry point."""
-
     line = list(sys.argv[1:] if argv is None else argv)
 
     async def body(args: argparse.Namespace) -> int:

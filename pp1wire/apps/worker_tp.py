@@ -1,15 +1,6 @@
-"""``pp1-worker --tp N --vocab-shards N``: the ranks of a vocabulary-sharded worker group.
-
-``pp1-worker --tp N`` starts N ranks on this machine (:func:`pp1wire.apps.ranks.launch`,
-as ``pp1-spark --tp N`` does); ``torchrun --nproc-per-node N -m pp1wire.apps.worker``
-starts them directly. Rank r listens on ``--port`` + r and serves the link of
-Spark rank r, declaring shard r of the even layout in HELLO; the ranks match
-each STEP with the same group session's on every link, then draw the matched
-ones together (:class:`pp1wire.tp.shard_worker.ShardedDrafting`, the server's
-``group`` hook). Only
-rank 0 prints the ``listening`` line on stdout (the others on stderr). Torch is
-imported only here, so an unsharded worker never needs it.
-"""
+"""``pp1-worker --tp N --vocab-shards N``: the ranks of a vocabulary-sharded worker group, rank r
+listening on ``--port`` + r for Spark rank r and drawing the matched STEPs with its group; only
+rank 0 prints on stdout, and torch is imported only here."""
 
 from __future__ import annotations
 
@@ -24,8 +15,7 @@ from pp1wire.q.proposal import DrafterFn
 if TYPE_CHECKING:
     from pp1wire.tp.shard_worker import AfterDraw, ShardedDrafting
 
-AFTER_DRAW: AfterDraw | None = None
-"""Fault hook for tests only: set by :mod:`pp1wire.testing.shard_faults`, never by a flag."""
+AFTER_DRAW: AfterDraw | None = None  # a test hook, set by pp1wire.testing.shard_faults
 
 
 def world_size(args: argparse.Namespace) -> int:
@@ -80,10 +70,6 @@ def join(args: argparse.Namespace, drafter: DrafterFn) -> tuple[ShardLayout, int
 def leave(drafting: ShardedDrafting) -> None:
     """Stop the group thread and tear the group down (skipped for a broken group)."""
     drafting.stop()
-    # A group thread still inside a collective (a peer gone) would hang the teardown:
-    # leave it to the process exit.
+    # A group thread still in a collective (a peer gone) would hang it: left to the exit.
     if drafting.broken is None and not drafting.running:
         drafting.coord.leave()
-
-
-__all__ = ["join", "launch", "leave", "world_size"]

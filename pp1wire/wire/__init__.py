@@ -1,5 +1,2 @@
-"""The wire: messages, framing, fencing, the handshake and the two sans-IO protocol cores.
-
-No asyncio and no sockets here: the cores take bytes and a clock in and hand
-events and bytes out (``docs/protocol.md`` is the normative description).
-"""
+"""The wire: messages, framing, fencing, the handshake and the two sans-IO protocol cores
+(bytes and a clock in, events and bytes out; ``docs/protocol.md`` is normative)."""

@@ -1,12 +1,5 @@
-"""The Spark side's assembly of one reply: rows checked as they arrive, then COMPLETION.
-
-A :class:`ReplyAssembly` is one slot's outstanding STEP: the rows accepted so
-far (numpy views into their receive buffers), the running byte count and
-checksum of the reply, and whether it has settled. The fencing rules
-(:func:`pp1wire.wire.fencing.spark_reply`) read its generation, round and
-settled state; the row and completion checks of ``docs/protocol.md`` §4.5,
-§4.6 and §6.2 are here, in the order the document gives.
-"""
+"""The Spark side's assembly of one reply: each row checked as it arrives, then COMPLETION,
+in the order of ``docs/protocol.md`` §4.5, §4.6 and §6.2; the fencing rules read its state."""
 
 from __future__ import annotations
 
@@ -44,9 +37,7 @@ class ReplyAssembly:
     discarded: bool = False  # discarded or cut: its later frames are LATE_FRAME, not duplicates
     lease: Lease = field(default_factory=Lease)  # rows are readable until it is released
     counts: list[int] = field(default_factory=list)  # each row's count at its own token
-    #: A sharded link's reply (set by :meth:`check_row`): a shard row holds the count at
-    #: its token only on the link whose range has the token, so the stop rule's checks
-    #: are the Spark group's, from the counts its ranks gather (``docs/tp.md`` §11).
+    # A sharded link's: its stop-rule checks are its Spark group's (docs/tp.md §11).
     sharded: bool = False
 
     @property
@@ -66,12 +57,8 @@ class ReplyAssembly:
         validator: validate.DenseRowValidator,
         shard: tuple[int, int] | None = None,
     ) -> QRow | ErrorCode:
-        """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it.
-
-        ``shard`` is a sharded link's global ID range (None: unsharded); its rows
-        must name it and are checked by the shard rules of §6.7 (a row past the stop
-        rule's end is then the group's to cut, not the link's to refuse).
-        """
+        """The next row as a :class:`QRow` viewing ``payload``, or the code that refuses it
+        (``shard``: a sharded link's global ID range, its rows checked by §6.7's rules)."""
         step = self.step
         index = len(self.rows)
         self.sharded = shard is not None
@@ -146,17 +133,10 @@ class ReplyAssembly:
     ) -> ErrorCode | None:
         """None if COMPLETION closes this reply exactly; else the code that discards it.
 
-        ``shard`` is a sharded link's global ID range, as for :meth:`check_row`.
-        The rows announced must be the rows received. A nonzero ``status``
-        with no row discards the proposal with that status; with rows, the
-        worker failed after drawing them and, once the rest checks, the block
-        is usable cut there (the caller reads the status). Under ``status``
-        0, a block shorter than its depth without a terminal token needs
-        ``stopped``; a ``stopped`` block needs ``status`` 0, a stop rule other
-        than FIXED and at least one row, fewer than the depth, without a terminal token
-        (``STOP_RULE_VIOLATED``); last, once the reply is whole, the stop audit
-        (``docs/adaptive.md`` §2) recomputes where the rule ends the block — on an
-        unsharded link: a sharded link's block is audited by its Spark group.
+        A nonzero ``status`` with no row discards with that status; after rows, the block
+        is usable cut there. A block short of its depth without a terminal token needs
+        ``stopped``, which needs status 0, a stop rule and a row; last, an unsharded
+        link's block is audited (``docs/adaptive.md`` §2).
         """
         step = self.step
         got = len(self.rows)
@@ -194,9 +174,7 @@ class ReplyAssembly:
         shard: tuple[int, int] | None = None,
         cut: ErrorCode | None = None,
     ) -> Proposal:
-        """The validated proposal this reply carried (``rows``: the checked rows;
-        ``shard``: the link's range on a sharded link; ``cut``: the fault that
-        ended the block after ``rows``, if one did)."""
+        """The validated proposal of ``rows`` (``cut``: the fault that ended it after them)."""
         st = self.step
         at = (st.generation, st.round, st.position, st.digest, st.depth)
         return Proposal(session, *at, rows, st.context, shard, self.rule, cut)

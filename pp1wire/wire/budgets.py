@@ -1,17 +1,6 @@
-"""Draw budgets per principal, kept across its connections (sans-IO).
-
-``docs/protocol.md`` §4.4: a worker bounds the fresh draws a peer asks for over
-time, and what it may leave uncommitted; the bounds belong to the peer's
-*principal* (§2: its key ID, or without a key its lineage,
-:mod:`pp1wire.wire.principals`), not to its connection, which it could open
-again or open more of. :class:`Account` is one principal's budgets,
-:class:`Accounts` keeps them between its connections (and forgets them once
-paid back), :class:`DrawGate` is one connection's side of them (the lanes of
-its slots, and what waits after a refusal), :class:`Activity` says whether
-other principals are drawing, and a :class:`Binder` names a connection's
-principal at the end of its handshake. No clock is read here: callers pass
-``now``.
-"""
+"""Draw budgets per principal, kept across its connections (``docs/protocol.md`` §4.4; sans-IO):
+one principal's :class:`Account`, the :class:`Accounts` of all, and a connection's
+:class:`DrawGate`; callers pass ``now``."""
 
 from __future__ import annotations
 
@@ -37,14 +26,13 @@ _EPSILON = 1e-9
 
 
 class _Refilling:
-    """A level that refills at ``rate`` per second up to ``burst``, full at creation:
-    what a :class:`TokenBucket` and an :class:`AbandonBudget` spend from. The clock
-    is the caller's (monotonic seconds)."""
+    """A level that refills at ``rate`` per second up to ``burst``, full at creation (the
+    clock is the caller's, monotonic seconds)."""
 
     __slots__ = ("_level", "_stamp", "burst", "rate")
 
     def __init__(self, rate: float, burst: int, now: float, *, start: float | None = None) -> None:
-        """A full level at time ``now`` (or ``start``, at most ``burst``, refilling from there).
+        """A full level at ``now`` (or ``start``, at most ``burst``, refilling from there).
 
         Raises:
             ValueError: unless ``rate`` is finite and above 0 and ``burst`` >= 1.
@@ -62,19 +50,14 @@ class _Refilling:
             self._stamp = now
 
     def full(self, now: float) -> bool:
-        """Whether the level is back at ``burst`` at ``now`` (a new one would be no
-        different)."""
+        """Whether the level is back at ``burst`` at ``now`` (as new)."""
         self._refill(now)
         return self._level >= self.burst - _EPSILON
 
 
 class TokenBucket(_Refilling):
-    """At most ``burst`` draws at once and ``rate`` per second on average.
-
-    Full at creation (``TokenBucket(rate, burst, now)``; ``ValueError`` unless
-    ``rate`` is finite and above 0 and ``burst`` >= 1). The clock is the caller's
-    (monotonic seconds).
-    """
+    """At most ``burst`` draws at once and ``rate`` per second on average, full at creation
+    (``TokenBucket(rate, burst, now)``; ``ValueError`` for a bad rate or burst)."""
 
     __slots__ = ()
 
@@ -98,23 +81,10 @@ class TokenBucket(_Refilling):
 
 
 class AbandonBudget(_Refilling):
-    """Fresh draws a principal may leave uncommitted, and how fast it earns more.
-
-    A draw is *abandoned* when the slot it was drawn for is reset or closed
-    before any COMMIT of that round or a later one (``docs/protocol.md`` §4.4):
-    the RESET/STEP loop that makes a worker draw without bound, since every
-    RESET opens a new generation. A Spark side commits every round it asks for,
-    so it abandons only what a reconnect or a shutdown cuts. At most ``burst``
-    abandons are free, then ``rate`` per second; a principal beyond that owes
-    them, and its fresh STEPs are refused (``DRAW_RATE_LIMITED``) until it has
-    paid them back. Full at creation (``AbandonBudget(rate, burst, now)``, with
-    the limits of :class:`TokenBucket`), or at ``start`` (a new lineage's while its
-    address is paced, §4.4); full again (:meth:`full`) once nothing is owed and the
-    whole burst is free. The clock is the caller's.
-
-    Its level is the free abandons left, and below 0 what is owed (unlike a
-    :class:`TokenBucket`'s, it goes below 0). Paid back as it accrues, so a debt is
-    never charged twice by a bucket that would have been full meanwhile.
+    """Fresh draws a principal may leave uncommitted (its slot reset or closed before a
+    COMMIT of that round, §4.4): ``burst`` free, then ``rate`` a second. Its level goes
+    below 0, what is owed, and while it does the principal's fresh STEPs are refused
+    (``DRAW_RATE_LIMITED``); full at creation (or at ``start``), as :class:`TokenBucket`.
     """
 
     __slots__ = ()
@@ -155,9 +125,7 @@ class DrawLimits(Protocol):
 
 
 class Activity:
-    """When the principals last had a fresh draw accepted: whether a principal draws
-    while others do (``docs/protocol.md`` §4.4). Remembers only the two principals
-    that drew last, which is all that question needs."""
+    """Whether a principal draws while others do (§4.4): the two principals that drew last."""
 
     __slots__ = ("_last", "window")
 
@@ -177,29 +145,11 @@ class Activity:
 
 
 class Account:
-    """One principal's draw budgets (``docs/protocol.md`` §4.4), shared by all its
-    connections and kept between them, so that reconnecting earns nothing.
-
-    * The rate budget counts **per slot**: each open slot holds a *lane*, a
-      :class:`TokenBucket` of ``max_draw_rate`` draws per second and
-      ``draw_burst`` at once (off when ``max_draw_rate`` is None). A slot that
-      closes, or whose connection ends, hands its lane back still owing what
-      it spent, and a slot opened later takes the fullest lane handed back
-      before a new one is made. So closing and reopening slots, or
-      reconnecting, refills nothing, and a principal holds at most as many
-      lanes as it ever had slots open at once.
-    * The abandon budget (:class:`AbandonBudget`, ``abandon_rate``) is one for
-      the principal: what one connection abandoned, the next one owes; each
-      abandon is also reported to ``on_abandon`` (a lineage's address, §4.4). It
-      starts full, or at ``start`` (a new lineage of a paced address).
-    * The principal's cap (``cap`` fresh draws a second over all its slots, a
-      second of them at once; off when None): a :class:`TokenBucket` of its own.
-    * The first-draw grace of admission (:meth:`grace`): at most one of its new
-      connections per period.
-    * Whether other principals are drawing (:meth:`contended`), from the
-      :class:`Activity` all the accounts of a worker share.
-
-    The clock is the caller's.
+    """One principal's draw budgets (§4.4), shared by its connections and kept between them,
+    so that reconnecting earns nothing: a rate *lane* per open slot (a lane handed back
+    still owes what it spent, and is reused before a new one is made), one
+    :class:`AbandonBudget`, a ``cap`` over all its slots, and the first-draw grace of
+    admission (:meth:`grace`). The clock is the caller's.
     """
 
     __slots__ = (
@@ -230,12 +180,10 @@ class Account:
         start: float | None = None,
         keep: float = 0.0,
     ) -> None:
-        """Full budgets at ``now`` for ``limits`` (a limit that is None is off), for
-        ``principal``, whose draws are recorded in ``activity`` (default: its own,
-        where no other principal ever draws); ``cap``: its fresh draws a second
-        (None: no cap); ``on_abandon``: called with the time of each abandon;
-        ``start``: the free abandons it starts with (None: the burst);
-        ``keep``: seconds it is remembered after its last connection, owing nothing.
+        """Full budgets at ``now`` for ``limits`` (None: off), for ``principal``, whose draws
+        go into ``activity``; ``cap``: its fresh draws a second; ``on_abandon``: called at
+        each abandon; ``start``: its free abandons (None: the burst); ``keep``: seconds it
+        is remembered after its last connection.
 
         Raises:
             ValueError: for a rate or cap that is not finite and above 0, or a burst
@@ -283,8 +231,8 @@ class Account:
             self._free.append(lane)
 
     def allows(self, lane: TokenBucket | None, now: float) -> bool:
-        """Whether a fresh draw of the slot holding ``lane`` may start at ``now``;
-        spends from its lane and the principal's cap if so (nothing is spent if not)."""
+        """Whether a fresh draw of the slot holding ``lane`` may start at ``now`` (then spent
+        from its lane and the cap; if not, nothing is spent)."""
         if self._abandons is not None and not self._abandons.allows(now):
             return False
         if self._cap is not None and self._cap.wait(now) > 0:
@@ -294,8 +242,7 @@ class Account:
         return self._cap is None or self._cap.take(now)
 
     def owes(self, now: float) -> float:
-        """Seconds from ``now`` until the abandon budget and the cap allow any fresh draw
-        of the principal (0 if they do now)."""
+        """Seconds from ``now`` until the abandons and the cap allow a fresh draw (0: now)."""
         owed = 0.0 if self._abandons is None else self._abandons.wait(now)
         return max(owed, 0.0 if self._cap is None else self._cap.wait(now))
 
@@ -311,23 +258,19 @@ class Account:
         self._activity.drew(self.principal, now)
 
     def contended(self, now: float) -> bool:
-        """Whether another principal drew in the last share window (others wait for
-        the draw threads this one's draws take)."""
+        """Whether another principal drew in the last share window."""
         return self._activity.others(self.principal, now)
 
     def grace(self, now: float, period: float) -> bool:
-        """Whether a connection of the principal that completed its handshake at ``now``
-        gets the first-draw grace: yes unless another one got it less than ``period``
-        seconds ago (which it then takes)."""
+        """Whether a connection whose handshake ended at ``now`` gets the first-draw grace:
+        yes (taking it) unless another one got it less than ``period`` seconds ago."""
         if now < self._grace_free:
             return False
         self._grace_free = now + period
         return True
 
     def settled(self, now: float) -> bool:
-        """Whether nothing is left to remember at ``now``: no connection, no slot, every
-        budget full again and no grace period running (a new account would be no
-        different)."""
+        """Whether nothing is left to remember at ``now`` (a new account would be the same)."""
         return (
             self.refs == 0
             and self.bound == 0
@@ -343,15 +286,11 @@ P = TypeVar("P", bound=Hashable)
 
 
 class Accounts(Generic[P]):
-    """The :class:`Account` of each principal, kept while a connection of it is open
-    and afterwards only while it still owes something, up to ``idle`` such
-    principals (beyond them the longest idle is forgotten first). The clock is
-    the caller's.
-    """
+    """The :class:`Account` of each principal, kept while it has a connection, then while it
+    owes something, for up to ``idle`` principals (the longest idle forgotten first)."""
 
     def __init__(self, limits: DrawLimits, *, idle: int = IDLE_ACCOUNTS) -> None:
-        """Budgets of ``limits`` for every principal; ``idle`` (>= 0) principals without
-        a connection remembered at most.
+        """Budgets of ``limits`` for every principal, ``idle`` (>= 0) kept without a connection.
 
         Raises:
             ValueError: for a negative ``idle``, or limits :class:`Account` refuses.
@@ -383,8 +322,8 @@ class Accounts(Generic[P]):
         start: float | None = None,
         keep: float = 0.0,
     ) -> Account:
-        """The account of ``principal``, for a new connection of it at ``now``; one made
-        now takes ``cap``, ``on_abandon``, ``start`` and ``keep`` (:class:`Account`).
+        """The account of ``principal`` for a new connection at ``now`` (one made now takes
+        ``cap``, ``on_abandon``, ``start`` and ``keep``: :class:`Account`).
 
         Raises:
             ValueError: for a ``cap`` :class:`Account` refuses.
@@ -444,16 +383,13 @@ class DrawnSlot(Protocol):
 
 
 def pending(slot: DrawnSlot) -> bool:
-    """Whether ``slot`` holds a fresh draw not committed, which a RESET, a CLOSE or a
-    later round would abandon (§4.4); a failed draw (no drafts) is the worker's loss."""
+    """Whether ``slot`` holds a fresh draw not committed (§4.4; a failed one is the worker's)."""
     return slot.fence.last_step_round > slot.fence.committed_round and bool(slot.drafts)
 
 
 class DrawGate:
-    """One connection's side of its principal's :class:`Account`: the lane each of its
-    open slots holds, and, after a ``DRAW_RATE_LIMITED`` refusal, until when its next
-    fresh STEP waits (§4.4): any slot's while the principal owes abandons, else only
-    the refused slot's. The clock is the caller's."""
+    """One connection's side of its principal's :class:`Account`: each open slot's lane, and
+    after a ``DRAW_RATE_LIMITED`` refusal until when its next fresh STEP waits (§4.4)."""
 
     __slots__ = ("_lanes", "_wait_all", "_wait_slot", "account", "drew_at", "hold_until")
 
@@ -463,8 +399,7 @@ class DrawGate:
         self._lanes: dict[int, TokenBucket | None] = {}
         self._wait_all = 0.0
         self._wait_slot: dict[int, float] = {}
-        #: When a fresh STEP of this connection was last let through (None: never): the
-        #: only work that keeps a connection from being replaced when a server is full.
+        #: When a fresh STEP was last let through (None: never): what protects from eviction.
         self.drew_at: float | None = None
         #: Until when the STEP held by :meth:`holds` waits (0: none is held for its budget).
         self.hold_until = 0.0
@@ -482,9 +417,8 @@ class DrawGate:
         abandons: bool = True,
         drawing: bool = False,
     ) -> None:
-        """Slot ``index`` closed at ``now``: its lane goes back to the principal, still
-        owing what it spent, and (``abandons``) a draw it leaves uncommitted, served or
-        still ``drawing`` (accepted, its reply not yet queued), is abandoned."""
+        """Slot ``index`` closed at ``now``: its lane goes back, and (``abandons``) a draw it
+        leaves uncommitted, served or still ``drawing``, is abandoned."""
         if abandons and (drawing or pending(slot)):
             self.account.abandoned(now)
         self.account.unbind(self._lanes.pop(index, None), now)
@@ -493,19 +427,14 @@ class DrawGate:
     def lost(
         self, slots: Mapping[int, DrawnSlot], now: float, drawing: Collection[int] = ()
     ) -> None:
-        """The connection ended at ``now`` with ``slots`` open, those in ``drawing`` with
-        a draw in progress: a draw left uncommitted (served, or still being drawn) is
-        abandoned, whether or not the connection was ever refused (a peer that hangs
-        up mid-draw cut it; a Spark side that closes cleanly has committed every round
-        it stepped, and abandons nothing). A slot abandons one draw at most: a slot
-        holding a served draw not committed is refused a fresh STEP, so none is drawn
-        above it."""
+        """The connection ended at ``now`` with ``slots`` open (those in ``drawing`` mid-draw):
+        each slot's uncommitted draw, at most one, is abandoned."""
         for index, slot in slots.items():
             self.closed(index, slot, now, drawing=index in drawing)
 
     def fresh(self, slot: int, now: float) -> bool:
-        """Whether ``slot`` may start a fresh draw at ``now`` (spent, and recorded as the
-        principal's, if so); if not, the wait of the next fresh STEP is recorded."""
+        """Whether ``slot`` may start a fresh draw at ``now`` (spent if so; if not, the next
+        fresh STEP's wait is recorded)."""
         lane = self._lanes.get(slot)
         if self.account.allows(lane, now):
             self.account.drew(now)
@@ -519,9 +448,8 @@ class DrawGate:
         return False
 
     def holds(self, step: Step, fence: WorkerSlotFence, now: float) -> bool:
-        """Whether ``step`` (for an open slot whose fencing state is ``fence``) waits at
-        ``now`` for the budget a refusal found empty (then until :attr:`hold_until`).
-        A retry (answered from the replay cache) or a STEP fencing refuses does not."""
+        """Whether ``step`` (its slot's fencing state ``fence``) waits at ``now`` for the budget
+        a refusal found empty (until :attr:`hold_until`); a retry or a refused STEP does not."""
         until = max(self._wait_all, self._wait_slot.get(step.slot, 0.0))
         if until <= now or fencing.worker_step(fence, step).action is not Action.ACCEPT:
             return False
@@ -534,24 +462,20 @@ class DrawGate:
             self.account.abandoned(now)
 
     def committed(self, slot: DrawnSlot, round_id: int, now: float) -> None:
-        """``slot`` is about to commit ``round_id`` at ``now``. A later round than its last
-        STEP's throws a draw away: abandoned while other principals draw; alone, a Spark
-        side that discards a proposal (corrupt, late) and decodes the next round
-        target-only costs nobody anything."""
+        """``slot`` is about to commit ``round_id`` at ``now``: a round after its last STEP's
+        passes a draw over, abandoned only while other principals draw (alone, a Spark side
+        that could not use a proposal costs nobody anything)."""
         passed = round_id != slot.fence.last_step_round and pending(slot)
         if passed and self.account.contended(now):
             self.account.abandoned(now)
 
 
 class Binder(Protocol):
-    """Names a worker connection's principal at the end of its handshake (§2, §4.4):
-    what :class:`~pp1wire.wire.worker_core.WorkerProtocol` asks its shell."""
+    """Names a worker connection's principal at the end of its handshake (§2, §4.4)."""
 
     def ready_at(self, hello: Hello, now: float) -> float:
-        """When a keyless Spark side's ``hello`` may be answered (at or before ``now``: at
-        once): a new lineage waits for its address's turn (§4.4)."""
+        """When a keyless ``hello`` may be answered (a new lineage waits its turn, §4.4)."""
 
     def bind(self, hello: Hello, key_id: str | None, now: float) -> tuple[Account, bytes]:
-        """The account of the principal of a connection whose handshake ended at ``now``
-        (``key_id``: the key it authenticated with, None without keys), and the lineage
-        token the worker's HELLO carries (empty with a key)."""
+        """The account of the connection's principal (``key_id``: its key, None without keys)
+        and the lineage token the worker's HELLO carries (empty with a key)."""

@@ -1,39 +1,6 @@
-"""Draw work shared fairly between principals, and bounded per principal (sans-IO).
-
-A worker draws proposals on a pool of a few workers (threads). Served in
-arrival order, one peer that keeps every slot drawing (a RESET/STEP loop on all
-of them) puts every other peer's draw behind all of its own. What one peer may
-take is bounded per *principal* (``docs/protocol.md`` §2: the peer's source
-address), never per connection, which a peer could open again or open more of:
-
-* :class:`DrawScheduler` keeps one queue per principal and gives each free
-  worker a batch taken from the principals with the fewest draws running, the
-  least recently served first among equals (round robin); while several
-  principals have drawn lately, none holds more than its share of the workers.
-  A principal whose draw arrives while others are backlogged waits for the
-  first worker that frees up, not for their queues.
-* :mod:`pp1wire.wire.budgets` holds a principal's draw budgets, kept between
-  its connections; a fresh STEP beyond one is refused with
-  ``DRAW_RATE_LIMITED``, changing nothing, before anything is drawn.
-
-The scheduler hands out *batches* of up to ``max_batch`` jobs (fairly across
-principals) to a :data:`BatchRunner`: :class:`DraftTogether` drafts every
-STEP of a batch together, as an engine's step does (one drafter call per
-position over all of them, the q rows of the batch built and drawn in one
-compiled pass), and :func:`run_each` runs each job on its own.
-
-STEPs that arrive together are drafted together. A Spark side that steps like
-an engine sends every slot's COMMIT, then every slot's next STEP, in a burst
-that may reach the worker over several reads; dispatching the first STEP at
-once would draft the burst as several batches, one after another. So a
-connection's slots that were opened, reset or committed since its principal's
-last dispatch are *expected* (:meth:`DrawScheduler.expect`), and a free worker
-waits for them, at most ``gather`` seconds after the first queued job, before
-taking a batch; a slot whose STEP arrives is no longer expected, and a
-dispatch stops expecting the rest of its principal's slots (a slot that does
-not STEP costs one wait, once). :class:`FailureLog` decides which drafter
-failures a shell logs. No clock is read here: callers pass ``now``.
-"""
+"""Draw work shared fairly between principals (``docs/protocol.md`` §4.4; sans-IO): the
+:class:`DrawScheduler` that hands the draw threads batches, the runners that draw a batch
+(drafted together, or each alone), and :class:`FailureLog`; callers pass ``now``."""
 
 from __future__ import annotations
 
@@ -57,13 +24,9 @@ K = TypeVar("K", bound=Hashable)
 J = TypeVar("J")
 
 BatchRunner = Callable[[list[DrawJob]], list[DrawResult]]
-"""Draws a batch of jobs on a pool worker and returns one result per job, in order.
-
-A runner that draws several jobs together hands each job's rows (or the
-exception that stopped them) to :meth:`DrawJob.complete`; jobs that are not
-``local`` (a sharded group's proposer) it leaves to :meth:`DrawJob.run`. It
-should not raise; if it does, every job of the batch is answered as failed
-(``INTERNAL``)."""
+"""Draws a batch of jobs on a pool worker: one result per job, in order (each job's rows
+through :meth:`DrawJob.complete`, or :meth:`DrawJob.run` for one not ``local``). If it
+raises, every job of the batch fails (``INTERNAL``)."""
 
 
 #: Most STEPs drafted together (one drafter call per position over all of them).
@@ -77,10 +40,9 @@ CONSTRUCT_THREADS: Final = 4
 def default_runner(
     vocab_size: int, row_entries: int, *, local: bool, batch: int | None
 ) -> tuple[BatchRunner, int]:
-    """The runner and batch size a worker uses unless told otherwise: for ``local``
-    draws (an unsharded link's own chain) :class:`DraftTogether`, on up to
-    :data:`CONSTRUCT_THREADS` of this process's cores, in batches of ``batch`` (default
-    :data:`MAX_DRAW_BATCH`); else :func:`run_each`, one job per batch."""
+    """A worker's default runner and batch size: for ``local`` draws :class:`DraftTogether`
+    on up to :data:`CONSTRUCT_THREADS` cores, ``batch`` (or :data:`MAX_DRAW_BATCH`) at a
+    time; else :func:`run_each`, one job per batch."""
     if not local:
         return run_each, batch or 1
     threads = max(1, min(CONSTRUCT_THREADS, len(os.sched_getaffinity(0))))
@@ -94,26 +56,14 @@ def run_each(jobs: list[DrawJob]) -> list[DrawResult]:
 
 class DraftTogether:
     """The worker's engine step as a :data:`BatchRunner`: a batch's :attr:`~DrawJob.local`
-    jobs drafted together by :func:`~pp1wire.q.batch.propose_batch`.
-
-    Per position, one call of the drafter's batched form over every job still
-    drafting (:func:`~pp1wire.q.proposal.batched_drafter`: the plugin's own
-    ``batch``, else one call per prefix; its rows logits or, for a drafter of
-    ``kind = "probs"``, probabilities: :func:`~pp1wire.q.proposal.drafter_kind`);
-    the q rows of the batch built and drawn in one compiled pass on
-    ``threads`` threads (or on the device of a probabilities tensor); with ``row_entries``
-    (an unsharded link's dense row length), each dense row written once, as
-    its FP32 wire values, and sent from there. Each job's reply is the one
-    :meth:`DrawJob.run` gives, byte for byte, with the same proposal draws; a
-    drafter call that fails for the batch is asked again prefix by prefix, so
-    a failure is its own job's (its status, and the exception a shell logs).
-    Each position's rows go to the jobs' streamers as soon as that position
-    is drawn (:meth:`DrawJob.row_frame`), one hand-over per streamer. Jobs of
-    a :data:`~pp1wire.wire.worker_events.Proposer` run alone.
+    jobs drafted together by :func:`~pp1wire.q.batch.propose_batch` (one drafter call per
+    position, the q rows built in one pass on ``threads`` threads, a dense row written
+    once as its ``row_entries`` FP32 wire values), each reply byte for byte the one
+    :meth:`DrawJob.run` gives; each position's rows streamed as soon as it is drawn.
     """
 
     def __init__(self, vocab_size: int, row_entries: int | None, *, threads: int = 2) -> None:
-        """Draft over ``vocab_size`` tokens; see the class for ``row_entries`` and ``threads``.
+        """Draft over ``vocab_size`` tokens.
 
         Raises:
             ValueError: for ``vocab_size`` or ``threads`` below 1, or ``row_entries``
@@ -157,9 +107,8 @@ class DraftTogether:
 
 
 def stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:
-    """One position's rows (``(index in jobs, row)``), framed and handed to their jobs'
-    streamers, one call each (a frame that fails is left to the job's completion,
-    which ends the block before it). Never raises for a job's row."""
+    """Frame one position's rows (``(index in jobs, row)``) and hand them to their jobs'
+    streamers, one call each; a row that fails to frame is left to its job's completion."""
     out: dict[int, tuple[Streamer, list[tuple[DrawJob, FrameParts]]]] = {}
     for at, row in rows:
         job = jobs[at]
@@ -181,25 +130,15 @@ class _Group:
 
 
 class DrawScheduler(Generic[K, J]):
-    """Per-principal draw queues served fairly by ``workers`` pool workers.
+    """Per-principal draw queues served fairly by ``workers`` pool workers (§4.4).
 
-    ``K`` names a principal (the peer a share belongs to: all its connections
-    together), ``J`` is a job. Jobs of one key are handed out in the order they
-    were submitted; each job may name its ``owner`` (a connection), whose jobs
-    :meth:`drop` removes.
-
-    Shares: while several keys are *active* (jobs queued or running, or a
-    batch handed out within the last ``share_window`` seconds), a key holds at
-    most its share of the workers, ``ceil(workers / active keys)`` of them (a
-    worker holding a batch with one of its jobs counts as one of them). A key
-    at its share waits even if a worker is free: that worker is the share of a
-    key between two of its rounds, so its next draw starts at once instead of
-    behind another key's batch. With one key active, every worker is its own.
-
-    Groups: with ``group_of``, keys of one group (the keyless lineages of one
-    source address, ``docs/protocol.md`` §4.4) share as one key, and within it
-    each key is served as above: a peer that opens more lineages gets no more
-    of the workers, and a lineage of its address is still served next.
+    ``K`` names a principal, ``J`` is a job; a key's jobs go out in submission order, each
+    job's ``owner`` (a connection) dropped together. While several keys are active, one
+    holds at most ``ceil(workers / active keys)`` workers, even with one free (the share
+    of a key between two rounds). With ``group_of``, the keys of one group (the lineages
+    of one address) share as one key. A slot expected to STEP soon (:meth:`expect`: its
+    COMMIT arrived) is waited for up to ``gather`` seconds, so that a burst of STEPs
+    that arrives over several reads is drafted as one batch.
     """
 
     def __init__(
@@ -211,10 +150,8 @@ class DrawScheduler(Generic[K, J]):
         share_window: float = SHARE_WINDOW_S,
         group_of: Callable[[K], Hashable] | None = None,
     ) -> None:
-        """Serve with ``workers`` (>= 1) workers, ``max_batch`` (>= 1) jobs per batch,
-        waiting up to ``gather`` (>= 0) seconds for expected jobs (0: never), a key
-        counting as active ``share_window`` (>= 0) seconds after its last batch;
-        ``group_of`` names each key's group (default: each key its own).
+        """Serve with ``workers`` workers, ``max_batch`` jobs per batch, a key counting as
+        active ``share_window`` seconds after its last batch.
 
         Raises:
             ValueError: for a count below 1 or a negative or non-finite ``gather``
@@ -231,8 +168,7 @@ class DrawScheduler(Generic[K, J]):
         self.gather = gather
         self.share_window = share_window
         self._group: Callable[[K], Hashable] = group_of or (lambda key: key)
-        # Per key: (time queued, owner, job), in submission order.
-        self._queues: dict[K, deque[tuple[float, Hashable, J]]] = {}
+        self._queues: dict[K, deque[tuple[float, Hashable, J]]] = {}  # (queued at, owner, job)
         self._running: dict[Hashable, int] = {}  # jobs handed out, not finished: per key, group
         self._holding: dict[Hashable, int] = {}  # workers holding a batch with a job of the group
         self._active_until: dict[Hashable, float] = {}  # a group's batch: counted until then
@@ -245,8 +181,8 @@ class DrawScheduler(Generic[K, J]):
     def submit(
         self, key: K, job: J, *, now: float = 0.0, owner: Hashable = None, tag: Hashable = None
     ) -> None:
-        """Queue ``job`` of ``owner`` for ``key`` at time ``now``; the job named ``tag``
-        (a slot) of that owner is no longer expected."""
+        """Queue ``job`` of ``owner`` for ``key`` at ``now``; its ``tag`` (a slot) is no
+        longer expected."""
         self._queues.setdefault(key, deque()).append((now, owner, job))
         self.queued += 1
         if tag is not None:
@@ -266,7 +202,7 @@ class DrawScheduler(Generic[K, J]):
 
     def drop(self, key: K, *, owner: Hashable = None) -> list[J]:
         """``owner`` of ``key`` is gone (None: the whole key): its queued jobs, removed
-        (running ones finish), and nothing of it is expected any more."""
+        (running ones finish); nothing of it is expected any more."""
         queue = self._queues.get(key)
         dropped: list[J] = []
         if queue is not None:
@@ -301,9 +237,8 @@ class DrawScheduler(Generic[K, J]):
             self._served_at.pop(_Group(group), None)
 
     def hold_until(self, now: float = math.inf) -> float | None:
-        """While a free worker waits for expected jobs: the time it stops waiting
-        (``gather`` after the oldest job a key within its share at ``now`` has
-        queued); else None (a key at its share waits for a worker, not for this)."""
+        """While a free worker waits for expected jobs, when it stops (``gather`` after the
+        oldest job of a key within its share at ``now``); else None."""
         if self.gather <= 0 or self.busy >= self.workers or self.queued >= self.max_batch:
             return None
         eligible = self._eligible(now)
@@ -331,14 +266,9 @@ class DrawScheduler(Generic[K, J]):
         return [k for k in self._queues if self._holding.get(self._group(k), 0) < share]
 
     def next_batch(self, now: float = math.inf) -> list[tuple[K, J]]:
-        """A batch for a free worker, now marked busy, or [] (no free worker, no job
-        a key within its share may take, or, at time ``now``, still waiting for
-        expected jobs: :meth:`hold_until`).
-
-        Each job of the batch goes to the queued key with the fewest jobs running
-        (this batch's included), ties to the one served longest ago, among the keys
-        that hold fewer than their share of the workers (:meth:`share`). The keys
-        of the batch expect nothing more.
+        """A batch for a free worker, now busy, or [] (none free, no key within its share,
+        or still waiting for expected jobs at ``now``). Each job goes to the key with the
+        fewest jobs running, ties to the one served longest ago (:meth:`_turn_of`).
         """
         if self.busy >= self.workers or not self._queues:
             return []
@@ -370,8 +300,7 @@ class DrawScheduler(Generic[K, J]):
         return batch
 
     def _turn_of(self, key: K) -> tuple[int, int, int, int]:
-        """Which queued key goes next (the least first): its group's jobs running and last
-        turn, then its own."""
+        """A queued key's turn (least first): its group's jobs running and last turn, its own."""
         group = _Group(self._group(key))
         return (
             self._running.get(group, 0),
@@ -401,27 +330,21 @@ class DrawScheduler(Generic[K, J]):
             self._forget_group(self._group(key))
 
 
-#: Each distinct drafter failure is logged with its traceback once, then at most
-#: once per this many seconds (with the count since).
+#: Each distinct drafter failure is logged once with its traceback, then once per this.
 FAILURE_LOG_EVERY_S: Final = 60.0
 #: Distinct drafter failures remembered; beyond them, one rate-limited line for the rest.
 FAILURE_KINDS: Final = 64
 
 
 class FailureLog:
-    """When to log a drafter failure: a new kind at once, a known one at most every ``every`` s.
-
-    A kind is the exception's class, message and the line that raised it. The
-    clock is passed in. At most :data:`FAILURE_KINDS` kinds are remembered; any
-    other is counted under one shared kind.
-    """
+    """When to log a drafter failure: a new kind (class, message, raising line) at once, a
+    known one at most every ``every`` s; beyond ``kinds`` kinds, one shared kind."""
 
     def __init__(self, every: float = FAILURE_LOG_EVERY_S, kinds: int = FAILURE_KINDS) -> None:
         """Log each kind at most once per ``every`` seconds, remembering ``kinds`` kinds."""
         self.every = every
         self.kinds = kinds
-        # kind -> (when last logged, failures since then not logged)
-        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}
+        self._seen: dict[tuple[str, ...], tuple[float, int]] = {}  # (logged at, skipped since)
 
     @staticmethod
     def kind(error: BaseException) -> tuple[str, ...]:

@@ -1,9 +1,5 @@
-"""The base of the events the sans-IO cores hand to their shells, and the one both report.
-
-An event is a small frozen dataclass: :class:`Event` makes every subclass one,
-so each kind is only its docstring and fields. :mod:`pp1wire.wire.spark_events`
-and :mod:`pp1wire.wire.worker_events` define the kinds of each side.
-"""
+"""The base of the events the sans-IO cores hand to their shells (each kind a frozen
+dataclass: its docstring and fields), and the one both report."""
 
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ class Event:
 
 
 class HandshakeDone(Event):
-    """The handshake completed: the peer's HELLO was accepted (and authentication
-    passed, where a key is configured); ``session`` is on every later message."""
+    """The handshake completed (HELLO accepted, and AUTH where keyed); ``session`` is on
+    every later message."""
 
     session: int
     peer: Hello

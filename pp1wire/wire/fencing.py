@@ -1,51 +1,6 @@
-"""The fencing rules of the PP1 wire protocol, in one place (``docs/protocol.md`` §7).
-
-Every message that touches a slot carries (session, slot, generation, round).
-This module decides, from a slot's state and a message's fencing fields alone,
-whether the message is accepted, replayed, dropped or refused, and with which
-code. The protocol cores call these functions and never re-derive the rules.
-
-Worker side (requests from the Spark side)::
-
-    message  condition                                        action   code
-    -------  -----------------------------------------------  -------  ---------------------
-    any      session differs from the connection's            REFUSE   WRONG_SESSION
-    any      slot not open                                    REFUSE   UNKNOWN_SLOT
-    STEP     generation < slot generation                     REFUSE   STALE_GENERATION
-    STEP     generation > slot generation                     REFUSE   FUTURE_GENERATION
-    STEP     round <= last committed round                    REFUSE   ROUND_REUSED
-    STEP     round == last STEP round, identical STEP         REPLAY   (same bytes again)
-    STEP     round == last STEP round, different STEP         REFUSE   ROUND_REUSED
-    STEP     round < last STEP round                          REFUSE   ROUND_REUSED
-    STEP     round > last STEP round                          ACCEPT
-    COMMIT   generation < / > slot generation                 REFUSE   STALE_/FUTURE_GENERATION
-    COMMIT   identical to the last applied COMMIT             REPLAY   (same COMMITTED again)
-    COMMIT   round <= last committed round                    REFUSE   ROUND_REUSED
-    COMMIT   round < last STEP round                          REFUSE   ROUND_REUSED
-    COMMIT   accepted > 0 and round != last STEP round        REFUSE   COMMIT_INVALID
-    COMMIT   otherwise                                        ACCEPT   (then field checks)
-    RESET    generation < slot generation                     REFUSE   STALE_GENERATION
-    RESET    generation == slot generation                    REPLAY   (RESET_DONE again)
-    RESET    generation > slot generation                     ACCEPT   (invalidate everything)
-    OPEN     slot had a generation >= this one in the session REFUSE   STALE_GENERATION
-
-Spark side (replies from the worker), against the slot's in-flight STEP::
-
-    message     condition                                          action
-    ----------  -------------------------------------------------  --------------------------
-    REPLY/COMP  session differs                                    FAIL  WRONG_SESSION
-    REPLY/COMP  slot not open                                      FAIL  UNKNOWN_SLOT
-    REPLY/COMP  (generation, round) older than the in-flight STEP  DROP  (late, counted)
-    REPLY/COMP  no STEP in flight, (generation, round) not newer   DROP  (late, counted)
-    REPLY/COMP  in-flight STEP already discarded                   DROP  LATE_FRAME
-    REPLY/COMP  in-flight STEP already completed                   DROP  COMPLETION_DUPLICATE
-    REPLY/COMP  generation newer than the slot's                   FAIL  FUTURE_GENERATION
-    REPLY/COMP  round newer than the in-flight STEP                FAIL  ROW_OUT_OF_ORDER
-    REPLY/COMP  matches the in-flight STEP                         ACCEPT (then row checks)
-
-FAIL discards the whole in-flight proposal (fail closed) and the Spark side
-decodes that round target-only; DROP changes nothing but a counter.
-"""
+"""The fencing rules of the protocol, in one place (``docs/protocol.md`` §7): from a slot's
+state and a message's (session, slot, generation, round), whether it is accepted, replayed,
+dropped, rejected or refused, and with which code; the cores never re-derive them."""
 
 from __future__ import annotations
 
@@ -68,7 +23,7 @@ class Action(Enum):
     DROP = "drop"  # ignore it; count it as dropped
     REJECT = "reject"  # ignore it; count it as rejected (a frame that should not exist)
     REFUSE = "refuse"  # answer ERROR scope 0
-    FAIL = "fail"  # discard the in-flight proposal
+    FAIL = "fail"  # discard the in-flight proposal (its round decodes target-only)
 
 
 @dataclass(frozen=True)
@@ -112,9 +67,8 @@ def worker_slot(session: int, received_session: int, slot_open: bool) -> Decisio
 
 
 def worker_open(previous_generation: int | None, generation: int) -> Decision:
-    """OPEN of a slot that is not open: a slot reopened in the same session must move
-    to a higher generation, so no frame of its earlier instance can match the new one.
-    """
+    """OPEN of a slot that is not open: a slot reopened in the same session must move to a
+    higher generation, so that no frame of its earlier instance matches the new one."""
     if previous_generation is not None and generation <= previous_generation:
         return Decision(Action.REFUSE, ErrorCode.STALE_GENERATION)
     return ACCEPT
@@ -171,10 +125,7 @@ def worker_reset(fence: WorkerSlotFence, reset: Reset) -> Decision:
 
 
 class SparkInFlight(Protocol):
-    """What the Spark-side rules read of a slot's outstanding STEP.
-
-    :class:`pp1wire.wire.assembly.ReplyAssembly` is the one implementation.
-    """
+    """What the Spark-side rules read of a slot's outstanding STEP (a ``ReplyAssembly``)."""
 
     @property
     def step(self) -> Step:
@@ -194,11 +145,8 @@ class SparkSlotFence:
 
 
 def spark_slot(session: int, received_session: int, slot_open: bool) -> Decision:
-    """The first rule for every slot message the Spark side receives: session, then slot.
-
-    Another session's frame is rejected (counted as a rejected frame; nothing
-    else changes); a frame for a slot that is not open is dropped.
-    """
+    """The first rule for every slot message the Spark side receives: another session's
+    frame is rejected, then a frame for a slot that is not open is dropped."""
     if received_session != session:
         return Decision(Action.REJECT, ErrorCode.WRONG_SESSION)
     if not slot_open:
@@ -231,12 +179,9 @@ def spark_reply(fence: SparkSlotFence, generation: int, round_id: int) -> Decisi
 def worker_step_fields(
     limits: Hello, prefix: Sized, digest: int, context: int, fence: WorkerSlotFence, step: Step
 ) -> ErrorCode | None:
-    """A fresh STEP's own fields against the negotiated limits and the slot it names
-    (§4.4), and the one-fresh-proposal-per-slot rule: None if it may be drawn.
-
-    ``limits`` is the worker's answer to the HELLO; ``prefix``, ``digest`` and
-    ``context`` the slot's committed prefix, its digest and its target context.
-    """
+    """A fresh STEP's fields against the negotiated ``limits`` (the accepted HELLO) and its
+    slot's committed prefix, digest and context (§4.4), and the one-fresh-proposal-per-slot
+    rule: None if it may be drawn."""
     if not 1 <= step.depth <= limits.max_depth:
         return ErrorCode.DEPTH_OUT_OF_RANGE
     if isinstance(rule := step_rule(step.stop, step.threshold, limits.stop_rules), ErrorCode):

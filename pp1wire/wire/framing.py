@@ -1,26 +1,6 @@
-"""Frame encoding and incremental decoding (``docs/protocol.md`` §3).
-
-A frame is a fixed 16-byte little-endian preamble, a msgpack header, then a raw
-payload::
-
-    offset size field
-    0      2    magic           b"PW" (0x50 0x57)
-    2      1    version         messages.WIRE_VERSION
-    3      1    type            MsgType
-    4      1    flags           bit 0: TAGGED (a 16-byte tag follows, §5.1); others 0
-    5      1    reserved        0
-    6      2    header_len      uint16, 1..MAX_HEADER
-    8      4    payload_len     uint32, 0..limit
-    12     4    checksum        low 32 bits of xxh3_64(preamble[0:12] + header)
-
-Every length is checked against its limit from the preamble alone, before a
-byte of header or payload is buffered, so a hostile length can never make the
-receiver allocate. A TAGGED frame is followed by a 16-byte integrity tag
-(:mod:`pp1wire.wire.integrity`), which the decoder hands out without checking:
-whether a tag is due, and its key, are the connection's business. Payload
-bytes are handed out as a read-only ``memoryview`` of the frame's bytes (no
-copy after the socket), to be viewed with ``numpy.frombuffer``.
-"""
+"""Frame encoding and incremental decoding (``docs/protocol.md`` §3): every length is checked
+from the 16-byte preamble before a byte of header or payload is buffered, and payloads are
+handed out as read-only views of the received bytes."""
 
 from __future__ import annotations
 
@@ -60,10 +40,8 @@ def header_checksum(preamble_head: bytes | memoryview, header: bytes | memoryvie
 
 
 def encode_frame(msg: Message, payload: bytes | memoryview = b"", *, tagged: bool = False) -> bytes:
-    """One complete frame for ``msg`` with ``payload`` appended.
-
-    ``tagged`` sets the TAGGED flag; the caller appends the tag
-    (:class:`pp1wire.wire.integrity.Sealer`).
+    """One complete frame for ``msg`` with ``payload`` appended (``tagged``: the TAGGED flag
+    set; the caller appends the tag, :class:`pp1wire.wire.integrity.Sealer`).
 
     Raises:
         ProtocolError: ``PAYLOAD_LENGTH`` if a payload is given for a type that
@@ -74,10 +52,8 @@ def encode_frame(msg: Message, payload: bytes | memoryview = b"", *, tagged: boo
 
 
 def encode_head(msg: Message, payload_len: int, *, tagged: bool = False) -> bytes:
-    """A frame's preamble and header for a payload of ``payload_len`` bytes sent after it.
-
-    Lets a large payload go to the transport as it is, without being joined
-    to its header.
+    """A frame's preamble and header for a payload of ``payload_len`` bytes sent after it
+    (a large payload goes to the transport as it is, not joined to its header).
 
     Raises:
         ProtocolError: as :func:`encode_frame`.
@@ -103,13 +79,9 @@ def encode_head(msg: Message, payload_len: int, *, tagged: bool = False) -> byte
 
 
 def encode_raw_frame(kind: int, header: bytes, payload: bytes = b"", **preamble: int) -> bytes:
-    """A frame with every preamble field under the caller's control.
-
-    For golden vectors and conformance cases that need deliberately broken
-    frames; ``preamble`` may override ``magic`` (the 16-bit little-endian
-    value), ``version``, ``flags``, ``reserved``, ``header_len``,
-    ``payload_len`` and ``checksum``.
-    """
+    """A frame whose preamble fields ``preamble`` may override (``magic`` as a 16-bit
+    little-endian value, ``version``, ``flags``, ``reserved``, ``header_len``,
+    ``payload_len``, ``checksum``): deliberately broken frames for tests."""
     head = struct.pack(
         "<HBBBBHI",
         preamble.get("magic", int.from_bytes(MAGIC, "little")),
@@ -134,10 +106,7 @@ def _fresh(size: int) -> memoryview:
 
 @dataclass(frozen=True)
 class Frame:
-    """A decoded frame: its message, payload view, the frame's bytes and its tag.
-
-    ``raw`` is the frame without its tag; ``tag`` is None on an untagged frame.
-    """
+    """A decoded frame: its message, payload view, its bytes without the tag, and the tag."""
 
     type: MsgType
     message: Message
@@ -155,17 +124,12 @@ def detached(frame: Frame) -> Frame:
 
 
 class FrameDecoder:
-    """Incremental frame decoder: bytes in, frames out; no I/O.
+    """Incremental frame decoder: bytes in (:meth:`feed`, or :meth:`get_buffer` and
+    :meth:`buffer_updated` for a buffered transport), frames out; no I/O.
 
-    Two ways in: :meth:`feed` copies given bytes, while :meth:`get_buffer` /
-    :meth:`buffer_updated` let a buffered transport write straight into the
-    decoder's memory. Frames larger than :data:`SMALL_FRAME` get a buffer of
-    their own from ``allocator`` once their preamble has passed every length
-    check, and the socket then writes the rest of the frame into it directly:
-    one copy from the kernel, none after.
-
-    After the first framing error the decoder is dead (the stream cannot be
-    resynchronized) and every later call raises the same error.
+    A frame above :data:`SMALL_FRAME` gets its own buffer from ``allocator`` once its
+    preamble passed, which the socket fills directly. After the first framing error
+    the decoder is dead and every later call raises that error.
     """
 
     def __init__(
@@ -221,10 +185,8 @@ class FrameDecoder:
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int, limit: int | None = None) -> list[Frame]:
-        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return complete frames.
-
-        At most ``limit`` frames are parsed (all when None); the rest stay
-        buffered for :meth:`next_frame` or the next call.
+        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return up to
+        ``limit`` complete frames (all when None), the rest staying buffered.
 
         Raises:
             ProtocolError: see :meth:`feed`.
@@ -258,10 +220,8 @@ class FrameDecoder:
             self._end += nbytes
 
     def next_frame(self) -> Frame | None:
-        """The next complete frame already received, or None if more bytes are needed.
-
-        One frame at a time lets a receiver stop between frames (a per-turn
-        budget) and change how it reads the next one (e.g. after a handshake).
+        """The next complete frame already received, or None if more bytes are needed
+        (a receiver may stop between frames: a per-turn budget, a handshake).
 
         Raises:
             ProtocolError: see :meth:`feed`; the decoder then stays failed.

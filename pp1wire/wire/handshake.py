@@ -1,9 +1,6 @@
-"""What both roles share in the handshake (``docs/protocol.md`` §4.1 and §5).
-
-The common configuration fields, the HELLO each side builds from them, the
-exact-match compatibility rules, and the HMAC proofs of the pre-shared key.
-Each protocol core adds only its own side's rules (limits, identity pinning).
-"""
+"""What both roles share in the handshake (``docs/protocol.md`` §4.1, §5): the common
+configuration, the HELLO each side builds from it, the HELLO rules in check order, and the
+HMAC proofs of the pre-shared key; each core adds only its own side's rules."""
 
 from __future__ import annotations
 
@@ -49,17 +46,10 @@ AUTH_SPARK_LABEL: Final = f"{LABEL_PREFIX} spark proof".encode()
 class PeerConfig:
     """Settings both roles declare in HELLO, and their shared limits.
 
-    ``layout`` and ``shard`` make this end one link of a vocabulary-sharded
-    group (§6.7): it carries only q over ``layout.range(shard)``. Without a
-    layout the link is unsharded (one shard: the whole vocabulary). ``group``
-    is a sharded Spark side's group nonce (the same 16 bytes on every link of
-    its group); a worker has none (it echoes its peer's).
-
-    Keys (§5): ``psk`` is this side's key, under the ID ``key_id`` (``""``: the
-    default key): a Spark side sends that ID in its HELLO and proves that key; a
-    worker also holds ``keys``, more ``(ID, key)`` pairs, and looks the Spark side's
-    key up by the ID it sends (:meth:`key`). ``lineage`` is a keyless Spark side's
-    draw-budget lineage token (§4.4), presented in its HELLO.
+    ``layout`` and ``shard`` make this end one link of a vocabulary-sharded group
+    (§6.7), carrying only q over ``layout.range(shard)``. ``psk`` is this side's key
+    under the ID ``key_id`` (§5); a worker also holds ``keys``, more ``(ID, key)`` pairs,
+    and proves the one its peer names (:meth:`key`).
     """
 
     vocab_size: int
@@ -75,30 +65,19 @@ class PeerConfig:
     handshake_timeout: float = 5.0
     layout: ShardLayout | None = None
     shard: int = 0
-    #: The stop-rule set (``docs/adaptive.md``): the one a Spark side asks for, the
-    #: one a worker implements; ``""``: fixed depth only.
-    stop_rules: str = ""
-    #: A sharded link's group nonce (§6.7): 16 bytes the Spark group draws once; empty
-    #: on an unsharded link.
-    group: bytes = b""
-    #: The ID of ``psk`` in a worker's key table (§5), sent in a Spark side's HELLO.
+    stop_rules: str = ""  # asked for (Spark side) or implemented (worker); "": fixed only
+    group: bytes = b""  # a sharded Spark link's group nonce (§6.7)
     key_id: str = ""
-    #: A worker's other keys, ``(ID, key)`` pairs: each ID is a principal of its own (§2).
-    keys: tuple[tuple[str, bytes], ...] = ()
-    #: A Spark side's lineage token (§4.4), presented in its HELLO (empty: none).
-    lineage: bytes = b""
+    keys: tuple[tuple[str, bytes], ...] = ()  # a worker's keys: each ID a principal (§2)
+    lineage: bytes = b""  # a keyless Spark side's lineage token (§4.4), presented in HELLO
 
     def __post_init__(self) -> None:
-        """Refuse a shard the layout does not have, an unknown stop-rule set, a bad nonce,
-        or keys that do not make one table.
+        """Check the configuration.
 
         Raises:
-            ValueError: if the layout's vocabulary is not ``vocab_size``,
-                ``shard`` is not one of its ranks (or not 0 without a layout),
-                or ``stop_rules`` is neither ``""`` nor ``pp1-stop-rules-v1``, or a
-                group nonce is given that is not 16 bytes of a sharded link; a key ID
-                longer than 128 characters, named twice, or other than ``""`` without
-                ``psk``; an empty key; a lineage token longer than 16 bytes.
+            ValueError: for a layout of another vocabulary or without ``shard``, an unknown
+                stop-rule set, a group nonce not of 16 bytes on a sharded link, a key ID
+                too long, repeated or without ``psk``, an empty key, a lineage token too long.
         """
         ids = [i for i, _ in self.keys] + ([self.key_id] if self.psk is not None else [])
         if self.key_id and self.psk is None:
@@ -116,13 +95,6 @@ class PeerConfig:
             raise ValueError(f"a group nonce is {GROUP_NONCE_SIZE} bytes, on a sharded link only")
         if self.stop_rules not in ("", STOP_RULES):
             raise ValueError(f"unknown stop-rule set {self.stop_rules!r} (known: {STOP_RULES})")
-
-    @property
-    def stop_rule_set(self) -> str:
-        """The stop-rule set this link can use, sharded or not: a sharded worker group
-        learns each row's count at its token with the token, and a sharded Spark group
-        audits a stop from the counts its ranks gather (``docs/tp.md`` §11)."""
-        return self.stop_rules
 
     @cached_property
     def shard_layout(self) -> ShardLayout:
@@ -189,9 +161,8 @@ def build_hello(
     session: int = 0,
     lineage: bytes | None = None,
 ) -> Hello:
-    """A HELLO for ``role``: its own identities, and the limits, group nonce and key ID
-    (the peer's, when echoing); ``lineage``: the token a worker issues (default: the
-    configuration's, a Spark side's own)."""
+    """A HELLO for ``role``: its identities, the limits, group nonce and key ID (``limits``':
+    the peer's, when echoing), and ``lineage`` (default: the configuration's)."""
     src = limits
     return Hello(
         role=int(role),
@@ -238,8 +209,7 @@ SharedCheck = Callable[[Hello, PeerConfig, Role], bool]
 
 
 def _group_nonce_ok(peer: Hello, cfg: PeerConfig, role: Role) -> bool:
-    """The §4.1 ``group`` row: none on an unsharded link; on a sharded one, 16 bytes
-    from a Spark side, and from a worker the Spark side's own nonce echoed."""
+    """§4.1's ``group`` row: empty unsharded; sharded, 16 bytes, or from a worker ours echoed."""
     if not cfg.sharded:
         return peer.group == b""
     if role is Role.WORKER:
@@ -249,13 +219,8 @@ def _group_nonce_ok(peer: Hello, cfg: PeerConfig, role: Role) -> bool:
 
 @dataclass(frozen=True)
 class HelloRule:
-    """One row of the HELLO table of ``docs/protocol.md`` §4.1.
-
-    ``shared`` is the check both roles make the same way (an exact match
-    against their own configuration); a row without it is checked by each
-    role's own rule (draft pinning, limits), whose result the role hands to
-    :func:`first_failure`. A row without ``code`` is not checked.
-    """
+    """One row of §4.1's HELLO table: ``shared`` is the check both roles make alike; a row
+    with a ``code`` but no ``shared`` is each role's own (:func:`first_failure`'s ``own``)."""
 
     fields: tuple[str, ...]
     meaning: str
@@ -269,9 +234,22 @@ class HelloRule:
         return self.code is not None
 
 
-#: §4.1's HELLO rules in the order they are checked: the first failure wins.
-#: The protocol document's table is printed from this tuple (:func:`rules_markdown`)
-#: and both protocol cores check in this order, so the two cannot drift apart.
+def _constant(name: str, meaning: str, value: object) -> HelloRule:
+    """A row whose field must be this document's ``value``."""
+    code = ErrorCode[f"{name.upper()}_MISMATCH"]
+    return HelloRule((name,), meaning, "exact", code, lambda p, _c, _r: getattr(p, name) == value)
+
+
+def _same(name: str, meaning: str, rule: str = "exact", code: ErrorCode | None = None) -> HelloRule:
+    """A row whose field must equal this side's configuration's."""
+    code = code or ErrorCode[f"{name.upper()}_MISMATCH"]
+    return HelloRule(
+        (name,), meaning, rule, code, lambda p, c, _r: getattr(p, name) == getattr(c, name)
+    )
+
+
+#: §4.1's HELLO rules in check order (the first failure wins): the document prints its
+#: table from them (:func:`rules_markdown`), and both cores check in this order.
 HELLO_RULES: Final[tuple[HelloRule, ...]] = (
     HelloRule(
         ("role",),
@@ -280,55 +258,15 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         ErrorCode.UNEXPECTED_MESSAGE,
         lambda peer, _cfg, role: peer.role == role,
     ),
-    HelloRule(
-        ("wire_version",),
-        f"this document: {WIRE_VERSION}",
-        "exact",
-        ErrorCode.WIRE_VERSION_MISMATCH,
-        lambda peer, _cfg, _role: peer.wire_version == WIRE_VERSION,
+    _constant("wire_version", f"this document: {WIRE_VERSION}", WIRE_VERSION),
+    _constant("q_semantic", f"q semantics: `{dyadic.SEMANTIC_ID}` (§6.1)", dyadic.SEMANTIC_ID),
+    _constant(
+        "verifier", f"`{VERIFIER_ID}`: the standard tokenwise accept/resample test", VERIFIER_ID
     ),
-    HelloRule(
-        ("q_semantic",),
-        f"q semantics: `{dyadic.SEMANTIC_ID}` (§6.1)",
-        "exact",
-        ErrorCode.Q_SEMANTIC_MISMATCH,
-        lambda peer, _cfg, _role: peer.q_semantic == dyadic.SEMANTIC_ID,
-    ),
-    HelloRule(
-        ("verifier",),
-        f"`{VERIFIER_ID}`: the standard tokenwise accept/resample test",
-        "exact",
-        ErrorCode.VERIFIER_MISMATCH,
-        lambda peer, _cfg, _role: peer.verifier == VERIFIER_ID,
-    ),
-    HelloRule(
-        ("rng_abi",),
-        f"`{ABI_NAME}` (§6.3)",
-        "exact",
-        ErrorCode.RNG_ABI_MISMATCH,
-        lambda peer, _cfg, _role: peer.rng_abi == ABI_NAME,
-    ),
-    HelloRule(
-        ("precision",),
-        f"`{PRECISION}`: q as FP32 multiples of 2⁻²⁴",
-        "exact",
-        ErrorCode.PRECISION_MISMATCH,
-        lambda peer, _cfg, _role: peer.precision == PRECISION,
-    ),
-    HelloRule(
-        ("vocab_size",),
-        "global vocabulary size (129,280 for DeepSeek)",
-        "exact",
-        ErrorCode.VOCAB_SIZE_MISMATCH,
-        lambda peer, cfg, _role: peer.vocab_size == cfg.vocab_size,
-    ),
-    HelloRule(
-        ("vocab_hash",),
-        "64-bit hash of the global token-ID map",
-        "exact",
-        ErrorCode.VOCAB_HASH_MISMATCH,
-        lambda peer, cfg, _role: peer.vocab_hash == cfg.vocab_hash,
-    ),
+    _constant("rng_abi", f"`{ABI_NAME}` (§6.3)", ABI_NAME),
+    _constant("precision", f"`{PRECISION}`: q as FP32 multiples of 2⁻²⁴", PRECISION),
+    _same("vocab_size", "global vocabulary size (129,280 for DeepSeek)"),
+    _same("vocab_hash", "64-bit hash of the global token-ID map"),
     HelloRule(
         ("draft_identity",),
         'drafter checkpoint; the Spark side sends `""` to accept any, or pins one',
@@ -340,20 +278,12 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         "worker: true if the drafter is native to the target, false if adapted",
         "informational, not checked",
     ),
-    HelloRule(
-        ("target_identity",),
-        "the target the drafter serves",
-        "exact",
-        ErrorCode.IDENTITY_MISMATCH,
-        lambda peer, cfg, _role: peer.target_identity == cfg.target_identity,
-    ),
-    HelloRule(
-        ("integrity",),
+    _same("target_identity", "the target the drafter serves", code=ErrorCode.IDENTITY_MISMATCH),
+    _same(
+        "integrity",
         f"frame integrity after the handshake: `{integrity.SCHEME}` (§5.1) when the side is "
         'configured with a PSK, `""` without',
         "exact (each side compares the peer's value with its own)",
-        ErrorCode.INTEGRITY_MISMATCH,
-        lambda peer, cfg, _role: peer.integrity == cfg.integrity,
     ),
     HelloRule(
         ("max_slots", "max_depth", "max_support"),
@@ -409,13 +339,11 @@ HELLO_RULES: Final[tuple[HelloRule, ...]] = (
         ErrorCode.SHARD_LAYOUT_MISMATCH,
         _group_nonce_ok,
     ),
-    HelloRule(
-        ("row_format",),
+    _constant(
+        "row_format",
         f"how REPLY rows are encoded (§4.5): `{ROW_FORMAT}`, a row's token as a 4-byte "
         'bin; `""` (omitted) from a peer before it',
-        "exact",
-        ErrorCode.ROW_FORMAT_MISMATCH,
-        lambda peer, _cfg, _role: peer.row_format == ROW_FORMAT,
+        ROW_FORMAT,
     ),
     HelloRule(
         ("key_id",),
@@ -445,12 +373,9 @@ OWN_RULE_CODES: Final = frozenset(r.code for r in HELLO_RULES if r.checked and r
 def first_failure(
     peer: Hello, expected_role: Role, cfg: PeerConfig, own: list[tuple[bool, ErrorCode]]
 ) -> ErrorCode | None:
-    """The first broken row of :data:`HELLO_RULES`, in order (§4.1: first failure wins).
-
-    The shared rows are checked here. ``own`` holds the results of this role's
-    own rules as ``(passed, code)``; each counts at the first row checked by a
-    role's own rule with that code (``IDENTITY_MISMATCH``: the draft identity,
-    ``LIMIT_EXCEEDED``: the limits), so a role cannot check them out of order.
+    """The code of the first broken row of :data:`HELLO_RULES`: the shared rows checked
+    here, and ``own``, this role's own results as ``(passed, code)``, each at the first
+    row of its code that is a role's own (so a role cannot check them out of order).
 
     Raises:
         ValueError: if ``own`` names a code no row leaves to the roles.

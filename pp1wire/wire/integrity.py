@@ -1,20 +1,6 @@
-"""Frame integrity after a pre-shared-key handshake (``docs/protocol.md`` §5.1).
-
-With a PSK, the handshake proves that both ends know the key, and every frame
-after it carries a tag that proves it came from one of them, in order:
-
-    B     = SHA-256(H_hello) ‖ SHA-256(H_challenge)
-    K_sw  = HMAC-SHA256(psk, LABEL_PREFIX + " spark-to-worker key" ‖ B)
-    K_ws  = HMAC-SHA256(psk, LABEL_PREFIX + " worker-to-spark key" ‖ B)
-    tag_n = HMAC-SHA256(K, u64le(n) ‖ frame)[0:16]
-
-where H_hello and H_challenge are the exact header bytes of the Spark side's
-HELLO and the worker's CHALLENGE (which carry both nonces), K is the key of the
-frame's direction, n counts the tagged frames of that direction from 0, and
-``frame`` is the frame's bytes (preamble with the TAGGED flag set, header,
-payload). A relay that forwards the handshake cannot forge, alter, reorder,
-replay or drop a later frame without the receiver noticing.
-"""
+"""Frame integrity after a pre-shared-key handshake (``docs/protocol.md`` §5.1): per-direction
+keys bound to both HELLO nonces and the CHALLENGE, and a 16-byte HMAC tag on every later frame
+over its sequence number and bytes, so no frame can be forged, altered, reordered or dropped."""
 
 from __future__ import annotations
 
@@ -96,13 +82,8 @@ SPARK_UNTAGGED_BEFORE_HELLO: Final = (MsgType.ERROR, MsgType.PING, MsgType.PONG)
 
 
 class ReceiveRule:
-    """Which received frames §5.1 accepts: untagged before the keys exist, tagged after.
-
-    ``untagged_grace`` lists the types still accepted untagged once the keys
-    exist, until the first tagged frame arrives: nothing for a worker (every
-    frame after AUTH is tagged), :data:`SPARK_UNTAGGED_BEFORE_HELLO` for a
-    Spark side.
-    """
+    """Which received frames §5.1 accepts: untagged before the keys exist, tagged after
+    (``untagged_grace``: the types still accepted untagged until the first tagged frame)."""
 
     def __init__(self, untagged_grace: tuple[MsgType, ...] = ()) -> None:
         """No keys yet: every frame must be untagged."""

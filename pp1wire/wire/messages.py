@@ -1,19 +1,12 @@
-"""Every PP1 wire message, as msgspec Structs (``docs/protocol.md`` §4).
-
-Each message is a msgpack *array* whose first element is the message's integer
-tag (equal to its frame type code) followed by the fields in the order declared
-here. Structs are frozen, refuse unknown fields and constrain every integer, so
-schema violations surface as :class:`~pp1wire.errors.ProtocolError` with code
-``HEADER_INVALID``. Cross-field rules that a schema cannot say live in
-``__post_init__``. A new protocol version gets new Structs, never tolerant
-field evolution.
-"""
+"""Every PP1 wire message as a strict msgspec Struct (``docs/protocol.md`` §4): a msgpack
+array of its tag, then its fields in declared order (base fields first); a schema or
+cross-field violation is ``HEADER_INVALID``."""
 
 from __future__ import annotations
 
 import operator
 from enum import IntEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, get_args
 
 import msgspec
 from msgspec import Meta
@@ -21,15 +14,13 @@ from msgspec import Meta
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.rng import Role
 
-#: The protocol's version, PP1 v2 (``docs/protocol.md`` §11): the preamble's version
-#: byte, HELLO's ``wire_version`` and the ``pp1w-v2`` labels of §5 all come from here.
+#: The protocol's version (§11): the preamble's byte, HELLO's and the §5 labels'.
 WIRE_VERSION: Final = 2
 #: The prefix of every HMAC label (§5, §5.1): ``pp1w-v2``.
 LABEL_PREFIX: Final = f"pp1w-v{WIRE_VERSION}"
 VERIFIER_ID: Final = "pp1-standard-verifier-v1"
 PRECISION: Final = "fp32-dyadic24"
-#: HELLO's ``row_format`` (§4.1, §4.5): a REPLY's ``token`` is a msgpack ``bin`` of
-#: exactly :data:`TOKEN_WIDTH` bytes, so a row's frame length never depends on its draw.
+#: HELLO's ``row_format`` (§4.1, §4.5): a REPLY's token is a ``bin`` of TOKEN_WIDTH bytes.
 ROW_FORMAT: Final = "pp1-fixed-rows-v1"
 #: The width of a REPLY's ``token`` on the wire: a little-endian uint32.
 TOKEN_WIDTH: Final = 4
@@ -59,48 +50,32 @@ def _invalid(detail: str) -> ProtocolError:
 
 
 class FixedToken(int):
-    """A REPLY's sampled token: an ``int`` here, on the wire a msgpack ``bin`` of exactly
-    :data:`TOKEN_WIDTH` bytes holding it as a little-endian uint32 (§4.5).
-
-    A shortest-form integer would make the row's frame one to four bytes longer for
-    larger tokens, so a fault placed by bytes would depend on the row's own draw
-    (``docs/adaptive.md`` §7). :class:`Reply` turns a plain ``int`` into one.
-    """
+    """A REPLY's token: an ``int`` here, a little-endian uint32 ``bin`` on the wire (§4.5),
+    so that a row's frame length never depends on its draw (``docs/adaptive.md`` §7)."""
 
     __slots__ = ()
 
 
-def _token_bytes(token: FixedToken) -> bytes:
-    """The wire form of a REPLY token (values up to 2**32 - 1 are written, so a
-    test can send one the receiver must refuse).
-
-    Raises:
-        ProtocolError: ``HEADER_INVALID`` for a value four bytes cannot hold.
-    """
-    try:
-        return int(token).to_bytes(TOKEN_WIDTH, "little")
-    except OverflowError:
-        raise _invalid(f"token {int(token)} does not fit {TOKEN_WIDTH} bytes") from None
-
-
 def _reply_hook(obj: object) -> object:
-    """REPLY's encoder: its ``token`` (the one :class:`FixedToken` it holds) as 4 bytes."""
+    """REPLY's encoder: its token as 4 bytes (up to 2**32 - 1, so a test can send one
+    the receiver must refuse)."""
     if type(obj) is FixedToken:
-        return _token_bytes(obj)
+        try:
+            return int(obj).to_bytes(TOKEN_WIDTH, "little")
+        except OverflowError:
+            raise _invalid(f"token {int(obj)} does not fit {TOKEN_WIDTH} bytes") from None
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 def _plain_hook(obj: object) -> object:
-    """Every other message's encoder: a token read from a REPLY and sent on (an OPEN's
-    ``eos``, a COMMIT's ``extra``) is an integer there, in its shortest form."""
+    """Every other message's encoder: a REPLY's token sent on is a shortest-form integer."""
     if type(obj) is FixedToken:
         return int(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 def _dec_hook(kind: type, obj: object) -> object:
-    """A REPLY token from its wire form (msgspec reports a ``ValueError`` here as a
-    ValidationError, which :func:`decode` turns into ``HEADER_INVALID``)."""
+    """A REPLY token from its wire form (a ``ValueError`` becomes ``HEADER_INVALID``)."""
     if kind is not FixedToken:
         raise NotImplementedError(f"cannot decode {kind.__name__}")
     if type(obj) is not bytes or len(obj) != TOKEN_WIDTH:
@@ -111,7 +86,7 @@ def _dec_hook(kind: type, obj: object) -> object:
     return FixedToken(value)
 
 
-#: A REPLY's ``token`` field: its JSON Schema is that of a base64 string of 4 bytes.
+#: A REPLY's ``token``: in JSON Schema, a base64 string of 4 bytes.
 WireToken = Annotated[
     FixedToken,
     Meta(
@@ -168,12 +143,27 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
     """Common base: frozen, strict, positional msgpack arrays."""
 
 
-def _check_range(start: int | None, end: int | None) -> None:
-    """A shard range: both absent (an unsharded link) or both present, ``start ≤ end``.
+class _SlotMsg(_Msg, frozen=True):
+    """The leading fields of every slot message: its session and slot."""
 
-    Raises:
-        ProtocolError: ``HEADER_INVALID`` otherwise.
-    """
+    session: U64
+    slot: U16
+
+
+class _GenMsg(_SlotMsg, frozen=True):
+    """A slot message of one generation."""
+
+    generation: U32
+
+
+class _RoundMsg(_GenMsg, frozen=True):
+    """A slot message of one round of a generation."""
+
+    round: U32
+
+
+def _check_range(start: int | None, end: int | None) -> None:
+    """Raise ``HEADER_INVALID`` unless a shard range is absent, or present with start ≤ end."""
     if (start is None) != (end is None):
         raise _invalid("a shard range needs both start and end")
     if start is not None and end is not None and start > end:
@@ -212,22 +202,11 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
     shard_end: Token
     layout: U64
     session: U64 = 0
-    #: The stop-rule set the STEPs may name (``docs/adaptive.md``): ``pp1-stop-rules-v1``,
-    #: or ``""`` (omitted): fixed depth only.
-    stop_rules: Name = ""
-    #: The Spark group's nonce on a sharded link (§6.7): every link of one group
-    #: session carries the same 16 bytes; empty on an unsharded link.
-    group: GroupNonce = b""
-    #: How REPLY rows are encoded (§4.1, §4.5): :data:`ROW_FORMAT` from every peer of
-    #: this document; ``""`` (omitted) from a peer before it, which is refused.
-    row_format: Name = ""
-    #: The pre-shared key the Spark side authenticates with (§5): its ID in the worker's
-    #: key table, ``""`` (omitted) for the default key; the worker echoes it.
-    key_id: Name = ""
-    #: The draw-budget lineage (§4.4): the token a keyless Spark side was issued on an
-    #: earlier connection, presented again (empty: none); the worker's HELLO carries
-    #: the token of this connection's lineage (empty with a key).
-    lineage: Lineage = b""
+    stop_rules: Name = ""  # the STEPs' stop-rule set (docs/adaptive.md); "": fixed only
+    group: GroupNonce = b""  # a sharded link's group nonce (§6.7)
+    row_format: Name = ""  # ROW_FORMAT; "" from a peer before it, which is refused
+    key_id: Name = ""  # the Spark side's key in the worker's table (§5); echoed
+    lineage: Lineage = b""  # the draw-budget lineage token (§4.4), presented or issued
 
     def __post_init__(self) -> None:
         """Cross-field rules (protocol §4.1).
@@ -262,12 +241,9 @@ class Auth(_Msg, frozen=True, tag=int(MsgType.AUTH)):
     proof: Proof
 
 
-class Open(_Msg, frozen=True, tag=int(MsgType.OPEN)):
+class Open(_GenMsg, frozen=True, tag=int(MsgType.OPEN)):
     """Open a session slot with its committed prefix (int32 payload) and request seed."""
 
-    session: U64
-    slot: U16
-    generation: U32
     seed: U64
     context: U64
     eos: Token | None
@@ -275,31 +251,22 @@ class Open(_Msg, frozen=True, tag=int(MsgType.OPEN)):
     digest: U64
 
 
-class Opened(_Msg, frozen=True, tag=int(MsgType.OPENED)):
+class Opened(_GenMsg, frozen=True, tag=int(MsgType.OPENED)):
     """The worker's acknowledgement of OPEN."""
 
-    session: U64
-    slot: U16
-    generation: U32
     position: U32
     digest: U64
 
 
-class Close(_Msg, frozen=True, tag=int(MsgType.CLOSE)):
+class Close(_SlotMsg, frozen=True, tag=int(MsgType.CLOSE)):
     """Close a slot; all its state is dropped."""
 
-    session: U64
-    slot: U16
 
-
-class Closed(_Msg, frozen=True, tag=int(MsgType.CLOSED)):
+class Closed(_SlotMsg, frozen=True, tag=int(MsgType.CLOSED)):
     """The worker's acknowledgement of CLOSE."""
 
-    session: U64
-    slot: U16
 
-
-class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
+class Step(_RoundMsg, frozen=True, tag=int(MsgType.STEP)):
     """Ask for one proposal block of at most ``depth`` rows (protocol §4.4).
 
     ``stop`` and ``threshold`` are the block's stop rule (``docs/adaptive.md``:
@@ -308,10 +275,6 @@ class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
     (``BAD_STOP_RULE``), not the schema's.
     """
 
-    session: U64
-    slot: U16
-    generation: U32
-    round: U32
     position: U32
     digest: U64
     depth: Depth
@@ -322,7 +285,7 @@ class Step(_Msg, frozen=True, tag=int(MsgType.STEP)):
     threshold: U32 = 0
 
 
-class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
+class Reply(_RoundMsg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     """One proposal position; q travels in the frame payload (protocol §4.5).
 
     ``token`` travels at a fixed width, a msgpack bin of 4 bytes holding it as a
@@ -331,10 +294,6 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     group (§6.7); an unsharded link omits them.
     """
 
-    session: U64
-    slot: U16
-    generation: U32
-    round: U32
     index: U8
     position: U32
     token: WireToken
@@ -345,12 +304,10 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
     end: Token | None = None
 
     def __post_init__(self) -> None:
-        """Cross-field rule (protocol §4.5); a plain ``int`` token becomes a :class:`FixedToken`.
+        """Cross-field rule (§4.5); a plain ``int`` token becomes a :class:`FixedToken`.
 
         Raises:
-            ProtocolError: ``HEADER_INVALID`` unless ``start`` and ``end`` are both
-                absent, or both present with ``start ≤ end``; or for a token that
-                four bytes cannot hold.
+            ProtocolError: ``HEADER_INVALID`` for a bad shard range or a token above 2**32 - 1.
         """
         if type(self.token) is not FixedToken:
             token = operator.index(self.token)
@@ -360,13 +317,9 @@ class Reply(_Msg, frozen=True, tag=int(MsgType.REPLY), omit_defaults=True):
         _check_range(self.start, self.end)
 
 
-class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=True):
+class Completion(_RoundMsg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=True):
     """Ends a reply: exact byte count and checksum of its REPLY frames, and a status."""
 
-    session: U64
-    slot: U16
-    generation: U32
-    round: U32
     position: U32
     context: U64
     rows: U8
@@ -375,8 +328,7 @@ class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=T
     status: U16
     start: Token | None = None
     end: Token | None = None
-    #: The STEP's stop rule ended the block before its depth (no terminal token).
-    stopped: bool = False
+    stopped: bool = False  # the stop rule ended the block before its depth
 
     def __post_init__(self) -> None:
         """Cross-field rule (protocol §4.6).
@@ -387,44 +339,29 @@ class Completion(_Msg, frozen=True, tag=int(MsgType.COMPLETION), omit_defaults=T
         _check_range(self.start, self.end)
 
 
-class Commit(_Msg, frozen=True, tag=int(MsgType.COMMIT)):
+class Commit(_RoundMsg, frozen=True, tag=int(MsgType.COMMIT)):
     """What the verifier committed for a round (protocol §4.7)."""
 
-    session: U64
-    slot: U16
-    generation: U32
-    round: U32
     accepted: U8
     extra: Token | None
     position: U32
     digest: U64
 
 
-class Committed(_Msg, frozen=True, tag=int(MsgType.COMMITTED)):
+class Committed(_RoundMsg, frozen=True, tag=int(MsgType.COMMITTED)):
     """The worker's acknowledgement of COMMIT, with its new prefix state."""
 
-    session: U64
-    slot: U16
-    generation: U32
-    round: U32
     position: U32
     digest: U64
 
 
-class Reset(_Msg, frozen=True, tag=int(MsgType.RESET)):
+class Reset(_GenMsg, frozen=True, tag=int(MsgType.RESET)):
     """Invalidate a slot's generation and all its speculative state."""
 
-    session: U64
-    slot: U16
-    generation: U32
 
-
-class ResetDone(_Msg, frozen=True, tag=int(MsgType.RESET_DONE)):
+class ResetDone(_GenMsg, frozen=True, tag=int(MsgType.RESET_DONE)):
     """The worker's acknowledgement of RESET."""
 
-    session: U64
-    slot: U16
-    generation: U32
     position: U32
     digest: U64
 
@@ -473,23 +410,7 @@ Message = (
 )
 
 MESSAGE_TYPES: Final[dict[MsgType, type[_Msg]]] = {
-    MsgType.HELLO: Hello,
-    MsgType.CHALLENGE: Challenge,
-    MsgType.AUTH: Auth,
-    MsgType.OPEN: Open,
-    MsgType.OPENED: Opened,
-    MsgType.CLOSE: Close,
-    MsgType.CLOSED: Closed,
-    MsgType.STEP: Step,
-    MsgType.REPLY: Reply,
-    MsgType.COMPLETION: Completion,
-    MsgType.COMMIT: Commit,
-    MsgType.COMMITTED: Committed,
-    MsgType.RESET: Reset,
-    MsgType.RESET_DONE: ResetDone,
-    MsgType.ERROR: Error,
-    MsgType.PING: Ping,
-    MsgType.PONG: Pong,
+    MsgType(cls.__struct_config__.tag): cls for cls in get_args(Message)
 }
 
 #: Message types that carry a payload; every other type must have payload length 0.

@@ -1,17 +1,6 @@
-"""Who a worker's budgets belong to: principals, lineages and their births (sans-IO).
-
-``docs/protocol.md`` §2 and §4.4. The principal of a connection with a key is
-the key's ID (:func:`Principal.of_key`); without a key it is the connection's
-*lineage* (:func:`Principal.of_lineage`): a token the worker issues in its HELLO,
-which a Spark side presents again when it reconnects. A connection that presents
-none (or one the worker does not know) starts a new lineage; while lineages of
-its source address (an IPv6 address's network, :func:`address_key`) have lately
-abandoned draws, its new lineages are born at most ``lineage_rate`` a second
-(:class:`Births`, in arrival order), each with one free abandon to start with.
-:class:`PrincipalPolicy` holds the settings: the caps on draws a second
-(``--principal-rate``), the IPv6 prefix and the lineage births. No clock is
-read here: callers pass ``now``.
-"""
+"""Who a worker's budgets belong to (``docs/protocol.md`` §2, §4.4; sans-IO): a key's ID, or
+without a key a *lineage* (a token the worker issues and the peer presents again), whose births
+per source address are paced after an abandon (:class:`Births`); callers pass ``now``."""
 
 from __future__ import annotations
 
@@ -26,8 +15,8 @@ from pp1wire.wire.messages import LINEAGE_SIZE
 
 #: The IPv6 prefix length one source address stands for (``--ipv6-prefix``).
 IPV6_PREFIX: Final = 64
-#: New lineages one address may start a second (``--lineage-rate``), and at once, while
-#: its lineages abandoned a draw in the last :data:`LINEAGE_WINDOW_S` seconds.
+#: New lineages one address may start a second and at once, while paced (an abandon in
+#: the last :data:`LINEAGE_WINDOW_S` seconds).
 LINEAGE_RATE: Final = 1.0
 LINEAGE_BURST: Final = 16
 LINEAGE_WINDOW_S: Final = 10.0
@@ -38,10 +27,8 @@ LINEAGE_KEEP_S: Final = 600.0
 
 
 def address_key(address: str, ipv6_prefix: int = IPV6_PREFIX) -> str:
-    """The source address a peer at IP ``address`` counts as (§2): an IPv4 address
-    itself (an IPv4-mapped IPv6 address as its IPv4 address), an IPv6 address as
-    its ``/ipv6_prefix`` network (``2001:db8::/64``; zone dropped), and anything
-    that is not an IP address (a Unix socket's name) as itself.
+    """The source address a peer at ``address`` counts as (§2): IPv4 (also IPv4-mapped) as
+    itself, IPv6 as its ``/ipv6_prefix`` network (zone dropped), anything else as itself.
 
     Raises:
         ValueError: for an ``ipv6_prefix`` outside 1..128.
@@ -61,11 +48,8 @@ def address_key(address: str, ipv6_prefix: int = IPV6_PREFIX) -> str:
 
 @dataclass(frozen=True)
 class Principal:
-    """A principal (§2): ``kind`` ``"key"`` (``name`` the key ID) or ``"lineage"``
-    (``name`` the token, in hex). ``group`` is who it shares the draw threads with
-    (:func:`draw_group`): a lineage, its connection's source address; a key, itself.
-    It is not part of the principal's identity (a lineage may reconnect from
-    elsewhere)."""
+    """A principal (§2): ``kind`` ``"key"`` (``name`` the key ID) or ``"lineage"`` (the token
+    in hex); ``group``, not part of its identity, is a lineage's source address."""
 
     kind: str
     name: str
@@ -78,8 +62,7 @@ class Principal:
 
     @classmethod
     def of_lineage(cls, token: bytes, address: str = "") -> Principal:
-        """The principal of the keyless connections of lineage ``token`` (one of them
-        from source ``address``)."""
+        """The principal of the keyless connections of lineage ``token`` (one from ``address``)."""
         return cls("lineage", token.hex(), address)
 
     def __str__(self) -> str:
@@ -88,9 +71,8 @@ class Principal:
 
 
 def draw_group(principal: Principal | None) -> Hashable:
-    """Who ``principal`` shares the draw threads with as one (§4.4): a key its own; the
-    lineages of one source address together, so that opening more of them gets a
-    peer no more of the threads."""
+    """Who ``principal`` shares the draw threads with (§4.4): a key alone, the lineages of
+    one address together (opening more of them gets a peer no more threads)."""
     if principal is None or principal.kind == "key":
         return principal
     return ("address", principal.group)
@@ -103,15 +85,10 @@ def new_lineage() -> bytes:
 
 @dataclass(frozen=True)
 class PrincipalPolicy:
-    """The worker's settings of §2 and §4.4 that its configuration does not carry.
-
-    ``rate``: fresh draws a second each principal may ask for over all its slots
-    and connections (None: no cap), and ``rates`` the same for the key IDs it
-    names (None there: no cap for that key); ``ipv6_prefix`` the network one IPv6
-    source address stands for; ``lineage_rate`` and ``lineage_burst`` the new
-    lineages one address may start a second and at once while paced
-    (:class:`Births`); ``lineage_keep`` how long a lineage owing nothing is
-    remembered after its last connection.
+    """The worker's settings of §2 and §4.4 that its configuration does not carry: each
+    principal's cap on fresh draws a second (``rate``; ``rates`` per key ID; None: no cap),
+    the IPv6 prefix, the births of lineages (:class:`Births`), and how long a lineage
+    owing nothing is remembered (``lineage_keep``).
     """
 
     rate: float | None = None
@@ -125,8 +102,8 @@ class PrincipalPolicy:
         """Check every setting.
 
         Raises:
-            ValueError: for a rate that is not finite and above 0, a prefix outside
-                1..128, a burst below 1 or a negative ``lineage_keep``.
+            ValueError: for a rate not finite and above 0, a prefix outside 1..128, a burst
+                below 1 or a negative ``lineage_keep``.
         """
         for r in [self.rate, self.lineage_rate, *self.rates.values()]:
             if r is not None and not (math.isfinite(r) and r > 0):
@@ -144,11 +121,9 @@ class PrincipalPolicy:
 
 
 class Births:
-    """When new lineages of each address are born (§4.4): at once while none of the
-    address's lineages abandoned a draw in the last ``window`` seconds
-    (:meth:`spoil`); otherwise at most ``burst`` at once and ``rate`` a second, in
-    the order they asked (:meth:`ready_at`). A ticket that gives up (its connection
-    closed) leaves the queue (:meth:`cancel`). The clock is the caller's.
+    """When new lineages of each address are born (§4.4): at once, unless one of its
+    lineages abandoned a draw in the last ``window`` seconds (:meth:`spoil`); then at most
+    ``burst`` at once and ``rate`` a second, in the order they asked (:meth:`ready_at`).
     """
 
     def __init__(
@@ -157,8 +132,7 @@ class Births:
         burst: int = LINEAGE_BURST,
         window: float = LINEAGE_WINDOW_S,
     ) -> None:
-        """``rate`` births a second per address (finite, above 0), ``burst`` (>= 1) at once,
-        paced for ``window`` (>= 0) seconds after an abandon.
+        """``rate`` births a second per address, ``burst`` at once, for ``window`` seconds.
 
         Raises:
             ValueError: for a rate, burst or window out of range.
@@ -171,7 +145,7 @@ class Births:
         self.burst = burst
         self.window = window
         self._spoiled: dict[Hashable, float] = {}  # address -> pacing ends then
-        # Per address: (free births, when counted), and the tickets waiting, in order.
+        # Per address: (free births, when counted), and the tickets waiting in order.
         self._level: dict[Hashable, tuple[float, float]] = {}
         self._queue: dict[Hashable, dict[Hashable, None]] = {}
         self._born: set[tuple[Hashable, Hashable]] = set()
@@ -185,15 +159,12 @@ class Births:
         return self._spoiled.get(address, -math.inf) > now or bool(self._queue.get(address))
 
     def spoil(self, address: Hashable, now: float) -> None:
-        """A lineage of ``address`` abandoned a draw at ``now``: its births are paced
-        for the next ``window`` seconds."""
+        """A lineage of ``address`` abandoned a draw at ``now``: pace its births a while."""
         self._spoiled[address] = max(self._spoiled.get(address, now), now + self.window)
 
     def ready_at(self, address: Hashable, ticket: Hashable, now: float) -> float:
         """When ``ticket`` (a connection of ``address`` asking for a new lineage) is born:
-        ``now`` if it is (it leaves the queue), else the time to ask again. While the
-        address is paced the first call queues it, and births go to the tickets in the
-        order they were queued."""
+        ``now`` if it is, else when to ask again (while paced, births go in queue order)."""
         if not self.paced(address, now):
             self._spoiled.pop(address, None)
             return now
@@ -224,8 +195,7 @@ class Births:
         self._forget(address)
 
     def _forget(self, address: Hashable) -> None:
-        """Drop an address with nobody waiting whose births are all earned back (at the
-        last count: a later count could only find more)."""
+        """Drop an address with nobody waiting whose births are all earned back."""
         if self._queue.get(address):
             return
         self._queue.pop(address, None)
@@ -234,8 +204,7 @@ class Births:
             del self._level[address]
 
     def trim(self, now: float) -> None:
-        """Forget every address with nobody waiting whose births are earned back by ``now``,
-        and the pacing that has ended."""
+        """Forget the addresses with nobody waiting and births earned back, and ended pacing."""
         for address, until in list(self._spoiled.items()):
             if until <= now:
                 del self._spoiled[address]
@@ -245,4 +214,3 @@ class Births:
             if level + max(0.0, now - stamp) * self.rate >= self.burst - 1e-9:
                 del self._level[address]
                 self._queue.pop(address, None)
-

@@ -1,16 +1,6 @@
-"""The worker's reply to a STEP, as bytes: REPLY frames, then COMPLETION (protocol §4.5, §4.6).
-
-Each row's payload is written once, from its counts into the array that is
-then handed to the transport (dense FP32 with zero padding, or sparse int32
-IDs then FP32); a frame is its preamble and header (a few dozen bytes) and a
-view of that array, never joined. Frames are kept apart so a keyed connection
-can tag each one (§5.1) and a replay can re-tag them.
-
-On a link of a vocabulary-sharded group (§6.7) each row carries only the q of
-the link's range ``[start, end)``: the dense values of that range (no
-padding), or the sparse entries whose IDs fall in it (possibly none); the
-sampled token is in every shard's row.
-"""
+"""The worker's reply to a STEP as frames: REPLY rows, then COMPLETION (protocol §4.5, §4.6),
+each row's payload written once and sent as a view, never joined to its header; on a sharded
+link (§6.7) a row carries only the q of the link's range."""
 
 from __future__ import annotations
 
@@ -32,22 +22,16 @@ FrameParts = tuple[bytes | memoryview, ...]
 def row_payload(
     row: QRow, row_entries: int, shard: tuple[int, int] | None = None
 ) -> tuple[memoryview, int]:
-    """The q payload of one row and its entry count, written once: dense FP32 (zero
-    padded) or sparse int32 IDs then FP32, as a byte view of a fresh array (or,
-    for a row already written as it travels, of the row's own ``q32``).
-
-    With ``shard = (start, end)``, only the q of that range: dense values
-    ``[start, end)`` without padding, or the sparse entries whose IDs lie in it
-    (a row already holding only that range is taken as it is).
-    """
+    """The q payload of one row and its entry count: dense FP32 (zero padded) or sparse
+    int32 IDs then FP32, as a byte view. With ``shard = (start, end)``, only that range's
+    q: dense values without padding, or the sparse entries whose IDs lie in it."""
     counts, ids = row.counts, row.ids
     if counts is None:
         return _fp32_payload(row, row_entries, shard)
     scale = np.float32(1.0 / dyadic.M)
     if ids is None:
         if shard is not None:
-            # A row of the whole vocabulary is cut to the range; a sharded
-            # group's row already holds only its range.
+            # A sharded group's row already holds only its range.
             row_entries = shard[1] - shard[0]
             if counts.size != row_entries:
                 counts = counts[shard[0] : shard[1]]
@@ -67,8 +51,8 @@ def _sparse_payload(
     shard: tuple[int, int] | None,
     scale: np.float32 | None,
 ) -> tuple[memoryview, int]:
-    """A sparse payload: the IDs (those in ``shard``, when given), then their values as
-    FP32 (counts times ``scale``, or FP32 values as they are when ``scale`` is None)."""
+    """A sparse payload: the IDs (those in ``shard``), then their values as FP32 (counts
+    times ``scale``, or FP32 values as they are when ``scale`` is None)."""
     if shard is not None:
         lo, hi = np.searchsorted(ids, shard, side="left")
         ids, values = ids[lo:hi], values[lo:hi]
@@ -85,11 +69,8 @@ def _sparse_payload(
 def _fp32_payload(
     row: QRow, row_entries: int, shard: tuple[int, int] | None
 ) -> tuple[memoryview, int]:
-    """:func:`row_payload` of a row that holds its FP32 values (``q32``), the same bytes.
-
-    A dense row built to travel (its own array of exactly ``row_entries``
-    values, padding included, lent to no one) is its payload: sent as it is.
-    """
+    """:func:`row_payload` of a row holding its FP32 values (``q32``): a dense row built to
+    travel (its own array of ``row_entries`` values, lent to no one) is sent as it is."""
     q32, ids = row.q32, row.ids
     assert q32 is not None
     if ids is None:
@@ -112,75 +93,6 @@ def _fp32_payload(
     return _sparse_payload(ids, q32, shard, None)
 
 
-def reply_frame(
-    session: int,
-    step: Step,
-    index: int,
-    token: int,
-    dense: bool,
-    entries: int,
-    payload: bytes | memoryview,
-    *,
-    shard: tuple[int, int] | None = None,
-    tagged: bool = False,
-) -> FrameParts:
-    """One REPLY frame, as (preamble and header, payload), with its row checksum.
-
-    ``shard`` is the global ID range of a sharded link (None: unsharded, no range).
-    The token travels at a fixed width (§4.5), so the frame's length is the same
-    whatever the row's draw: only q (fixed before the draw) sets it.
-    """
-    header = Reply(
-        session=session,
-        slot=step.slot,
-        generation=step.generation,
-        round=step.round,
-        index=index,
-        position=step.position + index,
-        token=FixedToken(token),
-        representation=int(Representation.DENSE if dense else Representation.SPARSE),
-        entries=entries,
-        checksum=xxhash.xxh3_64_intdigest(payload),
-        start=None if shard is None else shard[0],
-        end=None if shard is None else shard[1],
-    )
-    return framing.encode_head(header, memoryview(payload).nbytes, tagged=tagged), payload
-
-
-def completion_frame(
-    session: int,
-    step: Step,
-    rows: int,
-    reply_bytes: int,
-    reply_checksum: int,
-    status: int,
-    *,
-    shard: tuple[int, int] | None = None,
-    tagged: bool = False,
-    stopped: bool = False,
-) -> bytes:
-    """The COMPLETION frame that closes a reply (``shard``: as :func:`reply_frame`;
-    ``stopped``: the STEP's stop rule ended the block before its depth)."""
-    return framing.encode_frame(
-        Completion(
-            session=session,
-            slot=step.slot,
-            generation=step.generation,
-            round=step.round,
-            position=step.position,
-            context=step.context,
-            rows=rows,
-            reply_bytes=reply_bytes,
-            reply_checksum=reply_checksum,
-            status=status,
-            start=None if shard is None else shard[0],
-            end=None if shard is None else shard[1],
-            stopped=stopped,
-        ),
-        tagged=tagged,
-    )
-
-
 def reply_frames(
     session: int,
     step: Step,
@@ -192,23 +104,17 @@ def reply_frames(
     tagged: bool = False,
     stopped: bool = False,
 ) -> tuple[FrameParts, ...]:
-    """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION.
-
-    ``shard`` is a sharded link's global ID range: each row carries only the q
-    of that range, and every frame names it. COMPLETION's ``reply_bytes`` and
-    ``reply_checksum`` cover the REPLY frames without their tags (§4.6), so a
-    replay re-tags the same frames. ``stopped`` is COMPLETION's flag: the
-    STEP's stop rule ended the block before its depth.
-    """
+    """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION,
+    whose size and checksum cover the REPLY frames without their tags (§4.6)."""
     encoder = ReplyEncoder(session, step, row_entries, shard=shard, tagged=tagged)
     frames = tuple(encoder.row(index, row) for index, row in enumerate(rows))
     return (*frames, encoder.completion(frames, status, stopped=stopped))
 
 
 class ReplyEncoder:
-    """A STEP's reply, framed a row at a time: each REPLY frame as soon as its row is
-    drawn (a worker sends it then, ``docs/adaptive.md`` §7), then the COMPLETION
-    over the frames framed. The same bytes as :func:`reply_frames`."""
+    """A STEP's reply framed a row at a time, as each row is drawn (``docs/adaptive.md`` §7),
+    then the COMPLETION: the same bytes as :func:`reply_frames` (``shard``: a sharded link's
+    global ID range, named by every frame)."""
 
     __slots__ = ("row_entries", "session", "shard", "step", "tagged")
 
@@ -221,65 +127,64 @@ class ReplyEncoder:
         shard: tuple[int, int] | None = None,
         tagged: bool = False,
     ) -> None:
-        """Frame the reply to ``step`` (``shard`` and ``tagged`` as for :func:`reply_frame`)."""
+        """Frame the reply to ``step``."""
         self.session = session
         self.step = step
         self.row_entries = row_entries
         self.shard = shard
         self.tagged = tagged
 
+    def _head(self) -> dict[str, int]:
+        """The fields every frame of the reply names: its session and round."""
+        st = self.step
+        head = {"session": self.session, "slot": st.slot, "generation": st.generation}
+        return head | {"round": st.round}
+
     def row(self, index: int, row: QRow) -> FrameParts:
-        """The REPLY frame of row ``index``."""
+        """The REPLY frame of row ``index``, as (preamble and header, payload)."""
         payload, entries = row_payload(row, self.row_entries, self.shard)
-        return reply_frame(
-            self.session,
-            self.step,
-            index,
-            row.token,
-            row.ids is None,
-            entries,
-            payload,
-            shard=self.shard,
-            tagged=self.tagged,
+        start, end = self.shard or (None, None)
+        header = Reply(
+            **self._head(),
+            index=index,
+            position=self.step.position + index,
+            token=FixedToken(row.token),
+            representation=int(Representation.DENSE if row.ids is None else Representation.SPARSE),
+            entries=entries,
+            checksum=xxhash.xxh3_64_intdigest(payload),
+            start=start,
+            end=end,
         )
+        return framing.encode_head(header, payload.nbytes, tagged=self.tagged), payload
 
     def completion(
         self, frames: tuple[FrameParts, ...], status: int = 0, *, stopped: bool = False
     ) -> FrameParts:
-        """The COMPLETION closing a reply whose REPLY frames are ``frames``."""
+        """The COMPLETION closing a reply whose REPLY frames are ``frames`` (``stopped``: by
+        the STEP's stop rule)."""
         checksum = xxhash.xxh3_64()
         body = 0
         for parts in frames:
             for part in parts:
                 checksum.update(part)
                 body += memoryview(part).nbytes
-        done = completion_frame(
-            self.session,
-            self.step,
-            len(frames),
-            body,
-            checksum.intdigest(),
-            status,
-            shard=self.shard,
-            tagged=self.tagged,
+        start, end = self.shard or (None, None)
+        done = Completion(
+            **self._head(),
+            position=self.step.position,
+            context=self.step.context,
+            rows=len(frames),
+            reply_bytes=body,
+            reply_checksum=checksum.intdigest(),
+            status=status,
+            start=start,
+            end=end,
             stopped=stopped,
         )
-        return (done,)
+        return (framing.encode_frame(done, tagged=self.tagged),)
 
 
 def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: int) -> bytes:
-    """The whole untagged reply to a STEP, unsharded and of status 0, as one byte string
-    (:func:`reply_frames`, joined)."""
+    """:func:`reply_frames` of an unsharded untagged reply of status 0, joined."""
     frames = reply_frames(session, step, rows, row_entries)
     return b"".join(part for parts in frames for part in parts)
-
-
-__all__ = [
-    "FrameParts",
-    "ReplyEncoder",
-    "build_reply",
-    "completion_frame",
-    "reply_frame",
-    "reply_frames",
-    "row_payload",
-]

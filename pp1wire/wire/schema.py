@@ -1,17 +1,6 @@
-"""Generate (or check) the JSON Schemas of every wire message under ``schemas/``.
-
-Usage: ``python -m pp1wire.wire.schema [--check] [--doc FILE] [DIR]`` (default
-``schemas`` and ``docs/protocol.md``). The same run refreshes the tables the
-protocol document prints from the code: the field lists (between
-``<!-- fields:NAME -->`` markers, one line per message), the HELLO rules of §4.1
-(``<!-- hello-rules -->``) and the transition tables of §5
-(``<!-- transitions:worker -->``, ``…:spark``; a cell naming a code is fatal).
-
-Each file describes one message header as the positional array it is on the
-wire: element 0 is the tag (the frame type code), then the fields in order.
-The schema is written for JSON; on the wire the same array is msgpack, where
-``bytes`` fields are msgpack ``bin`` (base64 strings in the JSON form).
-"""
+"""``python -m pp1wire.wire.schema [--check] [--doc FILE] [DIR]``: write (or check) the JSON
+Schema of every message header under ``schemas/`` (a positional array: tag, then the fields),
+and the tables ``docs/protocol.md`` prints from the code."""
 
 from __future__ import annotations
 
@@ -120,6 +109,7 @@ def field_table(kind: MsgType) -> str:
 
 
 def _replace_block(text: str, start: str, end: str, body: str) -> str:
+    """``text`` with what stands between ``start`` and ``end`` replaced by ``body``."""
     i = text.find(start)
     if i < 0:
         return text

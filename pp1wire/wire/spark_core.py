@@ -1,19 +1,6 @@
-"""Sans-IO protocol core of the Spark (verifier) role.
-
-The Spark side asks the worker for proposals and validates everything that
-comes back before anything is consumed: each REPLY row as it arrives (fencing,
-order, sizes, row checksum, the dyadic24 contract), then the COMPLETION (row
-count, exact reply byte count and checksum, status). A proposal is published
-(:class:`ProposalReady`) once its COMPLETION validates, or **cut** when a fault
-ends its block before the next row — the reply deadline, a refused row, a
-worker that reports a failure after some rows, a lost connection — with the
-rows that validated before it (``docs/adaptive.md`` §7: a fault is a stopping
-time, so those rows are verified, not thrown away). A proposal with no
-usable row, or one whose COMPLETION does not check, is discarded whole
-(:class:`ProposalFailed`) and the caller decodes that round target-only. Late
-or duplicate frames are dropped and counted. No asyncio here; the clock is
-passed in.
-"""
+"""Sans-IO protocol core of the Spark (verifier) role: everything the worker sends is validated
+before use; a proposal is published when its COMPLETION checks, or cut by a fault after the rows
+that arrived valid (``docs/adaptive.md`` §7); one with none is discarded (target-only)."""
 
 from __future__ import annotations
 
@@ -60,6 +47,7 @@ from pp1wire.wire.transitions import Act, State
 
 _T = TypeVar("_T")
 
+
 class SparkProtocol(SparkReplies):
     """The Spark side's connection state machine (one instance per connection)."""
 
@@ -71,17 +59,12 @@ class SparkProtocol(SparkReplies):
         allocator: framing.Allocator | None = None,
         release: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Prepare a connection; call :meth:`start` to queue HELLO.
-
-        ``allocator`` gives large frames their receive buffers and ``release``
-        takes each back once nothing refers to it (a transport's buffer pool);
-        without them buffers are allocated fresh and freed by the collector.
-        """
+        """Prepare a connection; call :meth:`start` to queue HELLO. ``allocator`` gives large
+        frames their receive buffers and ``release`` takes each back (a buffer pool)."""
         self.config = config
         self.state = State.IDLE
         self.session = 0
-        #: The lineage token the worker's HELLO issued (§4.4), to present on a reconnect.
-        self.lineage = b""
+        self.lineage = b""  # issued by the worker's HELLO (§4.4), presented on a reconnect
         self.decoder = framing.FrameDecoder(0, allocator=allocator)
         self.slots: dict[int, SparkSlot] = {}
         self._out: list[bytes] = []
@@ -92,34 +75,19 @@ class SparkProtocol(SparkReplies):
         self.handshake_deadline: float | None = None
         self._validator = validate.DenseRowValidator(config.vocab_size, config.entries)
         self._worker_proved = False
-        # Frame integrity (§5.1): keys once AUTH is sent; tags from the worker's HELLO on.
+        # Frame integrity (§5.1): keys once AUTH is sent, tags from the worker's HELLO on.
         self._sealer: integrity.Sealer | None = None
         self._receive_rule = integrity.ReceiveRule(integrity.SPARK_UNTAGGED_BEFORE_HELLO)
-        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
-            MsgType.PING: self._on_ping,
-            MsgType.PONG: self._on_pong,
-            MsgType.ERROR: self._on_error,
-            MsgType.HELLO: self._on_hello,
-            MsgType.CHALLENGE: self._on_challenge,
-            MsgType.OPENED: self._on_opened,
-            MsgType.CLOSED: self._on_closed,
-            MsgType.REPLY: self._on_reply,
-            MsgType.COMPLETION: self._on_completion,
-            MsgType.COMMITTED: self._on_committed,
-            MsgType.RESET_DONE: self._on_reset_done,
-        }
+        self._handlers = transitions.handlers(transitions.SPARK, self)
         self._retained = False
-        # CLOSEs not yet acknowledged, per slot: frames for the closed instance
-        # of a slot (late acks, replies) are ignored until its CLOSED arrives.
+        # Per slot, CLOSEs not yet acknowledged: frames of the closed instance are ignored.
         self._closing: dict[int, int] = {}
         self._slot_generations: dict[int, int] = {}
         self._owed = OwedAnswers()
-        # Ready proposals the caller has not released: their rows' lease and buffers.
+        # Ready proposals not released yet: their rows' lease and buffers.
         self._ready: dict[tuple[int, int], tuple[Lease, list[memoryview]]] = {}
         self._release_buffer = release
         self.closed = False
-
-    # -- I/O surface -----------------------------------------------------
 
     @property
     def has_output(self) -> bool:
@@ -132,8 +100,8 @@ class SparkProtocol(SparkReplies):
         return out
 
     def _owe(self, slot: int, now: float | None) -> None:
-        """The request just queued for ``slot`` is owed an answer within the answer
-        timeout (the reply timeout unless set); no deadline without a clock reading."""
+        """The request just queued for ``slot`` is owed an answer within the answer timeout
+        (default: the reply timeout); none without a clock reading."""
         if now is not None:
             wait = self.config.answer_timeout
             self._owed.owe(slot, now + (self.config.reply_timeout if wait is None else wait))
@@ -166,9 +134,7 @@ class SparkProtocol(SparkReplies):
             self._fatal(ErrorCode.HANDSHAKE_TIMEOUT)
             return self._take()
         if self._owed.overdue(now):
-            # An OPEN, CLOSE, COMMIT or RESET unanswered for a reply timeout: the worker
-            # is not serving this connection; like a lost connection, every slot is
-            # reopened on a new one (and rounds decode target-only meanwhile).
+            # A mute worker: as a lost connection, every slot is reopened on a new one.
             self._fatal(ErrorCode.ANSWER_TIMEOUT)
             return self._take()
         for index, slot in self.slots.items():
@@ -250,8 +216,6 @@ class SparkProtocol(SparkReplies):
             self._close_all(ErrorCode.CONNECTION_LOST)
         return self._take()
 
-    # -- requests --------------------------------------------------------
-
     def start(self, now: float) -> None:
         """Queue HELLO and arm the handshake timeout."""
         cfg = self.config
@@ -292,15 +256,10 @@ class SparkProtocol(SparkReplies):
         at_least: int = 0,
         now: float | None = None,
     ) -> int:
-        """Queue OPEN for ``slot`` with its committed prefix and request seed.
-
-        A slot reopened on the same connection must use a higher generation
-        than any it had before, so stale frames of its earlier instance are
-        fenced off; ``generation=None`` picks the next one, and no lower than
-        ``at_least`` (a caller reopening on a new connection passes its last
-        generation + 1, so no RNG key of the old one is reused). Returns it.
-        With ``now``, OPENED (or the ERROR refusing it) is owed within the reply
-        timeout: past it the connection ends (``ANSWER_TIMEOUT``).
+        """Queue OPEN for ``slot`` with its committed prefix and request seed; returns its
+        generation: above any the slot had on this connection (``None``: the next one, at
+        least ``at_least``, so that no RNG key of an earlier connection is reused). With
+        ``now``, OPENED is owed within the answer timeout (else ``ANSWER_TIMEOUT``).
 
         Raises:
             ProtocolError: ``SLOT_LIMIT``, ``SLOT_IN_USE``, ``STALE_GENERATION``,
@@ -349,8 +308,7 @@ class SparkProtocol(SparkReplies):
         return generation
 
     def _opened(self, slot: int) -> SparkSlot:
-        """Open slot ``slot``'s state, desynced or not: what a reset, a close or a cut
-        acts on (a STEP or a COMMIT needs a slot in sync: :meth:`_slot`).
+        """Open slot ``slot``'s state, desynced or not (a STEP or COMMIT needs :meth:`_slot`).
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -369,8 +327,7 @@ class SparkProtocol(SparkReplies):
         return state
 
     def next_round(self, slot: int) -> int:
-        """One above every round ``slot`` stepped or committed in its generation (read off
-        the fencing state: not a second counter). Raises as :meth:`step` does for the slot."""
+        """One above every round ``slot`` used in its generation (raises as :meth:`step`)."""
         return self._slot(slot).fence.last_round + 1
 
     def check_step(self, *, depth: int, support: int, stop: StopRule = FIXED) -> None:
@@ -395,12 +352,9 @@ class SparkProtocol(SparkReplies):
         now: float,
         stop: StopRule = FIXED,
     ) -> None:
-        """Queue STEP for ``slot`` under ``round_id`` (nothing is queued if it raises).
-
-        The caller owns the round numbering (one counter per request and generation:
-        :meth:`pp1wire.q.verify.RequestVerifier.take_round`); the round must be above every
-        round this slot has used in its generation. ``depth`` is the block's maximum and
-        ``stop`` its stop rule (``docs/adaptive.md``), both checked by :meth:`check_step`.
+        """Queue STEP for ``slot`` under ``round_id``, above every round the slot used in its
+        generation (the caller numbers rounds: ``RequestVerifier.take_round``); ``depth`` is
+        the block's maximum, ``stop`` its stop rule. Nothing is queued if it raises.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``, ``ROUND_REUSED``, or as :meth:`check_step`.
@@ -441,10 +395,9 @@ class SparkProtocol(SparkReplies):
         accepted: int,
         now: float | None = None,
     ) -> None:
-        """Queue COMMIT of ``tokens`` (accepted drafts, then the correction/bonus if any).
-
-        The local prefix advances at once so the next STEP can be pipelined
-        behind this COMMIT. With ``now``, COMMITTED is owed as for :meth:`open_slot`.
+        """Queue COMMIT of ``tokens`` (accepted drafts, then the correction or bonus if any);
+        the prefix advances at once, so the next STEP may follow. With ``now``, COMMITTED is
+        owed as for :meth:`open_slot`.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``; ``COMMIT_INVALID`` if ``accepted``
@@ -478,10 +431,8 @@ class SparkProtocol(SparkReplies):
         self._owe(slot, now)
 
     def reset(self, slot: int, now: float | None = None) -> int:
-        """Queue RESET: a new generation; everything in flight on the slot is discarded.
-
-        Returns the new generation. With ``now``, RESET_DONE is owed as for
-        :meth:`open_slot`.
+        """Queue RESET: a new generation, returned; what is in flight on the slot is discarded.
+        With ``now``, RESET_DONE is owed as for :meth:`open_slot`.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -500,8 +451,7 @@ class SparkProtocol(SparkReplies):
         return generation
 
     def close_slot(self, slot: int, now: float | None = None) -> None:
-        """Queue CLOSE; the slot's state is dropped at once. With ``now``, CLOSED is
-        owed as for :meth:`open_slot`.
+        """Queue CLOSE; the slot's state is dropped at once. With ``now``, CLOSED is owed.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -521,8 +471,6 @@ class SparkProtocol(SparkReplies):
         """Queue PING."""
         self._send(messages.Ping(nonce=nonce))
 
-    # -- failure helpers ----------------------------------------------------
-
     def _fatal(self, code: ErrorCode, answers: MsgType | None = None) -> None:
         """Send a fatal ERROR (naming the message type it answers, if one) and close."""
         error = messages.Error(
@@ -540,8 +488,6 @@ class SparkProtocol(SparkReplies):
         self.closed = True
         self._events.append(ConnectionFailed(code))
 
-    # -- dispatch ------------------------------------------------------------
-
     def _dispatch(self, frame: framing.Frame) -> None:
         msg = frame.message
         kind = frame.type
@@ -556,8 +502,7 @@ class SparkProtocol(SparkReplies):
         slot_of = getattr(msg, "slot", None)
         if slot_of is not None and self._closing.get(slot_of, 0) and kind is not MsgType.CLOSED:
             if kind is MsgType.ERROR and getattr(msg, "answers", None) == MsgType.CLOSE:
-                # The worker held no such slot (its OPEN was refused): the CLOSE is
-                # answered all the same, so the slot's next instance is heard.
+                # The worker held no such slot (its OPEN was refused): still an answer.
                 self._close_acked(slot_of)
             return  # belongs to the slot's closed instance
         self._handlers[kind](msg, frame)
@@ -601,8 +546,6 @@ class SparkProtocol(SparkReplies):
             return
         self._events.append(FrameDropped(err.slot, code))
 
-    # -- handshake -------------------------------------------------------------
-
     def _on_challenge(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Challenge)
         psk = self.config.psk
@@ -628,8 +571,7 @@ class SparkProtocol(SparkReplies):
         assert ours is not None
         cfg = self.config
         problem: ErrorCode | None = None
-        # With a key configured, a worker that skipped the CHALLENGE never
-        # proved it knows the key: refuse it.
+        # A worker that skipped the CHALLENGE never proved it knows the key.
         if self.config.psk is not None and not self._worker_proved:
             problem = ErrorCode.AUTH_REQUIRED
         if problem is None:
@@ -655,8 +597,6 @@ class SparkProtocol(SparkReplies):
         payload = max(4 * cfg.entries, 8 * peer.max_support)
         self.decoder.set_max_payload(min(payload, cfg.max_frame))
         self._events.append(HandshakeDone(peer.session, peer))
-
-    # -- slot replies ----------------------------------------------------------
 
     def _known(self, session: int, slot: int) -> SparkSlot | None:
         state = self.slots.get(slot)
@@ -693,9 +633,8 @@ class SparkProtocol(SparkReplies):
         self._events.append(SlotClosed(slot))
 
     def _current(self, msg: messages.Committed | messages.ResetDone) -> SparkSlot | None:
-        """The slot an acknowledgement is for, if it is of the slot's generation; one of
-        an older generation is dropped (the slot was reset since: the caller's wait for
-        it ended at the reset)."""
+        """The slot an acknowledgement is for, if of its generation (an older one is dropped:
+        the slot was reset since, which ended the caller's wait)."""
         state = self._known(msg.session, msg.slot)
         if state is not None and msg.generation != state.fence.generation:
             self._events.append(FrameDropped(msg.slot, ErrorCode.STALE_GENERATION))

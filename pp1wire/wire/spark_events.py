@@ -16,7 +16,8 @@ class SlotOpened(Event):
 
 
 class ProposalReady(Event):
-    """A whole proposal passed validation and may be verified."""
+    """A proposal passed validation and may be verified: every row, or those before the
+    fault that cut it (``proposal.cut``)."""
 
     slot: int
     proposal: Proposal

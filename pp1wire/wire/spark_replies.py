@@ -1,11 +1,6 @@
-"""The Spark side's handling of replies: a REPLY or COMPLETION fenced to its slot's
-STEP, each row checked as it arrives, and a block published whole, cut by a fault,
-or discarded (``docs/protocol.md`` §4.5, §4.6, §6.5, §7; ``docs/adaptive.md`` §7).
-
-A part of :class:`pp1wire.wire.spark_core.SparkProtocol` (its base class), kept in a
-module of its own: it reads and changes the protocol's slots, events and ready
-proposals, and uses its slot lookup and buffer release.
-"""
+"""The Spark side's handling of replies (``docs/protocol.md`` §4.5, §4.6, §6.5, §7): each
+REPLY or COMPLETION fenced to its slot's STEP and checked as it arrives, and the block published
+whole, cut by a fault, or discarded; a base class of the Spark protocol core."""
 
 from __future__ import annotations
 
@@ -45,13 +40,9 @@ class SparkReplies:
     _opened: Callable[[int], SparkSlot]
 
     def cut(self, slot: int, code: ErrorCode = ErrorCode.REPLY_TIMEOUT) -> list[SparkEvent]:
-        """End ``slot``'s block in flight now, as its reply deadline would (§6.5): the
-        rows that arrived are published as a proposal cut by ``code``
-        (:class:`ProposalReady`), or with none the proposal fails
-        (:class:`ProposalFailed`); later frames of its round are dropped as late.
-        Nothing happens for a slot with nothing in flight. An engine that stops
-        waiting for a proposal calls this rather than dropping it: dropping the
-        rows that arrived would select blocks by how long they took to draw.
+        """End ``slot``'s block in flight now, as its reply deadline would (§6.5): the rows
+        that arrived are a proposal cut by ``code``, or with none it fails. An engine that
+        stops waiting calls this: dropping the rows would select blocks by their draw time.
 
         Raises:
             ProtocolError: ``UNKNOWN_SLOT``.
@@ -63,9 +54,8 @@ class SparkReplies:
         return self._take()
 
     def _end_block(self, index: int, slot: SparkSlot, code: ErrorCode) -> None:
-        """A fault at the next row of the block in flight (its deadline, a refused
-        row, the connection): the rows before it are the block, cut by ``code``
-        (docs/adaptive.md §7); with no row, the proposal is discarded."""
+        """A fault at the next row of the block in flight: the rows before it are the block,
+        cut by ``code`` (docs/adaptive.md §7); with none, the proposal is discarded."""
         flight = slot.flight
         assert flight is not None
         if flight.rows:
@@ -125,11 +115,6 @@ class SparkReplies:
         """The global ID range this link carries (None: unsharded)."""
         return self.config.shard_range if self.config.sharded else None
 
-    def _fail_row(self, index: int, state: SparkSlot, code: ErrorCode) -> None:
-        # A refused row ends the block before it; the rows before it stand (§4.5).
-        self._events.append(FrameRejected(index, code))
-        self._end_block(index, state, code)
-
     def _on_reply(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, messages.Reply)
         if (fenced := self._fence(msg)) is None:
@@ -138,8 +123,9 @@ class SparkReplies:
         row = flight.check_row(
             msg, frame.payload, eos=state.eos, validator=self._validator, shard=self._shard
         )
-        if isinstance(row, ErrorCode):
-            self._fail_row(msg.slot, state, row)
+        if isinstance(row, ErrorCode):  # the block ends before it; the rows before stand (§4.5)
+            self._events.append(FrameRejected(msg.slot, row))
+            self._end_block(msg.slot, state, row)
             return
         flight.add_row(row, frame.raw)
         self._retained = True
@@ -158,6 +144,3 @@ class SparkReplies:
         # A nonzero status after rows: the worker failed drawing the next row, so
         # the rows it shipped are the block, cut there (§4.6).
         self._publish(msg.slot, state, cut=status_code(msg.status) if msg.status else None)
-
-
-__all__ = ["SparkReplies"]

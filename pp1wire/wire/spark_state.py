@@ -1,8 +1,5 @@
-"""The Spark side's configuration and per-slot state, and the answers it is owed.
-
-Split from :mod:`pp1wire.wire.spark_core` (the state machine), which re-exports
-:class:`SparkConfig`.
-"""
+"""The Spark side's configuration, per-slot state, and the answers it is owed (re-exported by
+:mod:`pp1wire.wire.spark_core`)."""
 
 from __future__ import annotations
 
@@ -19,24 +16,19 @@ from pp1wire.wire.messages import GROUP_NONCE_SIZE, Message, MsgType
 
 @dataclass(frozen=True)
 class SparkConfig(PeerConfig):
-    """What the Spark side needs from a worker; sent in its HELLO.
-
-    ``draft_identity`` pins a drafter ("" accepts any).
-    """
+    """What the Spark side needs from a worker; sent in its HELLO (``draft_identity`` pins a
+    drafter, "" accepts any)."""
 
     draft_identity: str = ""
     reply_timeout: float = 5.0
-    #: Seconds an OPEN, CLOSE, COMMIT or RESET may go unanswered before the connection
-    #: ends (``ANSWER_TIMEOUT``, §7); None: the reply timeout.
+    # Seconds an OPEN, CLOSE, COMMIT or RESET may wait for its answer (§7); None: reply_timeout.
     answer_timeout: float | None = None
 
     def __post_init__(self) -> None:
-        """Refuse a sharded link without its group's nonce (§6.7), and what
-        :class:`PeerConfig` refuses.
+        """Check the configuration.
 
         Raises:
-            ValueError: as :class:`PeerConfig`, or a sharded link whose ``group``
-                is not 16 bytes.
+            ValueError: as :class:`PeerConfig`, or a sharded link without its 16-byte group nonce.
         """
         super().__post_init__()
         if self.sharded and len(self.group) != GROUP_NONCE_SIZE:
@@ -71,10 +63,8 @@ _ANSWERED = frozenset({MsgType.OPEN, MsgType.CLOSE, MsgType.COMMIT, MsgType.RESE
 
 
 class OwedAnswers:
-    """Per slot, the deadlines of requests still owed an answer (OPEN, CLOSE, COMMIT,
-    RESET), oldest first. A worker answers each slot's messages in order (§4.4), so
-    every answer settles the slot's oldest; one not answered in time ends the
-    connection (``ANSWER_TIMEOUT``, §7): a mute worker never hangs a caller."""
+    """Per slot, the deadlines of OPEN, CLOSE, COMMIT and RESET still owed an answer, oldest
+    first: a worker answers each slot in order (§4.4), so an answer settles the oldest."""
 
     def __init__(self) -> None:
         """Nothing owed."""
@@ -85,8 +75,7 @@ class OwedAnswers:
         self._owed.setdefault(slot, deque()).append(deadline)
 
     def settle(self, kind: MsgType, msg: Message) -> None:
-        """``msg`` of type ``kind`` arrived: if it answers a slot request, the slot's
-        oldest owed answer is settled (whichever instance of the slot it answers)."""
+        """``msg`` of type ``kind`` arrived: if it answers a slot request, settle the oldest."""
         slot = getattr(msg, "slot", None)
         answers = kind in _ANSWERS or (
             kind is MsgType.ERROR and getattr(msg, "answers", None) in _ANSWERED
@@ -105,6 +94,3 @@ class OwedAnswers:
         """Whether an answer is owed past its deadline at ``now``."""
         deadline = self.next_deadline()
         return deadline is not None and now >= deadline
-
-
-__all__ = ["OwedAnswers", "SparkConfig", "SparkSlot"]

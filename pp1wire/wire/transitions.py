@@ -1,21 +1,17 @@
-"""What each role does with each message in each connection state: one table per role.
-
-In the manner of h11's ``_state.py``: a connection is in one of a few states,
-and for every (state, message type) pair the table names exactly one action —
-handle it, ignore it, or end the connection with a given code. There is no
-default: a pair missing from a table is a bug, and a test walks every pair of
-both tables against the cores. ``docs/protocol.md`` §5 prints the same tables
-(a test checks they agree).
-"""
+"""What each role does with each message in each connection state: one table per role, with
+an entry for every (state, message type) pair and no default (h11's ``_state.py``); printed in
+``docs/protocol.md`` §5."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
 from pp1wire.errors import ErrorCode
-from pp1wire.wire.messages import MsgType
+from pp1wire.wire.framing import Frame
+from pp1wire.wire.messages import Message, MsgType
 
 
 class State(Enum):
@@ -115,6 +111,14 @@ def _spark() -> dict[tuple[State, MsgType], Rule]:
 
 WORKER: Final = _worker()
 SPARK: Final = _spark()
+
+Handler = Callable[[Message, Frame], None]
+
+
+def handlers(table: dict[tuple[State, MsgType], Rule], core: object) -> dict[MsgType, Handler]:
+    """Each type ``table`` handles in some state, to ``core``'s ``_on_<type>`` method."""
+    kinds = {kind for (_, kind), rule in table.items() if rule.act is Act.HANDLE}
+    return {kind: getattr(core, f"_on_{kind.name.lower()}") for kind in sorted(kinds)}
 
 
 def markdown(table: dict[tuple[State, MsgType], Rule]) -> str:

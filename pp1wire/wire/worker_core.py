@@ -1,13 +1,6 @@
-"""Sans-IO protocol core of the worker (proposer) role.
-
-Bytes in (:meth:`WorkerProtocol.receive_data`), bytes out
-(:meth:`WorkerProtocol.data_to_send`), events for logs and metrics; the clock
-is passed in. The worker is the only owner of proposal randomness: every row
-it sends is drawn by :func:`pp1wire.q.proposal.propose` under the proposal-domain
-key of (request seed, generation, round, position), and a retried STEP is
-answered from the replay cache with the byte-identical reply, never redrawn.
-No asyncio here; :mod:`pp1wire.apps.worker` pumps bytes between a socket and this.
-"""
+"""Sans-IO protocol core of the worker (proposer) role: bytes and a clock in, bytes and
+events out. It alone owns proposal randomness, and answers a retried STEP from its replay
+cache with the byte-identical reply, never redrawn."""
 
 from __future__ import annotations
 
@@ -86,6 +79,7 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", Step, Commit, Reset)  # the slot messages a fencing rule decides
+_A = TypeVar("_A", Opened, ResetDone)
 
 
 _NOT_ACTIVITY: Final = (MsgType.PING, MsgType.PONG)
@@ -108,15 +102,10 @@ class WorkerProtocol:
     ) -> None:
         """Start a connection at time ``now``; ``session`` is assigned to the peer.
 
-        ``proposer`` draws each STEP's rows instead of the local proposal chain.
-        ``account``: the draw budgets until the handshake ends (default: its own);
-        ``binder`` then names the peer's principal and its account (§2, §4.4), and
-        may hold a keyless HELLO until its lineage may start.
-
-        With ``defer_draws``, an accepted STEP is not drawn inline: the core
-        emits :class:`DrawRequested` and goes on with the connection's messages
-        in order until one names that slot, which waits (with everything after
-        it) until :meth:`finish_draw` (``docs/protocol.md`` §4.4).
+        ``proposer`` draws each STEP's rows instead of the local chain; ``account`` holds
+        the draw budgets until ``binder`` names the peer's principal (§2, §4.4). With
+        ``defer_draws`` an accepted STEP emits :class:`DrawRequested`, and the first later
+        message naming its slot waits, with all after it, until :meth:`finish_draw`.
         """
         self.config = config
         self.drafter = drafter
@@ -124,15 +113,12 @@ class WorkerProtocol:
         self.defer_draws = defer_draws
         self.proposer = proposer
         self._drawing: dict[int, DrawJob] = {}
-        # Per slot: the frames of its draw in progress already queued (stream_rows).
-        self._streamed: dict[int, int] = {}
-        # The first frame that names a slot being drawn, held with all after it.
-        self._held: framing.Frame | None = None
+        self._streamed: dict[int, int] = {}  # per slot: frames queued by stream_rows
+        self._held: framing.Frame | None = None  # waits, with all after it (_waits)
         self.state = State.AWAIT_HELLO
         self.decoder = framing.FrameDecoder(0)
         self.slots: dict[int, WorkerSlot] = {}
-        # The highest generation each slot has had in this session.
-        self._slot_generations: dict[int, int] = {}
+        self._slot_generations: dict[int, int] = {}  # the highest of each slot
         self._out: list[bytes | memoryview] = []
         self._out_bytes = 0
         #: True when :meth:`pump` stopped at a budget with frames possibly left.
@@ -142,21 +128,13 @@ class WorkerProtocol:
         self._worker_nonce = b""
         self._hello_header = b""
         self._challenge_header = b""
-        # Frame integrity (§5.1): set once the handshake with a key completes.
-        self._sealer: integrity.Sealer | None = None
+        self._sealer: integrity.Sealer | None = None  # once a keyed handshake ends (§5.1)
         self._receive_rule = integrity.ReceiveRule()
         self._peer: Hello | None = None
-        self._handlers: dict[MsgType, Callable[[Message, framing.Frame], None]] = {
-            MsgType.PING: self._on_ping,
-            MsgType.ERROR: self._on_error,
-            MsgType.HELLO: self._on_hello,
-            MsgType.AUTH: self._on_auth,
-            MsgType.OPEN: self._on_open,
-            MsgType.CLOSE: self._on_close,
-            MsgType.STEP: self._fenced(Step, fencing.worker_step, self._on_step),
-            MsgType.COMMIT: self._fenced(Commit, fencing.worker_commit, self._on_commit),
-            MsgType.RESET: self._fenced(Reset, fencing.worker_reset, self._on_reset),
-        }
+        handle = self._handlers = transitions.handlers(transitions.WORKER, self)
+        handle[MsgType.STEP] = self._fenced(Step, fencing.worker_step, self._on_step)
+        handle[MsgType.COMMIT] = self._fenced(Commit, fencing.worker_commit, self._on_commit)
+        handle[MsgType.RESET] = self._fenced(Reset, fencing.worker_reset, self._on_reset)
         self.handshake_deadline: float | None = now + config.handshake_timeout
         self.last_activity = now
         self._now = now  # the time of the frames being handled (pump's ``now``)
@@ -165,8 +143,6 @@ class WorkerProtocol:
         self._psk: bytes | None = None  # the key of the ID the peer named (§5), if known
         self._proof_key = b""  # what the CHALLENGE proved: that key, or a random one
         self.closed = False
-
-    # -- I/O surface -----------------------------------------------------
 
     def data_to_send(self) -> list[bytes | memoryview]:
         """Bytes queued for the peer, in order (the queue is emptied)."""
@@ -243,12 +219,9 @@ class WorkerProtocol:
         out_budget: int | None = None,
         hold_after_refusal: bool = False,
     ) -> list[WorkerEvent]:
-        """Handle frames already received, in order; returns the events caused.
-
-        Stops after ``max_frames`` frames, once the bytes queued reach ``out_budget``, or
-        (``hold_after_refusal``) at a STEP its budget holds (:meth:`DrawGate.holds`),
-        leaving the rest buffered: a shell bounds a turn, a non-reading peer, a refused one.
-        """
+        """Handle frames already received, in order; returns the events caused. Stops after
+        ``max_frames``, once ``out_budget`` bytes are queued, or (``hold_after_refusal``) at
+        a STEP its budget holds (:meth:`DrawGate.holds`), leaving the rest buffered."""
         self.more = False
         self._now = now
         handled = 0
@@ -306,15 +279,13 @@ class WorkerProtocol:
 
     @property
     def waiting(self) -> bool:
-        """True while a received message waits for its slot's draw to finish
-        (a shell stops reading; :meth:`finish_draw` and then :meth:`pump` go on)."""
+        """True while a received message waits for its slot's draw (a shell stops reading)."""
         return self._held is not None and not self.closed
 
     def stream_rows(self, job: DrawJob, frames: Sequence[FrameParts]) -> None:
-        """REPLY frames of a deferred draw, queued as their rows are drawn (before
-        :meth:`finish_draw`), so that rows drawn before a slow or failing one reach the
-        Spark side in time (``docs/adaptive.md`` §7). Frames of a draw that is not the
-        slot's current one (its connection or slot went away) are dropped."""
+        """Queue REPLY frames of a deferred draw as their rows are drawn, so that rows before
+        a slow or failing one arrive in time (``docs/adaptive.md`` §7); frames of a draw
+        that is not its slot's current one are dropped."""
         slot = job.step.slot
         current = self._drawing.get(slot) is job and self.slots.get(slot) is job.slot
         if self.closed or not current:
@@ -323,12 +294,8 @@ class WorkerProtocol:
         self._streamed[slot] = self._streamed.get(slot, 0) + len(frames)
 
     def finish_draw(self, job: DrawJob, result: DrawResult) -> list[WorkerEvent]:
-        """A deferred draw is done: queue what is left of its reply (the frames not
-        streamed: :meth:`stream_rows`); returns the events caused.
-
-        A result for a connection that closed, or whose slot is gone, is dropped.
-        Call :meth:`pump` afterwards: messages held for the slot go on.
-        """
+        """A deferred draw is done: queue the rest of its reply (a result for a closed
+        connection or a slot gone is dropped); returns the events. Call :meth:`pump` next."""
         if self._drawing.get(job.step.slot) is not job:
             return self._take_events()
         del self._drawing[job.step.slot]
@@ -339,23 +306,23 @@ class WorkerProtocol:
         return self._take_events()
 
     def close_with(self, code: ErrorCode) -> list[WorkerEvent]:
-        """End the connection with a fatal ERROR ``code`` (the shell's own decisions:
-        eviction as ``CONNECTION_LIMIT``, a plaintext peer on TLS as ``TLS_REQUIRED``)."""
+        """End the connection with a fatal ERROR ``code`` (a shell's decision: an eviction)."""
         if not self.closed:
             self._fatal(code, None)
         return self._take_events()
 
     def connection_lost(self) -> None:
         """The transport is gone: drop every slot (its generation dies with it)."""
-        # A draw in progress was accepted and spent as one served was (§4.4).
-        self.gate.lost(self.slots, self._now, self._drawing.keys())
-        self.slots.clear()
+        self._lose()
         self._drawing.clear()
         self._streamed.clear()
         self._held = None
-        self.closed = True
 
-    # -- helpers ---------------------------------------------------------
+    def _lose(self) -> None:
+        """Close: every slot is dropped, a draw left uncommitted abandoned (§4.4)."""
+        self.closed = True
+        self.gate.lost(self.slots, self._now, self._drawing.keys())
+        self.slots.clear()
 
     def _take_events(self) -> list[WorkerEvent]:
         events, self._events = self._events, []
@@ -366,8 +333,7 @@ class WorkerProtocol:
         self._queue_frames(((frame,),))
 
     def _queue_frames(self, frames: tuple[FrameParts, ...]) -> None:
-        """Queue whole frames, each given as its parts (encoded tagged once the keys
-        exist) and sealed in turn; the parts go to the transport as they are."""
+        """Queue whole frames, each given as its parts, sealed in turn once the keys exist."""
         sealer = self._sealer
         out = self._out
         for parts in frames:
@@ -412,12 +378,8 @@ class WorkerProtocol:
 
     def _fatal(self, code: ErrorCode, answers: MsgType | None) -> None:
         self._refuse(code, answers, scope=Scope.CONNECTION)
-        self.closed = True
-        self.gate.lost(self.slots, self._now, self._drawing.keys())
-        self.slots.clear()
+        self._lose()
         self._events.append(ConnectionClosing(code))
-
-    # -- dispatch --------------------------------------------------------
 
     def _dispatch(self, frame: framing.Frame) -> None:
         kind = frame.type
@@ -435,12 +397,8 @@ class WorkerProtocol:
     def _on_error(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Error)
         if msg.scope == Scope.CONNECTION:
-            self.closed = True
-            self.gate.lost(self.slots, self._now, self._drawing.keys())
-            self.slots.clear()
+            self._lose()
             self._events.append(ConnectionClosing(None))
-
-    # -- handshake -------------------------------------------------------
 
     def _on_hello(self, msg: Message, frame: framing.Frame) -> None:
         assert isinstance(msg, Hello)
@@ -493,7 +451,7 @@ class WorkerProtocol:
                 # A dense row must fit (section 4.1): refused here, not at every STEP.
                 (hello.max_frame >= 4 * cfg.entries, ErrorCode.LIMIT_EXCEEDED),
                 (hello.max_prefix <= cfg.max_prefix, ErrorCode.LIMIT_EXCEEDED),
-                (hello.stop_rules in ("", cfg.stop_rule_set), ErrorCode.STOP_RULES_MISMATCH),
+                (hello.stop_rules in ("", cfg.stop_rules), ErrorCode.STOP_RULES_MISMATCH),
             ],
         )
 
@@ -532,8 +490,6 @@ class WorkerProtocol:
         self.decoder.set_max_payload(min(4 * hello.max_prefix, hello.max_frame))
         self._events.append(HandshakeDone(self.session, hello))
 
-    # -- slots -------------------------------------------------------------
-
     @property
     def limits(self) -> Hello:
         """The negotiated limits (the accepted Spark HELLO)."""
@@ -556,9 +512,8 @@ class WorkerProtocol:
         rule: Callable[[WorkerSlotFence, _M], fencing.Decision],
         then: Callable[[_M, WorkerSlot, fencing.Decision], None],
     ) -> Callable[[Message, framing.Frame], None]:
-        """The handler of a slot message that ``rule`` fences: a message for no open
-        slot of this session, or one ``rule`` refuses, is answered here; ``then`` gets
-        the others with their slot and the decision (accept or replay)."""
+        """The handler of a slot message that ``rule`` fences: one for no open slot of this
+        session, or refused, is answered here; ``then`` gets the others with their slot."""
 
         def handle(msg: Message, _frame: framing.Frame) -> None:
             assert isinstance(msg, cls)
@@ -587,7 +542,7 @@ class WorkerProtocol:
         existing = self.slots.get(msg.slot)
         if existing is not None:
             if existing.open_msg == msg and existing.fence.committed_round < 0:
-                self._send(self._opened(msg.slot, existing))
+                self._send(self._state(Opened, msg.slot, existing))
                 return
             self._refuse_msg(ErrorCode.SLOT_IN_USE, kind, msg)
             return
@@ -623,17 +578,13 @@ class WorkerProtocol:
         self.gate.opened(msg.slot, self._now)
         self.slots[msg.slot] = slot
         self._slot_generations[msg.slot] = msg.generation
-        self._send(self._opened(msg.slot, slot))
+        self._send(self._state(Opened, msg.slot, slot))
         self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(prefix)))
 
-    def _opened(self, index: int, slot: WorkerSlot) -> Opened:
-        return Opened(
-            session=self.session,
-            slot=index,
-            generation=slot.fence.generation,
-            position=len(slot.prefix),
-            digest=slot.digest,
-        )
+    def _state(self, kind: type[_A], index: int, slot: WorkerSlot) -> _A:
+        """An OPENED or RESET_DONE: the slot's generation and prefix state."""
+        generation, position = slot.fence.generation, len(slot.prefix)
+        return kind(self.session, index, generation, position=position, digest=slot.digest)
 
     def _on_close(self, msg: Message, _frame: framing.Frame) -> None:
         assert isinstance(msg, Close)
@@ -646,8 +597,6 @@ class WorkerProtocol:
         self._events.append(
             SlotEvent(MsgType.CLOSE, msg.slot, slot.fence.generation, len(slot.prefix))
         )
-
-    # -- STEP --------------------------------------------------------------
 
     def _on_step(self, msg: Step, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.STEP
@@ -683,8 +632,7 @@ class WorkerProtocol:
         self._served(slot, msg, job.run())
 
     def _served(self, slot: WorkerSlot, msg: Step, result: DrawResult, sent: int = 0) -> None:
-        """Record and queue a drawn reply; its first ``sent`` frames were queued as their
-        rows were drawn (:meth:`stream_rows`)."""
+        """Record and queue a drawn reply, less its first ``sent`` frames (streamed)."""
         reply, rows = result.reply, result.rows
         slot.fence.last_step_round = msg.round
         slot.fence.last_step = msg
@@ -711,9 +659,6 @@ class WorkerProtocol:
         if code is None and not self.gate.fresh(step.slot, self._now):
             return ErrorCode.DRAW_RATE_LIMITED  # last: only a STEP that would be drawn spends
         return code
-
-
-    # -- COMMIT / RESET ------------------------------------------------------
 
     def _on_commit(self, msg: Commit, slot: WorkerSlot, decision: fencing.Decision) -> None:
         kind = MsgType.COMMIT
@@ -782,15 +727,7 @@ class WorkerProtocol:
             slot.drafts = ()
             slot.committed_msg = None
             self._events.append(SlotEvent(kind, msg.slot, msg.generation, len(slot.prefix)))
-        self._send(
-            ResetDone(
-                session=self.session,
-                slot=msg.slot,
-                generation=slot.fence.generation,
-                position=len(slot.prefix),
-                digest=slot.digest,
-            )
-        )
+        self._send(self._state(ResetDone, msg.slot, slot))
 
 
 def _slot_of(frame: framing.Frame) -> int | None:

@@ -1,15 +1,11 @@
-"""What the worker's sans-IO core reports to its shell (:mod:`pp1wire.wire.worker_core`).
-
-Events for logs and metrics, and the deferred draw a shell runs off its event
-loop (:class:`DrawRequested`, :class:`DrawJob`). This module knows nothing of
-the core: a job carries the callables that draw and encode it.
-"""
+"""What the worker's sans-IO core reports to its shell: events for logs and metrics, and the
+deferred draw a shell runs off its event loop (a job carries the callables that draw it)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 from pp1wire.errors import ErrorCode, Pp1Error
@@ -28,10 +24,9 @@ from pp1wire.wire.messages import MsgType, Scope, Step
 from pp1wire.wire.replies import FrameParts, ReplyEncoder
 
 Proposer = Callable[[int, Sequence[int], Step, "int | None"], tuple[QRow, ...]]
-"""A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local
-chain (:func:`pp1wire.q.proposal.propose`): a worker rank of a vocabulary-sharded
-group draws with its group and returns its shard's rows (protocol §6.7). It may
-block; it raises :class:`~pp1wire.errors.Pp1Error` for a COMPLETION status."""
+"""A STEP's rows from ``(seed, committed prefix, step, eos)`` in place of the local chain:
+a sharded worker rank's, drawn with its group (§6.7). It may block, and raises
+:class:`~pp1wire.errors.Pp1Error` for a COMPLETION status."""
 
 
 class StepServed(Event):
@@ -44,8 +39,7 @@ class StepServed(Event):
     status: int
     reply_bytes: int
     draw_seconds: float  # drafter, q construction and encoding of this STEP alone
-    #: The unexpected exception (a bug in the drafter or proposer) behind a status
-    #: of ``INTERNAL``, traceback included, for the shell's log; never on the wire.
+    #: The bug (drafter or proposer) behind an ``INTERNAL`` status, for the shell's log.
     failure: BaseException | None = None
 
 
@@ -66,66 +60,42 @@ class DrawSlot(Protocol):
 
 
 class Streamer(Protocol):
-    """Where a job's REPLY frames go as soon as their rows are drawn (a shell's: it hands
-    them to its connection's core, :meth:`WorkerProtocol.stream_rows`). Called on the
-    thread that draws; it must not block."""
+    """Where a job's REPLY frames go as their rows are drawn (a shell's, to its core's
+    :meth:`WorkerProtocol.stream_rows`); called on the drawing thread, it must not block."""
 
     def send(self, frames: list[tuple[DrawJob, FrameParts]]) -> None:
         """Send each job's frame (in order, per job)."""
 
 
+@dataclass(eq=False, slots=True)
 class DrawJob:
     """A STEP's proposal to draw, handed to the shell by :class:`DrawRequested`.
 
-    It holds what a draw reads: the slot's seed, committed prefix and terminal
-    token, the STEP and the drafter. The prefix cannot change while the draw is
-    outstanding (the core holds every later message for that slot), so a shell
-    may run the job on another thread. :meth:`run` draws it alone; a batch
-    runner that draws many :attr:`local` jobs' rows together (one drafter call
-    per position) gives each job its rows, or the exception that stopped them,
-    through :meth:`complete`, which encodes the reply exactly as :meth:`run` would.
+    It holds what a draw reads (the slot's seed, committed prefix and terminal token, the
+    STEP, the drafter), which cannot change while the core holds the slot's later
+    messages, so it may run on another thread. :meth:`run` draws it alone; a batch
+    runner gives each :attr:`local` job its rows through :meth:`complete`. Each row is
+    framed as it is drawn (:meth:`row_frame`) and, with a :attr:`streamer`, sent at once
+    (``docs/adaptive.md`` §7); the COMPLETION follows when the draw is done.
 
-    Each row is framed as soon as it is drawn (:meth:`row_frame`) and, with a
-    :attr:`streamer`, sent at once: a row drawn before a slow or failing one
-    reaches the Spark side before its deadline (``docs/adaptive.md`` §7). The
-    COMPLETION follows when the draw is done.
+    ``slot`` is the core's (compared by identity); the rows come from ``proposer`` when
+    given (a sharded group), else the local chain over ``drafter``, whose rows must have
+    ``vocab_size`` entries when given; ``encoder`` frames the rows and the COMPLETION.
     """
 
-    __slots__ = (
-        "_encoder", "_framed", "_frames", "drafter", "owner", "proposer", "slot", "step",
-        "streamer", "vocab_size",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        slot: DrawSlot,
-        step: Step,
-        *,
-        drafter: DrafterFn,
-        proposer: Proposer | None,
-        encoder: ReplyEncoder,
-        vocab_size: int | None = None,
-    ) -> None:
-        """A job for ``step`` on ``slot`` (the core's slot, compared by identity).
-
-        The rows come from ``proposer`` when given (a sharded group), else from
-        the local chain over ``drafter`` (with ``vocab_size``, a drafter row of
-        another length is refused, as a batch runner refuses it); ``encoder``
-        frames its rows and its COMPLETION.
-        """
-        self.slot = slot
-        self.step = step
-        self.drafter = drafter
-        self.proposer = proposer
-        self._encoder = encoder
-        self.vocab_size = vocab_size
-        self._frames: list[FrameParts] = []
-        # The rows of those frames: once framed, a row may be on the wire already.
-        self._framed: list[QRow] = []
-        #: Where the job's rows go as they are drawn (None: with the COMPLETION).
-        self.streamer: Streamer | None = None
-        #: The shell's handle on the connection the job is for (its streamer's business).
-        self.owner: object = None
+    slot: DrawSlot
+    step: Step
+    _: KW_ONLY
+    drafter: DrafterFn
+    proposer: Proposer | None
+    encoder: ReplyEncoder
+    vocab_size: int | None = None
+    #: Where the job's rows go as they are drawn (None: with the COMPLETION).
+    streamer: Streamer | None = field(default=None, init=False)
+    #: The shell's handle on the job's connection (its streamer's business).
+    owner: object = field(default=None, init=False)
+    _frames: list[FrameParts] = field(default_factory=list, init=False)
+    _framed: list[QRow] = field(default_factory=list, init=False)  # may be on the wire
 
     @property
     def seed(self) -> int:
@@ -149,8 +119,7 @@ class DrawJob:
 
     @property
     def local(self) -> bool:
-        """Whether the rows come from the local chain (a batch runner may draw them);
-        a :data:`Proposer`'s jobs must be left to :meth:`run`."""
+        """Whether the rows come from the local chain (else only :meth:`run` draws them)."""
         return self.proposer is None
 
     def draft_job(self) -> DraftJob:
@@ -169,16 +138,15 @@ class DrawJob:
         )
 
     def row_frame(self, index: int, row: QRow) -> FrameParts | None:
-        """Frame row ``index`` as it is drawn; None if it was framed already (the same
-        key drawn again gives the same row), or if an earlier row could not be (the
-        block ends there).
+        """Frame row ``index`` as it is drawn; None if it was framed already (redrawn, the
+        same row) or an earlier row could not be (the block ends there).
 
         Raises:
             Exception: whatever framing a row a drafter shaped wrongly raises.
         """
         if index != len(self._frames):
             return None
-        frame = self._encoder.row(index, row)
+        frame = self.encoder.row(index, row)
         self._frames.append(frame)
         self._framed.append(row)
         return frame
@@ -218,18 +186,11 @@ class DrawJob:
     def complete(
         self, rows: tuple[QRow, ...] | BaseException, *, started: float | None = None
     ) -> DrawResult:
-        """The result of this job from rows drawn elsewhere, or the exception that
-        stopped them: a :class:`~pp1wire.errors.Pp1Error` answers with its code
-        (a COMPLETION status); anything else answers ``INTERNAL`` and is kept in
-        :attr:`DrawResult.failure` for the shell to log. A
-        :class:`~pp1wire.q.proposal.DraftingStoppedError` ships the rows drawn
-        before the failure with its status; so does any other exception after rows
-        were framed (:meth:`row_frame`), as they may have been streamed: a batch
-        runner that fails for the whole batch, or a count it got wrong, ends the
-        block after them instead of taking back rows already sent. Never raises.
-
-        ``started`` (a :func:`time.perf_counter` reading) dates the draw; by
-        default the encoding alone is timed.
+        """The result of this job from rows drawn elsewhere, or the exception that stopped
+        them: a :class:`~pp1wire.errors.Pp1Error`'s code is the COMPLETION status, anything
+        else ``INTERNAL`` (kept in :attr:`DrawResult.failure` for the log). The rows framed
+        before a failure (maybe streamed) are shipped with its status, never taken back.
+        ``started`` (a :func:`time.perf_counter` reading) dates the draw. Never raises.
         """
         begun = time.perf_counter() if started is None else started
         if isinstance(rows, BaseException) and not isinstance(rows, DraftingStoppedError):
@@ -265,7 +226,7 @@ class DrawJob:
         tokens = [r.token for r in rows]
         # Only the stop rule ends a block early without a terminal token (§4.6).
         stopped = bool(rows) and not status and stopped_by_rule(self.step.depth, tokens, self.eos)
-        reply = (*frames, self._encoder.completion(frames, status, stopped=stopped))
+        reply = (*frames, self.encoder.completion(frames, status, stopped=stopped))
         return DrawResult(reply, rows, status, time.perf_counter() - begun, failure)
 
 
@@ -282,15 +243,11 @@ class DrawResult:
 
 
 class GroupDraws(Protocol):
-    """A rank of a vocabulary-sharded worker group (``docs/protocol.md`` §6.7): it draws
-    every accepted STEP of its server's links with its group, matched per group
-    session, sends each row to the job's :attr:`~DrawJob.streamer` as soon as the
-    group drew it, and calls ``done`` with the result from a thread of its own, after
-    the job's last row."""
+    """A rank of a vocabulary-sharded worker group (§6.7): it draws its links' STEPs with its
+    group, matched per group session, streams each row as drawn, then calls ``done``."""
 
     def join(self, link: Hashable, group: bytes) -> bool:
-        """A link completed its handshake naming ``group``: False if another live link
-        already serves that group session on this rank."""
+        """A link's handshake named ``group``: False if another live link serves it here."""
 
     def submit(self, link: Hashable, job: DrawJob, done: Callable[[DrawResult], None]) -> None:
         """Draw ``job`` (never blocks; the result comes later, through ``done``)."""

@@ -1,5 +1,5 @@
-"""The worker's configuration and per-slot state (split from :mod:`pp1wire.wire.worker_core`,
-which re-exports both)."""
+"""The worker's configuration and per-slot state (re-exported by
+:mod:`pp1wire.wire.worker_core`)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,3 @@ class WorkerSlot:
     def digest(self) -> int:
         """The committed prefix's digest."""
         return self.hasher.value
-
-
-__all__ = ["WorkerConfig", "WorkerSlot"]
