@@ -12,6 +12,12 @@ import pytest
 
 from pp1wire.q import dyadic
 
+# The test modules' bytecode (pytest's assertion-rewritten copies) is cached even
+# where PYTHONDONTWRITEBYTECODE is set: otherwise each test process rewrites and
+# compiles every test module again at collection, 3 to 4 s of CPU per process. A
+# tree that cannot be written is no error (pytest then rewrites as before).
+sys.dont_write_bytecode = False
+
 
 @pytest.fixture(params=["compiled", "numpy"])
 def dyadic_path(request, monkeypatch):

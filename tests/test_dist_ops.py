@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from pp1wire.apps.launch import free_ports  # noqa: E402
 from pp1wire.apps.models import ToyLM  # noqa: E402
 from pp1wire.apps.ranks import rank_environments  # noqa: E402
 from pp1wire.q import dyadic, verify  # noqa: E402
@@ -413,69 +414,84 @@ def test_each_kind_of_row_costs_only_the_collectives_its_data_need():
 # -- joining: a device group only when every rank has a device ------------------------------
 
 _JOIN = """
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from pp1wire.tp.coordinator import GroupCoordinator
 
-cuda, device = sys.argv[1] == "1", sys.argv[2] == "1"
-torch.cuda.is_available = lambda: cuda
-torch.cuda.device_count = lambda: 2 * int(cuda)
-torch.cuda.set_device = lambda d: None
 built = []
 def new_group(**kwargs):
     built.append(kwargs.get("backend"))
     return dist.distributed_c10d._get_default_group()
 dist.new_group = new_group
-coord = GroupCoordinator.join(20.0, device=device)
-store = dist.distributed_c10d._get_default_store()
-print(json.dumps({"built": built, "device": str(coord.device), "count": coord.collectives}))
-coord.leave()
-# Rank 0 serves the rendezvous store: it ends last, or a rank still joining (no
-# collective follows the join when no device group is asked for) loses the store.
-if coord.rank == 0:
-    store.wait([f"left {r}" for r in range(1, coord.world)])
-else:
-    store.set(f"left {coord.rank}", "1")
+torch.cuda.set_device = lambda d: None
+for plan in sys.argv[1:]:  # one join per plan: CUDA, DEVICE, MASTER_PORT
+    cuda, device, port = plan.split(":")
+    has = cuda == "1"
+    torch.cuda.is_available = lambda has=has: has
+    torch.cuda.device_count = lambda has=has: 2 * int(has)
+    os.environ["MASTER_PORT"] = port
+    built.clear()
+    coord = GroupCoordinator.join(20.0, device=device == "1")
+    store = dist.distributed_c10d._get_default_store()
+    print(json.dumps({"built": built, "device": str(coord.device), "count": coord.collectives}))
+    coord.leave()
+    # Rank 0 serves the rendezvous store: it ends last, or a rank still joining (no
+    # collective follows the join when no device group is asked for) loses the store.
+    if coord.rank == 0:
+        store.wait([f"left {r}" for r in range(1, coord.world)])
+    else:
+        store.set(f"left {coord.rank}", "1")
+    del store
 # As a rank does (pp1wire.apps.ranks.end_process): torch's threads can abort the
 # interpreter's teardown (SIGABRT, docs/tp.md section 8), so it is skipped.
 sys.stdout.flush()
-import os
 os._exit(0)
 """
 
+# Each rank's CUDA, whether a device group is asked for, whether NCCL must be built.
+JOINS = {
+    "one rank without cuda": ((True, False), True, False),  # no rank builds a group
+    "not asked": ((True, True), False, False),  # a sharded group: none built
+    "every rank with cuda": ((True, True), True, True),
+}
 
-def _join(cudas: tuple[bool, bool], device: bool) -> list[dict]:
-    """Two real rank processes join over env://, each told whether it has CUDA."""
-    envs = rank_environments(len(cudas))
+
+@pytest.fixture(scope="module")
+def joined() -> dict[str, list[dict]]:
+    """Each of ``JOINS``' joins: two real rank processes over env://, each told whether
+    it has CUDA; every rank's report. The two processes join once per case, each time
+    a fresh default group at a port of its own (torch imported once, not per case)."""
+    names = list(JOINS)
+    ports = [free_ports(1) for _ in names]
+    envs = rank_environments(2, ports[0])
     procs = []
-    for env, cuda in zip(envs, cudas, strict=True):
-        argv = [sys.executable, "-c", _JOIN, str(int(cuda)), str(int(device))]
+    for rank, env in enumerate(envs):
+        plans = [
+            f"{int(JOINS[n][0][rank])}:{int(JOINS[n][1])}:{port}"
+            for n, port in zip(names, ports, strict=True)
+        ]
+        argv = [sys.executable, "-c", _JOIN, *plans]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     done = []
     try:
         for p in procs:
-            done.append(p.communicate(timeout=60)[0])
+            done.append(p.communicate(timeout=120)[0])
     finally:
         for p in procs:  # every rank reaped, its pipe closed, whatever failed
             p.kill()
             p.communicate()
-    assert [p.returncode for p in procs] == [0] * len(procs)
-    return [json.loads(out.strip().splitlines()[-1]) for out in done]
+    assert [p.returncode for p in procs] == [0] * len(procs), done
+    lines = [[json.loads(ln) for ln in out.strip().splitlines()] for out in done]
+    assert all(len(ln) == len(names) for ln in lines), done
+    return {n: [ln[i] for ln in lines] for i, n in enumerate(names)}
 
 
-@pytest.mark.parametrize(
-    ("cudas", "device", "nccl"),
-    [
-        ((True, False), True, False),  # one rank without CUDA: no rank builds a group
-        ((True, True), False, False),  # not asked for (a sharded group): none built
-        ((True, True), True, True),
-    ],
-    ids=["one rank without cuda", "not asked", "every rank with cuda"],
-)
-def test_a_device_group_is_built_by_every_rank_or_by_none(cudas, device, nccl):
+@pytest.mark.parametrize("name", list(JOINS))
+def test_a_device_group_is_built_by_every_rank_or_by_none(joined, name):
     # Creating a group takes every rank: one rank building it alone would hang.
-    outs = _join(cudas, device)
+    _, _, nccl = JOINS[name]
+    outs = joined[name]
     for rank, out in enumerate(outs):
         assert out["built"] == (["nccl"] if nccl else [])
         assert out["device"] == (f"cuda:{rank}" if nccl else "cpu")

@@ -47,10 +47,15 @@ def spark(address: str, tmp_path, *extra: str, requests: int, max_tokens: int, n
     return json.loads(done.stdout), records
 
 
+# Slots one connection may open on the shared worker: the large samples run 16
+# requests at once (a quarter less CPU per request than 4, the same law).
+SLOTS = 16
+
+
 @pytest.fixture(scope="module")
 def worker():
     """One worker for the tests that only run pp1-spark against it (each run its own sessions)."""
-    with worker_process(vocab=VOCAB, seed=SEED) as running:
+    with worker_process("--max-slots", str(SLOTS), vocab=VOCAB, seed=SEED) as running:
         yield running
     assert running.returncode == 0
 
@@ -81,7 +86,7 @@ def test_first_two_tokens_follow_the_target_law(tmp_path, support, worker):
         "--support",
         support,
         "--concurrency",
-        "4",
+        str(SLOTS),
         requests=n,
         max_tokens=2,
     )
@@ -312,6 +317,8 @@ def target_only_sample(worker, tmp_path_factory):
         tmp_path_factory.mktemp("zero"),
         "--depth",
         "0",
+        "--concurrency",
+        str(SLOTS),
         requests=2 * n,
         max_tokens=2,
     )
