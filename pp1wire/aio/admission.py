@@ -1,15 +1,6 @@
-"""Who a full worker admits, and whom it replaces (``docs/protocol.md`` §2).
-
-The rules of admission in one place, mixed into the asyncio server
-(:class:`pp1wire.aio.server.WorkerServer`): a connection counts from accept
-until it closes or its peer is found gone; when a limit is reached, a newcomer
-replaces the oldest connection still in its handshake, or, once it has itself
-authenticated, a peer that is doing no useful work. The only work that protects
-a peer is a fresh draw; a new connection has a short grace to ask for its
-first, once per principal per slot idle timeout. At the end of its handshake a
-connection is bound to its principal (:meth:`Admission.bind_principal`): its key
-ID, or without a key its lineage (:mod:`pp1wire.wire.principals`).
-"""
+"""Who a full worker admits and whom it replaces (``docs/protocol.md`` §2), mixed into
+:class:`pp1wire.aio.server.WorkerServer`; only a fresh draw protects a held peer, and each
+connection is bound to its principal at its handshake (:mod:`pp1wire.wire.principals`)."""
 
 from __future__ import annotations
 

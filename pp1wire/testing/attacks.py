@@ -1,16 +1,6 @@
-"""Hostile clients, for the tests and benchmarks that attack a worker.
-
-A peer that opens a slot and then floods STEPs without reading, peers that
-keep every slot drawing with a RESET/STEP loop (reconnecting when refused, if
-asked), or with a STEP -> target-only COMMIT loop, squatters that keep a
-connection busy without drawing, and the probe a legitimate client runs
-meanwhile. Blocking sockets on purpose: the attacker must not be paced by an
-event loop the worker might share. Every attacker may connect from its own
-loopback ``source`` address (any of 127.0.0.0/8), so that the worker counts it
-as another address than a legitimate client on 127.0.0.1, and the loops may
-authenticate with a :class:`Key` of their own (a principal of its own, however
-it connects).
-"""
+"""Hostile clients for the tests and benchmarks that attack a worker: floods, draw loops,
+squatters and a legitimate client's probe, on blocking sockets so no event loop paces them;
+each may connect from its own loopback ``source`` and with a :class:`Key` of its own."""
 
 from __future__ import annotations
 
