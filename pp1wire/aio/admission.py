@@ -1,6 +1,6 @@
-"""Who a full worker admits and whom it replaces (``docs/protocol.md`` §2), mixed into
-:class:`pp1wire.aio.server.WorkerServer`; only a fresh draw protects a held peer, and each
-connection is bound to its principal at its handshake (:mod:`pp1wire.wire.principals`)."""
+"""Who a full worker admits, and whom it replaces (``docs/protocol.md`` §2): a newcomer replaces
+a connection still in its handshake or, once authenticated, one doing no useful work (only a
+fresh draw protects); at its handshake's end a connection is bound to its principal."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pp1wire.wire.principals import (
 from pp1wire.wire.worker_core import WorkerProtocol
 from pp1wire.wire.worker_events import GroupDraws
 
-#: How long after its handshake a connection that has not drawn yet is protected from
-#: replacement (at most one connection per principal per --slot-idle-timeout).
+#: How long after its handshake a connection that has not drawn is protected from
+#: replacement (one connection per principal per --slot-idle-timeout).
 HANDSHAKE_GRACE_S: Final = 1.0
 #: A connection that had no fresh draw for this long may be replaced by a newcomer.
 SLOT_IDLE_S: Final = 10.0
@@ -83,8 +83,7 @@ class Admission(Generic[C]):
     policy: PrincipalPolicy
 
     def init_principals(self, config: DrawLimits, policy: PrincipalPolicy | None) -> None:
-        """The principals' state: their accounts under ``config``'s budgets and
-        ``policy``'s caps, and their lineages' births (§2, §4.4)."""
+        """The principals' accounts (``config``'s budgets, ``policy``'s caps) and births."""
         self.policy = policy or PrincipalPolicy()
         self.accounts = Accounts(config)
         self.births = Births(self.policy.lineage_rate, self.policy.lineage_burst)
@@ -94,9 +93,8 @@ class Admission(Generic[C]):
         return _Binder(self, conn)
 
     def hello_ready_at(self, conn: C, hello: Hello, now: float) -> float:
-        """When the keyless ``hello`` of ``conn`` may be answered (§4.4): at once if it
-        presents a lineage this worker knows, else at its address's next birth of a
-        lineage, in the order the address's newcomers asked."""
+        """When ``conn``'s keyless ``hello`` may be answered (§4.4): at once for a lineage this
+        worker knows, else at its address's next birth, in the order its newcomers asked."""
         if hello.lineage and Principal.of_lineage(hello.lineage) in self.accounts:
             return now
         if len(self.births) > IDLE_ACCOUNTS:
@@ -106,11 +104,9 @@ class Admission(Generic[C]):
     def bind_principal(
         self, conn: C, hello: Hello, key_id: str | None, now: float
     ) -> tuple[Account, bytes]:
-        """``conn``'s principal at the end of its handshake (§2), and the lineage token its
-        HELLO answer carries: the key ID it authenticated with (``key_id``), else the
-        lineage it presented if this worker knows it, else a new lineage (§4.4), whose
-        abandons pace its address's births (one born paced starts with one free abandon).
-        Its account is held until :meth:`unbind`."""
+        """``conn``'s principal at the end of its handshake (§2): its key ID, else the lineage it
+        presented if known, else a new one (§4.4), its account held until :meth:`unbind`; and
+        the lineage token the HELLO answer carries."""
         self.births.cancel(conn.address, conn)
         known = bool(hello.lineage) and Principal.of_lineage(hello.lineage) in self.accounts
         token = b"" if key_id is not None else hello.lineage if known else new_lineage()
@@ -132,8 +128,7 @@ class Admission(Generic[C]):
         return account, token
 
     def unbind(self, conn: C, now: float) -> None:
-        """``conn`` ended: its principal's account is released, its place among the
-        lineages waiting to be born given up."""
+        """``conn`` ended: its account is released, its place among the births given up."""
         self.births.cancel(conn.address, conn)
         if conn.principal is not None:
             self.accounts.release(conn.principal, now)
@@ -155,12 +150,8 @@ class Admission(Generic[C]):
             self.metrics.connections.set(len(self.conns))
 
     def reap_gone(self) -> None:
-        """End every connection whose peer has left (its FIN, a reset), read or not.
-
-        A connection not being read (held after a refusal, waiting for a draw, or
-        for a peer that does not read its replies) would otherwise count until it
-        is read again; and a client that closes and reconnects at once may be
-        accepted before its old connection's end is read."""
+        """End every connection whose peer has left (its FIN, a reset), read or not: one not
+        being read would otherwise count until it is read again."""
         poller = select.poll()
         by_fd: dict[int, C] = {}
         for conn in self.conns:
@@ -172,12 +163,9 @@ class Admission(Generic[C]):
             by_fd[fd].peer_left()
 
     def replaceable(self, conn: C, now: float) -> bool:
-        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated,
-        no draw in progress, and no fresh draw in the last ``slot_idle_timeout`` s (a
-        connection that never drew: past its first-draw grace, if it had one).
-
-        Only a fresh draw protects: a target-only COMMIT, an OPEN, a CLOSE or a PING
-        costs the worker nothing, so a peer could repeat it forever (§2)."""
+        """Whether ``conn`` may be evicted for an authenticated newcomer: authenticated, not
+        drawing, and no fresh draw for ``slot_idle_timeout`` s (or past its first-draw grace).
+        Only a fresh draw protects: anything else costs the worker nothing (§2)."""
         core = conn.core
         if core is None or not conn.authenticated or core.drawing:
             return False
@@ -215,12 +203,9 @@ class Admission(Generic[C]):
         return None
 
     def handshake_done(self, conn: C) -> None:
-        """``conn`` authenticated: if that puts a scope over its limit, evict the
-        replaceable peer whose last draw (or handshake) is oldest, or close ``conn``
-        itself if none is left.
-
-        A sharded link joins its group session first (one per session and rank): one
-        refused ``GROUP_IN_USE`` is closed without evicting anyone for it."""
+        """``conn`` authenticated: over a limit, evict the replaceable peer whose last draw (or
+        handshake) is oldest, or close ``conn`` if none is left. A sharded link joins its
+        group session first (``GROUP_IN_USE``: closed, evicting no one)."""
         core = conn.core
         if self.group and core and not core.closed and not self.group.join(conn, core.limits.group):
             conn.refuse(ErrorCode.GROUP_IN_USE)
@@ -242,8 +227,7 @@ class Admission(Generic[C]):
                 conn.refuse(ErrorCode.CONNECTION_LIMIT)
                 return
             victim.evict()
-        # Time to open its slots and ask for its first draw, once per principal and
-        # period: a peer that reconnects again and again gets it no more often.
+        # Time for its first draw, once per principal and period however often it reconnects.
         if core is not None and core.gate.account.grace(now, self.slot_idle_timeout):
             conn.grace_until = now + self.handshake_grace
 

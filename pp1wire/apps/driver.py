@@ -441,9 +441,7 @@ class RoundDriver:
         stop = self.stop_requested or self.stopping
         if pending and not stop:
             if len(pending) == len(moving):  # nothing to decide yet: wait for the first
-                await self.until_stopped(
-                    asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                )
+                await self.until_stopped(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
             sent = [st.sent for st in moving if st.flight is not None]
             first = time.perf_counter() - min(sent) if sent else 0.0
             await self.until_stopped(asyncio.wait(pending, timeout=self.straggler_wait(first)))

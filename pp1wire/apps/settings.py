@@ -575,9 +575,7 @@ def exposed(host: str) -> bool:
         return True
 
 
-def check_listeners(
-    listeners: Sequence[tuple[str, str, str, bool]], *, insecure: bool
-) -> None:
+def check_listeners(listeners: Sequence[tuple[str, str, str, bool]], *, insecure: bool) -> None:
     """Protected mode: each of ``listeners``, ``(flag, host, credential flag, credential
     given)``, beyond loopback (:func:`exposed`) needs its credential or ``insecure``.
 
