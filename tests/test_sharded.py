@@ -21,17 +21,8 @@ import pytest
 
 from pp1wire.apps.launch import RunningGroup, worker_group, worker_process
 
-from . import cli
-from .groups import (
-    assert_all_fell_back,
-    lead,
-    output_tokens,
-    run_group,
-    run_one,
-    summary_of,
-    tokens,
-    workload,
-)
+from . import cli, groups
+from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
 from .waiting import scrape, scrape_page
 
 pytest.importorskip("torch")
@@ -246,7 +237,7 @@ def test_every_round_refused_by_the_group_still_samples_the_target_law():
     extra = ["--requests", str(n), "--max-tokens", "1", "--concurrency", "4", "--depth", "1"]
     with sharded_workers("mass:1:*") as workers:
         done = sharded(workers.address, *extra, timeout=30)
-    assert_all_fell_back(done, "group_mass_mismatch", n, VOCAB, SEED)
+    groups.assert_all_fell_back(done, "group_mass_mismatch", n, VOCAB, SEED)
 
 
 def test_conformance_cases_pass_against_the_sharded_worker_group(group):

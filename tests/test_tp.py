@@ -20,17 +20,8 @@ import pytest
 from pp1wire.apps.launch import worker_process
 from pp1wire.wire.budgets import SHARE_WINDOW_S
 
-from . import cli
-from .groups import (
-    assert_all_fell_back,
-    lead,
-    output_tokens,
-    run_group,
-    run_one,
-    summary_of,
-    tokens,
-    workload,
-)
+from . import cli, groups
+from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
 from .waiting import scrape, scrape_page, wait_until
 
 pytest.importorskip("torch")
@@ -159,7 +150,7 @@ def test_every_round_voted_down_still_samples_the_target_law(worker):
     args = flags(worker.address, "--requests", str(n), "--max-tokens", "1", "--concurrency", "1")
     done = lead(run_group(2, *args, faults=faults("corrupt:1:*")))
     check_group(summary_of(done))
-    assert_all_fell_back(done, "group_copy_mismatch", n, VOCAB, SEED)
+    groups.assert_all_fell_back(done, "group_copy_mismatch", n, VOCAB, SEED)
 
 
 def _failed_closed(worker, out: Path, before: tuple[float, float]) -> None:
