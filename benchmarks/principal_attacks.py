@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,19 +278,28 @@ def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} (min-max {min(values):.2f}-{max(values):.2f})"
 
 
+def _print_runs(
+    res: dict[str, Any], detail: Callable[[dict[str, Any]], str], *, tokens_first: bool = False
+) -> None:
+    """One line for each legitimate run alone and beside the attack: its exit status,
+    ``detail(run)`` (before the tokens/s, or after them with ``tokens_first``), its
+    fallbacks, and its stderr if it failed."""
+    for label in ("alone", "beside"):
+        for run in res[label]:
+            rate = f"{run.get('tokens_per_second', 0.0):.1f} tokens/s, "
+            middle = rate + detail(run) if tokens_first else detail(run) + rate
+            print(
+                f"  legitimate run {label}: exit {run['exit']}, {middle}"
+                f"fallbacks {run.get('fallbacks_by_reason', {})}"
+                + (f"\n    {run['stderr']!r}" if "stderr" in run else "")
+            )
+
+
 def _print_acceptance(scenario: str, res: dict[str, Any]) -> None:
     ratios, goal = res["ratios"], res["goal"]
     met = bool(ratios) and statistics.median(ratios) >= goal
     print(f"{scenario}: worker flags {' '.join(res['flags']) or '(defaults)'}")
-    for label in ("alone", "beside"):
-        for run in res[label]:
-            print(
-                f"  legitimate run {label}: exit {run['exit']}, "
-                f"{run.get('tokens_per_second', 0.0):.1f} tokens/s, "
-                f"{run['wall_seconds']:.2f} s wall, "
-                f"fallbacks {run.get('fallbacks_by_reason', {})}"
-                + (f"\n    {run['stderr']!r}" if "stderr" in run else "")
-            )
+    _print_runs(res, lambda run: f"{run['wall_seconds']:.2f} s wall, ", tokens_first=True)
     verdict = "met" if met else "NOT met"
     print(f"  tokens/s beside / alone: {_spread(ratios)}, goal >= {goal}: {verdict}")
     print(f"  wall time alone / beside: {_spread(res['wall_ratios'])}")
@@ -351,15 +361,7 @@ def main() -> None:
         if args.json:
             continue
         print(f"{name}: worker flags {' '.join(flags) or '(defaults)'}, vocab {args.vocab}")
-        for label in ("alone", "beside"):
-            for run in res[label]:
-                print(
-                    f"  legitimate run {label}: exit {run['exit']}, "
-                    f"{run.get('finished', 0)}/{args.requests} finished, "
-                    f"{run.get('tokens_per_second', 0.0):.1f} tokens/s, "
-                    f"fallbacks {run.get('fallbacks_by_reason', {})}"
-                    + (f"\n    {run['stderr']!r}" if "stderr" in run else "")
-                )
+        _print_runs(res, lambda run: f"{run.get('finished', 0)}/{args.requests} finished, ")
         ratios = res["ratios"]
         if ratios:
             print(

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from pp1wire.apps import spark
+from pp1wire.apps.models import target_factory
 from pp1wire.apps.settings import parse
+
+from .test_verify import _chi_square_ok
 
 
 def workload(
@@ -95,3 +99,17 @@ def tokens(result: spark.RankRun) -> list[list[int]]:
 def output_tokens(out: Path) -> list[list[int]]:
     """The tokens of an ``--output`` file, in request order."""
     return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+
+
+def assert_all_fell_back(result: spark.RankRun, reason: str, n: int, vocab: int, seed: int) -> None:
+    """Check that every one of the ``n`` one-token requests of prompt [1, 2, 3] fell
+    back for ``reason``, with no draft token: then each first token is the
+    target-only draw, whose law must be p(. | prompt). Tolerance: Pearson chi-square
+    at the 1 - 1e-6 quantile (tests/test_verify.py)."""
+    summary = summary_of(result)
+    assert summary["fallbacks_by_reason"] == {reason: n}
+    assert summary["draft_tokens"] == 0
+    first = Counter(t[0] for t in tokens(result))
+    p = target_factory(vocab, seed)([1, 2, 3])
+    law = {i: float(v) for i, v in enumerate(p)}
+    assert _chi_square_ok(first, law, n), (first, law)

@@ -611,17 +611,24 @@ def _connection(accounts, principal: str, now: float, slots: int = 2) -> Slots:
     return conn
 
 
+def _refused_once(accounts: Accounts[str], host: str) -> Slots:
+    """A connection of ``host`` at time 0 that drew, then RESET and drew anew until a
+    STEP was refused ``DRAW_RATE_LIMITED`` (burst 1): it owes one abandon."""
+    conn = _connection(accounts, host, 0.0)
+    assert conn.fresh(0, 0, now=0.0) is MsgType.COMPLETION
+    for generation in (1, 2):  # RESET abandons the draw, STEP draws anew
+        reply_bytes(conn.pair, Reset(session=7, slot=0, generation=generation))
+        last = frames_of([reply_bytes(conn.pair, step(generation=generation))])[-1]
+    assert ErrorCode(last.message.code) is ErrorCode.DRAW_RATE_LIMITED
+    return conn
+
+
 def test_a_peer_that_hangs_up_when_refused_owes_what_it_cut():
     # Before (and with budgets kept per principal alone): a RESET/STEP loop that
     # hung up at each refusal and reconnected drew the STEPs let through once its
     # debt was paid and cut them with the connection, uncounted: 1.6x its budget.
     accounts: Accounts[str] = Accounts(WorkerConfig(vocab_size=64, abandon_burst=1))
-    conn = _connection(accounts, "10.0.0.7", 0.0)
-    assert conn.fresh(0, 0, now=0.0) is MsgType.COMPLETION
-    for generation in (1, 2):  # RESET abandons the draw, STEP draws anew
-        reply_bytes(conn.pair, Reset(session=7, slot=0, generation=generation))
-        last = frames_of([reply_bytes(conn.pair, step(generation=generation))])[-1]
-    assert ErrorCode(last.message.code) is ErrorCode.DRAW_RATE_LIMITED  # owes 1
+    conn = _refused_once(accounts, "10.0.0.7")  # owes 1
     conn.pair.now = 1.0  # paid back: both slots draw, and the peer hangs up
     reply_bytes(conn.pair, step(generation=2))
     assert conn.fresh(1, 0, now=1.0) is MsgType.COMPLETION
@@ -661,12 +668,7 @@ def test_a_draw_in_progress_when_a_refused_connection_ends_is_abandoned(evicted)
     # peer refused once that hung up with its draws still being drawn (a worker
     # that draws off its event loop) cut them uncounted.
     accounts: Accounts[str] = Accounts(WorkerConfig(vocab_size=64, abandon_burst=1))
-    conn = _connection(accounts, "10.0.0.5", 0.0)
-    assert conn.fresh(0, 0, now=0.0) is MsgType.COMPLETION
-    for generation in (1, 2):  # RESET abandons the draw, STEP draws anew
-        reply_bytes(conn.pair, Reset(session=7, slot=0, generation=generation))
-        last = frames_of([reply_bytes(conn.pair, step(generation=generation))])[-1]
-    assert ErrorCode(last.message.code) is ErrorCode.DRAW_RATE_LIMITED  # owes 1 s
+    conn = _refused_once(accounts, "10.0.0.5")  # owes 1 s
     conn.pair.now = 1.0  # paid back: both slots' STEPs are accepted and being drawn
     conn.pair.worker.defer_draws = True
     for fresh in (step(generation=2), conn.step(1, 0)):

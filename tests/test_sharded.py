@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 
 import pytest
 
 from pp1wire.apps.launch import RunningGroup, worker_group, worker_process
-from pp1wire.apps.models import target_factory
 
-from . import cli
+from . import cli, groups
 from .groups import lead, output_tokens, run_group, run_one, summary_of, tokens, workload
-from .test_verify import _chi_square_ok
 from .waiting import scrape, scrape_page
 
 pytest.importorskip("torch")
@@ -240,13 +237,7 @@ def test_every_round_refused_by_the_group_still_samples_the_target_law():
     extra = ["--requests", str(n), "--max-tokens", "1", "--concurrency", "4", "--depth", "1"]
     with sharded_workers("mass:1:*") as workers:
         done = sharded(workers.address, *extra, timeout=30)
-    summary = summary_of(done)
-    assert summary["fallbacks_by_reason"] == {"group_mass_mismatch": n}
-    assert summary["draft_tokens"] == 0
-    first = Counter(t[0] for t in tokens(done))
-    p = target_factory(VOCAB, SEED)([1, 2, 3])
-    law = {i: float(v) for i, v in enumerate(p)}
-    assert _chi_square_ok(first, law, n), (first, law)
+    groups.assert_all_fell_back(done, "group_mass_mismatch", n, VOCAB, SEED)
 
 
 def test_conformance_cases_pass_against_the_sharded_worker_group(group):

@@ -237,6 +237,15 @@ def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, toke
     )
 
 
+def _send(sock: socket.socket, frames: list[bytes]) -> bool:
+    """Send ``frames`` at once; False if the connection is gone (the loop ends)."""
+    try:
+        sock.sendall(b"".join(frames))
+    except OSError:
+        return False
+    return True
+
+
 def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> tuple[int, int]:
     """Read until ``steps`` STEPs are answered: (drawn, refused DRAW_RATE_LIMITED); a
     closed connection answers the rest as neither.
@@ -360,9 +369,7 @@ def reset_step_loop(
                         )
                     step = step_at(session, slot, 0, digest, depth=depth, generation=generation)
                     out.append(link.frame(step))
-                try:
-                    link.sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(link.sock, out):
                     return
                 drawn, refused = _answers(link.sock, decoder, slots)
                 generation += 1
@@ -437,9 +444,7 @@ def commit_loop(
                     link.frame(step_at(session, slot, round_id, prefixes[slot]))
                     for slot in range(slots)
                 ]
-                try:
-                    sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(sock, out):
                     return
                 drawn, refused = _answers(sock, decoder, slots)
                 if drawn + refused < slots:
@@ -454,9 +459,7 @@ def commit_loop(
                     )
                     out.append(link.frame(commit))
                 round_id += 1 if same_round else 2
-                try:
-                    sock.sendall(b"".join(out))
-                except OSError:
+                if not _send(sock, out):
                     return
         finally:
             sock.close()

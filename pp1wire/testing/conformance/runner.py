@@ -115,6 +115,21 @@ async def probe(s: Settings) -> str | None:
     return None
 
 
+#: The help of the flags that take a value in seconds or a count.
+_HELP: dict[str, str] = {
+    "--timeout": "how long to wait for a reaction",
+    "--handshake-wait": "how long the handshake-timeout case waits",
+    "--match-wait": "longer than a sharded worker group's match timeout: how long the 6.7 "
+    "cases wait for an unmatched STEP's answer",
+    "--idle-wait": "run the idle-timeout case, waiting this long (more than the worker's idle "
+    "timeout; default: unset, the case is skipped)",
+    "--reply-timeout": "Spark-side suite: the reply timeout the command uses ({reply_timeout}); "
+    "the timing cases pace their replies against it",
+    "--jobs": "Spark-side suite: run up to N cases at once (each its own listener and "
+    "command); the timing cases still run alone, after the others",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pp1-conformance`` argument parser."""
     p = settings.parser("pp1-conformance", __doc__)
@@ -132,36 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     settings.add_link_flags(p)
-    p.add_argument(
-        "--timeout",
-        type=settings.seconds,
-        default=3.0,
-        metavar="SECONDS",
-        help="how long to wait for a reaction",
-    )
-    p.add_argument(
-        "--handshake-wait",
-        type=settings.seconds,
-        default=12.0,
-        metavar="SECONDS",
-        help="how long the handshake-timeout case waits",
-    )
-    p.add_argument(
-        "--match-wait",
-        type=settings.seconds,
-        default=8.0,
-        metavar="SECONDS",
-        help="longer than a sharded worker group's match timeout: how long the 6.7 cases "
-        "wait for an unmatched STEP's answer",
-    )
-    p.add_argument(
-        "--idle-wait",
-        type=settings.seconds,
-        default=None,
-        metavar="SECONDS",
-        help="run the idle-timeout case, waiting this long (more than the worker's idle "
-        "timeout; default: unset, the case is skipped)",
-    )
+    add = settings.adder(p, _HELP)
+    add("--timeout", settings.seconds, 3.0, "SECONDS")
+    add("--handshake-wait", settings.seconds, 12.0, "SECONDS")
+    add("--match-wait", settings.seconds, 8.0, "SECONDS")
+    add("--idle-wait", settings.seconds, None, "SECONDS")
     p.add_argument(
         "--spark",
         action="store_true",
@@ -176,22 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         "{stop_args}; what "
         "it must do is below (default: pp1-spark)",
     )
-    p.add_argument(
-        "--reply-timeout",
-        type=settings.seconds,
-        default=spark_side.DEFAULT_REPLY_TIMEOUT,
-        metavar="SECONDS",
-        help="Spark-side suite: the reply timeout the command uses ({reply_timeout}); "
-        "the timing cases pace their replies against it",
-    )
-    p.add_argument(
-        "--jobs",
-        type=settings.positive,
-        default=1,
-        metavar="N",
-        help="Spark-side suite: run up to N cases at once (each its own listener and "
-        "command); the timing cases still run alone, after the others",
-    )
+    add("--reply-timeout", settings.seconds, spark_side.DEFAULT_REPLY_TIMEOUT, "SECONDS")
+    add("--jobs", settings.positive, 1, "N")
     p.add_argument(
         "--listen",
         default="127.0.0.1:0",
