@@ -65,9 +65,9 @@ from pp1wire.testing.attacks import Key, commit_loop, reset_step_loop, squat
 
 ATTACKER = "127.0.0.2"
 LEGIT = "127.0.0.1"
-#: The cap docs/operators.md §3 recommends: every principal 10 fresh draws a
+#: The cap docs/operators.md §3 recommends: every principal 2 fresh draws a
 #: second, and no cap for the key of the operator's own Spark side.
-RECOMMENDED_CAP = ["--principal-rate", "10", "client=off"]
+RECOMMENDED_CAP = ["--principal-rate", "2", "client=off"]
 #: --acceptance: (attack, keys, cap, goal): each loop from the client's own address.
 SCENARIOS: dict[str, tuple[str, bool, bool, float]] = {
     "keyed_reconnect": ("reconnect", True, False, 0.45),

@@ -9,7 +9,10 @@ if [ $# -ge 1 ]; then
   exec pp1-conformance --worker "$@"
 fi
 log=$(mktemp)
-"$python" -m pp1wire.apps.worker --port 0 --vocab 4096 --handshake-timeout 2 --log-level warning >"$log" &
+# Each case opens a new connection and some hang up mid-draw on purpose: a
+# keyless worker would pace this address's new lineages (docs/protocol.md §4.4).
+"$python" -m pp1wire.apps.worker --port 0 --vocab 4096 --handshake-timeout 2 \
+  --lineage-rate 1000 --lineage-burst 65535 --log-level warning >"$log" &
 worker=$!
 trap 'kill "$worker" 2>/dev/null || true; rm -f "$log"' EXIT
 for _ in $(seq 100); do

@@ -399,7 +399,7 @@ def test_principal_attacks_acceptance_smoke():
         assert res["ratios"] == [beside["tokens_per_second"] / alone["tokens_per_second"]]
         assert res["attacker_draws"] >= 1, name
     assert "--psk-file" in result["keyed_reject"]["flags"]
-    assert result["keyed_reject_capped"]["flags"][-3:] == ["--principal-rate", "10", "client=off"]
+    assert result["keyed_reject_capped"]["flags"][-3:] == ["--principal-rate", "2", "client=off"]
     assert "--psk-file" not in result["keyless_same_address_reconnect"]["flags"]
 
 
