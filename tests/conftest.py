@@ -18,24 +18,6 @@ from pp1wire.q import dyadic
 # tree that cannot be written is no error (pytest then rewrites as before).
 sys.dont_write_bytecode = False
 
-# The files that take longest (seconds of a suite run on 2 cores, longest first).
-# They are handed out first: the two test processes (``-n 2 --dist loadfile``,
-# files kept in collection order) then end on short files and finish together,
-# whatever the order of the rest. A stale list only costs balance.
-LONGEST_FIRST = (
-    "test_sharded.py", "test_benchmarks_smoke.py", "test_e2e.py",
-    "test_spark_conformance.py", "test_same_tokens.py", "test_sharding.py", "test_tp.py",
-    "test_launcher.py", "test_shaped_links.py", "test_verify.py", "test_hardening.py",
-    "test_ngram.py", "test_examples.py", "test_conformance.py", "test_failure_rule.py",
-    "test_fault_law.py", "test_verify_bench_smoke.py", "test_faultproxy.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Collect the longest files first (each file's tests keep their order)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture(params=["compiled", "numpy"])
 def dyadic_path(request, monkeypatch):
