@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from pp1wire.apps.launch import spark_command, worker_process
@@ -139,6 +140,13 @@ def test_conformance_example(tmp_path):
     assert " 0 failed" in out.stdout
     report = (tmp_path / "conformance.xml").read_text()
     assert report.count("<testcase") >= 100
+    # The cases' own time is about 5 s here (10 s on a loaded machine; the longest,
+    # 5.12, waits out the 2 s handshake timeout). A worker that paced each keyless
+    # HELLO per source address (1 to 2 s for every case's fresh connection) stretched
+    # it to 200 s and the test still passed: past 60 s it fails, naming the slowest.
+    suite = ET.fromstring(report)
+    timed = [(float(c.get("time", "0")), c.get("name")) for c in suite.iter("testcase")]
+    assert sum(t for t, _ in timed) < 60, sorted(timed, reverse=True)[:10]
 
 
 def test_scrape_metrics_example():

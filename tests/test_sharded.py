@@ -201,7 +201,10 @@ def test_rows_drawn_before_a_slow_one_arrive_in_time_and_are_verified_as_a_cut_b
     # Spark group verifies it as a block cut there (docs/adaptive.md, section 7).
     # Before, a rank answered only when the block was done: at the reply timeout its
     # link had no row and the proposal was discarded whole (a fallback, no cut).
-    slow, reply = 2.0, 0.5
+    # A reply timeout of 1 s (0.5 s before): every other row has that long to come
+    # (a loaded machine once kept a request's every row past 0.5 s, so it drew
+    # nothing); the slow row, 2 s, still misses it.
+    slow, reply = 2.0, 1.0
     env = {"PP1_TEST_AT_LENGTH": "4", "PP1_TEST_SLOW_S": str(slow)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     drafter = ("--drafter", "tests.fault_plugins:slow_drafter_factory")
