@@ -13,7 +13,9 @@ import itertools
 import logging
 import socket
 import ssl
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, cast
 
@@ -23,7 +25,14 @@ from pp1wire.aio.worker_metrics import WorkerMetrics
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import DrafterFn
 from pp1wire.wire import framing, worker_core
-from pp1wire.wire.draws import DRAW_GATHER_S, BatchRunner, DrawScheduler, FailureLog, default_runner
+from pp1wire.wire.draws import (
+    DRAW_GATHER_S,
+    BatchRunner,
+    DraftTogether,
+    DrawScheduler,
+    FailureLog,
+    default_runner,
+)
 from pp1wire.wire.messages import Error, MsgType, Scope
 from pp1wire.wire.principals import Principal, PrincipalPolicy, address_key, draw_group
 from pp1wire.wire.replies import FrameParts
@@ -486,6 +495,7 @@ class WorkerServer(Admission[_Conn]):
         draw_gather: float = DRAW_GATHER_S,
         group: GroupDraws | None = None,
         policy: PrincipalPolicy | None = None,
+        prepare: int = 0,
     ) -> None:
         """Prepare a server (call :meth:`start`).
 
@@ -502,11 +512,13 @@ class WorkerServer(Admission[_Conn]):
         :func:`~pp1wire.wire.draws.default_runner`) after up to ``draw_gather`` s
         for the STEPs COMMITs announced; 0 draws on the loop. ``proposer``
         replaces the local chain; ``group`` (a rank of a vocabulary-sharded
-        group) draws every STEP instead.
+        group) draws every STEP instead. ``prepare`` > 0: after a batch, while no
+        draw waits, the default runner prepares that many next blocks a slot
+        (``docs/adaptive.md`` §8; needs ``draw_threads`` and the local chain).
 
         Raises:
-            ValueError: for a limit below 1, a timeout that is not above 0, or a
-                negative ``draw_gather``.
+            ValueError: for a limit below 1, a timeout that is not above 0, a
+                negative ``draw_gather``, or ``prepare`` without the local chain.
         """
         if max_connections < 1 or (max_per_address is not None and max_per_address < 1):
             raise ValueError("connection limits must be at least 1")
@@ -514,10 +526,16 @@ class WorkerServer(Admission[_Conn]):
             max_draw_batch is not None and max_draw_batch < 1
         ):
             raise ValueError("idle limits must be positive and a draw batch at least 1 job")
+        if prepare and (draw_threads < 1 or run_batch is not None or group is not None):
+            raise ValueError("prepared blocks need draw threads and the default runner")
         if run_batch is None:
             local = proposer is None and not config.sharded
             run_batch, max_draw_batch = default_runner(
-                config.vocab_size, config.entries, local=local, batch=max_draw_batch
+                config.vocab_size,
+                config.entries,
+                local=local,
+                batch=max_draw_batch,
+                prepare=prepare,
             )
         self.config = config
         self.drafter = drafter
@@ -546,6 +564,9 @@ class WorkerServer(Admission[_Conn]):
         # Only the server's own pool gathers draws (a group draws them itself).
         self.gathers = self.draw_pool is not None and group is None
         self.run_batch = run_batch
+        self.prepared = run_batch.prepared if isinstance(run_batch, DraftTogether) else None
+        self._preparing: dict[threading.Event, frozenset[int]] = {}  # running: slots' ids
+        self._counted: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
         self._scheduling = False  # a _schedule is due on the loop
         self._gather_timer: asyncio.TimerHandle | None = None
         self.failures = FailureLog()
@@ -568,6 +589,12 @@ class WorkerServer(Admission[_Conn]):
         self.draws.submit(
             conn.principal, (conn, job), now=time.monotonic(), owner=conn, tag=job.step.slot
         )
+        if self._preparing and self.draws.busy >= self.draws.workers:
+            # A STEP waits for a thread a preparation holds: the preparation yields,
+            # unless it is preparing this very STEP's slot.
+            for cancel, slots in self._preparing.items():
+                if id(job.slot) not in slots:
+                    cancel.set()
         if not self._scheduling:
             self._scheduling = True
             asyncio.get_running_loop().call_soon(self._schedule)
@@ -607,8 +634,8 @@ class WorkerServer(Admission[_Conn]):
         batch: list[tuple[Principal | None, tuple[_Conn, worker_core.DrawJob]]],
         done: asyncio.Future[list[worker_core.DrawResult]],
     ) -> None:
-        self.draws.finished(batch)
         if done.cancelled():  # the pool was shut down after the grace period
+            self.draws.finished(batch)
             return
         error = done.exception()
         results = None if error is not None else done.result()
@@ -617,9 +644,59 @@ class WorkerServer(Admission[_Conn]):
                 f"the batch runner returned {len(results or ())} results for {len(batch)} jobs"
             )
             results = [job.complete(failure) for _, (_, job) in batch]
+        jobs = [job for _, (_, job) in batch]
+        # Prepared work only when no draw waits for a thread; it holds the batch's
+        # thread (and its principals' share) until done, then the next batch goes.
+        prepare = (
+            self.prepared is not None
+            and self.draw_pool is not None
+            and not self.draws.queued
+            and not self.stopping
+        )
+        if prepare:
+            assert self.prepared is not None
+            self.prepared.begin([id(job.slot) for job in jobs])  # before a next STEP can look
         for (_, (conn, job)), result in zip(batch, results, strict=True):
             conn._drawn(job, result)
+        if not prepare or self.draw_pool is None:  # (the pool is there when prepare is)
+            self.draws.finished(batch)
+            self._count_prepared()
+            self._schedule()
+            return
+        runner = self.run_batch
+        assert isinstance(runner, DraftTogether)
+        cancel = threading.Event()
+        self._preparing[cancel] = frozenset(id(job.slot) for job in jobs)
+        loop = asyncio.get_running_loop()
+        ready = loop.run_in_executor(self.draw_pool, runner.prepare, jobs, results, cancel)
+        ready.add_done_callback(functools.partial(self._prepared_done, batch, cancel))
+
+    def _prepared_done(
+        self,
+        batch: list[tuple[Principal | None, tuple[_Conn, worker_core.DrawJob]]],
+        cancel: threading.Event,
+        _done: asyncio.Future[None],
+    ) -> None:
+        del self._preparing[cancel]
+        if _done.cancelled() and self.prepared is not None:  # never ran: release its slots
+            self.prepared.end([id(job.slot) for _, (_, job) in batch])
+        self.draws.finished(batch)
+        self._count_prepared()
         self._schedule()
+
+    def _count_prepared(self) -> None:
+        """Bring the prepared-block counters up to the runner's counts."""
+        if self.prepared is None:
+            return
+        m = self.metrics
+        for metric, now, seen in (
+            (m.prepared_blocks, self.prepared.prepared, self._counted[0]),
+            (m.prepared_used, self.prepared.used, self._counted[1]),
+        ):
+            for name, count in now.items():
+                if count > seen[name]:
+                    metric.labels(hypothesis=name).inc(count - seen[name])
+                    seen[name] = count
 
     def draw_failed(self, conn: _Conn, event: worker_core.StepServed, error: BaseException) -> None:
         """Count a drafter failure and log it (each kind with its traceback, then rate-limited)."""

@@ -56,6 +56,16 @@ class WorkerMetrics:
             ["error"],
         )
         self.draws_queued = gauge("pp1_worker_draws_queued", "Draws waiting for a draw thread.")
+        self.prepared_blocks = counter(
+            "pp1_worker_prepared_blocks",
+            "Next blocks prepared while the Spark side verified (--prepare), by hypothesis.",
+            ["hypothesis"],
+        )
+        self.prepared_used = counter(
+            "pp1_worker_prepared_used",
+            "Prepared blocks served to the STEP that asked for exactly them, by hypothesis.",
+            ["hypothesis"],
+        )
 
 
 __all__ = ["SECONDS_BUCKETS", "WorkerMetrics"]

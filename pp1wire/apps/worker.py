@@ -122,6 +122,9 @@ _HELP: dict[str, str] = {
     "--max-draw-batch": "most STEPs drafted together on one draw thread: one drafter call per "
     "position over all of them, their q rows built in one pass (1: each STEP alone); a "
     "vocabulary-sharded group draws each STEP alone",
+    "--prepare": "next blocks each slot drafts while the Spark side verifies, one per guess of "
+    "the round's outcome, served only to the STEP that asks for exactly one (docs/adaptive.md "
+    "§8; 0: none; needs draw threads, not --vocab-shards)",
     "--tp": "worker ranks of a vocabulary-sharded group (with --vocab-shards, needs torch): "
     "started with torch's elastic launcher; rank r listens on --port + r",
     "--group-timeout": "how long any collective of the worker group may wait before the group "
@@ -165,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--busy-poll", action="store_true")
     add("--draw-threads", settings.threads, os.cpu_count() or 1, "N")
     add("--max-draw-batch", settings.draw_batch, draws.MAX_DRAW_BATCH, "STEPS")
+    add("--prepare", settings.prepare, 0, "BLOCKS")
     add("--tp", settings.ranks, 1, "N")
     add("--group-timeout", settings.seconds, 30.0, "SECONDS")
     add("--match-timeout", settings.seconds, 5.0, "SECONDS")
@@ -201,6 +205,11 @@ def config_from(args: argparse.Namespace) -> WorkerConfig:
         raise settings.SettingsError("--tls-key needs --tls-cert")
     if args.draw_burst is not None and args.max_draw_rate is None:
         raise settings.SettingsError("--draw-burst needs --max-draw-rate")
+    if args.prepare and (args.vocab_shards > 1 or args.draw_threads == 0):
+        raise settings.SettingsError(
+            "--prepare needs draw threads and the local chain: not --vocab-shards or "
+            "--draw-threads 0"
+        )
     return WorkerConfig(
         **keys.link_fields(args, worker=True),
         draft_identity=args.draft_identity,
@@ -340,6 +349,7 @@ async def serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         group=group[2] if group is not None else None,
         max_draw_batch=None if group is not None else args.max_draw_batch,
         policy=policy,
+        prepare=args.prepare,
     )
     port = await server.start(args.host, port_wanted)
     out = sys.stdout if rank == 0 else sys.stderr  # stdout's lines are rank 0's

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import time
@@ -12,13 +13,20 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from threading import Event
 from typing import Final, Generic, TypeVar
 
+import numpy as np
+
+from pp1wire.errors import Pp1Error
 from pp1wire.q.batch import propose_batch
-from pp1wire.q.proposal import QRow, batched_drafter, drafter_kind
+from pp1wire.q.proposal import QRow, _host, batched_drafter, drafter_kind
 from pp1wire.wire.budgets import SHARE_WINDOW_S
+from pp1wire.wire.prepared import PreparedBlocks, cancellable, hypotheses
 from pp1wire.wire.replies import FrameParts
 from pp1wire.wire.worker_events import DrawJob, DrawResult, Streamer
+
+log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 J = TypeVar("J")
@@ -38,15 +46,25 @@ CONSTRUCT_THREADS: Final = 4
 
 
 def default_runner(
-    vocab_size: int, row_entries: int, *, local: bool, batch: int | None
+    vocab_size: int, row_entries: int, *, local: bool, batch: int | None, prepare: int = 0
 ) -> tuple[BatchRunner, int]:
     """A worker's default runner and batch size: for ``local`` draws :class:`DraftTogether`
     on up to :data:`CONSTRUCT_THREADS` cores, ``batch`` (or :data:`MAX_DRAW_BATCH`) at a
-    time; else :func:`run_each`, one job per batch."""
+    time, preparing ``prepare`` blocks a slot (0: none); else :func:`run_each`, one job
+    per batch.
+
+    Raises:
+        ValueError: for ``prepare`` above 0 without ``local`` draws, or above
+            :data:`~pp1wire.wire.prepared.MAX_PREPARE`.
+    """
     if not local:
+        if prepare:
+            raise ValueError("prepared blocks need the local chain, not a sharded group's")
         return run_each, batch or 1
     threads = max(1, min(CONSTRUCT_THREADS, len(os.sched_getaffinity(0))))
-    return DraftTogether(vocab_size, row_entries, threads=threads), batch or MAX_DRAW_BATCH
+    prepared = PreparedBlocks(prepare) if prepare else None
+    runner = DraftTogether(vocab_size, row_entries, threads=threads, prepared=prepared)
+    return runner, batch or MAX_DRAW_BATCH
 
 
 def run_each(jobs: list[DrawJob]) -> list[DrawResult]:
@@ -62,8 +80,16 @@ class DraftTogether:
     :meth:`DrawJob.run` gives; each position's rows streamed as soon as it is drawn.
     """
 
-    def __init__(self, vocab_size: int, row_entries: int | None, *, threads: int = 2) -> None:
-        """Draft over ``vocab_size`` tokens.
+    def __init__(
+        self,
+        vocab_size: int,
+        row_entries: int | None,
+        *,
+        threads: int = 2,
+        prepared: PreparedBlocks | None = None,
+    ) -> None:
+        """Draft over ``vocab_size`` tokens; with ``prepared``, serve a STEP the block
+        :meth:`prepare` drew for it, and prepare blocks (``docs/adaptive.md`` §8).
 
         Raises:
             ValueError: for ``vocab_size`` or ``threads`` below 1, or ``row_entries``
@@ -76,14 +102,22 @@ class DraftTogether:
         self.vocab_size = vocab_size
         self.row_entries = row_entries
         self.threads = threads
+        self.prepared = prepared
 
     def __call__(self, jobs: list[DrawJob]) -> list[DrawResult]:
         """One result per job, in order (never raises for a job's failure)."""
         results: list[DrawResult | None] = [None] * len(jobs)
         by_drafter: dict[int, list[int]] = {}
         for i, job in enumerate(jobs):
-            if job.local:
-                by_drafter.setdefault(id(job.drafter), []).append(i)
+            if not job.local:
+                continue
+            if self.prepared is not None:
+                started = time.perf_counter()
+                ready = self.prepared.take(id(job.slot), job.draft_job())
+                if ready is not None:  # the block this STEP would draw, drawn already
+                    results[i] = job.complete(ready, started=started)
+                    continue
+            by_drafter.setdefault(id(job.drafter), []).append(i)
         for indices in by_drafter.values():
             started = time.perf_counter()
             plugin = jobs[indices[0]].drafter
@@ -104,6 +138,59 @@ class DraftTogether:
             for i, rows in zip(indices, drawn, strict=True):
                 results[i] = jobs[i].complete(rows, started=started)
         return [jobs[i].run() if r is None else r for i, r in enumerate(results)]
+
+    def prepare(self, jobs: list[DrawJob], results: list[DrawResult], cancel: Event) -> None:
+        """Draw the next round's block for each hypothesis of each whole block in
+        ``results`` (:func:`~pp1wire.wire.prepared.hypotheses`) and keep them for its slot.
+        The caller marked the slots with :meth:`PreparedBlocks.begin`; this ends them.
+        Stops at the next drafter call once ``cancel`` is set. Never raises."""
+        prepared = self.prepared
+        assert prepared is not None
+        try:
+            plan: dict[int, list[tuple[DrawJob, tuple[QRow, ...]]]] = {}
+            for job, result in zip(jobs, results, strict=True):
+                if job.local and result.status == 0 and result.rows:
+                    plan.setdefault(id(job.drafter), []).append((job, tuple(result.rows)))
+            for group in plan.values():
+                if not cancel.is_set():
+                    self._prepare_group(group, cancel)
+        except Exception:  # a failed guess costs only its block
+            log.debug("preparing blocks failed", exc_info=True)
+        finally:
+            prepared.end([id(job.slot) for job in jobs])
+
+    def _prepare_group(self, group: list[tuple[DrawJob, tuple[QRow, ...]]], cancel: Event) -> None:
+        prepared = self.prepared
+        assert prepared is not None
+        plugin = group[0][0].drafter
+        kind = drafter_kind(plugin)
+        batch = cancellable(batched_drafter(plugin), cancel)
+        try:  # the drafter's likeliest next token after each block: the bonus guess
+            after = [(*job.prefix, *(r.token for r in rows)) for job, rows in group]
+            values = np.asarray(_host(batch(after)))
+            bonus: list[int | None] = [int(np.argmax(v)) for v in values]
+        except Exception:  # no bonus guess; the others stand
+            bonus = [None] * len(group)
+        hyps = [
+            hypotheses(job.draft_job(), rows, prepared.count, b)
+            for (job, rows), b in zip(group, bonus, strict=True)
+        ]
+        drawn = propose_batch(
+            batch,
+            [h.job for hs in hyps for h in hs],
+            self.vocab_size,
+            threads=self.threads,
+            row_entries=self.row_entries,
+            kind=kind,
+        )
+        at = 0
+        for (job, _), hs in zip(group, hyps, strict=True):
+            mine = drawn[at : at + len(hs)]
+            at += len(hs)
+            prepared.put(
+                id(job.slot),
+                [(h, r) for h, r in zip(hs, mine, strict=True) if not isinstance(r, Pp1Error)],
+            )
 
 
 def stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:

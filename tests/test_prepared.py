@@ -1,0 +1,148 @@
+"""Prepared blocks (``pp1-worker --prepare``, docs/adaptive.md §8) through the daemons.
+
+A served prepared block is the block the STEP would have drawn: the draws are keyed by
+seed, generation, round and position, and the block is served only to the STEP whose
+every field it was drawn for. So a worker that prepares emits, for the same seeds,
+exactly the tokens of one that does not: the recorded tokens of
+``tests/data/reference_tokens.json``, with one rank and a replicated TP2 group. The
+tests also check that prepared blocks were really served (the metrics count them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pp1wire.apps import worker as worker_app
+from pp1wire.apps.launch import worker_process
+from pp1wire.apps.settings import SettingsError
+from pp1wire.q.proposal import DraftJob, QRow
+from pp1wire.wire.prepared import Hypothesis, PreparedBlocks, hypotheses, key_of, runner_up
+
+from .groups import lead, run_group, run_one, tokens
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "reference_tokens.json").read_text())
+NAMES = [n for n, c in REFERENCE.items() if (c["vocab"], c["seed"]) == (1000, 7)]
+
+
+def _argv(name: str, address: str) -> list[str]:
+    c = REFERENCE[name]
+    return ["--worker", address, "--vocab", str(c["vocab"]), "--seed", str(c["seed"]), *c["args"]]
+
+
+def _counts(metrics: str, name: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.findall(rf'^{name}_total{{hypothesis="([^"]+)"}} (\S+)$', text, re.M)
+    return {h: float(v) for h, v in found}
+
+
+@pytest.fixture(scope="module")
+def preparing():
+    """A worker that prepares three blocks a slot, with its metrics."""
+    with worker_process("--prepare", "3", "--metrics-port", "0", vocab=1000, seed=7) as w:
+        yield w
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_preparing_worker_emits_the_recorded_tokens(preparing, name):
+    done = run_one(*_argv(name, preparing.address))
+    assert done.code == 0
+    assert tokens(done) == REFERENCE[name]["tokens"]
+
+
+def test_a_replicated_tp2_group_on_a_preparing_worker_emits_the_recorded_tokens(preparing):
+    pytest.importorskip("torch")
+    for name in ("dense-d5", "sparse32-d5"):
+        done = lead(run_group(2, *_argv(name, preparing.address)))
+        assert done.code == 0
+        assert tokens(done) == REFERENCE[name]["tokens"], name
+
+
+def test_prepared_blocks_were_served_by_hypothesis(preparing):
+    # After the runs above (module order): blocks were prepared and some served.
+    run_one(*_argv("dense-d5", preparing.address))
+    made = _counts(preparing.metrics, "pp1_worker_prepared_blocks")
+    used = _counts(preparing.metrics, "pp1_worker_prepared_used")
+    assert made.get("bonus", 0) > 0, made
+    assert made.get("reject@1", 0) > 0, made
+    assert sum(used.values()) > 0, (made, used)
+    assert all(used[h] <= made[h] for h in used)
+
+
+def test_prepare_is_refused_where_it_cannot_run():
+    for flags in (["--vocab-shards", "2"], ["--draw-threads", "0"]):
+        args = worker_app.build_parser().parse_args(["--prepare", "1", *flags])
+        with pytest.raises(SettingsError, match="--prepare needs"):
+            worker_app.config_from(args)
+
+
+# -- the hypotheses and the store, alone -------------------------------------------
+
+
+def _job(**kw):
+    base = {"seed": 5, "generation": 1, "round_id": 3, "prefix": (1, 2), "depth": 3}
+    return DraftJob(**{**base, **kw})
+
+
+def test_runner_up_is_the_likeliest_other_token_dense_and_sparse():
+    dense = QRow(2, counts=np.array([5, 9, 9, 1], dtype=np.int64))
+    assert runner_up(dense) == 1  # tie between 1 and 2 after 2 is left out: only 1
+    first = QRow(1, counts=np.array([5, 9, 9, 1], dtype=np.int64))
+    assert runner_up(first) == 2
+    sparse = QRow(
+        40, counts=np.array([3, 7, 2], dtype=np.int64), ids=np.array([7, 40, 90], np.int32)
+    )
+    assert runner_up(sparse) == 7
+    alone = QRow(3, counts=np.array([0, 0, 0, 8], dtype=np.int64))
+    assert runner_up(alone) is None
+
+
+def test_hypotheses_come_likeliest_first_and_skip_the_terminal_token():
+    rows = [
+        QRow(4, counts=np.array([1, 0, 0, 0, 6], dtype=np.int64)),
+        QRow(2, counts=np.array([0, 3, 5, 0, 0], dtype=np.int64)),
+    ]
+    job = _job()
+    hs = hypotheses(job, rows, 8, bonus=3)
+    assert [h.name for h in hs] == ["bonus", "reject@1", "reject@2"]
+    assert [tuple(h.job.prefix) for h in hs] == [(1, 2, 4, 2, 3), (1, 2, 0), (1, 2, 4, 1)]
+    assert all(h.job.round_id == 4 and h.job.depth == 3 for h in hs)
+    assert [h.name for h in hypotheses(job, rows, 1, bonus=None)] == ["reject@1"]
+    ending = hypotheses(_job(eos=4), rows, 8, bonus=3)
+    assert [h.name for h in ending] == ["reject@1"]  # the others commit the terminal 4
+
+
+def test_a_prepared_block_is_served_once_and_only_for_its_exact_step():
+    store = PreparedBlocks(2)
+    slot = 1
+    job = _job(round_id=4, prefix=(1, 2, 9))
+    rows = (QRow(3, counts=np.array([1, 0, 0, 7], dtype=np.int64)),)
+    store.put(slot, [(Hypothesis("bonus", job), rows)])
+    assert store.take(slot, _job(round_id=4, prefix=(1, 2, 8))) is None  # another prefix
+    assert store.take(slot, job) is None  # the miss above dropped the slot's blocks
+    store.put(slot, [(Hypothesis("bonus", job), rows)])
+    assert store.take(2, job) is None  # another slot's
+    assert store.take(slot, job) is rows
+    assert store.take(slot, job) is None  # never twice
+    assert store.used["bonus"] == 1
+    assert store.prepared["bonus"] == 2
+    assert key_of(job) != key_of(_job(round_id=4, prefix=(1, 2, 9), depth=2))
+
+
+def test_the_store_keeps_its_bounds():
+    store = PreparedBlocks(1, max_origins=2, max_bytes=10_000)
+    big = (QRow(0, counts=np.zeros(1000, dtype=np.int64)),)  # 8,000 bytes
+    slots = [1, 2, 3]
+    for s in slots:
+        store.put(s, [(Hypothesis("bonus", _job()), big)])
+    assert store.take(slots[0], _job()) is None
+    assert store.take(slots[1], _job()) is None
+    assert store.take(slots[2], _job()) is big
+    with pytest.raises(ValueError, match=r"1\.\.8"):
+        PreparedBlocks(9)
