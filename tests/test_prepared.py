@@ -11,8 +11,11 @@ tests also check that prepared blocks were really served (the metrics count them
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
+from collections import Counter
+from math import sqrt
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from pp1wire.q.proposal import DraftJob, QRow
 from pp1wire.wire.prepared import Hypothesis, PreparedBlocks, hypotheses, key_of, runner_up
 
 from .groups import lead, run_group, run_one, tokens
+from .test_e2e import SEED, VOCAB, spark
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "reference_tokens.json").read_text())
 NAMES = [n for n, c in REFERENCE.items() if (c["vocab"], c["seed"]) == (1000, 7)]
@@ -146,3 +150,50 @@ def test_the_store_keeps_its_bounds():
     assert store.take(slots[2], _job()) is big
     with pytest.raises(ValueError, match=r"1\.\.8"):
         PreparedBlocks(9)
+
+
+# -- the law through the daemons ---------------------------------------------------
+
+N = 1000
+
+
+@pytest.fixture(scope="module")
+def target_only_two(tmp_path_factory):
+    """Requests N..2N-1 of a target-only run: other seeds than the runs' 0..N-1."""
+    with worker_process(vocab=VOCAB, seed=SEED) as w:
+        summary, records = spark(
+            w.address, tmp_path_factory.mktemp("zero"), "--depth", "0", "--concurrency", "16",
+            requests=2 * N, max_tokens=2,
+        )  # fmt: skip
+    assert summary["draft_tokens"] == 0
+    return Counter(tuple(r["tokens"][:2]) for r in records[N:])
+
+
+@pytest.mark.parametrize("drafter", ["toy", "failing", "slow"])
+def test_prepared_blocks_keep_the_law_of_the_first_two_tokens(tmp_path, drafter, target_only_two):
+    # Tolerance declared before the run: for each of the 144 cells of the joint law of
+    # the first two tokens, the two samples' frequencies may differ by at most six
+    # standard deviations of their difference (pooled) plus one count of each: about
+    # 2e-9 false alarm per cell. Depth 2 makes round 2 decide the second token whenever
+    # round 1 committed one, so prepared blocks are served for it (checked below).
+    # The failing and slow drafters fail, or sleep 20 ms, on a context ending in token 4.
+    env = {**os.environ, "PP1_TEST_TRIGGER": "4", "PP1_TEST_SLOW_S": "0.02"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    plugin = (
+        [] if drafter == "toy" else ["--drafter", f"tests.fault_plugins:{drafter}_drafter_factory"]
+    )
+    flags = ["--prepare", "3", "--max-slots", "16", "--metrics-port", "0", *plugin]
+    with worker_process(*flags, vocab=VOCAB, seed=SEED, env=env) as w:
+        summary, records = spark(
+            w.address, tmp_path, "--depth", "2", "--concurrency", "16", requests=N, max_tokens=2
+        )
+        used = sum(_counts(w.metrics, "pp1_worker_prepared_used").values())
+    assert summary["requests"] == N
+    assert used >= 50, used  # hundreds of second rounds: some of them served prepared
+    ours = Counter(tuple(r["tokens"][:2]) for r in records)
+    theirs = target_only_two
+    for cell in set(ours) | set(theirs):
+        a, b = ours.get(cell, 0), theirs.get(cell, 0)
+        pooled = (a + b) / (2 * N)
+        sd = sqrt(pooled * (1 - pooled) * (2 / N))
+        assert abs(a - b) / N <= 6 * sd + 2 / N, (drafter, cell, a, b)
