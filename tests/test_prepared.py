@@ -197,3 +197,28 @@ def test_prepared_blocks_keep_the_law_of_the_first_two_tokens(tmp_path, drafter,
         pooled = (a + b) / (2 * N)
         sd = sqrt(pooled * (1 - pooled) * (2 / N))
         assert abs(a - b) / N <= 6 * sd + 2 / N, (drafter, cell, a, b)
+
+
+def test_a_lookup_waits_only_for_the_key_being_drawn():
+    import threading
+    import time
+
+    store = PreparedBlocks(1)
+    job, other = _job(round_id=4), _job(round_id=4, prefix=(1, 3))
+    rows = (QRow(0, counts=np.array([5, 0], dtype=np.int64)),)
+    store.begin([7])
+    store.drawing(7, [job])
+    started = time.monotonic()
+    assert store.take(7, other, wait=5.0) is None  # another key: a miss at once
+    assert time.monotonic() - started < 1.0
+    store.begin([8])
+    store.drawing(8, [job])
+
+    def finish() -> None:
+        time.sleep(0.2)
+        store.put(8, [(Hypothesis("bonus", job), rows)])
+        store.end([8])
+
+    threading.Thread(target=finish).start()
+    assert store.take(8, job, wait=5.0) is rows  # waited for the preparation
+    store.end([7])

@@ -175,6 +175,8 @@ class DraftTogether:
             hypotheses(job.draft_job(), rows, prepared.count, b)
             for (job, rows), b in zip(group, bonus, strict=True)
         ]
+        for (job, _), hs in zip(group, hyps, strict=True):
+            prepared.drawing(id(job.slot), [h.job for h in hs])
         drawn = propose_batch(
             batch,
             [h.job for hs in hyps for h in hs],

@@ -138,16 +138,24 @@ class PreparedBlocks:
         )
         self._bytes = 0
         self._busy: dict[int, int] = {}  # slots being prepared, by preparations
+        self._coming: dict[int, set[Key]] = {}  # the keys their preparations are drawing
         self._done = threading.Condition()
         self.prepared: Counter[str] = Counter()  # blocks prepared, by hypothesis
         self.used: Counter[str] = Counter()  # blocks served, by hypothesis
         self.lookups = 0  # STEPs looked up (each slot's first STEP after a preparation)
 
     def begin(self, origins: Sequence[int]) -> None:
-        """Mark ``origins`` as being prepared: their lookups wait (up to :data:`WAIT_S`)."""
+        """Mark ``origins`` as being prepared: their lookups wait (up to :data:`WAIT_S`)
+        until :meth:`drawing` names the keys, then only for those keys."""
         with self._done:
             for o in origins:
                 self._busy[o] = self._busy.get(o, 0) + 1
+
+    def drawing(self, origin: int, jobs: Sequence[DraftJob]) -> None:
+        """``origin``'s preparation is drawing ``jobs``: a lookup for another key misses."""
+        with self._done:
+            self._coming.setdefault(origin, set()).update(key_of(j) for j in jobs)
+            self._done.notify_all()
 
     def end(self, origins: Sequence[int]) -> None:
         """``origins``' preparation is over (stored or not): their lookups go on."""
@@ -158,6 +166,7 @@ class PreparedBlocks:
                     self._busy[o] = left
                 else:
                     del self._busy[o]
+                    self._coming.pop(o, None)
             self._done.notify_all()
 
     def preparing(self, origin: int) -> bool:
@@ -187,8 +196,13 @@ class PreparedBlocks:
         """The rows prepared for ``origin`` under ``job``'s key, or None; either way every
         block ``origin`` had is dropped. Waits up to ``wait`` s for a running preparation."""
         key = key_of(job)
+
+        def settled() -> bool:  # not being prepared, or being prepared for another key
+            coming = self._coming.get(origin)
+            return origin not in self._busy or (coming is not None and key not in coming)
+
         with self._done:
-            self._done.wait_for(lambda: origin not in self._busy, timeout=wait)
+            self._done.wait_for(settled, timeout=wait)
             table = self._drop(origin)
             if table is None:
                 return None
