@@ -79,6 +79,16 @@ def test_prepared_blocks_were_served_by_hypothesis(preparing):
     assert all(used[h] <= made[h] for h in used)
 
 
+def test_a_principal_a_rate_bounds_gets_no_prepared_blocks():
+    # Its budget counts the draws it asks for (docs/adaptive.md §8): none is drawn for it.
+    with worker_process(
+        "--prepare", "3", "--principal-rate", "1000", "--metrics-port", "0", vocab=1000, seed=7
+    ) as w:
+        done = run_one(*_argv("dense-d5", w.address))
+        assert tokens(done) == REFERENCE["dense-d5"]["tokens"]
+        assert _counts(w.metrics, "pp1_worker_prepared_blocks") == {}
+
+
 def test_prepare_is_refused_where_it_cannot_run():
     for flags in (["--vocab-shards", "2"], ["--draw-threads", "0"]):
         args = worker_app.build_parser().parse_args(["--prepare", "1", *flags])

@@ -644,15 +644,22 @@ class WorkerServer(Admission[_Conn]):
                 f"the batch runner returned {len(results or ())} results for {len(batch)} jobs"
             )
             results = [job.complete(failure) for _, (_, job) in batch]
-        jobs = [job for _, (_, job) in batch]
-        # Prepared work only when no draw waits for a thread; it holds the batch's
-        # thread (and its principals' share) until done, then the next batch goes.
+        # Prepared work only when no draw waits for a thread, and for principals no rate
+        # bounds (their draws are the budget's to count); it holds the batch's thread
+        # (and its principals' share) until done, then the next batch goes.
+        mine = [
+            (job, result)
+            for (_, (conn, job)), result in zip(batch, results, strict=True)
+            if conn.core is not None and not conn.core.gate.account.capped
+        ]
         prepare = (
             self.prepared is not None
             and self.draw_pool is not None
+            and bool(mine)
             and not self.draws.queued
             and not self.stopping
         )
+        jobs = [job for job, _ in mine]
         if prepare:
             assert self.prepared is not None
             self.prepared.begin([id(job.slot) for job in jobs])  # before a next STEP can look
@@ -668,18 +675,20 @@ class WorkerServer(Admission[_Conn]):
         cancel = threading.Event()
         self._preparing[cancel] = frozenset(id(job.slot) for job in jobs)
         loop = asyncio.get_running_loop()
-        ready = loop.run_in_executor(self.draw_pool, runner.prepare, jobs, results, cancel)
-        ready.add_done_callback(functools.partial(self._prepared_done, batch, cancel))
+        drawn = [result for _, result in mine]
+        ready = loop.run_in_executor(self.draw_pool, runner.prepare, jobs, drawn, cancel)
+        ready.add_done_callback(functools.partial(self._prepared_done, batch, jobs, cancel))
 
     def _prepared_done(
         self,
         batch: list[tuple[Principal | None, tuple[_Conn, worker_core.DrawJob]]],
+        jobs: list[worker_core.DrawJob],
         cancel: threading.Event,
         _done: asyncio.Future[None],
     ) -> None:
         del self._preparing[cancel]
         if _done.cancelled() and self.prepared is not None:  # never ran: release its slots
-            self.prepared.end([id(job.slot) for _, (_, job) in batch])
+            self.prepared.end([id(job.slot) for job in jobs])
         self.draws.finished(batch)
         self._count_prepared()
         self._schedule()

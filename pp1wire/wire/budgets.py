@@ -241,6 +241,11 @@ class Account:
             return False
         return self._cap is None or self._cap.take(now)
 
+    @property
+    def capped(self) -> bool:
+        """Whether a rate (``--max-draw-rate``) or a cap (``--principal-rate``) bounds its draws."""
+        return self._rate is not None or self._cap is not None
+
     def owes(self, now: float) -> float:
         """Seconds from ``now`` until the abandons and the cap allow a fresh draw (0: now)."""
         owed = 0.0 if self._abandons is None else self._abandons.wait(now)
