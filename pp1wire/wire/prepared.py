@@ -133,9 +133,7 @@ class PreparedBlocks:
         self.count = count
         self.max_origins = max_origins
         self.max_bytes = max_bytes
-        self._blocks: OrderedDict[int, dict[Key, tuple[str, tuple[QRow, ...], int]]] = (
-            OrderedDict()
-        )
+        self._blocks: OrderedDict[int, dict[Key, tuple[str, tuple[QRow, ...], int]]] = OrderedDict()
         self._bytes = 0
         self._busy: dict[int, int] = {}  # slots being prepared, by preparations
         self._coming: dict[int, set[Key]] = {}  # the keys their preparations are drawing
@@ -190,9 +188,7 @@ class PreparedBlocks:
             ):
                 self._drop(next(iter(self._blocks)))
 
-    def take(
-        self, origin: int, job: DraftJob, *, wait: float = WAIT_S
-    ) -> tuple[QRow, ...] | None:
+    def take(self, origin: int, job: DraftJob, *, wait: float = WAIT_S) -> tuple[QRow, ...] | None:
         """The rows prepared for ``origin`` under ``job``'s key, or None; either way every
         block ``origin`` had is dropped. Waits up to ``wait`` s for a running preparation."""
         key = key_of(job)
