@@ -586,6 +586,15 @@ class WorkerServer(Admission[_Conn]):
             loop = asyncio.get_running_loop()
             self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
             return
+        if self.prepared is not None and job.local:
+            # A block prepared for exactly this STEP goes out now, on no draw thread.
+            ready = self.prepared.take_now(id(job.slot), job.draft_job())
+            if ready is not None:
+                self.draws.unexpect(conn.principal, job.step.slot, owner=conn)
+                result = job.complete(ready)
+                asyncio.get_running_loop().call_soon(conn._drawn, job, result)
+                self._count_prepared()
+                return
         self.draws.submit(
             conn.principal, (conn, job), now=time.monotonic(), owner=conn, tag=job.step.slot
         )

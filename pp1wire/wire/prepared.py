@@ -209,6 +209,16 @@ class PreparedBlocks:
             self.used[hit[0]] += 1
             return hit[1]
 
+    def take_now(self, origin: int, job: DraftJob) -> tuple[QRow, ...] | None:
+        """:meth:`take` without waiting, and without a lookup while ``origin``'s
+        preparation may still draw ``job``'s key (then None, and nothing dropped)."""
+        key = key_of(job)
+        with self._done:
+            coming = self._coming.get(origin)
+            if origin in self._busy and (coming is None or key in coming):
+                return None
+        return self.take(origin, job, wait=0.0)
+
     def _drop(self, origin: int) -> dict[Key, tuple[str, tuple[QRow, ...], int]] | None:
         table = self._blocks.pop(origin, None)
         if table is not None:
