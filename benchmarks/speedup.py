@@ -1,13 +1,15 @@
 """What speculative decoding buys: speculative against target-only tokens/s, and against the ideal.
 
 Run from the repository root: ``python benchmarks/speedup.py [--json] [--smoke]
-[--models toy ngram] [--drafter-kind logits|probs|both]``.
+[--models toy ngram] [--drafter-kind logits|probs|both] [--drafter-ms MS ...]
+[--prepare N]``.
 
 The plugins cost a fixed time per call, as a forward pass does
 (:mod:`pp1wire.apps.paced`): the target sleeps to a deadline t_t per call,
 whether it scores one prefix or a whole step's batch, and the drafter costs
-t_d = 0.5 ms per call (one prefix or a batch). Two model pairs (``--models``,
-both by default, one table row each): ``toy``, whose rows are nearly free
+t_d per call (one prefix or a batch): 0.5 ms, or each of ``--drafter-ms``, a
+dimension of the cells (``drafter_ms``), each with its own workers. Two model
+pairs (``--models``, both by default, one table row each): ``toy``, whose rows are nearly free
 (tabulated toy models), so what is left of each side's CPU is pp1wire's own;
 and ``ngram`` (:mod:`pp1wire.apps.ngram`, the pair with the statistics of real
 language), whose rows are computed inside the paced time (a few hundredths
@@ -22,7 +24,7 @@ figure the median with the min-max over the repetitions (3 by default).
 Per cell, from the same repetition:
 
 * ``speedup`` = speculative tokens/s / target-only tokens/s;
-* ``ideal`` = S·(L + 1) / (d·t_d + t_t) tokens/s, with L the mean accepted
+* ``ideal`` = S·(L + 1) / (d·t_d + t_t) tokens/s (the cell's t_d), with L the mean accepted
   length this run measured: an engine with these plugin costs and no other
   drafts d positions for every slot at once (d·t_d), scores every slot's
   drafts and bonus in one target call (t_t) and commits S·(L + 1) tokens;
@@ -53,11 +55,39 @@ free models (t_t = 0 and a drafter of 0 ms, its own worker, warmed up as the
 others are): speculative and target-only tokens/s and each side's CPU per row,
 over the same repetitions (``--no-floor`` skips it).
 
+**Prepared blocks** (``--prepare N``, N in 1..8; 0, the default: none, and
+the benchmark is the one above). Every speculative cell also runs against a
+second worker of its pair, kind, vocabulary and t_d, started with ``pp1-worker
+--prepare N`` (``prepare`` = N in its cell and runs; the cells above have
+``prepare`` = 0): it drafts each slot's next block for N guesses of the
+round's outcome while the Spark side verifies, and serves the STEP that
+matches one. Its runs are interleaved with the others in each repetition's
+rotation; target-only runs once per repetition, the baseline of both. An on
+cell has every figure above, over its own runs, and:
+
+* ``on_vs_off`` = its tokens/s / the tokens/s of the same cell without
+  preparation (``prepare`` = 0), in the same repetition;
+* ``rounds`` = the rounds its requests ran (``pp1-spark``'s ``rounds``);
+* ``prepared_blocks`` and ``prepared_served``, by hypothesis (``bonus``,
+  ``reject@1``, ...): the worker's ``pp1_worker_prepared_blocks_total`` and
+  ``pp1_worker_prepared_used_total`` over the run (read before it and after,
+  once the worker's counters have settled: the last round's preparation ends
+  after the run does), and ``prepared_blocks_total`` and
+  ``prepared_served_total``, their sums;
+* ``hit_rate`` = ``prepared_served_total`` / ``rounds``: the share of rounds
+  whose block was ready when its STEP came;
+* ``prepared_use_rate`` = ``prepared_served_total`` /
+  ``prepared_blocks_total``: the share of prepared blocks that were served;
+* ``hit_rate_by_hypothesis``: per hypothesis prepared in the run, its blocks
+  served / its blocks prepared.
+
 ``--json`` prints one object: ``cells`` (those figures, each ``{"median",
-"min", "max"}``), ``runs`` (every repetition's raw figures, from which each
-one follows) and, for ``benchmarks/run.py``, the keys it always read, from
-the repetition with the median dense speedup of the first vocabulary at t_t =
-20 ms (or the first t_t given).
+"min", "max"}``; a figure by hypothesis, one such object per hypothesis,
+over the runs that prepared it), ``runs`` (every repetition's raw figures,
+from which each one follows) and, for ``benchmarks/run.py``, the keys it
+always read, from the repetition with the median dense speedup of the first
+vocabulary at t_t = 20 ms (or the first t_t given), of the first t_d, without
+preparation.
 """
 
 from __future__ import annotations
@@ -65,11 +95,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +115,7 @@ from pp1wire.apps.launch import (
     worker_process,
 )
 from pp1wire.apps.paced import DRAFTER_MS_ENV, TARGET_MS_ENV
+from pp1wire.wire.prepared import MAX_PREPARE
 
 #: Each model pair's paced plugins (``--models``): the drafter of each kind
 #: (``--drafter-kind``), then the target; pp1-demo's table, which also names them.
@@ -94,6 +127,10 @@ SUPPORTS = ("dense", "sparse:32")
 TARGET_MS = (5.0, 20.0, 50.0)
 DRAFTER_MS = 0.5
 DEPTH = 5
+#: How long a worker's counters may take to settle after a run (they are read then).
+SETTLE_S = 10.0
+
+
 def cores() -> tuple[list[int], list[int]]:
     """The worker's cores and the Spark side's: two halves of this process's (one core: both)."""
     halves = split_cores()
@@ -116,15 +153,47 @@ def process_cpu(pid: int) -> float:
     return total / 1e9
 
 
-def rows_sent(worker: RunningWorker) -> float:
-    """The worker's ``pp1_worker_rows_total``."""
+_BY_HYPOTHESIS = re.compile(
+    r'^pp1_worker_prepared_(blocks|used)_total\{hypothesis="([^"]*)"\} (\S+)$'
+)
+
+
+def worker_counts(worker: RunningWorker) -> dict[str, Any]:
+    """The worker's ``pp1_worker_rows_total`` (``rows``) and its prepared blocks and those
+    served, by hypothesis (``blocks``, ``used``: ``pp1_worker_prepared_*_total``)."""
     with urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pp1_worker_rows_total ")
-    )
+    out: dict[str, Any] = {"rows": 0.0, "blocks": {}, "used": {}}
+    for line in text.splitlines():
+        if line.startswith("pp1_worker_rows_total "):
+            out["rows"] += float(line.rsplit(" ", 1)[1])
+        elif (m := _BY_HYPOTHESIS.match(line)) is not None:
+            out[m[1]][m[2]] = float(m[3])
+    return out
+
+
+def rows_sent(worker: RunningWorker) -> float:
+    """The worker's ``pp1_worker_rows_total``."""
+    rows: float = worker_counts(worker)["rows"]
+    return rows
+
+
+def settled_counts(worker: RunningWorker, quiet: float) -> dict[str, Any]:
+    """:func:`worker_counts` once they have not moved for ``quiet`` seconds (a preparation
+    still running after a run counts in it), or after ``SETTLE_S`` regardless."""
+    deadline = time.monotonic() + SETTLE_S
+    last = worker_counts(worker)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = worker_counts(worker)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: count - before.get(name, 0.0) for name, count in sorted(after.items())}
 
 
 def spark_run(
@@ -138,8 +207,12 @@ def spark_run(
     tokens: int,
     on: list[int],
     models: str = "toy",
+    settle: float | None = None,
 ) -> dict[str, Any]:
-    """One ``pp1-spark`` run: its summary, with the worker's CPU and rows during it."""
+    """One ``pp1-spark`` run: its summary, with the worker's CPU and rows during it. With
+    ``settle`` (a preparing worker), also its prepared and served blocks by hypothesis
+    (``prepared_blocks``, ``prepared_served``), read once its counters have been still for
+    ``settle`` seconds, as its CPU is then."""
     cmd = spark_command(
         worker.address,
         "--target", PAIRS[models][1],
@@ -148,15 +221,20 @@ def spark_run(
         vocab=vocab,
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", TARGET_MS_ENV: repr(target_ms)}
-    cpu, rows = process_cpu(worker.process.pid), rows_sent(worker)
+    before = settled_counts(worker, settle) if settle is not None else worker_counts(worker)
+    cpu = process_cpu(worker.process.pid)
     done = subprocess.run(
         pinned(cmd, on), capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"pp1-spark exited {done.returncode}: {done.stderr[-2000:]}")
     summary: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    after = settled_counts(worker, settle) if settle is not None else worker_counts(worker)
     summary["worker_cpu_seconds"] = process_cpu(worker.process.pid) - cpu
-    summary["worker_rows"] = rows_sent(worker) - rows
+    summary["worker_rows"] = after["rows"] - before["rows"]
+    if settle is not None:
+        summary["prepared_blocks"] = _delta(after["blocks"], before["blocks"])
+        summary["prepared_served"] = _delta(after["used"], before["used"])
     return summary
 
 
@@ -168,12 +246,14 @@ def worker_on(
     kind: str = "logits",
     drafter_ms: float = DRAFTER_MS,
     models: str = "toy",
+    prepare: int = 0,
 ) -> Iterator[RunningWorker]:
     """``pp1-worker`` with the fixed-cost drafter of pair ``models`` and ``kind``, pinned to
-    ``on``, metrics on a free port."""
+    ``on``, metrics on a free port; with ``prepare``, ``--prepare prepare``."""
     cmd = worker_command(
         "--drafter", PAIRS[models][0][kind], "--max-slots", str(slots),
-        "--metrics-port", "0", vocab=vocab, seed=0,
+        "--metrics-port", "0", *(("--prepare", str(prepare)) if prepare else ()),
+        vocab=vocab, seed=0,
     )  # fmt: skip
     env = {
         **os.environ,
@@ -208,10 +288,15 @@ def key_of(support: str) -> str:
 
 
 def figures(
-    spec: dict[str, Any], plain: dict[str, Any], *, slots: int, target_ms: float
+    spec: dict[str, Any],
+    plain: dict[str, Any],
+    *,
+    slots: int,
+    target_ms: float,
+    drafter_ms: float = DRAFTER_MS,
 ) -> dict[str, float]:
     """One repetition's figures for a cell, from its speculative and target-only runs."""
-    t_t, t_d = target_ms / 1e3, DRAFTER_MS / 1e3
+    t_t, t_d = target_ms / 1e3, drafter_ms / 1e3
     length = spec["mean_accepted_length"]
     ideal = slots * (length + 1) / (DEPTH * t_d + t_t)
     return {
@@ -248,9 +333,44 @@ def figures(
     }
 
 
+def prepared_figures(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """A preparing run's own figures (the module docstring's), from it and the run of the
+    same cell without preparation in the same repetition."""
+    blocks, served = on["prepared_blocks"], on["prepared_served"]
+    blocks_total, served_total = sum(blocks.values()), sum(served.values())
+    return {
+        "on_vs_off": on["tokens_per_second"] / off["tokens_per_second"],
+        "rounds": on["rounds"],
+        "prepared_blocks": blocks,
+        "prepared_served": served,
+        "prepared_blocks_total": blocks_total,
+        "prepared_served_total": served_total,
+        "hit_rate": served_total / max(1, on["rounds"]),
+        "prepared_use_rate": served_total / max(1.0, blocks_total),
+        "hit_rate_by_hypothesis": {
+            name: served.get(name, 0.0) / count for name, count in blocks.items() if count > 0
+        },
+    }
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """Median and min-max."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize_runs(runs: Sequence[dict[str, Any]], skip: Sequence[str]) -> dict[str, Any]:
+    """Each figure of ``runs`` (one cell's) but ``skip``, summarized; a figure by hypothesis,
+    each hypothesis over the runs that have it."""
+    out: dict[str, Any] = {}
+    for name, first in runs[0].items():
+        if name in skip:
+            continue
+        if isinstance(first, dict):
+            names = sorted({k for r in runs for k in r[name]})
+            out[name] = {k: summarize([r[name][k] for r in runs if k in r[name]]) for k in names}
+        else:
+            out[name] = summarize([r[name] for r in runs])
+    return out
 
 
 def measure(
@@ -265,26 +385,56 @@ def measure(
     kinds: Sequence[str] = ("logits",),
     floor: bool = True,
     models: Sequence[str] = ("toy",),
+    drafter_ms: Sequence[float] = (DRAFTER_MS,),
+    prepare: int = 0,
 ) -> dict[str, Any]:
-    """Run the table (see the module docstring) for each pair of ``models`` (``PAIRS``) and
-    drafter kind; returns ``cells``, ``runs``, ``floors`` and headline keys (from the
-    first pair and kind).
+    """Run the table (see the module docstring) for each pair of ``models`` (``PAIRS``),
+    drafter kind and drafter cost (``drafter_ms``), and with ``prepare`` (1 to
+    ``MAX_PREPARE``) each speculative cell again against a worker that prepares that many
+    blocks; returns ``cells``, ``runs``, ``floors`` and headline keys (from the first
+    pair, kind and drafter cost, without preparation).
 
-    With ``warm_up``, each worker's first run (its warm-up) is not measured."""
+    With ``warm_up``, each worker's first run (its warm-up) is not measured.
+
+    Raises:
+        ValueError: ``prepare`` out of 0 to ``MAX_PREPARE``, or a negative drafter cost.
+    """
+    if not 0 <= prepare <= MAX_PREPARE:
+        raise ValueError(f"prepare must be 0 to {MAX_PREPARE}, not {prepare}")
+    if any(not d >= 0 for d in drafter_ms):
+        raise ValueError(f"drafter costs must be >= 0 ms, not {list(drafter_ms)}")
     worker_cores, spark_cores = cores()
     runs: list[dict[str, Any]] = []
-    combos = [(m, k, v) for m in models for k in kinds for v in vocabs]
-    for pair, kind, vocab in combos:
-        with worker_on(vocab, requests, worker_cores, kind, models=pair) as worker:
+    modes = (0, prepare) if prepare else (0,)
+    combos = [(m, k, v, d) for m in models for k in kinds for v in vocabs for d in drafter_ms]
+    for pair, kind, vocab, t_d in combos:
+        # The last round's preparation outlasts a run: the counters are read once still
+        # for about two preparations' drafter time.
+        settle = 0.05 + 2e-3 * prepare * DEPTH * t_d
+        with ExitStack() as stack:
+            workers = {
+                mode: stack.enter_context(
+                    worker_on(
+                        vocab, requests, worker_cores, kind,
+                        drafter_ms=t_d, models=pair, prepare=mode,
+                    )
+                )
+                for mode in modes
+            }  # fmt: skip
             if warm_up:
-                warm_up_run(worker, vocab, supports[0], requests, tokens, spark_cores, pair)
-            order = [(t, s) for t in target_ms for s in ("target_only", *supports)]
+                for worker in workers.values():
+                    warm_up_run(worker, vocab, supports[0], requests, tokens, spark_cores, pair)
+            order = [
+                (t, s, mode)
+                for t in target_ms
+                for s, mode in [("target_only", 0), *((q, m) for q in supports for m in modes)]
+            ]
             for rep in range(reps):
                 turn = order[rep % len(order) :] + order[: rep % len(order)]
-                got: dict[tuple[float, str], dict[str, Any]] = {}
-                for t, s in turn:
-                    got[t, s] = spark_run(
-                        worker,
+                got: dict[tuple[float, str, int], dict[str, Any]] = {}
+                for t, s, mode in turn:
+                    got[t, s, mode] = spark_run(
+                        workers[mode],
                         vocab=vocab,
                         depth=0 if s == "target_only" else DEPTH,
                         support="dense" if s == "target_only" else s,
@@ -293,39 +443,47 @@ def measure(
                         tokens=tokens,
                         on=spark_cores,
                         models=pair,
+                        settle=settle if mode else None,
                     )
                 for t in target_ms:
                     for s in supports:
-                        runs.append(
-                            {
+                        for mode in modes:
+                            run = {
                                 "models": pair,
                                 "vocab": vocab,
                                 "drafter": kind,
+                                "drafter_ms": t_d,
                                 "q": s,
                                 "target_ms": t,
+                                "prepare": mode,
                                 "rep": rep,
                                 **figures(
-                                    got[t, s], got[t, "target_only"], slots=requests, target_ms=t
+                                    got[t, s, mode],
+                                    got[t, "target_only", 0],
+                                    slots=requests,
+                                    target_ms=t,
+                                    drafter_ms=t_d,
                                 ),
                             }
-                        )
+                            if mode:
+                                run.update(prepared_figures(got[t, s, mode], got[t, s, 0]))
+                            runs.append(run)
     cells = []
-    labels = ("models", "vocab", "drafter", "target_ms", "q")
-    for pair, kind, vocab in combos:
+    labels = ("models", "vocab", "drafter", "drafter_ms", "target_ms", "q", "prepare")
+    for pair, kind, vocab, t_d in combos:
         for t in target_ms:
             for s in supports:
-                at = (pair, vocab, kind, t, s)
-                mine = [r for r in runs if tuple(r[k] for k in labels) == at]
-                cell: dict[str, Any] = dict(zip(labels, at, strict=True))
-                for name in mine[0]:
-                    if name not in (*labels, "rep"):
-                        cell[name] = summarize([r[name] for r in mine])
-                cells.append(cell)
+                for mode in modes:
+                    at = (pair, vocab, kind, t_d, t, s, mode)
+                    mine = [r for r in runs if tuple(r[k] for k in labels) == at]
+                    cell: dict[str, Any] = dict(zip(labels, at, strict=True))
+                    cell.update(summarize_runs(mine, skip=(*labels, "rep")))
+                    cells.append(cell)
     floors = [
         free_model_floor(
             vocab, kind, requests, tokens, reps, worker_cores, spark_cores, pair, warm_up=warm_up
         )
-        for pair, kind, vocab in combos
+        for pair, kind, vocab in dict.fromkeys((m, k, v) for m, k, v, _ in combos)
         if floor
     ]
     out: dict[str, Any] = {
@@ -334,7 +492,8 @@ def measure(
             "tokens": tokens,
             "concurrency": requests,
             "depth": DEPTH,
-            "drafter_ms": DRAFTER_MS,
+            "drafter_ms": list(drafter_ms),
+            "prepare": prepare,
             "reps": reps,
             "worker_cores": worker_cores,
             "spark_cores": spark_cores,
@@ -345,7 +504,12 @@ def measure(
         "runs": runs,
         "floors": floors,
     }
-    first = [r for r in runs if (r["models"], r["drafter"]) == (models[0], kinds[0])]
+    first = [
+        r
+        for r in runs
+        if (r["models"], r["drafter"], r["drafter_ms"], r["prepare"])
+        == (models[0], kinds[0], drafter_ms[0], 0)
+    ]
     out.update(headline(first, vocabs[0], 20.0 if 20.0 in target_ms else target_ms[0], supports))
     return out
 
@@ -395,7 +559,11 @@ def free_model_floor(
             ):
                 figures_of.setdefault(name, []).append(value)
     out: dict[str, Any] = {
-        "models": models, "vocab": vocab, "drafter": kind, "q": "dense", "target_ms": 0.0
+        "models": models,
+        "vocab": vocab,
+        "drafter": kind,
+        "q": "dense",
+        "target_ms": 0.0,
     }
     out.update({name: summarize(values) for name, values in figures_of.items()})
     return out
@@ -437,16 +605,19 @@ def _cell_text(f: dict[str, float], digits: int = 2) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The cells as a markdown table: median (min-max) of the repetitions."""
+    """The cells as markdown tables, median (min-max) of the repetitions: those without
+    preparation, those with it (``--prepare``) and the free-model floor."""
     head = [
-        "| pair | V | drafter | q | t_t ms | speculative / target-only | ideal | "
+        "| pair | V | drafter | t_d ms | q | t_t ms | speculative / target-only | ideal | "
         "measured / ideal | fill | STEP→proposal ms | step ms (ideal; worker, Spark CPU) | "
         "worker CPU ms/row | Spark CPU ms/row | Spark CPU ms/token (spec, target-only) | L |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in result["cells"]:
+    cells = result["cells"]
+    for c in (c for c in cells if not c.get("prepare")):
         head.append(
-            f"| {c['models']} | {c['vocab']:,} | {c['drafter']} | {c['q']} | {c['target_ms']:g} "
+            f"| {c['models']} | {c['vocab']:,} | {c['drafter']} "
+            f"| {c.get('drafter_ms', DRAFTER_MS):g} | {c['q']} | {c['target_ms']:g} "
             f"| {_cell_text(c['speedup'])}x "
             f"| {c['ideal_speedup']['median']:.2f}x | {_cell_text(c['measured_vs_ideal'])} "
             f"| {_cell_text(c['fill'])} | {_cell_text(c['round_trip_ms'], 1)} "
@@ -459,6 +630,28 @@ def table(result: dict[str, Any]) -> str:
             f"{c['target_only_spark_cpu_ms_per_token']['median']:.3f} "
             f"| {c['mean_accepted_length']['median']:.2f} |"
         )
+    prepared = [c for c in cells if c.get("prepare")]
+    if prepared:
+        head += [
+            "",
+            f"With prepared blocks (pp1-worker --prepare {prepared[0]['prepare']}); "
+            "hit rate: served / rounds; by hypothesis: served / prepared:",
+            "",
+            "| pair | V | drafter | t_d ms | q | t_t ms | tokens/s | on / off | "
+            "speculative / target-only | measured / ideal | hit rate | by hypothesis |",
+            "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for c in prepared:
+            hypotheses = ", ".join(
+                f"{name} {f['median']:.2f}" for name, f in c["hit_rate_by_hypothesis"].items()
+            )
+            head.append(
+                f"| {c['models']} | {c['vocab']:,} | {c['drafter']} | {c['drafter_ms']:g} "
+                f"| {c['q']} | {c['target_ms']:g} | {_cell_text(c['tokens_per_second'], 0)} "
+                f"| {_cell_text(c['on_vs_off'])} | {_cell_text(c['speedup'])}x "
+                f"| {_cell_text(c['measured_vs_ideal'])} | {_cell_text(c['hit_rate'])} "
+                f"| {hypotheses or '-'} |"
+            )
     if result["floors"]:
         head += [
             "",
@@ -501,23 +694,32 @@ def main() -> None:
         default="logits",
         help="the paced drafter hands over logits, FP32 probabilities, or each in turn",
     )
+    p.add_argument(
+        "--drafter-ms", type=float, nargs="+", default=[DRAFTER_MS], metavar="MS",
+        help=f"the drafter's cost per call, t_d, each a dimension of the cells (default: "
+        f"{DRAFTER_MS})",
+    )  # fmt: skip
+    p.add_argument(
+        "--prepare", type=int, default=0, choices=range(MAX_PREPARE + 1), metavar="N",
+        help=f"also run each speculative cell against a worker started with --prepare N "
+        f"(1 to {MAX_PREPARE}; 0, the default: none)",
+    )  # fmt: skip
     p.add_argument("--no-floor", action="store_true", help="skip the free-model floor")
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="a tiny table (V = 1,024, t_t = 2 ms, 2 requests x 4 tokens, 2 repetitions): "
-        "checks that the benchmark works",
+        help="a tiny table (V = 1,024, t_t = 2 ms, 2 requests x 4 tokens, 2 repetitions, "
+        "each size one not given on the command line): checks that the benchmark works",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
     if args.smoke:
-        args.vocab, args.target_ms, args.requests, args.max_tokens, args.reps = (
-            [1024],
-            [2.0],
-            2,
-            4,
-            2,
-        )
+        tiny = {"vocab": [1024], "target_ms": [2.0], "requests": 2, "max_tokens": 4, "reps": 2}
+        for name, value in tiny.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    if any(not d >= 0 for d in args.drafter_ms):
+        p.error(f"--drafter-ms: each must be >= 0, not {args.drafter_ms}")
     result = measure(
         vocabs=args.vocab,
         supports=args.support,
@@ -529,6 +731,8 @@ def main() -> None:
         kinds=("logits", "probs") if args.drafter_kind == "both" else (args.drafter_kind,),
         floor=not args.no_floor,
         models=args.models,
+        drafter_ms=args.drafter_ms,
+        prepare=args.prepare,
     )
     if args.json:
         print(json.dumps(result))
@@ -536,7 +740,8 @@ def main() -> None:
     s = result["setup"]
     print(
         f"{s['requests']} requests x {s['tokens']} tokens, concurrency {s['concurrency']}, "
-        f"depth {s['depth']}, drafter {s['drafter_ms']} ms per call; worker on cores "
+        f"depth {s['depth']}, drafter {', '.join(map(str, s['drafter_ms']))} ms per call; "
+        f"worker on cores "
         f"{s['worker_cores']}, pp1-spark on {s['spark_cores']}; median (min-max) of "
         f"{s['reps']} interleaved repetitions\n"
     )

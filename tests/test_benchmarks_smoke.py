@@ -150,14 +150,18 @@ def test_integrity_cost_smoke():
         assert lo <= ratio <= hi, (ratio, keyed, plain)
 
 
-def test_speedup_smoke():
-    result = run_json("speedup.py", "--smoke", "--json")
+SPEEDUP_LABELS = ("models", "vocab", "drafter", "drafter_ms", "q", "target_ms", "prepare")
+
+
+def check_speedup_runs(result: dict[str, Any]) -> None:
+    """speedup.py's figures, each run's from its parts and each cell's from its runs."""
     setup = result["setup"]
-    slots, depth, t_d = setup["concurrency"], setup["depth"], setup["drafter_ms"] / 1e3
+    slots, depth = setup["concurrency"], setup["depth"]
     runs = result["runs"]
-    assert len(runs) == setup["reps"] * len(result["cells"]) >= 2 * 2  # dense, sparse:32
+    assert len(runs) == setup["reps"] * len(result["cells"])
     for r in runs:
-        t_t = r["target_ms"] / 1e3
+        t_t, t_d = r["target_ms"] / 1e3, r["drafter_ms"] / 1e3
+        assert r["drafter_ms"] in setup["drafter_ms"]
         # Each figure from the parts of the same repetition: both runs and the
         # acceptance measured in it.
         assert r["speedup"] == pytest.approx(
@@ -197,26 +201,47 @@ def test_speedup_smoke():
         assert r["spark_cpu_ms_per_token"] > 0
         assert r["target_only_spark_cpu_ms_per_token"] > 0
     for cell in result["cells"]:
-        mine = [
-            r for r in runs if (r["models"], r["vocab"], r["q"], r["target_ms"]) ==
-            (cell["models"], cell["vocab"], cell["q"], cell["target_ms"])
-        ]  # fmt: skip
+        mine = [r for r in runs if all(r[k] == cell[k] for k in SPEEDUP_LABELS)]
         assert len(mine) == setup["reps"]
         for name, summary in cell.items():
-            if isinstance(summary, dict):  # median and min-max over the repetitions
-                values = sorted(r[name] for r in mine)
-                assert summary["min"] == values[0]
-                assert summary["max"] == values[-1]
-                assert summary["median"] == pytest.approx(
+            if not isinstance(summary, dict):
+                continue
+            # Median and min-max over the repetitions; a figure by hypothesis, each
+            # hypothesis over the runs that have it.
+            parts = (
+                [(summary, [r[name] for r in mine])]
+                if "median" in summary
+                else [(f, [r[name][h] for r in mine if h in r[name]]) for h, f in summary.items()]
+            )
+            for f, values in parts:
+                values.sort()
+                assert values, (name, summary)
+                assert f["min"] == values[0]
+                assert f["max"] == values[-1]
+                assert f["median"] == pytest.approx(
                     (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
                 )
+
+
+def test_speedup_smoke():
+    result = run_json("speedup.py", "--smoke", "--json")
+    check_speedup_runs(result)
+    runs = result["runs"]
+    assert len(runs) >= 2 * 2 * 2  # 2 pairs x dense, sparse:32 x 2 repetitions
+    assert result["setup"]["prepare"] == 0
+    assert all(r["prepare"] == 0 and "on_vs_off" not in r for r in runs)  # as without it
     # The free-model floor: one per pair (dense, t_t = 0), its spreads ordered.
     floors = result["floors"]
     assert sorted(f["models"] for f in floors) == ["ngram", "toy"]
     for f in floors:
         assert (f["q"], f["target_ms"]) == ("dense", 0.0)
-        for name in ("tokens_per_second", "target_only_tokens_per_second",
-                     "worker_cpu_ms_per_row", "spark_cpu_ms_per_row", "mean_accepted_length"):
+        for name in (
+            "tokens_per_second",
+            "target_only_tokens_per_second",
+            "worker_cpu_ms_per_row",
+            "spark_cpu_ms_per_row",
+            "mean_accepted_length",
+        ):
             spread = f[name]
             assert 0 < spread["min"] <= spread["median"] <= spread["max"], (name, spread)
     # The keys run.py reads: one repetition's, so they follow from each other.
@@ -237,6 +262,58 @@ def test_speedup_smoke():
         )
     assert result["step_fill"] == chosen["dense"]["fill"]
     assert result["worker_cpu_ms_per_row"] == chosen["dense"]["worker_cpu_ms_per_row"]
+
+
+def test_speedup_prepare_smoke():
+    # One tiny cell at two drafter costs, each with and without prepared blocks, in
+    # one repetition (the rotation and the spreads are test_speedup_smoke's); 16
+    # tokens a request, so that requests run rounds after a preparation.
+    result = run_json(
+        "speedup.py", "--smoke", "--json", "--models", "toy", "--support", "dense",
+        "--no-floor", "--reps", "1", "--max-tokens", "16", "--prepare", "2",
+        "--drafter-ms", "0.5", "4",
+    )  # fmt: skip
+    check_speedup_runs(result)
+    runs = result["runs"]
+    assert {(r["drafter_ms"], r["prepare"]) for r in runs} == {
+        (0.5, 0), (0.5, 2), (4.0, 0), (4.0, 2)
+    }  # fmt: skip
+    off = {tuple(r[k] for k in (*SPEEDUP_LABELS[:-1], "rep")): r for r in runs if not r["prepare"]}
+    for r in (r for r in runs if r["prepare"]):
+        twin = off[tuple(r[k] for k in (*SPEEDUP_LABELS[:-1], "rep"))]
+        # Against the same cell unprepared, same repetition; the same target-only baseline.
+        assert r["on_vs_off"] == pytest.approx(r["tokens_per_second"] / twin["tokens_per_second"])
+        assert r["target_only_tokens_per_second"] == twin["target_only_tokens_per_second"]
+        assert r["rounds"] > 0
+        assert r["prepared_blocks_total"] == sum(r["prepared_blocks"].values()) > 0
+        assert r["prepared_served_total"] == sum(r["prepared_served"].values())
+        assert set(r["prepared_served"]) <= set(r["prepared_blocks"])
+        assert r["hit_rate"] == pytest.approx(r["prepared_served_total"] / r["rounds"])
+        assert r["prepared_use_rate"] == pytest.approx(
+            r["prepared_served_total"] / r["prepared_blocks_total"]
+        )
+        by = r["hit_rate_by_hypothesis"]
+        assert by
+        assert set(by) <= set(r["prepared_blocks"])
+        assert all(h == "bonus" or h.startswith("reject@") for h in by)
+        for h, rate in by.items():
+            assert rate == pytest.approx(r["prepared_served"].get(h, 0.0) / r["prepared_blocks"][h])
+        for x in (r["on_vs_off"], r["hit_rate"], r["prepared_use_rate"], *by.values()):
+            assert math.isfinite(x)
+            assert x >= 0
+    for cell in (c for c in result["cells"] if c["prepare"]):
+        for name in (
+            "tokens_per_second",
+            "speedup",
+            "measured_vs_ideal",
+            "on_vs_off",
+            "hit_rate",
+            "prepared_use_rate",
+        ):
+            assert all(math.isfinite(x) for x in cell[name].values()), name
+        assert cell["hit_rate_by_hypothesis"]
+        for f in cell["hit_rate_by_hypothesis"].values():
+            assert all(math.isfinite(x) for x in f.values())
 
 
 def tp_figures(vocab: int, *supports: str) -> dict[str, Any]:
