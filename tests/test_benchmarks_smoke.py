@@ -264,6 +264,7 @@ def test_speedup_smoke():
     assert result["worker_cpu_ms_per_row"] == chosen["dense"]["worker_cpu_ms_per_row"]
 
 
+@pytest.mark.bench
 def test_speedup_prepare_smoke():
     # One tiny cell at two drafter costs, each with and without prepared blocks, in
     # one repetition (the rotation and the spreads are test_speedup_smoke's); 16
