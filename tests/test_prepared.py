@@ -209,26 +209,20 @@ def test_prepared_blocks_keep_the_law_of_the_first_two_tokens(tmp_path, drafter,
         assert abs(a - b) / N <= 6 * sd + 2 / N, (drafter, cell, a, b)
 
 
-def test_a_lookup_waits_only_for_the_key_being_drawn():
-    import threading
-    import time
-
-    store = PreparedBlocks(1)
+def test_a_lookup_is_pending_only_for_the_key_a_running_stage_draws():
+    store = PreparedBlocks(2)
     job, other = _job(round_id=4), _job(round_id=4, prefix=(1, 3))
     rows = (QRow(0, counts=np.array([5, 0], dtype=np.int64)),)
     store.begin([7])
+    assert store.lookup(7, job) is True  # no stage named yet: anything may come
     store.drawing(7, [job])
-    started = time.monotonic()
-    assert store.take(7, other, wait=5.0) is None  # another key: a miss at once
-    assert time.monotonic() - started < 1.0
+    assert store.lookup(7, job) is True  # this stage draws it: wait for the stage
+    store.put(7, [(Hypothesis("bonus", job), rows)])
+    store.drawing(7, [other])  # the next stage
+    assert store.lookup(7, job) is rows  # served from the finished stage
+    assert store.lookup(7, job) is False  # never twice
+    store.end([7])
     store.begin([8])
     store.drawing(8, [job])
-
-    def finish() -> None:
-        time.sleep(0.2)
-        store.put(8, [(Hypothesis("bonus", job), rows)])
-        store.end([8])
-
-    threading.Thread(target=finish).start()
-    assert store.take(8, job, wait=5.0) is rows  # waited for the preparation
-    store.end([7])
+    assert store.lookup(8, other) is False  # another key: a miss at once
+    store.end([8])

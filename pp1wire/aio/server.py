@@ -565,7 +565,9 @@ class WorkerServer(Admission[_Conn]):
         self.gathers = self.draw_pool is not None and group is None
         self.run_batch = run_batch
         self.prepared = run_batch.prepared if isinstance(run_batch, DraftTogether) else None
-        self._preparing: dict[threading.Event, frozenset[int]] = {}  # running: slots' ids
+        # Running preparations: (halt, cancel) and their slots' ids; STEPs waiting for one.
+        self._preparing: dict[tuple[threading.Event, threading.Event], frozenset[int]] = {}
+        self._parked: list[tuple[_Conn, worker_core.DrawJob]] = []
         self._counted: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
         self._scheduling = False  # a _schedule is due on the loop
         self._gather_timer: asyncio.TimerHandle | None = None
@@ -587,11 +589,17 @@ class WorkerServer(Admission[_Conn]):
             self.group.submit(conn, job, functools.partial(_group_drawn, loop, conn, job))
             return
         if self.prepared is not None and job.local:
-            # A block prepared for exactly this STEP goes out now, on no draw thread.
-            ready = self.prepared.take_now(id(job.slot), job.draft_job())
-            if ready is not None:
+            origin = id(job.slot)
+            for (halt, _), slots in self._preparing.items():
+                if origin in slots:  # its round is decided: no later stage can serve it
+                    halt.set()
+            got = self.prepared.lookup(origin, job.draft_job())
+            if got is True:  # the running stage draws this very STEP's block
+                self._parked.append((conn, job))
+                return
+            if got is not False:  # prepared for exactly this STEP: out now, on no thread
                 self.draws.unexpect(conn.principal, job.step.slot, owner=conn)
-                result = job.complete(ready)
+                result = job.complete(got)
                 asyncio.get_running_loop().call_soon(conn._drawn, job, result)
                 self._count_prepared()
                 return
@@ -601,8 +609,9 @@ class WorkerServer(Admission[_Conn]):
         if self._preparing and self.draws.busy >= self.draws.workers:
             # A STEP waits for a thread a preparation holds: the preparation yields,
             # unless it is preparing this very STEP's slot.
-            for cancel, slots in self._preparing.items():
+            for (halt, cancel), slots in self._preparing.items():
                 if id(job.slot) not in slots:
+                    halt.set()
                     cancel.set()
         if not self._scheduling:
             self._scheduling = True
@@ -681,25 +690,32 @@ class WorkerServer(Admission[_Conn]):
             return
         runner = self.run_batch
         assert isinstance(runner, DraftTogether)
-        cancel = threading.Event()
-        self._preparing[cancel] = frozenset(id(job.slot) for job in jobs)
+        events = (threading.Event(), threading.Event())
+        slots = frozenset(id(job.slot) for job in jobs)
+        self._preparing[events] = slots
         loop = asyncio.get_running_loop()
         drawn = [result for _, result in mine]
-        ready = loop.run_in_executor(self.draw_pool, runner.prepare, jobs, drawn, cancel)
-        ready.add_done_callback(functools.partial(self._prepared_done, batch, jobs, cancel))
+        ready = loop.run_in_executor(self.draw_pool, runner.prepare, jobs, drawn, *events)
+        ready.add_done_callback(functools.partial(self._prepared_done, batch, jobs, events))
 
     def _prepared_done(
         self,
         batch: list[tuple[Principal | None, tuple[_Conn, worker_core.DrawJob]]],
         jobs: list[worker_core.DrawJob],
-        cancel: threading.Event,
-        _done: asyncio.Future[None],
+        events: tuple[threading.Event, threading.Event],
+        done: asyncio.Future[None],
     ) -> None:
-        del self._preparing[cancel]
-        if _done.cancelled() and self.prepared is not None:  # never ran: release its slots
+        slots = self._preparing.pop(events)
+        if done.cancelled() and self.prepared is not None:  # never ran: release its slots
             self.prepared.end([id(job.slot) for job in jobs])
         self.draws.finished(batch)
         self._count_prepared()
+        parked, self._parked = self._parked, []
+        for conn, job in parked:  # its block is stored now, or it draws on request
+            if id(job.slot) not in slots:
+                self._parked.append((conn, job))
+            elif conn.core is not None and not conn.lost:
+                self.submit_draw(conn, job)
         self._schedule()
 
     def _count_prepared(self) -> None:

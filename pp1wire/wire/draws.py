@@ -139,11 +139,15 @@ class DraftTogether:
                 results[i] = jobs[i].complete(rows, started=started)
         return [jobs[i].run() if r is None else r for i, r in enumerate(results)]
 
-    def prepare(self, jobs: list[DrawJob], results: list[DrawResult], cancel: Event) -> None:
+    def prepare(
+        self, jobs: list[DrawJob], results: list[DrawResult], halt: Event, cancel: Event
+    ) -> None:
         """Draw the next round's block for each hypothesis of each whole block in
-        ``results`` (:func:`~pp1wire.wire.prepared.hypotheses`) and keep them for its slot.
-        The caller marked the slots with :meth:`PreparedBlocks.begin`; this ends them.
-        Stops at the next drafter call once ``cancel`` is set. Never raises."""
+        ``results`` (:func:`~pp1wire.wire.prepared.hypotheses`) and keep them for its slot,
+        in stages: every slot's likeliest hypothesis, then every slot's next, and so on.
+        No stage starts once ``halt`` is set; the running one stops at its next drafter
+        call once ``cancel`` is. The caller marked the slots with
+        :meth:`PreparedBlocks.begin`; this ends them. Never raises."""
         prepared = self.prepared
         assert prepared is not None
         try:
@@ -152,14 +156,16 @@ class DraftTogether:
                 if job.local and result.status == 0 and result.rows:
                     plan.setdefault(id(job.drafter), []).append((job, tuple(result.rows)))
             for group in plan.values():
-                if not cancel.is_set():
-                    self._prepare_group(group, cancel)
+                if not halt.is_set():
+                    self._prepare_group(group, halt, cancel)
         except Exception:  # a failed guess costs only its block
             log.debug("preparing blocks failed", exc_info=True)
         finally:
             prepared.end([id(job.slot) for job in jobs])
 
-    def _prepare_group(self, group: list[tuple[DrawJob, tuple[QRow, ...]]], cancel: Event) -> None:
+    def _prepare_group(
+        self, group: list[tuple[DrawJob, tuple[QRow, ...]]], halt: Event, cancel: Event
+    ) -> None:
         prepared = self.prepared
         assert prepared is not None
         plugin = group[0][0].drafter
@@ -175,24 +181,26 @@ class DraftTogether:
             hypotheses(job.draft_job(), rows, prepared.count, b)
             for (job, rows), b in zip(group, bonus, strict=True)
         ]
-        for (job, _), hs in zip(group, hyps, strict=True):
-            prepared.drawing(id(job.slot), [h.job for h in hs])
-        drawn = propose_batch(
-            batch,
-            [h.job for hs in hyps for h in hs],
-            self.vocab_size,
-            threads=self.threads,
-            row_entries=self.row_entries,
-            kind=kind,
-        )
-        at = 0
-        for (job, _), hs in zip(group, hyps, strict=True):
-            mine = drawn[at : at + len(hs)]
-            at += len(hs)
-            prepared.put(
-                id(job.slot),
-                [(h, r) for h, r in zip(hs, mine, strict=True) if not isinstance(r, Pp1Error)],
+        for stage in range(prepared.count):
+            todo = [
+                (job, hs[stage])
+                for (job, _), hs in zip(group, hyps, strict=True)
+                if stage < len(hs)
+            ]
+            if not todo or halt.is_set():
+                return
+            for job, h in todo:
+                prepared.drawing(id(job.slot), [h.job])
+            drawn = propose_batch(
+                batch,
+                [h.job for _, h in todo],
+                self.vocab_size,
+                threads=self.threads,
+                row_entries=self.row_entries,
+                kind=kind,
             )
+            for (job, h), rows in zip(todo, drawn, strict=True):
+                prepared.put(id(job.slot), [] if isinstance(rows, Pp1Error) else [(h, rows)])
 
 
 def stream_position(jobs: list[DrawJob], position: int, rows: list[tuple[int, QRow]]) -> None:

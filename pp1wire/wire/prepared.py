@@ -20,8 +20,6 @@ MAX_PREPARE: Final = 8
 MAX_ORIGINS: Final = 4096
 #: Bytes of prepared rows kept at once; the oldest slots' go first.
 MAX_BYTES: Final = 256 << 20
-#: How long a STEP waits for the block being prepared for its slot before drafting anew.
-WAIT_S: Final = 1.0
 
 Key = tuple[object, ...]
 
@@ -113,9 +111,11 @@ class PreparedBlocks:
     only under its whole key, so even a slot ID reused after its slot ended serves only
     rows that are that key's anyway.
 
-    A slot's blocks are replaced by its next preparation and dropped by its next lookup,
-    hit or miss, so no block is served twice and none outlives its round. At most
-    :data:`MAX_ORIGINS` slots and :data:`MAX_BYTES` of rows are kept; the oldest go first.
+    A preparation draws in stages, likeliest hypothesis first (:meth:`drawing`, then
+    :meth:`put`). A slot's blocks are dropped by its next lookup that does not wait for
+    a stage, hit or miss, so no block is served twice and none outlives its round. At
+    most :data:`MAX_ORIGINS` slots and :data:`MAX_BYTES` of rows are kept; the oldest
+    go first.
     """
 
     def __init__(
@@ -136,28 +136,44 @@ class PreparedBlocks:
         self._blocks: OrderedDict[int, dict[Key, tuple[str, tuple[QRow, ...], int]]] = OrderedDict()
         self._bytes = 0
         self._busy: dict[int, int] = {}  # slots being prepared, by preparations
-        self._coming: dict[int, set[Key]] = {}  # the keys their preparations are drawing
-        self._done = threading.Condition()
+        self._coming: dict[int, set[Key]] = {}  # the keys their running stage draws
+        self._lock = threading.Lock()
         self.prepared: Counter[str] = Counter()  # blocks prepared, by hypothesis
         self.used: Counter[str] = Counter()  # blocks served, by hypothesis
         self.lookups = 0  # STEPs looked up (each slot's first STEP after a preparation)
 
     def begin(self, origins: Sequence[int]) -> None:
-        """Mark ``origins`` as being prepared: their lookups wait (up to :data:`WAIT_S`)
-        until :meth:`drawing` names the keys, then only for those keys."""
-        with self._done:
+        """Mark ``origins`` as being prepared: a lookup is pending until :meth:`drawing`
+        names a stage's keys, then for those keys only, until :meth:`end`."""
+        with self._lock:
             for o in origins:
                 self._busy[o] = self._busy.get(o, 0) + 1
+                self._drop(o)  # the previous round's, unused
 
     def drawing(self, origin: int, jobs: Sequence[DraftJob]) -> None:
-        """``origin``'s preparation is drawing ``jobs``: a lookup for another key misses."""
-        with self._done:
-            self._coming.setdefault(origin, set()).update(key_of(j) for j in jobs)
-            self._done.notify_all()
+        """``origin``'s preparation starts a stage that draws ``jobs``."""
+        with self._lock:
+            self._coming[origin] = {key_of(j) for j in jobs}
+
+    def put(self, origin: int, blocks: Sequence[tuple[Hypothesis, tuple[QRow, ...]]]) -> None:
+        """Add a stage's ``blocks`` to ``origin``'s prepared blocks."""
+        with self._lock:
+            self._coming.pop(origin, None)
+            table = self._blocks.setdefault(origin, {})
+            self._blocks.move_to_end(origin)
+            for h, rows in blocks:
+                n = _nbytes(rows)
+                table[key_of(h.job)] = (h.name, rows, n)
+                self._bytes += n
+                self.prepared[h.name] += 1
+            while self._blocks and (
+                len(self._blocks) > self.max_origins or self._bytes > self.max_bytes
+            ):
+                self._drop(next(iter(self._blocks)))
 
     def end(self, origins: Sequence[int]) -> None:
-        """``origins``' preparation is over (stored or not): their lookups go on."""
-        with self._done:
+        """``origins``' preparation is over (stored or not)."""
+        with self._lock:
             for o in origins:
                 left = self._busy[o] - 1
                 if left:
@@ -165,59 +181,32 @@ class PreparedBlocks:
                 else:
                     del self._busy[o]
                     self._coming.pop(o, None)
-            self._done.notify_all()
 
-    def preparing(self, origin: int) -> bool:
-        """Whether a preparation for ``origin`` is running."""
-        with self._done:
-            return origin in self._busy
-
-    def put(self, origin: int, blocks: Sequence[tuple[Hypothesis, tuple[QRow, ...]]]) -> None:
-        """Keep ``blocks`` as ``origin``'s prepared blocks, replacing any it had."""
-        table = {key_of(h.job): (h.name, rows, _nbytes(rows)) for h, rows in blocks}
-        with self._done:
-            self._drop(origin)
-            if not table:
-                return
-            self._blocks[origin] = table
-            self._bytes += sum(n for _, _, n in table.values())
-            for h, _ in blocks:
-                self.prepared[h.name] += 1
-            while self._blocks and (
-                len(self._blocks) > self.max_origins or self._bytes > self.max_bytes
-            ):
-                self._drop(next(iter(self._blocks)))
-
-    def take(self, origin: int, job: DraftJob, *, wait: float = WAIT_S) -> tuple[QRow, ...] | None:
-        """The rows prepared for ``origin`` under ``job``'s key, or None; either way every
-        block ``origin`` had is dropped. Waits up to ``wait`` s for a running preparation."""
+    def lookup(self, origin: int, job: DraftJob) -> tuple[QRow, ...] | bool:
+        """The rows prepared for ``origin`` under ``job``'s key (every block ``origin`` had
+        then dropped); True while a running stage of ``origin`` may yet draw that key
+        (nothing dropped: look again after :meth:`end`); else False, every block dropped."""
         key = key_of(job)
-
-        def settled() -> bool:  # not being prepared, or being prepared for another key
-            coming = self._coming.get(origin)
-            return origin not in self._busy or (coming is not None and key not in coming)
-
-        with self._done:
-            self._done.wait_for(settled, timeout=wait)
+        with self._lock:
+            table = self._blocks.get(origin)
+            hit = None if table is None else table.get(key)
+            if hit is None and origin in self._busy:
+                coming = self._coming.get(origin)
+                if coming is None or key in coming:
+                    return True
             table = self._drop(origin)
             if table is None:
-                return None
+                return False
             self.lookups += 1
-            hit = table.get(key)
             if hit is None:
-                return None
+                return False
             self.used[hit[0]] += 1
             return hit[1]
 
-    def take_now(self, origin: int, job: DraftJob) -> tuple[QRow, ...] | None:
-        """:meth:`take` without waiting, and without a lookup while ``origin``'s
-        preparation may still draw ``job``'s key (then None, and nothing dropped)."""
-        key = key_of(job)
-        with self._done:
-            coming = self._coming.get(origin)
-            if origin in self._busy and (coming is None or key in coming):
-                return None
-        return self.take(origin, job, wait=0.0)
+    def take(self, origin: int, job: DraftJob) -> tuple[QRow, ...] | None:
+        """:meth:`lookup` that never leaves a STEP pending: its rows, or None."""
+        got = self.lookup(origin, job)
+        return None if isinstance(got, bool) else got
 
     def _drop(self, origin: int) -> dict[Key, tuple[str, tuple[QRow, ...], int]] | None:
         table = self._blocks.pop(origin, None)
@@ -227,7 +216,7 @@ class PreparedBlocks:
 
 
 class Cancelled(Exception):  # noqa: N818 - a control-flow signal, not an error type
-    """A preparation stopped because a STEP needs its thread."""
+    """A preparation stopped at a drafter call because a STEP needs its thread."""
 
 
 def cancellable(drafter: BatchDrafterFn, cancel: threading.Event) -> BatchDrafterFn:
@@ -243,7 +232,6 @@ def cancellable(drafter: BatchDrafterFn, cancel: threading.Event) -> BatchDrafte
 
 __all__ = [
     "MAX_PREPARE",
-    "WAIT_S",
     "Cancelled",
     "Hypothesis",
     "PreparedBlocks",
