@@ -1,7 +1,7 @@
 """The sharded kernels across gloo ranks equal single-process results at V = 129,280.
 
 The ranks are threads of this process, each with its own gloo group over one
-store (:func:`pp1wire.tp.coordinator.run_in_threads`): the same collectives as
+store (:func:`tests.groups.run_in_threads`): the same collectives as
 separate processes, without starting any. Uneven splits; with three ranks the
 middle one owns nothing.
 """
@@ -23,7 +23,9 @@ from pp1wire.apps.ranks import rank_environments  # noqa: E402
 from pp1wire.q import dyadic, verify  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
 from pp1wire.tp import dist_ops  # noqa: E402
-from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator  # noqa: E402
+
+from .groups import run_in_threads  # noqa: E402
 
 V = 129_280
 U53 = 1 << 53

@@ -22,9 +22,11 @@ from pp1wire.q.batch import propose_batch  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
 from pp1wire.q.proposal import DraftJob  # noqa: E402
 from pp1wire.q.stoprules import StopRule  # noqa: E402
-from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator  # noqa: E402
 from pp1wire.tp.shard_worker import ShardedDrafting, _Held  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
+
+from .groups import run_in_threads  # noqa: E402
 
 V = 48
 LAYOUT = ShardLayout.even(V, 2)

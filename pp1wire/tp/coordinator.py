@@ -238,42 +238,6 @@ def nccl_group(timeout: timedelta) -> Group:
     return dist.new_group(backend="nccl", timeout=timeout)
 
 
-def run_in_threads(
-    world: int,
-    body: Callable[[GroupCoordinator], _T],
-    *,
-    timeout: float = 30.0,
-    layout: ShardLayout | None = None,
-) -> list[_T | BaseException]:
-    """Run ``body`` on every rank of a fresh in-process gloo group, one thread per rank.
-
-    Returns each rank's result (or the exception it raised), in rank order.
-    For tests and tools: a whole group without starting processes (the thread of
-    rank r is named ``rank-r``).
-    """
-    import threading  # noqa: PLC0415 - only this helper needs threads
-
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    results: list[_T | BaseException] = [RuntimeError("rank did not finish")] * world
-
-    def rank_main(rank: int) -> None:
-        try:
-            coord = GroupCoordinator.over_store(store, rank, world, timeout, layout)
-            results[rank] = body(coord)
-        except BaseException as exc:  # reported to the caller, per rank
-            results[rank] = exc
-
-    threads = [
-        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True)
-        for r in range(world)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout * 4)
-    return results
-
-
 __all__ = [
     "BLOCKING_WAIT",
     "MAX",
@@ -282,5 +246,4 @@ __all__ = [
     "GroupFailedError",
     "ReduceOp",
     "nccl_group",
-    "run_in_threads",
 ]
