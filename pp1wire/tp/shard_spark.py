@@ -37,38 +37,20 @@ _OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
 _OUTCOMES = list(Outcome)
 
 
-@dataclass(frozen=True)
-class ShardReport:
-    """What this rank's link gave for one round: a checked shard, or the code that refused it."""
-
-    code: ErrorCode | None
-    summary: ShardSummary | None = None
-    #: Each row's count at its token if this shard holds the token, else 0.
-    counts: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, proposal: Proposal) -> ShardReport:
-        """The report of a shard proposal that passed every check of its link."""
-        p = proposal
-        masses = tuple(_mass(row) for row in p.rows)
-        counts = tuple(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows)
-        digest, context = as_int64(p.digest), as_int64(p.context)
-        key = (p.generation, p.round_id, p.position, digest, p.depth, context)
-        return cls(None, ShardSummary(key, p.tokens, masses), counts)
-
-    def words(self, cut: ErrorCode | None = None) -> list[int]:
-        """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
-        this rank's block)."""
-        out = [int(self.code is None), 0 if self.code is None else int(self.code)]
-        out.append(0 if cut is None else int(cut))
-        if self.summary is None:
-            return out + [0] * (_REPORT - 3)
-        s = self.summary
-        out += [len(s.tokens), *s.key]
-        out += [*s.tokens, *[-1] * (MAX_DEPTH - len(s.tokens))]
-        out += [*s.masses, *[-1] * (MAX_DEPTH - len(s.masses))]
-        out += [*self.counts, *[0] * (MAX_DEPTH - len(self.counts))]
-        return out
+def _report(r: ShardRound) -> list[int]:
+    """This rank's fixed-size int64 words of a round, gathered by every rank: whether its
+    link passed a shard, the code that refused it, the fault that cut its block, then the
+    shard's rows, key, and each row's token, mass and count at its token (padded)."""
+    p = r.proposal
+    if p is None:
+        return [int(r.failure is None), int(r.failure or 0)] + [0] * (_REPORT - 2)
+    pad = MAX_DEPTH - len(p.rows)
+    key = (p.generation, p.round_id, p.position, as_int64(p.digest), p.depth, as_int64(p.context))
+    out = [1, 0, int(p.cut or 0), len(p.rows), *key, *p.tokens, *[-1] * pad]
+    out += [*(_mass(row) for row in p.rows), *[-1] * pad]
+    # Each row's count at its token if this shard holds the token, else 0.
+    out += [*(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows), *[0] * pad]
+    return out
 
 
 def _mass(row: QRow) -> int:
@@ -187,12 +169,7 @@ class ShardedVerifyGroup:
         self, rounds: Sequence[ShardRound], out: list[RoundResult | VerifyError | None]
     ) -> None:
         """Step 1: one gather of every rank's reports; a round failing anywhere falls back."""
-        mine: list[int] = []
-        for r in rounds:
-            if r.proposal is not None:
-                mine += ShardReport.of(r.proposal).words(r.proposal.cut)
-            else:
-                mine += ShardReport(r.failure).words()
+        mine = [word for r in rounds for word in _report(r)]
         if not rounds:
             return
         gathered = dist_ops.gather(np.asarray(mine, dtype=np.int64), self.coord).reshape(
@@ -405,4 +382,4 @@ def _as_row(row: object) -> npt.NDArray[np.float64] | None:
         return None
 
 
-__all__ = ["ShardReport", "ShardRound", "ShardRows", "ShardedVerifyGroup"]
+__all__ = ["ShardRound", "ShardRows", "ShardedVerifyGroup"]
