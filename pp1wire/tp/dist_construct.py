@@ -34,10 +34,6 @@ _LOW_EXPONENT: Final = 1023 - 128
 _BUCKETS: Final = 1 + (128 << _SUB_BITS)
 # A remainder's top 16 bits (sign, exponent, 4 mantissa bits) less this are its bucket.
 _KEY_LOW: Final = (_LOW_EXPONENT << _SUB_BITS) - 1
-# The bound of pp1wire.q.dyadic.sparse_row_from_logits: the offers hold a sparse row's
-# support when the largest logit left out weighs, times this, below the k-th chosen.
-_EXP_SLACK: Final = dyadic._EXP_SLACK
-_MIN_THETA: Final = dyadic._MIN_THETA
 # With its histogram each rank sends its remainders in the three buckets around its guess
 # of the threshold (or the guessed one alone) if they are at most this many: usually the
 # threshold's bucket is among them on every rank, and no further collective is needed.
@@ -565,9 +561,7 @@ def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: floa
 
 def _in_buckets(rem: Float64Array, lo: int, hi: int) -> Float64Array:
     """The remainders in buckets ``lo..hi``, in index order."""
-    low, high = _bucket_floor(lo), _bucket_floor(hi + 1)
-    if hi + 1 >= _BUCKETS:
-        high = 1.0
+    low, high = _bucket_floor(lo), _bucket_floor(hi + 1)  # above the last bucket: 1.0
     mask = rem >= low
     mask &= rem < high
     out: Float64Array = rem[mask]
@@ -610,7 +604,9 @@ def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
             left_out = outside[outside > -np.inf]
             if left_out.size:
                 bound = float(_shifted_exp(left_out, tops[r], specs[r].temperature).max())
-                if not (theta >= _MIN_THETA and bound * _EXP_SLACK < theta):
+                # The bound of dyadic.sparse_row_from_logits: the offers hold the support
+                # when the largest logit left out weighs, times the slack, below the k-th.
+                if not (theta >= dyadic._MIN_THETA and bound * dyadic._EXP_SLACK < theta):
                     retry.append(r)
                     continue
         out[r] = _support_row(w[order], ids[order], draws[r], plan)

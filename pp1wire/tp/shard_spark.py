@@ -22,19 +22,17 @@ from pp1wire.q.stoprules import StopKind, stop_after
 from pp1wire.q.verify import (
     BatchTargetFn,
     FailedRow,
-    Outcome,
     RequestVerifier,
     RoundResult,
 )
 from pp1wire.q.walk import Draw, RoundRows, walk
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
+from pp1wire.tp.fanout import encode_outcome
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
 _REPORT = 4 + _KEY + 3 * MAX_DEPTH  # ok, code, cut, rows, key, tokens, masses, counts
 _COUNTS = 4 + _KEY + 2 * MAX_DEPTH  # where the counts at the tokens start
-_OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
-_OUTCOMES = list(Outcome)
 
 
 def _report(r: ShardRound) -> list[int]:
@@ -254,15 +252,8 @@ class ShardedVerifyGroup:
         """Step 4: every rank decided exactly this, or the group fails closed."""
         if not decided:
             return
-        words: list[int] = []
-        for d in decided:
-            if isinstance(d, VerifyError):
-                words += [0, int(d.code)] + [0] * (_OUTCOME - 2)
-            else:
-                tokens = list(d.tokens) + [-1] * (MAX_DEPTH + 1 - len(d.tokens))
-                extra = -1 if d.extra is None else d.extra
-                words += [1, _OUTCOMES.index(d.outcome), d.round_id, d.accepted, extra, *tokens]
-        gathered = dist_ops.gather(np.asarray(words, dtype=np.int64), self.coord)
+        pairs = [(None, d.code) if isinstance(d, VerifyError) else (d, None) for d in decided]
+        gathered = dist_ops.gather(np.stack([encode_outcome(*p) for p in pairs]), self.coord)
         if not (gathered == gathered[0]).all():
             raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
 
