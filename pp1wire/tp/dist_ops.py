@@ -15,6 +15,7 @@ import torch
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q import dyadic
 from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import _host
 from pp1wire.tp.coordinator import GroupCoordinator
 from pp1wire.tp.dist_common import (
     Float64Array,
@@ -177,9 +178,7 @@ def sample_counts(
 def _one(coord: GroupCoordinator, t: torch.Tensor | npt.ArrayLike) -> Float64Array:
     """One rank's piece of one global row, as a batch of one row (``ValueError`` if
     it is not this rank's range)."""
-    if isinstance(t, torch.Tensor):
-        t = t.detach().cpu().numpy()
-    x: Float64Array = np.asarray(t, dtype=np.float64)
+    x: Float64Array = np.asarray(_host(t), dtype=np.float64)
     plan = plan_of(coord)
     if x.ndim != 1 or x.size != plan.stop - plan.start:
         raise ValueError(

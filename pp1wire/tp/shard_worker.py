@@ -27,6 +27,7 @@ from pp1wire.q.proposal import (
     DrafterFn,
     ExtendedPrefix,
     QRow,
+    _host,
     batched_drafter,
     drafter_kind,
     stopped_by,
@@ -586,13 +587,6 @@ class ShardedDrafting:
                 continue
             local[j] = row[self.lo : self.hi]
         return local, codes, errors
-
-
-def _host(rows: object) -> object:
-    """A drafter's torch tensor (on any device) as a host array; anything else as it is."""
-    if isinstance(rows, torch.Tensor):
-        return rows.detach().cpu().numpy()
-    return rows
 
 
 __all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]
