@@ -115,11 +115,6 @@ class ShardRound:
     #: Each row's count at its token, from the rank that owns it (set by the group check).
     counts: tuple[int, ...] = ()
 
-    @property
-    def target_only(self) -> bool:
-        """Whether the round has no proposal on any rank (agreed before the step)."""
-        return self.proposal is None and self.failure is None
-
 
 class ShardedVerifyGroup:
     """This rank's part in deciding the steps of a vocabulary-sharded Spark group."""
@@ -174,7 +169,7 @@ class ShardedVerifyGroup:
             self.world, len(rounds), _REPORT
         )
         for i, r in enumerate(rounds):
-            if r.target_only:
+            if r.proposal is None and r.failure is None:  # target-only on every rank
                 continue
             reports = [[int(v) for v in gathered[k, i].tolist()] for k in range(self.world)]
             refused = next((ErrorCode(w[1]) for w in reports if not w[0]), None)
