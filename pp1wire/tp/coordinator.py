@@ -54,10 +54,8 @@ class GroupCoordinator:
         device: torch.device | None = None,
         layout: ShardLayout | None = None,
     ) -> None:
-        """Wrap ``group`` (this process's rank ``rank`` of ``world``).
-
-        ``layout`` is the vocabulary split for a sharded group (one range per
-        rank), None for a replicated one.
+        """Wrap ``group`` (rank ``rank`` of ``world``); ``layout``: the vocabulary split of
+        a sharded group (one range per rank), None for a replicated one.
 
         Raises:
             ValueError: a rank outside the world, or a layout without one range per rank.
@@ -82,11 +80,9 @@ class GroupCoordinator:
     def join(
         cls, timeout: float, layout: ShardLayout | None = None, *, device: bool = False
     ) -> GroupCoordinator:
-        """Initialize the default group from the launcher's environment and wrap it.
-
-        With ``device`` (the same on every rank) and a CUDA device on every rank
-        (agreed in one all-reduce), each rank takes ``cuda:LOCAL_RANK`` and a NCCL
-        device group; otherwise the device group is the control group.
+        """The default group from the launcher's environment, wrapped. With ``device`` (the
+        same on every rank) and CUDA on every rank (one all-reduce), each rank takes
+        ``cuda:LOCAL_RANK`` and a NCCL device group; else the control group serves both.
 
         Raises:
             RuntimeError: from ``torch.distributed`` if the rendezvous fails.
@@ -170,11 +166,7 @@ class GroupCoordinator:
         return t
 
     def _group_for(self, t: torch.Tensor) -> Group:
-        """The device group for a CUDA tensor, else the control group.
-
-        Raises:
-            ValueError: a CUDA tensor on a coordinator without a CUDA device.
-        """
+        """The device group for a CUDA tensor (one the group can carry), else the control one."""
         if t.device.type != "cuda":
             return self.group
         if self.device.type != "cuda":
@@ -182,12 +174,11 @@ class GroupCoordinator:
         return self.device_group
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (the same shape everywhere), stacked in rank order, on
-        ``t``'s device (:meth:`_group_for` says which group carries it).
+        """Every rank's ``t`` (the same shape everywhere), stacked in rank order, on ``t``'s device.
 
         Raises:
             GroupFailedError: the collective failed.
-            ValueError: as :meth:`_group_for`.
+            ValueError: a CUDA tensor on a coordinator without a CUDA device.
         """
         t = t.contiguous()
         group = self._group_for(t)
@@ -200,7 +191,7 @@ class GroupCoordinator:
 
         Raises:
             GroupFailedError: the collective failed.
-            ValueError: as :meth:`_group_for`.
+            ValueError: as :meth:`all_gather`.
         """
         out = t.clone()
         group = self._group_for(out)

@@ -200,8 +200,7 @@ def _offer(
     plan: TreePlan,
     out: Float64Array,
 ) -> None:
-    """A sparse row's offer into ``out``: k values, their global IDs (-1: none) and for
-    logits the largest logit left out; weights: the top k (ties to the lowest ID)."""
+    """A sparse row's offer into ``out``: k values, global IDs (-1: none), largest left out."""
     k = spec.support
     out[: 2 * k] = -1.0
     if probs:
@@ -257,11 +256,7 @@ _SPARSE_BUCKETS: Final = 16.0
 
 
 def _check_probs(words: Float64Array) -> None:
-    """A probabilities row's checks from every rank's flags, in one process's order.
-
-    Raises:
-        ConstructionError: ``WEIGHT_NON_FINITE``, ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``.
-    """
+    """A probabilities row's refusals from every rank's flags, in one process's order."""
     if words[:, 1].any():
         raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
     if words[:, 2].any():
@@ -271,12 +266,7 @@ def _check_probs(words: Float64Array) -> None:
 
 
 def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> BuiltRow:
-    """The greedy row from every rank's first words: all of the mass at the first
-    maximal logit or weight.
-
-    Raises:
-        ConstructionError: as one process's greedy row.
-    """
+    """The greedy row from every rank's first words, or one process's refusal of it."""
     top = float(words[:, 3].max())
     if probs:
         _check_probs(words)
@@ -312,8 +302,7 @@ def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
 
 
 class _Position(NamedTuple):
-    """A position's rows after its first collective (``c1``: every rank's first words;
-    ``tops``: each logits row's global maximum)."""
+    """A position's rows, every rank's first words (``c1``) and each logits row's maximum."""
 
     x: Float64Array
     c1: Float64Array
@@ -450,8 +439,7 @@ class _ShardedRows:
         return sums
 
     def threshold(self, left: Int64Array, live: npt.NDArray[np.bool_]) -> Float64Array:
-        """Each live row's threshold: found in its bucket, among every rank's remainders
-        there (from the guesses, or one more collective when a guess missed)."""
+        """Each live row's threshold, among every rank's remainders in its bucket."""
         hists = self.gathered[:, :, 1 : 1 + _BUCKETS]
         count = len(left)
         self.bucket = np.full(count, -1, dtype=np.int64)
@@ -497,8 +485,7 @@ class _ShardedRows:
     def assign(
         self, threshold: Float64Array, ties: Int64Array, live: npt.NDArray[np.bool_]
     ) -> Int64Array:
-        """This rank's tickets (the ties to lower ranks first: lower IDs), and every
-        rank's count total (``per_rank``)."""
+        """This rank's tickets (ties to lower ranks first), every rank's total in ``per_rank``."""
         takes = np.zeros_like(self.above_bucket)
         for j in np.flatnonzero(live):
             equal = [int((values == threshold[j]).sum()) for values in self.pools[j]]
@@ -542,8 +529,7 @@ def _allocate_and_draw(
 
 
 def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: float) -> None:
-    """This rank's guess of the threshold's bucket into a row's words: the buckets
-    around it and, if they fit, their remainders (as their binary64 bits)."""
+    """This rank's guess of the threshold's bucket, and the remainders around it if they fit."""
     share = max(1, round(tickets)) if np.isfinite(tickets) else 1
     above = np.cumsum(hist[::-1])
     guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
@@ -584,8 +570,7 @@ def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
 
 
 def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The sparse rows of a position, from the offers of the first collective (for a
-    logits row they cannot be shown to hold, one more of every rank's top k weights)."""
+    """The sparse rows of a position, from the first collective's offers (or :func:`_sparse`)."""
     x, c1, tops, specs, draws, probs, plan, coord = at
     out: dict[int, BuiltRow | Pp1Error] = {}
     retry: list[int] = []
@@ -620,8 +605,7 @@ def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
 def _support_row(
     w: Float64Array, ids: Float64Array, u24: int, plan: TreePlan
 ) -> BuiltRow | Pp1Error:
-    """The sparse row over a chosen support (weights and global IDs, any order),
-    allocated and drawn as one process does."""
+    """The sparse row over a chosen support (weights, global IDs), as one process draws it."""
     positive = w > 0
     w, ids = w[positive], ids[positive]
     by_id = np.argsort(ids, kind="stable")

@@ -36,9 +36,7 @@ _COUNTS = 4 + _KEY + 2 * MAX_DEPTH  # where the counts at the tokens start
 
 
 def _report(r: ShardRound) -> list[int]:
-    """This rank's fixed-size int64 words of a round, gathered by every rank: whether its
-    link passed a shard, the code that refused it, the fault that cut its block, then the
-    shard's rows, key, and each row's token, mass and count at its token (padded)."""
+    """This rank's words of a round for every rank, as ``_REPORT`` lists them (padded)."""
     p = r.proposal
     if p is None:
         return [int(r.failure is None), int(r.failure or 0)] + [0] * (_REPORT - 2)
@@ -79,9 +77,8 @@ def _summary(words: Sequence[int], rows: int) -> ShardSummary:
 
 
 def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | None] | None:
-    """The block every rank can verify: the rows every rank holds and the fault that cut
-    it (the lowest rank's holding only those), or None if the ranks' blocks cannot be
-    one block (ranks not cut disagree on its length, or one holds more rows)."""
+    """The rows every rank holds and the fault that cut them (the lowest such rank's), or
+    None if the ranks' blocks cannot be one (uncut ones differ, or one holds more)."""
     rows = [int(w[3]) for w in reports]
     whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
     if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
@@ -162,12 +159,10 @@ class ShardedVerifyGroup:
         self, rounds: Sequence[ShardRound], out: list[RoundResult | VerifyError | None]
     ) -> None:
         """Step 1: one gather of every rank's reports; a round failing anywhere falls back."""
-        mine = [word for r in rounds for word in _report(r)]
         if not rounds:
             return
-        gathered = dist_ops.gather(np.asarray(mine, dtype=np.int64), self.coord).reshape(
-            self.world, len(rounds), _REPORT
-        )
+        mine = np.array([_report(r) for r in rounds], dtype=np.int64)
+        gathered = dist_ops.gather(mine, self.coord)  # [world, rounds, words]
         for i, r in enumerate(rounds):
             if r.proposal is None and r.failure is None:  # target-only on every rank
                 continue
@@ -206,8 +201,7 @@ class ShardedVerifyGroup:
         out: list[RoundResult | VerifyError | None],
         target: BatchTargetFn,
     ) -> tuple[list[list[npt.NDArray[np.float64]]], list[bool]]:
-        """Step 2: this rank's range of the target for every prefix (one call), and whether
-        each round's scoring failed here (the normalization tells every rank)."""
+        """Step 2: this rank's range of the target per prefix (one call), and lost rounds."""
         wanted: list[tuple[int, int]] = []  # (round, prefixes)
         prefixes: list[Sequence[int]] = []
         for i, r in enumerate(rounds):
@@ -338,15 +332,11 @@ class ShardRows:
     def draw(self, draws: Sequence[Draw]) -> list[int]:
         """Every draw of the step in one sharded descent (two collectives)."""
         p, g = self._normalized(), self._group
-        weights = np.stack(
-            [
-                p.normalized(d.row)
-                if d.q is None
-                else dist_ops.residual_rows(p.normalized(d.row), self._q(d.q))
-                for d in draws
-            ]
-        )
-        picks = dist_ops.sample_weights_rows(weights, [d.u53 for d in draws], g.coord)
+        weights = [p.normalized(d.row) for d in draws]
+        for j, d in enumerate(draws):
+            if d.q is not None:
+                weights[j] = dist_ops.residual_rows(weights[j], self._q(d.q))
+        picks = dist_ops.sample_weights_rows(np.stack(weights), [d.u53 for d in draws], g.coord)
         return [-1 if isinstance(pick, ErrorCode) else pick for pick in picks]
 
     def _q(self, row: QRow) -> npt.NDArray[np.float64]:

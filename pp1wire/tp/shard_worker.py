@@ -296,16 +296,14 @@ class ShardedDrafting:
             self._fail_all(self.broken or "stopped")
 
     def _next_turn(self, last: float, wait: float) -> tuple[list[_Held], bool]:
-        """Wait for a new STEP's burst, a stop or the next exchange, answering the STEPs
-        that waited too long; then this rank's held STEPs (arrival order) and its stop."""
+        """Wait for a burst, a stop or the next exchange, answering expired STEPs; then the
+        held STEPs (arrival order) and the stop flag."""
         expired: list[_Held] = []
         with self._cond:
             while True:
                 now = time.monotonic()
-                for key in [
-                    k for k, h in self._held.items() if now - h.since >= self.match_timeout
-                ]:
-                    expired.append(self._held.pop(key))
+                old = [k for k, h in self._held.items() if now - h.since >= self.match_timeout]
+                expired += [self._held.pop(k) for k in old]
                 if self._stopping or now >= last + wait:
                     break
                 if self._fresh:
@@ -321,20 +319,13 @@ class ShardedDrafting:
                 self._cond.wait(max(0.0, until - now))
             self._fresh = False
             snapshot, stop = list(self._held.values()), self._stopping
+        why = f"no matching STEP on every link within {self.match_timeout:g} s"
         for held in expired:
-            self._answer(
-                held,
-                Pp1Error(
-                    ErrorCode.GROUP_UNMATCHED,
-                    f"no matching STEP on every link within {self.match_timeout:g} s",
-                ),
-            )
+            self._answer(held, Pp1Error(ErrorCode.GROUP_UNMATCHED, why))
         return snapshot, stop
 
     def _window(self, snapshot: list[_Held]) -> tuple[list[_Held], list[tuple[int, int]]]:
-        """The keys this rank sends in the next exchange (those that can match, one of
-        each session in turn, oldest first) and the nonces (of the sessions holding keys
-        first, then this rank's other live links): ``docs/tp.md`` §11."""
+        """The keys and nonces this rank sends in the next exchange (``docs/tp.md`` §11)."""
         sessions: dict[tuple[int, int], list[_Held]] = {}
         for held in snapshot:  # arrival order: each session's list is oldest first
             sessions.setdefault((held.key[0], held.key[1]), []).append(held)
@@ -353,9 +344,8 @@ class ShardedDrafting:
     def _exchange(
         self, snapshot: list[_Held], stop: bool
     ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
-        """One all-gather of every rank's window, nonces and stop flag: the STEPs every
-        rank sent (in rank 0's order, now taken), whether any rank is stopping, and the
-        nonces every rank has a live link for."""
+        """One all-gather of the windows: the STEPs every rank sent (rank 0's order, now
+        taken), whether any rank stops, and the nonces every rank has a live link for."""
         width = self.width
         words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
         with self._cond:
@@ -408,9 +398,8 @@ class ShardedDrafting:
         everywhere: set[tuple[int, ...]],
         now: float,
     ) -> float:
-        """How long until the next exchange: soon while this rank holds a young STEP the
-        others lack but could send (their copy will not wake this rank), backing off as
-        it ages; else a beat."""
+        """Until the next exchange: soon while a young STEP here waits for the other ranks'
+        copies (which do not wake this rank), backing off as it ages; else a beat."""
         taken = {id(h) for h in matched}
         ages = [now - h.since for h in snapshot if id(h) not in taken and h.key[:2] in everywhere]
         if not ages:
@@ -473,9 +462,8 @@ class ShardedDrafting:
         matched: list[_Held],
         on_position: Callable[[int, list[_Chain], list[_Ended]], None] | None = None,
     ) -> list[tuple[QRow, ...] | BaseException]:
-        """Every matched STEP's rows (or failure): the proposal chain of §6.4 on the
-        global q, a position at a time for all. ``on_position`` gets each position, the
-        chains that drew a row there and those that ended there (refused ones at 0)."""
+        """Every matched STEP's rows (or failure), a position at a time for all; each
+        position's drawn and ended chains go to ``on_position`` (refused ones at 0)."""
         chains: list[_Chain] = []
         ended: list[_Ended] = []
         for index, held in enumerate(matched):
@@ -547,8 +535,7 @@ class ShardedDrafting:
     def _logits(
         self, contexts: Sequence[Sequence[int]]
     ) -> tuple[npt.NDArray[np.floating], list[int], list[BaseException | None]]:
-        """This rank's range of the drafter's rows for every context (one call; weights
-        rounded to FP32), each row's failure code (0: none) and its exception."""
+        """This rank's range of the drafter's rows (one call), each row's code and exception."""
         n = len(contexts)
         dtype = np.float32 if self.probs else np.float64
         local = np.zeros((n, self.hi - self.lo), dtype=dtype)
