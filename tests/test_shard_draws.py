@@ -70,6 +70,11 @@ def group(kind: str) -> dict[str, list]:
         drafting = ShardedDrafting(coord, drafter_factory(vocab_size=V, seed=3, kind=kind))
         lo, hi = LAYOUT.range(coord.rank)
         out = {}
+        ended = {}  # each STEP's rows, by its held entry
+
+        def keep(_position, _drawn, done):
+            ended.update((id(c.held), rows) for c, rows in done)
+
         for text in RULES:
             rule = StopRule.parse(text)
             held = [
@@ -77,8 +82,10 @@ def group(kind: str) -> dict[str, list]:
                       lambda _r: None)
                 for st, seed, prefix in steps(rule)
             ]  # fmt: skip
+            ended.clear()
+            drafting._chains(held, keep)
             blocks = []
-            for rows in drafting._chains(held):
+            for rows in (ended[id(h)] for h in held):
                 assert isinstance(rows, tuple), rows
                 pieces = []
                 for r in rows:

@@ -101,11 +101,10 @@ class _Chain:
     """One matched STEP while the group draws it."""
 
     __slots__ = (
-        "context", "draw", "drawn", "first", "held", "index", "lane", "rows", "rule", "streams",
+        "context", "draw", "drawn", "first", "held", "lane", "rows", "rule", "streams",
     )  # fmt: skip
 
-    def __init__(self, index: int, held: _Held, streams: RoundStreams | None, lane: int) -> None:
-        self.index = index
+    def __init__(self, held: _Held, streams: RoundStreams | None, lane: int) -> None:
         self.held = held
         self.streams = streams
         self.lane = lane  # the finishing thread that sends its reply, in order
@@ -458,17 +457,15 @@ class ShardedDrafting:
             self._complete(c.held, reply)
 
     def _chains(
-        self,
-        matched: list[_Held],
-        on_position: Callable[[int, list[_Chain], list[_Ended]], None] | None = None,
-    ) -> list[tuple[QRow, ...] | BaseException]:
-        """Every matched STEP's rows (or failure), a position at a time for all; each
-        position's drawn and ended chains go to ``on_position`` (refused ones at 0)."""
+        self, matched: list[_Held], on_position: Callable[[int, list[_Chain], list[_Ended]], None]
+    ) -> None:
+        """Draw every matched STEP's block, a position at a time for all; each position's
+        drawn chains and ended ones (rows or failure) go to ``on_position`` (refused at 0)."""
         chains: list[_Chain] = []
         ended: list[_Ended] = []
-        for index, held in enumerate(matched):
+        for held in matched:
             step = held.job.step
-            chain = _Chain(index, held, None, self._lane())
+            chain = _Chain(held, None, self._lane())
             if not 1 <= step.depth <= MAX_DEPTH:
                 refused = ConstructionError(ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5")
                 ended.append((chain, refused))
@@ -477,9 +474,8 @@ class ShardedDrafting:
                 job = held.job
                 chain.streams = RoundStreams(Role.WORKER, job.seed, step.generation, step.round)
             chains.append(chain)
-        if ended and on_position is not None:
+        if ended:
             on_position(0, [], ended)
-        finished = ended
         for i in range(MAX_DEPTH):
             if not chains:
                 break
@@ -515,12 +511,8 @@ class ShardedDrafting:
                     going.append(c)
                 else:
                     ended.append((c, tuple(c.rows)))
-            if on_position is not None:
-                on_position(i, drawn, ended)
-            finished = finished + ended
+            on_position(i, drawn, ended)
             chains = going
-        by_index = {c.index: outcome for c, outcome in finished}
-        return [by_index[j] for j in range(len(matched))]
 
     def _spec(self, chain: _Chain, i: int, drafter_code: int) -> dist_ops.RowSpec:
         step = chain.held.job.step
