@@ -20,8 +20,7 @@ from pp1wire.q.layout import ShardLayout
 
 _T = TypeVar("_T")
 Group = Any
-"""A process group object: ``dist.ProcessGroup`` or a backend such as
-``ProcessGroupGloo`` (the stubs do not relate the two)."""
+"""A process group: ``dist.ProcessGroup`` or a backend (the stubs do not relate the two)."""
 
 ReduceOp = dist.ReduceOp.RedOpType
 """The type of :data:`MAX` and :data:`MIN`."""
@@ -30,10 +29,8 @@ MIN = dist.ReduceOp.MIN
 
 
 class GroupFailedError(Pp1Error):
-    """The group cannot continue: a collective failed, or the ranks disagreed in a vote.
-
-    Nothing of the round in progress was committed on any rank; the group is unusable.
-    """
+    """The group cannot continue (a collective failed, or the ranks disagreed in a vote):
+    nothing of the round in progress was committed on any rank."""
 
     def __init__(self, detail: str) -> None:
         """A ``GROUP_FAILED`` error with ``detail``."""
@@ -213,8 +210,7 @@ class GroupCoordinator:
 
 
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
-"""The variable that makes a NCCL group's ``wait()`` block the calling thread and raise
-at its timeout; read when the group is made."""
+"""Makes a NCCL group's ``wait()`` block and raise at its timeout (read when it is made)."""
 
 
 def nccl_group(timeout: timedelta) -> Group:

@@ -17,14 +17,7 @@ from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import M
 from pp1wire.tp.coordinator import GroupCoordinator
-from pp1wire.tp.dist_common import (
-    Float64Array,
-    Int64Array,
-    gather,
-    pick,
-    reduce_max,
-    rows_of,
-)
+from pp1wire.tp.dist_common import Float64Array, Int64Array, gather, pick, reduce_max, rows_of
 from pp1wire.tp.shard_tree import TreePlan
 
 # The leftover tickets' threshold is found by bucket: a remainder in [0, 1) by its
@@ -78,13 +71,10 @@ def construct_rows(
     *,
     probs: bool = False,
 ) -> list[BuiltRow | Pp1Error]:
-    """Build and draw a position's rows together: each exactly what
-    :func:`pp1wire.q.proposal.build_row` and the proposal draw (rank 0's) give on one
-    process, or the code the unsharded chain raises, in its order (a drafter failure
-    on any rank: the lowest rank's code).
-
-    ``logits`` are this rank's range of each row (with ``probs``, FP32 weights; other
-    values rounded to FP32). The collectives per batch are ``docs/tp.md`` §11's.
+    """Build and draw a position's rows together, each exactly what one process's
+    :func:`pp1wire.q.proposal.build_row` and rank 0's proposal draw give, or the code the
+    unsharded chain raises, in its order (a drafter failure on any rank: the lowest rank's).
+    ``logits``: this rank's range of each row (with ``probs``, weights rounded to FP32).
 
     Raises:
         ValueError: rows that are not ``[len(specs), this rank's range]``.
@@ -401,9 +391,8 @@ def _bucket_floor(bucket: int) -> float:
 
 
 class _ShardedRows:
-    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows over
-    the ranks' ranges: one collective for the floors, one more when a rank's guess of a
-    threshold's bucket missed, the same on every rank."""
+    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows over the
+    ranks: one collective, one more when a rank's guess of a threshold's bucket missed."""
 
     where = staticmethod(np.where)
 

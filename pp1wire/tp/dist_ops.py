@@ -17,14 +17,7 @@ from pp1wire.q import dyadic
 from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import _host
 from pp1wire.tp.coordinator import GroupCoordinator
-from pp1wire.tp.dist_common import (
-    Float64Array,
-    gather,
-    owners_answer,
-    pick,
-    reduce_max,
-    rows_of,
-)
+from pp1wire.tp.dist_common import Float64Array, gather, owners_answer, pick, reduce_max, rows_of
 from pp1wire.tp.dist_construct import BuiltRow, RowSpec, construct_rows
 from pp1wire.tp.shard_tree import plan_of
 
@@ -56,11 +49,9 @@ def normalize_targets(
     coord: GroupCoordinator,
     failed: Sequence[bool] | None = None,
 ) -> TargetRows:
-    """:func:`pp1wire.q.verify.check_target` of each global row: one all-gather.
-
-    ``p`` is ``[rows, this rank's range]`` or a sequence of such rows (not copied);
-    a row ``failed`` marks (this rank could not score it) gets ``TARGET_FAILED``
-    on every rank, any other the unsharded function's code.
+    """:func:`pp1wire.q.verify.check_target` of each global row (one all-gather) of ``p``,
+    ``[rows, this rank's range]`` or such rows (not copied): a row ``failed`` marks gets
+    ``TARGET_FAILED`` on every rank, any other the unsharded function's code.
 
     Raises:
         ValueError: rows that are not this rank's range, or ``failed`` of another length.

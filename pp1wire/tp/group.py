@@ -18,13 +18,7 @@ import torch
 
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
-from pp1wire.q.verify import (
-    TARGET_FAILURES,
-    RequestVerifier,
-    RoundResult,
-    batched,
-    verify_batch,
-)
+from pp1wire.q.verify import TARGET_FAILURES, RequestVerifier, RoundResult, batched, verify_batch
 from pp1wire.tp import fanout
 from pp1wire.tp.coordinator import GroupCoordinator, GroupFailedError
 from pp1wire.tp.fanout import Header, Item, Kind

@@ -19,12 +19,7 @@ from pp1wire.q.dyadic import M
 from pp1wire.q.layout import ShardSummary, as_int64, check_group
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.stoprules import StopKind, stop_after
-from pp1wire.q.verify import (
-    BatchTargetFn,
-    FailedRow,
-    RequestVerifier,
-    RoundResult,
-)
+from pp1wire.q.verify import BatchTargetFn, FailedRow, RequestVerifier, RoundResult
 from pp1wire.q.walk import Draw, RoundRows, walk
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator

@@ -382,12 +382,11 @@ class ShardedDrafting:
                     self._matchable[nonce] = nonce in everywhere
             anywhere = set.union(*links)
             now = time.monotonic()
-            for group in [
-                g
+            self._closed = {
+                g: since
                 for g, since in self._closed.items()
-                if now - since >= self.match_timeout and nonce_words(g) not in anywhere
-            ]:
-                del self._closed[group]
+                if now - since < self.match_timeout or nonce_words(g) in anywhere
+            }
         return matched, False, everywhere
 
     def _backoff(
