@@ -138,8 +138,7 @@ class ShardedVerifyGroup:
             GroupFailedError: a collective failed, or the ranks' outcomes differ
                 (nothing of the step was applied on any rank).
         """
-        n = len(rounds)
-        out: list[RoundResult | VerifyError | None] = [None] * n
+        out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
         self._check(rounds, out)
         scores, lost = self._score(rounds, out, target)
         self._verify(rounds, scores, lost, out)
