@@ -2,7 +2,7 @@
 
 Each rank runs :func:`pp1wire.apps.spark.run_rank` on an event loop of its own;
 a group's ranks are threads with gloo groups over one in-process store
-(:func:`pp1wire.tp.coordinator.run_in_threads`): the same collectives as rank
+(:func:`run_in_threads`): the same collectives as rank
 processes, without starting any. Process-level behaviour (the ``--tp``
 launcher, torchrun, exit statuses) is tested separately with real processes.
 """
@@ -11,15 +11,50 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pp1wire.apps import spark
 from pp1wire.apps.models import target_factory
 from pp1wire.apps.settings import parse
 
 from .test_verify import _chi_square_ok
+
+_T = TypeVar("_T")
+
+
+def run_in_threads(
+    world: int, body: Callable[[Any], _T], *, timeout: float = 30.0, layout: Any = None
+) -> list[_T | BaseException]:
+    """Run ``body(coord)`` on every rank of a fresh in-process gloo group, one thread per
+    rank (the thread of rank r is named ``rank-r``): each rank's result, or the exception
+    it raised, in rank order."""
+    import torch.distributed as dist
+
+    from pp1wire.tp.coordinator import GroupCoordinator
+
+    store = dist.HashStore()
+    results: list[_T | BaseException] = [RuntimeError("rank did not finish")] * world
+
+    def rank_main(rank: int) -> None:
+        try:
+            coord = GroupCoordinator.over_store(store, rank, world, timeout, layout)
+            results[rank] = body(coord)
+        except BaseException as exc:  # reported to the caller, per rank
+            results[rank] = exc
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True)
+        for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    return results
 
 
 def workload(
@@ -53,7 +88,6 @@ def run_group(
     """A ``pp1-spark --tp world`` group (``--vocab-shards world`` with ``sharded``) as
     threads of this process; each rank's result, or what it raised, in rank order."""
     from pp1wire.q.layout import ShardLayout
-    from pp1wire.tp.coordinator import run_in_threads
 
     extra = ["--tp", str(world), "--group-timeout", str(timeout)]
     # A rank's waits for its link end before the others' collective gives up (the

@@ -1,7 +1,7 @@
 """The sharded kernels across gloo ranks equal single-process results at V = 129,280.
 
 The ranks are threads of this process, each with its own gloo group over one
-store (:func:`pp1wire.tp.coordinator.run_in_threads`): the same collectives as
+store (:func:`tests.groups.run_in_threads`): the same collectives as
 separate processes, without starting any. Uneven splits; with three ranks the
 middle one owns nothing.
 """
@@ -23,7 +23,9 @@ from pp1wire.apps.ranks import rank_environments  # noqa: E402
 from pp1wire.q import dyadic, verify  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
 from pp1wire.tp import dist_ops  # noqa: E402
-from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator  # noqa: E402
+
+from .groups import run_in_threads  # noqa: E402
 
 V = 129_280
 U53 = 1 << 53
@@ -45,15 +47,19 @@ def _compare(coord: GroupCoordinator) -> list[str]:
         if not np.array_equal(got.numpy(), want[lo:hi]):
             failures.append("dense counts")
         ids, counts = dyadic.sparse_counts_from_logits(z, 1.0, 32)
-        sids, scounts = dist_ops.sparse_counts_from_logits(piece(z), 1.0, 32, coord)
-        if sids.tolist() != ids.tolist() or scounts.tolist() != counts.tolist():
+        (row,) = dist_ops.construct_rows(z[None, lo:hi], [dist_ops.RowSpec(1.0, 32)], coord)
+        mine = (ids >= lo) & (ids < hi)  # this rank's part of the support
+        if row.ids.tolist() != ids[mine].tolist() or row.counts.tolist() != counts[mine].tolist():
             failures.append("sparse counts")
         for u24 in (0, 1, 12_345_678, (1 << 24) - 1):
-            if dist_ops.sample(piece(want), u24, coord) != dyadic.sample(want, u24):
+            if dist_ops.sample_counts(want[None, lo:hi], [u24], coord) != [
+                dyadic.sample(want, u24)
+            ]:
                 failures.append(f"sample {u24}")
         raw = target.probs(prefix)
         p = verify.check_target(raw, V)
-        if not np.array_equal(dist_ops.normalize_target(piece(raw), coord).numpy(), p[lo:hi]):
+        got_p = dist_ops.normalize_targets([raw[lo:hi]], coord)
+        if got_p.codes != [None] or not np.array_equal(got_p.normalized(0), p[lo:hi]):
             failures.append("normalized target")
         for u53 in (0, 1, U53 // 3, U53 // 2, U53 - 1):
             one = verify.residual_sample(p, want, u53)
@@ -83,7 +89,7 @@ def test_a_kernel_refuses_a_piece_that_is_not_its_range():
 
     def body(coord: GroupCoordinator) -> str:
         with pytest.raises(ValueError, match="range has 5"):
-            dist_ops.sample(torch.zeros(4, dtype=torch.int64), 0, coord)
+            dist_ops.counts_from_logits(torch.zeros(4), 1.0, coord)
         return "ok"
 
     assert run_in_threads(2, body, layout=layout) == ["ok", "ok"]

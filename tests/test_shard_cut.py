@@ -27,8 +27,10 @@ from pp1wire.q.proposal import Proposal, QRow  # noqa: E402
 from pp1wire.q.rng import Domain, Role, RoundStreams  # noqa: E402
 from pp1wire.q.stoprules import FIXED, StopRule  # noqa: E402
 from pp1wire.q.verify import RequestVerifier, RoundResult, batched  # noqa: E402
-from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator  # noqa: E402
 from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound  # noqa: E402
+
+from .groups import run_in_threads  # noqa: E402
 
 V = 64
 SEED = 21

@@ -22,9 +22,11 @@ from pp1wire.q.batch import propose_batch  # noqa: E402
 from pp1wire.q.layout import ShardLayout  # noqa: E402
 from pp1wire.q.proposal import DraftJob  # noqa: E402
 from pp1wire.q.stoprules import StopRule  # noqa: E402
-from pp1wire.tp.coordinator import GroupCoordinator, run_in_threads  # noqa: E402
+from pp1wire.tp.coordinator import GroupCoordinator  # noqa: E402
 from pp1wire.tp.shard_worker import ShardedDrafting, _Held  # noqa: E402
 from pp1wire.wire.messages import Step  # noqa: E402
+
+from .groups import run_in_threads  # noqa: E402
 
 V = 48
 LAYOUT = ShardLayout.even(V, 2)
@@ -68,6 +70,11 @@ def group(kind: str) -> dict[str, list]:
         drafting = ShardedDrafting(coord, drafter_factory(vocab_size=V, seed=3, kind=kind))
         lo, hi = LAYOUT.range(coord.rank)
         out = {}
+        ended = {}  # each STEP's rows, by its held entry
+
+        def keep(_position, _drawn, done):
+            ended.update((id(c.held), rows) for c, rows in done)
+
         for text in RULES:
             rule = StopRule.parse(text)
             held = [
@@ -75,8 +82,10 @@ def group(kind: str) -> dict[str, list]:
                       lambda _r: None)
                 for st, seed, prefix in steps(rule)
             ]  # fmt: skip
+            ended.clear()
+            drafting._chains(held, keep)
             blocks = []
-            for rows in drafting._chains(held):
+            for rows in (ended[id(h)] for h in held):
                 assert isinstance(rows, tuple), rows
                 pieces = []
                 for r in rows:

@@ -366,8 +366,9 @@ def test_a_sharded_step_runs_six_collectives_on_every_rank_and_decides_as_one_ra
     pytest.importorskip("torch")
     from pp1wire.q.layout import ShardLayout
     from pp1wire.q.verify import batched
-    from pp1wire.tp.coordinator import run_in_threads
     from pp1wire.tp.shard_spark import ShardedVerifyGroup, ShardRound
+
+    from .groups import run_in_threads
 
     vocab = 64
     layout = ShardLayout.even(vocab, 2)

@@ -20,8 +20,7 @@ from pp1wire.q.layout import ShardLayout
 
 _T = TypeVar("_T")
 Group = Any
-"""A process group object: ``dist.ProcessGroup`` or a backend such as
-``ProcessGroupGloo`` (the stubs do not relate the two)."""
+"""A process group: ``dist.ProcessGroup`` or a backend (the stubs do not relate the two)."""
 
 ReduceOp = dist.ReduceOp.RedOpType
 """The type of :data:`MAX` and :data:`MIN`."""
@@ -30,10 +29,8 @@ MIN = dist.ReduceOp.MIN
 
 
 class GroupFailedError(Pp1Error):
-    """The group cannot continue: a collective failed, or the ranks disagreed in a vote.
-
-    Nothing of the round in progress was committed on any rank; the group is unusable.
-    """
+    """The group cannot continue (a collective failed, or the ranks disagreed in a vote):
+    nothing of the round in progress was committed on any rank."""
 
     def __init__(self, detail: str) -> None:
         """A ``GROUP_FAILED`` error with ``detail``."""
@@ -54,10 +51,8 @@ class GroupCoordinator:
         device: torch.device | None = None,
         layout: ShardLayout | None = None,
     ) -> None:
-        """Wrap ``group`` (this process's rank ``rank`` of ``world``).
-
-        ``layout`` is the vocabulary split for a sharded group (one range per
-        rank), None for a replicated one.
+        """Wrap ``group`` (rank ``rank`` of ``world``); ``layout``: the vocabulary split of
+        a sharded group (one range per rank), None for a replicated one.
 
         Raises:
             ValueError: a rank outside the world, or a layout without one range per rank.
@@ -82,11 +77,9 @@ class GroupCoordinator:
     def join(
         cls, timeout: float, layout: ShardLayout | None = None, *, device: bool = False
     ) -> GroupCoordinator:
-        """Initialize the default group from the launcher's environment and wrap it.
-
-        With ``device`` (the same on every rank) and a CUDA device on every rank
-        (agreed in one all-reduce), each rank takes ``cuda:LOCAL_RANK`` and a NCCL
-        device group; otherwise the device group is the control group.
+        """The default group from the launcher's environment, wrapped. With ``device`` (the
+        same on every rank) and CUDA on every rank (one all-reduce), each rank takes
+        ``cuda:LOCAL_RANK`` and a NCCL device group; else the control group serves both.
 
         Raises:
             RuntimeError: from ``torch.distributed`` if the rendezvous fails.
@@ -170,11 +163,7 @@ class GroupCoordinator:
         return t
 
     def _group_for(self, t: torch.Tensor) -> Group:
-        """The device group for a CUDA tensor, else the control group.
-
-        Raises:
-            ValueError: a CUDA tensor on a coordinator without a CUDA device.
-        """
+        """The device group for a CUDA tensor (one the group can carry), else the control one."""
         if t.device.type != "cuda":
             return self.group
         if self.device.type != "cuda":
@@ -182,12 +171,11 @@ class GroupCoordinator:
         return self.device_group
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (the same shape everywhere), stacked in rank order, on
-        ``t``'s device (:meth:`_group_for` says which group carries it).
+        """Every rank's ``t`` (the same shape everywhere), stacked in rank order, on ``t``'s device.
 
         Raises:
             GroupFailedError: the collective failed.
-            ValueError: as :meth:`_group_for`.
+            ValueError: a CUDA tensor on a coordinator without a CUDA device.
         """
         t = t.contiguous()
         group = self._group_for(t)
@@ -200,7 +188,7 @@ class GroupCoordinator:
 
         Raises:
             GroupFailedError: the collective failed.
-            ValueError: as :meth:`_group_for`.
+            ValueError: as :meth:`all_gather`.
         """
         out = t.clone()
         group = self._group_for(out)
@@ -222,8 +210,7 @@ class GroupCoordinator:
 
 
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
-"""The variable that makes a NCCL group's ``wait()`` block the calling thread and raise
-at its timeout; read when the group is made."""
+"""Makes a NCCL group's ``wait()`` block and raise at its timeout (read when it is made)."""
 
 
 def nccl_group(timeout: timedelta) -> Group:
@@ -238,42 +225,6 @@ def nccl_group(timeout: timedelta) -> Group:
     return dist.new_group(backend="nccl", timeout=timeout)
 
 
-def run_in_threads(
-    world: int,
-    body: Callable[[GroupCoordinator], _T],
-    *,
-    timeout: float = 30.0,
-    layout: ShardLayout | None = None,
-) -> list[_T | BaseException]:
-    """Run ``body`` on every rank of a fresh in-process gloo group, one thread per rank.
-
-    Returns each rank's result (or the exception it raised), in rank order.
-    For tests and tools: a whole group without starting processes (the thread of
-    rank r is named ``rank-r``).
-    """
-    import threading  # noqa: PLC0415 - only this helper needs threads
-
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    results: list[_T | BaseException] = [RuntimeError("rank did not finish")] * world
-
-    def rank_main(rank: int) -> None:
-        try:
-            coord = GroupCoordinator.over_store(store, rank, world, timeout, layout)
-            results[rank] = body(coord)
-        except BaseException as exc:  # reported to the caller, per rank
-            results[rank] = exc
-
-    threads = [
-        threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}", daemon=True)
-        for r in range(world)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout * 4)
-    return results
-
-
 __all__ = [
     "BLOCKING_WAIT",
     "MAX",
@@ -282,5 +233,4 @@ __all__ = [
     "GroupFailedError",
     "ReduceOp",
     "nccl_group",
-    "run_in_threads",
 ]

@@ -17,14 +17,7 @@ from pp1wire.errors import ConstructionError, ErrorCode, Pp1Error
 from pp1wire.q import dyadic, tree
 from pp1wire.q.dyadic import M
 from pp1wire.tp.coordinator import GroupCoordinator
-from pp1wire.tp.dist_common import (
-    Float64Array,
-    Int64Array,
-    gather,
-    pick,
-    reduce_max,
-    rows_of,
-)
+from pp1wire.tp.dist_common import Float64Array, Int64Array, gather, pick, reduce_max, rows_of
 from pp1wire.tp.shard_tree import TreePlan
 
 # The leftover tickets' threshold is found by bucket: a remainder in [0, 1) by its
@@ -34,10 +27,6 @@ _LOW_EXPONENT: Final = 1023 - 128
 _BUCKETS: Final = 1 + (128 << _SUB_BITS)
 # A remainder's top 16 bits (sign, exponent, 4 mantissa bits) less this are its bucket.
 _KEY_LOW: Final = (_LOW_EXPONENT << _SUB_BITS) - 1
-# The bound of pp1wire.q.dyadic.sparse_row_from_logits: the offers hold a sparse row's
-# support when the largest logit left out weighs, times this, below the k-th chosen.
-_EXP_SLACK: Final = dyadic._EXP_SLACK
-_MIN_THETA: Final = dyadic._MIN_THETA
 # With its histogram each rank sends its remainders in the three buckets around its guess
 # of the threshold (or the guessed one alone) if they are at most this many: usually the
 # threshold's bucket is among them on every rank, and no further collective is needed.
@@ -82,13 +71,10 @@ def construct_rows(
     *,
     probs: bool = False,
 ) -> list[BuiltRow | Pp1Error]:
-    """Build and draw a position's rows together: each exactly what
-    :func:`pp1wire.q.proposal.build_row` and the proposal draw (rank 0's) give on one
-    process, or the code the unsharded chain raises, in its order (a drafter failure
-    on any rank: the lowest rank's code).
-
-    ``logits`` are this rank's range of each row (with ``probs``, FP32 weights; other
-    values rounded to FP32). The collectives per batch are ``docs/tp.md`` §11's.
+    """Build and draw a position's rows together, each exactly what one process's
+    :func:`pp1wire.q.proposal.build_row` and rank 0's proposal draw give, or the code the
+    unsharded chain raises, in its order (a drafter failure on any rank: the lowest rank's).
+    ``logits``: this rank's range of each row (with ``probs``, weights rounded to FP32).
 
     Raises:
         ValueError: rows that are not ``[len(specs), this rank's range]``.
@@ -204,8 +190,7 @@ def _offer(
     plan: TreePlan,
     out: Float64Array,
 ) -> None:
-    """A sparse row's offer into ``out``: k values, their global IDs (-1: none) and for
-    logits the largest logit left out; weights: the top k (ties to the lowest ID)."""
+    """A sparse row's offer into ``out``: k values, global IDs (-1: none), largest left out."""
     k = spec.support
     out[: 2 * k] = -1.0
     if probs:
@@ -261,11 +246,7 @@ _SPARSE_BUCKETS: Final = 16.0
 
 
 def _check_probs(words: Float64Array) -> None:
-    """A probabilities row's checks from every rank's flags, in one process's order.
-
-    Raises:
-        ConstructionError: ``WEIGHT_NON_FINITE``, ``WEIGHT_NEGATIVE`` or ``ZERO_MASS``.
-    """
+    """A probabilities row's refusals from every rank's flags, in one process's order."""
     if words[:, 1].any():
         raise ConstructionError(ErrorCode.WEIGHT_NON_FINITE, "weights contain NaN or infinity")
     if words[:, 2].any():
@@ -275,12 +256,7 @@ def _check_probs(words: Float64Array) -> None:
 
 
 def _greedy(words: Float64Array, support: int, probs: bool, plan: TreePlan) -> BuiltRow:
-    """The greedy row from every rank's first words: all of the mass at the first
-    maximal logit or weight.
-
-    Raises:
-        ConstructionError: as one process's greedy row.
-    """
+    """The greedy row from every rank's first words, or one process's refusal of it."""
     top = float(words[:, 3].max())
     if probs:
         _check_probs(words)
@@ -316,8 +292,7 @@ def _point(token: int, support: int, plan: TreePlan) -> BuiltRow:
 
 
 class _Position(NamedTuple):
-    """A position's rows after its first collective (``c1``: every rank's first words;
-    ``tops``: each logits row's global maximum)."""
+    """A position's rows, every rank's first words (``c1``) and each logits row's maximum."""
 
     x: Float64Array
     c1: Float64Array
@@ -416,9 +391,8 @@ def _bucket_floor(bucket: int) -> float:
 
 
 class _ShardedRows:
-    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows over
-    the ranks' ranges: one collective for the floors, one more when a rank's guess of a
-    threshold's bucket missed, the same on every rank."""
+    """:func:`pp1wire.q.dyadic.allocate_with`'s pieces for a position's dense rows over the
+    ranks: one collective, one more when a rank's guess of a threshold's bucket missed."""
 
     where = staticmethod(np.where)
 
@@ -454,8 +428,7 @@ class _ShardedRows:
         return sums
 
     def threshold(self, left: Int64Array, live: npt.NDArray[np.bool_]) -> Float64Array:
-        """Each live row's threshold: found in its bucket, among every rank's remainders
-        there (from the guesses, or one more collective when a guess missed)."""
+        """Each live row's threshold, among every rank's remainders in its bucket."""
         hists = self.gathered[:, :, 1 : 1 + _BUCKETS]
         count = len(left)
         self.bucket = np.full(count, -1, dtype=np.int64)
@@ -501,8 +474,7 @@ class _ShardedRows:
     def assign(
         self, threshold: Float64Array, ties: Int64Array, live: npt.NDArray[np.bool_]
     ) -> Int64Array:
-        """This rank's tickets (the ties to lower ranks first: lower IDs), and every
-        rank's count total (``per_rank``)."""
+        """This rank's tickets (ties to lower ranks first), every rank's total in ``per_rank``."""
         takes = np.zeros_like(self.above_bucket)
         for j in np.flatnonzero(live):
             equal = [int((values == threshold[j]).sum()) for values in self.pools[j]]
@@ -546,8 +518,7 @@ def _allocate_and_draw(
 
 
 def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: float) -> None:
-    """This rank's guess of the threshold's bucket into a row's words: the buckets
-    around it and, if they fit, their remainders (as their binary64 bits)."""
+    """This rank's guess of the threshold's bucket, and the remainders around it if they fit."""
     share = max(1, round(tickets)) if np.isfinite(tickets) else 1
     above = np.cumsum(hist[::-1])
     guess = _BUCKETS - 1 - min(int(np.searchsorted(above, share)), _BUCKETS - 1)
@@ -565,9 +536,7 @@ def _guess(words: Int64Array, hist: Int64Array, rem: Float64Array, tickets: floa
 
 def _in_buckets(rem: Float64Array, lo: int, hi: int) -> Float64Array:
     """The remainders in buckets ``lo..hi``, in index order."""
-    low, high = _bucket_floor(lo), _bucket_floor(hi + 1)
-    if hi + 1 >= _BUCKETS:
-        high = 1.0
+    low, high = _bucket_floor(lo), _bucket_floor(hi + 1)  # above the last bucket: 1.0
     mask = rem >= low
     mask &= rem < high
     out: Float64Array = rem[mask]
@@ -590,8 +559,7 @@ def _guessed(ranks: Int64Array, bucket: int) -> list[Float64Array] | None:
 
 
 def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
-    """The sparse rows of a position, from the offers of the first collective (for a
-    logits row they cannot be shown to hold, one more of every rank's top k weights)."""
+    """The sparse rows of a position, from the first collective's offers (or :func:`_sparse`)."""
     x, c1, tops, specs, draws, probs, plan, coord = at
     out: dict[int, BuiltRow | Pp1Error] = {}
     retry: list[int] = []
@@ -610,7 +578,9 @@ def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
             left_out = outside[outside > -np.inf]
             if left_out.size:
                 bound = float(_shifted_exp(left_out, tops[r], specs[r].temperature).max())
-                if not (theta >= _MIN_THETA and bound * _EXP_SLACK < theta):
+                # The bound of dyadic.sparse_row_from_logits: the offers hold the support
+                # when the largest logit left out weighs, times the slack, below the k-th.
+                if not (theta >= dyadic._MIN_THETA and bound * dyadic._EXP_SLACK < theta):
                     retry.append(r)
                     continue
         out[r] = _support_row(w[order], ids[order], draws[r], plan)
@@ -624,8 +594,7 @@ def _sparse_rows(at: _Position, rows: list[int]) -> list[BuiltRow | Pp1Error]:
 def _support_row(
     w: Float64Array, ids: Float64Array, u24: int, plan: TreePlan
 ) -> BuiltRow | Pp1Error:
-    """The sparse row over a chosen support (weights and global IDs, any order),
-    allocated and drawn as one process does."""
+    """The sparse row over a chosen support (weights, global IDs), as one process draws it."""
     positive = w > 0
     w, ids = w[positive], ids[positive]
     by_id = np.argsort(ids, kind="stable")

@@ -12,19 +12,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pp1wire.errors import ErrorCode, Pp1Error, ValidationError, VerifyError
+from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q import dyadic
 from pp1wire.q.dyadic import M
+from pp1wire.q.proposal import _host
 from pp1wire.tp.coordinator import GroupCoordinator
-from pp1wire.tp.dist_common import (
-    Float64Array,
-    Int64Array,
-    gather,
-    owners_answer,
-    pick,
-    reduce_max,
-    rows_of,
-)
+from pp1wire.tp.dist_common import Float64Array, gather, owners_answer, pick, reduce_max, rows_of
 from pp1wire.tp.dist_construct import BuiltRow, RowSpec, construct_rows
 from pp1wire.tp.shard_tree import plan_of
 
@@ -56,11 +49,9 @@ def normalize_targets(
     coord: GroupCoordinator,
     failed: Sequence[bool] | None = None,
 ) -> TargetRows:
-    """:func:`pp1wire.q.verify.check_target` of each global row: one all-gather.
-
-    ``p`` is ``[rows, this rank's range]`` or a sequence of such rows (not copied);
-    a row ``failed`` marks (this rank could not score it) gets ``TARGET_FAILED``
-    on every rank, any other the unsharded function's code.
+    """:func:`pp1wire.q.verify.check_target` of each global row (one all-gather) of ``p``,
+    ``[rows, this rank's range]`` or such rows (not copied): a row ``failed`` marks gets
+    ``TARGET_FAILED`` on every rank, any other the unsharded function's code.
 
     Raises:
         ValueError: rows that are not this rank's range, or ``failed`` of another length.
@@ -178,9 +169,7 @@ def sample_counts(
 def _one(coord: GroupCoordinator, t: torch.Tensor | npt.ArrayLike) -> Float64Array:
     """One rank's piece of one global row, as a batch of one row (``ValueError`` if
     it is not this rank's range)."""
-    if isinstance(t, torch.Tensor):
-        t = t.detach().cpu().numpy()
-    x: Float64Array = np.asarray(t, dtype=np.float64)
+    x: Float64Array = np.asarray(_host(t), dtype=np.float64)
     plan = plan_of(coord)
     if x.ndim != 1 or x.size != plan.stop - plan.start:
         raise ValueError(
@@ -204,62 +193,6 @@ def counts_from_logits(
     if isinstance(got, Pp1Error):
         raise got
     return torch.from_numpy(got.counts)
-
-
-def sparse_counts_from_logits(
-    x: torch.Tensor | npt.ArrayLike, temperature: float, k: int, coord: GroupCoordinator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pp1wire.q.dyadic.sparse_counts_from_logits` of the global logits: the whole
-    support (IDs ascending, int32) and its counts, on every rank.
-
-    Raises:
-        ConstructionError: the unsharded function's code, on every rank.
-        ValueError: a piece that is not this rank's range.
-    """
-    dyadic.check_k(k)
-    if temperature == 0:
-        dyadic.check_temperature(temperature)
-    (got,) = construct_rows(_one(coord, x), [RowSpec(temperature, k)], coord)
-    if isinstance(got, Pp1Error):
-        raise got
-    pairs = gather(_padded_support(got, k), coord)  # every rank's part of the support
-    ids, counts = pairs[:, 0].reshape(-1), pairs[:, 1].reshape(-1)
-    keep = ids >= 0
-    return torch.from_numpy(ids[keep].astype(np.int32)), torch.from_numpy(counts[keep])
-
-
-def _padded_support(row: BuiltRow, k: int) -> Int64Array:
-    assert row.ids is not None
-    out = np.full((2, k), -1, dtype=np.int64)
-    out[0, : row.ids.size] = row.ids
-    out[1, : row.counts.size] = row.counts
-    return out
-
-
-def sample(counts: torch.Tensor | npt.ArrayLike, u24: int, coord: GroupCoordinator) -> int:
-    """:func:`pp1wire.q.dyadic.sample` of the global counts (the same ID on every rank).
-
-    Raises:
-        ValidationError: ``BAD_DRAW`` or ``MASS_MISMATCH``, on every rank.
-        ValueError: a piece that is not this rank's range.
-    """
-    (got,) = sample_counts(_one(coord, counts).astype(np.int64), [u24], coord)
-    if isinstance(got, ErrorCode):
-        raise ValidationError(got, "the counts cannot be sampled with this draw")
-    return got
-
-
-def normalize_target(p: torch.Tensor | npt.ArrayLike, coord: GroupCoordinator) -> torch.Tensor:
-    """This rank's piece of :func:`pp1wire.q.verify.check_target` of the global target.
-
-    Raises:
-        VerifyError: the unsharded function's code, on every rank.
-        ValueError: a piece that is not this rank's range.
-    """
-    rows = normalize_targets(_one(coord, p), coord)
-    if rows.codes[0] is not None:
-        raise VerifyError(rows.codes[0], "the target is not a distribution")
-    return torch.from_numpy(rows.normalized(0))
 
 
 def residual_sample(
@@ -288,13 +221,10 @@ __all__ = [
     "construct_rows",
     "counts_from_logits",
     "gather",
-    "normalize_target",
     "normalize_targets",
     "reduce_max",
     "residual_rows",
     "residual_sample",
-    "sample",
     "sample_counts",
     "sample_weights_rows",
-    "sparse_counts_from_logits",
 ]

@@ -107,16 +107,10 @@ class Header:
             raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, "attempt header out of bounds")
         try:
             stop = StopRule(StopKind(w[1] >> 32), w[1] & 0xFFFFFFFF)
-        except ValueError:
-            raise ValidationError(
-                ErrorCode.GROUP_HEADER_INVALID, f"no stop rule is the word {w[1]}"
-            ) from None
-        try:
             cut = ErrorCode(w[14]) if w[14] else None
         except ValueError:
-            raise ValidationError(
-                ErrorCode.GROUP_HEADER_INVALID, f"no error code is the word {w[14]}"
-            ) from None
+            why = f"the stop-rule word {w[1]} or the cut word {w[14]} names none"
+            raise ValidationError(ErrorCode.GROUP_HEADER_INVALID, why) from None
         middle: dict[str, Any] = {
             name: as_uint64(v) if name in _UNSIGNED else v
             for name, v in zip(_MIDDLE, w[2:14], strict=True)

@@ -18,13 +18,7 @@ import torch
 
 from pp1wire.errors import ErrorCode, Pp1Error, VerifyError
 from pp1wire.q.proposal import Proposal
-from pp1wire.q.verify import (
-    TARGET_FAILURES,
-    RequestVerifier,
-    RoundResult,
-    batched,
-    verify_batch,
-)
+from pp1wire.q.verify import TARGET_FAILURES, RequestVerifier, RoundResult, batched, verify_batch
 from pp1wire.tp import fanout
 from pp1wire.tp.coordinator import GroupCoordinator, GroupFailedError
 from pp1wire.tp.fanout import Header, Item, Kind
@@ -149,16 +143,15 @@ class SparkGroup:
         if total and self.faults is not None and self.faults.corrupt_copy(self.rank, attempt):
             local[len(local) // 2] ^= 0x01
 
-        n, w = len(entries), fanout.WORDS
         verifiers = [verifier_for(h) for h in entries]
         self.held.update((h.request, v) for h, v in zip(entries, verifiers, strict=True))
         offsets = np.cumsum([0] + [h.nbytes for h in entries])
-        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(n)]
+        chunks = [local[offsets[i] : offsets[i + 1]] for i in range(len(entries))]
         copies: list[ErrorCode | None] = [
             None if fanout.digest(c) == h.payload_digest else ErrorCode.GROUP_COPY_MISMATCH
             for c, h in zip(chunks, entries, strict=True)
         ]
-        mine = np.full((self.max_batch, w), -1, dtype=np.int64)
+        mine = np.full((self.max_batch, fanout.WORDS), -1, dtype=np.int64)
         owned = [fanout.owner_of(h.request, self.world) == self.rank for h in entries]
         fail = (
             any(owned) and self.faults is not None and self.faults.fail_target(self.rank, attempt)
@@ -206,7 +199,7 @@ class SparkGroup:
                 f"request {d.header.request} round {d.header.round_id}: the target-only "
                 f"attempt was voted down ({ranks}); nothing of attempt {attempt} was committed"
             )
-        for d, v in zip(decisions[:n], verifiers, strict=True):
+        for d, v in zip(decisions, verifiers, strict=True):
             if d.result is None:
                 v.discard()
                 self.stats.votes_failed[d.reason] += 1
@@ -334,12 +327,8 @@ class SparkGroup:
         raise GroupFailedError(f"rank {self.rank}: no verifier for request {header.request}")
 
     def _reports(self) -> list[RankReport]:
-        prefixes = fanout.digest(
-            np.array(
-                [[r, self.held[r].digest & ((1 << 63) - 1)] for r in sorted(self.held)],
-                dtype=np.int64,
-            )
-        )
+        held = [[r, self.held[r].digest & ((1 << 63) - 1)] for r in sorted(self.held)]
+        prefixes = fanout.digest(np.array(held, dtype=np.int64))
         mine = torch.tensor(
             [
                 self.coord.collectives + 1,  # the gather below included

@@ -19,56 +19,29 @@ from pp1wire.q.dyadic import M
 from pp1wire.q.layout import ShardSummary, as_int64, check_group
 from pp1wire.q.proposal import MAX_DEPTH, Proposal, QRow
 from pp1wire.q.stoprules import StopKind, stop_after
-from pp1wire.q.verify import (
-    BatchTargetFn,
-    FailedRow,
-    Outcome,
-    RequestVerifier,
-    RoundResult,
-)
+from pp1wire.q.verify import BatchTargetFn, FailedRow, RequestVerifier, RoundResult
 from pp1wire.q.walk import Draw, RoundRows, walk
 from pp1wire.tp import dist_ops
 from pp1wire.tp.coordinator import GroupCoordinator
+from pp1wire.tp.fanout import encode_outcome
 
 _KEY = 6  # generation, round, position, prefix digest, depth, context
 _REPORT = 4 + _KEY + 3 * MAX_DEPTH  # ok, code, cut, rows, key, tokens, masses, counts
 _COUNTS = 4 + _KEY + 2 * MAX_DEPTH  # where the counts at the tokens start
-_OUTCOME = 5 + MAX_DEPTH + 1  # ok, code, round, accepted, extra, tokens
-_OUTCOMES = list(Outcome)
 
 
-@dataclass(frozen=True)
-class ShardReport:
-    """What this rank's link gave for one round: a checked shard, or the code that refused it."""
-
-    code: ErrorCode | None
-    summary: ShardSummary | None = None
-    #: Each row's count at its token if this shard holds the token, else 0.
-    counts: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, proposal: Proposal) -> ShardReport:
-        """The report of a shard proposal that passed every check of its link."""
-        p = proposal
-        masses = tuple(_mass(row) for row in p.rows)
-        counts = tuple(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows)
-        digest, context = as_int64(p.digest), as_int64(p.context)
-        key = (p.generation, p.round_id, p.position, digest, p.depth, context)
-        return cls(None, ShardSummary(key, p.tokens, masses), counts)
-
-    def words(self, cut: ErrorCode | None = None) -> list[int]:
-        """The fixed-size int64 words every rank gathers (``cut``: the fault that cut
-        this rank's block)."""
-        out = [int(self.code is None), 0 if self.code is None else int(self.code)]
-        out.append(0 if cut is None else int(cut))
-        if self.summary is None:
-            return out + [0] * (_REPORT - 3)
-        s = self.summary
-        out += [len(s.tokens), *s.key]
-        out += [*s.tokens, *[-1] * (MAX_DEPTH - len(s.tokens))]
-        out += [*s.masses, *[-1] * (MAX_DEPTH - len(s.masses))]
-        out += [*self.counts, *[0] * (MAX_DEPTH - len(self.counts))]
-        return out
+def _report(r: ShardRound) -> list[int]:
+    """This rank's words of a round for every rank, as ``_REPORT`` lists them (padded)."""
+    p = r.proposal
+    if p is None:
+        return [int(r.failure is None), int(r.failure or 0)] + [0] * (_REPORT - 2)
+    pad = MAX_DEPTH - len(p.rows)
+    key = (p.generation, p.round_id, p.position, as_int64(p.digest), p.depth, as_int64(p.context))
+    out = [1, 0, int(p.cut or 0), len(p.rows), *key, *p.tokens, *[-1] * pad]
+    out += [*(_mass(row) for row in p.rows), *[-1] * pad]
+    # Each row's count at its token if this shard holds the token, else 0.
+    out += [*(_count_at(row, row.token, p.shard or (0, 0)) for row in p.rows), *[0] * pad]
+    return out
 
 
 def _mass(row: QRow) -> int:
@@ -99,9 +72,8 @@ def _summary(words: Sequence[int], rows: int) -> ShardSummary:
 
 
 def _agreed_block(reports: Sequence[Sequence[int]]) -> tuple[int, ErrorCode | None] | None:
-    """The block every rank can verify: the rows every rank holds and the fault that cut
-    it (the lowest rank's holding only those), or None if the ranks' blocks cannot be
-    one block (ranks not cut disagree on its length, or one holds more rows)."""
+    """The rows every rank holds and the fault that cut them (the lowest such rank's), or
+    None if the ranks' blocks cannot be one (uncut ones differ, or one holds more)."""
     rows = [int(w[3]) for w in reports]
     whole = [n for w, n in zip(reports, rows, strict=True) if not w[2]]
     if whole and (min(whole) != max(whole) or max(rows) > whole[0]):
@@ -135,11 +107,6 @@ class ShardRound:
     #: Each row's count at its token, from the rank that owns it (set by the group check).
     counts: tuple[int, ...] = ()
 
-    @property
-    def target_only(self) -> bool:
-        """Whether the round has no proposal on any rank (agreed before the step)."""
-        return self.proposal is None and self.failure is None
-
 
 class ShardedVerifyGroup:
     """This rank's part in deciding the steps of a vocabulary-sharded Spark group."""
@@ -171,8 +138,7 @@ class ShardedVerifyGroup:
             GroupFailedError: a collective failed, or the ranks' outcomes differ
                 (nothing of the step was applied on any rank).
         """
-        n = len(rounds)
-        out: list[RoundResult | VerifyError | None] = [None] * n
+        out: list[RoundResult | VerifyError | None] = [None] * len(rounds)
         self._check(rounds, out)
         scores, lost = self._score(rounds, out, target)
         self._verify(rounds, scores, lost, out)
@@ -187,19 +153,12 @@ class ShardedVerifyGroup:
         self, rounds: Sequence[ShardRound], out: list[RoundResult | VerifyError | None]
     ) -> None:
         """Step 1: one gather of every rank's reports; a round failing anywhere falls back."""
-        mine: list[int] = []
-        for r in rounds:
-            if r.proposal is not None:
-                mine += ShardReport.of(r.proposal).words(r.proposal.cut)
-            else:
-                mine += ShardReport(r.failure).words()
         if not rounds:
             return
-        gathered = dist_ops.gather(np.asarray(mine, dtype=np.int64), self.coord).reshape(
-            self.world, len(rounds), _REPORT
-        )
+        mine = np.array([_report(r) for r in rounds], dtype=np.int64)
+        gathered = dist_ops.gather(mine, self.coord)  # [world, rounds, words]
         for i, r in enumerate(rounds):
-            if r.target_only:
+            if r.proposal is None and r.failure is None:  # target-only on every rank
                 continue
             reports = [[int(v) for v in gathered[k, i].tolist()] for k in range(self.world)]
             refused = next((ErrorCode(w[1]) for w in reports if not w[0]), None)
@@ -236,8 +195,7 @@ class ShardedVerifyGroup:
         out: list[RoundResult | VerifyError | None],
         target: BatchTargetFn,
     ) -> tuple[list[list[npt.NDArray[np.float64]]], list[bool]]:
-        """Step 2: this rank's range of the target for every prefix (one call), and whether
-        each round's scoring failed here (the normalization tells every rank)."""
+        """Step 2: this rank's range of the target per prefix (one call), and lost rounds."""
         wanted: list[tuple[int, int]] = []  # (round, prefixes)
         prefixes: list[Sequence[int]] = []
         for i, r in enumerate(rounds):
@@ -277,15 +235,8 @@ class ShardedVerifyGroup:
         """Step 4: every rank decided exactly this, or the group fails closed."""
         if not decided:
             return
-        words: list[int] = []
-        for d in decided:
-            if isinstance(d, VerifyError):
-                words += [0, int(d.code)] + [0] * (_OUTCOME - 2)
-            else:
-                tokens = list(d.tokens) + [-1] * (MAX_DEPTH + 1 - len(d.tokens))
-                extra = -1 if d.extra is None else d.extra
-                words += [1, _OUTCOMES.index(d.outcome), d.round_id, d.accepted, extra, *tokens]
-        gathered = dist_ops.gather(np.asarray(words, dtype=np.int64), self.coord)
+        pairs = [(None, d.code) if isinstance(d, VerifyError) else (d, None) for d in decided]
+        gathered = dist_ops.gather(np.stack([encode_outcome(*p) for p in pairs]), self.coord)
         if not (gathered == gathered[0]).all():
             raise self.coord.fail("the ranks' outcomes differ; nothing of the step was committed")
 
@@ -375,15 +326,11 @@ class ShardRows:
     def draw(self, draws: Sequence[Draw]) -> list[int]:
         """Every draw of the step in one sharded descent (two collectives)."""
         p, g = self._normalized(), self._group
-        weights = np.stack(
-            [
-                p.normalized(d.row)
-                if d.q is None
-                else dist_ops.residual_rows(p.normalized(d.row), self._q(d.q))
-                for d in draws
-            ]
-        )
-        picks = dist_ops.sample_weights_rows(weights, [d.u53 for d in draws], g.coord)
+        weights = [p.normalized(d.row) for d in draws]
+        for j, d in enumerate(draws):
+            if d.q is not None:
+                weights[j] = dist_ops.residual_rows(weights[j], self._q(d.q))
+        picks = dist_ops.sample_weights_rows(np.stack(weights), [d.u53 for d in draws], g.coord)
         return [-1 if isinstance(pick, ErrorCode) else pick for pick in picks]
 
     def _q(self, row: QRow) -> npt.NDArray[np.float64]:
@@ -405,4 +352,4 @@ def _as_row(row: object) -> npt.NDArray[np.float64] | None:
         return None
 
 
-__all__ = ["ShardReport", "ShardRound", "ShardRows", "ShardedVerifyGroup"]
+__all__ = ["ShardRound", "ShardRows", "ShardedVerifyGroup"]

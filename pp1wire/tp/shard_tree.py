@@ -21,10 +21,7 @@ Node = tuple[int, int]
 
 class TreePlan:
     """Where each rank's cover nodes sit in the canonical tree (§6.6), and the additions
-    that complete the tree above them, in the order every rank performs them.
-
-    Static for a layout: computed on every rank without a collective.
-    """
+    that complete the tree above them, in the order every rank performs them."""
 
     def __init__(self, layout: ShardLayout, rank: int) -> None:
         """The plan of ``layout`` seen from ``rank``.

@@ -27,6 +27,7 @@ from pp1wire.q.proposal import (
     DrafterFn,
     ExtendedPrefix,
     QRow,
+    _host,
     batched_drafter,
     drafter_kind,
     stopped_by,
@@ -100,11 +101,10 @@ class _Chain:
     """One matched STEP while the group draws it."""
 
     __slots__ = (
-        "context", "draw", "drawn", "first", "held", "index", "lane", "rows", "rule", "streams",
+        "context", "draw", "drawn", "first", "held", "lane", "rows", "rule", "streams",
     )  # fmt: skip
 
-    def __init__(self, index: int, held: _Held, streams: RoundStreams | None, lane: int) -> None:
-        self.index = index
+    def __init__(self, held: _Held, streams: RoundStreams | None, lane: int) -> None:
         self.held = held
         self.streams = streams
         self.lane = lane  # the finishing thread that sends its reply, in order
@@ -295,16 +295,14 @@ class ShardedDrafting:
             self._fail_all(self.broken or "stopped")
 
     def _next_turn(self, last: float, wait: float) -> tuple[list[_Held], bool]:
-        """Wait for a new STEP's burst, a stop or the next exchange, answering the STEPs
-        that waited too long; then this rank's held STEPs (arrival order) and its stop."""
+        """Wait for a burst, a stop or the next exchange, answering expired STEPs; then the
+        held STEPs (arrival order) and the stop flag."""
         expired: list[_Held] = []
         with self._cond:
             while True:
                 now = time.monotonic()
-                for key in [
-                    k for k, h in self._held.items() if now - h.since >= self.match_timeout
-                ]:
-                    expired.append(self._held.pop(key))
+                old = [k for k, h in self._held.items() if now - h.since >= self.match_timeout]
+                expired += [self._held.pop(k) for k in old]
                 if self._stopping or now >= last + wait:
                     break
                 if self._fresh:
@@ -320,20 +318,13 @@ class ShardedDrafting:
                 self._cond.wait(max(0.0, until - now))
             self._fresh = False
             snapshot, stop = list(self._held.values()), self._stopping
+        why = f"no matching STEP on every link within {self.match_timeout:g} s"
         for held in expired:
-            self._answer(
-                held,
-                Pp1Error(
-                    ErrorCode.GROUP_UNMATCHED,
-                    f"no matching STEP on every link within {self.match_timeout:g} s",
-                ),
-            )
+            self._answer(held, Pp1Error(ErrorCode.GROUP_UNMATCHED, why))
         return snapshot, stop
 
     def _window(self, snapshot: list[_Held]) -> tuple[list[_Held], list[tuple[int, int]]]:
-        """The keys this rank sends in the next exchange (those that can match, one of
-        each session in turn, oldest first) and the nonces (of the sessions holding keys
-        first, then this rank's other live links): ``docs/tp.md`` §11."""
+        """The keys and nonces this rank sends in the next exchange (``docs/tp.md`` §11)."""
         sessions: dict[tuple[int, int], list[_Held]] = {}
         for held in snapshot:  # arrival order: each session's list is oldest first
             sessions.setdefault((held.key[0], held.key[1]), []).append(held)
@@ -352,9 +343,8 @@ class ShardedDrafting:
     def _exchange(
         self, snapshot: list[_Held], stop: bool
     ) -> tuple[list[_Held], bool, set[tuple[int, ...]]]:
-        """One all-gather of every rank's window, nonces and stop flag: the STEPs every
-        rank sent (in rank 0's order, now taken), whether any rank is stopping, and the
-        nonces every rank has a live link for."""
+        """One all-gather of the windows: the STEPs every rank sent (rank 0's order, now
+        taken), whether any rank stops, and the nonces every rank has a live link for."""
         width = self.width
         words = np.zeros((1 + 2 * width, _KEY_WORDS), dtype=np.int64)
         with self._cond:
@@ -392,12 +382,11 @@ class ShardedDrafting:
                     self._matchable[nonce] = nonce in everywhere
             anywhere = set.union(*links)
             now = time.monotonic()
-            for group in [
-                g
+            self._closed = {
+                g: since
                 for g, since in self._closed.items()
-                if now - since >= self.match_timeout and nonce_words(g) not in anywhere
-            ]:
-                del self._closed[group]
+                if now - since < self.match_timeout or nonce_words(g) in anywhere
+            }
         return matched, False, everywhere
 
     def _backoff(
@@ -407,9 +396,8 @@ class ShardedDrafting:
         everywhere: set[tuple[int, ...]],
         now: float,
     ) -> float:
-        """How long until the next exchange: soon while this rank holds a young STEP the
-        others lack but could send (their copy will not wake this rank), backing off as
-        it ages; else a beat."""
+        """Until the next exchange: soon while a young STEP here waits for the other ranks'
+        copies (which do not wake this rank), backing off as it ages; else a beat."""
         taken = {id(h) for h in matched}
         ages = [now - h.since for h in snapshot if id(h) not in taken and h.key[:2] in everywhere]
         if not ages:
@@ -468,18 +456,15 @@ class ShardedDrafting:
             self._complete(c.held, reply)
 
     def _chains(
-        self,
-        matched: list[_Held],
-        on_position: Callable[[int, list[_Chain], list[_Ended]], None] | None = None,
-    ) -> list[tuple[QRow, ...] | BaseException]:
-        """Every matched STEP's rows (or failure): the proposal chain of §6.4 on the
-        global q, a position at a time for all. ``on_position`` gets each position, the
-        chains that drew a row there and those that ended there (refused ones at 0)."""
+        self, matched: list[_Held], on_position: Callable[[int, list[_Chain], list[_Ended]], None]
+    ) -> None:
+        """Draw every matched STEP's block, a position at a time for all; each position's
+        drawn chains and ended ones (rows or failure) go to ``on_position`` (refused at 0)."""
         chains: list[_Chain] = []
         ended: list[_Ended] = []
-        for index, held in enumerate(matched):
+        for held in matched:
             step = held.job.step
-            chain = _Chain(index, held, None, self._lane())
+            chain = _Chain(held, None, self._lane())
             if not 1 <= step.depth <= MAX_DEPTH:
                 refused = ConstructionError(ErrorCode.BAD_SHAPE, f"depth {step.depth} outside 1..5")
                 ended.append((chain, refused))
@@ -488,9 +473,8 @@ class ShardedDrafting:
                 job = held.job
                 chain.streams = RoundStreams(Role.WORKER, job.seed, step.generation, step.round)
             chains.append(chain)
-        if ended and on_position is not None:
+        if ended:
             on_position(0, [], ended)
-        finished = ended
         for i in range(MAX_DEPTH):
             if not chains:
                 break
@@ -526,12 +510,8 @@ class ShardedDrafting:
                     going.append(c)
                 else:
                     ended.append((c, tuple(c.rows)))
-            if on_position is not None:
-                on_position(i, drawn, ended)
-            finished = finished + ended
+            on_position(i, drawn, ended)
             chains = going
-        by_index = {c.index: outcome for c, outcome in finished}
-        return [by_index[j] for j in range(len(matched))]
 
     def _spec(self, chain: _Chain, i: int, drafter_code: int) -> dist_ops.RowSpec:
         step = chain.held.job.step
@@ -546,8 +526,7 @@ class ShardedDrafting:
     def _logits(
         self, contexts: Sequence[Sequence[int]]
     ) -> tuple[npt.NDArray[np.floating], list[int], list[BaseException | None]]:
-        """This rank's range of the drafter's rows for every context (one call; weights
-        rounded to FP32), each row's failure code (0: none) and its exception."""
+        """This rank's range of the drafter's rows (one call), each row's code and exception."""
         n = len(contexts)
         dtype = np.float32 if self.probs else np.float64
         local = np.zeros((n, self.hi - self.lo), dtype=dtype)
@@ -586,13 +565,6 @@ class ShardedDrafting:
                 continue
             local[j] = row[self.lo : self.hi]
         return local, codes, errors
-
-
-def _host(rows: object) -> object:
-    """A drafter's torch tensor (on any device) as a host array; anything else as it is."""
-    if isinstance(rows, torch.Tensor):
-        return rows.detach().cpu().numpy()
-    return rows
 
 
 __all__ = ["AfterDraw", "Done", "ShardedDrafting", "key_of", "nonce_words"]
