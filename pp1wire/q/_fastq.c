@@ -326,7 +326,7 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
  * distribution) and draw_rows (each draw by the tree descent: one pass stores the
  * sums of the row's 64-leaf blocks, the descent recomputes the block it ends in),
  * both with the GIL released and the rows shared out to threads; the walk that
- * decides with them is pp1wire.q.walk's. step_simd, row_stats and draw_total expose the
+ * decides with them is pp1wire.q.walk's. step_simd and draw_total expose the
  * pieces to the tests that qualify them.
  * ------------------------------------------------------------------------- */
 
@@ -2254,21 +2254,6 @@ static PyObject *check_dense(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
-static PyObject *row_stats(PyObject *self, PyObject *args) {
-    PyObject *obj;
-    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
-    Py_buffer views[1];
-    int used = 0, bad = 0;
-    vrow_t row;
-    size_t n;
-    double total = 0.0;
-    int ok = one_row(obj, views, &used, &row, &n) == 0;
-    if (ok) total = row_total(&row, n, &bad);
-    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
-    if (!ok) return NULL;
-    return Py_BuildValue("(dO)", total, bad ? Py_True : Py_False);
-}
-
 static PyObject *draw_total(PyObject *self, PyObject *args) {
     PyObject *obj, *qobj, *idobj;
     double total;
@@ -2372,7 +2357,6 @@ static PyObject *philox_block(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     METHOD(row_checks, "(rows[, threads]) -> each row's total, or None if not a distribution"),
     METHOD(draw_rows, "(draws[, threads]) -> each drawn index, or -1 / -2 / -3"),
-    METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
     METHOD(draw_total,
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
