@@ -1914,45 +1914,8 @@ static inline int drawn_status(int st, int64_t u) {
     return st == 0 && (u < 0 || u >= (int64_t)M24) ? 4 : st;
 }
 
-/* Every row of w (rows x n checked float64 weights): its canonical total, its counts into
- * out (rows x n int32) and its draw with draws[r] into tokens[r], its status (0, 1 to 3 as
- * allocate_row, 4 a draw outside [0, M)) into status[r]; share and work: n-entry scratch. */
-static PyObject *build_rows(PyObject *self, PyObject *args) {
-    Py_buffer wb, ob, db, tb, stb, sb, kb;
-    Py_ssize_t nn;
-    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb))
-        return NULL;
-    size_t n = (size_t)(nn > 0 ? nn : 0);
-    size_t rows = (size_t)db.len / 8;
-    int ok = nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)wb.len == 8 * n * rows
-             && (size_t)ob.len == 4 * n * rows && (size_t)tb.len == 8 * rows
-             && (size_t)stb.len == 4 * rows && (size_t)sb.len == 8 * n
-             && (size_t)kb.len == 8 * n;
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "build_rows: buffer sizes do not match");
-    } else {
-        scratch_t s;
-        scratch_in(&s, (double *)sb.buf, kb.buf, n);
-        const double *w = (const double *)wb.buf;
-        const int64_t *draws = (const int64_t *)db.buf;
-        int64_t *tokens = (int64_t *)tb.buf;
-        int32_t *status = (int32_t *)stb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (size_t r = 0; r < rows; r++) {
-            const double *wr = w + r * n;
-            int st = allocate_row(wr, 0, n, tree_root(wr, n), 1, (uint32_t *)ob.buf + r * n, 0,
-                                  &s, draws[r], &tokens[r]);
-            status[r] = drawn_status(st, draws[r]);
-            if (status[r]) tokens[r] = -1;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    RELEASE(&wb, &ob, &db, &tb, &stb, &sb, &kb);
-    if (!ok) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* Construction statuses beyond build_rows' 0..4 (protocol §6.1's refusals). */
+/* Construction statuses beyond allocate_row's 0..3 and 4, a draw outside [0, M)
+ * (protocol §6.1's refusals). */
 enum { C_NON_FINITE = 5, C_NEGATIVE = 6, C_ZERO_MASS = 7 };
 
 /* Whether some weight is NaN or infinite (the diagnosis of a non-finite total). */
@@ -1978,15 +1941,18 @@ static int check_row(const void *w, int f32, size_t n, double *total) {
     return 0;
 }
 
-/* build_rows for rows that travel: each row (n float32 or float64 weights, one type for
- * all) checked, totalled, allocated and drawn from, its FP32 wire values then +0.0 written
- * into payloads[r] (m >= n FP32 values); status 5 to 7 as check_row, a refused row's token
- * -1 and its payload unspecified. scratch: at least 16 n bytes. */
+/* Each row (n float32 or float64 weights, one type for all) checked, totalled, allocated and
+ * drawn from with draws[r], its FP32 wire values then +0.0 (wire false: its int32 counts)
+ * written into payloads[r] (m >= n 32-bit words); status[r] 0, 1 to 3 as allocate_row, 4 a
+ * draw outside [0, M), 5 to 7 as check_row; a refused row's token -1 and its payload
+ * unspecified. scratch: at least 16 n bytes. */
 static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *payloads;
     Py_ssize_t nn;
     Py_buffer db, tb, stb, sb;
-    if (!PyArg_ParseTuple(args, "Onw*w*w*Ow*", &rows_obj, &nn, &db, &tb, &stb, &payloads, &sb))
+    int wire = 1;
+    if (!PyArg_ParseTuple(args, "Onw*w*w*Ow*|p", &rows_obj, &nn, &db, &tb, &stb, &payloads, &sb,
+                          &wire))
         return NULL;
     size_t n = (size_t)(nn > 0 ? nn : 0);
     size_t count = (size_t)db.len / 8;
@@ -2049,11 +2015,11 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (size_t r = 0; r < count; r++) {
             const void *w = views[2 * r].buf;
-            uint32_t *q = (uint32_t *)views[2 * r + 1].buf; /* counts, then their wire values */
+            uint32_t *q = (uint32_t *)views[2 * r + 1].buf; /* counts, then any wire values */
             double total;
             int st = check_row(w, f32, n, &total);
             tokens[r] = -1;
-            if (st == 0) st = allocate_row(w, f32, n, total, 0, q, 1, &s, draws[r], &tokens[r]);
+            if (st == 0) st = allocate_row(w, f32, n, total, 0, q, wire, &s, draws[r], &tokens[r]);
             st = drawn_status(st, draws[r]);
             if (st == 0) memset(q + n, 0, (size_t)views[2 * r + 1].len - 4 * n); /* +0.0 */
             else tokens[r] = -1;
@@ -2368,10 +2334,9 @@ static PyMethodDef methods[] = {
            "(int32 or int64 counts, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
     METHOD(allocate, "(w, total, out, share, work) -> 0, or 1 to 3 for an inconsistent allocation"),
-    METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work) -> None"),
     METHOD(sparse_candidates, "(x, top, scale, k, margin, idx) -> (count, x_out_max)"),
     METHOD(construct_rows,
-           "(rows, n, draws, tokens, status, payloads, scratch) -> None"),
+           "(rows, n, draws, tokens, status, payloads, scratch[, wire]) -> None"),
     METHOD(topk_f32, "(row, k, ids, scratch) -> (count, status)"),
     METHOD(check_dense, "(row, vocab, proposed) -> 0 or the first failing error code"),
     METHOD(check_sparse, "(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"),
