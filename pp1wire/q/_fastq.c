@@ -151,29 +151,6 @@ static double root64(const double *restrict x) {
     return (d[0] + d[1]) + (d[2] + d[3]);
 }
 
-/* The canonical tree's root over n >= 1 float64 leaves (row_total's tree,
- * defined with it below). */
-static double tree_root(const double *restrict v, size_t n);
-
-static PyObject *tree_total(PyObject *self, PyObject *args) {
-    Py_buffer vb;
-    if (!PyArg_ParseTuple(args, "y*", &vb)) return NULL;
-    if (vb.len % 8) {
-        PyBuffer_Release(&vb);
-        PyErr_SetString(PyExc_ValueError, "tree_total: not a float64 buffer");
-        return NULL;
-    }
-    size_t n = (size_t)vb.len / 8;
-    double root = 0.0;
-    if (n) {
-        Py_BEGIN_ALLOW_THREADS
-        root = tree_root((const double *)vb.buf, n);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&vb);
-    return PyFloat_FromDouble(root);
-}
-
 #define M24 16777216.0
 #define MIN_NORMAL 2.2250738585072014e-308 /* 2**-1022 */
 
@@ -591,10 +568,26 @@ static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count
     return stack[top];
 }
 
-static double tree_root(const double *restrict v, size_t n) {
-    const vrow_t row = {v, K_F64};
-    int bad;
-    return row_total(&row, n, &bad);
+/* The canonical total of float64 values (tree.total). */
+static PyObject *tree_total(PyObject *self, PyObject *args) {
+    Py_buffer vb;
+    if (!PyArg_ParseTuple(args, "y*", &vb)) return NULL;
+    if (vb.len % 8) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "tree_total: not a float64 buffer");
+        return NULL;
+    }
+    size_t n = (size_t)vb.len / 8;
+    double root = 0.0;
+    if (n) {
+        const vrow_t row = {vb.buf, K_F64};
+        int bad;
+        Py_BEGIN_ALLOW_THREADS
+        root = row_total(&row, n, &bad);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&vb);
+    return PyFloat_FromDouble(root);
 }
 
 static inline double q_at(const vq_t *q, size_t i) {
