@@ -2213,35 +2213,21 @@ static PyObject *check_dense(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
+/* The canonical total of the weights one draw_rows draw (row, total, q, ids) descends. */
 static PyObject *draw_total(PyObject *self, PyObject *args) {
     PyObject *obj, *qobj, *idobj;
-    double total;
-    if (!PyArg_ParseTuple(args, "OdOO", &obj, &total, &qobj, &idobj)) return NULL;
+    vdraw_t d = {0};
+    if (!PyArg_ParseTuple(args, "OdOO", &obj, &d.total, &qobj, &idobj)) return NULL;
     Py_buffer views[3];
     int used = 0;
-    vrow_t row;
-    vq_t q = {NULL, K_NONE, NULL, 0};
-    size_t n;
-    int ok = one_row(obj, views, &used, &row, &n) == 0;
-    if (ok && qobj != Py_None) {
-        Py_ssize_t nq;
-        q.kind = take_buffer(qobj, views, &used, &q.q, &nq);
-        ok = q.kind == K_F32 || q.kind == K_I32 || q.kind == K_I64;
-        if (ok && idobj != Py_None) {
-            Py_ssize_t nid;
-            const void *ip;
-            ok = take_buffer(idobj, views, &used, &ip, &nid) == K_I32 && nid == nq;
-            q.ids = (const int32_t *)ip;
-            q.nids = (size_t)nid;
-            for (Py_ssize_t j = 0; ok && j < nid; j++)
-                ok = q.ids[j] >= 0 && (size_t)q.ids[j] < n && (!j || q.ids[j] > q.ids[j - 1]);
-        } else if (ok) {
-            ok = (size_t)nq >= n;
-        }
-        if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "draw_total: bad q");
+    int ok = one_row(obj, views, &used, &d.shape.row, &d.shape.n) == 0 &&
+             (qobj == Py_None || parse_q(qobj, idobj, &d, views, &used) == 0);
+    if (ok && d.bad_q) {
+        PyErr_SetString(PyExc_ValueError, "draw_total: ids do not ascend inside the row");
+        ok = 0;
     }
     double root = 0.0;
-    if (ok) root = weights_total(&row, n, total, qobj == Py_None ? NULL : &q);
+    if (ok) root = weights_total(&d.shape.row, d.shape.n, d.total, d.has_q ? &d.q : NULL);
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
     if (!ok) return NULL;
     if (root < 0.0) return PyErr_NoMemory();
