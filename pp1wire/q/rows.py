@@ -21,11 +21,6 @@ _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
 
-def _compiled() -> Any:
-    """The compiled module as :mod:`pp1wire.q.dyadic` has it now (None: numpy)."""
-    return getattr(dyadic, "_fastq", None)
-
-
 class _RowsScratch:
     """Per-thread float64 scratch for rows of weights, grown as needed."""
 
@@ -76,7 +71,7 @@ def allocate_rows(
     """
     w, rows, n = _rows_shape(weights, draws)
     out = np.empty((rows, n), dtype=np.int32)
-    fast = _compiled()
+    fast = getattr(dyadic, "_fastq", None)  # as dyadic has it now (None: numpy)
     if fast is not None and rows:
         return out, _compiled_rows(fast, list(w), list(out), draws, wire=False)
     results: list[int | ConstructionError | ValidationError] = []
@@ -210,7 +205,7 @@ def construct_rows(
     elif len(payloads) != count:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"{len(payloads)} payloads for {count} rows")
     out = list(payloads)
-    fast = _compiled()
+    fast = getattr(dyadic, "_fastq", None)
     if fast is not None and all(w.flags.c_contiguous for w in weights):
         return out, _compiled_rows(fast, weights, out, draws, wire=True)
     results: list[int | ConstructionError | ValidationError] = []
