@@ -364,11 +364,9 @@ def build_position(
             counts_h = host[pos : pos + d * n].reshape(d, n).astype(np.int32)
             pos += d * n
         for j, r in enumerate(dense):
-            code = int(refused_h[r]) or int(status_h[j])
-            if code:
-                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
-            elif not 0 <= draws[r] < M:
-                out[r] = _bad_draw(draws[r])
+            refusal = _refusal(int(refused_h[r]) or int(status_h[j]), draws[r])
+            if refusal is not None:
+                out[r] = refusal
             elif staged is not None:
                 out[r] = QRow(int(tokens_h[j]), q32=staged[j])
             else:
@@ -383,12 +381,8 @@ def build_position(
         picks_h = host[pos + g + 2 * g * width : pos + 2 * g + 2 * g * width]
         pos += 2 * g + 2 * g * width
         for j, r in enumerate(group):
-            code = int(refused_h[r]) or int(status_h[j])
-            if code:
-                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
-                continue
-            if not 0 <= draws[r] < M:
-                out[r] = _bad_draw(draws[r])
+            out[r] = _refusal(int(refused_h[r]) or int(status_h[j]), draws[r])
+            if out[r] is not None:
                 continue
             keep = counts_h[j] > 0
             token = int(ids_h[j][int(picks_h[j])])
@@ -398,8 +392,13 @@ def build_position(
     return cast("list[QRow | Pp1Error]", out)
 
 
-def _bad_draw(u: int) -> ValidationError:
-    return ValidationError(ErrorCode.BAD_DRAW, f"draw {u} outside [0, 2**24)")
+def _refusal(code: int, u: int) -> Pp1Error | None:
+    """A built row's refusal: its status's error, else one for a draw outside [0, M)."""
+    if code:
+        return ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
+    if not 0 <= u < M:
+        return ValidationError(ErrorCode.BAD_DRAW, f"draw {u} outside [0, 2**24)")
+    return None
 
 
 def _sparse_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
