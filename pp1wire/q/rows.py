@@ -69,7 +69,10 @@ def allocate_rows(
         ConstructionError: ``BAD_SHAPE`` unless ``weights`` is 2-D with one
             draw per row (a row's own failure is returned, not raised).
     """
-    w, rows, n = _rows_shape(weights, draws)
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
+    rows, n = w.shape
     out = np.empty((rows, n), dtype=np.int32)
     fast = getattr(dyadic, "_fastq", None)  # as dyadic has it now (None: numpy)
     if fast is not None and rows:
@@ -223,13 +226,6 @@ def construct_rows(
 
 
 _ROW_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Array, int, int]:
-    w = np.ascontiguousarray(weights, dtype=np.float64)
-    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
-    return w, w.shape[0], w.shape[1]
 
 
 def _compiled_rows(
