@@ -140,7 +140,7 @@ def test_compiled_proposal_draw_equals_the_numpy_draw(weights, u, spoil):
         assert int(np.cumsum(counts)[results[0]]) > u
 
 
-# -- batches of rows: build_rows and the sparse candidates --------------------
+# -- batches of rows: allocate_rows and the sparse candidates --------------------
 
 
 def _rows_both_paths(w: np.ndarray, draws: list[int]) -> tuple:
@@ -169,7 +169,7 @@ def _boundary_draws(counts: np.ndarray, rng: np.random.Generator) -> list[int]:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(weights_rows, min_size=1, max_size=4), st.randoms(use_true_random=False))
-def test_build_rows_equals_allocate_then_sample(rows, rnd):
+def test_allocate_rows_equals_allocate_then_sample(rows, rnd):
     n = len(rows[0])
     w = np.array([(r * n)[:n] for r in rows], dtype=np.float64)
     w = w[[bool(np.isfinite(dyadic.tree.total(x)) and x.sum() > 0) for x in w]]
@@ -188,7 +188,7 @@ def test_build_rows_equals_allocate_then_sample(rows, rnd):
 
 
 @pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 8193, 129_280])
-def test_build_rows_at_block_boundaries_and_full_vocabulary(n):
+def test_allocate_rows_at_block_boundaries_and_full_vocabulary(n):
     rng = np.random.default_rng(n)
     rows = [
         np.exp(rng.standard_normal(n) * 3),
@@ -206,22 +206,21 @@ def test_build_rows_at_block_boundaries_and_full_vocabulary(n):
         assert np.array_equal(c1, c2)
 
 
-def test_build_rows_refuses_draws_outside_the_range_as_sample_does():
+def test_allocate_rows_refuses_draws_outside_the_range_as_sample_does():
     w = np.ones((3, 5))
     for draws in ([dyadic.M, -1, 0],):
         (_, p1), (_, p2) = _rows_both_paths(w, draws)
         assert p1 == p2 == [ErrorCode.BAD_DRAW, ErrorCode.BAD_DRAW, 0]
 
 
-def test_build_rows_refuses_bad_buffers():
-    w = np.ones((2, 5))
-    b = dyadic.QBuilder(5)
-    tokens, status = np.empty(2, np.int64), np.empty(2, np.int32)
-    draws = np.zeros(2, np.int64)
+def test_the_counts_pass_refuses_bad_buffers():
+    w = np.ones(5)
+    tokens, status = np.empty(1, np.int64), np.empty(1, np.int32)
+    draws, work = np.zeros(1, np.int64), np.empty(10, np.float64)
+    with pytest.raises(ValueError, match="fewer than n"):
+        fastq.construct_rows([w], 5, draws, tokens, status, [np.empty(4, np.int32)], work, False)
     with pytest.raises(ValueError, match="sizes"):
-        fastq.build_rows(w, 5, np.empty((2, 4), np.int32), draws, tokens, status, b.share, b.work)
-    with pytest.raises(ValueError, match="sizes"):
-        fastq.build_rows(w, 0, np.empty((2, 5), np.int32), draws, tokens, status, b.share, b.work)
+        fastq.construct_rows([w], 0, draws, tokens, status, [np.empty(5, np.int32)], work, False)
 
 
 logit_rows = st.lists(

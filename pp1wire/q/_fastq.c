@@ -151,29 +151,6 @@ static double root64(const double *restrict x) {
     return (d[0] + d[1]) + (d[2] + d[3]);
 }
 
-/* The canonical tree's root over n >= 1 float64 leaves (row_total's tree,
- * defined with it below). */
-static double tree_root(const double *restrict v, size_t n);
-
-static PyObject *tree_total(PyObject *self, PyObject *args) {
-    Py_buffer vb;
-    if (!PyArg_ParseTuple(args, "y*", &vb)) return NULL;
-    if (vb.len % 8) {
-        PyBuffer_Release(&vb);
-        PyErr_SetString(PyExc_ValueError, "tree_total: not a float64 buffer");
-        return NULL;
-    }
-    size_t n = (size_t)vb.len / 8;
-    double root = 0.0;
-    if (n) {
-        Py_BEGIN_ALLOW_THREADS
-        root = tree_root((const double *)vb.buf, n);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&vb);
-    return PyFloat_FromDouble(root);
-}
-
 #define M24 16777216.0
 #define MIN_NORMAL 2.2250738585072014e-308 /* 2**-1022 */
 
@@ -326,7 +303,7 @@ static PyObject *sparse_candidates(PyObject *self, PyObject *args) {
  * distribution) and draw_rows (each draw by the tree descent: one pass stores the
  * sums of the row's 64-leaf blocks, the descent recomputes the block it ends in),
  * both with the GIL released and the rows shared out to threads; the walk that
- * decides with them is pp1wire.q.walk's. step_simd, row_stats and draw_total expose the
+ * decides with them is pp1wire.q.walk's. step_simd and draw_total expose the
  * pieces to the tests that qualify them.
  * ------------------------------------------------------------------------- */
 
@@ -591,10 +568,26 @@ static double blocks_total(const vrow_t *r, size_t n, size_t first, size_t count
     return stack[top];
 }
 
-static double tree_root(const double *restrict v, size_t n) {
-    const vrow_t row = {v, K_F64};
-    int bad;
-    return row_total(&row, n, &bad);
+/* The canonical total of float64 values (tree.total). */
+static PyObject *tree_total(PyObject *self, PyObject *args) {
+    Py_buffer vb;
+    if (!PyArg_ParseTuple(args, "y*", &vb)) return NULL;
+    if (vb.len % 8) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "tree_total: not a float64 buffer");
+        return NULL;
+    }
+    size_t n = (size_t)vb.len / 8;
+    double root = 0.0;
+    if (n) {
+        const vrow_t row = {vb.buf, K_F64};
+        int bad;
+        Py_BEGIN_ALLOW_THREADS
+        root = row_total(&row, n, &bad);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&vb);
+    return PyFloat_FromDouble(root);
 }
 
 static inline double q_at(const vq_t *q, size_t i) {
@@ -1914,45 +1907,8 @@ static inline int drawn_status(int st, int64_t u) {
     return st == 0 && (u < 0 || u >= (int64_t)M24) ? 4 : st;
 }
 
-/* Every row of w (rows x n checked float64 weights): its canonical total, its counts into
- * out (rows x n int32) and its draw with draws[r] into tokens[r], its status (0, 1 to 3 as
- * allocate_row, 4 a draw outside [0, M)) into status[r]; share and work: n-entry scratch. */
-static PyObject *build_rows(PyObject *self, PyObject *args) {
-    Py_buffer wb, ob, db, tb, stb, sb, kb;
-    Py_ssize_t nn;
-    if (!PyArg_ParseTuple(args, "y*nw*y*w*w*w*w*", &wb, &nn, &ob, &db, &tb, &stb, &sb, &kb))
-        return NULL;
-    size_t n = (size_t)(nn > 0 ? nn : 0);
-    size_t rows = (size_t)db.len / 8;
-    int ok = nn > 0 && n <= 0xFFFFFFFFu && db.len % 8 == 0 && (size_t)wb.len == 8 * n * rows
-             && (size_t)ob.len == 4 * n * rows && (size_t)tb.len == 8 * rows
-             && (size_t)stb.len == 4 * rows && (size_t)sb.len == 8 * n
-             && (size_t)kb.len == 8 * n;
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "build_rows: buffer sizes do not match");
-    } else {
-        scratch_t s;
-        scratch_in(&s, (double *)sb.buf, kb.buf, n);
-        const double *w = (const double *)wb.buf;
-        const int64_t *draws = (const int64_t *)db.buf;
-        int64_t *tokens = (int64_t *)tb.buf;
-        int32_t *status = (int32_t *)stb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (size_t r = 0; r < rows; r++) {
-            const double *wr = w + r * n;
-            int st = allocate_row(wr, 0, n, tree_root(wr, n), 1, (uint32_t *)ob.buf + r * n, 0,
-                                  &s, draws[r], &tokens[r]);
-            status[r] = drawn_status(st, draws[r]);
-            if (status[r]) tokens[r] = -1;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    RELEASE(&wb, &ob, &db, &tb, &stb, &sb, &kb);
-    if (!ok) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* Construction statuses beyond build_rows' 0..4 (protocol §6.1's refusals). */
+/* Construction statuses beyond allocate_row's 0..3 and 4, a draw outside [0, M)
+ * (protocol §6.1's refusals). */
 enum { C_NON_FINITE = 5, C_NEGATIVE = 6, C_ZERO_MASS = 7 };
 
 /* Whether some weight is NaN or infinite (the diagnosis of a non-finite total). */
@@ -1978,15 +1934,18 @@ static int check_row(const void *w, int f32, size_t n, double *total) {
     return 0;
 }
 
-/* build_rows for rows that travel: each row (n float32 or float64 weights, one type for
- * all) checked, totalled, allocated and drawn from, its FP32 wire values then +0.0 written
- * into payloads[r] (m >= n FP32 values); status 5 to 7 as check_row, a refused row's token
- * -1 and its payload unspecified. scratch: at least 16 n bytes. */
+/* Each row (n float32 or float64 weights, one type for all) checked, totalled, allocated and
+ * drawn from with draws[r], its FP32 wire values then +0.0 (wire false: its int32 counts)
+ * written into payloads[r] (m >= n 32-bit words); status[r] 0, 1 to 3 as allocate_row, 4 a
+ * draw outside [0, M), 5 to 7 as check_row; a refused row's token -1 and its payload
+ * unspecified. scratch: at least 16 n bytes. */
 static PyObject *construct_rows(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *payloads;
     Py_ssize_t nn;
     Py_buffer db, tb, stb, sb;
-    if (!PyArg_ParseTuple(args, "Onw*w*w*Ow*", &rows_obj, &nn, &db, &tb, &stb, &payloads, &sb))
+    int wire = 1;
+    if (!PyArg_ParseTuple(args, "Onw*w*w*Ow*|p", &rows_obj, &nn, &db, &tb, &stb, &payloads, &sb,
+                          &wire))
         return NULL;
     size_t n = (size_t)(nn > 0 ? nn : 0);
     size_t count = (size_t)db.len / 8;
@@ -2049,11 +2008,11 @@ static PyObject *construct_rows(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (size_t r = 0; r < count; r++) {
             const void *w = views[2 * r].buf;
-            uint32_t *q = (uint32_t *)views[2 * r + 1].buf; /* counts, then their wire values */
+            uint32_t *q = (uint32_t *)views[2 * r + 1].buf; /* counts, then any wire values */
             double total;
             int st = check_row(w, f32, n, &total);
             tokens[r] = -1;
-            if (st == 0) st = allocate_row(w, f32, n, total, 0, q, 1, &s, draws[r], &tokens[r]);
+            if (st == 0) st = allocate_row(w, f32, n, total, 0, q, wire, &s, draws[r], &tokens[r]);
             st = drawn_status(st, draws[r]);
             if (st == 0) memset(q + n, 0, (size_t)views[2 * r + 1].len - 4 * n); /* +0.0 */
             else tokens[r] = -1;
@@ -2254,50 +2213,21 @@ static PyObject *check_dense(PyObject *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
-static PyObject *row_stats(PyObject *self, PyObject *args) {
-    PyObject *obj;
-    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
-    Py_buffer views[1];
-    int used = 0, bad = 0;
-    vrow_t row;
-    size_t n;
-    double total = 0.0;
-    int ok = one_row(obj, views, &used, &row, &n) == 0;
-    if (ok) total = row_total(&row, n, &bad);
-    for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
-    if (!ok) return NULL;
-    return Py_BuildValue("(dO)", total, bad ? Py_True : Py_False);
-}
-
+/* The canonical total of the weights one draw_rows draw (row, total, q, ids) descends. */
 static PyObject *draw_total(PyObject *self, PyObject *args) {
     PyObject *obj, *qobj, *idobj;
-    double total;
-    if (!PyArg_ParseTuple(args, "OdOO", &obj, &total, &qobj, &idobj)) return NULL;
+    vdraw_t d = {0};
+    if (!PyArg_ParseTuple(args, "OdOO", &obj, &d.total, &qobj, &idobj)) return NULL;
     Py_buffer views[3];
     int used = 0;
-    vrow_t row;
-    vq_t q = {NULL, K_NONE, NULL, 0};
-    size_t n;
-    int ok = one_row(obj, views, &used, &row, &n) == 0;
-    if (ok && qobj != Py_None) {
-        Py_ssize_t nq;
-        q.kind = take_buffer(qobj, views, &used, &q.q, &nq);
-        ok = q.kind == K_F32 || q.kind == K_I32 || q.kind == K_I64;
-        if (ok && idobj != Py_None) {
-            Py_ssize_t nid;
-            const void *ip;
-            ok = take_buffer(idobj, views, &used, &ip, &nid) == K_I32 && nid == nq;
-            q.ids = (const int32_t *)ip;
-            q.nids = (size_t)nid;
-            for (Py_ssize_t j = 0; ok && j < nid; j++)
-                ok = q.ids[j] >= 0 && (size_t)q.ids[j] < n && (!j || q.ids[j] > q.ids[j - 1]);
-        } else if (ok) {
-            ok = (size_t)nq >= n;
-        }
-        if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "draw_total: bad q");
+    int ok = one_row(obj, views, &used, &d.shape.row, &d.shape.n) == 0 &&
+             (qobj == Py_None || parse_q(qobj, idobj, &d, views, &used) == 0);
+    if (ok && d.bad_q) {
+        PyErr_SetString(PyExc_ValueError, "draw_total: ids do not ascend inside the row");
+        ok = 0;
     }
     double root = 0.0;
-    if (ok) root = weights_total(&row, n, total, qobj == Py_None ? NULL : &q);
+    if (ok) root = weights_total(&d.shape.row, d.shape.n, d.total, d.has_q ? &d.q : NULL);
     for (int i = 0; i < used; i++) PyBuffer_Release(&views[i]);
     if (!ok) return NULL;
     if (root < 0.0) return PyErr_NoMemory();
@@ -2372,7 +2302,6 @@ static PyObject *philox_block(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     METHOD(row_checks, "(rows[, threads]) -> each row's total, or None if not a distribution"),
     METHOD(draw_rows, "(draws[, threads]) -> each drawn index, or -1 / -2 / -3"),
-    METHOD(row_stats, "(row) -> (canonical total, some value < 0)"),
     METHOD(draw_total,
            "(row, total, q or None, ids or None) -> the canonical total of the draw's weights"),
     METHOD(step_simd, "(on) -> whether the AVX2 path was on"),
@@ -2384,10 +2313,9 @@ static PyMethodDef methods[] = {
            "(int32 or int64 counts, u) -> (index, 0), or (-1, 1) negative, (-1, 2) wrong total"),
     METHOD(tree_total, "(values) -> the canonical total"),
     METHOD(allocate, "(w, total, out, share, work) -> 0, or 1 to 3 for an inconsistent allocation"),
-    METHOD(build_rows, "(w, n, out, draws, tokens, status, share, work) -> None"),
     METHOD(sparse_candidates, "(x, top, scale, k, margin, idx) -> (count, x_out_max)"),
     METHOD(construct_rows,
-           "(rows, n, draws, tokens, status, payloads, scratch) -> None"),
+           "(rows, n, draws, tokens, status, payloads, scratch[, wire]) -> None"),
     METHOD(topk_f32, "(row, k, ids, scratch) -> (count, status)"),
     METHOD(check_dense, "(row, vocab, proposed) -> 0 or the first failing error code"),
     METHOD(check_sparse, "(ids, q, vocab, max_k, proposed) -> 0 or the first failing error code"),

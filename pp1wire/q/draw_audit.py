@@ -5,10 +5,7 @@ the two disagree. Nothing here draws in the Spark side's domains.
 
 from __future__ import annotations
 
-import numpy as np
-
 from pp1wire.q import dyadic
-from pp1wire.q.dyadic import M
 from pp1wire.q.proposal import Proposal
 from pp1wire.q.rng import proposal_u24
 
@@ -18,13 +15,11 @@ def audit_mismatch(proposal: Proposal, seed: int, vocab_size: int) -> int | None
     row's q (§6.4), else None."""
     for i, row in enumerate(proposal.rows):
         u24 = proposal_u24(seed, proposal.generation, proposal.round_id, proposal.position + i)
+        counts = row.dense_counts(vocab_size)
         if row.ids is None:
-            chosen = dyadic.sample(row.dense_counts(vocab_size), u24)
+            chosen = dyadic.sample(counts, u24)
         else:
-            ids = row.ids
-            chosen = int(
-                ids[dyadic.sample(np.rint(row.dense_q(vocab_size)[ids] * M).astype(np.int64), u24)]
-            )
+            chosen = int(row.ids[dyadic.sample(counts[row.ids], u24)])
         if chosen != row.token:
             return i
     return None

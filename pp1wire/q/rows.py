@@ -21,11 +21,6 @@ _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
 
-def _compiled() -> Any:
-    """The compiled module as :mod:`pp1wire.q.dyadic` has it now (None: numpy)."""
-    return getattr(dyadic, "_fastq", None)
-
-
 class _RowsScratch:
     """Per-thread float64 scratch for rows of weights, grown as needed."""
 
@@ -74,10 +69,14 @@ def allocate_rows(
         ConstructionError: ``BAD_SHAPE`` unless ``weights`` is 2-D with one
             draw per row (a row's own failure is returned, not raised).
     """
-    w, rows, n = _rows_shape(weights, draws)
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
+        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
+    rows, n = w.shape
     out = np.empty((rows, n), dtype=np.int32)
-    if _compiled() is not None and rows:
-        return out, _build_rows(w, draws, out)
+    fast = getattr(dyadic, "_fastq", None)  # as dyadic has it now (None: numpy)
+    if fast is not None and rows:
+        return out, _compiled_rows(fast, list(w), list(out), draws, wire=False)
     results: list[int | ConstructionError | ValidationError] = []
     for r in range(rows):
         try:
@@ -153,7 +152,7 @@ row_buffers: Final = PerSize(RowBuffers)
 
 
 class _ConstructScratch:
-    """Per-thread scratch of :func:`construct_rows`: the compiled pass's remainders,
+    """Per-thread scratch of the compiled pass (:func:`_compiled_rows`): its remainders,
     keys and indices (16 bytes per entry), and the small per-call outputs."""
 
     def __init__(self, n: int) -> None:
@@ -209,14 +208,9 @@ def construct_rows(
     elif len(payloads) != count:
         raise ConstructionError(ErrorCode.BAD_SHAPE, f"{len(payloads)} payloads for {count} rows")
     out = list(payloads)
-    fast = _compiled()
+    fast = getattr(dyadic, "_fastq", None)
     if fast is not None and all(w.flags.c_contiguous for w in weights):
-        scratch = dyadic._scratch("construct", n, lambda: _ConstructScratch(n))
-        tokens, status = scratch.outputs(count)
-        u = scratch.draws[:count]
-        u[:] = draws
-        fast.construct_rows(weights, n, u, tokens, status, out, scratch.work)
-        return out, _row_results(status, tokens, draws)
+        return out, _compiled_rows(fast, weights, out, draws, wire=True)
     results: list[int | ConstructionError | ValidationError] = []
     scale = np.float32(1.0 / M)
     for r in range(count):
@@ -234,22 +228,17 @@ def construct_rows(
 _ROW_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _rows_shape(weights: Float64Array, draws: Sequence[int]) -> tuple[Float64Array, int, int]:
-    w = np.ascontiguousarray(weights, dtype=np.float64)
-    if w.ndim != 2 or w.shape[0] != len(draws) or w.shape[1] < 1:
-        raise ConstructionError(ErrorCode.BAD_SHAPE, f"weights {w.shape} for {len(draws)} draws")
-    return w, w.shape[0], w.shape[1]
-
-
-def _build_rows(
-    w: Float64Array, draws: Sequence[int], counts: Int32Array
+def _compiled_rows(
+    fast: Any, weights: Sequence[Any], payloads: Sequence[Any], draws: Sequence[int], wire: bool
 ) -> list[int | ConstructionError | ValidationError]:
-    rows, n = w.shape
-    scratch = builder(n)
-    tokens = np.empty(rows, dtype=np.int64)
-    status = np.empty(rows, dtype=np.int32)
-    u = np.asarray(draws, dtype=np.int64)
-    _compiled().build_rows(w, n, counts, u, tokens, status, scratch.share, scratch.work)
+    """The compiled pass over rows of one length: each row's wire values (``wire``) or int32
+    counts into its payload, and its drawn index or error."""
+    n = weights[0].shape[0]
+    scratch = dyadic._scratch("construct", n, lambda: _ConstructScratch(n))
+    tokens, status = scratch.outputs(len(draws))
+    u = scratch.draws[: len(draws)]
+    u[:] = draws
+    fast.construct_rows(weights, n, u, tokens, status, payloads, scratch.work, wire)
     return _row_results(status, tokens, draws)
 
 

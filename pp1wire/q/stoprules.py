@@ -209,6 +209,13 @@ def stopped_by_rule(depth: int, tokens: Sequence[int], eos: int | None) -> bool:
     return len(tokens) < depth and not (tokens and eos is not None and tokens[-1] == eos)
 
 
+def _check_block(depth: int, counts: Sequence[int], tokens: Sequence[int]) -> None:
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
+    if len(tokens) != len(counts):
+        raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
+
+
 def _check_counts(counts: Sequence[int]) -> None:
     if not counts:
         raise ValueError("a stop decision needs at least one drawn row")
@@ -243,10 +250,7 @@ def admits_next(
         ValueError: for a depth outside 1..5, rows and tokens of different
             lengths, more rows than the depth, or as :func:`continues`.
     """
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
-    if len(tokens) != len(counts):
-        raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
+    _check_block(depth, counts, tokens)
     if len(counts) > depth:
         raise ValueError(f"{len(counts)} rows for depth {depth}")
     _check_counts(counts)  # before tokens[-1]: no rows is a ValueError, not an IndexError
@@ -265,10 +269,7 @@ def stop_after(
         ValueError: for a depth outside 1..5, no rows, rows and tokens of
             different lengths, or a count outside 0..2**24.
     """
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
-    if len(tokens) != len(counts):
-        raise ValueError(f"{len(counts)} counts for {len(tokens)} tokens")
+    _check_block(depth, counts, tokens)
     _check_counts(counts)
     for i in range(1, min(len(counts), depth) + 1):
         if i == depth or (eos is not None and tokens[i - 1] == eos):

@@ -28,26 +28,10 @@ def tree_levels(values: torch.Tensor) -> list[torch.Tensor]:
     return [level[0] for level in row_levels(values.reshape(1, -1))]
 
 
-def tree_total(values: torch.Tensor) -> torch.Tensor:
-    """The canonical total (a 0-d float64 tensor on the values' device)."""
-    if values.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=values.device)
-    return tree_levels(values)[-1][0]
-
-
 def descend(levels: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     """The leaf a descent with ``target`` reaches (a 0-d int64 tensor; no host sync)."""
     rows = [level[None] for level in levels]
     return descend_rows(rows, target.to(levels[0].device).reshape(1))[0]
-
-
-def _refuse_bad_values(x: torch.Tensor, nonfinite: Pp1Error, negative: Pp1Error) -> None:
-    """Raise ``nonfinite`` for any NaN or infinity, else ``negative`` (one host read)."""
-    flags = torch.stack([(~torch.isfinite(x)).any(), (x < 0).any()]).tolist()
-    if flags[0]:
-        raise nonfinite
-    if flags[1]:
-        raise negative
 
 
 def check_target(p: torch.Tensor) -> torch.Tensor:
@@ -57,12 +41,12 @@ def check_target(p: torch.Tensor) -> torch.Tensor:
         VerifyError: ``TARGET_NON_FINITE``, ``TARGET_NEGATIVE`` or ``TARGET_ZERO_MASS``.
     """
     x = p.to(torch.float64)
-    _refuse_bad_values(
-        x,
-        VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity"),
-        VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability"),
-    )
-    total = tree_total(x)
+    flags = torch.stack([(~torch.isfinite(x)).any(), (x < 0).any()]).tolist()  # one host read
+    if flags[0]:
+        raise VerifyError(ErrorCode.TARGET_NON_FINITE, "target has NaN or infinity")
+    if flags[1]:
+        raise VerifyError(ErrorCode.TARGET_NEGATIVE, "target has a negative probability")
+    total = tree_levels(x)[-1][0]
     value = float(total)
     if not (value > 0 and value != float("inf")):
         raise VerifyError(ErrorCode.TARGET_ZERO_MASS, "target has no usable mass")
@@ -82,18 +66,15 @@ def sample_weights(weights: torch.Tensor, u53: int) -> torch.Tensor:
     return descend(levels, (u53 / _U53) * total)
 
 
-def residual(p: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``max(p - counts / 2**24, 0)`` (see :func:`pp1wire.q.verify.residual`)."""
-    return torch.clamp_min(p.to(torch.float64) - counts.to(torch.float64) / M, 0.0)
-
-
 def residual_sample(p: torch.Tensor, counts: torch.Tensor, u53: int) -> torch.Tensor:
-    """:func:`pp1wire.q.verify.residual_sample` on tensors (0-d int64 result).
+    """:func:`pp1wire.q.verify.residual_sample` on tensors (0-d int64 result): a draw from
+    ``max(p - counts / 2**24, 0)``.
 
     Raises:
         VerifyError: ``EMPTY_RESIDUAL`` if p <= q everywhere.
     """
-    return sample_weights(residual(p, counts), u53)
+    residual = torch.clamp_min(p.to(torch.float64) - counts.to(torch.float64) / M, 0.0)
+    return sample_weights(residual, u53)
 
 
 def row_levels(rows: torch.Tensor) -> list[torch.Tensor]:
@@ -383,11 +364,9 @@ def build_position(
             counts_h = host[pos : pos + d * n].reshape(d, n).astype(np.int32)
             pos += d * n
         for j, r in enumerate(dense):
-            code = int(refused_h[r]) or int(status_h[j])
-            if code:
-                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
-            elif not 0 <= draws[r] < M:
-                out[r] = _bad_draw(draws[r])
+            refusal = _refusal(int(refused_h[r]) or int(status_h[j]), draws[r])
+            if refusal is not None:
+                out[r] = refusal
             elif staged is not None:
                 out[r] = QRow(int(tokens_h[j]), q32=staged[j])
             else:
@@ -402,12 +381,8 @@ def build_position(
         picks_h = host[pos + g + 2 * g * width : pos + 2 * g + 2 * g * width]
         pos += 2 * g + 2 * g * width
         for j, r in enumerate(group):
-            code = int(refused_h[r]) or int(status_h[j])
-            if code:
-                out[r] = ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
-                continue
-            if not 0 <= draws[r] < M:
-                out[r] = _bad_draw(draws[r])
+            out[r] = _refusal(int(refused_h[r]) or int(status_h[j]), draws[r])
+            if out[r] is not None:
                 continue
             keep = counts_h[j] > 0
             token = int(ids_h[j][int(picks_h[j])])
@@ -417,8 +392,13 @@ def build_position(
     return cast("list[QRow | Pp1Error]", out)
 
 
-def _bad_draw(u: int) -> ValidationError:
-    return ValidationError(ErrorCode.BAD_DRAW, f"draw {u} outside [0, 2**24)")
+def _refusal(code: int, u: int) -> Pp1Error | None:
+    """A built row's refusal: its status's error, else one for a draw outside [0, M)."""
+    if code:
+        return ConstructionError(*dyadic.ROW_STATUS_ERRORS[code])
+    if not 0 <= u < M:
+        return ValidationError(ErrorCode.BAD_DRAW, f"draw {u} outside [0, 2**24)")
+    return None
 
 
 def _sparse_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -112,9 +112,10 @@ class DenseRowValidator:
         v = self.vocab_size
         body = row[:v]
         bits = body.view(np.uint32)
-        if _fast() is not None:
+        fast = getattr(dyadic, "_fastq", None)  # off where dyadic has it off
+        if fast is not None:
             # One compiled pass over the row: every check, in this order (§6.2).
-            code = _fast().check_dense(row, v, proposed)
+            code = fast.check_dense(row, v, proposed)
             self._fresh = False
             if code:
                 raise ValidationError(ErrorCode(code), _DENSE_REFUSALS.get(code, "q row refused"))
@@ -219,8 +220,9 @@ def check_sparse(
     Raises:
         ValidationError: see :func:`validate_sparse`.
     """
-    if _fast() is not None and ids.size == q.size:
-        code = _fast().check_sparse(ids, q, vocab_size, max_k, proposed)
+    fast = getattr(dyadic, "_fastq", None)  # off where dyadic has it off
+    if fast is not None and ids.size == q.size:
+        code = fast.check_sparse(ids, q, vocab_size, max_k, proposed)
         if code:
             raise ValidationError(ErrorCode(code), "sparse row refused")
         return
@@ -243,9 +245,3 @@ def check_sparse(
     where = int(np.searchsorted(ids, proposed))
     if where >= ids.size or int(ids[where]) != proposed:
         raise ValidationError(ErrorCode.ZERO_Q_AT_PROPOSED, f"q({proposed}) is zero")
-
-
-def _fast() -> Any:
-    """The compiled fast paths where :mod:`pp1wire.q.dyadic` keeps them (None: numpy), so
-    switching them off there switches these off too."""
-    return dyadic._fastq  # type: ignore[attr-defined]

@@ -75,12 +75,6 @@ class RequestVerifier:
         self.processors = tuple(processors)
         self.eos = eos
         self.context = context
-        self.generation = generation
-        self.last_round = -1
-        self._next_round = 0
-        self.poisoned = False
-        self.finished = False
-        self.committed: list[int] = []
         self.rebuild(prefix, generation)
 
     @property
