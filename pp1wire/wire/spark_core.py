@@ -99,9 +99,10 @@ class SparkProtocol(SparkReplies):
         out, self._out = self._out, []
         return out
 
-    def _owe(self, slot: int, now: float | None) -> None:
-        """The request just queued for ``slot`` is owed an answer within the answer timeout
-        (default: the reply timeout); none without a clock reading."""
+    def _request(self, slot: int, msg: Message, now: float | None, payload: bytes = b"") -> None:
+        """Queue a request on ``slot``, owed an answer within the answer timeout (default:
+        the reply timeout); none without a clock reading."""
+        self._send(msg, payload)
         if now is not None:
             wait = self.config.answer_timeout
             self._owed.owe(slot, now + (self.config.reply_timeout if wait is None else wait))
@@ -173,8 +174,7 @@ class SparkProtocol(SparkReplies):
         return self.receive_frames(frames, now)
 
     def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
-        self._events.append(FrameRejected(None, code))
-        self._fatal(code)
+        self._reject_fatal(code)
         return self._take()
 
     def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
@@ -185,8 +185,7 @@ class SparkProtocol(SparkReplies):
                 continue
             self._retained = False
             if not self._receive_rule.accepts(frame):
-                self._events.append(FrameRejected(None, ErrorCode.INTEGRITY_FAILED))
-                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
+                self._reject_fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
                 self._release(frame.raw)
                 continue
             self._dispatch(frame)
@@ -302,8 +301,7 @@ class SparkProtocol(SparkReplies):
             prefix_len=len(tokens),
             digest=digest,
         )
-        self._send(msg, np.asarray(tokens, dtype="<i4").tobytes())
-        self._owe(slot, now)
+        self._request(slot, msg, now, np.asarray(tokens, dtype="<i4").tobytes())
         self._slot_generations[slot] = generation
         return generation
 
@@ -427,8 +425,7 @@ class SparkProtocol(SparkReplies):
             position=len(state.prefix),
             digest=state.digest,
         )
-        self._send(msg)
-        self._owe(slot, now)
+        self._request(slot, msg, now)
 
     def reset(self, slot: int, now: float | None = None) -> int:
         """Queue RESET: a new generation, returned; what is in flight on the slot is discarded.
@@ -446,8 +443,7 @@ class SparkProtocol(SparkReplies):
         self._slot_generations[slot] = generation
         state.drafts.clear()
         msg = messages.Reset(session=self.session, slot=slot, generation=generation)
-        self._send(msg)
-        self._owe(slot, now)
+        self._request(slot, msg, now)
         return generation
 
     def close_slot(self, slot: int, now: float | None = None) -> None:
@@ -464,8 +460,7 @@ class SparkProtocol(SparkReplies):
         for key in [k for k in self._ready if k[0] == slot]:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
-        self._send(messages.Close(session=self.session, slot=slot))
-        self._owe(slot, now)
+        self._request(slot, messages.Close(session=self.session, slot=slot), now)
 
     def ping(self, nonce: int) -> None:
         """Queue PING."""
