@@ -439,11 +439,9 @@ class AsyncClient:
                 now=time.monotonic(),
                 stop=stop,
             )
-        except LocalStateError as exc:
+        except (ProtocolError, LocalStateError) as exc:
             if exc.code is ErrorCode.SLOT_DESYNCED:
                 raise ProposalUnavailableError(exc.code, exc.detail) from None
-            self._local(exc)
-        except ProtocolError as exc:
             self._local(exc)
         self._proposals[slot] = fut
         self._flush()

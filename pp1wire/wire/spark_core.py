@@ -146,7 +146,7 @@ class SparkProtocol(SparkReplies):
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
         """Feed bytes from the worker; returns the events they caused."""
-        return self._receive(self.decoder.feed, data, now)
+        return self._receive(self.decoder.feed, data)
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -158,11 +158,9 @@ class SparkProtocol(SparkReplies):
 
     def buffer_updated(self, nbytes: int, now: float) -> list[SparkEvent]:
         """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
-        return self._receive(self.decoder.buffer_updated, nbytes, now)
+        return self._receive(self.decoder.buffer_updated, nbytes)
 
-    def _receive(
-        self, decode: Callable[[_T], list[framing.Frame]], arg: _T, now: float
-    ) -> list[SparkEvent]:
+    def _receive(self, decode: Callable[[_T], list[framing.Frame]], arg: _T) -> list[SparkEvent]:
         if self.closed:
             return []
         try:
@@ -171,14 +169,6 @@ class SparkProtocol(SparkReplies):
             return self._framing_failed(exc.code)
         if not frames and self.decoder.error is None:
             return []  # the common case mid-frame: nothing to do
-        return self.receive_frames(frames, now)
-
-    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
-        self._reject_fatal(code)
-        return self._take()
-
-    def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
-        """Handle frames decoded elsewhere (a buffered transport's decoder)."""
         for frame in frames:
             if self.closed:
                 self._release(frame.raw)
@@ -195,6 +185,10 @@ class SparkProtocol(SparkReplies):
         error = self.decoder.error
         if error is not None and not self.closed:
             return self._framing_failed(error.code)
+        return self._take()
+
+    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
+        self._reject_fatal(code)
         return self._take()
 
     def _release(self, view: memoryview) -> None:
@@ -306,12 +300,7 @@ class SparkProtocol(SparkReplies):
         return generation
 
     def _opened(self, slot: int) -> SparkSlot:
-        """Open slot ``slot``'s state, desynced or not (a STEP or COMMIT needs :meth:`_slot`).
-
-        Raises:
-            ProtocolError: ``UNKNOWN_SLOT``.
-            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
-        """
+        """Open slot ``slot``'s state, desynced or not (``UNKNOWN_SLOT``, ``NOT_READY``)."""
         self._require_ready()
         state = self.slots.get(slot)
         if state is None:
