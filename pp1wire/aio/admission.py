@@ -174,17 +174,13 @@ class Admission(Generic[C]):
             return now >= conn.grace_until
         return now - drew >= self.slot_idle_timeout
 
-    def _over(self, new: C) -> bool:
-        """Whether admitting ``new`` puts any scope over its limit (credit aside)."""
-        return any(len(members) + 1 > limit for members, limit in self._scopes(new))
-
     def admit(self, new: C, now: float) -> ErrorCode | None:
         """Make room for ``new`` at accept (evicting a handshake if needed), or the
         code it is refused with. Nobody authenticated is evicted here."""
         if self.stopping:
             return ErrorCode.SHUTTING_DOWN
-        if self._over(new):
-            self.reap_gone()
+        if any(len(members) + 1 > limit for members, limit in self._scopes(new)):
+            self.reap_gone()  # over a limit, credit aside: first forget who has left
         evict: list[C] = []
         for scope, limit in self._scopes(new):
             members = [c for c in scope if c not in evict]

@@ -240,10 +240,6 @@ class AsyncClient:
     def _gone(self) -> ConnectionLostError:
         return ConnectionLostError(self.failed or ErrorCode.CONNECTION_LOST, "connection is closed")
 
-    def _require_open(self) -> None:
-        if self.core.closed:
-            raise self._gone()
-
     def _local(self, exc: ProtocolError | LocalStateError) -> NoReturn:
         """Raise what the core's refusal of a local call means to a caller."""
         if exc.code is ErrorCode.NOT_READY:
@@ -307,7 +303,6 @@ class AsyncClient:
             RefusedError: the worker refused the OPEN.
             ConnectionLostError: the connection is gone.
         """
-        self._require_open()
         return await self._answered(
             self._opened,
             slot,
@@ -439,11 +434,9 @@ class AsyncClient:
                 now=time.monotonic(),
                 stop=stop,
             )
-        except LocalStateError as exc:
+        except (ProtocolError, LocalStateError) as exc:
             if exc.code is ErrorCode.SLOT_DESYNCED:
                 raise ProposalUnavailableError(exc.code, exc.detail) from None
-            self._local(exc)
-        except ProtocolError as exc:
             self._local(exc)
         self._proposals[slot] = fut
         self._flush()
@@ -619,7 +612,6 @@ class AsyncClient:
             RefusedError: ``SLOT_DESYNCED`` until the slot is reopened.
             ConnectionLostError: the connection is gone.
         """
-        self._require_open()
         fut: asyncio.Future[None] = self.loop.create_future()
         try:
             self.core.commit(
@@ -652,7 +644,6 @@ class AsyncClient:
             RefusedError: the worker refused the RESET.
             ConnectionLostError: the connection is gone.
         """
-        self._require_open()
         if slot in self.core.slots:
             self._cancel(slot, "the slot was reset")
         return await self._answered(
@@ -702,7 +693,8 @@ class AsyncClient:
         Raises:
             ConnectionLostError: if the connection dies first.
         """
-        self._require_open()
+        if self.core.closed:
+            raise self._gone()
         started = time.perf_counter()
         nonce = next(self._nonces)
         fut: asyncio.Future[None] = self.loop.create_future()

@@ -49,9 +49,6 @@ class ClientConnection(asyncio.BufferedProtocol):
         if events or core.has_output or core.closed:
             self.client._handle(events)
 
-    def eof_received(self) -> bool:
-        return False
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.client._handle(self.client.core.connection_lost())
         self.client._lost()

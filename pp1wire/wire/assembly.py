@@ -88,35 +88,26 @@ class ReplyAssembly:
         if xxhash.xxh3_64_intdigest(payload) != msg.checksum:
             return ErrorCode.ROW_CHECKSUM_MISMATCH
         # The rows hold the token as a plain int: its fixed width is REPLY's wire form only.
+        token, vocab = int(msg.token), validator.vocab_size
         try:
-            if shard is not None:
-                return self._shard_row(msg, payload, validator.vocab_size, shard)
             if dense:
                 q32 = np.frombuffer(payload, dtype="<f4")
-                validator.check(q32, msg.token)
-                q32 = q32[: validator.vocab_size]
-                return QRow(token=int(msg.token), q32=q32, lease=self.lease)
+                if shard is None:
+                    validator.check(q32, msg.token)
+                    q32 = q32[:vocab]
+                else:
+                    layout.check_dense_shard(q32, *shard, vocab, msg.token)
+                return QRow(token=token, q32=q32, lease=self.lease)
             split = 4 * msg.entries
             ids = np.frombuffer(payload[:split], dtype="<i4")
             q = np.frombuffer(payload[split:], dtype="<f4")
-            validate.check_sparse(ids, q, validator.vocab_size, step.support, msg.token)
-            return QRow(token=int(msg.token), ids=ids, q32=q, lease=self.lease)
+            if shard is None:
+                validate.check_sparse(ids, q, vocab, step.support, msg.token)
+            else:
+                layout.check_sparse_shard(ids, q, *shard, vocab, step.support, msg.token)
+            return QRow(token=token, ids=ids, q32=q, lease=self.lease)
         except ValidationError as exc:
             return exc.code
-
-    def _shard_row(
-        self, msg: Reply, payload: memoryview, vocab_size: int, span: tuple[int, int]
-    ) -> QRow:
-        start, end = span
-        if self.step.support == 0:
-            q32 = np.frombuffer(payload, dtype="<f4")
-            layout.check_dense_shard(q32, start, end, vocab_size, msg.token)
-            return QRow(token=int(msg.token), q32=q32, lease=self.lease)
-        split = 4 * msg.entries
-        ids = np.frombuffer(payload[:split], dtype="<i4")
-        q = np.frombuffer(payload[split:], dtype="<f4")
-        layout.check_sparse_shard(ids, q, start, end, vocab_size, self.step.support, msg.token)
-        return QRow(token=int(msg.token), ids=ids, q32=q, lease=self.lease)
 
     def add_row(self, row: QRow, raw: memoryview) -> None:
         """Take a checked row; ``raw`` (its whole frame) joins the reply's size and checksum."""

@@ -413,18 +413,10 @@ class DrawGate:
         """``slot`` opened at ``now``: it takes a lane of the principal."""
         self._lanes[slot] = self.account.bind(now)
 
-    def closed(
-        self,
-        index: int,
-        slot: DrawnSlot,
-        now: float,
-        *,
-        abandons: bool = True,
-        drawing: bool = False,
-    ) -> None:
-        """Slot ``index`` closed at ``now``: its lane goes back, and (``abandons``) a draw it
-        leaves uncommitted, served or still ``drawing``, is abandoned."""
-        if abandons and (drawing or pending(slot)):
+    def closed(self, index: int, slot: DrawnSlot, now: float, *, drawing: bool = False) -> None:
+        """Slot ``index`` closed at ``now``: its lane goes back, and a draw it leaves
+        uncommitted, served or still ``drawing``, is abandoned."""
+        if drawing or pending(slot):
             self.account.abandoned(now)
         self.account.unbind(self._lanes.pop(index, None), now)
         self._wait_slot.pop(index, None)

@@ -86,15 +86,12 @@ def worker_step(fence: WorkerSlotFence, step: Step) -> Decision:
     """Fencing decision for a STEP on an open slot of the right session."""
     if refused := _generation(fence.generation, step.generation):
         return refused
-    if step.round <= fence.committed_round:
-        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
-    if step.round == fence.last_step_round:
-        return (
-            REPLAY if step == fence.last_step else Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
-        )
-    if step.round < fence.last_step_round:
-        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
-    return ACCEPT
+    if step.round > max(fence.committed_round, fence.last_step_round):
+        return ACCEPT
+    # Only a retry of the last STEP, the same message, while it is uncommitted.
+    if step.round == fence.last_step_round > fence.committed_round and step == fence.last_step:
+        return REPLAY
+    return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
 
 
 def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
@@ -103,12 +100,10 @@ def worker_commit(fence: WorkerSlotFence, commit: Commit) -> Decision:
         return refused
     if commit == fence.last_commit:
         return REPLAY
-    if commit.round <= fence.committed_round:
-        return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
     # Round IDs only grow: a round below the last STEP's was passed over when that
     # STEP was sent. Accepting it would move the prefix under the STEP still waiting
     # to be committed, and drop the reply its retry must replay (§7).
-    if commit.round < fence.last_step_round:
+    if commit.round <= fence.committed_round or commit.round < fence.last_step_round:
         return Decision(Action.REFUSE, ErrorCode.ROUND_REUSED)
     if commit.accepted and commit.round != fence.last_step_round:
         return Decision(Action.REFUSE, ErrorCode.COMMIT_INVALID)

@@ -148,11 +148,6 @@ class FrameDecoder:
         self._failed: ProtocolError | None = None
         self.bytes_received = 0
 
-    @property
-    def max_payload(self) -> int:
-        """The payload limit currently enforced."""
-        return self._max_payload
-
     def set_max_payload(self, limit: int) -> None:
         """Change the payload limit (capped at :data:`HARD_MAX_PAYLOAD`)."""
         self._max_payload = min(limit, HARD_MAX_PAYLOAD)
@@ -184,9 +179,9 @@ class FrameDecoder:
             self._start, self._end = 0, live
         return self._view[self._end :]
 
-    def buffer_updated(self, nbytes: int, limit: int | None = None) -> list[Frame]:
-        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return up to
-        ``limit`` complete frames (all when None), the rest staying buffered.
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return every
+        frame they complete.
 
         Raises:
             ProtocolError: see :meth:`feed`.
@@ -194,10 +189,7 @@ class FrameDecoder:
         self.account(nbytes)
         frames: list[Frame] = []
         try:
-            while limit is None or len(frames) < limit:
-                frame = self.next_frame()
-                if frame is None:
-                    break
+            while (frame := self.next_frame()) is not None:
                 frames.append(frame)
         except ProtocolError:
             if frames:
@@ -256,9 +248,7 @@ class FrameDecoder:
             dst[:n] = src[:n]
             src = src[n:]
             frames.extend(self.buffer_updated(n))
-            if not src:
-                return frames
-            if self._failed is not None:
+            if not src or self._failed is not None:
                 return frames
 
     def _check_preamble(self, view: memoryview) -> int:

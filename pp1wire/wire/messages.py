@@ -224,8 +224,7 @@ class Hello(_Msg, frozen=True, tag=int(MsgType.HELLO)):
             raise _invalid("max_support above vocab_size")
         if self.shard >= self.shards:
             raise _invalid("shard index not below shards")
-        if self.shard_start > self.shard_end:
-            raise _invalid("shard range start above end")
+        _check_range(self.shard_start, self.shard_end)
 
 
 class Challenge(_Msg, frozen=True, tag=int(MsgType.CHALLENGE)):

@@ -94,21 +94,13 @@ def _fp32_payload(
 
 
 def reply_frames(
-    session: int,
-    step: Step,
-    rows: tuple[QRow, ...],
-    row_entries: int,
-    status: int = 0,
-    *,
-    shard: tuple[int, int] | None = None,
-    tagged: bool = False,
-    stopped: bool = False,
+    session: int, step: Step, rows: tuple[QRow, ...], row_entries: int
 ) -> tuple[FrameParts, ...]:
-    """The frames of a reply to a STEP: REPLY frames in position order, then COMPLETION,
-    whose size and checksum cover the REPLY frames without their tags (§4.6)."""
-    encoder = ReplyEncoder(session, step, row_entries, shard=shard, tagged=tagged)
+    """The frames of an unsharded untagged reply of status 0 to a STEP: REPLY frames in
+    position order, then COMPLETION, whose size and checksum cover the REPLY frames (§4.6)."""
+    encoder = ReplyEncoder(session, step, row_entries)
     frames = tuple(encoder.row(index, row) for index, row in enumerate(rows))
-    return (*frames, encoder.completion(frames, status, stopped=stopped))
+    return (*frames, encoder.completion(frames))
 
 
 class ReplyEncoder:
@@ -185,6 +177,6 @@ class ReplyEncoder:
 
 
 def build_reply(session: int, step: Step, rows: tuple[QRow, ...], row_entries: int) -> bytes:
-    """:func:`reply_frames` of an unsharded untagged reply of status 0, joined."""
+    """:func:`reply_frames`, joined."""
     frames = reply_frames(session, step, rows, row_entries)
     return b"".join(part for parts in frames for part in parts)

@@ -99,9 +99,10 @@ class SparkProtocol(SparkReplies):
         out, self._out = self._out, []
         return out
 
-    def _owe(self, slot: int, now: float | None) -> None:
-        """The request just queued for ``slot`` is owed an answer within the answer timeout
-        (default: the reply timeout); none without a clock reading."""
+    def _request(self, slot: int, msg: Message, now: float | None, payload: bytes = b"") -> None:
+        """Queue a request on ``slot``, owed an answer within the answer timeout (default:
+        the reply timeout); none without a clock reading."""
+        self._send(msg, payload)
         if now is not None:
             wait = self.config.answer_timeout
             self._owed.owe(slot, now + (self.config.reply_timeout if wait is None else wait))
@@ -145,7 +146,7 @@ class SparkProtocol(SparkReplies):
 
     def receive_data(self, data: bytes | memoryview, now: float) -> list[SparkEvent]:
         """Feed bytes from the worker; returns the events they caused."""
-        return self._receive(self.decoder.feed, data, now)
+        return self._receive(self.decoder.feed, data)
 
     def get_buffer(self) -> memoryview:
         """Where a buffered transport should write received bytes next.
@@ -157,11 +158,9 @@ class SparkProtocol(SparkReplies):
 
     def buffer_updated(self, nbytes: int, now: float) -> list[SparkEvent]:
         """``nbytes`` were written into :meth:`get_buffer`; returns the events caused."""
-        return self._receive(self.decoder.buffer_updated, nbytes, now)
+        return self._receive(self.decoder.buffer_updated, nbytes)
 
-    def _receive(
-        self, decode: Callable[[_T], list[framing.Frame]], arg: _T, now: float
-    ) -> list[SparkEvent]:
+    def _receive(self, decode: Callable[[_T], list[framing.Frame]], arg: _T) -> list[SparkEvent]:
         if self.closed:
             return []
         try:
@@ -170,23 +169,13 @@ class SparkProtocol(SparkReplies):
             return self._framing_failed(exc.code)
         if not frames and self.decoder.error is None:
             return []  # the common case mid-frame: nothing to do
-        return self.receive_frames(frames, now)
-
-    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
-        self._events.append(FrameRejected(None, code))
-        self._fatal(code)
-        return self._take()
-
-    def receive_frames(self, frames: list[framing.Frame], now: float) -> list[SparkEvent]:
-        """Handle frames decoded elsewhere (a buffered transport's decoder)."""
         for frame in frames:
             if self.closed:
                 self._release(frame.raw)
                 continue
             self._retained = False
             if not self._receive_rule.accepts(frame):
-                self._events.append(FrameRejected(None, ErrorCode.INTEGRITY_FAILED))
-                self._fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
+                self._reject_fatal(ErrorCode.INTEGRITY_FAILED, frame.type)
                 self._release(frame.raw)
                 continue
             self._dispatch(frame)
@@ -196,6 +185,10 @@ class SparkProtocol(SparkReplies):
         error = self.decoder.error
         if error is not None and not self.closed:
             return self._framing_failed(error.code)
+        return self._take()
+
+    def _framing_failed(self, code: ErrorCode) -> list[SparkEvent]:
+        self._reject_fatal(code)
         return self._take()
 
     def _release(self, view: memoryview) -> None:
@@ -302,18 +295,12 @@ class SparkProtocol(SparkReplies):
             prefix_len=len(tokens),
             digest=digest,
         )
-        self._send(msg, np.asarray(tokens, dtype="<i4").tobytes())
-        self._owe(slot, now)
+        self._request(slot, msg, now, np.asarray(tokens, dtype="<i4").tobytes())
         self._slot_generations[slot] = generation
         return generation
 
     def _opened(self, slot: int) -> SparkSlot:
-        """Open slot ``slot``'s state, desynced or not (a STEP or COMMIT needs :meth:`_slot`).
-
-        Raises:
-            ProtocolError: ``UNKNOWN_SLOT``.
-            LocalStateError: ``NOT_READY`` before the handshake ends or after close.
-        """
+        """Open slot ``slot``'s state, desynced or not (``UNKNOWN_SLOT``, ``NOT_READY``)."""
         self._require_ready()
         state = self.slots.get(slot)
         if state is None:
@@ -427,8 +414,7 @@ class SparkProtocol(SparkReplies):
             position=len(state.prefix),
             digest=state.digest,
         )
-        self._send(msg)
-        self._owe(slot, now)
+        self._request(slot, msg, now)
 
     def reset(self, slot: int, now: float | None = None) -> int:
         """Queue RESET: a new generation, returned; what is in flight on the slot is discarded.
@@ -446,8 +432,7 @@ class SparkProtocol(SparkReplies):
         self._slot_generations[slot] = generation
         state.drafts.clear()
         msg = messages.Reset(session=self.session, slot=slot, generation=generation)
-        self._send(msg)
-        self._owe(slot, now)
+        self._request(slot, msg, now)
         return generation
 
     def close_slot(self, slot: int, now: float | None = None) -> None:
@@ -464,8 +449,7 @@ class SparkProtocol(SparkReplies):
         for key in [k for k in self._ready if k[0] == slot]:
             self.release_proposal(*key)
         self._closing[slot] = self._closing.get(slot, 0) + 1
-        self._send(messages.Close(session=self.session, slot=slot))
-        self._owe(slot, now)
+        self._request(slot, messages.Close(session=self.session, slot=slot), now)
 
     def ping(self, nonce: int) -> None:
         """Queue PING."""
