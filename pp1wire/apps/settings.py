@@ -204,20 +204,14 @@ def _exact(action: argparse.Action, raw: object) -> str | None:
         ok = isinstance(raw, list) and all(isinstance(x, str) for x in raw)
         return None if ok else f"{raw!r} is not a list of strings"
     kind = getattr(action.type, "kind", action.type if isinstance(action.type, type) else str)
-    if isinstance(kind, tuple):  # one of several TOML types
-        ok = isinstance(raw, kind) and not isinstance(raw, bool)
-        return None if ok else f"{raw!r} is not {' or '.join(_KIND_NAMES[k] for k in kind)}"
-    if isinstance(raw, bool):
-        return f"{raw!r} is not {_KIND_NAMES.get(kind, 'a string')}"
-    if kind is int and not isinstance(raw, int):
-        return f"{raw!r} is not an integer"
-    if kind is float and not isinstance(raw, int | float):
-        return f"{raw!r} is not a number"
-    if kind not in (int, float) and not isinstance(raw, str):
-        return f"{raw!r} is not a string"
+    kinds = kind if isinstance(kind, tuple) else (kind,)  # a tuple: one of several TOML types
+    accepted = tuple(t for k in kinds for t in _ACCEPTED.get(k, (str,)))
+    if isinstance(raw, bool) or not isinstance(raw, accepted):
+        return f"{raw!r} is not {' or '.join(_KIND_NAMES.get(k, 'a string') for k in kinds)}"
     return None
 
 
+_ACCEPTED: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,)}
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -355,12 +349,12 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def load_factory(spec: str) -> Any:
-    """Import ``module:attribute`` and return the attribute.
+def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
+    """Import the factory ``module:attribute`` and call it with ``kwargs``, for a callable.
 
     Raises:
-        SettingsError: if the spec is malformed, the import fails, or the attribute
-            is not callable.
+        SettingsError: if the spec is malformed, the import fails, the factory is
+            not callable, raises, or makes something that is not callable.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -369,24 +363,13 @@ def load_factory(spec: str) -> Any:
 
     try:
         module = importlib.import_module(module_name)
-        found = getattr(module, attr)
+        factory = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise SettingsError(f"plugin {spec!r}: {exc}") from None
     except Exception as exc:  # a plugin module that fails while it is imported
         raise SettingsError(f"plugin {spec!r}: importing it raised {exc!r}") from None
-    if not callable(found):
-        raise SettingsError(f"plugin {spec!r} is a {type(found).__name__}, not a callable")
-    return found
-
-
-def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
-    """Call the factory ``module:attribute`` with ``kwargs``, for a callable.
-
-    Raises:
-        SettingsError: if the spec is malformed, the import fails, the factory is
-            not callable, raises, or makes something that is not callable.
-    """
-    factory = load_factory(spec)
+    if not callable(factory):
+        raise SettingsError(f"plugin {spec!r} is a {type(factory).__name__}, not a callable")
     try:
         made = factory(**kwargs)
     except Exception as exc:  # a plugin's own failure, reported in one line
