@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,16 +232,15 @@ def run_daemons(args: argparse.Namespace) -> int:
                 runs.append((title, summary))
                 metrics.print_summary(f"  {title}:", summary, 24)
             _side_by_side(args, runs)
-            url = f"http://{worker.metrics}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
+            assert worker.metrics is not None  # started with --metrics-port 0
+            text = metrics.scrape_page(worker.metrics)
             wanted = (
                 "pp1_worker_steps_total",
                 "pp1_worker_rows_total",
                 "pp1_worker_replays_total",
                 "pp1_worker_reply_bytes_total",
             )
-            print(f"$ curl {url}")
+            print(f"$ curl http://{worker.metrics}/metrics")
             for metric_line in text.splitlines():
                 if metric_line.startswith(wanted):
                     name, value = metric_line.rsplit(" ", 1)
@@ -306,15 +304,14 @@ def _support(text: str | None, vocab: int) -> int | None:
     """
     if text is None:
         return None
-    bad = settings.SettingsError(
-        f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
-    )
     try:
         k = settings.parse_support(text)
     except settings.SettingsError:
-        raise bad from None
+        k = vocab + 1
     if k > vocab:
-        raise bad
+        raise settings.SettingsError(
+            f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
+        )
     return k or None
 
 
