@@ -340,9 +340,10 @@ class RoundDriver:
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
-        # A function of the flags, not of the requests running: that is timing, and
-        # tokens must not depend on it (docs/runner.md section 4).
-        load = self.load
+        # The load --depth auto assumes: a function of the flags, not of the requests running
+        # (that is timing, and tokens must not depend on it: docs/runner.md section 4.1).
+        load = max(1, min(self.plan.concurrency, self.plan.requests))
+        controller = self.plan.controller
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._agree(local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
@@ -362,7 +363,9 @@ class RoundDriver:
                 continue
             client = st.opened
             assert client is not None
-            depth = self._depth(st, load)
+            # --depth, or the controller's choice from the request's verified rounds and the
+            # load alone (nothing of the round it is for).
+            depth = self.plan.depth if controller is None else controller.choose(st.history, load)
             self.stepped += 1
             self.stepped_depth += depth
             st.sent = time.perf_counter()
@@ -376,19 +379,6 @@ class RoundDriver:
                     stop=self.plan.stop,
                 )
             )
-
-    @property
-    def load(self) -> int:
-        """The load ``--depth auto`` assumes: ``min(--concurrency, --requests)`` (runner §4.1)."""
-        return max(1, min(self.plan.concurrency, self.plan.requests))
-
-    def _depth(self, st: RequestState, load: int) -> int:
-        """The STEP's maximum depth: ``--depth``, or the controller's choice from the request's
-        verified rounds and the load alone (nothing of the round it is for)."""
-        controller = self.plan.controller
-        if controller is None:
-            return self.plan.depth
-        return controller.choose(st.history, load)
 
     async def _prepare(self, st: RequestState) -> int:
         """0 if this rank can STEP ``st`` now (its slot open on a live link), else why not:
