@@ -90,6 +90,21 @@ class Plan:
     stop: StopRule = FIXED
     controller: DepthController | None = None
 
+    def verifier(
+        self, index: int, target: TargetFn, *, session: int = 0, generation: int = 0
+    ) -> RequestVerifier:
+        """Request ``index``'s verifier: its seed, its prompt (line ``index`` mod lines)."""
+        return RequestVerifier(
+            session=session,
+            seed=derive_seed(self.seed, index),
+            vocab_size=self.vocab_size,
+            prefix=list(self.prompts[index % len(self.prompts)]),
+            target=target,
+            eos=self.eos,
+            audit=self.audit,
+            generation=generation,
+        )
+
 
 @dataclass
 class RequestState:
@@ -270,21 +285,11 @@ class RoundDriver:
         return agreed
 
     def _new_request(self, index: int) -> RequestState:
-        p = self.plan
-        seed = derive_seed(p.seed, index)
-        prompt = list(p.prompts[index % len(p.prompts)])
-        verifier = RequestVerifier(
-            session=0,
-            seed=seed,
-            vocab_size=p.vocab_size,
-            prefix=prompt,
-            target=self.target,
-            eos=p.eos,
-            audit=p.audit,
-        )
-        record = RequestRecord(request=index, seed=seed, prompt=prompt)
+        verifier = self.plan.verifier(index, self.target)
+        prompt = list(verifier.committed)
+        record = RequestRecord(request=index, seed=verifier.seed, prompt=prompt)
         self.records[index] = record
-        return RequestState(index % p.concurrency, verifier, record, len(prompt))
+        return RequestState(index % self.plan.concurrency, verifier, record, len(prompt))
 
     def _done(self, st: RequestState) -> bool:
         v = st.verifier

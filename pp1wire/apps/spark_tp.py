@@ -14,7 +14,6 @@ from typing import Any
 from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
 from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import Pp1Error
-from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn
 from pp1wire.tp.fanout import Header, Item
 from pp1wire.tp.group import Faults, RankReport, SparkGroup
@@ -102,20 +101,12 @@ _RANK_KEYS = ("rank", "collectives", "attempts", "fanout_bytes", "fanout_seconds
 def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
     """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code
     (signal handlers only on the main thread, not in a group of threads under test)."""
-    prompts = plan.prompts
 
     def verifier_for(header: Header) -> RequestVerifier:
         verifier = group.held.get(header.request)
         if verifier is None:
-            verifier = RequestVerifier(
-                session=header.session,
-                seed=derive_seed(args.seed, header.request),
-                vocab_size=args.vocab,
-                prefix=prompts[header.request % len(prompts)],
-                target=target,
-                eos=args.eos,
-                audit=args.audit,
-                generation=header.generation,
+            verifier = plan.verifier(
+                header.request, target, session=header.session, generation=header.generation
             )
         elif (verifier.session, verifier.generation) != (header.session, header.generation):
             # Rank 0 rebuilt its verifier when it (re)opened the slot under this generation.
