@@ -153,10 +153,6 @@ def _shown(env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[i
     return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *pin, program, *cmd[3:]])
 
 
-def _on(cmd: list[str], on: Sequence[int] | None) -> list[str]:
-    return cmd if on is None else pinned(cmd, on)
-
-
 def _side_by_side(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]]) -> None:
     plain = runs[0][1]["tokens_per_second"]
     print(
@@ -197,7 +193,7 @@ def run_daemons(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     try:
         env = {**os.environ, **drafter_env}
-        with worker_process(command=_on(worker_cmd, worker_on), env=env) as worker:
+        with worker_process(command=pinned(worker_cmd, worker_on), env=env) as worker:
             print(
                 f"  worker up at {worker.address} ({title}, drafter hands over "
                 f"{args.drafter_kind}, vocabulary {args.vocab})"
@@ -219,7 +215,7 @@ def run_daemons(args: argparse.Namespace) -> int:
                 )  # fmt: skip
                 print(_shown(target_env, spark_cmd, "pp1-spark", spark_on), flush=True)
                 done = subprocess.run(
-                    _on(spark_cmd, spark_on),
+                    pinned(spark_cmd, spark_on),
                     capture_output=True,
                     text=True,
                     check=False,

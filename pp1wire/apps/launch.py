@@ -61,10 +61,10 @@ def split_cores() -> tuple[list[int], list[int]] | None:
     return mine[:half], mine[half:]
 
 
-def pinned(cmd: Sequence[str], on: Sequence[int]) -> list[str]:
-    """``cmd`` run on the cores ``on``, every thread included (a core this machine lacks
-    fails it with ``OSError`` on its stderr, before ``cmd`` starts)."""
-    return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
+def pinned(cmd: Sequence[str], on: Sequence[int] | None) -> list[str]:
+    """``cmd`` run on the cores ``on`` (None: where it likes), every thread included (a core
+    this machine lacks fails it with ``OSError`` on its stderr, before ``cmd`` starts)."""
+    return list(cmd) if on is None else [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
 
 
 def spark_command(address: str, *extra: str, vocab: int) -> list[str]:
