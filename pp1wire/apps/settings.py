@@ -52,7 +52,9 @@ def _real(raw: object) -> float:
     return value
 
 
-def _described(check: Callable[[object], _V], meaning: str, kind: type) -> Callable[[object], _V]:
+def _described(
+    check: Callable[[object], _V], meaning: str, kind: type | tuple[type, ...]
+) -> Callable[[object], _V]:
     """``check`` as a flag type meaning ``meaning``, whose TOML values must be ``kind``."""
     check.__doc__ = (
         f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
@@ -163,12 +165,7 @@ def address_text(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def depth_or_auto(raw: object) -> int | str:
-    """Flag type: ``auto``, or an integer >= 0 (a depth, range-checked by the command).
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
+def _depth_or_auto(raw: object) -> int | str:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:
@@ -177,7 +174,9 @@ def depth_or_auto(raw: object) -> int | str:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a depth (0..5) or auto") from None
 
 
-depth_or_auto.kind = (int, str)  # type: ignore[attr-defined]  # TOML: depth = 3 or "auto"
+depth_or_auto = _described(  # TOML: depth = 3 or "auto"
+    _depth_or_auto, "auto, or an integer >= 0 (a depth, range-checked by the command)", (int, str)
+)
 
 
 def parse_support(text: str) -> int:
@@ -405,13 +404,7 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def principal_rate(raw: object) -> tuple[str | None, float | None]:
-    """Flag type: ``RATE`` (every principal's cap) or ``ID=RATE`` (key ID ``ID``'s; ``=`` or
-    ``-=`` the default key's), a number of fresh draws a second above 0, or ``off``.
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
+def _principal_rate(raw: object) -> tuple[str | None, float | None]:
     if not isinstance(raw, str):
         raise argparse.ArgumentTypeError(f"{raw!r} is not [ID=]RATE")
     ident, sep, value = raw.rpartition("=")
@@ -424,7 +417,12 @@ def principal_rate(raw: object) -> tuple[str | None, float | None]:
     return (ident if sep else None), rate(value)
 
 
-principal_rate.kind = str  # type: ignore[attr-defined]
+principal_rate = _described(
+    _principal_rate,
+    "RATE (every principal's cap) or ID=RATE (key ID ID's; = or -= the default key's), a "
+    "number of fresh draws a second above 0, or off",
+    str,
+)
 
 
 def install_uvloop() -> None:
