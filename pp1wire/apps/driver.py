@@ -11,7 +11,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -165,6 +165,15 @@ def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
     return Verdict(None, outcome.code, stop=outcome.code in TARGET_FAILURES)
 
 
+def decide_scored(
+    rounds: list[Round], score: Callable[[list[Round]], Iterable[Verdict]]
+) -> list[Verdict]:
+    """``score``'s verdicts on the rounds that have a proposal or are target-only, in order; a
+    STEP round without its proposal is discarded (its failure the verdict's code)."""
+    decided = iter(score([r for r in rounds if r.failure is None]))
+    return [Verdict(None, r.failure) if r.failure is not None else next(decided) for r in rounds]
+
+
 class Strategy(Protocol):
     """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
 
@@ -202,16 +211,12 @@ class LocalStrategy:
         return local
 
     def decide(self, rounds: list[Round]) -> list[Verdict]:
-        """:func:`verify_batch` over the step's rounds that have a proposal or are
-        target-only; a STEP round without its proposal is discarded. Never raises."""
-        scored = [r for r in rounds if r.failure is None]
-        decided = iter(
-            verify_batch([(r.state.verifier, r.proposal, r.round_id) for r in scored], self.target)
-        )
-        return [
-            Verdict(None, r.failure) if r.failure is not None else verdict_of(next(decided))
-            for r in rounds
-        ]
+        """:func:`verify_batch` over the step's rounds (:func:`decide_scored`). Never raises."""
+        return decide_scored(rounds, self._verify)
+
+    def _verify(self, scored: list[Round]) -> list[Verdict]:
+        items = [(r.state.verifier, r.proposal, r.round_id) for r in scored]
+        return [verdict_of(outcome) for outcome in verify_batch(items, self.target)]
 
     def summary(self) -> dict[str, Any]:
         """No keys of its own."""

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict, decide_scored
 from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import Pp1Error
 from pp1wire.q.verify import RequestVerifier, TargetFn
@@ -37,30 +37,23 @@ class ReplicatedStrategy:
         return local
 
     def decide(self, rounds: list[Round]) -> list[Verdict]:
-        """One attempt for the step's rounds that have a proposal or are target-only.
+        """One attempt for the step's rounds (:func:`decide_scored`).
 
         Raises:
             GroupFailedError: a collective failed or a target-only round was voted
                 down for another reason than its target's failure.
         """
-        scored = [r for r in rounds if r.failure is None]
+        return decide_scored(rounds, self._lead)
+
+    def _lead(self, scored: list[Round]) -> list[Verdict]:
         stats, m = self.group.stats, self.metrics
         before = (stats.fanout_bytes, stats.fanout_seconds)
-        decisions = iter(
-            self.group.lead(
-                [Item(r.state.index, r.state.verifier, r.proposal, r.round_id) for r in scored]
-            )
-            if scored
-            else []
-        )
+        items = [Item(r.state.index, r.state.verifier, r.proposal, r.round_id) for r in scored]
+        decisions = self.group.lead(items) if items else []
         m.tp_fanout_bytes.inc(stats.fanout_bytes - before[0])
         m.tp_fanout_seconds.inc(stats.fanout_seconds - before[1])
         out = []
-        for r in rounds:
-            if r.failure is not None:
-                out.append(Verdict(None, r.failure))
-                continue
-            d = next(decisions)
+        for d in decisions:
             if d.result is not None:
                 out.append(Verdict(d.result))
                 continue
