@@ -189,11 +189,6 @@ class Tables:
             h.update(counts.astype("<i8").tobytes())
         return h.hexdigest()
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of token IDs (an ID the tables do not know shows as ``<ID>``)."""
-        k = self.size
-        return "".join(self.tokens[i] if 0 <= i < k else f"<{i}>" for i in map(int, ids))
-
 
 def build_tables(text: str) -> Tables:
     """Learn the tokens and count the n-grams of ``text`` (about a second for pydoc's text).
