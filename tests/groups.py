@@ -77,9 +77,9 @@ def args_of(*argv: str) -> Any:
 def run_one(*argv: str) -> spark.RankRun:
     """One ``pp1-spark`` rank (no group) in this process."""
     args = args_of(*argv)
-    plan, mode = spark.check_settings(args)
-    assert mode.world == 1
-    return asyncio.run(spark.run_rank(args, plan, mode, None))
+    plan, world = spark.check_settings(args)
+    assert world == 1
+    return asyncio.run(spark.run_rank(args, plan, None))
 
 
 def run_group(
@@ -102,8 +102,8 @@ def run_group(
 
     def rank_main(coord: Any) -> spark.RankRun:
         rank_args = args_of(*argv, *extra)
-        plan, mode = spark.check_settings(rank_args)
-        return asyncio.run(spark.run_rank(rank_args, plan, mode, coord, faults=faults))
+        plan, _ = spark.check_settings(rank_args)
+        return asyncio.run(spark.run_rank(rank_args, plan, coord, faults=faults))
 
     return run_in_threads(world, rank_main, timeout=timeout, layout=layout)
 

@@ -401,8 +401,8 @@ def test_depth_auto_depends_on_earlier_verified_rounds_and_the_flags_alone(worke
         "--worker", worker.address, "--vocab", str(VOCAB), "--depth", "auto",
         "--requests", "6", "--concurrency", "4", "--max-tokens", "16",
     )  # fmt: skip
-    plan, mode = spark_app.check_settings(args)
-    done = asyncio.run(spark_app.run_rank(args, plan, mode, None))
+    plan, _ = spark_app.check_settings(args)
+    done = asyncio.run(spark_app.run_rank(args, plan, None))
     assert done.summary is not None
     assert done.summary["fallbacks"] == 0
     assert plan.controller is not None
@@ -447,8 +447,8 @@ def test_depth_auto_gives_the_same_tokens_when_one_request_is_slowed(worker, mon
             "--worker", worker.address, "--vocab", str(VOCAB), "--depth", "auto",
             "--requests", "6", "--concurrency", "4", "--max-tokens", "24", "--seed", "7",
         )  # fmt: skip
-        plan, mode = spark_app.check_settings(args)
-        done = asyncio.run(spark_app.run_rank(args, plan, mode, None))
+        plan, _ = spark_app.check_settings(args)
+        done = asyncio.run(spark_app.run_rank(args, plan, None))
         assert done.records is not None
         assert done.summary is not None
         assert (done.summary["fallbacks"], done.summary["cuts"]) == (0, 0), done.summary

@@ -140,7 +140,7 @@ def test_a_list_flag_from_the_environment_is_split():
 
 def test_plugins_must_be_callables_that_make_callables():
     with pytest.raises(SettingsError, match="is a str, not a callable"):
-        settings.load_factory("os:sep")
+        settings.make_plugin("os:sep")
     with pytest.raises(SettingsError, match="made a int, not a callable"):
         settings.make_plugin("builtins:int")
     with pytest.raises(SettingsError, match="the factory raised TypeError"):

@@ -140,8 +140,8 @@ async def test_a_refused_commit_reopens_the_slot_and_its_requests_draft_again(mo
             "--worker", f"127.0.0.1:{port}", "--vocab", str(VOCAB), "--depth", "3",
             "--requests", "3", "--concurrency", "1", "--max-tokens", "24",
         )  # fmt: skip
-        plan, mode = spark_app.check_settings(args)
-        done = await spark_app.run_rank(args, plan, mode, None)
+        plan, _ = spark_app.check_settings(args)
+        done = await spark_app.run_rank(args, plan, None)
     finally:
         await server.stop(grace=1.0)
     assert refused == [1]

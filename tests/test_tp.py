@@ -289,11 +289,11 @@ def test_a_link_wait_past_the_group_timeout_fails_the_group_so_it_is_refused():
 
         def rank_main(rank: int) -> None:
             args = args_of(*argv, "--reply-timeout", "1", "--connect-timeout", "1")
-            plan, mode = spark.check_settings(args)
+            plan, _ = spark.check_settings(args)
             args.reply_timeout = 4.0  # what the settings accepted before
             coord = GroupCoordinator.over_store(store, rank, 2, 2.0)
             try:
-                results[rank] = asyncio.run(spark.run_rank(args, plan, mode, coord))
+                results[rank] = asyncio.run(spark.run_rank(args, plan, coord))
             except BaseException as exc:  # reported below
                 results[rank] = exc
 

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,10 +153,6 @@ def _shown(env: dict[str, str], cmd: Sequence[str], program: str, on: Sequence[i
     return "$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *pin, program, *cmd[3:]])
 
 
-def _on(cmd: list[str], on: Sequence[int] | None) -> list[str]:
-    return cmd if on is None else pinned(cmd, on)
-
-
 def _side_by_side(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]]) -> None:
     plain = runs[0][1]["tokens_per_second"]
     print(
@@ -198,7 +193,7 @@ def run_daemons(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     try:
         env = {**os.environ, **drafter_env}
-        with worker_process(command=_on(worker_cmd, worker_on), env=env) as worker:
+        with worker_process(command=pinned(worker_cmd, worker_on), env=env) as worker:
             print(
                 f"  worker up at {worker.address} ({title}, drafter hands over "
                 f"{args.drafter_kind}, vocabulary {args.vocab})"
@@ -220,7 +215,7 @@ def run_daemons(args: argparse.Namespace) -> int:
                 )  # fmt: skip
                 print(_shown(target_env, spark_cmd, "pp1-spark", spark_on), flush=True)
                 done = subprocess.run(
-                    _on(spark_cmd, spark_on),
+                    pinned(spark_cmd, spark_on),
                     capture_output=True,
                     text=True,
                     check=False,
@@ -233,16 +228,15 @@ def run_daemons(args: argparse.Namespace) -> int:
                 runs.append((title, summary))
                 metrics.print_summary(f"  {title}:", summary, 24)
             _side_by_side(args, runs)
-            url = f"http://{worker.metrics}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                text = response.read().decode()
+            assert worker.metrics is not None  # started with --metrics-port 0
+            text = metrics.scrape_page(worker.metrics)
             wanted = (
                 "pp1_worker_steps_total",
                 "pp1_worker_rows_total",
                 "pp1_worker_replays_total",
                 "pp1_worker_reply_bytes_total",
             )
-            print(f"$ curl {url}")
+            print(f"$ curl http://{worker.metrics}/metrics")
             for metric_line in text.splitlines():
                 if metric_line.startswith(wanted):
                     name, value = metric_line.rsplit(" ", 1)
@@ -306,15 +300,14 @@ def _support(text: str | None, vocab: int) -> int | None:
     """
     if text is None:
         return None
-    bad = settings.SettingsError(
-        f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
-    )
     try:
         k = settings.parse_support(text)
     except settings.SettingsError:
-        raise bad from None
+        k = vocab + 1
     if k > vocab:
-        raise bad
+        raise settings.SettingsError(
+            f"--support {text!r} is not dense or sparse:K with K in 1..{vocab}"
+        )
     return k or None
 
 

@@ -11,7 +11,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -90,6 +90,21 @@ class Plan:
     stop: StopRule = FIXED
     controller: DepthController | None = None
 
+    def verifier(
+        self, index: int, target: TargetFn, *, session: int = 0, generation: int = 0
+    ) -> RequestVerifier:
+        """Request ``index``'s verifier: its seed, its prompt (line ``index`` mod lines)."""
+        return RequestVerifier(
+            session=session,
+            seed=derive_seed(self.seed, index),
+            vocab_size=self.vocab_size,
+            prefix=list(self.prompts[index % len(self.prompts)]),
+            target=target,
+            eos=self.eos,
+            audit=self.audit,
+            generation=generation,
+        )
+
 
 @dataclass
 class RequestState:
@@ -150,6 +165,15 @@ def verdict_of(outcome: RoundResult | VerifyError) -> Verdict:
     return Verdict(None, outcome.code, stop=outcome.code in TARGET_FAILURES)
 
 
+def decide_scored(
+    rounds: list[Round], score: Callable[[list[Round]], Iterable[Verdict]]
+) -> list[Verdict]:
+    """``score``'s verdicts on the rounds that have a proposal or are target-only, in order; a
+    STEP round without its proposal is discarded (its failure the verdict's code)."""
+    decided = iter(score([r for r in rounds if r.failure is None]))
+    return [Verdict(None, r.failure) if r.failure is not None else next(decided) for r in rounds]
+
+
 class Strategy(Protocol):
     """How a mode decides a step's rounds (and, for a group, agrees on link state)."""
 
@@ -187,16 +211,12 @@ class LocalStrategy:
         return local
 
     def decide(self, rounds: list[Round]) -> list[Verdict]:
-        """:func:`verify_batch` over the step's rounds that have a proposal or are
-        target-only; a STEP round without its proposal is discarded. Never raises."""
-        scored = [r for r in rounds if r.failure is None]
-        decided = iter(
-            verify_batch([(r.state.verifier, r.proposal, r.round_id) for r in scored], self.target)
-        )
-        return [
-            Verdict(None, r.failure) if r.failure is not None else verdict_of(next(decided))
-            for r in rounds
-        ]
+        """:func:`verify_batch` over the step's rounds (:func:`decide_scored`). Never raises."""
+        return decide_scored(rounds, self._verify)
+
+    def _verify(self, scored: list[Round]) -> list[Verdict]:
+        items = [(r.state.verifier, r.proposal, r.round_id) for r in scored]
+        return [verdict_of(outcome) for outcome in verify_batch(items, self.target)]
 
     def summary(self) -> dict[str, Any]:
         """No keys of its own."""
@@ -270,21 +290,11 @@ class RoundDriver:
         return agreed
 
     def _new_request(self, index: int) -> RequestState:
-        p = self.plan
-        seed = derive_seed(p.seed, index)
-        prompt = list(p.prompts[index % len(p.prompts)])
-        verifier = RequestVerifier(
-            session=0,
-            seed=seed,
-            vocab_size=p.vocab_size,
-            prefix=prompt,
-            target=self.target,
-            eos=p.eos,
-            audit=p.audit,
-        )
-        record = RequestRecord(request=index, seed=seed, prompt=prompt)
+        verifier = self.plan.verifier(index, self.target)
+        prompt = list(verifier.committed)
+        record = RequestRecord(request=index, seed=verifier.seed, prompt=prompt)
         self.records[index] = record
-        return RequestState(index % p.concurrency, verifier, record, len(prompt))
+        return RequestState(index % self.plan.concurrency, verifier, record, len(prompt))
 
     def _done(self, st: RequestState) -> bool:
         v = st.verifier
@@ -340,9 +350,10 @@ class RoundDriver:
         todo = [st for st in states if st.round_id < 0]
         if not todo or self.stopping:
             return
-        # A function of the flags, not of the requests running: that is timing, and
-        # tokens must not depend on it (docs/runner.md section 4).
-        load = self.load
+        # The load --depth auto assumes: a function of the flags, not of the requests running
+        # (that is timing, and tokens must not depend on it: docs/runner.md section 4.1).
+        load = max(1, min(self.plan.concurrency, self.plan.requests))
+        controller = self.plan.controller
         local = await asyncio.gather(*(self._prepare(st) for st in todo))
         agreed = await self._agree(local)
         for st, mine, code in zip(todo, local, agreed, strict=True):
@@ -362,7 +373,9 @@ class RoundDriver:
                 continue
             client = st.opened
             assert client is not None
-            depth = self._depth(st, load)
+            # --depth, or the controller's choice from the request's verified rounds and the
+            # load alone (nothing of the round it is for).
+            depth = self.plan.depth if controller is None else controller.choose(st.history, load)
             self.stepped += 1
             self.stepped_depth += depth
             st.sent = time.perf_counter()
@@ -376,19 +389,6 @@ class RoundDriver:
                     stop=self.plan.stop,
                 )
             )
-
-    @property
-    def load(self) -> int:
-        """The load ``--depth auto`` assumes: ``min(--concurrency, --requests)`` (runner §4.1)."""
-        return max(1, min(self.plan.concurrency, self.plan.requests))
-
-    def _depth(self, st: RequestState, load: int) -> int:
-        """The STEP's maximum depth: ``--depth``, or the controller's choice from the request's
-        verified rounds and the load alone (nothing of the round it is for)."""
-        controller = self.plan.controller
-        if controller is None:
-            return self.plan.depth
-        return controller.choose(st.history, load)
 
     async def _prepare(self, st: RequestState) -> int:
         """0 if this rank can STEP ``st`` now (its slot open on a live link), else why not:

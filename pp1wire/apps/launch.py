@@ -41,10 +41,10 @@ class RunningWorker:
         return int(self.address.rsplit(":", 1)[1])
 
 
-def worker_command(*extra: str, vocab: int, seed: int = 0, log_level: str = "warning") -> list[str]:
-    """The command line of a worker on any free loopback port."""
+def worker_command(*extra: str, vocab: int, seed: int = 0) -> list[str]:
+    """The command line of a worker on any free loopback port, logging warnings."""
     cmd = [sys.executable, "-m", "pp1wire.apps.worker", "--host", "127.0.0.1", "--port", "0"]
-    return [*cmd, "--vocab", str(vocab), "--seed", str(seed), "--log-level", log_level, *extra]
+    return [*cmd, "--vocab", str(vocab), "--seed", str(seed), "--log-level", "warning", *extra]
 
 
 # The affinity is set before the interpreter starts, so every thread it starts inherits it.
@@ -61,10 +61,10 @@ def split_cores() -> tuple[list[int], list[int]] | None:
     return mine[:half], mine[half:]
 
 
-def pinned(cmd: Sequence[str], on: Sequence[int]) -> list[str]:
-    """``cmd`` run on the cores ``on``, every thread included (a core this machine lacks
-    fails it with ``OSError`` on its stderr, before ``cmd`` starts)."""
-    return [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
+def pinned(cmd: Sequence[str], on: Sequence[int] | None) -> list[str]:
+    """``cmd`` run on the cores ``on`` (None: where it likes), every thread included (a core
+    this machine lacks fails it with ``OSError`` on its stderr, before ``cmd`` starts)."""
+    return list(cmd) if on is None else [sys.executable, "-c", _PIN % ", ".join(map(str, on)), *cmd]
 
 
 def spark_command(address: str, *extra: str, vocab: int) -> list[str]:
@@ -78,23 +78,17 @@ def worker_process(
     *extra: str,
     vocab: int = 16,
     seed: int = 3,
-    log_level: str = "warning",
     env: Mapping[str, str] | None = None,
     command: Sequence[str] | None = None,
-    stop_timeout: float = 10.0,
 ) -> Iterator[RunningWorker]:
     """Run a worker (``command``, or :func:`worker_command` with ``extra``) until the block ends,
-    then SIGTERM it (killed after ``stop_timeout`` s), its exit code left in ``returncode``.
+    then SIGTERM it (killed after 10 s), its exit code left in ``returncode``.
 
     Raises:
         WorkerStartError: if it exits or prints anything else before listening
             (its stderr is in the message).
     """
-    cmd = (
-        list(command)
-        if command is not None
-        else worker_command(*extra, vocab=vocab, seed=seed, log_level=log_level)
-    )
+    cmd = list(command) if command is not None else worker_command(*extra, vocab=vocab, seed=seed)
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen(
             cmd,
@@ -122,7 +116,7 @@ def worker_process(
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(timeout=stop_timeout)
+                    proc.wait(timeout=10.0)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -218,14 +212,13 @@ def worker_group(
     ranks: int = 2,
     faults: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    timeout: float = 60.0,
 ) -> Iterator[RunningGroup]:
     """Run ``pp1-worker --tp ranks --vocab-shards ranks`` (metrics on) until the block ends
     (``faults``: under torchrun with :mod:`pp1wire.testing.shard_faults`); each rank is in a
     session of its own, so it is stopped by its command line (``--port``) too.
 
     Raises:
-        WorkerStartError: if the group exits or does not listen within ``timeout``.
+        WorkerStartError: if the group exits or does not listen within 60 s.
     """
     port = free_ports(ranks)
     flags = ["--tp", str(ranks), "--vocab-shards", str(ranks), "--port", str(port)]
@@ -246,21 +239,17 @@ def worker_group(
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         start_new_session=True,
     )
-    lines: list[str] = []
-
-    def pump(stream: Iterator[str]) -> None:
-        for line in stream:
-            lines.append(line)
-
+    lines: list[str] = []  # both streams' lines, each added as it is read
     assert proc.stdout is not None
     assert proc.stderr is not None
     pumps = [
-        threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)
+        threading.Thread(target=lines.extend, args=(s,), daemon=True)
+        for s in (proc.stdout, proc.stderr)
     ]
     for t in pumps:
         t.start()
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + 60.0
         while True:
             metrics = ["" for _ in range(ranks)]
             for line in lines:

@@ -61,15 +61,7 @@ class Link:
         pause = 0.1
         while True:
             try:
-                self._adopt(
-                    await AsyncClient.connect(
-                        self.host,
-                        self.port,
-                        self.config,
-                        ssl=self.tls,
-                        timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-                    )
-                )
+                self._adopt(await self._dial(max(0.1, min(10.0, deadline - time.monotonic()))))
                 return
             except (OSError, RefusedError, ConnectionLostError) as exc:
                 if isinstance(exc, ssl.SSLError):
@@ -81,6 +73,11 @@ class Link:
                 # Jitter: waiting clients should not all arrive at once when a worker frees up.
                 await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, 1.0) * (0.75 + random.random() / 2)
+
+    async def _dial(self, timeout: float) -> AsyncClient:
+        return await AsyncClient.connect(
+            self.host, self.port, self.config, ssl=self.tls, timeout=timeout
+        )
 
     def _adopt(self, client: AsyncClient) -> None:
         self.client = client
@@ -109,9 +106,7 @@ class Link:
             if now < self._retry_at:
                 return None
             try:
-                client = await AsyncClient.connect(
-                    self.host, self.port, self.config, ssl=self.tls, timeout=2.0
-                )
+                client = await self._dial(2.0)
             except (OSError, RefusedError, ConnectionLostError) as exc:
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 2.0)

@@ -189,11 +189,6 @@ class Tables:
             h.update(counts.astype("<i8").tobytes())
         return h.hexdigest()
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of token IDs (an ID the tables do not know shows as ``<ID>``)."""
-        k = self.size
-        return "".join(self.tokens[i] if 0 <= i < k else f"<{i}>" for i in map(int, ids))
-
 
 def build_tables(text: str) -> Tables:
     """Learn the tokens and count the n-grams of ``text`` (about a second for pydoc's text).
@@ -225,10 +220,6 @@ def cache_dir() -> Path | None:
         return Path.home() / ".cache" / "pp1wire"
     except RuntimeError:  # no home directory: build in memory every time
         return None
-
-
-def _cache_file(directory: Path, digest: str) -> Path:
-    return directory / f"ngram-{digest[:16]}-m{MERGES}.npz"
 
 
 def _save(tables: Tables, path: Path) -> None:
@@ -298,7 +289,7 @@ def tables() -> Tables:
         if found is not None:
             return found
         directory = cache_dir()
-        path = _cache_file(directory, digest) if directory is not None else None
+        path = None if directory is None else directory / f"ngram-{digest[:16]}-m{MERGES}.npz"
         found = _load(path, digest) if path is not None else None
         if found is None:
             found = build_tables(text)
@@ -405,43 +396,27 @@ class NgramLM:
         out[:used] = kept
         out[used:] = 0.0
 
-    def _logits_into(self, prefix: Sequence[int], out: Row) -> None:
-        used = min(self.size, self.vocab_size)
-        row = np.empty(used)
-        self._probs_into(prefix, row)
-        np.log(row, out=out[:used])
-        out[used:] = -np.inf
-
-    def _row(self, into: Callable[[Sequence[int], Row], None], prefix: Sequence[int]) -> Row:
-        """The row ``into`` writes for ``prefix``, in a new array."""
-        out = np.empty(self.vocab_size)
-        into(prefix, out)
-        return out
-
-    def _rows(
-        self, into: Callable[[Sequence[int], Row], None], prefixes: Sequence[Sequence[int]]
-    ) -> Row:
-        """The rows ``into`` writes for ``prefixes``, in a new ``[B, V]`` array."""
-        out = np.empty((len(prefixes), self.vocab_size))
-        for i, prefix in enumerate(prefixes):
-            into(prefix, out[i])
-        return out
-
     def probs(self, prefix: Sequence[int]) -> Row:
         """Next-token probabilities (binary64, summing to 1) over the global vocabulary."""
-        return self._row(self._probs_into, prefix)
+        row: Row = self.probs_batch([prefix])[0]
+        return row
 
     def probs_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
         """:meth:`probs` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        return self._rows(self._probs_into, prefixes)
+        out = np.empty((len(prefixes), self.vocab_size))
+        for i, prefix in enumerate(prefixes):
+            self._probs_into(prefix, out[i])
+        return out
 
     def logits(self, prefix: Sequence[int]) -> Row:
         """Next-token logits: the log of :meth:`probs` (-inf beyond the model's tokens)."""
-        return self._row(self._logits_into, prefix)
+        row: Row = self.logits_batch([prefix])[0]
+        return row
 
     def logits_batch(self, prefixes: Sequence[Sequence[int]]) -> Row:
         """:meth:`logits` of every prefix as the rows of one ``[B, V]`` array (bit for bit)."""
-        return self._rows(self._logits_into, prefixes)
+        with np.errstate(divide="ignore"):  # log(0) is the -inf beyond the model's tokens
+            return np.log(self.probs_batch(prefixes))
 
 
 def _identity(order: int, discount: float, table: Tables) -> str:

@@ -122,7 +122,6 @@ class PacedModel(PacedModelFn[list[Row]]):
             ValueError: for a ``kind`` other than ``"logits"`` and ``"probs"``.
         """
         table.flags.writeable = False
-        self.table = table
         super().__init__(_Table(table, kind), seconds)
 
 

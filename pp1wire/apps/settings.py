@@ -52,7 +52,9 @@ def _real(raw: object) -> float:
     return value
 
 
-def _described(check: Callable[[object], _V], meaning: str, kind: type) -> Callable[[object], _V]:
+def _described(
+    check: Callable[[object], _V], meaning: str, kind: type | tuple[type, ...]
+) -> Callable[[object], _V]:
     """``check`` as a flag type meaning ``meaning``, whose TOML values must be ``kind``."""
     check.__doc__ = (
         f"Flag type: {meaning}.\n\nRaises:\n    argparse.ArgumentTypeError: for anything else.\n"
@@ -164,12 +166,7 @@ def address_text(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def depth_or_auto(raw: object) -> int | str:
-    """Flag type: ``auto``, or an integer >= 0 (a depth, range-checked by the command).
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
+def _depth_or_auto(raw: object) -> int | str:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
     try:
@@ -178,7 +175,9 @@ def depth_or_auto(raw: object) -> int | str:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a depth (0..5) or auto") from None
 
 
-depth_or_auto.kind = (int, str)  # type: ignore[attr-defined]  # TOML: depth = 3 or "auto"
+depth_or_auto = _described(  # TOML: depth = 3 or "auto"
+    _depth_or_auto, "auto, or an integer >= 0 (a depth, range-checked by the command)", (int, str)
+)
 
 
 def parse_support(text: str) -> int:
@@ -205,20 +204,14 @@ def _exact(action: argparse.Action, raw: object) -> str | None:
         ok = isinstance(raw, list) and all(isinstance(x, str) for x in raw)
         return None if ok else f"{raw!r} is not a list of strings"
     kind = getattr(action.type, "kind", action.type if isinstance(action.type, type) else str)
-    if isinstance(kind, tuple):  # one of several TOML types
-        ok = isinstance(raw, kind) and not isinstance(raw, bool)
-        return None if ok else f"{raw!r} is not {' or '.join(_KIND_NAMES[k] for k in kind)}"
-    if isinstance(raw, bool):
-        return f"{raw!r} is not {_KIND_NAMES.get(kind, 'a string')}"
-    if kind is int and not isinstance(raw, int):
-        return f"{raw!r} is not an integer"
-    if kind is float and not isinstance(raw, int | float):
-        return f"{raw!r} is not a number"
-    if kind not in (int, float) and not isinstance(raw, str):
-        return f"{raw!r} is not a string"
+    kinds = kind if isinstance(kind, tuple) else (kind,)  # a tuple: one of several TOML types
+    accepted = tuple(t for k in kinds for t in _ACCEPTED.get(k, (str,)))
+    if isinstance(raw, bool) or not isinstance(raw, accepted):
+        return f"{raw!r} is not {' or '.join(_KIND_NAMES.get(k, 'a string') for k in kinds)}"
     return None
 
 
+_ACCEPTED: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,)}
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -356,12 +349,12 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def load_factory(spec: str) -> Any:
-    """Import ``module:attribute`` and return the attribute.
+def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
+    """Import the factory ``module:attribute`` and call it with ``kwargs``, for a callable.
 
     Raises:
-        SettingsError: if the spec is malformed, the import fails, or the attribute
-            is not callable.
+        SettingsError: if the spec is malformed, the import fails, the factory is
+            not callable, raises, or makes something that is not callable.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -370,24 +363,13 @@ def load_factory(spec: str) -> Any:
 
     try:
         module = importlib.import_module(module_name)
-        found = getattr(module, attr)
+        factory = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise SettingsError(f"plugin {spec!r}: {exc}") from None
     except Exception as exc:  # a plugin module that fails while it is imported
         raise SettingsError(f"plugin {spec!r}: importing it raised {exc!r}") from None
-    if not callable(found):
-        raise SettingsError(f"plugin {spec!r} is a {type(found).__name__}, not a callable")
-    return found
-
-
-def make_plugin(spec: str, **kwargs: Any) -> Callable[..., Any]:
-    """Call the factory ``module:attribute`` with ``kwargs``, for a callable.
-
-    Raises:
-        SettingsError: if the spec is malformed, the import fails, the factory is
-            not callable, raises, or makes something that is not callable.
-    """
-    factory = load_factory(spec)
+    if not callable(factory):
+        raise SettingsError(f"plugin {spec!r} is a {type(factory).__name__}, not a callable")
     try:
         made = factory(**kwargs)
     except Exception as exc:  # a plugin's own failure, reported in one line
@@ -423,13 +405,7 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def principal_rate(raw: object) -> tuple[str | None, float | None]:
-    """Flag type: ``RATE`` (every principal's cap) or ``ID=RATE`` (key ID ``ID``'s; ``=`` or
-    ``-=`` the default key's), a number of fresh draws a second above 0, or ``off``.
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else.
-    """
+def _principal_rate(raw: object) -> tuple[str | None, float | None]:
     if not isinstance(raw, str):
         raise argparse.ArgumentTypeError(f"{raw!r} is not [ID=]RATE")
     ident, sep, value = raw.rpartition("=")
@@ -442,7 +418,12 @@ def principal_rate(raw: object) -> tuple[str | None, float | None]:
     return (ident if sep else None), rate(value)
 
 
-principal_rate.kind = str  # type: ignore[attr-defined]
+principal_rate = _described(
+    _principal_rate,
+    "RATE (every principal's cap) or ID=RATE (key ID ID's; = or -= the default key's), a "
+    "number of fresh draws a second above 0, or off",
+    str,
+)
 
 
 def install_uvloop() -> None:

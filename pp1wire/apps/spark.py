@@ -201,16 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
-class _Mode:
-    """How this process takes part in the run (from the settings and the launcher)."""
-
-    world: int
-    sharded: bool
-
-
-def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
-    """Every setting checked before anything runs (nothing is created or started).
+def check_settings(args: argparse.Namespace) -> tuple[Plan, int]:
+    """Every setting checked before anything runs (nothing is created or started); the plan,
+    and the number of ranks.
 
     Raises:
         SettingsError: the first bad setting, in one line.
@@ -237,7 +230,6 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
     if longest > args.max_prefix:
         raise SettingsError(f"a prompt of {longest} tokens is longer than --max-prefix")
     world = ranks.world_size(args)
-    sharded = args.vocab_shards > 1
     if args.vocab_shards not in (1, world):
         raise SettingsError(f"--vocab-shards {args.vocab_shards} needs --tp {args.vocab_shards}")
     settings.linked_address(args.worker, args.vocab_shards)
@@ -252,7 +244,7 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         )
         if args.metrics_token_file:
             keys.read_token(args.metrics_token_file)
-    if sharded and args.audit:
+    if args.vocab_shards > 1 and args.audit:
         raise SettingsError("--audit is not available with --vocab-shards (no rank holds all q)")
     tls_context(args.tls_ca)
     keys.link_fields(args)  # the key of --key-id, read
@@ -273,7 +265,7 @@ def check_settings(args: argparse.Namespace) -> tuple[Plan, _Mode]:
         stop=stop,
         controller=DepthController() if auto else None,
     )
-    return plan, _Mode(world, sharded)
+    return plan, world
 
 
 def spark_config(
@@ -315,16 +307,16 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     Raises:
         SettingsError: a bad setting (before anything runs).
     """
-    plan, mode = check_settings(args)
-    if mode.world > 1 and not ranks.in_launched_rank():
+    plan, world = check_settings(args)
+    if world > 1 and not ranks.in_launched_rank():
         # On this (main) thread: the launcher installs signal handlers to stop its ranks.
-        return ranks.launch(mode.world, argv, module="pp1wire.spark")
+        return ranks.launch(world, argv, module="pp1wire.spark")
     coord = None
-    if mode.world > 1:
-        layout = ShardLayout.even(args.vocab, mode.world) if mode.sharded else None
+    if world > 1:
+        layout = ShardLayout.even(args.vocab, world) if args.vocab_shards > 1 else None
         # Only the replicated group's steps run on the device group.
         coord = ranks.join_group(args.group_timeout, layout, device=layout is None)
-    done = await run_rank(args, plan, mode, coord)
+    done = await run_rank(args, plan, coord)
     if done.summary is not None:
         if args.json:
             print(json.dumps(done.summary), flush=True)
@@ -339,7 +331,6 @@ async def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 async def run_rank(
     args: argparse.Namespace,
     plan: Plan,
-    mode: _Mode,
     coord: GroupCoordinator | None,
     *,
     faults: Faults | None = None,
@@ -355,14 +346,14 @@ async def run_rank(
     strategy: Strategy
     finish: Callable[[], None] | None = None  # ends a group's attempts (replicated TP)
     nonce = b""  # a sharded group's nonce, on every link's HELLO
-    if coord is not None and mode.sharded:
+    sharded = args.vocab_shards > 1
+    if coord is not None and sharded:
         from pp1wire.apps.spark_sharded import ShardedStrategy  # noqa: PLC0415 - needs torch
 
         rank, layout = coord.rank, coord.layout
-        sharded = ShardedStrategy(coord, batched(target))
+        strategy = ShardedStrategy(coord, batched(target))
         if plan.depth > 0:
-            nonce = await asyncio.to_thread(sharded.group_nonce)
-        strategy = sharded
+            nonce = await asyncio.to_thread(strategy.group_nonce)
     elif coord is not None:
         from pp1wire.apps import spark_tp  # noqa: PLC0415 - needs torch
         from pp1wire.tp.group import SparkGroup  # noqa: PLC0415
@@ -387,17 +378,12 @@ async def run_rank(
             spark_config(args, plan, layout, rank, nonce),
             m,
             tls=tls_context(args.tls_ca),
-            reconnect=not mode.sharded,
+            reconnect=not sharded,
         )
     driver = RoundDriver(plan, strategy, target, link, m)
-    loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        driver.request_stop()
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop)
+            asyncio.get_running_loop().add_signal_handler(sig, driver.request_stop)
     metrics_server = None
     if args.metrics_port is not None and rank == 0:
         token = keys.read_token(args.metrics_token_file) if args.metrics_token_file else None
@@ -444,7 +430,7 @@ async def run_rank(
     done = RankRun(0, records=records)
     if rank == 0:
         summary = driver.summary(records)
-        if link is not None and mode.sharded:
+        if link is not None and sharded:
             summary["link_bytes_rank0"] = link.bytes_received
         if failure is not None:
             summary["tp_failure"] = str(failure)

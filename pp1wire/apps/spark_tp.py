@@ -11,10 +11,9 @@ import sys
 import threading
 from typing import Any
 
-from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict
+from pp1wire.apps.driver import GROUP_FAILED_EXIT, Plan, Round, Verdict, decide_scored
 from pp1wire.apps.metrics import SparkMetrics
 from pp1wire.errors import Pp1Error
-from pp1wire.q.rng import derive_seed
 from pp1wire.q.verify import RequestVerifier, TargetFn
 from pp1wire.tp.fanout import Header, Item
 from pp1wire.tp.group import Faults, RankReport, SparkGroup
@@ -38,30 +37,23 @@ class ReplicatedStrategy:
         return local
 
     def decide(self, rounds: list[Round]) -> list[Verdict]:
-        """One attempt for the step's rounds that have a proposal or are target-only.
+        """One attempt for the step's rounds (:func:`decide_scored`).
 
         Raises:
             GroupFailedError: a collective failed or a target-only round was voted
                 down for another reason than its target's failure.
         """
-        scored = [r for r in rounds if r.failure is None]
+        return decide_scored(rounds, self._lead)
+
+    def _lead(self, scored: list[Round]) -> list[Verdict]:
         stats, m = self.group.stats, self.metrics
         before = (stats.fanout_bytes, stats.fanout_seconds)
-        decisions = iter(
-            self.group.lead(
-                [Item(r.state.index, r.state.verifier, r.proposal, r.round_id) for r in scored]
-            )
-            if scored
-            else []
-        )
+        items = [Item(r.state.index, r.state.verifier, r.proposal, r.round_id) for r in scored]
+        decisions = self.group.lead(items) if items else []
         m.tp_fanout_bytes.inc(stats.fanout_bytes - before[0])
         m.tp_fanout_seconds.inc(stats.fanout_seconds - before[1])
         out = []
-        for r in rounds:
-            if r.failure is not None:
-                out.append(Verdict(None, r.failure))
-                continue
-            d = next(decisions)
+        for d in decisions:
             if d.result is not None:
                 out.append(Verdict(d.result))
                 continue
@@ -102,20 +94,12 @@ _RANK_KEYS = ("rank", "collectives", "attempts", "fanout_bytes", "fanout_seconds
 def follow(args: argparse.Namespace, group: SparkGroup, target: TargetFn, plan: Plan) -> int:
     """A rank other than 0: follow rank 0's attempts until it stops; returns the exit code
     (signal handlers only on the main thread, not in a group of threads under test)."""
-    prompts = plan.prompts
 
     def verifier_for(header: Header) -> RequestVerifier:
         verifier = group.held.get(header.request)
         if verifier is None:
-            verifier = RequestVerifier(
-                session=header.session,
-                seed=derive_seed(args.seed, header.request),
-                vocab_size=args.vocab,
-                prefix=prompts[header.request % len(prompts)],
-                target=target,
-                eos=args.eos,
-                audit=args.audit,
-                generation=header.generation,
+            verifier = plan.verifier(
+                header.request, target, session=header.session, generation=header.generation
             )
         elif (verifier.session, verifier.generation) != (header.session, header.generation):
             # Rank 0 rebuilt its verifier when it (re)opened the slot under this generation.
