@@ -18,7 +18,7 @@ from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
 from pp1wire.testing.builders import open_message, token_bytes
-from pp1wire.testing.hostile import shut
+from pp1wire.testing.conformance.spark_side import shut
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, MsgType, Opened, Ping
 from pp1wire.wire.spark_core import SparkConfig

@@ -178,3 +178,9 @@ def whole_reply(step: Step, *frames: bytes, **over: int) -> bytes:
     """REPLY frames followed by their COMPLETION."""
     body = b"".join(frames)
     return body + completion(step, body, len(frames), **over)
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """The frames in ``data``, each as its own bytes."""
+    decoder = framing.FrameDecoder(1 << 26)
+    return [bytes(f.raw) for f in decoder.feed(data)]

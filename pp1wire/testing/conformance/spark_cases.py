@@ -15,6 +15,7 @@ from pp1wire.testing.builders import (
     older_hello_frame,
     reply_row,
     reply_step,
+    split_frames,
     uint_token_frame,
     whole_reply,
 )
@@ -36,7 +37,6 @@ from pp1wire.testing.conformance.spark_side import (
     SparkCase,
     Timing,
 )
-from pp1wire.testing.hostile import split_frames
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Scope, Step
 
