@@ -296,11 +296,10 @@ def _on_links(
     vocab: int,
     slots: int,
     prefix: list[int],
-    *,
     connections: int,
     source: str | None,
     ready: Callable[[], object] | None,
-    key: Key | None = None,
+    key: Key | None,
 ) -> None:
     """Open ``connections`` connections (from ``source``, with ``key``), each with
     ``slots`` slots at ``prefix``, call ``ready``, then run ``one(link)`` for each
@@ -388,17 +387,7 @@ def reset_step_loop(
         finally:
             link.sock.close()
 
-    _on_links(
-        one,
-        port,
-        vocab,
-        slots,
-        prefix,
-        connections=connections,
-        source=source,
-        ready=ready,
-        key=key,
-    )
+    _on_links(one, port, vocab, slots, prefix, connections, source, ready, key)
     return tally.drawn, tally.refused
 
 
@@ -464,17 +453,7 @@ def commit_loop(
         finally:
             sock.close()
 
-    _on_links(
-        one,
-        port,
-        vocab,
-        slots,
-        start,
-        connections=connections,
-        source=source,
-        ready=ready,
-        key=key,
-    )
+    _on_links(one, port, vocab, slots, start, connections, source, ready, key)
     return tally.drawn, tally.refused
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import inspect
 import secrets
@@ -22,7 +21,7 @@ from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing, integrity, messages
-from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
+from pp1wire.wire.handshake import PeerConfig, build_hello, spark_proof, worker_proof
 from pp1wire.wire.messages import Auth, Error, Hello, Message, MsgType, Open, Ping, Step
 
 
@@ -314,12 +313,10 @@ class Peer:
         if reply is not None and reply.type is MsgType.CHALLENGE and self.s.psk is not None:
             ch = reply.message
             assert isinstance(ch, messages.Challenge)
-            want = hmac.new(self.s.psk, AUTH_WORKER_LABEL + ours.nonce + ch.nonce, hashlib.sha256)
-            if not hmac.compare_digest(want.digest(), ch.proof):
+            if not hmac.compare_digest(worker_proof(self.s.psk, ours.nonce, ch.nonce), ch.proof):
                 raise CaseFailed("the worker's CHALLENGE proof is wrong")
             header = frame[framing.PREAMBLE_SIZE :]
-            msg = AUTH_SPARK_LABEL + ch.nonce + ours.nonce + hashlib.sha256(header).digest()
-            self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
+            self.send_msg(Auth(proof=spark_proof(self.s.psk, ch.nonce, ours.nonce, header)))
             challenge = bytes(reply.raw[framing.PREAMBLE_SIZE :])
             k_sw, k_ws = integrity.frame_keys(self.s.psk, header, challenge)
             self.sealer = integrity.Sealer(k_sw)

@@ -41,8 +41,6 @@ def _declared(layout: ShardLayout, shard: int) -> dict[str, int]:
 
 
 async def _refused_with_layout(s: Settings, fields: dict[str, int]) -> None:
-    # The worker answers a keyed HELLO with CHALLENGE first (§5): authenticate, then
-    # expect the refusal, as every HELLO mismatch case does.
     await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
