@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from pp1wire.testing.golden.common import Vector, message_json
+from pp1wire.testing.golden.common import Vector
 from pp1wire.testing.golden.frames import frame_vectors
 from pp1wire.testing.golden.hellos import hello_vectors
 from pp1wire.testing.golden.integrity import integrity_vectors, run_integrity_vector
@@ -23,7 +23,6 @@ __all__ = [
     "hello_vectors",
     "integrity_vectors",
     "main",
-    "message_json",
     "render",
     "reply_vectors",
     "run_integrity_vector",

@@ -43,8 +43,7 @@ def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
         nonce=NONCE,
         session=session,
     )
-    replaced: Hello = msgspec.structs.replace(hello, **overrides)
-    return replaced
+    return msgspec.structs.replace(hello, **overrides)
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,7 +11,7 @@ import msgspec
 
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.stoprules import STOP_RULES
-from pp1wire.testing.builders import VOCAB, older_hello_frame
+from pp1wire.testing.builders import VOCAB, older_hello_frame, shard_fields
 from pp1wire.testing.golden.common import GROUP, Vector, hello
 from pp1wire.wire import framing, handshake, integrity
 from pp1wire.wire.messages import WIRE_VERSION
@@ -37,18 +37,6 @@ WORKER: dict[str, Any] = {
 _OTHER_LAYOUT = ShardLayout((0, 4, VOCAB))
 
 
-def _shard(n: int) -> dict[str, Any]:
-    """Shard ``n`` of :data:`_OTHER_LAYOUT` as a Spark HELLO declares it (group nonce apart)."""
-    start, end = _OTHER_LAYOUT.range(n)
-    return {
-        "shards": 2,
-        "shard": n,
-        "shard_start": start,
-        "shard_end": end,
-        "layout": _OTHER_LAYOUT.digest,
-    }
-
-
 def _refused(code: str) -> dict[str, Any]:
     """What a worker that refuses the HELLO with ``code`` sends first."""
     return {"error": code, "answers": "HELLO", "scope": 2}
@@ -71,14 +59,14 @@ BREAK: dict[str, dict[str, Any]] = {
     "row_entries": {"row_entries": VOCAB + 1},
     "max_frame": {"max_frame": (1 << 20) + 1},
     "max_prefix": {"max_prefix": 1025},
-    "shards": _shard(1),
+    "shards": shard_fields(_OTHER_LAYOUT, 1),
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
     "group": {"group": GROUP},
     # The value an older peer's omitted field takes (§4.1, §11).
     "row_format": {"row_format": ""},
 }
 
-_SHARD_0 = _shard(0)
+_SHARD_0 = shard_fields(_OTHER_LAYOUT, 0)
 _SHARDED_WORKER = {"layout": list(_OTHER_LAYOUT.bounds), "shard": 0}
 
 
