@@ -188,6 +188,15 @@ class Peer:
             raise CaseFailed(f"expected {kind.name}, got {describe(frame)}")
         return frame
 
+    async def ask(self, msg: Message, kind: MsgType) -> framing.Frame:
+        """Send ``msg``; the answer, which must be of ``kind``.
+
+        Raises:
+            CaseFailed: as :meth:`expect`.
+        """
+        self.send_msg(msg)
+        return await self.expect(kind)
+
     async def expect_error(
         self, code: ErrorCode, *, fatal: bool, answers: MsgType | None = None
     ) -> None:
@@ -297,8 +306,7 @@ class Peer:
             limits=None,
             nonce=secrets.token_bytes(32),
         )
-        replaced: Hello = msgspec.structs.replace(hello, **overrides)
-        return replaced
+        return msgspec.structs.replace(hello, **overrides)
 
     async def handshake(self, hello: Hello | None = None) -> Hello:
         """Complete HELLO (and AUTH when a key is configured); returns the worker's HELLO.
@@ -335,22 +343,15 @@ class Peer:
         return worker
 
     async def open_slot(
-        self,
-        slot: int = 0,
-        prefix: Sequence[int] = (1, 2, 3),
-        seed: int = 7,
-        eos: int | None = None,
-        generation: int = 0,
+        self, slot: int = 0, prefix: Sequence[int] = (1, 2, 3), seed: int = 7, generation: int = 0
     ) -> None:
         """OPEN and wait for OPENED.
 
         Raises:
             CaseFailed: if OPENED does not come.
         """
-        self.send_msg(
-            open_message(self.session, slot, prefix, generation=generation, seed=seed, eos=eos),
-            token_bytes(prefix),
-        )
+        msg = open_message(self.session, slot, prefix, generation=generation, seed=seed)
+        self.send_msg(msg, token_bytes(prefix))
         await self.expect(MsgType.OPENED)
 
     def step_msg(self, slot: int = 0, **over: Any) -> Step:

@@ -76,8 +76,7 @@ async def _ping_first(s: core.Settings) -> None:
     either side MAY send PING at any time (also before the handshake)
     """
     async with await core.Peer(s).connect() as peer:
-        peer.send_msg(Ping(nonce=77))
-        frame = await peer.expect(MsgType.PONG)
+        frame = await peer.ask(Ping(nonce=77), MsgType.PONG)
         if frame.message.nonce != 77:  # type: ignore[union-attr]
             raise core.CaseFailed("PONG nonce differs")
         await peer.handshake()
@@ -358,8 +357,7 @@ async def _unknown_key_id(s: core.Settings) -> None:
         raise core.NonStrictSkip("needs --psk-file")
     async with await core.Peer(s).connect() as peer:
         hello = peer.hello(key_id=f"unknown-{secrets.token_hex(8)}")
-        peer.send_msg(hello)
-        frame = await peer.expect(MsgType.CHALLENGE)
+        frame = await peer.ask(hello, MsgType.CHALLENGE)
         ch = frame.message
         assert isinstance(ch, messages.Challenge)
         header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]

@@ -133,11 +133,9 @@ class Conn(asyncio.Protocol):
             edit = case.edits.get(f.type)
             if edit is not None:
                 edited = edit(f.message)
-                raw = (
-                    edited
-                    if isinstance(edited, bytes)
-                    else framing.encode_frame(edited, bytes(f.payload))
-                )
+                if not isinstance(edited, bytes):
+                    edited = framing.encode_frame(edited, bytes(f.payload))
+                raw = edited
             (reply if f.type in (MsgType.REPLY, MsgType.COMPLETION) else plain).append(raw)
         if plain:
             self.write(b"".join(plain))
