@@ -188,31 +188,15 @@ def step_at(
     generation: int = 0,
 ) -> Step:
     """A dense STEP of ``slot`` (of ``generation``) for ``round_id`` after ``prefix``."""
-    return reply_step(
-        0,
-        depth,
-        session=session,
-        slot=slot,
-        generation=generation,
-        round=round_id,
-        position=prefix.length,
-        digest=prefix.value,
-    )
+    at = {"session": session, "slot": slot, "generation": generation, "round": round_id}
+    return reply_step(0, depth, **at, position=prefix.length, digest=prefix.value)
 
 
 def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, token: int) -> Commit:
     """A COMMIT of ``slot`` (generation 0) for ``round_id`` with no draft accepted and
     ``token`` as its one token of its own, ``prefix`` being the prefix with ``token``."""
-    return Commit(
-        session=session,
-        slot=slot,
-        generation=0,
-        round=round_id,
-        accepted=0,
-        extra=token,
-        position=prefix.length,
-        digest=prefix.value,
-    )
+    at = {"session": session, "slot": slot, "generation": 0, "round": round_id}
+    return Commit(**at, accepted=0, extra=token, position=prefix.length, digest=prefix.value)
 
 
 def _send(sock: socket.socket, frames: list[bytes]) -> bool:

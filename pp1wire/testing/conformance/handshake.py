@@ -131,11 +131,8 @@ for case_id, (field_name, value, code) in zip(
 def _vocab_mismatch(case_id: str, delta: int) -> None:
     async def run(s: core.Settings) -> None:
         v = s.vocab + delta
-        await _mismatch_run(
-            s,
-            {"vocab_size": v, "row_entries": v, "max_support": min(s.support, v)},
-            ErrorCode.VOCAB_SIZE_MISMATCH,
-        )
+        fields = {"vocab_size": v, "row_entries": v, "max_support": min(s.support, v)}
+        await _mismatch_run(s, fields, ErrorCode.VOCAB_SIZE_MISMATCH)
 
     case(
         case_id,

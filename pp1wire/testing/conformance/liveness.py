@@ -76,8 +76,7 @@ async def _error_shape(s: core.Settings) -> None:
     """
     async with core.ready(s) as (peer, step, _):
         frame = await peer.ask(core.with_fields(step, round=1, depth=0), MsgType.ERROR)
-        header = bytes(frame.raw)[framing.PREAMBLE_SIZE :]
-        items = msgspec.msgpack.decode(header)
+        items = msgspec.msgpack.decode(bytes(frame.raw)[framing.PREAMBLE_SIZE :])
         if not isinstance(items, list) or len(items) > 7:
             raise core.CaseFailed(f"ERROR header has {items!r}")
 

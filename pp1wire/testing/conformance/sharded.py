@@ -36,11 +36,9 @@ def _layout(s: Settings) -> ShardLayout:
     "shards, shard, range and layout digest: all exact, else SHARD_LAYOUT_MISMATCH (fatal)",
 )
 async def other_split(s: Settings) -> None:
-    if s.shards > 1:  # declare the unsharded layout to a sharded worker
-        fields = shard_fields(ShardLayout((0, s.vocab)), 0)
-    else:
-        fields = shard_fields(ShardLayout.even(s.vocab, 2), 0)
-    await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
+    # A sharded worker is declared the unsharded layout; an unsharded one, two shards.
+    layout = ShardLayout((0, s.vocab)) if s.shards > 1 else ShardLayout.even(s.vocab, 2)
+    await handshake._mismatch_run(s, shard_fields(layout, 0), ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
 @case(

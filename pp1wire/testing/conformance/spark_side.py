@@ -319,9 +319,8 @@ async def _spark(cmd: str, timeout: float) -> SparkRun:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         out, err = await proc.communicate()
-    text = out.decode(errors="replace")
     summary = None
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
     if lines:
         with contextlib.suppress(ValueError):
             loaded = json.loads(lines[-1])
