@@ -12,11 +12,11 @@ import pytest
 
 from pp1wire.apps.launch import worker_process
 from pp1wire.testing import conformance
-from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire import fencing
 from pp1wire.wire.worker_core import WorkerProtocol
 
 from .certs import self_signed
+from .hostile import FaultyWorker
 
 
 def test_at_least_100_numbered_cases_with_rules():

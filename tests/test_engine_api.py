@@ -35,11 +35,11 @@ from pp1wire import (
 from pp1wire.aio.server import WorkerServer
 from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ProposalReleasedError
-from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire import framing
 from pp1wire.wire.messages import MsgType
 from pp1wire.wire.worker_core import WorkerConfig
 
+from .hostile import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 64

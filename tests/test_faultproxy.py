@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections import Counter
 from math import sqrt
+from pathlib import Path
 
 import pytest
 
@@ -19,10 +20,10 @@ from pp1wire.apps.launch import worker_process
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
-from pp1wire.testing.faultproxy import FaultProxy, Faults
-from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
+from .faultproxy import FaultProxy, Faults
+from .hostile import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 32
@@ -217,7 +218,7 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "pp1wire.testing.faultproxy",
+                "tests.faultproxy",
                 "--target",
                 address,
                 "--chaos",
@@ -229,6 +230,7 @@ def test_chaos_run_keeps_the_output_law(tmp_path):
             ],
             stdout=subprocess.PIPE,
             text=True,
+            cwd=Path(__file__).resolve().parent.parent,
         )
         try:
             line = proxy.stdout.readline()

@@ -16,10 +16,11 @@ from pp1wire.aio.client import (
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
 from pp1wire.q.verify import RequestVerifier
-from pp1wire.testing.hostile import FaultyWorker, split_frames
+from pp1wire.testing.builders import split_frames
 from pp1wire.wire.messages import MsgType
 from pp1wire.wire.spark_core import SparkConfig
 
+from .hostile import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 32

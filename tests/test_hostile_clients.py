@@ -18,7 +18,7 @@ from pp1wire.apps.models import drafter_factory
 from pp1wire.errors import ErrorCode
 from pp1wire.testing.attacks import never_reads, probe, rss_mib
 from pp1wire.testing.builders import open_message, token_bytes
-from pp1wire.testing.hostile import shut
+from pp1wire.testing.conformance.spark_side import shut
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Error, MsgType, Opened, Ping
 from pp1wire.wire.spark_core import SparkConfig
@@ -350,10 +350,10 @@ def _pipelined_reset_step_pairs(port: int, vocab: int, pairs: int, seconds: floa
     ``seconds``; returns the STEPs drawn, those refused and the seconds read."""
     import time
 
-    from pp1wire.testing.attacks import handshake_and_open
+    from pp1wire.testing.attacks import open_link
 
     prefix = [1, 2, 3]
-    sock, session = handshake_and_open(port, vocab, 1, prefix)
+    sock, session, _ = open_link(port, vocab, 1, prefix)
     decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
     drawn = refused = 0
     try:
@@ -394,12 +394,12 @@ async def test_a_hold_timer_that_fires_early_holds_on_for_the_rest_of_the_period
     # uvloop rounds call_later to whole milliseconds and may fire it up to ~0.5 ms
     # early. The early timer must not let the core refuse the next STEP (here the
     # refused one, sent twice) again in the same payback period.
-    from pp1wire.testing.attacks import handshake_and_open
+    from pp1wire.testing.attacks import open_link
 
     config = WorkerConfig(vocab_size=256, abandon_rate=0.5, abandon_burst=1)
     srv = WorkerServer(config, drafter_factory(256))
     port = await srv.start("127.0.0.1", 0)
-    sock, session = await asyncio.to_thread(handshake_and_open, port, 256, 1, [1, 2, 3])
+    sock, session, _ = await asyncio.to_thread(open_link, port, 256, 1, [1, 2, 3])
     try:
         (conn,) = srv.conns
         await asyncio.to_thread(sock.sendall, _reset_step_pairs(session, 20, [1, 2, 3], copies=2))

@@ -21,9 +21,9 @@ from pp1wire.testing.builders import (
     whole_reply,
 )
 from pp1wire.testing.conformance.reply_classes import REPLY_CLASSES, ok_row, ok_token
-from pp1wire.testing.hostile import FaultyWorker
 from pp1wire.wire.spark_core import SparkConfig
 
+from .hostile import FaultyWorker
 from .waiting import eventually
 
 VOCAB = 8

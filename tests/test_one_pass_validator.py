@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from pp1wire.errors import ErrorCode, ValidationError
 from pp1wire.q import dyadic, validate
-from pp1wire.testing import golden
+
+from .golden_runners import run_reply_vector
 
 fastq = pytest.importorskip("pp1wire.q._fastq")
 
@@ -31,7 +32,7 @@ REPLIES = [v for v in VECTORS if v["kind"] == "reply"]
 @pytest.mark.usefixtures("dyadic_path")
 @pytest.mark.parametrize("vector", REPLIES, ids=lambda v: v["name"])
 def test_golden_reply_vectors_on_both_paths(vector):
-    assert golden.run_reply_vector(vector) == vector["expect"]
+    assert run_reply_vector(vector) == vector["expect"]
 
 
 def outcome(row: np.ndarray, vocab: int, entries: int, proposed: int, compiled: bool):

@@ -24,7 +24,7 @@ from pp1wire.apps.models import drafter_factory
 from pp1wire.q.proposal import PrefixDigest
 from pp1wire.testing.attacks import (
     commit_loop,
-    handshake_and_open,
+    open_link,
     probe,
     reset_step_loop,
     squat,
@@ -172,7 +172,7 @@ async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batc
     ):
         prefix = [1, attacker_token]
         links = [
-            await asyncio.to_thread(handshake_and_open, port, VOCAB, 4, prefix, source=ATTACKER)
+            await asyncio.to_thread(open_link, port, VOCAB, 4, prefix, source=ATTACKER)
             for _ in range(4)
         ]
         legit = await AsyncClient.connect(
@@ -180,7 +180,7 @@ async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batc
         )
         try:
             await legit.open(0, seed=1, prefix=[1, legit_token])
-            for sock, session in links:
+            for sock, session, _ in links:
                 steps = [step_at(session, s, 0, PrefixDigest(prefix), depth=1) for s in range(4)]
                 sock.sendall(b"".join(framing.encode_frame(m) for m in steps))
             assert await asyncio.to_thread(drafter.started.wait, 10)
@@ -198,7 +198,7 @@ async def test_k_connections_of_one_principal_share_the_draw_threads_as_one(batc
         finally:
             drafter.gate.set()
             await legit.close()
-            for sock, _ in links:
+            for sock, _, _ in links:
                 sock.close()
 
 
@@ -212,8 +212,8 @@ async def test_a_held_connection_whose_peer_left_stops_counting_at_once():
     # against --max-connections: the next client was refused CONNECTION_LIMIT.
     config = WorkerConfig(vocab_size=VOCAB, abandon_rate=0.2, abandon_burst=1)
     async with _worker(config, max_connections=1) as (srv, port):
-        sock, session = await asyncio.to_thread(
-            handshake_and_open, port, VOCAB, 1, [1, 2, 3], source=ATTACKER
+        sock, session, _ = await asyncio.to_thread(
+            open_link, port, VOCAB, 1, [1, 2, 3], source=ATTACKER
         )
         (conn,) = srv.conns
         from .test_hostile_clients import _reset_step_pairs
@@ -238,8 +238,8 @@ async def test_a_connection_waiting_for_a_draw_whose_peer_left_stops_counting_at
         WorkerConfig(vocab_size=VOCAB), drafter, max_connections=1, draw_threads=1
     ) as (srv, port):
         try:
-            sock, session = await asyncio.to_thread(
-                handshake_and_open, port, VOCAB, 1, [1, 2], source=ATTACKER
+            sock, session, _ = await asyncio.to_thread(
+                open_link, port, VOCAB, 1, [1, 2], source=ATTACKER
             )
             (conn,) = srv.conns
             ask = framing.encode_frame(step_at(session, 0, 0, PrefixDigest([1, 2]), depth=1))

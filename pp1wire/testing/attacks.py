@@ -17,7 +17,7 @@ import msgspec
 from pp1wire.aio.client import AsyncClient
 from pp1wire.errors import ErrorCode, ProtocolError
 from pp1wire.q.proposal import PrefixDigest
-from pp1wire.testing.builders import open_message, token_bytes
+from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing
 from pp1wire.wire.events import HandshakeDone
 from pp1wire.wire.messages import Close, Commit, Error, Message, MsgType, Reset, Scope, Step
@@ -33,9 +33,7 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def never_reads(
-    port: int, vocab: int, steps: int, *, same_round: bool = False, recv_buffer: int = 4096
-) -> socket.socket:
+def never_reads(port: int, vocab: int, steps: int, *, same_round: bool = False) -> socket.socket:
     """Open slot 0, then write ``steps`` dense depth-5 STEPs and never read again.
 
     Distinct rounds by default (each would need a fresh draw); ``same_round``
@@ -47,7 +45,7 @@ def never_reads(
         OSError: if the worker cannot be reached.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
     core = SparkProtocol(SparkConfig(vocab_size=vocab), now=0.0)
     core.start(0.0)
@@ -128,24 +126,6 @@ class AttackLink(NamedTuple):
     frame: Callable[[Message], bytes]
 
 
-def handshake_and_open(
-    port: int,
-    vocab: int,
-    slots: int,
-    prefix: list[int],
-    *,
-    source: str | None = None,
-) -> tuple[socket.socket, int]:
-    """A keyless connection (from ``source``) with ``slots`` slots open at ``prefix``;
-    the socket and its session (:func:`open_link`).
-
-    Raises:
-        OSError, ConnectionError: if the worker cannot be reached or closes the connection.
-    """
-    link = open_link(port, vocab, slots, prefix, source=source)
-    return link.sock, link.session
-
-
 def open_link(
     port: int,
     vocab: int,
@@ -208,33 +188,15 @@ def step_at(
     generation: int = 0,
 ) -> Step:
     """A dense STEP of ``slot`` (of ``generation``) for ``round_id`` after ``prefix``."""
-    return Step(
-        session=session,
-        slot=slot,
-        generation=generation,
-        round=round_id,
-        position=prefix.length,
-        digest=prefix.value,
-        depth=depth,
-        temperature=1.0,
-        support=0,
-        context=0,
-    )
+    at = {"session": session, "slot": slot, "generation": generation, "round": round_id}
+    return reply_step(0, depth, **at, position=prefix.length, digest=prefix.value)
 
 
 def commit_at(session: int, slot: int, round_id: int, prefix: PrefixDigest, token: int) -> Commit:
     """A COMMIT of ``slot`` (generation 0) for ``round_id`` with no draft accepted and
     ``token`` as its one token of its own, ``prefix`` being the prefix with ``token``."""
-    return Commit(
-        session=session,
-        slot=slot,
-        generation=0,
-        round=round_id,
-        accepted=0,
-        extra=token,
-        position=prefix.length,
-        digest=prefix.value,
-    )
+    at = {"session": session, "slot": slot, "generation": 0, "round": round_id}
+    return Commit(**at, accepted=0, extra=token, position=prefix.length, digest=prefix.value)
 
 
 def _send(sock: socket.socket, frames: list[bytes]) -> bool:
@@ -276,31 +238,16 @@ def _answers(sock: socket.socket, decoder: framing.FrameDecoder, steps: int) -> 
     return drawn, limited
 
 
-class _Tally:
-    """STEPs answered with a proposal and STEPs refused, counted by many threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.drawn = 0
-        self.refused = 0
-
-    def add(self, drawn: int, refused: int) -> None:
-        with self._lock:
-            self.drawn += drawn
-            self.refused += refused
-
-
 def _on_links(
     one: Callable[[AttackLink], None],
     port: int,
     vocab: int,
     slots: int,
     prefix: list[int],
-    *,
     connections: int,
     source: str | None,
     ready: Callable[[], object] | None,
-    key: Key | None = None,
+    key: Key | None,
 ) -> None:
     """Open ``connections`` connections (from ``source``, with ``key``), each with
     ``slots`` slots at ``prefix``, call ``ready``, then run ``one(link)`` for each
@@ -328,7 +275,6 @@ def reset_step_loop(
     *,
     connections: int = 4,
     slots: int = 4,
-    depth: int = 5,
     running: _Switch,
     stop: _Switch,
     ready: Callable[[], object] | None = None,
@@ -338,7 +284,7 @@ def reset_step_loop(
 ) -> tuple[int, int]:
     """Keep every slot of ``connections`` connections drawing: STEP, read the reply,
     RESET (a new generation), STEP again, for as long as ``running`` is on and until
-    ``stop``. Each STEP is a fresh draw (dense, ``depth`` rows); no COMMIT is ever
+    ``stop``. Each STEP is a fresh draw (dense, depth 5); no COMMIT is ever
     sent, so the one-uncommitted-STEP rule never applies. With ``reconnect``, a
     connection refused ``DRAW_RATE_LIMITED`` is closed and made again at once (a
     fresh session, and without a key a new lineage, as if budgets lived on the
@@ -351,7 +297,7 @@ def reset_step_loop(
     """
     prefix = [1, 2, 3]
     digest = PrefixDigest(prefix)
-    tally = _Tally()
+    tally: list[tuple[int, int]] = []  # (drawn, refused) per batch; append is thread-safe
 
     def one(link: AttackLink) -> None:
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
@@ -367,13 +313,13 @@ def reset_step_loop(
                         out.append(
                             link.frame(Reset(session=session, slot=slot, generation=generation))
                         )
-                    step = step_at(session, slot, 0, digest, depth=depth, generation=generation)
+                    step = step_at(session, slot, 0, digest, generation=generation)
                     out.append(link.frame(step))
                 if not _send(link.sock, out):
                     return
                 drawn, refused = _answers(link.sock, decoder, slots)
                 generation += 1
-                tally.add(drawn, refused)
+                tally.append((drawn, refused))
                 if refused and reconnect:
                     link.sock.close()
                     while True:
@@ -388,18 +334,8 @@ def reset_step_loop(
         finally:
             link.sock.close()
 
-    _on_links(
-        one,
-        port,
-        vocab,
-        slots,
-        prefix,
-        connections=connections,
-        source=source,
-        ready=ready,
-        key=key,
-    )
-    return tally.drawn, tally.refused
+    _on_links(one, port, vocab, slots, prefix, connections, source, ready, key)
+    return sum(d for d, _ in tally), sum(r for _, r in tally)
 
 
 def commit_loop(
@@ -429,7 +365,7 @@ def commit_loop(
         OSError, ConnectionError: if the worker cannot be reached.
     """
     start = [1, 2, 3]
-    tally = _Tally()
+    tally: list[tuple[int, int]] = []  # (drawn, refused) per batch; append is thread-safe
 
     def one(link: AttackLink) -> None:
         sock, session = link.sock, link.session
@@ -449,7 +385,7 @@ def commit_loop(
                 drawn, refused = _answers(sock, decoder, slots)
                 if drawn + refused < slots:
                     return  # the worker closed the connection
-                tally.add(drawn, refused)
+                tally.append((drawn, refused))
                 out = []
                 for slot, prefix in enumerate(prefixes):
                     token = 4 + round_id % 50
@@ -464,18 +400,8 @@ def commit_loop(
         finally:
             sock.close()
 
-    _on_links(
-        one,
-        port,
-        vocab,
-        slots,
-        start,
-        connections=connections,
-        source=source,
-        ready=ready,
-        key=key,
-    )
-    return tally.drawn, tally.refused
+    _on_links(one, port, vocab, slots, start, connections, source, ready, key)
+    return sum(d for d, _ in tally), sum(r for _, r in tally)
 
 
 def squat(
@@ -499,18 +425,18 @@ def squat(
     """
     start = [1, 2, 3]
     closed = 0
-    link: tuple[socket.socket, int] | None
-    link = handshake_and_open(port, vocab, 1, start, source=source)
+    link: AttackLink | None
+    link = open_link(port, vocab, 1, start, source=source)
     if ready is not None:
         ready()
     while not stop.is_set():
         if link is None:
             try:
-                link = handshake_and_open(port, vocab, 1, start, source=source)
+                link = open_link(port, vocab, 1, start, source=source)
             except (OSError, ConnectionError):
                 stop.wait(0.05)
                 continue
-        sock, session = link
+        sock, session, _ = link
         prefix, round_id = PrefixDigest(start), 0
         decoder = framing.FrameDecoder(framing.HARD_MAX_PAYLOAD)
         alive = True

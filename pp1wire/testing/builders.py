@@ -12,6 +12,7 @@ import numpy as np
 import xxhash
 
 from pp1wire.q import dyadic
+from pp1wire.q.layout import ShardLayout
 from pp1wire.q.proposal import prefix_digest
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Completion, FixedToken, Hello, MsgType, Open, Reply, Step
@@ -35,8 +36,7 @@ def reply_step(support: int, depth: int = 2, **over: Any) -> Step:
         "support": support,
         "context": 0,
     }
-    fields.update(over)
-    return Step(**fields)
+    return Step(**fields | over)
 
 
 def dense_payload(counts: list[int], entries: int = VOCAB) -> bytes:
@@ -78,8 +78,7 @@ def open_message(session: int, slot: int, tokens: Sequence[int], **over: Any) ->
         # The digest of the payload bytes, so broken prefixes (negative IDs) get one too.
         "digest": xxhash.xxh3_64_intdigest(token_bytes(tokens)),
     }
-    fields.update(over)
-    return Open(**fields)
+    return Open(**fields | over)
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -178,3 +177,21 @@ def whole_reply(step: Step, *frames: bytes, **over: int) -> bytes:
     """REPLY frames followed by their COMPLETION."""
     body = b"".join(frames)
     return body + completion(step, body, len(frames), **over)
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """The frames in ``data``, each as its own bytes."""
+    decoder = framing.FrameDecoder(1 << 26)
+    return [bytes(f.raw) for f in decoder.feed(data)]
+
+
+def shard_fields(layout: ShardLayout, shard: int) -> dict[str, int]:
+    """The HELLO fields that declare ``shard`` of ``layout`` (the group nonce apart, §6.7)."""
+    start, end = layout.range(shard)
+    return {
+        "shards": layout.shards,
+        "shard": shard,
+        "shard_start": start,
+        "shard_end": end,
+        "layout": layout.digest,
+    }

@@ -32,14 +32,12 @@ def _commit(peer: core.Peer, step: Step, tokens: Sequence[int], accepted: int, *
         "position": len(new),
         "digest": prefix_digest(new),
     }
-    fields.update(kw)
-    return Commit(**fields)
+    return Commit(**fields | kw)
 
 
 async def _commit_first(peer: core.Peer, step: Step, drafts: list[int]) -> None:
     """Commit ``step``'s round the usual way: its first draft accepted, then token 0."""
-    peer.send_msg(_commit(peer, step, [drafts[0], 0], 1))
-    await peer.expect(MsgType.COMMITTED)
+    await peer.ask(_commit(peer, step, [drafts[0], 0], 1), MsgType.COMMITTED)
 
 
 def _commit_refusal(
@@ -126,10 +124,8 @@ async def _commit_retry(s: core.Settings) -> None:
     async with core.ready(s) as (peer, step, _):
         drafts = await _drafts(peer, step)
         msg = _commit(peer, step, [drafts[0], 0], 1)
-        peer.send_msg(msg)
-        first = await peer.expect(MsgType.COMMITTED)
-        peer.send_msg(msg)
-        again = await peer.expect(MsgType.COMMITTED)
+        first = await peer.ask(msg, MsgType.COMMITTED)
+        again = await peer.ask(msg, MsgType.COMMITTED)
         if bytes(first.raw) != bytes(again.raw):
             raise core.CaseFailed("the retried COMMIT got a different acknowledgement")
 
@@ -172,8 +168,7 @@ async def _target_only_commit(s: core.Settings) -> None:
     """
     async with core.ready(s) as (peer, step, _):
         msg = _commit(peer, core.with_fields(step, round=9), [4], 0)
-        peer.send_msg(msg)
-        ack = await peer.expect(MsgType.COMMITTED)
+        ack = await peer.ask(msg, MsgType.COMMITTED)
         if ack.message.position != 4:  # type: ignore[union-attr]
             raise core.CaseFailed("COMMITTED reports a wrong position")
         nxt = core.with_fields(step, round=10, position=4, digest=prefix_digest([1, 2, 3, 4]))
@@ -187,8 +182,7 @@ async def _reset_old(s: core.Settings) -> None:
     RESET generation < slot generation: STALE_GENERATION
     """
     async with core.ready(s) as (peer, _step, _):
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=2))
-        await peer.expect(MsgType.RESET_DONE)
+        await peer.ask(Reset(session=peer.session, slot=0, generation=2), MsgType.RESET_DONE)
         await peer.expect_refusal(
             Reset(session=peer.session, slot=0, generation=1), ErrorCode.STALE_GENERATION
         )
@@ -201,8 +195,7 @@ async def _reset_same(s: core.Settings) -> None:
     RESET generation = slot generation: replay RESET_DONE, change nothing
     """
     async with core.ready(s) as (peer, step, data):
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=0))
-        done = await peer.expect(MsgType.RESET_DONE)
+        done = await peer.ask(Reset(session=peer.session, slot=0, generation=0), MsgType.RESET_DONE)
         if done.message.position != 3:  # type: ignore[union-attr]
             raise core.CaseFailed("RESET_DONE reports a wrong position")
         await core.unchanged(peer, step, data)
@@ -215,8 +208,7 @@ async def _stale_step(s: core.Settings) -> None:
     RESET invalidates the old generation: STEP generation < slot generation is STALE_GENERATION
     """
     async with core.ready(s) as (peer, step, _):
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
-        await peer.expect(MsgType.RESET_DONE)
+        await peer.ask(Reset(session=peer.session, slot=0, generation=1), MsgType.RESET_DONE)
         await peer.expect_refusal(core.with_fields(step, round=1), ErrorCode.STALE_GENERATION)
         await peer.reply(core.with_fields(step, generation=1, round=0))  # rounds restart at 0
 
@@ -229,8 +221,7 @@ async def _stale_commit(s: core.Settings) -> None:
     """
     async with core.ready(s) as (peer, step, _):
         drafts = await _drafts(peer, step)
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
-        await peer.expect(MsgType.RESET_DONE)
+        await peer.ask(Reset(session=peer.session, slot=0, generation=1), MsgType.RESET_DONE)
         await peer.expect_refusal(
             _commit(peer, step, [drafts[0], 0], 1), ErrorCode.STALE_GENERATION
         )
@@ -255,9 +246,7 @@ async def _reset_mid_reply(s: core.Settings) -> None:
             kinds.append(f.type)
             if f.type is MsgType.RESET_DONE:
                 break
-        if MsgType.COMPLETION not in kinds or kinds.index(MsgType.COMPLETION) > kinds.index(
-            MsgType.RESET_DONE
-        ):
+        if MsgType.COMPLETION not in kinds:  # kinds ends at the first RESET_DONE
             raise core.CaseFailed(f"expected the old reply then RESET_DONE, got {kinds}")
         await peer.reply(peer.step_msg(generation=1, round=0))
 
@@ -269,8 +258,7 @@ async def _retry_after_reset(s: core.Settings) -> None:
     a retry never redraws under a used key and consumes an earlier q
     """
     async with core.ready(s) as (peer, step, _data):
-        peer.send_msg(Reset(session=peer.session, slot=0, generation=1))
-        await peer.expect(MsgType.RESET_DONE)
+        await peer.ask(Reset(session=peer.session, slot=0, generation=1), MsgType.RESET_DONE)
         await peer.expect_refusal(step, ErrorCode.STALE_GENERATION)
 
 
@@ -281,8 +269,7 @@ async def _close_step(s: core.Settings) -> None:
     CLOSE drops the slot; then UNKNOWN_SLOT
     """
     async with core.ready(s) as (peer, step, _):
-        peer.send_msg(Close(session=peer.session, slot=0))
-        await peer.expect(MsgType.CLOSED)
+        await peer.ask(Close(session=peer.session, slot=0), MsgType.CLOSED)
         await peer.expect_refusal(core.with_fields(step, round=1), ErrorCode.UNKNOWN_SLOT)
         await peer.open_slot(0, generation=1)  # free again, under a higher generation
 
@@ -295,8 +282,7 @@ async def _reopen_same_generation(s: core.Settings) -> None:
     (STALE_GENERATION), so frames of its earlier instance stay fenced off
     """
     async with core.ready(s) as (peer, step, _):
-        peer.send_msg(Close(session=peer.session, slot=0))
-        await peer.expect(MsgType.CLOSED)
+        await peer.ask(Close(session=peer.session, slot=0), MsgType.CLOSED)
         await peer.expect_refusal(
             core.open_msg(peer, slot=0, tokens=(1, 2, 3)),
             ErrorCode.STALE_GENERATION,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import inspect
 import secrets
@@ -22,7 +21,7 @@ from pp1wire.q.layout import ShardLayout
 from pp1wire.q.rng import Role
 from pp1wire.testing.builders import open_message, reply_step, token_bytes
 from pp1wire.wire import framing, integrity, messages
-from pp1wire.wire.handshake import AUTH_SPARK_LABEL, AUTH_WORKER_LABEL, PeerConfig, build_hello
+from pp1wire.wire.handshake import PeerConfig, build_hello, spark_proof, worker_proof
 from pp1wire.wire.messages import Auth, Error, Hello, Message, MsgType, Open, Ping, Step
 
 
@@ -189,6 +188,15 @@ class Peer:
             raise CaseFailed(f"expected {kind.name}, got {describe(frame)}")
         return frame
 
+    async def ask(self, msg: Message, kind: MsgType) -> framing.Frame:
+        """Send ``msg``; the answer, which must be of ``kind``.
+
+        Raises:
+            CaseFailed: as :meth:`expect`.
+        """
+        self.send_msg(msg)
+        return await self.expect(kind)
+
     async def expect_error(
         self, code: ErrorCode, *, fatal: bool, answers: MsgType | None = None
     ) -> None:
@@ -298,8 +306,7 @@ class Peer:
             limits=None,
             nonce=secrets.token_bytes(32),
         )
-        replaced: Hello = msgspec.structs.replace(hello, **overrides)
-        return replaced
+        return msgspec.structs.replace(hello, **overrides)
 
     async def handshake(self, hello: Hello | None = None) -> Hello:
         """Complete HELLO (and AUTH when a key is configured); returns the worker's HELLO.
@@ -314,12 +321,10 @@ class Peer:
         if reply is not None and reply.type is MsgType.CHALLENGE and self.s.psk is not None:
             ch = reply.message
             assert isinstance(ch, messages.Challenge)
-            want = hmac.new(self.s.psk, AUTH_WORKER_LABEL + ours.nonce + ch.nonce, hashlib.sha256)
-            if not hmac.compare_digest(want.digest(), ch.proof):
+            if not hmac.compare_digest(worker_proof(self.s.psk, ours.nonce, ch.nonce), ch.proof):
                 raise CaseFailed("the worker's CHALLENGE proof is wrong")
             header = frame[framing.PREAMBLE_SIZE :]
-            msg = AUTH_SPARK_LABEL + ch.nonce + ours.nonce + hashlib.sha256(header).digest()
-            self.send_msg(Auth(proof=hmac.new(self.s.psk, msg, hashlib.sha256).digest()))
+            self.send_msg(Auth(proof=spark_proof(self.s.psk, ch.nonce, ours.nonce, header)))
             challenge = bytes(reply.raw[framing.PREAMBLE_SIZE :])
             k_sw, k_ws = integrity.frame_keys(self.s.psk, header, challenge)
             self.sealer = integrity.Sealer(k_sw)
@@ -338,22 +343,15 @@ class Peer:
         return worker
 
     async def open_slot(
-        self,
-        slot: int = 0,
-        prefix: Sequence[int] = (1, 2, 3),
-        seed: int = 7,
-        eos: int | None = None,
-        generation: int = 0,
+        self, slot: int = 0, prefix: Sequence[int] = (1, 2, 3), seed: int = 7, generation: int = 0
     ) -> None:
         """OPEN and wait for OPENED.
 
         Raises:
             CaseFailed: if OPENED does not come.
         """
-        self.send_msg(
-            open_message(self.session, slot, prefix, generation=generation, seed=seed, eos=eos),
-            token_bytes(prefix),
-        )
+        msg = open_message(self.session, slot, prefix, generation=generation, seed=seed)
+        self.send_msg(msg, token_bytes(prefix))
         await self.expect(MsgType.OPENED)
 
     def step_msg(self, slot: int = 0, **over: Any) -> Step:

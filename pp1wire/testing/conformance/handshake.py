@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +13,7 @@ from pp1wire.q.rng import Role
 from pp1wire.testing.builders import older_hello_frame, open_message
 from pp1wire.testing.conformance import core
 from pp1wire.wire import framing, messages
-from pp1wire.wire.handshake import AUTH_SPARK_LABEL, ECHOED_LIMITS
+from pp1wire.wire.handshake import ECHOED_LIMITS, spark_proof
 from pp1wire.wire.messages import (
     Auth,
     Close,
@@ -32,16 +30,11 @@ case = core.Section("handshake").case
 # -- handshake ---------------------------------------------------------------------
 
 
-def _before_hello(
-    case_id: str, kind: str, build: Callable[[core.Peer], tuple[Message, bytes]]
-) -> None:
+def _before_hello(case_id: str, kind: str, build: Callable[[core.Peer], Message]) -> None:
     async def run(s: core.Settings) -> None:
+        # Headers only: a payload before the handshake is itself a framing error.
         async with await core.Peer(s).connect() as peer:
-            msg, payload = build(peer)
-            if payload:
-                # A payload before the handshake is itself a framing error; send headers only.
-                payload = b""
-            await peer.expect_fatal(msg, ErrorCode.HANDSHAKE_REQUIRED, payload)
+            await peer.expect_fatal(build(peer), ErrorCode.HANDSHAKE_REQUIRED)
         await core.still_serves(s)
 
     case(
@@ -52,23 +45,18 @@ def _before_hello(
     )(run)
 
 
-_before_hello("5.1", "STEP", lambda p: (p.step_msg(), b""))
-_before_hello(
-    "5.2",
-    "OPEN",
-    lambda p: (open_message(0, 0, []), b""),
-)
+_before_hello("5.1", "STEP", lambda p: p.step_msg())
+_before_hello("5.2", "OPEN", lambda p: open_message(0, 0, []))
 _before_hello(
     "5.3",
     "COMMIT",
-    lambda p: (
-        Commit(session=0, slot=0, generation=0, round=0, accepted=0, extra=1, position=4, digest=0),
-        b"",
+    lambda p: Commit(
+        session=0, slot=0, generation=0, round=0, accepted=0, extra=1, position=4, digest=0
     ),
 )
-_before_hello("5.4", "RESET", lambda p: (Reset(session=0, slot=0, generation=1), b""))
-_before_hello("5.5", "CLOSE", lambda p: (Close(session=0, slot=0), b""))
-_before_hello("5.6", "AUTH", lambda p: (Auth(proof=bytes(32)), b""))
+_before_hello("5.4", "RESET", lambda p: Reset(session=0, slot=0, generation=1))
+_before_hello("5.5", "CLOSE", lambda p: Close(session=0, slot=0))
+_before_hello("5.6", "AUTH", lambda p: Auth(proof=bytes(32)))
 
 
 @case("5.7")
@@ -88,8 +76,7 @@ async def _ping_first(s: core.Settings) -> None:
     either side MAY send PING at any time (also before the handshake)
     """
     async with await core.Peer(s).connect() as peer:
-        peer.send_msg(Ping(nonce=77))
-        frame = await peer.expect(MsgType.PONG)
+        frame = await peer.ask(Ping(nonce=77), MsgType.PONG)
         if frame.message.nonce != 77:  # type: ignore[union-attr]
             raise core.CaseFailed("PONG nonce differs")
         await peer.handshake()
@@ -112,24 +99,11 @@ async def _auth_reply(peer: core.Peer, hello: Hello, sent: bytes | None = None) 
     if peer.s.psk is None:
         raise core.CaseFailed("the worker wants a key; run with --psk-file")
     header = (sent or framing.encode_frame(hello))[framing.PREAMBLE_SIZE :]
-    msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
-    peer.send_msg(Auth(proof=hmac.new(peer.s.psk, msg, hashlib.sha256).digest()))
+    peer.send_msg(Auth(proof=spark_proof(peer.s.psk, ch.nonce, hello.nonce, header)))
 
 
 for case_id, (field_name, value, code) in zip(
-    (
-        "4.1.1",
-        "4.1.2",
-        "4.1.3",
-        "4.1.4",
-        "4.1.5",
-        "4.1.6",
-        "4.1.7",
-        "4.1.8",
-        "4.1.9",
-        "4.1.10",
-        "4.1.11",
-    ),
+    [f"4.1.{n}" for n in range(1, 12)],
     [
         ("wire_version", messages.WIRE_VERSION + 1, ErrorCode.WIRE_VERSION_MISMATCH),
         ("wire_version", messages.WIRE_VERSION - 1, ErrorCode.WIRE_VERSION_MISMATCH),
@@ -157,11 +131,8 @@ for case_id, (field_name, value, code) in zip(
 def _vocab_mismatch(case_id: str, delta: int) -> None:
     async def run(s: core.Settings) -> None:
         v = s.vocab + delta
-        await _mismatch_run(
-            s,
-            {"vocab_size": v, "row_entries": v, "max_support": min(s.support, v)},
-            ErrorCode.VOCAB_SIZE_MISMATCH,
-        )
+        fields = {"vocab_size": v, "row_entries": v, "max_support": min(s.support, v)}
+        await _mismatch_run(s, fields, ErrorCode.VOCAB_SIZE_MISMATCH)
 
     case(
         case_id,
@@ -321,10 +292,8 @@ async def _auth_binding(s: core.Settings) -> None:
         assert isinstance(ch, messages.Challenge)
         assert s.psk is not None  # _challenged skips the case otherwise
         other = framing.encode_frame(peer.hello())[framing.PREAMBLE_SIZE :]  # another nonce
-        msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(other).digest()
-        await peer.expect_fatal(
-            Auth(proof=hmac.new(s.psk, msg, hashlib.sha256).digest()), ErrorCode.AUTH_FAILED
-        )
+        proof = spark_proof(s.psk, ch.nonce, hello.nonce, other)
+        await peer.expect_fatal(Auth(proof=proof), ErrorCode.AUTH_FAILED)
 
 
 @case("5.11", informational=True)
@@ -385,12 +354,10 @@ async def _unknown_key_id(s: core.Settings) -> None:
         raise core.NonStrictSkip("needs --psk-file")
     async with await core.Peer(s).connect() as peer:
         hello = peer.hello(key_id=f"unknown-{secrets.token_hex(8)}")
-        peer.send_msg(hello)
-        frame = await peer.expect(MsgType.CHALLENGE)
+        frame = await peer.ask(hello, MsgType.CHALLENGE)
         ch = frame.message
         assert isinstance(ch, messages.Challenge)
         header = framing.encode_frame(hello)[framing.PREAMBLE_SIZE :]
-        msg = AUTH_SPARK_LABEL + ch.nonce + hello.nonce + hashlib.sha256(header).digest()
-        proof = hmac.new(s.psk, msg, hashlib.sha256).digest()
+        proof = spark_proof(s.psk, ch.nonce, hello.nonce, header)
         await peer.expect_fatal(Auth(proof=proof), ErrorCode.AUTH_FAILED)
     await core.still_serves(s)

@@ -22,8 +22,7 @@ async def _ping(s: core.Settings) -> None:
     """
     async with await core.fresh(s) as peer:
         for nonce in (0, 1, 2**64 - 1):
-            peer.send_msg(Ping(nonce=nonce))
-            frame = await peer.expect(MsgType.PONG)
+            frame = await peer.ask(Ping(nonce=nonce), MsgType.PONG)
             if frame.message.nonce != nonce:  # type: ignore[union-attr]
                 raise core.CaseFailed("PONG nonce differs")
 
@@ -76,10 +75,8 @@ async def _error_shape(s: core.Settings) -> None:
     round
     """
     async with core.ready(s) as (peer, step, _):
-        peer.send_msg(core.with_fields(step, round=1, depth=0))
-        frame = await peer.expect(MsgType.ERROR)
-        header = bytes(frame.raw)[framing.PREAMBLE_SIZE :]
-        items = msgspec.msgpack.decode(header)
+        frame = await peer.ask(core.with_fields(step, round=1, depth=0), MsgType.ERROR)
+        items = msgspec.msgpack.decode(bytes(frame.raw)[framing.PREAMBLE_SIZE :])
         if not isinstance(items, list) or len(items) > 7:
             raise core.CaseFailed(f"ERROR header has {items!r}")
 

@@ -29,9 +29,9 @@ def ok_row(st: Step, i: int) -> bytes:
     return reply_row(st, i, 0, dense_payload(GOOD))
 
 
-def first_bad(st: Step, row: bytes) -> bytes:
-    """A reply whose row 0 is ``row`` and whose other rows are valid."""
-    return whole_reply(st, row, *(ok_row(st, i) for i in range(1, st.depth)))
+def first_bad(st: Step, row: bytes, index: int = 0) -> bytes:
+    """A reply whose row ``index`` is ``row`` and whose other rows are valid."""
+    return whole_reply(st, *(row if i == index else ok_row(st, i) for i in range(st.depth)))
 
 
 def _rows(st: Step, *indices: int, **over: int) -> bytes:
@@ -42,11 +42,6 @@ def _rows(st: Step, *indices: int, **over: int) -> bytes:
 def _all_rows(st: Step, **over: int) -> bytes:
     """Every row the STEP's depth asks for, valid, then a COMPLETION (``over`` as for it)."""
     return _rows(st, *range(st.depth), **over)
-
-
-def _bad_at(st: Step, index: int, row: bytes) -> bytes:
-    """A reply whose row ``index`` is ``row`` and whose other rows are valid."""
-    return whole_reply(st, *(row if i == index else ok_row(st, i) for i in range(st.depth)))
 
 
 def ok_token(st: Step) -> int:
@@ -138,14 +133,14 @@ REPLY_CLASSES: list[ReplyClass] = [
     (
         "row_checksum_after_a_valid_row",
         0,
-        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, dense_payload(GOOD), checksum=5)),
+        lambda st: first_bad(st, reply_row(st, 1, 0, dense_payload(GOOD), checksum=5), 1),
         E.ROW_CHECKSUM_MISMATCH,
         1,
     ),
     (
         "non_dyadic_after_a_valid_row",
         0,
-        lambda st: _bad_at(st, 1, reply_row(st, 1, 0, fp32([H, 0, Q, 2.0**-30, 0, 0, 0, Q]))),
+        lambda st: first_bad(st, reply_row(st, 1, 0, fp32([H, 0, Q, 2.0**-30, 0, 0, 0, Q])), 1),
         E.NON_DYADIC,
         1,
     ),

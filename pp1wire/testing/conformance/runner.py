@@ -308,6 +308,9 @@ async def run_all(cases: list[Case], s: Settings) -> list[tuple[Case, Outcome, f
     return out
 
 
+_MARK = {Grade.PASS: "PASS", Grade.NON_STRICT: "NSTR", Grade.FAIL: "FAIL", Grade.INFO: "INFO"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pp1-conformance`` entry point; exit 0 only if every non-informational case passes."""
     parser = build_parser()
@@ -362,10 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = {"id": c.id, "category": c.category, "title": c.title, "grade": o.grade.value}
             print(json.dumps(row | {"detail": o.detail, "seconds": secs}))
         else:
-            mark = {"pass": "PASS", "non-strict": "NSTR", "fail": "FAIL", "informational": "INFO"}[
-                o.grade.value
-            ]
-            line = f"{mark}  {c.id:8s} {c.title}"
+            line = f"{_MARK[o.grade]}  {c.id:8s} {c.title}"
             print(line + (f"  -- {o.detail}" if o.detail else ""))
     if args.junit:
         junit(results, args.junit, args.strict)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import xxhash
 
 from pp1wire.errors import ErrorCode
 from pp1wire.errors import ErrorCode as E
@@ -149,9 +150,7 @@ async def _deterministic(s: core.Settings) -> None:
     async with await core.fresh(s) as b:
         await b.open_slot()
         _, second = await b.reply(core.with_fields(step, session=b.session))
-        strip = [bytes(f.payload) for f in first]
-        strip2 = [bytes(f.payload) for f in second]
-        if strip != strip2:
+        if [bytes(f.payload) for f in first] != [bytes(f.payload) for f in second]:
             raise core.CaseFailed("payloads differ across connections for the same key")
 
 
@@ -168,8 +167,6 @@ async def _rows(s: core.Settings) -> None:
     rows = [f for f in frames if f.type is MsgType.REPLY]
     done = frames[-1].message
     assert isinstance(done, messages.Completion)
-    import xxhash  # noqa: PLC0415
-
     body = b"".join(bytes(f.raw) for f in rows)
     if done.reply_bytes != len(body) or done.reply_checksum != xxhash.xxh3_64_intdigest(body):
         raise core.CaseFailed("COMPLETION size or checksum does not match the rows")

@@ -16,6 +16,7 @@ from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout, ShardSummary, check_group
 from pp1wire.q.stoprules import StopRule, stop_after
+from pp1wire.testing.builders import shard_fields
 from pp1wire.testing.conformance import core, handshake
 from pp1wire.testing.conformance.core import CaseFailed, Peer, Settings
 from pp1wire.testing.conformance.stoprules import check_cut, negotiate
@@ -29,34 +30,15 @@ def _layout(s: Settings) -> ShardLayout:
     return ShardLayout.even(s.vocab, max(s.shards, 1))
 
 
-def _declared(layout: ShardLayout, shard: int) -> dict[str, int]:
-    start, end = layout.range(shard)
-    return {
-        "shards": layout.shards,
-        "shard": shard,
-        "shard_start": start,
-        "shard_end": end,
-        "layout": layout.digest,
-    }
-
-
-async def _refused_with_layout(s: Settings, fields: dict[str, int]) -> None:
-    # The worker answers a keyed HELLO with CHALLENGE first (§5): authenticate, then
-    # expect the refusal, as every HELLO mismatch case does.
-    await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
-
-
 @case(
     "6.7.1",
     "a HELLO declaring another vocabulary split is refused",
     "shards, shard, range and layout digest: all exact, else SHARD_LAYOUT_MISMATCH (fatal)",
 )
 async def other_split(s: Settings) -> None:
-    if s.shards > 1:  # declare the unsharded layout to a sharded worker
-        fields = _declared(ShardLayout((0, s.vocab)), 0)
-    else:
-        fields = _declared(ShardLayout.even(s.vocab, 2), 0)
-    await _refused_with_layout(s, fields)
+    # A sharded worker is declared the unsharded layout; an unsharded one, two shards.
+    layout = ShardLayout((0, s.vocab)) if s.shards > 1 else ShardLayout.even(s.vocab, 2)
+    await handshake._mismatch_run(s, shard_fields(layout, 0), ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
 @case(
@@ -65,9 +47,9 @@ async def other_split(s: Settings) -> None:
     "the layout digest is matched exactly, so a split that differs on another link is refused",
 )
 async def other_digest(s: Settings) -> None:
-    fields = _declared(_layout(s), 0)
+    fields = shard_fields(_layout(s), 0)
     fields["layout"] ^= 1
-    await _refused_with_layout(s, fields)
+    await handshake._mismatch_run(s, fields, ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
 @case(
@@ -77,7 +59,7 @@ async def other_digest(s: Settings) -> None:
 )
 async def other_shard(s: Settings) -> None:
     _needs_group(s)
-    await _refused_with_layout(s, _declared(_layout(s), 1))
+    await handshake._mismatch_run(s, shard_fields(_layout(s), 1), ErrorCode.SHARD_LAYOUT_MISMATCH)
 
 
 def _needs_group(s: Settings) -> None:

@@ -15,6 +15,7 @@ from pp1wire.testing.builders import (
     older_hello_frame,
     reply_row,
     reply_step,
+    split_frames,
     uint_token_frame,
     whole_reply,
 )
@@ -36,7 +37,6 @@ from pp1wire.testing.conformance.spark_side import (
     SparkCase,
     Timing,
 )
-from pp1wire.testing.hostile import split_frames
 from pp1wire.wire import framing
 from pp1wire.wire.messages import Challenge, Error, Hello, Message, MsgType, Scope, Step
 
@@ -179,9 +179,6 @@ def _cases() -> list[SparkCase]:
                 f"S1.{n}", title, rule, expect, code, support=support, reply=hook, kept=kept or None
             )
         )
-    stale_round: Build = lambda st: ok_row(msgspec.structs.replace(st, round=st.round - 1), 0)  # noqa: E731
-    other_session: Build = lambda st: ok_row(msgspec.structs.replace(st, session=st.session + 1), 0)  # noqa: E731
-    other_slot: Build = lambda st: ok_row(msgspec.structs.replace(st, slot=st.slot + 5), 0)  # noqa: E731
     out += [
         SparkCase(
             "S2.1",
@@ -189,7 +186,7 @@ def _cases() -> list[SparkCase]:
             "§7: round older than the in-flight round: drop (ROUND_REUSED)",
             Expect.DROP,
             ErrorCode.ROUND_REUSED,
-            reply=before(stale_round),
+            reply=before(lambda st: ok_row(msgspec.structs.replace(st, round=st.round - 1), 0)),
             on_reply=1,
         ),
         SparkCase(
@@ -198,7 +195,7 @@ def _cases() -> list[SparkCase]:
             "§7: session differs: reject (WRONG_SESSION)",
             Expect.REJECT,
             ErrorCode.WRONG_SESSION,
-            reply=before(other_session),
+            reply=before(lambda st: ok_row(msgspec.structs.replace(st, session=st.session + 1), 0)),
         ),
         SparkCase(
             "S2.3",
@@ -206,7 +203,7 @@ def _cases() -> list[SparkCase]:
             "§7: slot not open: drop (UNKNOWN_SLOT)",
             Expect.DROP,
             ErrorCode.UNKNOWN_SLOT,
-            reply=before(other_slot),
+            reply=before(lambda st: ok_row(msgspec.structs.replace(st, slot=st.slot + 5), 0)),
         ),
         SparkCase(
             "S2.4",
@@ -427,6 +424,7 @@ def _stop_cases() -> list[SparkCase]:
     ends it; under ``joint:0.25`` token 2 first sits exactly on the boundary
     (q = 1/4: the rule continues), and 2 then 0 ends it (1/8)."""
     conf, joint = "confidence:0.5", "joint:0.25"
+    violated = ErrorCode.STOP_RULE_VIOLATED
     rule = "docs/adaptive.md §2: the block must end where the rule, from the rows, ends it"
 
     def kept(case_id: str, title: str, why: str, drafts: Drafts, stop: str) -> SparkCase:
@@ -435,7 +433,6 @@ def _stop_cases() -> list[SparkCase]:
 
     def cut(case_id: str, title: str, why: str, block: Build, stop: str | None) -> SparkCase:
         """A ``block`` that breaks ``stop``: discarded with STOP_RULE_VIOLATED."""
-        violated = ErrorCode.STOP_RULE_VIOLATED
         return SparkCase(
             case_id, title, why, Expect.DISCARD, violated, reply=send(block), stop=stop
         )
@@ -443,7 +440,6 @@ def _stop_cases() -> list[SparkCase]:
     def late(case_id: str, title: str, why: str, block: Build, stop: str) -> SparkCase:
         """A ``block`` that runs past where ``stop`` ended it after its first draft (2):
         the rows up to the stop are the block."""
-        violated = ErrorCode.STOP_RULE_VIOLATED
         hook = kept_rows(block, lambda _st: [2])
         return SparkCase(case_id, title, why, Expect.CUT, violated, reply=hook, stop=stop, kept=1)
 

@@ -11,7 +11,7 @@ import os
 import shlex
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,7 +20,6 @@ import msgspec
 
 from pp1wire.apps.models import ToyLM
 from pp1wire.errors import ErrorCode
-from pp1wire.testing.hostile import shut
 from pp1wire.wire import framing, integrity
 from pp1wire.wire.messages import Commit, Error, Message, MsgType, Step
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
@@ -65,6 +64,23 @@ A command that cannot start, or exits without ever connecting, stops the suite
 with one line saying so (exit status 2)."""
 
 Build = Callable[[Step], bytes]
+
+
+async def shut(
+    server: asyncio.Server | None,
+    tasks: Iterable[asyncio.Future[Any]] = (),
+    closers: Iterable[Callable[[], object]] = (),
+) -> None:
+    """Stop a loopback test server: cancel its pending ``tasks``, close its connections
+    (each of ``closers``), then stop listening and wait until it has."""
+    for t in tasks:
+        t.cancel()
+    for close in closers:
+        close()
+    if server is not None:
+        server.close()
+        await server.wait_closed()
+
 
 # -- the hostile worker ---------------------------------------------------------------------
 
@@ -117,11 +133,9 @@ class Conn(asyncio.Protocol):
             edit = case.edits.get(f.type)
             if edit is not None:
                 edited = edit(f.message)
-                raw = (
-                    edited
-                    if isinstance(edited, bytes)
-                    else framing.encode_frame(edited, bytes(f.payload))
-                )
+                if not isinstance(edited, bytes):
+                    edited = framing.encode_frame(edited, bytes(f.payload))
+                raw = edited
             (reply if f.type in (MsgType.REPLY, MsgType.COMPLETION) else plain).append(raw)
         if plain:
             self.write(b"".join(plain))
@@ -305,9 +319,8 @@ async def _spark(cmd: str, timeout: float) -> SparkRun:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         out, err = await proc.communicate()
-    text = out.decode(errors="replace")
     summary = None
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
     if lines:
         with contextlib.suppress(ValueError):
             loaded = json.loads(lines[-1])

@@ -23,9 +23,8 @@ async def _unknown_set(s: Settings) -> None:
 
     stop_rules: the worker's own set or "", by exact name, else STOP_RULES_MISMATCH (fatal)
     """
-    await handshake._mismatch_run(
-        s, {"stop_rules": "pp1-stop-rules-v0"}, ErrorCode.STOP_RULES_MISMATCH
-    )
+    fields = {"stop_rules": "pp1-stop-rules-v0"}
+    await handshake._mismatch_run(s, fields, ErrorCode.STOP_RULES_MISMATCH)
 
 
 @case("4.1.22")

@@ -9,28 +9,23 @@ import json
 import sys
 from pathlib import Path
 
-from pp1wire.testing.golden.common import Vector, message_from_json, message_json
-from pp1wire.testing.golden.frames import decode_frame_vector, frame_vectors
-from pp1wire.testing.golden.hellos import hello_vectors, run_hello_vector
+from pp1wire.testing.golden.common import Vector
+from pp1wire.testing.golden.frames import frame_vectors
+from pp1wire.testing.golden.hellos import hello_vectors
 from pp1wire.testing.golden.integrity import integrity_vectors, run_integrity_vector
-from pp1wire.testing.golden.replies import reply_vectors, run_reply_vector
+from pp1wire.testing.golden.replies import reply_vectors
 from pp1wire.wire import messages
 
 __all__ = [
     "Vector",
     "all_vectors",
-    "decode_frame_vector",
     "frame_vectors",
     "hello_vectors",
     "integrity_vectors",
     "main",
-    "message_from_json",
-    "message_json",
     "render",
     "reply_vectors",
-    "run_hello_vector",
     "run_integrity_vector",
-    "run_reply_vector",
 ]
 
 

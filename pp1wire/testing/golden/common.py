@@ -10,7 +10,7 @@ from pp1wire.q.rng import Role
 from pp1wire.testing.builders import VOCAB
 from pp1wire.wire import messages
 from pp1wire.wire.handshake import build_hello
-from pp1wire.wire.messages import Hello, Message, MsgType
+from pp1wire.wire.messages import Hello, Message
 from pp1wire.wire.spark_core import SparkConfig
 
 NONCE = bytes(range(16))
@@ -43,8 +43,7 @@ def hello(role: int, session: int = 0, **overrides: Any) -> Hello:
         nonce=NONCE,
         session=session,
     )
-    replaced: Hello = msgspec.structs.replace(hello, **overrides)
-    return replaced
+    return msgspec.structs.replace(hello, **overrides)
 
 
 def _jsonable(value: Any) -> Any:
@@ -60,24 +59,3 @@ def message_json(msg: Message, payload: bytes | memoryview = b"") -> dict[str, A
         "fields": {k: _jsonable(v) for k, v in msgspec.structs.asdict(msg).items()},
         "payload": bytes(payload).hex(),
     }
-
-
-def message_from_json(obj: dict[str, Any]) -> tuple[Message, bytes]:
-    """Rebuild a message (and payload) from :func:`message_json` output."""
-    kind = MsgType[obj["type"]]
-    struct_type = messages.MESSAGE_TYPES[kind]
-    fields = dict(obj["fields"])
-    info = msgspec.inspect.type_info(struct_type)
-    assert isinstance(info, msgspec.inspect.StructType)
-    for field in info.fields:
-        if _is_bytes(field.type):
-            fields[field.name] = bytes.fromhex(fields[field.name])
-    return struct_type(**fields), bytes.fromhex(obj["payload"])  # type: ignore[return-value]
-
-
-def _is_bytes(t: msgspec.inspect.Type) -> bool:
-    """Whether a field holds bytes (shown in hex); REPLY's token is an int here."""
-    i = msgspec.inspect
-    if isinstance(t, i.Metadata):
-        return _is_bytes(t.type)
-    return isinstance(t, i.BytesType)

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pp1wire.errors import ErrorCode, ProtocolError
+from pp1wire.errors import ErrorCode
 from pp1wire.errors import ErrorCode as E
 from pp1wire.q import dyadic
 from pp1wire.q.layout import ShardLayout
@@ -221,17 +221,3 @@ def _reply_with_token(token: int | bytes) -> bytes:
     """An unsharded REPLY header array whose element 7 (the token) is ``token`` as
     msgpack writes it (an int in its shortest form, bytes as a bin)."""
     return msgspec.msgpack.encode([9, SESSION, 0, 0, 0, 0, 3, token, 0, 0, 0])
-
-
-def decode_frame_vector(vector: Vector) -> dict[str, Any]:
-    """Run a frame vector through :class:`~pp1wire.wire.framing.FrameDecoder`."""
-    decoder = framing.FrameDecoder(vector["context"]["max_payload"])
-    try:
-        frames = decoder.feed(bytes.fromhex(vector["hex"]))
-        decoder.feed(b"")  # surfaces an error that followed valid frames
-    except ProtocolError as exc:
-        return {"error": exc.code.name}
-    out: dict[str, Any] = {"messages": [message_json(f.message, f.payload) for f in frames]}
-    if decoder.buffered:
-        out["incomplete"] = True
-    return out

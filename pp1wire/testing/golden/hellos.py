@@ -8,16 +8,13 @@ import itertools
 from typing import Any
 
 import msgspec
-import numpy as np
 
-from pp1wire.errors import ErrorCode
 from pp1wire.q.layout import ShardLayout
 from pp1wire.q.stoprules import STOP_RULES
-from pp1wire.testing.builders import SESSION, VOCAB, older_hello_frame
+from pp1wire.testing.builders import VOCAB, older_hello_frame, shard_fields
 from pp1wire.testing.golden.common import GROUP, Vector, hello
 from pp1wire.wire import framing, handshake, integrity
-from pp1wire.wire.messages import WIRE_VERSION, Error, Hello, MsgType
-from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
+from pp1wire.wire.messages import WIRE_VERSION
 
 #: The worker every HELLO vector talks to; the Spark HELLO of :func:`hello` fits it.
 WORKER: dict[str, Any] = {
@@ -38,18 +35,6 @@ WORKER: dict[str, Any] = {
 }
 
 _OTHER_LAYOUT = ShardLayout((0, 4, VOCAB))
-
-
-def _shard(n: int) -> dict[str, Any]:
-    """Shard ``n`` of :data:`_OTHER_LAYOUT` as a Spark HELLO declares it (group nonce apart)."""
-    start, end = _OTHER_LAYOUT.range(n)
-    return {
-        "shards": 2,
-        "shard": n,
-        "shard_start": start,
-        "shard_end": end,
-        "layout": _OTHER_LAYOUT.digest,
-    }
 
 
 def _refused(code: str) -> dict[str, Any]:
@@ -74,14 +59,14 @@ BREAK: dict[str, dict[str, Any]] = {
     "row_entries": {"row_entries": VOCAB + 1},
     "max_frame": {"max_frame": (1 << 20) + 1},
     "max_prefix": {"max_prefix": 1025},
-    "shards": _shard(1),
+    "shards": shard_fields(_OTHER_LAYOUT, 1),
     "stop_rules": {"stop_rules": "pp1-stop-rules-v0"},
     "group": {"group": GROUP},
     # The value an older peer's omitted field takes (§4.1, §11).
     "row_format": {"row_format": ""},
 }
 
-_SHARD_0 = _shard(0)
+_SHARD_0 = shard_fields(_OTHER_LAYOUT, 0)
 _SHARDED_WORKER = {"layout": list(_OTHER_LAYOUT.bounds), "shard": 0}
 
 
@@ -173,44 +158,3 @@ def hello_vectors() -> list[Vector]:
         }
         for name, frame, worker, expect in frames
     ]
-
-
-def run_hello_vector(vector: Vector) -> dict[str, Any]:
-    """Give the vector's HELLO to a worker configured as its context; what it sends first.
-
-    Raises:
-        AssertionError: if the worker sends nothing.
-    """
-    ctx = vector["context"]
-    cfg = WorkerConfig(
-        vocab_size=ctx["vocab_size"],
-        vocab_hash=ctx["vocab_hash"],
-        target_identity=ctx["target_identity"],
-        draft_identity=ctx["draft_identity"],
-        max_slots=ctx["max_slots"],
-        max_depth=ctx["max_depth"],
-        max_support=ctx["max_support"],
-        row_entries=ctx["row_entries"],
-        max_frame=ctx["max_frame"],
-        max_prefix=ctx["max_prefix"],
-        psk=None if ctx["psk"] is None else bytes.fromhex(ctx["psk"]),
-        layout=ShardLayout(tuple(ctx["layout"])),
-        shard=ctx["shard"],
-        stop_rules=ctx["stop_rules"],
-    )
-    vocab = cfg.vocab_size
-    worker = WorkerProtocol(cfg, lambda _prefix: np.zeros(vocab), session=SESSION, now=0.0)
-    worker.receive_data(bytes.fromhex(vector["hex"]), 0.0)
-    sent = framing.FrameDecoder(1 << 20).feed(b"".join(worker.data_to_send()))
-    assert sent, "the worker sent nothing"
-    first = sent[0].message
-    if isinstance(first, Error):
-        return {
-            "error": ErrorCode(first.code).name,
-            "answers": MsgType(first.answers).name,
-            "scope": first.scope,
-        }
-    answer: dict[str, Any] = {"answer": sent[0].type.name}
-    if isinstance(first, Hello) and first.group:  # the worker echoes the group nonce
-        answer["group"] = first.group.hex()
-    return answer

@@ -8,9 +8,6 @@ import msgspec
 
 from pp1wire.errors import ErrorCode
 from pp1wire.q import dyadic
-from pp1wire.q.layout import ShardLayout
-from pp1wire.q.proposal import prefix_digest
-from pp1wire.q.stoprules import StopKind, StopRule
 from pp1wire.testing.builders import (
     SESSION,
     VOCAB,
@@ -23,10 +20,9 @@ from pp1wire.testing.builders import (
     sparse_payload,
     whole_reply,
 )
-from pp1wire.testing.golden.common import GROUP, Vector, message_from_json, message_json
+from pp1wire.testing.golden.common import Vector, message_json
 from pp1wire.testing.golden.reply_rules import GOOD_DENSE, Case, bad, shard_cases, stop_cases
-from pp1wire.wire import framing, spark_events
-from pp1wire.wire.messages import Opened, Step
+from pp1wire.wire.messages import Step
 
 H, Q = 0.5, 0.25  # half and a quarter of the mass, as FP32 q values
 
@@ -327,102 +323,3 @@ def reply_vectors() -> list[Vector]:
             {"name": name, "kind": "reply", "hex": data.hex(), "context": context, "expect": expect}
         )
     return out
-
-
-def _frame_ends(data: bytes) -> list[int]:
-    """The offset after each frame of ``data`` (tags included)."""
-    ends, at = [], 0
-    for frame in framing.FrameDecoder(1 << 20).feed(data):
-        at += len(frame.raw) + (0 if frame.tag is None else len(frame.tag))
-        ends.append(at)
-    return ends
-
-
-def run_reply_vector(vector: Vector) -> dict[str, Any]:
-    """Drive a Spark core into the vector's context, feed its bytes, summarize the outcome."""
-    from pp1wire.wire import spark_core  # noqa: PLC0415 - spark_core imports this module's peers
-
-    ctx = vector["context"]
-    step = None if ctx["step"] is None else message_from_json(ctx["step"])[0]
-    assert step is None or isinstance(step, Step)
-    slot = 0 if step is None else step.slot
-    layout = ShardLayout(tuple(ctx["layout"])) if "layout" in ctx else None
-    cfg = spark_core.SparkConfig(
-        layout=layout,
-        shard=ctx.get("shard", 0),
-        group=GROUP if layout is not None else b"",
-        vocab_size=ctx["vocab_size"],
-        row_entries=ctx["row_entries"],
-        max_support=ctx["max_support"],
-        max_frame=ctx["max_frame"],
-        max_prefix=1024,
-        draft_identity="",
-        stop_rules=ctx.get("stop_rules", ""),
-    )
-    spark = spark_core.SparkProtocol(cfg, now=0.0)
-    spark.start(0.0)
-    ours = spark._hello
-    assert ours is not None
-    worker_hello = msgspec.structs.replace(
-        ours, role=1, session=ctx["session"], draft_identity="pp1-toy-drafter"
-    )
-    spark.receive_data(framing.encode_frame(worker_hello), 0.0)
-    prefix = ctx["prefix"]
-    spark.open_slot(slot, seed=1, prefix=prefix, eos=ctx["eos"])
-    at = {"session": ctx["session"], "slot": slot, "generation": 0, "position": len(prefix)}
-    spark.receive_data(framing.encode_frame(Opened(**at, digest=prefix_digest(prefix))), 0.0)
-    for _ in range(ctx["generation"]):
-        spark.reset(slot)
-    if step is not None:
-        spark.step(
-            slot,
-            round_id=step.round,
-            depth=step.depth,
-            temperature=step.temperature,
-            support=step.support,
-            now=0.0,
-            stop=StopRule(StopKind(step.stop), step.threshold),
-        )
-    spark.data_to_send()
-    data = bytes.fromhex(vector["hex"])
-    commit = ctx.get("commit")
-    if commit is None:
-        events = spark.receive_data(data, 0.0)
-    else:
-        # Feed the first frames, commit the proposal they completed, then the rest.
-        cut = _frame_ends(data)[commit["after"] - 1]
-        events = spark.receive_data(data[:cut], 0.0)
-        assert step is not None
-        drafts = next(
-            list(e.proposal.tokens) for e in events if isinstance(e, spark_events.ProposalReady)
-        )
-        tokens = [*drafts[: commit["accepted"]], commit["extra"]]
-        spark.commit(slot, round_id=step.round, tokens=tokens, accepted=commit["accepted"])
-        events += spark.receive_data(data[cut:], 0.0)
-    if ctx.get("deadline"):
-        events += spark.handle_timer(spark.config.reply_timeout)
-    result: dict[str, Any] = {"dropped": [], "rejected": []}
-    for n, event in enumerate(events):
-        following = events[n + 1] if n + 1 < len(events) else None
-        if isinstance(event, spark_events.FrameRejected) and (
-            isinstance(following, spark_events.ProposalFailed)
-            or (
-                isinstance(following, spark_events.ProposalReady)
-                and following.proposal.cut is event.code
-            )
-        ):
-            continue  # the frame that ended the proposal: reported as "discarded" or "cut"
-        if isinstance(event, spark_events.ProposalReady):
-            result["proposal"] = list(event.proposal.tokens)
-            if event.proposal.cut is not None:
-                result["cut"] = event.proposal.cut.name
-        elif isinstance(event, spark_events.ProposalFailed):
-            result["discarded"] = event.code.name
-        elif isinstance(event, spark_events.FrameDropped):
-            result["dropped"].append(event.code.name)
-        elif isinstance(event, spark_events.FrameRejected):
-            # Refused without discarding anything (section 7's "reject").
-            result["rejected"].append(event.code.name)
-        elif isinstance(event, spark_events.ConnectionFailed):
-            result["connection_failed"] = event.code.name
-    return result

@@ -1,6 +1,6 @@
 """A small asyncio TCP proxy that injects byte- and frame-level faults (:class:`Faults`) between a
 Spark side and a worker, for the tests; also runnable until SIGTERM as
-``python -m pp1wire.testing.faultproxy --listen 127.0.0.1:0 --target HOST:PORT --chaos 0.1``."""
+``python -m tests.faultproxy --listen 127.0.0.1:0 --target HOST:PORT --chaos 0.1``."""
 
 from __future__ import annotations
 
@@ -212,7 +212,7 @@ class FaultProxy:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a proxy until SIGTERM."""
-    p = argparse.ArgumentParser(prog="python -m pp1wire.testing.faultproxy", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tests.faultproxy", description=__doc__)
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--target", required=True)
     p.add_argument("--chaos", type=float, default=0.0)

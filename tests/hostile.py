@@ -6,38 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pp1wire.apps.models import ToyLM
-from pp1wire.wire import framing
+from pp1wire.testing.builders import split_frames
+from pp1wire.testing.conformance.spark_side import shut
 from pp1wire.wire.messages import MsgType
 from pp1wire.wire.worker_core import WorkerConfig, WorkerProtocol
 
 Mutator = Callable[["FaultyConn", bytes], None]
-
-
-def split_frames(data: bytes) -> list[bytes]:
-    """The frames in ``data``, each as its own bytes."""
-    decoder = framing.FrameDecoder(1 << 26)
-    return [bytes(f.raw) for f in decoder.feed(data)]
-
-
-async def shut(
-    server: asyncio.Server | None,
-    tasks: Iterable[asyncio.Future[Any]] = (),
-    closers: Iterable[Callable[[], object]] = (),
-) -> None:
-    """Stop a loopback test server: cancel its pending ``tasks``, close its connections
-    (each of ``closers``), then stop listening and wait until it has."""
-    for t in tasks:
-        t.cancel()
-    for close in closers:
-        close()
-    if server is not None:
-        server.close()
-        await server.wait_closed()
 
 
 class FaultyConn(asyncio.Protocol):
