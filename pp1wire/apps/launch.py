@@ -239,12 +239,16 @@ def worker_group(
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         start_new_session=True,
     )
-    lines: list[str] = []  # both streams' lines, each added as it is read
+    lines: list[str] = []
+
+    def pump(stream: Iterator[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
     assert proc.stdout is not None
     assert proc.stderr is not None
     pumps = [
-        threading.Thread(target=lines.extend, args=(s,), daemon=True)
-        for s in (proc.stdout, proc.stderr)
+        threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)
     ]
     for t in pumps:
         t.start()
