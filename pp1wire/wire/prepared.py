@@ -140,7 +140,6 @@ class PreparedBlocks:
         self._lock = threading.Lock()
         self.prepared: Counter[str] = Counter()  # blocks prepared, by hypothesis
         self.used: Counter[str] = Counter()  # blocks served, by hypothesis
-        self.lookups = 0  # STEPs looked up (each slot's first STEP after a preparation)
 
     def begin(self, origins: Sequence[int]) -> None:
         """Mark ``origins`` as being prepared: a lookup is pending until :meth:`drawing`
@@ -195,10 +194,7 @@ class PreparedBlocks:
                 if coming is None or key in coming:
                     return True
             table = self._drop(origin)
-            if table is None:
-                return False
-            self.lookups += 1
-            if hit is None:
+            if table is None or hit is None:
                 return False
             self.used[hit[0]] += 1
             return hit[1]
